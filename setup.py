@@ -1,0 +1,43 @@
+"""elastic-slurm: right-sized and elastic distributed training on Slurm GPU clusters."""
+from setuptools import find_packages, setup
+
+setup(
+    name="elastic-slurm",
+    version="0.1.0",
+    description="Submit-time right-sizing and in-process elasticity for torch.distributed jobs on Slurm",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["slurm_plugin*", "predictor*", "elastic_launcher*"]),
+    package_data={
+        "slurm_plugin": ["lua/*.lua"],
+        "predictor": ["*.yaml", "*.json"],
+    },
+    include_package_data=True,
+    # torch must already be installed (`pip install torch==2.13.0` takes the CPU wheel on machines
+    # without a GPU); a bare `torch` requirement resolves to a multi-GB CUDA build.
+    install_requires=[
+        "torch>=2.4",
+        "flask>=3.0",
+        "gunicorn>=22",
+        "scikit-learn>=1.4",
+        "scipy>=1.11",
+        "numpy>=1.26",
+        "sqlite-utils>=3.36",
+        "nvidia-ml-py>=12",
+        "click>=8.1",
+        "requests>=2.31",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "schemathesis>=3.30"],
+        "pyslurm": ["pyslurm"],
+    },
+    entry_points={
+        "console_scripts": [
+            "elastic-slurm=slurm_plugin.cli:main",
+            "elastic-predictor=predictor.cli:main",
+            "elastic-launch=elastic_launcher.cli:main",
+        ]
+    },
+)

@@ -1,0 +1,131 @@
+"""Parser for `#ELASTIC` batch-script directives (grammar: docs/directives.md).
+
+The Lua hooks implement the same grammar; both are checked against tests/vectors/directives.json.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from slurm_plugin.errors import DirectiveError
+
+PREFIX = "#ELASTIC"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}$")
+_GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_INT_RE = re.compile(r"^[0-9]+$")
+_DECIMAL_RE = re.compile(r"^[0-9]+(\.[0-9]+)?$|^\.[0-9]+$")
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        if not _INT_RE.match(value):
+            raise ValueError(f"expected an integer, got {value!r}")
+        number = int(value)
+        if not lo <= number <= hi:
+            raise ValueError(f"{number} is outside {lo}..{hi}")
+        return number
+    return parse
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in options:
+            raise ValueError(f"expected one of {'|'.join(options)}, got {value!r}")
+        return value
+    return parse
+
+
+def _matching(pattern: re.Pattern, what: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if not pattern.match(value):
+            raise ValueError(f"{value!r} is not a valid {what}")
+        return value
+    return parse
+
+
+def _gpus(value: str) -> dict:
+    parts = value.split("-")
+    if len(parts) > 2:
+        raise ValueError(f"expected N or MIN-MAX, got {value!r}")
+    count = _int_in(1, 4096)
+    low = count(parts[0])
+    high = count(parts[-1])
+    if low > high:
+        raise ValueError(f"minimum {low} is above maximum {high}")
+    return {"min": low, "max": high}
+
+
+def _fraction(value: str) -> float:
+    if not _DECIMAL_RE.match(value):
+        raise ValueError(f"expected a decimal in [0, 1], got {value!r}")
+    number = float(value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{value} is outside [0, 1]")
+    return number
+
+
+KEYS: dict[str, Callable[[str], Any]] = {
+    "model": _matching(_NAME_RE, "model name"),
+    "gpus": _gpus,
+    "per_gpu_batch": _int_in(1, 65536),
+    "max_global_batch": _int_in(1, 16777216),
+    "min_efficiency": _fraction,
+    "gpu_type": _matching(_GPU_TYPE_RE, "GPU type"),
+    "objective": _choice("throughput", "efficiency", "cost"),
+    "elastic": _choice("on", "off"),
+    "batch_policy": _choice("grow_global", "keep_global"),
+    "lr_scaling": _choice("linear", "sqrt", "none"),
+}
+
+
+def directive_lines(script: str) -> list[tuple[int, str]]:
+    """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers)."""
+    found = []
+    for number, raw in enumerate(script.splitlines(), start=1):
+        line = raw.rstrip("\r")
+        stripped = line.strip()
+        if stripped and not line.startswith("#"):
+            break
+        if line == PREFIX or line.startswith(PREFIX + " ") or line.startswith(PREFIX + "\t"):
+            found.append((number, line))
+    return found
+
+
+def parse_lines(lines: list[tuple[int, str]]) -> dict[str, Any]:
+    """Parse numbered directive lines into a dict of typed values.
+
+    Raises:
+        DirectiveError: naming the line number, quoting the line and saying what is wrong.
+    """
+    result: dict[str, Any] = {}
+    for number, line in lines:
+        tokens = line[len(PREFIX):].split()
+        if tokens and tokens[0].startswith("#") or not tokens:
+            raise DirectiveError(number, line, "no key=value after #ELASTIC")
+        for token in tokens:
+            if token.startswith("#"):
+                break
+            key, sep, value = token.partition("=")
+            if not sep or not key or not value:
+                raise DirectiveError(number, line, f"expected key=value, got {token!r}")
+            if key not in KEYS:
+                raise DirectiveError(number, line, f"unknown key {key!r} (known: {', '.join(sorted(KEYS))})")
+            if key in result:
+                raise DirectiveError(number, line, f"key {key!r} given twice")
+            try:
+                result[key] = KEYS[key](value)
+            except ValueError as exc:
+                raise DirectiveError(number, line, f"{key}: {exc}") from None
+    return result
+
+
+def parse_script(script: str) -> dict[str, Any] | None:
+    """Parse the directives of a batch script; None when it has no `#ELASTIC` line.
+
+    Raises:
+        DirectiveError: on the first malformed line.
+    """
+    lines = directive_lines(script)
+    if not lines:
+        return None
+    return parse_lines(lines)
