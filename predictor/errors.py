@@ -1,0 +1,20 @@
+"""Exceptions of the predictor package; converted to JSON errors at the API boundary."""
+
+
+class ValidationError(ValueError):
+    """Bad input: names the field (JSON path such as `tensors[3].numel`) and what is wrong with it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class NotFoundError(LookupError):
+    """A named thing (profile, decision) does not exist; `hint` says what to do instead."""
+
+    def __init__(self, what: str, name: str, hint: str = ""):
+        self.what = what
+        self.name = name
+        self.hint = hint
+        super().__init__(f"{what} {name!r} not found" + (f"; {hint}" if hint else ""))
