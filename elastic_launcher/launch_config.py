@@ -1,0 +1,192 @@
+"""The launcher's frozen configuration: CLI options + `#ELASTIC` directives + the Slurm allocation.
+
+`elastic-launch` (elastic_launcher/cli.py) is the only place that reads the environment and the batch
+script; it builds one `LaunchConfig` and hands it to the controller. Nothing below the CLI reads
+`os.environ`. Timeouts are `timedelta`; each one covers exactly the wait named in its docstring.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from slurm_plugin.directives import parse_script
+
+HELPER_COMMENT_PREFIX = "elastic-helper:"
+HELPER_NAME_PREFIX = "elastic-helper-"
+
+
+def helper_comment(main_job_id: str) -> str:
+    """Comment of a grow helper job; the job_submit hook skips jobs whose comment starts with the prefix."""
+    return f"{HELPER_COMMENT_PREFIX}{main_job_id}"
+
+
+def helper_name(main_job_id: str) -> str:
+    return f"{HELPER_NAME_PREFIX}{main_job_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Directives:
+    """The `#ELASTIC` keys the launcher uses, with the launcher's defaults applied.
+
+    Attributes:
+        model: predictor profile name (None: the predictor cannot plan, heuristic only).
+        per_gpu_batch: per-worker micro-batch, in samples.
+        max_global_batch: upper limit on workers * per_gpu_batch when growing (Or et al.).
+        gpus_min / gpus_max: bounds on the total worker count.
+        min_efficiency: throughput scaling efficiency a grow must reach to be kept.
+        objective: throughput | efficiency | cost (sent to /v1/plan).
+        elastic: False: never resize at run time (`elastic=off`).
+        gpu_type: GPU type reported in observations.
+        raw_lines: the directive lines verbatim, as /v1/plan wants them.
+    """
+
+    model: Optional[str] = None
+    per_gpu_batch: int = 32
+    max_global_batch: int = 1 << 24
+    gpus_min: int = 1
+    gpus_max: int = 4096
+    min_efficiency: float = 0.7
+    objective: str = "throughput"
+    elastic: bool = True
+    gpu_type: str = "unknown"
+    raw_lines: tuple[str, ...] = ()
+
+    @classmethod
+    def from_script(cls, script: str) -> "Directives":
+        """Parse a batch script's directives; a script without any gives the defaults.
+
+        Raises:
+            slurm_plugin.errors.DirectiveError: a malformed `#ELASTIC` line.
+        """
+        parsed = parse_script(script) or {}
+        raw = tuple(line for line in script.splitlines() if line.startswith("#ELASTIC"))
+        return cls.from_mapping(parsed, raw)
+
+    @classmethod
+    def from_mapping(cls, parsed: Mapping[str, Any], raw_lines: tuple[str, ...] = ()) -> "Directives":
+        gpus = parsed.get("gpus") or {}
+        kwargs: dict[str, Any] = {"raw_lines": tuple(raw_lines)}
+        for key in ("model", "per_gpu_batch", "max_global_batch", "min_efficiency", "objective", "gpu_type"):
+            if key in parsed:
+                kwargs[key] = parsed[key]
+        if gpus:
+            kwargs["gpus_min"], kwargs["gpus_max"] = gpus["min"], gpus["max"]
+        if "elastic" in parsed:
+            kwargs["elastic"] = parsed["elastic"] == "on"
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation the controller runs in, as read once at the entry point.
+
+    Attributes:
+        job_id: the main job's id.
+        nodes: node names of the allocation, batch host first.
+        batch_host: the node running the batch step (cannot be released by a shrink).
+        gpus_per_node: GPU slots per node (1 when the job asked for none).
+        partition: partition of the job (helpers are submitted there).
+        env: the Slurm variables `srun` reads; refreshed after every shrink.
+    """
+
+    job_id: str
+    nodes: tuple[str, ...]
+    batch_host: str
+    gpus_per_node: int = 1
+    partition: Optional[str] = None
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def with_nodes(self, nodes: tuple[str, ...], env: Mapping[str, str]) -> "Allocation":
+        return dataclasses.replace(self, nodes=tuple(nodes), env=dict(env))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the controller needs, fixed for the life of the job.
+
+    Attributes:
+        command: the worker command (`python train.py ...`).
+        allocation: the Slurm allocation at start.
+        directives: the job's `#ELASTIC` directives with defaults.
+        workers_per_node: workers started per node (default: one per GPU slot).
+        predictor_url: base URL of the predictor service; None: heuristic only.
+        predictor_token: bearer token for POST /v1/observations.
+        run_dir: where the controller writes `controller.json` (its address) and `records.jsonl`.
+        store_host / store_port: address the rendezvous TCPStore binds (port 0: any free port).
+        grow_step_nodes: nodes added per grow step (one helper job each).
+        measure_steps: committed steps averaged for one throughput measurement.
+        warmup_steps: committed steps ignored after a resize before measuring.
+        test_throughput: TEST POLICY KNOB, never for production: "linear" makes the controller
+            treat throughput as linear in workers (efficiency 1.0) regardless of measurement, so
+            a CPU testbed where nothing really scales can exercise grow. None: measure.
+        autoscale: False: resize only on operator requests and failures.
+        straggler_ratio: a node whose mean step time is this many times the median is slow.
+        straggler_windows: consecutive slow measurement windows before a node is shrunk away.
+        max_failures: failed resizes or worker losses in a row before the controller gives up.
+        poll_interval: period of the controller loop.
+        rendezvous_timeout: wait for started workers to join and a new membership to form.
+        leave_timeout: wait for leaving ranks' srun steps to end after they left at a commit point.
+        store_timeout: each TCPStore get/set/connect.
+        slurm_timeout: each Slurm command (through slurm_plugin.client).
+        http_timeout: each predictor request.
+        helper_start_timeout: wait for a submitted helper job to start running (then cancel it).
+        helper_orphan_timeout: a helper agent that cannot reach the controller this long exits.
+    """
+
+    command: tuple[str, ...]
+    allocation: Allocation
+    directives: Directives = Directives()
+    workers_per_node: Optional[int] = None
+    predictor_url: Optional[str] = None
+    predictor_token: Optional[str] = None
+    run_dir: Path = Path(".")
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    grow_step_nodes: int = 2
+    measure_steps: int = 8
+    warmup_steps: int = 2
+    test_throughput: Optional[str] = None
+    autoscale: bool = True
+    straggler_ratio: float = 1.5
+    straggler_windows: int = 3
+    max_failures: int = 3
+    poll_interval: timedelta = timedelta(seconds=0.2)
+    rendezvous_timeout: timedelta = timedelta(seconds=120)
+    leave_timeout: timedelta = timedelta(seconds=30)
+    store_timeout: timedelta = timedelta(seconds=30)
+    slurm_timeout: timedelta = timedelta(seconds=20)
+    http_timeout: timedelta = timedelta(seconds=2)
+    helper_start_timeout: timedelta = timedelta(seconds=60)
+    helper_orphan_timeout: timedelta = timedelta(seconds=30)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("LaunchConfig.command: no worker command given (elastic-launch [options] -- CMD ...)")
+        if self.workers_per_node is not None and self.workers_per_node < 1:
+            raise ValueError(f"LaunchConfig.workers_per_node: must be >= 1, got {self.workers_per_node}")
+        if self.test_throughput not in (None, "linear"):
+            raise ValueError(f"LaunchConfig.test_throughput: expected 'linear' or None, got {self.test_throughput!r}")
+        if self.grow_step_nodes < 1:
+            raise ValueError(f"LaunchConfig.grow_step_nodes: must be >= 1, got {self.grow_step_nodes}")
+
+    @property
+    def slots_per_node(self) -> int:
+        """Workers per node actually started."""
+        return self.workers_per_node or max(1, self.allocation.gpus_per_node)
+
+    def to_json(self) -> str:
+        """A JSON summary (for the records log and the helper agent)."""
+        def convert(value: Any) -> Any:
+            if isinstance(value, timedelta):
+                return value.total_seconds()
+            if isinstance(value, Path):
+                return str(value)
+            return value
+        data = dataclasses.asdict(self)
+        flat = {key: convert(val) for key, val in data.items() if key not in ("allocation", "directives")}
+        flat["allocation"] = {k: convert(v) for k, v in data["allocation"].items() if k != "env"}
+        flat["directives"] = data["directives"]
+        return json.dumps(flat, default=str, sort_keys=True)
