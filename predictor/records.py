@@ -1,0 +1,187 @@
+"""Validation of observation records (design.md: `POST /v1/observations`).
+
+Two kinds of record:
+    collective: {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4,
+                 "bytes": 67108864, "seconds": 0.00037, "gpu": "H200"}
+    step:       {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2],
+                 "intra_link": "nvlink", "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
+
+Every value is checked for type, finiteness and a plausible range, and unknown fields are rejected;
+errors name the field as a JSON path, e.g. `observations[2].seconds`. A batch is validated whole
+before anything is stored (all-or-nothing).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from predictor.errors import ValidationError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}$")      # profile names, as in the directive grammar
+LINK_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}$")        # link classes and GPU types
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv")
+MAX_BATCH = 4096                                          # records in one POST
+MAX_SECONDS = 3600.0                                      # one collective or one step taking an hour is absurd
+MAX_BYTES = 1 << 44                                       # 16 TiB in one collective is absurd
+MAX_WORLD = 65536
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 4096
+
+_COMMON_OPTIONAL = {"job_id", "timestamp_s", "source"}
+_COLLECTIVE = {"required": {"kind", "op", "link", "world", "bytes", "seconds"},
+               "optional": {"gpu", "nodes", "dtype"} | _COMMON_OPTIONAL}
+_STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter_s", "intra_link"},
+         "optional": {"inter_link", "samples_per_s", "dtype"} | _COMMON_OPTIONAL}
+DTYPES = ("float32", "float16", "bfloat16", "float64", "fp8", "int8", "mixed")
+
+
+def _int(record: dict, key: str, where: str, low: int, high: int) -> int:
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        # integral floats (64.0) are accepted: JSON has one number type
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValidationError(f"{where}.{key}", f"expected an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValidationError(f"{where}.{key}", f"{value} is outside {low}..{high}")
+    return value
+
+
+def _seconds(record: dict, key: str, where: str, high: float = MAX_SECONDS) -> float:
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(f"{where}.{key}", f"expected a number of seconds, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValidationError(f"{where}.{key}", f"must be finite, got {value}")
+    if value <= 0:
+        raise ValidationError(f"{where}.{key}", f"must be positive, got {value}")
+    if value > high:
+        raise ValidationError(f"{where}.{key}", f"{value} s is implausible (more than {high:g} s)")
+    return value
+
+
+def _str(record: dict, key: str, where: str, pattern: re.Pattern = LINK_RE) -> str:
+    value = record[key]
+    if not isinstance(value, str) or not pattern.match(value):
+        raise ValidationError(f"{where}.{key}", f"expected a name matching {pattern.pattern}, got {value!r}")
+    return value
+
+
+def _fields(record: Any, spec: dict, where: str) -> None:
+    if not isinstance(record, dict):
+        raise ValidationError(where, f"expected an object, got {type(record).__name__}")
+    for key in record:
+        if key not in spec["required"] | spec["optional"]:
+            allowed = ", ".join(sorted(spec["required"] | spec["optional"]))
+            raise ValidationError(f"{where}.{key}", f"unknown field (allowed: {allowed})")
+    for key in sorted(spec["required"]):
+        if key not in record:
+            raise ValidationError(f"{where}.{key}", "required field is missing")
+
+
+def _optional(record: dict, out: dict, where: str) -> None:
+    if "job_id" in record:
+        out["job_id"] = _int(record, "job_id", where, 0, 2**53)
+    if "timestamp_s" in record:
+        out["timestamp_s"] = _seconds(record, "timestamp_s", where, high=1e11)
+    if "source" in record:
+        out["source"] = _str(record, "source", where)
+    if "dtype" in record:
+        if record["dtype"] not in DTYPES:
+            raise ValidationError(f"{where}.dtype", f"expected one of {'|'.join(DTYPES)}, got {record['dtype']!r}")
+        out["dtype"] = record["dtype"]
+
+
+def validate_collective(record: Any, where: str) -> dict:
+    """Check one collective record and return its normalised copy.
+
+    Raises:
+        ValidationError: naming `where.<field>`.
+    """
+    _fields(record, _COLLECTIVE, where)
+    if record["op"] not in OPS:
+        raise ValidationError(f"{where}.op", f"expected one of {'|'.join(OPS)}, got {record['op']!r}")
+    out = {"kind": "collective", "op": record["op"], "link": _str(record, "link", where),
+           "world": _int(record, "world", where, 1, MAX_WORLD),
+           "bytes": _int(record, "bytes", where, 0, MAX_BYTES),
+           "seconds": _seconds(record, "seconds", where)}
+    if "gpu" in record:
+        out["gpu"] = _str(record, "gpu", where)
+    if "nodes" in record:
+        out["nodes"] = _int(record, "nodes", where, 1, min(MAX_NODES, out["world"]))
+    _optional(record, out, where)
+    return out
+
+
+def validate_layout(value: Any, field: str) -> list[int]:
+    """A layout: GPUs per node, e.g. `[2, 2]`.
+
+    Raises:
+        ValidationError: not a non-empty list of integers 1..64, or too many nodes.
+    """
+    if not isinstance(value, list) or not value:
+        raise ValidationError(field, "expected a non-empty list of GPUs per node, e.g. [2, 2]")
+    if len(value) > MAX_NODES:
+        raise ValidationError(field, f"more than {MAX_NODES} nodes")
+    for index, count in enumerate(value):
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_GPUS_PER_NODE:
+            raise ValidationError(f"{field}[{index}]", f"expected an integer in 1..{MAX_GPUS_PER_NODE}, got {count!r}")
+    return list(value)
+
+
+def validate_step(record: Any, where: str) -> dict:
+    """Check one step record and return its normalised copy.
+
+    Raises:
+        ValidationError: naming `where.<field>`.
+    """
+    _fields(record, _STEP, where)
+    layout = validate_layout(record["layout"], f"{where}.layout")
+    out = {"kind": "step", "profile": _str(record, "profile", where, NAME_RE), "gpu": _str(record, "gpu", where),
+           "layout": layout, "intra_link": _str(record, "intra_link", where),
+           "per_gpu_batch": _int(record, "per_gpu_batch", where, 1, 65536),
+           "iter_s": _seconds(record, "iter_s", where)}
+    if "inter_link" in record:
+        out["inter_link"] = _str(record, "inter_link", where)
+    elif len(layout) > 1:
+        raise ValidationError(f"{where}.inter_link", "required when the layout spans several nodes")
+    if "samples_per_s" in record:
+        out["samples_per_s"] = _seconds(record, "samples_per_s", where, high=1e9)
+    _optional(record, out, where)
+    return out
+
+
+def validate_record(record: Any, where: str) -> dict:
+    """Dispatch on `kind`.
+
+    Raises:
+        ValidationError: unknown kind or a bad field.
+    """
+    if not isinstance(record, dict):
+        raise ValidationError(where, f"expected an object, got {type(record).__name__}")
+    kind = record.get("kind")
+    if kind == "collective":
+        return validate_collective(record, where)
+    if kind == "step":
+        return validate_step(record, where)
+    raise ValidationError(f"{where}.kind", f"expected 'collective' or 'step', got {kind!r}")
+
+
+def validate_batch(records: Any, field: str = "observations") -> list[dict]:
+    """Validate a whole POST body; nothing is returned unless every record is valid.
+
+    Raises:
+        ValidationError: the first bad record, e.g. `observations[2].seconds`.
+    """
+    if isinstance(records, dict) and set(records) == {"observations"}:
+        records = records["observations"]
+    if not isinstance(records, list):
+        raise ValidationError(field, "expected a list of observation records")
+    if not records:
+        raise ValidationError(field, "expected at least one record")
+    if len(records) > MAX_BATCH:
+        raise ValidationError(field, f"at most {MAX_BATCH} records per request, got {len(records)}")
+    return [validate_record(record, f"{field}[{index}]") for index, record in enumerate(records)]

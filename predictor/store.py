@@ -1,0 +1,260 @@
+"""The history store: the only module that touches SQLite (through sqlite-utils).
+
+Tables (explicit schema, created by named migrations recorded in `migrations`):
+    profiles      name -> JSON body of a tensor profile
+    observations  collective and step records (JSON body plus indexed kind/profile/gpu/link)
+    decisions     every /v1/plan answer with its request (id `d-<n>`)
+    link_fits     per-link statistics of the last fitted communication model
+    meta          `generation`: bumped by every write that changes what the models are fitted on
+
+Durability: WAL journal with `synchronous=NORMAL`. In WAL mode NORMAL never corrupts the database and
+survives an application crash; only a power loss or OS crash can roll back the last few committed
+transactions. Observations are re-sent telemetry and decisions are an audit trail, so losing the final
+milliseconds on power loss is acceptable, while FULL would add an fsync to every POST and /v1/plan on
+the request path. Each thread gets its own connection (gunicorn workers are processes; the refit
+thread reads beside the request thread), and a busy timeout lets several workers write in turn.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import sqlite_utils
+
+from predictor.errors import NotFoundError
+
+
+def _m0001_initial(db: sqlite_utils.Database) -> None:
+    db.table("profiles").create({"name": str, "body": str, "created_at_s": float, "updated_at_s": float},
+                                pk="name", not_null={"body", "created_at_s", "updated_at_s"})
+    db.table("observations").create(
+        {"id": int, "kind": str, "profile": str, "gpu": str, "link": str, "body": str, "created_at_s": float},
+        pk="id", not_null={"kind", "body", "created_at_s"})
+    db.table("observations").create_index(["kind"], index_name="observations_kind")
+    db.table("observations").create_index(["profile", "gpu"], index_name="observations_profile_gpu")
+    db.table("decisions").create(
+        {"id": int, "created_at_s": float, "source": str, "action": str, "model": str, "reason": str,
+         "model_version": str, "request": str, "response": str},
+        pk="id", not_null={"created_at_s", "action", "reason", "request", "response"})
+
+
+def _m0002_link_fits_and_generation(db: sqlite_utils.Database) -> None:
+    db.table("link_fits").create({"id": int, "model_version": str, "link": str, "stats": str, "fitted_at_s": float},
+                                 pk="id", not_null={"model_version", "stats", "fitted_at_s"})
+    db.table("meta").create({"key": str, "value": int}, pk="key", not_null={"value"})
+    db.table("meta").insert({"key": "generation", "value": 0})
+
+
+MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
+    ("0001_initial", _m0001_initial),
+    ("0002_link_fits_and_generation", _m0002_link_fits_and_generation),
+]
+
+
+class Store:
+    """SQLite history behind a small API; safe to share between threads (one connection each).
+
+    Args:
+        path: database file (created if missing).
+        busy_timeout: how long a write waits for another writer's lock.
+    """
+
+    def __init__(self, path: str, busy_timeout: timedelta = timedelta(seconds=10)):
+        self.path = path
+        self.busy_timeout = busy_timeout
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """This thread's database handle (opened on first use with WAL and synchronous=NORMAL)."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout.total_seconds(), check_same_thread=False)
+            db = sqlite_utils.Database(conn, execute_plugins=False)
+            if db.journal_mode != "wal":
+                db.enable_wal()
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._local.db = db
+            with self._lock:
+                self._all.append(conn)
+        return db
+
+    def close(self) -> None:
+        """Close every connection this store opened (any thread)."""
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+        self._local = threading.local()
+
+    # --- schema ---------------------------------------------------------------------------------
+    def migrate(self) -> list[str]:
+        """Apply pending migrations, each in its own transaction; returns the names applied now."""
+        db = self.db
+        with db.atomic():
+            db.table("migrations").create({"name": str, "applied_at_s": float}, pk="name", if_not_exists=True)
+        done = self.migrations()
+        applied = []
+        for name, step in MIGRATIONS:
+            if name in done:
+                continue
+            with db.atomic():
+                if db.execute("SELECT 1 FROM migrations WHERE name = ?", [name]).fetchone():
+                    continue                     # another worker applied it meanwhile
+                step(db)
+                db.table("migrations").insert({"name": name, "applied_at_s": time.time()})
+            applied.append(name)
+        return applied
+
+    def migrations(self) -> list[str]:
+        """Names of the migrations applied, in order."""
+        return [row[0] for row in self.db.execute("SELECT name FROM migrations ORDER BY name").fetchall()]
+
+    def generation(self) -> int:
+        """A counter bumped by every write that changes the fitting data (profiles, observations)."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _bump(self) -> None:
+        self.db.execute("UPDATE meta SET value = value + 1 WHERE key = 'generation'")
+
+    # --- profiles -------------------------------------------------------------------------------
+    def put_profile(self, name: str, body: dict) -> bool:
+        """Insert or replace a profile; True when it was new."""
+        now = time.time()
+        db = self.db
+        with db.atomic():
+            row = db.execute("SELECT created_at_s FROM profiles WHERE name = ?", [name]).fetchone()
+            created = row[0] if row else now
+            db.table("profiles").upsert({"name": name, "body": json.dumps(body, allow_nan=False),
+                                         "created_at_s": created, "updated_at_s": now}, pk="name")
+            self._bump()
+        return row is None
+
+    def get_profile(self, name: str) -> dict:
+        """The stored profile body.
+
+        Raises:
+            NotFoundError: no profile of that name.
+        """
+        row = self.db.execute("SELECT body FROM profiles WHERE name = ?", [name]).fetchone()
+        if row is None:
+            raise NotFoundError("profile", name, "register it with POST /v1/profiles or "
+                                                 f"`elastic-predictor profile torchvision:{name}`")
+        return json.loads(row[0])
+
+    def has_profile(self, name: str) -> bool:
+        return self.db.execute("SELECT 1 FROM profiles WHERE name = ?", [name]).fetchone() is not None
+
+    def list_profiles(self) -> list[dict]:
+        """Every profile as `{"name", "created_at_s", "updated_at_s", "body"}`, by name."""
+        rows = self.db.execute("SELECT name, created_at_s, updated_at_s, body FROM profiles ORDER BY name")
+        return [{"name": n, "created_at_s": c, "updated_at_s": u, "body": json.loads(b)} for n, c, u, b in rows]
+
+    # --- observations ---------------------------------------------------------------------------
+    def add_observations(self, records: Iterable[dict]) -> list[int]:
+        """Store validated records in one transaction (all or nothing); returns their ids."""
+        now = time.time()
+        rows = [{"kind": r["kind"], "profile": r.get("profile"), "gpu": r.get("gpu"), "link": r.get("link"),
+                 "body": json.dumps(r, allow_nan=False), "created_at_s": now} for r in records]
+        db = self.db
+        ids = []
+        with db.atomic():
+            for row in rows:
+                cursor = db.execute(
+                    "INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) VALUES (?, ?, ?, ?, ?, ?)",
+                    [row["kind"], row["profile"], row["gpu"], row["link"], row["body"], row["created_at_s"]])
+                ids.append(cursor.lastrowid)
+            self._bump()
+        return ids
+
+    def observations(self, kind: str | None = None, limit: int | None = None) -> list[dict]:
+        """Stored records (oldest first), optionally of one kind, each with its `id`."""
+        sql = "SELECT id, body FROM observations"
+        params: list[Any] = []
+        if kind is not None:
+            sql += " WHERE kind = ?"
+            params.append(kind)
+        sql += " ORDER BY id"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [dict(json.loads(body), id=oid) for oid, body in self.db.execute(sql, params)]
+
+    def observation_counts(self) -> dict[str, int]:
+        rows = self.db.execute("SELECT kind, COUNT(*) FROM observations GROUP BY kind").fetchall()
+        return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
+
+    # --- decisions ------------------------------------------------------------------------------
+    def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None) -> dict:
+        """Store a plan decision; returns the response with `decision_id` (`d-<n>`) filled in."""
+        db = self.db
+        with db.atomic():
+            cursor = db.execute(
+                "INSERT INTO decisions (created_at_s, source, action, model, reason, model_version, request, response)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [time.time(), source, response["action"], response.get("model"), response["reason"], model_version,
+                 json.dumps(request, allow_nan=False), "{}"])
+            decision_id = f"d-{cursor.lastrowid}"
+            full = {"decision_id": decision_id, **response}
+            db.execute("UPDATE decisions SET response = ? WHERE id = ?",
+                       [json.dumps(full, allow_nan=False), cursor.lastrowid])
+        return full
+
+    def get_decision(self, decision_id: str) -> dict:
+        """One decision with its request and response.
+
+        Raises:
+            NotFoundError: malformed or unknown id.
+        """
+        hint = "ids look like d-42; list them with GET /v1/decisions"
+        number = decision_id[2:] if decision_id.startswith("d-") else ""
+        if not number.isdigit() or len(number) > 18:
+            raise NotFoundError("decision", decision_id, hint)
+        row = self.db.execute("SELECT * FROM decisions WHERE id = ?", [int(number)]).fetchone()
+        if row is None:
+            raise NotFoundError("decision", decision_id, hint)
+        return self._decision(row, full=True)
+
+    def list_decisions(self, limit: int = 50, before: int | None = None) -> list[dict]:
+        """Newest first; `before` pages down by numeric id."""
+        sql = "SELECT * FROM decisions"
+        params: list[Any] = []
+        if before is not None:
+            sql += " WHERE id < ?"
+            params.append(before)
+        sql += " ORDER BY id DESC LIMIT ?"
+        params.append(limit)
+        return [self._decision(row, full=False) for row in self.db.execute(sql, params).fetchall()]
+
+    @staticmethod
+    def _decision(row: tuple, full: bool) -> dict:
+        oid, created, source, action, model, reason, version, request, response = row
+        out = {"decision_id": f"d-{oid}", "created_at_s": created, "source": source, "action": action,
+               "model": model, "reason": reason, "model_version": version}
+        if full:
+            out["request"] = json.loads(request)
+            out["response"] = json.loads(response)
+        return out
+
+    # --- link fits ------------------------------------------------------------------------------
+    def replace_link_fits(self, model_version: str, stats: list[dict]) -> None:
+        """Replace the stored per-link statistics with those of a new fit."""
+        db = self.db
+        now = time.time()
+        with db.atomic():
+            db.execute("DELETE FROM link_fits")
+            for item in stats:
+                db.execute("INSERT INTO link_fits (model_version, link, stats, fitted_at_s) VALUES (?, ?, ?, ?)",
+                           [model_version, str(item.get("link", "")), json.dumps(item, default=str), now])
+
+    def link_fits(self) -> list[dict]:
+        rows = self.db.execute("SELECT model_version, stats, fitted_at_s FROM link_fits ORDER BY id").fetchall()
+        return [{"model_version": v, "fitted_at_s": t, **json.loads(s)} for v, s, t in rows]
