@@ -152,6 +152,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort={cfg.dbd_port}
+AccountingStoragePass={cfg.munge_socket}
 AccountingStorageTRES=gres/gpu
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill

@@ -1,0 +1,102 @@
+"""`elastic-slurm` command line. `main` is a plain click group; other modules add their commands
+with `main.add_command(...)`. This is an entry point: it reads the environment once into frozen
+config objects and converts library errors into click errors at the boundary.
+"""
+from __future__ import annotations
+
+import functools
+import shlex
+from pathlib import Path
+
+import click
+
+from slurm_plugin.errors import TestbedError
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig
+
+
+@click.group()
+def main() -> None:
+    """Right-sized and elastic distributed training on Slurm GPU clusters."""
+
+
+@main.group()
+def testbed() -> None:
+    """A local 4-node Slurm cluster (4 fake GPUs per node) for tests and the demo."""
+
+
+def _lab_options(func):
+    @click.option("--lab", type=click.Path(file_okay=False, path_type=Path), envvar="ELASTIC_SLURM_LAB",
+                  default=DEFAULT_LAB, show_default=True, help="Lab directory (env ELASTIC_SLURM_LAB).")
+    @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), envvar="ELASTIC_SLURM_PORT_BASE",
+                  default=DEFAULT_PORT_BASE, show_default=True,
+                  help=f"First of the {PORT_SPAN} TCP ports the lab uses (env ELASTIC_SLURM_PORT_BASE).")
+    @functools.wraps(func)
+    def wrapper(lab: Path, port_base: int, **kwargs):
+        return func(Testbed(TestbedConfig(lab=lab.absolute(), port_base=port_base)), **kwargs)
+
+    return wrapper
+
+
+def _timings(timings: dict[str, float]) -> str:
+    return "  ".join(f"{name}={seconds:.2f}s" for name, seconds in timings.items())
+
+
+@testbed.command()
+@_lab_options
+def up(bed: Testbed) -> None:
+    """Start the cluster (idempotent) and wait until all nodes are idle.
+
+    Example: elastic-slurm testbed up --lab /var/tmp/my-lab --port-base 16900
+    """
+    try:
+        timings = bed.up()
+    except TestbedError as exc:
+        raise click.ClickException(f"{exc}\n(stop what did start with: elastic-slurm testbed down "
+                                   f"--lab {bed.config.lab})") from exc
+    click.echo(f"testbed up: {bed.config.nodes} nodes idle, lab {bed.config.lab}, "
+               f"port base {bed.config.port_base}")
+    click.echo(f"timings: {_timings(timings)}")
+
+
+@testbed.command()
+@_lab_options
+@click.option("--wipe", is_flag=True, help="Also delete state, spool, database and logs.")
+def down(bed: Testbed, wipe: bool) -> None:
+    """Stop exactly the daemons this lab started (SIGTERM, then SIGKILL).
+
+    Example: elastic-slurm testbed down --wipe
+    """
+    try:
+        timings = bed.down(wipe=wipe)
+    except TestbedError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"testbed down: lab {bed.config.lab}" + (" (wiped)" if wipe else ""))
+    click.echo(f"timings: {_timings(timings)}")
+
+
+@testbed.command()
+@_lab_options
+def status(bed: Testbed) -> None:
+    """Show the lab's daemons and nodes; exit 1 unless the cluster is up.
+
+    Example: elastic-slurm testbed status
+    """
+    for st in bed.status():
+        click.echo(f"{st.name:14} {'running' if st.running else 'stopped':8} {st.pid or ''}")
+    if not bed.is_up():
+        raise click.ClickException(f"testbed in {bed.config.lab} is not up")
+    for node in bed.client.nodes():
+        click.echo(f"{node.name:8} {node.state:10} gpu {node.gpus_alloc}/{node.gpus} switch {node.switch}")
+
+
+@testbed.command()
+@_lab_options
+def env(bed: Testbed) -> None:
+    """Print shell exports for this lab.
+
+    Example: eval "$(elastic-slurm testbed env)" && sinfo
+    """
+    exports = {**bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
+    for key, value in exports.items():
+        click.echo(f"export {key}={shlex.quote(value)}")

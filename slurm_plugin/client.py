@@ -1,0 +1,491 @@
+"""The one module that runs Slurm commands.
+
+Everything else (hook installer, launcher, predictor's cluster model, tests) talks to Slurm through a
+`Backend`. `CommandBackend` implements it with the 22.05 command-line tools: `sinfo --json`,
+`squeue --json` and `sacct --json` (whose filters 22.05 ignores, so results are filtered here),
+`scontrol` text output (22.05 has no `scontrol --json`) and `scontrol update` for changes. A
+slurmrestd or pyslurm backend (for sites whose Slurm matches a pyslurm release; none builds against
+22.05) only has to provide the same methods and return the same dataclasses.
+
+Every command runs through `CommandBackend._run(argv, timeout)`, which raises `SlurmError` on a
+non-zero exit or a timeout. Commands get an explicit environment (`SLURM_CONF` plus a fixed PATH
+unless a full `env` mapping is given); in particular `SLURM_JOBID` is not passed, so `scontrol update`
+never writes `slurm_job_<id>_resize.sh` files into the caller's cwd. `shrink` returns the refreshed
+environment instead (see `ResizeResult`).
+
+Callers must assume job state changes between calls: every method re-reads Slurm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+from typing import Mapping, Protocol, Sequence, Union
+
+from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What `scontrol update ... NumNodes=` tells a job to unset after a resize.
+RESIZE_UNSET = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A compute node. `state` is Slurm's base state in lower case (idle, mixed, allocated, down...);
+    `switch` is the lowest-level switch above the node in topology.conf, None without topology."""
+
+    name: str
+    state: str
+    gpus: int
+    gpus_alloc: int
+    switch: str | None
+    partitions: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: tuple[str, ...]
+    default: bool
+    state: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A job as squeue shows it. Per-node tuples line up with `nodes`; they are empty while pending.
+
+    Attributes:
+        state: Slurm's state in upper case (PENDING, RUNNING, COMPLETED...).
+        nodelist: the node list as Slurm prints it (`node[1-2]`), "" while pending.
+        tres_per_node: the per-node request (`gres:gpu:4`), "" if none.
+        reason: why a job is pending ("None" when it is not).
+    """
+
+    job_id: int
+    name: str
+    state: str
+    nodes: tuple[str, ...]
+    nodelist: str
+    cpus_per_node: tuple[int, ...]
+    gpus_per_node: tuple[int, ...]
+    tres_per_node: str
+    comment: str
+    batch_host: str
+    reason: str
+
+    def resize_env(self) -> dict[str, str]:
+        """The variables `scontrol`'s resize.sh would export for this allocation."""
+        return {
+            "SLURM_NODELIST": self.nodelist,
+            "SLURM_JOB_NODELIST": self.nodelist,
+            "SLURM_NNODES": str(len(self.nodes)),
+            "SLURM_JOB_NUM_NODES": str(len(self.nodes)),
+            "SLURM_JOB_CPUS_PER_NODE": compress_counts(self.cpus_per_node),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeResult:
+    """The job after a resize and the environment change a launcher must make before its next srun.
+
+    Attributes:
+        job: the job as Slurm shows it after the resize.
+        env: variables to set (SLURM_NODELIST, SLURM_JOB_NODELIST, SLURM_NNODES, ...).
+        unset: variables to remove (SLURM_NPROCS, SLURM_NTASKS, SLURM_TASKS_PER_NODE).
+    """
+
+    job: Job
+    env: Mapping[str, str]
+    unset: tuple[str, ...] = RESIZE_UNSET
+
+    def apply(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """A copy of `environ` with the change made."""
+        out = {k: v for k, v in environ.items() if k not in self.unset}
+        out.update(self.env)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AcctRecord:
+    """One sacct record. A resized job has several: one per size, the earlier ones state RESIZING."""
+
+    job_id: int
+    name: str
+    state: str
+    nodelist: str
+    gpus: int
+
+
+class Backend(Protocol):
+    """What the rest of the project may ask of Slurm. Implementations raise `SlurmError`,
+    `JobNotFoundError` or `ResizeError` (slurm_plugin.errors)."""
+
+    def nodes(self) -> list[Node]: ...
+
+    def partitions(self) -> list[Partition]: ...
+
+    def jobs(self) -> list[Job]: ...
+
+    def job(self, job_id: int) -> Job: ...
+
+    def submit(self, script: Union[str, Path], args: Sequence[str] = ()) -> int: ...
+
+    def cancel(self, job_id: int) -> None: ...
+
+    def shrink(self, job_id: int, keep: Union[int, Sequence[str]]) -> ResizeResult: ...
+
+    def update_comment(self, job_id: int, text: str) -> None: ...
+
+    def sacct(self, job_id: int) -> list[AcctRecord]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    job_id: int
+    stderr: str  # job_submit hook messages (`slurm.user_msg`) arrive here
+
+
+class CommandBackend:
+    """`Backend` over the Slurm command-line tools.
+
+    Args:
+        slurm_conf: the cluster's slurm.conf (exported as SLURM_CONF); None uses Slurm's default.
+        env: the full environment for the commands; default: PATH=`DEFAULT_PATH` only.
+        timeout: limit for each query (sinfo, squeue, sacct, scontrol show).
+        update_timeout: limit for each change (sbatch, scancel, scontrol update, which waits on slurmdbd).
+    """
+
+    def __init__(
+        self,
+        slurm_conf: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: timedelta = timedelta(seconds=10),
+        update_timeout: timedelta = timedelta(seconds=30),
+    ):
+        self.slurm_conf = slurm_conf
+        self.env = env
+        self.timeout = timeout
+        self.update_timeout = update_timeout
+
+    # -- the seam --------------------------------------------------------------------------------
+    def _run(self, argv: Sequence[str], timeout: timedelta, stdin: str | None = None) -> subprocess.CompletedProcess:
+        """Run one Slurm command; raise `SlurmError` unless it exits 0 within `timeout`."""
+        env = dict(self.env) if self.env is not None else {"PATH": DEFAULT_PATH}
+        if self.slurm_conf is not None:
+            env["SLURM_CONF"] = str(self.slurm_conf)
+        seconds = timeout.total_seconds()
+        try:
+            proc = subprocess.run(
+                list(argv), input=stdin, capture_output=True, text=True, timeout=seconds, env=env, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            raise SlurmError(argv, None, stderr, f"timed out after {seconds:g} s") from exc
+        except OSError as exc:
+            raise SlurmError(argv, None, "", f"cannot run: {exc}") from exc
+        if proc.returncode != 0:
+            raise SlurmError(argv, proc.returncode, proc.stderr)
+        return proc
+
+    def _json(self, argv: Sequence[str], timeout: timedelta | None) -> dict:
+        out = self._run(argv, timeout or self.timeout).stdout
+        try:
+            return json.loads(out)
+        except json.JSONDecodeError as exc:
+            raise SlurmError(argv, 0, "", f"output is not JSON: {exc}") from exc
+
+    def _update(self, job_id: int, fields: Sequence[str], timeout: timedelta | None) -> None:
+        argv = ["scontrol", "update", f"JobId={job_id}", *fields]
+        try:
+            self._run(argv, timeout or self.update_timeout)
+        except SlurmError as exc:
+            _raise_if_unknown_job(job_id, exc)
+            raise
+
+    # -- queries ---------------------------------------------------------------------------------
+    def nodes(self, timeout: timedelta | None = None) -> list[Node]:
+        """All nodes with GPU counts and leaf switch (`sinfo --json` + `scontrol show topology`)."""
+        data = self._json(["sinfo", "--json"], timeout)
+        topo = self._run(["scontrol", "show", "topology"], timeout or self.timeout).stdout
+        return parse_nodes(data, parse_topology(topo))
+
+    def partitions(self, timeout: timedelta | None = None) -> list[Partition]:
+        out = self._run(["scontrol", "show", "partition", "-o"], timeout or self.timeout).stdout
+        return parse_partitions(out)
+
+    def jobs(self, timeout: timedelta | None = None) -> list[Job]:
+        """Jobs squeue still lists (finished ones stay for MinJobAge)."""
+        return parse_jobs(self._json(["squeue", "--json"], timeout))
+
+    def job(self, job_id: int, timeout: timedelta | None = None) -> Job:
+        """:raises JobNotFoundError: squeue does not list `job_id` (use `sacct` for old jobs)."""
+        for job in self.jobs(timeout):
+            if job.job_id == job_id:
+                return job
+        raise JobNotFoundError(job_id, "not in squeue; finished jobs are only in sacct")
+
+    def sacct(self, job_id: int, timeout: timedelta | None = None) -> list[AcctRecord]:
+        """Accounting records of `job_id`, oldest first.
+
+        :raises JobNotFoundError: slurmdbd has no record (yet: it can lag the controller by a second).
+        """
+        records = parse_sacct(self._json(["sacct", "--json", "-j", str(job_id)], timeout), job_id)
+        if not records:
+            raise JobNotFoundError(job_id, "no accounting record")
+        return records
+
+    # -- changes ---------------------------------------------------------------------------------
+    def sbatch(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> Submission:
+        """Submit a batch script given as text or as a path; keep sbatch's stderr (hook messages)."""
+        if isinstance(script, Path):
+            argv, stdin = ["sbatch", "--parsable", *args, str(script)], None
+        else:
+            argv, stdin = ["sbatch", "--parsable", *args], script
+        proc = self._run(argv, timeout or self.update_timeout, stdin=stdin)
+        first = proc.stdout.strip().split(";")[0]
+        if not first.isdigit():
+            raise SlurmError(argv, 0, proc.stderr, f"no job id in sbatch output {proc.stdout!r}")
+        return Submission(int(first), proc.stderr)
+
+    def submit(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> int:
+        """Submit a batch script (text or path) with extra sbatch `args`; return the job id."""
+        return self.sbatch(script, args, timeout).job_id
+
+    def cancel(self, job_id: int, timeout: timedelta | None = None) -> None:
+        """:raises JobNotFoundError: Slurm does not know `job_id`."""
+        try:
+            self._run(["scancel", str(job_id)], timeout or self.update_timeout)
+        except SlurmError as exc:
+            _raise_if_unknown_job(job_id, exc)
+            raise
+
+    def update_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None:
+        self._update(job_id, [f"Comment={text}"], timeout)
+
+    def reconfigure(self, timeout: timedelta | None = None) -> None:
+        """`scontrol reconfigure`: slurmctld and the slurmd re-read slurm.conf."""
+        self._run(["scontrol", "reconfigure"], timeout or self.update_timeout)
+
+    def shrink(self, job_id: int, keep: Union[int, Sequence[str]], timeout: timedelta | None = None) -> ResizeResult:
+        """Shrink a running job to `keep` nodes (a count, or the names of the nodes to keep).
+
+        A count keeps the batch host and the lowest other nodes. Tasks on released nodes are
+        SIGKILLed by Slurm, so ranks there should leave first. The returned environment must be
+        applied before the next `srun` of the job (srun trusts SLURM_NNODES etc.).
+
+        :raises JobNotFoundError: unknown `job_id`.
+        :raises ResizeError: the job is not running, `keep` is not a subset of its nodes, is empty,
+            asks for more nodes than the job has, or drops the batch host.
+        """
+        job = self.job(job_id, timeout)
+        target = _shrink_target(job, keep)
+        if target != job.nodes:
+            self._update(job_id, [f"NodeList={compress_hostlist(target)}"], timeout)
+            job = self.job(job_id, timeout)
+        return ResizeResult(job=job, env=job.resize_env())
+
+
+def _raise_if_unknown_job(job_id: int, exc: SlurmError) -> None:
+    if "Invalid job id" in exc.stderr:
+        raise JobNotFoundError(job_id, exc.stderr.strip().splitlines()[-1]) from exc
+
+
+def _shrink_target(job: Job, keep: Union[int, Sequence[str]]) -> tuple[str, ...]:
+    if job.state != "RUNNING":
+        raise ResizeError(job.job_id, f"it is {job.state}; only running jobs can be shrunk")
+    have = f"it has {len(job.nodes)} ({job.nodelist})"
+    if isinstance(keep, int):
+        if keep < 1:
+            raise ResizeError(job.job_id, f"asked for {keep} nodes; keep at least 1")
+        if keep > len(job.nodes):
+            raise ResizeError(job.job_id, f"asked for {keep} nodes but {have}; shrink cannot grow")
+        others = [n for n in job.nodes if n != job.batch_host]
+        chosen = {job.batch_host, *others[: keep - 1]}
+    else:
+        chosen = {n for expr in keep for n in expand_hostlist(expr)}
+        if not chosen:
+            raise ResizeError(job.job_id, "the node list to keep is empty")
+        foreign = sorted(chosen - set(job.nodes))
+        if foreign:
+            raise ResizeError(job.job_id, f"{','.join(foreign)} not in its allocation; {have}")
+        if job.batch_host not in chosen:
+            raise ResizeError(job.job_id, f"keeping {compress_hostlist(chosen)} would drop its batch host {job.batch_host}")
+    return tuple(n for n in job.nodes if n in chosen)
+
+
+# -- parsing (pure functions; unit-tested on output captured from the 22.05 testbed) -------------
+def _gpu_count(gres: str) -> int:
+    """`gpu:4`, `gpu:4(S:0)`, `gpu:2(IDX:0-1)`, `gpu:tesla:2(...)` -> GPU count; 0 if no gpu entry."""
+    total = 0
+    for item in _split_top(gres or ""):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def parse_topology(text: str) -> dict[str, str]:
+    """`scontrol show topology` -> {node: lowest-level switch name}."""
+    best: dict[str, tuple[int, str]] = {}
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "SwitchName" not in fields or not fields.get("Nodes"):
+            continue
+        level = int(fields.get("Level", "0"))
+        for node in expand_hostlist(fields["Nodes"]):
+            if node not in best or level < best[node][0]:
+                best[node] = (level, fields["SwitchName"])
+    return {node: name for node, (_, name) in best.items()}
+
+
+def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
+    return [
+        Node(
+            name=n["name"],
+            state=str(n.get("state", "")).lower(),
+            gpus=_gpu_count(n.get("gres", "")),
+            gpus_alloc=_gpu_count(n.get("gres_used", "")),
+            switch=switches.get(n["name"]),
+            partitions=tuple(n.get("partitions", [])),
+        )
+        for n in sinfo_json.get("nodes", [])
+    ]
+
+
+def parse_partitions(text: str) -> list[Partition]:
+    """`scontrol show partition -o` (one partition per line, values without spaces)."""
+    out = []
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "PartitionName" in fields:
+            nodes = fields.get("Nodes", "(null)")
+            out.append(
+                Partition(
+                    name=fields["PartitionName"],
+                    nodes=tuple(expand_hostlist(nodes)) if nodes != "(null)" else (),
+                    default=fields.get("Default") == "YES",
+                    state=fields.get("State", ""),
+                )
+            )
+    return out
+
+
+def parse_jobs(squeue_json: dict) -> list[Job]:
+    jobs = []
+    for j in squeue_json.get("jobs", []):
+        nodelist = j.get("nodes") or ""
+        nodes = tuple(expand_hostlist(nodelist)) if nodelist else ()
+        alloc = (j.get("job_resources") or {}).get("allocated_nodes") or []
+        cpus = {a.get("nodename"): int(a.get("cpus", 0)) for a in alloc}
+        gres = list(j.get("gres_detail") or [])
+        jobs.append(
+            Job(
+                job_id=int(j["job_id"]),
+                name=j.get("name", ""),
+                state=str(j.get("job_state", "")).upper(),
+                nodes=nodes,
+                nodelist=nodelist,
+                cpus_per_node=tuple(cpus.get(n, 0) for n in nodes) if cpus else (),
+                gpus_per_node=tuple(_gpu_count(g) for g in gres) if len(gres) == len(nodes) else (),
+                tres_per_node=j.get("tres_per_node") or "",
+                comment=j.get("comment") or "",
+                batch_host=j.get("batch_host") or "",
+                reason=j.get("state_reason") or "",
+            )
+        )
+    return jobs
+
+
+def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
+    out = []
+    for j in sacct_json.get("jobs", []):
+        if int(j.get("job_id", -1)) != job_id:
+            continue
+        allocated = (j.get("tres") or {}).get("allocated") or []
+        gpus = sum(int(t.get("count", 0)) for t in allocated if t.get("type") == "gres" and t.get("name") == "gpu")
+        state = j.get("state") or {}
+        out.append(
+            AcctRecord(
+                job_id=job_id,
+                name=j.get("name", ""),
+                state=str(state.get("current", "") if isinstance(state, dict) else state).upper(),
+                nodelist=j.get("nodes") or "",
+                gpus=gpus,
+            )
+        )
+    return out
+
+
+# -- host lists ----------------------------------------------------------------------------------
+def _split_top(expr: str) -> list[str]:
+    """Split on commas outside brackets: `a[1-2],b3` -> [`a[1-2]`, `b3`]."""
+    parts, depth, cur = [], 0, ""
+    for ch in expr:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    return [p for p in (s.strip() for s in parts) if p]
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """`node[1-2,4],gpu07` -> [node1, node2, node4, gpu07] (one bracket group per name, as Slurm prints)."""
+    out = []
+    for part in _split_top(expr):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", part)
+        if not m:
+            out.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for rng in ranges.split(","):
+            lo, _, hi = rng.partition("-")
+            width = len(lo) if lo.startswith("0") else 0
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{prefix}{i:0{width}d}{suffix}")
+    return out
+
+
+def compress_hostlist(names) -> str:
+    """Inverse of `expand_hostlist`: [node1, node2, node4] -> `node[1-2,4]`."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    plain = []
+    for name in sorted(set(names)):
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        if m:
+            width = len(m.group(2)) if m.group(2).startswith("0") else 0
+            groups.setdefault((m.group(1), width), []).append(int(m.group(2)))
+        else:
+            plain.append(name)
+    parts = list(plain)
+    for (prefix, width), nums in sorted(groups.items()):
+        nums.sort()
+        if len(nums) == 1:
+            parts.append(f"{prefix}{nums[0]:0{width}d}")
+            continue
+        runs, start = [], nums[0]
+        for prev, cur in zip(nums, nums[1:] + [None]):
+            if cur != prev + 1:
+                runs.append(f"{start:0{width}d}" + (f"-{prev:0{width}d}" if prev != start else ""))
+                start = cur
+        parts.append(f"{prefix}[{','.join(runs)}]")
+    return ",".join(parts)
+
+
+def compress_counts(counts: Sequence[int]) -> str:
+    """Slurm's repeated-count form: (8, 8, 4) -> `8(x2),4`."""
+    out: list[str] = []
+    i = 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        out.append(f"{counts[i]}(x{j - i})" if j - i > 1 else str(counts[i]))
+        i = j
+    return ",".join(out)

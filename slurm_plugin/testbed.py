@@ -1,0 +1,372 @@
+"""A local 4-node Slurm 22.05 cluster for tests and the demo, all of it under one lab directory.
+
+`Testbed(TestbedConfig(lab=..., port_base=...)).up()` starts, in order: its own munged (own key and
+socket, so labs never share or kill each other's munge), MariaDB on an own datadir, slurmdbd,
+slurmctld and one slurmd per node (`node1`..`node4`, 4 fake GPUs each on mknod'ed char devices,
+cons_tres, topology/tree with leaf1=node[1-2] and leaf2=node[3-4], partition `debug`). It then
+waits until every node is idle. `up` is idempotent: daemons already running (pid file, live
+process that is ours) are left alone. A daemon that fails raises `TestbedError` with its log tail.
+
+`down()` stops exactly the daemons whose pid files are in this lab and whose process is verifiably
+this lab's (its SLURM_CONF, socket or datadir), with SIGTERM, then SIGKILL after
+`stop_timeout` (a slurmd stuck in registration ignores SIGTERM). `down(wipe=True)` also removes the
+state, spool, database and logs together (job ids restart at 1, so state and DB go as one).
+
+Hook for the installer (slurm_plugin/installer.py): put job_submit.lua / cli_filter.lua into
+`testbed.config.etc` (next to slurm.conf), then call
+
+    testbed.set_slurm_conf_lines(["JobSubmitPlugins=lua", "CliFilterPlugins=lua"])
+    testbed.reconfigure()
+
+The lines are kept in `etc/slurm.conf.extra` and written at the end of slurm.conf by every later
+`up`; `set_slurm_conf_lines([])` removes them. JobSubmitPlugins changes take effect on
+`scontrol reconfigure`; cli_filter is read by each client command. slurmctld refuses to start when
+JobSubmitPlugins=lua is set and job_submit.lua is missing, and reloads the script by mtime with
+one-second granularity.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from slurm_plugin import testbed_conf
+from slurm_plugin.client import DEFAULT_PATH, CommandBackend
+from slurm_plugin.errors import SlurmError, TestbedError
+from slurm_plugin.testbed_conf import TestbedConfig
+
+_WIPED = ("state", "spool", "mysql", "log", "run", "munge")
+
+
+@dataclasses.dataclass(frozen=True)
+class Daemon:
+    """One process of the lab.
+
+    Attributes:
+        name: e.g. "slurmctld", "slurmd-node2".
+        argv: how to start it.
+        pid_file: where it writes its pid.
+        log_file: its own log, shown when it fails.
+        owner_mark: bytes in /proc/<pid>/cmdline or environ that prove the process is this lab's.
+        port: TCP port it must accept connections on once ready (None: pid alive is enough).
+    """
+
+    name: str
+    argv: tuple[str, ...]
+    pid_file: Path
+    log_file: Path
+    owner_mark: bytes
+    port: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonStatus:
+    name: str
+    pid: int | None
+    running: bool
+
+
+class Testbed:
+    """Start, stop and inspect one lab; see the module docstring."""
+
+    __test__ = False
+
+    def __init__(self, config: TestbedConfig):
+        self.config = config
+        self.client = CommandBackend(
+            slurm_conf=config.slurm_conf, timeout=config.command_timeout, update_timeout=config.command_timeout
+        )
+
+    # -- public API ------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """What a shell needs to use this lab's cluster."""
+        return {"SLURM_CONF": str(self.config.slurm_conf)}
+
+    def daemons(self) -> list[Daemon]:
+        """The lab's daemons in start order."""
+        cfg, lab = self.config, self.config.lab
+        conf_mark = f"SLURM_CONF={cfg.slurm_conf}\0".encode()
+        mdir = cfg.munge_dir
+        out = [
+            Daemon(
+                "munged",
+                ("runuser", "-u", "munge", "--", "munged", f"--socket={cfg.munge_socket}",
+                 f"--key-file={mdir / 'munge.key'}", f"--pid-file={mdir / 'munged.pid'}",
+                 f"--log-file={mdir / 'munged.log'}", f"--seed-file={mdir / 'munged.seed'}"),
+                mdir / "munged.pid", mdir / "munged.log", f"--socket={cfg.munge_socket}\0".encode(),
+            ),
+            Daemon(
+                "mariadbd",
+                ("setsid", "--fork", "mariadbd", "--no-defaults", "--user=mysql", f"--datadir={cfg.db_dir / 'data'}",
+                 f"--socket={cfg.db_socket}", f"--pid-file={cfg.db_dir / 'mysqld.pid'}",
+                 f"--log-error={lab / 'log' / 'mariadb.log'}", "--bind-address=127.0.0.1", f"--port={cfg.db_port}",
+                 "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M", "--performance-schema=OFF",
+                 "--skip-log-bin"),
+                cfg.db_dir / "mysqld.pid", lab / "log" / "mariadb.log", f"--datadir={cfg.db_dir / 'data'}\0".encode(),
+                port=cfg.db_port,
+            ),
+            Daemon("slurmdbd", ("slurmdbd",), lab / "run" / "slurmdbd.pid", lab / "log" / "slurmdbd.log",
+                   conf_mark, port=cfg.dbd_port),
+            Daemon("slurmctld", ("slurmctld", "-i"), lab / "run" / "slurmctld.pid", lab / "log" / "slurmctld.log",
+                   conf_mark, port=cfg.ctld_port),
+        ]
+        for i, node in enumerate(cfg.node_names(), start=1):
+            out.append(Daemon(f"slurmd-{node}", ("slurmd", "-N", node), lab / "run" / f"slurmd-{node}.pid",
+                              lab / "log" / f"slurmd-{node}.log", conf_mark, port=cfg.node_port(i)))
+        return out
+
+    def status(self) -> list[DaemonStatus]:
+        out = []
+        for d in self.daemons():
+            pid = self._pid(d)
+            out.append(DaemonStatus(d.name, pid, pid is not None))
+        return out
+
+    def is_up(self) -> bool:
+        """All daemons running and every node idle or in use (not down/drained)."""
+        if not all(s.running for s in self.status()):
+            return False
+        try:
+            nodes = self.client.nodes()
+        except SlurmError:
+            return False
+        return len(nodes) == self.config.nodes and all(n.state in ("idle", "mixed", "allocated") for n in nodes)
+
+    def up(self) -> dict[str, float]:
+        """Start what is not running and wait for all nodes idle; return seconds spent per phase.
+
+        :raises TestbedError: a daemon did not start (with its log tail) or nodes did not become idle.
+        """
+        timings: dict[str, float] = {}
+        t0 = time.monotonic()
+        self._prepare()
+        timings["prepare"] = time.monotonic() - t0
+        for d in self.daemons():
+            t = time.monotonic()
+            if self._pid(d) is None:
+                self._start(d)
+                if d.name == "mariadbd":
+                    self._db_setup()
+            timings[d.name] = time.monotonic() - t
+        t = time.monotonic()
+        self._wait_idle()
+        timings["nodes idle"] = time.monotonic() - t
+        timings["total"] = time.monotonic() - t0
+        return timings
+
+    def down(self, wipe: bool = False) -> dict[str, float]:
+        """Stop this lab's daemons in reverse start order; return seconds spent per daemon.
+
+        :param wipe: also delete state, spool, database, logs (config and devices stay).
+        :raises TestbedError: a daemon survived SIGKILL.
+        """
+        timings = {}
+        for d in reversed(self.daemons()):
+            t = time.monotonic()
+            self._stop(d)
+            timings[d.name] = time.monotonic() - t
+        if wipe:
+            for sub in _WIPED:
+                shutil.rmtree(self.config.lab / sub, ignore_errors=True)
+        return timings
+
+    def set_slurm_conf_lines(self, lines: list[str]) -> None:
+        """Replace the extra slurm.conf lines (e.g. `JobSubmitPlugins=lua`) and rewrite slurm.conf.
+
+        Call `reconfigure()` afterwards when the cluster is running.
+        """
+        self.config.etc.mkdir(parents=True, exist_ok=True)
+        self.config.extra_lines_file.write_text("".join(f"{line}\n" for line in lines))
+        self._write(self.config.slurm_conf, testbed_conf.slurm_conf(self.config, lines))
+
+    def slurm_conf_lines(self) -> list[str]:
+        path = self.config.extra_lines_file
+        return [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+    def reconfigure(self) -> None:
+        """`scontrol reconfigure` (slurmctld re-reads slurm.conf and job_submit plugins)."""
+        self.client.reconfigure()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        cfg, lab = self.config, self.config.lab
+        for sub in ("etc", "state", "run", "log", "dev", *(f"spool/{n}" for n in cfg.node_names())):
+            (lab / sub).mkdir(parents=True, exist_ok=True)
+        lab.chmod(0o755)
+        for path in cfg.gpu_files():
+            if path.parent == lab / "dev" and not path.is_char_device():
+                path.unlink(missing_ok=True)
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(195, int(path.name.removeprefix("nvidia"))))
+        self._write(cfg.slurm_conf, testbed_conf.slurm_conf(cfg, self.slurm_conf_lines()))
+        self._write(cfg.etc / "gres.conf", testbed_conf.gres_conf(cfg))
+        self._write(cfg.etc / "topology.conf", testbed_conf.topology_conf(cfg))
+        self._write(cfg.etc / "slurmdbd.conf", testbed_conf.slurmdbd_conf(cfg), mode=0o600)
+        cfg.munge_dir.mkdir(mode=0o755, exist_ok=True)
+        shutil.chown(cfg.munge_dir, "munge", "munge")
+        key = cfg.munge_dir / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(128))
+            key.chmod(0o600)
+            shutil.chown(key, "munge", "munge")
+        cfg.db_dir.mkdir(exist_ok=True)
+        shutil.chown(cfg.db_dir, "mysql", "mysql")
+        if not (cfg.db_dir / "data" / "mysql").exists():
+            self._cmd(["mariadb-install-db", "--no-defaults", "--user=mysql", f"--datadir={cfg.db_dir / 'data'}",
+                       "--auth-root-authentication-method=socket", "--skip-test-db"], "mariadb-install-db",
+                      timeout=60)
+
+    def _write(self, path: Path, text: str, mode: int = 0o644) -> None:
+        """Write only on change; slurmctld is reconfigured if slurm.conf changes while it runs."""
+        if path.exists() and path.read_text() == text:
+            return
+        path.write_text(text)
+        path.chmod(mode)
+        ctld = next(d for d in self.daemons() if d.name == "slurmctld")
+        if path == self.config.slurm_conf and self._pid(ctld) is not None:
+            self.reconfigure()
+
+    def _cmd(self, argv: list[str], name: str, timeout: float, stdin: str | None = None) -> None:
+        try:
+            proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout,
+                                  env=self._daemon_env(), check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise TestbedError(name, f"{' '.join(argv)}: {exc}") from exc
+        if proc.returncode != 0:
+            raise TestbedError(name, f"{' '.join(argv)} exited {proc.returncode}", (proc.stdout + proc.stderr)[-3000:])
+
+    def _daemon_env(self) -> dict[str, str]:
+        return {"PATH": DEFAULT_PATH, "SLURM_CONF": str(self.config.slurm_conf), "HOME": "/root"}
+
+    def _db_setup(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        while True:
+            try:
+                self._cmd(["mariadb", "--no-defaults", f"--socket={self.config.db_socket}", "-u", "root",
+                           "-e", testbed_conf.db_setup_sql()], "mariadbd", timeout=10)
+                return
+            except TestbedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _start(self, d: Daemon) -> None:
+        if d.port is not None and _port_open(d.port):
+            raise TestbedError(d.name, f"port {d.port} is already in use by another process "
+                                       f"(another lab? choose another --port-base)")
+        d.pid_file.unlink(missing_ok=True)
+        out = open(self.config.lab / "log" / f"{d.name}.out", "ab")
+        try:
+            proc = subprocess.Popen(d.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self._daemon_env(), cwd=self.config.lab, start_new_session=True)
+        except OSError as exc:
+            raise TestbedError(d.name, f"cannot run {d.argv[0]}: {exc}") from exc
+        finally:
+            out.close()
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        while time.monotonic() < deadline:
+            rc = proc.poll()
+            if rc not in (None, 0):
+                raise TestbedError(d.name, f"{' '.join(d.argv)} exited {rc}", self._log_tail(d))
+            pid = self._pid(d)
+            if pid is not None and (d.port is None or _port_open(d.port)):
+                _reap(proc)
+                return
+            if rc == 0 and d.pid_file.exists() and pid is None:
+                raise TestbedError(d.name, "started, then died", self._log_tail(d))
+            time.sleep(0.02)
+        raise TestbedError(d.name, f"not ready after {self.config.start_timeout.total_seconds():g} s",
+                           self._log_tail(d))
+
+    def _wait_idle(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        states: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            for d in self.daemons():
+                if self._pid(d) is None:
+                    raise TestbedError(d.name, "died while waiting for the nodes", self._log_tail(d))
+            try:
+                nodes = self.client.nodes(timeout=min(self.config.command_timeout, timedelta(seconds=2)))
+                states = {n.name: n.state for n in nodes}
+            except SlurmError:
+                pass
+            if len(states) == self.config.nodes and all(s == "idle" for s in states.values()):
+                return
+            time.sleep(0.05)
+        tails = "\n".join(self._log_tail(d, 5) for d in self.daemons() if d.name.startswith("slurm"))
+        raise TestbedError("slurmctld", f"nodes not idle after {self.config.start_timeout.total_seconds():g} s: "
+                                        f"{states}", tails)
+
+    def _stop(self, d: Daemon) -> None:
+        pid = self._pid(d)
+        if pid is None:
+            d.pid_file.unlink(missing_ok=True)
+            return
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout.total_seconds()
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.02)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            end = time.monotonic() + 5
+            while time.monotonic() < end and _alive(pid):
+                time.sleep(0.02)
+            if _alive(pid):
+                raise TestbedError(d.name, f"pid {pid} survived SIGKILL")
+        d.pid_file.unlink(missing_ok=True)
+
+    def _pid(self, d: Daemon) -> int | None:
+        """The daemon's pid if its pid file names a live process that belongs to this lab."""
+        try:
+            pid = int(d.pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        if not _alive(pid):
+            return None
+        try:
+            proc = Path(f"/proc/{pid}")
+            marks = (proc / "cmdline").read_bytes() + b"\0" + (proc / "environ").read_bytes()
+        except OSError:
+            return None
+        return pid if d.owner_mark in marks else None
+
+    def _log_tail(self, d: Daemon, lines: int = 30) -> str:
+        chunks = []
+        for path in (d.log_file, self.config.lab / "log" / f"{d.name}.out"):
+            try:
+                text = path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            if text:
+                chunks.append(f"[{path}]\n" + "\n".join(text[-lines:]))
+        return "\n".join(chunks)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Collect the exit of a daemon's launcher process (it exits right after forking the daemon)."""
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    """True for a live process (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
