@@ -1,0 +1,512 @@
+--[[
+ elastic_common.lua: the code job_submit.lua and cli_filter.lua share (elastic-slurm).
+
+ Loaded with dofile() from the directory of the calling script, so no package.path setup is needed.
+ It holds no global state: everything is returned in the module table M.
+
+   M.read_config(path)            key = value file written by `elastic-slurm install-plugin`
+   M.directive_lines(script)      the #ELASTIC lines of the directive block (docs/directives.md)
+   M.parse_lines(lines)           typed values, or nil + {line_no, line, reason, message}
+   M.is_helper(name, comment, dependency)  launcher helper jobs and expand: allocations
+   M.post_json(url, body, budget_s)  HTTP/1.0 POST under one total deadline
+   M.new_breaker(k, open_s, path) circuit breaker; persisted to `path` when given (cli_filter)
+   M.plan(cfg, breaker, request)  {kind = "rewrite"|"keep"|"reject"|"skip", ...}
+   M.apply_job_desc / M.apply_cli_options  apply a rewrite reply mechanically
+
+ Every failure of the service is returned as kind = "skip" with a reason: the callers fail open.
+]]
+local M = {}
+
+local socket = require("socket")
+local cjson = require("cjson.safe")
+
+M.PREFIX = "#ELASTIC"
+M.HELPER_MARKER = "elastic-helper"
+M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES: "Invalid generic resource (gres) specification"
+
+local NO_VAL = 4294967294
+local NO_VAL16 = 65534
+local INFINITE = 4294967295
+
+-- ---------------------------------------------------------------- config
+local DEFAULTS = {
+  predictor_url = "http://127.0.0.1:8080",
+  budget_ms = 100,
+  breaker_failures = 3,
+  breaker_open_s = 30,
+  helper_marker = M.HELPER_MARKER,
+  cli_state_dir = "/tmp",
+}
+
+function M.read_config(path)
+  local cfg = {}
+  for k, v in pairs(DEFAULTS) do cfg[k] = v end
+  local f = path and io.open(path, "r")
+  if not f then return cfg, "cannot read " .. tostring(path) end
+  for raw in f:lines() do
+    local key, value = raw:match("^%s*([%w_]+)%s*=%s*(.-)%s*$")
+    if key and DEFAULTS[key] ~= nil then
+      if type(DEFAULTS[key]) == "number" then value = tonumber(value) or DEFAULTS[key] end
+      cfg[key] = value
+    end
+  end
+  f:close()
+  return cfg
+end
+
+-- ---------------------------------------------------------------- directives
+-- Python's repr() of a str, for messages identical to slurm_plugin/directives.py.
+local function py_repr(s)
+  local quote = "'"
+  if s:find("'", 1, true) and not s:find('"', 1, true) then quote = '"' end
+  local out = s:gsub("[%c\\'\"]", function(c)
+    if c == "\\" then return "\\\\" end
+    if c == quote then return "\\" .. c end
+    if c == "'" or c == '"' then return c end
+    if c == "\n" then return "\\n" elseif c == "\r" then return "\\r" elseif c == "\t" then return "\\t" end
+    return string.format("\\x%02x", c:byte())
+  end)
+  return quote .. out .. quote
+end
+M.py_repr = py_repr
+
+local function split_lines(script)
+  local lines, pos = {}, 1
+  while pos <= #script do
+    local s, e = script:find("\r?\n", pos)
+    if not s then s, e = script:find("\r", pos, true) end
+    if not s then lines[#lines + 1] = script:sub(pos); break end
+    lines[#lines + 1] = script:sub(pos, s - 1)
+    pos = e + 1
+  end
+  return lines
+end
+
+function M.directive_lines(script)
+  local found = {}
+  if type(script) ~= "string" then return found end
+  for number, line in ipairs(split_lines(script)) do
+    if line:find("%S") and line:sub(1, 1) ~= "#" then break end
+    local head = line:sub(1, #M.PREFIX + 1)
+    if line == M.PREFIX or head == M.PREFIX .. " " or head == M.PREFIX .. "\t" then
+      found[#found + 1] = { no = number, line = line }
+    end
+  end
+  return found
+end
+
+local function int_in(lo, hi)
+  return function(value)
+    if not value:match("^[0-9]+$") then return nil, "expected an integer, got " .. py_repr(value) end
+    local number = tonumber(value)
+    if number < lo or number > hi then
+      return nil, (value:gsub("^0+(%d)", "%1")) .. " is outside " .. lo .. ".." .. hi
+    end
+    return number
+  end
+end
+
+local function choice(...)
+  local options = { ... }
+  return function(value)
+    for _, o in ipairs(options) do if o == value then return value end end
+    return nil, "expected one of " .. table.concat(options, "|") .. ", got " .. py_repr(value)
+  end
+end
+
+local function matching(pattern, max, what)
+  return function(value)
+    if #value < 1 or #value > max or not value:match(pattern) then
+      return nil, py_repr(value) .. " is not a valid " .. what
+    end
+    return value
+  end
+end
+
+local function gpus(value)
+  local parts = {}
+  for part in (value .. "-"):gmatch("([^-]*)-") do parts[#parts + 1] = part end
+  if #parts > 2 then return nil, "expected N or MIN-MAX, got " .. py_repr(value) end
+  local count = int_in(1, 4096)
+  local low, err = count(parts[1])
+  if not low then return nil, err end
+  local high, err2 = count(parts[#parts])
+  if not high then return nil, err2 end
+  if low > high then return nil, "minimum " .. low .. " is above maximum " .. high end
+  return { min = low, max = high }
+end
+
+local function fraction(value)
+  if not (value:match("^[0-9]+$") or value:match("^[0-9]+%.[0-9]+$") or value:match("^%.[0-9]+$")) then
+    return nil, "expected a decimal in [0, 1], got " .. py_repr(value)
+  end
+  local number = tonumber(value)
+  if number < 0 or number > 1 then return nil, value .. " is outside [0, 1]" end
+  return number
+end
+
+local KEYS = {
+  model = matching("^[A-Za-z0-9_.:/+-]+$", 128, "model name"),
+  gpus = gpus,
+  per_gpu_batch = int_in(1, 65536),
+  max_global_batch = int_in(1, 16777216),
+  min_efficiency = fraction,
+  gpu_type = matching("^[A-Za-z0-9_.-]+$", 64, "GPU type"),
+  objective = choice("throughput", "efficiency", "cost"),
+  elastic = choice("on", "off"),
+  batch_policy = choice("grow_global", "keep_global"),
+  lr_scaling = choice("linear", "sqrt", "none"),
+}
+local KNOWN = {}
+for k in pairs(KEYS) do KNOWN[#KNOWN + 1] = k end
+table.sort(KNOWN)
+local KNOWN_TEXT = table.concat(KNOWN, ", ")
+
+local function directive_error(number, line, reason)
+  return nil, { line_no = number, line = line, reason = reason,
+                message = "line " .. number .. ": " .. reason .. ": " .. py_repr(line) }
+end
+
+-- Returns the typed values, or nil and an error table (message names the line, quotes it).
+function M.parse_lines(lines)
+  local result = {}
+  for _, entry in ipairs(lines) do
+    local number, line = entry.no, entry.line
+    local tokens = {}
+    for token in line:sub(#M.PREFIX + 1):gmatch("%S+") do tokens[#tokens + 1] = token end
+    if #tokens == 0 or tokens[1]:sub(1, 1) == "#" then
+      return directive_error(number, line, "no key=value after #ELASTIC")
+    end
+    for _, token in ipairs(tokens) do
+      if token:sub(1, 1) == "#" then break end
+      local eq = token:find("=", 1, true)
+      local key = eq and token:sub(1, eq - 1) or ""
+      local value = eq and token:sub(eq + 1) or ""
+      if key == "" or value == "" then
+        return directive_error(number, line, "expected key=value, got " .. py_repr(token))
+      end
+      if not KEYS[key] then
+        return directive_error(number, line, "unknown key " .. py_repr(key) .. " (known: " .. KNOWN_TEXT .. ")")
+      end
+      if result[key] ~= nil then
+        return directive_error(number, line, "key " .. py_repr(key) .. " given twice")
+      end
+      local typed, err = KEYS[key](value)
+      if typed == nil then return directive_error(number, line, key .. ": " .. err) end
+      result[key] = typed
+    end
+  end
+  return result
+end
+
+function M.parse_script(script)
+  local lines = M.directive_lines(script)
+  if #lines == 0 then return nil end
+  return M.parse_lines(lines)
+end
+
+-- True for jobs the hook must never touch: launcher helpers and expand: allocations.
+function M.is_helper(name, comment, dependency, marker)
+  marker = marker or M.HELPER_MARKER
+  if type(dependency) == "string" and dependency:find("expand:", 1, true) then return true end
+  if type(name) == "string" and name:sub(1, #marker) == marker then return true end
+  if type(comment) == "string" and comment:sub(1, #marker + 1) == marker .. ":" then return true end
+  return false
+end
+
+-- ---------------------------------------------------------------- HTTP
+local function parse_url(url)
+  local host, port, path = tostring(url):match("^http://([^/:]+):?(%d*)(/?.*)$")
+  if not host then return nil end
+  path = path:gsub("/+$", "")
+  return host, tonumber(port) or 80, path
+end
+
+-- POST `body` to `url`; every step (connect, send, each receive) gets only what is left of `budget_s`.
+-- Returns status, body_text; or nil, error string ("timeout", "connection refused", ...).
+function M.post_json(url, body, budget_s)
+  local deadline = socket.gettime() + budget_s
+  local host, port, path = parse_url(url)
+  if not host then return nil, "bad predictor_url " .. tostring(url) end
+  local sock = socket.tcp()
+  if not sock then return nil, "no socket" end
+  local function left()
+    local r = deadline - socket.gettime()
+    if r <= 0 then return nil end
+    sock:settimeout(r, "t")
+    return r
+  end
+  local function fail(err) sock:close(); return nil, err end
+  if not left() then return fail("timeout") end
+  local ok, err = sock:connect(host, port)
+  if not ok then return fail(err) end
+  local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port ..
+    "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
+  if not left() then return fail("timeout") end
+  ok, err = sock:send(request)
+  if not ok then return fail(err) end
+  if not left() then return fail("timeout") end
+  local status_line, err2 = sock:receive("*l")
+  if not status_line then return fail(err2) end
+  local status = tonumber(status_line:match("^HTTP/%d%.%d (%d%d%d)"))
+  if not status then return fail("bad status line") end
+  local length
+  while true do
+    if not left() then return fail("timeout") end
+    local header, err3 = sock:receive("*l")
+    if not header then return fail(err3) end
+    if header == "" then break end
+    local n = header:lower():match("^content%-length:%s*(%d+)")
+    if n then length = tonumber(n) end
+  end
+  if not left() then return fail("timeout") end
+  local text, err4, partial
+  if length then
+    text, err4, partial = sock:receive(length)
+  else
+    text, err4, partial = sock:receive("*a")
+  end
+  if not text then return fail(err4 == "closed" and "truncated body" or err4) end
+  sock:close()
+  return status, text
+end
+
+-- ---------------------------------------------------------------- circuit breaker
+-- After `k` failures in a row the breaker opens for `open_s` seconds: calls are skipped. The next call
+-- after that is a trial; a failure reopens it at once, a success closes it.
+function M.new_breaker(k, open_s, path)
+  local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
+              failures = 0, open_until = 0, path = path }
+  local function load()
+    local f = b.path and io.open(b.path, "r")
+    if not f then return end
+    local failures, open_until = (f:read("*a") or ""):match("^(%d+) ([%d.]+)")
+    f:close()
+    b.failures, b.open_until = tonumber(failures) or 0, tonumber(open_until) or 0
+  end
+  local function save()
+    if not b.path then return end
+    local tmp = b.path .. ".tmp"
+    local f = io.open(tmp, "w")
+    if not f then return end
+    f:write(string.format("%d %.3f\n", b.failures, b.open_until))
+    f:close()
+    os.rename(tmp, b.path)
+  end
+  function b.is_open(now)
+    load()
+    return b.open_until > now, b.open_until - now
+  end
+  function b.success()
+    if b.failures ~= 0 or b.open_until ~= 0 then b.failures, b.open_until = 0, 0; save() end
+  end
+  function b.failure(now)
+    b.failures = b.failures + 1
+    if b.failures >= b.k then b.open_until = now + b.open_s end
+    save()
+  end
+  load()
+  return b
+end
+
+-- ---------------------------------------------------------------- request / reply
+local function num(v, unset)
+  if type(v) ~= "number" or v == unset or v == NO_VAL or v == INFINITE then return nil end
+  return v
+end
+
+local function str(v)
+  if type(v) ~= "string" or v == "" then return nil end
+  return v
+end
+
+function M.request(source, lines, job)
+  local raw = {}
+  for i, entry in ipairs(lines) do raw[i] = entry.line end
+  return { source = source, directives = raw, job = job }
+end
+
+function M.job_from_desc(job_desc, submit_uid)
+  return {
+    user = str(job_desc.user_name), uid = num(submit_uid), partition = str(job_desc.partition),
+    name = str(job_desc.name), min_nodes = num(job_desc.min_nodes), max_nodes = num(job_desc.max_nodes),
+    ntasks_per_node = num(job_desc.ntasks_per_node, NO_VAL16), tres_per_node = str(job_desc.tres_per_node),
+    tres_per_job = str(job_desc.tres_per_job), time_limit_min = num(job_desc.time_limit),
+    req_switch = num(job_desc.req_switch), num_tasks = num(job_desc.num_tasks),
+  }
+end
+
+local function is_count(v, lo)
+  return type(v) == "number" and v == math.floor(v) and v >= lo and v < 1e6
+end
+
+local function one_line(s, max)
+  s = tostring(s):gsub("[%c]+", " ")
+  if #s > max then s = s:sub(1, max - 3) .. "..." end
+  return s
+end
+
+local function validate(reply)
+  if type(reply) ~= "table" then return "reply is not a JSON object" end
+  for k, v in pairs(reply) do if v == cjson.null then reply[k] = nil end end
+  if reply.action == "keep" then return nil end
+  if reply.action ~= "rewrite" then return "unknown action " .. tostring(reply.action) end
+  if not is_count(reply.nodes, 1) then return "bad nodes " .. tostring(reply.nodes) end
+  if not is_count(reply.gpus_per_node, 0) then return "bad gpus_per_node " .. tostring(reply.gpus_per_node) end
+  if reply.tasks_per_node ~= nil and not is_count(reply.tasks_per_node, 1) then return "bad tasks_per_node" end
+  if reply.switches ~= nil and not is_count(reply.switches, 1) then return "bad switches" end
+  return nil
+end
+
+-- Ask the service. Never raises; every failure becomes kind = "skip".
+function M.plan(cfg, breaker, request)
+  local now = socket.gettime()
+  local open, left = breaker.is_open(now)
+  if open then
+    return { kind = "skip", why = string.format("predictor unavailable, retry in %d s", math.ceil(left)) }
+  end
+  local body = cjson.encode(request)
+  local status, text = M.post_json(cfg.predictor_url .. "/v1/plan", body, (tonumber(cfg.budget_ms) or 100) / 1000)
+  local why
+  if not status then
+    why = tostring(text)
+  elseif status == 422 then
+    breaker.success()
+    local err = cjson.decode(text)
+    local message = type(err) == "table" and type(err.error) == "string" and err.error or one_line(text, 300)
+    return { kind = "reject", message = one_line(message, 600) }
+  elseif status ~= 200 then
+    why = "HTTP " .. status
+  else
+    local reply, err = cjson.decode(text)
+    why = reply == nil and ("unreadable reply: " .. tostring(err)) or validate(reply)
+    if not why then
+      breaker.success()
+      reply.kind = reply.action
+      reply.reason = one_line(reply.reason or ("elastic: " .. reply.action), 400)
+      if reply.decision_id ~= nil then reply.decision_id = one_line(reply.decision_id, 64):gsub("%s", "_") end
+      return reply
+    end
+  end
+  breaker.failure(socket.gettime())
+  local _, retry = breaker.is_open(socket.gettime())
+  if retry > 0 then why = why .. string.format("; not asking again for %d s", math.ceil(retry)) end
+  return { kind = "skip", why = why }
+end
+
+function M.skip_message(outcome)
+  return "elastic: prediction skipped (" .. outcome.why .. "); job submitted as written"
+end
+
+function M.comment_with(comment, decision_id)
+  local tag = "elastic:decision=" .. tostring(decision_id)
+  if type(comment) == "string" and comment ~= "" then return comment .. " " .. tag end
+  return tag
+end
+
+-- Replace (or add) the gpu entry of a comma-separated TRES list, keeping a GPU type ("gres:gpu:h100:4");
+-- count nil removes the gpu entry.
+local function gpu_entry(entry)
+  local rest = entry:match("^gres[:/]gpu(.*)$")
+  if not rest then return nil end
+  if rest == "" then return { count = 1 } end
+  local gtype, count = rest:match("^:([^:]+):(%d+)$")
+  if gtype then return { type = gtype, count = tonumber(count) } end
+  if rest:match("^:%d+$") then return { count = tonumber(rest:sub(2)) } end
+  if rest:match("^:[^:]+$") then return { type = rest:sub(2), count = 1 } end
+  return nil
+end
+
+local function set_gpu_tres(list, count)
+  local out, gpu_type = {}, nil
+  for entry in tostring(list or ""):gmatch("[^,]+") do
+    local gpu = gpu_entry(entry)
+    if gpu then gpu_type = gpu.type else out[#out + 1] = entry end
+  end
+  if count then
+    out[#out + 1] = "gres:gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count
+  end
+  return table.concat(out, ",")
+end
+M.set_gpu_tres = set_gpu_tres
+
+local function gpu_count(list)
+  for entry in tostring(list or ""):gmatch("[^,]+") do
+    local gpu = gpu_entry(entry)
+    if gpu then return gpu.count end
+  end
+  return nil
+end
+
+-- Apply a rewrite reply to a job_desc (job_submit). Returns true when the GPU request changed.
+function M.apply_job_desc(job_desc, reply)
+  local nodes, per_node = reply.nodes, reply.gpus_per_node
+  local changed = gpu_count(job_desc.tres_per_job) ~= nil or gpu_count(job_desc.tres_per_task) ~= nil
+    or gpu_count(job_desc.tres_per_node) ~= per_node
+  job_desc.min_nodes = nodes
+  job_desc.max_nodes = nodes
+  job_desc.tres_per_node = set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil)
+  if job_desc.tres_per_job ~= nil then job_desc.tres_per_job = set_gpu_tres(job_desc.tres_per_job, nil) end
+  if job_desc.tres_per_task ~= nil and gpu_count(job_desc.tres_per_task) then
+    job_desc.tres_per_task = set_gpu_tres(job_desc.tres_per_task, nil)
+  end
+  if reply.tasks_per_node then
+    job_desc.ntasks_per_node = reply.tasks_per_node
+    if num(job_desc.num_tasks) then job_desc.num_tasks = nodes * reply.tasks_per_node end
+  end
+  if reply.switches then job_desc.req_switch = reply.switches end
+  if reply.decision_id ~= nil then job_desc.comment = M.comment_with(job_desc.comment, reply.decision_id) end
+  if changed and job_desc.script ~= nil and job_desc.environment ~= nil then
+    local env = job_desc.environment
+    env.SLURM_GPUS = tostring(nodes * per_node)
+    if env.SLURM_GPUS_PER_NODE ~= nil then env.SLURM_GPUS_PER_NODE = tostring(per_node) end
+    if env.SLURM_GPUS_PER_TASK ~= nil then env.SLURM_GPUS_PER_TASK = nil end
+  end
+  if reply.tasks_per_node and job_desc.environment ~= nil
+     and job_desc.environment.SLURM_NTASKS_PER_NODE ~= nil then
+    job_desc.environment.SLURM_NTASKS_PER_NODE = tostring(reply.tasks_per_node)
+  end
+  return changed
+end
+
+-- ---------------------------------------------------------------- cli_filter side
+function M.job_from_options(options)
+  local function opt(name)
+    local v = options[name]
+    if v == nil or v == "" or v == "unset" then return nil end
+    return tostring(v)
+  end
+  local nodes = opt("nodes")
+  local min_nodes, max_nodes = nil, nil
+  if nodes then
+    min_nodes, max_nodes = nodes:match("^(%d+)%-?(%d*)$")
+    min_nodes, max_nodes = tonumber(min_nodes), tonumber(max_nodes) or tonumber(min_nodes)
+  end
+  local per_node = opt("gpus-per-node") or opt("gres")
+  local gpus = opt("gpus")
+  local switch = opt("switches")
+  return {
+    user = os.getenv("USER"), partition = opt("partition"), name = opt("job-name"),
+    min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = tonumber(opt("ntasks-per-node")),
+    tres_per_node = per_node and ("gres:" .. (per_node:match("^gpu") and per_node or ("gpu:" .. per_node))) or nil,
+    tres_per_job = gpus and ("gres:gpu:" .. gpus) or nil,
+    time_limit_min = nil, req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
+  }
+end
+
+-- Apply a rewrite reply to sbatch's options (cli_filter), by long option name.
+function M.apply_cli_options(options, reply)
+  options["nodes"] = tostring(reply.nodes)
+  options["gpus-per-node"] = tostring(reply.gpus_per_node)
+  options["gres"] = nil
+  options["gpus"] = nil
+  options["gpus-per-task"] = nil
+  if reply.tasks_per_node then
+    options["ntasks-per-node"] = tostring(reply.tasks_per_node)
+    if options["ntasks"] ~= nil then options["ntasks"] = tostring(reply.nodes * reply.tasks_per_node) end
+  end
+  if reply.switches then options["switches"] = tostring(reply.switches) end
+  if reply.decision_id ~= nil then options["comment"] = M.comment_with(options["comment"], reply.decision_id) end
+end
+
+return M
