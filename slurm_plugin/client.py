@@ -489,3 +489,32 @@ def compress_counts(counts: Sequence[int]) -> str:
         out.append(f"{counts[i]}(x{j - i})" if j - i > 1 else str(counts[i]))
         i = j
     return ",".join(out)
+
+
+# -- job steps (added by the launcher, issue 6) ----------------------------------------------------
+def srun_step_argv(node: str, ntasks: int, argv: Sequence[str]) -> list[str]:
+    """The `srun` command of one node's worker step inside a running allocation.
+
+    `--overlap` lets steps share the allocation (one per node, started and ended independently) and
+    `--overcommit` allows more tasks than CPUs the job holds on the node (one task per GPU slot).
+    `--kill-on-bad-exit=0`: one task failing does not take the others of the step down.
+    """
+    return ["srun", "--overlap", "--overcommit", "--nodes=1", f"--ntasks={ntasks}", f"--nodelist={node}",
+            "--kill-on-bad-exit=0", "--export=ALL", *argv]
+
+
+def start_step(env: Mapping[str, str], node: str, ntasks: int, argv: Sequence[str], stdout: Path) -> subprocess.Popen:
+    """Start a long-running `srun` step and return its process (the caller waits for or signals it).
+
+    `env` must be the allocation's Slurm environment (SLURM_JOB_ID, SLURM_NODELIST, SLURM_NNODES...,
+    refreshed after a resize: srun trusts it) plus what the tasks need.
+
+    :raises SlurmError: srun could not be started.
+    """
+    command = srun_step_argv(node, ntasks, argv)
+    try:
+        with open(stdout, "ab") as out:
+            return subprocess.Popen(command, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        raise SlurmError(command, None, "", f"cannot start: {exc}") from exc
