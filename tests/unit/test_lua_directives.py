@@ -79,7 +79,10 @@ def _generated_scripts(count, seed):
     values = ["", "0", "1", "007", "64", "65537", "2-16", "8-2", "1-2-3", "-4", "4-", "0.5", ".5", "1.0",
               "1.5", "nan", "H100", "res;net", "resnet50", "torchvision:resnet50", "a" * 130, "on", "off",
               "cost", "speed", "sqrt", "grow_global", "x'y", "99999999999999999999"]
-    prefixes = ["#ELASTIC ", "#ELASTIC\t", "#ELASTIC", "#ELASTICX ", " #ELASTIC ", "#SBATCH -N1 ", "# "]
+    valid = {"model": "resnet50", "gpus": "2-8", "per_gpu_batch": "64", "max_global_batch": "4096",
+             "min_efficiency": "0.7", "gpu_type": "H100", "objective": "cost", "elastic": "off",
+             "batch_policy": "keep_global", "lr_scaling": "linear"}
+    prefixes = ["#ELASTIC "] * 6 + ["#ELASTIC\t", "#ELASTIC", "#ELASTICX ", " #ELASTIC ", "#SBATCH -N1 ", "# "]
     scripts = []
     for _ in range(count):
         lines = ["#!/bin/bash"]
@@ -87,7 +90,8 @@ def _generated_scripts(count, seed):
             tokens = []
             for _ in range(rng.randint(0, 3)):
                 shape = rng.random()
-                key, value = rng.choice(keys), rng.choice(values)
+                key = rng.choice(keys)
+                value = valid.get(key, "") if rng.random() < 0.7 else rng.choice(values)
                 if shape < 0.1:
                     tokens.append(key)
                 elif shape < 0.15:
