@@ -255,7 +255,8 @@ class CommandBackend:
         return self.sbatch(script, args, timeout).job_id
 
     def cancel(self, job_id: int, timeout: timedelta | None = None) -> None:
-        """:raises JobNotFoundError: Slurm does not know `job_id`."""
+        """:raises JobNotFoundError: squeue does not list `job_id` (scancel itself exits 0 for those)."""
+        self.job(job_id, timeout)
         try:
             self._run(["scancel", str(job_id)], timeout or self.update_timeout)
         except SlurmError as exc:
@@ -379,7 +380,7 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
         nodelist = j.get("nodes") or ""
         nodes = tuple(expand_hostlist(nodelist)) if nodelist else ()
         alloc = (j.get("job_resources") or {}).get("allocated_nodes") or []
-        cpus = {a.get("nodename"): int(a.get("cpus", 0)) for a in alloc}
+        cpus = {a.get("nodename"): _allocated_cores(a) for a in alloc}
         gres = list(j.get("gres_detail") or [])
         jobs.append(
             Job(
@@ -399,13 +400,22 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
     return jobs
 
 
+def _allocated_cores(node: dict) -> int:
+    """Allocated cores of one `job_resources.allocated_nodes` entry (= CPUs, one thread per core)."""
+    return sum(
+        state == "allocated"
+        for sock in (node.get("sockets") or {}).values()
+        for state in (sock.get("cores") or {}).values()
+    )
+
+
 def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
     out = []
     for j in sacct_json.get("jobs", []):
         if int(j.get("job_id", -1)) != job_id:
             continue
         allocated = (j.get("tres") or {}).get("allocated") or []
-        gpus = sum(int(t.get("count", 0)) for t in allocated if t.get("type") == "gres" and t.get("name") == "gpu")
+        gpus = sum(int(t.get("count") or 0) for t in allocated if t.get("type") == "gres" and t.get("name") == "gpu")
         state = j.get("state") or {}
         out.append(
             AcctRecord(
