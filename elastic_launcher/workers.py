@@ -1,0 +1,153 @@
+"""Worker processes: one `srun` step per node, one task per GPU slot, tracked by the controller.
+
+A node's workers are one srun step (`srun --overlap -N1 -n<slots> -w <node> CMD`), so that a node can be
+ended, waited for and accounted for as a unit: a shrink ends the leaving node's step after its ranks left
+at a commit point, and a step that ends while its node is still a member is a failure of that node.
+The step runs inside whichever allocation owns the node (the main job, or a grow helper job): the
+environment given to `start` decides that (srun trusts SLURM_JOB_ID / SLURM_NODELIST / SLURM_NNODES).
+
+Each task gets its slot from Slurm (SLURM_LOCALID) plus the launcher's variables (`worker_env`): the
+rendezvous store address, the job id, the node and a unique group id per step, which the runtime uses to
+name the worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+log = logging.getLogger("elastic_launcher.workers")
+
+# start_step(env, node, ntasks, argv, stdout_path) -> Popen of `srun ...` (slurm_plugin.client owns srun).
+StepStarter = Callable[[Mapping[str, str], str, int, Sequence[str], Path], subprocess.Popen]
+
+
+def worker_env(store_addr: str, job_id: str, node: str, group: str, slots: int) -> dict[str, str]:
+    """The launcher's variables for the workers of one step (the runtime reads them at its entry point)."""
+    return {
+        "ELASTIC_STORE_ADDR": store_addr,
+        "ELASTIC_JOB_ID": str(job_id),
+        "ELASTIC_NODE": node,
+        "ELASTIC_GROUP": group,
+        "ELASTIC_SLOTS": str(slots),
+    }
+
+
+@dataclasses.dataclass
+class WorkerStep:
+    """One node's workers: an srun process and what it was started for.
+
+    Attributes:
+        node: the node the step runs on.
+        group: unique id of this step (`<node>-g<n>`), part of each worker's id.
+        owner_job: id of the allocation the step runs in (main job or helper job).
+        slots: tasks in the step.
+        proc: the srun process.
+        started_at: `time.monotonic()` at start.
+        leaving: set once the controller asked its ranks to leave (its end is then expected).
+    """
+
+    node: str
+    group: str
+    owner_job: str
+    slots: int
+    proc: subprocess.Popen
+    started_at: float
+    leaving: bool = False
+
+    def returncode(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class WorkerPool:
+    """Starts, tracks and stops the per-node worker steps.
+
+    Args:
+        command: the worker command (`python train.py ...`).
+        store_addr: `host:port` of the rendezvous store.
+        job_id: the main job's id (workers of helper jobs join the same job).
+        start_step: how to start an srun step (slurm_plugin.client's `start_step`).
+        log_dir: where each step's output goes (`worker-<group>.log`).
+        stop_timeout: wait for a step to end after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, command: Sequence[str], store_addr: str, job_id: str, start_step: StepStarter,
+                 log_dir: Path, stop_timeout: timedelta = timedelta(seconds=10)):
+        self.command = tuple(command)
+        self.store_addr = store_addr
+        self.job_id = str(job_id)
+        self.start_step = start_step
+        self.log_dir = Path(log_dir)
+        self.stop_timeout = stop_timeout
+        self.steps: dict[str, WorkerStep] = {}
+        self._generation = 0
+
+    def start(self, node: str, slots: int, alloc_env: Mapping[str, str], owner_job: str) -> WorkerStep:
+        """Start `slots` workers on `node` inside the allocation whose Slurm env is `alloc_env`.
+
+        Raises:
+            ValueError: the node already has a running step.
+            slurm_plugin.errors.SlurmError: srun could not be started.
+        """
+        if node in self.steps and self.steps[node].alive():
+            raise ValueError(f"WorkerPool.start: node {node} already runs step {self.steps[node].group}")
+        self._generation += 1
+        group = f"{node}-g{self._generation}"
+        env = dict(alloc_env)
+        env.update(worker_env(self.store_addr, self.job_id, node, group, slots))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        proc = self.start_step(env, node, slots, self.command, self.log_dir / f"worker-{group}.log")
+        step = WorkerStep(node, group, str(owner_job), slots, proc, time.monotonic())
+        self.steps[node] = step
+        log.info("started %d workers on %s (group %s, job %s, pid %d)", slots, node, group, owner_job, proc.pid)
+        return step
+
+    def running(self) -> list[WorkerStep]:
+        return [s for s in self.steps.values() if s.alive()]
+
+    def ended(self) -> list[WorkerStep]:
+        """Steps that have ended and are still tracked (the caller decides and then `forget`s them)."""
+        return [s for s in self.steps.values() if not s.alive()]
+
+    def forget(self, node: str) -> Optional[WorkerStep]:
+        return self.steps.pop(node, None)
+
+    def wait_ended(self, nodes: Sequence[str], timeout: timedelta) -> list[str]:
+        """Wait until the steps on `nodes` ended; return the nodes still running after `timeout`."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        pending = [n for n in nodes if n in self.steps]
+        while pending and time.monotonic() < deadline:
+            pending = [n for n in pending if self.steps[n].alive()]
+            if pending:
+                time.sleep(0.05)
+        return [n for n in pending if self.steps[n].alive()]
+
+    def stop(self, node: str, timeout: Optional[timedelta] = None) -> Optional[int]:
+        """End a node's step: SIGTERM to srun (forwarded to the tasks), SIGKILL after the timeout.
+
+        Returns the step's exit status, None when the node had no step.
+        """
+        step = self.steps.get(node)
+        if step is None:
+            return None
+        if step.alive():
+            step.proc.send_signal(signal.SIGTERM)
+            try:
+                step.proc.wait((timeout or self.stop_timeout).total_seconds())
+            except subprocess.TimeoutExpired:
+                log.warning("step %s on %s ignored SIGTERM; killing srun", step.group, node)
+                step.proc.kill()
+                step.proc.wait()
+        return step.proc.returncode
+
+    def stop_all(self, timeout: Optional[timedelta] = None) -> None:
+        for node in list(self.steps):
+            self.stop(node, timeout)
