@@ -1,0 +1,160 @@
+"""slurm_plugin.client on output captured from the 22.05.8 testbed (tests/unit/fixtures/slurm/); no Slurm runs.
+
+Fixtures: squeue_running.json (job 1: `sbatch -N2 --gres=gpu:4`, running on node[1-2]); squeue_3node.json
+(job 2: `-N3 --ntasks-per-node=2 --gres=gpu:2`); squeue_shrunk.json (job 2 after `NumNodes=2`, job 1
+cancelled); sinfo_busy.json (while job 1 ran); sacct_2.json (job 2 after one shrink); topology.txt,
+partitions.txt (`scontrol show topology`, `scontrol show partition -o`).
+"""
+import json
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slurm_plugin.client import (
+    CommandBackend,
+    compress_counts,
+    compress_hostlist,
+    expand_hostlist,
+    parse_jobs,
+    parse_nodes,
+    parse_partitions,
+    parse_sacct,
+    parse_topology,
+)
+from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "slurm"
+
+
+def _json(name):
+    return json.loads((FIXTURES / name).read_text())
+
+
+def _text(name):
+    return (FIXTURES / name).read_text()
+
+
+def _job(fixture, job_id):
+    return next(j for j in parse_jobs(_json(fixture)) if j.job_id == job_id)
+
+
+def test_topology_maps_each_node_to_its_leaf_not_the_spine():
+    assert parse_topology(_text("topology.txt")) == {
+        "node1": "leaf1", "node2": "leaf1", "node3": "leaf2", "node4": "leaf2"}
+
+
+def test_nodes_have_four_gpus_and_the_running_job_uses_node1_and_node2():
+    nodes = {n.name: n for n in parse_nodes(_json("sinfo_busy.json"), parse_topology(_text("topology.txt")))}
+    assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
+    assert {n.gpus for n in nodes.values()} == {4}
+    assert [nodes[n].gpus_alloc for n in sorted(nodes)] == [4, 4, 0, 0]
+    assert nodes["node1"].state == "mixed" and nodes["node4"].state == "idle"
+    assert nodes["node3"].switch == "leaf2" and nodes["node2"].partitions == ("debug",)
+
+
+def test_partitions_from_scontrol_text():
+    (part,) = parse_partitions(_text("partitions.txt"))
+    assert (part.name, part.default, part.state) == ("debug", True, "UP")
+    assert part.nodes == ("node1", "node2", "node3", "node4")
+
+
+def test_running_two_node_gpu_job():
+    job = _job("squeue_running.json", 1)
+    assert (job.state, job.nodes, job.batch_host, job.comment) == ("RUNNING", ("node1", "node2"), "node1", "hello")
+    assert job.gpus_per_node == (4, 4) and job.tres_per_node == "gres:gpu:4"
+    assert job.cpus_per_node == (1, 1)
+
+
+def test_resize_env_after_shrink_counts_cpus_per_node():
+    before, after = _job("squeue_3node.json", 2), _job("squeue_shrunk.json", 2)
+    assert before.resize_env()["SLURM_JOB_CPUS_PER_NODE"] == "2(x3)"
+    assert after.resize_env() == {
+        "SLURM_NODELIST": "node[1-2]", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
+
+
+def test_cancelled_job_has_no_per_node_gres():
+    job = _job("squeue_shrunk.json", 1)
+    assert job.state == "CANCELLED" and job.gpus_per_node == ()
+
+
+def test_sacct_keeps_one_record_per_size_and_filters_other_jobs():
+    records = parse_sacct(_json("sacct_2.json"), 2)
+    assert [(r.state, r.nodelist, r.gpus) for r in records] == [("RESIZING", "node[1-3]", 6), ("RUNNING", "node[1-2]", 4)]
+    assert parse_sacct(_json("sacct_2.json"), 1) == []
+
+
+@pytest.mark.parametrize("expr, names", [
+    ("node[1-2,4]", ["node1", "node2", "node4"]),
+    ("node3", ["node3"]),
+    ("gpu[08-10],login", ["gpu08", "gpu09", "gpu10", "login"]),
+])
+def test_hostlist_expand_and_compress(expr, names):
+    assert expand_hostlist(expr) == names
+    assert sorted(expand_hostlist(compress_hostlist(names))) == sorted(names)
+
+
+@given(st.sets(st.integers(min_value=0, max_value=60), min_size=1))
+def test_compress_hostlist_round_trips(nums):
+    names = [f"node{i}" for i in nums]
+    assert sorted(expand_hostlist(compress_hostlist(names))) == sorted(names)
+
+
+def test_compress_counts():
+    assert compress_counts([8, 8, 4]) == "8(x2),4"
+    assert compress_counts([2]) == "2"
+
+
+class FixtureBackend(CommandBackend):
+    """The real backend with `_run` answering from fixtures and recording updates."""
+
+    def __init__(self, squeue_fixture):
+        super().__init__(slurm_conf=Path("/nonexistent/slurm.conf"))
+        self.squeue = _text(squeue_fixture)
+        self.calls = []
+
+    def _run(self, argv, timeout, stdin=None):
+        self.calls.append(list(argv))
+        out = self.squeue if argv[:2] == ["squeue", "--json"] else ""
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+
+def test_shrink_validates_before_touching_slurm():
+    backend = FixtureBackend("squeue_3node.json")
+    with pytest.raises(ResizeError, match="job 2: .*asked for 4 nodes but it has 3"):
+        backend.shrink(2, 4)
+    with pytest.raises(ResizeError, match="job 2: .*drop its batch host node1"):
+        backend.shrink(2, ["node[2-3]"])
+    with pytest.raises(ResizeError, match="job 2: .*node4 not in its allocation"):
+        backend.shrink(2, ["node1", "node4"])
+    with pytest.raises(JobNotFoundError, match="job 999"):
+        backend.shrink(999, 1)
+    assert not [c for c in backend.calls if c[0] == "scontrol"]
+
+
+def test_shrink_by_count_keeps_batch_host_and_names_nodes():
+    backend = FixtureBackend("squeue_3node.json")
+    backend.shrink(2, 2)
+    assert ["scontrol", "update", "JobId=2", "NodeList=node[1-2]"] in backend.calls
+
+
+def test_shrink_refuses_finished_job():
+    with pytest.raises(ResizeError, match="job 1: .*CANCELLED"):
+        FixtureBackend("squeue_shrunk.json").shrink(1, 1)
+
+
+def test_run_timeout_raises_slurm_error():
+    backend = CommandBackend(timeout=timedelta(seconds=0.2))
+    with pytest.raises(SlurmError, match="timed out after 0.2 s") as info:
+        backend._run(["sleep", "5"], timedelta(seconds=0.2))
+    assert info.value.rc is None
+
+
+def test_run_nonzero_exit_carries_stderr():
+    with pytest.raises(SlurmError) as info:
+        CommandBackend()._run(["sh", "-c", "echo boom >&2; exit 3"], timedelta(seconds=5))
+    assert info.value.rc == 3 and "boom" in str(info.value)
