@@ -100,3 +100,8 @@ def env(bed: Testbed) -> None:
     exports = {**bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
     for key, value in exports.items():
         click.echo(f"export {key}={shlex.quote(value)}")
+
+
+from slurm_plugin.installer import install_plugin  # noqa: E402  (issue 5)
+
+main.add_command(install_plugin)

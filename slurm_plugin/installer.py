@@ -1,0 +1,205 @@
+"""Install the elastic-slurm Lua hooks next to slurm.conf (`elastic-slurm install-plugin`).
+
+Writes `elastic_common.lua`, `elastic.conf`, `job_submit.lua` and, on request, `cli_filter.lua` into the
+configuration directory (the directory of slurm.conf, where slurmctld looks for job_submit.lua), after
+checking that lua-socket and lua-cjson load in Slurm's Lua (lua5.1). Each file is replaced atomically
+(write to a temporary name, then rename), `job_submit.lua` last.
+
+slurmctld reloads job_submit.lua when its mtime is newer than the time it last loaded it, with
+one-second granularity, and reads elastic_common.lua and elastic.conf only while loading it. So after
+writing, `install` waits for the next full second and stamps job_submit.lua with it: the next submission
+is then guaranteed to load the new files, even if slurmctld loaded the old script in this same second.
+
+The slurm.conf lines are returned (and printed by the CLI); `add_to_slurm_conf` merges them into an
+existing slurm.conf, after which the caller runs `scontrol reconfigure` (the CLI does, through
+`slurm_plugin.client`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import click
+
+LUA_DIR = Path(__file__).parent / "lua"
+
+
+class InstallError(RuntimeError):
+    """The hooks cannot be installed: names the bad option, directory or missing Lua package."""
+
+
+LUA_CHECK = 'local s = require("socket"); local c = require("cjson.safe"); io.write(s._VERSION, " ", c._VERSION)'
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginConfig:
+    """What the hooks read from elastic.conf.
+
+    Attributes:
+        conf_dir: directory of slurm.conf; the Lua files and elastic.conf go here.
+        predictor_url: base URL of the predictor (`http://HOST:PORT`); the hooks POST `<url>/v1/plan`.
+            Use an IP address or a name in /etc/hosts: name resolution is outside the time budget.
+        budget: hard limit on one /v1/plan call (connect + send + receive), default 100 ms.
+        breaker_failures: failures in a row that open the circuit breaker.
+        breaker_open: how long an open breaker skips the call.
+        cli_filter: also install cli_filter.lua (the same request from sbatch's side).
+    """
+
+    conf_dir: Path
+    predictor_url: str
+    budget: timedelta = timedelta(milliseconds=100)
+    breaker_failures: int = 3
+    breaker_open: timedelta = timedelta(seconds=30)
+    cli_filter: bool = False
+
+    def __post_init__(self):
+        parts = urlsplit(self.predictor_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise InstallError(f"--predictor-url must be http://HOST[:PORT], got {self.predictor_url!r}")
+        if not timedelta(milliseconds=1) <= self.budget <= timedelta(seconds=10):
+            raise InstallError(f"budget must be 1 ms..10 s, got {self.budget.total_seconds() * 1000:g} ms")
+        if self.breaker_failures < 1:
+            raise InstallError(f"breaker_failures must be >= 1, got {self.breaker_failures}")
+        if self.breaker_open.total_seconds() < 0:
+            raise InstallError("breaker_open must not be negative")
+
+    def conf_text(self) -> str:
+        budget_ms = self.budget.total_seconds() * 1000
+        return (
+            "# elastic-slurm hook configuration, written by `elastic-slurm install-plugin`\n"
+            f"predictor_url = {self.predictor_url.rstrip('/')}\n"
+            f"budget_ms = {budget_ms:g}\n"
+            f"breaker_failures = {self.breaker_failures}\n"
+            f"breaker_open_s = {self.breaker_open.total_seconds():g}\n"
+        )
+
+    def slurm_conf_lines(self) -> list[str]:
+        lines = ["JobSubmitPlugins=lua"]
+        if self.cli_filter:
+            lines.append("CliFilterPlugins=lua")
+        return lines
+
+
+def check_lua(lua: str = "lua5.1", timeout: timedelta = timedelta(seconds=10)) -> str:
+    """Check that lua-socket and lua-cjson load in `lua`; return their versions.
+
+    :raises InstallError: naming the missing package.
+    """
+    try:
+        proc = subprocess.run([lua, "-e", LUA_CHECK], capture_output=True, text=True,
+                              timeout=timeout.total_seconds(), check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InstallError(f"cannot run {lua}: {exc} (apt-get install lua5.1)") from exc
+    if proc.returncode != 0:
+        raise InstallError(f"lua-socket or lua-cjson does not load in {lua} "
+                           f"(apt-get install lua-socket lua-cjson): {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+
+
+def _stamp_next_second(path: Path) -> None:
+    """Give `path` an mtime strictly after any load slurmctld did before this call."""
+    now = time.time()
+    target = int(now) + 1
+    time.sleep(target - now)
+    os.utime(path, (target, target))
+
+
+def install(config: PluginConfig, lua: str = "lua5.1") -> list[Path]:
+    """Write the hook files into `config.conf_dir`; return the paths written, job_submit.lua last.
+
+    :raises InstallError: the directory does not exist or Lua lacks lua-socket/lua-cjson.
+    """
+    if not config.conf_dir.is_dir():
+        raise InstallError(f"--conf-dir {config.conf_dir} is not a directory")
+    check_lua(lua)
+    written = []
+    files = [("elastic_common.lua", (LUA_DIR / "elastic_common.lua").read_text()),
+             ("elastic.conf", config.conf_text())]
+    if config.cli_filter:
+        files.append(("cli_filter.lua", (LUA_DIR / "cli_filter.lua").read_text()))
+    files.append(("job_submit.lua", (LUA_DIR / "job_submit.lua").read_text()))
+    for name, text in files:
+        _write_atomic(config.conf_dir / name, text)
+        written.append(config.conf_dir / name)
+    _stamp_next_second(written[-1])
+    return written
+
+
+def add_to_slurm_conf(slurm_conf: Path, lines: list[str]) -> bool:
+    """Merge `Key=lua` lines into slurm.conf (adding `lua` to an existing plugin list); True if changed.
+
+    :raises InstallError: slurm.conf does not exist.
+    """
+    if not slurm_conf.is_file():
+        raise InstallError(f"{slurm_conf} does not exist")
+    text = slurm_conf.read_text()
+    original = text
+    for line in lines:
+        key, value = line.split("=", 1)
+        pattern = re.compile(rf"^[ \t]*{key}[ \t]*=[ \t]*(\S*)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+        match = pattern.search(text)
+        if match is None:
+            text = text.rstrip("\n") + f"\n{line}\n"
+        elif value not in match.group(1).split(","):
+            merged = ",".join(p for p in [*match.group(1).split(","), value] if p)
+            text = text[:match.start()] + f"{key}={merged}" + text[match.end():]
+    if text != original:
+        _write_atomic(slurm_conf, text)
+    return text != original
+
+
+@click.command("install-plugin")
+@click.option("--conf-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory of slurm.conf (job_submit.lua must sit beside it).")
+@click.option("--predictor-url", required=True, help="Base URL of the predictor, e.g. http://10.0.0.5:8080.")
+@click.option("--budget-ms", type=click.IntRange(1, 10000), default=100, show_default=True,
+              help="Hard limit on one /v1/plan call, connect to last byte.")
+@click.option("--breaker-failures", type=click.IntRange(1, 1000), default=3, show_default=True,
+              help="Failures in a row that open the circuit breaker.")
+@click.option("--breaker-open-s", type=click.FloatRange(0, 86400), default=30.0, show_default=True,
+              help="Seconds an open breaker skips the call.")
+@click.option("--cli-filter", is_flag=True, help="Also install cli_filter.lua (CliFilterPlugins=lua).")
+@click.option("--apply", is_flag=True, help="Add the lines to DIR/slurm.conf and run `scontrol reconfigure`.")
+def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_failures: int,
+                   breaker_open_s: float, cli_filter: bool, apply: bool) -> None:
+    """Install the job_submit (and cli_filter) Lua hooks and print the slurm.conf lines.
+
+    Example: elastic-slurm install-plugin --conf-dir /etc/slurm --predictor-url http://10.0.0.5:8080 --apply
+    """
+    try:
+        config = PluginConfig(conf_dir.absolute(), predictor_url, timedelta(milliseconds=budget_ms),
+                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter)
+        versions = check_lua()
+        written = install(config)
+    except InstallError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"lua5.1 modules: {versions}")
+    for path in written:
+        click.echo(f"wrote {path}")
+    click.echo("slurm.conf lines:")
+    for line in config.slurm_conf_lines():
+        click.echo(f"  {line}")
+    if apply:
+        from slurm_plugin.client import CommandBackend
+        from slurm_plugin.errors import SlurmError
+
+        slurm_conf = config.conf_dir / "slurm.conf"
+        try:
+            changed = add_to_slurm_conf(slurm_conf, config.slurm_conf_lines())
+            CommandBackend(slurm_conf=slurm_conf).reconfigure()
+        except (InstallError, SlurmError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        click.echo(f"{'updated' if changed else 'unchanged'} {slurm_conf}; scontrol reconfigure done")

@@ -1,0 +1,58 @@
+--[[
+ cli_filter.lua (elastic-slurm): the job_submit hook's request and rewrite, from sbatch's side.
+
+ For sites that keep network calls out of slurmctld. It runs inside sbatch as the submitting user, who
+ can bypass it with their own SLURM_CONF, so it is a convenience: enforcement stays in job_submit.lua.
+ The batch script is read from the path sbatch was given (scripts on stdin are not seen). The circuit
+ breaker state lives in a small per-user file (each sbatch is a new process). See docs/hook.md.
+]]
+local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
+local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
+local cfg
+if loaded then cfg = elastic.read_config(dir .. "elastic.conf") end
+
+local function script_of(options)
+  local argv = options.argv
+  local path = type(argv) == "table" and argv[1] or nil
+  if options.wrap ~= nil or type(path) ~= "string" then return nil end
+  local f = io.open(path, "r")
+  if not f then return nil end
+  local text = f:read(65536)
+  f:close()
+  return text
+end
+
+function slurm_cli_setup_defaults(options, early_pass)
+  return slurm.SUCCESS
+end
+
+function slurm_cli_pre_submit(options, pack_offset)
+  if not loaded then return slurm.SUCCESS end
+  local lines = elastic.directive_lines(script_of(options))
+  if #lines == 0 or elastic.is_helper(options["job-name"], options.comment, options.dependency, cfg.helper_marker) then
+    return slurm.SUCCESS
+  end
+  local _, err = elastic.parse_lines(lines)
+  if err then
+    slurm.log_error("elastic: %s", err.message)
+    return slurm.ERROR
+  end
+  local user = tostring(os.getenv("USER") or os.getenv("LOGNAME") or "unknown"):gsub("[^%w_.-]", "_")
+  local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s,
+    cfg.cli_state_dir .. "/elastic-slurm-breaker." .. user)
+  local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options)))
+  if outcome.kind == "reject" then
+    slurm.log_error("elastic: %s", outcome.message)
+    return slurm.ERROR
+  elseif outcome.kind == "skip" then
+    slurm.log_info("%s", elastic.skip_message(outcome))
+    return slurm.SUCCESS
+  end
+  if outcome.kind == "rewrite" then elastic.apply_cli_options(options, outcome) end
+  slurm.log_info("%s", outcome.reason)
+  return slurm.SUCCESS
+end
+
+function slurm_cli_post_submit(offset, job_id, step_id)
+  return slurm.SUCCESS
+end

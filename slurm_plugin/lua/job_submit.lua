@@ -1,0 +1,54 @@
+--[[
+ job_submit.lua (elastic-slurm): right-size GPU jobs that carry #ELASTIC directives (docs/hook.md).
+
+ Jobs without #ELASTIC lines, launcher helper jobs and expand: allocations pass untouched and silently.
+ A malformed #ELASTIC line is rejected here, even when the predictor is down. Otherwise the raw lines and
+ the job's request go to POST /v1/plan within a hard total budget; a rewrite is applied mechanically.
+ Any failure of the service (down, slow, 5xx, garbage, circuit open) accepts the job as written.
+ Installed with elastic_common.lua and elastic.conf beside it by `elastic-slurm install-plugin`.
+]]
+local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
+local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
+local cfg, breaker
+if loaded then
+  cfg = elastic.read_config(dir .. "elastic.conf")
+  breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s)
+else
+  slurm.log_error("slurm_job_submit: elastic: cannot load %s: %s", dir .. "elastic_common.lua", tostring(elastic))
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  if not loaded or job_desc.script == nil then return slurm.SUCCESS end
+  local lines = elastic.directive_lines(job_desc.script)
+  if #lines == 0 or elastic.is_helper(job_desc.name, job_desc.comment, job_desc.dependency, cfg.helper_marker) then
+    return slurm.SUCCESS
+  end
+  local _, err = elastic.parse_lines(lines)
+  if err then
+    slurm.log_user("elastic: " .. err.message)
+    return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
+  end
+  local outcome = elastic.plan(cfg, breaker, elastic.request("job_submit", lines, elastic.job_from_desc(job_desc, submit_uid)))
+  if outcome.kind == "reject" then
+    slurm.log_user("elastic: " .. outcome.message)
+    return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
+  elseif outcome.kind == "skip" then
+    slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped: %s", tostring(submit_uid), outcome.why)
+    slurm.user_msg(elastic.skip_message(outcome))
+    return slurm.SUCCESS
+  end
+  if outcome.kind == "rewrite" then elastic.apply_job_desc(job_desc, outcome) end
+  if outcome.kind == "keep" and outcome.decision_id ~= nil then
+    job_desc.comment = elastic.comment_with(job_desc.comment, outcome.decision_id)
+  end
+  slurm.log_info("slurm_job_submit: elastic: uid %s: %s %s", tostring(submit_uid), outcome.kind, outcome.reason)
+  slurm.user_msg(outcome.reason)
+  return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  return slurm.SUCCESS
+end
+
+slurm.log_info("job_submit.lua: elastic-slurm hook initialized (%s)", loaded and tostring(cfg.predictor_url) or "disabled")
+return slurm.SUCCESS
