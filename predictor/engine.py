@@ -1,0 +1,190 @@
+"""The prediction engine the service uses: fit on history (profiles + observations), predict candidate layouts.
+
+`Predictor.fit` fits the per-link collective model (linkmodel.LinkModel) on `kind="collective"` records and the
+throughput model (throughput.py) on `kind="step"` records; `predict` answers one (profile, GPU, batch) for a list
+of candidate layouts. Records have the shapes of docs/design.md; step records may carry `sync_s` (seconds of
+the step blocked in gradient sync), which sharpens the compute/sync split. Callers may assume: predictions come
+back in candidate order, and a profile or link never observed still gets an answer, marked by `basis` and a
+larger `uncertainty`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from predictor.errors import ValidationError
+from predictor.linkmodel import LinkModel, empty_link_model
+from predictor.profiles import Profile
+from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, predict_rows,
+                                  profile_compute_params, sync_bases)
+
+PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a profile
+PRIOR_LOG_STD = 1.0  # ... from a parameter-count guess
+MIN_LOG_STD = 0.03
+
+
+class Predictor:
+    """Throughput of data-parallel training per candidate layout, from link and step history.
+
+    Args:
+        bucket_cap_mb: DDP bucket cap used for profiles that do not list their buckets.
+        link_prior_weight: pseudo-observations a link class prior is worth in the collective model.
+        sync_weight: weight of reported sync times against step times in the step fit.
+        w_l2: ridge weight of the topology corrections.
+        gamma_prior: compute/sync overlap exponent used where it cannot be fitted.
+        f_scale: soft-L1 scale of log residuals in the step fit.
+    """
+
+    def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,
+                 w_l2: float = 0.3, gamma_prior: float = 1.5, f_scale: float = 0.05):
+        self.bucket_cap_mb = bucket_cap_mb
+        self.link_prior_weight = link_prior_weight
+        self.sync_weight = sync_weight
+        self.w_l2 = w_l2
+        self.gamma_prior = gamma_prior
+        self.f_scale = f_scale
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, profiles: dict[str, Profile], observations: list[dict]) -> "Predictor":
+        """Fit on validated observation dicts. Step rows of profiles not in `profiles` are skipped (`skipped_`).
+
+        Raises:
+            ValidationError: a record lacks a field the fit needs (named as `observations[i].field`).
+        """
+        coll = [o for o in observations if o.get("kind") == "collective"]
+        steps, self.skipped_ = [], 0
+        for i, o in enumerate(observations):
+            if o.get("kind") != "step":
+                continue
+            for f in ("profile", "gpu", "layout", "intra_link", "per_gpu_batch", "iter_s"):
+                if o.get(f) in (None, "", []):
+                    raise ValidationError(f"observations[{i}].{f}", "required for a step record")
+            if o["profile"] not in profiles:
+                self.skipped_ += 1
+                continue
+            steps.append(o)
+        if coll:
+            X = [(o["link"], o.get("op", "allreduce"), o["world"], o["bytes"]) for o in coll]
+            self.links_ = LinkModel(prior_weight=self.link_prior_weight).fit(X, [o["seconds"] for o in coll])
+        else:
+            self.links_ = empty_link_model(prior_weight=self.link_prior_weight)
+        self.profiles_ = dict(profiles)
+        self.step_links_ = {}
+        for o in steps:
+            for key in (o["intra_link"], o.get("inter_link")):
+                if key:
+                    self.step_links_[key] = self.step_links_.get(key, 0) + 1
+        if steps:
+            bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
+                              for o in steps])
+            fit = fit_throughput(steps, bases, sync_weight=self.sync_weight, w_l2=self.w_l2,
+                                 gamma_prior=self.gamma_prior, f_scale=self.f_scale)
+        else:
+            fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
+        self.perf_, self.net_, self.log_rmse_ = fit["perf"], fit["net"], fit["log_rmse"]
+        self.converged_ = fit["converged"]
+        self.calibration_ = self._calibrate()
+        self.n_steps_ = len(steps)
+        return self
+
+    def _bases(self, profile: Profile, layout, intra, inter):
+        return sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout), intra, inter)
+
+    def _calibrate(self) -> dict[str, float]:
+        """Per GPU: geometric mean of fitted c1 over the profile estimate, for never-observed profiles."""
+        ratios: dict[str, list[float]] = {}
+        for (name, gpu), p in self.perf_.items():
+            est = profile_compute_params(self.profiles_[name], gpu, None).c1
+            ratios.setdefault(gpu, []).append(math.log(p.c1 / est))
+        return {g: math.exp(float(np.mean(v))) for g, v in ratios.items()}
+
+    # ------------------------------------------------------------------ predict
+    def known(self, profile_name: str, gpu: str) -> bool:
+        """Whether step history exists for this (profile, GPU type) pair."""
+        self._check_fitted()
+        return (profile_name, gpu) in self.perf_
+
+    def predict(self, profile: Profile, gpu: str, per_gpu_batch: int, candidates: list[dict]) -> list[dict]:
+        """Predicted step time and throughput of each candidate layout, in order.
+
+        Raises:
+            ValidationError: bad batch or candidate (named as `candidates[i].layout`, ...).
+        """
+        self._check_fitted()
+        if isinstance(per_gpu_batch, bool) or not isinstance(per_gpu_batch, (int, float)) \
+                or not math.isfinite(per_gpu_batch) or not 0 < per_gpu_batch <= 1e7:
+            raise ValidationError("per_gpu_batch", f"must be a positive number, got {per_gpu_batch!r}")
+        cands = [_check_candidate(c, i) for i, c in enumerate(candidates)]
+        if not cands:
+            return []
+        perf, basis, log_std = self._perf(profile, gpu)
+        out = []
+        for c in cands:
+            net, link_std = self._net(c["intra_link"], c["inter_link"])
+            bases = np.array([self._bases(profile, c["layout"], c["intra_link"], c["inter_link"])])
+            r = predict_rows(perf, net, float(per_gpu_batch), [c["layout"]], bases)
+            share = float(r["comm_s"][0] / max(r["iter_s"][0], 1e-12)) if sum(c["layout"]) > 1 else 0.0
+            std = math.sqrt(log_std**2 + (share * link_std) ** 2)
+            out.append({"layout": list(c["layout"]), "samples_per_s": float(r["samples_per_s"][0]),
+                        "iter_s": float(r["iter_s"][0]), "compute_s": float(r["compute_s"][0]),
+                        "comm_s": float(r["comm_s"][0]), "uncertainty": std, "basis": basis})
+        return out
+
+    def _perf(self, profile: Profile, gpu: str) -> tuple[PerfParams, str, float]:
+        key = (profile.name, gpu)
+        if key in self.perf_:
+            return self.perf_[key], "observed", max(self.log_rmse_.get(key, 0.1), MIN_LOG_STD)
+        gammas = [p.gamma for p in self.perf_.values()]
+        gamma = float(np.median(gammas)) if gammas else self.gamma_prior
+        perf = profile_compute_params(profile, gpu, self.calibration_.get(gpu), gamma)
+        has_estimate = profile.compute_s_per_sample is not None or profile.flops_per_sample is not None
+        return perf, ("profile" if has_estimate else "prior"), (PROFILE_LOG_STD if has_estimate else PRIOR_LOG_STD)
+
+    def _net(self, intra: str, inter: str | None) -> tuple[NetParams, float]:
+        """Fabric corrections: exact fabric if fitted, else per-link parts borrowed from fabrics sharing a link."""
+        fab = (intra, inter or "")
+        link_std = 0.0
+        for link in (intra, inter):
+            if link and link not in self.step_links_ and link not in self.links_.links_:
+                link_std = max(link_std, self.links_.link_log_std(link))
+        if fab in self.net_:
+            return self.net_[fab], link_std
+        s_i = [n.log_intra for f, n in self.net_.items() if f[0] == intra]
+        same_e = [n for f, n in self.net_.items() if f[1] == (inter or "")]
+        s_e = float(np.mean([n.log_inter for n in same_e])) if same_e else 0.0
+        w = tuple(np.mean([n.w for n in same_e], axis=0)) if same_e else (0.0,) * N_PHI
+        return NetParams(float(np.mean(s_i)) if s_i else 0.0, s_e, w), max(link_std, 0.2)
+
+    def link_stats(self) -> list[dict]:
+        """Per link: alpha_s, bandwidth_Bps (as steps see it), n observations, fit error (log RMSE) or None."""
+        self._check_fitted()
+        stats = {s["link"]: dict(s) for s in self.links_.link_stats()}
+        for link, n_steps in self.step_links_.items():
+            s = stats.setdefault(link, {"link": link, "n": 0, "log_rmse": None})
+            a, bw, *_ = self.links_._params(link)
+            scales = [n.log_intra for f, n in self.net_.items() if f[0] == link] + \
+                     [n.log_inter for f, n in self.net_.items() if f[1] == link]
+            scale = math.exp(float(np.mean(scales))) if scales else 1.0
+            s.update({"alpha_s": a * scale, "bandwidth_Bps": bw / scale, "n_steps": n_steps})
+        return [stats[k] for k in sorted(stats)]
+
+    def _check_fitted(self):
+        if not hasattr(self, "perf_"):
+            raise RuntimeError("Predictor is not fitted: call fit(profiles, observations) first")
+
+
+def _check_candidate(c, i: int) -> dict:
+    if not isinstance(c, dict):
+        raise ValidationError(f"candidates[{i}]", "must be an object {layout, intra_link, inter_link}")
+    lay = c.get("layout")
+    if not isinstance(lay, list) or not lay or len(lay) > 4096 or any(
+            isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= 1024 for k in lay):
+        raise ValidationError(f"candidates[{i}].layout", f"must be a non-empty list of GPUs per node (1..1024), got {lay!r}")
+    intra = c.get("intra_link")
+    if not isinstance(intra, str) or not intra:
+        raise ValidationError(f"candidates[{i}].intra_link", "must be a link name")
+    inter = c.get("inter_link")
+    if len(lay) > 1 and (not isinstance(inter, str) or not inter):
+        raise ValidationError(f"candidates[{i}].inter_link", "required for a layout on several nodes")
+    return {"layout": lay, "intra_link": intra, "inter_link": inter if len(lay) > 1 else None}

@@ -1,0 +1,355 @@
+"""Model tensor profiles: what a model's gradient synchronisation moves, and what a sample costs to compute.
+
+A profile lists the parameter tensors (name, numel, dtype) in the order DDP buckets them (reverse
+registration order) and the bucket sizes DDP forms at its cap (first bucket 1 MiB, then `bucket_cap_mb`;
+one bucket never mixes dtypes). Sources: a live `torch.nn.Module` (`profile_from_module`), a spec string
+(`profile_from_spec("torchvision:resnet50")`, `"transformers:bert-base-uncased"` or a built-in name (`BUILTIN`,
+our own parameter shapes from the published configs), all built on the meta device so no weights are downloaded), or the API (`Profile.from_dict`).
+
+Callers may assume a `Profile` is immutable and validated: numels are positive integers below 1e12 and dtypes
+are known, so `grad_bytes` is exact.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from predictor.errors import NotFoundError, ValidationError
+
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1, "int32": 4, "int64": 8, "bool": 1,
+}
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+_MAX_NUMEL = 10**12
+_MAX_BUCKETS = 100_000
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter tensor: `name`, element count `numel`, `dtype` (torch name without `torch.`)."""
+
+    name: str
+    numel: int
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's gradient tensors and compute cost.
+
+    Attributes:
+        name: profile name (the `model` directive).
+        tensors: parameter tensors in DDP bucketing order (reverse registration order).
+        buckets_bytes: DDP bucket sizes in bytes, in reduction order.
+        compute_s_per_sample: measured forward+backward seconds per sample on a reference GPU, if known.
+        flops_per_sample: training FLOPs per sample (forward + backward), if known.
+        reference_gpu: GPU type `compute_s_per_sample` was measured on.
+        source: where the profile came from (module, spec, api).
+    """
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    buckets_bytes: tuple[int, ...]
+    compute_s_per_sample: float | None = None
+    flops_per_sample: float | None = None
+    reference_gpu: str | None = None
+    source: str = "api"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes all-reduced per step (sum of the buckets)."""
+        return int(sum(self.buckets_bytes))
+
+    @property
+    def n_params(self) -> int:
+        return int(sum(t.numel for t in self.tensors))
+
+    def to_dict(self) -> dict:
+        d = {
+            "name": self.name,
+            "tensors": [{"name": t.name, "numel": t.numel, "dtype": t.dtype} for t in self.tensors],
+            "buckets_bytes": list(self.buckets_bytes),
+            "compute_s_per_sample": self.compute_s_per_sample,
+            "flops_per_sample": self.flops_per_sample,
+            "reference_gpu": self.reference_gpu,
+            "source": self.source,
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, bucket_cap_mb: float = 25.0) -> "Profile":
+        """Validate a JSON profile (design.md shape) and build it.
+
+        `buckets_bytes` is optional; when absent it is computed from the tensors at `bucket_cap_mb`.
+
+        Raises:
+            ValidationError: naming the JSON path of the bad field (`tensors[3].numel`).
+        """
+        if not isinstance(d, dict):
+            raise ValidationError("$", "profile must be a JSON object")
+        name = d.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise ValidationError("name", "must be a non-empty string of at most 200 characters")
+        raw = d.get("tensors")
+        if not isinstance(raw, list) or not raw:
+            raise ValidationError("tensors", "must be a non-empty list of {name, numel, dtype}")
+        if len(raw) > 1_000_000:
+            raise ValidationError("tensors", "more than 1,000,000 tensors")
+        tensors = []
+        for i, t in enumerate(raw):
+            path = f"tensors[{i}]"
+            if not isinstance(t, dict):
+                raise ValidationError(path, "must be an object {name, numel, dtype}")
+            tname = t.get("name", f"t{i}")
+            if not isinstance(tname, str):
+                raise ValidationError(f"{path}.name", "must be a string")
+            numel = _positive_int(t.get("numel"), f"{path}.numel", _MAX_NUMEL)
+            dtype = t.get("dtype", "float32")
+            if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in DTYPE_BYTES:
+                raise ValidationError(f"{path}.dtype", f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+            tensors.append(TensorSpec(tname, numel, dtype.removeprefix("torch.")))
+        if d.get("buckets_bytes") is not None:
+            bb = d["buckets_bytes"]
+            if not isinstance(bb, list) or not bb or len(bb) > _MAX_BUCKETS:
+                raise ValidationError("buckets_bytes", "must be a non-empty list of positive integers")
+            buckets = tuple(_positive_int(b, f"buckets_bytes[{i}]", 8 * _MAX_NUMEL) for i, b in enumerate(bb))
+        else:
+            buckets = bucket_sizes(tensors, bucket_cap_mb)
+        cps = _optional_positive(d.get("compute_s_per_sample"), "compute_s_per_sample", 1e4)
+        fps = _optional_positive(d.get("flops_per_sample"), "flops_per_sample", 1e18)
+        ref = d.get("reference_gpu")
+        if ref is not None and not isinstance(ref, str):
+            raise ValidationError("reference_gpu", "must be a string")
+        return cls(name.strip(), tuple(tensors), buckets, cps, fps, ref, str(d.get("source", "api")))
+
+
+def _positive_int(v: Any, path: str, limit: float) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValidationError(path, f"must be a positive integer, got {v!r}")
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v) or v != int(v)):
+        raise ValidationError(path, f"must be a positive integer, got {v!r}")
+    if v <= 0:
+        raise ValidationError(path, f"must be positive, got {v!r}")
+    if v > limit:
+        raise ValidationError(path, f"absurd value {v!r} (limit {limit:g})")
+    return int(v)
+
+
+def _optional_positive(v: Any, path: str, limit: float) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or v > limit:
+        raise ValidationError(path, f"must be a finite positive number below {limit:g}, got {v!r}")
+    return float(v)
+
+
+def bucket_sizes(tensors: Iterable[TensorSpec], bucket_cap_mb: float = 25.0) -> tuple[int, ...]:
+    """DDP bucket sizes (bytes) for tensors given in bucketing order.
+
+    Mirrors DDP's size-based assignment: a bucket per dtype fills until it reaches its limit (1 MiB for the
+    first bucket, then `bucket_cap_mb` MiB), then closes. Buckets are returned in the order they close.
+    """
+    limits = [FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)]
+    open_: dict[str, list[int]] = {}
+    closed: list[int] = []
+    li = 0
+    for t in tensors:
+        b = open_.setdefault(t.dtype, [0])
+        b[0] += t.nbytes
+        if b[0] >= limits[min(li, 1)]:
+            closed.append(b[0])
+            open_[t.dtype] = [0]
+            li += 1
+    closed.extend(b[0] for b in open_.values() if b[0] > 0)
+    return tuple(closed)
+
+
+def profile_from_module(module, name: str, bucket_cap_mb: float = 25.0, **kwargs) -> Profile:
+    """Profile of a live (or meta-device) `torch.nn.Module`: trainable parameters, reverse registration order."""
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    tensors = tuple(TensorSpec(n, int(p.numel()), str(p.dtype).removeprefix("torch.")) for n, p in reversed(params))
+    if not tensors:
+        raise ValidationError("module", f"{name!r} has no trainable parameters")
+    return Profile(name, tensors, bucket_sizes(tensors, bucket_cap_mb), source="module", **kwargs)
+
+
+def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None = None) -> Profile:
+    """Profile from `torchvision:<name>`, `transformers:<hf name>` or a built-in name, on the meta device.
+
+    Falls back to the built-in architectures below when torchvision/transformers can't be imported.
+
+    Raises:
+        NotFoundError: the spec names nothing we can build.
+    """
+    import torch
+
+    lib, _, arch = spec.partition(":") if ":" in spec else ("", "", spec)
+    module = None
+    with torch.device("meta"):
+        if lib == "torchvision":
+            try:
+                import torchvision.models as tvm  # noqa: PLC0415
+
+                module = tvm.get_model(arch, weights=None)
+            except Exception:  # torchvision absent or broken beside this torch: use our own shapes
+                module = None
+        elif lib == "transformers":
+            try:
+                import transformers  # noqa: PLC0415
+
+                cfg = transformers.AutoConfig.from_pretrained(arch, local_files_only=True)
+                module = transformers.AutoModel.from_config(cfg)
+            except Exception:  # not installed or config not cached: built-in shapes
+                module = None
+        if module is None:
+            module = _build_builtin(arch)  # raises NotFoundError
+    if dtype is not None:
+        module = module.to(getattr(torch, dtype))
+    flops = BUILTIN.get(_canonical(arch), (None, None))[1]
+    return profile_from_module(module, arch, bucket_cap_mb, flops_per_sample=flops)
+
+
+__all__ = ["TensorSpec", "Profile", "bucket_sizes", "profile_from_module", "profile_from_spec",
+           "DTYPE_BYTES", "NotFoundError"]
+
+
+# --- Built-in architectures (parameter shapes only, from the published configs; built on the meta device) ---
+def _transformer(vocab: int, pos: int, d: int, layers: int, ffn: int | None = None, types: int = 0,
+                 pooler: bool = False, patch: int = 0, fused_qkv: bool = False):
+    import torch.nn as nn
+
+    ffn = ffn or 4 * d
+    m = nn.Module()
+    if patch:
+        m.patch_embed = nn.Conv2d(3, d, patch, patch)
+        m.cls_token = nn.Parameter(torch_empty(1, 1, d))
+        m.pos_embed = nn.Parameter(torch_empty(1, pos, d))
+    else:
+        m.word_embeddings = nn.Embedding(vocab, d)
+        m.position_embeddings = nn.Embedding(pos, d)
+        if types:
+            m.token_type_embeddings = nn.Embedding(types, d)
+        m.emb_norm = nn.LayerNorm(d)
+    blocks = nn.ModuleList()
+    for _ in range(layers):
+        b = nn.Module()
+        if fused_qkv:
+            b.qkv = nn.Linear(d, 3 * d)
+        else:
+            b.query, b.key, b.value = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        b.attn_out, b.norm1 = nn.Linear(d, d), nn.LayerNorm(d)
+        b.ffn_in, b.ffn_out, b.norm2 = nn.Linear(d, ffn), nn.Linear(ffn, d), nn.LayerNorm(d)
+        blocks.append(b)
+    m.layers = blocks
+    if pooler:
+        m.pooler = nn.Linear(d, d)
+    if patch:
+        m.norm, m.head = nn.LayerNorm(d), nn.Linear(d, 1000)
+    return m
+
+
+def torch_empty(*shape):
+    import torch
+
+    return torch.empty(*shape)
+
+
+def _resnet(blocks: list[int], bottleneck: bool, classes: int = 1000, cifar: bool = False):
+    import torch.nn as nn
+
+    m = nn.Module()
+    m.conv1 = nn.Conv2d(3, 64, 3 if cifar else 7, 1 if cifar else 2, bias=False)
+    m.bn1 = nn.BatchNorm2d(64)
+    inp, exp, stages = 64, 4 if bottleneck else 1, nn.ModuleList()
+    for i, n in enumerate(blocks):
+        w = 64 * 2**i
+        for j in range(n):
+            b = nn.Module()
+            if bottleneck:
+                b.conv1, b.bn1 = nn.Conv2d(inp, w, 1, bias=False), nn.BatchNorm2d(w)
+                b.conv2, b.bn2 = nn.Conv2d(w, w, 3, bias=False), nn.BatchNorm2d(w)
+                b.conv3, b.bn3 = nn.Conv2d(w, w * exp, 1, bias=False), nn.BatchNorm2d(w * exp)
+            else:
+                b.conv1, b.bn1 = nn.Conv2d(inp, w, 3, bias=False), nn.BatchNorm2d(w)
+                b.conv2, b.bn2 = nn.Conv2d(w, w, 3, bias=False), nn.BatchNorm2d(w)
+            if j == 0 and inp != w * exp:
+                b.down, b.down_bn = nn.Conv2d(inp, w * exp, 1, bias=False), nn.BatchNorm2d(w * exp)
+            inp = w * exp
+            stages.append(b)
+    m.layers, m.fc = stages, nn.Linear(inp, classes)
+    return m
+
+
+def _vgg16():
+    import torch.nn as nn
+
+    m, inp, convs = nn.Module(), 3, nn.ModuleList()
+    for c in [64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]:
+        convs.append(nn.Conv2d(inp, c, 3))
+        inp = c
+    m.features = convs
+    m.fc1, m.fc2, m.fc3 = nn.Linear(512 * 49, 4096), nn.Linear(4096, 4096), nn.Linear(4096, 1000)
+    return m
+
+
+def _flat(total_params: int, n_tensors: int):
+    """Approximate architecture: `n_tensors` equal tensors summing to a published parameter count."""
+    import torch.nn as nn
+
+    m, each = nn.Module(), max(1, total_params // n_tensors)
+    m.params = nn.ParameterList([nn.Parameter(torch_empty(each)) for _ in range(n_tensors)])
+    return m
+
+
+def _deepspeech2():
+    import torch.nn as nn
+
+    m = nn.Module()
+    m.conv1, m.conv2 = nn.Conv2d(1, 32, (41, 11)), nn.Conv2d(32, 32, (21, 11))
+    m.rnn = nn.GRU(1312, 800, num_layers=5, bidirectional=True)
+    m.fc = nn.Linear(1600, 29)
+    return m
+
+
+# name -> (builder, training FLOPs per sample (3x forward) or None)
+BUILTIN = {
+    "resnet50": (lambda: _resnet([3, 4, 6, 3], True), 3 * 4.1e9),
+    "resnet18": (lambda: _resnet([2, 2, 2, 2], False), 3 * 1.8e9),
+    "resnet18_cifar10": (lambda: _resnet([2, 2, 2, 2], False, 10, cifar=True), 3 * 0.56e9),
+    "resnet50_cifar10": (lambda: _resnet([3, 4, 6, 3], True, 10, cifar=True), 3 * 1.3e9),
+    "vgg16": (_vgg16, 3 * 15.5e9),
+    "bert-base-uncased": (lambda: _transformer(30522, 512, 768, 12, types=2, pooler=True), 6 * 110e6 * 384),
+    "bert-large-uncased": (lambda: _transformer(30522, 512, 1024, 24, types=2, pooler=True), 6 * 335e6 * 128),
+    "roberta-base": (lambda: _transformer(50265, 514, 768, 12, types=1, pooler=True), 6 * 125e6 * 128),
+    "roberta-large": (lambda: _transformer(50265, 514, 1024, 24, types=1, pooler=True), 6 * 355e6 * 128),
+    "vit-base-patch16-224": (lambda: _transformer(0, 197, 768, 12, patch=16, fused_qkv=True), 3 * 17.6e9),
+    "gpt2": (lambda: _transformer(50257, 1024, 768, 12, fused_qkv=True), 6 * 124e6 * 1024),
+    "gpt2-xl": (lambda: _transformer(50257, 1024, 1600, 48, fused_qkv=True), 6 * 1.56e9 * 1024),
+    "inception_v3": (lambda: _flat(23_834_568, 94), 3 * 5.7e9),  # approximate shapes
+    "yolov3": (lambda: _flat(61_949_149, 75), 3 * 65.9e9),  # approximate shapes
+    "ncf": (lambda: _flat(5_860_000, 8), 3 * 2e6),  # NeuMF on MovieLens-20M, approximate
+    "deepspeech2": (_deepspeech2, 3 * 20e9),  # approximate (5 bi-GRU, hidden 800)
+}
+_ALIASES = {"bert": "bert-base-uncased", "bert-base": "bert-base-uncased", "bert-large": "bert-large-uncased",
+            "roberta": "roberta-large", "vit": "vit-base-patch16-224", "vit_b_16": "vit-base-patch16-224",
+            "imagenet": "resnet50", "cifar10": "resnet18_cifar10", "inception3": "inception_v3",
+            "gpt2-small": "gpt2", "openai-community/gpt2": "gpt2", "google/vit-base-patch16-224": "vit-base-patch16-224",
+            "FacebookAI/roberta-large": "roberta-large", "google-bert/bert-base-uncased": "bert-base-uncased"}
+
+
+def _canonical(arch: str) -> str:
+    return _ALIASES.get(arch, arch)
+
+
+def _build_builtin(arch: str):
+    entry = BUILTIN.get(_canonical(arch))
+    if entry is None:
+        raise NotFoundError("architecture", arch, f"known built-ins: {sorted(BUILTIN)}")
+    return entry[0]()

@@ -1,0 +1,241 @@
+"""Step-time / throughput model of data-parallel training on a GPU layout (in the manner of AdaptDL goodput.py).
+
+A candidate is (profile P, GPU type g, per-GPU batch b, layout k_1..k_n GPUs on n nodes, intra link I,
+inter link E). With K = max_i k_i and G = sum_i k_i:
+
+    compute     T_c = c0 + c1 * b                                    per (P, g), fitted from step history
+    intra sync  T_I = sum_buckets LM_I(allreduce, K, bucket)         reduce-scatter/all-gather inside a node
+    inter sync  T_E = sum_buckets LM_E(allreduce, n, bucket)         ring across the n nodes' NICs
+    sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout)))
+    step        T   = (T_c^gamma + T_s^gamma)^(1/gamma)              gamma=1: no overlap, large: full overlap
+    throughput  X   = G * b / T
+
+LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link). Hierarchical: a layout on
+one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs per node share it.
+phi(layout) are the learned topology corrections of the fabric (only for n > 1):
+    log(n-1) peers per NIC, log K GPUs sharing a NIC, their product, fraction of nodes with an odd GPU count,
+    unbalanced (K != min k), and odd * unbalanced (GPUs left without their pair link).
+s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
+
+Fitting (`fit_throughput`): bounded scipy least squares of log step time (soft L1), plus the exposed sync time
+(T - T_c) where steps report `sync_s`, with ridge penalties pulling s_L, w and S to 0 (the link model and the
+profile). Parameters the rows cannot identify are pinned: w_E and s_E without multi-node rows, s_I without
+multi-GPU rows on one node, gamma without multi-GPU rows of that (P, g), c0 with a single batch size.
+`result.success` is checked; on failure the initial (prior) values are kept and `converged` says so.
+A (P, g) never seen in steps gets T_c from the profile: FLOPs per sample over the GPU's effective rate,
+calibrated by the other profiles fitted on that GPU.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from scipy.optimize import least_squares
+
+N_PHI = 6
+# Effective training FLOP/s per GPU type (fp32/tf32 peak x 0.35), used only for never-observed profiles.
+GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
+             "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
+DEFAULT_FLOPS = 20e12
+FLOPS_EFFICIENCY = 0.35
+
+
+class PerfParams(NamedTuple):
+    """Per (profile, GPU type)."""
+
+    c0: float  # seconds per step independent of batch (optimizer, launch, data loader)
+    c1: float  # seconds per sample of forward + backward on one GPU
+    gamma: float  # overlap exponent of compute and sync, in [1, 10]
+    log_bytes_scale: float  # log S, correction of the profile's gradient bytes (0 = as profiled)
+
+
+class NetParams(NamedTuple):
+    """Per fabric (intra link, inter link)."""
+
+    log_intra: float  # s_I: log scale of the intra-node link model
+    log_inter: float  # s_E: log scale of the inter-node link model
+    w: tuple  # N_PHI topology correction weights on the inter-node time
+
+
+def layout_features(layout) -> np.ndarray:
+    """phi(layout): topology features of a multi-node layout (zeros on one node)."""
+    k = np.asarray(layout, dtype=float)
+    n = len(k)
+    if n <= 1:
+        return np.zeros(N_PHI)
+    odd = float(np.mean(k % 2 == 1))
+    unbal = float(k.max() != k.min())
+    lp, lk = math.log(n - 1), math.log(k.max())
+    return np.array([lp, lk, lp * lk, odd, unbal, odd * unbal])
+
+
+def _predict_compute(c0, c1, b):
+    return c0 + c1 * b
+
+
+def _predict_sync(log_bytes_scale, log_intra, log_inter, w, t_intra, t_inter, phi):
+    corr = np.exp(np.clip(np.sum(phi * w, axis=-1), -20, 20))
+    return np.exp(log_bytes_scale) * (np.exp(log_intra) * t_intra + np.exp(log_inter) * t_inter * corr)
+
+
+def _predict_step(t_compute, t_sync, gamma):
+    t_sync = np.maximum(t_sync, 1e-12)
+    return (t_compute**gamma + t_sync**gamma) ** (1.0 / gamma)
+
+
+def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tuple[float, float]:
+    """(T_I, T_E): unscaled intra- and inter-node all-reduce seconds of the buckets on this layout."""
+    k_max, n = max(layout), len(layout)
+    t_i = float(np.sum(link_model.time(intra, "allreduce", k_max, buckets))) if k_max > 1 else 0.0
+    t_e = float(np.sum(link_model.time(inter or intra, "allreduce", n, buckets))) if n > 1 else 0.0
+    return t_i, t_e
+
+
+def _fabric(row) -> tuple[str, str]:
+    return (row["intra_link"], row.get("inter_link") or "")
+
+
+def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
+                   scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
+                   gamma_prior: float = 1.5, max_nfev: int = 400) -> dict:
+    """Fit PerfParams per (profile, gpu) and NetParams per fabric on step rows.
+
+    Args:
+        rows: step observations (design.md shape, optional `sync_s`).
+        bases: array (len(rows), 2) of (T_I, T_E) from `sync_bases`.
+    Returns:
+        {"perf": {(profile, gpu): PerfParams}, "net": {fabric: NetParams}, "log_rmse": {(profile, gpu): float},
+         "converged": bool, "cost": float}
+    """
+    b = np.array([float(r["per_gpu_batch"]) for r in rows])
+    y = np.array([float(r["iter_s"]) for r in rows])
+    G = np.array([sum(r["layout"]) for r in rows])
+    nn = np.array([len(r["layout"]) for r in rows])
+    phi = np.array([layout_features(r["layout"]) for r in rows])
+    sync = np.array([float(r.get("sync_s") or np.nan) for r in rows])
+    pairs = sorted({(r["profile"], r["gpu"]) for r in rows})
+    fabrics = sorted({_fabric(r) for r in rows})
+    pi = np.array([pairs.index((r["profile"], r["gpu"])) for r in rows])
+    fi = np.array([fabrics.index(_fabric(r)) for r in rows])
+    t_i, t_e = bases[:, 0], bases[:, 1]
+
+    # ---- parameter vector layout with pinning ----
+    names, x0, lo, hi = [], [], [], []
+
+    def add(name, v, l, h):
+        names.append(name), x0.append(v), lo.append(l), hi.append(h)
+
+    fixed = {}
+    for j, pr in enumerate(pairs):
+        m = pi == j
+        single = m & (G == 1)
+        src = single if single.any() else m
+        bs, ys = b[src], y[src] / np.where(G[src] == 1, 1.0, 1.3)
+        if len(set(bs)) >= 2:
+            c1, c0 = np.polyfit(bs, ys, 1)
+            c1, c0 = max(c1, 1e-3 * ys.mean() / bs.mean()), max(c0, 1e-4 * ys.mean())
+        else:
+            c0, c1 = 0.1 * ys.mean(), 0.9 * ys.mean() / bs.mean()
+        if len(set(b[m])) >= 2:
+            add(("c0", j), math.log(c0), math.log(1e-7), math.log(1e3))
+        else:
+            fixed[("c0", j)] = math.log(c0)
+        add(("c1", j), math.log(c1), math.log(1e-9), math.log(1e3))
+        if (m & (G > 1)).any():
+            add(("g", j), gamma_prior, 1.0, 10.0)
+            add(("S", j), 0.0, -3.0, 3.0)
+        else:
+            fixed[("g", j)], fixed[("S", j)] = gamma_prior, 0.0
+    for f, fab in enumerate(fabrics):
+        m = fi == f
+        if (m & (t_i > 0)).any():
+            add(("sI", f), 0.0, -8.0, 8.0)
+        else:
+            fixed[("sI", f)] = 0.0
+        multi = m & (nn > 1)
+        if multi.any():
+            add(("sE", f), 0.0, -8.0, 8.0)
+            for q in range(N_PHI):
+                if np.ptp(phi[multi, q]) > 1e-9:
+                    add(("w", f, q), 0.0, -5.0, 5.0)
+                else:
+                    fixed[("w", f, q)] = 0.0
+        else:
+            fixed[("sE", f)] = 0.0
+            for q in range(N_PHI):
+                fixed[("w", f, q)] = 0.0
+    index = {n: i for i, n in enumerate(names)}
+
+    def unpack(x):
+        def get(name):
+            return x[index[name]] if name in index else fixed[name]
+
+        c0 = np.exp([get(("c0", j)) for j in range(len(pairs))])
+        c1 = np.exp([get(("c1", j)) for j in range(len(pairs))])
+        g = np.array([get(("g", j)) for j in range(len(pairs))])
+        S = np.array([get(("S", j)) for j in range(len(pairs))])
+        sI = np.array([get(("sI", f)) for f in range(len(fabrics))])
+        sE = np.array([get(("sE", f)) for f in range(len(fabrics))])
+        W = np.array([[get(("w", f, q)) for q in range(N_PHI)] for f in range(len(fabrics))])
+        return c0, c1, g, S, sI, sE, W
+
+    has_sync = np.isfinite(sync) & (G > 1)
+    ly = np.log(y)
+    pen_w = np.array([w_l2 if n[0] == "w" else scale_l2 if n[0] in ("sI", "sE") else bytes_l2 if n[0] == "S"
+                      else 0.0 for n in names])
+
+    def model(x):
+        c0, c1, g, S, sI, sE, W = unpack(x)
+        tc = _predict_compute(c0[pi], c1[pi], b)
+        ts = _predict_sync(S[pi], sI[fi], sE[fi], W[fi], t_i, t_e, phi) * (G > 1)
+        return tc, ts, _predict_step(tc, ts, g[pi])
+
+    def resid(x):
+        tc, ts, t = model(x)
+        r = [np.log(t) - ly]
+        if has_sync.any():
+            exposed = np.maximum(t - tc, 1e-6)
+            r.append(math.sqrt(sync_weight) * (np.log(exposed[has_sync] + 1e-3 * y[has_sync])
+                                               - np.log(sync[has_sync] + 1e-3 * y[has_sync])))
+        r.append(pen_w * (x - np.array(x0)) * math.sqrt(len(rows)) / 10.0)
+        return np.concatenate(r)
+
+    x0a = np.clip(np.array(x0, dtype=float), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
+    res = least_squares(resid, x0a, bounds=(lo, hi), loss="soft_l1", f_scale=f_scale, max_nfev=max_nfev,
+                        x_scale=1.0)
+    ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
+    x = res.x if ok else x0a
+    c0, c1, g, S, sI, sE, W = unpack(x)
+    _, _, t = model(x)
+    err = np.log(t) - ly
+    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j])) for j, pr in enumerate(pairs)}
+    net = {fab: NetParams(float(sI[f]), float(sE[f]), tuple(float(v) for v in W[f])) for f, fab in enumerate(fabrics)}
+    rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
+    return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": float(res.cost)}
+
+
+def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.ndarray) -> dict:
+    """compute_s, comm_s (sync), iter_s and samples_per_s for each layout (vectorised, pure)."""
+    G = np.array([sum(l) for l in layouts], dtype=float)
+    phi = np.array([layout_features(l) for l in layouts])
+    tc = _predict_compute(perf.c0, perf.c1, b) * np.ones(len(layouts))
+    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, np.array(net.w), bases[:, 0],
+                       bases[:, 1], phi) * (G > 1)
+    t = _predict_step(tc, ts, perf.gamma)
+    return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
+
+
+def profile_compute_params(profile, gpu: str, calibration: float | None, gamma: float = 1.5) -> PerfParams:
+    """PerfParams of a (profile, gpu) never observed: seconds per sample from the profile's compute estimate."""
+    rate = GPU_FLOPS.get(gpu.lower(), DEFAULT_FLOPS) * FLOPS_EFFICIENCY
+    if profile.compute_s_per_sample is not None:
+        c1 = profile.compute_s_per_sample * (GPU_FLOPS.get((profile.reference_gpu or gpu).lower(), DEFAULT_FLOPS)
+                                             / GPU_FLOPS.get(gpu.lower(), DEFAULT_FLOPS))
+    elif profile.flops_per_sample is not None:
+        c1 = profile.flops_per_sample / rate
+    else:
+        c1 = 6.0 * profile.n_params * 128 / rate  # transformer-style guess: 6 FLOPs per param per token, 128 tokens
+    if calibration is not None and profile.compute_s_per_sample is None:
+        c1 *= calibration
+    return PerfParams(c0=5e-3, c1=float(c1), gamma=gamma, log_bytes_scale=0.0)
