@@ -11,7 +11,15 @@ local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
 local cfg
 if loaded then cfg = elastic.read_config(dir .. "elastic.conf") end
 
+local function is_sbatch()
+  local f = io.open("/proc/self/comm", "r")
+  local comm = f and f:read("*l")
+  if f then f:close() end
+  return comm == "sbatch"
+end
+
 local function script_of(options)
+  if not is_sbatch() then return nil end
   local argv = options.argv
   local path = type(argv) == "table" and argv[1] or nil
   if options.wrap ~= nil or type(path) ~= "string" then return nil end
@@ -40,7 +48,7 @@ function slurm_cli_pre_submit(options, pack_offset)
   local user = tostring(os.getenv("USER") or os.getenv("LOGNAME") or "unknown"):gsub("[^%w_.-]", "_")
   local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s,
     cfg.cli_state_dir .. "/elastic-slurm-breaker." .. user)
-  local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options)))
+  local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options, slurm.time_str2mins)))
   if outcome.kind == "reject" then
     slurm.log_error("elastic: %s", outcome.message)
     return slurm.ERROR

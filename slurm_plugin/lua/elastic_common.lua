@@ -404,6 +404,11 @@ function M.comment_with(comment, decision_id)
   return tag
 end
 
+-- True when cli_filter already planned this job (its decision id is in the comment).
+function M.planned(comment)
+  return type(comment) == "string" and comment:find("elastic:decision=", 1, true) ~= nil
+end
+
 -- Replace (or add) the gpu entry of a comma-separated TRES list, keeping a GPU type ("gres:gpu:h100:4");
 -- count nil removes the gpu entry.
 local function gpu_entry(entry)
@@ -470,43 +475,59 @@ function M.apply_job_desc(job_desc, reply)
 end
 
 -- ---------------------------------------------------------------- cli_filter side
-function M.job_from_options(options)
-  local function opt(name)
-    local v = options[name]
-    if v == nil or v == "" or v == "unset" then return nil end
-    return tostring(v)
-  end
-  local nodes = opt("nodes")
-  local min_nodes, max_nodes = nil, nil
+local function option(options, name)
+  local v = options[name]
+  if v == nil or v == "" or v == "unset" then return nil end
+  return tostring(v)
+end
+
+local function as_tres(value)
+  if value == nil then return nil end
+  if value:match("^gres[:/]") then return value end
+  if value:match("^%d+$") then return "gres:gpu:" .. value end
+  return "gres:" .. value
+end
+
+function M.job_from_options(options, time_str2mins)
+  local nodes = option(options, "nodes")
+  local min_nodes, max_nodes
   if nodes then
-    min_nodes, max_nodes = nodes:match("^(%d+)%-?(%d*)$")
-    min_nodes, max_nodes = tonumber(min_nodes), tonumber(max_nodes) or tonumber(min_nodes)
+    local lo, hi = nodes:match("^(%d+)%-?(%d*)$")
+    min_nodes, max_nodes = tonumber(lo), tonumber(hi) or tonumber(lo)
   end
-  local per_node = opt("gpus-per-node") or opt("gres")
-  local gpus = opt("gpus")
-  local switch = opt("switches")
+  local function positive(v)
+    v = tonumber(v)
+    if v and v >= 0 then return v end
+    return nil
+  end
+  local time = option(options, "time")
+  local switch = option(options, "switches")
   return {
-    user = os.getenv("USER"), partition = opt("partition"), name = opt("job-name"),
-    min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = tonumber(opt("ntasks-per-node")),
-    tres_per_node = per_node and ("gres:" .. (per_node:match("^gpu") and per_node or ("gpu:" .. per_node))) or nil,
-    tres_per_job = gpus and ("gres:gpu:" .. gpus) or nil,
-    time_limit_min = nil, req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
+    user = os.getenv("USER"), partition = option(options, "partition"), name = option(options, "job-name"),
+    min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = positive(option(options, "ntasks-per-node")),
+    tres_per_node = as_tres(option(options, "gpus-per-node") or option(options, "gres")),
+    tres_per_job = as_tres(option(options, "gpus")),
+    time_limit_min = time and time_str2mins and positive(num(time_str2mins(time))) or nil,
+    req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
   }
 end
 
--- Apply a rewrite reply to sbatch's options (cli_filter), by long option name.
+-- Apply a rewrite reply to sbatch's options (cli_filter), by long option name. An option cannot be
+-- unset from Lua (an empty --gres becomes "gres:", which sbatch rejects), so each GPU option the user gave
+-- is set to its consistent value instead: --gpus to the total, --gres / --gpus-per-node to the per-node count.
 function M.apply_cli_options(options, reply)
-  options["nodes"] = tostring(reply.nodes)
-  options["gpus-per-node"] = tostring(reply.gpus_per_node)
-  options["gres"] = nil
-  options["gpus"] = nil
-  options["gpus-per-task"] = nil
+  local nodes, per_node = reply.nodes, reply.gpus_per_node
+  options["nodes"] = tostring(nodes)
+  local gres = option(options, "gres")
+  if gres then options["gres"] = set_gpu_tres(as_tres(gres), per_node):gsub("gres:", "") end
+  if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
+  if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
   if reply.tasks_per_node then
     options["ntasks-per-node"] = tostring(reply.tasks_per_node)
-    if options["ntasks"] ~= nil then options["ntasks"] = tostring(reply.nodes * reply.tasks_per_node) end
+    if option(options, "ntasks") then options["ntasks"] = tostring(nodes * reply.tasks_per_node) end
   end
   if reply.switches then options["switches"] = tostring(reply.switches) end
-  if reply.decision_id ~= nil then options["comment"] = M.comment_with(options["comment"], reply.decision_id) end
+  if reply.decision_id ~= nil then options["comment"] = M.comment_with(option(options, "comment"), reply.decision_id) end
 end
 
 return M

@@ -20,7 +20,8 @@ end
 function slurm_job_submit(job_desc, part_list, submit_uid)
   if not loaded or job_desc.script == nil then return slurm.SUCCESS end
   local lines = elastic.directive_lines(job_desc.script)
-  if #lines == 0 or elastic.is_helper(job_desc.name, job_desc.comment, job_desc.dependency, cfg.helper_marker) then
+  if #lines == 0 or elastic.is_helper(job_desc.name, job_desc.comment, job_desc.dependency, cfg.helper_marker)
+     or elastic.planned(job_desc.comment) then
     return slurm.SUCCESS
   end
   local _, err = elastic.parse_lines(lines)
