@@ -16,6 +16,7 @@ thread reads beside the request thread), and a busy timeout lets several workers
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -86,6 +87,23 @@ class Store:
                 self._all.append(conn)
         return db
 
+    @contextlib.contextmanager
+    def _write(self):
+        """A write transaction taken with BEGIN IMMEDIATE.
+
+        A deferred BEGIN that reads first and then writes cannot wait for another writer in WAL mode
+        (SQLITE_BUSY at once); IMMEDIATE takes the write lock up front, so the busy timeout applies.
+        Nested sqlite-utils calls inside use savepoints.
+        """
+        db = self.db
+        db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.rollback()
+            raise
+        db.conn.execute("COMMIT")
+
     def close(self) -> None:
         """Close every connection this store opened (any thread)."""
         with self._lock:
@@ -98,14 +116,14 @@ class Store:
     def migrate(self) -> list[str]:
         """Apply pending migrations, each in its own transaction; returns the names applied now."""
         db = self.db
-        with db.atomic():
+        with self._write():
             db.table("migrations").create({"name": str, "applied_at_s": float}, pk="name", if_not_exists=True)
         done = self.migrations()
         applied = []
         for name, step in MIGRATIONS:
             if name in done:
                 continue
-            with db.atomic():
+            with self._write():
                 if db.execute("SELECT 1 FROM migrations WHERE name = ?", [name]).fetchone():
                     continue                     # another worker applied it meanwhile
                 step(db)
@@ -130,7 +148,7 @@ class Store:
         """Insert or replace a profile; True when it was new."""
         now = time.time()
         db = self.db
-        with db.atomic():
+        with self._write():
             row = db.execute("SELECT created_at_s FROM profiles WHERE name = ?", [name]).fetchone()
             created = row[0] if row else now
             db.table("profiles").upsert({"name": name, "body": json.dumps(body, allow_nan=False),
@@ -166,7 +184,7 @@ class Store:
                  "body": json.dumps(r, allow_nan=False), "created_at_s": now} for r in records]
         db = self.db
         ids = []
-        with db.atomic():
+        with self._write():
             for row in rows:
                 cursor = db.execute(
                     "INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) VALUES (?, ?, ?, ?, ?, ?)",
@@ -196,7 +214,7 @@ class Store:
     def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None) -> dict:
         """Store a plan decision; returns the response with `decision_id` (`d-<n>`) filled in."""
         db = self.db
-        with db.atomic():
+        with self._write():
             cursor = db.execute(
                 "INSERT INTO decisions (created_at_s, source, action, model, reason, model_version, request, response)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -249,7 +267,7 @@ class Store:
         """Replace the stored per-link statistics with those of a new fit."""
         db = self.db
         now = time.time()
-        with db.atomic():
+        with self._write():
             db.execute("DELETE FROM link_fits")
             for item in stats:
                 db.execute("INSERT INTO link_fits (model_version, link, stats, fitted_at_s) VALUES (?, ?, ?, ?)",

@@ -1,0 +1,57 @@
+"""POST/GET /v1/profiles and GET /v1/profiles/<name>: model tensor profiles."""
+from __future__ import annotations
+
+from flask import Blueprint
+
+from predictor.api import json_body, services, write_access
+from predictor.errors import ValidationError
+from predictor.profiles import Profile
+from predictor.records import NAME_RE
+
+bp = Blueprint("profiles", __name__, url_prefix="/v1/profiles")
+
+
+def summary(profile: Profile) -> dict:
+    return {"name": profile.name, "tensors": len(profile.tensors), "params": profile.n_params,
+            "grad_bytes": profile.grad_bytes, "buckets": len(profile.buckets_bytes), "source": profile.source}
+
+
+def register(store, body) -> tuple[Profile, bool]:
+    """Validate and store a profile body; returns (profile, created).
+
+    Raises:
+        ValidationError: naming the bad field (`name`, `tensors[3].numel`).
+    """
+    if isinstance(body, dict) and isinstance(body.get("name"), str) and not NAME_RE.match(body["name"]):
+        raise ValidationError("name", f"must match {NAME_RE.pattern} (the `model=` directive grammar)")
+    profile = Profile.from_dict(body)
+    stored = dict(profile.to_dict())
+    if isinstance(body, dict):
+        stored.update({k: v for k, v in body.items() if k not in stored})   # keep extra fields (layer kinds...)
+    created = store.put_profile(profile.name, stored)
+    return profile, created
+
+
+@bp.post("")
+@write_access
+def create():
+    svc = services()
+    profile, created = register(svc.store, json_body())
+    svc.models.notify()
+    return summary(profile), 201 if created else 200
+
+
+@bp.get("")
+def index():
+    rows = services().store.list_profiles()
+    items = []
+    for row in rows:
+        item = summary(Profile.from_dict(row["body"]))
+        item.update(created_at_s=row["created_at_s"], updated_at_s=row["updated_at_s"])
+        items.append(item)
+    return {"profiles": items}
+
+
+@bp.get("/<path:name>")
+def show(name: str):
+    return services().store.get_profile(name)

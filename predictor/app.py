@@ -1,0 +1,75 @@
+"""The Flask application factory (also the WSGI entry point: `predictor.app:create_app()`).
+
+`create_app(config=None)` builds the Store (migrating it), the ModelCache (starting its refit thread)
+and registers one blueprint per resource plus one JSON error handler. With `config=None` it reads the
+environment once through `Config.from_env` (the WSGI-factory entry point).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from predictor.api import AuthError, Services
+from predictor.api import decisions, health, links, observations, predict, profiles
+from predictor.config import Config
+from predictor.errors import NotFoundError, ValidationError
+from predictor.planner import DirectiveProblem
+from predictor.service import ModelCache, ModelUnavailable, default_predictor_factory
+from predictor.store import Store
+
+log = logging.getLogger("predictor.app")
+
+
+def handle_error(exc: Exception):
+    """The one error handler: every error leaves as JSON `{"error": ..., "field": ...}`."""
+    if isinstance(exc, ValidationError):
+        return jsonify(error=str(exc), field=exc.field), 400
+    if isinstance(exc, DirectiveProblem):
+        return jsonify(error=exc.message, field=exc.field, line=exc.line), 422
+    if isinstance(exc, NotFoundError):
+        return jsonify(error=str(exc), field=None, what=exc.what, name=exc.name, hint=exc.hint), 404
+    if isinstance(exc, AuthError):
+        response = jsonify(error=str(exc), field="Authorization")
+        if exc.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="elastic-predictor"'
+        return response, exc.status
+    if isinstance(exc, ModelUnavailable):
+        response = jsonify(error=f"no fitted model: {exc}", field=None)
+        response.headers["Retry-After"] = "2"
+        return response, 503
+    if isinstance(exc, HTTPException):
+        field = "body" if exc.code == 413 else None
+        return jsonify(error=f"{exc.name}: {exc.description}", field=field), exc.code
+    log.exception("unhandled error")
+    return jsonify(error=f"internal error: {type(exc).__name__}", field=None), 500
+
+
+def create_app(config: Config | None = None, *, predictor_factory: Callable | None = None,
+               start_refit: bool = True) -> Flask:
+    """Build the service.
+
+    Args:
+        config: the frozen config; None reads the environment (WSGI factory use).
+        predictor_factory: builds an unfitted Predictor (tests pass a fake); default predictor.engine.
+        start_refit: start the background refit thread (the CLI's one-shot commands pass False).
+    """
+    if config is None:
+        config = Config.from_env(os.environ)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.json.sort_keys = False
+    store = Store(config.db_path)
+    store.migrate()
+    models = ModelCache(store, predictor_factory or default_predictor_factory, debounce=config.refit_debounce,
+                        poll=config.refit_poll, cache_size=config.prediction_cache_size)
+    app.extensions["elastic_predictor"] = Services(config=config, store=store, models=models)
+    for module in (health, profiles, observations, predict, decisions, links):
+        app.register_blueprint(module.bp)
+    app.register_error_handler(Exception, handle_error)
+    if start_refit:
+        models.start()
+    return app

@@ -1,0 +1,353 @@
+"""The /v1/plan policy (docs/plan-contract.md): directives + job context in, keep/rewrite decision out.
+
+Steps: parse the `#ELASTIC` lines with `slurm_plugin.directives`; find the partition and GPU type; list
+the GPU counts within the user's `gpus` bounds, the partition size and `max_global_batch`
+(global batch = per_gpu_batch * gpus), and the uniform layouts each count can take on the partition's
+nodes (8 GPUs on 4-GPU nodes: 2x4, 4x2, 8x1 when nodes allow); ask the Predictor; walk the curve of the
+best layout per count computing the throughput scaling efficiency of each step (Or et al.,
+`s = (T_{k+d} - T_k) / (d * T_k / k)`), and stop growing at the first step below `min_efficiency`.
+Among the layouts left, the objective picks:
+    throughput  most samples/s (ties within 0.5%: fewer GPUs, then fewer nodes)
+    efficiency  most samples/s per GPU (ties within 1%: more samples/s)
+    cost        least (gpus * gpu_hour_cost + nodes * node_hour_cost) per sample (ties: more samples/s)
+A multi-node choice that fits under one leaf switch asks for `switches=1`. Anything the service cannot
+judge (no model directive, unknown profile or GPU type, no fitted model, no history for that model and
+GPU) answers `keep` with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+from predictor.cluster import Cluster, Partition
+from predictor.errors import NotFoundError, ValidationError
+from predictor.records import validate_layout
+from predictor.service import ModelUnavailable
+from slurm_plugin.directives import PREFIX, parse_lines
+from slurm_plugin.errors import DirectiveError
+
+SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
+NO_VAL32 = 0xFFFFFFFE            # Slurm's "unset" for 32-bit job_desc fields (and INFINITE above it)
+NO_VAL16 = 0xFFFE
+_TRES_GPU_RE = re.compile(r"(?:^|,)(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)(?:,|$)")
+_JOB_FIELDS: dict[str, tuple[type, int]] = {      # field -> (type, upper bound for ints / length for str)
+    "user": (str, 256), "uid": (int, 2**32), "partition": (str, 1024), "job_id": (int, 2**32),
+    "name": (str, 1024), "min_nodes": (int, 2**32), "max_nodes": (int, 2**32),
+    "ntasks_per_node": (int, 2**32), "tres_per_node": (str, 1024), "tres_per_job": (str, 1024),
+    "time_limit_min": (int, 2**32), "req_switch": (int, 2**32), "account": (str, 256), "qos": (str, 256),
+}
+
+
+class DirectiveProblem(ValueError):
+    """A malformed directive: answered 422 with `field` (directives[i]) and the verbatim `line`."""
+
+    def __init__(self, field: str, line: str, message: str):
+        self.field, self.line, self.message = field, line, message
+        super().__init__(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """A validated /v1/plan body."""
+
+    source: str
+    directives: dict | None            # parsed directives; None when no line was given
+    job: dict
+    current: dict | None
+    raw: dict
+
+
+def _job(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError("job", "expected an object")
+    job: dict[str, Any] = {}
+    for key, item in value.items():
+        if key not in _JOB_FIELDS:
+            raise ValidationError(f"job.{key}", f"unknown field (known: {', '.join(sorted(_JOB_FIELDS))})")
+        if item is None:
+            job[key] = None
+            continue
+        kind, bound = _JOB_FIELDS[key]
+        if kind is int:
+            if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < bound:
+                raise ValidationError(f"job.{key}", f"expected an integer in 0..{bound - 1} or null, got {item!r}")
+            unset = item >= NO_VAL32 or (key == "ntasks_per_node" and item in (NO_VAL16, NO_VAL16 + 1))
+            job[key] = None if unset or (item == 0 and key.endswith("nodes")) else item
+        else:
+            if not isinstance(item, str) or len(item) > bound:
+                raise ValidationError(f"job.{key}", f"expected a string of at most {bound} characters or null")
+            job[key] = item
+    if job.get("min_nodes") and job.get("max_nodes") and job["max_nodes"] < job["min_nodes"]:
+        raise ValidationError("job.max_nodes", f"{job['max_nodes']} is below min_nodes {job['min_nodes']}")
+    return job
+
+
+def _current(value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValidationError("current", "expected an object")
+    for key in value:
+        if key not in ("layout", "samples_per_s", "per_gpu_batch"):
+            raise ValidationError(f"current.{key}", "unknown field (known: layout, per_gpu_batch, samples_per_s)")
+    current = {"layout": validate_layout(value.get("layout"), "current.layout")}
+    sps = value.get("samples_per_s")
+    if sps is not None:
+        if isinstance(sps, bool) or not isinstance(sps, (int, float)) or not math.isfinite(sps) or not 0 <= sps <= 1e9:
+            raise ValidationError("current.samples_per_s", f"expected a finite number in [0, 1e9], got {sps!r}")
+        current["samples_per_s"] = float(sps)
+    batch = value.get("per_gpu_batch")
+    if batch is not None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 65536:
+            raise ValidationError("current.per_gpu_batch", f"expected an integer in 1..65536, got {batch!r}")
+        current["per_gpu_batch"] = batch
+    return current
+
+
+def parse_request(body: Any) -> PlanRequest:
+    """Validate a /v1/plan body and parse its directives.
+
+    Raises:
+        ValidationError: a malformed request field (400), e.g. `job.min_nodes`.
+        DirectiveProblem: a malformed `#ELASTIC` line (422).
+    """
+    if not isinstance(body, dict):
+        raise ValidationError("body", "expected a JSON object")
+    for key in body:
+        if key not in ("source", "directives", "job", "current"):
+            raise ValidationError(key, "unknown field (known: current, directives, job, source)")
+    source = body.get("source", "cli")
+    if source not in SOURCES:
+        raise ValidationError("source", f"expected one of {'|'.join(SOURCES)}, got {source!r}")
+    lines = body.get("directives")
+    if not isinstance(lines, list) or len(lines) > 64:
+        raise ValidationError("directives", "expected a list of at most 64 `#ELASTIC` lines")
+    numbered = []
+    for index, line in enumerate(lines):
+        if not isinstance(line, str) or len(line) > 4096:
+            raise ValidationError(f"directives[{index}]", "expected a string of at most 4096 characters")
+        line = line.rstrip("\r\n")
+        if not (line == PREFIX or line.startswith(PREFIX + " ") or line.startswith(PREFIX + "\t")):
+            raise DirectiveProblem(f"directives[{index}]", line,
+                                   f"line {index + 1}: not an #ELASTIC directive line: {line!r}")
+        numbered.append((index + 1, line))
+    try:
+        directives = parse_lines(numbered) if numbered else None
+    except DirectiveError as exc:
+        raise DirectiveProblem(f"directives[{exc.line_no - 1}]", exc.line, str(exc)) from None
+    return PlanRequest(source=source, directives=directives, job=_job(body.get("job")),
+                       current=_current(body.get("current")), raw=body)
+
+
+def gpus_in_tres(tres: str | None) -> int | None:
+    """GPU count in a Slurm TRES string (`gres:gpu:4`, `gres/gpu:a100:2`), None when absent."""
+    match = _TRES_GPU_RE.search(tres or "")
+    return int(match.group(1)) if match else None
+
+
+def requested_shape(job: dict) -> tuple[int | None, int | None, int | None]:
+    """(nodes, gpus per node, total gpus) as the job asked, each None when not derivable."""
+    nodes = job.get("min_nodes")
+    per_node = gpus_in_tres(job.get("tres_per_node"))
+    total = gpus_in_tres(job.get("tres_per_job"))
+    if total is None and per_node is not None:
+        total = per_node * (nodes or 1)
+    return nodes, per_node, total
+
+
+def layout_name(layout) -> str:
+    """`2x4` for [4, 4] (nodes x GPUs per node); `4+2` for a ragged layout."""
+    if len(set(layout)) == 1:
+        return f"{len(layout)}x{layout[0]}"
+    return "+".join(str(n) for n in layout)
+
+
+def _keep(reason: str, **extra) -> dict:
+    return {"action": "keep", "reason": reason, "nodes": None, "gpus_per_node": None, "tasks_per_node": None,
+            "switches": None, "layout": None, "predicted": None, "curve": [], **extra}
+
+
+def _pick_partition(cluster: Cluster, job: dict, gpu_type: str | None) -> Partition | str:
+    names = [n for n in (job.get("partition") or "").split(",") if n]
+    if names:
+        for name in names:
+            try:
+                part = cluster.partition(name)
+            except NotFoundError:
+                continue
+            if gpu_type is None or part.gpu.lower() == gpu_type.lower():
+                return part
+        return f"partition {job['partition']!r} has no {gpu_type or 'GPU'} nodes in the predictor's cluster model"
+    if gpu_type is None:
+        return cluster.partition()
+    matching = cluster.partitions_with_gpu(gpu_type)
+    return matching[0] if matching else f"unknown GPU type {gpu_type!r} (the cluster model has " \
+        f"{', '.join(sorted({p.gpu for p in cluster.partitions}))})"
+
+
+def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency: float = 0.5,
+         max_candidates: int = 512) -> dict:
+    """Decide keep or rewrite (the response body without `decision_id`).
+
+    Args:
+        models: a ModelCache-like object: `predictor()`, `profile(name)`, `known(name, gpu)`, `predict(...)`,
+            `version`.
+    """
+    d = request.directives
+    if d is None:
+        return _keep("no #ELASTIC directives: not an elastic job")
+    if request.source == "launcher" and d.get("elastic") == "off":
+        return _keep("elastic=off: the job is planned at submit time only")
+    model = d.get("model")
+    if model is None:
+        return _keep("no model= directive: add `#ELASTIC model=<profile>` to let the predictor size the job")
+    part = _pick_partition(cluster, request.job, d.get("gpu_type"))
+    if isinstance(part, str):
+        return _keep(part, model=model)
+    try:
+        models.predictor()
+    except ModelUnavailable as exc:
+        return _keep(f"predictor not ready: {exc}", model=model)
+    profile = models.profile(model)
+    if profile is None:
+        return _keep(f"unknown model {model!r}: register it with POST /v1/profiles or "
+                     f"`elastic-predictor profile torchvision:{model}`", model=model)
+    if not models.known(model, part.gpu):
+        return _keep(f"no step history for {model} on {part.gpu}: predictions would be guesses", model=model)
+    batch = d.get("per_gpu_batch") or (request.current or {}).get("per_gpu_batch")
+    if batch is None:
+        return _keep("no per_gpu_batch directive: cannot predict throughput", model=model)
+    req_nodes, req_per_node, req_total = requested_shape(request.job)
+    bounds = d.get("gpus") or ({"min": req_total, "max": req_total} if req_total else {"min": 1, "max": part.total_gpus})
+    low, high = bounds["min"], min(bounds["max"], part.total_gpus)
+    if low > part.total_gpus:
+        return _keep(f"gpus min {low} exceeds partition {part.name}'s {part.total_gpus} GPUs", model=model)
+    keep_global = d.get("batch_policy") == "keep_global"
+    global_fixed = batch * (req_total or low) if keep_global else None
+    cap = d.get("max_global_batch")
+    limit_note = f"gpus max {bounds['max']}" if high == bounds["max"] else f"partition {part.name} has {part.total_gpus} GPUs"
+    if cap is not None and not keep_global and cap // batch < high:
+        high = cap // batch
+        limit_note = f"max_global_batch {cap} caps at {high} GPUs"
+        if high < low:
+            return _keep(f"max_global_batch {cap} allows {high} GPUs at per_gpu_batch {batch}, below gpus min {low}",
+                         model=model)
+    by_batch: dict[int, list[dict]] = {}
+    for gpus in range(low, high + 1):
+        per_gpu = batch
+        if keep_global:
+            if global_fixed % gpus:
+                continue
+            per_gpu = global_fixed // gpus
+        for layout in part.layouts(gpus):
+            by_batch.setdefault(per_gpu, []).append(part.candidate(layout))
+    if not by_batch:
+        return _keep(f"no layout of {low}-{high} GPUs fits partition {part.name} "
+                     f"({len(part.nodes)} nodes x {part.gpus_per_node} GPUs)", model=model)
+    if sum(map(len, by_batch.values())) > max_candidates:
+        return _keep(f"more than {max_candidates} candidate layouts; narrow gpus=MIN-MAX", model=model)
+    entries = []
+    try:
+        for per_gpu, cands in by_batch.items():
+            for cand, pred in zip(cands, models.predict(profile, part.gpu, per_gpu, cands)):
+                entries.append(_entry(cand["layout"], pred, per_gpu))
+    except ModelUnavailable as exc:
+        return _keep(f"predictor not ready: {exc}", model=model)
+    return _choose(entries, d, part, request, profile_name=model, gpu=part.gpu, batch=batch,
+                   min_eff=d.get("min_efficiency", default_min_efficiency), limit_note=limit_note,
+                   requested=(req_nodes, req_per_node), version=models.version)
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
+    gpus = sum(layout)
+    return {"layout": list(layout), "gpus": gpus, "nodes": len(layout), "per_gpu_batch": per_gpu,
+            "global_batch": per_gpu * gpus, "samples_per_s": _finite(pred.get("samples_per_s")) or 0.0,
+            "iter_s": _finite(pred.get("iter_s")), "compute_s": _finite(pred.get("compute_s")),
+            "comm_s": _finite(pred.get("comm_s")), "uncertainty": _finite(pred.get("uncertainty"))}
+
+
+def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest, *, profile_name: str, gpu: str,
+            batch: int, min_eff: float, limit_note: str, requested: tuple, version: str | None) -> dict:
+    best: dict[int, dict] = {}
+    for e in entries:
+        if e["gpus"] not in best or e["samples_per_s"] > best[e["gpus"]]["samples_per_s"]:
+            best[e["gpus"]] = e
+    counts = sorted(best)
+    # Walk up the counts from an anchor (the last accepted count); a count is accepted when growing from
+    # the anchor to it has efficiency >= min_eff. Rejected counts are skipped, not a stop: 4 -> 6 GPUs may
+    # be poor (6 = 3x3 crosses nodes) while 4 -> 8 (2x4) is worth it.
+    anchor, feasible, rejected = counts[0], {counts[0]}, []
+    for e in entries:
+        if e["gpus"] == anchor:
+            e["efficiency"] = 1.0
+    for gpus in counts[1:]:
+        t_anchor = best[anchor]["samples_per_s"]
+        for e in entries:
+            if e["gpus"] == gpus:
+                e["efficiency"] = _efficiency(t_anchor, e["samples_per_s"], anchor, gpus)
+        if best[gpus]["efficiency"] >= min_eff:
+            feasible.add(gpus)
+            anchor, rejected = gpus, []
+        else:
+            rejected.append(best[gpus])
+    stop_note = limit_note
+    if rejected:
+        worst = max(rejected, key=lambda e: e["efficiency"])
+        stop_note = f"{layout_name(worst['layout'])} efficiency {worst['efficiency']:.2f} < {min_eff:g}"
+    pool = [e for e in entries if e["gpus"] in feasible and e["samples_per_s"] > 0] or [best[counts[0]]]
+    objective = d.get("objective", "throughput")
+    if objective == "efficiency" or (objective == "cost" and part.gpu_hour_cost + part.node_hour_cost == 0):
+        chosen = _argbest(pool, lambda e: e["samples_per_s"] / e["gpus"], 0.01)
+    elif objective == "cost":
+        chosen = _argbest(pool, lambda e: -(e["gpus"] * part.gpu_hour_cost + e["nodes"] * part.node_hour_cost)
+                          / e["samples_per_s"], 0.01)
+    else:
+        top = max(e["samples_per_s"] for e in pool)
+        chosen = min((e for e in pool if e["samples_per_s"] >= top * 0.995), key=lambda e: (e["gpus"], e["nodes"]))
+    nodes, per_node = chosen["nodes"], chosen["layout"][0]
+    switches = 1 if nodes > 1 and part.fits_one_leaf(nodes) else None
+    base = next((e for e in entries if e["nodes"] == requested[0] and e["layout"][0] == requested[1]),
+                best[counts[0]])
+    ratio = chosen["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] > 0 else float("nan")
+    reason = (f"elastic: {nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs ({layout_name(chosen['layout'])}) "
+              f"predicted {chosen['samples_per_s']:.0f} samples/s, {ratio:.1f}x of {layout_name(base['layout'])}")
+    if objective != "throughput":
+        reason += f" (objective {objective})"
+    if chosen["gpus"] == max(feasible) or objective == "throughput":
+        reason += f"; {stop_note}"
+    if switches:
+        reason += "; one leaf switch"
+    same = (requested[0] or 1) == nodes and requested[1] == per_node and request.job.get("req_switch") == switches
+    curve = [{k: e[k] for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
+                                "iter_s", "efficiency", "uncertainty")} for e in sorted(entries, key=_order)]
+    predicted = {k: chosen[k] for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
+    return {"action": "keep" if same else "rewrite", "reason": ("request already matches the plan; " if same else "")
+            + reason, "nodes": nodes, "gpus_per_node": per_node, "tasks_per_node": per_node, "switches": switches,
+            "layout": chosen["layout"], "predicted": predicted, "curve": curve, "model": profile_name, "gpu": gpu,
+            "partition": part.name, "objective": objective, "min_efficiency": min_eff, "per_gpu_batch":
+            chosen["per_gpu_batch"], "global_batch": chosen["global_batch"], "model_version": version}
+
+
+def _order(e: dict):
+    return (e["gpus"], e["nodes"])
+
+
+def _efficiency(t_k: float, t_next: float, k: int, k_next: int) -> float:
+    """Or et al.'s throughput scaling efficiency of going from k to k_next GPUs."""
+    if t_k <= 0:
+        return 0.0
+    return round((t_next - t_k) / ((k_next - k) * t_k / k), 4)
+
+
+def _argbest(pool: list[dict], score, tolerance: float) -> dict:
+    top = max(score(e) for e in pool)
+    margin = abs(top) * tolerance
+    return max((e for e in pool if score(e) >= top - margin), key=lambda e: (e["samples_per_s"], -e["gpus"]))

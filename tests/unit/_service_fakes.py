@@ -1,0 +1,57 @@
+"""A deterministic stand-in for predictor.engine.Predictor, for service tests (not a model)."""
+from __future__ import annotations
+
+import math
+
+
+class FakePredictor:
+    """compute_s grows with the per-GPU batch; comm_s with log2(gpus) and with the node count.
+
+    Counts its calls so tests can check caching and that requests never fit.
+    """
+
+    fits = 0
+    predict_calls = 0
+
+    def __init__(self, compute_per_sample_s: float = 0.0005, comm_per_doubling_s: float = 0.004,
+                 inter_node_s: float = 0.01, fail: bool = False):
+        self.compute_per_sample_s = compute_per_sample_s
+        self.comm_per_doubling_s = comm_per_doubling_s
+        self.inter_node_s = inter_node_s
+        self.fail = fail
+
+    def fit(self, profiles, observations):
+        if self.fail:
+            raise RuntimeError("fit exploded")
+        FakePredictor.fits += 1
+        self.profiles_ = dict(profiles)
+        self.known_ = {(o["profile"], o["gpu"]) for o in observations if o["kind"] == "step"}
+        self.n_observations_ = len(observations)
+        self.links_ = sorted({o["link"] for o in observations if o["kind"] == "collective"})
+        return self
+
+    def known(self, profile_name, gpu):
+        return (profile_name, gpu) in self.known_
+
+    def link_stats(self):
+        return [{"link": link, "observations": self.n_observations_} for link in self.links_]
+
+    def predict(self, profile, gpu, per_gpu_batch, candidates):
+        FakePredictor.predict_calls += 1
+        out = []
+        for cand in candidates:
+            gpus, nodes = sum(cand["layout"]), len(cand["layout"])
+            compute = self.compute_per_sample_s * per_gpu_batch
+            comm = 0.0 if gpus == 1 else self.comm_per_doubling_s * math.log2(gpus) + self.inter_node_s * (nodes - 1)
+            iter_s = compute + comm
+            out.append({"layout": cand["layout"], "samples_per_s": gpus * per_gpu_batch / iter_s, "iter_s": iter_s,
+                        "compute_s": compute, "comm_s": comm, "uncertainty": 0.1, "basis": "fake"})
+        return out
+
+
+PROFILE = {"name": "resnet50", "tensors": [{"name": "fc.weight", "numel": 2048000, "dtype": "float32"},
+                                           {"name": "conv1.weight", "numel": 9408, "dtype": "float32"}]}
+STEP = {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2], "intra_link": "nvlink",
+        "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
+COLLECTIVE = {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4, "bytes": 67108864,
+              "seconds": 0.00037, "gpu": "H200"}
