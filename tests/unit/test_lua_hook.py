@@ -1,0 +1,271 @@
+"""job_submit.lua under apt's lua5.1 with a stub `slurm` table and a small local HTTP server.
+
+Each test installs the hook into a temporary directory (as `elastic-slurm install-plugin` lays it out),
+then runs a sequence of submissions through `slurm_job_submit` in ONE lua5.1 process, so module state
+(the circuit breaker) lives as long as it does in slurmctld. The server's behaviour for a request is
+chosen by the job name in the request body (`mode-500`, `mode-sleep`, ...), and it counts requests.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+LUA_DIR = pathlib.Path(__file__).parents[2] / "slurm_plugin" / "lua"
+REJECT_CODE = 2072
+
+REWRITE = {"decision_id": "d-42", "action": "rewrite", "nodes": 2, "gpus_per_node": 2, "tasks_per_node": 2,
+           "switches": 1, "reason": "elastic: 2 nodes x 2 GPUs (2x2) predicted 3120 samples/s",
+           "layout": [2, 2], "predicted": {"samples_per_s": 3120.0}, "curve": []}
+
+DRIVER = r"""
+local cjson = require("cjson")
+local socket = require("socket")
+local msgs = {}
+slurm = {
+  SUCCESS = 0, ERROR = -1, ESLURM_INVALID_GRES = 2072,
+  user_msg = function(fmt, ...) table.insert(msgs, {"user_msg", string.format(fmt, ...)}) end,
+  log_user = function(fmt, ...) table.insert(msgs, {"log_user", string.format(fmt, ...)}) end,
+  log_info = function(fmt, ...) table.insert(msgs, {"log_info", string.format(fmt, ...)}) end,
+  log_error = function(fmt, ...) table.insert(msgs, {"log_error", string.format(fmt, ...)}) end,
+}
+local init_rc = dofile(DIR .. "/job_submit.lua")
+local out = {}
+for i, case in ipairs(cjson.decode(CASES)) do
+  if case.sleep then socket.sleep(case.sleep) end
+  msgs = {}
+  local t0 = socket.gettime()
+  local rc = slurm_job_submit(case.job_desc, {}, case.uid or 1001)
+  out[i] = { rc = rc, elapsed = socket.gettime() - t0, job_desc = case.job_desc, msgs = msgs }
+end
+io.write(cjson.encode({ init_rc = init_rc, results = out }))
+"""
+
+
+class Predictor:
+    """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append({"path": self.path, "body": body})
+                mode = (body.get("job", {}).get("name") or "mode-rewrite")[len("mode-"):]
+                try:
+                    outer.respond(self, mode)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def respond(handler, mode):
+        def send(code, payload: bytes):
+            handler.send_response(code)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(payload)))
+            handler.end_headers()
+            handler.wfile.write(payload)
+
+        if mode == "rewrite":
+            send(200, json.dumps(REWRITE).encode())
+        elif mode == "keep":
+            send(200, json.dumps({"decision_id": "d-43", "action": "keep", "reason": "elastic: unknown model x; kept"}).encode())
+        elif mode == "422":
+            send(422, json.dumps({"error": "line 2: unknown model 'nosuch'", "field": "directives[0]"}).encode())
+        elif mode == "500":
+            send(500, b"<html>Internal Server Error</html>")
+        elif mode == "garbage":
+            send(200, b"{\"decision_id\": ")
+        elif mode == "badnodes":
+            send(200, json.dumps({**REWRITE, "nodes": 0}).encode())
+        elif mode == "sleep":
+            time.sleep(1.0)
+            send(200, json.dumps(REWRITE).encode())
+        elif mode == "drip":  # one byte every 20 ms: each receive() is quick, the whole reply is not
+            payload = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + json.dumps(REWRITE).encode()
+            for byte in payload:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(0.02)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def predictor():
+    server = Predictor()
+    yield server
+    server.close()
+
+
+def install(tmp_path, url, budget_ms=100, failures=3, open_s=30):
+    for name in ("elastic_common.lua", "job_submit.lua"):
+        shutil.copy(LUA_DIR / name, tmp_path / name)
+    (tmp_path / "elastic.conf").write_text(
+        f"predictor_url = {url}\nbudget_ms = {budget_ms}\nbreaker_failures = {failures}\nbreaker_open_s = {open_s}\n")
+    return tmp_path
+
+
+def run_hook(conf_dir, cases):
+    code = f"DIR = {json.dumps(str(conf_dir))}\nCASES = [==[{json.dumps(cases)}]==]\n" + DRIVER
+    proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["init_rc"] == 0
+    return out["results"]
+
+
+def script(*directives, body="srun python train.py"):
+    return "#!/bin/bash\n#SBATCH -N1 --gpus=4\n" + "".join(d + "\n" for d in directives) + body + "\n"
+
+
+def job(mode="rewrite", directives=("#ELASTIC model=resnet50 gpus=2-8",), **fields):
+    desc = {"script": script(*directives), "name": f"mode-{mode}", "user_name": "alice", "partition": "debug",
+            "min_nodes": 1, "max_nodes": 1, "ntasks_per_node": 65534, "num_tasks": 4294967294,
+            "tres_per_job": "gres:gpu:4", "time_limit": 60, "comment": "my run",
+            "environment": {"SLURM_GPUS": "4", "HOME": "/home/alice"}}
+    desc.update(fields)
+    return {key: value for key, value in desc.items() if value is not None}  # nil fields are absent
+
+
+def kinds(result, kind):
+    return [text for k, text in result["msgs"] if k == kind]
+
+
+def test_job_without_directives_is_untouched_and_silent(tmp_path, predictor):
+    desc = job(directives=())
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0
+    assert result["job_desc"] == desc
+    assert not result["msgs"]  # no user_msg at all: Slurm's own tests need srun stderr empty
+    assert predictor.requests == []
+
+
+def test_rewrite_is_applied_and_reason_shown(tmp_path, predictor):
+    directives = ("#ELASTIC model=resnet50 gpus=2-8", "#ELASTIC per_gpu_batch=64")
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(directives=directives), "uid": 1001}])
+    assert result["rc"] == 0
+    got = result["job_desc"]
+    assert (got["min_nodes"], got["max_nodes"]) == (2, 2)
+    assert got["tres_per_node"] == "gres:gpu:2"
+    assert got["tres_per_job"] == ""
+    assert got["ntasks_per_node"] == 2
+    assert got["req_switch"] == 1
+    assert got["comment"] == "my run elastic:decision=d-42"
+    assert got["environment"] == {"SLURM_GPUS": "4", "HOME": "/home/alice"}  # 2 x 2 = 4, the same total
+    assert kinds(result, "user_msg") == [REWRITE["reason"]]
+    [request] = predictor.requests
+    assert request["path"] == "/v1/plan"
+    body = request["body"]
+    assert body["source"] == "job_submit"
+    assert body["directives"] == list(directives)
+    assert body["job"] == {"user": "alice", "uid": 1001, "partition": "debug", "name": "mode-rewrite",
+                           "min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4", "time_limit_min": 60}
+
+
+def test_rewrite_fixes_slurm_gpus_when_the_total_changes(tmp_path, predictor):
+    desc = job(tres_per_job=None, tres_per_node="gres:gpu:h100:4,gres:nic:1", environment={"SLURM_GPUS_PER_NODE": "4"})
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    got = result["job_desc"]
+    assert got["tres_per_node"] == "gres:nic:1,gres:gpu:h100:2"
+    assert got["environment"] == {"SLURM_GPUS": "4", "SLURM_GPUS_PER_NODE": "2"}
+
+
+def test_keep_records_decision_and_changes_nothing_else(tmp_path, predictor):
+    desc = job(mode="keep")
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0
+    assert result["job_desc"] == {**desc, "comment": "my run elastic:decision=d-43"}
+    assert kinds(result, "user_msg") == ["elastic: unknown model x; kept"]
+
+
+def test_malformed_directive_is_rejected_without_asking_the_service(tmp_path):
+    desc = job(directives=("#ELASTIC model=resnet50", "#ELASTIC gpus=8-2"))
+    [result] = run_hook(install(tmp_path, "http://127.0.0.1:9"), [{"job_desc": desc}])
+    assert result["rc"] == REJECT_CODE
+    assert kinds(result, "log_user") == ["elastic: line 4: gpus: minimum 8 is above maximum 2: '#ELASTIC gpus=8-2'"]
+    assert kinds(result, "user_msg") == []
+
+
+def test_service_422_rejects_with_its_message(tmp_path, predictor):
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="422")}])
+    assert result["rc"] == REJECT_CODE
+    assert kinds(result, "log_user") == ["elastic: line 2: unknown model 'nosuch'"]
+
+
+@pytest.mark.parametrize("mode, why", [("500", "HTTP 500"), ("garbage", "unreadable reply"),
+                                       ("badnodes", "bad nodes 0"), ("sleep", "timeout"), ("drip", "timeout")])
+def test_service_failure_accepts_unchanged_within_budget(tmp_path, predictor, mode, why):
+    desc = job(mode=mode)
+    [result] = run_hook(install(tmp_path, predictor.url, budget_ms=100), [{"job_desc": desc}])
+    assert result["rc"] == 0
+    assert result["job_desc"] == desc
+    [msg] = kinds(result, "user_msg")
+    assert msg.startswith("elastic: prediction skipped (") and why in msg and msg.endswith("job submitted as written")
+    assert result["elapsed"] < 0.1 + 0.05
+
+
+def test_service_down_accepts_unchanged(tmp_path):
+    desc = job()
+    [result] = run_hook(install(tmp_path, "http://127.0.0.1:9"), [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc
+    assert "connection refused" in kinds(result, "user_msg")[0]
+
+
+def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url, failures=2, open_s=0.5)
+    cases = [{"job_desc": job(mode="500")}, {"job_desc": job(mode="500")},   # 2 failures: opens
+             {"job_desc": job(mode="rewrite")},                                # skipped, not sent
+             {"job_desc": job(mode="rewrite"), "sleep": 0.6}]                  # closed again: sent
+    results = run_hook(conf, cases)
+    assert [r["rc"] for r in results] == [0, 0, 0, 0]
+    assert "not asking again for 1 s" in kinds(results[1], "user_msg")[0]
+    assert "predictor unavailable" in kinds(results[2], "user_msg")[0]
+    assert results[2]["job_desc"]["min_nodes"] == 1
+    assert [r["body"]["job"]["name"] for r in predictor.requests] == ["mode-500", "mode-500", "mode-rewrite"]
+    assert results[3]["job_desc"]["min_nodes"] == 2
+
+
+def test_success_resets_the_failure_count(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url, failures=2, open_s=30)
+    modes = ["500", "rewrite", "500", "rewrite"]
+    results = run_hook(conf, [{"job_desc": job(mode=m)} for m in modes])
+    assert len(predictor.requests) == 4
+    assert results[3]["job_desc"]["min_nodes"] == 2
+
+
+@pytest.mark.parametrize("fields", [{"comment": "elastic-helper:1234"}, {"name": "elastic-helper-1234"},
+                                    {"dependency": "expand:1234"}, {"script": None},
+                                    {"comment": "x elastic:decision=d-1"}])
+def test_helper_jobs_expand_and_planned_jobs_are_skipped(tmp_path, predictor, fields):
+    desc = job(**fields)
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc and not result["msgs"]
+    assert predictor.requests == []
+
+
+def test_missing_common_module_fails_open(tmp_path):
+    conf = install(tmp_path, "http://127.0.0.1:9")
+    (conf / "elastic_common.lua").unlink()
+    desc = job()
+    [result] = run_hook(conf, [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc
