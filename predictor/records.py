@@ -32,7 +32,7 @@ _COMMON_OPTIONAL = {"job_id", "timestamp_s", "source"}
 _COLLECTIVE = {"required": {"kind", "op", "link", "world", "bytes", "seconds"},
                "optional": {"gpu", "nodes", "dtype"} | _COMMON_OPTIONAL}
 _STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter_s", "intra_link"},
-         "optional": {"inter_link", "samples_per_s", "dtype"} | _COMMON_OPTIONAL}
+         "optional": {"inter_link", "samples_per_s", "sync_s", "dtype"} | _COMMON_OPTIONAL}
 DTYPES = ("float32", "float16", "bfloat16", "float64", "fp8", "int8", "mixed")
 
 
@@ -148,6 +148,12 @@ def validate_step(record: Any, where: str) -> dict:
         out["inter_link"] = _str(record, "inter_link", where)
     elif len(layout) > 1:
         raise ValidationError(f"{where}.inter_link", "required when the layout spans several nodes")
+    if "sync_s" in record:            # seconds of the step blocked in gradient sync (engine.py uses it)
+        sync = record["sync_s"]
+        if isinstance(sync, bool) or not isinstance(sync, (int, float)) or not math.isfinite(sync) \
+                or not 0 <= sync <= out["iter_s"]:
+            raise ValidationError(f"{where}.sync_s", f"expected seconds in [0, iter_s={out['iter_s']:g}], got {sync!r}")
+        out["sync_s"] = float(sync)
     if "samples_per_s" in record:
         out["samples_per_s"] = _seconds(record, "samples_per_s", where, high=1e9)
     _optional(record, out, where)
