@@ -410,10 +410,12 @@ def _allocated_cores(node: dict) -> int:
 
 
 def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
+    """Records of `job_id`, oldest first (sacct's own order is not). Events within one second share
+    a record in slurmdbd, so a resize right after the start replaces the first size's record."""
     out = []
-    for j in sacct_json.get("jobs", []):
-        if int(j.get("job_id", -1)) != job_id:
-            continue
+    rows = [j for j in sacct_json.get("jobs", []) if int(j.get("job_id", -1)) == job_id]
+    rows.sort(key=lambda j: ((j.get("time") or {}).get("start") or 0, (j.get("time") or {}).get("end") or 2**63))
+    for j in rows:
         allocated = (j.get("tres") or {}).get("allocated") or []
         gpus = sum(int(t.get("count") or 0) for t in allocated if t.get("type") == "gres" and t.get("name") == "gpu")
         state = j.get("state") or {}

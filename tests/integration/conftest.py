@@ -1,0 +1,94 @@
+"""Shared fixtures for tests against the real Slurm testbed (marker `slurm`, added to every test here).
+
+The testbed is the one in $ELASTIC_SLURM_LAB (default /var/tmp/elastic-slurm-lab), started beforehand
+with `elastic-slurm testbed up`. When it is not up, every test here FAILS with the reason.
+
+Fixtures for other integration tests:
+    testbed     the `Testbed` (config, paths, `set_slurm_conf_lines`, `reconfigure`)
+    slurm       a `CommandBackend` on the testbed's slurm.conf
+    submit      like `slurm.submit`, but cancels the job at teardown
+    idle_nodes  waits (60 s) until no node is in use, then returns the nodes
+    wait_until  `wait_until(fn, seconds, what)`: polls `fn` until truthy, fails naming `what`
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from slurm_plugin.client import CommandBackend
+from slurm_plugin.errors import JobNotFoundError, SlurmError
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import DEFAULT_LAB, TestbedConfig
+
+# Entry point of the test session: the one place here that reads the environment.
+LAB = Path(os.environ.get("ELASTIC_SLURM_LAB", str(DEFAULT_LAB))).absolute()
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slurm)
+
+
+def _wait_until(fn, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {seconds:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def wait_until():
+    return _wait_until
+
+
+@pytest.fixture(scope="session")
+def testbed() -> Testbed:
+    bed = Testbed(TestbedConfig(lab=LAB))
+    if not bed.is_up():
+        down = [s.name for s in bed.status() if not s.running]
+        pytest.fail(
+            f"the Slurm testbed in {LAB} is not up (daemons not running: {down or 'none'}; "
+            f"or nodes not idle/allocated). Start it with: elastic-slurm testbed up --lab {LAB}",
+            pytrace=False,
+        )
+    return bed
+
+
+@pytest.fixture(scope="session")
+def slurm(testbed) -> CommandBackend:
+    return CommandBackend(slurm_conf=testbed.config.slurm_conf, timeout=timedelta(seconds=10),
+                          update_timeout=timedelta(seconds=30))
+
+
+@pytest.fixture
+def submit(slurm):
+    submitted = []
+
+    def _submit(script, args=()):
+        job_id = slurm.submit(script, args)
+        submitted.append(job_id)
+        return job_id
+
+    yield _submit
+    for job_id in submitted:
+        try:
+            if slurm.job(job_id).state in ("PENDING", "RUNNING", "CONFIGURING", "SUSPENDED"):
+                slurm.cancel(job_id)
+        except (JobNotFoundError, SlurmError):
+            pass
+
+
+@pytest.fixture
+def idle_nodes(slurm):
+    return _wait_until(lambda: (lambda ns: ns if all(n.state == "idle" for n in ns) else None)(slurm.nodes()),
+                       60, "all testbed nodes idle (jobs of an earlier test still running?)")
