@@ -1,0 +1,236 @@
+"""job_submit.lua on the real testbed: real sbatch, real slurmctld (marker slurm).
+
+The predictor is the fake of tests/unit/test_lua_hook.py (fault injection: its reply is chosen by the job
+name, `-J mode-500` etc.); test_real_predictor_* runs `elastic-predictor serve`. Every test installs the
+hook afresh through the installer (which also resets the circuit breaker, since slurmctld reloads the
+script) and the module fixture removes JobSubmitPlugins again at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_plugin.installer import PluginConfig, install
+from slurm_plugin.testbed import Testbed
+from tests.unit.test_lua_hook import REWRITE, Predictor
+
+BUDGET_MS = 100
+SLACK_S = 0.5  # sbatch itself, process start, a loaded 2-core host
+ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
+
+
+def lab_bed(testbed: Testbed) -> Testbed:
+    """The testbed with the port base its running slurm.conf really uses (the shared fixture assumes the
+    default), so rewriting slurm.conf with extra lines keeps the lab's ports."""
+    text = testbed.config.slurm_conf.read_text()
+    port = int(re.search(r"^SlurmctldPort=(\d+)", text, re.MULTILINE).group(1))
+    if port == testbed.config.port_base:
+        return testbed
+    return Testbed(dataclasses.replace(testbed.config, port_base=port))
+
+
+@pytest.fixture(scope="module")
+def bed(testbed):
+    bed = lab_bed(testbed)
+    before = bed.slurm_conf_lines()
+    yield bed
+    bed.set_slurm_conf_lines([ln for ln in before if not ln.startswith(("JobSubmitPlugins", "CliFilterPlugins"))])
+    bed.reconfigure()
+
+
+@pytest.fixture
+def predictor():
+    server = Predictor()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def hook(bed):
+    """`hook(url, **PluginConfig options)`: install the hook and enable it (job_submit by default)."""
+
+    def _install(url, budget_ms=BUDGET_MS, failures=1000, open_s=30.0, job_submit=True, cli_filter=False):
+        from datetime import timedelta
+        config = PluginConfig(bed.config.etc, url, timedelta(milliseconds=budget_ms), failures,
+                              timedelta(seconds=open_s), cli_filter=cli_filter)
+        install(config)
+        lines = [ln for ln in bed.slurm_conf_lines() if not ln.startswith(("JobSubmitPlugins", "CliFilterPlugins"))]
+        lines += (["JobSubmitPlugins=lua"] if job_submit else []) + (["CliFilterPlugins=lua"] if cli_filter else [])
+        if lines != bed.slurm_conf_lines():
+            bed.set_slurm_conf_lines(lines)
+            bed.reconfigure()
+        return config
+
+    return _install
+
+
+@dataclasses.dataclass
+class Sbatch:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def job_id(self) -> int:
+        assert self.rc == 0, self.stderr
+        return int(self.stdout.strip().split(";")[0])
+
+
+@pytest.fixture
+def sbatch(bed, tmp_path):
+    """Run sbatch on a script text (written to a file, as users do); cancel the jobs at teardown."""
+    jobs = []
+    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+
+    def _sbatch(script: str, *args: str) -> Sbatch:
+        path = tmp_path / f"job{len(jobs)}.sh"
+        path.write_text(script)
+        t0 = time.monotonic()
+        proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", *args, str(path)],
+                              capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+        result = Sbatch(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+        if proc.returncode == 0 and "--test-only" not in args:
+            jobs.append(result.job_id)
+        return result
+
+    yield _sbatch
+    if jobs:
+        subprocess.run(["scancel", *map(str, jobs)], env=env, capture_output=True, timeout=30)
+
+
+def show_job(bed: Testbed, job_id: int) -> dict[str, str]:
+    """`scontrol show job` as a dict (the tests check what the issue names: what scontrol shows).
+    Comment gets its whole line (it may hold spaces and `=`)."""
+    out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True,
+                         env={**bed.env(), "PATH": "/usr/bin:/bin"}, timeout=30, check=True).stdout
+    fields = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("Comment="):
+            fields["Comment"] = line[len("Comment="):].strip()
+            continue
+        for key, value in re.findall(r"(\w[\w/:]*)=(\S*)", line):
+            fields.setdefault(key, value)
+    return fields
+
+
+def script(directives: str = ELASTIC, sbatch_lines: str = "#SBATCH -N1 --gpus=4 --comment=orig\n",
+           body: str = "srun true\n") -> str:
+    return "#!/bin/bash\n" + sbatch_lines + directives + body
+
+
+def test_rewrite_visible_in_scontrol_and_reason_printed(hook, predictor, sbatch, bed):
+    hook(predictor.url)
+    result = sbatch(script(), "-H", "-J", "mode-rewrite")
+    assert result.rc == 0, result.stderr
+    assert result.stderr.strip() == f"sbatch: {REWRITE['reason']}"
+    job = show_job(bed, result.job_id)
+    assert job["NumNodes"] in ("2", "2-2")
+    assert job["TresPerNode"] == "gres:gpu:2"
+    assert "TresPerJob" not in job
+    assert job["Switches"].startswith("1@")
+    assert job["Comment"] == "orig elastic:decision=d-42"
+    assert job["NtasksPerN:B:S:C"].startswith("2:")
+    [request] = predictor.requests
+    assert request["body"]["directives"] == ELASTIC.splitlines()
+    assert request["body"]["job"]["tres_per_job"] == "gres:gpu:4"
+
+
+def test_rewritten_job_runs_with_matching_gpu_environment(hook, predictor, sbatch, bed, tmp_path, wait_until):
+    hook(predictor.url)
+    body = "echo SLURM_GPUS=$SLURM_GPUS\nsrun -l bash -c 'echo $(hostname) CVD=$CUDA_VISIBLE_DEVICES'\n"
+    job_id = sbatch(script(body=body), "-J", "mode-rewrite").job_id
+    wait_until(lambda: show_job(bed, job_id)["JobState"] in ("COMPLETED", "FAILED"), 90, f"job {job_id} to end")
+    assert show_job(bed, job_id)["JobState"] == "COMPLETED", (tmp_path / f"{job_id}.out").read_text()
+    out = (tmp_path / f"{job_id}.out").read_text()
+    assert "SLURM_GPUS=4" in out  # 2 nodes x 2 GPUs; a stale 4-GPU-per-node request would fail the srun
+    assert out.count("CVD=0,1") == 4  # 2 tasks on each of 2 nodes, 2 GPUs each
+
+
+def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch, bed):
+    hook(predictor.url)
+    result = sbatch(script(directives=""), "-H", "-J", "mode-rewrite")
+    assert result.rc == 0 and result.stderr == ""
+    job = show_job(bed, result.job_id)
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
+    assert "TresPerNode" not in job
+    srun = subprocess.run(["srun", "-N1", "true"], capture_output=True, text=True, timeout=60,
+                          env={**bed.env(), "PATH": "/usr/bin:/bin"})
+    assert srun.returncode == 0 and srun.stderr == ""
+    assert predictor.requests == []
+
+
+@pytest.mark.parametrize("plugin", [False, True], ids=["without-plugin", "with-plugin"])
+def test_test_only_works(hook, predictor, sbatch, bed, plugin):
+    hook(predictor.url, job_submit=plugin)
+    for text in (script(directives=""), script()):
+        result = sbatch(text, "--test-only", "-J", "mode-rewrite")
+        assert result.rc == 0, result.stderr
+        assert re.search(r"sbatch: Job \d+ to start at", result.stderr), result.stderr
+
+
+def test_malformed_directive_rejected_quoting_the_line_even_with_service_down(hook, sbatch):
+    hook("http://127.0.0.1:9")
+    bad = "#ELASTIC model=resnet50 gpus=8-2\n"
+    result = sbatch(script(directives=bad), "-H")
+    assert result.rc != 0
+    assert "sbatch: error: elastic: line 3: gpus: minimum 8 is above maximum 2: '#ELASTIC model=resnet50 gpus=8-2'" \
+        in result.stderr
+    assert "Batch job submission failed: Invalid generic resource (gres) specification" in result.stderr
+
+
+def test_service_422_rejects_with_its_message(hook, predictor, sbatch):
+    hook(predictor.url)
+    result = sbatch(script(), "-H", "-J", "mode-422")
+    assert result.rc != 0
+    assert "sbatch: error: elastic: line 2: unknown model 'nosuch'" in result.stderr
+
+
+@pytest.mark.parametrize("mode, why", [("stopped", "connection refused"), ("500", "HTTP 500"),
+                                       ("sleep", "timeout"), ("garbage", "unreadable reply")])
+def test_service_failure_accepts_job_unchanged_within_budget(hook, predictor, sbatch, bed, mode, why):
+    hook("http://127.0.0.1:9" if mode == "stopped" else predictor.url)
+    result = sbatch(script(), "-H", "-J", f"mode-{mode}")
+    assert result.rc == 0, result.stderr
+    assert result.seconds < BUDGET_MS / 1000 + SLACK_S
+    assert result.stderr.startswith("sbatch: elastic: prediction skipped (") and why in result.stderr
+    assert result.stderr.rstrip().endswith("job submitted as written")
+    job = show_job(bed, result.job_id)
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
+
+
+def test_breaker_opens_after_k_failures_and_closes_after_t(hook, predictor, sbatch, bed):
+    hook(predictor.url, failures=2, open_s=3)
+    first = [sbatch(script(), "-H", "-J", "mode-500") for _ in range(2)]
+    assert all("HTTP 500" in r.stderr for r in first)
+    assert "not asking again for 3 s" in first[1].stderr
+    skipped = sbatch(script(), "-H", "-J", "mode-rewrite")
+    assert "predictor unavailable" in skipped.stderr
+    assert show_job(bed, skipped.job_id)["NumNodes"] in ("1", "1-1")
+    assert len(predictor.requests) == 2  # the third submission never reached the service
+    time.sleep(3.2)
+    closed = sbatch(script(), "-H", "-J", "mode-rewrite")
+    assert closed.stderr.strip() == f"sbatch: {REWRITE['reason']}"
+    assert show_job(bed, closed.job_id)["TresPerNode"] == "gres:gpu:2"
+    assert len(predictor.requests) == 3
+
+
+def test_helper_jobs_and_expand_are_not_touched(hook, predictor, sbatch, bed):
+    hook(predictor.url)
+    helper = sbatch(script(sbatch_lines="#SBATCH -N1 --gpus=4 --comment=elastic-helper:17\n"), "-H", "-J", "mode-rewrite")
+    assert helper.rc == 0 and helper.stderr == ""
+    assert show_job(bed, helper.job_id)["NumNodes"] in ("1", "1-1")
+    assert predictor.requests == []
+
+
+def test_reinstall_is_picked_up_by_the_next_submission(hook, predictor, sbatch):
+    hook("http://127.0.0.1:9")
+    assert "connection refused" in sbatch(script(), "-H", "-J", "mode-rewrite").stderr
+    hook(predictor.url)  # same second or not: the installer stamps job_submit.lua past slurmctld's last load
+    assert sbatch(script(), "-H", "-J", "mode-rewrite").stderr.strip() == f"sbatch: {REWRITE['reason']}"
