@@ -1,0 +1,267 @@
+"""`elastic-predictor`: the service's command line, thin over the library the API uses.
+
+Every command reads the environment once (`Config.from_env(os.environ, ...)`) and passes explicit values
+down; library errors become `click.ClickException` here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import click
+
+from predictor.config import Config
+from predictor.errors import NotFoundError, ValidationError
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _config(db: str | None, cluster: str | None = None) -> Config:
+    from predictor.cluster import Cluster  # noqa: PLC0415
+
+    try:
+        return Config.from_env(os.environ, db_path=db, cluster=Cluster.from_file(cluster) if cluster else None)
+    except ValidationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table: columns are (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([("-" if row.get(k) is None else format(row[k], f)) for k, _, f in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@click.group()
+def main():
+    """Throughput predictor and job planner for elastic GPU training on Slurm."""
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@click.option("--port", default=8470, show_default=True, type=int, help="port to bind")
+@click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64), help="gunicorn worker processes")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, 64), help="threads per worker")
+@click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False), help="cluster model JSON file")
+@click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
+def serve(host, port, db, workers, threads, cluster, timeout):
+    """Run the HTTP API under gunicorn; writes need $ELASTIC_PREDICTOR_TOKEN when it is set.
+
+    Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
+    """
+    from gunicorn.app.base import BaseApplication  # noqa: PLC0415
+
+    from predictor.app import create_app  # noqa: PLC0415
+
+    config = _config(db, cluster)
+    if not config.token:
+        click.echo("warning: ELASTIC_PREDICTOR_TOKEN is not set; writes are open to anyone", err=True)
+    from predictor.store import Store  # noqa: PLC0415
+
+    store = Store(config.db_path)
+    store.migrate()               # once, before the workers fork
+    store.close()
+
+    class Application(BaseApplication):
+        def load_config(self):
+            self.cfg.set("bind", f"{host}:{port}")
+            self.cfg.set("workers", workers)
+            self.cfg.set("threads", threads)
+            self.cfg.set("timeout", timeout)
+            self.cfg.set("accesslog", None)
+            self.cfg.set("proc_name", "elastic-predictor")
+            if "no_control_socket" in self.cfg.settings:      # gunicorn >= 24: one shared socket path
+                self.cfg.set("no_control_socket", True)
+
+        def load(self):
+            return create_app(config)     # per worker: its own connections and refit thread
+
+    Application().run()
+
+
+@main.command("import")
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
+@click.option("--skip-bad", is_flag=True, help="store the good lines even when some are bad")
+def import_(file, db, skip_bad):
+    """Import JSON lines of observations and profiles (`"kind": "profile"` or an object with `tensors`).
+
+    Bad lines are reported by number; nothing is stored unless every line is good (or --skip-bad).
+
+    Example: elastic-predictor import --db predictor.db history.jsonl
+    """
+    from predictor.api.profiles import register  # noqa: PLC0415
+    from predictor.profiles import Profile  # noqa: PLC0415
+    from predictor.records import validate_record  # noqa: PLC0415
+    from predictor.store import Store  # noqa: PLC0415
+
+    records, profiles, bad = [], [], []
+    for number, line in enumerate(file, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if isinstance(item, dict) and (item.get("kind") == "profile" or "tensors" in item and "kind" not in item):
+                body = {k: v for k, v in item.items() if k != "kind"}
+                Profile.from_dict(body)
+                profiles.append(body)
+            else:
+                records.append(validate_record(item, "record"))
+        except ValueError as exc:          # json.JSONDecodeError and ValidationError
+            bad.append(f"line {number}: {exc}")
+    for message in bad:
+        click.echo(message, err=True)
+    if bad and not skip_bad:
+        raise click.ClickException(f"{len(bad)} bad line(s); nothing imported (use --skip-bad to keep the good ones)")
+    store = Store(_config(db).db_path)
+    store.migrate()
+    try:
+        for body in profiles:
+            register(store, body)
+        if records:
+            store.add_observations(records)
+    except ValidationError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.close()
+    click.echo(f"imported {len(records)} observation(s) and {len(profiles)} profile(s); {len(bad)} bad line(s)")
+
+
+@main.command()
+@click.argument("spec")
+@click.option("--db", default=None, help="also register the profile in this database")
+@click.option("--dtype", default=None, help="parameter dtype, e.g. bfloat16 (default: the model's own)")
+@click.option("--json", "as_json", is_flag=True, help="print the full profile as JSON (importable)")
+def profile(spec, db, dtype, as_json):
+    """Build a tensor profile from a spec (no weights downloaded), print it, optionally register it.
+
+    Example: elastic-predictor profile torchvision:resnet50 --db predictor.db
+    """
+    from predictor.api.profiles import register, summary  # noqa: PLC0415
+    from predictor.profiles import profile_from_spec  # noqa: PLC0415
+    from predictor.store import Store  # noqa: PLC0415
+
+    try:
+        built = profile_from_spec(spec, dtype=dtype)
+    except (NotFoundError, ValidationError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(built.to_dict()))
+    else:
+        click.echo(_table([summary(built)], [("name", "profile", "s"), ("tensors", "tensors", "d"),
+                                             ("params", "params", ","), ("grad_bytes", "grad bytes", ","),
+                                             ("buckets", "buckets", "d")]))
+    if db:
+        store = Store(_config(db).db_path)
+        store.migrate()
+        _, created = register(store, built.to_dict())
+        store.close()
+        click.echo(f"{'registered' if created else 'replaced'} profile {built.name!r} in {db}", err=True)
+
+
+def _fitted_cache(config: Config):
+    from predictor.service import ModelCache  # noqa: PLC0415
+    from predictor.store import Store  # noqa: PLC0415
+
+    store = Store(config.db_path)
+    store.migrate()
+    cache = ModelCache(store)
+    try:
+        cache.refit()
+    except (ValidationError, RuntimeError, ValueError) as exc:
+        raise click.ClickException(f"cannot fit the model on {config.db_path}: {exc}") from None
+    return cache
+
+
+@main.command()
+@click.option("--profile", "profile_name", required=True, help="registered profile name")
+@click.option("--gpu", required=True, help="GPU type, e.g. H200")
+@click.option("--per-gpu-batch", required=True, type=click.IntRange(1, 65536), help="per-GPU micro-batch")
+@click.option("--gpus", default=None, help="GPU counts: N or MIN-MAX (default: 1 up to the partition)")
+@click.option("--partition", default=None, help="partition of the cluster model (default: one with that GPU type)")
+@click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
+@click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False), help="cluster model JSON file")
+def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
+    """Fit on the database and print predicted throughput of every candidate layout.
+
+    Example: elastic-predictor predict --profile resnet50 --gpu H200 --per-gpu-batch 64 --gpus 4-8
+    """
+    from predictor.api.predict import enumerate_candidates  # noqa: PLC0415
+    from predictor.profiles import Profile  # noqa: PLC0415
+
+    config = _config(db, cluster)
+    low, _, high = (gpus or "1").partition("-")
+    if not low.isdigit() or (high and not high.isdigit()):
+        raise click.BadParameter(f"expected N or MIN-MAX, got {gpus!r}", param_hint="--gpus")
+    low_n, high_n = int(low), int(high or low) if gpus else None
+    cache = _fitted_cache(config)
+    try:
+        prof = cache.profile(profile_name) or Profile.from_dict(cache.store.get_profile(profile_name))
+        candidates = enumerate_candidates(config.cluster, gpu, partition, high_n)
+    except NotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    candidates = [c for c in candidates if sum(c["layout"]) >= low_n]
+    if not candidates:
+        raise click.ClickException(f"no layout of {gpus} GPUs fits the partition")
+    rows = cache.predict(prof, gpu, per_gpu_batch, candidates)
+    for row, cand in zip(rows, candidates):
+        row.update(gpus=sum(cand["layout"]), shape="x".join(map(str, (len(cand["layout"]), cand["layout"][0]))),
+                   links=cand["intra_link"] + ("+" + cand["inter_link"] if "inter_link" in cand else ""))
+    click.echo(f"{profile_name} on {gpu}, per-GPU batch {per_gpu_batch}, model {cache.version}"
+               f" ({'observed' if cache.known(profile_name, gpu) else 'never observed: estimate'})")
+    click.echo(_table(rows, [("gpus", "gpus", "d"), ("shape", "nodes x gpus", "s"), ("links", "links", "s"),
+                             ("samples_per_s", "samples/s", ".1f"), ("iter_s", "iter s", ".4f"),
+                             ("compute_s", "compute s", ".4f"), ("comm_s", "comm s", ".4f"),
+                             ("uncertainty", "log std", ".2f"), ("basis", "basis", "s")]))
+
+
+@main.command()
+@click.option("--db", default=None, help="SQLite database, for fit errors when bench/accuracy.py is absent")
+@click.option("--datasets", default=None, help="passed to bench/accuracy.py --datasets")
+@click.option("--write", is_flag=True, help="let bench/accuracy.py write bench/results")
+def evaluate(db, datasets, write):
+    """Run the accuracy benchmark (bench/accuracy.py) if present, else print the fit errors on the database.
+
+    Example: elastic-predictor evaluate --datasets pollux-t4
+    """
+    script = REPO_ROOT / "bench" / "accuracy.py"
+    if script.exists():
+        argv = [sys.executable, str(script)] + ([] if write else ["--no-write"])
+        argv += ["--datasets", datasets] if datasets else []
+        raise SystemExit(subprocess.call(argv, cwd=str(REPO_ROOT)))
+    cache = _fitted_cache(_config(db))
+    predictor = cache.predictor()
+    rows = [{"key": f"{name} on {gpu}", "log_rmse": err} for (name, gpu), err in sorted(predictor.log_rmse_.items())]
+    click.echo(_table(rows, [("key", "step model", "s"), ("log_rmse", "log RMSE", ".3f")]))
+    click.echo(_table(predictor.link_stats(), [("link", "link", "s"), ("n", "collectives", "d"),
+                                               ("log_rmse", "log RMSE", ".3f")]))
+
+
+@main.command()
+@click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 1000), help="how many, newest first")
+def decisions(db, limit):
+    """Print the stored /v1/plan decisions, newest first.
+
+    Example: elastic-predictor decisions --db predictor.db --limit 5
+    """
+    from predictor.store import Store  # noqa: PLC0415
+
+    store = Store(_config(db).db_path)
+    store.migrate()
+    rows = store.list_decisions(limit=limit)
+    store.close()
+    click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),
+                             ("model", "model", "s"), ("reason", "reason", "s")]))
+
+
+if __name__ == "__main__":
+    main()
