@@ -78,8 +78,8 @@ def serve(host, port, db, workers, threads, cluster, timeout):
             self.cfg.set("timeout", timeout)
             self.cfg.set("accesslog", None)
             self.cfg.set("proc_name", "elastic-predictor")
-            if "no_control_socket" in self.cfg.settings:      # gunicorn >= 24: one shared socket path
-                self.cfg.set("no_control_socket", True)
+            if "control_socket_disable" in self.cfg.settings:   # gunicorn >= 24: one socket path per user
+                self.cfg.set("control_socket_disable", True)
 
         def load(self):
             return create_app(config)     # per worker: its own connections and refit thread
