@@ -1,0 +1,171 @@
+"""The /v1/plan policy on the default testbed cluster (4 nodes x 4 GPUs, leaves node[1-2], node[3-4])."""
+from __future__ import annotations
+
+import pytest
+
+from predictor import planner
+from predictor.cluster import Cluster
+from predictor.errors import ValidationError
+from predictor.profiles import Profile
+from predictor.service import ModelUnavailable
+from tests.unit._service_fakes import PROFILE, FakePredictor
+
+CLUSTER = Cluster.default()
+
+
+class Models:
+    """ModelCache stand-in: a fitted FakePredictor with one known (profile, GPU) pair."""
+
+    version = "g7"
+
+    def __init__(self, ready: bool = True, known: bool = True, **fake):
+        self.ready = ready
+        self.fake = FakePredictor(**fake).fit({}, [{"kind": "step", "profile": "resnet50", "gpu": "H200"}] if known else [])
+        self.profiles = {"resnet50": Profile.from_dict(PROFILE)}
+
+    def predictor(self):
+        if not self.ready:
+            raise ModelUnavailable("first fit still running")
+        return self.fake
+
+    def profile(self, name):
+        return self.profiles.get(name)
+
+    def known(self, name, gpu):
+        return self.fake.known(name, gpu)
+
+    def predict(self, profile, gpu, batch, candidates):
+        return self.fake.predict(profile, gpu, batch, candidates)
+
+
+def decide(*lines, job=None, current=None, source="job_submit", models=None):
+    body = {"source": source, "directives": list(lines), "job": job or {}}
+    if current is not None:
+        body["current"] = current
+    return planner.plan(planner.parse_request(body), CLUSTER, models or Models(), default_min_efficiency=0.5)
+
+
+def test_efficiency_formula_of_or_et_al():
+    assert planner._efficiency(100.0, 180.0, 1, 2) == pytest.approx(0.8)
+    assert planner._efficiency(400.0, 400.0, 4, 8) == 0.0
+    assert planner._efficiency(400.0, 300.0, 4, 8) < 0
+
+
+def test_layouts_follow_the_node_shapes():
+    part = CLUSTER.partition("debug")
+    assert part.layouts(8) == [(4, 4), (2, 2, 2, 2)]
+    assert part.layouts(4) == [(4,), (2, 2), (1, 1, 1, 1)]
+    assert part.layouts(5) == [] and part.layouts(17) == []
+
+
+def test_grows_while_efficiency_holds_and_uses_one_leaf():
+    out = decide("#ELASTIC model=resnet50 gpus=1-16 per_gpu_batch=64 min_efficiency=0.3",
+                 job={"min_nodes": 1, "tres_per_node": "gres:gpu:4"})
+    assert out["action"] == "rewrite"
+    assert out["layout"] == [4, 4, 4, 4] and out["nodes"] == 4 and out["gpus_per_node"] == 4
+    assert out["switches"] is None, "4 nodes do not fit one leaf of 2"
+    assert all(p["global_batch"] == 64 * p["gpus"] for p in out["curve"])
+    assert {tuple(p["layout"]) for p in out["curve"] if p["gpus"] == 8} == {(4, 4), (2, 2, 2, 2)}
+
+
+def test_efficiency_threshold_stops_growth_and_says_why():
+    out = decide("#ELASTIC model=resnet50 gpus=1-16 per_gpu_batch=64 min_efficiency=0.75")
+    assert out["layout"] == [4] and out["switches"] is None
+    assert "< 0.75" in out["reason"] and "efficiency" in out["reason"]
+    chosen = [p for p in out["curve"] if p["layout"] == [4]][0]
+    assert chosen["efficiency"] >= 0.75
+
+
+def test_max_global_batch_caps_the_gpu_count():
+    out = decide("#ELASTIC model=resnet50 gpus=1-16 per_gpu_batch=64 max_global_batch=512 min_efficiency=0")
+    assert sum(out["layout"]) == 8 and out["global_batch"] <= 512
+    assert "max_global_batch 512" in out["reason"]
+    assert max(p["gpus"] for p in out["curve"]) == 8
+    assert out["switches"] == 1 and out["layout"] == [4, 4]
+
+
+def test_two_nodes_ask_for_one_switch():
+    out = decide("#ELASTIC model=resnet50 gpus=8 per_gpu_batch=64")
+    assert out["layout"] == [4, 4] and out["switches"] == 1 and "one leaf switch" in out["reason"]
+
+
+def test_efficiency_objective_prefers_fewer_gpus():
+    throughput = decide("#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64 min_efficiency=0.2")
+    efficiency = decide("#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64 min_efficiency=0.2 objective=efficiency")
+    assert sum(efficiency["layout"]) < sum(throughput["layout"])
+    assert efficiency["layout"] == [4] and "objective efficiency" in efficiency["reason"]
+
+
+def test_keep_global_splits_a_fixed_global_batch():
+    out = decide("#ELASTIC model=resnet50 gpus=2-8 per_gpu_batch=64 batch_policy=keep_global min_efficiency=0",
+                 job={"min_nodes": 1, "tres_per_node": "gres:gpu:2"})
+    assert {p["global_batch"] for p in out["curve"]} == {128}
+    assert {p["gpus"] for p in out["curve"]} == {2, 4, 8}
+
+
+def test_request_that_already_matches_is_kept():
+    out = decide("#ELASTIC model=resnet50 gpus=4 per_gpu_batch=64", job={"min_nodes": 1, "tres_per_node": "gres:gpu:4"})
+    assert out["action"] == "keep" and out["layout"] == [4] and "already matches" in out["reason"]
+
+
+@pytest.mark.parametrize("lines,job,models,source,reason", [
+    ((), {}, None, "job_submit", "not an elastic job"),
+    (("#ELASTIC gpus=2-4",), {}, None, "job_submit", "no model= directive"),
+    (("#ELASTIC model=vgg99 per_gpu_batch=8",), {}, None, "job_submit", "unknown model 'vgg99'"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8 gpu_type=T4",), {}, None, "job_submit", "unknown GPU type 'T4'"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8",), {"partition": "gpu"}, None, "job_submit", "partition 'gpu'"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8",), {}, Models(known=False), "job_submit", "no step history"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8",), {}, Models(ready=False), "job_submit", "not ready"),
+    (("#ELASTIC model=resnet50",), {}, None, "job_submit", "no per_gpu_batch"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8 gpus=32-64",), {}, None, "job_submit", "exceeds partition"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=64 gpus=8-16 max_global_batch=100",), {}, None, "job_submit",
+     "max_global_batch 100"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8 elastic=off",), {}, None, "launcher", "elastic=off"),
+])
+def test_keep_with_a_reason(lines, job, models, source, reason):
+    out = decide(*lines, job=job, models=models, source=source)
+    assert out["action"] == "keep" and reason in out["reason"]
+    assert out["nodes"] is None and out["curve"] == []
+
+
+def test_launcher_uses_the_current_batch():
+    out = decide("#ELASTIC model=resnet50 gpus=4-8", source="launcher",
+                 current={"layout": [4], "samples_per_s": 7000.0, "per_gpu_batch": 32})
+    assert out["per_gpu_batch"] == 32
+
+
+def test_malformed_directive_names_item_and_line():
+    with pytest.raises(planner.DirectiveProblem) as info:
+        planner.parse_request({"directives": ["#ELASTIC model=resnet50", "#ELASTIC gpus=8-2"]})
+    assert info.value.field == "directives[1]" and info.value.line == "#ELASTIC gpus=8-2"
+    assert "line 2" in info.value.message and "above maximum" in info.value.message
+    with pytest.raises(planner.DirectiveProblem) as info:
+        planner.parse_request({"directives": ["#SBATCH -N2"]})
+    assert info.value.field == "directives[0]"
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"directives": "#ELASTIC model=x"}, "directives"),
+    ({"directives": [], "job": {"min_nodes": -1}}, "job.min_nodes"),
+    ({"directives": [], "job": {"min_nodes": 4, "max_nodes": 2}}, "job.max_nodes"),
+    ({"directives": [], "job": {"colour": "blue"}}, "job.colour"),
+    ({"directives": [], "source": "sbatch"}, "source"),
+    ({"directives": [], "current": {"layout": [0]}}, "current.layout[0]"),
+    ({"directives": [], "current": {"layout": [4], "samples_per_s": float("nan")}}, "current.samples_per_s"),
+    ({"directives": [], "extra": 1}, "extra"),
+])
+def test_bad_request_fields(body, field):
+    with pytest.raises(ValidationError) as info:
+        planner.parse_request(body)
+    assert info.value.field == field
+
+
+def test_slurm_unset_sentinels_read_as_unset():
+    request = planner.parse_request({"directives": [], "job": {"min_nodes": 4294967294, "ntasks_per_node": 65534}})
+    assert request.job == {"min_nodes": None, "ntasks_per_node": None}
+
+
+@pytest.mark.parametrize("tres,count", [("gres:gpu:4", 4), ("gres/gpu:a100:2", 2), ("gpu:8", 8),
+                                        ("gres:shard:2", None), (None, None), ("gres:gpu:2,gres:shard:1", 2)])
+def test_gpus_in_tres(tres, count):
+    assert planner.gpus_in_tres(tres) == count
