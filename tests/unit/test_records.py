@@ -1,0 +1,101 @@
+"""Observation record validation: every bad value is rejected naming its field; good records survive."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from predictor.errors import ValidationError
+from predictor.records import validate_batch, validate_record
+from tests.unit._service_fakes import COLLECTIVE, STEP
+
+
+def test_design_examples_are_valid():
+    assert validate_batch([COLLECTIVE, STEP]) == [COLLECTIVE, STEP]
+    assert validate_batch({"observations": [STEP]}) == [STEP]
+
+
+@pytest.mark.parametrize("base,key,value,message", [
+    (COLLECTIVE, "seconds", float("nan"), "finite"),
+    (COLLECTIVE, "seconds", float("inf"), "finite"),
+    (COLLECTIVE, "seconds", -0.1, "positive"),
+    (COLLECTIVE, "seconds", 0, "positive"),
+    (COLLECTIVE, "seconds", 1e9, "implausible"),
+    (COLLECTIVE, "seconds", "fast", "number"),
+    (COLLECTIVE, "bytes", -1, "outside"),
+    (COLLECTIVE, "bytes", 2**60, "outside"),
+    (COLLECTIVE, "world", 0, "outside"),
+    (COLLECTIVE, "world", True, "integer"),
+    (COLLECTIVE, "world", 2.5, "integer"),
+    (COLLECTIVE, "op", "allsmash", "expected one of"),
+    (COLLECTIVE, "link", "", "expected a name"),
+    (COLLECTIVE, "link", "nv link", "expected a name"),
+    (COLLECTIVE, "colour", "blue", "unknown field"),
+    (STEP, "iter_s", float("nan"), "finite"),
+    (STEP, "per_gpu_batch", 0, "outside"),
+    (STEP, "layout", [], "non-empty"),
+    (STEP, "profile", "res net", "expected a name"),
+    (STEP, "sync_s", 1.0, "iter_s"),
+    (STEP, "kind", "stepp", "expected 'collective' or 'step'"),
+])
+def test_bad_values_name_the_field(base, key, value, message):
+    record = dict(base, **{key: value})
+    with pytest.raises(ValidationError) as info:
+        validate_batch([STEP, STEP, record])
+    assert info.value.field == f"observations[2].{key}"
+    assert message in info.value.message
+
+
+def test_nested_layout_entry_is_named():
+    with pytest.raises(ValidationError) as info:
+        validate_record(dict(STEP, layout=[2, 0]), "observations[0]")
+    assert info.value.field == "observations[0].layout[1]"
+
+
+def test_missing_fields_and_multi_node_without_inter_link():
+    with pytest.raises(ValidationError) as info:
+        validate_record({k: v for k, v in COLLECTIVE.items() if k != "bytes"}, "r")
+    assert info.value.field == "r.bytes" and "missing" in info.value.message
+    with pytest.raises(ValidationError) as info:
+        validate_record({k: v for k, v in STEP.items() if k != "inter_link"}, "r")
+    assert info.value.field == "r.inter_link"
+    single = {k: v for k, v in STEP.items() if k != "inter_link"}
+    assert validate_record(dict(single, layout=[4]), "r")["layout"] == [4]
+
+
+@pytest.mark.parametrize("body", [None, {}, [], "x", [1], [None], {"observations": 3}, [STEP] * 4097])
+def test_bad_batches(body):
+    with pytest.raises(ValidationError):
+        validate_batch(body)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.sampled_from([COLLECTIVE, STEP]), key=st.sampled_from(sorted(set(COLLECTIVE) | set(STEP))), value=JSON)
+def test_any_mutation_is_accepted_clean_or_rejected_with_a_field(base, key, value):
+    record = dict(base, **{key: value})
+    try:
+        out = validate_record(record, "observations[0]")
+    except ValidationError as exc:
+        assert exc.field.startswith("observations[0]")
+        return
+    text = json.dumps(out, allow_nan=False)            # what is accepted is storable JSON
+    assert "NaN" not in text and "Infinity" not in text
+    for number in (out.get("seconds"), out.get("iter_s")):
+        assert number is None or (math.isfinite(number) and number > 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON)
+def test_arbitrary_json_never_escapes_as_another_error(body):
+    try:
+        validate_batch(body)
+    except ValidationError:
+        pass

@@ -1,0 +1,112 @@
+"""The SQLite history store: schema, migrations, durability settings, atomic writes, several handles."""
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+
+from predictor.errors import NotFoundError
+from predictor.store import MIGRATIONS, Store
+from tests.unit._service_fakes import COLLECTIVE, STEP
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(str(tmp_path / "h.db"))
+    s.migrate()
+    yield s
+    s.close()
+
+
+def test_migrations_are_named_recorded_and_idempotent(tmp_path):
+    s = Store(str(tmp_path / "m.db"))
+    assert s.migrate() == [name for name, _ in MIGRATIONS]
+    assert s.migrate() == []
+    assert s.migrations() == [name for name, _ in MIGRATIONS]
+    tables = set(s.db.table_names())
+    assert {"migrations", "profiles", "observations", "decisions", "link_fits", "meta"} <= tables
+    s.close()
+
+
+def test_wal_and_synchronous_normal(store):
+    assert store.db.journal_mode == "wal"
+    assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1
+
+
+def test_generation_moves_with_fitting_data_only(store):
+    start = store.generation()
+    store.add_observations([STEP])
+    store.put_profile("resnet50", {"name": "resnet50"})
+    assert store.generation() == start + 2
+    store.add_decision({"directives": []}, {"action": "keep", "reason": "r"}, "cli", None)
+    assert store.generation() == start + 2
+
+
+def test_observations_batch_is_atomic(store):
+    store.add_observations([STEP])
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_observations([COLLECTIVE, dict(COLLECTIVE, kind=None)])      # NOT NULL fails on the 2nd row
+    assert store.observation_counts() == {"collective": 0, "step": 1}
+    assert [o["kind"] for o in store.observations()] == ["step"]
+
+
+def test_profiles_upsert_keeps_created_time(store):
+    assert store.put_profile("a", {"name": "a", "v": 1}) is True
+    created = store.list_profiles()[0]["created_at_s"]
+    assert store.put_profile("a", {"name": "a", "v": 2}) is False
+    row = store.list_profiles()[0]
+    assert row["created_at_s"] == created and row["body"]["v"] == 2
+    with pytest.raises(NotFoundError) as info:
+        store.get_profile("b")
+    assert "POST /v1/profiles" in str(info.value)
+
+
+def test_decisions_ids_paging_and_lookup(store):
+    ids = [store.add_decision({"n": i}, {"action": "keep", "reason": f"r{i}"}, "cli", "g1")["decision_id"]
+           for i in range(5)]
+    assert ids == ["d-1", "d-2", "d-3", "d-4", "d-5"]
+    page = store.list_decisions(limit=2)
+    assert [d["decision_id"] for d in page] == ["d-5", "d-4"]
+    assert [d["decision_id"] for d in store.list_decisions(limit=2, before=4)] == ["d-3", "d-2"]
+    full = store.get_decision("d-3")
+    assert full["request"] == {"n": 2} and full["response"]["decision_id"] == "d-3"
+    for bad in ("d-99", "3", "d-x", "d-" + "9" * 30):
+        with pytest.raises(NotFoundError):
+            store.get_decision(bad)
+
+
+def test_two_handles_on_one_file_see_each_other(tmp_path):
+    path = str(tmp_path / "shared.db")
+    first, second = Store(path), Store(path)
+    first.migrate()
+    assert second.migrate() == []
+    first.add_observations([STEP])
+    assert second.observation_counts()["step"] == 1 and second.generation() == first.generation()
+    first.close()
+    second.close()
+
+
+def test_concurrent_writers_all_land(store):
+    errors = []
+
+    def write():
+        try:
+            for _ in range(20):
+                store.add_observations([COLLECTIVE, STEP])
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.observation_counts() == {"collective": 80, "step": 80}
+
+
+def test_link_fits_are_replaced(store):
+    store.replace_link_fits("g1", [{"link": "nvlink", "n": 3}, {"link": "ib", "n": 1}])
+    store.replace_link_fits("g2", [{"link": "ib", "n": 5}])
+    assert [(f["model_version"], f["link"], f["n"]) for f in store.link_fits()] == [("g2", "ib", 5)]
