@@ -12,7 +12,7 @@ import click
 
 from slurm_plugin.errors import TestbedError
 from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig
+from slurm_plugin.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig, recorded_port_base
 
 
 @click.group()
@@ -29,11 +29,13 @@ def _lab_options(func):
     @click.option("--lab", type=click.Path(file_okay=False, path_type=Path), envvar="ELASTIC_SLURM_LAB",
                   default=DEFAULT_LAB, show_default=True, help="Lab directory (env ELASTIC_SLURM_LAB).")
     @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), envvar="ELASTIC_SLURM_PORT_BASE",
-                  default=DEFAULT_PORT_BASE, show_default=True,
-                  help=f"First of the {PORT_SPAN} TCP ports the lab uses (env ELASTIC_SLURM_PORT_BASE).")
+                  help=f"First of the {PORT_SPAN} TCP ports the lab uses (env ELASTIC_SLURM_PORT_BASE; default: "
+                       f"the one the lab last used, else {DEFAULT_PORT_BASE}).")
     @functools.wraps(func)
-    def wrapper(lab: Path, port_base: int, **kwargs):
-        return func(Testbed(TestbedConfig(lab=lab.absolute(), port_base=port_base)), **kwargs)
+    def wrapper(lab: Path, port_base: int | None, **kwargs):
+        lab = lab.absolute()
+        base = port_base or recorded_port_base(lab) or DEFAULT_PORT_BASE
+        return func(Testbed(TestbedConfig(lab=lab, port_base=base)), **kwargs)
 
     return wrapper
 

@@ -42,6 +42,7 @@ from slurm_plugin.client import DEFAULT_PATH, CommandBackend
 from slurm_plugin.errors import SlurmError, TestbedError
 from slurm_plugin.testbed_conf import TestbedConfig
 
+_PIDFILE_GRACE_S = 3.0  # a forked daemon that has not written a live pid file by then has died
 _WIPED = ("state", "spool", "mysql", "log", "run", "munge")
 
 
@@ -146,6 +147,10 @@ class Testbed:
         """
         timings: dict[str, float] = {}
         t0 = time.monotonic()
+        recorded = testbed_conf.recorded_port_base(self.config.lab)
+        if recorded not in (None, self.config.port_base) and any(s.running for s in self.status()):
+            raise TestbedError("testbed", f"lab {self.config.lab} is running with port base {recorded}, not "
+                                          f"{self.config.port_base}; pass --port-base {recorded} or stop it first")
         self._prepare()
         timings["prepare"] = time.monotonic() - t0
         for d in self.daemons():
@@ -200,6 +205,7 @@ class Testbed:
         for sub in ("etc", "state", "run", "log", "dev", *(f"spool/{n}" for n in cfg.node_names())):
             (lab / sub).mkdir(parents=True, exist_ok=True)
         lab.chmod(0o755)
+        (cfg.etc / "port_base").write_text(f"{cfg.port_base}\n")
         for path in cfg.gpu_files():
             if path.parent == lab / "dev" and not path.is_char_device():
                 path.unlink(missing_ok=True)
@@ -270,6 +276,7 @@ class Testbed:
         finally:
             out.close()
         deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        forked_at = None  # when the launcher exited 0, leaving the forked daemon
         while time.monotonic() < deadline:
             rc = proc.poll()
             if rc not in (None, 0):
@@ -278,8 +285,10 @@ class Testbed:
             if pid is not None and (d.port is None or _port_open(d.port)):
                 _reap(proc)
                 return
-            if rc == 0 and d.pid_file.exists() and pid is None:
-                raise TestbedError(d.name, "started, then died", self._log_tail(d))
+            if rc == 0 and pid is None:
+                forked_at = forked_at or time.monotonic()
+                if _pid_file_dead(d.pid_file) or time.monotonic() - forked_at > _PIDFILE_GRACE_S:
+                    raise TestbedError(d.name, "started, then died", self._log_tail(d))
             time.sleep(0.02)
         raise TestbedError(d.name, f"not ready after {self.config.start_timeout.total_seconds():g} s",
                            self._log_tail(d))
@@ -355,6 +364,15 @@ def _reap(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _pid_file_dead(path: Path) -> bool:
+    """True when `path` holds a complete pid of a process that is gone."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    return text.endswith("\n") and text.strip().isdigit() and not _alive(int(text))
 
 
 def _alive(pid: int) -> bool:

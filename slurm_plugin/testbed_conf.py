@@ -119,6 +119,14 @@ class TestbedConfig:
         return files
 
 
+def recorded_port_base(lab: Path) -> int | None:
+    """The port base `up` last used for `lab` (None for a lab never started)."""
+    try:
+        return int((lab / "etc" / "port_base").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def slurm_conf(cfg: TestbedConfig, extra_lines: list[str]) -> str:
     """The text of slurm.conf: the verified base plus `extra_lines` (e.g. JobSubmitPlugins=lua)."""
     lab = cfg.lab

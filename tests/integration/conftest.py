@@ -22,7 +22,7 @@ import pytest
 from slurm_plugin.client import CommandBackend
 from slurm_plugin.errors import JobNotFoundError, SlurmError
 from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import DEFAULT_LAB, TestbedConfig
+from slurm_plugin.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, TestbedConfig, recorded_port_base
 
 # Entry point of the test session: the one place here that reads the environment.
 LAB = Path(os.environ.get("ELASTIC_SLURM_LAB", str(DEFAULT_LAB))).absolute()
@@ -53,7 +53,7 @@ def wait_until():
 
 @pytest.fixture(scope="session")
 def testbed() -> Testbed:
-    bed = Testbed(TestbedConfig(lab=LAB))
+    bed = Testbed(TestbedConfig(lab=LAB, port_base=recorded_port_base(LAB) or DEFAULT_PORT_BASE))
     if not bed.is_up():
         down = [s.name for s in bed.status() if not s.running]
         pytest.fail(

@@ -1,0 +1,82 @@
+"""The testbed itself: shape of the cluster, idempotent `up`, the CLI, and a second lab that fails,
+recovers and stops without touching the first one."""
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_plugin.cli import main
+from slurm_plugin.errors import TestbedError
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+
+
+def test_four_nodes_with_four_gpus_under_two_leaf_switches(testbed, slurm):
+    nodes = slurm.nodes()
+    assert [n.name for n in nodes] == ["node1", "node2", "node3", "node4"]
+    assert all(n.gpus == 4 for n in nodes)
+    assert [n.switch for n in nodes] == ["leaf1", "leaf1", "leaf2", "leaf2"]
+    (part,) = slurm.partitions()
+    assert part.default and part.nodes == tuple(n.name for n in nodes)
+    # sinfo itself, as a user would run it after `eval "$(elastic-slurm testbed env)"`.
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %G"], env={**testbed.env(), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=10, check=True).stdout
+    assert sorted(out.split("\n")[:-1]) == [f"node{i} gpu:4" for i in range(1, 5)]
+
+
+def test_up_is_idempotent(testbed):
+    before = {s.name: s.pid for s in testbed.status()}
+    timings = testbed.up()
+    assert {s.name: s.pid for s in testbed.status()} == before
+    assert set(timings) >= {"slurmctld", "nodes idle", "total"}
+
+
+def test_cli_status_and_env(testbed):
+    lab = str(testbed.config.lab)
+    status = CliRunner().invoke(main, ["testbed", "status", "--lab", lab])
+    assert status.exit_code == 0, status.output
+    assert "slurmctld      running" in status.output and "node4" in status.output
+    env = CliRunner().invoke(main, ["testbed", "env"], env={"ELASTIC_SLURM_LAB": lab})
+    assert f"export SLURM_CONF={testbed.config.slurm_conf}" in env.output.splitlines()
+
+
+def _free_port_base(start: int) -> int:
+    for base in range(start, 60000, PORT_SPAN):
+        with socket.socket() as s:
+            if all(s.connect_ex(("127.0.0.1", p)) != 0 for p in range(base, base + PORT_SPAN)):
+                return base
+    raise AssertionError("no free port block")
+
+
+@pytest.fixture
+def second_lab(testbed):
+    lab = Path(f"/var/tmp/elastic-slurm-test-{testbed.config.port_base}-{id(testbed)}")
+    bed = Testbed(TestbedConfig(lab=lab, port_base=_free_port_base(testbed.config.port_base + 1000)))
+    yield bed
+    bed.down(wipe=True)
+    shutil.rmtree(lab, ignore_errors=True)
+
+
+def test_second_lab_fails_loudly_recovers_and_stops_only_its_daemons(testbed, second_lab):
+    first = {s.name: s.pid for s in testbed.status()}
+    # The installer's hook: job_submit/lua without job_submit.lua makes slurmctld exit at start.
+    second_lab._prepare()
+    second_lab.set_slurm_conf_lines(["JobSubmitPlugins=lua"])
+    assert "JobSubmitPlugins=lua" in second_lab.config.slurm_conf.read_text().splitlines()
+    with pytest.raises(TestbedError) as info:
+        second_lab.up()
+    assert info.value.daemon == "slurmctld" and "job_submit" in info.value.log_tail
+    second_lab.down()
+    assert not any(s.running for s in second_lab.status())
+
+    second_lab.set_slurm_conf_lines([])
+    second_lab.up()
+    assert second_lab.is_up()
+    pids = {s.pid for s in second_lab.status()}
+    assert not pids & set(first.values())
+    second_lab.down()
+    assert not any(s.running for s in second_lab.status())
+    assert {s.name: s.pid for s in testbed.status()} == first and testbed.is_up()
