@@ -332,7 +332,7 @@ function M.job_from_desc(job_desc, submit_uid)
     name = str(job_desc.name), min_nodes = num(job_desc.min_nodes), max_nodes = num(job_desc.max_nodes),
     ntasks_per_node = num(job_desc.ntasks_per_node, NO_VAL16), tres_per_node = str(job_desc.tres_per_node),
     tres_per_job = str(job_desc.tres_per_job), time_limit_min = num(job_desc.time_limit),
-    req_switch = num(job_desc.req_switch), num_tasks = num(job_desc.num_tasks),
+    req_switch = num(job_desc.req_switch), account = str(job_desc.account), qos = str(job_desc.qos),
   }
 end
 
@@ -383,7 +383,8 @@ function M.plan(cfg, breaker, request)
     if not why then
       breaker.success()
       reply.kind = reply.action
-      reply.reason = one_line(reply.reason or ("elastic: " .. reply.action), 400)
+      reply.reason = one_line(type(reply.reason) == "string" and reply.reason or reply.action, 400)
+      if reply.reason:sub(1, 8) ~= "elastic:" then reply.reason = "elastic: " .. reply.reason end
       if reply.decision_id ~= nil then reply.decision_id = one_line(reply.decision_id, 64):gsub("%s", "_") end
       return reply
     end

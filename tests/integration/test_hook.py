@@ -8,8 +8,10 @@ script) and the module fixture removes JobSubmitPlugins again at the end.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,3 +236,98 @@ def test_reinstall_is_picked_up_by_the_next_submission(hook, predictor, sbatch):
     assert "connection refused" in sbatch(script(), "-H", "-J", "mode-rewrite").stderr
     hook(predictor.url)  # same second or not: the installer stamps job_submit.lua past slurmctld's last load
     assert sbatch(script(), "-H", "-J", "mode-rewrite").stderr.strip() == f"sbatch: {REWRITE['reason']}"
+
+
+STEPS = [([1], 0.030), ([2], 0.031), ([3], 0.0315), ([4], 0.032), ([1, 1], 0.034), ([2, 2], 0.035),
+         ([4, 4], 0.037), ([4, 4, 4, 4], 0.040)]
+
+
+class RealPredictor:
+    """`elastic-predictor serve` on a fresh database holding the resnet50 profile and synthetic H200 steps."""
+
+    def __init__(self, workdir: Path):
+        import json
+        import socket
+
+        self.db = workdir / "predictor.db"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        run = dict(capture_output=True, text=True, timeout=120, check=True)
+        exe = str(Path(sys.executable).parent / "elastic-predictor")
+        subprocess.run([exe, "profile", "torchvision:resnet50", "--db", str(self.db)], **run)
+        steps = workdir / "steps.jsonl"
+        steps.write_text("".join(
+            json.dumps({"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": layout, "intra_link": "nvlink",
+                        "inter_link": "ib", "per_gpu_batch": 64, "iter_s": iter_s * (1 + 0.01 * rep)}) + "\n"
+            for layout, iter_s in STEPS for rep in range(2)))
+        subprocess.run([exe, "import", "--db", str(self.db), str(steps)], **run)
+        self.log = open(workdir / "predictor.log", "w")
+        self.proc = subprocess.Popen(
+            [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--db", str(self.db), "--workers", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t"})
+        import requests
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"elastic-predictor serve did not come up: {(workdir / 'predictor.log').read_text()}")
+            time.sleep(0.2)
+        # the first fit runs in the background: wait until a plan is a rewrite
+        probe = {"source": "cli", "directives": REAL.splitlines(), "job": {"min_nodes": 1, "max_nodes": 1}}
+        while requests.post(self.url + "/v1/plan", json=probe, timeout=5).json().get("action") != "rewrite":
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail("elastic-predictor never planned a rewrite for resnet50 with step history")
+            time.sleep(0.5)
+
+    def decision(self, decision_id: str) -> dict:
+        import requests
+        return requests.get(f"{self.url}/v1/decisions/{decision_id}", timeout=5).json()
+
+    def stop(self):
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+REAL = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
+
+
+@pytest.fixture
+def real_predictor(tmp_path):
+    server = RealPredictor(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatch, bed):
+    hook(real_predictor.url)
+    result = sbatch(script(directives=REAL), "-H")
+    assert result.rc == 0, result.stderr
+    assert result.stderr.startswith("sbatch: elastic: 2 nodes x 4 GPUs (2x4)"), result.stderr
+    job = show_job(bed, result.job_id)
+    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
+    assert job["Switches"].startswith("1@")
+    decision_id = re.fullmatch(r"orig elastic:decision=(\S+)", job["Comment"]).group(1)
+    stored = real_predictor.decision(decision_id)
+    assert stored["action"] == "rewrite" and stored["source"] == "job_submit"
+    assert stored["response"]["layout"] == [4, 4] and stored["request"]["directives"] == REAL.splitlines()
+    real_predictor.stop()
+    down = sbatch(script(directives=REAL), "-H")
+    assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
+    assert down.seconds < BUDGET_MS / 1000 + SLACK_S
+    assert show_job(bed, down.job_id)["TresPerJob"] == "gres:gpu:4"
