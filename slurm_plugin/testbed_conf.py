@@ -120,11 +120,20 @@ class TestbedConfig:
 
 
 def recorded_port_base(lab: Path) -> int | None:
-    """The port base `up` last used for `lab` (None for a lab never started)."""
+    """The port base `up` last used for `lab` (None for a lab never started).
+
+    Labs written before `etc/port_base` existed are read from slurm.conf's SlurmctldPort (= port base).
+    """
     try:
         return int((lab / "etc" / "port_base").read_text())
     except (OSError, ValueError):
+        pass
+    try:
+        text = (lab / "etc" / "slurm.conf").read_text()
+    except OSError:
         return None
+    ports = [ln.split("=", 1)[1].strip() for ln in text.splitlines() if ln.startswith("SlurmctldPort=")]
+    return int(ports[0]) if ports and ports[0].isdigit() else None
 
 
 def slurm_conf(cfg: TestbedConfig, extra_lines: list[str]) -> str:
