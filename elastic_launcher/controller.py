@@ -16,7 +16,25 @@ did not pay is tried again (the ceiling).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+import torch.distributed as dist
+
+from elastic_launcher.errors import ElasticError, RendezvousTimeout, ResizeConflict
+from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
+from elastic_launcher.launch_config import LaunchConfig
+from elastic_launcher.membership import PREFIX as MEMBERSHIP_PREFIX
+from elastic_launcher.membership import Coordinator, Plan
+from elastic_launcher.resize import LAUNCHER_PREFIX, ControlInbox, choose_leavers, helper_script, wait_until
+from elastic_launcher.stragglers import StragglerDetector
+from elastic_launcher.workers import WorkerPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,3 +186,615 @@ class AutoscalePolicy:
         if free_nodes <= 0:
             return "no free nodes"
         return "grow step does not fit"
+
+
+log = logging.getLogger("elastic_launcher.controller")
+records_log = logging.getLogger("elastic_launcher.records")
+
+
+class RecordLog:
+    """Decisions, measurements and transitions: one JSON line each in `records.jsonl` and a log record."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.items: list[dict] = []
+
+    def write(self, kind: str, **fields) -> dict:
+        record = {"kind": kind, "t": round(time.time(), 3), **fields}
+        self.items.append(record)
+        with open(self.path, "a") as out:
+            out.write(json.dumps(record, sort_keys=True) + "\n")
+        records_log.info("%s", json.dumps(record, sort_keys=True), extra={"record": record})
+        return record
+
+
+class PredictorClient:
+    """POST /v1/observations and /v1/plan with a per-request timeout and a circuit breaker.
+
+    Never raises: when the service is unset, unreachable or answers garbage, `plan` returns None and the
+    controller falls back to its own measured-efficiency heuristic; the breaker then skips the service for
+    `cooldown_s`.
+    """
+
+    def __init__(self, url: Optional[str], token: Optional[str], timeout_s: float, cooldown_s: float = 30.0):
+        self.url = url.rstrip("/") if url else None
+        self.token = token
+        self.timeout_s = timeout_s
+        self.cooldown_s = cooldown_s
+        self._open_until = 0.0
+        self.last_error: Optional[str] = None
+
+    def _post(self, path: str, body) -> Optional[dict]:
+        if self.url is None or time.monotonic() < self._open_until:
+            return None
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            reply = requests.post(self.url + path, json=body, headers=headers, timeout=self.timeout_s)
+            if reply.status_code >= 400:
+                raise ValueError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+            return reply.json()
+        except (requests.RequestException, ValueError) as exc:
+            self.last_error = f"{path}: {exc}"
+            self._open_until = time.monotonic() + self.cooldown_s
+            log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, exc)
+            return None
+
+    def observe(self, records: list[dict]) -> bool:
+        return bool(records) and self._post("/v1/observations", records) is not None
+
+    def plan(self, body: dict) -> Optional[dict]:
+        reply = self._post("/v1/plan", body)
+        return reply if isinstance(reply, dict) and reply.get("action") in ("keep", "rewrite") else None
+
+
+@dataclasses.dataclass
+class NodeSlot:
+    """A node the job trains on. `owner` is the allocation holding it (main job or a helper job);
+    `prefix` is the prefix of its workers' ids (`j<owner>-<node>-`), `wids` the ids once joined."""
+
+    node: str
+    owner: str
+    prefix: str
+    wids: tuple[str, ...] = ()
+
+
+class Controller:
+    """Runs one elastic job from the batch step (see the module docstring).
+
+    Args:
+        config: the frozen launch configuration.
+        registry: directory where `<job>.json` with the store address is published for `ctl`.
+        slurm: the Slurm client (slurm_plugin.client.CommandBackend or a fake with the same methods).
+        start_step: starts an srun step (slurm_plugin.client.start_step or a fake).
+    """
+
+    def __init__(self, config: LaunchConfig, registry: Path, slurm, start_step):
+        self.config = config
+        self.registry = Path(registry)
+        self.slurm = slurm
+        self.start_step = start_step
+        self.job_id = str(config.allocation.job_id)
+        self.alloc = config.allocation
+        self.slots = config.slots_per_node
+        d = config.directives
+        self.policy = AutoscalePolicy(d.min_efficiency, d.max_global_batch, d.per_gpu_batch, self.slots,
+                                      d.gpus_min, d.gpus_max, config.grow_step_nodes)
+        self.stragglers = StragglerDetector(config.straggler_ratio, config.straggler_windows,
+                                            protected=frozenset({self.alloc.batch_host}))
+        self.predictor = PredictorClient(config.predictor_url, config.predictor_token,
+                                         config.http_timeout.total_seconds())
+        self.nodes: dict[str, NodeSlot] = {}
+        self.helpers: dict[str, list[str]] = {}  # helper job id -> its nodes
+        self.failures_in_a_row = 0
+        self.operator_cap: Optional[int] = None
+        self.records: Optional[RecordLog] = None
+        self._stop_beat = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Start the workers, steer the job until they finish, clean up; return a summary.
+
+        Raises:
+            ElasticError: the initial rendezvous failed, or `max_failures` failures in a row.
+        """
+        cfg = self.config
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.records = RecordLog(cfg.run_dir / "records.jsonl")
+        self.server = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=True, wait_for_workers=False,
+                                    timeout=cfg.store_timeout)
+        self.store_addr = f"{cfg.store_host}:{self.server.port}"
+        self.kv = dist.PrefixStore(LAUNCHER_PREFIX, self.server)
+        self.coord = Coordinator(self.server, timeout=cfg.rendezvous_timeout)
+        self.inbox = ControlInbox(self.kv)
+        self.pool = WorkerPool(cfg.command, self.store_addr, self.job_id, self.start_step, cfg.run_dir,
+                               stop_timeout=cfg.leave_timeout)
+        self._publish()
+        beat = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
+        beat.start()
+        self.records.write("start", job=self.job_id, nodes=list(self.alloc.nodes), slots=self.slots,
+                           store=self.store_addr, config=json.loads(cfg.to_json()))
+        outcome = "failed"
+        try:
+            self._start_initial()
+            outcome = self._loop()
+            return self._summary(outcome)
+        finally:
+            self._cleanup(outcome)
+            self._stop_beat.set()
+            beat.join(timeout=5)
+
+    def _publish(self) -> None:
+        self.registry.mkdir(parents=True, exist_ok=True)
+        host, port = self.store_addr.rsplit(":", 1)
+        (self.registry / f"{self.job_id}.json").write_text(json.dumps(
+            {"job": self.job_id, "host": host, "port": int(port), "run_dir": str(self.config.run_dir)}))
+
+    def _beat(self) -> None:
+        """Bump the heartbeat the helper agents watch (own store client: the loop may block)."""
+        host, port = self.store_addr.rsplit(":", 1)
+        kv = dist.PrefixStore(LAUNCHER_PREFIX, dist.TCPStore(host, int(port), is_master=False,
+                                                             timeout=self.config.store_timeout))
+        while not self._stop_beat.wait(0.5):
+            try:
+                kv.add(HEARTBEAT_KEY, 1)
+            except Exception as exc:  # the store closes at exit
+                log.debug("heartbeat stops: %s", exc)
+                return
+
+    def _start_initial(self) -> None:
+        for node in self.alloc.nodes:
+            step = self.pool.start(node, self.slots, self.alloc.env, owner_job=self.job_id)
+            self.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
+        wids = self._wait_joined(list(self.alloc.nodes))
+        plan = self.coord.start(wids)
+        t0 = time.monotonic()
+        stats = self._wait_switched(plan)
+        self.records.write("transition", action="start", epoch=plan.id, from_nodes=0,
+                           to_nodes=len(self.nodes), world=plan.world_size, first_step_s=round(time.monotonic() - t0, 3),
+                           stats=stats)
+        self._measure_reset()
+
+    def _joined(self) -> list[str]:
+        """Worker ids that announced themselves (`elastic/joined/<wid>`), read from the raw store.
+
+        (Coordinator.joined() lists through a PrefixStore, whose list_keys() strips the prefix, and finds none.)
+        """
+        head = f"{MEMBERSHIP_PREFIX}joined/"
+        return sorted(k[len(head):] for k in self.server.list_keys() if k.startswith(head))
+
+    def _wait_switched(self, plan: Plan) -> dict:
+        """The runtime's switch record of `plan` (written after its first step).
+
+        Raises:
+            RendezvousTimeout: not within `rendezvous_timeout`, or the workers all ended meanwhile.
+        """
+        key = f"{MEMBERSHIP_PREFIX}switched/{plan.id}"
+
+        def first_step() -> bool:
+            if plan.kind == "initial":  # no switch record for the first epoch: rank 0's first progress report
+                head = self._progress(plan.members[:1]).get(plan.members[0])
+                return head is not None and head["epoch"] == plan.id
+            return self.server.check([key])
+
+        if not wait_until(lambda: first_step() or self._finished() is not None,
+                          self.config.rendezvous_timeout, interval=0.05) or not first_step():
+            raise RendezvousTimeout(f"job {self.job_id}: epoch {plan.id} ({plan.world_size} workers) reported no "
+                                    f"first step within {self.config.rendezvous_timeout.total_seconds():g} s "
+                                    f"or the workers ended")
+        return json.loads(self.server.get(key)) if self.server.check([key]) else {}
+
+    def _wait_joined(self, nodes: Sequence[str]) -> list[str]:
+        """Wait until every node has `slots` joined workers; set their wids; return them in node order.
+
+        Raises:
+            RendezvousTimeout: after `rendezvous_timeout`, naming the nodes short of workers.
+        """
+        missing: list[str] = []
+
+        def ready() -> bool:
+            joined = self._joined()
+            missing.clear()
+            for node in nodes:
+                slot = self.nodes[node]
+                mine = sorted((w for w in joined if w.startswith(slot.prefix)), key=lambda w: int(w.rsplit("-", 1)[1]))
+                if len(mine) >= self.slots:
+                    slot.wids = tuple(mine[: self.slots])
+                else:
+                    missing.append(f"{node} ({len(mine)}/{self.slots})")
+            return not missing
+
+        if not wait_until(ready, self.config.rendezvous_timeout, interval=0.1):
+            raise RendezvousTimeout(f"job {self.job_id}: workers did not join within "
+                                    f"{self.config.rendezvous_timeout.total_seconds():g} s on {', '.join(missing)}")
+        return [w for node in nodes for w in self.nodes[node].wids]
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _loop(self) -> str:
+        while True:
+            self._write_status()
+            finished = self._finished()
+            if finished:
+                return finished
+            self._handle_failures()
+            for seq, request in self.inbox.poll():
+                self._handle_request(seq, request)
+            self._measure_and_decide()
+            time.sleep(self.config.poll_interval.total_seconds())
+
+    def _main_steps(self):
+        return [s for s in self.pool.steps.values() if s.owner_job == self.job_id]
+
+    def _finished(self) -> Optional[str]:
+        """'completed' when every worker step of the main job ended with status 0, 'failed' when all ended."""
+        steps = self._main_steps()
+        if not steps or any(s.alive() for s in steps):
+            return None
+        codes = [s.returncode() for s in steps]
+        return "completed" if all(c == 0 for c in codes) else "failed"
+
+    def _helper_status(self, helper: str) -> dict:
+        text = read_key(self.kv, helper_key(helper, "status"))
+        return json.loads(text) if text else {}
+
+    def _handle_failures(self) -> None:
+        """A step that ended non-zero while its node is a member: the node failed."""
+        failed = [s.node for s in self._main_steps()
+                  if not s.alive() and s.returncode() != 0 and not s.leaving and s.node in self.nodes]
+        for helper, nodes in list(self.helpers.items()):
+            steps = self._helper_status(helper).get("steps", {})
+            failed += [n for n in nodes if steps.get(n) not in (None, 0) and n in self.nodes]
+        for node in failed:
+            self._node_failed(node)
+
+    def _node_failed(self, node: str) -> None:
+        slot = self.nodes[node]
+        dead = set(slot.wids)
+        t0 = time.monotonic()
+        self.records.write("failure", node=node, owner=slot.owner, workers=sorted(dead))
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row > self.config.max_failures:
+            raise ElasticError(f"job {self.job_id}: {self.failures_in_a_row} failures in a row (last: {node})")
+        recovered = wait_until(lambda: not dead & set(self.coord.current().members), self.config.rendezvous_timeout)
+        plan = self.coord.current()
+        stats = {}
+        if recovered:
+            try:
+                stats = self._wait_switched(plan)
+            except RendezvousTimeout as exc:
+                log.warning("recovery epoch %d did not report a first step: %s", plan.id, exc)
+        before = len(self.nodes)
+        self._release([node], reason=f"workers on {node} failed")
+        self.records.write("transition", action="failure", epoch=plan.id, from_nodes=before,
+                           to_nodes=len(self.nodes), world=plan.world_size, recovered=recovered,
+                           wall_s=round(time.monotonic() - t0, 3), pause_s=stats.get("pause_s"), stats=stats)
+        self._measure_reset()
+
+    def _handle_request(self, seq: int, request: dict) -> None:
+        target = request.get("nodes")
+        have = len(self.nodes)
+        if not isinstance(target, int) or target < 1:
+            self.inbox.reply(seq, False, f"'nodes' must be a positive integer, got {target!r}")
+            return
+        if target == have:
+            self.operator_cap = target
+            self.inbox.reply(seq, True, f"already on {have} nodes", target_nodes=target)
+            return
+        if target < self.policy.min_nodes():
+            self.inbox.reply(seq, False, f"{target} nodes is below the job's minimum of {self.policy.min_nodes()}")
+            return
+        self.operator_cap = target
+        self.inbox.reply(seq, True, f"resizing from {have} to {target} nodes", target_nodes=target)
+        self.records.write("decision", source="operator", action="grow" if target > have else "shrink",
+                           from_nodes=have, target_nodes=target, reason=f"elastic-launch ctl {self.job_id} "
+                           f"--nodes {target}")
+        if target < have:
+            self._shrink_to(target, action="shrink", reason="operator request")
+        else:
+            self._grow(target - have, action="grow", reason="operator request")
+
+    # -- measurement and autoscaling --------------------------------------------------------------------
+    def _progress(self, wids) -> dict[str, dict]:
+        out = {}
+        for wid in wids:
+            key = f"{LAUNCHER_PREFIX}/progress/{wid}"
+            if self.server.check([key]):
+                out[wid] = json.loads(self.server.get(key))
+        return out
+
+    def _measure_reset(self) -> None:
+        self._window: dict = {"epoch": None, "first": None, "start": None}
+
+    def _measure(self) -> Optional[tuple[Measurement, dict[str, float]]]:
+        """The throughput and per-node compute time over the current window, once it is complete."""
+        plan = self.coord.current()
+        progress = self._progress(plan.members)
+        head = progress.get(plan.members[0])
+        win = self._window
+        if head is None or head["epoch"] != plan.id:
+            return None
+        if win["epoch"] != plan.id:
+            win.update(epoch=plan.id, first=head["step"], start=None)
+        if win["start"] is None:
+            if head["step"] >= win["first"] + self.config.warmup_steps and len(progress) == len(plan.members):
+                win["start"] = progress
+            return None
+        start = win["start"]
+        steps = head["step"] - start[plan.members[0]]["step"]
+        if steps < self.config.measure_steps:
+            return None
+        first = start[plan.members[0]]
+        elapsed = head["t"] - first["t"]
+        sps = (head["samples"] - first["samples"]) / elapsed if elapsed > 0 else 0.0
+        per_node: dict[str, list[float]] = {}
+        for wid, now in progress.items():
+            then = start.get(wid)
+            if then and now["steps"] > then["steps"]:
+                mean = (now["compute_total_s"] - then["compute_total_s"]) / (now["steps"] - then["steps"])
+                per_node.setdefault(now["node"], []).append(mean)
+        workers = plan.world_size
+        if self.config.test_throughput == "linear":  # TEST POLICY KNOB (see LaunchConfig.test_throughput)
+            base = self.policy.history_[0] if self.policy.history_ else None
+            sps = sps if base is None else base.samples_per_s / base.workers * workers
+        win.update(start=progress)
+        m = Measurement(nodes=len(self.nodes), workers=workers, samples_per_s=sps, step_s=elapsed / steps)
+        return m, {node: sum(v) / len(v) for node, v in per_node.items()}
+
+    def _measure_and_decide(self) -> None:
+        result = self._measure()
+        if result is None:
+            return
+        m, compute_by_node = result
+        self.failures_in_a_row = 0
+        self.policy.record(m)
+        self.records.write("measurement", nodes=m.nodes, workers=m.workers, samples_per_s=round(m.samples_per_s, 3),
+                           step_s=round(m.step_s, 4), compute_s_by_node={k: round(v, 4) for k, v in
+                                                                         compute_by_node.items()})
+        layout = [self.slots] * m.nodes
+        self.predictor.observe([{"kind": "step", "profile": self.config.directives.model or "unknown",
+                                 "gpu": self.config.directives.gpu_type, "layout": layout, "intra_link": "shm",
+                                 "inter_link": "socket", "per_gpu_batch": self.config.directives.per_gpu_batch,
+                                 "iter_s": m.step_s}])
+        if not (self.config.autoscale and self.config.directives.elastic):
+            return
+        slow = self.stragglers.observe(compute_by_node)
+        if slow:
+            self._replace_stragglers(slow, compute_by_node)
+            return
+        plan_nodes = self._ask_plan(m, layout)
+        free = self._free_nodes()
+        decision = self.policy.decide(len(free), plan_nodes)
+        if decision.action == "grow" and self.operator_cap is not None and decision.target_nodes > self.operator_cap:
+            decision = Decision("keep", m.nodes, f"operator asked for {self.operator_cap} nodes", decision.efficiency)
+        self.records.write("decision", source="autoscale", action=decision.action, from_nodes=m.nodes,
+                           target_nodes=decision.target_nodes, reason=decision.reason,
+                           efficiency=decision.efficiency, plan_nodes=plan_nodes, free_nodes=len(free),
+                           predictor=self.predictor.url is not None and self.predictor.last_error is None)
+        if decision.action == "grow":
+            self._grow(decision.target_nodes - m.nodes, action="grow", reason=decision.reason)
+        elif decision.action in ("revert", "shrink") and decision.target_nodes < m.nodes:
+            self._shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
+
+    def _ask_plan(self, m: Measurement, layout: list[int]) -> Optional[int]:
+        d = self.config.directives
+        if not d.raw_lines:
+            return None
+        reply = self.predictor.plan({
+            "source": "launcher", "directives": list(d.raw_lines),
+            "job": {"job_id": int(self.job_id), "min_nodes": m.nodes, "max_nodes": m.nodes,
+                    "tres_per_node": f"gres:gpu:{self.alloc.gpus_per_node}", "partition": self.alloc.partition},
+            "current": {"layout": layout, "samples_per_s": m.samples_per_s, "per_gpu_batch": d.per_gpu_batch}})
+        if reply is None:
+            return None
+        self.records.write("plan", decision_id=reply.get("decision_id"), action=reply.get("action"),
+                           nodes=reply.get("nodes"), reason=reply.get("reason"))
+        return int(reply["nodes"]) if reply.get("action") == "rewrite" and reply.get("nodes") else None
+
+    def _free_nodes(self) -> list[str]:
+        try:
+            return [n.name for n in self.slurm.nodes() if n.state == "idle" and n.name not in self.nodes]
+        except Exception as exc:  # Slurm slow or down: no grow this round
+            log.warning("cannot list nodes: %s", exc)
+            return []
+
+    def _replace_stragglers(self, slow: list[str], compute_by_node: dict[str, float]) -> None:
+        self.records.write("decision", source="stragglers", action="shrink", nodes=slow,
+                           from_nodes=len(self.nodes), target_nodes=len(self.nodes) - len(slow),
+                           reason=f"persistently slower: {({n: round(compute_by_node[n], 4) for n in slow})}")
+        self._shrink_to(len(self.nodes) - len(slow), action="straggler", reason="straggler", prefer=slow)
+        for node in slow:
+            self.stragglers.forget(node)
+        free = [n for n in self._free_nodes() if n not in slow]
+        if free:
+            self._grow(min(len(slow), len(free)), action="replace", reason=f"replace {','.join(slow)}",
+                       exclude=slow)
+
+    # -- transitions ------------------------------------------------------------------------------------
+    def _resize_members(self, add: Sequence[str] = (), remove: Sequence[str] = ()) -> tuple[Plan, dict, float]:
+        """Post the plan without `remove`'s workers and with `add`'s, wait for its first step.
+
+        Returns (plan, the runtime's switch stats, wall seconds from request to first step).
+
+        Raises:
+            RendezvousTimeout: the new epoch did not complete a step in time.
+            ResizeConflict: a failure recovery won the race twice.
+        """
+        for attempt in range(3):
+            base = self.coord.current()
+            leaving = {w for n in remove for w in self.nodes[n].wids}
+            members = [w for w in base.members if w not in leaving]
+            members += [w for n in add for w in self.nodes[n].wids if w not in members]
+            t0 = time.monotonic()
+            try:
+                plan = self.coord.request_resize(members, base)
+            except ResizeConflict as exc:
+                if attempt == 2:
+                    raise
+                log.warning("resize lost a race (%s); retrying on the new epoch", exc)
+                wait_until(lambda: self.coord.current().id != base.id, self.config.rendezvous_timeout)
+                continue
+            stats = self._wait_switched(plan)
+            return plan, stats, time.monotonic() - t0
+        raise AssertionError("unreachable")
+
+    def _shrink_to(self, target: int, action: str, reason: str, prefer: Sequence[str] = ()) -> None:
+        owners = {n: s.owner for n, s in self.nodes.items()}
+        leavers = choose_leavers(list(self.nodes), owners, self.job_id, self.alloc.batch_host,
+                                 len(self.nodes) - target, prefer)
+        before = len(self.nodes)
+        for node in leavers:
+            if node in self.pool.steps:
+                self.pool.steps[node].leaving = True
+        try:
+            plan, stats, wall = self._resize_members(remove=leavers)
+        except (RendezvousTimeout, ResizeConflict) as exc:
+            self.records.write("transition_failed", action=action, from_nodes=before, target_nodes=target,
+                               error=str(exc))
+            self.failures_in_a_row += 1
+            return
+        left = wait_until(lambda: all(self.coord.has_left(w) for n in leavers for w in self.nodes[n].wids),
+                          self.config.leave_timeout)
+        released = self._release(leavers, reason=reason)
+        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
+                           world=plan.world_size, nodes_out=leavers, reason=reason, wall_s=round(wall, 3),
+                           pause_s=stats.get("pause_s"), left_cleanly=left, release_s=released, stats=stats)
+        self._measure_reset()
+
+    def _release(self, nodes: Sequence[str], reason: str) -> float:
+        """Give nodes whose workers are gone back to Slurm; return the seconds it took.
+
+        Main-job nodes: their steps must end (SIGTERM after `leave_timeout`), then `client.shrink`, and the
+        refreshed environment replaces the one new steps are started with. Helper nodes: the whole helper
+        ends (stop key, then scancel) or, when some of its nodes stay, the helper is shrunk.
+        """
+        t0 = time.monotonic()
+        mains = [n for n in nodes if self.nodes[n].owner == self.job_id]
+        if mains:
+            for node in self.pool.wait_ended(mains, self.config.leave_timeout):
+                log.warning("workers on %s did not exit after leaving; stopping the step", node)
+                self.pool.stop(node)
+            for node in mains:
+                self.pool.forget(node)
+            keep = [n for n, s in self.nodes.items() if s.owner == self.job_id and n not in mains]
+            result = self.slurm.shrink(int(self.job_id), keep)
+            self.alloc = self.alloc.with_nodes(tuple(keep), result.apply(self.alloc.env))
+            self.records.write("slurm_shrink", job=self.job_id, nodelist=result.job.nodelist,
+                               nodes=len(result.job.nodes), reason=reason)
+        for helper, helper_nodes in list(self.helpers.items()):
+            going = [n for n in helper_nodes if n in nodes]
+            if not going:
+                continue
+            staying = [n for n in helper_nodes if n not in going]
+            if staying:
+                result = self.slurm.shrink(int(helper), staying)
+                self.helpers[helper] = staying
+                self.records.write("slurm_shrink", job=helper, nodelist=result.job.nodelist,
+                                   nodes=len(result.job.nodes), reason=reason)
+            else:
+                self._end_helper(helper, reason)
+        for node in nodes:
+            self.nodes.pop(node, None)
+            self.stragglers.forget(node)
+        return round(time.monotonic() - t0, 3)
+
+    def _end_helper(self, helper: str, reason: str) -> None:
+        self.kv.set(helper_key(helper, "stop"), reason)
+        gone = wait_until(lambda: self._helper_gone(helper), self.config.leave_timeout, interval=0.3)
+        if not gone:
+            self._cancel(helper)
+        self.helpers.pop(helper, None)
+        self.records.write("helper_ended", helper=helper, reason=reason, cancelled=not gone)
+
+    def _helper_gone(self, helper: str) -> bool:
+        try:
+            return self.slurm.job(int(helper)).state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
+        except Exception:  # not in squeue any more
+            return True
+
+    def _cancel(self, helper: str) -> None:
+        try:
+            self.slurm.cancel(int(helper))
+        except Exception as exc:  # already gone
+            log.info("scancel %s: %s", helper, exc)
+
+    def _grow(self, add: int, action: str, reason: str, exclude: Sequence[str] = ()) -> bool:
+        """Grow by up to `add` nodes with one helper job; False when nothing was added."""
+        cfg = self.config
+        free = [n for n in self._free_nodes() if n not in exclude]
+        count = min(add, len(free))
+        before = len(self.nodes)
+        if count < 1:
+            self.records.write("transition_skipped", action=action, reason="no free nodes")
+            return False
+        script = helper_script(self.job_id, count, self.alloc.gpus_per_node, self.alloc.partition,
+                               [*self.nodes, *exclude], self.store_addr, self.slots, cfg.helper_orphan_timeout,
+                               cfg.run_dir, cfg.command, Path(os.getcwd()))
+        t0 = time.monotonic()
+        helper = str(self.slurm.submit(script))
+        self.helpers[helper] = []
+        self.records.write("helper_submitted", helper=helper, nodes=count, reason=reason)
+        running = wait_until(lambda: self._job_state(helper) == "RUNNING", cfg.helper_start_timeout, interval=0.2)
+        if not running:
+            self._cancel(helper)
+            self.helpers.pop(helper, None)
+            self.records.write("transition_failed", action=action, error=f"helper {helper} did not start "
+                               f"within {cfg.helper_start_timeout.total_seconds():g} s")
+            return False
+        nodes = list(self.slurm.job(int(helper)).nodes)
+        self.helpers[helper] = nodes
+        for node in nodes:
+            self.nodes[node] = NodeSlot(node, helper, f"j{helper}-{node}-")
+        allocated_s = time.monotonic() - t0
+        try:
+            self._wait_joined(nodes)
+            plan, stats, wall = self._resize_members(add=nodes)
+        except (RendezvousTimeout, ResizeConflict) as exc:
+            for node in nodes:
+                self.nodes.pop(node, None)
+            self._end_helper(helper, f"grow failed: {exc}")
+            self.records.write("transition_failed", action=action, error=str(exc))
+            self.failures_in_a_row += 1
+            return False
+        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
+                           world=plan.world_size, nodes_in=nodes, helper=helper, reason=reason,
+                           allocate_s=round(allocated_s, 3), wall_s=round(wall, 3), pause_s=stats.get("pause_s"),
+                           stats=stats)
+        self._measure_reset()
+        return True
+
+    def _job_state(self, job: str) -> str:
+        try:
+            return self.slurm.job(int(job)).state
+        except Exception:
+            return "UNKNOWN"
+
+    # -- reporting and cleanup --------------------------------------------------------------------------
+    def _write_status(self) -> None:
+        plan = self.coord.current()
+        last = self.policy.history_[-1] if self.policy.history_ else None
+        self.kv.set("status", json.dumps({
+            "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.nodes),
+            "helpers": self.helpers, "operator_cap": self.operator_cap,
+            "samples_per_s": None if last is None else round(last.samples_per_s, 3)}))
+
+    def _summary(self, outcome: str) -> dict:
+        items = self.records.items
+        return {"job": self.job_id, "outcome": outcome, "final_nodes": len(self.nodes),
+                "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "pause_s", "wall_s")}
+                                for r in items if r["kind"] == "transition"],
+                "measurements": sum(r["kind"] == "measurement" for r in items)}
+
+    def _cleanup(self, outcome: str) -> None:
+        """Stop our steps, end every helper, unpublish; runs however `run` ends."""
+        try:
+            self.pool.stop_all()
+        except Exception as exc:
+            log.warning("stopping workers: %s", exc)
+        for helper in list(self.helpers):
+            try:
+                self._end_helper(helper, f"main job {outcome}")
+            except Exception as exc:
+                log.warning("ending helper %s: %s", helper, exc)
+                self._cancel(helper)
+        (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
+        if self.records is not None:
+            self.records.write("end", outcome=outcome, nodes=len(self.nodes))

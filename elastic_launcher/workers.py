@@ -13,6 +13,7 @@ name the worker.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 import subprocess
@@ -38,13 +39,29 @@ def worker_env(store_addr: str, job_id: str, node: str, group: str, slots: int) 
     }
 
 
+def worker_id(group: str, slot: int) -> str:
+    """Id of the worker in `slot` (SLURM_LOCALID) of step `group`; unique in the job, no '/'."""
+    return f"{group}-{slot}"
+
+
+def worker_identity(environ: Mapping[str, str]) -> tuple[str, str]:
+    """`(worker id, store address)` of a worker started by this module, from its environment.
+
+    For the training process's entry point (the runtime), which alone reads its environment.
+
+    Raises:
+        KeyError: not started by elastic-launch (ELASTIC_GROUP / ELASTIC_STORE_ADDR / SLURM_LOCALID missing).
+    """
+    return worker_id(environ["ELASTIC_GROUP"], int(environ["SLURM_LOCALID"])), environ["ELASTIC_STORE_ADDR"]
+
+
 @dataclasses.dataclass
 class WorkerStep:
     """One node's workers: an srun process and what it was started for.
 
     Attributes:
         node: the node the step runs on.
-        group: unique id of this step (`<node>-g<n>`), part of each worker's id.
+        group: unique id of this step (`j<job>-<node>-g<n>`); worker ids are `<group>-<slot>`.
         owner_job: id of the allocation the step runs in (main job or helper job).
         slots: tasks in the step.
         proc: the srun process.
@@ -100,7 +117,7 @@ class WorkerPool:
         if node in self.steps and self.steps[node].alive():
             raise ValueError(f"WorkerPool.start: node {node} already runs step {self.steps[node].group}")
         self._generation += 1
-        group = f"{node}-g{self._generation}"
+        group = f"j{owner_job}-{node}-g{self._generation}"
         env = dict(alloc_env)
         env.update(worker_env(self.store_addr, self.job_id, node, group, slots))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -151,3 +168,42 @@ class WorkerPool:
     def stop_all(self, timeout: Optional[timedelta] = None) -> None:
         for node in list(self.steps):
             self.stop(node, timeout)
+
+
+PROGRESS_PREFIX = "launcher/progress/"
+
+
+class ProgressReporter:
+    """Worker side of the launcher's progress channel: one small JSON key per worker.
+
+    The controller measures throughput (samples/s between two reports of one worker) and per-node compute
+    time (straggler detection) from these keys. Call `report` at commit points (every step or every few).
+
+    Args:
+        store: a client of the job's store (no prefix; the key is `launcher/progress/<wid>`).
+        wid: this worker's id (`worker_identity`).
+        node: this worker's node.
+    """
+
+    def __init__(self, store, wid: str, node: str):
+        self.store = store
+        self.wid = wid
+        self.node = node
+        self.compute_total_s = 0.0
+        self.steps = 0
+
+    def report(self, epoch: int, step: int, samples: int, compute_s: float) -> None:
+        """Publish progress after a committed step.
+
+        Args:
+            epoch: membership epoch (plan id) the step ran in.
+            step: global committed step count.
+            samples: global committed sample count (all ranks).
+            compute_s: this worker's local compute time in the step (forward/backward without waiting
+                for peers); slow hardware shows here, while the synchronous step time is the same everywhere.
+        """
+        self.compute_total_s += compute_s
+        self.steps += 1
+        self.store.set(PROGRESS_PREFIX + self.wid, json.dumps(
+            {"epoch": epoch, "step": step, "samples": samples, "t": time.time(), "node": self.node,
+             "compute_total_s": self.compute_total_s, "steps": self.steps}))

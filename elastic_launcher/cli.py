@@ -1,0 +1,232 @@
+"""`elastic-launch`: the entry point. It alone reads the environment and the batch script.
+
+    elastic-launch [options] -- python train.py ...      # the command of an sbatch script (batch step)
+    elastic-launch ctl JOBID --nodes N                    # an operator resizes a running job
+    elastic-launch ctl JOBID --status                     # what the controller is doing
+    elastic-launch agent --main-job J --store H:P ...     # batch step of a grow helper job (internal)
+
+Errors of the library are turned into click errors here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
+
+SUBCOMMANDS = ("ctl", "agent")
+
+
+def _registry(path: Optional[Path]) -> Path:
+    """Where controllers publish their address (`<registry>/<job>.json`), for `ctl`."""
+    if path is not None:
+        return path
+    env = os.environ.get("ELASTIC_LAUNCH_REGISTRY")
+    return Path(env) if env else Path.home() / ".elastic-launch" / "jobs"
+
+
+def _gpus_on_node(environ) -> int:
+    for key in ("SLURM_GPUS_ON_NODE",):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    gpus = environ.get("SLURM_JOB_GPUS") or environ.get("CUDA_VISIBLE_DEVICES") or ""
+    return len([g for g in gpus.split(",") if g]) or 1
+
+
+def allocation_from_env(environ) -> Allocation:
+    """The Slurm allocation of the batch step this process runs in.
+
+    Raises:
+        click.ClickException: not inside a Slurm job.
+    """
+    from slurm_plugin.client import expand_hostlist
+
+    job_id = environ.get("SLURM_JOB_ID")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not job_id or not nodelist:
+        raise click.ClickException("not inside a Slurm allocation: SLURM_JOB_ID / SLURM_JOB_NODELIST are not set "
+                                   "(run elastic-launch as the command of an sbatch script)")
+    nodes = expand_hostlist(nodelist)
+    batch_host = environ.get("SLURMD_NODENAME") or nodes[0]
+    ordered = tuple([batch_host] + [n for n in nodes if n != batch_host])
+    return Allocation(job_id=job_id, nodes=ordered, batch_host=batch_host, gpus_per_node=_gpus_on_node(environ),
+                      partition=environ.get("SLURM_JOB_PARTITION"), env=dict(environ))
+
+
+def _directives(script: Optional[Path], extra: tuple[str, ...]) -> Directives:
+    from slurm_plugin.errors import DirectiveError
+
+    text = script.read_text() if script is not None else ""
+    lines = [line for line in text.splitlines()]
+    prefix_end = next((i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")), len(lines))
+    block = lines[:prefix_end] + [f"#ELASTIC {item}" for item in extra]
+    try:
+        return Directives.from_script("\n".join(block) + "\n")
+    except DirectiveError as exc:
+        raise click.ClickException(f"{script or '--directive'}: {exc}") from exc
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@click.option("--script", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Batch script to read #ELASTIC directives from (in an sbatch script: \"$0\").")
+@click.option("--directive", "directive_items", multiple=True, metavar="KEY=VALUE ...",
+              help="Extra directive tokens, as on an #ELASTIC line (repeatable).")
+@click.option("--workers-per-node", type=click.IntRange(1, 64), help="Workers per node (default: GPUs per node).")
+@click.option("--predictor", "predictor_url", envvar="ELASTIC_PREDICTOR_URL",
+              help="Predictor base URL (env ELASTIC_PREDICTOR_URL); unset or unreachable: own heuristic.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Records and logs (default: $SLURM_SUBMIT_DIR/elastic-<job>).")
+@click.option("--registry", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the controller publishes its address for `ctl` (env ELASTIC_LAUNCH_REGISTRY).")
+@click.option("--grow-step-nodes", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--measure-steps", default=8, show_default=True, type=click.IntRange(1, 10000),
+              help="Committed steps per throughput measurement.")
+@click.option("--warmup-steps", default=2, show_default=True, type=click.IntRange(0, 10000),
+              help="Committed steps ignored after each resize.")
+@click.option("--no-autoscale", is_flag=True, help="Resize only on operator requests and failures.")
+@click.option("--test-throughput", type=click.Choice(["linear"]),
+              help="TEST POLICY KNOB (CPU testbeds only): treat throughput as linear in workers.")
+@click.option("--straggler-ratio", default=1.5, show_default=True, type=float)
+@click.option("--straggler-windows", default=3, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--rendezvous-timeout", default=120.0, show_default=True, type=float, help="Seconds.")
+@click.option("--helper-start-timeout", default=60.0, show_default=True, type=float, help="Seconds.")
+@click.option("--helper-orphan-timeout", default=30.0, show_default=True, type=float, help="Seconds.")
+@click.option("-v", "--verbose", is_flag=True)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def launch(script, directive_items, workers_per_node, predictor_url, run_dir, registry, grow_step_nodes,
+           measure_steps, warmup_steps, no_autoscale, test_throughput, straggler_ratio, straggler_windows,
+           rendezvous_timeout, helper_start_timeout, helper_orphan_timeout, verbose, command):
+    """Run COMMAND as elastic workers in this Slurm allocation.
+
+    Example (last line of an sbatch script):
+
+        elastic-launch --script "$0" --workers-per-node 1 -- python train.py --steps 200
+    """
+    from elastic_launcher.controller import Controller
+
+    _logging(verbose)
+    allocation = allocation_from_env(os.environ)
+    submit_dir = Path(os.environ.get("SLURM_SUBMIT_DIR", "."))
+    config = LaunchConfig(
+        command=tuple(command), allocation=allocation, directives=_directives(script, directive_items),
+        workers_per_node=workers_per_node, predictor_url=predictor_url,
+        predictor_token=os.environ.get("ELASTIC_PREDICTOR_TOKEN"),
+        run_dir=run_dir or submit_dir / f"elastic-{allocation.job_id}",
+        store_host=socket.gethostname() if os.environ.get("ELASTIC_STORE_HOST") is None
+        else os.environ["ELASTIC_STORE_HOST"],
+        grow_step_nodes=grow_step_nodes, measure_steps=measure_steps, warmup_steps=warmup_steps,
+        test_throughput=test_throughput, autoscale=not no_autoscale, straggler_ratio=straggler_ratio,
+        straggler_windows=straggler_windows, rendezvous_timeout=_seconds(rendezvous_timeout),
+        helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
+    )
+    from slurm_plugin.client import CommandBackend, start_step
+
+    # Slurm commands get our environment without the job's SLURM_* (sbatch of a helper must not inherit
+    # the main job's variables; scontrol must not write resize.sh files) but with PATH, HOME, ...
+    command_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    slurm_conf = os.environ.get("SLURM_CONF")
+    slurm = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
+                           timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
+    controller = Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step)
+    try:
+        summary = controller.run()
+    except Exception as exc:  # boundary: library errors become a click error with the cause
+        raise click.ClickException(f"elastic-launch: {type(exc).__name__}: {exc}") from exc
+    click.echo(json.dumps(summary, sort_keys=True))
+
+
+@click.command()
+@click.argument("job_id")
+@click.option("--nodes", type=click.IntRange(1, 4096), help="Resize the job to this many nodes.")
+@click.option("--status", is_flag=True, help="Print the controller's current state.")
+@click.option("--registry", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--timeout", default=30.0, show_default=True, type=float,
+              help="Seconds to wait for the controller to answer.")
+def ctl(job_id, nodes, status, registry, timeout):
+    """Ask the controller of a running elastic job to resize it, or show its state.
+
+    Example: elastic-launch ctl 42 --nodes 2
+    """
+    from elastic_launcher.resize import ControlClient
+
+    if nodes is None and not status:
+        raise click.UsageError("give --nodes N or --status")
+    path = _registry(registry) / f"{job_id}.json"
+    if not path.exists():
+        raise click.ClickException(f"no elastic controller registered for job {job_id} ({path} is missing)")
+    address = json.loads(path.read_text())
+    client = ControlClient(address["host"], int(address["port"]), timeout=_seconds(timeout))
+    try:
+        reply = client.status() if status else client.request_nodes(nodes)
+    except Exception as exc:
+        raise click.ClickException(f"job {job_id}: {type(exc).__name__}: {exc}") from exc
+    click.echo(json.dumps(reply, sort_keys=True))
+    if reply.get("ok") is False:
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--main-job", required=True)
+@click.option("--store", "store_addr", required=True, help="host:port of the main job's store.")
+@click.option("--workers-per-node", required=True, type=click.IntRange(1, 64))
+@click.option("--orphan-timeout", default=30.0, show_default=True, type=float)
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."))
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, command):
+    """Batch step of a grow helper job (submitted by the controller; not for users)."""
+    from elastic_launcher.helper_agent import HelperAgent
+    from elastic_launcher.resize import launcher_store
+    from elastic_launcher.workers import WorkerPool
+    from slurm_plugin.client import CommandBackend, start_step
+
+    _logging(False)
+    allocation = allocation_from_env(os.environ)
+    host, _, port = store_addr.rpartition(":")
+    slurm = CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get("SLURM_CONF") else None,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+
+    def main_running() -> bool:
+        try:
+            return slurm.job(int(main_job)).state == "RUNNING"
+        except Exception:  # unknown job or Slurm unreachable: treat as gone
+            return False
+
+    pool = WorkerPool(command, store_addr, main_job, start_step, log_dir)
+    helper = HelperAgent(allocation.job_id, main_job, allocation.nodes, workers_per_node, allocation.env, pool,
+                         connect=lambda: launcher_store(host, int(port), timedelta(seconds=5)),
+                         main_job_running=main_running, orphan_timeout=_seconds(orphan_timeout))
+    helper.install_signal_handlers()
+    click.echo(f"helper {allocation.job_id} of job {main_job}: {helper.run()}")
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Dispatch: `ctl` and `agent` are subcommands; anything else is a launch."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "ctl":
+        ctl.main(args[1:], prog_name="elastic-launch ctl")
+    elif args and args[0] == "agent":
+        agent.main(args[1:], prog_name="elastic-launch agent")
+    else:
+        launch.main(args, prog_name="elastic-launch")
+
+
+if __name__ == "__main__":
+    main()

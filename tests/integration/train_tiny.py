@@ -1,0 +1,104 @@
+"""A tiny CPU training script for the launcher's end-to-end tests, written against ElasticTrainer.
+
+It stands in for a GPU job on the CPU testbed: each step "computes" for `--compute-ms` (a sleep that models
+the device time of one local batch, so measured throughput scales with the worker count the way it does
+on GPUs; the real CPU work of the tiny model is negligible next to it), then runs a real forward/backward
+with a gloo all-reduce through the runtime. `--slow-node NODE --slow-factor F` makes the workers on one
+node F times slower (a straggler).
+
+Accounting: after each committed step every rank appends one JSON line to `<out>/samples-<wid>.jsonl`:
+`{"step", "epoch", "idx": [...], "world", "plan"}` (its dataset indices of that step). The test checks
+that, per epoch, no index is seen twice and that the number of committed samples is exact.
+
+Entry point: the only place that reads the environment (what elastic-launch passes to each worker).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.errors import LeftGroup
+from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+from elastic_launcher.workers import ProgressReporter, worker_identity
+
+
+class Squares(torch.utils.data.Dataset):
+    """y = 3x + 1 with noise-free targets; the index is returned so ranks can log what they saw."""
+
+    def __init__(self, size: int):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, 8, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True) * 3 + 1
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, required=True, help="global steps to train")
+    p.add_argument("--per-gpu-batch", type=int, default=4)
+    p.add_argument("--dataset-size", type=int, default=1000)
+    p.add_argument("--compute-ms", type=float, default=150.0, help="simulated device time per step")
+    p.add_argument("--slow-node", default=None)
+    p.add_argument("--slow-factor", type=float, default=1.0)
+    p.add_argument("--out", type=Path, required=True, help="directory for the per-rank sample logs")
+    args = p.parse_args(argv)
+
+    env = os.environ
+    wid, store_text = worker_identity(env)
+    node = env.get("ELASTIC_NODE", "?")
+    slow = args.slow_factor if args.slow_node == node else 1.0
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = TrainerConfig(timeout=timedelta(seconds=20), heartbeat_timeout=timedelta(seconds=4))
+    et = ElasticTrainer(model, optimizer, store_addr=store_text, worker_id=wid,
+                        policy=BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling="none"), config=config)
+    reporter = ProgressReporter(connect_store(StoreAddr.parse(store_text), timedelta(seconds=30)), wid, node)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = open(args.out / f"samples-{wid}.jsonl", "a", buffering=1)
+    dataset = Squares(args.dataset_size)
+    loss_fn = torch.nn.MSELoss()
+    loss = torch.tensor(float("nan"))
+    try:
+        for x, y, idx in et.loader(dataset, max_steps=args.steps):
+            before, epoch, world, plan = et.step, et.sampler.epoch, et.world_size, et.plan.id
+            mine = list(et.batch_indices)
+            t0 = time.perf_counter()
+            time.sleep(args.compute_ms / 1000.0 * slow)
+            loss = loss_fn(et.model(x), y)
+            compute_s = time.perf_counter() - t0
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            went_on = et.commit()
+            if et.step == before + 1:  # committed (a failed vote rolls the step counter back)
+                log.write(json.dumps({"step": et.step, "epoch": epoch, "idx": mine, "world": world, "plan": plan}) + "\n")
+                reporter.report(et.plan.id, et.step, et.sampler.epoch * len(dataset) + et.sampler.pos, compute_s)
+            if not went_on:
+                break
+    except LeftGroup as exc:
+        print(f"{wid}: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        et.close()
+    print(f"{wid}: done at step {et.step} (left={et.left}, loss={loss.item():.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
