@@ -24,6 +24,8 @@ def register(store, body) -> tuple[Profile, bool]:
     """
     if isinstance(body, dict) and isinstance(body.get("name"), str) and not NAME_RE.match(body["name"]):
         raise ValidationError("name", f"must match {NAME_RE.pattern} (the `model=` directive grammar)")
+    if isinstance(body, dict) and "source" in body and not isinstance(body["source"], str):
+        raise ValidationError("source", "expected a string (where the profile came from)")
     profile = Profile.from_dict(body)
     stored = dict(profile.to_dict())
     if isinstance(body, dict):
