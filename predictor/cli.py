@@ -227,13 +227,14 @@ def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
 @click.option("--db", default=None, help="SQLite database, for fit errors when bench/accuracy.py is absent")
 @click.option("--datasets", default=None, help="passed to bench/accuracy.py --datasets")
 @click.option("--write", is_flag=True, help="let bench/accuracy.py write bench/results")
-def evaluate(db, datasets, write):
+@click.option("--fit-errors", is_flag=True, help="print the fit errors on the database instead of the benchmark")
+def evaluate(db, datasets, write, fit_errors):
     """Run the accuracy benchmark (bench/accuracy.py) if present, else print the fit errors on the database.
 
     Example: elastic-predictor evaluate --datasets pollux-t4
     """
     script = REPO_ROOT / "bench" / "accuracy.py"
-    if script.exists():
+    if script.exists() and not fit_errors:
         argv = [sys.executable, str(script)] + ([] if write else ["--no-write"])
         argv += ["--datasets", datasets] if datasets else []
         raise SystemExit(subprocess.call(argv, cwd=str(REPO_ROOT)))
