@@ -30,6 +30,17 @@ local function script_of(options)
   return text
 end
 
+-- One breaker file per user and predictor URL, in $XDG_RUNTIME_DIR (private) when set, else cli_state_dir.
+local function state_file(config)
+  local f = io.open("/proc/self/status", "r")
+  local status = f and f:read("*a") or ""
+  if f then f:close() end
+  local uid = status:match("\nUid:%s+(%d+)") or tostring(os.getenv("USER"))
+  local url = tostring(config.predictor_url):gsub("^http://", ""):gsub("[^%w_.-]", "_")
+  local dir = os.getenv("XDG_RUNTIME_DIR") or config.cli_state_dir
+  return dir .. "/elastic-slurm-breaker." .. uid .. "." .. url
+end
+
 function slurm_cli_setup_defaults(options, early_pass)
   return slurm.SUCCESS
 end
@@ -45,9 +56,7 @@ function slurm_cli_pre_submit(options, pack_offset)
     slurm.log_error("elastic: %s", err.message)
     return slurm.ERROR
   end
-  local user = tostring(os.getenv("USER") or os.getenv("LOGNAME") or "unknown"):gsub("[^%w_.-]", "_")
-  local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s,
-    cfg.cli_state_dir .. "/elastic-slurm-breaker." .. user)
+  local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s, state_file(cfg))
   local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options, slurm.time_str2mins)))
   if outcome.kind == "reject" then
     slurm.log_error("elastic: %s", outcome.message)

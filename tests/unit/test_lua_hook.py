@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from predictor import planner
+
 LUA_DIR = pathlib.Path(__file__).parents[2] / "slurm_plugin" / "lua"
 REJECT_CODE = 2072
 
@@ -180,6 +182,7 @@ def test_rewrite_is_applied_and_reason_shown(tmp_path, predictor):
     assert body["directives"] == list(directives)
     assert body["job"] == {"user": "alice", "uid": 1001, "partition": "debug", "name": "mode-rewrite",
                            "min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4", "time_limit_min": 60}
+    planner.parse_request(body)  # the service accepts exactly what the hook sends (no 400)
 
 
 def test_rewrite_fixes_slurm_gpus_when_the_total_changes(tmp_path, predictor):
