@@ -142,19 +142,14 @@ class Predictor:
         return perf, ("profile" if has_estimate else "prior"), (PROFILE_LOG_STD if has_estimate else PRIOR_LOG_STD)
 
     def _net(self, intra: str, inter: str | None) -> tuple[NetParams, float]:
-        """Fabric corrections: exact fabric if fitted, else per-link parts borrowed from fabrics sharing a link."""
-        fab = (intra, inter or "")
+        """Link scales and topology corrections of the candidate's links (0 = the link model as is)."""
         link_std = 0.0
         for link in (intra, inter):
             if link and link not in self.step_links_ and link not in self.links_.links_:
                 link_std = max(link_std, self.links_.link_log_std(link))
-        if fab in self.net_:
-            return self.net_[fab], link_std
-        s_i = [n.log_intra for f, n in self.net_.items() if f[0] == intra]
-        same_e = [n for f, n in self.net_.items() if f[1] == (inter or "")]
-        s_e = float(np.mean([n.log_inter for n in same_e])) if same_e else 0.0
-        w = tuple(np.mean([n.w for n in same_e], axis=0)) if same_e else (0.0,) * N_PHI
-        return NetParams(float(np.mean(s_i)) if s_i else 0.0, s_e, w), max(link_std, 0.2)
+        s_i = self.net_.get("intra", {}).get(intra, 0.0)
+        s_e, w = self.net_.get("inter", {}).get(inter or "", (0.0, (0.0,) * N_PHI))
+        return NetParams(s_i, s_e, w), link_std
 
     def link_stats(self) -> list[dict]:
         """Per link: alpha_s, bandwidth_Bps (as steps see it), n observations, fit error (log RMSE) or None."""
@@ -163,8 +158,8 @@ class Predictor:
         for link, n_steps in self.step_links_.items():
             s = stats.setdefault(link, {"link": link, "n": 0, "log_rmse": None})
             a, bw, *_ = self.links_._params(link)
-            scales = [n.log_intra for f, n in self.net_.items() if f[0] == link] + \
-                     [n.log_inter for f, n in self.net_.items() if f[1] == link]
+            scales = [v for k, v in self.net_.get("intra", {}).items() if k == link] + \
+                     [v[0] for k, v in self.net_.get("inter", {}).items() if k == link]
             scale = math.exp(float(np.mean(scales))) if scales else 1.0
             s.update({"alpha_s": a * scale, "bandwidth_Bps": bw / scale, "n_steps": n_steps})
         return [stats[k] for k in sorted(stats)]

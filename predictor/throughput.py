@@ -12,7 +12,7 @@ inter link E). With K = max_i k_i and G = sum_i k_i:
 
 LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link). Hierarchical: a layout on
 one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs per node share it.
-phi(layout) are the learned topology corrections of the fabric (only for n > 1):
+phi(layout) are the learned topology corrections of the inter link (only for n > 1):
     log(n-1) peers per NIC, log K GPUs sharing a NIC, their product, fraction of nodes with an odd GPU count,
     unbalanced (K != min k), and odd * unbalanced (GPUs left without their pair link).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
@@ -51,7 +51,7 @@ class PerfParams(NamedTuple):
 
 
 class NetParams(NamedTuple):
-    """Per fabric (intra link, inter link)."""
+    """Of a candidate's links: s_I of its intra link, s_E and w_E of its inter link."""
 
     log_intra: float  # s_I: log scale of the intra-node link model
     log_inter: float  # s_E: log scale of the inter-node link model
@@ -92,20 +92,16 @@ def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tu
     return t_i, t_e
 
 
-def _fabric(row) -> tuple[str, str]:
-    return (row["intra_link"], row.get("inter_link") or "")
-
-
 def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
                    gamma_prior: float = 1.5, max_nfev: int = 400) -> dict:
-    """Fit PerfParams per (profile, gpu) and NetParams per fabric on step rows.
+    """Fit PerfParams per (profile, gpu), s_I per intra link, (s_E, w_E) per inter link on step rows.
 
     Args:
         rows: step observations (design.md shape, optional `sync_s`).
         bases: array (len(rows), 2) of (T_I, T_E) from `sync_bases`.
     Returns:
-        {"perf": {(profile, gpu): PerfParams}, "net": {fabric: NetParams}, "log_rmse": {(profile, gpu): float},
+        {"perf": {(profile, gpu): PerfParams}, "net": {"intra": {link: s_I}, "inter": {link: (s_E, w_E)}}, "log_rmse": {(profile, gpu): float},
          "converged": bool, "cost": float}
     """
     b = np.array([float(r["per_gpu_batch"]) for r in rows])
@@ -115,9 +111,11 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     phi = np.array([layout_features(r["layout"]) for r in rows])
     sync = np.array([float(r.get("sync_s") or np.nan) for r in rows])
     pairs = sorted({(r["profile"], r["gpu"]) for r in rows})
-    fabrics = sorted({_fabric(r) for r in rows})
+    intras = sorted({r["intra_link"] for r in rows})
+    inters = sorted({r.get("inter_link") or "" for r in rows})
     pi = np.array([pairs.index((r["profile"], r["gpu"])) for r in rows])
-    fi = np.array([fabrics.index(_fabric(r)) for r in rows])
+    ii = np.array([intras.index(r["intra_link"]) for r in rows])
+    ei = np.array([inters.index(r.get("inter_link") or "") for r in rows])
     t_i, t_e = bases[:, 0], bases[:, 1]
 
     # ---- parameter vector layout with pinning ----
@@ -147,13 +145,13 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             add(("S", j), 0.0, -3.0, 3.0)
         else:
             fixed[("g", j)], fixed[("S", j)] = gamma_prior, 0.0
-    for f, fab in enumerate(fabrics):
-        m = fi == f
-        if (m & (t_i > 0)).any():
+    for f in range(len(intras)):
+        if ((ii == f) & (t_i > 0)).any():
             add(("sI", f), 0.0, -8.0, 8.0)
         else:
             fixed[("sI", f)] = 0.0
-        multi = m & (nn > 1)
+    for f in range(len(inters)):
+        multi = (ei == f) & (nn > 1)
         if multi.any():
             add(("sE", f), 0.0, -8.0, 8.0)
             for q in range(N_PHI):
@@ -175,9 +173,9 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         c1 = np.exp([get(("c1", j)) for j in range(len(pairs))])
         g = np.array([get(("g", j)) for j in range(len(pairs))])
         S = np.array([get(("S", j)) for j in range(len(pairs))])
-        sI = np.array([get(("sI", f)) for f in range(len(fabrics))])
-        sE = np.array([get(("sE", f)) for f in range(len(fabrics))])
-        W = np.array([[get(("w", f, q)) for q in range(N_PHI)] for f in range(len(fabrics))])
+        sI = np.array([get(("sI", f)) for f in range(len(intras))])
+        sE = np.array([get(("sE", f)) for f in range(len(inters))])
+        W = np.array([[get(("w", f, q)) for q in range(N_PHI)] for f in range(len(inters))])
         return c0, c1, g, S, sI, sE, W
 
     has_sync = np.isfinite(sync) & (G > 1)
@@ -188,7 +186,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     def model(x):
         c0, c1, g, S, sI, sE, W = unpack(x)
         tc = _predict_compute(c0[pi], c1[pi], b)
-        ts = _predict_sync(S[pi], sI[fi], sE[fi], W[fi], t_i, t_e, phi) * (G > 1)
+        ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei], t_i, t_e, phi) * (G > 1)
         return tc, ts, _predict_step(tc, ts, g[pi])
 
     def resid(x):
@@ -203,14 +201,15 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
 
     x0a = np.clip(np.array(x0, dtype=float), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
     res = least_squares(resid, x0a, bounds=(lo, hi), loss="soft_l1", f_scale=f_scale, max_nfev=max_nfev,
-                        x_scale=1.0)
+                        x_scale=1.0, ftol=1e-6, xtol=1e-6)
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
     x = res.x if ok else x0a
     c0, c1, g, S, sI, sE, W = unpack(x)
     _, _, t = model(x)
     err = np.log(t) - ly
     perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j])) for j, pr in enumerate(pairs)}
-    net = {fab: NetParams(float(sI[f]), float(sE[f]), tuple(float(v) for v in W[f])) for f, fab in enumerate(fabrics)}
+    net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
+           "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
     return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": float(res.cost)}
 

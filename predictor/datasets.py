@@ -1,0 +1,126 @@
+"""Loaders turning the measured public data in ../shared/data into step observations and profiles.
+
+Each loader returns a `Dataset`: step records with the shapes of docs/design.md (`kind="step"`, plus
+`sync_s` where the source measured it and `source`, the file and row) and the tensor profiles of its models
+(built-in architectures, see profiles.BUILTIN). What each source is assumed to mean:
+
+- Pollux T4 (`pollux-osdi21/traces/<model>/placements.csv`, `scalability.csv`): g4dn.12xlarge, 4 T4 per
+  node on PCIe, nodes on 50 Gb/s Ethernet -> intra_link "pcie", inter_link "ethernet". `local_bsz` is the per-GPU
+  batch, `step_time` the step, `sync_time` the exposed sync. scalability.csv gives only (nodes, replicas):
+  the layout is assumed as even as possible (replicas spread round-robin over the nodes).
+- Morphling A800 (`morphling-a800/traces/<model>/placements.csv`, `exec_plan == "ga"` rows of bert, roberta,
+  vit): 8 A800 per node, "nvlink" inside, "ib" across (interconnect not stated in the source). The rows
+  behave as a fixed global batch split over G GPUs; the global batch is not recorded, so a nominal global
+  batch of 840 samples (divisible by 1..8) is used: per_gpu_batch = 840 / G. Throughput ratios are exact.
+- ElasticFlow A100 (`elasticflow-a100/throughputs_A100/*.csv`): 8 A100 per node, NVLink inside, HDR IB
+  across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from predictor.profiles import Profile, profile_from_spec
+
+DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
+A800_GLOBAL_BATCH = 840
+
+POLLUX_MODELS = {"bert": "bert-base-uncased", "cifar10": "resnet18_cifar10", "deepspeech2": "deepspeech2",
+                 "imagenet": "resnet50", "ncf": "ncf", "yolov3": "yolov3"}
+MORPHLING_MODELS = {"bert": "bert-large-uncased", "roberta": "roberta-large", "vit": "vit-base-patch16-224"}
+ELASTICFLOW_MODELS = {"bert": "bert-base-uncased", "deepspeech2": "deepspeech2", "gpt2": "gpt2",
+                      "inception3": "inception_v3", "resnet50": "resnet50", "resnet50_cifar10": "resnet50_cifar10",
+                      "vgg16": "vgg16"}
+
+
+@dataclass
+class Dataset:
+    """Step observations of one cluster. `extra` holds rows evaluated separately (T4 scalability.csv)."""
+
+    name: str
+    gpu: str
+    profiles: dict[str, Profile]
+    steps: list[dict]
+    extra: list[dict] = field(default_factory=list)
+
+
+def _profiles(models: dict[str, str]) -> dict[str, Profile]:
+    return {m: dataclasses.replace(profile_from_spec(spec), name=m) for m, spec in models.items()}
+
+
+def _step(model, gpu, layout, intra, inter, b, iter_s, source, sync_s=None) -> dict:
+    rec = {"kind": "step", "profile": model, "gpu": gpu, "layout": list(layout), "intra_link": intra,
+           "per_gpu_batch": b, "iter_s": float(iter_s), "source": source}
+    if len(layout) > 1:
+        rec["inter_link"] = inter
+    if sync_s is not None:
+        rec["sync_s"] = float(sync_s)
+    return rec
+
+
+def _read(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def even_layout(nodes: int, gpus: int) -> list[int]:
+    """GPUs spread round-robin over `nodes` nodes (largest first)."""
+    return sorted((gpus // nodes + (1 if i < gpus % nodes else 0) for i in range(nodes)), reverse=True)
+
+
+def load_pollux(root: Path = DEFAULT_ROOT) -> Dataset:
+    """Pollux T4 placements (steps) and scalability (extra) rows, with sync times."""
+    base = Path(root) / "pollux-osdi21" / "traces"
+    steps, extra = [], []
+    for model in POLLUX_MODELS:
+        for i, r in enumerate(_read(base / model / "placements.csv")):
+            layout = [int(c) for c in r["placement"]]
+            steps.append(_step(model, "T4", layout, "pcie", "ethernet", int(r["local_bsz"]), r["step_time"],
+                               f"pollux/{model}/placements.csv:{i + 2}", r["sync_time"]))
+        for i, r in enumerate(_read(base / model / "scalability.csv")):
+            layout = even_layout(int(r["num_nodes"]), int(r["num_replicas"]))
+            extra.append(_step(model, "T4", layout, "pcie", "ethernet", int(r["local_bsz"]), r["step_time"],
+                               f"pollux/{model}/scalability.csv:{i + 2}", r["sync_time"]))
+    return Dataset("pollux-t4", "T4", _profiles(POLLUX_MODELS), steps, extra)
+
+
+def load_morphling(root: Path = DEFAULT_ROOT) -> Dataset:
+    """Morphling A800 `ga` rows (fixed global batch; nominal 840 samples)."""
+    base = Path(root) / "morphling-a800" / "traces"
+    steps = []
+    for model in MORPHLING_MODELS:
+        for i, r in enumerate(_read(base / model / "placements.csv")):
+            t = float(r["iter_time"] or 0)
+            if r["exec_plan"] != "ga" or not t > 0:
+                continue
+            layout = [int(c) for c in r["placement"]]
+            b = A800_GLOBAL_BATCH // sum(layout)
+            steps.append(_step(model, "A800", layout, "nvlink", "ib", b, t,
+                               f"morphling/{model}/placements.csv:{i + 2}"))
+    return Dataset("morphling-a800", "A800", _profiles(MORPHLING_MODELS), steps)
+
+
+def load_elasticflow(root: Path = DEFAULT_ROOT) -> Dataset:
+    """ElasticFlow A100 tables: iterations/s at a global batch on G GPUs packed 8 per node."""
+    base = Path(root) / "elasticflow-a100" / "throughputs_A100"
+    steps = []
+    for model in ELASTICFLOW_MODELS:
+        for i, r in enumerate(_read(base / f"{model}.csv")):
+            gb = int(r["global_batch_size"])
+            for col, v in r.items():
+                if col == "global_batch_size" or not v:
+                    continue
+                G, ips = int(col), float(v)
+                if not (math.isfinite(ips) and ips > 0) or gb < G:
+                    continue
+                layout = [G] if G <= 8 else [8] * (G // 8)
+                steps.append(_step(model, "A100", layout, "nvlink", "ib", gb / G, 1.0 / ips,
+                                   f"elasticflow/{model}.csv:{i + 2}:{col}"))
+    return Dataset("elasticflow-a100", "A100", _profiles(ELASTICFLOW_MODELS), steps)
+
+
+def load_all(root: Path = DEFAULT_ROOT) -> list[Dataset]:
+    return [load_pollux(root), load_morphling(root), load_elasticflow(root)]
