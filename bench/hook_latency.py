@@ -1,0 +1,255 @@
+"""sbatch latency with the job_submit hook off, on, and on with the predictor down or hanging.
+
+Submits N held jobs (default 300) from C parallel clients (default 8) against a running testbed, once per
+phase, and prints median / p99 sbatch latency and submissions/s, with the plugin-off baseline measured in
+the same run (phases run round-robin, so the drift of a shared host spreads over all of them):
+
+    off          JobSubmitPlugins removed (baseline)
+    on           hook installed, jobs carry #ELASTIC lines, `elastic-predictor serve` answers (rewrite)
+    on-static    the same against a static in-process /v1/plan (the hook's own cost, without the service's)
+    on-plain     hook installed, jobs without #ELASTIC lines (must cost nothing)
+    down         hook installed, nothing listens on the predictor port (breaker opens after K failures)
+    hang         hook installed, the predictor accepts connections and never answers (budget, then breaker)
+
+Targets (issue 5): on/off median <= 1.15; down/off median <= 1.3 once the breaker is open.
+
+Example: python bench/hook_latency.py --lab /var/tmp/lab-hook --port-base 17800 --out bench/results/hook_latency.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+from slurm_plugin.installer import PluginConfig, install
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import TestbedConfig
+
+ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
+STEPS = [([1], 0.030), ([2], 0.031), ([4], 0.032), ([1, 1], 0.034), ([2, 2], 0.035), ([4, 4], 0.037)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Predictor:
+    """`elastic-predictor serve` on a scratch database seeded with resnet50 and synthetic H200 steps."""
+
+    def __init__(self, workdir: Path):
+        import requests
+
+        exe = str(Path(sys.executable).parent / "elastic-predictor")
+        db = workdir / "bench.db"
+        subprocess.run([exe, "profile", "torchvision:resnet50", "--db", str(db)], check=True, capture_output=True)
+        steps = workdir / "steps.jsonl"
+        steps.write_text("".join(json.dumps(
+            {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": layout, "intra_link": "nvlink",
+             "inter_link": "ib", "per_gpu_batch": 64, "iter_s": it}) + "\n" for layout, it in STEPS for _ in range(2)))
+        subprocess.run([exe, "import", "--db", str(db), str(steps)], check=True, capture_output=True)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
+                                      "--db", str(db), "--workers", "2"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        probe = {"source": "cli", "directives": ELASTIC.splitlines(), "job": {"min_nodes": 1, "max_nodes": 1}}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if requests.post(self.url + "/v1/plan", json=probe, timeout=2).json().get("action") == "rewrite":
+                    return
+            except (requests.ConnectionError, ValueError):
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise SystemExit("elastic-predictor serve did not plan a rewrite within 90 s")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+STATIC_SERVER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+REPLY = json.dumps({"decision_id": "d-static", "action": "rewrite", "nodes": 2, "gpus_per_node": 4,
+                    "tasks_per_node": 4, "switches": 1, "reason": "elastic: 2 nodes x 4 GPUs (static)"}).encode()
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(REPLY)))
+        self.end_headers()
+        self.wfile.write(REPLY)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+class StaticPlan:
+    """A /v1/plan in its own process that answers a fixed rewrite at once: the hook's own cost."""
+
+    def __init__(self):
+        import requests
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-c", STATIC_SERVER, str(port)])
+        for _ in range(100):
+            try:
+                requests.post(self.url + "/v1/plan", data=b"{}", timeout=1)
+                return
+            except requests.ConnectionError:
+                time.sleep(0.05)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+class Blackhole:
+    """Accepts TCP connections and never answers (a hung predictor)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def stop(self):
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def run_phase(env: dict, script: Path, count: int, clients: int) -> dict:
+    messages: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def one(_):
+        t0 = time.perf_counter()
+        proc = subprocess.run(["sbatch", "--parsable", "-H", "-J", "bench", str(script)], capture_output=True,
+                              text=True, env=env, timeout=120)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise SystemExit(f"sbatch failed: {proc.stderr}")
+        key = proc.stderr.strip().split("(")[0][:60] or "(no message)"
+        with lock:
+            messages[key] = messages.get(key, 0) + 1
+        return seconds, int(proc.stdout.strip().split(";")[0])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, range(count)))
+    wall = time.perf_counter() - t0
+    jobs = [job for _, job in results]
+    for start in range(0, len(jobs), 100):
+        subprocess.run(["scancel", *map(str, jobs[start:start + 100])], env=env, capture_output=True, timeout=120)
+    return {"latencies": [s for s, _ in results], "wall_s": wall, "messages": messages,
+            "median_s": statistics.median(s for s, _ in results)}
+
+
+def summarize(parts: list[dict]) -> dict:
+    lat = sorted(s for part in parts for s in part["latencies"])
+    messages: dict[str, int] = {}
+    for part in parts:
+        for key, n in part["messages"].items():
+            messages[key] = messages.get(key, 0) + n
+    return {"median_ms": statistics.median(lat) * 1000, "p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1000,
+            "per_s": len(lat) / sum(part["wall_s"] for part in parts), "messages": messages, "n": len(lat)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lab", type=Path, required=True)
+    parser.add_argument("--port-base", type=int, required=True)
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="phases run round-robin this many times (count/rounds jobs each), so drift of a "
+                             "shared host spreads over all phases")
+    parser.add_argument("--budget-ms", type=int, default=100)
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    args = parser.parse_args()
+
+    bed = Testbed(TestbedConfig(lab=args.lab.absolute(), port_base=args.port_base))
+    if not bed.is_up():
+        raise SystemExit(f"testbed in {args.lab} is not up: elastic-slurm testbed up --lab {args.lab} "
+                         f"--port-base {args.port_base}")
+    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    others = [ln for ln in bed.slurm_conf_lines() if not ln.startswith(("JobSubmitPlugins", "CliFilterPlugins"))]
+    work = Path(tempfile.mkdtemp(prefix="hook-bench-"))
+    elastic_job = work / "elastic.sh"
+    elastic_job.write_text("#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\n" + ELASTIC + "srun true\n")
+    plain_job = work / "plain.sh"
+    plain_job.write_text("#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\nsrun true\n")
+
+    def enable(url: str | None):
+        if url is not None:
+            install(PluginConfig(bed.config.etc, url, timedelta(milliseconds=args.budget_ms), 3,
+                                 timedelta(seconds=300)))
+        bed.set_slurm_conf_lines(others + (["JobSubmitPlugins=lua"] if url is not None else []))
+        bed.reconfigure()
+        time.sleep(1)
+
+    predictor, static, hole = Predictor(work), StaticPlan(), Blackhole()
+    down_url = f"http://127.0.0.1:{free_port()}"
+    phases = [("off", None, elastic_job), ("on", predictor.url, elastic_job),
+              ("on-static", static.url, elastic_job), ("on-plain", predictor.url, plain_job),
+              ("down", down_url, elastic_job), ("hang", hole.url, elastic_job)]
+    samples: dict[str, list] = {name: [] for name, _, _ in phases}
+    try:
+        for round_no in range(args.rounds):
+            for name, url, job in phases:
+                enable(url)
+                samples[name].append(run_phase(env, job, args.count // args.rounds, args.clients))
+                print(f"round {round_no + 1} {name:12} {samples[name][-1]['median_s'] * 1000:7.2f} ms", flush=True)
+    finally:
+        enable(None)
+        predictor.stop()
+        static.stop()
+        hole.stop()
+
+    rows = [(name, summarize(parts)) for name, parts in samples.items()]
+    base = rows[0][1]
+    lines = [f"# sbatch latency with the job_submit hook ({args.count} held jobs per phase, {args.clients} parallel "
+             f"clients, {args.rounds} round-robin rounds, budget {args.budget_ms} ms, breaker K=3)", "",
+             f"Run: `python bench/hook_latency.py --lab {args.lab} --port-base {args.port_base}` on "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2-core shared host. Ratios against the first `off` row.",
+             "", "| phase | median ms | p99 ms | submissions/s | median / off | p99 / off | messages |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for name, row in rows:
+        msgs = "; ".join(f"{k} x{v}" for k, v in row["messages"].items())
+        lines.append(f"| {name} | {row['median_ms']:.2f} | {row['p99_ms']:.2f} | {row['per_s']:.1f} | "
+                     f"{row['median_ms'] / base['median_ms']:.2f} | {row['p99_ms'] / base['p99_ms']:.2f} | {msgs} |")
+    table = "\n".join(lines) + "\n"
+    print()
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
