@@ -143,6 +143,45 @@ class Blackhole:
             conn.close()
 
 
+MICRO_DRIVER = r"""
+local socket = require("socket")
+slurm = { SUCCESS = 0, ERROR = -1, user_msg = function() end, log_user = function() end,
+          log_info = function() end, log_error = function() end }
+dofile(DIR .. "/job_submit.lua")
+local t0 = socket.gettime()
+for i = 1, N do
+  local desc = { script = SCRIPT, name = "bench", min_nodes = 1, max_nodes = 1, tres_per_job = "gres:gpu:4",
+                 environment = { SLURM_GPUS = "4" } }
+  slurm_job_submit(desc, {}, 0)
+end
+io.write(string.format("%.6f", (socket.gettime() - t0) / N))
+"""
+
+
+def micro(work: Path, url_static: str, url_down: str, calls: int = 300) -> list[tuple[str, float]]:
+    """Cost of one slurm_job_submit call in lua5.1 (no slurmctld, no sbatch): the hook's own work."""
+    from slurm_plugin.installer import LUA_DIR
+
+    big = "#!/bin/bash\n#SBATCH -N1\n" + ELASTIC + "".join(f"echo line {i}\n" for i in range(20000))
+    cases = [("no #ELASTIC line", "#!/bin/bash\n#SBATCH -N1 --gpus=4\nsrun true\n", url_static, 1000),
+             ("no #ELASTIC line, 20000-line script", big.replace("#ELASTIC", "#NOTELASTIC"), url_static, 1000),
+             ("#ELASTIC, static rewrite over HTTP", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_static, 1000),
+             ("#ELASTIC, predictor port closed", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_down, 1000),
+             ("#ELASTIC, breaker open", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_down, 1)]
+    out = []
+    for name, script, url, failures in cases:
+        conf = work / f"micro{len(out)}"
+        conf.mkdir()
+        for lua in ("elastic_common.lua", "job_submit.lua"):
+            (conf / lua).write_text((LUA_DIR / lua).read_text())
+        (conf / "elastic.conf").write_text(f"predictor_url = {url}\nbudget_ms = 100\n"
+                                           f"breaker_failures = {failures}\nbreaker_open_s = 300\n")
+        code = (f"DIR = {json.dumps(str(conf))}\nN = {calls}\nSCRIPT = [==[\n{script}]==]\n" + MICRO_DRIVER)
+        proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=300, check=True)
+        out.append((name, float(proc.stdout) * 1e6))
+    return out
+
+
 def run_phase(env: dict, script: Path, count: int, clients: int) -> dict:
     messages: dict[str, int] = {}
     lock = threading.Lock()
@@ -218,6 +257,9 @@ def main():
     phases = [("off", None, elastic_job), ("on", predictor.url, elastic_job),
               ("on-static", static.url, elastic_job), ("on-plain", predictor.url, plain_job),
               ("down", down_url, elastic_job), ("hang", hole.url, elastic_job)]
+    micro_rows = micro(work, static.url, down_url)
+    for name, us in micro_rows:
+        print(f"micro {name:40} {us:9.1f} us/call", flush=True)
     samples: dict[str, list] = {name: [] for name, _, _ in phases}
     try:
         for round_no in range(args.rounds):
@@ -243,6 +285,10 @@ def main():
         msgs = "; ".join(f"{k} x{v}" for k, v in row["messages"].items())
         lines.append(f"| {name} | {row['median_ms']:.2f} | {row['p99_ms']:.2f} | {row['per_s']:.1f} | "
                      f"{row['median_ms'] / base['median_ms']:.2f} | {row['p99_ms'] / base['p99_ms']:.2f} | {msgs} |")
+    lines += ["", "One `slurm_job_submit` call in lua5.1 with a stub `slurm` table (no slurmctld, no sbatch; 300 calls "
+              "each, same host, same run): the hook's own cost, which slurmctld pays serially under its locks.", "",
+              "| case | us per call |", "|---|---:|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in micro_rows]
     table = "\n".join(lines) + "\n"
     print()
     print(table)

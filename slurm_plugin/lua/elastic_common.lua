@@ -70,22 +70,23 @@ local function py_repr(s)
 end
 M.py_repr = py_repr
 
-local function split_lines(script)
-  local lines, pos = {}, 1
-  while pos <= #script do
-    local s, e = script:find("\r?\n", pos)
-    if not s then s, e = script:find("\r", pos, true) end
-    if not s then lines[#lines + 1] = script:sub(pos); break end
-    lines[#lines + 1] = script:sub(pos, s - 1)
-    pos = e + 1
-  end
-  return lines
-end
-
+-- Lines of the directive block only: stops at the first line that is neither blank nor a comment, so a
+-- large script costs no more than its header. Line ends: \n, \r\n or \r (as Python's splitlines).
 function M.directive_lines(script)
   local found = {}
   if type(script) ~= "string" then return found end
-  for number, line in ipairs(split_lines(script)) do
+  local pos, number, size = 1, 0, #script
+  while pos <= size do
+    local s, e = script:find("[\r\n]", pos)
+    local line
+    if s then
+      line = script:sub(pos, s - 1)
+      if script:sub(s, s + 1) == "\r\n" then e = s + 1 end
+    else
+      line, e = script:sub(pos), size
+    end
+    number = number + 1
+    pos = e + 1
     if line:find("%S") and line:sub(1, 1) ~= "#" then break end
     local head = line:sub(1, #M.PREFIX + 1)
     if line == M.PREFIX or head == M.PREFIX .. " " or head == M.PREFIX .. "\t" then
