@@ -272,3 +272,41 @@ def test_missing_common_module_fails_open(tmp_path):
     desc = job()
     [result] = run_hook(conf, [{"job_desc": desc}])
     assert result["rc"] == 0 and result["job_desc"] == desc
+
+
+def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tmp_path):
+    from datetime import timedelta
+
+    from slurm_plugin.installer import PluginConfig, install
+
+    (tmp_path / "job_submit.lua").write_text("-- old\n")
+    loaded_at = time.time()  # as if slurmctld loaded the old script just now
+    written = install(PluginConfig(tmp_path, "http://127.0.0.1:8470/", timedelta(milliseconds=80), 5,
+                                   timedelta(seconds=12), cli_filter=True))
+    assert [p.name for p in written] == ["elastic_common.lua", "elastic.conf", "cli_filter.lua", "job_submit.lua"]
+    assert (tmp_path / "job_submit.lua").stat().st_mtime > int(loaded_at)  # slurmctld compares whole seconds
+    assert (tmp_path / "elastic.conf").read_text().splitlines()[1:] == [
+        "predictor_url = http://127.0.0.1:8470", "budget_ms = 80", "breaker_failures = 5", "breaker_open_s = 12"]
+    # the installed hook reads that config and works from its own directory
+    [result] = run_hook(tmp_path, [{"job_desc": job()}])
+    assert "connection refused" in kinds(result, "user_msg")[0]
+
+
+def test_installer_merges_slurm_conf_lines(tmp_path):
+    from slurm_plugin.installer import add_to_slurm_conf
+
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=lab\nJobSubmitPlugins=all_partitions\n")
+    assert add_to_slurm_conf(conf, ["JobSubmitPlugins=lua", "CliFilterPlugins=lua"])
+    assert conf.read_text() == "ClusterName=lab\nJobSubmitPlugins=all_partitions,lua\nCliFilterPlugins=lua\n"
+    assert not add_to_slurm_conf(conf, ["JobSubmitPlugins=lua"])
+
+
+@pytest.mark.parametrize("url, budget_ms", [("https://x", 100), ("http://", 100), ("http://h:1", 0)])
+def test_installer_rejects_bad_options(tmp_path, url, budget_ms):
+    from datetime import timedelta
+
+    from slurm_plugin.installer import InstallError, PluginConfig
+
+    with pytest.raises(InstallError):
+        PluginConfig(tmp_path, url, timedelta(milliseconds=budget_ms))
