@@ -10,6 +10,7 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_CLUSTER     JSON cluster model file (default: the built-in local testbed)
     ELASTIC_PREDICTOR_MAX_BODY    request body cap in bytes (default 4 MiB)
     ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S   seconds to coalesce new observations before a refit (default 1)
+    ELASTIC_PREDICTOR_CACHE_SIZE  prediction cache entries per worker (default 4096; 0 disables it)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ENV_DB = "ELASTIC_PREDICTOR_DB"
 ENV_CLUSTER = "ELASTIC_PREDICTOR_CLUSTER"
 ENV_MAX_BODY = "ELASTIC_PREDICTOR_MAX_BODY"
 ENV_DEBOUNCE = "ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S"
+ENV_CACHE = "ELASTIC_PREDICTOR_CACHE_SIZE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,8 @@ class Config:
             raise ValidationError("max_body_bytes", f"must be at least 1024, got {self.max_body_bytes}")
         if not 0.0 <= self.default_min_efficiency <= 1.0:
             raise ValidationError("default_min_efficiency", "must lie in [0, 1]")
+        if self.prediction_cache_size < 0:
+            raise ValidationError("prediction_cache_size", "must be >= 0")
         if self.refit_debounce < timedelta(0) or self.refit_poll <= timedelta(0):
             raise ValidationError("refit_debounce", "debounce must be >= 0 and poll > 0")
 
@@ -83,6 +87,8 @@ class Config:
             values["cluster"] = Cluster.from_file(env[ENV_CLUSTER])
         if env.get(ENV_MAX_BODY):
             values["max_body_bytes"] = _int_var(env, ENV_MAX_BODY)
+        if env.get(ENV_CACHE):
+            values["prediction_cache_size"] = _int_var(env, ENV_CACHE)
         if env.get(ENV_DEBOUNCE):
             try:
                 values["refit_debounce"] = timedelta(seconds=float(env[ENV_DEBOUNCE]))

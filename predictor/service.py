@@ -199,7 +199,7 @@ class ModelCache:
                 return hit
         result = predictor.predict(profile, gpu, per_gpu_batch, candidates)
         with self._cache_lock:
-            if self._snapshot[1] == generation:
+            if self.cache_size and self._snapshot[1] == generation:
                 self._cache[key] = result
                 if len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
