@@ -158,7 +158,7 @@ io.write(string.format("%.6f", (socket.gettime() - t0) / N))
 """
 
 
-def micro(work: Path, url_static: str, url_down: str, calls: int = 300) -> list[tuple[str, float]]:
+def micro(work: Path, url_static: str, url_down: str, url_real: str, calls: int = 300) -> list[tuple[str, float]]:
     """Cost of one slurm_job_submit call in lua5.1 (no slurmctld, no sbatch): the hook's own work."""
     from slurm_plugin.installer import LUA_DIR
 
@@ -166,6 +166,7 @@ def micro(work: Path, url_static: str, url_down: str, calls: int = 300) -> list[
     cases = [("no #ELASTIC line", "#!/bin/bash\n#SBATCH -N1 --gpus=4\nsrun true\n", url_static, 1000),
              ("no #ELASTIC line, 20000-line script", big.replace("#ELASTIC", "#NOTELASTIC"), url_static, 1000),
              ("#ELASTIC, static rewrite over HTTP", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_static, 1000),
+             ("#ELASTIC, elastic-predictor serve (rewrite)", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_real, 1000),
              ("#ELASTIC, predictor port closed", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_down, 1000),
              ("#ELASTIC, breaker open", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_down, 1)]
     out = []
@@ -257,7 +258,7 @@ def main():
     phases = [("off", None, elastic_job), ("on", predictor.url, elastic_job),
               ("on-static", static.url, elastic_job), ("on-plain", predictor.url, plain_job),
               ("down", down_url, elastic_job), ("hang", hole.url, elastic_job)]
-    micro_rows = micro(work, static.url, down_url)
+    micro_rows = micro(work, static.url, down_url, predictor.url)
     for name, us in micro_rows:
         print(f"micro {name:40} {us:9.1f} us/call", flush=True)
     samples: dict[str, list] = {name: [] for name, _, _ in phases}

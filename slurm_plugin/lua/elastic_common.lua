@@ -223,6 +223,15 @@ local function parse_url(url)
   return host, tonumber(port) or 80, path
 end
 
+-- Name resolution is not bounded by a socket timeout: resolve each host once per Lua state (slurmctld
+-- keeps it until the script is reloaded) and connect to the address afterwards.
+local resolved = {}
+local function address(host)
+  if host:match("^%d+%.%d+%.%d+%.%d+$") then return host end
+  if not resolved[host] then resolved[host] = socket.dns.toip(host) end
+  return resolved[host]
+end
+
 -- POST `body` to `url`; every step (connect, send, each receive) gets only what is left of `budget_s`.
 -- Returns status, body_text; or nil, error string ("timeout", "connection refused", ...).
 function M.post_json(url, body, budget_s)
@@ -238,8 +247,10 @@ function M.post_json(url, body, budget_s)
     return r
   end
   local function fail(err) sock:close(); return nil, err end
+  local ip = address(host)
+  if not ip then return fail("cannot resolve " .. host) end
   if not left() then return fail("timeout") end
-  local ok, err = sock:connect(host, port)
+  local ok, err = sock:connect(ip, port)
   if not ok then return fail(err) end
   local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port ..
     "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
