@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -102,13 +103,15 @@ def _seconds(value: float) -> timedelta:
 @click.option("--straggler-ratio", default=1.5, show_default=True, type=float)
 @click.option("--straggler-windows", default=3, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--rendezvous-timeout", default=120.0, show_default=True, type=float, help="Seconds.")
+@click.option("--leave-timeout", default=20.0, show_default=True, type=float,
+              help="Seconds leaving workers get to leave at a commit point before their steps are stopped.")
 @click.option("--helper-start-timeout", default=60.0, show_default=True, type=float, help="Seconds.")
 @click.option("--helper-orphan-timeout", default=30.0, show_default=True, type=float, help="Seconds.")
 @click.option("-v", "--verbose", is_flag=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(script, directive_items, workers_per_node, predictor_url, run_dir, registry, grow_step_nodes,
            measure_steps, warmup_steps, no_autoscale, test_throughput, straggler_ratio, straggler_windows,
-           rendezvous_timeout, helper_start_timeout, helper_orphan_timeout, verbose, command):
+           rendezvous_timeout, leave_timeout, helper_start_timeout, helper_orphan_timeout, verbose, command):
     """Run COMMAND as elastic workers in this Slurm allocation.
 
     Example (last line of an sbatch script):
@@ -130,6 +133,7 @@ def launch(script, directive_items, workers_per_node, predictor_url, run_dir, re
         grow_step_nodes=grow_step_nodes, measure_steps=measure_steps, warmup_steps=warmup_steps,
         test_throughput=test_throughput, autoscale=not no_autoscale, straggler_ratio=straggler_ratio,
         straggler_windows=straggler_windows, rendezvous_timeout=_seconds(rendezvous_timeout),
+        leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
     )
     from slurm_plugin.client import CommandBackend, start_step
@@ -141,6 +145,8 @@ def launch(script, directive_items, workers_per_node, predictor_url, run_dir, re
     slurm = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
                            timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
     controller = Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step)
+    # scancel / time limit: SIGTERM to the batch step; unwind so the controller ends its helper jobs.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         summary = controller.run()
     except Exception as exc:  # boundary: library errors become a click error with the cause

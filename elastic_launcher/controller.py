@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -34,7 +35,7 @@ from elastic_launcher.membership import PREFIX as MEMBERSHIP_PREFIX
 from elastic_launcher.membership import Coordinator, Plan
 from elastic_launcher.resize import LAUNCHER_PREFIX, ControlInbox, choose_leavers, helper_script, wait_until
 from elastic_launcher.stragglers import StragglerDetector
-from elastic_launcher.workers import WorkerPool
+from elastic_launcher.workers import WorkerPool, transition_idle_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +190,8 @@ class AutoscalePolicy:
 
 
 log = logging.getLogger("elastic_launcher.controller")
+# Time a worker gets to exit after it left the group (or failed) before its step is signalled.
+EXIT_GRACE = timedelta(seconds=5)
 records_log = logging.getLogger("elastic_launcher.records")
 
 
@@ -287,6 +290,7 @@ class Controller:
         self.helpers: dict[str, list[str]] = {}  # helper job id -> its nodes
         self.failures_in_a_row = 0
         self.operator_cap: Optional[int] = None
+        self._last_keep: Optional[str] = None
         self.records: Optional[RecordLog] = None
         self._stop_beat = threading.Event()
 
@@ -363,25 +367,31 @@ class Controller:
         return sorted(k[len(head):] for k in self.server.list_keys() if k.startswith(head))
 
     def _wait_switched(self, plan: Plan) -> dict:
-        """The runtime's switch record of `plan` (written after its first step).
+        """Wait for `plan`'s first committed step; return the runtime's switch record (resize plans) plus
+        `idle_s`: the extra time the survivors' step took across the transition (from rank 0's progress).
 
         Raises:
             RendezvousTimeout: not within `rendezvous_timeout`, or the workers all ended meanwhile.
         """
         key = f"{MEMBERSHIP_PREFIX}switched/{plan.id}"
+        head: dict = {}
 
         def first_step() -> bool:
-            if plan.kind == "initial":  # no switch record for the first epoch: rank 0's first progress report
-                head = self._progress(plan.members[:1]).get(plan.members[0])
-                return head is not None and head["epoch"] == plan.id
-            return self.server.check([key])
+            head.update(self._progress(plan.members[:1]).get(plan.members[0]) or {})
+            return head.get("epoch") == plan.id and (plan.kind != "resize" or self.server.check([key]))
 
-        if not wait_until(lambda: first_step() or self._finished() is not None,
+        def superseded() -> bool:
+            return self.coord.current().id > plan.id
+
+        if not wait_until(lambda: first_step() or superseded() or self._finished() is not None,
                           self.config.rendezvous_timeout, interval=0.05) or not first_step():
             raise RendezvousTimeout(f"job {self.job_id}: epoch {plan.id} ({plan.world_size} workers) reported no "
                                     f"first step within {self.config.rendezvous_timeout.total_seconds():g} s "
                                     f"or the workers ended")
-        return json.loads(self.server.get(key)) if self.server.check([key]) else {}
+        stats = json.loads(self.server.get(key)) if self.server.check([key]) else {}
+        idle = transition_idle_s(head.get("recent", []), plan.id)
+        stats["idle_s"] = None if idle is None else round(idle, 3)
+        return stats
 
     def _wait_joined(self, nodes: Sequence[str]) -> list[str]:
         """Wait until every node has `slots` joined workers; set their wids; return them in node order.
@@ -466,7 +476,8 @@ class Controller:
         self._release([node], reason=f"workers on {node} failed")
         self.records.write("transition", action="failure", epoch=plan.id, from_nodes=before,
                            to_nodes=len(self.nodes), world=plan.world_size, recovered=recovered,
-                           wall_s=round(time.monotonic() - t0, 3), pause_s=stats.get("pause_s"), stats=stats)
+                           wall_s=round(time.monotonic() - t0, 3), pause_s=stats.get("pause_s"),
+                           idle_s=stats.get("idle_s"), stats=stats)
         self._measure_reset()
 
     def _handle_request(self, seq: int, request: dict) -> None:
@@ -565,6 +576,9 @@ class Controller:
         decision = self.policy.decide(len(free), plan_nodes)
         if decision.action == "grow" and self.operator_cap is not None and decision.target_nodes > self.operator_cap:
             decision = Decision("keep", m.nodes, f"operator asked for {self.operator_cap} nodes", decision.efficiency)
+        if decision.action == "keep" and decision.reason == self._last_keep:
+            return  # an unchanged "keep" is not logged again (the measurement is)
+        self._last_keep = decision.reason if decision.action == "keep" else None
         self.records.write("decision", source="autoscale", action=decision.action, from_nodes=m.nodes,
                            target_nodes=decision.target_nodes, reason=decision.reason,
                            efficiency=decision.efficiency, plan_nodes=plan_nodes, free_nodes=len(free),
@@ -653,10 +667,15 @@ class Controller:
             return
         left = wait_until(lambda: all(self.coord.has_left(w) for n in leavers for w in self.nodes[n].wids),
                           self.config.leave_timeout)
+        if not left:
+            stuck = [w for n in leavers for w in self.nodes[n].wids if not self.coord.has_left(w)]
+            log.warning("workers %s did not leave within %g s; their steps are stopped", stuck,
+                        self.config.leave_timeout.total_seconds())
         released = self._release(leavers, reason=reason)
         self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
                            world=plan.world_size, nodes_out=leavers, reason=reason, wall_s=round(wall, 3),
-                           pause_s=stats.get("pause_s"), left_cleanly=left, release_s=released, stats=stats)
+                           pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), left_cleanly=left,
+                           release_s=released, stats=stats)
         self._measure_reset()
 
     def _release(self, nodes: Sequence[str], reason: str) -> float:
@@ -669,7 +688,7 @@ class Controller:
         t0 = time.monotonic()
         mains = [n for n in nodes if self.nodes[n].owner == self.job_id]
         if mains:
-            for node in self.pool.wait_ended(mains, self.config.leave_timeout):
+            for node in self.pool.wait_ended(mains, EXIT_GRACE):
                 log.warning("workers on %s did not exit after leaving; stopping the step", node)
                 self.pool.stop(node)
             for node in mains:
@@ -757,7 +776,7 @@ class Controller:
         self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
                            world=plan.world_size, nodes_in=nodes, helper=helper, reason=reason,
                            allocate_s=round(allocated_s, 3), wall_s=round(wall, 3), pause_s=stats.get("pause_s"),
-                           stats=stats)
+                           idle_s=stats.get("idle_s"), stats=stats)
         self._measure_reset()
         return True
 
@@ -774,12 +793,16 @@ class Controller:
         self.kv.set("status", json.dumps({
             "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.nodes),
             "helpers": self.helpers, "operator_cap": self.operator_cap,
-            "samples_per_s": None if last is None else round(last.samples_per_s, 3)}))
+            "samples_per_s": None if last is None else round(last.samples_per_s, 3),
+            "progress": {w: [p["epoch"], p["step"]] for w, p in self._progress(self._known_wids()).items()}}))
+
+    def _known_wids(self) -> list[str]:
+        return [w for slot in self.nodes.values() for w in slot.wids]
 
     def _summary(self, outcome: str) -> dict:
         items = self.records.items
         return {"job": self.job_id, "outcome": outcome, "final_nodes": len(self.nodes),
-                "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "pause_s", "wall_s")}
+                "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "idle_s", "pause_s", "wall_s")}
                                 for r in items if r["kind"] == "transition"],
                 "measurements": sum(r["kind"] == "measurement" for r in items)}
 
@@ -789,12 +812,19 @@ class Controller:
             self.pool.stop_all()
         except Exception as exc:
             log.warning("stopping workers: %s", exc)
-        for helper in list(self.helpers):
+        helpers = list(self.helpers)
+        for helper in helpers:  # ask first (their workers are gone), then make sure: Slurm's KillWait is short
             try:
-                self._end_helper(helper, f"main job {outcome}")
+                self.kv.set(helper_key(helper, "stop"), f"main job {outcome}")
             except Exception as exc:
-                log.warning("ending helper %s: %s", helper, exc)
+                log.warning("cannot signal helper %s: %s", helper, exc)
+        wait_until(lambda: all(self._helper_gone(h) for h in helpers), timedelta(seconds=3), interval=0.2)
+        for helper in helpers:
+            cancelled = not self._helper_gone(helper)
+            if cancelled:
                 self._cancel(helper)
+            self.helpers.pop(helper, None)
+            self.records.write("helper_ended", helper=helper, reason=f"main job {outcome}", cancelled=cancelled)
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
             self.records.write("end", outcome=outcome, nodes=len(self.nodes))

@@ -60,7 +60,8 @@ class HelperAgent:
         orphan_timeout: give up after the controller's heartbeat stood still or the store failed this long.
         poll_interval: period of the agent loop.
         main_check_interval: period of the Slurm check of the main job.
-        stop_timeout: after a stop request, time the workers get to leave before they are signalled.
+        stop_timeout: after a stop request, time the workers get to exit before they are signalled (the
+            controller sends it once they left the group or failed to within its own leave timeout).
     """
 
     def __init__(self, helper_job: str, main_job: str, nodes: Sequence[str], slots: int,
@@ -68,7 +69,7 @@ class HelperAgent:
                  main_job_running: Callable[[], bool], orphan_timeout: timedelta = timedelta(seconds=30),
                  poll_interval: timedelta = timedelta(seconds=0.5),
                  main_check_interval: timedelta = timedelta(seconds=5),
-                 stop_timeout: timedelta = timedelta(seconds=15)):
+                 stop_timeout: timedelta = timedelta(seconds=5)):
         self.helper_job = str(helper_job)
         self.main_job = str(main_job)
         self.nodes = tuple(nodes)

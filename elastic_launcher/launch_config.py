@@ -155,7 +155,7 @@ class LaunchConfig:
     max_failures: int = 3
     poll_interval: timedelta = timedelta(seconds=0.2)
     rendezvous_timeout: timedelta = timedelta(seconds=120)
-    leave_timeout: timedelta = timedelta(seconds=30)
+    leave_timeout: timedelta = timedelta(seconds=20)
     store_timeout: timedelta = timedelta(seconds=30)
     slurm_timeout: timedelta = timedelta(seconds=20)
     http_timeout: timedelta = timedelta(seconds=2)

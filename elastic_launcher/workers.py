@@ -185,25 +185,43 @@ class ProgressReporter:
         node: this worker's node.
     """
 
-    def __init__(self, store, wid: str, node: str):
+    def __init__(self, store, wid: str, node: str, history: int = 8):
         self.store = store
         self.wid = wid
         self.node = node
+        self.history = history
         self.compute_total_s = 0.0
         self.steps = 0
+        self.recent: list[tuple[int, int, float]] = []
 
     def report(self, epoch: int, step: int, samples: int, compute_s: float) -> None:
         """Publish progress after a committed step.
 
         Args:
-            epoch: membership epoch (plan id) the step ran in.
+            epoch: membership epoch (plan id) the worker is in after the commit.
             step: global committed step count.
             samples: global committed sample count (all ranks).
             compute_s: this worker's local compute time in the step (forward/backward without waiting
                 for peers); slow hardware shows here, while the synchronous step time is the same everywhere.
         """
+        now = time.time()
         self.compute_total_s += compute_s
         self.steps += 1
+        self.recent = (self.recent + [(epoch, step, now)])[-self.history:]
         self.store.set(PROGRESS_PREFIX + self.wid, json.dumps(
-            {"epoch": epoch, "step": step, "samples": samples, "t": time.time(), "node": self.node,
-             "compute_total_s": self.compute_total_s, "steps": self.steps}))
+            {"epoch": epoch, "step": step, "samples": samples, "t": now, "node": self.node,
+             "compute_total_s": self.compute_total_s, "steps": self.steps, "recent": self.recent}))
+
+
+def transition_idle_s(recent: list, epoch: int) -> Optional[float]:
+    """Idle time of the switch into `epoch`, from one survivor's recent (epoch, step, t) reports.
+
+    The first report in `epoch` follows the last one before it by one step plus the transition; the
+    median gap between other consecutive reports is one step. None when the boundary is not in `recent`.
+    """
+    gaps = [(b[2] - a[2], b[0] == epoch and a[0] != epoch) for a, b in zip(recent, recent[1:])]
+    boundary = [gap for gap, crosses in gaps if crosses]
+    normal = sorted(gap for gap, crosses in gaps if not crosses)
+    if not boundary or not normal:
+        return None
+    return max(0.0, boundary[0] - normal[len(normal) // 2])

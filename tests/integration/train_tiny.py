@@ -15,8 +15,10 @@ Entry point: the only place that reads the environment (what elastic-launch pass
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="directory for the per-rank sample logs")
     args = p.parse_args(argv)
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every thread's stack
     env = os.environ
     wid, store_text = worker_identity(env)
     node = env.get("ELASTIC_NODE", "?")
