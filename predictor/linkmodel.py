@@ -143,7 +143,7 @@ class LinkModel(RegressorMixin, BaseEstimator):
 
         x0 = np.array([math.log(a0), math.log(bw0), 0.0])
         res = least_squares(resid, x0, loss="soft_l1", f_scale=self.f_scale,
-                            bounds=([math.log(1e-8), math.log(1e6), -1.0], [math.log(1.0), math.log(1e13), 1.0]))
+                            bounds=([math.log(1e-8), math.log(1e6), 0.0], [math.log(1.0), math.log(1e13), 1.0]))
         theta = res.x if res.success else x0
         r = resid(theta)[: len(y)]
         n = len(y)

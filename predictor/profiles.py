@@ -151,24 +151,25 @@ def _optional_positive(v: Any, path: str, limit: float) -> float | None:
 
 
 def bucket_sizes(tensors: Iterable[TensorSpec], bucket_cap_mb: float = 25.0) -> tuple[int, ...]:
-    """DDP bucket sizes (bytes) for tensors given in bucketing order.
+    """DDP bucket sizes (bytes) for tensors given in gradient-ready order (reverse registration order).
 
-    Mirrors DDP's size-based assignment: a bucket per dtype fills until it reaches its limit (1 MiB for the
-    first bucket, then `bucket_cap_mb` MiB), then closes. Buckets are returned in the order they close.
+    Mirrors the assignment DDP's reducer rebuilds after its first step: one open bucket per dtype, each with
+    its own limit sequence (1 MiB for its first bucket, then `bucket_cap_mb` MiB); a bucket closes once it
+    reaches its limit. Buckets are ordered by their first tensor.
     """
     limits = [FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)]
-    open_: dict[str, list[int]] = {}
-    closed: list[int] = []
-    li = 0
-    for t in tensors:
-        b = open_.setdefault(t.dtype, [0])
-        b[0] += t.nbytes
-        if b[0] >= limits[min(li, 1)]:
-            closed.append(b[0])
-            open_[t.dtype] = [0]
-            li += 1
-    closed.extend(b[0] for b in open_.values() if b[0] > 0)
-    return tuple(closed)
+    open_: dict[str, list[int]] = {}  # dtype -> [first index, bytes, buckets closed so far]
+    closed: list[tuple[int, int]] = []
+    for i, t in enumerate(tensors):
+        b = open_.setdefault(t.dtype, [i, 0, 0])
+        if b[1] == 0:
+            b[0] = i
+        b[1] += t.nbytes
+        if b[1] >= limits[min(b[2], 1)]:
+            closed.append((b[0], b[1]))
+            b[1], b[2] = 0, b[2] + 1
+    closed.extend((b[0], b[1]) for b in open_.values() if b[1] > 0)
+    return tuple(size for _, size in sorted(closed))
 
 
 def profile_from_module(module, name: str, bucket_cap_mb: float = 25.0, **kwargs) -> Profile:

@@ -13,8 +13,11 @@ inter link E). With K = max_i k_i and G = sum_i k_i:
 LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link). Hierarchical: a layout on
 one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs per node share it.
 phi(layout) are the learned topology corrections of the inter link (only for n > 1):
-    log(n-1) peers per NIC, log K GPUs sharing a NIC, their product, fraction of nodes with an odd GPU count,
-    unbalanced (K != min k), and odd * unbalanced (GPUs left without their pair link).
+    pair = [n == 2] (both ring neighbours are the same node: one connection each way carries everything),
+    log K (GPUs sharing a NIC), pair * log K, log n (ring length beyond the 2(n-1)/n of T_E), fraction of
+    nodes with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair
+    link). Growth in n is logarithmic, so extrapolation to many nodes stays tame.
+    w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement (stronger ridge) from its own rows.
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
 
 Fitting (`fit_throughput`): bounded scipy least squares of log step time (soft L1), plus the exposed sync time
@@ -33,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.optimize import least_squares
 
-N_PHI = 6
+N_PHI = 7
 # Effective training FLOP/s per GPU type (fp32/tf32 peak x 0.35), used only for never-observed profiles.
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
@@ -48,6 +51,7 @@ class PerfParams(NamedTuple):
     c1: float  # seconds per sample of forward + backward on one GPU
     gamma: float  # overlap exponent of compute and sync, in [1, 10]
     log_bytes_scale: float  # log S, correction of the profile's gradient bytes (0 = as profiled)
+    dw: tuple = (0.0,) * N_PHI  # this job's refinement of its inter link's topology weights
 
 
 class NetParams(NamedTuple):
@@ -66,8 +70,8 @@ def layout_features(layout) -> np.ndarray:
         return np.zeros(N_PHI)
     odd = float(np.mean(k % 2 == 1))
     unbal = float(k.max() != k.min())
-    lp, lk = math.log(n - 1), math.log(k.max())
-    return np.array([lp, lk, lp * lk, odd, unbal, odd * unbal])
+    pair, lk = float(n == 2), math.log(k.max())
+    return np.array([pair, lk, pair * lk, math.log(n), odd, unbal, odd * unbal])
 
 
 def _predict_compute(c0, c1, b):
@@ -93,6 +97,7 @@ def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tu
 
 
 def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
+                   dw_l2: float = 1.0,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
                    gamma_prior: float = 1.5, max_nfev: int = 400) -> dict:
     """Fit PerfParams per (profile, gpu), s_I per intra link, (s_E, w_E) per inter link on step rows.
@@ -145,6 +150,12 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             add(("S", j), 0.0, -3.0, 3.0)
         else:
             fixed[("g", j)], fixed[("S", j)] = gamma_prior, 0.0
+        multi = m & (nn > 1)
+        for q in range(N_PHI):
+            if multi.any() and np.ptp(phi[multi, q]) > 1e-9:
+                add(("dw", j, q), 0.0, -5.0, 5.0)
+            else:
+                fixed[("dw", j, q)] = 0.0
     for f in range(len(intras)):
         if ((ii == f) & (t_i > 0)).any():
             add(("sI", f), 0.0, -8.0, 8.0)
@@ -176,17 +187,18 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         sI = np.array([get(("sI", f)) for f in range(len(intras))])
         sE = np.array([get(("sE", f)) for f in range(len(inters))])
         W = np.array([[get(("w", f, q)) for q in range(N_PHI)] for f in range(len(inters))])
-        return c0, c1, g, S, sI, sE, W
+        DW = np.array([[get(("dw", j, q)) for q in range(N_PHI)] for j in range(len(pairs))])
+        return c0, c1, g, S, sI, sE, W, DW
 
     has_sync = np.isfinite(sync) & (G > 1)
     ly = np.log(y)
-    pen_w = np.array([w_l2 if n[0] == "w" else scale_l2 if n[0] in ("sI", "sE") else bytes_l2 if n[0] == "S"
+    pen_w = np.array([w_l2 if n[0] == "w" else dw_l2 if n[0] == "dw" else scale_l2 if n[0] in ("sI", "sE") else bytes_l2 if n[0] == "S"
                       else 0.0 for n in names])
 
     def model(x):
-        c0, c1, g, S, sI, sE, W = unpack(x)
+        c0, c1, g, S, sI, sE, W, DW = unpack(x)
         tc = _predict_compute(c0[pi], c1[pi], b)
-        ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei], t_i, t_e, phi) * (G > 1)
+        ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi) * (G > 1)
         return tc, ts, _predict_step(tc, ts, g[pi])
 
     def resid(x):
@@ -204,10 +216,11 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
                         x_scale=1.0, ftol=1e-6, xtol=1e-6)
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
     x = res.x if ok else x0a
-    c0, c1, g, S, sI, sE, W = unpack(x)
+    c0, c1, g, S, sI, sE, W, DW = unpack(x)
     _, _, t = model(x)
     err = np.log(t) - ly
-    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j])) for j, pr in enumerate(pairs)}
+    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j]), tuple(map(float, DW[j])))
+            for j, pr in enumerate(pairs)}
     net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
            "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
@@ -219,7 +232,7 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     G = np.array([sum(l) for l in layouts], dtype=float)
     phi = np.array([layout_features(l) for l in layouts])
     tc = _predict_compute(perf.c0, perf.c1, b) * np.ones(len(layouts))
-    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, np.array(net.w), bases[:, 0],
+    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, np.array(net.w) + np.array(perf.dw), bases[:, 0],
                        bases[:, 1], phi) * (G > 1)
     t = _predict_step(tc, ts, perf.gamma)
     return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
