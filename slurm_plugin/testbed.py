@@ -123,6 +123,9 @@ class Testbed:
                               lab / "log" / f"slurmd-{node}.log", conf_mark, port=cfg.node_port(i)))
         return out
 
+    def _daemon(self, name: str) -> Daemon:
+        return next(d for d in self.daemons() if d.name == name)
+
     def status(self) -> list[DaemonStatus]:
         out = []
         for d in self.daemons():
@@ -151,7 +154,9 @@ class Testbed:
         if recorded not in (None, self.config.port_base) and any(s.running for s in self.status()):
             raise TestbedError("testbed", f"lab {self.config.lab} is running with port base {recorded}, not "
                                           f"{self.config.port_base}; pass --port-base {recorded} or stop it first")
-        self._prepare()
+        ctld_running = self._pid(self._daemon("slurmctld")) is not None
+        if self._prepare() and ctld_running:
+            self.reconfigure()
         timings["prepare"] = time.monotonic() - t0
         for d in self.daemons():
             t = time.monotonic()
@@ -185,7 +190,8 @@ class Testbed:
     def set_slurm_conf_lines(self, lines: list[str]) -> None:
         """Replace the extra slurm.conf lines (e.g. `JobSubmitPlugins=lua`) and rewrite slurm.conf.
 
-        Call `reconfigure()` afterwards when the cluster is running.
+        Call `reconfigure()` afterwards when the cluster is running (after job_submit.lua is in place:
+        slurmctld cannot load job_submit/lua without it).
         """
         self.config.etc.mkdir(parents=True, exist_ok=True)
         self.config.extra_lines_file.write_text("".join(f"{line}\n" for line in lines))
@@ -200,7 +206,8 @@ class Testbed:
         self.client.reconfigure()
 
     # -- internals -------------------------------------------------------------------------------
-    def _prepare(self) -> None:
+    def _prepare(self) -> bool:
+        """Create directories, devices, configs, munge key and database; return whether slurm.conf changed."""
         cfg, lab = self.config, self.config.lab
         for sub in ("etc", "state", "run", "log", "dev", *(f"spool/{n}" for n in cfg.node_names())):
             (lab / sub).mkdir(parents=True, exist_ok=True)
@@ -210,7 +217,7 @@ class Testbed:
             if path.parent == lab / "dev" and not path.is_char_device():
                 path.unlink(missing_ok=True)
                 os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(195, int(path.name.removeprefix("nvidia"))))
-        self._write(cfg.slurm_conf, testbed_conf.slurm_conf(cfg, self.slurm_conf_lines()))
+        conf_changed = self._write(cfg.slurm_conf, testbed_conf.slurm_conf(cfg, self.slurm_conf_lines()))
         self._write(cfg.etc / "gres.conf", testbed_conf.gres_conf(cfg))
         self._write(cfg.etc / "topology.conf", testbed_conf.topology_conf(cfg))
         self._write(cfg.etc / "slurmdbd.conf", testbed_conf.slurmdbd_conf(cfg), mode=0o600)
@@ -227,16 +234,16 @@ class Testbed:
             self._cmd(["mariadb-install-db", "--no-defaults", "--user=mysql", f"--datadir={cfg.db_dir / 'data'}",
                        "--auth-root-authentication-method=socket", "--skip-test-db"], "mariadb-install-db",
                       timeout=60)
+        return conf_changed
 
-    def _write(self, path: Path, text: str, mode: int = 0o644) -> None:
-        """Write only on change; slurmctld is reconfigured if slurm.conf changes while it runs."""
+    @staticmethod
+    def _write(path: Path, text: str, mode: int = 0o644) -> bool:
+        """Write `text` unless `path` already holds it; return whether it changed."""
         if path.exists() and path.read_text() == text:
-            return
+            return False
         path.write_text(text)
         path.chmod(mode)
-        ctld = next(d for d in self.daemons() if d.name == "slurmctld")
-        if path == self.config.slurm_conf and self._pid(ctld) is not None:
-            self.reconfigure()
+        return True
 
     def _cmd(self, argv: list[str], name: str, timeout: float, stdin: str | None = None) -> None:
         try:

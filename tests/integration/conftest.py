@@ -90,5 +90,8 @@ def submit(slurm):
 
 @pytest.fixture
 def idle_nodes(slurm):
-    return _wait_until(lambda: (lambda ns: ns if all(n.state == "idle" for n in ns) else None)(slurm.nodes()),
-                       60, "all testbed nodes idle (jobs of an earlier test still running?)")
+    def all_idle():
+        nodes = slurm.nodes()
+        return nodes if all(n.state == "idle" for n in nodes) else None
+
+    return _wait_until(all_idle, 60, "all testbed nodes idle (jobs of an earlier test still running?)")

@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_plugin.cli import main
-from slurm_plugin.errors import TestbedError
 from slurm_plugin.testbed import Testbed
 from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
 
@@ -70,9 +69,11 @@ def test_second_lab_fails_loudly_recovers_and_stops_only_its_daemons(testbed, se
     second_lab._prepare()
     second_lab.set_slurm_conf_lines(["JobSubmitPlugins=lua"])
     assert "JobSubmitPlugins=lua" in second_lab.config.slurm_conf.read_text().splitlines()
-    with pytest.raises(TestbedError) as info:
-        second_lab.up()
-    assert info.value.daemon == "slurmctld" and "job_submit" in info.value.log_tail
+    cfg = second_lab.config
+    result = CliRunner().invoke(main, ["testbed", "up", "--lab", str(cfg.lab), "--port-base", str(cfg.port_base)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "slurmctld: started, then died" in result.output
+    assert "last lines of the slurmctld log" in result.output and "job_submit" in result.output
     second_lab.down()
     assert not any(s.running for s in second_lab.status())
 
