@@ -1,0 +1,107 @@
+"""Predictor interface: order, keys, basis, uncertainty, fallbacks, validation errors naming fields."""
+import numpy as np
+import pytest
+
+from predictor.engine import Predictor
+from predictor.errors import ValidationError
+from predictor.profiles import profile_from_spec
+
+CANDS = [{"layout": [4], "intra_link": "pcie"},
+         {"layout": [2, 2], "intra_link": "pcie", "inter_link": "ethernet"},
+         {"layout": [1, 1, 1, 1], "intra_link": "pcie", "inter_link": "ethernet"}]
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    rng = np.random.default_rng(0)
+    profiles = {"resnet50": profile_from_spec("resnet50"), "bert": profile_from_spec("bert")}
+    obs = []
+    for name, c1 in (("resnet50", 4e-3), ("bert", 5e-2)):
+        for lay in ([1], [2], [4], [1, 1], [2, 2], [1, 1, 1, 1], [4, 4]):
+            for b in (8, 16, 32):
+                t = 0.02 + c1 * b + (0.01 * max(lay) if sum(lay) > 1 else 0) + 0.08 * (len(lay) > 1)
+                obs.append({"kind": "step", "profile": name, "gpu": "T4", "layout": lay, "intra_link": "pcie",
+                            "inter_link": "ethernet", "per_gpu_batch": b,
+                            "iter_s": t * float(np.exp(0.02 * rng.standard_normal()))})
+    for p in (2, 4, 8):
+        for nb in (1e5, 1e7, 1e9):
+            obs.append({"kind": "collective", "op": "allreduce", "link": "nvlink", "world": p, "bytes": nb,
+                        "seconds": 1e-5 * 2 * (p - 1) + 2 * (p - 1) / p * nb / 1e11})
+    return Predictor().fit(profiles, obs), profiles, obs
+
+
+def test_predict_shape_order_and_observed_basis(fitted):
+    pred, profiles, obs = fitted
+    out = pred.predict(profiles["resnet50"], "T4", 16, CANDS)
+    assert [o["layout"] for o in out] == [c["layout"] for c in CANDS]
+    for o in out:
+        assert set(o) == {"layout", "samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty", "basis"}
+        assert o["basis"] == "observed" and 0 < o["uncertainty"] < 0.5
+        assert o["samples_per_s"] == pytest.approx(sum(o["layout"]) * 16 / o["iter_s"])
+
+
+def test_predicting_a_fitted_row_recovers_it(fitted):
+    pred, profiles, obs = fitted
+    steps = [o for o in obs if o["kind"] == "step"]
+    rel = []
+    for o in steps:
+        c = {"layout": o["layout"], "intra_link": "pcie", "inter_link": "ethernet"}
+        rel.append(pred.predict(profiles[o["profile"]], "T4", o["per_gpu_batch"], [c])[0]["iter_s"] / o["iter_s"] - 1)
+    assert np.median(np.abs(rel)) < 0.05
+
+
+def test_unseen_profile_and_gpu_fall_back_with_larger_uncertainty(fitted):
+    pred, profiles, _ = fitted
+    seen = pred.predict(profiles["resnet50"], "T4", 16, CANDS)
+    vgg = profile_from_spec("vgg16")
+    new = pred.predict(vgg, "T4", 16, CANDS)
+    assert all(o["basis"] == "profile" and o["uncertainty"] > s["uncertainty"] for o, s in zip(new, seen))
+    assert not pred.known("vgg16", "T4") and pred.known("resnet50", "T4")
+    other_gpu = pred.predict(profiles["resnet50"], "H200", 16, CANDS)
+    assert other_gpu[0]["basis"] == "profile" and other_gpu[0]["iter_s"] < seen[0]["iter_s"]
+
+
+def test_unseen_link_uses_prior_with_larger_uncertainty(fitted):
+    pred, profiles, _ = fitted
+    known = pred.predict(profiles["resnet50"], "T4", 16, CANDS[1:2])[0]
+    new = pred.predict(profiles["resnet50"], "T4", 16, [{"layout": [2, 2], "intra_link": "pcie",
+                                                          "inter_link": "omni-path-x"}])[0]
+    assert new["uncertainty"] > known["uncertainty"]
+
+
+def test_more_gradient_bytes_never_faster(fitted):
+    pred, profiles, _ = fitted
+    small, big = profile_from_spec("resnet50"), profile_from_spec("resnet50", dtype="float64")
+    for c in CANDS:
+        assert pred.predict(big, "T4", 16, [c])[0]["comm_s"] >= pred.predict(small, "T4", 16, [c])[0]["comm_s"]
+
+
+def test_link_stats(fitted):
+    pred, _, _ = fitted
+    stats = {s["link"]: s for s in pred.link_stats()}
+    assert {"nvlink", "pcie", "ethernet"} <= set(stats)
+    assert stats["nvlink"]["n"] == 9 and stats["nvlink"]["bandwidth_Bps"] > 0
+    assert all(s["alpha_s"] > 0 and s["bandwidth_Bps"] > 0 for s in stats.values())
+
+
+@pytest.mark.parametrize("cand,field", [
+    ({"layout": [], "intra_link": "pcie"}, "candidates[0].layout"),
+    ({"layout": [2, -1], "intra_link": "pcie", "inter_link": "ib"}, "candidates[0].layout"),
+    ({"layout": [2, 2], "intra_link": "pcie"}, "candidates[0].inter_link"),
+    ({"layout": [2]}, "candidates[0].intra_link"),
+])
+def test_bad_candidates_name_the_field(fitted, cand, field):
+    pred, profiles, _ = fitted
+    with pytest.raises(ValidationError) as e:
+        pred.predict(profiles["resnet50"], "T4", 16, [cand])
+    assert e.value.field == field
+
+
+def test_bad_batch_and_unfitted():
+    with pytest.raises(RuntimeError, match="not fitted"):
+        Predictor().predict(profile_from_spec("resnet50"), "T4", 16, CANDS)
+    pred = Predictor().fit({}, [])
+    with pytest.raises(ValidationError, match="per_gpu_batch"):
+        pred.predict(profile_from_spec("resnet50"), "T4", float("nan"), CANDS)
+    out = pred.predict(profile_from_spec("resnet50"), "T4", 16, CANDS)
+    assert all(o["basis"] == "profile" and o["iter_s"] > 0 for o in out)

@@ -1,0 +1,75 @@
+"""Throughput model: recovers seeded rows, invariants in bytes and layout, pins what the rows cannot identify."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from predictor.linkmodel import empty_link_model
+from predictor.profiles import profile_from_spec
+from predictor.throughput import (N_PHI, NetParams, PerfParams, fit_throughput, layout_features, predict_rows,
+                                  sync_bases)
+
+LAYOUTS = [[1], [2], [4], [1, 1], [2, 2], [4, 4], [1, 1, 1, 1], [2, 2, 2, 2], [1, 3], [4, 4, 4]]
+
+
+def _synthetic(seed, layouts=LAYOUTS, noise=0.02):
+    rng = np.random.default_rng(seed)
+    lm = empty_link_model()
+    prof = profile_from_spec("resnet50")
+    truth = PerfParams(c0=0.02, c1=float(rng.uniform(2e-3, 6e-3)), gamma=float(rng.uniform(1, 3)),
+                       log_bytes_scale=0.0)
+    net = NetParams(0.3, float(rng.uniform(0, 1.5)), (0.3, 0.2) + (0.0,) * (N_PHI - 2))
+    rows, bases = [], []
+    for lay in layouts:
+        base = sync_bases(lm, np.array(prof.buckets_bytes, float), lay, "pcie", "ethernet")
+        for b in (16, 32, 64, 128):
+            t = predict_rows(truth, net, b, [lay], np.array([base]))["iter_s"][0]
+            rows.append({"profile": "resnet50", "gpu": "T4", "layout": lay, "intra_link": "pcie",
+                         "inter_link": "ethernet" if len(lay) > 1 else None, "per_gpu_batch": b,
+                         "iter_s": float(t * np.exp(noise * rng.standard_normal()))})
+            bases.append(base)
+    return rows, np.array(bases), prof, lm
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fit_recovers_fitted_rows(seed):
+    rows, bases, _, _ = _synthetic(seed)
+    fit = fit_throughput(rows, bases)
+    assert fit["converged"]
+    perf, netd = fit["perf"][("resnet50", "T4")], fit["net"]
+    s_e, w = netd["inter"]["ethernet"]
+    net = NetParams(netd["intra"]["pcie"], s_e, w)
+    pred = np.array([predict_rows(perf, net, r["per_gpu_batch"], [r["layout"]], bases[i:i + 1])["iter_s"][0]
+                     for i, r in enumerate(rows)])
+    rel = np.abs(pred / np.array([r["iter_s"] for r in rows]) - 1)
+    assert np.median(rel) < 0.03 and rel.max() < 0.15
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_more_bytes_never_faster_and_throughput_identity(seed):
+    rows, bases, prof, lm = _synthetic(seed)
+    fit = fit_throughput(rows, bases)
+    perf = fit["perf"][("resnet50", "T4")]
+    s_e, w = fit["net"]["inter"]["ethernet"]
+    net = NetParams(fit["net"]["intra"]["pcie"], s_e, w)
+    bigger = dataclasses.replace(prof, buckets_bytes=tuple(2 * b for b in prof.buckets_bytes))
+    for lay in LAYOUTS + [[8, 8], [4] * 16]:
+        small = predict_rows(perf, net, 32, [lay], np.array([sync_bases(lm, np.array(prof.buckets_bytes, float), lay, "pcie", "ethernet")]))
+        big = predict_rows(perf, net, 32, [lay], np.array([sync_bases(lm, np.array(bigger.buckets_bytes, float), lay, "pcie", "ethernet")]))
+        assert big["iter_s"][0] >= small["iter_s"][0] - 1e-12
+        assert small["samples_per_s"][0] == pytest.approx(sum(lay) * 32 / small["iter_s"][0])
+        assert small["iter_s"][0] >= max(small["compute_s"][0], small["comm_s"][0]) - 1e-12
+
+
+def test_unidentifiable_parameters_are_pinned():
+    rows, bases, _, _ = _synthetic(0, layouts=[[1], [2], [4]])
+    fit = fit_throughput(rows, bases)
+    assert fit["converged"]
+    assert "ethernet" not in fit["net"]["inter"]  # no multi-node rows: the inter link keeps its prior
+    assert fit["perf"][("resnet50", "T4")].dw == (0.0,) * N_PHI
+
+
+def test_layout_features_only_for_multi_node():
+    assert not layout_features([8]).any()
+    assert layout_features([2, 2])[0] == 1.0 and layout_features([2, 2, 2])[0] == 0.0
+    assert len(layout_features([1, 3])) == N_PHI
