@@ -54,8 +54,10 @@ def up(bed: Testbed) -> None:
     try:
         timings = bed.up()
     except TestbedError as exc:
-        raise click.ClickException(f"{exc}\n(stop what did start with: elastic-slurm testbed down "
-                                   f"--lab {bed.config.lab})") from exc
+        hint = ""
+        if any(st.running for st in bed.status()):
+            hint = f"\n(stop what did start with: elastic-slurm testbed down --lab {bed.config.lab})"
+        raise click.ClickException(f"{exc}{hint}") from exc
     click.echo(f"testbed up: {bed.config.nodes} nodes idle, lab {bed.config.lab}, "
                f"port base {bed.config.port_base}")
     click.echo(f"timings: {_timings(timings)}")
@@ -107,3 +109,7 @@ def env(bed: Testbed) -> None:
 from slurm_plugin.installer import install_plugin  # noqa: E402  (issue 5)
 
 main.add_command(install_plugin)
+
+
+if __name__ == "__main__":
+    main()

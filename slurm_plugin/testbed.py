@@ -209,6 +209,10 @@ class Testbed:
     def _prepare(self) -> bool:
         """Create directories, devices, configs, munge key and database; return whether slurm.conf changed."""
         cfg, lab = self.config, self.config.lab
+        for parent in lab.parents:
+            if parent.exists() and not parent.stat().st_mode & stat.S_IXOTH:
+                raise TestbedError("testbed", f"{parent} is not searchable by other users, but munged and mariadbd "
+                                              f"run as munge and mysql: put the lab elsewhere (e.g. under /var/tmp)")
         for sub in ("etc", "state", "run", "log", "dev", *(f"spool/{n}" for n in cfg.node_names())):
             (lab / sub).mkdir(parents=True, exist_ok=True)
         lab.chmod(0o755)
