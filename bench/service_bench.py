@@ -174,10 +174,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--paced-clients", type=int, default=4, help="client threads of the paced run")
+    ap.add_argument("--cache", choices=("both", "on", "off"), default="both")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--output", default=str(RESULTS / "service.md"), help="where to write the markdown table")
     ap.add_argument("--cpus", default=None, help="note on the CPUs used, printed in the header (e.g. 'taskset -c 0,1')")
     args = ap.parse_args(argv)
     rows = []
@@ -187,11 +190,11 @@ def main(argv=None) -> int:
         names = sorted({json.loads(l)["name"] for l in Path(db).with_suffix(".jsonl").read_text().splitlines()
                         if json.loads(l).get("kind") == "profile"})
         work = [(path, json.dumps(body).encode()) for path, body in bodies(names)]
-        for cache in (True, False):
+        for cache in {"both": (True, False), "on": (True,), "off": (False,)}[args.cache]:
             proc, base = start_server(db, args.workers, args.threads, cache)
             try:
                 run(base, work, 200, args.clients, None)                      # warm-up, not reported
-                for label, clients, rate in (("flat out", args.clients, None), (f"paced {args.rate:g}/s", 8, args.rate)):
+                for label, clients, rate in (("flat out", args.clients, None), (f"paced {args.rate:g}/s", args.paced_clients, args.rate)):
                     load = os.getloadavg()[0]
                     result = run(base, work, args.requests, clients, rate)
                     rows.append({"scenario": label, "cache": "on" if cache else "off", "clients": clients,
@@ -213,8 +216,10 @@ def main(argv=None) -> int:
     text = header + "\n\n" + "\n".join(table) + "\n\nTarget: p99 <= 10 ms at 200 req/s.\n"
     print(text)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "service.md").write_text(f"# Service benchmark\n\nCommand: `python bench/service_bench.py`\n\n{text}")
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python bench/service_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        out.write_text(f"# Service benchmark\n\nCommand: `{command.strip()}`\n\n{text}")
     return 0
 
 

@@ -49,8 +49,8 @@ def main():
 @click.option("--port", default=8470, show_default=True, type=int, help="port to bind")
 @click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64), help="gunicorn worker processes")
-@click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="threads per worker (gthread: keep-alive connections)")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="threads per worker (>1: gthread workers with keep-alive; 1: sync workers, lowest tail)")
 @click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False), help="cluster model JSON file")
 @click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
 def serve(host, port, db, workers, threads, cluster, timeout):
