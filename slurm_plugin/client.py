@@ -271,7 +271,7 @@ class CommandBackend:
         self._run(["scontrol", "reconfigure"], timeout or self.update_timeout)
 
     def shrink(self, job_id: int, keep: Union[int, Sequence[str]], timeout: timedelta | None = None) -> ResizeResult:
-        """Shrink a running job to `keep` nodes (a count, or the names of the nodes to keep).
+        """Shrink a running job to `keep` nodes (a count, or a node list / names of the nodes to keep).
 
         A count keeps the batch host and the lowest other nodes. Tasks on released nodes are
         SIGKILLed by Slurm, so ranks there should leave first. The returned environment must be
@@ -279,12 +279,17 @@ class CommandBackend:
 
         :raises JobNotFoundError: unknown `job_id`.
         :raises ResizeError: the job is not running, `keep` is not a subset of its nodes, is empty,
-            asks for more nodes than the job has, or drops the batch host.
+            asks for more nodes than the job has, drops the batch host, or Slurm refuses the update.
         """
         job = self.job(job_id, timeout)
-        target = _shrink_target(job, keep)
+        target = _shrink_target(job, [keep] if isinstance(keep, str) else keep)
         if target != job.nodes:
-            self._update(job_id, [f"NodeList={compress_hostlist(target)}"], timeout)
+            try:
+                self._update(job_id, [f"NodeList={compress_hostlist(target)}"], timeout)
+            except JobNotFoundError:
+                raise
+            except SlurmError as exc:
+                raise ResizeError(job_id, f"Slurm refused NodeList={compress_hostlist(target)}: {exc}") from exc
             job = self.job(job_id, timeout)
         return ResizeResult(job=job, env=job.resize_env())
 

@@ -142,6 +142,12 @@ def test_shrink_by_count_keeps_batch_host_and_names_nodes():
     assert ["scontrol", "update", "JobId=2", "NodeList=node[1-2]"] in backend.calls
 
 
+def test_shrink_accepts_a_slurm_node_list_string():
+    backend = FixtureBackend("squeue_3node.json")
+    backend.shrink(2, "node[1,3]")
+    assert ["scontrol", "update", "JobId=2", "NodeList=node[1,3]"] in backend.calls
+
+
 def test_shrink_refuses_finished_job():
     with pytest.raises(ResizeError, match="job 1: .*CANCELLED"):
         FixtureBackend("squeue_shrunk.json").shrink(1, 1)
