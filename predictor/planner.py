@@ -222,6 +222,9 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     if batch is None:
         return _keep("no per_gpu_batch directive: cannot predict throughput", model=model)
     req_nodes, req_per_node, req_total = requested_shape(request.job)
+    if request.current is not None:           # the launcher: compare with where the job runs now
+        layout = request.current["layout"]
+        req_nodes, req_per_node, req_total = len(layout), layout[0], sum(layout)
     bounds = d.get("gpus") or ({"min": req_total, "max": req_total} if req_total else {"min": 1, "max": part.total_gpus})
     low, high = bounds["min"], min(bounds["max"], part.total_gpus)
     if low > part.total_gpus:
@@ -325,7 +328,8 @@ def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest,
         reason += f"; {stop_note}"
     if switches:
         reason += "; one leaf switch"
-    same = (requested[0] or 1) == nodes and requested[1] == per_node and request.job.get("req_switch") == switches
+    same_switch = request.current is not None or request.job.get("req_switch") == switches   # running: placed
+    same = (requested[0] or 1) == nodes and requested[1] == per_node and same_switch
     curve = [{k: e[k] for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
                                 "iter_s", "efficiency", "uncertainty")} for e in sorted(entries, key=_order)]
     predicted = {k: chosen[k] for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}

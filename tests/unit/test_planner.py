@@ -128,6 +128,15 @@ def test_keep_with_a_reason(lines, job, models, source, reason):
     assert out["nodes"] is None and out["curve"] == []
 
 
+def test_launcher_is_compared_with_its_current_layout():
+    grow = decide("#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64 min_efficiency=0.3", source="launcher",
+                  current={"layout": [4], "samples_per_s": 6000.0})
+    assert grow["action"] == "rewrite" and grow["layout"] == [4, 4] and "of 1x4" in grow["reason"]
+    stay = decide("#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64 min_efficiency=0.3", source="launcher",
+                  current={"layout": [4, 4]})
+    assert stay["action"] == "keep" and stay["layout"] == [4, 4] and "already matches" in stay["reason"]
+
+
 def test_launcher_uses_the_current_batch():
     out = decide("#ELASTIC model=resnet50 gpus=4-8", source="launcher",
                  current={"layout": [4], "samples_per_s": 7000.0, "per_gpu_batch": 32})
