@@ -212,3 +212,29 @@ def test_failed_fit_keeps_503_json_and_health_says_why(tmp_path):
     assert "fit exploded" in client.get("/healthz").get_json()["last_error"]
     plan = _plan(client, "#ELASTIC model=resnet50 per_gpu_batch=8").get_json()
     assert plan["action"] == "keep" and "not ready" in plan["reason"]
+
+
+def test_openapi_documents_every_route(app, client):
+    doc = client.get("/v1/openapi.json").get_json()
+    documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        path = rule.rule.replace("<path:", "{").replace("<", "{").replace(">", "}")
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            assert (path, method.lower()) in documented, f"{method} {path} is not in openapi.json"
+
+
+def test_a_burst_of_observations_costs_few_fits(tmp_path):
+    config = Config(db_path=str(tmp_path / "b.db"), refit_debounce=timedelta(seconds=1),
+                    refit_poll=timedelta(milliseconds=50))
+    app = create_app(config, predictor_factory=FakePredictor)
+    models = app.extensions["elastic_predictor"].models
+    client = app.test_client()
+    assert models.wait_fresh(timedelta(seconds=10))
+    before = models.fits
+    for _ in range(5):
+        assert client.post("/v1/observations", json=[STEP]).status_code == 201
+    assert models.wait_fresh(timedelta(seconds=20))
+    assert 1 <= models.fits - before <= 2
+    models.stop()
