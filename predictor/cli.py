@@ -44,6 +44,21 @@ def main():
     """Throughput predictor and job planner for elastic GPU training on Slurm."""
 
 
+def _slurm_cluster(spec: str):
+    from predictor.cluster import Cluster  # noqa: PLC0415
+    from slurm_plugin.client import CommandBackend  # noqa: PLC0415
+    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+
+    parts = spec.split(":")
+    if len(parts) != 3 or not all(parts):
+        raise click.BadParameter(f"expected GPU:INTRA:INTER, got {spec!r}", param_hint="--from-slurm")
+    backend = CommandBackend()
+    try:
+        return Cluster.from_slurm(backend.nodes(), backend.partitions(), *parts)
+    except (SlurmError, ValidationError) as exc:
+        raise click.ClickException(f"cannot read the cluster from Slurm: {exc}") from None
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
 @click.option("--port", default=8470, show_default=True, type=int, help="port to bind")
@@ -53,7 +68,9 @@ def main():
               help="threads per worker (>1: gthread workers with keep-alive; 1: sync workers, lowest tail)")
 @click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False), help="cluster model JSON file")
 @click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
-def serve(host, port, db, workers, threads, cluster, timeout):
+@click.option("--from-slurm", "from_slurm", default=None, metavar="GPU:INTRA:INTER",
+              help="build the cluster model from sinfo/scontrol, with the GPU type and link names given, e.g. H200:nvlink:ib")
+def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
     """Run the HTTP API under gunicorn; writes need $ELASTIC_PREDICTOR_TOKEN when it is set.
 
     Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
@@ -63,6 +80,8 @@ def serve(host, port, db, workers, threads, cluster, timeout):
     from predictor.app import create_app  # noqa: PLC0415
 
     config = _config(db, cluster)
+    if from_slurm:
+        config = config.replace(cluster=_slurm_cluster(from_slurm))
     if not config.token:
         click.echo("warning: ELASTIC_PREDICTOR_TOKEN is not set; writes are open to anyone", err=True)
     from predictor.store import Store  # noqa: PLC0415

@@ -2,8 +2,8 @@
 
 It answers the planner's questions: which layouts (GPUs per node, one entry a node) can a GPU count
 take in a partition, which links does each layout cross, and does a node count fit under one leaf
-switch. It comes from a JSON file (`Cluster.from_file`) or, by default, matches the local Slurm
-testbed (4 nodes x 4 GPUs, leaf switches node[1-2] and node[3-4]).
+switch. It comes from a JSON file (`Cluster.from_file`), from Slurm's own view (`Cluster.from_slurm`, link
+names given by the operator) or, by default, matches the local Slurm testbed (4 nodes x 4 GPUs, leaf switches node[1-2] and node[3-4]).
 
 File format::
 
@@ -221,6 +221,37 @@ class Cluster:
         except (OSError, ValueError) as exc:
             raise ValidationError("cluster", f"cannot read cluster model {path}: {exc}") from None
         return cls.from_dict(data)
+
+    @classmethod
+    def from_slurm(cls, nodes, partitions, gpu: str, intra_link: str, inter_link: str) -> "Cluster":
+        """Build from what Slurm reports (slurm_plugin.client `nodes()` and `partitions()`).
+
+        Slurm knows node names, GPU counts, leaf switches and partitions, not link classes or the GPU model
+        name used in observations: those come from the caller. A partition's GPUs per node is the smallest
+        GPU count among its nodes (uniform layouts); partitions without GPU nodes are left out.
+
+        Raises:
+            ValidationError: no partition has GPU nodes.
+        """
+        by_name = {n.name: n for n in nodes}
+        parts = []
+        defaults = [p.name for p in partitions if p.default]
+        for part in partitions:
+            members = [by_name[n] for n in part.nodes if n in by_name and by_name[n].gpus > 0]
+            if not members:
+                continue
+            leaves: dict[str, list[str]] = {}
+            for node in members:
+                if node.switch:
+                    leaves.setdefault(node.switch, []).append(node.name)
+            parts.append(Partition(name=part.name, nodes=tuple(n.name for n in members),
+                                   gpus_per_node=min(n.gpus for n in members), gpu=gpu, intra_link=intra_link,
+                                   inter_link=inter_link,
+                                   switches=tuple((leaf, tuple(names)) for leaf, names in sorted(leaves.items()))))
+        if not parts:
+            raise ValidationError("partitions", "Slurm reports no partition with GPU nodes")
+        names = [p.name for p in parts]
+        return cls(partitions=tuple(parts), default_partition=next((d for d in defaults if d in names), names[0]))
 
     @classmethod
     def default(cls) -> "Cluster":

@@ -58,6 +58,33 @@ def test_layouts_follow_the_node_shapes():
     assert part.layouts(5) == [] and part.layouts(17) == []
 
 
+def test_cluster_from_what_slurm_reports():
+    from slurm_plugin.client import Node, Partition as SlurmPartition
+
+    nodes = [Node(f"node{i}", "idle", 4, 0, "leaf1" if i <= 2 else "leaf2", ("debug",)) for i in range(1, 5)]
+    nodes.append(Node("login", "idle", 0, 0, None, ("cpu",)))
+    parts = [SlurmPartition("cpu", ("login",), False, "UP"), SlurmPartition("debug", tuple(f"node{i}" for i in range(1, 5)), True, "UP")]
+    cluster = Cluster.from_slurm(nodes, parts, gpu="H200", intra_link="nvlink", inter_link="ib")
+    assert [p.name for p in cluster.partitions] == ["debug"] and cluster.default_partition == "debug"
+    assert cluster.partition().to_dict() == CLUSTER.partition().to_dict()
+    with pytest.raises(ValidationError):
+        Cluster.from_slurm(nodes[-1:], parts[:1], gpu="H200", intra_link="nvlink", inter_link="ib")
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: d["partitions"][0].update(gpus_per_node=0), "partitions[0].gpus_per_node"),
+    (lambda d: d["partitions"][0].update(switches={"leaf9": "node[7-8]"}), "partitions[0].switches.leaf9"),
+    (lambda d: d["partitions"][0].update(nodes="node[1-2],node1"), "partitions[0].nodes"),
+    (lambda d: d.update(default_partition="gpu"), "default_partition"),
+])
+def test_cluster_file_errors_name_the_field(mutate, field):
+    data = CLUSTER.to_dict()
+    mutate(data)
+    with pytest.raises(ValidationError) as info:
+        Cluster.from_dict(data)
+    assert info.value.field == field
+
+
 def test_grows_while_efficiency_holds_and_uses_one_leaf():
     out = decide("#ELASTIC model=resnet50 gpus=1-16 per_gpu_batch=64 min_efficiency=0.3",
                  job={"min_nodes": 1, "tres_per_node": "gres:gpu:4"})
