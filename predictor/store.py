@@ -50,6 +50,8 @@ def _m0002_link_fits_and_generation(db: sqlite_utils.Database) -> None:
     db.table("meta").insert({"key": "generation", "value": 0})
 
 
+_DECISION_COLUMNS = "id, created_at_s, source, action, model, reason, model_version, request, response"
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_link_fits_and_generation", _m0002_link_fits_and_generation),
@@ -236,14 +238,14 @@ class Store:
         number = decision_id[2:] if decision_id.startswith("d-") else ""
         if not number.isdigit() or len(number) > 18:
             raise NotFoundError("decision", decision_id, hint)
-        row = self.db.execute("SELECT * FROM decisions WHERE id = ?", [int(number)]).fetchone()
+        row = self.db.execute(f"SELECT {_DECISION_COLUMNS} FROM decisions WHERE id = ?", [int(number)]).fetchone()
         if row is None:
             raise NotFoundError("decision", decision_id, hint)
         return self._decision(row, full=True)
 
     def list_decisions(self, limit: int = 50, before: int | None = None) -> list[dict]:
         """Newest first; `before` pages down by numeric id."""
-        sql = "SELECT * FROM decisions"
+        sql = f"SELECT {_DECISION_COLUMNS} FROM decisions"
         params: list[Any] = []
         if before is not None:
             sql += " WHERE id < ?"

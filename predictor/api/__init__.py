@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hmac
+import json
 from typing import Any
 
 from flask import current_app, request
@@ -54,8 +55,6 @@ def json_body() -> Any:
     if not data:
         raise ValidationError("body", "expected a JSON body")
     try:
-        import json  # noqa: PLC0415
-
         return json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise ValidationError("body", f"not valid JSON: {exc}") from None
