@@ -28,6 +28,8 @@ local NO_VAL = 4294967294
 local NO_VAL16 = 65534
 local INFINITE = 4294967295
 
+M.now = socket.gettime
+
 -- ---------------------------------------------------------------- config
 local DEFAULTS = {
   predictor_url = "http://127.0.0.1:8080",

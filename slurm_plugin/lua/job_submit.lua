@@ -29,12 +29,14 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
     slurm.log_user("elastic: " .. err.message)
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   end
+  local started = elastic.now()
   local outcome = elastic.plan(cfg, breaker, elastic.request("job_submit", lines, elastic.job_from_desc(job_desc, submit_uid)))
+  local ms = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
     slurm.log_user("elastic: " .. outcome.message)
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind == "skip" then
-    slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped: %s", tostring(submit_uid), outcome.why)
+    slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped (%.1f ms): %s", tostring(submit_uid), ms, outcome.why)
     slurm.user_msg(elastic.skip_message(outcome))
     return slurm.SUCCESS
   end
@@ -42,7 +44,7 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   if outcome.kind == "keep" and outcome.decision_id ~= nil then
     job_desc.comment = elastic.comment_with(job_desc.comment, outcome.decision_id)
   end
-  slurm.log_info("slurm_job_submit: elastic: uid %s: %s %s", tostring(submit_uid), outcome.kind, outcome.reason)
+  slurm.log_info("slurm_job_submit: elastic: uid %s: %s (%.1f ms) %s", tostring(submit_uid), outcome.kind, ms, outcome.reason)
   slurm.user_msg(outcome.reason)
   return slurm.SUCCESS
 end
