@@ -1,0 +1,375 @@
+"""Membership protocol: who is in which epoch, over one TCPStore hosted by the controller.
+
+The controller (``elastic-launch``) hosts a ``TCPStore`` server that outlives every worker. Workers and the
+controller exchange small keys under the ``elastic/`` prefix. An *epoch* is one membership: a :class:`Plan`
+with a unique integer id and the ordered list of worker ids (the order is the rank order). Process groups of an
+epoch use the store prefix ``epoch/<id>``, so every membership change gets a fresh prefix.
+
+Keys (all values are UTF-8 strings; JSON where noted):
+
+====================== =========================================================================================
+``seq``                counter; ``add(seq, 1)`` allocates plan ids
+``plan/<id>``          JSON plan ``{"id", "members", "prev", "kind"}``; ``kind`` is initial | resize | recovery
+``current``            id of the plan the workers currently train in (written by its rank 0 after the switch)
+``next/<id>``          id of the planned successor of epoch ``id``, set once by ``compare_set`` (resize)
+``recover/<id>/...``   failure recovery of epoch ``id``: ``alive/<wid>``, ``leader``, ``plan``
+``hb/<wid>``           heartbeat: ``time.time()`` of the worker's last beat
+``joined/<wid>``       a newcomer announced itself and is preparing (value: time)
+``switched/<id>``      JSON stats written by rank 0 of plan ``id`` after its first step (pause seconds, ...)
+``left/<wid>``         a worker left the group at a resize and is exiting
+====================== =========================================================================================
+
+Controller side (:class:`Coordinator`): ``start(members)`` posts the first plan; ``request_resize(members)``
+posts the successor of the current epoch (grow: newcomers appended after the survivors; shrink: leavers
+omitted); ``wait_switched(plan)`` blocks until the new epoch has completed its first step; ``joined()`` and
+``alive()`` tell which workers are ready / beating. Newcomers must be started (srun / helper job) with their
+worker id before or after ``request_resize``; they prepare (imports, model build, communicator) and the
+survivors switch at the first commit point at which everyone of the plan is ready. Leavers exit at that same
+commit point, after which the controller may release their nodes (``left/<wid>`` is set just before exit).
+
+Worker side (:class:`Membership`): a heartbeat/poll thread beats ``hb/<wid>`` and watches ``next/<current>`` so
+that commit points read a local variable, not the store. A newcomer calls :meth:`Membership.wait_for_plan`.
+After a collective failure, survivors call :meth:`Membership.recover`: the first one to arrive becomes leader,
+waits until every member of the failed epoch has either announced itself alive or has a heartbeat older than
+``heartbeat_timeout``, and posts a recovery plan with the survivors in their old order. A recovery supersedes a
+planned resize of the same epoch; its newcomers time out and the controller re-requests the resize.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from elastic_launcher.errors import InvalidPlan, RendezvousTimeout, ResizeConflict
+
+logger = logging.getLogger("elastic_launcher.membership")
+
+__all__ = ["Plan", "Coordinator", "Membership", "PREFIX"]
+
+PREFIX = "elastic/"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One membership epoch.
+
+    Attributes:
+        id: unique epoch id (also the process-group store prefix ``epoch/<id>``).
+        members: worker ids in rank order.
+        prev: id of the epoch this one follows (0 for the first).
+        kind: ``initial``, ``resize`` or ``recovery``.
+    """
+
+    id: int
+    members: tuple[str, ...]
+    prev: int = 0
+    kind: str = "initial"
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def group_prefix(self) -> str:
+        return f"epoch/{self.id}"
+
+    def rank_of(self, wid: str) -> int:
+        """Rank of ``wid`` in this plan, -1 if not a member."""
+        return self.members.index(wid) if wid in self.members else -1
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "members": list(self.members), "prev": self.prev, "kind": self.kind})
+
+    @classmethod
+    def from_json(cls, text: "str | bytes") -> "Plan":
+        d = json.loads(text)
+        return cls(int(d["id"]), tuple(d["members"]), int(d["prev"]), d["kind"])
+
+
+def _validate(members: Sequence[str]) -> tuple[str, ...]:
+    members = tuple(members)
+    if not members:
+        raise InvalidPlan("a plan needs at least one member")
+    if len(set(members)) != len(members):
+        raise InvalidPlan(f"duplicate worker ids in plan {list(members)}")
+    for m in members:
+        if not m or "/" in m:
+            raise InvalidPlan(f"worker id {m!r} is empty or contains '/'")
+    return members
+
+
+class _Keys:
+    """Store access shared by both sides (all keys under ``elastic/``)."""
+
+    def __init__(self, store: dist.Store, timeout: timedelta) -> None:
+        self.store = dist.PrefixStore(PREFIX.rstrip("/"), store)
+        self.timeout = timeout
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def get(self, key: str) -> str:
+        return self.store.get(key).decode()
+
+    def wait_get(self, key: str, timeout: timedelta, what: str) -> str:
+        try:
+            self.store.wait([key], timeout)
+        except Exception as e:  # noqa: BLE001 - the store raises a generic error on timeout
+            raise RendezvousTimeout(f"waited {timeout.total_seconds():.1f}s for {what} (store key {key})") from e
+        return self.get(key)
+
+    def plan(self, pid: int) -> Plan:
+        return Plan.from_json(self.get(f"plan/{pid}"))
+
+    def post(self, members: Sequence[str], prev: int, kind: str) -> Plan:
+        pid = self.store.add("seq", 1)
+        plan = Plan(pid, _validate(members), prev, kind)
+        self.store.set(f"plan/{pid}", plan.to_json())
+        return plan
+
+    def current(self) -> Optional[Plan]:
+        return self.plan(int(self.get("current"))) if self.has("current") else None
+
+
+class Coordinator:
+    """Controller-side API (one per job, in the process that hosts the store).
+
+    Args:
+        store: a client or the server of the job's TCPStore.
+        timeout: default bound for the blocking calls (``wait_switched``).
+        heartbeat_timeout: a worker whose heartbeat is older than this is reported dead by :meth:`alive`.
+    """
+
+    def __init__(self, store: dist.Store, timeout: timedelta = timedelta(seconds=120),
+                 heartbeat_timeout: timedelta = timedelta(seconds=10)) -> None:
+        self._k = _Keys(store, timeout)
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+
+    def start(self, members: Sequence[str]) -> Plan:
+        """Posts the first plan; its members then start training together."""
+        plan = self._k.post(members, 0, "initial")
+        self._k.store.set("current", str(plan.id))
+        return plan
+
+    def current(self) -> Plan:
+        """The epoch the workers train in now (updated at each switch).
+
+        Raises:
+            RendezvousTimeout: :meth:`start` was never called.
+        """
+        return Plan.from_json(self._k.get(f"plan/{self._k.wait_get('current', self.timeout, 'first plan')}"))
+
+    def request_resize(self, members: Sequence[str], base: Optional[Plan] = None) -> Plan:
+        """Posts the successor of ``base`` (default: the current epoch) with ``members`` in rank order.
+
+        Survivors should come first in their current order so that rank 0 (the state source) survives.
+        Takes effect at the first commit point after every member of the new plan is ready.
+
+        Raises:
+            InvalidPlan: empty or duplicate members.
+            ResizeConflict: ``base`` already has a successor (another resize, or a failure recovery).
+        """
+        base = base or self.current()
+        if not any(m in base.members for m in members):
+            raise InvalidPlan(f"plan {list(members)} keeps no member of epoch {base.id}; state would be lost")
+        plan = self._k.post(members, base.id, "resize")
+        won = self._k.store.compare_set(f"next/{base.id}", "", str(plan.id)).decode()
+        if won != str(plan.id):
+            raise ResizeConflict(base.id, int(won))
+        if self._k.has(f"recover/{base.id}/plan"):
+            raise ResizeConflict(base.id, int(self._k.get(f"recover/{base.id}/plan")))
+        logger.info("resize requested: epoch %d %s -> %d %s", base.id, list(base.members), plan.id,
+                    list(plan.members))
+        return plan
+
+    def wait_switched(self, plan: Plan, timeout: Optional[timedelta] = None) -> dict:
+        """Blocks until ``plan``'s rank 0 reports its first completed step; returns its stats record
+        (``{"epoch", "world", "pause_s", ...}``).
+
+        Raises:
+            RendezvousTimeout: not switched within ``timeout``.
+        """
+        return json.loads(self._k.wait_get(f"switched/{plan.id}", timeout or self.timeout, f"switch to {plan.id}"))
+
+    def joined(self) -> list[str]:
+        """Worker ids that announced themselves (newcomers preparing, or members)."""
+        return sorted(k.split("/", 1)[1] for k in self._list("joined/"))
+
+    def alive(self, wids: Sequence[str]) -> dict[str, bool]:
+        """For each worker id, whether its heartbeat is younger than ``heartbeat_timeout``."""
+        now, out = time.time(), {}
+        for w in wids:
+            out[w] = self._k.has(f"hb/{w}") and now - float(self._k.get(f"hb/{w}")) < \
+                self.heartbeat_timeout.total_seconds()
+        return out
+
+    def has_left(self, wid: str) -> bool:
+        """True once ``wid`` left at a resize (its node may be released)."""
+        return self._k.has(f"left/{wid}")
+
+    def _list(self, prefix: str) -> list[str]:
+        try:
+            keys = self._k.store.list_keys()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - older stores have no list_keys
+            return []
+        p = PREFIX.rstrip("/") + "/"
+        return [k[len(p):] for k in keys if k.startswith(p + prefix)]
+
+
+class Membership:
+    """Worker-side view: heartbeat, polling for the next plan, newcomer wait, failure recovery.
+
+    Args:
+        store_factory: returns a fresh client of the job's store (one per thread).
+        wid: this worker's id (unique in the job, no '/').
+        timeout: bound for waiting on a plan / recovery decision.
+        heartbeat_interval: period of heartbeats and of polling ``next/<current>``.
+        heartbeat_timeout: a peer silent for longer is considered dead during recovery.
+    """
+
+    def __init__(self, store_factory: Callable[[], dist.Store], wid: str,
+                 timeout: timedelta = timedelta(seconds=120),
+                 heartbeat_interval: timedelta = timedelta(seconds=0.2),
+                 heartbeat_timeout: timedelta = timedelta(seconds=5)) -> None:
+        _validate([wid])
+        self.wid = wid
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._factory = store_factory
+        self._k = _Keys(store_factory(), timeout)
+        self._watch_epoch: Optional[int] = None
+        self._next: Optional[Plan] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- background heartbeat and poll ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the heartbeat/poll thread (idempotent)."""
+        self._k.store.set(f"hb/{self.wid}", repr(time.time()))
+        self._k.store.set(f"joined/{self.wid}", repr(time.time()))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"elastic-hb-{self.wid}", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        k = _Keys(self._factory(), self.timeout)
+        while not self._stop.wait(self.heartbeat_interval.total_seconds()):
+            try:
+                k.store.set(f"hb/{self.wid}", repr(time.time()))
+                ep = self._watch_epoch
+                if ep is not None and self._next is None and k.has(f"next/{ep}"):
+                    plan = k.plan(int(k.get(f"next/{ep}")))
+                    with self._lock:
+                        if self._watch_epoch == ep:
+                            self._next = plan
+            except Exception as e:  # noqa: BLE001 - store gone: the controller ended; stop beating
+                logger.debug("heartbeat thread stops: %s", e)
+                return
+
+    def watch(self, plan: Plan) -> None:
+        """Sets the epoch whose successor the poll thread looks for (call after each switch)."""
+        with self._lock:
+            self._watch_epoch, self._next = plan.id, None
+
+    def next_plan(self) -> Optional[Plan]:
+        """The posted successor of the watched epoch, if any (no store access)."""
+        return self._next
+
+    def stop(self) -> None:
+        """Stops the heartbeat thread and waits for it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # ---- plans ------------------------------------------------------------------------------------------------
+    def wait_for_plan(self, timeout: Optional[timedelta] = None) -> Plan:
+        """Blocks until a plan that includes this worker is posted (initial or as a newcomer); returns it.
+
+        Follows ``current`` then the chain of ``next/`` keys.
+
+        Raises:
+            RendezvousTimeout: no such plan within ``timeout``.
+        """
+        t = timeout or self.timeout
+        deadline = time.monotonic() + t.total_seconds()
+        pid = int(self._k.wait_get("current", t, "the first plan"))
+        while True:
+            plan = self._k.plan(pid)
+            if self.wid in plan.members:
+                return plan
+            key = f"next/{pid}"
+            if self._k.has(key):
+                pid = int(self._k.get(key))
+                continue
+            if self._k.has(f"recover/{pid}/plan"):
+                pid = int(self._k.get(f"recover/{pid}/plan"))
+                continue
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"worker {self.wid}: no plan includes it after {t.total_seconds():.0f}s")
+            time.sleep(self.heartbeat_interval.total_seconds() / 2)
+
+    def plan(self, pid: int) -> Plan:
+        """Reads plan ``pid`` from the store."""
+        return self._k.plan(pid)
+
+    def publish_current(self, plan: Plan) -> None:
+        """Marks ``plan`` as the epoch being trained (called by its rank 0 at the switch)."""
+        self._k.store.set("current", str(plan.id))
+
+    def report_switched(self, plan: Plan, stats: dict) -> None:
+        """Writes the switch stats record the controller waits for (rank 0 of ``plan``)."""
+        self._k.store.set(f"switched/{plan.id}", json.dumps(stats))
+
+    def mark_left(self) -> None:
+        self._k.store.set(f"left/{self.wid}", repr(time.time()))
+
+    # ---- failure recovery -------------------------------------------------------------------------------------
+    def recover(self, failed: Plan, timeout: Optional[timedelta] = None) -> Plan:
+        """Agrees with the other survivors of ``failed`` on the recovery plan (survivors in old order).
+
+        Preconditions: the caller's group for ``failed`` is broken or aborted.
+
+        Raises:
+            RendezvousTimeout: the decision did not come within ``timeout``.
+        """
+        t = timeout or self.timeout
+        base = f"recover/{failed.id}"
+        self._k.store.set(f"{base}/alive/{self.wid}", "1")
+        leader = self._k.store.compare_set(f"{base}/leader", "", self.wid).decode()
+        if leader == self.wid:
+            deadline = time.monotonic() + t.total_seconds()
+            while True:
+                state = {}
+                for m in failed.members:
+                    if self._k.has(f"{base}/alive/{m}"):
+                        state[m] = True
+                    elif not self._k.has(f"hb/{m}") or \
+                            time.time() - float(self._k.get(f"hb/{m}")) > self.heartbeat_timeout.total_seconds():
+                        state[m] = False
+                if len(state) == len(failed.members):
+                    break
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeout(f"recovery of epoch {failed.id}: members {failed.members} undecided")
+                time.sleep(self.heartbeat_interval.total_seconds() / 2)
+            survivors = [m for m in failed.members if state[m]]
+            plan = self._k.post(survivors, failed.id, "recovery")
+            self._k.store.set(f"{base}/plan", str(plan.id))
+            logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
+                           [m for m in failed.members if not state[m]], plan.id)
+            return plan
+        pid = int(self._k.wait_get(f"{base}/plan", t, f"recovery plan of epoch {failed.id}"))
+        return self._k.plan(pid)
+
+    def plan_superseded(self, plan: Plan) -> bool:
+        """True if ``plan`` (a resize) lost to a recovery of its base epoch."""
+        return self._k.has(f"recover/{plan.prev}/plan")

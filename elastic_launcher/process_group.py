@@ -1,0 +1,267 @@
+"""Reconfigurable process groups (torchft-style).
+
+A :class:`ProcessGroupWrapper` is built once with its timeouts and then reconfigured any number of times with
+:meth:`ProcessGroupWrapper.configure`, which aborts the group it holds and blocks until a new one, on a fresh
+store prefix, works or raises. Collectives never re-initialise anything implicitly. Callers must not assume a
+static rank or world size: both change on every ``configure``.
+
+Groups are built directly from the backend classes (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) wrapped in a
+``ProcessGroup``, not through ``init_process_group``, so that two groups (the one that trains and the next one
+being built) coexist in one process. The wrapped ``ProcessGroup`` can be handed to
+``DistributedDataParallel(process_group=...)``.
+
+Timeouts:
+    ``timeout`` bounds each collective (the backend's own timeout).
+    ``connect_timeout`` bounds the store connection and the rendezvous inside ``configure``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from elastic_launcher.errors import NotConfiguredError, ProcessGroupError, StoreAddressError
+
+logger = logging.getLogger("elastic_launcher.process_group")
+
+__all__ = ["StoreAddr", "ProcessGroupWrapper", "connect_store"]
+
+
+@dataclass(frozen=True)
+class StoreAddr:
+    """Where a group's rendezvous keys live: a TCPStore host/port plus a key prefix."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> "StoreAddr":
+        """Parses ``host:port/prefix`` (prefix optional).
+
+        Raises:
+            StoreAddressError: the text is not of that form.
+        """
+        hostport, _, prefix = text.partition("/")
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise StoreAddressError(f"store address {text!r} is not host:port/prefix")
+        return cls(host, int(port), prefix)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}/{self.prefix}"
+
+    def with_prefix(self, prefix: str) -> "StoreAddr":
+        return StoreAddr(self.host, self.port, prefix)
+
+
+def connect_store(addr: StoreAddr, timeout: timedelta) -> dist.Store:
+    """Opens a client connection to the TCPStore at ``addr`` (the prefix applied).
+
+    Raises:
+        ProcessGroupError: the store cannot be reached within ``timeout``.
+    """
+    try:
+        store = dist.TCPStore(addr.host, addr.port, is_master=False, timeout=timeout, wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with the address
+        raise ProcessGroupError(f"cannot reach store {addr}: {e}", addr.prefix) from e
+    return dist.PrefixStore(addr.prefix, store) if addr.prefix else store
+
+
+class ProcessGroupWrapper:
+    """Owns one process group at a time and rebuilds it on demand.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: the device collectives run on (``cuda:N`` for NCCL); defaults to cpu / the current cuda device.
+        timeout: per-collective timeout.
+        connect_timeout: bound on the store connection and the group rendezvous in ``configure``.
+    """
+
+    def __init__(
+        self,
+        backend: str = "gloo",
+        device: Optional[torch.device] = None,
+        timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ProcessGroupError(f"backend {backend!r} is not gloo or nccl")
+        self.backend = backend
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = device
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._pg: Optional[dist.ProcessGroup] = None
+        self._backend_impl = None
+        self._store: Optional[dist.Store] = None
+        self._prefix = ""
+        self._rank = -1
+        self._world = 0
+        self._error: Optional[Exception] = None
+        self._lock = threading.Lock()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def configure(self, store_addr: "StoreAddr | str", rank: int, world_size: int,
+                  timeout: Optional[timedelta] = None) -> None:
+        """Aborts the current group (if any) and builds a new one; blocks until it works.
+
+        Preconditions: every rank of the new group calls this with the same ``store_addr`` (whose prefix must be
+        unique to this configuration, e.g. one per membership epoch) and distinct ranks.
+
+        Args:
+            store_addr: ``StoreAddr`` or ``host:port/prefix``.
+            rank: this process's rank in the new group.
+            world_size: size of the new group.
+            timeout: overrides ``connect_timeout`` for this call.
+
+        Raises:
+            ProcessGroupError: the group could not be built (peer missing, timeout, backend error).
+        """
+        addr = StoreAddr.parse(store_addr) if isinstance(store_addr, str) else store_addr
+        self.abort()
+        t = timeout or self.connect_timeout
+        store = connect_store(addr, t)
+        try:
+            backend_impl, pg = self._create_pg(store, rank, world_size)
+            self._warm_up(pg)
+        except Exception as e:  # noqa: BLE001
+            raise ProcessGroupError(f"building group {addr} rank {rank}/{world_size} failed: {e}",
+                                    addr.prefix) from e
+        with self._lock:
+            self._pg, self._backend_impl, self._store = pg, backend_impl, store
+            self._prefix, self._rank, self._world, self._error = addr.prefix, rank, world_size, None
+        logger.info("configured group %s rank %d/%d", addr, rank, world_size,
+                    extra={"rank": rank, "world": world_size, "prefix": addr.prefix})
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int):
+        pg = dist.ProcessGroup(store, rank, world_size)
+        if self.backend == "gloo":
+            impl = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            btype = dist.ProcessGroup.BackendType.GLOO
+            dev = torch.device("cpu")
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            impl = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            btype = dist.ProcessGroup.BackendType.NCCL
+            dev = torch.device("cuda")
+        pg._set_default_backend(btype)
+        impl._set_sequence_number_for_group()
+        pg._register_backend(dev, btype, impl)
+        if self.backend == "gloo" and self.device.type == "cuda":
+            pg._register_backend(torch.device("cuda"), btype, impl)
+        return impl, pg
+
+    def _warm_up(self, pg: dist.ProcessGroup) -> None:
+        """One tiny allreduce: forces communicator creation and connection setup off the critical path."""
+        t = torch.ones(1, device=self.device)
+        pg.allreduce([t]).wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def shrink(self, exclude: list[int], abort: bool = True) -> "ProcessGroupWrapper":
+        """Builds a smaller group from this one with the backend's shrink (ncclCommShrink), if supported.
+
+        The new group keeps the ranks not in ``exclude`` in their order. This wrapper's group is left as is
+        (the caller aborts it). Called by every surviving rank, never by an excluded one.
+
+        Returns:
+            A new configured wrapper (same timeouts) holding the smaller group.
+
+        Raises:
+            ProcessGroupError: not configured, or the backend cannot shrink (``supports_shrinking`` false), or the
+                shrink itself failed. Callers fall back to ``configure`` on a fresh prefix.
+        """
+        impl, pg = self._backend_impl, self._pg
+        if impl is None or pg is None:
+            raise NotConfiguredError("shrink on an unconfigured group")
+        if not getattr(impl, "supports_shrinking", False):
+            raise ProcessGroupError(f"backend {self.backend} of group {self._prefix} cannot shrink", self._prefix)
+        flags = 1 if abort else 0  # torch.distributed.distributed_c10d.SHRINK_ABORT / SHRINK_DEFAULT
+        try:
+            new_impl = impl.shrink(sorted(exclude), flags, None)
+        except Exception as e:  # noqa: BLE001
+            raise ProcessGroupError(f"shrink of {self._prefix} excluding {exclude} failed: {e}", self._prefix) from e
+        keep = [r for r in range(self._world) if r not in set(exclude)]
+        new_rank, new_world = keep.index(self._rank), len(keep)
+        out = ProcessGroupWrapper(self.backend, self.device, self.timeout, self.connect_timeout)
+        new_pg = dist.ProcessGroup(self._store, new_rank, new_world)
+        btype = dist.ProcessGroup.BackendType.NCCL if self.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
+        new_pg._set_default_backend(btype)
+        new_pg._register_backend(torch.device("cuda" if self.backend == "nccl" else "cpu"), btype, new_impl)
+        out._pg, out._backend_impl, out._store = new_pg, new_impl, self._store
+        out._prefix, out._rank, out._world = self._prefix + "/shrunk", new_rank, new_world
+        return out
+
+    def abort(self) -> None:
+        """Aborts the held group (pending collectives fail) and forgets it. Safe to call twice."""
+        with self._lock:
+            pg, impl = self._pg, self._backend_impl
+            self._pg = self._backend_impl = None
+            self._store = None
+            self._rank, self._world = -1, 0
+        if impl is None:
+            return
+        try:
+            if self.backend == "nccl":
+                impl.abort()
+            else:
+                impl.shutdown()
+        except Exception as e:  # noqa: BLE001 - a broken group may refuse a clean abort
+            logger.debug("abort of %s raised %s", self._prefix, e)
+        del pg
+
+    def shutdown(self) -> None:
+        """Releases the group for good (same as :meth:`abort`)."""
+        self.abort()
+
+    # ---- errors ----------------------------------------------------------------------------------------------
+    def report_error(self, e: Exception) -> None:
+        """Records a collective failure; :meth:`errored` returns it until the next ``configure``."""
+        with self._lock:
+            if self._error is None:
+                self._error = e
+
+    def errored(self) -> Optional[Exception]:
+        """The first recorded error since the last ``configure``, or None."""
+        return self._error
+
+    # ---- accessors and collectives ---------------------------------------------------------------------------
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        if self._pg is None:
+            raise NotConfiguredError("process group used before configure()")
+        return self._pg
+
+    @property
+    def configured(self) -> bool:
+        return self._pg is not None
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def allreduce(self, tensors: list[torch.Tensor], op: dist.ReduceOp = dist.ReduceOp.SUM):
+        """Issues an allreduce; returns the ``Work`` (call ``wait()``)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return self.pg.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int):
+        """Issues a broadcast from group rank ``src``; returns the ``Work``."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.pg.broadcast(tensors, opts)

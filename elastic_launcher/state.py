@@ -1,0 +1,262 @@
+"""Registered training state: snapshot for rollback, broadcast to newcomers.
+
+:class:`TrainingState` holds references to the model, optimizer, LR scheduler, sampler and a dict of plain
+counters (step, epoch, user extras). It can
+
+* :meth:`snapshot` everything into memory (tensors cloned on their device) at a commit point, and
+  :meth:`restore` it after a failure (no file checkpoint);
+* :meth:`broadcast` everything from one rank of a group to all others: the small, non-tensor part (optimizer
+  hyper-parameters, scheduler, counters, sampler position, tiny or CPU tensors) travels pickled through the
+  store; large device tensors travel by collective broadcast, flattened into one buffer per dtype. Receivers
+  that lack optimizer state (a newcomer before its first step) allocate it from the sender's description.
+
+Contract: every rank registers a model and optimizer of the same architecture and parameter order.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from elastic_launcher.errors import RendezvousTimeout, StateMismatch
+from elastic_launcher.process_group import ProcessGroupWrapper
+
+__all__ = ["TrainingState", "Snapshot"]
+
+_SMALL = 1  # tensors with at most this many elements travel pickled
+
+
+@dataclass
+class Snapshot:
+    """An in-memory commit: cloned tensors and plain state."""
+
+    model: dict
+    optim: dict
+    sched: Optional[dict]
+    sampler: Optional[dict]
+    counters: dict = field(default_factory=dict)
+
+
+def _clone_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone_tree(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_clone_tree(v) for v in x)
+    return x
+
+
+class _Ref:
+    """Placeholder for a tensor sent by collective: position in the flat list, shape, dtype."""
+
+    __slots__ = ("i", "shape", "dtype")
+
+    def __init__(self, i: int, shape: tuple, dtype: torch.dtype) -> None:
+        self.i, self.shape, self.dtype = i, shape, dtype
+
+
+class TrainingState:
+    """The state a resize or recovery must preserve.
+
+    Args:
+        model: the bare module (not the DDP wrapper).
+        optimizer: its optimizer.
+        scheduler: an LR scheduler or None.
+        sampler: an object with ``state_dict``/``load_state_dict`` (the elastic sampler) or None.
+        device: where large tensors live (collectives run there).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
+                 sampler=None, device: Optional[torch.device] = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.device = device or next(model.parameters()).device
+        self.counters: dict = {"step": 0, "epoch": 0}
+        self._snap: Optional[Snapshot] = None
+
+    # ---- rollback -------------------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Clones everything into memory; becomes the rollback point."""
+        self._snap = Snapshot(
+            model=_clone_tree(self.model.state_dict()),
+            optim=_clone_tree(self.optimizer.state_dict()),
+            sched=_clone_tree(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            sampler=dict(self.sampler.state_dict()) if self.sampler is not None else None,
+            counters=dict(self.counters),
+        )
+        return self._snap
+
+    @property
+    def last_snapshot(self) -> Optional[Snapshot]:
+        return self._snap
+
+    def restore(self, snap: Optional[Snapshot] = None) -> None:
+        """Restores the last (or the given) snapshot in place.
+
+        Raises:
+            StateMismatch: there is no snapshot to restore.
+        """
+        snap = snap or self._snap
+        if snap is None:
+            raise StateMismatch("rollback requested before the first commit snapshot")
+        with torch.no_grad():
+            self.model.load_state_dict(snap.model)
+        self.optimizer.load_state_dict(_clone_tree(snap.optim))
+        if self.scheduler is not None and snap.sched is not None:
+            self.scheduler.load_state_dict(snap.sched)
+        if self.sampler is not None and snap.sampler is not None:
+            self.sampler.load_state_dict(snap.sampler)
+        self.counters = dict(snap.counters)
+
+    # ---- broadcast ------------------------------------------------------------------------------------------
+    def _split(self, obj: Any, flat: list[torch.Tensor]) -> Any:
+        """Replaces large device tensors by _Ref placeholders (appending them to ``flat``)."""
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() > _SMALL and obj.device == self.device:
+                flat.append(obj.detach())
+                return _Ref(len(flat) - 1, tuple(obj.shape), obj.dtype)
+            return obj.detach().cpu()
+        if isinstance(obj, dict):
+            return {k: self._split(v, flat) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._split(v, flat) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(self._split(v, flat) for v in obj)
+        return obj
+
+    def _join(self, obj: Any, flat: list[torch.Tensor]) -> Any:
+        if isinstance(obj, _Ref):
+            return flat[obj.i]
+        if isinstance(obj, torch.Tensor):
+            return obj
+        if isinstance(obj, dict):
+            return {k: self._join(v, flat) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._join(v, flat) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(self._join(v, flat) for v in obj)
+        return obj
+
+    def _describe(self) -> tuple[bytes, list[torch.Tensor]]:
+        flat: list[torch.Tensor] = []
+        skel = {
+            "model": self._split(self.model.state_dict(), flat),
+            "optim": self._split(self.optimizer.state_dict(), flat),
+            "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "counters": dict(self.counters),
+        }
+        buf = io.BytesIO()
+        pickle.dump(skel, buf)
+        return buf.getvalue(), flat
+
+    def broadcast(self, group: ProcessGroupWrapper, src: int, store: dist.Store, key: str,
+                  timeout: timedelta = timedelta(seconds=60)) -> int:
+        """Makes every rank of ``group`` hold rank ``src``'s state. Collective over ``group``.
+
+        Args:
+            group: a configured group (all its ranks call this).
+            src: the group rank whose state wins.
+            store: where the pickled skeleton is exchanged (use a per-epoch prefix).
+            key: store key of the skeleton (unique per broadcast).
+            timeout: bound for receivers waiting on the skeleton.
+
+        Returns:
+            bytes moved by the collective broadcast.
+
+        Raises:
+            RendezvousTimeout: the skeleton did not arrive in time.
+            StateMismatch: the local model does not match the sender's.
+        """
+        if group.rank() == src:
+            blob, flat = self._describe()
+            store.set(key, blob)
+            skel = None
+        else:
+            try:
+                store.wait([key], timeout)
+            except Exception as e:  # noqa: BLE001
+                raise RendezvousTimeout(f"state skeleton {key} not posted within {timeout}") from e
+            skel = pickle.loads(store.get(key))
+            flat = self._receive_buffers(skel)
+        nbytes = _broadcast_flat(group, flat, src)
+        if skel is not None:
+            self._apply(skel, flat)
+        return nbytes
+
+    def _receive_buffers(self, skel: dict) -> list[torch.Tensor]:
+        """Receive buffers in the sender's order: local model tensors in place, fresh ones for the rest."""
+        local = self.model.state_dict()
+        flat: list[torch.Tensor] = []
+        for name, v in skel["model"].items():
+            if isinstance(v, _Ref):
+                t = local.get(name)
+                if t is None or tuple(t.shape) != v.shape or t.dtype != v.dtype:
+                    raise StateMismatch(f"model tensor {name}: local {None if t is None else tuple(t.shape)} "
+                                        f"vs sender {v.shape} {v.dtype}")
+                flat.append(t.detach())
+        for r in sorted(_iter_refs(skel["optim"]), key=lambda r: r.i):
+            flat.append(torch.empty(r.shape, dtype=r.dtype, device=self.device))
+        return flat
+
+    def _apply(self, skel: dict, flat: list[torch.Tensor]) -> None:
+        model_sd = self._join(skel["model"], flat)
+        with torch.no_grad():
+            self.model.load_state_dict(model_sd)  # copies only where not already the same storage
+        self.optimizer.load_state_dict(self._join(skel["optim"], flat))
+        if self.scheduler is not None and skel["sched"] is not None:
+            self.scheduler.load_state_dict(skel["sched"])
+        if self.sampler is not None and skel["sampler"] is not None:
+            self.sampler.load_state_dict(skel["sampler"])
+        self.counters = dict(skel["counters"])
+
+    def broadcast_buffers(self, group: ProcessGroupWrapper, src: int = 0) -> None:
+        """Broadcasts the model's buffers (e.g. BatchNorm statistics) from ``src``; collective."""
+        bufs = [b for b in self.model.buffers() if b.numel() > 0 and b.device == self.device]
+        if bufs:
+            _broadcast_flat(group, bufs, src)
+
+
+def _iter_refs(o: Any):
+    if isinstance(o, _Ref):
+        yield o
+    elif isinstance(o, dict):
+        for v in o.values():
+            yield from _iter_refs(v)
+    elif isinstance(o, (list, tuple)):
+        for v in o:
+            yield from _iter_refs(v)
+
+
+def _broadcast_flat(group: ProcessGroupWrapper, tensors: list[torch.Tensor], src: int) -> int:
+    """Broadcasts ``tensors`` in place, one flat buffer per dtype. Returns bytes moved."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    works, pending, nbytes = [], [], 0
+    for dtype, ts in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
+        nbytes += flat.numel() * flat.element_size()
+        works.append(group.broadcast([flat], src))
+        pending.append((flat, ts))
+    for w in works:
+        w.wait()
+    if group.rank() != src:
+        with torch.no_grad():
+            for flat, ts in pending:
+                off = 0
+                for t in ts:
+                    n = t.numel()
+                    t.copy_(flat[off:off + n].view_as(t))
+                    off += n
+    return nbytes

@@ -1,0 +1,157 @@
+"""Telemetry: per-bucket allreduce timings (a DDP communication hook), step times, tensor profile.
+
+Everything comes out as predictor observation records in the shapes of design.md:
+
+* ``{"kind": "collective", "op": "allreduce", "link": ..., "world": W, "bytes": B, "seconds": s, "gpu": ...}``
+  one record per (world, bucket bytes), the median of the timings collected since the last :meth:`drain`;
+* ``{"kind": "step", "profile": ..., "gpu": ..., "layout": [...], "intra_link": ..., "inter_link": ...,
+  "per_gpu_batch": b, "iter_s": s}`` the median step time per (layout, per-rank batch);
+* :func:`tensor_profile` gives the body of ``POST /v1/profiles``.
+
+The communication hook is also where the elastic runtime weights heterogeneous batches: each rank's bucket is
+scaled by ``local_samples / step_samples`` before a SUM allreduce, which gives the exact global mean gradient
+for a local-mean loss (DDP's default divides by the world size, wrong when batches differ). A failed
+allreduce is recorded on the group (``report_error``) and the bucket is returned unreduced, so backward
+completes and the commit vote decides (errors recorded, then voted on).
+
+On CUDA the hook times with events (read lazily at :meth:`drain`); on CPU with the host clock.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from elastic_launcher.process_group import ProcessGroupWrapper
+
+__all__ = ["HookState", "elastic_allreduce_hook", "Telemetry", "tensor_profile"]
+
+
+@dataclass
+class Telemetry:
+    """Collects timings and turns them into observation records.
+
+    Attributes:
+        profile: model profile name (``#ELASTIC model=``).
+        gpu: GPU type string (e.g. ``H100``), ``cpu`` for CPU runs.
+        intra_link: link class within a node (e.g. ``nvlink``, ``shm``).
+        inter_link: link class between nodes, or None on one node.
+        max_samples: keep at most this many raw timings per key between drains.
+    """
+
+    profile: str = "unknown"
+    gpu: str = "cpu"
+    intra_link: str = "shm"
+    inter_link: Optional[str] = None
+    max_samples: int = 256
+    _coll: dict = field(default_factory=dict)
+    _events: list = field(default_factory=list)
+    _steps: dict = field(default_factory=dict)
+
+    def record_collective(self, world: int, nbytes: int, seconds: float) -> None:
+        xs = self._coll.setdefault((world, nbytes), [])
+        if len(xs) < self.max_samples:
+            xs.append(seconds)
+
+    def record_cuda_collective(self, world: int, nbytes: int, start, end) -> None:
+        if len(self._events) < self.max_samples * 16:
+            self._events.append((world, nbytes, start, end))
+
+    def record_step(self, layout: Sequence[int], per_gpu_batch: int, seconds: float) -> None:
+        xs = self._steps.setdefault((tuple(layout), per_gpu_batch), [])
+        if len(xs) < self.max_samples:
+            xs.append(seconds)
+
+    def drain(self) -> list[dict]:
+        """Returns observation records for everything collected so far and clears it."""
+        for world, nbytes, a, b in self._events:
+            b.synchronize()
+            self.record_collective(world, nbytes, a.elapsed_time(b) / 1000.0)
+        self._events.clear()
+        link = self.inter_link or self.intra_link
+        out = [{"kind": "collective", "op": "allreduce", "link": link, "world": w, "bytes": nb,
+                "seconds": statistics.median(xs), "gpu": self.gpu}
+               for (w, nb), xs in sorted(self._coll.items()) if xs]
+        for (layout, b), xs in sorted(self._steps.items()):
+            rec = {"kind": "step", "profile": self.profile, "gpu": self.gpu, "layout": list(layout),
+                   "intra_link": self.intra_link, "per_gpu_batch": b, "iter_s": statistics.median(xs)}
+            if self.inter_link:
+                rec["inter_link"] = self.inter_link
+            out.append(rec)
+        self._coll.clear()
+        self._steps.clear()
+        return out
+
+
+class HookState:
+    """Per-DDP-wrap state of :func:`elastic_allreduce_hook`.
+
+    Attributes:
+        group: the wrapper whose group reduces the buckets.
+        telemetry: where timings go (None: no timing).
+        scale: multiplier applied to the local bucket before the SUM (set every step by the trainer).
+    """
+
+    def __init__(self, group: ProcessGroupWrapper, telemetry: Optional[Telemetry] = None) -> None:
+        self.group = group
+        self.telemetry = telemetry
+        self.scale = 1.0 / max(group.size(), 1)
+        self.buckets: dict[int, int] = {}  # bucket index -> bytes (the model's bucket layout)
+
+
+def _done(buf: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: DDP compares it literally
+    """DDP communication hook: weighted SUM allreduce with error recording and timing."""
+    buf = bucket.buffer()
+    buf.mul_(state.scale)
+    group = state.group
+    if group.errored() is not None:
+        return _done(buf)
+    nbytes = buf.numel() * buf.element_size()
+    state.buckets[bucket.index()] = nbytes
+    tel, world = state.telemetry, group.size()
+    cuda = buf.is_cuda
+    t0 = time.perf_counter()
+    ev0 = None
+    if tel is not None and cuda:
+        ev0 = torch.cuda.Event(enable_timing=True)
+        ev0.record()
+    try:
+        fut = group.allreduce([buf]).get_future()
+    except Exception as e:  # noqa: BLE001 - recorded, voted on at the commit point
+        group.report_error(e)
+        return _done(buf)
+
+    def finish(f: torch.futures.Future) -> torch.Tensor:
+        try:
+            f.value()
+        except Exception as e:  # noqa: BLE001
+            group.report_error(e)
+            return buf
+        if tel is not None:
+            if ev0 is not None:
+                ev1 = torch.cuda.Event(enable_timing=True)
+                ev1.record()
+                tel.record_cuda_collective(world, nbytes, ev0, ev1)
+            else:
+                tel.record_collective(world, nbytes, time.perf_counter() - t0)
+        return buf
+
+    return fut.then(finish)
+
+
+def tensor_profile(model: torch.nn.Module, name: str, bucket_bytes: Optional[Sequence[int]] = None) -> dict:
+    """The ``POST /v1/profiles`` body for ``model``: every parameter's name, numel and dtype (+ DDP buckets)."""
+    prof = {"name": name, "tensors": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", "")}
+                                      for n, p in model.named_parameters() if p.requires_grad]}
+    if bucket_bytes:
+        prof["buckets"] = [int(b) for b in bucket_bytes]
+    return prof

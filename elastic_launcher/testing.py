@@ -1,0 +1,126 @@
+"""Test seams shipped with the package: a fake group and a fault plan.
+
+``FaultPlan().fail_at(rank, step)`` makes the worker that has rank ``rank`` at global step ``step`` kill itself
+with SIGKILL in the middle of that step's backward pass (inside the communication hook, before the first
+bucket's allreduce), or raise :class:`InjectedFault` when ``mode="raise"``. Pass it as
+``ElasticTrainer(..., fault=plan)``.
+
+:class:`FakeProcessGroupWrapper` is a one-rank stand-in with the wrapper's interface: collectives complete at
+once, ``fail_next()`` makes the next collective raise (to test error recording and votes without peers).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from elastic_launcher.errors import ElasticError, NotConfiguredError
+
+__all__ = ["FaultPlan", "InjectedFault", "FakeProcessGroupWrapper"]
+
+
+class InjectedFault(ElasticError):
+    """Raised by a :class:`FaultPlan` in ``raise`` mode."""
+
+
+class FaultPlan:
+    """Where to inject failures: a set of (rank, step) pairs.
+
+    Args:
+        mode: ``kill`` (SIGKILL this process) or ``raise``.
+    """
+
+    def __init__(self, mode: str = "kill") -> None:
+        if mode not in ("kill", "raise"):
+            raise ValueError(f"fault mode {mode!r} is not kill or raise")
+        self.mode = mode
+        self._at: set[tuple[int, int]] = set()
+        self.fired = 0
+
+    def fail_at(self, rank: int, step: int) -> "FaultPlan":
+        """Adds a failure of rank ``rank`` at global step ``step``; returns self for chaining."""
+        self._at.add((rank, step))
+        return self
+
+    def maybe_fail(self, rank: int, step: int) -> None:
+        """Fails if (rank, step) is planned; each pair fires once."""
+        if (rank, step) not in self._at:
+            return
+        self._at.discard((rank, step))
+        self.fired += 1
+        if self.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFault(f"injected fault at rank {rank} step {step}")
+
+
+class _DoneWork:
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._t = tensors
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        f: torch.futures.Future = torch.futures.Future()
+        f.set_result(self._t)
+        return f
+
+
+class FakeProcessGroupWrapper:
+    """A world of one with the :class:`ProcessGroupWrapper` interface (no store, no peers)."""
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        self.timeout = timeout
+        self.device = torch.device("cpu")
+        self.configure_count = 0
+        self._configured = False
+        self._fail_next = False
+        self._error: Optional[Exception] = None
+
+    def configure(self, store_addr, rank: int, world_size: int, timeout: Optional[timedelta] = None) -> None:
+        if world_size != 1 or rank != 0:
+            raise ValueError(f"fake group is a world of one, got rank {rank}/{world_size}")
+        self.configure_count += 1
+        self._configured, self._error = True, None
+
+    def fail_next(self) -> None:
+        """Makes the next collective raise."""
+        self._fail_next = True
+
+    def _run(self, tensors: list[torch.Tensor]) -> _DoneWork:
+        if not self._configured:
+            raise NotConfiguredError("fake group used before configure()")
+        if self._fail_next:
+            self._fail_next = False
+            raise RuntimeError("injected collective failure")
+        return _DoneWork(tensors)
+
+    def allreduce(self, tensors, op=None):
+        return self._run(tensors)
+
+    def broadcast(self, tensors, src: int):
+        return self._run(tensors)
+
+    def abort(self) -> None:
+        self._configured = False
+
+    shutdown = abort
+
+    def report_error(self, e: Exception) -> None:
+        self._error = self._error or e
+
+    def errored(self) -> Optional[Exception]:
+        return self._error
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    @property
+    def configured(self) -> bool:
+        return self._configured

@@ -1,0 +1,460 @@
+"""The API a training script adopts: :class:`ElasticTrainer`.
+
+Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what the launcher passes)::
+
+    et = ElasticTrainer(model, optimizer, store_addr=addr, worker_id=wid, policy=BatchPolicy(per_gpu_batch=64))
+    for x, y in et.loader(dataset):
+        loss = loss_fn(et.model(x), y)       # et.model is the current DDP wrapper: re-read it every step
+        loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+        et.commit()                          # once per batch; membership changes happen here
+    et.close()
+
+Contracts the script must keep: do not hold on to ``et.model``, rank or world size across steps (they change at
+commit points); call :meth:`ElasticTrainer.commit` exactly once per batch the loader yields; the loss is the
+*mean over the local batch* (the communication hook weights ranks by their share of the global batch).
+
+Commit points (every ``commit_every`` batches) run one tiny allreduce vote on the current group carrying
+(ready-for-next-epoch, collective ok, local ok). Then, all ranks together: a failed collective -> recovery
+(abort, agree on survivors through the store, build a fresh group, roll back to the last in-memory commit,
+re-sync from rank 0); a local error -> roll back and retry (at most ``max_retries`` in a row); everyone ready for
+the posted next plan -> switch. Newcomers and survivors build the next group in the background while training
+goes on, so the switch costs: abort of the old group, the state broadcast to newcomers (none on a shrink), a
+DDP re-wrap on the new group (no init sync), and the first step.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import default_collate
+
+from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
+from elastic_launcher.membership import Membership, Plan
+from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, connect_store
+from elastic_launcher.sampler import ElasticSampler
+from elastic_launcher.state import TrainingState
+from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
+
+logger = logging.getLogger("elastic_launcher.trainer")
+events = logging.getLogger("elastic_launcher.events")  # resize / recovery records
+
+__all__ = ["TrainerConfig", "ElasticTrainer"]
+
+_DDP_PARAMS = inspect.signature(DDP.__init__).parameters
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Timeouts and knobs of :class:`ElasticTrainer` (all waits bounded).
+
+    Attributes:
+        backend: ``gloo`` or ``nccl``.
+        timeout: per-collective timeout (a hung peer is detected within this).
+        connect_timeout: building a group (store rendezvous + communicator).
+        rendezvous_timeout: waiting for a plan, a recovery decision or the state skeleton.
+        heartbeat_interval: heartbeat and next-plan polling period.
+        heartbeat_timeout: silence after which a peer is declared dead during recovery.
+        commit_every: batches between votes (and rollback snapshots).
+        max_retries: consecutive failed commits tolerated before TooManyFailures.
+        bucket_cap_mb: DDP bucket size.
+        try_shrink: on failure, try the backend's communicator shrink before a fresh build.
+        seed: sampler seed.
+    """
+
+    backend: str = "gloo"
+    timeout: timedelta = timedelta(seconds=60)
+    connect_timeout: timedelta = timedelta(seconds=120)
+    rendezvous_timeout: timedelta = timedelta(seconds=180)
+    heartbeat_interval: timedelta = timedelta(seconds=0.2)
+    heartbeat_timeout: timedelta = timedelta(seconds=5)
+    commit_every: int = 1
+    max_retries: int = 3
+    bucket_cap_mb: float = 25.0
+    try_shrink: bool = True
+    seed: int = 0
+
+
+class ElasticTrainer:
+    """Elastic data-parallel training inside the current process.
+
+    Args:
+        model: the bare module, already on ``device``.
+        optimizer: its optimizer.
+        store_addr: the controller's TCPStore (``StoreAddr`` or ``host:port/prefix``).
+        worker_id: unique id of this worker in the job.
+        policy: batch/LR policy.
+        scheduler: LR scheduler (optional).
+        device: device of the model (default: the first parameter's).
+        config: timeouts and knobs.
+        telemetry: timing collector (optional).
+        speed: relative samples/s of this worker, for heterogeneous splits (see ``BatchPolicy``).
+        fault: test seam with ``maybe_fail(rank, step)`` (see :mod:`elastic_launcher.testing`).
+
+    The constructor announces the worker, waits for a plan that includes it and builds that plan's group (the
+    slow part: newcomers do it while the survivors keep training). State is synchronised when the loader starts.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,
+                 worker_id: str, policy: BatchPolicy, scheduler=None, device: Optional[torch.device] = None,
+                 config: TrainerConfig = TrainerConfig(), telemetry: Optional[Telemetry] = None,
+                 speed: float = 1.0, fault=None) -> None:
+        self.module = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.policy = policy
+        self.config = config
+        self.telemetry = telemetry
+        self.wid = worker_id
+        self.fault = fault
+        self.addr = StoreAddr.parse(store_addr) if isinstance(store_addr, str) else store_addr
+        self.device = device or next(model.parameters()).device
+        self.state = TrainingState(model, optimizer, scheduler, None, self.device)
+        self.state.counters.update(lr_factor=1.0, ref_global=0)
+        self._store = connect_store(self.addr.with_prefix(self.addr.prefix + "/elastic-state"),
+                                    config.connect_timeout)
+        self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,
+                                     config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout)
+        self.membership.start()
+        self._store.set(f"speed/{worker_id}", repr(float(speed)))
+        self.sampler: Optional[ElasticSampler] = None
+        self.ddp: Optional[DDP] = None
+        self._hook: Optional[HookState] = None
+        self.batches: list[int] = []
+        self.batch_indices: list[int] = []
+        self.left = False
+        self.failures = 0
+        self.switches: list[dict] = []
+        self._local_error: Optional[BaseException] = None
+        self._since_vote = 0
+        self._last_commit_t = time.perf_counter()
+        self._next: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
+        self._next_thread: Optional[threading.Thread] = None
+        self._pending_switch: Optional[dict] = None
+        self.plan = self.membership.wait_for_plan()
+        self.group = self._new_wrapper()
+        self.group.configure(self.addr.with_prefix(f"{self.addr.prefix}/{self.plan.group_prefix}"),
+                             self.plan.rank_of(worker_id), self.plan.world_size)
+        self._joined = False
+
+    # ---- public accessors -----------------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The DDP wrapper of the current epoch (re-read every step)."""
+        return self.ddp if self.ddp is not None else self.module
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size()
+
+    @property
+    def step(self) -> int:
+        return int(self.state.counters["step"])
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch if self.sampler is not None else 0
+
+    def report_error(self, e: BaseException) -> None:
+        """Marks this step as failed locally (e.g. a non-finite loss); the commit vote rolls everyone back."""
+        self._local_error = self._local_error or e
+
+    def observations(self) -> list[dict]:
+        """Predictor observation records collected since the last call (design.md shapes)."""
+        return self.telemetry.drain() if self.telemetry is not None else []
+
+    # ---- data -----------------------------------------------------------------------------------------------
+    def loader(self, dataset, collate_fn: Callable = default_collate, max_steps: Optional[int] = None,
+               epochs: Optional[int] = None) -> Iterator:
+        """Yields this rank's batches until ``max_steps`` global steps / ``epochs`` epochs, or until it leaves.
+
+        The slice of each batch is computed when it is yielded, from the global sampler position, so a resize
+        or rollback at a commit point repartitions the rest of the epoch exactly.
+        """
+        if self.sampler is None:
+            self.sampler = ElasticSampler(len(dataset), seed=self.config.seed)
+            self.state.sampler = self.sampler
+        if not self._joined:
+            self._join()
+        while not self.left:
+            if max_steps is not None and self.step >= max_steps:
+                return
+            if epochs is not None and self.sampler.epoch >= epochs:
+                return
+            sl = self.sampler.slice_for(self.rank, self.batches)
+            self.batch_indices = sl.indices
+            if self._hook is not None:
+                self._hook.scale = sl.weight
+            items = [dataset[i] for i in (sl.indices or sl.padding)]
+            yield collate_fn(items)
+
+    # ---- joining and switching ------------------------------------------------------------------------------
+    def _new_wrapper(self) -> ProcessGroupWrapper:
+        c = self.config
+        return ProcessGroupWrapper(c.backend, self.device, c.timeout, c.connect_timeout)
+
+    def _join(self) -> None:
+        """First entry into the group: receive the state from the plan's first survivor (rank 0 initially)."""
+        src = self._source_rank(self.plan)
+        self.state.broadcast(self.group, src, self._store, f"state/{self.plan.id}", self.config.rendezvous_timeout)
+        self._enter(self.plan, newcomer=True)
+        self._joined = True
+
+    def _source_rank(self, plan: Plan) -> int:
+        if plan.kind == "initial" or plan.prev == 0:
+            return 0
+        prev = self.membership.plan(plan.prev)
+        return min(plan.rank_of(m) for m in plan.members if m in prev.members)
+
+    def _enter(self, plan: Plan, newcomer: bool = False) -> None:
+        """Re-wraps DDP on the current group and repartitions; the epoch is ``plan`` from here on."""
+        self.plan = plan
+        self.epoch_start_step = self.step  # same on every rank of the plan (survivors and newcomers)
+        if self.ddp is not None:
+            self.ddp = None  # drop the old reducer (and its autograd hooks) before wrapping again
+        kw = dict(process_group=self.group.pg, init_sync=False, bucket_cap_mb=self.config.bucket_cap_mb)
+        kw["forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers"] = False
+        if self.device.type == "cuda":
+            kw["device_ids"] = [self.device.index]
+        self.ddp = DDP(self.module, **kw)
+        self._hook = HookState(self.group, self.telemetry)
+        self._hook.fault = self.fault
+        self._hook.step_fn = lambda: self.step
+        self.ddp.register_comm_hook(self._hook, _hook_with_fault)
+        self._repartition()
+        self.membership.watch(plan)
+        if self.rank == 0:
+            self.membership.publish_current(plan)
+        self._local_error = None
+        self._since_vote = 0
+        self.state.snapshot()
+
+    def _repartition(self) -> None:
+        world = self.world_size
+        speeds = [float(self._store.get(f"speed/{m}")) for m in self.plan.members]
+        self.batches = self.policy.split(world, speeds if len(set(speeds)) > 1 else None)
+        g = sum(self.batches)
+        c = self.state.counters
+        if not c.get("ref_global"):
+            c["ref_global"] = self.policy.ref_global or g
+        factor = self.policy.lr_factor(g, c["ref_global"])
+        ratio = factor / c["lr_factor"]
+        if ratio != 1.0:
+            for pg in self.optimizer.param_groups:
+                pg["lr"] *= ratio
+            if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+                self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+        c["lr_factor"] = factor
+
+    def _maybe_prepare_next(self) -> None:
+        nxt = self.membership.next_plan()
+        if nxt is None or (self._next is not None and self._next[0] == nxt.id) or self._next_thread is not None:
+            return
+        if self.wid not in nxt.members:
+            self._next = (nxt.id, None)  # leaving: ready at once
+            return
+
+        def build() -> None:
+            g = self._new_wrapper()
+            try:
+                g.configure(self.addr.with_prefix(f"{self.addr.prefix}/{nxt.group_prefix}"),
+                            nxt.rank_of(self.wid), nxt.world_size)
+            except Exception as e:  # noqa: BLE001 - a superseded or failed plan: stay in the current epoch
+                logger.warning("building group for epoch %d failed: %s", nxt.id, e)
+                g.abort()
+                return
+            self._next = (nxt.id, g)
+
+        self._next_thread = threading.Thread(target=build, name=f"elastic-build-{nxt.id}", daemon=True)
+        self._next_thread.start()
+
+    def _drop_next(self) -> None:
+        if self._next is not None and self._next[1] is not None:
+            self._next[1].abort()
+        self._next, self._next_thread = None, None
+
+    # ---- commit ---------------------------------------------------------------------------------------------
+    def commit(self) -> bool:
+        """Ends the current batch. Returns True if training goes on in this process, False once it left.
+
+        Raises:
+            TooManyFailures: ``max_retries`` failed commits in a row.
+        """
+        now = time.perf_counter()
+        self.sampler.advance(self.batches)
+        self.state.counters["step"] += 1
+        self._since_vote += 1
+        self._maybe_prepare_next()
+        force = self._pending_switch is not None or self._local_error is not None or \
+            self.group.errored() is not None or self._next is not None
+        if self._since_vote < self.config.commit_every and not force:
+            self._record_step(now)
+            return True
+        return self._vote(now)
+
+    def _record_step(self, now: float) -> None:
+        if self.telemetry is not None:
+            self.telemetry.record_step([self.world_size], self.batches[self.rank], now - self._last_commit_t)
+        self._last_commit_t = now
+
+    def _vote(self, now: float) -> bool:
+        nxt = self._next
+        ready = nxt[0] if nxt is not None else 0
+        ok_coll = 0 if self.group.errored() is not None else 1
+        ok_local = 0 if self._local_error is not None else 1
+        v = torch.tensor([ready, ok_coll, ok_local], dtype=torch.int64, device=self.device)
+        try:
+            if ok_coll:
+                self.group.allreduce([v], dist.ReduceOp.MIN).wait()
+                v = v.cpu()
+        except Exception as e:  # noqa: BLE001
+            self.group.report_error(e)
+            ok_coll = 0
+        if not ok_coll or int(v[1]) == 0:
+            self._recover(self.group.errored())
+            return not self.left
+        if int(v[2]) == 0:
+            self._rollback(self._local_error)
+            return True
+        try:
+            self.state.broadcast_buffers(self.group, 0)
+        except Exception as e:  # noqa: BLE001
+            self.group.report_error(e)
+            self._recover(e)
+            return not self.left
+        self.failures = 0
+        self._since_vote = 0
+        t = time.perf_counter()
+        if self._pending_switch is not None:
+            self._finish_switch(t)
+        self._record_step(now)
+        self.state.snapshot()
+        if nxt is not None and int(v[0]) == nxt[0]:
+            return self._switch(t)
+        return True
+
+    def _switch(self, t_decide: float) -> bool:
+        """Everyone voted ready for the posted plan: leave, or move to the prepared group."""
+        pid, new_group = self._next  # type: ignore[misc]
+        nxt = self.membership.next_plan()
+        old_plan, old_group = self.plan, self.group
+        self._next, self._next_thread = None, None
+        if new_group is None:
+            old_group.abort()
+            self.ddp = None
+            self.left = True
+            self.membership.mark_left()
+            events.info("left at epoch %d -> %d", old_plan.id, pid, extra={"wid": self.wid, "step": self.step})
+            return False
+        t0 = time.perf_counter()
+        self.group = new_group
+        old_group.abort()
+        t1 = time.perf_counter()
+        newcomers = [m for m in nxt.members if m not in old_plan.members]
+        nbytes = 0
+        if newcomers:
+            nbytes = self.state.broadcast(self.group, self._source_rank(nxt), self._store, f"state/{nxt.id}",
+                                          self.config.rendezvous_timeout)
+        t2 = time.perf_counter()
+        self._enter(nxt)
+        t3 = time.perf_counter()
+        self._pending_switch = {"epoch": nxt.id, "prev": old_plan.id, "kind": nxt.kind,
+                                "old_world": old_plan.world_size, "world": nxt.world_size, "step": self.step,
+                                "t_decide": t_decide, "abort_s": t1 - t0, "state_sync_s": t2 - t1,
+                                "state_bytes": nbytes, "rewrap_s": t3 - t2}
+        return True
+
+    def _finish_switch(self, t: float) -> None:
+        """Called at the first commit after a switch: the first step at the new size is done."""
+        rec = self._pending_switch
+        self._pending_switch = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+        rec["pause_s"] = t - rec.pop("t_decide")
+        self.switches.append(rec)
+        events.info("switch %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
+        if self.rank == 0:
+            self.membership.report_switched(self.plan, rec)
+
+    # ---- failure handling -----------------------------------------------------------------------------------
+    def _rollback(self, err: Optional[BaseException]) -> None:
+        self.failures += 1
+        if self.failures > self.config.max_retries:
+            raise TooManyFailures(f"{self.failures} failed commits in a row at step {self.step}; last: {err}")
+        self.state.restore()
+        self._local_error = None
+        self._since_vote = 0
+        logger.warning("rolled back to step %d after %s", self.step, err)
+
+    def _recover(self, err: Optional[BaseException]) -> None:
+        """A collective failed: agree on survivors, rebuild, roll back to the last commit, resync from rank 0."""
+        t0 = time.perf_counter()
+        self.failures += 1
+        if self.failures > self.config.max_retries:
+            raise TooManyFailures(f"{self.failures} failed commits in a row at step {self.step}; last: {err}")
+        failed, old = self.plan, self.group
+        self._drop_next()
+        self.ddp = None
+        plan = self.membership.recover(failed)
+        if self.wid not in plan.members:
+            old.abort()
+            self.left = True
+            raise LeftGroup(f"worker {self.wid} was declared dead in recovery of epoch {failed.id}")
+        new = None
+        dead = [failed.rank_of(m) for m in failed.members if m not in plan.members]
+        if self.config.try_shrink and dead:
+            try:
+                new = old.shrink(dead, abort=True)
+            except ProcessGroupError as e:
+                logger.info("shrink unavailable, rebuilding: %s", e)
+        old.abort()
+        if new is None:
+            new = self._new_wrapper()
+            new.configure(self.addr.with_prefix(f"{self.addr.prefix}/{plan.group_prefix}"),
+                          plan.rank_of(self.wid), plan.world_size)
+        self.group = new
+        self.state.restore()
+        self.state.broadcast(self.group, 0, self._store, f"state/{plan.id}", self.config.rendezvous_timeout)
+        self._enter(plan)
+        rec = {"epoch": plan.id, "prev": failed.id, "kind": "recovery", "old_world": failed.world_size,
+               "world": plan.world_size, "step": self.step, "recover_s": time.perf_counter() - t0,
+               "error": str(err)[:200]}
+        self.switches.append(rec)
+        events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
+
+    # ---- shutdown -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the heartbeat and releases the groups (idempotent)."""
+        self.membership.stop()
+        self._drop_next()
+        self.ddp = None
+        self.group.abort()
+
+    def __enter__(self) -> "ElasticTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _hook_with_fault(state: HookState, bucket):  # no return annotation (see elastic_allreduce_hook)
+    """The elastic hook, plus the ``fail_at`` seam: dies mid-backward when the fault plan says so."""
+    fault = getattr(state, "fault", None)
+    if fault is not None and bucket.index() == 0:
+        fault.maybe_fail(state.group.rank(), state.step_fn())
+    return elastic_allreduce_hook(state, bucket)

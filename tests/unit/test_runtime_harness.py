@@ -1,0 +1,178 @@
+"""Multi-process harness for the elastic runtime tests (gloo, spawned workers, controller in the test).
+
+Each worker trains a small MLP regression with :class:`ElasticTrainer`, logs the dataset indices of every step
+it processed to its own file (flushed per step, so a SIGKILLed worker's log survives), and returns its final
+parameters, its full-dataset loss history and its switch records through a queue.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+from datetime import timedelta
+
+import torch
+
+N_SAMPLES = 96
+DIM = 8
+
+
+def make_dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, DIM, generator=g)
+    w = torch.randn(DIM, 1, generator=g)
+    y = x @ w + 0.01 * torch.randn(N_SAMPLES, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(os.getpid())  # different on every rank: the initial broadcast must align them
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
+    """One elastic worker (spawned)."""
+    torch.set_num_threads(1)
+    from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.testing import FaultPlan
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+
+    ds = make_dataset()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)
+    fault = None
+    if opts.get("fail_at") and opts["fail_at"][0] == wid:
+        fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
+    cfg = TrainerConfig(timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=40),
+                        rendezvous_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.1),
+                        heartbeat_timeout=timedelta(seconds=2))
+    et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/job", worker_id=wid,
+                        policy=BatchPolicy(per_gpu_batch=4, lr_scaling="sqrt"), scheduler=sched, config=cfg,
+                        fault=fault)
+    log = open(os.path.join(opts["logdir"], f"{wid}.jsonl"), "a", buffering=1)
+    full_x, full_y = ds.tensors
+    losses = []
+    store = et._store
+    try:
+        stop_at = None  # all ranks reach the target world at the same step, so they stop together
+        for x, y in et.loader(ds):
+            step, epoch, idx = et.step, et.epoch, list(et.batch_indices)
+            loss = torch.nn.functional.mse_loss(et.model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            alive = et.commit()
+            if et.step > step:  # committed (not rolled back); a leaver's last step counts too
+                log.write(json.dumps({"wid": wid, "step": step, "epoch": epoch, "idx": idx}) + "\n")
+            if not alive:
+                break
+            with torch.no_grad():
+                losses.append((et.step, torch.nn.functional.mse_loss(model(full_x), full_y).item()))
+            store.set(f"test/prog/{wid}", str(et.step))
+            if stop_at is None and et.world_size == opts["target_world"] and et.plan.kind != "initial":
+                stop_at = et.epoch_start_step + opts["after"]
+            if stop_at is not None and et.step >= stop_at:
+                break
+            if stop_at is None:
+                time.sleep(opts["slow"])  # train slowly until the resize, so the test controls when it lands
+        out.put({"wid": wid, "left": et.left, "step": et.step, "world": et.world_size if not et.left else 0,
+                 "params": [p.detach().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
+                 "switches": et.switches, "sampler": et.sampler.state_dict(), "lr": opt.param_groups[0]["lr"],
+                 "obs": et.observations() if et.telemetry else []})
+    finally:
+        log.close()
+        et.close()
+
+
+class Cluster:
+    """The controller side of a test: store server, coordinator, spawned workers."""
+
+    def __init__(self, logdir: str, target_world: int, after: int = 12, slow: float = 0.05, **opts) -> None:
+        from elastic_launcher.membership import Coordinator
+        import torch.distributed as dist
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.port = self.server.port
+        self.coord = Coordinator(dist.PrefixStore("job", self.server), timeout=timedelta(seconds=90))
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.opts = {"logdir": logdir, "target_world": target_world, "after": after, "slow": slow, **opts}
+        self.procs: dict[str, mp.Process] = {}
+
+    def spawn(self, wids) -> None:
+        for w in wids:
+            p = self.ctx.Process(target=worker, args=(w, self.port, self.opts, self.out), daemon=True)
+            p.start()
+            self.procs[w] = p
+
+    def wait_step(self, wid: str, step: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        key = f"job/elastic-state/test/prog/{wid}"
+        while time.monotonic() < deadline:
+            if self.server.check([key]) and int(self.server.get(key)) >= step:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{wid} did not reach step {step}")
+
+    def results(self, n: int, timeout: float = 90) -> dict:
+        res = {}
+        deadline = time.monotonic() + timeout
+        while len(res) < n:
+            try:
+                r = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"only {sorted(res)} reported") from None
+            res[r["wid"]] = r
+        return res
+
+    def close(self) -> dict:
+        """Joins every worker (kills stragglers) and closes the store; returns exit codes."""
+        codes = {}
+        for w, p in self.procs.items():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            codes[w] = p.exitcode
+        self.out.close()
+        self.out.join_thread()
+        self.coord = self.server = None
+        gc.collect()
+        return codes
+
+
+def port_closed(port: int) -> bool:
+    s = socket.socket()
+    try:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        s.close()
+
+
+def read_logs(logdir: str) -> list[dict]:
+    out = []
+    for f in sorted(os.listdir(logdir)):
+        with open(os.path.join(logdir, f)) as fh:
+            out += [json.loads(line) for line in fh if line.strip()]
+    return out
+
+
+def check_accounting(entries: list[dict], final_sampler: dict) -> None:
+    """Every completed epoch covers each index exactly once; the current epoch has no duplicate and its count
+    equals the sampler position."""
+    by_epoch: dict[int, list[int]] = {}
+    for e in entries:
+        by_epoch.setdefault(e["epoch"], []).extend(e["idx"])
+    for ep, idx in by_epoch.items():
+        if ep < final_sampler["epoch"]:
+            assert sorted(idx) == list(range(N_SAMPLES)), f"epoch {ep}: {len(idx)} samples, " \
+                f"{len(set(idx))} distinct"
+        else:
+            assert len(idx) == len(set(idx)), f"epoch {ep} saw duplicates"
+            assert len(idx) == final_sampler["pos"], (len(idx), final_sampler)
