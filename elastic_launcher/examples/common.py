@@ -1,0 +1,174 @@
+"""What the example scripts share: their entry-point options, the device, and the elastic training loop.
+
+`train()` is the loop of docs/launcher.md written once: it builds the ElasticTrainer from what
+`elastic-launch` passed (ELASTIC_* variables, SLURM_LOCALID), iterates `et.loader`, commits once per batch,
+reports progress to the controller (its throughput measurements and straggler detection read it) and
+prints a line every `--log-every` steps on rank 0. Scripts supply the model, the dataset and a
+`loss_of(model, batch)` function; the loss must be the mean over the local batch.
+
+Entry point rule: `WorkerEnv.from_environ` is the only place these scripts read the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.errors import LeftGroup
+from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.telemetry import Telemetry
+from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+from elastic_launcher.workers import ProgressReporter, worker_identity
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnv:
+    """What elastic-launch tells one worker: its id, the job's store, its node and GPU slot."""
+
+    wid: str
+    store: str
+    node: str
+    local_id: int
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "WorkerEnv":
+        """Raises: SystemExit with a hint when not started by elastic-launch."""
+        try:
+            wid, store = worker_identity(environ)
+        except KeyError as exc:
+            raise SystemExit(f"missing {exc.args[0]}: run this script under elastic-launch "
+                             "(see sbatch_templates/ and docs/user-guide.md)") from None
+        return cls(wid, store, environ.get("ELASTIC_NODE", "?"), int(environ["SLURM_LOCALID"]))
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batch: int, lr: float) -> None:
+    """Options every example takes (their defaults come from the script)."""
+    parser.add_argument("--steps", type=int, default=steps, help="global steps to train (default %(default)s)")
+    parser.add_argument("--per-gpu-batch", type=int, default=per_gpu_batch,
+                        help="samples per worker and step; keep equal to #ELASTIC per_gpu_batch")
+    parser.add_argument("--max-global-batch", type=int, default=None, help="cap on the global batch when growing")
+    parser.add_argument("--lr", type=float, default=lr, help="learning rate at the first size")
+    parser.add_argument("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
+                        help="how the LR follows the global batch across resizes")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: the GPU of this slot when CUDA is available, else the CPU")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (CPU runs)")
+    parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints a line every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--observations", type=Path, default=None,
+                        help="rank 0 writes predictor observation records (JSON lines) here at the end; "
+                             "import them with `elastic-predictor import`")
+
+
+def pick_device(choice: str, local_id: int) -> torch.device:
+    """The device of GPU slot `local_id` (`cuda:<slot mod visible GPUs>`), or the CPU.
+
+    Raises:
+        SystemExit: `--device cuda` without CUDA.
+    """
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this node")
+    index = local_id % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def gpu_type(device: torch.device) -> str:
+    """Short GPU type for observations (`H100` from `NVIDIA H100 80GB HBM3`), `cpu` on the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name)
+    return match.group(1) if match else name.replace(" ", "_")
+
+
+def _to(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    return batch
+
+
+def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Callable, dataset,
+          loss_of: Callable, *, profile: str, environ: Mapping[str, str]) -> int:
+    """Run the elastic loop until `args.steps` global steps; returns the process exit status.
+
+    Args:
+        args: the parsed common options (`add_common_args`).
+        model: the bare model (moved to this worker's device here).
+        make_optimizer: `params -> optimizer`, called after the move.
+        dataset: map-style dataset of `(input, target)` items.
+        loss_of: `(model, batch on device) -> scalar loss` (mean over the local batch).
+        profile: the predictor profile name (`#ELASTIC model=`), for observations.
+        environ: the process environment (read here once).
+    """
+    env = WorkerEnv.from_environ(environ)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, args.threads))
+    device = pick_device(args.device, env.local_id)
+    model = model.to(device)
+    optimizer = make_optimizer(model.parameters())
+    telemetry = Telemetry(profile=profile, gpu=gpu_type(device), intra_link="nvlink" if device.type == "cuda" else "shm")
+    policy = BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling=args.lr_scaling,
+                         **({"max_global_batch": args.max_global_batch} if args.max_global_batch else {}))
+    config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
+    et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
+                        config=config, telemetry=telemetry, device=device)
+    reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
+    loss = torch.tensor(float("nan"))
+    window = (time.perf_counter(), 0)
+    rank = None  # the group is gone after close(): remember the last rank
+    try:
+        for batch in et.loader(dataset, max_steps=args.steps):
+            before = et.step
+            t0 = time.perf_counter()
+            batch = _to(batch, device)
+            loss = loss_of(et.model, batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            compute_s = time.perf_counter() - t0
+            if not torch.isfinite(loss):
+                et.report_error(FloatingPointError(f"loss is {loss.item()} at step {before}"))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            went_on = et.commit()
+            if not et.left:
+                rank = et.rank
+            if et.step == before + 1:
+                samples = et.sampler.epoch * len(dataset) + et.sampler.pos
+                reporter.report(et.plan.id, et.step, samples, compute_s)
+                if rank == 0 and (et.step % args.log_every == 0 or et.step == args.steps):
+                    t, done = time.perf_counter(), samples
+                    rate = (done - window[1]) / max(t - window[0], 1e-9)
+                    window = (t, done)
+                    print(f"step {et.step}/{args.steps}  workers {et.world_size}  global batch {sum(et.batches)}"
+                          f"  loss {loss.item():.4f}  {rate:.1f} samples/s", flush=True)
+            if not went_on:
+                break
+    except LeftGroup as exc:
+        print(f"{env.wid}: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        et.close()
+    if et.left:
+        print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
+    elif rank == 0:
+        print(f"done: {et.step} steps, final loss {loss.item():.4f}, {len(et.switches)} resize(s)", flush=True)
+        if args.observations is not None:
+            with open(args.observations, "a", encoding="utf-8") as out:
+                for record in et.observations():
+                    out.write(json.dumps(record) + "\n")
+    return 0

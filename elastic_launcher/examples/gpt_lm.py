@@ -1,0 +1,53 @@
+"""GPT-style language model pre-training under elastic-launch (template `gpt-lm`).
+
+A decoder-only transformer (models.GPT; `--size gpt2-small` has GPT-2 small's shapes) trained on next-token
+prediction: synthetic sequences by default, or `--data FILE.txt` as byte-level text (vocabulary 256).
+`--size tiny` is the CPU-sized variant the testbed runs.
+
+Example (the command of an sbatch script):
+    elastic-launch --script "$0" -- python -m elastic_launcher.examples.gpt_lm --size gpt2-small --per-gpu-batch 8
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from elastic_launcher.examples import common, data, models
+
+
+def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
+    tokens, targets = batch
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, steps=5000, per_gpu_batch=8, lr=3e-4)
+    parser.add_argument("--size", choices=sorted(models.GPT_SIZES), default="gpt2-small")
+    parser.add_argument("--context", type=int, default=None, help="tokens per sample (default: the size's context)")
+    parser.add_argument("--data", type=Path, default=None, help="text file, byte-level (default: synthetic)")
+    parser.add_argument("--dataset-size", type=int, default=1_000_000, help="samples of the synthetic data")
+    parser.add_argument("--profile", default="gpt2", help="predictor profile name (#ELASTIC model=)")
+    args = parser.parse_args(argv)
+    size = models.GPT_SIZES[args.size]
+    if args.context:
+        size = dataclasses.replace(size, context=args.context)
+    if args.data is not None:
+        size = dataclasses.replace(size, vocab=256)
+        dataset = data.TextBytes(args.data, size.context)
+    else:
+        dataset = data.SyntheticSequences(args.dataset_size, size.context, size.vocab, seed=args.seed)
+    model = models.GPT(size)
+    return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1),
+                        dataset, loss_of, profile=args.profile, environ=os.environ)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""ResNet-50 data-parallel image classification under elastic-launch (template `resnet50`).
+
+Synthetic 224x224 images by default; `--data DIR` reads an ImageNet-style folder (`DIR/<class>/<image>`),
+`--data FILE.pt` a tensor file (see data.TensorFile). The model is torchvision's `resnet50` when torchvision
+imports, else the same architecture from `models.ResNet`. `--arch resnet-tiny --image-size 32` is the
+CPU-sized variant the testbed runs.
+
+Example (the command of an sbatch script):
+    elastic-launch --script "$0" -- python -m elastic_launcher.examples.resnet50 --steps 2000 --per-gpu-batch 64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from elastic_launcher.examples import common, data, models
+
+
+def build_dataset(args: argparse.Namespace):
+    """The dataset the options name, and its class count."""
+    if args.data is None:
+        return data.SyntheticImages(args.dataset_size, args.image_size, args.classes, args.seed), args.classes
+    if args.data.is_dir():
+        folder = data.ImageFolder(args.data, args.image_size)
+        return folder, folder.classes
+    tensors = data.TensorFile(args.data)
+    return tensors, int(tensors.targets.max()) + 1
+
+
+def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, steps=2000, per_gpu_batch=64, lr=0.1)
+    parser.add_argument("--arch", default="resnet50", help="resnet50 | resnet101 | resnet-tiny (CPU tests)")
+    parser.add_argument("--data", type=Path, default=None, help="image folder or .pt tensor file (default: synthetic)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--classes", type=int, default=1000, help="classes of the synthetic data")
+    parser.add_argument("--dataset-size", type=int, default=1_281_167, help="samples of the synthetic data")
+    parser.add_argument("--profile", default="resnet50", help="predictor profile name (#ELASTIC model=)")
+    args = parser.parse_args(argv)
+    dataset, classes = build_dataset(args)
+    model = models.build_resnet(args.arch, classes)
+    return common.train(args, model, lambda p: torch.optim.SGD(p, lr=args.lr, momentum=0.9, weight_decay=1e-4),
+                        dataset, loss_of, profile=args.profile, environ=os.environ)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
