@@ -574,8 +574,11 @@ class Controller:
         plan_nodes = self._ask_plan(m, layout)
         free = self._free_nodes()
         decision = self.policy.decide(len(free), plan_nodes)
-        if decision.action == "grow" and self.operator_cap is not None and decision.target_nodes > self.operator_cap:
-            decision = Decision("keep", m.nodes, f"operator asked for {self.operator_cap} nodes", decision.efficiency)
+        cap = self.operator_cap
+        if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
+            decision = Decision("grow", cap, f"{decision.reason}; capped at the operator's {cap} nodes",
+                                decision.efficiency) if cap > m.nodes else \
+                Decision("keep", m.nodes, f"operator asked for {cap} nodes", decision.efficiency)
         if decision.action == "keep" and decision.reason == self._last_keep:
             return  # an unchanged "keep" is not logged again (the measurement is)
         self._last_keep = decision.reason if decision.action == "keep" else None

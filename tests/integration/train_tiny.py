@@ -29,6 +29,7 @@ import torch
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 from elastic_launcher.workers import ProgressReporter, worker_identity
 
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--slow-node", default=None)
     p.add_argument("--slow-factor", type=float, default=1.0)
     p.add_argument("--out", type=Path, required=True, help="directory for the per-rank sample logs")
+    p.add_argument("--save", type=Path, default=None,
+                   help="checkpoint-and-restart baseline: rank 0 saves the state here after the last step")
+    p.add_argument("--resume", type=Path, default=None, help="start from a checkpoint written by --save")
     args = p.parse_args(argv)
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every thread's stack
@@ -71,6 +75,14 @@ def main(argv=None) -> int:
     config = TrainerConfig(timeout=timedelta(seconds=20), heartbeat_timeout=timedelta(seconds=4))
     et = ElasticTrainer(model, optimizer, store_addr=store_text, worker_id=wid,
                         policy=BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling="none"), config=config)
+    if args.resume is not None:  # baseline only: what a restarted job does before its first step
+        ckpt = torch.load(args.resume, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optim"])
+        et.sampler = ElasticSampler(args.dataset_size, seed=config.seed)
+        et.sampler.load_state_dict(ckpt["sampler"])
+        et.state.sampler = et.sampler
+        et.state.counters["step"] = ckpt["step"]
     reporter = ProgressReporter(connect_store(StoreAddr.parse(store_text), timedelta(seconds=30)), wid, node)
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"samples-{wid}.jsonl", "a", buffering=1)
@@ -90,10 +102,14 @@ def main(argv=None) -> int:
             optimizer.zero_grad()
             went_on = et.commit()
             if et.step == before + 1:  # committed (a failed vote rolls the step counter back)
-                log.write(json.dumps({"step": et.step, "epoch": epoch, "idx": mine, "world": world, "plan": plan}) + "\n")
+                log.write(json.dumps({"step": et.step, "epoch": epoch, "idx": mine, "world": world, "plan": plan,
+                                      "t": round(time.time(), 4)}) + "\n")
                 reporter.report(et.plan.id, et.step, et.sampler.epoch * len(dataset) + et.sampler.pos, compute_s)
             if not went_on:
                 break
+        if args.save is not None and et.rank == 0 and et.step == args.steps:
+            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
+                        "sampler": et.sampler.state_dict(), "step": et.step}, args.save)
     except LeftGroup as exc:
         print(f"{wid}: {exc}", file=sys.stderr)
         return 3
