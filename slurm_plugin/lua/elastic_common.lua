@@ -458,33 +458,56 @@ local function gpu_count(list)
   return nil
 end
 
--- Apply a rewrite reply to a job_desc (job_submit). Returns true when the GPU request changed.
-function M.apply_job_desc(job_desc, reply)
-  local nodes, per_node = reply.nodes, reply.gpus_per_node
-  local changed = gpu_count(job_desc.tres_per_job) ~= nil or gpu_count(job_desc.tres_per_task) ~= nil
+-- The new job_desc values for a rewrite reply, computed before anything is assigned; or nil and why the
+-- reply cannot be applied consistently (the caller then keeps the job as written).
+function M.rewrite_fields(job_desc, reply)
+  local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
+  local f, env = { min_nodes = nodes, max_nodes = nodes }, {}
+  local per_task = gpu_count(job_desc.tres_per_task)
+  if per_task then
+    if not tasks or per_node % tasks ~= 0 or per_node == 0 then
+      return nil, string.format("%d GPUs per node do not split over %s tasks (--gpus-per-task)", per_node, tostring(tasks))
+    end
+    f.tres_per_task = set_gpu_tres(job_desc.tres_per_task, per_node / tasks)
+    env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
+  end
+  f.tres_per_node = set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil)
+  if job_desc.tres_per_job ~= nil then f.tres_per_job = set_gpu_tres(job_desc.tres_per_job, nil) end
+  if tasks then
+    f.ntasks_per_node = tasks
+    env.SLURM_NTASKS_PER_NODE = tostring(tasks)
+    if num(job_desc.num_tasks) then
+      f.num_tasks = nodes * tasks
+      env.SLURM_NTASKS, env.SLURM_NPROCS = tostring(f.num_tasks), tostring(f.num_tasks)
+      if num(job_desc.min_cpus) then f.min_cpus = f.num_tasks * (num(job_desc.cpus_per_task, NO_VAL16) or 1) end
+    end
+  end
+  if reply.switches then f.req_switch = reply.switches end
+  if reply.decision_id ~= nil then f.comment = M.comment_with(job_desc.comment, reply.decision_id) end
+  local changed = gpu_count(job_desc.tres_per_job) ~= nil or per_task ~= nil
     or gpu_count(job_desc.tres_per_node) ~= per_node
-  job_desc.min_nodes = nodes
-  job_desc.max_nodes = nodes
-  job_desc.tres_per_node = set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil)
-  if job_desc.tres_per_job ~= nil then job_desc.tres_per_job = set_gpu_tres(job_desc.tres_per_job, nil) end
-  if job_desc.tres_per_task ~= nil and gpu_count(job_desc.tres_per_task) then
-    job_desc.tres_per_task = set_gpu_tres(job_desc.tres_per_task, nil)
-  end
-  if reply.tasks_per_node then
-    job_desc.ntasks_per_node = reply.tasks_per_node
-    if num(job_desc.num_tasks) then job_desc.num_tasks = nodes * reply.tasks_per_node end
-  end
-  if reply.switches then job_desc.req_switch = reply.switches end
-  if reply.decision_id ~= nil then job_desc.comment = M.comment_with(job_desc.comment, reply.decision_id) end
-  if changed and job_desc.script ~= nil and job_desc.environment ~= nil then
-    local env = job_desc.environment
+  if changed then
     env.SLURM_GPUS = tostring(nodes * per_node)
-    if env.SLURM_GPUS_PER_NODE ~= nil then env.SLURM_GPUS_PER_NODE = tostring(per_node) end
-    if env.SLURM_GPUS_PER_TASK ~= nil then env.SLURM_GPUS_PER_TASK = nil end
+    env.SLURM_GPUS_PER_NODE = tostring(per_node)
   end
-  if reply.tasks_per_node and job_desc.environment ~= nil
-     and job_desc.environment.SLURM_NTASKS_PER_NODE ~= nil then
-    job_desc.environment.SLURM_NTASKS_PER_NODE = tostring(reply.tasks_per_node)
+  return f, env, changed
+end
+
+-- Apply a rewrite reply to a job_desc (job_submit). Returns true when the GPU request changed, or nil and
+-- why nothing was changed. Environment variables are always set for SLURM_GPUS / SLURM_GPUS_PER_NODE when
+-- the GPU request changed (sbatch exported the old values; srun in the job would ask for them), the others
+-- only when sbatch exported them. An environment variable cannot be unset from job_submit.lua.
+function M.apply_job_desc(job_desc, reply)
+  local fields, env, changed = M.rewrite_fields(job_desc, reply)
+  if not fields then return nil, env end
+  for key, value in pairs(fields) do job_desc[key] = value end
+  local target = job_desc.script ~= nil and job_desc.environment or nil
+  if target ~= nil then
+    for key, value in pairs(env) do
+      if target[key] ~= nil or key == "SLURM_GPUS" or key == "SLURM_GPUS_PER_NODE" then
+        target[key] = value
+      end
+    end
   end
   return changed
 end

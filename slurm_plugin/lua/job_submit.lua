@@ -40,7 +40,14 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
     slurm.user_msg(elastic.skip_message(outcome))
     return slurm.SUCCESS
   end
-  if outcome.kind == "rewrite" then elastic.apply_job_desc(job_desc, outcome) end
+  if outcome.kind == "rewrite" then
+    local applied, why = elastic.apply_job_desc(job_desc, outcome)
+    if applied == nil then
+      slurm.log_info("slurm_job_submit: elastic: uid %s: rewrite not applied: %s", tostring(submit_uid), why)
+      slurm.user_msg(elastic.skip_message({ why = "plan not applied: " .. why }))
+      return slurm.SUCCESS
+    end
+  end
   if outcome.kind == "keep" and outcome.decision_id ~= nil then
     job_desc.comment = elastic.comment_with(job_desc.comment, outcome.decision_id)
   end

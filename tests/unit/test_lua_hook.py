@@ -53,6 +53,8 @@ io.write(cjson.encode({ init_rc = init_rc, results = out }))
 class Predictor:
     """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
 
+    REPLIES = {"rewrite": REWRITE, "rewrite3": {**REWRITE, "tasks_per_node": 3}}
+
     def __init__(self):
         self.requests: list[dict] = []
         outer = self
@@ -85,8 +87,8 @@ class Predictor:
             handler.end_headers()
             handler.wfile.write(payload)
 
-        if mode == "rewrite":
-            send(200, json.dumps(REWRITE).encode())
+        if mode in Predictor.REPLIES:
+            send(200, json.dumps(Predictor.REPLIES[mode]).encode())
         elif mode == "keep":
             send(200, json.dumps({"decision_id": "d-43", "action": "keep", "reason": "elastic: unknown model x; kept"}).encode())
         elif mode == "422":
@@ -173,7 +175,8 @@ def test_rewrite_is_applied_and_reason_shown(tmp_path, predictor):
     assert got["ntasks_per_node"] == 2
     assert got["req_switch"] == 1
     assert got["comment"] == "my run elastic:decision=d-42"
-    assert got["environment"] == {"SLURM_GPUS": "4", "HOME": "/home/alice"}  # 2 x 2 = 4, the same total
+    # what sbatch exported for --gpus=4 must match the new request, or a plain srun in the job fails
+    assert got["environment"] == {"SLURM_GPUS": "4", "SLURM_GPUS_PER_NODE": "2", "HOME": "/home/alice"}
     assert kinds(result, "user_msg") == [REWRITE["reason"]]
     [request] = predictor.requests
     assert request["path"] == "/v1/plan"
@@ -191,6 +194,25 @@ def test_rewrite_fixes_slurm_gpus_when_the_total_changes(tmp_path, predictor):
     got = result["job_desc"]
     assert got["tres_per_node"] == "gres:nic:1,gres:gpu:h100:2"
     assert got["environment"] == {"SLURM_GPUS": "4", "SLURM_GPUS_PER_NODE": "2"}
+
+
+def test_rewrite_keeps_tasks_and_gpus_per_task_consistent(tmp_path, predictor):
+    desc = job(tres_per_job=None, tres_per_task="gres:gpu:1", num_tasks=4, min_cpus=4,
+               environment={"SLURM_GPUS_PER_TASK": "1", "SLURM_NTASKS": "4"})
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    got = result["job_desc"]
+    assert (got["min_nodes"], got["ntasks_per_node"], got["num_tasks"], got["min_cpus"]) == (2, 2, 4, 4)
+    assert got["tres_per_task"] == "gres:gpu:1" and got["tres_per_node"] == "gres:gpu:2"
+    assert got["environment"] == {"SLURM_GPUS_PER_TASK": "1", "SLURM_NTASKS": "4", "SLURM_GPUS": "4",
+                                  "SLURM_GPUS_PER_NODE": "2"}
+
+
+def test_rewrite_that_cannot_be_applied_consistently_leaves_the_job_as_written(tmp_path, predictor):
+    desc = job(mode="rewrite3", tres_per_task="gres:gpu:1", num_tasks=2)  # reply: 2 GPUs, 3 tasks per node
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc
+    assert kinds(result, "user_msg") == ["elastic: prediction skipped (plan not applied: 2 GPUs per node do not "
+                                         "split over 3 tasks (--gpus-per-task)); job submitted as written"]
 
 
 def test_keep_records_decision_and_changes_nothing_else(tmp_path, predictor):
