@@ -109,6 +109,8 @@ def env(bed: Testbed) -> None:
 from slurm_plugin.installer import install_plugin  # noqa: E402  (issue 5)
 
 main.add_command(install_plugin)
+from slurm_plugin.templates import template_group  # noqa: E402  (issue 7)
+main.add_command(template_group)
 
 
 if __name__ == "__main__":
