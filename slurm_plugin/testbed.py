@@ -1,5 +1,14 @@
 """A local 4-node Slurm 22.05 cluster for tests and the demo, all of it under one lab directory.
 
+    elastic-slurm testbed up   [--lab DIR] [--port-base N]   # start (idempotent), wait for 4 idle nodes
+    elastic-slurm testbed down [--lab DIR] [--wipe]          # stop this lab's daemons (and wipe its data)
+    elastic-slurm testbed status [--lab DIR]                 # exit 1 unless up
+    eval "$(elastic-slurm testbed env [--lab DIR])"          # SLURM_CONF for sinfo/sbatch/...
+
+Defaults: lab /var/tmp/elastic-slurm-lab (env ELASTIC_SLURM_LAB), port base 16800 or the one the lab
+last used (env ELASTIC_SLURM_PORT_BASE); ports are listed in slurm_plugin/testbed_conf.py. The lab must
+be reachable by the munge and mysql users (not under a 0700 directory such as pytest's tmp_path).
+
 `Testbed(TestbedConfig(lab=..., port_base=...)).up()` starts, in order: its own munged (own key and
 socket, so labs never share or kill each other's munge), MariaDB on an own datadir, slurmdbd,
 slurmctld and one slurmd per node (`node1`..`node4`, 4 fake GPUs each on mknod'ed char devices,
