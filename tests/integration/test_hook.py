@@ -144,15 +144,20 @@ def test_rewrite_visible_in_scontrol_and_reason_printed(hook, predictor, sbatch,
     assert request["body"]["job"]["tres_per_job"] == "gres:gpu:4"
 
 
-def test_rewritten_job_runs_with_matching_gpu_environment(hook, predictor, sbatch, bed, tmp_path, wait_until):
+@pytest.mark.parametrize("options", ["-N1 --gpus=4", "-n4 --gpus-per-task=1", "-N1 --exclusive --gpus=4",
+                                     "-n8 -c2 --gpus=4"])
+def test_rewritten_job_runs_with_matching_gpu_environment(hook, predictor, sbatch, bed, tmp_path, wait_until,
+                                                          options):
     hook(predictor.url)
     body = "echo SLURM_GPUS=$SLURM_GPUS\nsrun -l bash -c 'echo $(hostname) CVD=$CUDA_VISIBLE_DEVICES'\n"
-    job_id = sbatch(script(body=body), "-J", "mode-rewrite").job_id
+    job_id = sbatch(script(sbatch_lines=f"#SBATCH {options}\n", body=body), "-J", "mode-rewrite").job_id
     wait_until(lambda: show_job(bed, job_id)["JobState"] in ("COMPLETED", "FAILED"), 90, f"job {job_id} to end")
-    assert show_job(bed, job_id)["JobState"] == "COMPLETED", (tmp_path / f"{job_id}.out").read_text()
     out = (tmp_path / f"{job_id}.out").read_text()
-    assert "SLURM_GPUS=4" in out  # 2 nodes x 2 GPUs; a stale 4-GPU-per-node request would fail the srun
-    assert out.count("CVD=0,1") == 4  # 2 tasks on each of 2 nodes, 2 GPUs each
+    assert show_job(bed, job_id)["JobState"] == "COMPLETED", out
+    assert "SLURM_GPUS=4" in out  # 2 nodes x 2 GPUs; a stale request would make the srun fail or skew
+    cvd = sorted(line.split("CVD=")[1] for line in out.splitlines() if "CVD=" in line)
+    per_task = "--gpus-per-task" in options
+    assert cvd == (["0", "0", "1", "1"] if per_task else ["0,1"] * 4)  # 2 tasks on each of 2 nodes
 
 
 def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch, bed):
