@@ -65,7 +65,13 @@ function slurm_cli_pre_submit(options, pack_offset)
     slurm.log_info("%s", elastic.skip_message(outcome))
     return slurm.SUCCESS
   end
-  if outcome.kind == "rewrite" then elastic.apply_cli_options(options, outcome) end
+  if outcome.kind == "rewrite" then
+    local applied, why = elastic.apply_cli_options(options, outcome)
+    if not applied then
+      slurm.log_info("%s", elastic.skip_message({ why = "plan not applied: " .. why }))
+      return slurm.SUCCESS
+    end
+  end
   slurm.log_info("%s", outcome.reason)
   return slurm.SUCCESS
 end

@@ -554,18 +554,24 @@ end
 -- unset from Lua (an empty --gres becomes "gres:", which sbatch rejects), so each GPU option the user gave
 -- is set to its consistent value instead: --gpus to the total, --gres / --gpus-per-node to the per-node count.
 function M.apply_cli_options(options, reply)
-  local nodes, per_node = reply.nodes, reply.gpus_per_node
+  local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
+  local per_task = option(options, "gpus-per-task")
+  if per_task and (not tasks or per_node == 0 or per_node % tasks ~= 0) then
+    return nil, string.format("%d GPUs per node do not split over %s tasks (--gpus-per-task)", per_node, tostring(tasks))
+  end
   options["nodes"] = tostring(nodes)
   local gres = option(options, "gres")
-  if gres then options["gres"] = set_gpu_tres(as_tres(gres), per_node):gsub("gres:", "") end
+  if gres then options["gres"] = (set_gpu_tres(as_tres(gres), per_node):gsub("gres:", "")) end
   if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
   if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
-  if reply.tasks_per_node then
-    options["ntasks-per-node"] = tostring(reply.tasks_per_node)
-    if option(options, "ntasks") then options["ntasks"] = tostring(nodes * reply.tasks_per_node) end
+  if per_task then options["gpus-per-task"] = tostring(per_node / tasks) end
+  if tasks then
+    options["ntasks-per-node"] = tostring(tasks)
+    if option(options, "ntasks") then options["ntasks"] = tostring(nodes * tasks) end
   end
   if reply.switches then options["switches"] = tostring(reply.switches) end
   if reply.decision_id ~= nil then options["comment"] = M.comment_with(option(options, "comment"), reply.decision_id) end
+  return true
 end
 
 return M
