@@ -379,7 +379,8 @@ function M.plan(cfg, breaker, request)
   if open then
     return { kind = "skip", why = string.format("predictor unavailable, retry in %d s", math.ceil(left)) }
   end
-  local body = cjson.encode(request)
+  local body, encode_err = cjson.encode(request)
+  if not body then return { kind = "skip", why = "cannot encode request: " .. tostring(encode_err) } end
   local status, text = M.post_json(cfg.predictor_url .. "/v1/plan", body, (tonumber(cfg.budget_ms) or 100) / 1000)
   local why
   if not status then

@@ -17,8 +17,7 @@ else
   slurm.log_error("slurm_job_submit: elastic: cannot load %s: %s", dir .. "elastic_common.lua", tostring(elastic))
 end
 
-function slurm_job_submit(job_desc, part_list, submit_uid)
-  if not loaded or job_desc.script == nil then return slurm.SUCCESS end
+local function submit(job_desc, submit_uid)
   local lines = elastic.directive_lines(job_desc.script)
   if #lines == 0 or elastic.is_helper(job_desc.name, job_desc.comment, job_desc.dependency, cfg.helper_marker)
      or elastic.planned(job_desc.comment) then
@@ -53,6 +52,15 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   end
   slurm.log_info("slurm_job_submit: elastic: uid %s: %s (%.1f ms) %s", tostring(submit_uid), outcome.kind, ms, outcome.reason)
   slurm.user_msg(outcome.reason)
+  return slurm.SUCCESS
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  if not loaded or job_desc.script == nil then return slurm.SUCCESS end
+  local ok, rc = pcall(submit, job_desc, submit_uid)
+  if ok then return rc end
+  slurm.log_error("slurm_job_submit: elastic: uid %s: hook error: %s", tostring(submit_uid), tostring(rc))
+  slurm.user_msg("elastic: prediction skipped (hook error, see slurmctld log); job submitted as written")
   return slurm.SUCCESS
 end
 

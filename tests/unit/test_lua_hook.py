@@ -288,6 +288,15 @@ def test_helper_jobs_expand_and_planned_jobs_are_skipped(tmp_path, predictor, fi
     assert predictor.requests == []
 
 
+def test_unexpected_error_fails_open_with_a_message(tmp_path, predictor):
+    desc = job(environment="not a table")  # a field of a type Slurm never sends: assigning into it raises
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0
+    assert kinds(result, "user_msg") == ["elastic: prediction skipped (hook error, see slurmctld log); "
+                                         "job submitted as written"]
+    assert "hook error" in kinds(result, "log_error")[0]
+
+
 def test_missing_common_module_fails_open(tmp_path):
     conf = install(tmp_path, "http://127.0.0.1:9")
     (conf / "elastic_common.lua").unlink()
