@@ -1,0 +1,289 @@
+"""What admins read: rows for models, links and decisions, and a table renderer that fits a terminal.
+
+The row builders are shared by the CLI (`elastic-predictor models`, `links`; `decisions` lives in cli.py)
+and the /admin page (predictor/api/web.py), so both show the same numbers:
+
+- `model_rows(store, predictor)`: one row per (profile, GPU type) seen in step history, plus registered
+  profiles never observed: parameters, gradient bytes, step records, layouts seen, fit error (log RMSE of
+  the step model on its own history) and the basis a prediction would have (observed / profile / prior).
+- `link_rows(store, predictor)`: one row per link class: collective records, fitted latency and
+  bandwidth, fit error, and how many step records used the link.
+- `decision_rows(store, limit)`: the newest /v1/plan decisions with the chosen layout and prediction.
+
+`render_table` right-aligns numbers, left-aligns text and shortens the widest text column with an
+ellipsis so a line never exceeds the width (the terminal's, by default).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import shutil
+from collections import Counter, defaultdict
+
+import click
+
+from predictor.errors import NotFoundError, ValidationError
+
+Column = tuple[str, str, str]  # (row key, header, format spec; "" for text)
+
+
+def _cell(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def render_table(rows: list[dict], columns: list[Column], width: int | None = None) -> str:
+    """Plain-text table; numbers (columns with a format spec) right-aligned, text left-aligned.
+
+    Args:
+        rows: dicts holding the column keys (missing or None: `-`).
+        columns: (key, header, format spec) per column.
+        width: maximum line length; None: the terminal's width (at least 60).
+    """
+    width = width or max(60, shutil.get_terminal_size((120, 24)).columns)
+    cells = [[h for _, h, _ in columns]] + [[_cell(r.get(k), f) for k, _, f in columns] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    text_cols = [i for i, (_, _, f) in enumerate(columns) if not f]
+    while sum(widths) + 2 * (len(columns) - 1) > width and text_cols:
+        widest = max(text_cols, key=lambda i: widths[i])
+        over = sum(widths) + 2 * (len(columns) - 1) - width
+        new = max(len(columns[widest][1]), 8, widths[widest] - over)
+        if new >= widths[widest]:
+            break
+        widths[widest] = new
+        for row in cells:
+            if len(row[widest]) > new:
+                row[widest] = row[widest][: new - 1] + "…"
+    lines = []
+    for n, row in enumerate(cells):
+        parts = [c.ljust(w) if not columns[i][2] else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def layout_name(layout) -> str:
+    """`2x4` for [4, 4], `4` for [4], `3+1` for uneven layouts."""
+    if not layout:
+        return "-"
+    if len(set(layout)) == 1:
+        return f"{len(layout)}x{layout[0]}" if len(layout) > 1 else str(layout[0])
+    return "+".join(map(str, layout))
+
+
+# --- rows -------------------------------------------------------------------------------------------------
+MODEL_COLUMNS: list[Column] = [("profile", "profile", ""), ("gpu", "gpu", ""), ("params_m", "params (M)", ".1f"),
+                               ("grad_mb", "grad MB", ".1f"), ("steps", "step records", "d"),
+                               ("layouts", "layouts seen", ""), ("log_rmse", "fit log RMSE", ".3f"),
+                               ("basis", "basis", "")]
+LINK_COLUMNS: list[Column] = [("link", "link", ""), ("collectives", "collectives", "d"),
+                              ("alpha_us", "latency (us)", ".1f"), ("bandwidth_gbs", "bandwidth (GB/s)", ".2f"),
+                              ("log_rmse", "fit log RMSE", ".3f"), ("n_steps", "step records", "d")]
+DECISION_COLUMNS: list[Column] = [("decision_id", "id", ""), ("when", "when (UTC)", ""), ("source", "source", ""),
+                                  ("action", "action", ""), ("model", "model", ""), ("layout", "layout", ""),
+                                  ("samples_per_s", "pred. samples/s", ".1f"), ("reason", "reason", "")]
+
+
+def _profile_sizes(store) -> dict[str, dict]:
+    from predictor.profiles import Profile  # noqa: PLC0415
+
+    out = {}
+    for row in store.list_profiles():
+        try:
+            prof = Profile.from_dict(row["body"])
+        except ValidationError:
+            continue
+        out[row["name"]] = {"params_m": prof.n_params / 1e6, "grad_mb": prof.grad_bytes / 1e6}
+    return out
+
+
+def model_rows(store, predictor=None) -> list[dict]:
+    """One row per (profile, GPU) with step history, then registered profiles never observed.
+
+    Args:
+        store: the history Store.
+        predictor: a fitted engine Predictor (None: no fit error or basis columns).
+    """
+    sizes = _profile_sizes(store)
+    counts: Counter = Counter()
+    layouts: dict = defaultdict(set)
+    for rec in store.observations(kind="step"):
+        key = (rec.get("profile"), rec.get("gpu"))
+        counts[key] += 1
+        layouts[key].add(tuple(rec.get("layout") or ()))
+    errors = getattr(predictor, "log_rmse_", {}) if predictor is not None else {}
+    rows = []
+    for (profile, gpu), n in sorted(counts.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        seen = sorted(layouts[(profile, gpu)], key=lambda lay: (sum(lay), len(lay)))
+        known = profile in sizes
+        rows.append({"profile": profile, "gpu": gpu, **sizes.get(profile, {}), "steps": n,
+                     "layouts": " ".join(layout_name(lay) for lay in seen), "log_rmse": errors.get((profile, gpu)),
+                     "basis": ("observed" if (profile, gpu) in errors else "not fitted") if known
+                     else "no profile registered"})
+    observed = {p for p, _ in counts}
+    for name, size in sorted(sizes.items()):
+        if name not in observed:
+            rows.append({"profile": name, "gpu": None, **size, "steps": 0, "layouts": "",
+                         "basis": "profile only (estimate)"})
+    return rows
+
+
+def link_rows(store, predictor=None) -> list[dict]:
+    """One row per link class: collective records and the fitted alpha-beta parameters."""
+    counts = Counter(rec.get("link") for rec in store.observations(kind="collective"))
+    stats = {}
+    if predictor is not None:
+        stats = {s["link"]: s for s in predictor.link_stats()}
+    else:
+        stats = {s["link"]: s for s in store.link_fits()}
+    rows = []
+    for link in sorted(set(counts) | set(stats), key=str):
+        s = stats.get(link, {})
+        alpha, bw = s.get("alpha_s"), s.get("bandwidth_Bps")
+        rows.append({"link": link, "collectives": counts.get(link, 0),
+                     "alpha_us": None if alpha is None else alpha * 1e6,
+                     "bandwidth_gbs": None if bw is None else bw / 1e9, "log_rmse": s.get("log_rmse"),
+                     "n_steps": s.get("n_steps", 0)})
+    return rows
+
+
+def decision_rows(store, limit: int = 50) -> list[dict]:
+    """The newest decisions with their layout and predicted throughput (from the stored response)."""
+    rows = []
+    for d in store.list_decisions(limit=limit):
+        full = store.get_decision(d["decision_id"])
+        response = full.get("response") or {}
+        predicted = response.get("predicted") or {}
+        when = datetime.datetime.fromtimestamp(d["created_at_s"], datetime.timezone.utc)
+        rows.append({**d, "when": when.strftime("%Y-%m-%d %H:%M:%S"), "layout": layout_name(response.get("layout")),
+                     "samples_per_s": predicted.get("samples_per_s"),
+                     "request": json.dumps(full.get("request", {}).get("directives", []))})
+    return rows
+
+
+# --- CLI (registered on `elastic-predictor` by predictor/cli.py) ---------------------------------------------
+def _open(db: str | None):
+    from predictor.cli import _config  # noqa: PLC0415
+    from predictor.store import Store  # noqa: PLC0415
+
+    store = Store(_config(db).db_path)
+    store.migrate()
+    return store
+
+
+def _fit(store, skip: bool):
+    """A Predictor fitted on the store, or None (skip, or nothing to fit)."""
+    if skip:
+        return None
+    from predictor.engine import Predictor  # noqa: PLC0415
+    from predictor.profiles import Profile  # noqa: PLC0415
+
+    profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
+    try:
+        return Predictor().fit(profiles, store.observations())
+    except (ValidationError, RuntimeError, ValueError) as exc:
+        raise click.ClickException(f"cannot fit the model on {store.path}: {exc}") from None
+
+
+_DB = click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
+_NO_FIT = click.option("--no-fit", is_flag=True, help="do not fit (faster; fit columns from the last service fit)")
+_WIDTH = click.option("--width", type=click.IntRange(40, 1000), default=None, help="line width (default: terminal)")
+
+
+@click.command("models")
+@_DB
+@_NO_FIT
+@_WIDTH
+def models_cmd(db, no_fit, width):
+    """Table of models: each profile and GPU type with its history, layouts seen and fit error.
+
+    Example: elastic-predictor models --db predictor.db
+    """
+    store = _open(db)
+    try:
+        rows = model_rows(store, _fit(store, no_fit))
+    finally:
+        store.close()
+    if not rows:
+        raise click.ClickException("no profiles and no step history in the database yet")
+    click.echo(render_table(rows, MODEL_COLUMNS, width))
+
+
+@click.command("links")
+@_DB
+@_NO_FIT
+@_WIDTH
+def links_cmd(db, no_fit, width):
+    """Table of link classes: collective records, fitted latency and bandwidth, fit error.
+
+    Example: elastic-predictor links --db predictor.db
+    """
+    store = _open(db)
+    try:
+        rows = link_rows(store, _fit(store, no_fit))
+    finally:
+        store.close()
+    if not rows:
+        raise click.ClickException("no collective history and no link fits in the database yet")
+    click.echo(render_table(rows, LINK_COLUMNS, width))
+
+
+@click.group("plot")
+def plot_group():
+    """Write the admin plots as PNG files (the /admin page serves the same)."""
+
+
+@plot_group.command("scaling")
+@_DB
+@click.option("--profile", default=None, help="only this profile (default: every profile with history)")
+@click.option("--gpu", default=None, help="only this GPU type")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
+def plot_scaling(db, profile, gpu, out):
+    """Predicted vs observed throughput against GPU count, per model and layout family.
+
+    Example: elastic-predictor plot scaling --db predictor.db --profile resnet50 --out scaling.png
+    """
+    from predictor import plots  # noqa: PLC0415
+
+    store = _open(db)
+    try:
+        png = plots.scaling_png(store, _fit(store, False), profile=profile, gpu=gpu)
+    except NotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.close()
+    with open(out, "wb") as fh:
+        fh.write(png)
+    click.echo(f"wrote {out} ({len(png)} bytes)")
+
+
+@plot_group.command("links")
+@_DB
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
+def plot_links(db, out):
+    """Per-link bandwidth against message size: observed collectives and the fitted model.
+
+    Example: elastic-predictor plot links --db predictor.db --out links.png
+    """
+    from predictor import plots  # noqa: PLC0415
+
+    store = _open(db)
+    try:
+        png = plots.links_png(store, _fit(store, False))
+    finally:
+        store.close()
+    with open(out, "wb") as fh:
+        fh.write(png)
+    click.echo(f"wrote {out} ({len(png)} bytes)")
+
+
+COMMANDS = (models_cmd, links_cmd, plot_group)
+
+
+def register(group: click.Group) -> None:
+    """Add the admin commands to the `elastic-predictor` group."""
+    for command in COMMANDS:
+        group.add_command(command)
