@@ -283,6 +283,10 @@ def decisions(db, limit):
     click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),
                              ("model", "model", "s"), ("reason", "reason", "s")]))
 
+from predictor.admin_tables import COMMANDS as _ADMIN_COMMANDS  # noqa: E402  (issue 7: models, links, plot)
+for _command in _ADMIN_COMMANDS:
+    main.add_command(_command)
+
 
 if __name__ == "__main__":
     main()
