@@ -17,6 +17,7 @@ from schemathesis.checks import not_a_server_error
 
 from predictor.app import create_app
 from predictor.config import Config
+from predictor.profiles import profile_from_spec
 from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
 
 TOKEN = "fuzz-token"
@@ -57,6 +58,30 @@ def test_openapi_fuzz_finds_no_5xx(case):
     case.call_and_validate(headers=AUTH, checks=[not_a_server_error, status_code_conformance,
                                                  content_type_conformance, response_schema_conformance,
                                                  negative_data_rejection])
+
+
+@pytest.fixture(scope="module")
+def engine_schema(tmp_path_factory):
+    """The same API over the production Predictor (predictor.engine), seeded so generated names hit it."""
+    app = create_app(Config(db_path=str(tmp_path_factory.mktemp("engine") / "e.db"), token=TOKEN,
+                            refit_debounce=timedelta(0), max_body_bytes=32 * 1024 * 1024))
+    client = app.test_client()
+    profile = dict(profile_from_spec("resnet50").to_dict(), name="0")      # "0": hypothesis' favourite name
+    assert client.post("/v1/profiles", json=profile, headers=AUTH).status_code == 201
+    records = [dict(STEP, profile="0", gpu="0", intra_link="0", inter_link="0"), STEP, COLLECTIVE]
+    assert client.post("/v1/observations", json=records, headers=AUTH).status_code == 201
+    assert app.extensions["elastic_predictor"].models.wait_fresh(timedelta(seconds=60))
+    yield schemathesis.openapi.from_wsgi("/v1/openapi.json", app)
+    app.extensions["elastic_predictor"].models.stop()
+
+
+engine = schemathesis.pytest.from_fixture("engine_schema")
+
+
+@engine.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_openapi_fuzz_with_the_real_engine_finds_no_5xx(case):
+    case.call_and_validate(headers=AUTH, checks=[not_a_server_error, response_schema_conformance])
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
