@@ -447,20 +447,25 @@ class Controller:
         return json.loads(text) if text else {}
 
     def _handle_failures(self) -> None:
-        """A step that ended non-zero while its node is a member: the node failed."""
+        """A node failed when its step ended non-zero while it is a member, or when a recovery epoch left
+        all its workers out although their step still runs (hung workers the survivors declared dead)."""
         failed = [s.node for s in self._main_steps()
                   if not s.alive() and s.returncode() != 0 and not s.leaving and s.node in self.nodes]
         for helper, nodes in list(self.helpers.items()):
             steps = self._helper_status(helper).get("steps", {})
             failed += [n for n in nodes if steps.get(n) not in (None, 0) and n in self.nodes]
-        for node in failed:
-            self._node_failed(node)
+        members = set(self.coord.current().members)
+        evicted = [n for n, slot in self.nodes.items() if slot.wids and not set(slot.wids) & members]
+        for node in dict.fromkeys(failed + evicted):
+            if node in self.nodes:
+                self._node_failed(node, evicted=node not in failed)
 
-    def _node_failed(self, node: str) -> None:
+    def _node_failed(self, node: str, evicted: bool = False) -> None:
         slot = self.nodes[node]
         dead = set(slot.wids)
         t0 = time.monotonic()
-        self.records.write("failure", node=node, owner=slot.owner, workers=sorted(dead))
+        self.records.write("failure", node=node, owner=slot.owner, workers=sorted(dead),
+                           cause="left out of the membership while running" if evicted else "workers ended")
         self.failures_in_a_row += 1
         if self.failures_in_a_row > self.config.max_failures:
             raise ElasticError(f"job {self.job_id}: {self.failures_in_a_row} failures in a row (last: {node})")
@@ -473,11 +478,34 @@ class Controller:
             except RendezvousTimeout as exc:
                 log.warning("recovery epoch %d did not report a first step: %s", plan.id, exc)
         before = len(self.nodes)
-        self._release([node], reason=f"workers on {node} failed")
+        if node == self.alloc.batch_host:  # cannot be released: end its workers, start fresh ones there
+            self.pool.stop(node, EXIT_GRACE)
+            self.pool.forget(node)
+            self.nodes.pop(node)
+        else:
+            self._release([node], reason=f"workers on {node} failed")
         self.records.write("transition", action="failure", epoch=plan.id, from_nodes=before,
                            to_nodes=len(self.nodes), world=plan.world_size, recovered=recovered,
                            wall_s=round(time.monotonic() - t0, 3), pause_s=stats.get("pause_s"),
                            idle_s=stats.get("idle_s"), stats=stats)
+        self._measure_reset()
+        if node == self.alloc.batch_host:
+            self._rejoin(node)
+
+    def _rejoin(self, node: str) -> None:
+        """Start new workers on a node of the main allocation and add them to the membership."""
+        before = len(self.nodes)
+        step = self.pool.start(node, self.slots, self.alloc.env, owner_job=self.job_id)
+        self.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
+        try:
+            self._wait_joined([node])
+            plan, stats, wall = self._resize_members(add=[node])
+        except (RendezvousTimeout, ResizeConflict) as exc:
+            self.records.write("transition_failed", action="rejoin", node=node, error=str(exc))
+            return
+        self.records.write("transition", action="rejoin", epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
+                           world=plan.world_size, nodes_in=[node], wall_s=round(wall, 3),
+                           pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), stats=stats)
         self._measure_reset()
 
     def _handle_request(self, seq: int, request: dict) -> None:

@@ -60,14 +60,17 @@ def _ctl(registry: Path, job_id: int, *args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def _batch_script(work: Path, registry: Path, steps: int) -> str:
+def _batch_script(work: Path, registry: Path, steps: int, extra_train: str = "") -> str:
+    """2 nodes x 1 GPU; the predictor URL points at a closed port: the launcher must use its own heuristic."""
     train = [sys.executable, str(HERE / "train_tiny.py"), "--steps", str(steps), "--per-gpu-batch",
-             str(PER_GPU_BATCH), "--dataset-size", str(DATASET), "--compute-ms", "150", "--out", str(work / "samples")]
+             str(PER_GPU_BATCH), "--dataset-size", str(DATASET), "--compute-ms", "150", "--out", str(work / "samples"),
+             extra_train]
     return f"""#!/bin/bash
 #SBATCH --job-name=e2e-elastic --nodes=2 --gres=gpu:1 --output={work}/job.out --chdir={work}
 #ELASTIC model=tiny gpus=1-8 per_gpu_batch={PER_GPU_BATCH} max_global_batch=64 min_efficiency=0.5
 export ELASTIC_LAUNCH_REGISTRY={registry}
 exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1 --run-dir {work}/run \\
+    --predictor http://127.0.0.1:9 \\
     --measure-steps 8 --warmup-steps 2 --grow-step-nodes 2 -- {' '.join(train)}
 """
 
@@ -111,6 +114,7 @@ def test_grow_operator_shrink_node_failure_and_exact_accounting(slurm, idle_node
     assert (grow["from_nodes"], grow["to_nodes"], grow["world"]) == (2, 4, 4)
     decision = next(r for r in _records(run) if r["kind"] == "decision" and r["action"] == "grow")
     assert decision["free_nodes"] >= 2 and decision["source"] == "autoscale"
+    assert decision["predictor"] is False and decision["plan_nodes"] is None  # service unreachable: heuristic
     helper = slurm.job(int(grow["helper"]))
     assert helper.name == f"elastic-helper-{job_id}" and helper.comment.startswith(f"elastic-helper:{job_id}")
     assert helper.state == "RUNNING" and len(helper.nodes) == 2
@@ -179,3 +183,21 @@ def test_helper_ends_when_the_main_job_is_cancelled(slurm, idle_nodes, wait_unti
     wait_until(lambda: slurm.job(helper_id).state not in ("RUNNING", "COMPLETING", "PENDING"), 60,
                "the helper job to end after the main job was cancelled")
     wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
+
+
+def test_straggler_node_is_shrunk_away(slurm, idle_nodes, wait_until, submit, tmp_path):
+    """node2's workers are 3x slower: after 3 slow windows in a row node2 is released from the main job."""
+    work = Path(tmp_path)
+    run = work / "run"
+    job_id = submit(_batch_script(work, work / "registry", 100000, "--slow-node node2 --slow-factor 3"))
+    moved = wait_until(lambda: _transition(run, "straggler"), 200, "node2 to be shrunk away as a straggler")
+    assert moved["nodes_out"] == ["node2"]
+    decision = next(r for r in _records(run) if r["kind"] == "decision" and r["source"] == "stragglers")
+    assert decision["nodes"] == ["node2"]
+    assert any(r["kind"] == "slurm_shrink" and r["job"] == str(job_id) and "node2" not in r["nodelist"]
+               for r in _records(run))
+    assert "node2" not in slurm.job(job_id).nodes
+    slurm.cancel(job_id)
+    wait_until(lambda: not _job_processes(job_id), 60, "no worker process of the job")
+    wait_until(lambda: not [j for j in slurm.jobs() if j.name == f"elastic-helper-{job_id}"
+                            and j.state in ("PENDING", "RUNNING", "COMPLETING")], 60, "the helper to end")
