@@ -28,6 +28,25 @@ def _config(db: str | None, cluster: str | None = None) -> Config:
         raise click.ClickException(str(exc)) from None
 
 
+def _open_store(db_path: str):
+    """The store at `db_path`, migrated.
+
+    Raises:
+        click.ClickException: the file cannot be opened or migrated (missing folder, not a database...).
+    """
+    import sqlite3  # noqa: PLC0415
+
+    from predictor.store import Store  # noqa: PLC0415
+
+    store = Store(db_path)
+    try:
+        store.migrate()
+    except sqlite3.Error as exc:
+        store.close()
+        raise click.ClickException(f"cannot open database {db_path}: {exc}") from None
+    return store
+
+
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Plain-text table: columns are (key, header, format spec)."""
     cells = [[h for _, h, _ in columns]]
@@ -84,11 +103,8 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
         config = config.replace(cluster=_slurm_cluster(from_slurm))
     if not config.token:
         click.echo("warning: ELASTIC_PREDICTOR_TOKEN is not set; writes are open to anyone", err=True)
-    from predictor.store import Store  # noqa: PLC0415
 
-    store = Store(config.db_path)
-    store.migrate()               # once, before the workers fork
-    store.close()
+    _open_store(config.db_path).close()        # migrate once, before the workers fork
 
     class Application(BaseApplication):
         def load_config(self):
@@ -121,7 +137,6 @@ def import_(file, db, skip_bad):
     from predictor.api.profiles import register  # noqa: PLC0415
     from predictor.profiles import Profile  # noqa: PLC0415
     from predictor.records import validate_record  # noqa: PLC0415
-    from predictor.store import Store  # noqa: PLC0415
 
     records, profiles, bad = [], [], []
     for number, line in enumerate(file, start=1):
@@ -141,8 +156,7 @@ def import_(file, db, skip_bad):
         click.echo(message, err=True)
     if bad and not skip_bad:
         raise click.ClickException(f"{len(bad)} bad line(s); nothing imported (use --skip-bad to keep the good ones)")
-    store = Store(_config(db).db_path)
-    store.migrate()
+    store = _open_store(_config(db).db_path)
     try:
         for body in profiles:
             register(store, body)
@@ -167,7 +181,6 @@ def profile(spec, db, dtype, as_json):
     """
     from predictor.api.profiles import register, summary  # noqa: PLC0415
     from predictor.profiles import profile_from_spec  # noqa: PLC0415
-    from predictor.store import Store  # noqa: PLC0415
 
     try:
         built = profile_from_spec(spec, dtype=dtype)
@@ -180,8 +193,7 @@ def profile(spec, db, dtype, as_json):
                                              ("params", "params", ","), ("grad_bytes", "grad bytes", ","),
                                              ("buckets", "buckets", "d")]))
     if db:
-        store = Store(_config(db).db_path)
-        store.migrate()
+        store = _open_store(_config(db).db_path)
         _, created = register(store, built.to_dict())
         store.close()
         click.echo(f"{'registered' if created else 'replaced'} profile {built.name!r} in {db}", err=True)
@@ -189,10 +201,8 @@ def profile(spec, db, dtype, as_json):
 
 def _fitted_cache(config: Config):
     from predictor.service import ModelCache  # noqa: PLC0415
-    from predictor.store import Store  # noqa: PLC0415
 
-    store = Store(config.db_path)
-    store.migrate()
+    store = _open_store(config.db_path)
     cache = ModelCache(store)
     try:
         cache.refit()
@@ -274,10 +284,8 @@ def decisions(db, limit):
 
     Example: elastic-predictor decisions --db predictor.db --limit 5
     """
-    from predictor.store import Store  # noqa: PLC0415
 
-    store = Store(_config(db).db_path)
-    store.migrate()
+    store = _open_store(_config(db).db_path)
     rows = store.list_decisions(limit=limit)
     store.close()
     click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),
