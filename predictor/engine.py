@@ -70,6 +70,7 @@ class Predictor:
         else:
             self.links_ = empty_link_model(prior_weight=self.link_prior_weight)
         self.profiles_ = dict(profiles)
+        self._base_cache = {}
         self.step_links_ = {}
         for o in steps:
             for key in (o["intra_link"], o.get("inter_link")):
@@ -89,7 +90,15 @@ class Predictor:
         return self
 
     def _bases(self, profile: Profile, layout, intra, inter):
-        return sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout), intra, inter)
+        """(T_I, T_E) of the profile's buckets on a layout; cached per fit (bounded)."""
+        key = (profile.name, profile.buckets_bytes, tuple(layout), intra, inter)
+        cache = self.__dict__.setdefault("_base_cache", {})
+        if key not in cache:
+            if len(cache) > 200_000:
+                cache.clear()
+            cache[key] = sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout),
+                                    intra, inter)
+        return cache[key]
 
     def _calibrate(self) -> dict[str, float]:
         """Per GPU: geometric mean of fitted c1 over the profile estimate, for never-observed profiles."""

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import least_squares
+from threadpoolctl import threadpool_limits
 
 N_PHI = 7
 # Effective training FLOP/s per GPU type (fp32/tf32 peak x 0.35), used only for never-observed profiles.
@@ -212,8 +213,10 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         return np.concatenate(r)
 
     x0a = np.clip(np.array(x0, dtype=float), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
-    res = least_squares(resid, x0a, bounds=(lo, hi), loss="soft_l1", f_scale=f_scale, max_nfev=max_nfev,
-                        x_scale=1.0, ftol=1e-6, xtol=1e-6)
+    with threadpool_limits(1):  # small dense problems: BLAS threads only contend on a shared machine
+        res = least_squares(resid, x0a, bounds=(lo, hi), loss="soft_l1", f_scale=f_scale, max_nfev=max_nfev,
+                            x_scale=1.0, ftol=1e-6, xtol=1e-6,
+                            jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, has_sync), np.array(hi)))
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
     x = res.x if ok else x0a
     c0, c1, g, S, sI, sE, W, DW = unpack(x)
@@ -225,6 +228,43 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
            "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
     return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": float(res.cost)}
+
+
+def _sparsity(names, pi, ii, ei, has_sync) -> np.ndarray:
+    """Which parameters each residual depends on (rows: step residuals, sync residuals, penalties)."""
+    owner = {"c0": pi, "c1": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei}
+    dep = np.zeros((len(pi), len(names)), dtype=bool)
+    for k, n in enumerate(names):
+        dep[:, k] = owner[n[0]] == n[1]
+    return np.vstack([dep] + ([dep[has_sync]] if has_sync.any() else []) + [np.eye(len(names), dtype=bool)])
+
+
+def _grouped_jacobian(fun, dep: np.ndarray, hi: np.ndarray):
+    """Forward-difference Jacobian that perturbs structurally independent parameters together (CPR grouping)."""
+    groups: list[tuple[list[int], np.ndarray]] = []
+    for k in range(dep.shape[1]):
+        for cols, rows in groups:
+            if not (rows & dep[:, k]).any():
+                cols.append(k)
+                rows |= dep[:, k]
+                break
+        else:
+            groups.append(([k], dep[:, k].copy()))
+
+    def jac(x, *args):
+        f0 = fun(x)
+        J = np.zeros((f0.size, x.size))
+        for cols, _ in groups:
+            h = 1e-6 * np.maximum(1.0, np.abs(x[cols]))
+            h = np.where(x[cols] + h > hi[cols], -h, h)
+            xp = x.copy()
+            xp[cols] += h
+            df = fun(xp) - f0
+            for c, hc in zip(cols, h):
+                J[dep[:, c], c] = df[dep[:, c]] / hc
+        return J
+
+    return jac
 
 
 def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.ndarray) -> dict:
