@@ -1,0 +1,40 @@
+"""Dataset loaders: records have the step shape the engine fits, profiles exist for every model."""
+from pathlib import Path
+
+import pytest
+
+from predictor.datasets import DEFAULT_ROOT, even_layout, load_elasticflow, load_morphling, load_pollux
+
+pytestmark = pytest.mark.skipif(not Path(DEFAULT_ROOT).is_dir(), reason="shared data not present")
+
+
+@pytest.mark.parametrize("loader,gpu,min_rows", [(load_pollux, "T4", 5000), (load_morphling, "A800", 60),
+                                                 (load_elasticflow, "A100", 80)])
+def test_loader_rows_are_valid_step_records(loader, gpu, min_rows):
+    ds = loader()
+    assert len(ds.steps) >= min_rows
+    for r in ds.steps + ds.extra:
+        assert r["kind"] == "step" and r["gpu"] == gpu and r["profile"] in ds.profiles
+        assert r["iter_s"] > 0 and r["per_gpu_batch"] > 0 and all(k > 0 for k in r["layout"])
+        assert (len(r["layout"]) > 1) == ("inter_link" in r)
+        assert r["source"]
+    for name, p in ds.profiles.items():
+        assert p.name == name and p.grad_bytes > 0
+
+
+def test_pollux_has_sync_and_scalability_up_to_64_gpus():
+    ds = load_pollux()
+    assert all(0 <= r["sync_s"] <= r["iter_s"] * 1.01 for r in ds.steps)
+    assert max(sum(r["layout"]) for r in ds.extra) == 64
+    assert {"bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"} == set(ds.profiles)
+
+
+def test_morphling_fixed_global_batch():
+    ds = load_morphling()
+    assert {r["per_gpu_batch"] * sum(r["layout"]) for r in ds.steps} == {840}
+
+
+def test_even_layout():
+    assert even_layout(6, 7) == [2, 1, 1, 1, 1, 1]
+    assert even_layout(16, 64) == [4] * 16
+    assert sum(even_layout(12, 40)) == 40
