@@ -28,7 +28,8 @@ from predictor.errors import NotFoundError, ValidationError
 Column = tuple[str, str, str]  # (row key, header, format spec; "" for text)
 
 
-def _cell(value, spec: str) -> str:
+def cell(value, spec: str) -> str:
+    """One formatted table cell (`-` for missing or non-finite values)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return format(value, spec) if spec else str(value)
@@ -43,7 +44,7 @@ def render_table(rows: list[dict], columns: list[Column], width: int | None = No
         width: maximum line length; None: the terminal's width (at least 60).
     """
     width = width or max(60, shutil.get_terminal_size((120, 24)).columns)
-    cells = [[h for _, h, _ in columns]] + [[_cell(r.get(k), f) for k, _, f in columns] for r in rows]
+    cells = [[h for _, h, _ in columns]] + [[cell(r.get(k), f) for k, _, f in columns] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     text_cols = [i for i, (_, _, f) in enumerate(columns) if not f]
     while sum(widths) + 2 * (len(columns) - 1) > width and text_cols:

@@ -151,7 +151,7 @@ def links_series(store, predictor) -> list[dict]:
         world = Counter(r["world"] for r in recs).most_common(1)[0][0]
         observed = [(r["bytes"], _bus(r["bytes"], r["seconds"], r["world"]), r["world"]) for r in recs]
         curve = []
-        if predictor is not None:
+        if hasattr(getattr(predictor, "links_", None), "time"):   # the engine's LinkModel
             lo, hi = min(r["bytes"] for r in recs), max(r["bytes"] for r in recs)
             sizes = np.logspace(np.log10(max(lo / 4, 1)), np.log10(hi * 4), 40)
             seconds = predictor.links_.time(link, "allreduce", world, sizes)

@@ -1,0 +1,174 @@
+"""GET /metrics: Prometheus text exposition format 0.0.4, written by hand (no client library needed).
+
+Series (all prefixed `elastic_predictor_`):
+    http_requests_total{method, endpoint, code}          counter; endpoint is the URL rule (`/v1/decisions/<decision_id>`),
+                                                         `unmatched` for 404s of unknown paths (bounded cardinality)
+    http_request_duration_seconds{endpoint}              histogram (buckets below), time inside Flask
+    decisions_total{source, action}                      counter of /v1/plan outcomes: keep, rewrite, reject (422),
+                                                         error (400 / 5xx)
+    model_fits_total, model_fit_failing, model_fit_seconds, model_generation, store_generation
+    fit_log_rmse{profile, gpu}                           fit error of the step model on its history
+    link_fit_log_rmse{link}                              fit error of the collective model per link
+    observations{kind}                                   records in the store
+
+Counters are per process: under gunicorn every worker counts the requests it served, and a scrape reaches
+one worker. Scrape each worker, or run `--workers 1` where exact request counts matter; the gauges read
+from the shared store (observations, generation) agree across workers. The hooks are registered here with
+`before_app_request` / `after_app_request`, so every blueprint's requests are counted.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import defaultdict
+
+from flask import Blueprint, Response, current_app, g, request
+
+from predictor.api import services
+
+bp = Blueprint("metrics", __name__)
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_EXT = "elastic_predictor_metrics"
+
+
+class Registry:
+    """The process's counters and histograms; thread-safe (gthread workers)."""
+
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS):
+        self.buckets = buckets
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str, str], int] = defaultdict(int)
+        self.latency: dict[str, list] = {}     # endpoint -> [bucket counts..., sum, count]
+        self.decisions: dict[tuple[str, str], int] = defaultdict(int)
+
+    def observe(self, method: str, endpoint: str, code: int, seconds: float) -> None:
+        with self._lock:
+            self.requests[(method, endpoint, str(code))] += 1
+            row = self.latency.setdefault(endpoint, [0] * len(self.buckets) + [0.0, 0])
+            for i, bound in enumerate(self.buckets):
+                if seconds <= bound:
+                    row[i] += 1
+            row[-2] += seconds
+            row[-1] += 1
+
+    def decision(self, source: str, action: str) -> None:
+        with self._lock:
+            self.decisions[(source, action)] += 1
+
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        with self._lock:
+            return dict(self.requests), {k: list(v) for k, v in self.latency.items()}, dict(self.decisions)
+
+
+def _escape(value) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(**labels) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}" if labels else ""
+
+
+def _number(value) -> str:
+    if value is None:
+        return "NaN"
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+class Exposition:
+    """Builds the text: HELP and TYPE once per family, then its samples."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str, samples) -> None:
+        full = f"elastic_predictor_{name}"
+        self.lines.append(f"# HELP {full} {help_text}")
+        self.lines.append(f"# TYPE {full} {kind}")
+        for suffix, labels, value in samples:
+            self.lines.append(f"{full}{suffix}{_labels(**labels)} {_number(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+@bp.record_once
+def _install(state) -> None:
+    state.app.extensions[_EXT] = Registry()
+
+
+def registry() -> Registry:
+    return current_app.extensions[_EXT]
+
+
+@bp.before_app_request
+def _start_timer() -> None:
+    g.elastic_metrics_t0 = time.perf_counter()
+
+
+@bp.after_app_request
+def _count(response):
+    t0 = g.pop("elastic_metrics_t0", None)
+    endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    reg = registry()
+    reg.observe(request.method, endpoint, response.status_code, time.perf_counter() - t0 if t0 else 0.0)
+    if endpoint == "/v1/plan" and request.method == "POST":
+        body = request.get_json(silent=True, cache=True)
+        source = body.get("source", "unknown") if isinstance(body, dict) else "unknown"
+        source = source if source in ("job_submit", "cli_filter", "launcher", "cli") else "other"
+        if response.status_code == 200:
+            action = (response.get_json(silent=True) or {}).get("action", "unknown")
+        else:
+            action = "reject" if response.status_code == 422 else "error"
+        reg.decision(source, action)
+    return response
+
+
+def _model_samples(svc) -> tuple[list, list]:
+    """Fit errors of the current model (empty before the first fit)."""
+    try:
+        predictor = svc.models.predictor()
+    except Exception:  # noqa: BLE001 - ModelUnavailable: nothing fitted yet
+        return [], []
+    steps = [("", {"profile": p, "gpu": gpu}, err) for (p, gpu), err in sorted(getattr(predictor, "log_rmse_", {}).items())]
+    links = [("", {"link": s["link"]}, s.get("log_rmse")) for s in predictor.link_stats() if "log_rmse" in s]
+    return steps, links
+
+
+@bp.get("/metrics")
+def metrics():
+    svc = services()
+    requests_, latency, decisions = registry().snapshot()
+    out = Exposition()
+    out.family("http_requests_total", "counter", "HTTP requests served by this process.",
+               [("", {"method": m, "endpoint": e, "code": c}, n) for (m, e, c), n in sorted(requests_.items())])
+    hist = []
+    for endpoint, row in sorted(latency.items()):
+        for bound, count in zip(BUCKETS, row):
+            hist.append(("_bucket", {"endpoint": endpoint, "le": _number(bound)}, count))
+        hist += [("_bucket", {"endpoint": endpoint, "le": "+Inf"}, row[-1]),
+                 ("_sum", {"endpoint": endpoint}, row[-2]), ("_count", {"endpoint": endpoint}, row[-1])]
+    out.family("http_request_duration_seconds", "histogram", "Time to answer a request, inside the app.", hist)
+    out.family("decisions_total", "counter", "Outcomes of POST /v1/plan (keep, rewrite, reject, error) by source.",
+               [("", {"source": s, "action": a}, n) for (s, a), n in sorted(decisions.items())])
+    status = svc.models.status()
+    out.family("model_fits_total", "counter", "Model fits completed by this process.", [("", {}, status["fits"])])
+    out.family("model_fit_failing", "gauge", "1 when the last fit failed (the previous model stays in use).",
+               [("", {}, 1 if status["last_error"] else 0)])
+    out.family("model_fit_seconds", "gauge", "Duration of the last successful fit.", [("", {}, status["fit_s"])])
+    version = status["model_version"]
+    out.family("model_generation", "gauge", "Store generation the current model was fitted on (-1: none yet).",
+               [("", {}, int(version[1:]) if version else -1)])
+    out.family("store_generation", "gauge", "Store generation now (ahead of model_generation while a refit is due).",
+               [("", {}, svc.store.generation())])
+    steps, links = _model_samples(svc)
+    out.family("fit_log_rmse", "gauge", "Fit error (log RMSE) of the step-time model per profile and GPU type.", steps)
+    out.family("link_fit_log_rmse", "gauge", "Fit error (log RMSE) of the collective model per link.", links)
+    out.family("observations", "gauge", "Observation records in the store.",
+               [("", {"kind": k}, n) for k, n in sorted(svc.store.observation_counts().items())])
+    return Response(out.text(), content_type="text/plain; version=0.0.4; charset=utf-8")

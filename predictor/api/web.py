@@ -1,0 +1,138 @@
+"""GET /admin: a small read-only HTML page for admins, and the plots as PNG.
+
+    /admin                          model state, models, links, the newest decisions (`?limit=`, default 50)
+    /admin/plots/scaling.png        predicted vs observed scaling (`?profile=&gpu=` to narrow it)
+    /admin/plots/links.png          per-link all-reduce bandwidth against message size
+
+Same rows as the CLI tables (predictor/admin_tables.py) and the same figures as `elastic-predictor plot`.
+Nothing here writes: the page has no forms, and every link goes to a GET. PNGs are cached per model version
+and store generation, so a page load costs one render per change of the model.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from urllib.parse import urlencode
+
+from flask import Blueprint, Response, current_app, request
+from markupsafe import Markup, escape
+
+from predictor import admin_tables, plots
+from predictor.api import services
+from predictor.errors import ValidationError
+
+bp = Blueprint("web", __name__, url_prefix="/admin")
+_CACHE = "elastic_predictor_plot_cache"
+_CACHE_ENTRIES = 32
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; background: #fff; }
+h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
+table { border-collapse: collapse; font-size: 0.85em; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #e8eef6; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
+tr.rewrite td.action { color: #1a7f37; font-weight: bold; } tr.keep td.action { color: #555; }
+.status { background: #f6f8fa; border: 1px solid #ddd; padding: 0.5em 0.8em; display: inline-block; }
+.bad { color: #b42318; } img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; }
+"""
+
+
+def _predictor(svc):
+    try:
+        return svc.models.predictor()
+    except Exception:  # noqa: BLE001 - ModelUnavailable: nothing fitted yet, the page says so
+        return None
+
+
+def _html_table(rows: list[dict], columns: list, row_class=None, links=None) -> Markup:
+    """An HTML table with the CLI table's columns; `links` maps a column key to `row -> url`."""
+    links = links or {}
+    head = "".join(f"<th>{escape(h)}</th>" for _, h, _ in columns)
+    body = []
+    for row in rows:
+        cls = f' class="{escape(row_class(row))}"' if row_class else ""
+        cells = []
+        for key, _, spec in columns:
+            text = escape(admin_tables.cell(row.get(key), spec))
+            if key in links and row.get(key) is not None:
+                text = Markup(f'<a href="{escape(links[key](row))}">{text}</a>')
+            cells.append(f'<td class="{"n" if spec else escape(key)}">{text}</td>')
+        body.append(f"<tr{cls}>{''.join(cells)}</tr>")
+    if not rows:
+        body.append(f'<tr><td colspan="{len(columns)}">none yet</td></tr>')
+    return Markup(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+
+
+def _limit() -> int:
+    raw = request.args.get("limit", "50")
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise ValidationError("limit", f"expected an integer in 1..1000, got {raw!r}")
+    return int(raw)
+
+
+@bp.get("")
+def index():
+    svc = services()
+    limit = _limit()
+    predictor = _predictor(svc)
+    status = svc.models.status()
+    counts = svc.store.observation_counts()
+    fitted = status["fitted_at_s"]
+    fitted_text = datetime.datetime.fromtimestamp(fitted, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") \
+        if fitted else "not yet"
+    error = f'<br><span class="bad">last fit failed: {escape(status["last_error"])}</span>' \
+        if status["last_error"] else ""
+    models = admin_tables.model_rows(svc.store, predictor)
+    scaling_link = {"profile": lambda r: "plots/scaling.png?" + urlencode(
+        {k: v for k, v in (("profile", r["profile"]), ("gpu", r.get("gpu"))) if v})}
+    decisions = admin_tables.decision_rows(svc.store, limit)
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>elastic-predictor admin</title><style>{STYLE}</style></head>
+<body>
+<h1>elastic-predictor</h1>
+<div class="status">model <b>{escape(status["model_version"] or "none")}</b>, fitted {escape(fitted_text)}
+ &middot; store generation {svc.store.generation()} &middot; {counts.get("step", 0)} step and
+ {counts.get("collective", 0)} collective records &middot; {len(models)} model rows{error}</div>
+<h2>Decisions (newest {limit})</h2>
+{_html_table(decisions, admin_tables.DECISION_COLUMNS, row_class=lambda r: r.get("action") or "",
+             links={"decision_id": lambda r: f"../v1/decisions/{r['decision_id']}"})}
+<h2>Models</h2>
+{_html_table(models, admin_tables.MODEL_COLUMNS, links=scaling_link)}
+<h2>Links</h2>
+{_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
+<h2>Scaling: predicted vs observed</h2>
+<img src="plots/scaling.png" alt="predicted vs observed throughput against GPUs, per model and layout family">
+<h2>Links: bandwidth against message size</h2>
+<img src="plots/links.png" alt="all-reduce bus bandwidth against message size per link">
+<p><small>Read-only. JSON: <a href="../v1/decisions">/v1/decisions</a> &middot; <a href="../v1/links">/v1/links</a>
+ &middot; <a href="../healthz">/healthz</a> &middot; <a href="../metrics">/metrics</a></small></p>
+</body></html>
+"""
+    return Response(page, mimetype="text/html")
+
+
+def _cached_png(kind: str, render, *key) -> Response:
+    svc = services()
+    cache, lock = current_app.extensions.setdefault(_CACHE, ({}, threading.Lock()))
+    full_key = (kind, svc.models.version, svc.store.generation(), *key)
+    with lock:
+        png = cache.get(full_key)
+    if png is None:
+        png = render(svc, _predictor(svc))
+        with lock:
+            if len(cache) >= _CACHE_ENTRIES:
+                cache.pop(next(iter(cache)))
+            cache[full_key] = png
+    return Response(png, mimetype="image/png", headers={"Cache-Control": "no-cache"})
+
+
+@bp.get("/plots/scaling.png")
+def scaling_png():
+    profile, gpu = request.args.get("profile") or None, request.args.get("gpu") or None
+    return _cached_png("scaling", lambda svc, pred: plots.scaling_png(svc.store, pred, profile=profile, gpu=gpu),
+                       profile, gpu)
+
+
+@bp.get("/plots/links.png")
+def links_png():
+    return _cached_png("links", lambda svc, pred: plots.links_png(svc.store, pred))
