@@ -14,7 +14,7 @@ from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
 from predictor.api import AuthError, Services
-from predictor.api import decisions, health, links, observations, predict, profiles
+from predictor.api import decisions, health, links, metrics, observations, predict, profiles, web
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
 from predictor.planner import DirectiveProblem
@@ -65,9 +65,10 @@ def create_app(config: Config | None = None, *, predictor_factory: Callable | No
     store = Store(config.db_path)
     store.migrate()
     models = ModelCache(store, predictor_factory or default_predictor_factory, debounce=config.refit_debounce,
-                        poll=config.refit_poll, cache_size=config.prediction_cache_size)
+                        poll=config.refit_poll, cache_size=config.prediction_cache_size,
+                        min_interval=config.refit_min_interval)
     app.extensions["elastic_predictor"] = Services(config=config, store=store, models=models)
-    for module in (health, profiles, observations, predict, decisions, links):
+    for module in (health, profiles, observations, predict, decisions, links, metrics, web):
         app.register_blueprint(module.bp)
     app.register_error_handler(Exception, handle_error)
     if start_refit:
