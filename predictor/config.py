@@ -40,6 +40,8 @@ class Config:
         max_body_bytes: requests with a larger body get 413.
         refit_debounce: how long new observations are coalesced before the background refit.
         refit_poll: how often each worker checks the store for data written by other workers.
+        refit_min_interval: least time between the end of one fit and the start of the next, so a steady
+            stream of observations cannot keep a worker fitting all the time.
         prediction_cache_size: entries in the per-model-version prediction cache.
         default_min_efficiency: scaling-efficiency threshold when the directives give none.
         max_plan_candidates: cap on the layouts one /v1/plan or /v1/predict evaluates.
@@ -51,6 +53,7 @@ class Config:
     max_body_bytes: int = 4 * 1024 * 1024
     refit_debounce: timedelta = timedelta(seconds=1)
     refit_poll: timedelta = timedelta(seconds=2)
+    refit_min_interval: timedelta = timedelta(seconds=5)
     prediction_cache_size: int = 4096
     default_min_efficiency: float = 0.5
     max_plan_candidates: int = 512
@@ -62,8 +65,8 @@ class Config:
             raise ValidationError("default_min_efficiency", "must lie in [0, 1]")
         if self.prediction_cache_size < 0:
             raise ValidationError("prediction_cache_size", "must be >= 0")
-        if self.refit_debounce < timedelta(0) or self.refit_poll <= timedelta(0):
-            raise ValidationError("refit_debounce", "debounce must be >= 0 and poll > 0")
+        if self.refit_debounce < timedelta(0) or self.refit_min_interval < timedelta(0) or self.refit_poll <= timedelta(0):
+            raise ValidationError("refit_debounce", "debounce and min interval must be >= 0, poll > 0")
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (the object itself stays frozen)."""

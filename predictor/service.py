@@ -44,16 +44,18 @@ class ModelCache:
         debounce: wait after a notification so bursts of observations coalesce into one fit.
         poll: how often to look for writes by other processes.
         cache_size: prediction cache entries (LRU).
+        min_interval: least time between two fits of the background thread.
     """
 
     def __init__(self, store: Store, predictor_factory: Callable[[], Any] = default_predictor_factory,
                  debounce: timedelta = timedelta(seconds=1), poll: timedelta = timedelta(seconds=2),
-                 cache_size: int = 4096):
+                 cache_size: int = 4096, min_interval: timedelta = timedelta(0)):
         self.store = store
         self.predictor_factory = predictor_factory
         self.debounce = debounce
         self.poll = poll
         self.cache_size = cache_size
+        self.min_interval = min_interval
         self._snapshot: tuple[Any, int | None] = (None, None)   # (predictor, generation fitted on)
         self._profiles: dict = {}
         self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -94,6 +96,7 @@ class ModelCache:
                 generation = self.store.generation()
                 if generation not in (self._snapshot[1], self._failed_generation):
                     self.refit()
+                    self._stop.wait(self.min_interval.total_seconds())
             except Exception as exc:  # noqa: BLE001 - the thread must survive a broken fit or store
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("refit failed")

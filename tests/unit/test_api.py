@@ -16,7 +16,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture
 def app(tmp_path):
-    config = Config(db_path=str(tmp_path / "p.db"), token=TOKEN, refit_debounce=timedelta(0),
+    config = Config(db_path=str(tmp_path / "p.db"), token=TOKEN, refit_debounce=timedelta(0), refit_min_interval=timedelta(0),
                     refit_poll=timedelta(milliseconds=50), max_body_bytes=64 * 1024)
     app = create_app(config, predictor_factory=FakePredictor)
     yield app
@@ -226,7 +226,7 @@ def test_openapi_documents_every_route(app, client):
 
 
 def test_a_burst_of_observations_costs_few_fits(tmp_path):
-    config = Config(db_path=str(tmp_path / "b.db"), refit_debounce=timedelta(seconds=1),
+    config = Config(db_path=str(tmp_path / "b.db"), refit_debounce=timedelta(seconds=1), refit_min_interval=timedelta(0),
                     refit_poll=timedelta(milliseconds=50))
     app = create_app(config, predictor_factory=FakePredictor)
     models = app.extensions["elastic_predictor"].models

@@ -25,7 +25,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _app(path):
-    config = Config(db_path=str(path), token=TOKEN, refit_debounce=timedelta(0),
+    config = Config(db_path=str(path), token=TOKEN, refit_debounce=timedelta(0), refit_min_interval=timedelta(0),
                     refit_poll=timedelta(milliseconds=100), max_body_bytes=32 * 1024 * 1024)
     app = create_app(config, predictor_factory=FakePredictor)
     client = app.test_client()
@@ -64,7 +64,7 @@ def test_openapi_fuzz_finds_no_5xx(case):
 def engine_schema(tmp_path_factory):
     """The same API over the production Predictor (predictor.engine), seeded so generated names hit it."""
     app = create_app(Config(db_path=str(tmp_path_factory.mktemp("engine") / "e.db"), token=TOKEN,
-                            refit_debounce=timedelta(0), max_body_bytes=32 * 1024 * 1024))
+                            refit_debounce=timedelta(0), refit_min_interval=timedelta(0), max_body_bytes=32 * 1024 * 1024))
     client = app.test_client()
     profile = dict(profile_from_spec("resnet50").to_dict(), name="0")      # "0": hypothesis' favourite name
     assert client.post("/v1/profiles", json=profile, headers=AUTH).status_code == 201
@@ -117,7 +117,7 @@ def test_plan_with_random_directives_is_200_400_or_422(app, directives, job):
     assert response.status_code in (200, 400, 422), response.get_data(as_text=True)
     body = response.get_json()
     if response.status_code == 422:
-        assert body["field"].startswith("directives[") and body["line"] in directives
+        assert body["field"].startswith("directives[") and body["line"] in [d.rstrip("\r\n") for d in directives]
     if response.status_code == 200:
         assert body["action"] in ("keep", "rewrite") and body["decision_id"].startswith("d-")
 
