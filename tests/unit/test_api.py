@@ -1,6 +1,7 @@
 """The Flask service on a temporary database with a fake Predictor: contract, auth, errors, caching."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 
@@ -238,3 +239,25 @@ def test_a_burst_of_observations_costs_few_fits(tmp_path):
     assert models.wait_fresh(timedelta(seconds=20))
     assert 1 <= models.fits - before <= 2
     models.stop()
+
+
+def test_config_from_env_reads_each_variable_once_and_names_bad_ones(tmp_path):
+    from predictor.errors import ValidationError
+
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps({"partitions": [{"name": "gpu", "nodes": "g[01-08]", "gpus_per_node": 8,
+                                                        "gpu": "A100", "intra_link": "nvlink", "inter_link": "roce"}]}))
+    config = Config.from_env({"ELASTIC_PREDICTOR_TOKEN": "t", "ELASTIC_PREDICTOR_CLUSTER": str(cluster_file),
+                              "ELASTIC_PREDICTOR_MAX_BODY": "2048", "ELASTIC_PREDICTOR_CACHE_SIZE": "0"},
+                             db_path=str(tmp_path / "x.db"))
+    assert config.token == "t" and config.max_body_bytes == 2048 and config.prediction_cache_size == 0
+    assert config.cluster.partition().layouts(16) == [(8, 8), (4, 4, 4, 4), (2,) * 8]
+    assert config.db_path == str(tmp_path / "x.db")
+    with pytest.raises(ValidationError) as info:
+        Config.from_env({"ELASTIC_PREDICTOR_MAX_BODY": "lots"})
+    assert info.value.field == "ELASTIC_PREDICTOR_MAX_BODY"
+    with pytest.raises(ValidationError) as info:
+        Config.from_env({"ELASTIC_PREDICTOR_CLUSTER": str(tmp_path / "missing.json")})
+    assert info.value.field == "cluster"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.token = "changed"
