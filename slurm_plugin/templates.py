@@ -108,6 +108,7 @@ class Params:
         script_options: options of the training script (`--steps`, `--data`, ...).
         launcher_options: options of elastic-launch (`--workers-per-node`, ...).
         python: the interpreter of the command.
+        launcher: what runs in place of `elastic-launch` (a path, or e.g. `python -m elastic_launcher.cli`).
         command: the wrapped command (wrap-train-py only).
         cpu_test: render the small CPU variant.
     """
@@ -119,6 +120,7 @@ class Params:
     script_options: dict = dataclasses.field(default_factory=dict)
     launcher_options: dict = dataclasses.field(default_factory=dict)
     python: str | None = None
+    launcher: list[str] | None = None
     command: list[str] | None = None
     cpu_test: bool = False
 
@@ -259,6 +261,8 @@ def render(template: Template, params: Params) -> str:
         worker = _set_option(worker, flag, value)
     if params.python:
         worker[0] = params.python
+    if params.launcher:
+        launcher = list(params.launcher) + launcher[1:]
     if wrapped is not None:
         if not inner:
             raise TemplateError(f"--command applies to wrap-train-py only, not {template.name}")
@@ -344,6 +348,7 @@ def _pairs(values: tuple[str, ...], what: str) -> dict:
 @click.option("--account", help="#SBATCH --account.")
 @click.option("--job-name", help="#SBATCH --job-name.")
 @click.option("--python", help="Interpreter of the command (default: python on the job's PATH).")
+@click.option("--launcher", help="Command in place of elastic-launch, e.g. /opt/venv/bin/elastic-launch.")
 @click.option("--command", "wrapped", help="wrap-train-py: your command, e.g. \"python train.py --epochs 3\".")
 @click.option("--set", "script_set", multiple=True, metavar="OPT=VALUE",
               help="Another option of the training script, e.g. --set lr=0.05 for --lr 0.05 (repeatable).")
@@ -352,7 +357,8 @@ def _pairs(values: tuple[str, ...], what: str) -> dict:
               help="Template directory (default: the installed sbatch_templates/).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
 def new_cmd(name, gpus, gpus_per_node, per_gpu_batch, max_global_batch, min_efficiency, objective, gpu_type, model,
-            elastic, steps, data, time_limit, partition, account, job_name, python, wrapped, script_set, cpu_test,
+            elastic, steps, data, time_limit, partition, account, job_name, python, launcher, wrapped, script_set,
+            cpu_test,
             directory, out) -> None:
     """Render template NAME with your values into a batch script.
 
@@ -368,7 +374,8 @@ def new_cmd(name, gpus, gpus_per_node, per_gpu_batch, max_global_batch, min_effi
         script["--data"] = data
     script.update(_pairs(script_set, "--set"))
     params = Params(gpus=gpus, gpus_per_node=gpus_per_node, directives=directives, sbatch=sbatch,
-                    script_options=script, python=python, command=shlex.split(wrapped) if wrapped else None,
+                    script_options=script, python=python, launcher=shlex.split(launcher) if launcher else None,
+                    command=shlex.split(wrapped) if wrapped else None,
                     cpu_test=cpu_test)
     try:
         text = render(get(name, directory), params)
