@@ -126,8 +126,8 @@ class Params:
 
 
 def _gpu_bounds(text: str) -> tuple[int, int]:
-    low, _, high = text.partition("-")
-    if not low.isdigit() or (high and not high.isdigit()) or int(low) < 1 or int(high or low) < int(low):
+    low, dash, high = text.partition("-")
+    if not low.isdigit() or (dash and not high.isdigit()) or int(low) < 1 or int(high or low) < int(low):
         raise TemplateError(f"--gpus: expected N or MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
     return int(low), int(high or low)
 
@@ -157,11 +157,27 @@ def _set_option(tokens: list[str], flag: str, value: str | None) -> list[str]:
     return out
 
 
-def _split(text: str) -> tuple[list[str], list[str]]:
-    """(directive block lines, command lines) of a template."""
+def split_script(text: str) -> tuple[list[str], list[str]]:
+    """(directive block lines, command lines) of a batch script."""
     lines = text.splitlines()
     end = next((i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")), len(lines))
     return lines[:end], lines[end:]
+
+
+def command_parts(command_lines: list[str], where: str = "script") -> tuple[list[str], list[str], list[str]]:
+    """Split a template's command into (elastic-launch and its options, the worker command, `--` and a
+    wrapped command or nothing).
+
+    Raises:
+        TemplateError: the command is not `elastic-launch ... -- <worker command>`.
+    """
+    tokens = shlex.split(" ".join(line.rstrip("\\").strip() for line in command_lines if line.strip()))
+    if not tokens or tokens[0] != "elastic-launch" or "--" not in tokens:
+        raise TemplateError(f"{where}: the command must be `elastic-launch ... -- python -m ...`")
+    cut = tokens.index("--")
+    launcher, worker = tokens[:cut], tokens[cut + 1:]
+    nested = worker.index("--") if "--" in worker else len(worker)
+    return launcher, worker[:nested], worker[nested:]
 
 
 def _edit_sbatch(block: list[str], options: dict) -> list[str]:
@@ -221,7 +237,7 @@ def render(template: Template, params: Params) -> str:
     Raises:
         TemplateError: bad parameters, or a result whose directives do not parse.
     """
-    block, command_lines = _split(template.text)
+    block, command_lines = split_script(template.text)
     sbatch = dict(params.sbatch)
     directives = dict(params.directives)
     script = dict(params.script_options)
@@ -248,13 +264,7 @@ def render(template: Template, params: Params) -> str:
         script.setdefault("--per-gpu-batch", str(directives["per_gpu_batch"]))
     block = _edit_directives(_edit_sbatch(block, sbatch), directives)
 
-    tokens = shlex.split(" ".join(line.rstrip("\\").strip() for line in command_lines if line.strip()))
-    if not tokens or tokens[0] != "elastic-launch" or "--" not in tokens:
-        raise TemplateError(f"{template.path}: the command must be `elastic-launch ... -- python -m ...`")
-    cut = tokens.index("--")
-    launcher, worker = tokens[:cut], tokens[cut + 1:]
-    nested = worker.index("--") if "--" in worker else len(worker)
-    worker, inner = worker[:nested], worker[nested:]
+    launcher, worker, inner = command_parts(command_lines, str(template.path))
     for flag, value in launcher_opts.items():
         launcher = _set_option(launcher, flag, value)
     for flag, value in script.items():

@@ -27,7 +27,8 @@ def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options (the templates' commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, steps=5000, per_gpu_batch=8, lr=3e-4)
     parser.add_argument("--size", choices=sorted(models.GPT_SIZES), default="gpt2-small")
@@ -35,6 +36,11 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, default=None, help="text file, byte-level (default: synthetic)")
     parser.add_argument("--dataset-size", type=int, default=1_000_000, help="samples of the synthetic data")
     parser.add_argument("--profile", default="gpt2", help="predictor profile name (#ELASTIC model=)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     size = models.GPT_SIZES[args.size]
     if args.context:

@@ -37,7 +37,8 @@ def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(model(images), labels)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options (the templates' commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, steps=2000, per_gpu_batch=64, lr=0.1)
     parser.add_argument("--arch", default="resnet50", help="resnet50 | resnet101 | resnet-tiny (CPU tests)")
@@ -46,6 +47,11 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", type=int, default=1000, help="classes of the synthetic data")
     parser.add_argument("--dataset-size", type=int, default=1_281_167, help="samples of the synthetic data")
     parser.add_argument("--profile", default="resnet50", help="predictor profile name (#ELASTIC model=)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     dataset, classes = build_dataset(args)
     model = models.build_resnet(args.arch, classes)

@@ -55,7 +55,8 @@ def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(model(tokens), labels)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options (the templates' commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, steps=3000, per_gpu_batch=32, lr=2e-5)
     parser.add_argument("--hf-model", default=None, help="transformers model name or local directory")
@@ -68,6 +69,11 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, default=None, help=".pt file with inputs/targets (default: synthetic)")
     parser.add_argument("--dataset-size", type=int, default=100_000, help="samples of the synthetic data")
     parser.add_argument("--profile", default="bert-base-uncased", help="predictor profile name (#ELASTIC model=)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     vocab = models.ENCODER_SIZES[args.size].vocab
     if args.data is not None:

@@ -41,10 +41,16 @@ def torchrun_env(rank: int, world: int, local_rank: int, local_world: int, maste
             "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": host, "MASTER_PORT": port}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options (the templates' commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the plan and the master")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python train.py")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
