@@ -254,6 +254,41 @@ def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
 
 
 @main.command()
+@click.argument("script", type=click.File("r", encoding="utf-8"))
+@click.option("--nodes", default=None, type=click.IntRange(1, 4096), help="nodes the job asks for (-N)")
+@click.option("--gpus-per-node", default=None, type=click.IntRange(1, 64), help="GPUs per node it asks for")
+@click.option("--partition", default=None, help="partition (default: the cluster model's default)")
+@click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
+@click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False), help="cluster model JSON file")
+def plan(script, nodes, gpus_per_node, partition, db, cluster):
+    """Plan a batch script as the job_submit hook would; the decision is stored like the service's.
+
+    Example: elastic-predictor plan train.sbatch --nodes 1 --gpus-per-node 4
+    """
+    from predictor import planner  # noqa: PLC0415
+    from slurm_plugin.directives import directive_lines  # noqa: PLC0415
+
+    config = _config(db, cluster)
+    job = {"min_nodes": nodes, "partition": partition,
+           "tres_per_node": f"gres:gpu:{gpus_per_node}" if gpus_per_node else None}
+    body = {"source": "cli", "directives": [line for _, line in directive_lines(script.read())], "job": job}
+    try:
+        request = planner.parse_request(body)
+    except (ValidationError, planner.DirectiveProblem) as exc:
+        raise click.ClickException(str(exc)) from None
+    cache = _fitted_cache(config)
+    decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates)
+    decision = cache.store.add_decision(body, decision, "cli", cache.version)
+    click.echo(f"{decision['decision_id']} {decision['action']}: {decision['reason']}")
+    if decision["curve"]:
+        for point in decision["curve"]:
+            point["shape"] = planner.layout_name(point["layout"])
+        click.echo(_table(decision["curve"], [("gpus", "gpus", "d"), ("shape", "nodes x gpus", "s"),
+                                              ("samples_per_s", "samples/s", ".1f"), ("efficiency", "efficiency", ".2f"),
+                                              ("global_batch", "global batch", "d")]))
+
+
+@main.command()
 @click.option("--db", default=None, help="SQLite database, for fit errors when bench/accuracy.py is absent")
 @click.option("--datasets", default=None, help="passed to bench/accuracy.py --datasets")
 @click.option("--write", is_flag=True, help="let bench/accuracy.py write bench/results")

@@ -16,7 +16,7 @@ from predictor.cli import main
 from predictor.store import Store
 from tests.unit._service_fakes import COLLECTIVE, STEP
 
-COMMANDS = ["serve", "import", "profile", "predict", "evaluate", "decisions"]
+COMMANDS = ["serve", "import", "profile", "predict", "plan", "evaluate", "decisions"]
 
 
 @pytest.fixture
@@ -92,13 +92,25 @@ def test_predict_prints_a_table_of_candidates(runner, history):
     assert bad.exit_code == 2
 
 
+def test_plan_a_batch_script(runner, history, tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -N1\n#ELASTIC model=resnet50 gpus=1-8\n#ELASTIC per_gpu_batch=64\nsrun true\n")
+    result = runner.invoke(main, ["plan", str(script), "--db", history, "--nodes", "1", "--gpus-per-node", "4"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("d-1 ") and "elastic: " in result.output and "efficiency" in result.output
+    bad = tmp_path / "bad.sbatch"
+    bad.write_text("#ELASTIC gpus=8-2\n")
+    broken = runner.invoke(main, ["plan", str(bad), "--db", history])
+    assert broken.exit_code == 1 and "line 1" in broken.output and "above maximum" in broken.output
+
+
 def test_evaluate_fit_errors_and_decisions_table(runner, history):
     result = runner.invoke(main, ["evaluate", "--db", history, "--fit-errors"])
     assert result.exit_code == 0, result.output
     assert "resnet50 on H200" in result.output and "nvlink" in result.output
     Store(history).add_decision({"directives": []}, {"action": "keep", "reason": "not an elastic job"}, "cli", None)
     table = runner.invoke(main, ["decisions", "--db", history])
-    assert table.exit_code == 0 and "d-1" in table.output and "not an elastic job" in table.output
+    assert table.exit_code == 0 and "d-1 " in table.output and "not an elastic job" in table.output
 
 
 def _free_port() -> int:
