@@ -1,0 +1,307 @@
+"""Admin views: terminal tables (models, links), plots, Prometheus /metrics and the read-only /admin page.
+
+Everything runs on a small seeded history fitted with the real engine.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from matplotlib.image import imread
+
+from predictor import admin_tables, plots
+from predictor.app import create_app
+from predictor.cli import main as predictor_cli
+from predictor.config import Config
+from predictor.engine import Predictor
+from predictor.errors import NotFoundError
+from predictor.profiles import Profile, profile_from_spec
+from predictor.store import Store
+
+LINKS = {"nvlink": (150e9, 2e-5), "ib": (20e9, 3e-5)}
+LAYOUTS = ([1], [2], [4], [2, 2], [4, 4])
+
+
+def seed_records() -> list[dict]:
+    """Profiles and observations shaped like design.md's, from a known alpha-beta world."""
+    out = [{"kind": "profile", **profile_from_spec(name).to_dict()} for name in ("resnet50", "gpt2")]
+    for link, (bw, alpha) in LINKS.items():
+        for world in (2, 4, 8):
+            for nbytes in (1 << 16, 1 << 20, 1 << 24, 1 << 27):
+                seconds = alpha * 2 * (world - 1) + 2 * (world - 1) / world * nbytes / bw
+                out.append({"kind": "collective", "op": "allreduce", "link": link, "world": world, "bytes": nbytes,
+                            "seconds": seconds, "gpu": "H200"})
+    for profile, per_sample in (("resnet50", 0.0005), ("gpt2", 0.012)):
+        for layout in LAYOUTS:
+            rec = {"kind": "step", "profile": profile, "gpu": "H200", "layout": layout, "intra_link": "nvlink",
+                   "per_gpu_batch": 64, "iter_s": 64 * per_sample + 0.004 * (sum(layout) > 1) + 0.01 * (len(layout) - 1)}
+            if len(layout) > 1:
+                rec["inter_link"] = "ib"
+            out.append(rec)
+    return out
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def seeded_db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("admin") / "p.db"
+    jsonl = _write_jsonl(path.with_suffix(".jsonl"), seed_records())
+    result = CliRunner().invoke(predictor_cli, ["import", "--db", str(path), str(jsonl)])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+@pytest.fixture(scope="module")
+def fitted(seeded_db):
+    store = Store(str(seeded_db))
+    profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
+    yield store, Predictor().fit(profiles, store.observations())
+    store.close()
+
+
+@pytest.fixture()
+def app(seeded_db, tmp_path):
+    db = tmp_path / "app.db"
+    db.write_bytes(seeded_db.read_bytes())
+    application = create_app(Config(db_path=str(db)), start_refit=False)
+    application.extensions["elastic_predictor"].models.refit()
+    yield application
+    application.extensions["elastic_predictor"].store.close()
+
+
+def _png(data: bytes) -> np.ndarray:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return imread(io.BytesIO(data), format="png")
+
+
+def _colours(image: np.ndarray) -> int:
+    return len(np.unique(image.reshape(-1, image.shape[-1]), axis=0))
+
+
+# --- tables -------------------------------------------------------------------------------------------------
+def test_render_table_aligns_and_fits_the_width():
+    rows = [{"name": "a", "n": 3, "x": 1.5, "text": "short"},
+            {"name": "bb", "n": 12345, "x": None, "text": "a very long reason " * 10}]
+    cols = [("name", "name", ""), ("n", "count", "d"), ("x", "x", ".2f"), ("text", "why", "")]
+    table = admin_tables.render_table(rows, cols, width=60)
+    lines = table.splitlines()
+    assert len(lines) == 4 and all(len(line) <= 60 for line in lines)
+    assert lines[2].split()[:3] == ["a", "3", "1.50"] and "    -  " in lines[3]     # missing value shown as -
+    assert lines[3].rstrip().endswith("…")
+    assert lines[2].index("3") + 1 == lines[1].index("  ", lines[1].index("-----"))  # numbers right-aligned
+    assert admin_tables.render_table(rows, cols, width=500).count("a very long reason") == 10
+
+
+def test_layout_names():
+    assert [admin_tables.layout_name(x) for x in ([4], [4, 4], [3, 1], [], None)] == ["4", "2x4", "3+1", "-", "-"]
+
+
+def test_model_rows_from_history_and_fit(fitted):
+    store, predictor = fitted
+    rows = {r["profile"]: r for r in admin_tables.model_rows(store, predictor)}
+    assert set(rows) == {"resnet50", "gpt2"}
+    r = rows["resnet50"]
+    assert r["gpu"] == "H200" and r["steps"] == len(LAYOUTS) and r["basis"] == "observed"
+    assert r["layouts"] == "1 2 4 2x2 2x4" and abs(r["params_m"] - 25.557) < 0.01
+    assert 0 <= r["log_rmse"] < 0.2
+    unfitted = {r["profile"]: r for r in admin_tables.model_rows(store, None)}
+    assert unfitted["gpt2"]["log_rmse"] is None and unfitted["gpt2"]["basis"] == "not fitted"
+
+
+def test_link_rows_recover_the_seeded_links(fitted):
+    store, predictor = fitted
+    rows = {r["link"]: r for r in admin_tables.link_rows(store, predictor)}
+    assert set(rows) == set(LINKS) and all(r["collectives"] == 12 for r in rows.values())
+    assert rows["nvlink"]["bandwidth_gbs"] > rows["ib"]["bandwidth_gbs"] > 1
+
+
+def test_cli_models_and_links_tables(seeded_db):
+    runner = CliRunner()
+    models = runner.invoke(predictor_cli, ["models", "--db", str(seeded_db), "--width", "100"])
+    assert models.exit_code == 0, models.output
+    lines = models.output.splitlines()
+    assert lines[0].split()[:2] == ["profile", "gpu"] and set(lines[1]) <= {"-", " "}
+    assert any(line.startswith("resnet50") and "H200" in line and "observed" in line for line in lines)
+    assert all(len(line) <= 100 for line in lines)
+    links = runner.invoke(predictor_cli, ["links", "--db", str(seeded_db)])
+    assert links.exit_code == 0 and re.search(r"^nvlink\s+12\s", links.output, re.M), links.output
+    quick = runner.invoke(predictor_cli, ["models", "--db", str(seeded_db), "--no-fit"])
+    assert quick.exit_code == 0 and "not fitted" in quick.output
+
+
+def test_cli_tables_on_an_empty_database_say_so(tmp_path):
+    result = CliRunner().invoke(predictor_cli, ["models", "--db", str(tmp_path / "empty.db")])
+    assert result.exit_code != 0 and "no profiles and no step history" in result.output
+
+
+# --- plots --------------------------------------------------------------------------------------------------
+def test_scaling_series_matches_the_records_and_predicts_each_family(fitted):
+    store, predictor = fitted
+    panels = plots.scaling_series(store, predictor, profile="resnet50")
+    assert len(panels) == 1 and panels[0]["per_gpu_batch"] == 64
+    series = {s["label"]: s for s in panels[0]["series"]}
+    assert set(series) == {"1 node, nvlink", "2 GPUs/node, nvlink+ib", "4 GPUs/node, nvlink+ib"}
+    one = series["1 node, nvlink"]
+    assert sorted(o[0] for o in one["observed"]) == [1, 2, 4]
+    assert abs(min(one["observed"])[1] - 64 / (64 * 0.0005)) < 1e-6      # samples/s = gpus * batch / iter_s
+    assert [p[0] for p in one["predicted"]] == [1, 2, 3, 4]
+    four = series["4 GPUs/node, nvlink+ib"]
+    assert [p[0] for p in four["predicted"]] == [4, 8, 12, 16]
+    observed8 = next(o[1] for o in four["observed"] if o[0] == 8)
+    predicted8 = dict(four["predicted"])[8]
+    assert abs(np.log(predicted8 / observed8)) < 0.3                          # the fit follows its history
+    with pytest.raises(NotFoundError):
+        plots.scaling_series(store, predictor, profile="nope")
+
+
+def test_link_series_uses_bus_bandwidth(fitted):
+    store, predictor = fitted
+    series = {s["link"]: s for s in plots.links_series(store, predictor)}
+    big = [o for o in series["nvlink"]["observed"] if o[0] == 1 << 27]
+    assert all(abs(o[1] / 150e9 - 1) < 0.25 for o in big)                   # every world size near the link's bw
+    curve = series["ib"]["predicted"]
+    assert all(b2 >= b1 * 0.999 for (_, b1), (_, b2) in zip(curve, curve[1:]))  # bandwidth never falls with size
+
+
+def test_pngs_are_real_pictures(fitted):
+    store, predictor = fitted
+    for data in (plots.scaling_png(store, predictor), plots.links_png(store, predictor)):
+        image = _png(data)
+        assert image.shape[0] > 300 and image.shape[1] > 500 and _colours(image) > 20
+
+
+def test_plots_of_an_empty_store_explain_themselves(tmp_path):
+    store = Store(str(tmp_path / "e.db"))
+    store.migrate()
+    assert _colours(_png(plots.scaling_png(store, None))) > 2
+    assert _colours(_png(plots.links_png(store, None))) > 2
+    store.close()
+
+
+def test_cli_plot_writes_pngs(seeded_db, tmp_path):
+    runner = CliRunner()
+    for kind, extra in (("scaling", ["--profile", "gpt2"]), ("links", [])):
+        out = tmp_path / f"{kind}.png"
+        result = runner.invoke(predictor_cli, ["plot", kind, "--db", str(seeded_db), "--out", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        assert _colours(_png(out.read_bytes())) > 20
+    bad = runner.invoke(predictor_cli, ["plot", "scaling", "--db", str(seeded_db), "--profile", "nope",
+                                        "--out", str(tmp_path / "x.png")])
+    assert bad.exit_code != 0 and "nope" in bad.output
+
+
+# --- /metrics -----------------------------------------------------------------------------------------------
+PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-8 per_gpu_batch=64 gpu_type=H200"],
+        "job": {"user": "alice", "partition": "debug"}}
+SAMPLE = re.compile(r'^([a-z_]+)(\{([a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*)\})? (-?[0-9.e+-]+|NaN|\+Inf)$')
+
+
+def _metrics(client) -> dict[str, float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.content_type.startswith("text/plain; version=0.0.4")
+    values, typed = {}, set()
+    for line in response.get_data(as_text=True).splitlines():
+        if line.startswith("# TYPE "):
+            name = line.split()[2]
+            assert name not in typed, f"TYPE given twice for {name}"
+            typed.add(name)
+            continue
+        if line.startswith("#"):
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not exposition format: {line!r}"
+        key = line.rsplit(" ", 1)[0]
+        values[key] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def test_metrics_count_requests_latency_decisions_and_fit_errors(app):
+    client = app.test_client()
+    assert client.post("/v1/plan", json=PLAN).get_json()["action"] == "rewrite"
+    assert client.post("/v1/plan", json={**PLAN, "source": "launcher"}).status_code == 200
+    assert client.post("/v1/plan", json={**PLAN, "directives": ["#ELASTIC colour=blue"]}).status_code == 422
+    assert client.post("/v1/plan", json={**PLAN, "directives": ["#ELASTIC model=unknown-net"]}).status_code == 200
+    assert client.get("/no/such/path").status_code == 404
+    m = _metrics(client)
+    assert m['elastic_predictor_http_requests_total{method="POST",endpoint="/v1/plan",code="200"}'] == 3
+    assert m['elastic_predictor_http_requests_total{method="POST",endpoint="/v1/plan",code="422"}'] == 1
+    assert m['elastic_predictor_http_requests_total{method="GET",endpoint="unmatched",code="404"}'] == 1
+    assert m['elastic_predictor_decisions_total{source="job_submit",action="rewrite"}'] == 1
+    assert m['elastic_predictor_decisions_total{source="launcher",action="rewrite"}'] == 1
+    assert m['elastic_predictor_decisions_total{source="job_submit",action="reject"}'] == 1
+    assert m['elastic_predictor_decisions_total{source="job_submit",action="keep"}'] == 1
+    buckets = [v for k, v in m.items() if k.startswith('elastic_predictor_http_request_duration_seconds_bucket'
+                                                        '{endpoint="/v1/plan"')]
+    assert buckets == sorted(buckets) and buckets[-1] == 4                     # cumulative, +Inf = count
+    assert m['elastic_predictor_http_request_duration_seconds_count{endpoint="/v1/plan"}'] == 4
+    assert m['elastic_predictor_http_request_duration_seconds_sum{endpoint="/v1/plan"}'] > 0
+    assert 0 <= m['elastic_predictor_fit_log_rmse{profile="resnet50",gpu="H200"}'] < 0.2
+    assert 'elastic_predictor_link_fit_log_rmse{link="nvlink"}' in m
+    assert m["elastic_predictor_model_fits_total"] == 1 and m["elastic_predictor_model_fit_failing"] == 0
+    assert m['elastic_predictor_observations{kind="step"}'] == 2 * len(LAYOUTS)
+    assert m["elastic_predictor_model_generation"] == m["elastic_predictor_store_generation"]
+    again = _metrics(client)   # the scrape itself is counted on the next one
+    assert again['elastic_predictor_http_requests_total{method="GET",endpoint="/metrics",code="200"}'] == 1
+
+
+def test_metrics_label_values_are_escaped():
+    from predictor.api.metrics import _labels
+
+    assert _labels(a='x"y\\z\nw') == '{a="x\\"y\\\\z\\nw"}'
+
+
+# --- /admin -------------------------------------------------------------------------------------------------
+def test_admin_page_lists_decisions_models_links_and_plots(app):
+    client = app.test_client()
+    decision = client.post("/v1/plan", json=PLAN).get_json()
+    page = client.get("/admin")
+    assert page.status_code == 200 and page.mimetype == "text/html"
+    html = page.get_data(as_text=True)
+    assert f'href="../v1/decisions/{decision["decision_id"]}"' in html and "2x4" in html
+    assert "resnet50" in html and "gpt2" in html and "nvlink" in html and ">observed<" in html
+    assert '<img src="plots/scaling.png"' in html and '<img src="plots/links.png"' in html
+    assert "plots/scaling.png?profile=resnet50&amp;gpu=H200" in html
+    assert "<form" not in html.lower()
+    for url in ("/admin/plots/scaling.png", "/admin/plots/links.png", "/admin/plots/scaling.png?profile=gpt2"):
+        response = client.get(url)
+        assert response.status_code == 200 and response.mimetype == "image/png", url
+        assert _colours(_png(response.data)) > 20
+        assert client.get(url).data == response.data                          # cached per model version
+
+
+def test_admin_escapes_stored_text(app):
+    """The API validates names, but the page must not trust the database either."""
+    client = app.test_client()
+    store = app.extensions["elastic_predictor"].store
+    store.add_decision({"directives": []}, {"action": "keep", "reason": "<script>alert(1)</script>"}, "cli", None)
+    html = client.get("/admin").get_data(as_text=True)
+    assert "<script>alert(1)</script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_admin_is_read_only_and_validates_its_parameter(app):
+    client = app.test_client()
+    assert client.post("/admin").status_code == 405
+    bad = client.get("/admin?limit=0")
+    assert bad.status_code == 400 and bad.get_json()["field"] == "limit"
+    assert client.get("/admin/plots/scaling.png?profile=nope").status_code == 404
+    for _ in range(3):
+        client.post("/v1/plan", json=PLAN)
+    assert client.get("/admin?limit=2").get_data(as_text=True).count('href="../v1/decisions/d-') == 2
+
+
+def test_admin_before_the_first_fit(seeded_db, tmp_path):
+    db = tmp_path / "cold.db"
+    db.write_bytes(seeded_db.read_bytes())
+    application = create_app(Config(db_path=str(db)), start_refit=False)
+    html = application.test_client().get("/admin").get_data(as_text=True)
+    assert "model <b>none</b>, fitted not yet" in html and "not fitted" in html
+    assert application.test_client().get("/admin/plots/scaling.png").status_code == 200
+    application.extensions["elastic_predictor"].store.close()
