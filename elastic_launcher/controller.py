@@ -18,24 +18,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import requests
 import torch.distributed as dist
 
-from elastic_launcher.errors import ElasticError, RendezvousTimeout, ResizeConflict
 from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
 from elastic_launcher.launch_config import LaunchConfig
-from elastic_launcher.membership import PREFIX as MEMBERSHIP_PREFIX
-from elastic_launcher.membership import Coordinator, Plan
-from elastic_launcher.resize import LAUNCHER_PREFIX, ControlInbox, choose_leavers, helper_script, wait_until
+from elastic_launcher.membership import Coordinator
+from elastic_launcher.resize import LAUNCHER_PREFIX, ControlInbox, NodeSlot, Transitions, wait_until
 from elastic_launcher.stragglers import StragglerDetector
-from elastic_launcher.workers import WorkerPool, transition_idle_s
+from elastic_launcher.workers import WorkerPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +187,8 @@ class AutoscalePolicy:
 
 
 log = logging.getLogger("elastic_launcher.controller")
-# Time a worker gets to exit after it left the group (or failed) before its step is signalled.
-EXIT_GRACE = timedelta(seconds=5)
+# At one size, /v1/plan is asked at most this often (seconds).
+PLAN_INTERVAL_S = 15.0
 records_log = logging.getLogger("elastic_launcher.records")
 
 
@@ -250,18 +247,7 @@ class PredictorClient:
         return reply if isinstance(reply, dict) and reply.get("action") in ("keep", "rewrite") else None
 
 
-@dataclasses.dataclass
-class NodeSlot:
-    """A node the job trains on. `owner` is the allocation holding it (main job or a helper job);
-    `prefix` is the prefix of its workers' ids (`j<owner>-<node>-`), `wids` the ids once joined."""
-
-    node: str
-    owner: str
-    prefix: str
-    wids: tuple[str, ...] = ()
-
-
-class Controller:
+class Controller(Transitions):
     """Runs one elastic job from the batch step (see the module docstring).
 
     Args:
@@ -291,6 +277,7 @@ class Controller:
         self.failures_in_a_row = 0
         self.operator_cap: Optional[int] = None
         self._last_keep: Optional[str] = None
+        self._plan_cache: tuple = (None, 0.0, None)  # (nodes asked at, when, plan's node count)
         self.records: Optional[RecordLog] = None
         self._stop_beat = threading.Event()
 
@@ -358,66 +345,6 @@ class Controller:
                            stats=stats)
         self._measure_reset()
 
-    def _joined(self) -> list[str]:
-        """Worker ids that announced themselves (`elastic/joined/<wid>`), read from the raw store.
-
-        (Coordinator.joined() lists through a PrefixStore, whose list_keys() strips the prefix, and finds none.)
-        """
-        head = f"{MEMBERSHIP_PREFIX}joined/"
-        return sorted(k[len(head):] for k in self.server.list_keys() if k.startswith(head))
-
-    def _wait_switched(self, plan: Plan) -> dict:
-        """Wait for `plan`'s first committed step; return the runtime's switch record (resize plans) plus
-        `idle_s`: the extra time the survivors' step took across the transition (from rank 0's progress).
-
-        Raises:
-            RendezvousTimeout: not within `rendezvous_timeout`, or the workers all ended meanwhile.
-        """
-        key = f"{MEMBERSHIP_PREFIX}switched/{plan.id}"
-        head: dict = {}
-
-        def first_step() -> bool:
-            head.update(self._progress(plan.members[:1]).get(plan.members[0]) or {})
-            return head.get("epoch") == plan.id and (plan.kind != "resize" or self.server.check([key]))
-
-        def superseded() -> bool:
-            return self.coord.current().id > plan.id
-
-        if not wait_until(lambda: first_step() or superseded() or self._finished() is not None,
-                          self.config.rendezvous_timeout, interval=0.05) or not first_step():
-            raise RendezvousTimeout(f"job {self.job_id}: epoch {plan.id} ({plan.world_size} workers) reported no "
-                                    f"first step within {self.config.rendezvous_timeout.total_seconds():g} s "
-                                    f"or the workers ended")
-        stats = json.loads(self.server.get(key)) if self.server.check([key]) else {}
-        idle = transition_idle_s(head.get("recent", []), plan.id)
-        stats["idle_s"] = None if idle is None else round(idle, 3)
-        return stats
-
-    def _wait_joined(self, nodes: Sequence[str]) -> list[str]:
-        """Wait until every node has `slots` joined workers; set their wids; return them in node order.
-
-        Raises:
-            RendezvousTimeout: after `rendezvous_timeout`, naming the nodes short of workers.
-        """
-        missing: list[str] = []
-
-        def ready() -> bool:
-            joined = self._joined()
-            missing.clear()
-            for node in nodes:
-                slot = self.nodes[node]
-                mine = sorted((w for w in joined if w.startswith(slot.prefix)), key=lambda w: int(w.rsplit("-", 1)[1]))
-                if len(mine) >= self.slots:
-                    slot.wids = tuple(mine[: self.slots])
-                else:
-                    missing.append(f"{node} ({len(mine)}/{self.slots})")
-            return not missing
-
-        if not wait_until(ready, self.config.rendezvous_timeout, interval=0.1):
-            raise RendezvousTimeout(f"job {self.job_id}: workers did not join within "
-                                    f"{self.config.rendezvous_timeout.total_seconds():g} s on {', '.join(missing)}")
-        return [w for node in nodes for w in self.nodes[node].wids]
-
     # -- the loop ------------------------------------------------------------------------------------
     def _loop(self) -> str:
         while True:
@@ -459,54 +386,6 @@ class Controller:
         for node in dict.fromkeys(failed + evicted):
             if node in self.nodes:
                 self._node_failed(node, evicted=node not in failed)
-
-    def _node_failed(self, node: str, evicted: bool = False) -> None:
-        slot = self.nodes[node]
-        dead = set(slot.wids)
-        t0 = time.monotonic()
-        self.records.write("failure", node=node, owner=slot.owner, workers=sorted(dead),
-                           cause="left out of the membership while running" if evicted else "workers ended")
-        self.failures_in_a_row += 1
-        if self.failures_in_a_row > self.config.max_failures:
-            raise ElasticError(f"job {self.job_id}: {self.failures_in_a_row} failures in a row (last: {node})")
-        recovered = wait_until(lambda: not dead & set(self.coord.current().members), self.config.rendezvous_timeout)
-        plan = self.coord.current()
-        stats = {}
-        if recovered:
-            try:
-                stats = self._wait_switched(plan)
-            except RendezvousTimeout as exc:
-                log.warning("recovery epoch %d did not report a first step: %s", plan.id, exc)
-        before = len(self.nodes)
-        if node == self.alloc.batch_host:  # cannot be released: end its workers, start fresh ones there
-            self.pool.stop(node, EXIT_GRACE)
-            self.pool.forget(node)
-            self.nodes.pop(node)
-        else:
-            self._release([node], reason=f"workers on {node} failed")
-        self.records.write("transition", action="failure", epoch=plan.id, from_nodes=before,
-                           to_nodes=len(self.nodes), world=plan.world_size, recovered=recovered,
-                           wall_s=round(time.monotonic() - t0, 3), pause_s=stats.get("pause_s"),
-                           idle_s=stats.get("idle_s"), stats=stats)
-        self._measure_reset()
-        if node == self.alloc.batch_host:
-            self._rejoin(node)
-
-    def _rejoin(self, node: str) -> None:
-        """Start new workers on a node of the main allocation and add them to the membership."""
-        before = len(self.nodes)
-        step = self.pool.start(node, self.slots, self.alloc.env, owner_job=self.job_id)
-        self.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
-        try:
-            self._wait_joined([node])
-            plan, stats, wall = self._resize_members(add=[node])
-        except (RendezvousTimeout, ResizeConflict) as exc:
-            self.records.write("transition_failed", action="rejoin", node=node, error=str(exc))
-            return
-        self.records.write("transition", action="rejoin", epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
-                           world=plan.world_size, nodes_in=[node], wall_s=round(wall, 3),
-                           pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), stats=stats)
-        self._measure_reset()
 
     def _handle_request(self, seq: int, request: dict) -> None:
         target = request.get("nodes")
@@ -593,11 +472,13 @@ class Controller:
                                  "gpu": self.config.directives.gpu_type, "layout": layout, "intra_link": "shm",
                                  "inter_link": "socket", "per_gpu_batch": self.config.directives.per_gpu_batch,
                                  "iter_s": m.step_s}])
-        if not (self.config.autoscale and self.config.directives.elastic):
+        if not self.config.directives.elastic:
             return
         slow = self.stragglers.observe(compute_by_node)
-        if slow:
+        if slow:  # stragglers are handled like failures, also with --no-autoscale
             self._replace_stragglers(slow, compute_by_node)
+            return
+        if not self.config.autoscale:
             return
         plan_nodes = self._ask_plan(m, layout)
         free = self._free_nodes()
@@ -620,9 +501,13 @@ class Controller:
             self._shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
 
     def _ask_plan(self, m: Measurement, layout: list[int]) -> Optional[int]:
+        """The predictor's node count for this job now (None: no plan); asked at most every PLAN_INTERVAL
+        at one size, again after every transition (a plan is stored server-side per call)."""
         d = self.config.directives
-        if not d.raw_lines:
-            return None
+        now = time.monotonic()
+        if not d.raw_lines or (self._plan_cache[0] == m.nodes and now - self._plan_cache[1] < PLAN_INTERVAL_S):
+            return self._plan_cache[2] if self._plan_cache[0] == m.nodes else None
+        self._plan_cache = (m.nodes, now, None)
         reply = self.predictor.plan({
             "source": "launcher", "directives": list(d.raw_lines),
             "job": {"job_id": int(self.job_id), "min_nodes": m.nodes, "max_nodes": m.nodes,
@@ -632,7 +517,9 @@ class Controller:
             return None
         self.records.write("plan", decision_id=reply.get("decision_id"), action=reply.get("action"),
                            nodes=reply.get("nodes"), reason=reply.get("reason"))
-        return int(reply["nodes"]) if reply.get("action") == "rewrite" and reply.get("nodes") else None
+        nodes = int(reply["nodes"]) if reply.get("action") == "rewrite" and reply.get("nodes") else None
+        self._plan_cache = (m.nodes, now, nodes)
+        return nodes
 
     def _free_nodes(self) -> list[str]:
         try:
@@ -652,170 +539,6 @@ class Controller:
         if free:
             self._grow(min(len(slow), len(free)), action="replace", reason=f"replace {','.join(slow)}",
                        exclude=slow)
-
-    # -- transitions ------------------------------------------------------------------------------------
-    def _resize_members(self, add: Sequence[str] = (), remove: Sequence[str] = ()) -> tuple[Plan, dict, float]:
-        """Post the plan without `remove`'s workers and with `add`'s, wait for its first step.
-
-        Returns (plan, the runtime's switch stats, wall seconds from request to first step).
-
-        Raises:
-            RendezvousTimeout: the new epoch did not complete a step in time.
-            ResizeConflict: a failure recovery won the race twice.
-        """
-        for attempt in range(3):
-            base = self.coord.current()
-            leaving = {w for n in remove for w in self.nodes[n].wids}
-            members = [w for w in base.members if w not in leaving]
-            members += [w for n in add for w in self.nodes[n].wids if w not in members]
-            t0 = time.monotonic()
-            try:
-                plan = self.coord.request_resize(members, base)
-            except ResizeConflict as exc:
-                if attempt == 2:
-                    raise
-                log.warning("resize lost a race (%s); retrying on the new epoch", exc)
-                wait_until(lambda: self.coord.current().id != base.id, self.config.rendezvous_timeout)
-                continue
-            stats = self._wait_switched(plan)
-            return plan, stats, time.monotonic() - t0
-        raise AssertionError("unreachable")
-
-    def _shrink_to(self, target: int, action: str, reason: str, prefer: Sequence[str] = ()) -> None:
-        owners = {n: s.owner for n, s in self.nodes.items()}
-        leavers = choose_leavers(list(self.nodes), owners, self.job_id, self.alloc.batch_host,
-                                 len(self.nodes) - target, prefer)
-        before = len(self.nodes)
-        for node in leavers:
-            if node in self.pool.steps:
-                self.pool.steps[node].leaving = True
-        try:
-            plan, stats, wall = self._resize_members(remove=leavers)
-        except (RendezvousTimeout, ResizeConflict) as exc:
-            self.records.write("transition_failed", action=action, from_nodes=before, target_nodes=target,
-                               error=str(exc))
-            self.failures_in_a_row += 1
-            return
-        left = wait_until(lambda: all(self.coord.has_left(w) for n in leavers for w in self.nodes[n].wids),
-                          self.config.leave_timeout)
-        if not left:
-            stuck = [w for n in leavers for w in self.nodes[n].wids if not self.coord.has_left(w)]
-            log.warning("workers %s did not leave within %g s; their steps are stopped", stuck,
-                        self.config.leave_timeout.total_seconds())
-        released = self._release(leavers, reason=reason)
-        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
-                           world=plan.world_size, nodes_out=leavers, reason=reason, wall_s=round(wall, 3),
-                           pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), left_cleanly=left,
-                           release_s=released, stats=stats)
-        self._measure_reset()
-
-    def _release(self, nodes: Sequence[str], reason: str) -> float:
-        """Give nodes whose workers are gone back to Slurm; return the seconds it took.
-
-        Main-job nodes: their steps must end (SIGTERM after `leave_timeout`), then `client.shrink`, and the
-        refreshed environment replaces the one new steps are started with. Helper nodes: the whole helper
-        ends (stop key, then scancel) or, when some of its nodes stay, the helper is shrunk.
-        """
-        t0 = time.monotonic()
-        mains = [n for n in nodes if self.nodes[n].owner == self.job_id]
-        if mains:
-            for node in self.pool.wait_ended(mains, EXIT_GRACE):
-                log.warning("workers on %s did not exit after leaving; stopping the step", node)
-                self.pool.stop(node)
-            for node in mains:
-                self.pool.forget(node)
-            keep = [n for n, s in self.nodes.items() if s.owner == self.job_id and n not in mains]
-            result = self.slurm.shrink(int(self.job_id), keep)
-            self.alloc = self.alloc.with_nodes(tuple(keep), result.apply(self.alloc.env))
-            self.records.write("slurm_shrink", job=self.job_id, nodelist=result.job.nodelist,
-                               nodes=len(result.job.nodes), reason=reason)
-        for helper, helper_nodes in list(self.helpers.items()):
-            going = [n for n in helper_nodes if n in nodes]
-            if not going:
-                continue
-            staying = [n for n in helper_nodes if n not in going]
-            if staying:
-                result = self.slurm.shrink(int(helper), staying)
-                self.helpers[helper] = staying
-                self.records.write("slurm_shrink", job=helper, nodelist=result.job.nodelist,
-                                   nodes=len(result.job.nodes), reason=reason)
-            else:
-                self._end_helper(helper, reason)
-        for node in nodes:
-            self.nodes.pop(node, None)
-            self.stragglers.forget(node)
-        return round(time.monotonic() - t0, 3)
-
-    def _end_helper(self, helper: str, reason: str) -> None:
-        self.kv.set(helper_key(helper, "stop"), reason)
-        gone = wait_until(lambda: self._helper_gone(helper), self.config.leave_timeout, interval=0.3)
-        if not gone:
-            self._cancel(helper)
-        self.helpers.pop(helper, None)
-        self.records.write("helper_ended", helper=helper, reason=reason, cancelled=not gone)
-
-    def _helper_gone(self, helper: str) -> bool:
-        try:
-            return self.slurm.job(int(helper)).state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
-        except Exception:  # not in squeue any more
-            return True
-
-    def _cancel(self, helper: str) -> None:
-        try:
-            self.slurm.cancel(int(helper))
-        except Exception as exc:  # already gone
-            log.info("scancel %s: %s", helper, exc)
-
-    def _grow(self, add: int, action: str, reason: str, exclude: Sequence[str] = ()) -> bool:
-        """Grow by up to `add` nodes with one helper job; False when nothing was added."""
-        cfg = self.config
-        free = [n for n in self._free_nodes() if n not in exclude]
-        count = min(add, len(free))
-        before = len(self.nodes)
-        if count < 1:
-            self.records.write("transition_skipped", action=action, reason="no free nodes")
-            return False
-        script = helper_script(self.job_id, count, self.alloc.gpus_per_node, self.alloc.partition,
-                               [*self.nodes, *exclude], self.store_addr, self.slots, cfg.helper_orphan_timeout,
-                               cfg.run_dir, cfg.command, Path(os.getcwd()))
-        t0 = time.monotonic()
-        helper = str(self.slurm.submit(script))
-        self.helpers[helper] = []
-        self.records.write("helper_submitted", helper=helper, nodes=count, reason=reason)
-        running = wait_until(lambda: self._job_state(helper) == "RUNNING", cfg.helper_start_timeout, interval=0.2)
-        if not running:
-            self._cancel(helper)
-            self.helpers.pop(helper, None)
-            self.records.write("transition_failed", action=action, error=f"helper {helper} did not start "
-                               f"within {cfg.helper_start_timeout.total_seconds():g} s")
-            return False
-        nodes = list(self.slurm.job(int(helper)).nodes)
-        self.helpers[helper] = nodes
-        for node in nodes:
-            self.nodes[node] = NodeSlot(node, helper, f"j{helper}-{node}-")
-        allocated_s = time.monotonic() - t0
-        try:
-            self._wait_joined(nodes)
-            plan, stats, wall = self._resize_members(add=nodes)
-        except (RendezvousTimeout, ResizeConflict) as exc:
-            for node in nodes:
-                self.nodes.pop(node, None)
-            self._end_helper(helper, f"grow failed: {exc}")
-            self.records.write("transition_failed", action=action, error=str(exc))
-            self.failures_in_a_row += 1
-            return False
-        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.nodes),
-                           world=plan.world_size, nodes_in=nodes, helper=helper, reason=reason,
-                           allocate_s=round(allocated_s, 3), wall_s=round(wall, 3), pause_s=stats.get("pause_s"),
-                           idle_s=stats.get("idle_s"), stats=stats)
-        self._measure_reset()
-        return True
-
-    def _job_state(self, job: str) -> str:
-        try:
-            return self.slurm.job(int(job)).state
-        except Exception:
-            return "UNKNOWN"
 
     # -- reporting and cleanup --------------------------------------------------------------------------
     def _write_status(self) -> None:

@@ -26,7 +26,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Mapping, Optional, Sequence
 
-from elastic_launcher.workers import StepStarter, WorkerPool
+from elastic_launcher.workers import WorkerPool
 
 log = logging.getLogger("elastic_launcher.helper_agent")
 

@@ -60,18 +60,19 @@ def _ctl(registry: Path, job_id: int, *args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def _batch_script(work: Path, registry: Path, steps: int, extra_train: str = "") -> str:
+def _batch_script(work: Path, registry: Path, steps: int, extra_train: str = "", extra_launch: str = "",
+                  sbatch: str = "") -> str:
     """2 nodes x 1 GPU; the predictor URL points at a closed port: the launcher must use its own heuristic."""
     train = [sys.executable, str(HERE / "train_tiny.py"), "--steps", str(steps), "--per-gpu-batch",
              str(PER_GPU_BATCH), "--dataset-size", str(DATASET), "--compute-ms", "150", "--out", str(work / "samples"),
              extra_train]
     return f"""#!/bin/bash
-#SBATCH --job-name=e2e-elastic --nodes=2 --gres=gpu:1 --output={work}/job.out --chdir={work}
+#SBATCH --job-name=e2e-elastic --nodes=2 --gres=gpu:1 --output={work}/job.out --chdir={work} {sbatch}
 #ELASTIC model=tiny gpus=1-8 per_gpu_batch={PER_GPU_BATCH} max_global_batch=64 min_efficiency=0.5
 export ELASTIC_LAUNCH_REGISTRY={registry}
 exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1 --run-dir {work}/run \\
     --predictor http://127.0.0.1:9 \\
-    --measure-steps 8 --warmup-steps 2 --grow-step-nodes 2 -- {' '.join(train)}
+    --measure-steps 8 --warmup-steps 2 --grow-step-nodes 2 {extra_launch} -- {' '.join(train)}
 """
 
 
@@ -185,19 +186,49 @@ def test_helper_ends_when_the_main_job_is_cancelled(slurm, idle_nodes, wait_unti
     wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
 
 
-def test_straggler_node_is_shrunk_away(slurm, idle_nodes, wait_until, submit, tmp_path):
-    """node2's workers are 3x slower: after 3 slow windows in a row node2 is released from the main job."""
+def test_straggler_node_is_shrunk_away_and_replaced(slurm, idle_nodes, wait_until, submit, tmp_path):
+    """node2's workers are 3x slower: after 3 slow windows in a row node2 is released from the main job and
+    a free node joins through a helper job (--no-autoscale: only the straggler rule resizes)."""
     work = Path(tmp_path)
     run = work / "run"
-    job_id = submit(_batch_script(work, work / "registry", 100000, "--slow-node node2 --slow-factor 3"))
+    job_id = submit(_batch_script(work, work / "registry", 100000, "--slow-node node2 --slow-factor 3",
+                                  "--no-autoscale", "--nodelist=node1,node2"))
     moved = wait_until(lambda: _transition(run, "straggler"), 200, "node2 to be shrunk away as a straggler")
-    assert moved["nodes_out"] == ["node2"]
+    assert moved["nodes_out"] == ["node2"] and moved["to_nodes"] == 1
     decision = next(r for r in _records(run) if r["kind"] == "decision" and r["source"] == "stragglers")
     assert decision["nodes"] == ["node2"]
-    assert any(r["kind"] == "slurm_shrink" and r["job"] == str(job_id) and "node2" not in r["nodelist"]
+    assert any(r["kind"] == "slurm_shrink" and r["job"] == str(job_id) and r["nodelist"] == "node1"
                for r in _records(run))
-    assert "node2" not in slurm.job(job_id).nodes
+    assert slurm.job(job_id).nodes == ("node1",)
+    replaced = wait_until(lambda: _transition(run, "replace"), 90, "a free node to replace node2")
+    assert replaced["to_nodes"] == 2 and replaced["nodes_in"][0] in ("node3", "node4")
     slurm.cancel(job_id)
     wait_until(lambda: not _job_processes(job_id), 60, "no worker process of the job")
     wait_until(lambda: not [j for j in slurm.jobs() if j.name == f"elastic-helper-{job_id}"
                             and j.state in ("PENDING", "RUNNING", "COMPLETING")], 60, "the helper to end")
+
+
+def test_helper_agent_exits_when_the_controller_is_unreachable(slurm, idle_nodes, wait_until, submit, tmp_path):
+    """No orphan allocation: a helper whose controller cannot be reached ends after its orphan timeout,
+    although its main job still runs, and takes its worker step with it."""
+    from datetime import timedelta
+
+    from elastic_launcher.resize import helper_script
+
+    work = Path(tmp_path)
+    main_id = submit(f"#!/bin/bash\n#SBATCH --nodes=1 --output={work}/main.out\nsleep 300\n")
+    wait_until(lambda: slurm.job(main_id).state == "RUNNING", 30, "the stand-in main job to run")
+    script = helper_script(str(main_id), 1, 1, None, [], "127.0.0.1:1", 1, timedelta(seconds=5), work,
+                           ["sleep", "1000"], work)
+    helper_id = submit(script)
+    helper = wait_until(lambda: (lambda j: j if j.state == "RUNNING" else None)(slurm.job(helper_id)), 30,
+                        "the helper to run")
+    assert helper.name == f"elastic-helper-{main_id}" and helper.comment == f"elastic-helper:{main_id}"
+    started = time.monotonic()
+    wait_until(lambda: slurm.job(helper_id).state not in ("RUNNING", "COMPLETING"), 60,
+               "the helper to end on its own")
+    assert time.monotonic() - started < 45
+    assert slurm.job(main_id).state == "RUNNING"
+    out = (work / f"helper-{helper_id}.out").read_text()
+    assert "controller unreachable or silent for more than 5 s" in out
+    assert slurm.job(helper_id).state == "COMPLETED"
