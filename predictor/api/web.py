@@ -14,7 +14,7 @@ import datetime
 import threading
 from urllib.parse import urlencode
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, current_app, request, url_for
 from markupsafe import Markup, escape
 
 from predictor import admin_tables, plots
@@ -29,7 +29,8 @@ STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; background: #fff; }
 h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
 table { border-collapse: collapse; font-size: 0.85em; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; white-space: nowrap; }
+td.reason, td.layouts { white-space: normal; }
 th { background: #e8eef6; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 tr.rewrite td.action { color: #1a7f37; font-weight: bold; } tr.keep td.action { color: #555; }
 .status { background: #f6f8fa; border: 1px solid #ddd; padding: 0.5em 0.8em; display: inline-block; }
@@ -83,7 +84,7 @@ def index():
     error = f'<br><span class="bad">last fit failed: {escape(status["last_error"])}</span>' \
         if status["last_error"] else ""
     models = admin_tables.model_rows(svc.store, predictor)
-    scaling_link = {"profile": lambda r: "plots/scaling.png?" + urlencode(
+    scaling_link = {"profile": lambda r: url_for("web.scaling_png") + "?" + urlencode(
         {k: v for k, v in (("profile", r["profile"]), ("gpu", r.get("gpu"))) if v})}
     decisions = admin_tables.decision_rows(svc.store, limit)
     page = f"""<!doctype html>
@@ -95,17 +96,18 @@ def index():
  {counts.get("collective", 0)} collective records &middot; {len(models)} model rows{error}</div>
 <h2>Decisions (newest {limit})</h2>
 {_html_table(decisions, admin_tables.DECISION_COLUMNS, row_class=lambda r: r.get("action") or "",
-             links={"decision_id": lambda r: f"../v1/decisions/{r['decision_id']}"})}
+             links={"decision_id": lambda r: url_for("decisions.show", decision_id=r["decision_id"])})}
 <h2>Models</h2>
 {_html_table(models, admin_tables.MODEL_COLUMNS, links=scaling_link)}
 <h2>Links</h2>
 {_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
 <h2>Scaling: predicted vs observed</h2>
-<img src="plots/scaling.png" alt="predicted vs observed throughput against GPUs, per model and layout family">
+<img src="{url_for("web.scaling_png")}" alt="predicted vs observed throughput against GPUs, per model and layout family">
 <h2>Links: bandwidth against message size</h2>
-<img src="plots/links.png" alt="all-reduce bus bandwidth against message size per link">
-<p><small>Read-only. JSON: <a href="../v1/decisions">/v1/decisions</a> &middot; <a href="../v1/links">/v1/links</a>
- &middot; <a href="../healthz">/healthz</a> &middot; <a href="../metrics">/metrics</a></small></p>
+<img src="{url_for("web.links_png")}" alt="all-reduce bus bandwidth against message size per link">
+<p><small>Read-only. JSON: <a href="{url_for("decisions.index")}">/v1/decisions</a> &middot;
+ <a href="{url_for("links.index")}">/v1/links</a> &middot; <a href="{url_for("health.healthz")}">/healthz</a> &middot;
+ <a href="{url_for("metrics.metrics")}">/metrics</a></small></p>
 </body></html>
 """
     return Response(page, mimetype="text/html")
