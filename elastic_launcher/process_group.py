@@ -17,7 +17,9 @@ Timeouts:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -29,7 +31,58 @@ from elastic_launcher.errors import NotConfiguredError, ProcessGroupError, Store
 
 logger = logging.getLogger("elastic_launcher.process_group")
 
-__all__ = ["StoreAddr", "ProcessGroupWrapper", "connect_store"]
+__all__ = ["StoreAddr", "ProcessGroupWrapper", "connect_store", "drain_reaper"]
+
+
+class _Reaper:
+    """Tears old groups down off the caller's thread.
+
+    Shutting a gloo group down, or destroying it, can block until every peer has closed its side, and an NCCL
+    abort takes time; neither belongs on the critical path of a resize. The reaper holds the last references,
+    so the backend's destructor runs here too. Preconditions: nothing else (no DDP reducer) still uses the group.
+    """
+
+    def __init__(self) -> None:
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self.pending = 0
+
+    def submit(self, backend: str, pg, impl) -> None:
+        with self._lock:
+            self.pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="elastic-pg-reaper", daemon=True)
+                self._thread.start()
+        self._q.put((backend, pg, impl))
+
+    def _loop(self) -> None:
+        while True:
+            backend, pg, impl = self._q.get()
+            try:
+                if backend == "nccl":
+                    impl.abort()
+                else:
+                    impl.shutdown()
+            except Exception as e:  # noqa: BLE001 - a broken group may refuse a clean teardown
+                logger.debug("teardown raised %s", e)
+            del pg, impl
+            with self._lock:
+                self.pending -= 1
+
+    def drain(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.pending == 0
+
+
+_REAPER = _Reaper()
+
+
+def drain_reaper(timeout: timedelta = timedelta(seconds=10)) -> bool:
+    """Waits until aborted groups are torn down; False if some teardown is still blocked after ``timeout``."""
+    return _REAPER.drain(timeout)
 
 
 @dataclass(frozen=True)
@@ -129,8 +182,13 @@ class ProcessGroupWrapper:
         t = timeout or self.connect_timeout
         store = connect_store(addr, t)
         try:
-            backend_impl, pg = self._create_pg(store, rank, world_size)
-            self._warm_up(pg)
+            if self.device.type == "cuda":  # also right in a background thread, whose current device is 0
+                with torch.cuda.device(self.device):
+                    backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
+                    self._warm_up(pg)
+            else:
+                backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
+                self._warm_up(pg)
         except Exception as e:  # noqa: BLE001
             raise ProcessGroupError(f"building group {addr} rank {rank}/{world_size} failed: {e}",
                                     addr.prefix) from e
@@ -140,7 +198,7 @@ class ProcessGroupWrapper:
         logger.info("configured group %s rank %d/%d", addr, rank, world_size,
                     extra={"rank": rank, "world": world_size, "prefix": addr.prefix})
 
-    def _create_pg(self, store: dist.Store, rank: int, world_size: int):
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int, name: str = ""):
         pg = dist.ProcessGroup(store, rank, world_size)
         if self.backend == "gloo":
             impl = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
@@ -148,23 +206,38 @@ class ProcessGroupWrapper:
             dev = torch.device("cpu")
         else:
             opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
             opts._timeout = self.timeout
+            opts.global_ranks_in_group = list(range(world_size))
+            opts.group_name = name
             impl = dist.ProcessGroupNCCL(store, rank, world_size, opts)
             btype = dist.ProcessGroup.BackendType.NCCL
             dev = torch.device("cuda")
         pg._set_default_backend(btype)
         impl._set_sequence_number_for_group()
         pg._register_backend(dev, btype, impl)
+        if name and hasattr(pg, "_set_group_name"):
+            pg._set_group_name(name)
         if self.backend == "gloo" and self.device.type == "cuda":
             pg._register_backend(torch.device("cuda"), btype, impl)
         return impl, pg
 
     def _warm_up(self, pg: dist.ProcessGroup) -> None:
-        """One tiny allreduce: forces communicator creation and connection setup off the critical path."""
+        """Forces communicator creation and connection setup off the critical path.
+
+        A tiny allreduce creates the communicator; on CUDA a bucket-sized allreduce and broadcast also set up the
+        ring connections that NCCL otherwise opens lazily at the first large collective.
+        """
         t = torch.ones(1, device=self.device)
         pg.allreduce([t]).wait()
         if self.device.type == "cuda":
+            big = torch.zeros(8 << 20, device=self.device)
+            pg.allreduce([big]).wait()
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([big], opts).wait()
             torch.cuda.current_stream(self.device).synchronize()
+            del big
 
     def shrink(self, exclude: list[int], abort: bool = True) -> "ProcessGroupWrapper":
         """Builds a smaller group from this one with the backend's shrink (ncclCommShrink), if supported.
@@ -201,22 +274,18 @@ class ProcessGroupWrapper:
         return out
 
     def abort(self) -> None:
-        """Aborts the held group (pending collectives fail) and forgets it. Safe to call twice."""
+        """Aborts the held group and forgets it; the teardown itself (NCCL abort, gloo shutdown) runs on a
+        background reaper thread so that it stays off the critical path. Safe to call twice.
+
+        Preconditions: no DDP wrapper built on this group is still alive (drop it first).
+        """
         with self._lock:
             pg, impl = self._pg, self._backend_impl
             self._pg = self._backend_impl = None
             self._store = None
             self._rank, self._world = -1, 0
-        if impl is None:
-            return
-        try:
-            if self.backend == "nccl":
-                impl.abort()
-            else:
-                impl.shutdown()
-        except Exception as e:  # noqa: BLE001 - a broken group may refuse a clean abort
-            logger.debug("abort of %s raised %s", self._prefix, e)
-        del pg
+        if impl is not None:
+            _REAPER.submit(self.backend, pg, impl)
 
     def shutdown(self) -> None:
         """Releases the group for good (same as :meth:`abort`)."""

@@ -221,8 +221,12 @@ class TrainingState:
         self.counters = dict(skel["counters"])
 
     def broadcast_buffers(self, group: ProcessGroupWrapper, src: int = 0) -> None:
-        """Broadcasts the model's buffers (e.g. BatchNorm statistics) from ``src``; collective."""
-        bufs = [b for b in self.model.buffers() if b.numel() > 0 and b.device == self.device]
+        """Broadcasts the model's floating-point buffers (e.g. BatchNorm statistics) from ``src``; collective.
+
+        Constant buffers (integer counters, boolean masks) are left alone; they travel with full broadcasts.
+        """
+        bufs = [b for b in self.model.buffers()
+                if b.numel() > 0 and b.device == self.device and b.is_floating_point()]
         if bufs:
             _broadcast_flat(group, bufs, src)
 

@@ -41,7 +41,7 @@ from torch.utils.data import default_collate
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
 from elastic_launcher.membership import Membership, Plan
-from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, connect_store
+from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, connect_store, drain_reaper
 from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.state import TrainingState
 from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
@@ -353,9 +353,9 @@ class ElasticTrainer:
         nxt = self.membership.next_plan()
         old_plan, old_group = self.plan, self.group
         self._next, self._next_thread = None, None
+        self.ddp = None  # the old reducer goes first, so the reaper holds the old group's last reference
         if new_group is None:
             old_group.abort()
-            self.ddp = None
             self.left = True
             self.membership.mark_left()
             events.info("left at epoch %d -> %d", old_plan.id, pid, extra={"wid": self.wid, "step": self.step})
@@ -438,12 +438,14 @@ class ElasticTrainer:
         events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
 
     # ---- shutdown -------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stops the heartbeat and releases the groups (idempotent)."""
+    def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for teardown."""
         self.membership.stop()
         self._drop_next()
         self.ddp = None
         self.group.abort()
+        if not drain_reaper(timeout):
+            logger.warning("group teardown still blocked after %s", timeout)
 
     def __enter__(self) -> "ElasticTrainer":
         return self

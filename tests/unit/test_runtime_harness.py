@@ -43,12 +43,18 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
 
     ds = make_dataset()
     model = make_model()
+    dev = torch.device("cpu")
+    if opts.get("cuda"):
+        dev = torch.device("cuda", int(wid[1:]) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        model = model.to(dev)
+        ds = torch.utils.data.TensorDataset(*(t.to(dev) for t in ds.tensors))
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)
     fault = None
     if opts.get("fail_at") and opts["fail_at"][0] == wid:
         fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
-    cfg = TrainerConfig(timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=40),
+    cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=40),
                         rendezvous_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.1),
                         heartbeat_timeout=timedelta(seconds=2))
     et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/job", worker_id=wid,
@@ -81,7 +87,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
             if stop_at is None:
                 time.sleep(opts["slow"])  # train slowly until the resize, so the test controls when it lands
         out.put({"wid": wid, "left": et.left, "step": et.step, "world": et.world_size if not et.left else 0,
-                 "params": [p.detach().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
+                 "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
                  "switches": et.switches, "sampler": et.sampler.state_dict(), "lr": opt.param_groups[0]["lr"],
                  "obs": et.observations() if et.telemetry else []})
     finally:

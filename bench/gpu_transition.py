@@ -1,0 +1,516 @@
+"""Survivors' pause on a resize: our in-process path vs two baselines, same run, same machine.
+
+Pause = from the decision (the step boundary at which the resize is taken) to the end of the first completed
+training step at the new size (CUDA-synchronised), measured on rank 0 of the survivors.
+
+Paths, each for grow 2->4 and shrink 4->2 of data-parallel training (one process per GPU):
+  ours     ElasticTrainer: newcomers start, build the model, warm up and build the next communicator while the
+           survivors keep training; at a commit point the old group is aborted, state is broadcast to newcomers,
+           DDP is re-wrapped (no init sync) and training goes on.
+  plain    (a) destroy_process_group, init_process_group on a new store prefix, broadcast of the state
+           (DDP's init sync for the model, per-tensor broadcasts for optimizer state), first DDP step. Newcomers
+           are already running and have built their model (same head start as ours, but no communicator).
+  restart  (b) checkpoint-and-restart: rank 0 saves model+optimizer to local disk, every process exits, new
+           interpreters start, import, build, init NCCL, load, first step.
+
+Models: resnet50 (torchvision, batch 64/GPU, synthetic 224x224, SGD), gpt2 (transformers GPT-2 small config,
+random init, batch 8x1024 tokens/GPU, AdamW); bf16 autocast. ``--device cpu --models tiny`` runs the same
+protocol on gloo for debugging.
+
+Usage (GPU host, 4 GPUs):
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        python3 bench/gpu_transition.py --models resnet50,gpt2 --out bench/results/gpu_transition.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WARM_STEPS = 12      # steps before a resize is requested
+AFTER_STEPS = 8      # steps at a size before the next request
+STORE_TIMEOUT = timedelta(seconds=100)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------------------------
+def build(name: str, device: torch.device):
+    """Returns (model, optimizer, per_gpu_batch, make_batch(n), loss_fn(model, batch))."""
+    if name == "resnet50":
+        import torchvision
+        model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        b = 64
+        x = torch.randn(b, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (b,), device=device)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def loss_fn(m, batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                return ce(m(batch[0]), batch[1])
+    elif name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        model = GPT2LMHeadModel(GPT2Config()).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        b = 8
+        x = torch.randint(0, 50257, (b, 1024), device=device)
+        y = x
+
+        def loss_fn(m, batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                return m(input_ids=batch[0], labels=batch[1]).loss
+    else:  # tiny, for CPU debugging
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        b = 16
+        x = torch.randn(b, 64, device=device)
+        y = torch.randint(0, 10, (b,), device=device)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def loss_fn(m, batch):
+            return ce(m(batch[0]), batch[1])
+
+    def make_batch(n: int):
+        return x[:n], y[:n]
+    return model, opt, b, make_batch, loss_fn
+
+
+def local_warmup(model, opt, make_batch, loss_fn, b: int, device) -> None:
+    """Compute warm-up of a newcomer (kernels, cuDNN/cuBLAS handles) without touching weights or optimizer."""
+    for _ in range(2):
+        loss_fn(model, make_batch(b)).backward()
+    model.zero_grad(set_to_none=True)
+    sync(device)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# workers (separate interpreters)
+# ---------------------------------------------------------------------------------------------------------------
+def client(args, prefix: str = "") -> dist.Store:
+    s = dist.TCPStore(args.host, args.port, is_master=False, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    return dist.PrefixStore(prefix, s) if prefix else s
+
+
+def device_of(args) -> torch.device:
+    if args.device == "cuda":
+        torch.cuda.set_device(args.gpu)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return torch.device("cuda", args.gpu)
+    torch.set_num_threads(1)
+    return torch.device("cpu")
+
+
+def worker_ours(args) -> None:
+    from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+    dev = device_of(args)
+    model, opt, b, make_batch, loss_fn = build(args.model, dev)
+    bench = client(args, "bench")
+    if args.newcomer:
+        local_warmup(model, opt, make_batch, loss_fn, b, dev)
+    cfg = TrainerConfig(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=120),
+                        heartbeat_interval=timedelta(seconds=0.05))
+    et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
+                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg)
+    times, last, stop_at = [], None, None
+    for batch in et.loader(Synthetic(100_000), collate_fn=lambda items: make_batch(len(items))):
+        loss = loss_fn(et.model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        alive = et.commit()  # the vote syncs the device every step
+        now = time.perf_counter()
+        if last is not None:
+            times.append((et.world_size if alive else 0, now - last))
+        last = now
+        if not alive:
+            break
+        bench.set(f"prog/{args.wid}", str(et.step))
+        if et.step % 4 == 0 and bench.check(["stop_at"]):
+            stop_at = int(bench.get("stop_at"))
+        if stop_at is not None and et.step >= stop_at:
+            break
+    bench.set(f"res/{args.wid}", json.dumps({"times": times, "switches": et.switches}))
+    et.close()
+
+
+def _bcast_optimizer(opt, src: int = 0) -> None:
+    for st in opt.state.values():
+        for k in sorted(st):
+            t = st[k]
+            if torch.is_tensor(t) and t.numel() > 1:
+                dist.broadcast(t, src)
+
+
+def worker_plain(args) -> None:
+    """Baseline (a): default group, destroyed and re-initialised at the resize."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dev = device_of(args)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    model, opt, b, make_batch, loss_fn = build(args.model, dev)
+    bench = client(args, "bench")
+    ids = dict(device_ids=[args.gpu]) if dev.type == "cuda" else {}
+    epoch = args.epoch
+    if args.newcomer:
+        local_warmup(model, opt, make_batch, loss_fn, b, dev)
+        loss_fn(model, make_batch(b)).backward()
+        for p in model.parameters():
+            p.grad.zero_()
+        opt.step()  # allocates optimizer state (overwritten by the broadcast)
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        bench.set(f"ready/{args.wid}", "1")
+    members = json.loads(bench.get(f"plain/members/{epoch}"))
+    t_decide = None
+    step = 0
+    while True:
+        rank = members.index(args.wid)
+        dist.init_process_group(backend, store=client(args, f"plain/pg/{epoch}"), rank=rank,
+                                world_size=len(members), timeout=timedelta(seconds=120))
+        ddp = DDP(model, **ids)  # init sync: broadcast of parameters and buffers from rank 0
+        if t_decide is not None or args.newcomer:
+            _bcast_optimizer(opt)
+        first = True
+        estep = 0  # steps in this group: the same count on every rank, unlike the global step
+        while True:
+            loss = loss_fn(ddp, make_batch(b))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+            sync(dev)
+            step += 1
+            estep += 1
+            if first and t_decide is not None and rank == 0:
+                bench.set(f"plain/pause/{epoch}", repr(time.perf_counter() - t_decide))
+            first = False
+            bench.set(f"prog/{args.wid}", str(step))
+            key = f"plain/at/{epoch}"
+            if rank == 0 and not bench.check([key]) and (bench.check([f"plain/members/{epoch + 1}"])
+                                                         or bench.check(["stop"])):
+                bench.set(key, str(estep + 3))
+            if bench.check([key]) and estep >= int(bench.get(key)):
+                if bench.check(["stop"]):
+                    dist.destroy_process_group()
+                    return
+                break
+        t_decide = time.perf_counter()  # the decision: this step boundary
+        epoch += 1
+        members = json.loads(bench.get(f"plain/members/{epoch}"))
+        del ddp
+        dist.destroy_process_group()
+        if args.wid not in members:
+            return
+        args.newcomer = False
+
+
+def worker_restart(args) -> None:
+    """Baseline (b): one generation of processes; resumes from a checkpoint if one is named."""
+    t_start = time.time()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dev = device_of(args)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    model, opt, b, make_batch, loss_fn = build(args.model, dev)
+    bench = client(args, "bench")
+    gen = args.epoch
+    members = json.loads(bench.get(f"restart/members/{gen}"))
+    rank = members.index(args.wid)
+    dist.init_process_group(backend, store=client(args, f"restart/pg/{gen}"), rank=rank,
+                            world_size=len(members), timeout=timedelta(seconds=120))
+    if args.ckpt:
+        state = torch.load(args.ckpt, map_location=dev, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    ddp = DDP(model, **(dict(device_ids=[args.gpu]) if dev.type == "cuda" else {}))
+    step = 0
+    while True:
+        loss = loss_fn(ddp, make_batch(b))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        sync(dev)
+        step += 1
+        if step == 1 and rank == 0:
+            bench.set(f"restart/first/{gen}", json.dumps({"t": time.time(), "t_start": t_start}))
+        bench.set(f"prog/{args.wid}", str(step))
+        key = f"restart/at/{gen}"
+        if rank == 0 and not bench.check([key]) and (bench.check([f"restart/req/{gen + 1}"]) or bench.check(["stop"])):
+            bench.set(key, str(step + 3))
+        if bench.check([key]) and step >= int(bench.get(key)):
+            if rank == 0 and not bench.check(["stop"]):
+                t = time.time()
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, args.ckpt_out)
+                bench.set(f"restart/decide/{gen}", repr(t))
+            break
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# controller
+# ---------------------------------------------------------------------------------------------------------------
+class Controller:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        self.port = self.server.port
+        self.bench = dist.PrefixStore("bench", self.server)
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, role: str, wid: str, gpu: int, newcomer: bool = False, epoch: int = 0,
+              ckpt: str = "", ckpt_out: str = "") -> subprocess.Popen:
+        a = self.args
+        cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--wid", wid, "--gpu", str(gpu),
+               "--port", str(self.port), "--model", a.model, "--device", a.device, "--epoch", str(epoch)]
+        if newcomer:
+            cmd.append("--newcomer")
+        if ckpt:
+            cmd += ["--ckpt", ckpt]
+        if ckpt_out:
+            cmd += ["--ckpt-out", ckpt_out]
+        p = subprocess.Popen(cmd, cwd=ROOT)
+        self.procs.append(p)
+        return p
+
+    def wait_step(self, wid: str, step: int, timeout: float = 100) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.bench.check([f"prog/{wid}"]) and int(self.bench.get(f"prog/{wid}")) >= step:
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"{wid} did not reach step {step}")
+
+    def wait_key(self, key: str, timeout: float = 100) -> str:
+        self.bench.wait([key], timedelta(seconds=timeout))
+        return self.bench.get(key).decode()
+
+    def reap(self, procs, timeout: float = 60) -> None:
+        for p in procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.returncode != 0:
+                raise RuntimeError(f"worker {p.args[4:6]} exited with {p.returncode}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def run_ours(c: Controller) -> dict:
+    from elastic_launcher.membership import Coordinator
+    coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
+    S, L = c.args.small, c.args.large
+    keep = [f"w{i}" for i in range(S)]
+    coord.start(keep)
+    ps = [c.spawn("ours", w, i) for i, w in enumerate(keep)]
+    out = {"grow": [], "shrink": []}
+    nxt = S
+    for cycle in range(c.args.cycles):
+        news = [f"w{nxt + i}" for i in range(L - S)]
+        c.wait_step("w0", WARM_STEPS if cycle == 0 else coord_step(c) + AFTER_STEPS)
+        newps = [c.spawn("ours", w, S + i, True) for i, w in enumerate(news)]
+        plan = coord.request_resize(keep + news)
+        out["grow"].append(coord.wait_switched(plan))
+        c.wait_step("w0", coord_step(c) + AFTER_STEPS)
+        plan = coord.request_resize(keep)
+        out["shrink"].append(coord.wait_switched(plan))
+        c.reap(newps)
+        nxt += L - S
+    c.wait_step("w0", coord_step(c) + 2)
+    c.bench.set("stop_at", str(coord_step(c) + 8))
+    c.reap(ps)
+    res = json.loads(c.bench.get("res/w0"))
+    steady = [t for w, t in res["times"] if w == S]
+    out["step_s_small"] = statistics.median(steady) if steady else float("nan")
+    steady4 = [t for w, t in res["times"] if w == L]
+    out["step_s_large"] = statistics.median(steady4) if steady4 else float("nan")
+    return out
+
+
+def coord_step(c: Controller) -> int:
+    return int(c.bench.get("prog/w0"))
+
+
+def run_plain(c: Controller) -> dict:
+    out = {"grow": [], "shrink": []}
+    S, L = c.args.small, c.args.large
+    keep = [f"p{i}" for i in range(S)]
+    c.bench.set("plain/members/0", json.dumps(keep))
+    ps = [c.spawn("plain", w, i, epoch=0) for i, w in enumerate(keep)]
+    epoch, nxt = 0, S
+    for cycle in range(c.args.cycles):
+        c.wait_step("p0", WARM_STEPS if cycle == 0 else int(c.bench.get("prog/p0")) + AFTER_STEPS)
+        news = [f"p{nxt + i}" for i in range(L - S)]
+        newps = [c.spawn("plain", w, S + i, True, epoch + 1) for i, w in enumerate(news)]
+        for w in news:  # newcomers have started, built and warmed up their model (same head start as ours)
+            c.wait_key(f"ready/{w}")
+        c.bench.set(f"plain/members/{epoch + 1}", json.dumps(keep + news))
+        epoch += 1
+        out["grow"].append({"pause_s": float(c.wait_key(f"plain/pause/{epoch}"))})
+        c.wait_step("p0", int(c.bench.get("prog/p0")) + AFTER_STEPS)
+        c.bench.set(f"plain/members/{epoch + 1}", json.dumps(keep))
+        epoch += 1
+        out["shrink"].append({"pause_s": float(c.wait_key(f"plain/pause/{epoch}"))})
+        c.reap(newps)
+        nxt += L - S
+    c.wait_step("p0", int(c.bench.get("prog/p0")) + 2)
+    c.bench.set("stop", "1")
+    c.reap(ps)
+    c.bench.delete_key("stop")
+    return out
+
+
+def run_restart(c: Controller) -> dict:
+    out = {"grow": [], "shrink": []}
+    ck = os.path.join(c.args.tmp, f"ckpt_{c.args.model}_{{}}.pt")
+    sizes = [c.args.small, c.args.large, c.args.small]
+    ps: list = []
+    for gen, n in enumerate(sizes):
+        if gen:
+            c.bench.set(f"restart/req/{gen}", "1")  # ask the running generation to save and exit
+            decide = float(c.wait_key(f"restart/decide/{gen - 1}"))
+            c.reap(ps)
+        wids = [f"r{gen}_{i}" for i in range(n)]
+        c.bench.set(f"restart/members/{gen}", json.dumps(wids))
+        ps = [c.spawn("restart", w, i, epoch=gen, ckpt=ck.format(gen - 1) if gen else "", ckpt_out=ck.format(gen))
+              for i, w in enumerate(wids)]
+        if gen:
+            first = json.loads(c.wait_key(f"restart/first/{gen}"))
+            out["grow" if n > sizes[gen - 1] else "shrink"].append(
+                {"pause_s": first["t"] - decide, "startup_s": first["t_start"] - decide})
+        c.wait_step(wids[0], WARM_STEPS if gen == 0 else AFTER_STEPS)
+    c.bench.set("stop", "1")
+    c.reap(ps)
+    c.bench.delete_key("stop")
+    for gen in range(len(sizes)):
+        if os.path.exists(ck.format(gen)):
+            os.remove(ck.format(gen))
+    return out
+
+
+def fmt(xs) -> str:
+    return "/".join(f"{x:.3f}" for x in xs) if xs else "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--role", default="controller")
+    ap.add_argument("--models", default="resnet50,gpt2")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--paths", default="ours,plain,restart")
+    ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--large", type=int, default=0, help="GPUs after a grow (default: min(4, GPUs))")
+    ap.add_argument("--small", type=int, default=0, help="GPUs before a grow (default: large // 2)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--tmp", default="/tmp")
+    ap.add_argument("--wid", default="")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--epoch", type=int, default=0)
+    ap.add_argument("--newcomer", action="store_true")
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--ckpt-out", default="")
+    args = ap.parse_args()
+    if args.role != "controller":
+        {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart}[args.role](args)
+        return
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ[k] = "0" if k == "NCCL_NVLS_ENABLE" else "1"  # NVLink multicast stays off, children too
+    card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (gloo)"
+    ngpu = torch.cuda.device_count() if args.device == "cuda" else 0
+    args.large = args.large or (min(4, ngpu) if ngpu else 4)
+    args.small = args.small or max(1, args.large // 2)
+    S, L = args.small, args.large
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else "-"
+    lines = [f"# gpu_transition: survivors' pause on resize (seconds)", "",
+             f"card: {card} x{ngpu}; torch {torch.__version__}; NCCL {nccl}; date {time.strftime('%Y-%m-%d %H:%M')}",
+             "pause = decision (step boundary) -> first completed step at the new size, rank 0 of the survivors;",
+             f"values are per cycle ({args.cycles} grow/shrink cycles for ours/plain, one for restart).", "",
+             f"| model | path | grow {S}->{L} pause s | shrink {L}->{S} pause s | notes |", "|---|---|---|---|---|"]
+    results = {}
+    for model in args.models.split(","):
+        args.model = model
+        for path in args.paths.split(","):
+            c = Controller(args)
+            t0 = time.time()
+            try:
+                r = {"ours": run_ours, "plain": run_plain, "restart": run_restart}[path](c)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other paths
+                r = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                c.close()
+            r["wall_s"] = time.time() - t0
+            results[(model, path)] = r
+            print(json.dumps({"model": model, "path": path, **r}), flush=True)
+        ours, plain, rst = (results.get((model, p), {}) for p in ("ours", "plain", "restart"))
+        for path, r in (("ours", ours), ("plain (a)", plain), ("restart (b)", rst)):
+            if "error" in r:
+                lines.append(f"| {model} | {path} | - | - | failed: {r['error'][:120]} |")
+                continue
+            g = [x["pause_s"] for x in r.get("grow", [])]
+            s = [x["pause_s"] for x in r.get("shrink", [])]
+            note = ""
+            if path == "ours" and g:
+                note = (f"step {r['step_s_small']*1e3:.1f} ms @{S}, {r['step_s_large']*1e3:.1f} ms @{L}; grow phases "
+                        f"abort {fmt([x['abort_s'] for x in r['grow']])}, state sync "
+                        f"{fmt([x['state_sync_s'] for x in r['grow']])} "
+                        f"({r['grow'][0]['state_bytes']/2**20:.0f} MiB), rewrap {fmt([x['rewrap_s'] for x in r['grow']])}")
+            if path == "restart (b)" and g:
+                note = f"interpreter start after decision: {fmt([x['startup_s'] for x in r['grow'] + r['shrink']])} s"
+            lines.append(f"| {model} | {path} | {fmt(g)} | {fmt(s)} | {note} |")
+        try:
+            og = statistics.median(x["pause_s"] for x in ours["grow"])
+            os_ = statistics.median(x["pause_s"] for x in ours["shrink"])
+            pg = statistics.median(x["pause_s"] for x in plain["grow"])
+            ps = statistics.median(x["pause_s"] for x in plain["shrink"])
+            rg = statistics.median(x["pause_s"] for x in rst["grow"])
+            rs = statistics.median(x["pause_s"] for x in rst["shrink"])
+            lines.append(f"| {model} | speed-up (median) | {pg/og:.1f}x vs (a), {rg/og:.0f}x vs (b) | "
+                         f"{ps/os_:.1f}x vs (a), {rs/os_:.0f}x vs (b) | |")
+        except (KeyError, statistics.StatisticsError, ZeroDivisionError):
+            pass
+    table = "\n".join(lines) + "\n"
+    print(table, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()

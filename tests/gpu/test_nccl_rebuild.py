@@ -1,0 +1,49 @@
+"""NCCL rebuilds in-process (GPU host only): grow N/2->N and shrink N->N/2 (N = min(4, GPUs)).
+
+Same checks as the gloo tests: identical parameters, loss still falling, exact sample accounting, nothing left.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from tests.unit.test_runtime_harness import Cluster, check_accounting, port_closed, read_logs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240),
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 CUDA GPUs")]
+
+N = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 4
+ALL = [f"w{i}" for i in range(N)]
+HALF = ALL[:max(1, N // 2)]
+
+
+def _check(res: dict, stats: dict, logdir: str) -> None:
+    kept = {w: r for w, r in res.items() if not r["left"]}
+    ref = next(iter(kept.values()))["params"]
+    for w, r in kept.items():
+        assert r["params"] == ref, f"{w} parameters differ"
+    r0 = res["w0"]
+    losses = dict(r0["losses"])
+    assert losses[max(losses)] < losses[stats["step"]] < losses[1]
+    check_accounting(read_logs(logdir), r0["sampler"])
+
+
+@pytest.mark.parametrize("start,target", [(HALF, ALL), (ALL, HALF)], ids=["grow", "shrink"])
+def test_nccl_resize(tmp_path, start, target):
+    cl = Cluster(str(tmp_path), target_world=len(target), cuda=True)
+    try:
+        cl.coord.start(start)
+        cl.spawn(ALL)
+        cl.wait_step("w0", 5)
+        plan = cl.coord.request_resize(target)
+        stats = cl.coord.wait_switched(plan)
+        res = cl.results(N)
+    finally:
+        codes = cl.close()
+    assert codes == {w: 0 for w in ALL}
+    assert mp.active_children() == [] and port_closed(cl.port)
+    assert stats["world"] == len(target)
+    _check(res, stats, str(tmp_path))
