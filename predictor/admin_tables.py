@@ -194,6 +194,29 @@ _NO_FIT = click.option("--no-fit", is_flag=True, help="do not fit (faster; fit c
 _WIDTH = click.option("--width", type=click.IntRange(40, 1000), default=None, help="line width (default: terminal)")
 
 
+def _with_fitted_store(db: str | None, fit: bool, build):
+    """`build(store, predictor or None)` on the database, closed afterwards; library errors become click's."""
+    store = _open(db)
+    try:
+        return build(store, _fit(store, not fit))
+    except NotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        store.close()
+
+
+def _echo_table(rows: list[dict], columns: list[Column], width: int | None, empty: str) -> None:
+    if not rows:
+        raise click.ClickException(empty)
+    click.echo(render_table(rows, columns, width))
+
+
+def _write_png(out: str, png: bytes) -> None:
+    with open(out, "wb") as fh:
+        fh.write(png)
+    click.echo(f"wrote {out} ({len(png)} bytes)")
+
+
 @click.command("models")
 @_DB
 @_NO_FIT
@@ -203,14 +226,8 @@ def models_cmd(db, no_fit, width):
 
     Example: elastic-predictor models --db predictor.db
     """
-    store = _open(db)
-    try:
-        rows = model_rows(store, _fit(store, no_fit))
-    finally:
-        store.close()
-    if not rows:
-        raise click.ClickException("no profiles and no step history in the database yet")
-    click.echo(render_table(rows, MODEL_COLUMNS, width))
+    _echo_table(_with_fitted_store(db, not no_fit, model_rows), MODEL_COLUMNS, width,
+                "no profiles and no step history in the database yet")
 
 
 @click.command("links")
@@ -222,14 +239,8 @@ def links_cmd(db, no_fit, width):
 
     Example: elastic-predictor links --db predictor.db
     """
-    store = _open(db)
-    try:
-        rows = link_rows(store, _fit(store, no_fit))
-    finally:
-        store.close()
-    if not rows:
-        raise click.ClickException("no collective history and no link fits in the database yet")
-    click.echo(render_table(rows, LINK_COLUMNS, width))
+    _echo_table(_with_fitted_store(db, not no_fit, link_rows), LINK_COLUMNS, width,
+                "no collective history and no link fits in the database yet")
 
 
 @click.group("plot")
@@ -237,11 +248,14 @@ def plot_group():
     """Write the admin plots as PNG files (the /admin page serves the same)."""
 
 
+_OUT = click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
+
+
 @plot_group.command("scaling")
 @_DB
 @click.option("--profile", default=None, help="only this profile (default: every profile with history)")
 @click.option("--gpu", default=None, help="only this GPU type")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
+@_OUT
 def plot_scaling(db, profile, gpu, out):
     """Predicted vs observed throughput against GPU count, per model and layout family.
 
@@ -249,21 +263,12 @@ def plot_scaling(db, profile, gpu, out):
     """
     from predictor import plots  # noqa: PLC0415
 
-    store = _open(db)
-    try:
-        png = plots.scaling_png(store, _fit(store, False), profile=profile, gpu=gpu)
-    except NotFoundError as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        store.close()
-    with open(out, "wb") as fh:
-        fh.write(png)
-    click.echo(f"wrote {out} ({len(png)} bytes)")
+    _write_png(out, _with_fitted_store(db, True, lambda s, p: plots.scaling_png(s, p, profile=profile, gpu=gpu)))
 
 
 @plot_group.command("links")
 @_DB
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
+@_OUT
 def plot_links(db, out):
     """Per-link bandwidth against message size: observed collectives and the fitted model.
 
@@ -271,14 +276,7 @@ def plot_links(db, out):
     """
     from predictor import plots  # noqa: PLC0415
 
-    store = _open(db)
-    try:
-        png = plots.links_png(store, _fit(store, False))
-    finally:
-        store.close()
-    with open(out, "wb") as fh:
-        fh.write(png)
-    click.echo(f"wrote {out} ({len(png)} bytes)")
+    _write_png(out, _with_fitted_store(db, True, plots.links_png))
 
 
 COMMANDS = (models_cmd, links_cmd, plot_group)

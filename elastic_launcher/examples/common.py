@@ -120,7 +120,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     device = pick_device(args.device, env.local_id)
     model = model.to(device)
     optimizer = make_optimizer(model.parameters())
-    telemetry = Telemetry(profile=profile, gpu=gpu_type(device), intra_link="nvlink" if device.type == "cuda" else "shm")
+    telemetry = Telemetry(profile=profile, gpu=gpu_type(device),
+                          intra_link="nvlink" if device.type == "cuda" else "shm")
     policy = BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling=args.lr_scaling,
                          **({"max_global_batch": args.max_global_batch} if args.max_global_batch else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)

@@ -1,8 +1,9 @@
 """GET /metrics: Prometheus text exposition format 0.0.4, written by hand (no client library needed).
 
 Series (all prefixed `elastic_predictor_`):
-    http_requests_total{method, endpoint, code}          counter; endpoint is the URL rule (`/v1/decisions/<decision_id>`),
-                                                         `unmatched` for 404s of unknown paths (bounded cardinality)
+    http_requests_total{method, endpoint, code}          counter; endpoint is the URL rule
+                                                         (`/v1/decisions/<decision_id>`), `unmatched` for unknown
+                                                         paths (bounded cardinality)
     http_request_duration_seconds{endpoint}              histogram (buckets below), time inside Flask
     decisions_total{source, action}                      counter of /v1/plan outcomes: keep, rewrite, reject (422),
                                                          error (400 / 5xx)
@@ -135,7 +136,8 @@ def _model_samples(svc) -> tuple[list, list]:
         predictor = svc.models.predictor()
     except Exception:  # noqa: BLE001 - ModelUnavailable: nothing fitted yet
         return [], []
-    steps = [("", {"profile": p, "gpu": gpu}, err) for (p, gpu), err in sorted(getattr(predictor, "log_rmse_", {}).items())]
+    errors = sorted(getattr(predictor, "log_rmse_", {}).items())
+    steps = [("", {"profile": p, "gpu": gpu}, err) for (p, gpu), err in errors]
     links = [("", {"link": s["link"]}, s.get("log_rmse")) for s in predictor.link_stats() if "log_rmse" in s]
     return steps, links
 

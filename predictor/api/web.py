@@ -102,7 +102,8 @@ def index():
 <h2>Links</h2>
 {_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
 <h2>Scaling: predicted vs observed</h2>
-<img src="{url_for("web.scaling_png")}" alt="predicted vs observed throughput against GPUs, per model and layout family">
+<img src="{url_for("web.scaling_png")}"
+ alt="predicted vs observed throughput against GPUs, per model and layout family">
 <h2>Links: bandwidth against message size</h2>
 <img src="{url_for("web.links_png")}" alt="all-reduce bus bandwidth against message size per link">
 <p><small>Read-only. JSON: <a href="{url_for("decisions.index")}">/v1/decisions</a> &middot;

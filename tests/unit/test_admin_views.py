@@ -39,8 +39,9 @@ def seed_records() -> list[dict]:
                             "seconds": seconds, "gpu": "H200"})
     for profile, per_sample in (("resnet50", 0.0005), ("gpt2", 0.012)):
         for layout in LAYOUTS:
+            iter_s = 64 * per_sample + 0.004 * (sum(layout) > 1) + 0.01 * (len(layout) - 1)
             rec = {"kind": "step", "profile": profile, "gpu": "H200", "layout": layout, "intra_link": "nvlink",
-                   "per_gpu_batch": 64, "iter_s": 64 * per_sample + 0.004 * (sum(layout) > 1) + 0.01 * (len(layout) - 1)}
+                   "per_gpu_batch": 64, "iter_s": iter_s}
             if len(layout) > 1:
                 rec["inter_link"] = "ib"
             out.append(rec)

@@ -131,7 +131,8 @@ def test_command_only_for_the_wrapper_and_unknown_names():
         templates.render(templates.get("gpt-lm"), templates.Params(command=["python", "x.py"]))
     with pytest.raises(templates.TemplateError, match="known: .*resnet50"):
         templates.get("resnet-50")
-    text = templates.render(templates.get("wrap-train-py"), templates.Params(command=["python", "my train.py", "-e", "3"]))
+    text = templates.render(templates.get("wrap-train-py"),
+                            templates.Params(command=["python", "my train.py", "-e", "3"]))
     assert _parts(text)[3] == ["--", "python", "my train.py", "-e", "3"]
     assert "'my train.py'" in text
 
