@@ -75,15 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    vocab = models.ENCODER_SIZES[args.size].vocab
-    if args.data is not None:
-        dataset = data.TensorFile(args.data)
-        classes = int(dataset.targets.max()) + 1
-    else:
-        seq_len = min(args.seq_len, models.ENCODER_SIZES[args.size].context)
-        dataset = data.SyntheticSequences(args.dataset_size, seq_len, vocab, classes=args.classes, seed=args.seed)
-        classes = args.classes
+    dataset = data.TensorFile(args.data) if args.data is not None else None
+    classes = int(dataset.targets.max()) + 1 if dataset is not None else args.classes
     model = build_model(args, classes)
+    if dataset is None:   # synthetic tokens within the model's vocabulary and positions
+        config = getattr(getattr(model, "inner", None), "config", None)
+        size = models.ENCODER_SIZES[args.size]
+        vocab = getattr(config, "vocab_size", size.vocab)
+        seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", size.context))
+        dataset = data.SyntheticSequences(args.dataset_size, seq_len, vocab, classes=classes, seed=args.seed)
     return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.01),
                         dataset, loss_of, profile=args.profile, environ=os.environ)
 
