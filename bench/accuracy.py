@@ -34,6 +34,7 @@ from predictor.engine import Predictor  # noqa: E402
 from predictor.pollux import PolluxModel  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DUMP: dict[str, list] = {}  # per-row predictions, written with --dump
 TARGETS = {("pollux-t4", "A"): 6.5, ("pollux-t4", "B"): 10.0, ("pollux-t4", "B-scal"): 15.0,
            ("morphling-a800", "A"): 12.0}
 REFERENCE = {("pollux-t4", "A"): "7.7% / 0.929 / 0.899", ("pollux-t4", "B"): "25.5%",
@@ -118,6 +119,9 @@ def protocol_a(ds, rng):
         ref_pred.append(ref.predict(test))
     if not rows:
         return None
+    DUMP.setdefault(ds.name + "/A", []).extend(
+        {**r, "pred_ours": float(a), "pred_pollux": float(b)}
+        for r, a, b in zip(rows, np.concatenate(ours_pred), np.concatenate(ref_pred)))
     return {"fits": len(held), "ours": evaluate(rows, np.concatenate(ours_pred), rng),
             "pollux": evaluate(rows, np.concatenate(ref_pred), rng)}
 
@@ -128,8 +132,11 @@ def protocol_b(ds, rows, rng):
     if not test:
         return None
     ours, ref = _fit_both(ds, train)
-    return {"fits": 1, "ours": evaluate(test, predict_ours(ours, ds.profiles, test), rng),
-            "pollux": evaluate(test, ref.predict(test), rng)}
+    po, pp = predict_ours(ours, ds.profiles, test), ref.predict(test)
+    DUMP.setdefault(ds.name + "/B" + ("-scal" if rows is ds.extra else ""), []).extend(
+        {**r, "pred_ours": float(a), "pred_pollux": float(b)} for r, a, b in zip(test, po, pp))
+    return {"fits": 1, "ours": evaluate(test, po, rng), "pollux": evaluate(test, pp, rng)}
+
 
 
 def _fmt(v, pct=False):
@@ -160,6 +167,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", default="pollux-t4,morphling-a800,elasticflow-a100")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write bench/results")
+    ap.add_argument("--dump", help="also write every predicted row (measured and both predictions) to this JSON file")
     args = ap.parse_args(argv)
     loaders = {"pollux-t4": load_pollux, "morphling-a800": load_morphling, "elasticflow-a100": load_elasticflow}
     rng = np.random.default_rng(0)
@@ -171,6 +179,8 @@ def main(argv=None) -> int:
         if ds.extra:
             results[(name, "B-scal")] = protocol_b(ds, ds.extra, rng)
         print(f"{name}: done at {time.time() - t0:.0f} s", file=sys.stderr)
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(DUMP), encoding="utf-8")
     text = table(results)
     print(text)
     if not args.no_write:

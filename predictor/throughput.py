@@ -3,7 +3,7 @@
 A candidate is (profile P, GPU type g, per-GPU batch b, layout k_1..k_n GPUs on n nodes, intra link I,
 inter link E). With K = max_i k_i and G = sum_i k_i:
 
-    compute     T_c = c0 + c1 * b                                    per (P, g), fitted from step history
+    compute     T_c = c0 + c1 * b^e                                  per (P, g), fitted from step history
     intra sync  T_I = sum_buckets LM_I(allreduce, K, bucket)         reduce-scatter/all-gather inside a node
     inter sync  T_E = sum_buckets LM_E(allreduce, n, bucket)         ring across the n nodes' NICs
     sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout)))
@@ -14,16 +14,16 @@ LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link)
 one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs per node share it.
 phi(layout) are the learned topology corrections of the inter link (only for n > 1):
     pair = [n == 2] (both ring neighbours are the same node: one connection each way carries everything),
-    log K (GPUs sharing a NIC), pair * log K, log n (ring length beyond the 2(n-1)/n of T_E), fraction of
-    nodes with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair
-    link). Growth in n is logarithmic, so extrapolation to many nodes stays tame.
+    log K (GPUs sharing a NIC), pair * log K, log n (ring length beyond the 2(n-1)/n of T_E), some node
+    with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair link).
+    Growth in n is logarithmic, so extrapolation to many nodes stays tame.
     w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement (stronger ridge) from its own rows.
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
 
 Fitting (`fit_throughput`): bounded scipy least squares of log step time (soft L1), plus the exposed sync time
 (T - T_c) where steps report `sync_s`, with ridge penalties pulling s_L, w and S to 0 (the link model and the
 profile). Parameters the rows cannot identify are pinned: w_E and s_E without multi-node rows, s_I without
-multi-GPU rows on one node, gamma without multi-GPU rows of that (P, g), c0 with a single batch size.
+multi-GPU rows on one node, gamma without multi-GPU rows of that (P, g), c0 with a single batch size, e with fewer than 4.
 `result.success` is checked; on failure the initial (prior) values are kept and `converged` says so.
 A (P, g) never seen in steps gets T_c from the profile: FLOPs per sample over the GPU's effective rate,
 calibrated by the other profiles fitted on that GPU.
@@ -53,6 +53,7 @@ class PerfParams(NamedTuple):
     gamma: float  # overlap exponent of compute and sync, in [1, 10]
     log_bytes_scale: float  # log S, correction of the profile's gradient bytes (0 = as profiled)
     dw: tuple = (0.0,) * N_PHI  # this job's refinement of its inter link's topology weights
+    e: float = 1.0  # batch exponent of compute: GPU efficiency changing with batch (1 = linear)
 
 
 class NetParams(NamedTuple):
@@ -69,14 +70,14 @@ def layout_features(layout) -> np.ndarray:
     n = len(k)
     if n <= 1:
         return np.zeros(N_PHI)
-    odd = float(np.mean(k % 2 == 1))
+    odd = float(np.any(k % 2 == 1))
     unbal = float(k.max() != k.min())
     pair, lk = float(n == 2), math.log(k.max())
     return np.array([pair, lk, pair * lk, math.log(n), odd, unbal, odd * unbal])
 
 
-def _predict_compute(c0, c1, b):
-    return c0 + c1 * b
+def _predict_compute(c0, c1, b, e=1.0):
+    return c0 + c1 * b**e
 
 
 def _predict_sync(log_bytes_scale, log_intra, log_inter, w, t_intra, t_inter, phi):
@@ -146,6 +147,10 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         else:
             fixed[("c0", j)] = math.log(c0)
         add(("c1", j), math.log(c1), math.log(1e-9), math.log(1e3))
+        if len(set(b[m])) >= 4:
+            add(("e", j), 1.0, 0.5, 1.8)
+        else:
+            fixed[("e", j)] = 1.0
         if (m & (G > 1)).any():
             add(("g", j), gamma_prior, 1.0, 10.0)
             add(("S", j), 0.0, -3.0, 3.0)
@@ -189,7 +194,8 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         sE = np.array([get(("sE", f)) for f in range(len(inters))])
         W = np.array([[get(("w", f, q)) for q in range(N_PHI)] for f in range(len(inters))])
         DW = np.array([[get(("dw", j, q)) for q in range(N_PHI)] for j in range(len(pairs))])
-        return c0, c1, g, S, sI, sE, W, DW
+        E = np.array([get(("e", j)) for j in range(len(pairs))])
+        return c0, c1, g, S, sI, sE, W, DW, E
 
     has_sync = np.isfinite(sync) & (G > 1)
     ly = np.log(y)
@@ -197,8 +203,8 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
                       else 0.0 for n in names])
 
     def model(x):
-        c0, c1, g, S, sI, sE, W, DW = unpack(x)
-        tc = _predict_compute(c0[pi], c1[pi], b)
+        c0, c1, g, S, sI, sE, W, DW, E = unpack(x)
+        tc = _predict_compute(c0[pi], c1[pi], b, E[pi])
         ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi) * (G > 1)
         return tc, ts, _predict_step(tc, ts, g[pi])
 
@@ -219,11 +225,11 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
                             jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, has_sync), np.array(hi)))
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
     x = res.x if ok else x0a
-    c0, c1, g, S, sI, sE, W, DW = unpack(x)
+    c0, c1, g, S, sI, sE, W, DW, E = unpack(x)
     _, _, t = model(x)
     err = np.log(t) - ly
-    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j]), tuple(map(float, DW[j])))
-            for j, pr in enumerate(pairs)}
+    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j]), tuple(map(float, DW[j])),
+                          float(E[j])) for j, pr in enumerate(pairs)}
     net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
            "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
@@ -232,7 +238,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
 
 def _sparsity(names, pi, ii, ei, has_sync) -> np.ndarray:
     """Which parameters each residual depends on (rows: step residuals, sync residuals, penalties)."""
-    owner = {"c0": pi, "c1": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei}
+    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei}
     dep = np.zeros((len(pi), len(names)), dtype=bool)
     for k, n in enumerate(names):
         dep[:, k] = owner[n[0]] == n[1]
@@ -271,7 +277,7 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     """compute_s, comm_s (sync), iter_s and samples_per_s for each layout (vectorised, pure)."""
     G = np.array([sum(l) for l in layouts], dtype=float)
     phi = np.array([layout_features(l) for l in layouts])
-    tc = _predict_compute(perf.c0, perf.c1, b) * np.ones(len(layouts))
+    tc = _predict_compute(perf.c0, perf.c1, b, perf.e) * np.ones(len(layouts))
     ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, np.array(net.w) + np.array(perf.dw), bases[:, 0],
                        bases[:, 1], phi) * (G > 1)
     t = _predict_step(tc, ts, perf.gamma)
