@@ -77,7 +77,7 @@ def test_cpu_variant_runs_to_completion_under_elastic_launch(slurm, submit, idle
     out = (work / f"{name}-cpu-test-{job_id}.out").read_text()
     assert slurm.job(job_id).state == "COMPLETED", out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["outcome"] == "completed" and summary["final_nodes"] == 2, summary
+    assert summary["outcome"] == "completed" and summary["final_nodes"] in (1, 2), summary   # 1: straggler cut
     logs = "\n".join(p.read_text() for p in (work / "run").glob("worker-*.log"))
     assert done in logs, logs[-3000:]
     records = [json.loads(line) for line in (work / "run" / "records.jsonl").read_text().splitlines()]
