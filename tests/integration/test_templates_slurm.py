@@ -83,3 +83,35 @@ def test_cpu_variant_runs_to_completion_under_elastic_launch(slurm, submit, idle
     records = [json.loads(line) for line in (work / "run" / "records.jsonl").read_text().splitlines()]
     start = next(r for r in records if r["kind"] == "transition" and r["action"] == "start")
     assert start["world"] == 2 and start["to_nodes"] == 2
+
+
+def test_template_job_shrinks_on_request_and_finishes(slurm, submit, idle_nodes, wait_until, tmp_path):
+    """The example scripts are elastic: an operator shrink takes node2's worker out at a commit point and the
+    job finishes its steps on node1 alone."""
+    work = Path(tmp_path)
+    registry, run = work / "registry", work / "run"
+    params = templates.Params(cpu_test=True, python=sys.executable, launcher=LAUNCH,
+                              launcher_options={"--run-dir": str(run), "--registry": str(registry),
+                                                "--straggler-ratio": "1000"},   # a loaded host: no straggler cut
+                              script_options={"--steps": "600", "--log-every": "50"})
+    script = work / "job.sbatch"
+    script.write_text(templates.render(templates.get("resnet50"), params))
+    job_id = submit(script, ["--chdir", str(work)])
+
+    def transition(action):
+        path = run / "records.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return next((r for r in records if r["kind"] == "transition" and r["action"] == action), None)
+
+    wait_until(lambda: transition("start"), 120, "the job's first step on 2 nodes")
+    ctl = subprocess.run([*LAUNCH, "ctl", str(job_id), "--registry", str(registry), "--nodes", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 0 and json.loads(ctl.stdout.splitlines()[-1])["ok"], ctl.stdout + ctl.stderr
+    shrink = wait_until(lambda: transition("shrink"), 120, "the shrink to 1 node")
+    assert shrink["to_nodes"] == 1 and shrink["left_cleanly"], shrink
+    wait_until(lambda: slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"), 240,
+               "the job to finish on one node")
+    assert slurm.job(job_id).state == "COMPLETED"
+    logs = {p.name: p.read_text() for p in run.glob("worker-*.log")}
+    assert any("left the job at step" in text for text in logs.values()), logs
+    assert any("workers 1" in text and "done: 600 steps" in text for text in logs.values()), logs
