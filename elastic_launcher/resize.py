@@ -219,8 +219,9 @@ class Transitions:
                                     f"first step within {self.config.rendezvous_timeout.total_seconds():g} s "
                                     f"or the workers ended")
         stats = json.loads(self.server.get(key)) if self.server.check([key]) else {}
-        idle = transition_idle_s(head.get("recent", []), plan.id)
+        idle, step = transition_idle_s(head.get("recent", []), plan.id)
         stats["idle_s"] = None if idle is None else round(idle, 3)
+        stats["step_s"] = None if step is None else round(step, 3)
         return stats
 
     def _wait_joined(self, nodes: Sequence[str]) -> list[str]:

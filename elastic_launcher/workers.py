@@ -213,15 +213,18 @@ class ProgressReporter:
              "compute_total_s": self.compute_total_s, "steps": self.steps, "recent": self.recent}))
 
 
-def transition_idle_s(recent: list, epoch: int) -> Optional[float]:
-    """Idle time of the switch into `epoch`, from one survivor's recent (epoch, step, t) reports.
+def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Optional[float]]:
+    """`(idle, step)`: idle time of the switch into `epoch` and the normal step time, from one survivor's
+    recent (epoch, step, t) reports.
 
     The first report in `epoch` follows the last one before it by one step plus the transition; the
-    median gap between other consecutive reports is one step. None when the boundary is not in `recent`.
+    median gap between other consecutive reports is one step. Idle is clamped at 0 (step-time jitter can
+    exceed a very short switch). (None, None) when the boundary is not in `recent`.
     """
     gaps = [(b[2] - a[2], b[0] == epoch and a[0] != epoch) for a, b in zip(recent, recent[1:])]
     boundary = [gap for gap, crosses in gaps if crosses]
     normal = sorted(gap for gap, crosses in gaps if not crosses)
     if not boundary or not normal:
-        return None
-    return max(0.0, boundary[0] - normal[len(normal) // 2])
+        return None, None
+    step = normal[len(normal) // 2]
+    return max(0.0, boundary[0] - step), step
