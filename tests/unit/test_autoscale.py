@@ -126,3 +126,60 @@ def test_invariants_on_random_histories(seed):
         if decision.action == "keep":
             assert decision.target_nodes == nodes
         nodes = decision.target_nodes
+
+
+# -- what feeds the policy and what carries its decisions out --------------------------------------------
+def test_directives_set_the_policy_limits():
+    from elastic_launcher.launch_config import Directives
+
+    d = Directives.from_script("#!/bin/bash\n#ELASTIC model=m gpus=4-12 per_gpu_batch=64\n"
+                               "#ELASTIC max_global_batch=512 min_efficiency=0.8\npython train.py\n")
+    assert (d.gpus_min, d.gpus_max, d.per_gpu_batch, d.max_global_batch, d.min_efficiency) == (4, 12, 64, 512, 0.8)
+    assert d.raw_lines == ("#ELASTIC model=m gpus=4-12 per_gpu_batch=64", "#ELASTIC max_global_batch=512 min_efficiency=0.8")
+    policy = AutoscalePolicy(d.min_efficiency, d.max_global_batch, d.per_gpu_batch, 2, d.gpus_min, d.gpus_max, 2)
+    assert (policy.min_nodes(), policy.max_nodes()) == (2, 4)      # 512 / (64 * 2) = 4 nodes; 12 GPUs = 6 nodes
+    assert Directives.from_script("python train.py\n") == Directives()
+
+
+def test_malformed_directive_is_rejected_with_the_line():
+    from elastic_launcher.launch_config import Directives
+    from slurm_plugin.errors import DirectiveError
+
+    with pytest.raises(DirectiveError, match="line 2"):
+        Directives.from_script("#!/bin/bash\n#ELASTIC gpus=8-2\n")
+
+
+def test_leavers_are_stragglers_then_helper_nodes_then_main_nodes_never_the_batch_host():
+    from elastic_launcher.resize import choose_leavers
+
+    order = ["node1", "node2", "node3", "node4"]
+    owner = {"node1": "7", "node2": "7", "node3": "8", "node4": "9"}
+    assert choose_leavers(order, owner, "7", "node1", 2) == ["node4", "node3"]
+    assert choose_leavers(order, owner, "7", "node1", 3) == ["node4", "node3", "node2"]
+    assert choose_leavers(order, owner, "7", "node1", 1, prefer=["node2"]) == ["node2"]
+    assert choose_leavers(order, owner, "7", "node1", 1, prefer=["node1"]) == ["node4"]
+    with pytest.raises(ValueError, match="only"):
+        choose_leavers(order, owner, "7", "node1", 4)
+
+
+def test_idle_time_is_the_boundary_gap_minus_a_normal_step():
+    from elastic_launcher.workers import transition_idle_s
+
+    recent = [(1, 1, 0.0), (1, 2, 0.2), (1, 3, 0.4), (2, 4, 1.4), (2, 5, 1.6)]
+    idle, step = transition_idle_s(recent, 2)
+    assert idle == pytest.approx(0.8) and step == pytest.approx(0.2)
+    assert transition_idle_s(recent, 3) == (None, None)
+    assert transition_idle_s([(1, 1, 0.0), (1, 2, 0.2), (2, 3, 0.39)], 2)[0] == 0.0   # jitter: clamped
+
+
+def test_helper_job_script_is_marked_for_the_hook_and_runs_the_agent(tmp_path):
+    from datetime import timedelta
+
+    from elastic_launcher.resize import helper_script
+
+    text = helper_script("42", 2, 4, "debug", ["node1", "node2"], "h:123", 4, timedelta(seconds=30), tmp_path,
+                         ["python", "train.py", "--lr", "0.1 x"], tmp_path)
+    assert "#SBATCH --job-name=elastic-helper-42\n" in text and "#SBATCH --comment=elastic-helper:42\n" in text
+    assert "#SBATCH --gres=gpu:4\n" in text and "#SBATCH --exclude=node1,node2\n" in text
+    assert "--main-job 42 --store h:123 --workers-per-node 4 --orphan-timeout 30" in text
+    assert text.rstrip().endswith("-- python train.py --lr '0.1 x'")
