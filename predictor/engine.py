@@ -31,17 +31,19 @@ class Predictor:
         bucket_cap_mb: DDP bucket cap used for profiles that do not list their buckets.
         link_prior_weight: pseudo-observations a link class prior is worth in the collective model.
         sync_weight: weight of reported sync times against step times in the step fit.
-        w_l2: ridge weight of the topology corrections.
+        w_l2: ridge weight of a link's topology corrections.
+        dw_l2: ridge weight of a job's own refinement of them.
         gamma_prior: compute/sync overlap exponent used where it cannot be fitted.
         f_scale: soft-L1 scale of log residuals in the step fit.
     """
 
     def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,
-                 w_l2: float = 0.3, gamma_prior: float = 1.5, f_scale: float = 0.05):
+                 w_l2: float = 1.0, dw_l2: float = 0.3, gamma_prior: float = 1.5, f_scale: float = 0.05):
         self.bucket_cap_mb = bucket_cap_mb
         self.link_prior_weight = link_prior_weight
         self.sync_weight = sync_weight
         self.w_l2 = w_l2
+        self.dw_l2 = dw_l2
         self.gamma_prior = gamma_prior
         self.f_scale = f_scale
 
@@ -79,7 +81,7 @@ class Predictor:
         if steps:
             bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
                               for o in steps])
-            fit = fit_throughput(steps, bases, sync_weight=self.sync_weight, w_l2=self.w_l2,
+            fit = fit_throughput(steps, bases, sync_weight=self.sync_weight, w_l2=self.w_l2, dw_l2=self.dw_l2,
                                  gamma_prior=self.gamma_prior, f_scale=self.f_scale)
         else:
             fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}

@@ -17,7 +17,8 @@ phi(layout) are the learned topology corrections of the inter link (only for n >
     log K (GPUs sharing a NIC), pair * log K, log n (ring length beyond the 2(n-1)/n of T_E), some node
     with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair link).
     Growth in n is logarithmic, so extrapolation to many nodes stays tame.
-    w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement (stronger ridge) from its own rows.
+    w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement from its own rows (not for log n,
+    whose extrapolation to node counts a job has not run on rests on the link's pooled rows).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
 
 Fitting (`fit_throughput`): bounded scipy least squares of log step time (soft L1), plus the exposed sync time
@@ -38,6 +39,7 @@ from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
 N_PHI = 7
+POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all jobs), never on one job alone
 # Effective training FLOP/s per GPU type (fp32/tf32 peak x 0.35), used only for never-observed profiles.
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
@@ -158,7 +160,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             fixed[("g", j)], fixed[("S", j)] = gamma_prior, 0.0
         multi = m & (nn > 1)
         for q in range(N_PHI):
-            if multi.any() and np.ptp(phi[multi, q]) > 1e-9:
+            if q not in POOLED_ONLY and multi.any() and np.ptp(phi[multi, q]) > 1e-9:
                 add(("dw", j, q), 0.0, -5.0, 5.0)
             else:
                 fixed[("dw", j, q)] = 0.0
