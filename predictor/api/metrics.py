@@ -12,17 +12,21 @@ Series (all prefixed `elastic_predictor_`):
     link_fit_log_rmse{link}                              fit error of the collective model per link
     observations{kind}                                   records in the store
 
-Counters are per process: under gunicorn every worker counts the requests it served, and a scrape reaches
-one worker. Scrape each worker, or run `--workers 1` where exact request counts matter; the gauges read
-from the shared store (observations, generation) agree across workers. The hooks are registered here with
-`before_app_request` / `after_app_request`, so every blueprint's requests are counted.
+Counters are the whole service's: each gunicorn worker writes its counts to `<db>.metrics/` beside the
+database (at most every 0.5 s, see `Registry`), and whichever worker answers a scrape sums them. The model
+gauges (fits, fit errors) are those of the answering worker; all workers fit the same history. The hooks are
+registered here with `before_app_request` / `after_app_request`, so every blueprint's requests are counted.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 import time
 from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
 
 from flask import Blueprint, Response, current_app, g, request
 
@@ -34,11 +38,29 @@ _EXT = "elastic_predictor_metrics"
 
 
 class Registry:
-    """The process's counters and histograms; thread-safe (gthread workers)."""
+    """The process's counters and histograms; thread-safe (gthread workers).
 
-    def __init__(self, buckets: tuple[float, ...] = BUCKETS):
+    With a `spool` directory, every process of the service writes its counts there (a daemon thread, every
+    `flush_every` while there is something new, and at each scrape) and a scrape sums all files: whichever gunicorn worker answers,
+    the totals are the service's. Files of processes that ended stay and are summed, so counters never
+    go backwards; delete the directory while the service is stopped to start from zero.
+
+    Args:
+        buckets: upper bounds of the latency histogram, seconds.
+        spool: shared directory of the per-process files; None counts this process only.
+        flush_every: how long a process's new counts may stay unwritten.
+    """
+
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS, spool: Path | None = None,
+                 flush_every: timedelta = timedelta(seconds=0.5)):
         self.buckets = buckets
+        self.spool = spool
+        self.flush_every = flush_every
         self._lock = threading.Lock()
+        self._dirty = threading.Event()
+        self._flush_lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self._file = None if spool is None else spool / f"{os.getpid()}-{id(self):x}.json"
         self.requests: dict[tuple[str, str, str], int] = defaultdict(int)
         self.latency: dict[str, list] = {}     # endpoint -> [bucket counts..., sum, count]
         self.decisions: dict[tuple[str, str], int] = defaultdict(int)
@@ -52,14 +74,72 @@ class Registry:
                     row[i] += 1
             row[-2] += seconds
             row[-1] += 1
+        self._changed()     # after the count: a flush that clears the flag has read it, or will run again
 
     def decision(self, source: str, action: str) -> None:
         with self._lock:
             self.decisions[(source, action)] += 1
+        self._changed()
 
     def snapshot(self) -> tuple[dict, dict, dict]:
+        """This process's counts: (requests, latency rows, decisions)."""
         with self._lock:
             return dict(self.requests), {k: list(v) for k, v in self.latency.items()}, dict(self.decisions)
+
+    def _changed(self) -> None:
+        if self._file is None:
+            return
+        self._dirty.set()
+        if self._writer is None:
+            with self._lock:
+                if self._writer is None:   # started on first use: in the worker, after gunicorn's fork
+                    self._writer = threading.Thread(target=self._write_loop, name="metrics-spool", daemon=True)
+                    self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            self._dirty.wait()
+            time.sleep(self.flush_every.total_seconds())
+            try:
+                self.flush()
+            except OSError:   # a full or read-only disk must not kill the thread; the next change retries
+                self._dirty.set()
+
+    def flush(self) -> None:
+        """Write this process's counts to the spool atomically (`<pid>-<id>.json`)."""
+        if self._file is None:
+            return
+        with self._flush_lock:   # the writer thread and a scrape share the temporary file
+            self._dirty.clear()
+            requests_, latency, decisions = self.snapshot()
+            body = {"requests": [[*k, n] for k, n in requests_.items()], "latency": latency,
+                    "decisions": [[*k, n] for k, n in decisions.items()]}
+            self.spool.mkdir(parents=True, exist_ok=True)
+            tmp = self._file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, self._file)
+
+    def totals(self) -> tuple[dict, dict, dict]:
+        """The counts of every process in the spool (this one's as of now)."""
+        requests_, latency, decisions = self.snapshot()
+        if self._file is None:
+            return requests_, latency, decisions
+        self.flush()
+        requests_, latency, decisions = defaultdict(int), {}, defaultdict(int)
+        for path in self.spool.glob("*.json"):
+            try:
+                body = json.loads(path.read_text())
+            except (OSError, ValueError):   # a file being replaced right now: its next version counts
+                continue
+            for *key, n in body["requests"]:
+                requests_[tuple(key)] += n
+            for *key, n in body["decisions"]:
+                decisions[tuple(key)] += n
+            for endpoint, row in body["latency"].items():
+                if len(row) == len(self.buckets) + 2:
+                    total = latency.setdefault(endpoint, [0] * len(row))
+                    latency[endpoint] = [a + b for a, b in zip(total, row)]
+        return dict(requests_), latency, dict(decisions)
 
 
 def _escape(value) -> str:
@@ -98,9 +178,15 @@ class Exposition:
         return "\n".join(self.lines) + "\n"
 
 
+def spool_dir(db_path: str) -> Path:
+    """Where the processes of the service on `db_path` keep their counts: `<db>.metrics/` beside it."""
+    return Path(db_path).with_name(Path(db_path).name + ".metrics")
+
+
 @bp.record_once
 def _install(state) -> None:
-    state.app.extensions[_EXT] = Registry()
+    config = state.app.extensions["elastic_predictor"].config
+    state.app.extensions[_EXT] = Registry(spool=spool_dir(config.db_path))
 
 
 def registry() -> Registry:
@@ -145,7 +231,7 @@ def _model_samples(svc) -> tuple[list, list]:
 @bp.get("/metrics")
 def metrics():
     svc = services()
-    requests_, latency, decisions = registry().snapshot()
+    requests_, latency, decisions = registry().totals()
     out = Exposition()
     out.family("http_requests_total", "counter", "HTTP requests served by this process.",
                [("", {"method": m, "endpoint": e, "code": c}, n) for (m, e, c), n in sorted(requests_.items())])

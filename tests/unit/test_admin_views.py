@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import time
 from html import unescape
 from urllib.parse import urljoin
 
@@ -311,3 +312,23 @@ def test_admin_before_the_first_fit(seeded_db, tmp_path):
     assert "model <b>none</b>, fitted not yet" in html and "not fitted" in html
     assert application.test_client().get("/admin/plots/scaling.png").status_code == 200
     application.extensions["elastic_predictor"].store.close()
+
+
+def test_metrics_sum_every_worker_of_the_service(seeded_db, tmp_path):
+    """Two apps on one database stand for two gunicorn workers: either one's scrape shows both's requests."""
+    db = tmp_path / "shared.db"
+    db.write_bytes(seeded_db.read_bytes())
+    first, second = (create_app(Config(db_path=str(db)), start_refit=False) for _ in range(2))
+    for _ in range(3):
+        first.test_client().get("/healthz")
+    second.test_client().get("/healthz")
+    second.test_client().post("/v1/plan", json={**PLAN, "directives": ["#ELASTIC colour=blue"]})
+    time.sleep(1.5)                                                     # each worker writes within 0.5 s
+    for app_ in (first, second):
+        m = _metrics(app_.test_client())
+        assert m['elastic_predictor_http_requests_total{method="GET",endpoint="/healthz",code="200"}'] == 4
+        assert m['elastic_predictor_decisions_total{source="job_submit",action="reject"}'] == 1
+        assert m['elastic_predictor_http_request_duration_seconds_count{endpoint="/healthz"}'] == 4
+    assert len(list((tmp_path / "shared.db.metrics").glob("*.json"))) == 2
+    for app_ in (first, second):
+        app_.extensions["elastic_predictor"].store.close()
