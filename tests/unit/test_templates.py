@@ -71,6 +71,7 @@ def test_template_directives_parse_and_match_the_script(name):
     else:
         assert args.per_gpu_batch == directives["per_gpu_batch"], "#ELASTIC per_gpu_batch and --per-gpu-batch agree"
         assert args.profile == directives["model"], "the profile name matches the directive"
+        assert args.lr_scaling == directives.get("lr_scaling", "linear"), "one learning-rate rule"
 
 
 def test_template_as_written_has_a_request_inside_its_gpu_bounds():
