@@ -163,11 +163,12 @@ class Predictor:
         return NetParams(s_i, s_e, w), link_std
 
     def link_stats(self) -> list[dict]:
-        """Per link: alpha_s, bandwidth_Bps (as steps see it), n observations, fit error (log RMSE) or None."""
+        """Per link: alpha_s, bandwidth_Bps (as steps see it), n collectives, n_steps, log_rmse (collective fit
+        error; absent for a link seen only in steps)."""
         self._check_fitted()
         stats = {s["link"]: dict(s) for s in self.links_.link_stats()}
         for link, n_steps in self.step_links_.items():
-            s = stats.setdefault(link, {"link": link, "n": 0, "log_rmse": None})
+            s = stats.setdefault(link, {"link": link, "n": 0})  # no collectives: no collective fit error
             a, bw, *_ = self.links_._params(link)
             scales = [v for k, v in self.net_.get("intra", {}).items() if k == link] + \
                      [v[0] for k, v in self.net_.get("inter", {}).items() if k == link]
