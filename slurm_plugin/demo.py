@@ -1,0 +1,307 @@
+"""`elastic-slurm demo`: the whole product on one machine, in a few minutes.
+
+    elastic-slurm demo [--lab /var/tmp/elastic-slurm-demo] [--port-base 17000] [--steps 1200] [--keep]
+
+1. brings up the local 4-node Slurm testbed in its own lab (`Testbed.up`);
+2. starts `elastic-predictor serve` (gunicorn, detached, pid file, token and database in the lab) with a
+   cluster file that says what the testbed is: one CPU worker per node, gloo over `shm`/`socket`; installs
+   the job_submit hook pointing at it and reconfigures slurmctld;
+3. seeds the history: calibrates the demo model (resnet-tiny) at 1 and 2 workers through the real runtime
+   and posts the runtime's step and all-reduce observations (slurm_plugin/demo_calibrate.py);
+4. renders the `resnet50` template's CPU variant and submits it with the real sbatch, whose hook line
+   (`sbatch: elastic: ...`) says how the job was sized and why;
+5. follows the job (records.jsonl, rank 0's log) through at least one grow (helper job) and one shrink: the
+   autoscaler's own, or the demo asks like an operator (`elastic-launch ctl JOB --nodes N`);
+6. prints a summary (layout and reason, predicted vs measured throughput, transitions with idle time,
+   outcome) and stops everything it started, unless `--keep`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import click
+
+from slurm_plugin import demo_calibrate as cal
+from slurm_plugin.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
+from slurm_plugin.demo_services import DemoError, PredictorService, install_hook, tail
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+
+DEFAULT_DEMO_LAB = Path("/var/tmp/elastic-slurm-demo")
+DEFAULT_DEMO_PORT_BASE = 17000   # the CI lab uses 16800; PORT_SPAN ports each
+MAX_NODES = 4
+
+
+def launcher_argv(python: str = sys.executable) -> list[str]:
+    """elastic-launch beside the interpreter (job scripts get Slurm's minimal PATH), else the module."""
+    exe = Path(python).parent / "elastic-launch"
+    return [str(exe)] if exe.exists() else [python, "-m", "elastic_launcher.cli"]
+
+
+class Demo:
+    """One run of the demo; `run()` does the six steps, `stop()` undoes what was started."""
+
+    def __init__(self, lab: Path, port_base: int, steps: int, calibration_steps: int, budget: timedelta,
+                 echo=click.echo):
+        self.bed = Testbed(TestbedConfig(lab=lab, port_base=port_base))
+        self.predictor = PredictorService(self.bed)
+        self.steps = steps
+        self.calibration_steps = calibration_steps
+        self.budget = budget
+        self.echo = echo
+        self.work = lab / "demo"
+        self.t0 = time.monotonic()
+        self.phases: dict[str, float] = {}
+        self.job_id: int | None = None
+        self.calibration: list[cal.CalibrationRun] = []
+        self.sbatch_lines: list[str] = []
+        self.watcher: JobWatcher | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.echo(click.style(f"\n== {name}", bold=True))
+        t = time.monotonic()
+        yield
+        self.phases[name] = time.monotonic() - t
+        self.echo(f"   ({self.phases[name]:.1f} s)")
+
+    def slurm(self):
+        from slurm_plugin.client import DEFAULT_PATH, CommandBackend  # noqa: PLC0415
+
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "ELASTIC_PREDICTOR_TOKEN": self.predictor.token}
+        return CommandBackend(slurm_conf=self.bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
+                              update_timeout=timedelta(seconds=30))
+
+    # -- the steps ------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from slurm_plugin.errors import TestbedError  # noqa: PLC0415
+
+        cfg = self.bed.config
+        with self.phase(f"1/6 local Slurm cluster (lab {cfg.lab}, ports {cfg.port_base}..{cfg.port_base + PORT_SPAN - 1})"):
+            try:
+                timings = self.bed.up()
+            except TestbedError as exc:
+                raise DemoError(f"the testbed did not start: {exc}") from None
+            self.echo(f"   4 nodes idle; slurmctld port {cfg.ctld_port}; up in {timings['total']:.1f} s")
+        with self.phase("2/6 predictor service and job_submit hook"):
+            self.predictor.start()
+            self.echo(f"   elastic-predictor serve on {self.predictor.url} (pid {self.predictor.pid()}, "
+                      f"db {self.predictor.db}, token in {self.predictor.dir / 'token'})")
+            self.echo("   cluster: node[1-4], 1 worker per node, gpu 'cpu', links shm (in a node) / socket "
+                      "(between nodes)")
+            written = install_hook(self.bed, self.predictor.url, self.budget)
+            self.echo(f"   hook: {', '.join(p.name for p in written)} in {cfg.etc}; JobSubmitPlugins=lua; "
+                      f"scontrol reconfigure done (budget {self.budget.total_seconds() * 1000:g} ms)")
+        with self.phase("3/6 history: calibrate resnet-tiny at 1 and 2 workers through the runtime"):
+            self.seed()
+        with self.phase("4/6 render the resnet50 template (CPU variant) and sbatch it"):
+            self.submit()
+        with self.phase(f"5/6 follow job {self.job_id}"):
+            self.follow()
+        with self.phase("6/6 summary"):
+            summary = self.summary()
+        return summary
+
+    def seed(self) -> None:
+        self.predictor.post("/v1/profiles", cal.profile_body())
+        for workers in (1, 2):
+            run = cal.run_once(workers, self.calibration_steps, self.work / "calibration")
+            self.calibration.append(run)
+            stored = self.predictor.post("/v1/observations", run.records)
+            kinds = {k: sum(r["kind"] == k for r in run.records) for k in ("step", "collective")}
+            self.echo(f"   {workers} worker(s): {run.iter_s * 1000:.1f} ms/step = {run.samples_per_s:.1f} samples/s "
+                      f"({self.calibration_steps} steps, {run.wall_s:.1f} s); posted {kinds['step']} step + "
+                      f"{kinds['collective']} collective observation(s) -> {json.dumps(stored)[:80]}")
+        body = {"profile": cal.PROFILE, "gpu": cal.GPU, "per_gpu_batch": int(cal.SCRIPT_OPTIONS["--per-gpu-batch"])}
+        deadline, known_in_a_row, reply = time.monotonic() + 60, 0, None
+        while known_in_a_row < 4:            # both gunicorn workers have refitted
+            reply = self.predictor.post("/v1/predict", body)
+            known_in_a_row = known_in_a_row + 1 if reply.get("known") else 0
+            if time.monotonic() > deadline:
+                raise DemoError(f"the predictor did not fit the history within 60 s: {reply}\n"
+                                f"{tail(self.predictor.log_file)}")
+            time.sleep(0.5)
+        curve = "  ".join(f"{len(p['layout'])}x1: {p['samples_per_s']:.0f}" for p in reply["predictions"])
+        self.echo(f"   fitted (model version {reply.get('model_version')}); predicted samples/s: {curve}")
+
+    def submit(self) -> None:
+        from slurm_plugin import templates  # noqa: PLC0415
+
+        run_dir, registry = self.work / "run", self.work / "registry"
+        params = templates.Params(
+            cpu_test=True, gpus=f"1-{MAX_NODES}", python=sys.executable, launcher=launcher_argv(),
+            directives={"model": cal.PROFILE, "gpu_type": cal.GPU},
+            sbatch={"job-name": "demo-resnet50", "ntasks-per-node": "1", "output": str(self.work / "%x-%j.out")},
+            script_options={"--steps": str(self.steps), "--log-every": "25", "--profile": cal.PROFILE},
+            launcher_options={"--predictor": self.predictor.url, "--run-dir": str(run_dir),
+                              "--registry": str(registry), "--straggler-ratio": "1000"})
+        script = self.work / "job.sbatch"
+        script.write_text(templates.render(templates.get("resnet50"), params))
+        self.echo(f"   like: elastic-slurm template new resnet50 --cpu-test --gpus 1-{MAX_NODES} --model {cal.PROFILE} "
+                  f"--gpu-type cpu --steps {self.steps} --out {script}"
+                  f" (plus --ntasks-per-node=1, paths, --predictor)")
+        self.echo("   request as written: " + "  ".join(
+            line for line in script.read_text().splitlines() if line.startswith(("#SBATCH --nodes", "#SBATCH --gpus",
+                                                                                "#ELASTIC"))))
+        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+
+        try:
+            sub = self.slurm().sbatch(script, ["--chdir", str(self.work)])
+        except SlurmError as exc:
+            raise DemoError(f"sbatch failed: {exc}") from None
+        self.job_id = sub.job_id
+        self.sbatch_lines = [line for line in sub.stderr.splitlines() if line.strip()]
+        self.echo(f"   $ sbatch {script.name}")
+        for line in self.sbatch_lines:
+            self.echo(click.style(f"   {line}", fg="green"))
+        self.echo(f"   Submitted batch job {self.job_id}")
+        if not any("elastic:" in line for line in self.sbatch_lines):
+            raise DemoError("sbatch printed no line from the elastic hook (is JobSubmitPlugins=lua active?)\n"
+                            f"{tail(self.bed.config.lab / 'log' / 'slurmctld.log')}")
+
+    def follow(self) -> None:
+        self.watcher = JobWatcher(self.job_id, self.work / "run", self.work / "registry", launcher_argv(),
+                                  self.slurm(), MAX_NODES, self.echo)
+        state = self.watcher.follow(timeout_s=480)
+        out = self.job_output()
+        if state != "COMPLETED":
+            raise DemoError(f"job {self.job_id} ended {state}\n{out[-2000:]}")
+        missing = [what for what, acts in (("grow", GROWS), ("shrink", SHRINKS)) if not self.watcher.transitions(acts)]
+        if missing:
+            raise DemoError(f"job {self.job_id} finished without a {' and a '.join(missing)}: raise --steps "
+                            f"(now {self.steps})")
+
+    def job_output(self) -> str:
+        found = sorted(self.work.glob(f"*-{self.job_id}.out"))
+        return found[0].read_text(errors="replace") if found else ""
+
+    # -- the summary ----------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        w = self.watcher
+        comment = ""
+        with contextlib.suppress(Exception):
+            comment = self.slurm().job(self.job_id).comment
+        decision_id = comment.split("elastic:decision=", 1)[1].split()[0] if "elastic:decision=" in comment else None
+        decision = self.predictor.get(f"/v1/decisions/{decision_id}") if decision_id else {}
+        response = decision.get("response", decision)
+        start = next((r for r in w.transitions(("start",))), {})
+        reason = next((ln.split("elastic:", 1)[1].strip() for ln in self.sbatch_lines if "elastic:" in ln), "")
+        predicted = {len(c["layout"]): c.get("samples_per_s") for c in response.get("curve", []) if "layout" in c}
+        measured: dict[int, float] = {}
+        for r in w.records:
+            if r["kind"] == "measurement":
+                measured[r["nodes"]] = r["samples_per_s"]          # the last one at each size
+        out_lines = self.job_output().strip().splitlines()
+        final = {}
+        with contextlib.suppress(ValueError, IndexError):
+            final = json.loads(out_lines[-1])
+        e = self.echo
+        e(f"   chosen layout: {start.get('to_nodes')} node(s) x 1 worker   (sbatch: elastic: {reason})")
+        e(f"   {'nodes':>5}  {'predicted':>10}  {'measured':>10}  samples/s")
+        for n in sorted(set(predicted) | set(measured)):
+            p, m = predicted.get(n), measured.get(n)
+            e(f"   {n:>5}  {'-' if p is None else f'{p:.1f}':>10}  {'-' if m is None else f'{m:.1f}':>10}")
+        e(f"   {'transition':<12} {'nodes':>8} {'idle_s':>7} {'pause_s':>8} {'wall_s':>7}  how")
+        for t in w.transitions():
+            how = (f"helper job {t['helper']}" if t.get("helper") else
+                   "operator (ctl)" if t["action"] in SHRINKS + GROWS and _by_operator(w, t) else
+                   "autoscaler" if t["action"] in SHRINKS + GROWS else "")
+            e(f"   {t['action']:<12} {str(t.get('from_nodes')) + '->' + str(t.get('to_nodes')):>8} "
+              f"{_num(t.get('idle_s'), 2):>7} {_num(t.get('pause_s'), 2):>8} {_num(t.get('wall_s'), 1):>7}  {how}")
+        outcome = final.get("outcome", w.state.lower())
+        e(f"   outcome: job {self.job_id} {w.state}, launcher outcome {outcome}, final nodes "
+          f"{final.get('final_nodes')}; {len(w.requests)} operator request(s)")
+        total = time.monotonic() - self.t0
+        e("   phases: " + "  ".join(f"{name.split(' ', 1)[0]} {s:.1f}s" for name, s in self.phases.items())
+          + f"  total {total:.1f}s")
+        return {"job_id": self.job_id, "reason": reason, "predicted": predicted, "measured": measured,
+                "transitions": w.transitions(), "outcome": outcome, "state": w.state, "wall_s": total}
+
+    # -- cleanup --------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Cancel the lab's jobs, stop the predictor and the testbed (each step tolerant of the others)."""
+        with contextlib.suppress(Exception):
+            slurm = self.slurm() if self.predictor.dir.exists() else None
+            if slurm is not None and self.bed.is_up():
+                for job in slurm.jobs():
+                    if job.state not in ENDED:
+                        slurm.cancel(job.job_id)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and any(j.state not in ENDED for j in slurm.jobs()):
+                    time.sleep(0.5)
+        stopped = self.predictor.stop()
+        self.bed.down()
+        self.echo(f"stopped: jobs cancelled, predictor {'stopped' if stopped else 'was not running'}, "
+                  f"testbed down (lab {self.bed.config.lab} kept for its logs)")
+
+    def keep_hint(self) -> None:
+        lab = self.bed.config.lab
+        self.echo(f"\nleft running (--keep): look around with\n"
+                  f"  eval \"$(elastic-slurm testbed env --lab {lab})\"; squeue; sacct -j {self.job_id}\n"
+                  f"  elastic-predictor decisions --db {self.predictor.db}\n"
+                  f"  curl {self.predictor.url}/admin   (the /admin page; open it in a browser)\n"
+                  f"  less {self.work}/run/records.jsonl\n"
+                  f"stop it with: kill $(cat {self.predictor.pid_file}); "
+                  f"elastic-slurm testbed down --lab {lab}")
+
+
+def _num(value, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def _by_operator(w: JobWatcher, t: dict) -> bool:
+    """A transition that followed a demo `ctl` request (the latest request before it went to its size)."""
+    before = [r for r in w.requests if r["t"] <= t["t"]]
+    return bool(before) and before[-1]["nodes"] == t.get("to_nodes")
+
+
+@click.command("demo")
+@click.option("--lab", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DEMO_LAB,
+              show_default=True, help="Lab directory of the demo's own cluster (under /var/tmp: daemons run as "
+                                      "munge and mysql).")
+@click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), default=DEFAULT_DEMO_PORT_BASE,
+              show_default=True, help=f"First of the {PORT_SPAN} ports of the lab (the predictor takes the last).")
+@click.option("--steps", type=click.IntRange(200, 100000), default=1200, show_default=True,
+              help="Training steps of the demo job (enough for a grow and a shrink).")
+@click.option("--calibration-steps", type=click.IntRange(12, 1000), default=30, show_default=True,
+              help="Steps of each calibration run (1 and 2 workers).")
+@click.option("--budget-ms", type=click.IntRange(1, 10000), default=1000, show_default=True,
+              help="The hook's time budget per /v1/plan call (production default 100 ms; the demo shares 2 "
+                   "busy cores with the cluster).")
+@click.option("--keep", is_flag=True, help="Leave the cluster, the predictor and the job's files running to look "
+                                           "around (prints how), instead of stopping them.")
+def demo_command(lab: Path, port_base: int, steps: int, calibration_steps: int, budget_ms: int, keep: bool) -> None:
+    """Run the whole thing locally: cluster, predictor, hook, a real elastic job that grows and shrinks.
+
+    Needs root and the packages of `sudo bash .ci/setup`. Takes 3-5 minutes on 2 cores. With --keep, look
+    around afterwards: eval "$(elastic-slurm testbed env --lab LAB)"; squeue; elastic-predictor decisions
+    --db LAB/predictor/predictor.db; the /admin page of the printed URL.
+
+    Example: elastic-slurm demo --lab /var/tmp/elastic-slurm-demo --port-base 17000 --keep
+    """
+    run = Demo(lab.absolute(), port_base, steps, calibration_steps, timedelta(milliseconds=budget_ms))
+    click.echo(f"elastic-slurm demo: lab {run.bed.config.lab}, port base {port_base}, job steps {steps}")
+    ok = False
+    try:
+        summary = run.run()
+        ok = True
+    except (DemoError, cal.CalibrationError) as exc:
+        raise click.ClickException(f"demo failed: {exc}") from None
+    finally:
+        if keep and ok:
+            run.keep_hint()
+        else:
+            if not ok:
+                click.echo(f"demo failed after {time.monotonic() - run.t0:.1f} s; stopping what it started "
+                           f"(logs stay in {run.bed.config.lab}/log and {run.work})", err=True)
+            run.stop()
+    click.echo(f"demo done in {summary['wall_s']:.1f} s" + ("" if keep else " (all stopped)"))
+
+
+if __name__ == "__main__":
+    demo_command()

@@ -1,0 +1,194 @@
+"""The demo's predictor service and hook, all of it inside the demo's lab directory.
+
+`PredictorService` runs `elastic-predictor serve` (gunicorn) detached, with its own pid file, log, token,
+database and a cluster file that describes the testbed as it is: every node holds one training worker, and
+the workers are CPU processes talking gloo (GPU type `cpu`, `shm` within a node, `socket` between nodes).
+It listens on the last port of the lab's block (`port_base + PORT_SPAN - 1`), so two labs never collide.
+
+`install_hook` puts job_submit.lua next to the lab's slurm.conf with the project's installer, adds
+`JobSubmitPlugins=lua` through the testbed and reconfigures slurmctld.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+from slurm_plugin.installer import PluginConfig, install
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import PORT_SPAN
+
+
+class DemoError(RuntimeError):
+    """A part of the demo could not start or did not behave; the message says which and shows its log."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return f"[{path}]\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"[{path}: not readable]"
+
+
+class PredictorService:
+    """One detached `elastic-predictor serve` for a lab.
+
+    Args:
+        testbed: the lab it describes (nodes, partition, switches come from its config).
+        python: interpreter that runs `predictor.cli` (the one running the demo).
+        timeout: how long `start` waits for /healthz and `stop` for the exit after SIGTERM.
+    """
+
+    def __init__(self, testbed: Testbed, python: str = sys.executable, timeout: timedelta = timedelta(seconds=30)):
+        self.testbed = testbed
+        self.python = python
+        self.timeout = timeout
+        self.dir = testbed.config.lab / "predictor"
+        self.port = testbed.config.port_base + PORT_SPAN - 1
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.dir / "serve.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.dir / "serve.log"
+
+    @property
+    def db(self) -> Path:
+        return self.dir / "predictor.db"
+
+    @property
+    def token(self) -> str:
+        return (self.dir / "token").read_text().strip()
+
+    def cluster(self) -> dict:
+        """The cluster file: the testbed's nodes and switches, one CPU worker per node."""
+        cfg = self.testbed.config
+        from slurm_plugin.testbed_conf import LEAVES, PARTITION  # noqa: PLC0415
+
+        return {"default_partition": PARTITION, "partitions": [{
+            "name": PARTITION, "nodes": cfg.node_names(), "gpus_per_node": 1, "gpu": "cpu",
+            "intra_link": "shm", "inter_link": "socket",
+            "switches": {leaf: [f"node{i}" for i in members] for leaf, members in LEAVES}}]}
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        try:
+            mine = f"--port\0{self.port}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return pid if mine and _alive(pid) else None
+
+    def start(self, fresh: bool = True) -> None:
+        """Start the service (a fresh database unless `fresh` is False) and wait for /healthz.
+
+        :raises DemoError: it exited or did not answer in time (with its log tail).
+        """
+        if self.pid() is not None:
+            self.stop()
+        if fresh:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        token_file = self.dir / "token"
+        if not token_file.exists():
+            token_file.write_text(secrets.token_hex(16) + "\n")
+            token_file.chmod(0o600)
+        (self.dir / "cluster.json").write_text(json.dumps(self.cluster(), indent=1) + "\n")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
+               "ELASTIC_PREDICTOR_TOKEN": self.token}
+        argv = [self.python, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--db", str(self.db), "--cluster", str(self.dir / "cluster.json"), "--workers", "2"]
+        with open(self.log_file, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=self.dir, start_new_session=True)
+        self.pid_file.write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise DemoError(f"elastic-predictor serve exited {proc.returncode}\n{tail(self.log_file)}")
+            try:
+                self.get("/healthz")
+                return
+            except (OSError, DemoError):
+                time.sleep(0.2)
+        self.stop()
+        raise DemoError(f"elastic-predictor serve did not answer on {self.url} within "
+                        f"{self.timeout.total_seconds():g} s\n{tail(self.log_file)}")
+
+    def stop(self) -> bool:
+        """SIGTERM the gunicorn master (it stops its workers), SIGKILL its group after the timeout.
+        Returns whether it was running."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    # -- HTTP -----------------------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body=None, timeout: float = 10.0):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise DemoError(f"{method} {path}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+
+    def get(self, path: str):
+        return self._call("GET", path)
+
+    def post(self, path: str, body):
+        return self._call("POST", path, body)
+
+
+def install_hook(testbed: Testbed, predictor_url: str, budget: timedelta) -> list[Path]:
+    """Install job_submit.lua for `predictor_url` into the lab, enable it and reconfigure slurmctld.
+
+    :raises DemoError: the installer or `scontrol reconfigure` failed.
+    """
+    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+    from slurm_plugin.installer import InstallError  # noqa: PLC0415
+
+    config = PluginConfig(conf_dir=testbed.config.etc, predictor_url=predictor_url, budget=budget)
+    try:
+        written = install(config)
+        testbed.set_slurm_conf_lines(config.slurm_conf_lines())
+        testbed.reconfigure()
+    except (InstallError, SlurmError) as exc:
+        raise DemoError(f"cannot install the job_submit hook: {exc}\n"
+                        f"{tail(testbed.config.lab / 'log' / 'slurmctld.log')}") from None
+    return written
