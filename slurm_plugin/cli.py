@@ -111,6 +111,8 @@ from slurm_plugin.installer import install_plugin  # noqa: E402  (issue 5)
 main.add_command(install_plugin)
 from slurm_plugin.templates import template_group  # noqa: E402  (issue 7)
 main.add_command(template_group)
+from slurm_plugin.demo import demo_command  # noqa: E402  (issue 7, item 2)
+main.add_command(demo_command)
 
 
 if __name__ == "__main__":
