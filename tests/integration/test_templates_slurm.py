@@ -85,13 +85,16 @@ def test_cpu_variant_runs_to_completion_under_elastic_launch(slurm, submit, idle
     assert start["world"] == 2 and start["to_nodes"] == 2
 
 
-def test_template_job_shrinks_on_request_and_finishes(slurm, submit, idle_nodes, wait_until, tmp_path):
-    """The example scripts are elastic: an operator shrink takes node2's worker out at a commit point and the
-    job finishes its steps on node1 alone."""
+def test_template_job_grows_through_a_helper_and_shrinks_on_request(slurm, submit, idle_nodes, wait_until, tmp_path):
+    """The example scripts are elastic: the job grows from 2 to 4 nodes with a helper job (newcomers receive
+    the state and train on), an operator shrink takes them out again at a commit point, and the job finishes
+    its steps. `--test-throughput linear` is the launcher's CPU-testbed knob (throughput taken as linear)."""
     work = Path(tmp_path)
     registry, run = work / "registry", work / "run"
     params = templates.Params(cpu_test=True, python=sys.executable, launcher=LAUNCH,
+                              directives={"gpus": "1-4", "max_global_batch": "64"},
                               launcher_options={"--run-dir": str(run), "--registry": str(registry),
+                                                "--test-throughput": "linear",
                                                 "--straggler-ratio": "1000"},   # a loaded host: no straggler cut
                               script_options={"--steps": "600", "--log-every": "50"})
     script = work / "job.sbatch"
@@ -104,14 +107,18 @@ def test_template_job_shrinks_on_request_and_finishes(slurm, submit, idle_nodes,
         return next((r for r in records if r["kind"] == "transition" and r["action"] == action), None)
 
     wait_until(lambda: transition("start"), 120, "the job's first step on 2 nodes")
-    ctl = subprocess.run([*LAUNCH, "ctl", str(job_id), "--registry", str(registry), "--nodes", "1"],
+    grow = wait_until(lambda: transition("grow"), 120, "a grow to 4 nodes")
+    assert (grow["from_nodes"], grow["to_nodes"]) == (2, 4), grow
+    assert slurm.job(int(grow["helper"])).name == f"elastic-helper-{job_id}"
+    ctl = subprocess.run([*LAUNCH, "ctl", str(job_id), "--registry", str(registry), "--nodes", "2"],
                          capture_output=True, text=True, timeout=60)
     assert ctl.returncode == 0 and json.loads(ctl.stdout.splitlines()[-1])["ok"], ctl.stdout + ctl.stderr
-    shrink = wait_until(lambda: transition("shrink"), 120, "the shrink to 1 node")
-    assert shrink["to_nodes"] == 1 and shrink["left_cleanly"], shrink
-    wait_until(lambda: slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"), 240,
-               "the job to finish on one node")
+    shrink = wait_until(lambda: transition("shrink"), 120, "the shrink back to 2 nodes")
+    assert shrink["to_nodes"] == 2 and shrink["left_cleanly"], shrink
+    wait_until(lambda: slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"), 300,
+               "the job to finish on two nodes")
     assert slurm.job(job_id).state == "COMPLETED"
     logs = {p.name: p.read_text() for p in run.glob("worker-*.log")}
-    assert any("left the job at step" in text for text in logs.values()), logs
-    assert any("workers 1" in text and "done: 600 steps" in text for text in logs.values()), logs
+    assert sum("left the job at step" in text for text in logs.values()) == 2, logs
+    main = "\n".join(logs.values())
+    assert "workers 4" in main and "done: 600 steps" in main, logs
