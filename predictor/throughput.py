@@ -15,8 +15,8 @@ one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs p
 phi(layout) are the learned topology corrections of the inter link (only for n > 1):
     pair = [n == 2] (both ring neighbours are the same node: one connection each way carries everything),
     log K (GPUs sharing a NIC), pair * log K, log n (ring length beyond the 2(n-1)/n of T_E), some node
-    with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair link).
-    Growth in n is logarithmic, so extrapolation to many nodes stays tame.
+    with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair link), 1/(n-1)
+    (few peers). Growth in n is logarithmic or saturating, so extrapolation to many nodes stays tame.
     w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement from its own rows (not for log n,
     whose extrapolation to node counts a job has not run on rests on the link's pooled rows).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
@@ -38,7 +38,7 @@ import numpy as np
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
-N_PHI = 7
+N_PHI = 8
 POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all jobs), never on one job alone
 # Effective training FLOP/s per GPU type (fp32/tf32 peak x 0.35), used only for never-observed profiles.
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
@@ -75,7 +75,7 @@ def layout_features(layout) -> np.ndarray:
     odd = float(np.any(k % 2 == 1))
     unbal = float(k.max() != k.min())
     pair, lk = float(n == 2), math.log(k.max())
-    return np.array([pair, lk, pair * lk, math.log(n), odd, unbal, odd * unbal])
+    return np.array([pair, lk, pair * lk, math.log(n), odd, unbal, odd * unbal, 1.0 / (n - 1)])
 
 
 def _predict_compute(c0, c1, b, e=1.0):
