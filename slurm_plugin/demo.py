@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -192,20 +193,23 @@ class Demo:
         start = next((r for r in w.transitions(("start",))), {})
         reason = next((ln.split("elastic:", 1)[1].strip() for ln in self.sbatch_lines if "elastic:" in ln), "")
         predicted = {len(c["layout"]): c.get("samples_per_s") for c in response.get("curve", []) if "layout" in c}
-        measured: dict[int, float] = {}
+        by_size: dict[int, list[float]] = {}
         for r in w.records:
             if r["kind"] == "measurement":
-                measured[r["nodes"]] = r["samples_per_s"]          # the last one at each size
+                by_size.setdefault(r["nodes"], []).append(r["samples_per_s"])
+        measured = {n: statistics.median(xs) for n, xs in by_size.items()}
+        calibrated = {run.workers: run.samples_per_s for run in self.calibration}
         out_lines = self.job_output().strip().splitlines()
         final = {}
         with contextlib.suppress(ValueError, IndexError):
             final = json.loads(out_lines[-1])
         e = self.echo
         e(f"   chosen layout: {start.get('to_nodes')} node(s) x 1 worker   (sbatch: elastic: {reason})")
-        e(f"   {'nodes':>5}  {'predicted':>10}  {'measured':>10}  samples/s")
-        for n in sorted(set(predicted) | set(measured)):
-            p, m = predicted.get(n), measured.get(n)
-            e(f"   {n:>5}  {'-' if p is None else f'{p:.1f}':>10}  {'-' if m is None else f'{m:.1f}':>10}")
+        e(f"   samples/s  {'nodes':>5}  {'calibrated':>10}  {'predicted':>10}  {'measured (median, windows)':>27}")
+        for n in sorted(set(predicted) | set(measured) | set(calibrated)):
+            p, m, c = predicted.get(n), measured.get(n), calibrated.get(n)
+            windows = f"{m:.1f} ({len(by_size[n])})" if m is not None else "-"
+            e(f"   {'':9}  {n:>5}  {_num(c, 1):>10}  {_num(p, 1):>10}  {windows:>27}")
         e(f"   {'transition':<12} {'nodes':>8} {'idle_s':>7} {'pause_s':>8} {'wall_s':>7}  how")
         for t in w.transitions():
             how = (f"helper job {t['helper']}" if t.get("helper") else
@@ -220,6 +224,7 @@ class Demo:
         e("   phases: " + "  ".join(f"{name.split(' ', 1)[0]} {s:.1f}s" for name, s in self.phases.items())
           + f"  total {total:.1f}s")
         return {"job_id": self.job_id, "reason": reason, "predicted": predicted, "measured": measured,
+                "calibrated": calibrated,
                 "transitions": w.transitions(), "outcome": outcome, "state": w.state, "wall_s": total}
 
     # -- cleanup --------------------------------------------------------------------------------------------
@@ -266,7 +271,7 @@ def _by_operator(w: JobWatcher, t: dict) -> bool:
                                       "munge and mysql).")
 @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), default=DEFAULT_DEMO_PORT_BASE,
               show_default=True, help=f"First of the {PORT_SPAN} ports of the lab (the predictor takes the last).")
-@click.option("--steps", type=click.IntRange(200, 100000), default=1200, show_default=True,
+@click.option("--steps", type=click.IntRange(200, 100000), default=2000, show_default=True,
               help="Training steps of the demo job (enough for a grow and a shrink).")
 @click.option("--calibration-steps", type=click.IntRange(12, 1000), default=30, show_default=True,
               help="Steps of each calibration run (1 and 2 workers).")

@@ -39,7 +39,7 @@ class JobWatcher:
     """
 
     def __init__(self, job_id: int, run_dir: Path, registry: Path, ctl: list[str], slurm, max_nodes: int,
-                 echo: Callable[[str], None], settle_s: float = 8.0):
+                 echo: Callable[[str], None], settle_s: float = 5.0):
         self.job_id = job_id
         self.run_dir = run_dir
         self.registry = registry
@@ -50,7 +50,8 @@ class JobWatcher:
         self.settle_s = settle_s
         self.records: list[dict] = []
         self._offset = 0
-        self._last_step = ""
+        self._last_step = (0.0, None)        # (when, workers) of the last progress line printed
+        self._last_measure = (0.0, None)     # (when, nodes) of the last measurement printed
         self.requests: list[dict] = []
         self.state = "PENDING"
         self.t0 = time.monotonic()
@@ -101,6 +102,9 @@ class JobWatcher:
             self.echo(f"{self._stamp()} TRANSITION {rec['action']}: {rec.get('from_nodes')} -> {rec.get('to_nodes')}"
                       f" nodes, world {rec.get('world')}{helper}{extra}")
         elif kind == "measurement":
+            if self._last_measure[1] == rec["nodes"] and time.monotonic() - self._last_measure[0] < 10:
+                return   # one line per size change, else every 10 s: a window is only a few steps
+            self._last_measure = (time.monotonic(), rec["nodes"])
             self.echo(f"{self._stamp()}   measured {rec['samples_per_s']:.1f} samples/s on {rec['nodes']} node(s), "
                       f"{rec['workers']} worker(s), step {rec['step_s'] * 1000:.0f} ms")
         elif kind == "decision":
@@ -158,11 +162,9 @@ class JobWatcher:
             for rec in self._new_records():
                 self._show(rec)
             prog = self.progress()
-            if prog is not None:
-                line = f"step {prog[0]}/{prog[1]}  workers {prog[2]}  {prog[3]:.1f} samples/s"
-                if line != self._last_step:
-                    self._last_step = line
-                    self.echo(f"{self._stamp()} {line}")
+            if prog is not None and (prog[2] != self._last_step[1] or time.monotonic() - self._last_step[0] >= 4):
+                self._last_step = (time.monotonic(), prog[2])
+                self.echo(f"{self._stamp()} step {prog[0]}/{prog[1]}  workers {prog[2]}  {prog[3]:.1f} samples/s")
             try:
                 self.state = self.slurm.job(self.job_id).state
             except Exception:   # noqa: BLE001  squeue busy: try again next round

@@ -1,0 +1,92 @@
+"""`elastic-slurm demo` end to end, from a cold lab of its own (not the shared testbed): it must print the
+hook's rewrite reason, take its job through a grow (helper job) and a shrink, print the summary, and leave
+nothing running (no process of its lab: daemons, job steps, workers, the predictor).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+
+pytestmark = pytest.mark.timeout(560)   # a cold cluster, a calibration and a job of a few minutes
+LAB = Path("/var/tmp/elastic-slurm-demo-test")
+
+
+def _free_block(start: int) -> int:
+    """The first block of PORT_SPAN ports from `start` on which nothing listens."""
+    for base in range(start, 60000, PORT_SPAN):
+        with socket.socket() as probe:
+            probe.settimeout(0.2)
+            if all(probe.connect_ex(("127.0.0.1", port)) != 0 for port in range(base, base + PORT_SPAN)):
+                return base
+    raise AssertionError("no free block of ports for the demo's lab")
+
+
+def _lab_processes(lab: Path) -> list[str]:
+    """Processes whose command line or environment names the lab (daemons, slurmstepd, workers, gunicorn)."""
+    mark = str(lab).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if mark in cmd or mark in env:
+            args = cmd.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry.name}: {args[:120]}")
+    return found
+
+
+def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
+    port_base = _free_block(17100)
+    bed = Testbed(TestbedConfig(lab=LAB, port_base=port_base, stop_timeout=timedelta(seconds=2)))
+    bed.down(wipe=True)                                   # cold: no state, spool, database or logs
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "slurm_plugin.cli", "demo", "--lab", str(LAB), "--port-base",
+                           str(port_base), "--steps", "1500", "--calibration-steps", "20"],
+                          capture_output=True, text=True, timeout=540)
+    wall = time.monotonic() - started
+    out = proc.stdout
+    (LAB / "demo-output.txt").write_text(out + proc.stderr)   # what a user would have seen, for later reading
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
+    print(f"demo wall time from a cold lab: {wall:.1f} s")
+
+    # the hook's line as sbatch printed it, with a prediction in it
+    reason = next((ln for ln in out.splitlines() if ln.strip().startswith("sbatch: elastic:")), None)
+    assert reason is not None and "predicted" in reason and "samples/s" in reason, out[-4000:]
+
+    # a grow through a helper job and a shrink, in the launcher's own records
+    records = [json.loads(ln) for ln in (LAB / "demo" / "run" / "records.jsonl").read_text().splitlines()]
+    moves = [r for r in records if r["kind"] == "transition"]
+    grow = next(r for r in moves if r["action"] == "grow")
+    assert grow["helper"] and grow["to_nodes"] > grow["from_nodes"], grow
+    shrink = next(r for r in moves if r["action"] in ("shrink", "revert"))   # before or after the grow:
+    assert shrink["to_nodes"] < shrink["from_nodes"], shrink              # a job sized to 4 shrinks first
+    assert all(isinstance(r.get("idle_s"), (int, float)) for r in (grow, shrink))
+    assert any(r["kind"] == "end" for r in records)
+
+    # the summary
+    summary = out[out.index("== 6/6 summary"):]
+    assert "chosen layout:" in summary and "calibrated" in summary and "predicted" in summary
+    assert "grow" in summary and ("revert" in summary or "shrink" in summary) and "idle_s" in summary
+    assert "COMPLETED, launcher outcome completed" in summary, summary
+    assert "stopped: jobs cancelled, predictor stopped, testbed down" in out
+    assert wall < 600, f"the demo took {wall:.0f} s (limit 10 minutes)"
+
+    # nothing left running: no daemon, job step, worker or predictor of the lab
+    assert not any(st.running for st in bed.status())
+    assert not (LAB / "predictor" / "serve.pid").exists()
+    assert _lab_processes(LAB) == []
