@@ -192,6 +192,8 @@ def worker_plain(args) -> None:
     members = json.loads(bench.get(f"plain/members/{epoch}"))
     t_decide = None
     step = 0
+    times: list = []
+    last = 0.0
     while True:
         rank = members.index(args.wid)
         dist.init_process_group(backend, store=client(args, f"plain/pg/{epoch}"), rank=rank,
@@ -210,6 +212,10 @@ def worker_plain(args) -> None:
             sync(dev)
             step += 1
             estep += 1
+            now = time.perf_counter()
+            if not first and rank == 0:
+                times.append(now - last)
+            last = now
             if first and t_decide is not None and rank == 0:
                 bench.set(f"plain/pause/{epoch}", repr(time.perf_counter() - t_decide))
             first = False
@@ -221,6 +227,8 @@ def worker_plain(args) -> None:
             if bench.check([key]) and estep >= int(bench.get(key)):
                 if bench.check(["stop"]):
                     dist.destroy_process_group()
+                    if rank == 0:
+                        bench.set("plain/step_s", repr(statistics.median(times)))
                     return
                 break
         t_decide = time.perf_counter()  # the decision: this step boundary
@@ -354,6 +362,7 @@ def run_ours(c: Controller) -> dict:
     c.bench.set("stop_at", str(coord_step(c) + 8))
     c.reap(ps)
     res = json.loads(c.bench.get("res/w0"))
+    out["newcomers"] = [sw for i in range(S, nxt) for sw in json.loads(c.bench.get(f"res/w{i}"))["switches"]]
     steady = [t for w, t in res["times"] if w == S]
     out["step_s_small"] = statistics.median(steady) if steady else float("nan")
     steady4 = [t for w, t in res["times"] if w == L]
@@ -391,6 +400,7 @@ def run_plain(c: Controller) -> dict:
     c.bench.set("stop", "1")
     c.reap(ps)
     c.bench.delete_key("stop")
+    out["step_s"] = float(c.bench.get("plain/step_s"))
     return out
 
 
@@ -490,7 +500,10 @@ def main() -> None:
                 note = (f"step {r['step_s_small']*1e3:.1f} ms @{S}, {r['step_s_large']*1e3:.1f} ms @{L}; grow phases "
                         f"abort {fmt([x['abort_s'] for x in r['grow']])}, state sync "
                         f"{fmt([x['state_sync_s'] for x in r['grow']])} "
-                        f"({r['grow'][0]['state_bytes']/2**20:.0f} MiB), rewrap {fmt([x['rewrap_s'] for x in r['grow']])}")
+                        f"({r['grow'][0]['state_bytes']/2**20:.0f} MiB), rewrap {fmt([x['rewrap_s'] for x in r['grow']])}, "
+                        f"first step {fmt([x.get('first_step_s', float('nan')) for x in r['grow']])}")
+            if path == "plain (a)" and "step_s" in r:
+                note = f"median step {r['step_s']*1e3:.1f} ms (plain DDP, no vote/snapshot)"
             if path == "restart (b)" and g:
                 note = f"interpreter start after decision: {fmt([x['startup_s'] for x in r['grow'] + r['shrink']])} s"
             lines.append(f"| {model} | {path} | {fmt(g)} | {fmt(s)} | {note} |")
@@ -505,11 +518,10 @@ def main() -> None:
                          f"{ps/os_:.1f}x vs (a), {rs/os_:.0f}x vs (b) | |")
         except (KeyError, statistics.StatisticsError, ZeroDivisionError):
             pass
-    table = "\n".join(lines) + "\n"
-    print(table, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+        if args.out:  # after every model, so a cut-off run still leaves its finished rows
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+    print("\n".join(lines) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,10 @@ class ProcessGroupWrapper:
         store = connect_store(addr, t)
         try:
             if self.device.type == "cuda":  # also right in a background thread, whose current device is 0
-                with torch.cuda.device(self.device):
+                # A side stream: the warm-up must never make the default stream (where the current group's
+                # training kernels and DDP waits live) wait on the new communicator, or the two groups'
+                # kernels can wait on each other across GPUs (deadlock when the old group spans GPUs).
+                with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
                     backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
                     self._warm_up(pg)
             else:
@@ -231,6 +234,8 @@ class ProcessGroupWrapper:
         t = torch.ones(1, device=self.device)
         pg.allreduce([t]).wait()
         if self.device.type == "cuda":
+            small = torch.zeros(1 << 18, device=self.device)  # 1 MiB: DDP's first bucket
+            pg.allreduce([small]).wait()
             big = torch.zeros(8 << 20, device=self.device)
             pg.allreduce([big]).wait()
             opts = dist.BroadcastOptions()

@@ -58,17 +58,21 @@ class ElasticSampler:
         self.epoch = 0
         self.pos = 0
         self._perm_epoch = -1
-        self._perm: list[int] = []
+        self._perm = torch.arange(0)
 
-    def _order(self) -> list[int]:
+    def _order(self) -> torch.Tensor:
         if self._perm_epoch != self.epoch:
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._perm = torch.randperm(self.size, generator=g).tolist()
+                self._perm = torch.randperm(self.size, generator=g)
             else:
-                self._perm = list(range(self.size))
+                self._perm = torch.arange(self.size)
             self._perm_epoch = self.epoch
         return self._perm
+
+    def prefetch(self) -> None:
+        """Computes the current epoch's permutation now (off the critical path of a join)."""
+        self._order()
 
     def plan_step(self, batches: Sequence[int]) -> list[int]:
         """Per-rank counts for the next step given the nominal per-rank ``batches`` (shrunk at epoch end)."""
@@ -85,9 +89,9 @@ class ElasticSampler:
         counts = self.plan_step(batches)
         order = self._order()
         start = self.pos + sum(counts[:rank])
-        idx = order[start:start + counts[rank]]
+        idx = order[start:start + counts[rank]].tolist()
         total = sum(counts)
-        pad = [] if idx else [order[self.pos + total - 1]]
+        pad = [] if idx else [int(order[self.pos + total - 1])]
         return Slice(idx, pad, total)
 
     def advance(self, batches: Sequence[int]) -> None:

@@ -187,6 +187,7 @@ class ElasticTrainer:
         """
         if self.sampler is None:
             self.sampler = ElasticSampler(len(dataset), seed=self.config.seed)
+            self.sampler.prefetch()
             self.state.sampler = self.sampler
         if not self._joined:
             self._join()
@@ -210,9 +211,16 @@ class ElasticTrainer:
     def _join(self) -> None:
         """First entry into the group: receive the state from the plan's first survivor (rank 0 initially)."""
         src = self._source_rank(self.plan)
+        t0 = time.perf_counter()
         self.state.broadcast(self.group, src, self._store, f"state/{self.plan.id}", self.config.rendezvous_timeout)
+        t1 = time.perf_counter()
+        self.sampler.prefetch()
         self._enter(self.plan, newcomer=True)
         self._joined = True
+        if self.plan.kind != "initial":
+            self._pending_switch = {"epoch": self.plan.id, "prev": self.plan.prev, "kind": "join",
+                                    "world": self.plan.world_size, "step": self.step, "t_decide": t1,
+                                    "state_wait_and_sync_s": t1 - t0, "enter_s": time.perf_counter() - t1}
 
     def _source_rank(self, plan: Plan) -> int:
         if plan.kind == "initial" or plan.prev == 0:
@@ -375,7 +383,7 @@ class ElasticTrainer:
         self._pending_switch = {"epoch": nxt.id, "prev": old_plan.id, "kind": nxt.kind,
                                 "old_world": old_plan.world_size, "world": nxt.world_size, "step": self.step,
                                 "t_decide": t_decide, "abort_s": t1 - t0, "state_sync_s": t2 - t1,
-                                "state_bytes": nbytes, "rewrap_s": t3 - t2}
+                                "state_bytes": nbytes, "rewrap_s": t3 - t2, "t_entered": t3}
         return True
 
     def _finish_switch(self, t: float) -> None:
@@ -386,9 +394,11 @@ class ElasticTrainer:
             torch.cuda.synchronize(self.device)
             t = time.perf_counter()
         rec["pause_s"] = t - rec.pop("t_decide")
+        if "t_entered" in rec:
+            rec["first_step_s"] = t - rec.pop("t_entered")
         self.switches.append(rec)
         events.info("switch %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
-        if self.rank == 0:
+        if self.rank == 0 and rec["kind"] != "join":
             self.membership.report_switched(self.plan, rec)
 
     # ---- failure handling -----------------------------------------------------------------------------------
