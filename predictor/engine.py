@@ -86,6 +86,10 @@ class Predictor:
         else:
             fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
         self.perf_, self.net_, self.log_rmse_ = fit["perf"], fit["net"], fit["log_rmse"]
+        self.n_rows_ = {}
+        for o in steps:
+            key = (o["profile"], o["gpu"])
+            self.n_rows_[key] = self.n_rows_.get(key, 0) + 1
         self.converged_ = fit["converged"]
         self.calibration_ = self._calibrate()
         self.n_steps_ = len(steps)
@@ -145,7 +149,10 @@ class Predictor:
     def _perf(self, profile: Profile, gpu: str) -> tuple[PerfParams, str, float]:
         key = (profile.name, gpu)
         if key in self.perf_:
-            return self.perf_[key], "observed", max(self.log_rmse_.get(key, 0.1), MIN_LOG_STD)
+            # residual spread, inflated while a pair has few rows (its parameters are then poorly pinned down)
+            n = self.n_rows_.get(key, 1)
+            std = math.sqrt(self.log_rmse_.get(key, 0.1) ** 2 + PROFILE_LOG_STD**2 * min(1.0, 2.0 / n))
+            return self.perf_[key], "observed", max(std, MIN_LOG_STD)
         gammas = [p.gamma for p in self.perf_.values()]
         gamma = float(np.median(gammas)) if gammas else self.gamma_prior
         perf = profile_compute_params(profile, gpu, self.calibration_.get(gpu), gamma)

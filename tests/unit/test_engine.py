@@ -105,3 +105,12 @@ def test_bad_batch_and_unfitted():
         pred.predict(profile_from_spec("resnet50"), "T4", float("nan"), CANDS)
     out = pred.predict(profile_from_spec("resnet50"), "T4", 16, CANDS)
     assert all(o["basis"] == "profile" and o["iter_s"] > 0 for o in out)
+
+
+def test_uncertainty_shrinks_as_step_history_grows(fitted):
+    pred, profiles, obs = fitted
+    one = [o for o in obs if o["kind"] == "step" and o["profile"] == "resnet50"][:1]
+    few = Predictor().fit(profiles, one).predict(profiles["resnet50"], "T4", 16, CANDS[:1])[0]
+    many = pred.predict(profiles["resnet50"], "T4", 16, CANDS[:1])[0]
+    assert few["basis"] == many["basis"] == "observed"
+    assert few["uncertainty"] > many["uncertainty"]
