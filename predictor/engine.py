@@ -194,7 +194,8 @@ def _check_candidate(c, i: int) -> dict:
     lay = c.get("layout")
     if not isinstance(lay, list) or not lay or len(lay) > 4096 or any(
             isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= 1024 for k in lay):
-        raise ValidationError(f"candidates[{i}].layout", f"must be a non-empty list of GPUs per node (1..1024), got {lay!r}")
+        raise ValidationError(f"candidates[{i}].layout",
+                              f"must be a non-empty list of GPUs per node (1..1024), got {lay!r}")
     intra = c.get("intra_link")
     if not isinstance(intra, str) or not intra:
         raise ValidationError(f"candidates[{i}].intra_link", "must be a link name")

@@ -67,7 +67,11 @@ def _normalise_op(op: str) -> str:
 
 
 def _as_columns(X) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Validate X into (link, op, participants, bytes) arrays. Raises ValueError (ValidationError) naming the bad row."""
+    """Validate X into (link, op, participants, bytes) arrays.
+
+    Raises:
+        ValueError: bad shape; ValidationError (a ValueError) naming the bad row and column.
+    """
     if isinstance(X, list) and X and isinstance(X[0], dict):
         rows = [(r.get("link"), r.get("op", "allreduce"), r.get("world", r.get("participants")), r.get("bytes"))
                 for r in X]

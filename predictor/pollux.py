@@ -9,9 +9,9 @@ Per job (profile, GPU type), with per-GPU batch b, G replicas on n nodes:
     T_step    = (T_compute^gamma + T_network^gamma)^(1/gamma),  gamma in [1, 10]
 
 It sees only (n, G), never the layout's shape, so it cannot tell `44` from `2222`. Fitted per job by bounded
-least squares of log step time (two starts of gamma); network parameters the rows cannot identify are pinned (inter-node to
-intra-node when no multi-node rows, intra-node to a small value when no multi-GPU rows), and inter-node is kept
-no faster than intra-node after the fit. Used only by bench/accuracy.py.
+least squares of log step time (two starts of gamma); network parameters the rows cannot identify are
+pinned (inter-node to intra-node when no multi-node rows, intra-node to a small value when no multi-GPU
+rows), and inter-node is kept no faster than intra-node after the fit. Used only by bench/accuracy.py.
 """
 from __future__ import annotations
 

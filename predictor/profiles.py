@@ -4,7 +4,8 @@ A profile lists the parameter tensors (name, numel, dtype) in the order DDP buck
 registration order) and the bucket sizes DDP forms at its cap (first bucket 1 MiB, then `bucket_cap_mb`;
 one bucket never mixes dtypes). Sources: a live `torch.nn.Module` (`profile_from_module`), a spec string
 (`profile_from_spec("torchvision:resnet50")`, `"transformers:bert-base-uncased"` or a built-in name (`BUILTIN`,
-our own parameter shapes from the published configs), all built on the meta device so no weights are downloaded), or the API (`Profile.from_dict`).
+our own parameter shapes from the published configs), all built on the meta device so no weights are
+downloaded), or the API (`Profile.from_dict`).
 
 Callers may assume a `Profile` is immutable and validated: numels are positive integers below 1e12 and dtypes
 are known, so `grad_bytes` is exact.
@@ -341,7 +342,8 @@ BUILTIN = {
 _ALIASES = {"bert": "bert-base-uncased", "bert-base": "bert-base-uncased", "bert-large": "bert-large-uncased",
             "roberta": "roberta-large", "vit": "vit-base-patch16-224", "vit_b_16": "vit-base-patch16-224",
             "imagenet": "resnet50", "cifar10": "resnet18_cifar10", "inception3": "inception_v3",
-            "gpt2-small": "gpt2", "openai-community/gpt2": "gpt2", "google/vit-base-patch16-224": "vit-base-patch16-224",
+            "gpt2-small": "gpt2", "openai-community/gpt2": "gpt2",
+            "google/vit-base-patch16-224": "vit-base-patch16-224",
             "FacebookAI/roberta-large": "roberta-large", "google-bert/bert-base-uncased": "bert-base-uncased"}
 
 

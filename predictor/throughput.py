@@ -15,8 +15,8 @@ one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs p
 phi(layout) are the learned topology corrections of the inter link (only for n > 1):
     pair = [n == 2] (both ring neighbours are the same node: one connection each way carries everything),
     log K (GPUs sharing a NIC), pair * log K, log n (ring length beyond the 2(n-1)/n of T_E), some node
-    with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair link), 1/(n-1)
-    (few peers). Growth in n is logarithmic or saturating, so extrapolation to many nodes stays tame.
+    with an odd GPU count, unbalanced (K != min k), odd * unbalanced (GPUs left without their pair link),
+    1/(n-1) (few peers). Growth in n is logarithmic or saturating, so extrapolation to many nodes stays tame.
     w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement from its own rows (not for log n,
     whose extrapolation to node counts a job has not run on rests on the link's pooled rows).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
@@ -24,7 +24,8 @@ s_L scales a link's collective model to what steps see; S (per P, g) scales the 
 Fitting (`fit_throughput`): bounded scipy least squares of log step time (soft L1), plus the exposed sync time
 (T - T_c) where steps report `sync_s`, with ridge penalties pulling s_L, w and S to 0 (the link model and the
 profile). Parameters the rows cannot identify are pinned: w_E and s_E without multi-node rows, s_I without
-multi-GPU rows on one node, gamma without multi-GPU rows of that (P, g), c0 with a single batch size, e with fewer than 4.
+multi-GPU rows on one node, gamma, S and dw without multi-GPU rows of that (P, g), c0 with a single batch
+size, e with fewer than 4, a weight whose feature does not vary over the rows.
 `result.success` is checked; on failure the initial (prior) values are kept and `converged` says so.
 A (P, g) never seen in steps gets T_c from the profile: FLOPs per sample over the GPU's effective rate,
 calibrated by the other profiles fitted on that GPU.
@@ -40,7 +41,8 @@ from threadpoolctl import threadpool_limits
 
 N_PHI = 8
 POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all jobs), never on one job alone
-# Effective training FLOP/s per GPU type (fp32/tf32 peak x 0.35), used only for never-observed profiles.
+# Peak dense training FLOP/s per GPU type (tf32/bf16 class), times FLOPS_EFFICIENCY; only for never-observed
+# (profile, GPU) pairs, and then calibrated by the pairs fitted on that GPU.
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
 DEFAULT_FLOPS = 20e12
@@ -110,7 +112,8 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         rows: step observations (design.md shape, optional `sync_s`).
         bases: array (len(rows), 2) of (T_I, T_E) from `sync_bases`.
     Returns:
-        {"perf": {(profile, gpu): PerfParams}, "net": {"intra": {link: s_I}, "inter": {link: (s_E, w_E)}}, "log_rmse": {(profile, gpu): float},
+        {"perf": {(profile, gpu): PerfParams}, "net": {"intra": {link: s_I}, "inter": {link: (s_E, w_E)}},
+         "log_rmse": {(profile, gpu): float},
          "converged": bool, "cost": float}
     """
     b = np.array([float(r["per_gpu_batch"]) for r in rows])
@@ -201,8 +204,8 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
 
     has_sync = np.isfinite(sync) & (G > 1)
     ly = np.log(y)
-    pen_w = np.array([w_l2 if n[0] == "w" else dw_l2 if n[0] == "dw" else scale_l2 if n[0] in ("sI", "sE") else bytes_l2 if n[0] == "S"
-                      else 0.0 for n in names])
+    ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2}
+    pen_w = np.array([ridge.get(n[0], 0.0) for n in names])
 
     def model(x):
         c0, c1, g, S, sI, sE, W, DW, E = unpack(x)
@@ -280,8 +283,8 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     G = np.array([sum(l) for l in layouts], dtype=float)
     phi = np.array([layout_features(l) for l in layouts])
     tc = _predict_compute(perf.c0, perf.c1, b, perf.e) * np.ones(len(layouts))
-    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, np.array(net.w) + np.array(perf.dw), bases[:, 0],
-                       bases[:, 1], phi) * (G > 1)
+    w = np.array(net.w) + np.array(perf.dw)
+    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, w, bases[:, 0], bases[:, 1], phi) * (G > 1)
     t = _predict_step(tc, ts, perf.gamma)
     return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
 

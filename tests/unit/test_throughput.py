@@ -54,8 +54,11 @@ def test_more_bytes_never_faster_and_throughput_identity(seed):
     net = NetParams(fit["net"]["intra"]["pcie"], s_e, w)
     bigger = dataclasses.replace(prof, buckets_bytes=tuple(2 * b for b in prof.buckets_bytes))
     for lay in LAYOUTS + [[8, 8], [4] * 16]:
-        small = predict_rows(perf, net, 32, [lay], np.array([sync_bases(lm, np.array(prof.buckets_bytes, float), lay, "pcie", "ethernet")]))
-        big = predict_rows(perf, net, 32, [lay], np.array([sync_bases(lm, np.array(bigger.buckets_bytes, float), lay, "pcie", "ethernet")]))
+        def run(p):
+            base = sync_bases(lm, np.array(p.buckets_bytes, float), lay, "pcie", "ethernet")
+            return predict_rows(perf, net, 32, [lay], np.array([base]))
+
+        small, big = run(prof), run(bigger)
         assert big["iter_s"][0] >= small["iter_s"][0] - 1e-12
         assert small["samples_per_s"][0] == pytest.approx(sum(lay) * 32 / small["iter_s"][0])
         assert small["iter_s"][0] >= max(small["compute_s"][0], small["comm_s"][0]) - 1e-12
