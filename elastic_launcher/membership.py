@@ -14,7 +14,7 @@ Keys (all values are UTF-8 strings; JSON where noted):
 ``next/<id>``          id of the planned successor of epoch ``id``, set once by ``compare_set`` (resize)
 ``recover/<id>/...``   failure recovery of epoch ``id``: ``alive/<wid>``, ``leader``, ``plan``
 ``hb/<wid>``           heartbeat: ``time.time()`` of the worker's last beat
-``joined/<wid>``       a newcomer announced itself and is preparing (value: time)
+``joined/<wid>``       a worker announced itself (value: time); ``joined`` lists them, comma-separated
 ``switched/<id>``      JSON stats written by rank 0 of plan ``id`` after its first step (pause seconds, ...)
 ``left/<wid>``         a worker left the group at a resize and is exiting
 ====================== =========================================================================================
@@ -199,8 +199,10 @@ class Coordinator:
         return json.loads(self._k.wait_get(f"switched/{plan.id}", timeout or self.timeout, f"switch to {plan.id}"))
 
     def joined(self) -> list[str]:
-        """Worker ids that announced themselves (newcomers preparing, or members)."""
-        return sorted(k.split("/", 1)[1] for k in self._list("joined/"))
+        """Worker ids that announced themselves (newcomers preparing, or members), sorted."""
+        if not self._k.has("joined"):
+            return []
+        return sorted({w for w in self._k.get("joined").split(",") if w})
 
     def alive(self, wids: Sequence[str]) -> dict[str, bool]:
         """For each worker id, whether its heartbeat is younger than ``heartbeat_timeout``."""
@@ -213,14 +215,6 @@ class Coordinator:
     def has_left(self, wid: str) -> bool:
         """True once ``wid`` left at a resize (its node may be released)."""
         return self._k.has(f"left/{wid}")
-
-    def _list(self, prefix: str) -> list[str]:
-        try:
-            keys = self._k.store.list_keys()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - older stores have no list_keys
-            return []
-        p = PREFIX.rstrip("/") + "/"
-        return [k[len(p):] for k in keys if k.startswith(p + prefix)]
 
 
 class Membership:
@@ -255,8 +249,9 @@ class Membership:
     def start(self) -> None:
         """Starts the heartbeat/poll thread (idempotent)."""
         self._k.store.set(f"hb/{self.wid}", repr(time.time()))
-        self._k.store.set(f"joined/{self.wid}", repr(time.time()))
         if self._thread is None:
+            self._k.store.set(f"joined/{self.wid}", repr(time.time()))
+            self._k.store.append("joined", f"{self.wid},")
             self._thread = threading.Thread(target=self._loop, name=f"elastic-hb-{self.wid}", daemon=True)
             self._thread.start()
 

@@ -1,0 +1,320 @@
+"""Unit tests of the elastic runtime's parts (single process; a one-rank gloo group where a group is needed)."""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic_launcher.batch_policy import BatchPolicy, split_batch
+from elastic_launcher.errors import (InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
+                                     StateMismatch, StoreAddressError, TooManyFailures)
+from elastic_launcher.membership import Coordinator, Membership, Plan
+from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, drain_reaper
+from elastic_launcher.sampler import ElasticSampler
+from elastic_launcher.state import TrainingState
+from elastic_launcher.telemetry import Telemetry, tensor_profile
+from elastic_launcher.testing import FakeProcessGroupWrapper, FaultPlan, InjectedFault
+
+
+# ---- sampler -------------------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 200), seed=st.integers(0, 5),
+       worlds=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 9)), min_size=1, max_size=12))
+def test_sampler_sees_each_sample_once_per_epoch_across_resizes(size, seed, worlds):
+    s = ElasticSampler(size, seed=seed)
+    seen: dict[int, list[int]] = {}
+    for world, per_rank in worlds * 3:  # resize every step, through several epochs
+        batches = [per_rank + (r % 2) for r in range(world)]  # heterogeneous
+        ep = s.epoch
+        for r in range(world):
+            sl = s.slice_for(r, batches)
+            assert sl.step_total == len(sl.indices) + sum(len(s.slice_for(q, batches).indices)
+                                                          for q in range(world) if q != r)
+            seen.setdefault(ep, []).extend(sl.indices)
+            assert (not sl.indices) == bool(sl.padding)
+        s.advance(batches)
+    for ep, idx in seen.items():
+        assert len(idx) == len(set(idx)), f"epoch {ep} saw a sample twice"
+        if ep < s.epoch:
+            assert sorted(idx) == list(range(size)), f"epoch {ep} skipped samples"
+        else:
+            assert len(idx) == s.pos
+
+
+def test_sampler_state_roundtrip_and_size_check():
+    s = ElasticSampler(10, seed=3)
+    s.advance([2, 2])
+    t = ElasticSampler(10, seed=0)
+    t.load_state_dict(s.state_dict())
+    assert t.slice_for(1, [3, 3]).indices == s.slice_for(1, [3, 3]).indices
+    with pytest.raises(ValueError, match="10 samples loaded into one of 11"):
+        ElasticSampler(11).load_state_dict(s.state_dict())
+
+
+# ---- batch policy --------------------------------------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(g=st.integers(1, 5000), speeds=st.lists(st.floats(0.1, 100.0), min_size=1, max_size=16))
+def test_split_batch_invariants(g, speeds):
+    if g < len(speeds):
+        with pytest.raises(ValueError):
+            split_batch(g, speeds)
+        return
+    out = split_batch(g, speeds)
+    assert sum(out) == g and min(out) >= 1
+    for i in range(len(speeds)):  # a faster rank never gets fewer samples than a slower one
+        for j in range(len(speeds)):
+            if speeds[i] > speeds[j]:
+                assert out[i] >= out[j]
+
+
+def test_heterogeneous_split_balances_compute_time():
+    out = split_batch(120, [3.0, 1.0])  # rank 0 three times as fast
+    assert out == [90, 30]
+
+
+def test_policy_modes_and_lr_scaling():
+    keep = BatchPolicy(per_gpu_batch=64, max_global_batch=192)
+    assert [keep.global_for(w) for w in (1, 2, 4)] == [64, 128, 192]
+    assert keep.split(4) == [48, 48, 48, 48]
+    glob = BatchPolicy(mode="keep_global", global_batch=256)
+    assert glob.split(3) == [86, 85, 85]
+    assert BatchPolicy(lr_scaling="sqrt").lr_factor(256, 64) == pytest.approx(2.0)
+    assert BatchPolicy(lr_scaling="linear").lr_factor(256, 64) == pytest.approx(4.0)
+    assert BatchPolicy(lr_scaling="none").lr_factor(256, 64) == 1.0
+    with pytest.raises(ValueError, match="keep_global needs global_batch"):
+        BatchPolicy(mode="keep_global")
+    with pytest.raises(ValueError, match="lr_scaling 'cube'"):
+        BatchPolicy(lr_scaling="cube")
+
+
+# ---- membership ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server
+    del server
+
+
+def _member(store, wid, **kw):
+    return Membership(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False),
+                      wid, timeout=timedelta(seconds=2), heartbeat_interval=timedelta(seconds=0.02), **kw)
+
+
+def test_plan_chain_resize_and_conflict(store):
+    coord = Coordinator(store, timeout=timedelta(seconds=2))
+    first = coord.start(["a", "b"])
+    assert coord.current() == first and first.rank_of("b") == 1 and first.rank_of("z") == -1
+    newcomer = _member(store, "c")
+    plan = coord.request_resize(["a", "b", "c"])
+    assert newcomer.wait_for_plan() == plan and plan.prev == first.id and plan.kind == "resize"
+    with pytest.raises(ResizeConflict, match=f"epoch {first.id} already has successor plan {plan.id}"):
+        coord.request_resize(["a"], base=first)
+    with pytest.raises(InvalidPlan, match="duplicate"):
+        coord.request_resize(["a", "a"])
+    with pytest.raises(InvalidPlan, match="keeps no member"):
+        coord.request_resize(["x", "y"])
+    with pytest.raises(RendezvousTimeout, match="no plan includes it"):
+        _member(store, "nobody").wait_for_plan(timeout=timedelta(seconds=0.2))
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_poll_thread_sees_next_plan_and_heartbeats(store):
+    coord = Coordinator(store, timeout=timedelta(seconds=2), heartbeat_timeout=timedelta(seconds=1))
+    first = coord.start(["a"])
+    m = _member(store, "a")
+    m.start()
+    try:
+        m.watch(first)
+        assert m.next_plan() is None
+        plan = coord.request_resize(["a", "b"])
+        deadline = time.monotonic() + 5
+        while m.next_plan() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.next_plan() == plan
+        assert coord.alive(["a", "b"]) == {"a": True, "b": False}
+        assert "a" in coord.joined()
+    finally:
+        m.stop()
+
+
+def test_recovery_declares_silent_member_dead(store):
+    coord = Coordinator(store)
+    failed = coord.start(["a", "b", "c"])
+    a, b = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3)), _member(store, "b")
+    a.start(), b.start()
+    store.set("elastic/hb/c", repr(time.time() - 60))  # c stopped beating a minute ago
+    try:
+        plan_b = {}
+        import threading
+        t = threading.Thread(target=lambda: plan_b.setdefault("p", b.recover(failed)))
+        t.start()
+        plan_a = a.recover(failed)
+        t.join(5)
+        assert plan_a.members == ("a", "b") and plan_a.kind == "recovery" and plan_b["p"] == plan_a
+    finally:
+        a.stop(), b.stop()
+
+
+# ---- process group -------------------------------------------------------------------------------------------
+def test_store_addr_parse():
+    assert StoreAddr.parse("h:1234/job/x") == StoreAddr("h", 1234, "job/x")
+    assert str(StoreAddr("h", 1, "p")) == "h:1/p"
+    with pytest.raises(StoreAddressError, match="'nohost' is not host:port/prefix"):
+        StoreAddr.parse("nohost")
+
+
+def test_wrapper_configure_collective_abort(store):
+    w = ProcessGroupWrapper("gloo", timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=5))
+    with pytest.raises(NotConfiguredError):
+        w.allreduce([torch.ones(1)])
+    w.configure(f"127.0.0.1:{store.port}/g1", 0, 1)
+    t = torch.tensor([3.0])
+    w.allreduce([t], dist.ReduceOp.MIN).wait()
+    assert t.item() == 3.0 and w.size() == 1 and w.prefix == "g1"
+    w.configure(f"127.0.0.1:{store.port}/g2", 0, 1)  # reconfigure: old group handed to the reaper
+    assert w.prefix == "g2"
+    w.abort()
+    w.abort()
+    assert not w.configured and drain_reaper(timedelta(seconds=5))
+
+
+# ---- state ---------------------------------------------------------------------------------------------------
+def _model_opt():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    return m, o
+
+
+def _train_step(m, o):
+    m(torch.randn(16, 4)).pow(2).mean().backward()
+    o.step()
+    o.zero_grad()
+
+
+def test_snapshot_restore_roundtrip():
+    m, o = _model_opt()
+    s = ElasticSampler(100)
+    st_ = TrainingState(m, o, None, s)
+    with pytest.raises(StateMismatch, match="before the first commit"):
+        st_.restore()
+    _train_step(m, o)
+    s.advance([4, 4])
+    st_.counters["step"] = 1
+    st_.snapshot()
+    ref = {k: v.clone() for k, v in m.state_dict().items()}
+    ref_opt = o.state_dict()["state"][0]["exp_avg"].clone()
+    _train_step(m, o)
+    s.advance([4, 4])
+    st_.counters["step"] = 2
+    st_.restore()
+    assert all(torch.equal(ref[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(o.state_dict()["state"][0]["exp_avg"], ref_opt)
+    assert s.pos == 8 and st_.counters["step"] == 1
+
+
+def test_broadcast_gives_a_fresh_optimizer_the_senders_state(store):
+    m, o = _model_opt()
+    _train_step(m, o)
+    src = TrainingState(m, o)
+    src.counters["step"] = 7
+    g = ProcessGroupWrapper("gloo", timeout=timedelta(seconds=5))
+    g.configure(f"127.0.0.1:{store.port}/b", 0, 1)
+    kv = dist.PrefixStore("state", store)
+    n = src.broadcast(g, 0, kv, "k")
+    assert n > 0
+    m2, o2 = _model_opt()  # no optimizer state yet
+    dst = TrainingState(m2, o2)
+    flat = dst._receive_buffers(__import__("pickle").loads(kv.get("k")))
+    assert len(flat) > 0 and all(not t.requires_grad for t in flat)
+    bad = torch.nn.Linear(4, 2)
+    with pytest.raises(StateMismatch, match="model tensor"):
+        TrainingState(bad, torch.optim.SGD(bad.parameters(), lr=0.1))._receive_buffers(
+            __import__("pickle").loads(kv.get("k")))
+    g.abort()
+
+
+# ---- telemetry -----------------------------------------------------------------------------------------------
+def test_observation_records_have_design_shapes():
+    t = Telemetry(profile="mlp", gpu="H200", intra_link="nvlink")
+    t.record_collective(4, 1 << 20, 0.002)
+    t.record_collective(4, 1 << 20, 0.004)
+    t.record_collective(4, 1 << 20, 0.003)
+    t.record_step([4], 64, 0.03)
+    recs = t.drain()
+    assert recs[0] == {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4, "bytes": 1 << 20,
+                       "seconds": 0.003, "gpu": "H200"}
+    assert recs[1] == {"kind": "step", "profile": "mlp", "gpu": "H200", "layout": [4], "intra_link": "nvlink",
+                       "per_gpu_batch": 64, "iter_s": 0.03}
+    assert t.drain() == []
+    json.dumps(recs)
+    prof = tensor_profile(torch.nn.Linear(3, 2), "lin", [32])
+    assert prof == {"name": "lin", "tensors": [{"name": "weight", "numel": 6, "dtype": "float32"},
+                                               {"name": "bias", "numel": 2, "dtype": "float32"}], "buckets": [32]}
+
+
+# ---- seams and trainer (world of one) ------------------------------------------------------------------------
+def test_fault_plan_and_fake_group():
+    f = FaultPlan(mode="raise").fail_at(1, 3)
+    f.maybe_fail(1, 2)
+    with pytest.raises(InjectedFault, match="rank 1 step 3"):
+        f.maybe_fail(1, 3)
+    f.maybe_fail(1, 3)  # fires once
+    assert f.fired == 1
+    g = FakeProcessGroupWrapper()
+    with pytest.raises(NotConfiguredError):
+        g.allreduce([torch.ones(1)])
+    g.configure("x:1/p", 0, 1)
+    g.fail_next()
+    with pytest.raises(RuntimeError, match="injected"):
+        g.allreduce([torch.ones(1)])
+    g.allreduce([torch.ones(1)]).wait()
+
+
+def _trainer(store, **kw):
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+    m, o = _model_opt()
+    cfg = TrainerConfig(timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=5),
+                        rendezvous_timeout=timedelta(seconds=5), max_retries=2)
+    return ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
+                          policy=BatchPolicy(per_gpu_batch=4), config=cfg, telemetry=Telemetry(profile="mlp"), **kw)
+
+
+def test_trainer_world_of_one_rolls_back_local_errors_then_gives_up(store):
+    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    et = _trainer(store)
+    ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
+    try:
+        it = et.loader(ds)
+        for _ in range(3):
+            x, y = next(it)
+            torch.nn.functional.mse_loss(et.model(x), y).backward()
+            et.optimizer.step()
+            et.optimizer.zero_grad()
+            assert et.commit()
+        assert et.step == 3 and et.sampler.pos == 12
+        before = [p.clone() for p in et.module.parameters()]
+        x, y = next(it)
+        torch.nn.functional.mse_loss(et.model(x), y).backward()
+        et.optimizer.step()
+        et.report_error(ValueError("loss is nan"))
+        assert et.commit()  # voted failed: rolled back
+        assert et.step == 3 and et.sampler.pos == 12
+        assert all(torch.equal(a, b) for a, b in zip(before, et.module.parameters()))
+        obs = et.observations()
+        assert {r["kind"] for r in obs} == {"collective", "step"}
+        et.report_error(ValueError("again"))
+        next(it)
+        assert et.commit()
+        et.report_error(ValueError("and again"))
+        next(it)
+        with pytest.raises(TooManyFailures, match="3 failed commits in a row"):
+            et.commit()
+    finally:
+        et.close()
