@@ -1,4 +1,6 @@
 """elastic-slurm: right-sized and elastic distributed training on Slurm GPU clusters."""
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -14,6 +16,8 @@ setup(
         "predictor": ["*.yaml", "*.json"],
     },
     include_package_data=True,
+    # The templates are read from the checkout in an editable install, from here otherwise.
+    data_files=[("share/elastic-slurm/sbatch_templates", sorted(str(p) for p in Path("sbatch_templates").glob("*.sbatch")))],
     # torch must already be installed (`pip install torch==2.13.0` takes the CPU wheel on machines
     # without a GPU); a bare `torch` requirement resolves to a multi-GB CUDA build.
     install_requires=[

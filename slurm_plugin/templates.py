@@ -20,6 +20,7 @@ import dataclasses
 import math
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import click
@@ -27,7 +28,15 @@ import click
 from slurm_plugin.directives import parse_script
 from slurm_plugin.errors import DirectiveError
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "sbatch_templates"
+def _template_dir() -> Path:
+    """The checkout's sbatch_templates/ (editable install), else the copy setup.py installs under sys.prefix."""
+    checkout = Path(__file__).resolve().parents[1] / "sbatch_templates"
+    if checkout.is_dir():
+        return checkout
+    return Path(sys.prefix) / "share" / "elastic-slurm" / "sbatch_templates"
+
+
+TEMPLATE_DIR = _template_dir()
 _SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 _SBATCH = re.compile(r"^#SBATCH\s+--([a-z-]+)(?:=(.*))?$")
 
