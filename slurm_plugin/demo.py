@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -109,6 +110,7 @@ class Demo:
         return summary
 
     def seed(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)     # the demo's own directory: no records of an older run
         self.predictor.post("/v1/profiles", cal.profile_body())
         for workers in (1, 2):
             run = cal.run_once(workers, self.calibration_steps, self.work / "calibration")
@@ -212,11 +214,15 @@ class Demo:
             e(f"   {'':9}  {n:>5}  {_num(c, 1):>10}  {_num(p, 1):>10}  {windows:>27}")
         e(f"   {'transition':<12} {'nodes':>8} {'idle_s':>7} {'pause_s':>8} {'wall_s':>7}  how")
         for t in w.transitions():
-            how = (f"helper job {t['helper']}" if t.get("helper") else
-                   "operator (ctl)" if t["action"] in SHRINKS + GROWS and _by_operator(w, t) else
-                   "autoscaler" if t["action"] in SHRINKS + GROWS else "")
+            how = "" if t["action"] == "start" else \
+                "operator (ctl)" if t.get("reason") == "operator request" else f"autoscaler: {t.get('reason', '')}"
+            if t.get("helper"):
+                how += f"; helper job {t['helper']}"
             e(f"   {t['action']:<12} {str(t.get('from_nodes')) + '->' + str(t.get('to_nodes')):>8} "
               f"{_num(t.get('idle_s'), 2):>7} {_num(t.get('pause_s'), 2):>8} {_num(t.get('wall_s'), 1):>7}  {how}")
+        plans = [r for r in w.records if r["kind"] == "plan"]
+        if plans:
+            e(f"   the launcher's last plan (history now includes this job's own measurements): {plans[-1]['reason']}")
         outcome = final.get("outcome", w.state.lower())
         e(f"   outcome: job {self.job_id} {w.state}, launcher outcome {outcome}, final nodes "
           f"{final.get('final_nodes')}; {len(w.requests)} operator request(s)")
@@ -259,19 +265,13 @@ def _num(value, digits: int) -> str:
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
 
 
-def _by_operator(w: JobWatcher, t: dict) -> bool:
-    """A transition that followed a demo `ctl` request (the latest request before it went to its size)."""
-    before = [r for r in w.requests if r["t"] <= t["t"]]
-    return bool(before) and before[-1]["nodes"] == t.get("to_nodes")
-
-
 @click.command("demo")
 @click.option("--lab", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DEMO_LAB,
               show_default=True, help="Lab directory of the demo's own cluster (under /var/tmp: daemons run as "
                                       "munge and mysql).")
 @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), default=DEFAULT_DEMO_PORT_BASE,
               show_default=True, help=f"First of the {PORT_SPAN} ports of the lab (the predictor takes the last).")
-@click.option("--steps", type=click.IntRange(200, 100000), default=2000, show_default=True,
+@click.option("--steps", type=click.IntRange(200, 100000), default=1500, show_default=True,
               help="Training steps of the demo job (enough for a grow and a shrink).")
 @click.option("--calibration-steps", type=click.IntRange(12, 1000), default=30, show_default=True,
               help="Steps of each calibration run (1 and 2 workers).")

@@ -144,6 +144,12 @@ class JobWatcher:
         nodes = self._nodes_now()
         if nodes is None or (grew and shrank) or not self._settled():
             return
+        pending = [r for r in self.records if r["kind"] in ("transition", "helper_submitted")]
+        if pending and pending[-1]["kind"] == "helper_submitted" and time.time() - pending[-1]["t"] < 90:
+            return   # the autoscaler's helper job is starting: its grow is on the way
+        if self.requests and time.time() - self.requests[-1]["t"] < 90 and \
+                not any(t["t"] > self.requests[-1]["t"] for t in self.transitions()):
+            return   # the last request is still being carried out (a helper job takes a while to start)
         if not grew and nodes < self.max_nodes:
             self._request(min(nodes + 2, self.max_nodes), "no grow by the autoscaler yet: the demo asks for one")
         elif not shrank and nodes > 1:
