@@ -63,6 +63,7 @@ class Demo:
         self.calibration: list[cal.CalibrationRun] = []
         self.sbatch_lines: list[str] = []
         self.watcher: JobWatcher | None = None
+        self.was_up = False          # the lab's cluster ran before this demo: leave it running at the end
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -85,6 +86,7 @@ class Demo:
 
         cfg = self.bed.config
         with self.phase(f"1/6 local Slurm cluster (lab {cfg.lab}, ports {cfg.port_base}..{cfg.port_base + PORT_SPAN - 1})"):
+            self.was_up = self.bed.is_up()
             try:
                 timings = self.bed.up()
             except TestbedError as exc:
@@ -246,9 +248,11 @@ class Demo:
                 while time.monotonic() < deadline and any(j.state not in ENDED for j in slurm.jobs()):
                     time.sleep(0.5)
         stopped = self.predictor.stop()
-        self.bed.down()
+        if not self.was_up:
+            self.bed.down()
         self.echo(f"stopped: jobs cancelled, predictor {'stopped' if stopped else 'was not running'}, "
-                  f"testbed down (lab {self.bed.config.lab} kept for its logs)")
+                  + (f"testbed down (lab {self.bed.config.lab} kept for its logs)" if not self.was_up else
+                     f"testbed left up: it ran before the demo (elastic-slurm testbed down --lab {self.bed.config.lab})"))
 
     def keep_hint(self) -> None:
         lab = self.bed.config.lab

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,12 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.2)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -111,6 +118,9 @@ class PredictorService:
         """
         if self.pid() is not None:
             self.stop()
+        if _port_open(self.port):
+            raise DemoError(f"port {self.port} (port base + {PORT_SPAN - 1}, the predictor's) is in use by another "
+                            f"process: choose another --port-base")
         if fresh:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True, exist_ok=True)
