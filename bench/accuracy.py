@@ -118,8 +118,11 @@ def class_ceiling(rows) -> dict | None:
             meas = [_tput(r, r["iter_s"]) for r in cand]
             chosen = [t for r, t in zip(cand, meas) if tuple(sorted(r["layout"])) == pick]
             out[multi].append(float(np.mean(chosen)) / max(meas))
-    if not out[False] or len({r["per_gpu_batch"] for r in rows}) < 2:
-        return None
+    batches: dict[tuple, set] = {}
+    for r in rows:
+        batches.setdefault((r["profile"], _G(r)), set()).add(r["per_gpu_batch"])
+    if not out[False] or all(len(v) < 2 for v in batches.values()):
+        return None  # one batch size per (model, G): nothing to learn a class preference from
     return {"rows": len(rows), "mape_pct": None, "groups": len(out[False]), "kendall_tau": None,
             "chosen_best": float(np.mean(out[False])),
             "chosen_best_multinode": float(np.mean(out[True])) if out[True] else None, "near_best": None}
