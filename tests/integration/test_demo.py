@@ -51,9 +51,9 @@ def _lab_processes(lab: Path) -> list[str]:
 
 
 def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
-    port_base = _free_block(17100)
-    bed = Testbed(TestbedConfig(lab=LAB, port_base=port_base, stop_timeout=timedelta(seconds=2)))
-    bed.down(wipe=True)                                   # cold: no state, spool, database or logs
+    Testbed(TestbedConfig(lab=LAB, stop_timeout=timedelta(seconds=2))).down(wipe=True)   # cold: no state, spool,
+    port_base = _free_block(17100)                                                        # database or logs
+    bed = Testbed(TestbedConfig(lab=LAB, port_base=port_base))
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "slurm_plugin.cli", "demo", "--lab", str(LAB), "--port-base",
                            str(port_base), "--steps", "1000", "--calibration-steps", "20"],
