@@ -8,8 +8,10 @@ Tables (explicit schema, created by named migrations recorded in `migrations`):
     meta          `generation`: bumped by every write that changes what the models are fitted on
 
 Durability: WAL journal with `synchronous=NORMAL`. In WAL mode NORMAL never corrupts the database and
-survives an application crash; only a power loss or OS crash can roll back the last few committed
-transactions. Observations are re-sent telemetry and decisions are an audit trail, so losing the final
+survives an application crash: a COMMIT has written the transaction's frames to the WAL file (the OS
+page cache) before the HTTP answer leaves, so a SIGKILLed worker or master loses no acknowledged write;
+tests/unit/test_store_durability.py kills `elastic-predictor serve` during a burst of writes and checks
+exactly that. Only a power loss or OS crash can roll back the last few committed transactions. Observations are re-sent telemetry and decisions are an audit trail, so losing the final
 milliseconds on power loss is acceptable, while FULL would add an fsync to every POST and /v1/plan on
 the request path. Each thread gets its own connection (gunicorn workers are processes; the refit
 thread reads beside the request thread), and a busy timeout lets several workers write in turn.
@@ -98,13 +100,34 @@ class Store:
         Nested sqlite-utils calls inside use savepoints.
         """
         db = self.db
-        db.conn.execute("BEGIN IMMEDIATE")
+        self._begin_immediate(db)
         try:
             yield db
         except BaseException:
             db.rollback()
             raise
         db.conn.execute("COMMIT")
+
+    def _begin_immediate(self, db: sqlite_utils.Database) -> None:
+        """BEGIN IMMEDIATE, retried with backoff while another connection holds the lock.
+
+        The busy timeout already waits inside SQLite; SQLITE_BUSY can still come back at once in a few
+        cases the busy handler does not cover (a connection recovering the WAL after a crash of another
+        process, or a checkpoint in progress). Nothing has been written yet when BEGIN fails, so retrying
+        is safe; after `busy_timeout` in all the error goes up.
+        """
+        deadline = time.monotonic() + self.busy_timeout.total_seconds()
+        delay = 0.005
+        while True:
+            try:
+                db.conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                message = str(exc).lower()
+                if ("locked" not in message and "busy" not in message) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     def close(self) -> None:
         """Close every connection this store opened (any thread)."""

@@ -1,0 +1,177 @@
+"""Durability of the history store under the real server (issue 8, part 3).
+
+`elastic-predictor serve` (gunicorn, several sync workers) takes a burst of concurrent authenticated
+POST /v1/observations; the whole process group is SIGKILLed in the middle of it and the service is
+started again on the same file. Every write that was answered 2xx must be in the database, the database
+must pass `PRAGMA integrity_check`, and no client may ever have seen "database is locked".
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from predictor.store import Store
+
+TOKEN = "durability-token"
+WORKERS = 4
+CLIENTS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(db: Path, port: int, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, ELASTIC_PREDICTOR_TOKEN=TOKEN, ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S="0.2")
+    argv = [sys.executable, "-c", "from predictor.cli import main; main()", "serve", "--port", str(port),
+            "--db", str(db), "--workers", str(WORKERS), "--timeout", "30"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    _kill(proc)
+    pytest.fail(f"elastic-predictor serve did not come up; log:\n{log.read_text()[-3000:]}")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _record(tag: str) -> dict:
+    return {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4, "bytes": 1 << 20,
+            "seconds": 0.001, "gpu": "H200", "source": tag}
+
+
+def _post(port: int, records: list[dict]) -> tuple[int | None, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/observations", data=json.dumps(records).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {TOKEN}"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (OSError, ConnectionError) as exc:       # the kill: refused, reset, or cut mid-answer
+        return None, str(exc)
+
+
+def test_sigkill_during_write_burst_loses_no_acknowledged_record(tmp_path):
+    db, port, log = tmp_path / "history.db", _free_port(), tmp_path / "serve.log"
+    proc = _serve(db, port, log)
+    acked: set[str] = set()
+    errors: list[tuple[int | None, str]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    sent = [0]
+
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            tags = [f"c{n}-{i}-{k}" for k in range(3)]      # 3 records per POST, stored all-or-nothing
+            i += 1
+            status, text = _post(port, [_record(t) for t in tags])
+            with lock:
+                sent[0] += 1
+                if status is not None and 200 <= status < 300:
+                    acked.update(tags)
+                elif status is not None:
+                    errors.append((status, text))
+            if status is None:
+                return                                     # the service is gone
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(CLIENTS)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with lock:
+                if len(acked) >= 600:
+                    break
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)                  # master and every worker, mid-burst
+        proc.wait(timeout=30)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        stop.set()
+        _kill(proc)
+
+    assert not errors, f"non-2xx answers during the burst: {errors[:3]}"
+    assert not any("locked" in text for _, text in errors)
+    assert len(acked) >= 600, "the burst did not get going before the kill"
+
+    proc = _serve(db, port, log)                              # restart on the same file (WAL recovery)
+    try:
+        status, _ = _post(port, [_record("after-restart")])
+        assert status == 201
+    finally:
+        _kill(proc)
+
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+    store = Store(str(db))
+    try:
+        found = {r.get("source") for r in store.observations(kind="collective")}
+    finally:
+        store.close()
+    lost = acked - found
+    print(f"\ndurability: posts={sent[0]} acked_records={len(acked)} found={len(acked & found)} "
+          f"lost={len(lost)} stored_total={len(found)} non2xx={len(errors)}")
+    assert not lost, f"{len(lost)} acknowledged records lost, e.g. {sorted(lost)[:5]}"
+    assert "after-restart" in found
+
+
+def test_concurrent_writers_in_threads_never_see_locked(tmp_path):
+    """Many connections writing at once through BEGIN IMMEDIATE: all commit, none raises."""
+    store = Store(str(tmp_path / "h.db"))
+    store.migrate()
+    failures: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(50):
+                store.add_observations([_record(f"t{n}-{i}")])
+        except BaseException as exc:   # noqa: BLE001 - collected and asserted below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    assert store.observation_counts()["collective"] == 400
+    store.close()
