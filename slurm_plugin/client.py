@@ -293,6 +293,28 @@ class CommandBackend:
             job = self.job(job_id, timeout)
         return ResizeResult(job=job, env=job.resize_env())
 
+    def job_owner(self, job_id: int, timeout: timedelta | None = None) -> "JobOwner":
+        """Who owns `job_id`, its state and when it ended (for checking a signed write against Slurm).
+
+        Looks in squeue first (running jobs, and ended ones for MinJobAge), then in sacct.
+
+        :raises JobNotFoundError: neither squeue nor sacct knows `job_id`.
+        """
+        for j in self._json(["squeue", "--json"], timeout).get("jobs", []):
+            if int(j.get("job_id", -1)) == job_id:
+                return JobOwner(job_id, int(j["user_id"]), str(j.get("job_state", "")).upper(),
+                                _ended_at(str(j.get("job_state", "")), j.get("end_time")))
+        try:
+            data = self._json(["sacct", "--json", "-j", str(job_id)], timeout)
+        except SlurmError as exc:
+            raise JobNotFoundError(job_id, f"not in squeue and sacct failed: {exc}") from exc
+        for j in data.get("jobs", []):
+            if int(j.get("job_id", -1)) == job_id:
+                state = str((j.get("state") or {}).get("current", "")).upper()
+                return JobOwner(job_id, _uid_of(str(j.get("user", ""))), state,
+                                _ended_at(state, (j.get("time") or {}).get("end")))
+        raise JobNotFoundError(job_id, "neither squeue nor sacct lists it")
+
 
 def _raise_if_unknown_job(job_id: int, exc: SlurmError) -> None:
     if "Invalid job id" in exc.stderr:
@@ -535,3 +557,37 @@ def start_step(env: Mapping[str, str], node: str, ntasks: int, argv: Sequence[st
                                     stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         raise SlurmError(command, None, "", f"cannot start: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOwner:
+    """A job's owner and life-cycle as far as a signed write needs them.
+
+    Attributes:
+        user_id: the numeric uid the job runs as (-1 when sacct names a user unknown on this host).
+        state: Slurm's state in upper case (RUNNING, COMPLETED...).
+        ended_at_s: Unix time the job ended; None while it is pending or running.
+    """
+
+    job_id: int
+    user_id: int
+    state: str
+    ended_at_s: float | None
+
+
+_LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
+
+
+def _ended_at(state: str, end) -> float | None:
+    if state.upper() in _LIVE_STATES or not end:
+        return None
+    return float(end)
+
+
+def _uid_of(user: str) -> int:
+    import pwd   # noqa: PLC0415 - only sacct answers name users
+
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return -1
