@@ -11,6 +11,12 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_MAX_BODY    request body cap in bytes (default 4 MiB)
     ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S   seconds to coalesce new observations before a refit (default 1)
     ELASTIC_PREDICTOR_CACHE_SIZE  prediction cache entries per worker (default 4096; 0 disables it)
+    ELASTIC_PREDICTOR_ADMIN_TOKEN bearer token for admin operations (unset: the tool token does them)
+    ELASTIC_PREDICTOR_MUNGE       1: accept munge-signed writes from jobs (`X-Elastic-Munge`, predictor.auth)
+    ELASTIC_PREDICTOR_MUNGE_SOCKET  munged socket for `unmunge --socket` (default: munge's own)
+    ELASTIC_PREDICTOR_SLURM_CONF  slurm.conf for the job-owner check (default: Slurm's own)
+    ELASTIC_PREDICTOR_JOB_RECENT_S  seconds after a job ended that its credential is still accepted (600)
+    ELASTIC_PREDICTOR_READ_AUTH   1: reads (GET) need a credential too (/healthz stays open)
 """
 from __future__ import annotations
 
@@ -27,6 +33,12 @@ ENV_CLUSTER = "ELASTIC_PREDICTOR_CLUSTER"
 ENV_MAX_BODY = "ELASTIC_PREDICTOR_MAX_BODY"
 ENV_DEBOUNCE = "ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S"
 ENV_CACHE = "ELASTIC_PREDICTOR_CACHE_SIZE"
+ENV_ADMIN_TOKEN = "ELASTIC_PREDICTOR_ADMIN_TOKEN"
+ENV_MUNGE = "ELASTIC_PREDICTOR_MUNGE"
+ENV_MUNGE_SOCKET = "ELASTIC_PREDICTOR_MUNGE_SOCKET"
+ENV_SLURM_CONF = "ELASTIC_PREDICTOR_SLURM_CONF"
+ENV_JOB_RECENT = "ELASTIC_PREDICTOR_JOB_RECENT_S"
+ENV_READ_AUTH = "ELASTIC_PREDICTOR_READ_AUTH"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +57,13 @@ class Config:
         prediction_cache_size: entries in the per-model-version prediction cache.
         default_min_efficiency: scaling-efficiency threshold when the directives give none.
         max_plan_candidates: cap on the layouts one /v1/plan or /v1/predict evaluates.
+        admin_token: bearer token for admin operations; None: the tool token does them.
+        munge_auth: accept munge-signed job writes (`X-Elastic-Munge`).
+        munge_socket: munged socket used by `unmunge`; None: munge's default.
+        slurm_conf: slurm.conf for checking a signing job's owner; None: Slurm's default.
+        job_recent: how long after a job ended its signed writes are still accepted.
+        read_auth: reads need a credential too.
+        auth_timeout: limit for one `unmunge` or Slurm lookup.
     """
 
     db_path: str = "predictor.db"
@@ -57,6 +76,13 @@ class Config:
     prediction_cache_size: int = 4096
     default_min_efficiency: float = 0.5
     max_plan_candidates: int = 512
+    admin_token: str | None = None
+    munge_auth: bool = False
+    munge_socket: str | None = None
+    slurm_conf: str | None = None
+    job_recent: timedelta = timedelta(minutes=10)
+    read_auth: bool = False
+    auth_timeout: timedelta = timedelta(seconds=5)
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -67,6 +93,8 @@ class Config:
             raise ValidationError("prediction_cache_size", "must be >= 0")
         if self.refit_debounce < timedelta(0) or self.refit_min_interval < timedelta(0) or self.refit_poll <= timedelta(0):
             raise ValidationError("refit_debounce", "debounce and min interval must be >= 0, poll > 0")
+        if self.job_recent < timedelta(0) or self.auth_timeout <= timedelta(0):
+            raise ValidationError("job_recent", "job_recent must be >= 0 and auth_timeout > 0")
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (the object itself stays frozen)."""
@@ -97,6 +125,21 @@ class Config:
                 values["refit_debounce"] = timedelta(seconds=float(env[ENV_DEBOUNCE]))
             except ValueError:
                 raise ValidationError(ENV_DEBOUNCE, f"expected seconds, got {env[ENV_DEBOUNCE]!r}") from None
+        if env.get(ENV_ADMIN_TOKEN):
+            values["admin_token"] = env[ENV_ADMIN_TOKEN]
+        if env.get(ENV_MUNGE):
+            values["munge_auth"] = _bool_var(env, ENV_MUNGE)
+        if env.get(ENV_MUNGE_SOCKET):
+            values["munge_socket"] = env[ENV_MUNGE_SOCKET]
+        if env.get(ENV_SLURM_CONF):
+            values["slurm_conf"] = env[ENV_SLURM_CONF]
+        if env.get(ENV_JOB_RECENT):
+            try:
+                values["job_recent"] = timedelta(seconds=float(env[ENV_JOB_RECENT]))
+            except ValueError:
+                raise ValidationError(ENV_JOB_RECENT, f"expected seconds, got {env[ENV_JOB_RECENT]!r}") from None
+        if env.get(ENV_READ_AUTH):
+            values["read_auth"] = _bool_var(env, ENV_READ_AUTH)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -106,3 +149,12 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
         return int(env[name])
     except ValueError:
         raise ValidationError(name, f"expected an integer, got {env[name]!r}") from None
+
+
+def _bool_var(env: Mapping[str, str], name: str) -> bool:
+    value = env[name].strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValidationError(name, f"expected 1/0 (true/false), got {env[name]!r}")

@@ -1,17 +1,21 @@
 """HTTP API v1 blueprints (one module per resource) and the helpers they share.
 
 Shared helpers: `services()` (the objects `create_app` built), `json_body()` (parses the request body or
-raises a 400 naming `body`) and `write_access` (bearer-token check for writes).
+raises a 400 naming `body`), `write_access` / `admin_access` (the checks of predictor.auth on a view),
+`caller()` (who the current request was accepted from) and `install_auth_hooks(bp)`, which a blueprint
+calls to register, app-wide, the read check (ELASTIC_PREDICTOR_READ_AUTH) and the JSON answer for an
+`AuthError` (`{"error", "field", "reason"}`, plus `WWW-Authenticate` on 401).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hmac
 import json
 from typing import Any
 
-from flask import current_app, request
+from flask import Blueprint, current_app, g, jsonify, request
+
+from predictor.auth import MUNGE_HEADER, AuthError, Authenticator, Caller
 
 from predictor.cluster import Cluster
 from predictor.config import Config
@@ -33,12 +37,10 @@ class Services:
         return self.config.cluster
 
 
-class AuthError(Exception):
-    """Missing (401) or wrong (403) bearer token on a write."""
-
-    def __init__(self, status: int, message: str):
-        self.status = status
-        super().__init__(message)
+__all__ = ["AuthError", "Services", "admin_access", "caller", "install_auth_hooks", "json_body", "services",
+           "write_access"]
+_AUTH_KEY = "elastic_predictor_auth"
+OPEN_READS = ("/healthz",)
 
 
 def services() -> Services:
@@ -60,19 +62,58 @@ def json_body() -> Any:
         raise ValidationError("body", f"not valid JSON: {exc}") from None
 
 
+def authenticator() -> Authenticator:
+    """The app's `Authenticator`, built once from its config (tests may put their own in app.extensions)."""
+    auth = current_app.extensions.get(_AUTH_KEY)
+    if auth is None:
+        auth = current_app.extensions.setdefault(_AUTH_KEY, Authenticator.from_config(services().config))
+    return auth
+
+
+def caller() -> Caller:
+    """Who the current request was accepted from (set by `write_access` / `admin_access`)."""
+    return g.get("elastic_caller") or Caller("anonymous")
+
+
 def write_access(view):
-    """Decorator: require `Authorization: Bearer <token>` when a token is configured."""
+    """Decorator: a tool/admin bearer token or a munge-signed job credential (predictor.auth)."""
 
     @functools.wraps(view)
     def wrapper(*args, **kwargs):
-        token = services().config.token
-        if token:
-            header = request.headers.get("Authorization", "")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not given:
-                raise AuthError(401, "writes need `Authorization: Bearer <token>` (ELASTIC_PREDICTOR_TOKEN)")
-            if not hmac.compare_digest(given.strip().encode(), token.encode()):
-                raise AuthError(403, "bearer token rejected")
+        g.elastic_caller = authenticator().check_write(request.headers, request.get_data(cache=True))
         return view(*args, **kwargs)
 
     return wrapper
+
+
+def admin_access(view):
+    """Decorator: the admin token (or the tool token when no admin token is configured)."""
+
+    @functools.wraps(view)
+    def wrapper(*args, **kwargs):
+        g.elastic_caller = authenticator().check_admin(request.headers)
+        return view(*args, **kwargs)
+
+    return wrapper
+
+
+def _auth_error(exc: AuthError):
+    response = jsonify(error=str(exc), field=exc.field, reason=exc.reason)
+    if exc.status == 401:
+        response.headers["WWW-Authenticate"] = (f'Bearer realm="elastic-predictor"' if exc.field == "Authorization"
+                                                else f'Munge header="{MUNGE_HEADER}"')
+    if exc.status == 503:
+        response.headers["Retry-After"] = "2"
+    return response, exc.status
+
+
+def _read_check():
+    if request.method in ("GET", "HEAD") and request.path not in OPEN_READS:
+        if authenticator().read_auth:
+            g.elastic_caller = authenticator().check_read(request.headers)
+
+
+def install_auth_hooks(bp: Blueprint) -> None:
+    """Register, for the whole app, the read check and the JSON answer of `AuthError`."""
+    bp.before_app_request(_read_check)
+    bp.app_errorhandler(AuthError)(_auth_error)

@@ -1,12 +1,18 @@
-"""POST /v1/observations: collective and step records, validated whole, stored all-or-nothing."""
+"""POST /v1/observations: collective and step records, validated whole, stored all-or-nothing.
+
+A job that signs with munge may only post records of its own job: a record's `job_id`, when given,
+must be the signed job's (403 `job_id_mismatch`), and records without one get it filled in.
+This blueprint also installs the app-wide auth hooks (read check, AuthError answers).
+"""
 from __future__ import annotations
 
 from flask import Blueprint
 
-from predictor.api import json_body, services, write_access
+from predictor.api import AuthError, caller, install_auth_hooks, json_body, services, write_access
 from predictor.records import validate_batch
 
 bp = Blueprint("observations", __name__, url_prefix="/v1/observations")
+install_auth_hooks(bp)
 
 
 @bp.post("")
@@ -14,6 +20,14 @@ bp = Blueprint("observations", __name__, url_prefix="/v1/observations")
 def create():
     svc = services()
     records = validate_batch(json_body())
+    who = caller()
+    if who.kind == "job":
+        for i, record in enumerate(records):
+            if record.get("job_id") not in (None, who.job_id, str(who.job_id)):
+                raise AuthError(403, f"observations[{i}].job_id: job_id mismatch: the record says "
+                                     f"{record['job_id']!r}, the credential signs job {who.job_id}",
+                                "observations[{}].job_id".format(i), "job_id_mismatch")
+        records = [dict(r, job_id=r.get("job_id", who.job_id)) for r in records]
     ids = svc.store.add_observations(records)
     svc.models.notify()
     return {"stored": len(ids), "first_id": ids[0], "last_id": ids[-1]}, 201

@@ -1,9 +1,11 @@
 """POST/GET /v1/profiles and GET /v1/profiles/<name>: model tensor profiles."""
 from __future__ import annotations
 
+import json
+
 from flask import Blueprint
 
-from predictor.api import json_body, services, write_access
+from predictor.api import AuthError, caller, json_body, services, write_access
 from predictor.errors import ValidationError
 from predictor.profiles import Profile
 from predictor.records import NAME_RE
@@ -16,11 +18,15 @@ def summary(profile: Profile) -> dict:
             "grad_bytes": profile.grad_bytes, "buckets": len(profile.buckets_bytes), "source": profile.source}
 
 
-def register(store, body) -> tuple[Profile, bool]:
+def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
     """Validate and store a profile body; returns (profile, created).
+
+    Args:
+        may_replace: False (a munge-signed job): an existing profile may only be re-posted unchanged.
 
     Raises:
         ValidationError: naming the bad field (`name`, `tensors[3].numel`).
+        AuthError: 403 `admin_required` when replacing is not allowed and the body differs.
     """
     if isinstance(body, dict) and isinstance(body.get("name"), str) and not NAME_RE.match(body["name"]):
         raise ValidationError("name", f"must match {NAME_RE.pattern} (the `model=` directive grammar)")
@@ -30,6 +36,9 @@ def register(store, body) -> tuple[Profile, bool]:
     stored = dict(profile.to_dict())
     if isinstance(body, dict):
         stored.update({k: v for k, v in body.items() if k not in stored})   # keep extra fields (layer kinds...)
+    if not may_replace and store.has_profile(profile.name) and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
+        raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
+                             "admin or tool token, not a job credential", "name", "admin_required")
     created = store.put_profile(profile.name, stored)
     return profile, created
 
@@ -38,7 +47,7 @@ def register(store, body) -> tuple[Profile, bool]:
 @write_access
 def create():
     svc = services()
-    profile, created = register(svc.store, json_body())
+    profile, created = register(svc.store, json_body(), may_replace=caller().kind != "job")
     svc.models.notify()
     return summary(profile), 201 if created else 200
 

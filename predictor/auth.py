@@ -1,0 +1,296 @@
+"""Who may write (and, with `read_auth`, read): bearer tokens and munge-signed job writes.
+
+Three kinds of caller:
+    admin     `Authorization: Bearer <admin_token>` (ELASTIC_PREDICTOR_ADMIN_TOKEN): everything, including
+              admin-only operations (replacing a profile that already exists with a different body).
+    tool      `Authorization: Bearer <token>` (ELASTIC_PREDICTOR_TOKEN): writes, as before.
+    job       `X-Elastic-Munge: <credential>` (ELASTIC_PREDICTOR_MUNGE=1): a running (or recently ended)
+              job signs its own observations and new profiles with the site's munge; no new secret.
+
+A job's credential is `munge -s "elastic-predictor/1 job=<id> sha256=<hex digest of the body>"`
+(`munge_sign` builds it). The service decodes it with `unmunge` (which also refuses a replayed or
+expired credential), checks that the digest matches the body it received, then asks Slurm
+(`slurm_plugin.client.CommandBackend.job_owner`) that the job exists, is running or ended less than
+`job_recent` ago, and runs as the uid munge vouches for.
+
+Every refusal is an `AuthError` with a status (401: no usable credential; 403: a credential that was
+understood and refused), the header it concerns and a short `reason` code:
+    missing_credential, bad_token, munge_disabled, bad_credential, digest_mismatch, bad_payload,
+    job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import re
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Mapping, Protocol
+
+MUNGE_HEADER = "X-Elastic-Munge"
+PAYLOAD_PREFIX = "elastic-predictor/1"
+_PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256=([0-9a-f]{{64}})$")
+DEFAULT_TIMEOUT = timedelta(seconds=5)
+
+
+class AuthError(Exception):
+    """A refused request: `status` 401 or 403, `field` the header concerned, `reason` a short code."""
+
+    def __init__(self, status: int, message: str, field: str = "Authorization", reason: str = "bad_token"):
+        self.status = status
+        self.field = field
+        self.reason = reason
+        super().__init__(message)
+
+
+class MungeError(Exception):
+    """`munge` could not sign (daemon down, bad socket)."""
+
+
+# --- client side (the launcher) -----------------------------------------------------------------------
+def munge_payload(body: bytes, job_id: int) -> str:
+    """The text a job signs: binds the job id and the SHA-256 of the exact body bytes it sends."""
+    return f"{PAYLOAD_PREFIX} job={int(job_id)} sha256={hashlib.sha256(body).hexdigest()}"
+
+
+def munge_sign(body: bytes, job_id: int, socket: str | Path | None = None,
+               timeout: timedelta = DEFAULT_TIMEOUT) -> dict[str, str]:
+    """Sign `body` for job `job_id` with the local munged; returns the header to send with it.
+
+    Send exactly these `body` bytes (`data=body`, not a re-serialised `json=`), e.g.
+    `requests.post(url, data=body, headers={"Content-Type": "application/json", **munge_sign(body, job)})`.
+
+    Args:
+        socket: munged's socket (`munge --socket`); None uses munge's default.
+
+    Raises:
+        MungeError: munge is missing, timed out or failed (its message included).
+    """
+    argv = ["munge", "-s", munge_payload(body, job_id)]
+    if socket:
+        argv.append(f"--socket={socket}")
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout.total_seconds(), check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise MungeError(f"cannot run munge: {exc}") from exc
+    if proc.returncode != 0 or not proc.stdout.startswith("MUNGE:"):
+        raise MungeError(f"munge failed (rc {proc.returncode}): {proc.stderr.strip()}")
+    return {MUNGE_HEADER: proc.stdout.strip()}
+
+
+# --- service side -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MungeIdentity:
+    uid: int
+    gid: int
+    payload: str
+
+
+class Unmunger:
+    """Decodes credentials with `unmunge` (munged refuses replays and expired credentials itself).
+
+    Args:
+        socket: munged's socket; None uses munge's default.
+        timeout: limit for one `unmunge` run.
+    """
+
+    def __init__(self, socket: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT):
+        self.socket = socket
+        self.timeout = timeout
+
+    def decode(self, credential: str) -> MungeIdentity:
+        """:raises AuthError: 401 `bad_credential` naming what unmunge said."""
+        argv = ["unmunge", "--numeric"]
+        if self.socket:
+            argv.append(f"--socket={self.socket}")
+        try:
+            proc = subprocess.run(argv, input=credential.strip() + "\n", capture_output=True, text=True,
+                                  timeout=self.timeout.total_seconds(), check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise AuthError(503, f"cannot verify the munge credential: {exc}", MUNGE_HEADER,
+                            "munge_unavailable") from exc
+        head, _, payload = proc.stdout.partition("\n\n")
+        meta = dict(line.split(":", 1) for line in head.splitlines() if ":" in line)
+        meta = {k.strip(): v.strip() for k, v in meta.items()}
+        if proc.returncode != 0 or meta.get("STATUS") != "0":
+            why = proc.stderr.strip().removeprefix("unmunge: Error: ") or f"status {meta.get('STATUS', '?')}"
+            if proc.returncode == 17 or meta.get("STATUS") == "17":
+                why = "credential replayed (each credential is accepted once)"
+            elif proc.returncode == 15 or meta.get("STATUS") == "15":
+                why = "credential expired"
+            raise AuthError(401, f"{MUNGE_HEADER}: bad credential: {why}", MUNGE_HEADER, "bad_credential")
+        try:
+            return MungeIdentity(int(meta["UID"]), int(meta["GID"]), payload)
+        except (KeyError, ValueError):
+            raise AuthError(401, f"{MUNGE_HEADER}: bad credential: no uid in unmunge's answer", MUNGE_HEADER,
+                            "bad_credential") from None
+
+
+class JobOwners(Protocol):
+    """What the check needs from Slurm (slurm_plugin.client.CommandBackend provides it)."""
+
+    def job_owner(self, job_id: int): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who a request was accepted from: `kind` admin, tool, job or anonymous (auth off)."""
+
+    kind: str
+    uid: int | None = None
+    job_id: int | None = None
+
+
+class Authenticator:
+    """Applies the policy above to one request's headers and body.
+
+    Args:
+        token: tool bearer token (None: none configured).
+        admin_token: admin bearer token (None: admin operations take the tool token).
+        munge: accept `X-Elastic-Munge` job credentials.
+        unmunger: decodes credentials.
+        jobs: Slurm lookup (`job_owner`); built lazily by `jobs_factory` on first use.
+        job_recent: how long after a job ended its credential is still accepted.
+        read_auth: reads need a credential too.
+        clock: seconds since the epoch (tests pass a fixed one).
+    """
+
+    def __init__(self, token: str | None = None, admin_token: str | None = None, munge: bool = False,
+                 unmunger: Unmunger | None = None, jobs: JobOwners | None = None,
+                 jobs_factory: Callable[[], JobOwners] | None = None,
+                 job_recent: timedelta = timedelta(minutes=10), read_auth: bool = False,
+                 clock: Callable[[], float] = time.time):
+        self.token = token or None
+        self.admin_token = admin_token or None
+        self.munge = munge
+        self.unmunger = unmunger or Unmunger()
+        self._jobs = jobs
+        self._jobs_factory = jobs_factory
+        self.job_recent = job_recent
+        self.read_auth = read_auth
+        self.clock = clock
+
+    @classmethod
+    def from_config(cls, config) -> "Authenticator":
+        """From the frozen `predictor.config.Config` (its auth fields)."""
+        def backend():
+            from slurm_plugin.client import CommandBackend   # noqa: PLC0415 - only munge mode needs Slurm
+            conf = Path(config.slurm_conf) if config.slurm_conf else None
+            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+            return CommandBackend(slurm_conf=conf, env=env, timeout=config.auth_timeout)
+
+        return cls(token=config.token, admin_token=config.admin_token, munge=config.munge_auth,
+                   unmunger=Unmunger(config.munge_socket, config.auth_timeout), jobs_factory=backend,
+                   job_recent=config.job_recent, read_auth=config.read_auth)
+
+    @property
+    def writes_open(self) -> bool:
+        return not (self.token or self.admin_token or self.munge)
+
+    @property
+    def jobs(self) -> JobOwners:
+        if self._jobs is None:
+            self._jobs = self._jobs_factory()
+        return self._jobs
+
+    # -- policy -------------------------------------------------------------------------------------
+    def check_write(self, headers: Mapping[str, str], body: bytes) -> Caller:
+        """Accept a write from an admin, a tool or a signed job; open when no auth is configured.
+
+        Raises:
+            AuthError: 401/403 naming what failed.
+        """
+        if headers.get(MUNGE_HEADER):
+            return self._job(headers[MUNGE_HEADER], body)
+        if headers.get("Authorization"):
+            return self._bearer(headers["Authorization"], admin_only=False)
+        if self.writes_open:
+            return Caller("anonymous")
+        raise AuthError(401, "writes need a credential: " + self._accepted(), "Authorization", "missing_credential")
+
+    def check_read(self, headers: Mapping[str, str]) -> Caller:
+        """With `read_auth` off, everyone; on, the same credentials as writes (a job signs the empty body)."""
+        if not self.read_auth:
+            return Caller("anonymous")
+        if headers.get(MUNGE_HEADER):
+            return self._job(headers[MUNGE_HEADER], b"")
+        if headers.get("Authorization"):
+            return self._bearer(headers["Authorization"], admin_only=False)
+        raise AuthError(401, "reads need a credential (ELASTIC_PREDICTOR_READ_AUTH is on): " + self._accepted(),
+                        "Authorization", "missing_credential")
+
+    def check_admin(self, headers: Mapping[str, str]) -> Caller:
+        """Admin operations: the admin token (or, when none is configured, the tool token)."""
+        if not headers.get("Authorization"):
+            if self.writes_open:
+                return Caller("anonymous")
+            raise AuthError(401, "admin operations need `Authorization: Bearer <admin token>` "
+                                 "(ELASTIC_PREDICTOR_ADMIN_TOKEN)", "Authorization", "admin_required")
+        return self._bearer(headers["Authorization"], admin_only=True)
+
+    def _accepted(self) -> str:
+        ways = []
+        if self.token or self.admin_token:
+            ways.append("`Authorization: Bearer <token>`")
+        if self.munge:
+            ways.append(f"`{MUNGE_HEADER}: <munge credential>` (predictor.auth.munge_sign)")
+        return " or ".join(ways) or "none configured"
+
+    def _bearer(self, header: str, admin_only: bool) -> Caller:
+        scheme, _, given = header.partition(" ")
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
+            raise AuthError(401, "expected `Authorization: Bearer <token>`", "Authorization", "missing_credential")
+        if self.admin_token and hmac.compare_digest(given.encode(), self.admin_token.encode()):
+            return Caller("admin")
+        if self.token and hmac.compare_digest(given.encode(), self.token.encode()):
+            if admin_only and self.admin_token:
+                raise AuthError(403, "this operation needs the admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN), "
+                                     "not the tool token", "Authorization", "admin_required")
+            return Caller("admin" if admin_only else "tool")
+        if self.writes_open:
+            raise AuthError(403, "bearer token rejected: the service has no token configured", "Authorization",
+                            "bad_token")
+        raise AuthError(403, "bearer token rejected", "Authorization", "bad_token")
+
+    def _job(self, credential: str, body: bytes) -> Caller:
+        if not self.munge:
+            raise AuthError(401, f"{MUNGE_HEADER} given but munge credentials are not accepted here "
+                                 "(ELASTIC_PREDICTOR_MUNGE is off)", MUNGE_HEADER, "munge_disabled")
+        ident = self.unmunger.decode(credential)
+        match = _PAYLOAD_RE.match(ident.payload.strip())
+        if not match:
+            raise AuthError(401, f"{MUNGE_HEADER}: payload is not `{PAYLOAD_PREFIX} job=<id> sha256=<hex>`",
+                            MUNGE_HEADER, "bad_payload")
+        job_id, digest = int(match.group(1)), match.group(2)
+        actual = hashlib.sha256(body).hexdigest()
+        if not hmac.compare_digest(digest, actual):
+            raise AuthError(403, f"{MUNGE_HEADER}: digest mismatch: the credential signs body sha256 "
+                                 f"{digest[:12]}..., the request body has {actual[:12]}...", MUNGE_HEADER,
+                            "digest_mismatch")
+        self._check_job(job_id, ident.uid)
+        return Caller("job", uid=ident.uid, job_id=job_id)
+
+    def _check_job(self, job_id: int, uid: int) -> None:
+        from slurm_plugin.errors import JobNotFoundError, SlurmError   # noqa: PLC0415
+
+        try:
+            owner = self.jobs.job_owner(job_id)
+        except JobNotFoundError:
+            raise AuthError(403, f"{MUNGE_HEADER}: job not found: Slurm does not know job {job_id}",
+                            MUNGE_HEADER, "job_not_found") from None
+        except SlurmError as exc:
+            raise AuthError(503, f"cannot check job {job_id} with Slurm: {exc}", MUNGE_HEADER,
+                            "slurm_unavailable") from exc
+        if owner.user_id != uid:
+            raise AuthError(403, f"{MUNGE_HEADER}: uid mismatch: job {job_id} belongs to uid {owner.user_id}, "
+                                 f"the credential is uid {uid}", MUNGE_HEADER, "uid_mismatch")
+        if owner.state == "PENDING":
+            raise AuthError(403, f"{MUNGE_HEADER}: job {job_id} has not started", MUNGE_HEADER, "job_not_active")
+        if owner.ended_at_s is not None and self.clock() - owner.ended_at_s > self.job_recent.total_seconds():
+            raise AuthError(403, f"{MUNGE_HEADER}: job {job_id} ended {self.clock() - owner.ended_at_s:.0f} s ago "
+                                 f"(accepted up to {self.job_recent.total_seconds():.0f} s)", MUNGE_HEADER,
+                            "job_not_active")

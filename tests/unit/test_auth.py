@@ -1,0 +1,213 @@
+"""predictor.auth through the Flask app: bearer/admin tokens, munge-signed job writes, read switch.
+
+munge and Slurm are replaced by fakes here (tests/integration/test_auth_munge.py uses the real ones):
+the fake unmunger treats a credential as `FAKE:<uid>:<nonce>:<payload>`, refuses anything else and
+refuses a credential it has seen (as munged does).
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+
+from predictor.app import create_app
+from predictor.auth import MUNGE_HEADER, AuthError, Authenticator, MungeIdentity, munge_payload
+from predictor.config import Config
+from slurm_plugin.client import JobOwner
+from slurm_plugin.errors import JobNotFoundError
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, FakePredictor
+
+TOKEN, ADMIN = "tool-token", "admin-token"
+NOW = 2_000_000_000.0
+
+
+class FakeUnmunger:
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def decode(self, credential: str) -> MungeIdentity:
+        if not credential.startswith("FAKE:"):
+            raise AuthError(401, f"{MUNGE_HEADER}: bad credential: Invalid credential", MUNGE_HEADER, "bad_credential")
+        if credential in self.seen:
+            raise AuthError(401, f"{MUNGE_HEADER}: bad credential: credential replayed", MUNGE_HEADER,
+                            "bad_credential")
+        self.seen.add(credential)
+        _, uid, _nonce, payload = credential.split(":", 3)
+        return MungeIdentity(int(uid), int(uid), payload)
+
+
+class FakeJobs:
+    jobs = {7: JobOwner(7, 1000, "RUNNING", None), 8: JobOwner(8, 1001, "RUNNING", None),
+            9: JobOwner(9, 1000, "COMPLETED", NOW - 60), 10: JobOwner(10, 1000, "COMPLETED", NOW - 3600),
+            11: JobOwner(11, 1000, "PENDING", None)}
+
+    def job_owner(self, job_id: int) -> JobOwner:
+        if job_id not in self.jobs:
+            raise JobNotFoundError(job_id, "neither squeue nor sacct lists it")
+        return self.jobs[job_id]
+
+
+def sign(body: bytes, job_id: int, uid: int = 1000, nonce: list = [0]) -> dict:   # noqa: B006 - a counter
+    nonce[0] += 1
+    return {MUNGE_HEADER: f"FAKE:{uid}:{nonce[0]}:{munge_payload(body, job_id)}", "Content-Type": "application/json"}
+
+
+def make_app(tmp_path, **cfg):
+    config = Config(db_path=str(tmp_path / "p.db"), refit_debounce=timedelta(0), refit_min_interval=timedelta(0),
+                    refit_poll=timedelta(milliseconds=50), **cfg)
+    app = create_app(config, predictor_factory=FakePredictor, start_refit=False)
+    app.extensions["elastic_predictor_auth"] = Authenticator(
+        token=config.token, admin_token=config.admin_token, munge=config.munge_auth, unmunger=FakeUnmunger(),
+        jobs=FakeJobs(), job_recent=config.job_recent, read_auth=config.read_auth, clock=lambda: NOW)
+    return app
+
+
+@pytest.fixture
+def app(tmp_path):
+    app = make_app(tmp_path, token=TOKEN, admin_token=ADMIN, munge_auth=True)
+    yield app
+    app.extensions["elastic_predictor"].store.close()
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+def body_of(records) -> bytes:
+    return json.dumps(records).encode()
+
+
+def test_signed_observations_accepted_and_tagged_with_the_job(client, app):
+    body = body_of([COLLECTIVE])
+    r = client.post("/v1/observations", data=body, headers=sign(body, 7))
+    assert r.status_code == 201, r.json
+    stored = app.extensions["elastic_predictor"].store.observations()
+    assert stored[-1]["job_id"] == 7
+
+
+def test_recently_ended_job_accepted(client):
+    body = body_of([COLLECTIVE])
+    assert client.post("/v1/observations", data=body, headers=sign(body, 9)).status_code == 201
+
+
+@pytest.mark.parametrize("job,uid,tamper,status,reason", [
+    (7, 1001, False, 403, "uid_mismatch"),
+    (8, 1000, False, 403, "uid_mismatch"),
+    (99, 1000, False, 403, "job_not_found"),
+    (10, 1000, False, 403, "job_not_active"),
+    (11, 1000, False, 403, "job_not_active"),
+    (7, 1000, True, 403, "digest_mismatch"),
+])
+def test_signed_write_refusals_name_what_failed(client, job, uid, tamper, status, reason):
+    body = body_of([COLLECTIVE])
+    headers = sign(body, job, uid)
+    sent = body_of([dict(COLLECTIVE, seconds=9.0)]) if tamper else body
+    r = client.post("/v1/observations", data=sent, headers=headers)
+    assert r.status_code == status
+    assert r.json["reason"] == reason and r.json["field"] == MUNGE_HEADER
+    assert reason.replace("_", " ").split()[0] in r.json["error"]
+
+
+def test_bad_and_replayed_credentials(client):
+    body = body_of([COLLECTIVE])
+    r = client.post("/v1/observations", data=body, headers={MUNGE_HEADER: "MUNGE:garbage"})
+    assert (r.status_code, r.json["reason"]) == (401, "bad_credential")
+    headers = sign(body, 7)
+    assert client.post("/v1/observations", data=body, headers=headers).status_code == 201
+    r = client.post("/v1/observations", data=body, headers=headers)
+    assert (r.status_code, r.json["reason"]) == (401, "bad_credential") and "replayed" in r.json["error"]
+
+
+def test_payload_must_bind_job_and_digest(client):
+    body = body_of([COLLECTIVE])
+    r = client.post("/v1/observations", data=body, headers={MUNGE_HEADER: "FAKE:1000:1:hello"})
+    assert (r.status_code, r.json["reason"]) == (401, "bad_payload")
+
+
+def test_record_of_another_job_refused(client):
+    body = body_of([dict(COLLECTIVE, job_id=8)])
+    r = client.post("/v1/observations", data=body, headers=sign(body, 7))
+    assert (r.status_code, r.json["reason"]) == (403, "job_id_mismatch")
+    assert r.json["field"] == "observations[0].job_id"
+
+
+def test_job_may_add_but_not_replace_a_profile(client):
+    body = json.dumps(PROFILE).encode()
+    assert client.post("/v1/profiles", data=body, headers=sign(body, 7)).status_code == 201
+    assert client.post("/v1/profiles", data=body, headers=sign(body, 7)).status_code == 200   # unchanged
+    changed = json.dumps(dict(PROFILE, source="poisoned")).encode()
+    r = client.post("/v1/profiles", data=changed, headers=sign(changed, 7))
+    assert (r.status_code, r.json["reason"]) == (403, "admin_required")
+    assert client.post("/v1/profiles", data=changed, headers={"Authorization": f"Bearer {ADMIN}",
+                                                              "Content-Type": "application/json"}).status_code == 200
+
+
+@pytest.mark.parametrize("headers,status,reason", [
+    ({}, 401, "missing_credential"),
+    ({"Authorization": "Bearer nope"}, 403, "bad_token"),
+    ({"Authorization": "Basic abc"}, 401, "missing_credential"),
+])
+def test_bearer_refusals(client, headers, status, reason):
+    r = client.post("/v1/observations", json=[COLLECTIVE], headers=headers)
+    assert (r.status_code, r.json["reason"], r.json["field"]) == (status, reason, "Authorization")
+    if status == 401:
+        assert "WWW-Authenticate" in r.headers
+
+
+@pytest.mark.parametrize("token", [TOKEN, ADMIN])
+def test_tool_and_admin_tokens_write(client, token):
+    r = client.post("/v1/observations", json=[COLLECTIVE], headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 201
+
+
+def test_munge_header_refused_when_munge_is_off(tmp_path):
+    app = make_app(tmp_path, token=TOKEN)
+    body = body_of([COLLECTIVE])
+    r = app.test_client().post("/v1/observations", data=body, headers=sign(body, 7))
+    assert (r.status_code, r.json["reason"]) == (401, "munge_disabled")
+    app.extensions["elastic_predictor"].store.close()
+
+
+def test_reads_open_by_default_and_closed_by_the_switch(tmp_path, client):
+    assert client.get("/v1/profiles").status_code == 200
+    (tmp_path / "b").mkdir()
+    closed_app = make_app(tmp_path / "b", token=TOKEN, admin_token=ADMIN, munge_auth=True, read_auth=True)
+    closed = closed_app.test_client()
+    r = closed.get("/v1/profiles")
+    assert (r.status_code, r.json["reason"]) == (401, "missing_credential")
+    assert closed.get("/v1/decisions").status_code == 401
+    assert closed.get("/healthz").status_code == 200
+    assert closed.get("/v1/profiles", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert closed.get("/v1/profiles", headers=sign(b"", 7)).status_code == 200
+    assert closed.get("/v1/profiles", headers={"Authorization": "Bearer x"}).status_code == 403
+    closed_app.extensions["elastic_predictor"].store.close()
+
+
+def test_admin_check(tmp_path):
+    auth = Authenticator(token=TOKEN, admin_token=ADMIN)
+    assert auth.check_admin({"Authorization": f"Bearer {ADMIN}"}).kind == "admin"
+    with pytest.raises(AuthError) as err:
+        auth.check_admin({"Authorization": f"Bearer {TOKEN}"})
+    assert err.value.reason == "admin_required"
+    assert Authenticator(token=TOKEN).check_admin({"Authorization": f"Bearer {TOKEN}"}).kind == "admin"
+
+
+def test_open_service_stays_open(tmp_path):
+    app = make_app(tmp_path)
+    assert app.test_client().post("/v1/observations", json=[COLLECTIVE]).status_code == 201
+    app.extensions["elastic_predictor"].store.close()
+
+
+def test_config_reads_auth_variables_once():
+    cfg = Config.from_env({"ELASTIC_PREDICTOR_ADMIN_TOKEN": "a", "ELASTIC_PREDICTOR_MUNGE": "1",
+                           "ELASTIC_PREDICTOR_MUNGE_SOCKET": "/run/m.sock", "ELASTIC_PREDICTOR_SLURM_CONF": "/etc/s.conf",
+                           "ELASTIC_PREDICTOR_JOB_RECENT_S": "30", "ELASTIC_PREDICTOR_READ_AUTH": "true"})
+    assert (cfg.admin_token, cfg.munge_auth, cfg.munge_socket, cfg.slurm_conf, cfg.read_auth) == \
+           ("a", True, "/run/m.sock", "/etc/s.conf", True)
+    assert cfg.job_recent == timedelta(seconds=30)
+    from predictor.errors import ValidationError
+    with pytest.raises(ValidationError) as err:
+        Config.from_env({"ELASTIC_PREDICTOR_MUNGE": "maybe"})
+    assert err.value.field == "ELASTIC_PREDICTOR_MUNGE"
