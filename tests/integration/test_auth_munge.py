@@ -1,0 +1,104 @@
+"""Munge-signed writes against the real testbed: the lab's munged signs, real Slurm jobs are checked.
+
+A job of root and a job of an unprivileged user are kept running; credentials come from the lab's own
+munged (`munge --socket`), decoded by the service with `unmunge --socket`, and the owner check goes
+through `slurm_plugin.client` on the lab's slurm.conf.
+"""
+from __future__ import annotations
+
+import json
+import pwd
+import subprocess
+from datetime import timedelta
+
+import pytest
+
+from predictor.app import create_app
+from predictor.auth import MUNGE_HEADER, munge_payload, munge_sign
+from predictor.config import Config
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, FakePredictor
+
+USER = "cloudsdk" if any(p.pw_name == "cloudsdk" for p in pwd.getpwall()) else "nobody"
+RECORD = dict(COLLECTIVE, source="test_auth_munge")
+
+
+@pytest.fixture
+def client(testbed, tmp_path):
+    config = Config(db_path=str(tmp_path / "p.db"), token="tool", admin_token="admin", munge_auth=True,
+                    munge_socket=str(testbed.config.munge_socket), slurm_conf=str(testbed.config.slurm_conf),
+                    refit_debounce=timedelta(0), refit_min_interval=timedelta(0))
+    app = create_app(config, predictor_factory=FakePredictor, start_refit=False)
+    yield app.test_client()
+    app.extensions["elastic_predictor"].store.close()
+
+
+def _running_job(testbed, slurm, wait_until, user: str | None) -> int:
+    argv = ["sbatch", "--parsable", "-N1", "-t", "5", "--chdir=/tmp", "-o", "/dev/null", "--wrap", "sleep 120"]
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(testbed.config.slurm_conf)}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30, check=True).stdout
+    job_id = int(out.strip().split(";")[0])
+    wait_until(lambda: slurm.job(job_id).state == "RUNNING", 30, f"job {job_id} running")
+    return job_id
+
+
+def _sign_as(user: str, body: bytes, job_id: int, socket) -> dict:
+    cred = subprocess.run(["runuser", "-u", user, "--", "munge", "-s", munge_payload(body, job_id),
+                           f"--socket={socket}"], capture_output=True, text=True, timeout=10, check=True).stdout
+    return {MUNGE_HEADER: cred.strip()}
+
+
+@pytest.fixture
+def jobs(testbed, slurm, wait_until):
+    ids = {}
+    try:
+        ids["root"] = _running_job(testbed, slurm, wait_until, None)
+        ids["user"] = _running_job(testbed, slurm, wait_until, USER)
+        yield ids
+    finally:
+        for job_id in ids.values():
+            subprocess.run(["scancel", str(job_id)], env={"PATH": "/usr/bin:/bin",
+                                                          "SLURM_CONF": str(testbed.config.slurm_conf)}, check=False)
+
+
+def test_real_munge_credentials_against_real_jobs(client, testbed, jobs):
+    sock = testbed.config.munge_socket
+    body = json.dumps([RECORD]).encode()
+    results = {}
+
+    def post(name, data, headers, path="/v1/observations"):
+        r = client.post(path, data=data, headers={"Content-Type": "application/json", **headers})
+        results[name] = (r.status_code, (r.json or {}).get("reason"))
+        return r
+
+    # accepted: root signs for root's job; the user signs for the user's job (observations and a profile)
+    assert post("root job", body, munge_sign(body, jobs["root"], socket=sock)).status_code == 201
+    assert post("user job", body, _sign_as(USER, body, jobs["user"], sock)).status_code == 201
+    profile = json.dumps(dict(PROFILE, name="signed-net")).encode()
+    assert post("user profile", profile, _sign_as(USER, profile, jobs["user"], sock), "/v1/profiles").status_code == 201
+
+    # refused, each naming what failed
+    r = post("uid mismatch", body, munge_sign(body, jobs["user"], socket=sock))          # root signs the user's job
+    assert (r.status_code, r.json["reason"]) == (403, "uid_mismatch"), r.json
+    assert f"job {jobs['user']} belongs to uid {pwd.getpwnam(USER).pw_uid}" in r.json["error"]
+    r = post("user for root job", body, _sign_as(USER, body, jobs["root"], sock))
+    assert (r.status_code, r.json["reason"]) == (403, "uid_mismatch"), r.json
+    r = post("job not found", body, munge_sign(body, 9_999_999, socket=sock))
+    assert (r.status_code, r.json["reason"]) == (403, "job_not_found"), r.json
+    tampered = json.dumps([dict(RECORD, seconds=123.0)]).encode()
+    r = post("tampered body", tampered, munge_sign(body, jobs["root"], socket=sock))
+    assert (r.status_code, r.json["reason"]) == (403, "digest_mismatch"), r.json
+    headers = munge_sign(body, jobs["root"], socket=sock)
+    assert post("first use", body, headers).status_code == 201
+    r = post("replayed", body, headers)
+    assert (r.status_code, r.json["reason"]) == (401, "bad_credential") and "replayed" in r.json["error"], r.json
+    r = post("garbage", body, {MUNGE_HEADER: "MUNGE:AAAA:"})
+    assert (r.status_code, r.json["reason"]) == (401, "bad_credential"), r.json
+    other = json.dumps([dict(RECORD, job_id=jobs["user"])]).encode()
+    r = post("record of another job", other, munge_sign(other, jobs["root"], socket=sock))
+    assert (r.status_code, r.json["reason"]) == (403, "job_id_mismatch"), r.json
+
+    print("\nmunge auth results:", json.dumps(results))
+    counts = client.get("/v1/observations").json["counts"]
+    assert counts["collective"] == 3        # root job, user job, first use; nothing refused got in
