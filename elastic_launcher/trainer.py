@@ -41,7 +41,8 @@ from torch.utils.data import default_collate
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
 from elastic_launcher.membership import Membership, Plan
-from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, connect_store, drain_reaper
+from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
+                                            drain_reaper)
 from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.state import TrainingState
 from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
@@ -361,7 +362,7 @@ class ElasticTrainer:
         nxt = self.membership.next_plan()
         old_plan, old_group = self.plan, self.group
         self._next, self._next_thread = None, None
-        self.ddp = None  # the old reducer goes first, so the reaper holds the old group's last reference
+        self.ddp = None  # the old reducer (freed later by the cyclic GC; the old group stays retired)
         if new_group is None:
             old_group.abort()
             self.left = True
@@ -449,13 +450,19 @@ class ElasticTrainer:
 
     # ---- shutdown -------------------------------------------------------------------------------------------
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for teardown."""
+        """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for NCCL aborts.
+
+        Old gloo groups are left to the process exit (``process_group.abandon_retired``): their teardown can
+        hold the GIL until the collective timeout. A process that goes on for long after training can call
+        ``process_group.release_retired`` instead.
+        """
         self.membership.stop()
         self._drop_next()
         self.ddp = None
         self.group.abort()
         if not drain_reaper(timeout):
             logger.warning("group teardown still blocked after %s", timeout)
+        abandon_retired()
 
     def __enter__(self) -> "ElasticTrainer":
         return self

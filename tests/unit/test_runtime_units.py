@@ -15,7 +15,8 @@ from elastic_launcher.batch_policy import BatchPolicy, split_batch
 from elastic_launcher.errors import (InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
                                      StateMismatch, StoreAddressError, TooManyFailures)
 from elastic_launcher.membership import Coordinator, Membership, Plan
-from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, drain_reaper
+from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, drain_reaper, release_retired,
+                                            retired_groups)
 from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.state import TrainingState
 from elastic_launcher.telemetry import Telemetry, tensor_profile
@@ -177,11 +178,41 @@ def test_wrapper_configure_collective_abort(store):
     t = torch.tensor([3.0])
     w.allreduce([t], dist.ReduceOp.MIN).wait()
     assert t.item() == 3.0 and w.size() == 1 and w.prefix == "g1"
-    w.configure(f"127.0.0.1:{store.port}/g2", 0, 1)  # reconfigure: old group handed to the reaper
-    assert w.prefix == "g2"
+    before = retired_groups()
+    w.configure(f"127.0.0.1:{store.port}/g2", 0, 1)  # reconfigure: the old group is retired, not torn down
+    assert w.prefix == "g2" and retired_groups() == before + 1
     w.abort()
     w.abort()
     assert not w.configured and drain_reaper(timedelta(seconds=5))
+    assert retired_groups() == before + 2
+    assert release_retired(timedelta(seconds=10)) and retired_groups() == 0
+
+
+def test_abort_never_tears_a_gloo_group_down_on_the_caller(store):
+    """A peer's group whose other rank is gone (its pending allreduce can only time out): abort returns at once
+    and the process's other threads keep running (the teardown would hold the GIL until the timeout)."""
+    w = ProcessGroupWrapper("gloo", timeout=timedelta(seconds=2), connect_timeout=timedelta(seconds=5))
+    peer = ProcessGroupWrapper("gloo", timeout=timedelta(seconds=2), connect_timeout=timedelta(seconds=5))
+    import threading
+    t = threading.Thread(target=peer.configure, args=(f"127.0.0.1:{store.port}/g3", 1, 2))
+    t.start()
+    w.configure(f"127.0.0.1:{store.port}/g3", 0, 2)
+    t.join()
+    w.allreduce([torch.ones(1)])  # unmatched: the peer never joins it
+    ticks: list[float] = []
+    stop = threading.Event()
+    ticker = threading.Thread(target=lambda: [ticks.append(time.monotonic()) for _ in iter(lambda: stop.wait(0.01), True)])
+    ticker.start()
+    t0 = time.monotonic()
+    w.abort()
+    peer.abort()
+    took = time.monotonic() - t0
+    time.sleep(0.3)
+    stop.set()
+    ticker.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert took < 0.5 and max(gaps) < 1.0  # the collective timeout is 2 s
+    assert release_retired(timedelta(seconds=10))
 
 
 # ---- state ---------------------------------------------------------------------------------------------------
