@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pwd
 import subprocess
+import time
 from datetime import timedelta
 
 import pytest
@@ -99,6 +100,19 @@ def test_real_munge_credentials_against_real_jobs(client, testbed, jobs):
     r = post("record of another job", other, munge_sign(other, jobs["root"], socket=sock))
     assert (r.status_code, r.json["reason"]) == (403, "job_id_mismatch"), r.json
 
-    print("\nmunge auth results:", json.dumps(results))
     counts = client.get("/v1/observations").json["counts"]
     assert counts["collective"] == 3        # root job, user job, first use; nothing refused got in
+
+    # a job that just ended is still accepted (within job_recent), but not once the window is 0
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(testbed.config.slurm_conf)}
+    subprocess.run(["scancel", str(jobs["root"])], env=env, check=True, timeout=30)
+    slurm = client.application.extensions["elastic_predictor_auth"].jobs
+    deadline = time.monotonic() + 30
+    while slurm.job_owner(jobs["root"]).ended_at_s is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert post("ended job", body, munge_sign(body, jobs["root"], socket=sock)).status_code == 201
+    client.application.extensions["elastic_predictor_auth"].job_recent = timedelta(0)
+    time.sleep(1.1)
+    r = post("ended, window 0", body, munge_sign(body, jobs["root"], socket=sock))
+    assert (r.status_code, r.json["reason"]) == (403, "job_not_active"), r.json
+    print("\nmunge auth results:", json.dumps(results))

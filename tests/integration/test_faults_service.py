@@ -5,8 +5,8 @@
 profile and step records; submitter threads run `sbatch -H` (held: nothing runs) with `#ELASTIC` lines
 while a killer SIGKILLs the whole service and starts it again on the same database and port, several
 times. Every submission must succeed (the hook fails open) and none may take longer than the hook's
-budget per submission queued in slurmctld ahead of it (slurmctld runs the hook one call at a time)
-plus slack.
+budget plus slack (slurmctld runs the hook one call at a time, so a submission queued behind others can
+wait up to SUBMITTERS budgets: 0.9 s here, still under the 1.3 s limit).
 """
 from __future__ import annotations
 
@@ -145,13 +145,12 @@ def test_service_sigkilled_and_restarted_during_submission_storm(hook, service, 
             subprocess.run(["scancel", *job_ids], env=env, capture_output=True, timeout=60)
 
     failed = [r for r in results if r[0] != 0 or not r[2].strip().split(";")[0].isdigit()]
-    limit = SUBMITTERS * BUDGET_MS / 1000 + SLACK_S
+    limit = BUDGET_MS / 1000 + SLACK_S
     slow = [r for r in results if r[1] > limit]
     rewritten = sum("elastic: " in r[3] and "skipped" not in r[3] for r in results)
     skipped = sum("prediction skipped" in r[3] for r in results)
     seconds = sorted(r[1] for r in results)
     print(f"\nstorm: submissions={len(results)} failed={len(failed)} over_limit({limit:.1f}s)={len(slow)} "
-          f"over_budget+slack({BUDGET_MS / 1000 + SLACK_S:.1f}s)={sum(s > BUDGET_MS / 1000 + SLACK_S for s in seconds)} "
           f"rewritten={rewritten} failed_open={skipped} kills={KILLS} restart_s={[round(x, 2) for x in restarts]} "
           f"sbatch_s median={seconds[len(seconds) // 2]:.3f} max={seconds[-1]:.3f}")
     assert len(results) >= 50, "the storm was too small to mean anything"
