@@ -211,3 +211,12 @@ def test_config_reads_auth_variables_once():
     with pytest.raises(ValidationError) as err:
         Config.from_env({"ELASTIC_PREDICTOR_MUNGE": "maybe"})
     assert err.value.field == "ELASTIC_PREDICTOR_MUNGE"
+
+
+def test_job_owner_lines_from_squeue_and_sacct():
+    from slurm_plugin.client import _parse_owner
+    assert _parse_owner("6405|1000|RUNNING|NONE\n", 6405) == JobOwner(6405, 1000, "RUNNING", None)
+    done = _parse_owner("17|0|CANCELLED by 0|2026-11-26T07:49:48\n", 17)
+    assert (done.state, done.user_id) == ("CANCELLED", 0) and done.ended_at_s > 0
+    assert _parse_owner("", 5) is None and _parse_owner("18|0|RUNNING|NONE\n", 5) is None
+    assert _parse_owner("5|root|RUNNING|NONE\n", 5) is None
