@@ -1,9 +1,11 @@
 """Per-link collective model: alpha-beta invariants on seeded data, priors, sklearn conformance (documented subset)."""
+import warnings
+
 import numpy as np
 import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
-from sklearn.utils.estimator_checks import parametrize_with_checks
+from sklearn.utils.estimator_checks import check_estimator
 
 from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, link_prior
@@ -24,9 +26,19 @@ check_regressors_no_decision_function check_regressors_train check_requires_y_no
 """.split()}
 
 
-@parametrize_with_checks([LinkModel()], expected_failed_checks=lambda est: _NEEDS_ARBITRARY_NUMERIC_X)
-def test_sklearn_checks(estimator, check):
-    check(estimator)
+_API_CHECKS = {"check_no_attributes_set_in_init", "check_parameters_default_constructible",
+               "check_get_params_invariance", "check_set_params", "check_estimators_unfitted"}
+
+
+def test_sklearn_api_checks_pass():
+    """sklearn's own checks: every check outside the numeric-X list passes, the API ones included."""
+    with warnings.catch_warnings():  # sklearn warns for each expected failure and for skipped array-api input
+        warnings.simplefilter("ignore")
+        results = check_estimator(LinkModel(), expected_failed_checks=_NEEDS_ARBITRARY_NUMERIC_X, on_fail=None)
+    failed = [r["check_name"] for r in results if r["status"] == "failed"]
+    passed = {r["check_name"] for r in results if r["status"] == "passed"}
+    assert not failed, failed
+    assert _API_CHECKS <= passed, _API_CHECKS - passed
 
 
 TRUE = {"nvlink": (1e-5, 120e9), "ethernet": (6e-5, 2e9), "mystery": (2e-4, 4e8)}
