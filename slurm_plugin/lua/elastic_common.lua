@@ -474,14 +474,24 @@ function M.rewrite_fields(job_desc, reply)
   end
   f.tres_per_node = set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil)
   if job_desc.tres_per_job ~= nil then f.tres_per_job = set_gpu_tres(job_desc.tres_per_job, nil) end
+  local cpus_per_task = num(job_desc.cpus_per_task, NO_VAL16) or 1
   if tasks then
     f.ntasks_per_node = tasks
     env.SLURM_NTASKS_PER_NODE = tostring(tasks)
-    if num(job_desc.num_tasks) then
+  end
+  if num(job_desc.num_tasks) then
+    -- a task count (-n, or derived by sbatch from --ntasks-per-node / --ntasks-per-gpu): follow the new layout
+    if tasks then
       f.num_tasks = nodes * tasks
       env.SLURM_NTASKS, env.SLURM_NPROCS = tostring(f.num_tasks), tostring(f.num_tasks)
-      if num(job_desc.min_cpus) then f.min_cpus = f.num_tasks * (num(job_desc.cpus_per_task, NO_VAL16) or 1) end
+      if num(job_desc.min_cpus) then f.min_cpus = f.num_tasks * cpus_per_task end
     end
+  elseif num(job_desc.min_cpus) then
+    -- No task count: sbatch derived min_cpus from its own node count (nodes x cpus_per_task; no option sets
+    -- it directly). Left stale, a 2-node request rewritten to 1 node x 1 task keeps min_cpus = 2 while
+    -- ntasks_per_node = 1 allows 1 CPU per node: "Requested node configuration is not available".
+    -- Derive it again as sbatch would for `-N <nodes> [--ntasks-per-node=<tasks>]`.
+    f.min_cpus = nodes * (tasks or 1) * cpus_per_task
   end
   if reply.switches then f.req_switch = reply.switches end
   if reply.decision_id ~= nil then f.comment = M.comment_with(job_desc.comment, reply.decision_id) end

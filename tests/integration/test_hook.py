@@ -160,6 +160,35 @@ def test_rewritten_job_runs_with_matching_gpu_environment(hook, predictor, sbatc
     assert cvd == (["0", "0", "1", "1"] if per_task else ["0,1"] * 4)  # 2 tasks on each of 2 nodes
 
 
+# The job is not held: a held job passes submission even when it can never run; the bug showed at submit
+# ("Requested node configuration is not available") because sbatch's min_cpus for -N2 was kept for 1 node.
+@pytest.mark.parametrize("options, mode, nodes, cpus, tasks", [
+    ("-N2 --gpus-per-node=1", "rewrite1x1", 1, 1, 1),
+    ("-N2 -c3 --gpus-per-node=1", "rewrite1x1", 1, 3, 1),
+    ("-N2 --gpus-per-node=1 --ntasks-per-node=1", "rewrite1x1", 1, 1, 1),
+    ("-N1 --gpus-per-node=1", "rewrite", 2, 4, 4),
+    ("-N1 --gpus-per-node=1 --ntasks-per-node=1", "rewrite", 2, 4, 4),
+])
+def test_rewrite_to_another_node_count_is_accepted_and_runs(hook, predictor, sbatch, bed, tmp_path, wait_until,
+                                                            options, mode, nodes, cpus, tasks):
+    hook(predictor.url)
+    body = "srun -l bash -c 'echo CVD=$CUDA_VISIBLE_DEVICES'\n"
+    result = sbatch(script(sbatch_lines=f"#SBATCH {options}\n", body=body), "-J", f"mode-{mode}")
+    assert result.rc == 0, result.stderr
+    reply = Predictor.REPLIES[mode]
+    assert result.stderr.strip() == f"sbatch: {reply['reason']}"
+    job_id = result.job_id
+    wait_until(lambda: show_job(bed, job_id)["JobState"] in ("COMPLETED", "FAILED"), 90, f"job {job_id} to end")
+    out = (tmp_path / f"{job_id}.out").read_text()
+    job = show_job(bed, job_id)
+    assert job["JobState"] == "COMPLETED", out
+    assert job["NumNodes"] == str(nodes) and job["NumCPUs"] == str(cpus)
+    assert job["TresPerNode"] == f"gres:gpu:{reply['gpus_per_node']}"
+    cvd = [line.split("CVD=")[1] for line in out.splitlines() if "CVD=" in line]
+    gpus = ",".join(str(i) for i in range(reply["gpus_per_node"]))
+    assert cvd == [gpus] * tasks, out
+
+
 def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch, bed):
     hook(predictor.url)
     result = sbatch(script(directives=""), "-H", "-J", "mode-rewrite")

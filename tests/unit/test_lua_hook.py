@@ -26,6 +26,11 @@ REWRITE = {"decision_id": "d-42", "action": "rewrite", "nodes": 2, "gpus_per_nod
            "switches": 1, "reason": "elastic: 2 nodes x 2 GPUs (2x2) predicted 3120 samples/s",
            "layout": [2, 2], "predicted": {"samples_per_s": 3120.0}, "curve": []}
 
+REWRITE_1X1 = {**REWRITE, "nodes": 1, "gpus_per_node": 1, "tasks_per_node": 1, "switches": None, "layout": [1],
+               "reason": "elastic: 1 node x 1 GPU (1x1) predicted 1640 samples/s"}
+NO_VAL = 4294967294
+NO_VAL16 = 65534
+
 DRIVER = r"""
 local cjson = require("cjson")
 local socket = require("socket")
@@ -53,7 +58,7 @@ io.write(cjson.encode({ init_rc = init_rc, results = out }))
 class Predictor:
     """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
 
-    REPLIES = {"rewrite": REWRITE, "rewrite3": {**REWRITE, "tasks_per_node": 3}}
+    REPLIES = {"rewrite": REWRITE, "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1}
 
     def __init__(self):
         self.requests: list[dict] = []
@@ -205,6 +210,34 @@ def test_rewrite_keeps_tasks_and_gpus_per_task_consistent(tmp_path, predictor):
     assert got["tres_per_task"] == "gres:gpu:1" and got["tres_per_node"] == "gres:gpu:2"
     assert got["environment"] == {"SLURM_GPUS_PER_TASK": "1", "SLURM_NTASKS": "4", "SLURM_GPUS": "4",
                                   "SLURM_GPUS_PER_NODE": "2"}
+
+
+# sbatch derives min_cpus from its node count when no task count is given (-N2: min_cpus 2, -N2 -c3: 6;
+# values read in slurmctld on the testbed). Left as it was, a 2-node request rewritten to 1 node x 1 task asks
+# for 2 CPUs where ntasks_per_node=1 allows 1: "Requested node configuration is not available".
+@pytest.mark.parametrize("mode, fields, expect", [
+    ("rewrite1x1", dict(min_nodes=2, max_nodes=2, min_cpus=2),
+     dict(min_nodes=1, ntasks_per_node=1, num_tasks=NO_VAL, min_cpus=1)),
+    ("rewrite1x1", dict(min_nodes=2, max_nodes=2, min_cpus=6, cpus_per_task=3, pn_min_cpus=3),
+     dict(min_nodes=1, ntasks_per_node=1, num_tasks=NO_VAL, min_cpus=3, cpus_per_task=3, pn_min_cpus=3)),
+    ("rewrite1x1", dict(min_nodes=2, max_nodes=2, min_cpus=2, ntasks_per_node=1, num_tasks=2),  # --ntasks-per-node=1
+     dict(min_nodes=1, ntasks_per_node=1, num_tasks=1, min_cpus=1)),
+    ("rewrite1x1", dict(min_nodes=3, max_nodes=3, min_cpus=12, ntasks_per_node=2, num_tasks=6, cpus_per_task=2),
+     dict(min_nodes=1, ntasks_per_node=1, num_tasks=1, min_cpus=2, cpus_per_task=2)),
+    ("rewrite", dict(min_nodes=1, max_nodes=1, min_cpus=1),                                   # the reverse: 1 -> 2x2
+     dict(min_nodes=2, ntasks_per_node=2, num_tasks=NO_VAL, min_cpus=4)),
+], ids=["N2-to-1x1", "N2-c3-to-1x1", "N2-ntasks-per-node-to-1x1", "N3-ntasks-per-node2-c2-to-1x1", "N1-to-2x2"])
+def test_rewrite_derives_min_cpus_and_num_tasks_for_the_new_node_count(tmp_path, predictor, mode, fields, expect):
+    desc = job(mode=mode, tres_per_job=None, tres_per_node="gres:gpu:1", environment={"SLURM_GPUS_PER_NODE": "1"},
+               **fields)
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0
+    got = result["job_desc"]
+    assert got["max_nodes"] == got["min_nodes"]
+    assert {key: got.get(key) for key in expect} == expect
+    reply = Predictor.REPLIES[mode]
+    assert got["tres_per_node"] == f"gres:gpu:{reply['gpus_per_node']}"
+    assert kinds(result, "user_msg") == [reply["reason"]]
 
 
 def test_rewrite_that_cannot_be_applied_consistently_leaves_the_job_as_written(tmp_path, predictor):
