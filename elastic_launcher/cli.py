@@ -88,6 +88,10 @@ def _seconds(value: float) -> timedelta:
 @click.option("--workers-per-node", type=click.IntRange(1, 64), help="Workers per node (default: GPUs per node).")
 @click.option("--predictor", "predictor_url", envvar="ELASTIC_PREDICTOR_URL",
               help="Predictor base URL (env ELASTIC_PREDICTOR_URL); unset or unreachable: own heuristic.")
+@click.option("--intra-link", default="nvlink", show_default=True,
+              help="Link class between the GPUs of a node, as the predictor names it (e.g. nvlink, pcie, shm).")
+@click.option("--inter-link", default="ib", show_default=True,
+              help="Link class between nodes, as the predictor names it (e.g. ib, ethernet, socket).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Records and logs (default: $SLURM_SUBMIT_DIR/elastic-<job>).")
 @click.option("--registry", type=click.Path(file_okay=False, path_type=Path),
@@ -109,9 +113,10 @@ def _seconds(value: float) -> timedelta:
 @click.option("--helper-orphan-timeout", default=30.0, show_default=True, type=float, help="Seconds.")
 @click.option("-v", "--verbose", is_flag=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def launch(script, directive_items, workers_per_node, predictor_url, run_dir, registry, grow_step_nodes,
-           measure_steps, warmup_steps, no_autoscale, test_throughput, straggler_ratio, straggler_windows,
-           rendezvous_timeout, leave_timeout, helper_start_timeout, helper_orphan_timeout, verbose, command):
+def launch(script, directive_items, workers_per_node, predictor_url, intra_link, inter_link, run_dir,
+           registry, grow_step_nodes, measure_steps, warmup_steps, no_autoscale, test_throughput, straggler_ratio,
+           straggler_windows, rendezvous_timeout, leave_timeout, helper_start_timeout, helper_orphan_timeout, verbose,
+           command):
     """Run COMMAND as elastic workers in this Slurm allocation.
 
     Example (last line of an sbatch script):
@@ -126,7 +131,7 @@ def launch(script, directive_items, workers_per_node, predictor_url, run_dir, re
     config = LaunchConfig(
         command=tuple(command), allocation=allocation, directives=_directives(script, directive_items),
         workers_per_node=workers_per_node, predictor_url=predictor_url,
-        predictor_token=os.environ.get("ELASTIC_PREDICTOR_TOKEN"),
+        predictor_token=os.environ.get("ELASTIC_PREDICTOR_TOKEN"), intra_link=intra_link, inter_link=inter_link,
         run_dir=run_dir or submit_dir / f"elastic-{allocation.job_id}",
         store_host=socket.gethostname() if os.environ.get("ELASTIC_STORE_HOST") is None
         else os.environ["ELASTIC_STORE_HOST"],

@@ -1,21 +1,13 @@
 """The elastic controller: runs in the batch step of the main job and decides the job's size.
 
-Two parts:
-- `AutoscalePolicy`: pure decisions from measured throughput (Or et al.'s scaling-efficiency test,
-  the predictor's plan when there is one, and the limits from the directives). No I/O; unit-tested.
-- `Controller`: the loop. It owns the rendezvous store, starts workers (workers.py), measures the
-  throughput at each size, posts observations and asks /v1/plan (predictor_client), applies the
-  policy, operator requests and failure handling through resize.py, and logs every decision and
-  measurement as a record (logger `elastic_launcher.records` and `run_dir/records.jsonl`).
-
-Throughput scaling efficiency (Or et al.), going from k to k+d workers with throughputs T_k, T_{k+d}:
-    s = (T_{k+d} - T_k) / (d * T_k / k)          1 = perfect, 0 = no gain, < 0 = slower.
-A grow is kept when s >= min_efficiency; otherwise it is reverted and no size at or above the one that
-did not pay is tried again (the ceiling).
+`Controller` is the loop. It owns the rendezvous store, starts workers (workers.py), measures the throughput
+at each size, posts observations (the workers' relabelled records and its own step records, observations.py)
+and asks /v1/plan (reporting.PredictorClient), applies the pure policy (autoscale.AutoscalePolicy: Or et al.'s
+scaling-efficiency test, the predictor's plan, the directives' limits), operator requests and failure
+handling through resize.py, and logs every decision and measurement as a record (reporting.RecordLog).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -24,227 +16,25 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-import requests
 import torch.distributed as dist
 
+from elastic_launcher.autoscale import AutoscalePolicy, Decision, Measurement, scaling_efficiency
 from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
+from elastic_launcher.observations import Links, ObservationInbox, layout_of, relabel, step_record
+from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import LAUNCHER_PREFIX, ControlInbox, NodeSlot, Transitions, wait_until
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import WorkerPool
 
+# AutoscalePolicy & co. are re-exported: they lived here before autoscale.py.
+__all__ = ["Controller", "AutoscalePolicy", "Decision", "Measurement", "scaling_efficiency", "PredictorClient",
+           "RecordLog"]
 
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-    """Throughput measured at one size.
-
-    Attributes:
-        nodes: nodes in the membership when measured.
-        workers: workers (GPU slots) in the membership.
-        samples_per_s: committed samples per second over the window.
-        step_s: mean wall time per committed step over the window.
-    """
-
-    nodes: int
-    workers: int
-    samples_per_s: float
-    step_s: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What the policy wants next.
-
-    Attributes:
-        action: "keep" | "grow" | "revert" | "shrink".
-        target_nodes: node count to move to (the current one for keep).
-        reason: one line for the records and the operator.
-        efficiency: the scaling efficiency that led to it, when one was computed.
-    """
-
-    action: str
-    target_nodes: int
-    reason: str
-    efficiency: Optional[float] = None
-
-
-def scaling_efficiency(before: Measurement, after: Measurement) -> float:
-    """Or et al.'s throughput scaling efficiency from `before` (k workers) to `after` (k+d workers).
-
-    Raises:
-        ValueError: when the worker counts are equal or the `before` throughput is not positive.
-    """
-    k, d = before.workers, after.workers - before.workers
-    if d == 0:
-        raise ValueError(f"scaling_efficiency: both measurements have {k} workers")
-    if before.samples_per_s <= 0:
-        raise ValueError(f"scaling_efficiency: throughput at {k} workers is {before.samples_per_s}")
-    return (after.samples_per_s - before.samples_per_s) / (d * before.samples_per_s / k)
-
-
-class AutoscalePolicy:
-    """Grow while it pays; revert a grow that did not.
-
-    Args:
-        min_efficiency: a grow is kept when its scaling efficiency is at least this.
-        max_global_batch: workers * per_gpu_batch must stay at or below this when growing.
-        per_gpu_batch: samples per worker per step.
-        slots_per_node: workers per node.
-        min_workers / max_workers: bounds on workers from `#ELASTIC gpus=MIN-MAX`.
-        grow_step_nodes: nodes added by one grow.
-
-    State (set by `record`): `history_` (measurements in the order taken), `ceiling_nodes_` (smallest node
-    count that was tried and did not pay; None before any revert).
-    """
-
-    def __init__(self, min_efficiency: float = 0.7, max_global_batch: int = 1 << 24, per_gpu_batch: int = 32,
-                 slots_per_node: int = 1, min_workers: int = 1, max_workers: int = 4096, grow_step_nodes: int = 1):
-        self.min_efficiency = min_efficiency
-        self.max_global_batch = max_global_batch
-        self.per_gpu_batch = per_gpu_batch
-        self.slots_per_node = slots_per_node
-        self.min_workers = min_workers
-        self.max_workers = max_workers
-        self.grow_step_nodes = grow_step_nodes
-        self.history_: list[Measurement] = []
-        self.ceiling_nodes_: Optional[int] = None
-
-    def record(self, measurement: Measurement) -> None:
-        """Add the measurement at the current size (call once per measurement window)."""
-        self.history_.append(measurement)
-
-    def max_nodes(self) -> int:
-        """Largest node count allowed by the directives, the global batch cap and the ceiling."""
-        by_batch = self.max_global_batch // (self.per_gpu_batch * self.slots_per_node)
-        by_gpus = self.max_workers // self.slots_per_node
-        limit = min(by_batch, by_gpus)
-        if self.ceiling_nodes_ is not None:
-            limit = min(limit, self.ceiling_nodes_ - 1)
-        return max(limit, 0)
-
-    def min_nodes(self) -> int:
-        return max(1, -(-self.min_workers // self.slots_per_node))
-
-    def _last_step(self) -> tuple[Optional[Measurement], Optional[Measurement]]:
-        """The latest measurement and the one before it at a different size (None when absent)."""
-        if not self.history_:
-            return None, None
-        current = self.history_[-1]
-        for earlier in reversed(self.history_[:-1]):
-            if earlier.nodes != current.nodes:
-                return current, earlier
-        return current, None
-
-    def decide(self, free_nodes: int, plan_nodes: Optional[int] = None) -> Decision:
-        """Decide from the latest measurement.
-
-        Args:
-            free_nodes: idle nodes a grow could get now.
-            plan_nodes: node count /v1/plan suggests (None: service unreachable or `keep`); the policy
-                grows toward it but never past its own limits, and falls back to its heuristic without it.
-
-        Preconditions: `record` was called at the current size.
-        """
-        current, before = self._last_step()
-        if current is None:
-            return Decision("keep", 0, "no measurement yet")
-        efficiency = None
-        if before is not None and current.nodes > before.nodes:
-            efficiency = scaling_efficiency(before, current)
-            if efficiency < self.min_efficiency:
-                self.ceiling_nodes_ = current.nodes if self.ceiling_nodes_ is None else min(self.ceiling_nodes_,
-                                                                                             current.nodes)
-                target = max(before.nodes, self.min_nodes())
-                return Decision("revert", target, f"grow {before.nodes}->{current.nodes} nodes did not pay: "
-                                f"efficiency {efficiency:.2f} < {self.min_efficiency:.2f}", efficiency)
-        if current.nodes > self.max_nodes() and current.nodes > self.min_nodes():
-            target = max(self.max_nodes(), self.min_nodes())
-            return Decision("shrink", target, f"{current.nodes} nodes is above the limit {self.max_nodes()}",
-                            efficiency)
-        limit = min(self.max_nodes(), current.nodes + free_nodes)
-        want = current.nodes + self.grow_step_nodes if plan_nodes is None else plan_nodes
-        target = min(want, limit, current.nodes + self.grow_step_nodes)
-        if target <= current.nodes:
-            why = self._why_not(current, free_nodes, plan_nodes, efficiency)
-            return Decision("keep", current.nodes, why, efficiency)
-        source = "heuristic" if plan_nodes is None else f"plan says {plan_nodes} nodes"
-        paid = "" if efficiency is None else f", last grow efficiency {efficiency:.2f}"
-        return Decision("grow", target, f"{source}; global batch {target * self.slots_per_node * self.per_gpu_batch}"
-                        f" <= {self.max_global_batch}{paid}", efficiency)
-
-    def _why_not(self, current: Measurement, free_nodes: int, plan_nodes: Optional[int],
-                 efficiency: Optional[float]) -> str:
-        if plan_nodes is not None and plan_nodes <= current.nodes:
-            return f"plan says {plan_nodes} nodes"
-        if self.ceiling_nodes_ is not None and current.nodes + 1 >= self.ceiling_nodes_:
-            return f"{self.ceiling_nodes_} nodes did not pay before"
-        if current.nodes >= self.max_nodes():
-            return f"at the limit of {self.max_nodes()} nodes (max_global_batch / gpus)"
-        if free_nodes <= 0:
-            return "no free nodes"
-        return "grow step does not fit"
-
-
+PLAN_INTERVAL_S = 15.0  # at one size, /v1/plan is asked at most this often (seconds)
+OBSERVATIONS_PER_POST = 1000  # records in one POST /v1/observations (the service takes up to 4096)
 log = logging.getLogger("elastic_launcher.controller")
-# At one size, /v1/plan is asked at most this often (seconds).
-PLAN_INTERVAL_S = 15.0
-records_log = logging.getLogger("elastic_launcher.records")
-
-
-class RecordLog:
-    """Decisions, measurements and transitions: one JSON line each in `records.jsonl` and a log record."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.items: list[dict] = []
-
-    def write(self, kind: str, **fields) -> dict:
-        record = {"kind": kind, "t": round(time.time(), 3), **fields}
-        self.items.append(record)
-        with open(self.path, "a") as out:
-            out.write(json.dumps(record, sort_keys=True) + "\n")
-        records_log.info("%s", json.dumps(record, sort_keys=True), extra={"record": record})
-        return record
-
-
-class PredictorClient:
-    """POST /v1/observations and /v1/plan with a per-request timeout and a circuit breaker.
-
-    Never raises: when the service is unset, unreachable or answers garbage, `plan` returns None and the
-    controller falls back to its own measured-efficiency heuristic; the breaker then skips the service for
-    `cooldown_s`.
-    """
-
-    def __init__(self, url: Optional[str], token: Optional[str], timeout_s: float, cooldown_s: float = 30.0):
-        self.url = url.rstrip("/") if url else None
-        self.token = token
-        self.timeout_s = timeout_s
-        self.cooldown_s = cooldown_s
-        self._open_until = 0.0
-        self.last_error: Optional[str] = None
-
-    def _post(self, path: str, body) -> Optional[dict]:
-        if self.url is None or time.monotonic() < self._open_until:
-            return None
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        try:
-            reply = requests.post(self.url + path, json=body, headers=headers, timeout=self.timeout_s)
-            if reply.status_code >= 400:
-                raise ValueError(f"HTTP {reply.status_code}: {reply.text[:200]}")
-            return reply.json()
-        except (requests.RequestException, ValueError) as exc:
-            self.last_error = f"{path}: {exc}"
-            self._open_until = time.monotonic() + self.cooldown_s
-            log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, exc)
-            return None
-
-    def observe(self, records: list[dict]) -> bool:
-        return bool(records) and self._post("/v1/observations", records) is not None
-
-    def plan(self, body: dict) -> Optional[dict]:
-        reply = self._post("/v1/plan", body)
-        return reply if isinstance(reply, dict) and reply.get("action") in ("keep", "rewrite") else None
 
 
 class Controller(Transitions):
@@ -280,6 +70,8 @@ class Controller(Transitions):
         self._plan_cache: tuple = (None, 0.0, None)  # (nodes asked at, when, plan's node count)
         self.records: Optional[RecordLog] = None
         self._stop_beat = threading.Event()
+        self.links = Links(config.intra_link, config.inter_link)
+        self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -297,6 +89,7 @@ class Controller(Transitions):
         self.kv = dist.PrefixStore(LAUNCHER_PREFIX, self.server)
         self.coord = Coordinator(self.server, timeout=cfg.rendezvous_timeout)
         self.inbox = ControlInbox(self.kv)
+        self.observations = ObservationInbox(self.server)
         self.pool = WorkerPool(cfg.command, self.store_addr, self.job_id, self.start_step, cfg.run_dir,
                                stop_timeout=cfg.leave_timeout)
         self._publish()
@@ -467,11 +260,10 @@ class Controller(Transitions):
         self.records.write("measurement", nodes=m.nodes, workers=m.workers, samples_per_s=round(m.samples_per_s, 3),
                            step_s=round(m.step_s, 4), compute_s_by_node={k: round(v, 4) for k, v in
                                                                          compute_by_node.items()})
-        layout = [self.slots] * m.nodes
-        self.predictor.observe([{"kind": "step", "profile": self.config.directives.model or "unknown",
-                                 "gpu": self.config.directives.gpu_type, "layout": layout, "intra_link": "shm",
-                                 "inter_link": "socket", "per_gpu_batch": self.config.directives.per_gpu_batch,
-                                 "iter_s": m.step_s}])
+        layout = self._current_layout() or [self.slots] * m.nodes
+        d = self.config.directives
+        own = step_record(d.model or "unknown", d.gpu_type, layout, self.links, d.per_gpu_batch, m.step_s)
+        self._post_observations([own])
         if not self.config.directives.elastic:
             return
         slow = self.stragglers.observe(compute_by_node)
@@ -499,6 +291,24 @@ class Controller(Transitions):
             self._grow(decision.target_nodes - m.nodes, action="grow", reason=decision.reason)
         elif decision.action in ("revert", "shrink") and decision.target_nodes < m.nodes:
             self._shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
+
+    def _current_layout(self) -> Optional[list[int]]:
+        """GPUs per node of the current epoch (remembered by world size for the workers' records)."""
+        plan = self.coord.current()
+        layout = layout_of(plan.members, {w: n for n, slot in self.nodes.items() for w in slot.wids})
+        if layout is not None:
+            self._layouts[plan.world_size] = layout
+        return layout
+
+    def _post_observations(self, own: list[dict]) -> None:
+        """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""
+        d = self.config.directives
+        wids = {w for slot in self.nodes.values() for w in slot.wids}
+        records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self.links,
+                                d.model or "unknown", d.gpu_type)
+        for start in range(0, len(records), OBSERVATIONS_PER_POST):
+            if not self.predictor.observe(records[start:start + OBSERVATIONS_PER_POST]):
+                break
 
     def _ask_plan(self, m: Measurement, layout: list[int]) -> Optional[int]:
         """The predictor's node count for this job now (None: no plan); asked at most every PLAN_INTERVAL
@@ -542,6 +352,7 @@ class Controller(Transitions):
 
     # -- reporting and cleanup --------------------------------------------------------------------------
     def _write_status(self) -> None:
+        self._current_layout()
         plan = self.coord.current()
         last = self.policy.history_[-1] if self.policy.history_ else None
         self.kv.set("status", json.dumps({
@@ -566,6 +377,10 @@ class Controller(Transitions):
             self.pool.stop_all()
         except Exception as exc:
             log.warning("stopping workers: %s", exc)
+        try:
+            self._post_observations([])  # what the workers handed over at their close
+        except Exception as exc:
+            log.warning("last observations not posted: %s", exc)
         helpers = list(self.helpers)
         for helper in helpers:  # ask first (their workers are gone), then make sure: Slurm's KillWait is short
             try:

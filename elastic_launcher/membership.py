@@ -15,7 +15,8 @@ Keys (all values are UTF-8 strings; JSON where noted):
 ``recover/<id>/...``   failure recovery of epoch ``id``: ``alive/<wid>``, ``leader``, ``plan``
 ``hb/<wid>``           heartbeat: ``time.time()`` of the worker's last beat
 ``joined/<wid>``       a worker announced itself (value: time); ``joined`` lists them, comma-separated
-``switched/<id>``      JSON stats written by rank 0 of plan ``id`` after its first step (pause seconds, ...)
+``switched/<id>``      JSON stats written by rank 0 of plan ``id`` after its first step, for every epoch
+                       (initial, resize, recovery): pause seconds, ...
 ``left/<wid>``         a worker left the group at a resize and is exiting
 ====================== =========================================================================================
 
@@ -197,6 +198,11 @@ class Coordinator:
             RendezvousTimeout: not switched within ``timeout``.
         """
         return json.loads(self._k.wait_get(f"switched/{plan.id}", timeout or self.timeout, f"switch to {plan.id}"))
+
+    def switched(self, plan: Plan) -> Optional[dict]:
+        """``plan``'s switch record if its rank 0 reported its first step already, else None (no wait)."""
+        key = f"switched/{plan.id}"
+        return json.loads(self._k.get(key)) if self._k.has(key) else None
 
     def joined(self) -> list[str]:
         """Worker ids that announced themselves (newcomers preparing, or members), sorted."""

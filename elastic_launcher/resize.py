@@ -34,7 +34,6 @@ import torch.distributed as dist
 from elastic_launcher.errors import ElasticError, RendezvousTimeout, ResizeConflict
 from elastic_launcher.helper_agent import helper_key
 from elastic_launcher.launch_config import helper_comment, helper_name
-from elastic_launcher.membership import PREFIX as MEMBERSHIP_PREFIX
 from elastic_launcher.membership import Plan
 from elastic_launcher.workers import transition_idle_s
 
@@ -188,27 +187,22 @@ class Transitions:
     `_measure_reset`.
     """
 
-    def _joined(self) -> list[str]:
-        """Worker ids that announced themselves (`elastic/joined/<wid>`), read from the raw store.
-
-        (Coordinator.joined() lists through a PrefixStore, whose list_keys() strips the prefix, and finds none.)
-        """
-        head = f"{MEMBERSHIP_PREFIX}joined/"
-        return sorted(k[len(head):] for k in self.server.list_keys() if k.startswith(head))
-
     def _wait_switched(self, plan: Plan) -> dict:
-        """Wait for `plan`'s first committed step; return the runtime's switch record (resize plans) plus
-        `idle_s`: the extra time the survivors' step took across the transition (from rank 0's progress).
+        """Wait for `plan`'s first committed step; return the runtime's switch record (`elastic/switched/<id>`,
+        written by the epoch's rank 0 for every kind of epoch) plus `idle_s`: the extra time the survivors'
+        step took across the transition (from rank 0's progress reports).
 
         Raises:
             RendezvousTimeout: not within `rendezvous_timeout`, or the workers all ended meanwhile.
         """
-        key = f"{MEMBERSHIP_PREFIX}switched/{plan.id}"
         head: dict = {}
+        stats: dict = {}
 
         def first_step() -> bool:
             head.update(self._progress(plan.members[:1]).get(plan.members[0]) or {})
-            return head.get("epoch") == plan.id and (plan.kind != "resize" or self.server.check([key]))
+            if not stats:
+                stats.update(self.coord.switched(plan) or {})
+            return bool(stats) and head.get("epoch") == plan.id
 
         def superseded() -> bool:
             return self.coord.current().id > plan.id
@@ -218,7 +212,6 @@ class Transitions:
             raise RendezvousTimeout(f"job {self.job_id}: epoch {plan.id} ({plan.world_size} workers) reported no "
                                     f"first step within {self.config.rendezvous_timeout.total_seconds():g} s "
                                     f"or the workers ended")
-        stats = json.loads(self.server.get(key)) if self.server.check([key]) else {}
         idle, step = transition_idle_s(head.get("recent", []), plan.id)
         stats["idle_s"] = None if idle is None else round(idle, 3)
         stats["step_s"] = None if step is None else round(step, 3)
@@ -233,7 +226,7 @@ class Transitions:
         missing: list[str] = []
 
         def ready() -> bool:
-            joined = self._joined()
+            joined = self.coord.joined()
             missing.clear()
             for node in nodes:
                 slot = self.nodes[node]

@@ -38,14 +38,20 @@ class Telemetry:
         profile: model profile name (``#ELASTIC model=``).
         gpu: GPU type string (e.g. ``H100``), ``cpu`` for CPU runs.
         intra_link: link class within a node (e.g. ``nvlink``, ``shm``).
-        inter_link: link class between nodes, or None on one node.
+        inter_link: link class between nodes (e.g. ``ib``, ``socket``).
+        multi_node: the group spans several nodes (collectives are then limited by ``inter_link``).
         max_samples: keep at most this many raw timings per key between drains.
+
+    A step record carries ``inter_link`` whenever its layout spans several nodes (the predictor requires it
+    there). Under elastic-launch the controller relabels the records with the real layout and the cluster's
+    links anyway (``observations.relabel``): the trainer only knows its world size.
     """
 
     profile: str = "unknown"
     gpu: str = "cpu"
     intra_link: str = "shm"
-    inter_link: Optional[str] = None
+    inter_link: str = "socket"
+    multi_node: bool = False
     max_samples: int = 256
     _coll: dict = field(default_factory=dict)
     _events: list = field(default_factory=list)
@@ -71,14 +77,14 @@ class Telemetry:
             b.synchronize()
             self.record_collective(world, nbytes, a.elapsed_time(b) / 1000.0)
         self._events.clear()
-        link = self.inter_link or self.intra_link
+        link = self.inter_link if self.multi_node else self.intra_link
         out = [{"kind": "collective", "op": "allreduce", "link": link, "world": w, "bytes": nb,
                 "seconds": statistics.median(xs), "gpu": self.gpu}
                for (w, nb), xs in sorted(self._coll.items()) if xs]
         for (layout, b), xs in sorted(self._steps.items()):
             rec = {"kind": "step", "profile": self.profile, "gpu": self.gpu, "layout": list(layout),
                    "intra_link": self.intra_link, "per_gpu_batch": b, "iter_s": statistics.median(xs)}
-            if self.inter_link:
+            if len(layout) > 1:
                 rec["inter_link"] = self.inter_link
             out.append(rec)
         self._coll.clear()
@@ -93,6 +99,8 @@ class HookState:
         group: the wrapper whose group reduces the buckets.
         telemetry: where timings go (None: no timing).
         scale: multiplier applied to the local bucket before the SUM (set every step by the trainer).
+        first_sync_t: ``time.perf_counter()`` at the step's first bucket (the local compute before any wait
+            on peers ends about here); the trainer clears it when it hands out a batch.
     """
 
     def __init__(self, group: ProcessGroupWrapper, telemetry: Optional[Telemetry] = None) -> None:
@@ -100,6 +108,7 @@ class HookState:
         self.telemetry = telemetry
         self.scale = 1.0 / max(group.size(), 1)
         self.buckets: dict[int, int] = {}  # bucket index -> bytes (the model's bucket layout)
+        self.first_sync_t: Optional[float] = None
 
 
 def _done(buf: torch.Tensor) -> torch.futures.Future:
@@ -110,6 +119,8 @@ def _done(buf: torch.Tensor) -> torch.futures.Future:
 
 def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: DDP compares it literally
     """DDP communication hook: weighted SUM allreduce with error recording and timing."""
+    if state.first_sync_t is None:
+        state.first_sync_t = time.perf_counter()
     buf = bucket.buffer()
     buf.mul_(state.scale)
     group = state.group

@@ -71,6 +71,8 @@ class TrainerConfig:
         bucket_cap_mb: DDP bucket size.
         try_shrink: on failure, try the backend's communicator shrink before a fresh build.
         seed: sampler seed.
+        observations_every: committed steps between hand-offs of the telemetry's observation records to the
+            progress hook (``progress.publish``), when both are given.
     """
 
     backend: str = "gloo"
@@ -84,6 +86,7 @@ class TrainerConfig:
     bucket_cap_mb: float = 25.0
     try_shrink: bool = True
     seed: int = 0
+    observations_every: int = 50
 
 
 class ElasticTrainer:
@@ -101,6 +104,10 @@ class ElasticTrainer:
         telemetry: timing collector (optional).
         speed: relative samples/s of this worker, for heterogeneous splits (see ``BatchPolicy``).
         fault: test seam with ``maybe_fail(rank, step)`` (see :mod:`elastic_launcher.testing`).
+        progress: optional hook called after every committed step with
+            ``report(epoch, step, samples, compute_s)`` (e.g. ``workers.ProgressReporter``, which elastic-launch
+            reads for throughput and stragglers); if it has ``publish(records)``, the telemetry's observation
+            records go there every ``observations_every`` committed steps and at ``close``.
 
     The constructor announces the worker, waits for a plan that includes it and builds that plan's group (the
     slow part: newcomers do it while the survivors keep training). State is synchronised when the loader starts.
@@ -109,7 +116,7 @@ class ElasticTrainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,
                  worker_id: str, policy: BatchPolicy, scheduler=None, device: Optional[torch.device] = None,
                  config: TrainerConfig = TrainerConfig(), telemetry: Optional[Telemetry] = None,
-                 speed: float = 1.0, fault=None) -> None:
+                 speed: float = 1.0, fault=None, progress=None) -> None:
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -118,6 +125,7 @@ class ElasticTrainer:
         self.telemetry = telemetry
         self.wid = worker_id
         self.fault = fault
+        self.progress = progress
         self.addr = StoreAddr.parse(store_addr) if isinstance(store_addr, str) else store_addr
         self.device = device or next(model.parameters()).device
         self.state = TrainingState(model, optimizer, scheduler, None, self.device)
@@ -139,6 +147,7 @@ class ElasticTrainer:
         self._local_error: Optional[BaseException] = None
         self._since_vote = 0
         self._last_commit_t = time.perf_counter()
+        self._batch_t = self._last_commit_t
         self._next: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
         self._next_thread: Optional[threading.Thread] = None
         self._pending_switch: Optional[dict] = None
@@ -202,7 +211,11 @@ class ElasticTrainer:
             if self._hook is not None:
                 self._hook.scale = sl.weight
             items = [dataset[i] for i in (sl.indices or sl.padding)]
-            yield collate_fn(items)
+            batch = collate_fn(items)
+            self._batch_t = time.perf_counter()
+            if self._hook is not None:
+                self._hook.first_sync_t = None
+            yield batch
 
     # ---- joining and switching ------------------------------------------------------------------------------
     def _new_wrapper(self) -> ProcessGroupWrapper:
@@ -218,10 +231,12 @@ class ElasticTrainer:
         self.sampler.prefetch()
         self._enter(self.plan, newcomer=True)
         self._joined = True
-        if self.plan.kind != "initial":
-            self._pending_switch = {"epoch": self.plan.id, "prev": self.plan.prev, "kind": "join",
-                                    "world": self.plan.world_size, "step": self.step, "t_decide": t1,
-                                    "state_wait_and_sync_s": t1 - t0, "enter_s": time.perf_counter() - t1}
+        # The first epoch's rank 0 reports it switched (the controller waits for that); a newcomer of a later
+        # epoch only records its own join (that epoch's rank 0 is a survivor and reports it).
+        self._pending_switch = {"epoch": self.plan.id, "prev": self.plan.prev,
+                                "kind": "initial" if self.plan.kind == "initial" else "join",
+                                "world": self.plan.world_size, "step": self.step, "t_decide": t1,
+                                "state_wait_and_sync_s": t1 - t0, "enter_s": time.perf_counter() - t1}
 
     def _source_rank(self, plan: Plan) -> int:
         if plan.kind == "initial" or plan.prev == 0:
@@ -297,13 +312,37 @@ class ElasticTrainer:
         self._next, self._next_thread = None, None
 
     # ---- commit ---------------------------------------------------------------------------------------------
-    def commit(self) -> bool:
+    def commit(self, compute_s: Optional[float] = None) -> bool:
         """Ends the current batch. Returns True if training goes on in this process, False once it left.
+
+        Args:
+            compute_s: this rank's local compute time for the batch, for the progress hook. Default: from the
+                batch being handed out to its first gradient bucket (forward and the first part of backward,
+                no wait on peers), else to this call.
 
         Raises:
             TooManyFailures: ``max_retries`` failed commits in a row.
         """
         now = time.perf_counter()
+        if compute_s is None:
+            first = self._hook.first_sync_t if self._hook is not None else None
+            compute_s = (first if first is not None and first >= self._batch_t else now) - self._batch_t
+        before = self.step
+        went_on = self._commit(now)
+        if self.progress is not None and self.step == before + 1:  # committed (a rollback resets the count)
+            self._report_progress(compute_s)
+        return went_on
+
+    def _report_progress(self, compute_s: float) -> None:
+        s = self.sampler
+        self.progress.report(self.plan.id, self.step, s.epoch * s.size + s.pos, compute_s)
+        publish = getattr(self.progress, "publish", None)
+        if publish is not None and self.telemetry is not None and self.step % self.config.observations_every == 0:
+            records = self.observations()
+            if records:
+                publish(records)
+
+    def _commit(self, now: float) -> bool:
         self.sampler.advance(self.batches)
         self.state.counters["step"] += 1
         self._since_vote += 1
@@ -442,11 +481,12 @@ class ElasticTrainer:
         self.state.restore()
         self.state.broadcast(self.group, 0, self._store, f"state/{plan.id}", self.config.rendezvous_timeout)
         self._enter(plan)
+        t1 = time.perf_counter()
         rec = {"epoch": plan.id, "prev": failed.id, "kind": "recovery", "old_world": failed.world_size,
-               "world": plan.world_size, "step": self.step, "recover_s": time.perf_counter() - t0,
-               "error": str(err)[:200]}
-        self.switches.append(rec)
+               "world": plan.world_size, "step": self.step, "recover_s": t1 - t0, "error": str(err)[:200]}
         events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
+        # completed (pause_s, switches, elastic/switched/<id> from rank 0) at the first commit of the new epoch
+        self._pending_switch = {**rec, "t_decide": t0, "t_entered": t1}
 
     # ---- shutdown -------------------------------------------------------------------------------------------
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
@@ -457,6 +497,14 @@ class ElasticTrainer:
         ``process_group.release_retired`` instead.
         """
         self.membership.stop()
+        publish = getattr(self.progress, "publish", None)
+        if publish is not None and self.telemetry is not None:
+            try:
+                records = self.observations()
+                if records:
+                    publish(records)
+            except Exception as e:  # noqa: BLE001 - the store may be gone (the controller ended)
+                logger.debug("last observations not published: %s", e)
         self._drop_next()
         self.ddp = None
         self.group.abort()

@@ -171,13 +171,16 @@ class WorkerPool:
 
 
 PROGRESS_PREFIX = "launcher/progress/"
+OBSERVATIONS_PREFIX = "launcher/observations/"  # read by observations.ObservationInbox
 
 
 class ProgressReporter:
     """Worker side of the launcher's progress channel: one small JSON key per worker.
 
     The controller measures throughput (samples/s between two reports of one worker) and per-node compute
-    time (straggler detection) from these keys. Call `report` at commit points (every step or every few).
+    time (straggler detection) from these keys. `ElasticTrainer(progress=...)` calls `report` after every
+    committed step and `publish` with its telemetry's observation records (which the controller relabels
+    with the layout and links and posts to the predictor; see observations.py).
 
     Args:
         store: a client of the job's store (no prefix; the key is `launcher/progress/<wid>`).
@@ -212,6 +215,10 @@ class ProgressReporter:
             {"epoch": epoch, "step": step, "samples": samples, "t": now, "node": self.node,
              "compute_total_s": self.compute_total_s, "steps": self.steps, "recent": self.recent}))
 
+    def publish(self, records: list) -> None:
+        """Hand observation records to the controller (appended as one JSON line; it reads what is new)."""
+        self.store.append(OBSERVATIONS_PREFIX + self.wid, json.dumps(records) + "\n")
+
 
 def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Optional[float]]:
     """`(idle, step)`: idle time of the switch into `epoch` and the normal step time, from one survivor's
@@ -228,3 +235,4 @@ def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Option
         return None, None
     step = normal[len(normal) // 2]
     return max(0.0, boundary[0] - step), step
+

@@ -71,7 +71,7 @@ def _batch_script(work: Path, registry: Path, steps: int, extra_train: str = "",
 #ELASTIC model=tiny gpus=1-8 per_gpu_batch={PER_GPU_BATCH} max_global_batch=64 min_efficiency=0.5
 export ELASTIC_LAUNCH_REGISTRY={registry}
 exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1 --run-dir {work}/run \\
-    --predictor http://127.0.0.1:9 \\
+    --predictor http://127.0.0.1:9 --intra-link shm --inter-link socket \\
     --measure-steps 8 --warmup-steps 2 --grow-step-nodes 2 {extra_launch} -- {' '.join(train)}
 """
 

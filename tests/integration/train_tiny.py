@@ -30,6 +30,7 @@ from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.sampler import ElasticSampler
+from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 from elastic_launcher.workers import ProgressReporter, worker_identity
 
@@ -73,8 +74,11 @@ def main(argv=None) -> int:
     model = torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     config = TrainerConfig(timeout=timedelta(seconds=20), heartbeat_timeout=timedelta(seconds=4))
+    # the trainer reports progress after every committed step and hands its observation records over
+    reporter = ProgressReporter(connect_store(StoreAddr.parse(store_text), timedelta(seconds=30)), wid, node)
     et = ElasticTrainer(model, optimizer, store_addr=store_text, worker_id=wid,
-                        policy=BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling="none"), config=config)
+                        policy=BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling="none"), config=config,
+                        telemetry=Telemetry(profile="tiny"), progress=reporter)
     if args.resume is not None:  # baseline only: what a restarted job does before its first step
         ckpt = torch.load(args.resume, weights_only=False)
         model.load_state_dict(ckpt["model"])
@@ -83,7 +87,6 @@ def main(argv=None) -> int:
         et.sampler.load_state_dict(ckpt["sampler"])
         et.state.sampler = et.sampler
         et.state.counters["step"] = ckpt["step"]
-    reporter = ProgressReporter(connect_store(StoreAddr.parse(store_text), timedelta(seconds=30)), wid, node)
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"samples-{wid}.jsonl", "a", buffering=1)
     dataset = Squares(args.dataset_size)
@@ -93,10 +96,8 @@ def main(argv=None) -> int:
         for x, y, idx in et.loader(dataset, max_steps=args.steps):
             before, epoch, world, plan = et.step, et.sampler.epoch, et.world_size, et.plan.id
             mine = list(et.batch_indices)
-            t0 = time.perf_counter()
             time.sleep(args.compute_ms / 1000.0 * slow)
             loss = loss_fn(et.model(x), y)
-            compute_s = time.perf_counter() - t0
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -104,7 +105,6 @@ def main(argv=None) -> int:
             if et.step == before + 1:  # committed (a failed vote rolls the step counter back)
                 log.write(json.dumps({"step": et.step, "epoch": epoch, "idx": mine, "world": world, "plan": plan,
                                       "t": round(time.time(), 4)}) + "\n")
-                reporter.report(et.plan.id, et.step, et.sampler.epoch * len(dataset) + et.sampler.pos, compute_s)
             if not went_on:
                 break
         if args.save is not None and et.rank == 0 and et.step == args.steps:

@@ -1,0 +1,132 @@
+"""Predictor observation records (design.md, `POST /v1/observations`) as the controller sends them.
+
+The workers' telemetry (`ElasticTrainer.observations()`) knows the world size of the group it timed, not how
+the workers are spread over nodes, nor the cluster's link names. The controller knows both: which node each
+worker of an epoch runs on (so the layout, e.g. `[2, 2]`) and the links (`LaunchConfig.intra_link` /
+`inter_link`). So the workers hand their records over through the store (`ProgressReporter.publish`, one
+JSON list per line under `launcher/observations/<wid>`), and the controller relabels them here before it
+posts them:
+
+* a step record gets the layout of its world size, `intra_link`, and `inter_link` whenever the layout spans
+  several nodes (the predictor rejects a multi-node step record without it);
+* a collective record gets `link` (the inter-node link when its group spans several nodes: the bottleneck;
+  else the intra-node link) and `nodes`;
+* both get the job's profile (`#ELASTIC model=`) and GPU type. A record whose world size matches no layout
+  the controller has seen is dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Iterable, Mapping, Optional, Sequence
+
+from elastic_launcher.workers import OBSERVATIONS_PREFIX
+
+log = logging.getLogger("elastic_launcher.observations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """The cluster's link classes (free text, as the predictor knows them).
+
+    Attributes:
+        intra: between the GPUs of one node (e.g. `nvlink`, `pcie`, `shm`).
+        inter: between nodes (e.g. `ib`, `ethernet`, `socket`).
+    """
+
+    intra: str = "nvlink"
+    inter: str = "ib"
+
+    def for_layout(self, layout: Sequence[int]) -> dict:
+        """The link fields of a step record on `layout`: `inter_link` only when it spans several nodes."""
+        fields = {"intra_link": self.intra}
+        if len(layout) > 1:
+            fields["inter_link"] = self.inter
+        return fields
+
+    def bottleneck(self, layout: Sequence[int]) -> str:
+        """The link a collective over `layout` is limited by."""
+        return self.inter if len(layout) > 1 else self.intra
+
+
+def step_record(profile: str, gpu: str, layout: Sequence[int], links: Links, per_gpu_batch: int,
+                iter_s: float) -> dict:
+    """A `kind: step` record for one layout."""
+    return {"kind": "step", "profile": profile, "gpu": gpu, "layout": list(layout), **links.for_layout(layout),
+            "per_gpu_batch": int(per_gpu_batch), "iter_s": float(iter_s)}
+
+
+def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links: Links, profile: str,
+            gpu: str) -> list[dict]:
+    """Worker records with the layout, links, profile and GPU the controller knows (see the module docstring).
+
+    Args:
+        records: records from `ElasticTrainer.observations()` (any number of workers).
+        layouts: world size -> layout (GPUs per node) of the epochs the job ran.
+    """
+    out = []
+    for rec in records:
+        kind = rec.get("kind") if isinstance(rec, dict) else None
+        if kind == "collective":
+            layout = layouts.get(int(rec.get("world", 0)))
+            if layout is None:
+                continue
+            out.append({**rec, "link": links.bottleneck(layout), "nodes": len(layout), "gpu": gpu})
+        elif kind == "step":
+            layout = layouts.get(sum(rec.get("layout") or [0]))
+            if layout is None:
+                continue
+            fixed = {k: v for k, v in rec.items() if k not in ("intra_link", "inter_link")}
+            out.append({**fixed, "layout": list(layout), **links.for_layout(layout), "profile": profile, "gpu": gpu})
+    return out
+
+
+class ObservationInbox:
+    """Controller side of the workers' observation channel: reads what each worker appended since last time.
+
+    Args:
+        store: the job's store (no prefix).
+    """
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._offsets: dict[str, int] = {}
+
+    def collect(self, wids: Iterable[str]) -> list[dict]:
+        """New records of these workers (unreadable lines are skipped and logged)."""
+        out: list[dict] = []
+        for wid in wids:
+            key = OBSERVATIONS_PREFIX + wid
+            try:
+                if not self.store.check([key]):
+                    continue
+                data = self.store.get(key)
+            except Exception as exc:  # noqa: BLE001 - a store hiccup costs one round of observations
+                log.debug("cannot read %s: %s", key, exc)
+                continue
+            start = self._offsets.get(wid, 0)
+            end = data.rfind(b"\n") + 1
+            if end <= start:
+                continue
+            self._offsets[wid] = end
+            for line in data[start:end].splitlines():
+                try:
+                    batch = json.loads(line)
+                except ValueError:
+                    log.warning("worker %s sent an unreadable observation line", wid)
+                    continue
+                if isinstance(batch, list):
+                    out.extend(r for r in batch if isinstance(r, dict))
+        return out
+
+
+def layout_of(members: Sequence[str], node_of: Mapping[str, str]) -> Optional[list[int]]:
+    """GPUs per node of an epoch, nodes in order of first appearance; None if a member's node is unknown."""
+    counts: dict[str, int] = {}
+    for wid in members:
+        node = node_of.get(wid)
+        if node is None:
+            return None
+        counts[node] = counts.get(node, 0) + 1
+    return list(counts.values())
