@@ -16,11 +16,8 @@ Timeouts:
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import queue
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -29,125 +26,12 @@ import torch
 import torch.distributed as dist
 
 from elastic_launcher.errors import NotConfiguredError, ProcessGroupError, StoreAddressError
+from elastic_launcher.teardown import abandon_retired, drain_reaper, release_retired, retire, retired_groups
 
 logger = logging.getLogger("elastic_launcher.process_group")
 
 __all__ = ["StoreAddr", "ProcessGroupWrapper", "connect_store", "drain_reaper", "release_retired",
            "abandon_retired", "retired_groups"]
-
-
-class _Reaper:
-    """Tears groups down off the caller's thread (NCCL abort at once; gloo only on :func:`release_retired`)."""
-
-    def __init__(self) -> None:
-        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-        self.pending = 0
-
-    def submit(self, backend: str, impl) -> None:
-        with self._lock:
-            self.pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="elastic-pg-reaper", daemon=True)
-                self._thread.start()
-        self._q.put((backend, impl))
-
-    def _loop(self) -> None:
-        while True:
-            backend, impl = self._q.get()
-            try:
-                if backend == "nccl":
-                    impl.abort()
-                else:
-                    impl.shutdown()
-            except Exception as e:  # noqa: BLE001 - a broken group may refuse a clean teardown
-                logger.debug("teardown raised %s", e)
-            del impl  # the last reference unless someone else (a retired group, DDP) holds it
-            with self._lock:
-                self.pending -= 1
-
-    def drain(self, timeout: timedelta) -> bool:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while self.pending and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.pending == 0
-
-
-class _Graveyard:
-    """Keeps aborted groups alive while the process trains.
-
-    Why: the last reference to a backend can go away on any thread, at any time (a DDP wrapper sits in a
-    reference cycle, so its reducer, which holds the group, is freed by the cyclic garbage collector wherever
-    an allocation triggers it). The gloo backend's destructor and ``shutdown()`` are called with the GIL held
-    and can block until the collective timeout (e.g. while a peer of the old group is still leaving), which
-    stops every Python thread of the worker, its heartbeat included: the peers then declare it dead. So no
-    gloo group is torn down during training; NCCL communicators are aborted at once (off the caller's
-    thread), but their objects are kept too. :func:`release_retired` tears the retired groups down (for a
-    process that goes on after training); :func:`abandon_retired` leaves them to the process exit.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._groups: list = []
-
-    def retire(self, backend: str, pg, impl) -> None:
-        with self._lock:
-            self._groups.append((backend, pg, impl))
-        if backend == "nccl":
-            _REAPER.submit(backend, impl)
-
-    def take(self) -> list:
-        with self._lock:
-            groups, self._groups = self._groups, []
-        return groups
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-
-_REAPER = _Reaper()
-_GRAVEYARD = _Graveyard()
-_ABANDONED: list = []
-
-
-def drain_reaper(timeout: timedelta = timedelta(seconds=10)) -> bool:
-    """Waits until submitted teardowns finished; False if some teardown is still blocked after ``timeout``."""
-    return _REAPER.drain(timeout)
-
-
-def retired_groups() -> int:
-    """Number of aborted groups kept alive (see :func:`release_retired`)."""
-    return len(_GRAVEYARD)
-
-
-def release_retired(timeout: timedelta = timedelta(seconds=10)) -> bool:
-    """Tears every retired group down on the reaper thread and waits up to ``timeout``.
-
-    Call only where a blocked teardown cannot hurt (training over, heartbeat stopped): a gloo teardown can
-    hold the GIL until its collective timeout. Returns False if some teardown is still running.
-    """
-    for backend, pg, impl in _GRAVEYARD.take():
-        del pg  # the wrapper's reference; the backend's last one goes with the reaper's item
-        if backend == "nccl":
-            continue  # aborted when retired; its objects are dropped here
-        _REAPER.submit(backend, impl)
-    return _REAPER.drain(timeout)
-
-
-def abandon_retired() -> int:
-    """Leaves the retired groups to the process exit (the OS closes their sockets); returns how many.
-
-    For a worker that is about to exit: tearing gloo groups down (here or in the interpreter's final cleanup)
-    could hold the GIL for a collective timeout and delay the exit, and with it the release of the node. The
-    references are pinned so that the interpreter's module cleanup never runs the destructors.
-    """
-    groups = _GRAVEYARD.take()
-    if groups:
-        _ABANDONED.append(groups)
-        if len(_ABANDONED) == 1:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))  # never freed, not even at exit
-    return len(groups)
 
 
 @dataclass(frozen=True)
@@ -346,9 +230,9 @@ class ProcessGroupWrapper:
     def abort(self) -> None:
         """Aborts the held group and forgets it; safe to call twice. Never blocks.
 
-        The group is retired, not destroyed (see ``_Graveyard``): an NCCL communicator is aborted on a background
+        The group is retired, not destroyed (see ``teardown.py``): an NCCL communicator is aborted on a background
         thread; a gloo group stays alive, idle, until :func:`release_retired` or the process exit, because its
-        teardown can hold the GIL until the collective timeout.
+        teardown can block until the collective timeout.
         """
         with self._lock:
             pg, impl = self._pg, self._backend_impl
@@ -356,7 +240,7 @@ class ProcessGroupWrapper:
             self._store = None
             self._rank, self._world = -1, 0
         if impl is not None:
-            _GRAVEYARD.retire(self.backend, pg, impl)
+            retire(self.backend, pg, impl)
 
     def shutdown(self) -> None:
         """Releases the group for good (same as :meth:`abort`)."""

@@ -302,7 +302,7 @@ class ElasticTrainer(EpochTransitions):
         """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for NCCL aborts.
 
         Old gloo groups are left to the process exit (``process_group.abandon_retired``): their teardown can
-        hold the GIL until the collective timeout. A process that goes on for long after training can call
+        block until the collective timeout. A process that goes on for long after training can call
         ``process_group.release_retired`` instead.
         """
         self.membership.stop()
