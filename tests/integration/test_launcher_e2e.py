@@ -227,7 +227,9 @@ def test_helper_agent_exits_when_the_controller_is_unreachable(slurm, idle_nodes
     started = time.monotonic()
     wait_until(lambda: slurm.job(helper_id).state not in ("RUNNING", "COMPLETING"), 120,
                "the helper to end on its own")
-    assert time.monotonic() - started < 90   # bounded: orphan timeout 5 s + agent start-up + step kill (KillWait=5) on a loaded 2-core host; the worker sleeps 1000 s
+    # Bounded: orphan timeout 5 s + agent start-up + step kill (KillWait=5) on a loaded 2-core host; the worker
+    # would otherwise sleep 1000 s.
+    assert time.monotonic() - started < 90
     assert slurm.job(main_id).state == "RUNNING"
     out = (work / f"helper-{helper_id}.out").read_text()
     assert "controller unreachable or silent for more than 5 s" in out
