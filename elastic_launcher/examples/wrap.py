@@ -73,8 +73,9 @@ def main(argv=None) -> int:
                                                int(environ.get("ELASTIC_SLOTS", "1")), master)}
         child = subprocess.Popen(command, env=child_env)
         signal.signal(signal.SIGTERM, lambda signum, _frame: child.send_signal(signum))
-        if rank == 0:   # the controller waits for rank 0's first report of the plan
+        if rank == 0:   # the controller waits for rank 0's first report of the plan and its switch record
             ProgressReporter(connect_store(addr, timeout), env.wid, env.node).report(plan.id, 0, 0, 0.0)
+            membership.report_switched(plan, {"wrapped": True})
         return child.wait()
     finally:
         membership.stop()

@@ -110,6 +110,9 @@ def test_template_job_grows_through_a_helper_and_shrinks_on_request(slurm, submi
     grow = wait_until(lambda: transition("grow"), 120, "a grow to 4 nodes")
     assert (grow["from_nodes"], grow["to_nodes"]) == (2, 4), grow
     assert slurm.job(int(grow["helper"])).name == f"elastic-helper-{job_id}"
+    # Shrink only once the 4-worker epoch has logged a step (the example logs every 50 steps).
+    wait_until(lambda: any("workers 4" in p.read_text() for p in run.glob("worker-*.log")), 180,
+               "a logged step with 4 workers")
     ctl = subprocess.run([*LAUNCH, "ctl", str(job_id), "--registry", str(registry), "--nodes", "2"],
                          capture_output=True, text=True, timeout=60)
     assert ctl.returncode == 0 and json.loads(ctl.stdout.splitlines()[-1])["ok"], ctl.stdout + ctl.stderr
