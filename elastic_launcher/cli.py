@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional

@@ -116,7 +116,7 @@ def helper_script(main_job: str, nodes: int, gpus_per_node: int, partition: Opti
              f"#SBATCH --job-name={helper_name(main_job)}",
              f"#SBATCH --comment={helper_comment(main_job)}",
              f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks-per-node=1",
+             "#SBATCH --ntasks-per-node=1",
              f"#SBATCH --output={log_dir}/helper-%j.out",
              f"#SBATCH --chdir={workdir}"]
     if gpus_per_node > 0:

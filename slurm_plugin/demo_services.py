@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,26 +24,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from slurm_plugin.installer import PluginConfig, install
-from slurm_plugin.testbed import Testbed
+from slurm_plugin.testbed import Testbed, port_open, process_alive
 from slurm_plugin.testbed_conf import PORT_SPAN
 
 
 class DemoError(RuntimeError):
     """A part of the demo could not start or did not behave; the message says which and shows its log."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.2)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -109,7 +94,7 @@ class PredictorService:
             mine = f"--port\0{self.port}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return None
-        return pid if mine and _alive(pid) else None
+        return pid if mine and process_alive(pid) else None
 
     def start(self, fresh: bool = True) -> None:
         """Start the service (a fresh database unless `fresh` is False) and wait for /healthz.
@@ -118,7 +103,7 @@ class PredictorService:
         """
         if self.pid() is not None:
             self.stop()
-        if _port_open(self.port):
+        if port_open(self.port):
             raise DemoError(f"port {self.port} (port base + {PORT_SPAN - 1}, the predictor's) is in use by another "
                             f"process: choose another --port-base")
         if fresh:
@@ -159,9 +144,9 @@ class PredictorService:
             return False
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and process_alive(pid):
             time.sleep(0.1)
-        if _alive(pid):
+        if process_alive(pid):
             os.killpg(pid, signal.SIGKILL)
         self.pid_file.unlink(missing_ok=True)
         return True

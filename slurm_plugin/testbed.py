@@ -283,7 +283,7 @@ class Testbed:
                 time.sleep(0.1)
 
     def _start(self, d: Daemon) -> None:
-        if d.port is not None and _port_open(d.port):
+        if d.port is not None and port_open(d.port):
             raise TestbedError(d.name, f"port {d.port} is already in use by another process "
                                        f"(another lab? choose another --port-base)")
         d.pid_file.unlink(missing_ok=True)
@@ -302,7 +302,7 @@ class Testbed:
             if rc not in (None, 0):
                 raise TestbedError(d.name, f"{' '.join(d.argv)} exited {rc}", self._log_tail(d))
             pid = self._pid(d)
-            if pid is not None and (d.port is None or _port_open(d.port)):
+            if pid is not None and (d.port is None or port_open(d.port)):
                 _reap(proc)
                 return
             if rc == 0 and pid is None:
@@ -339,14 +339,14 @@ class Testbed:
             return
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.stop_timeout.total_seconds()
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and process_alive(pid):
             time.sleep(0.02)
-        if _alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGKILL)
             end = time.monotonic() + 5
-            while time.monotonic() < end and _alive(pid):
+            while time.monotonic() < end and process_alive(pid):
                 time.sleep(0.02)
-            if _alive(pid):
+            if process_alive(pid):
                 raise TestbedError(d.name, f"pid {pid} survived SIGKILL")
         d.pid_file.unlink(missing_ok=True)
 
@@ -356,7 +356,7 @@ class Testbed:
             pid = int(d.pid_file.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
-        if not _alive(pid):
+        if not process_alive(pid):
             return None
         try:
             proc = Path(f"/proc/{pid}")
@@ -392,10 +392,10 @@ def _pid_file_dead(path: Path) -> bool:
         text = path.read_text()
     except OSError:
         return False
-    return text.endswith("\n") and text.strip().isdigit() and not _alive(int(text))
+    return text.endswith("\n") and text.strip().isdigit() and not process_alive(int(text))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """True for a live process (a zombie counts as dead)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -404,7 +404,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _port_open(port: int) -> bool:
+def port_open(port: int) -> bool:
+    """True when something listens on 127.0.0.1:`port`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0

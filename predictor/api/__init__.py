@@ -100,7 +100,7 @@ def admin_access(view):
 def _auth_error(exc: AuthError):
     response = jsonify(error=str(exc), field=exc.field, reason=exc.reason)
     if exc.status == 401:
-        response.headers["WWW-Authenticate"] = (f'Bearer realm="elastic-predictor"' if exc.field == "Authorization"
+        response.headers["WWW-Authenticate"] = ('Bearer realm="elastic-predictor"' if exc.field == "Authorization"
                                                 else f'Munge header="{MUNGE_HEADER}"')
     if exc.status == 503:
         response.headers["Retry-After"] = "2"
