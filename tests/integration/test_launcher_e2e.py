@@ -78,28 +78,41 @@ exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1
 
 def _check_accounting(samples_dir: Path, steps: int) -> int:
     """Every committed step's indices, over all ranks, are exactly the sampler's next slice: none skipped,
-    none seen twice. Returns the number of committed samples."""
+    none seen twice. Returns the number of committed samples.
+
+    One exception, at most once: a rank SIGKILLed after its gradients went into the step's all-reduce but
+    before it wrote its log line leaves that step with fewer rows than its world. The step is still
+    committed (the survivors applied the full reduction), so this is allowed only on the last step before
+    the world shrank, and the rows that are there must still be the sampler's slice, each index once."""
     by_step: dict[int, list[dict]] = {}
     for path in samples_dir.glob("samples-*.jsonl"):
         for line in path.read_text().splitlines():
             row = json.loads(line)
             by_step.setdefault(row["step"], []).append(row)
     assert sorted(by_step) == list(range(1, steps + 1)), "committed steps are not exactly 1..N"
-    sampler, policy, total = ElasticSampler(DATASET, seed=0), BatchPolicy(per_gpu_batch=PER_GPU_BATCH), 0
+    sampler, policy, total, short_steps = ElasticSampler(DATASET, seed=0), BatchPolicy(per_gpu_batch=PER_GPU_BATCH), 0, []
     for step in range(1, steps + 1):
         rows = by_step[step]
         worlds = {r["world"] for r in rows}
         assert len(worlds) == 1, f"step {step}: ranks disagree on the world size {worlds}"
         world = worlds.pop()
-        assert len(rows) == world, f"step {step}: {len(rows)} ranks logged, world is {world}"
         batches = policy.split(world)
         counts = sampler.plan_step(batches)
         order = sampler._order()
         expected = order[sampler.pos:sampler.pos + sum(counts)]
         seen = [i for r in rows for i in r["idx"]]
-        assert sorted(seen) == sorted(expected), f"step {step}: samples differ from the sampler's slice"
-        total += len(seen)
+        if len(rows) == world:
+            assert sorted(seen) == sorted(expected), f"step {step}: samples differ from the sampler's slice"
+        else:
+            next_world = by_step[step + 1][0]["world"] if step < steps else world
+            assert len(rows) < world and next_world < world, \
+                f"step {step}: {len(rows)} ranks logged, world is {world}, and the next step's world is {next_world}"
+            assert len(seen) == len(set(seen)) and set(seen) <= set(expected), \
+                f"step {step}: the logged samples are not part of the sampler's slice"
+            short_steps.append(step)
+        total += sum(counts)
         sampler.advance(batches)
+    assert len(short_steps) <= 1, f"steps {short_steps} each lack a rank's log line"
     return total
 
 
