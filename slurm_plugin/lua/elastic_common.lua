@@ -10,7 +10,8 @@
    M.is_helper(name, comment, dependency)  launcher helper jobs and expand: allocations
    M.post_json(url, body, budget_s)  HTTP/1.0 POST under one total deadline
    M.new_breaker(k, open_s, path) circuit breaker; persisted to `path` when given (cli_filter)
-   M.plan(cfg, breaker, request)  {kind = "rewrite"|"keep"|"reject"|"skip", ...}
+   M.new_cache(max_entries)       decision cache (job_submit keeps one for the life of its Lua state)
+   M.plan(cfg, breaker, request, cache)  {kind = "rewrite"|"keep"|"reject"|"skip", ...}
    M.apply_job_desc / M.apply_cli_options  apply a rewrite reply mechanically
 
  Every failure of the service is returned as kind = "skip" with a reason: the callers fail open.
@@ -38,6 +39,7 @@ local DEFAULTS = {
   breaker_open_s = 30,
   helper_marker = M.HELPER_MARKER,
   cli_state_dir = "/tmp",
+  cache_entries = 1024,
 }
 
 function M.read_config(path)
@@ -323,6 +325,73 @@ function M.new_breaker(k, open_s, path)
   return b
 end
 
+-- ---------------------------------------------------------------- decision cache
+-- A /v1/plan reply is kept for the `cache_ttl_s` the service sent with it (absent or 0: not kept), keyed
+-- by exactly the request fields the plan depends on. Only replies are kept, never failures (the breaker
+-- handles those). When full, it is emptied (no LRU bookkeeping on the hot path). Reuses are counted per
+-- decision id and sent with the next real request as `reused` (docs/plan-contract.md).
+local KEY_FIELDS = { "user", "partition", "min_nodes", "max_nodes", "ntasks_per_node", "tres_per_node",
+                     "tres_per_job", "time_limit_min", "req_switch", "account", "qos" }
+local MAX_TTL_S = 3600
+
+-- Canonical: every part length-prefixed (no separator can be forged by a directive line), a fixed field
+-- order, nil distinct from any value. The job name and uid are left out: the plan does not read them.
+function M.cache_key(request)
+  local parts = { request.source or "", tostring(#request.directives) }
+  for _, line in ipairs(request.directives) do parts[#parts + 1] = line end
+  local job = request.job or {}
+  for _, field in ipairs(KEY_FIELDS) do
+    local v = job[field]
+    parts[#parts + 1] = v == nil and "\0" or (type(v) == "number" and string.format("%.17g", v) or tostring(v))
+  end
+  for i, part in ipairs(parts) do parts[i] = #part .. ":" .. part end
+  return table.concat(parts)
+end
+
+function M.new_cache(max_entries)
+  local c = { max = tonumber(max_entries) or DEFAULTS.cache_entries, entries = {}, size = 0, reused = {},
+              reused_ids = 0 }
+  function c.get(key, now)
+    local e = c.entries[key]
+    if e == nil then return nil end
+    if e.expires > now then return e.reply end
+    c.entries[key], c.size = nil, c.size - 1
+    return nil
+  end
+  function c.put(key, reply, ttl_s, now)
+    ttl_s = tonumber(ttl_s)
+    if c.max < 1 or not ttl_s or ttl_s <= 0 or reply.decision_id == nil then return false end
+    if c.entries[key] == nil then
+      if c.size >= c.max then c.entries, c.size = {}, 0 end
+      c.size = c.size + 1
+    end
+    c.entries[key] = { reply = reply, expires = now + math.min(ttl_s, MAX_TTL_S) }
+    return true
+  end
+  function c.note_reuse(decision_id)
+    if c.reused[decision_id] == nil then
+      if c.reused_ids >= c.max then return end   -- bounded: more distinct ids than entries go uncounted
+      c.reused_ids = c.reused_ids + 1
+    end
+    c.reused[decision_id] = (c.reused[decision_id] or 0) + 1
+  end
+  -- The counts to send with the next request (nil when none); `restore` puts them back after a failure.
+  function c.take_reused()
+    if c.reused_ids == 0 then return nil end
+    local taken = c.reused
+    c.reused, c.reused_ids = {}, 0
+    return taken
+  end
+  function c.restore(taken)
+    if taken == nil then return end
+    for id, n in pairs(taken) do
+      if c.reused[id] == nil then c.reused_ids = c.reused_ids + 1 end
+      c.reused[id] = (c.reused[id] or 0) + n
+    end
+  end
+  return c
+end
+
 -- ---------------------------------------------------------------- request / reply
 local function num(v, unset)
   if type(v) ~= "number" or v == unset or v == NO_VAL or v == INFINITE then return nil end
@@ -372,16 +441,39 @@ local function validate(reply)
   return nil
 end
 
--- Ask the service. Never raises; every failure becomes kind = "skip".
-function M.plan(cfg, breaker, request)
+-- A cached reply, applied like a fresh one; the copy's reason says it was reused.
+local function reuse(reply)
+  local copy = {}
+  for k, v in pairs(reply) do copy[k] = v end
+  copy.cached, copy.reason = true, reply.reason .. " (cached)"
+  return copy
+end
+
+-- Ask the service, or `cache` (optional) when it holds an unexpired reply for this request.
+-- Never raises; every failure becomes kind = "skip".
+function M.plan(cfg, breaker, request, cache)
   local now = socket.gettime()
+  local key = cache and M.cache_key(request)
+  local hit = cache and cache.get(key, now)
+  if hit then
+    cache.note_reuse(hit.decision_id)
+    return reuse(hit)
+  end
   local open, left = breaker.is_open(now)
   if open then
     return { kind = "skip", why = string.format("predictor unavailable, retry in %d s", math.ceil(left)) }
   end
+  local reused = cache and cache.take_reused()
+  request.reused = reused
   local body, encode_err = cjson.encode(request)
-  if not body then return { kind = "skip", why = "cannot encode request: " .. tostring(encode_err) } end
+  request.reused = nil
+  if not body then
+    if cache then cache.restore(reused) end
+    return { kind = "skip", why = "cannot encode request: " .. tostring(encode_err) }
+  end
   local status, text = M.post_json(cfg.predictor_url .. "/v1/plan", body, (tonumber(cfg.budget_ms) or 100) / 1000)
+  -- Reuse counts are delivered with a 200; after a transport error or 5xx they go with the next request.
+  if cache and (status == nil or status >= 500) then cache.restore(reused) end
   local why
   if not status then
     why = tostring(text)
@@ -401,6 +493,7 @@ function M.plan(cfg, breaker, request)
       reply.reason = one_line(type(reply.reason) == "string" and reply.reason or reply.action, 400)
       if reply.reason:sub(1, 8) ~= "elastic:" then reply.reason = "elastic: " .. reply.reason end
       if reply.decision_id ~= nil then reply.decision_id = one_line(reply.decision_id, 64):gsub("%s", "_") end
+      if cache then cache.put(key, reply, reply.cache_ttl_s, now) end
       return reply
     end
   end
