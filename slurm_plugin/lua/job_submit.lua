@@ -4,15 +4,19 @@
  Jobs without #ELASTIC lines, launcher helper jobs and expand: allocations pass untouched and silently.
  A malformed #ELASTIC line is rejected here, even when the predictor is down. Otherwise the raw lines and
  the job's request go to POST /v1/plan within a hard total budget; a rewrite is applied mechanically.
+ A decision is reused for identical requests within the cache_ttl_s the service sent with it.
  Any failure of the service (down, slow, 5xx, garbage, circuit open) accepts the job as written.
  Installed with elastic_common.lua and elastic.conf beside it by `elastic-slurm install-plugin`.
 ]]
 local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
 local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
-local cfg, breaker
+local cfg, breaker, cache
 if loaded then
   cfg = elastic.read_config(dir .. "elastic.conf")
   breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s)
+  -- Module state lives as long as slurmctld's Lua state (until the script is reloaded): repeated
+  -- submissions within the service's cache_ttl_s reuse its decision without a call.
+  cache = elastic.new_cache(cfg.cache_entries)
 else
   slurm.log_error("slurm_job_submit: elastic: cannot load %s: %s", dir .. "elastic_common.lua", tostring(elastic))
 end
@@ -29,7 +33,8 @@ local function submit(job_desc, submit_uid)
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   end
   local started = elastic.now()
-  local outcome = elastic.plan(cfg, breaker, elastic.request("job_submit", lines, elastic.job_from_desc(job_desc, submit_uid)))
+  local outcome = elastic.plan(cfg, breaker, elastic.request("job_submit", lines, elastic.job_from_desc(job_desc, submit_uid)),
+                              cache)
   local ms = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
     slurm.log_user("elastic: " .. outcome.message)
@@ -50,7 +55,8 @@ local function submit(job_desc, submit_uid)
   if outcome.kind == "keep" and outcome.decision_id ~= nil then
     job_desc.comment = elastic.comment_with(job_desc.comment, outcome.decision_id)
   end
-  slurm.log_info("slurm_job_submit: elastic: uid %s: %s (%.1f ms) %s", tostring(submit_uid), outcome.kind, ms, outcome.reason)
+  slurm.log_info("slurm_job_submit: elastic: uid %s: %s%s (%.1f ms) %s", tostring(submit_uid), outcome.kind,
+                 outcome.cached and ", cached" or "", ms, outcome.reason)
   slurm.user_msg(outcome.reason)
   return slurm.SUCCESS
 end
