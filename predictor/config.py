@@ -17,6 +17,8 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_SLURM_CONF  slurm.conf for the job-owner check (default: Slurm's own)
     ELASTIC_PREDICTOR_JOB_RECENT_S  seconds after a job ended that its credential is still accepted (600)
     ELASTIC_PREDICTOR_READ_AUTH   1: reads (GET) need a credential too (/healthz stays open)
+    ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S  seconds the job_submit hook may reuse a /v1/plan decision for an
+                                  identical request (`cache_ttl_s`; default 30, 0 disables)
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ ENV_MUNGE_SOCKET = "ELASTIC_PREDICTOR_MUNGE_SOCKET"
 ENV_SLURM_CONF = "ELASTIC_PREDICTOR_SLURM_CONF"
 ENV_JOB_RECENT = "ELASTIC_PREDICTOR_JOB_RECENT_S"
 ENV_READ_AUTH = "ELASTIC_PREDICTOR_READ_AUTH"
+ENV_PLAN_CACHE_TTL = "ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,8 @@ class Config:
         job_recent: how long after a job ended its signed writes are still accepted.
         read_auth: reads need a credential too.
         auth_timeout: limit for one `unmunge` or Slurm lookup.
+        plan_cache_ttl: how long the job_submit hook may reuse a /v1/plan decision for an identical
+            request (sent as `cache_ttl_s`); zero disables the hook's cache.
     """
 
     db_path: str = "predictor.db"
@@ -83,6 +88,7 @@ class Config:
     job_recent: timedelta = timedelta(minutes=10)
     read_auth: bool = False
     auth_timeout: timedelta = timedelta(seconds=5)
+    plan_cache_ttl: timedelta = timedelta(seconds=30)
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -95,6 +101,8 @@ class Config:
             raise ValidationError("refit_debounce", "debounce and min interval must be >= 0, poll > 0")
         if self.job_recent < timedelta(0) or self.auth_timeout <= timedelta(0):
             raise ValidationError("job_recent", "job_recent must be >= 0 and auth_timeout > 0")
+        if not timedelta(0) <= self.plan_cache_ttl <= timedelta(hours=1):
+            raise ValidationError("plan_cache_ttl", "must lie in 0..3600 s")
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (the object itself stays frozen)."""
@@ -140,6 +148,11 @@ class Config:
                 raise ValidationError(ENV_JOB_RECENT, f"expected seconds, got {env[ENV_JOB_RECENT]!r}") from None
         if env.get(ENV_READ_AUTH):
             values["read_auth"] = _bool_var(env, ENV_READ_AUTH)
+        if env.get(ENV_PLAN_CACHE_TTL):
+            try:
+                values["plan_cache_ttl"] = timedelta(seconds=float(env[ENV_PLAN_CACHE_TTL]))
+            except ValueError:
+                raise ValidationError(ENV_PLAN_CACHE_TTL, f"expected seconds, got {env[ENV_PLAN_CACHE_TTL]!r}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
