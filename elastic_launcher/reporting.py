@@ -1,18 +1,22 @@
 """What the controller writes and sends: the records log and the predictor client.
 
 `RecordLog`: each decision, measurement and transition is one JSON line in `run_dir/records.jsonl` and a
-record of the logger `elastic_launcher.records`. `PredictorClient`: `POST /v1/observations` (with the bearer
-token) and `POST /v1/plan`, each with a timeout and behind one circuit breaker; it never raises.
+record of the logger `elastic_launcher.records`. `PredictorClient`: `POST /v1/observations` (signed with the
+site's munge for the job, else the bearer token) and `POST /v1/plan`, each with a timeout and behind one circuit
+breaker; it never raises.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import requests
+
+from predictor.auth import MUNGE_HEADER, MungeError, munge_sign
 
 log = logging.getLogger("elastic_launcher.controller")
 records_log = logging.getLogger("elastic_launcher.records")
@@ -37,37 +41,116 @@ class RecordLog:
 class PredictorClient:
     """POST /v1/observations and /v1/plan with a per-request timeout and a circuit breaker.
 
-    Never raises: when the service is unset, unreachable or answers garbage, `plan` returns None and the
-    controller falls back to its own measured-efficiency heuristic; the breaker then skips the service for
-    `cooldown_s`.
+    Observations are signed for the job (`predictor.auth.munge_sign`, header `X-Elastic-Munge`) when `job_id`
+    is given: the body is serialised once and exactly those bytes are signed and sent; each attempt signs
+    afresh (a munge credential is accepted once and expires). Without a credential from munge (`MungeError`:
+    munge missing, munged down) or when the service answers 401 `munge_disabled`, the post goes with the
+    bearer token instead (without one when no token is set), and the fall-back is logged once.
+
+    A connection error, timeout or 5xx answer is retried `retries` times after `retry_delay_s`; a 4xx answer is
+    not (the same body would be refused again). Never raises: when the service is unset, unreachable or
+    answers garbage, `plan` returns None and the controller falls back to its own measured-efficiency
+    heuristic; the breaker then skips the service for `cooldown_s`.
+
+    Args:
+        url: the service's base URL; None: every call returns None.
+        token: bearer token (ELASTIC_PREDICTOR_TOKEN); sent with /v1/plan and with unsigned observations.
+        timeout_s: limit of one HTTP request, and of one `munge` run.
+        job_id: the Slurm job the observations belong to; None: no munge signing.
+        munge_socket: munged's socket; None: munge's default.
     """
 
-    def __init__(self, url: Optional[str], token: Optional[str], timeout_s: float, cooldown_s: float = 30.0):
+    def __init__(self, url: Optional[str], token: Optional[str], timeout_s: float, cooldown_s: float = 30.0,
+                 job_id: Optional[int] = None, munge_socket: Optional[str] = None, retries: int = 1,
+                 retry_delay_s: float = 0.5):
         self.url = url.rstrip("/") if url else None
         self.token = token
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
+        self.job_id = job_id
+        self.munge_socket = munge_socket
+        self.retries = retries
+        self.retry_delay_s = retry_delay_s
         self._open_until = 0.0
+        self._munge_refused: Optional[str] = None   # the service said it takes no munge credentials
+        self._fallback_logged = False
         self.last_error: Optional[str] = None
 
-    def _post(self, path: str, body) -> Optional[dict]:
+    def _bearer(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _credential(self, data: bytes) -> dict:
+        """The headers that authenticate `data`: a fresh munge credential, else the bearer token."""
+        if self.job_id is None or self._munge_refused:
+            return self._bearer()
+        try:
+            return munge_sign(data, self.job_id, socket=self.munge_socket, timeout=timedelta(seconds=self.timeout_s))
+        except MungeError as exc:
+            self._fall_back(str(exc))
+            return self._bearer()
+
+    def _fall_back(self, why: str) -> None:
+        if not self._fallback_logged:
+            self._fallback_logged = True
+            log.warning("cannot sign observations with munge (%s); posting them %s", why,
+                        "with the bearer token" if self.token else "without a credential (no token set)")
+
+    def _send(self, path: str, data: bytes, signed: bool):
+        """One POST with retries; returns the decoded reply or raises `_Refused` with the last error."""
+        attempt = 0
+        while True:
+            headers = {"Content-Type": "application/json", **(self._credential(data) if signed else self._bearer())}
+            error = None
+            try:
+                reply = requests.post(self.url + path, data=data, headers=headers, timeout=self.timeout_s)
+            except requests.RequestException as exc:
+                error = str(exc)
+            else:
+                if reply.status_code < 400:
+                    return reply.json()
+                error = f"HTTP {reply.status_code}: {reply.text[:200]}"
+                if MUNGE_HEADER in headers and reply.status_code == 401 and _reason(reply) == "munge_disabled":
+                    self._munge_refused = error
+                    self._fall_back("the service accepts no munge credentials")
+                    continue                       # at once with the bearer token; not counted as a retry
+                if reply.status_code < 500:
+                    raise _Refused(error)
+            attempt += 1
+            if attempt > self.retries:
+                raise _Refused(error)
+            time.sleep(self.retry_delay_s)
+
+    def _post(self, path: str, body, signed: bool = False) -> Optional[dict]:
         if self.url is None or time.monotonic() < self._open_until:
             return None
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            reply = requests.post(self.url + path, json=body, headers=headers, timeout=self.timeout_s)
-            if reply.status_code >= 400:
-                raise ValueError(f"HTTP {reply.status_code}: {reply.text[:200]}")
-            return reply.json()
-        except (requests.RequestException, ValueError) as exc:
-            self.last_error = f"{path}: {exc}"
-            self._open_until = time.monotonic() + self.cooldown_s
-            log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, exc)
-            return None
+            data = json.dumps(body, allow_nan=False).encode()
+            return self._send(path, data, signed)
+        except _Refused as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - posting never raises into the job (garbage reply, bad body...)
+            error = f"{type(exc).__name__}: {exc}"
+        self.last_error = f"{path}: {error}"
+        self._open_until = time.monotonic() + self.cooldown_s
+        log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, error)
+        return None
 
     def observe(self, records: list[dict]) -> bool:
-        return bool(records) and self._post("/v1/observations", records) is not None
+        return bool(records) and self._post("/v1/observations", records, signed=True) is not None
 
     def plan(self, body: dict) -> Optional[dict]:
         reply = self._post("/v1/plan", body)
         return reply if isinstance(reply, dict) and reply.get("action") in ("keep", "rewrite") else None
+
+
+class _Refused(Exception):
+    """A post that failed after its retries (message: the last error)."""
+
+
+def _reason(reply) -> Optional[str]:
+    """The `reason` of a JSON error answer (predictor.auth), if any."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    return body.get("reason") if isinstance(body, dict) else None

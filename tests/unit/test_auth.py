@@ -6,7 +6,9 @@ refuses a credential it has seen (as munged does).
 """
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 from datetime import timedelta
 
 import pytest
@@ -16,7 +18,7 @@ from predictor.auth import MUNGE_HEADER, AuthError, Authenticator, MungeIdentity
 from predictor.config import Config
 from slurm_plugin.client import JobOwner
 from slurm_plugin.errors import JobNotFoundError
-from tests.unit._service_fakes import COLLECTIVE, PROFILE, FakePredictor
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
 
 TOKEN, ADMIN = "tool-token", "admin-token"
 NOW = 2_000_000_000.0
@@ -220,3 +222,157 @@ def test_job_owner_lines_from_squeue_and_sacct():
     assert (done.state, done.user_id) == ("CANCELLED", 0) and done.ended_at_s > 0
     assert _parse_owner("", 5) is None and _parse_owner("18|0|RUNNING|NONE\n", 5) is None
     assert _parse_owner("5|root|RUNNING|NONE\n", 5) is None
+
+
+# --- the launcher's side: elastic_launcher.reporting.PredictorClient signs its posts ---------------------
+class FakeSigner:
+    """Stands in for `munge_sign` in the launcher: FAKE credentials the FakeUnmunger above decodes."""
+
+    def __init__(self, uid: int = 1000, error: Exception | None = None):
+        self.uid, self.error, self.signed = uid, error, []
+
+    def __call__(self, body: bytes, job_id: int, socket=None, timeout=None) -> dict:
+        if self.error is not None:
+            raise self.error
+        self.signed.append(body)
+        return {MUNGE_HEADER: f"FAKE:{self.uid}:{len(self.signed)}:{munge_payload(body, job_id)}"}
+
+
+@pytest.fixture
+def serve_app():
+    """Serve a Flask app over real HTTP (the launcher posts with `requests`); yields a function app -> URL."""
+    from werkzeug.serving import make_server
+
+    servers = []
+
+    def start(flask_app) -> str:
+        server = make_server("127.0.0.1", 0, flask_app, threaded=True)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server, thread in servers:
+        server.shutdown()
+        thread.join()
+
+
+class Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers POSTs with the statuses queued in `answers` (then 201) and records what it received."""
+
+    answers: list = []
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        Scripted.seen.append((dict(self.headers), raw))
+        status, body = Scripted.answers.pop(0) if Scripted.answers else (201, b'{"stored": 1}')
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    Scripted.answers, Scripted.seen = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def launcher(url, monkeypatch, signer, **kwargs):
+    from elastic_launcher import reporting
+
+    monkeypatch.setattr(reporting, "munge_sign", signer)
+    return reporting.PredictorClient(url, kwargs.pop("token", TOKEN), timeout_s=5, retry_delay_s=0, **kwargs)
+
+
+def test_launcher_signs_the_bytes_it_sends_and_the_service_accepts_them(app, serve_app, monkeypatch):
+    signer = FakeSigner()
+    client = launcher(serve_app(app), monkeypatch, signer, job_id=7)
+    records = [COLLECTIVE, dict(COLLECTIVE, seconds=1 / 3, bytes=1 << 20)]   # a float with many digits
+    assert client.observe(records), client.last_error
+    stored = app.extensions["elastic_predictor"].store.observations()
+    assert [r["job_id"] for r in stored] == [7, 7] and stored[-1]["seconds"] == 1 / 3
+    assert len(signer.signed) == 1 and json.loads(signer.signed[0]) == records
+
+
+def test_launcher_signed_post_for_a_foreign_job_is_refused_and_does_not_raise(app, serve_app, monkeypatch):
+    client = launcher(serve_app(app), monkeypatch, FakeSigner(uid=1000), job_id=8)   # job 8 is uid 1001's
+    assert client.observe([COLLECTIVE]) is False
+    assert "403" in client.last_error and "uid_mismatch" in client.last_error
+    assert sum(app.extensions["elastic_predictor"].store.observation_counts().values()) == 0
+
+
+def test_each_retry_is_signed_afresh_over_the_same_bytes(scripted, monkeypatch):
+    Scripted.answers = [(503, b'{"reason": "slurm_unavailable"}'), (502, b"bad gateway")]
+    signer = FakeSigner()
+    client = launcher(scripted, monkeypatch, signer, job_id=7, retries=2)
+    assert client.observe([COLLECTIVE]), client.last_error
+    assert len(Scripted.seen) == 3 and len(signer.signed) == 3
+    credentials = [headers[MUNGE_HEADER] for headers, _ in Scripted.seen]
+    assert len(set(credentials)) == 3, "a munge credential is accepted once: every attempt needs its own"
+    for (headers, raw), signed in zip(Scripted.seen, signer.signed):
+        assert raw == signed and headers[MUNGE_HEADER].endswith(munge_payload(raw, 7))
+        assert "Authorization" not in headers
+
+
+def test_a_refusal_is_not_retried_and_opens_the_breaker(scripted, monkeypatch):
+    Scripted.answers = [(403, b'{"reason": "digest_mismatch"}')]
+    client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=3)
+    assert client.observe([COLLECTIVE]) is False and "HTTP 403" in client.last_error
+    assert client.observe([COLLECTIVE]) is False
+    assert len(Scripted.seen) == 1
+
+
+def test_munge_error_falls_back_to_the_bearer_token_and_is_logged_once(scripted, monkeypatch, caplog):
+    from predictor.auth import MungeError
+
+    client = launcher(scripted, monkeypatch, FakeSigner(error=MungeError("cannot run munge: no such file")), job_id=7)
+    assert client.observe([COLLECTIVE]) and client.observe([STEP])
+    assert [headers.get("Authorization") for headers, _ in Scripted.seen] == [f"Bearer {TOKEN}"] * 2
+    assert all(MUNGE_HEADER not in headers for headers, _ in Scripted.seen)
+    warnings = [r for r in caplog.records if "munge" in r.getMessage()]
+    assert len(warnings) == 1 and "no such file" in warnings[0].getMessage()
+    assert "bearer token" in warnings[0].getMessage()
+
+
+def test_service_without_munge_gets_the_bearer_token(tmp_path, serve_app, monkeypatch, caplog):
+    no_munge = make_app(tmp_path, token=TOKEN)
+    signer = FakeSigner()
+    client = launcher(serve_app(no_munge), monkeypatch, signer, job_id=7)
+    assert client.observe([COLLECTIVE]) and client.observe([COLLECTIVE]), client.last_error
+    assert len(signer.signed) == 1, "after munge_disabled the launcher stops signing"
+    assert no_munge.extensions["elastic_predictor"].store.observation_counts()["collective"] == 2
+    assert len([r for r in caplog.records if "accepts no munge" in r.getMessage()]) == 1
+    no_munge.extensions["elastic_predictor"].store.close()
+
+
+@pytest.mark.parametrize("case", ["signer crashes", "garbage reply", "nan in body", "service down"])
+def test_posting_never_raises(scripted, monkeypatch, case):
+    signer = FakeSigner(error=RuntimeError("boom") if case == "signer crashes" else None)
+    url = "http://127.0.0.1:9" if case == "service down" else scripted
+    client = launcher(url, monkeypatch, signer, job_id=7, retries=0)
+    if case == "garbage reply":
+        Scripted.answers = [(200, b"<html>not json")]
+    record = dict(COLLECTIVE, seconds=float("nan")) if case == "nan in body" else COLLECTIVE
+    assert client.observe([record]) is False
+    assert client.last_error.startswith("/v1/observations: ")
+    assert client.observe([COLLECTIVE]) is False    # breaker open
+    assert len(Scripted.seen) == (1 if case == "garbage reply" else 0)
+
+
+def test_without_a_job_id_the_launcher_sends_the_bearer_token(scripted, monkeypatch):
+    signer = FakeSigner()
+    assert launcher(scripted, monkeypatch, signer).observe([COLLECTIVE])
+    assert signer.signed == [] and Scripted.seen[0][0]["Authorization"] == f"Bearer {TOKEN}"
