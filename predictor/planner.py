@@ -31,6 +31,7 @@ from slurm_plugin.errors import DirectiveError
 SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
 NO_VAL32 = 0xFFFFFFFE            # Slurm's "unset" for 32-bit job_desc fields (and INFINITE above it)
 NO_VAL16 = 0xFFFE
+MAX_REUSED_IDS = 4096
 _TRES_GPU_RE = re.compile(r"(?:^|,)(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)(?:,|$)")
 _JOB_FIELDS: dict[str, tuple[type, int]] = {      # field -> (type, upper bound for ints / length for str)
     "user": (str, 256), "uid": (int, 2**32), "partition": (str, 1024), "job_id": (int, 2**32),
@@ -57,6 +58,7 @@ class PlanRequest:
     job: dict
     current: dict | None
     raw: dict
+    reused: dict = dataclasses.field(default_factory=dict)   # decision id -> submissions that reused it
 
 
 def _job(value: Any) -> dict:
@@ -118,8 +120,8 @@ def parse_request(body: Any) -> PlanRequest:
     if not isinstance(body, dict):
         raise ValidationError("body", "expected a JSON object")
     for key in body:
-        if key not in ("source", "directives", "job", "current"):
-            raise ValidationError(key, "unknown field (known: current, directives, job, source)")
+        if key not in ("source", "directives", "job", "current", "reused"):
+            raise ValidationError(key, "unknown field (known: current, directives, job, reused, source)")
     source = body.get("source", "cli")
     if source not in SOURCES:
         raise ValidationError("source", f"expected one of {'|'.join(SOURCES)}, got {source!r}")
@@ -140,7 +142,19 @@ def parse_request(body: Any) -> PlanRequest:
     except DirectiveError as exc:
         raise DirectiveProblem(f"directives[{exc.line_no - 1}]", exc.line, str(exc)) from None
     return PlanRequest(source=source, directives=directives, job=_job(body.get("job")),
-                       current=_current(body.get("current")), raw=body)
+                       current=_current(body.get("current")), raw=body, reused=_reused(body.get("reused")))
+
+
+def _reused(value: Any) -> dict:
+    """`{"d-42": 3}`: how many submissions reused each cached decision since the hook's last request."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_REUSED_IDS:
+        raise ValidationError("reused", f"expected an object of at most {MAX_REUSED_IDS} decision ids")
+    for key, count in value.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 2**31:
+            raise ValidationError(f"reused.{key[:64]}", f"expected a count in 1..2**31, got {count!r}")
+    return value
 
 
 def gpus_in_tres(tres: str | None) -> int | None:

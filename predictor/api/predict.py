@@ -117,4 +117,8 @@ def plan():
     plan_request = planner.parse_request(json_body())
     response = planner.plan(plan_request, svc.cluster, svc.models, svc.config.default_min_efficiency,
                             svc.config.max_plan_candidates)
+    # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a
+    # model, profile or history is not reused, since it changes as soon as the admin or a job supplies it.
+    ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None else 0
+    response["cache_ttl_s"] = round(ttl, 3)
     return svc.store.add_decision(plan_request.raw, response, plan_request.source, svc.models.version)
