@@ -14,16 +14,21 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}$")
 _GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _INT_RE = re.compile(r"^[0-9]+$")
 _DECIMAL_RE = re.compile(r"^[0-9]+(\.[0-9]+)?$|^\.[0-9]+$")
+# docs/directives.md: lines end at \n, \r\n or \r; whitespace is space, tab, \v and \f (ASCII only, as Lua's %s).
+_LINE_END_RE = re.compile(r"\r\n|\r|\n")
+_SPACE = " \t\v\f"
+_TOKEN_RE = re.compile(f"[^{_SPACE}]+")
+_PREFIXES = tuple(PREFIX + c for c in _SPACE)
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     def parse(value: str) -> int:
         if not _INT_RE.match(value):
             raise ValueError(f"expected an integer, got {value!r}")
-        number = int(value)
-        if not lo <= number <= hi:
-            raise ValueError(f"{number} is outside {lo}..{hi}")
-        return number
+        digits = value.lstrip("0") or "0"    # int() refuses more than 4300 digits: compare lengths first
+        if len(digits) > len(str(hi)) or not lo <= int(digits) <= hi:
+            raise ValueError(f"{digits} is outside {lo}..{hi}")
+        return int(digits)
     return parse
 
 
@@ -81,12 +86,13 @@ KEYS: dict[str, Callable[[str], Any]] = {
 def directive_lines(script: str) -> list[tuple[int, str]]:
     """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers)."""
     found = []
-    for number, raw in enumerate(script.splitlines(), start=1):
-        line = raw.rstrip("\r")
-        stripped = line.strip()
-        if stripped and not line.startswith("#"):
+    lines = _LINE_END_RE.split(script)
+    if lines[-1] == "":
+        lines.pop()    # a line end after the last line starts no new line
+    for number, line in enumerate(lines, start=1):
+        if line.strip(_SPACE) and not line.startswith("#"):
             break
-        if line == PREFIX or line.startswith(PREFIX + " ") or line.startswith(PREFIX + "\t"):
+        if line == PREFIX or line.startswith(_PREFIXES):
             found.append((number, line))
     return found
 
@@ -99,7 +105,7 @@ def parse_lines(lines: list[tuple[int, str]]) -> dict[str, Any]:
     """
     result: dict[str, Any] = {}
     for number, line in lines:
-        tokens = line[len(PREFIX):].split()
+        tokens = _TOKEN_RE.findall(line[len(PREFIX):])
         if tokens and tokens[0].startswith("#") or not tokens:
             raise DirectiveError(number, line, "no key=value after #ELASTIC")
         for token in tokens:

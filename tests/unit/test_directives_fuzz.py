@@ -1,0 +1,302 @@
+"""Differential fuzzing of the two `#ELASTIC` parsers (docs/directives.md): the Python one
+(slurm_plugin/directives.py) and the Lua one (slurm_plugin/lua/elastic_common.lua, under apt's lua5.1).
+
+Both get the SAME batch of scripts: hypothesis-generated ones (derandomized, so CI sees the same cases every
+run) and structured mutations of the valid vectors in tests/vectors/directives.json (random and duplicate keys,
+unicode, huge/negative/float numbers, reversed ranges, empty values, odd whitespace and line ends, `#ELASTIC`
+after commands and inside heredocs, very long lines, NUL bytes, trailing garbage). The Lua parser runs once
+per batch. For every script: same verdict (no directives / accepted / rejected), same values when accepted;
+when rejected the same line number and line, and messages that quote the line and read the same (quoted
+literals compared by value, as Lua writes non-ASCII characters raw where Python's repr() escapes some).
+
+`python -m tests.unit.test_directives_fuzz --count N` prints a summary table and writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import pathlib
+import random
+import re
+import subprocess
+import sys
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from slurm_plugin.directives import KEYS, parse_script
+from slurm_plugin.errors import DirectiveError
+
+ROOT = pathlib.Path(__file__).parents[2]
+LUA_DIR = ROOT / "slurm_plugin" / "lua"
+VECTORS = json.loads((ROOT / "tests" / "vectors" / "directives.json").read_text())
+VALID_SCRIPTS = [v["script"] for v in VECTORS if v.get("result")]
+
+# One lua5.1 process for a whole batch: a JSON list of scripts on stdin, one verdict per script on stdout.
+# Numbers travel as {"n": "%.17g"} (lua-cjson writes at most 14 digits); a Lua error in the parser is a crash.
+HARNESS = r"""
+local cjson = require("cjson")
+local M = dofile(LUA_DIR .. "/elastic_common.lua")
+local function num(v) return { n = string.format("%.17g", v) } end
+local function typed(result)
+  local out = {}
+  for k, v in pairs(result) do
+    if type(v) == "number" then out[k] = num(v)
+    elseif type(v) == "table" then out[k] = { min = num(v.min), max = num(v.max) }
+    else out[k] = v end
+  end
+  return out
+end
+local function verdict(script)
+  local lines = M.directive_lines(script)
+  if #lines == 0 then return { kind = "none" } end
+  local result, err = M.parse_lines(lines)
+  if result then return { kind = "ok", result = typed(result) } end
+  return { kind = "error", line_no = err.line_no, line = err.line, message = err.message }
+end
+local out = {}
+for i, script in ipairs(cjson.decode(io.read("*a"))) do
+  local ok, v = pcall(verdict, script)
+  out[i] = ok and v or { kind = "crash", error = tostring(v) }
+end
+io.write(cjson.encode(out))
+"""
+
+KEY_NAMES = sorted(KEYS)
+EDGE_VALUES = [
+    "", "0", "1", "-1", "-", "1-", "-4", "8-2", "2-8", "2-2", "0-4", "4-0", "1--2", "1-2-3", "1-4096", "4096",
+    "4097", "65536", "65537", "16777216", "16777217", "9" * 30, "0" * 50 + "1", "08", "+4", "1_000", "1e3",
+    "0x10", "1.0", "1.", ".5", "0.5", "00.5", "1.5", "-0.5", "0.000", "0.99999999999999999999",
+    "1.00000000000000000001", "0." + "0" * 400 + "1", "1" * 400 + ".5", "nan", "inf", "\u0663", "\uff14",
+    "\u00e9", "on", "off", "ON", "cost", "sqrt", "none", "linear", "grow_global", "keep_global", "throughput",
+    "efficiency", "resnet50", "torchvision:resnet50", "a:b/c+d-e.f_g", "a" * 128, "a" * 129, "H100", "x" * 64,
+    "x" * 65, "res;net", "x'y", 'x"y', "x'\"y", "\\", "=", "==", "a=b", "4#x", "\x00", "4\x00", "\x7f",
+    "\U0001F600", "r\u00e9snet",
+]
+# Characters that are whitespace or line ends to one language or the other (or to neither).
+SPACES = [" ", "\t", "  ", "\v", "\f", "\x1c", "\x1f", "\xa0", "\u2003", "\x85", "\u3000", "\x00"]
+LINE_ENDS = ["\n", "\r\n", "\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\n\r"]
+PREFIXES = ["#ELASTIC ", "#ELASTIC\t", "#ELASTIC", "#ELASTIC\v", "#ELASTIC\f", "#ELASTIC\xa0", "#ELASTICX ",
+            " #ELASTIC ", "\t#ELASTIC ", "#elastic ", "#ELASTIC=", "\ufeff#ELASTIC ", "#ELASTIC\x00"]
+OTHER_LINES = ["", " ", "\t", "\v", "\f", "\xa0", "\x1c", "\u3000", "#SBATCH -N1", "# note", "#!/bin/bash",
+               "echo start", "cat <<EOF", "EOF", "  # indented comment", "\x00", "#"]
+
+
+# ---------------------------------------------------------------- the two parsers
+def python_verdict(script: str) -> dict:
+    try:
+        result = parse_script(script)
+    except DirectiveError as exc:
+        return {"kind": "error", "line_no": exc.line_no, "line": exc.line, "message": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported as such
+        return {"kind": "crash", "error": repr(exc)}
+    if result is None:
+        return {"kind": "none"}
+    return {"kind": "ok", "result": {k: _typed(v) for k, v in result.items()}}
+
+
+def _typed(value):
+    if isinstance(value, dict):
+        return {k: _typed(v) for k, v in value.items()}
+    if isinstance(value, (int, float)):
+        return {"n": "%.17g" % value}
+    return value
+
+
+def lua_verdicts(scripts: list[str]) -> list[dict]:
+    """Run the Lua parser over all `scripts` in one lua5.1 process."""
+    code = f"LUA_DIR = {json.dumps(str(LUA_DIR))}\n" + HARNESS
+    proc = subprocess.run(["lua5.1", "-e", code], input=json.dumps(scripts).encode(), capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    verdicts = json.loads(proc.stdout)
+    assert len(verdicts) == len(scripts)
+    return verdicts
+
+
+# ---------------------------------------------------------------- comparing
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
+
+
+def _requoted(message: str) -> str:
+    """The message with each quoted literal rewritten as Python's repr() of its value."""
+    return _QUOTED.sub(lambda m: repr(ast.literal_eval(m.group())), message)
+
+
+def _quotes_line(verdict: dict) -> bool:
+    prefix = f"line {verdict['line_no']}: "
+    found = _QUOTED.findall(verdict["message"])
+    return (verdict["message"].startswith(prefix) and bool(found) and verdict["message"].endswith(found[-1])
+            and ast.literal_eval(found[-1]) == verdict["line"])
+
+
+def disagreement(py: dict, lua: dict) -> str | None:
+    """What differs between the two verdicts on one script, or None."""
+    for name, v in (("python", py), ("lua", lua)):
+        if v["kind"] == "crash":
+            return f"{name} crashed: {v['error']}"
+    if py["kind"] != lua["kind"]:
+        return f"verdict: python {py['kind']}, lua {lua['kind']}"
+    if py["kind"] == "ok" and py["result"] != lua["result"]:
+        return f"values: python {py['result']}, lua {lua['result']}"
+    if py["kind"] == "error":
+        if (py["line_no"], py["line"]) != (lua["line_no"], lua["line"]):
+            return f"line: python {py['line_no']} {py['line']!r}, lua {lua['line_no']} {lua['line']!r}"
+        for name, v in (("python", py), ("lua", lua)):
+            if not _quotes_line(v):
+                return f"{name} message does not name and quote the line: {v['message']!r}"
+        try:
+            lua_message = _requoted(lua["message"])
+        except (SyntaxError, ValueError) as exc:
+            return f"lua message is not quoted as a Python literal ({exc}): {lua['message']!r}"
+        if lua_message != py["message"]:
+            return f"message: python {py['message']!r}, lua {lua['message']!r}"
+    return None
+
+
+def run_batch(scripts: list[str]) -> tuple[dict, list[tuple[str, str]]]:
+    """Both parsers over `scripts`: counts by verdict and the (script, what differs) pairs."""
+    counts = {"cases": len(scripts), "none": 0, "accepted": 0, "rejected": 0, "disagreements": 0}
+    found = []
+    for script, lua in zip(scripts, lua_verdicts(scripts)):
+        py = python_verdict(script)
+        counts[{"none": "none", "ok": "accepted", "error": "rejected"}.get(py["kind"], "none")] += 1
+        what = disagreement(py, lua)
+        if what:
+            counts["disagreements"] += 1
+            found.append((script, what))
+    return counts, found
+
+
+# ---------------------------------------------------------------- structured mutations of the valid vectors
+def _token(rng: random.Random) -> str:
+    shape = rng.random()
+    key = rng.choice(KEY_NAMES) if shape < 0.8 else rng.choice(["colour", "", "GPUS", "gpus ", "mod\u00e9l", "#x"])
+    value = rng.choice(EDGE_VALUES)
+    if rng.random() < 0.05:
+        return key
+    return f"{key}={value}"
+
+
+def _mutate(script: str, rng: random.Random) -> str:
+    lines = script.split("\n")
+    directive_at = [i for i, line in enumerate(lines) if line.startswith("#ELASTIC")] or [0]
+    at = rng.choice(directive_at)
+    op = rng.randrange(14)
+    if op == 0:      # a random, maybe unknown or duplicate, key on an existing or a new line
+        if rng.random() < 0.5:
+            lines[at] += " " + _token(rng)
+        else:
+            lines.insert(at + 1, "#ELASTIC " + _token(rng))
+    elif op == 1:    # duplicate a token, here or on the next line
+        tokens = lines[at].split(" ")[1:] or ["gpus=4"]
+        lines.insert(at + rng.randint(0, 1), "#ELASTIC " + rng.choice(tokens))
+    elif op == 2:    # replace a value with an edge value
+        lines[at] = re.sub(r"=[^ \t]*", lambda m: "=" + rng.choice(EDGE_VALUES), lines[at], count=1)
+    elif op == 3:    # odd separators
+        lines[at] = lines[at].replace(" ", rng.choice(SPACES), rng.randint(1, 3))
+    elif op == 4:    # odd line ends
+        return rng.choice(LINE_ENDS).join(lines)
+    elif op == 5:    # a command (or heredoc) and then a directive that must be ignored
+        body = rng.choice([["echo start"], ["cat <<EOF", "#ELASTIC gpus=oops", "EOF"], ["srun x # #ELASTIC"]])
+        lines[at + 1:at + 1] = body + ["#ELASTIC " + _token(rng)]
+    elif op == 6:    # a very long line
+        lines[at] += rng.choice([" model=", " gpu_type=", " x=", " gpus=1-", " "]) + rng.choice("a9 ") * 20000
+    elif op == 7:    # NUL bytes and control characters anywhere
+        pos = rng.randrange(len(lines[at]) + 1)
+        lines[at] = lines[at][:pos] + rng.choice(["\x00", "\x01", "\x1b[0m", "\x7f", "\x00\x00"]) + lines[at][pos:]
+    elif op == 8:    # trailing garbage after a token or the line
+        lines[at] += rng.choice(["", " "]) + rng.choice(["x", "#", "# c", ";rm -rf", "\u00e9", "=", "\U0001F600"])
+    elif op == 9:    # odd prefixes
+        lines[at] = rng.choice(PREFIXES) + lines[at][len("#ELASTIC "):]
+    elif op == 10:   # odd blank or comment lines before the directives
+        lines.insert(rng.randint(0, at), rng.choice(OTHER_LINES))
+    elif op == 11:   # unicode inside a token
+        pos = rng.randrange(len(lines[at]) + 1)
+        lines[at] = lines[at][:pos] + rng.choice(["\u00e9", "\u2028", "\u0663", "\uff14", "\u200b", "\xad"]) \
+            + lines[at][pos:]
+    elif op == 12:   # truncated script
+        return "\n".join(lines)[:rng.randrange(len(script) + 1)]
+    else:            # a brand-new directive line of a few random tokens
+        lines.insert(at, rng.choice(PREFIXES) + rng.choice(SPACES).join(_token(rng) for _ in range(rng.randint(0, 4))))
+    return "\n".join(lines)
+
+
+def mutated_scripts(count: int, seed: int = 8) -> list[str]:
+    rng = random.Random(seed)
+    scripts = []
+    for _ in range(count):
+        script = rng.choice(VALID_SCRIPTS)
+        for _ in range(rng.randint(1, 3)):
+            script = _mutate(script, rng)
+        scripts.append(script)
+    return scripts
+
+
+# ---------------------------------------------------------------- hypothesis-generated scripts
+def _script_strategy():
+    key = st.one_of(st.sampled_from(KEY_NAMES), st.text(max_size=8))
+    value = st.one_of(st.sampled_from(EDGE_VALUES), st.integers(-5, 10 ** 25).map(str),
+                      st.tuples(st.integers(-2, 5000), st.integers(-2, 5000)).map(lambda t: f"{t[0]}-{t[1]}"),
+                      st.floats(allow_nan=True, allow_infinity=True).map(repr), st.text(max_size=12))
+    token = st.one_of(st.builds(lambda k, v: f"{k}={v}", key, value), st.text(max_size=10))
+    directive = st.builds(lambda p, sep, toks: p + sep.join(toks), st.sampled_from(PREFIXES),
+                          st.sampled_from(SPACES), st.lists(token, max_size=5))
+    line = st.one_of(directive, directive, directive, st.sampled_from(OTHER_LINES), st.text(max_size=20))
+    return st.builds(lambda lines, end, last: end.join(lines) + last, st.lists(line, min_size=1, max_size=6),
+                     st.sampled_from(LINE_ENDS), st.sampled_from(["", "\n", "\r\n"]))
+
+
+def hypothesis_scripts(count: int) -> list[str]:
+    """`count` scripts from the strategy, the same ones every run (derandomized, no example database)."""
+    scripts: list[str] = []
+
+    @settings(max_examples=count, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(_script_strategy())
+    def collect(script):
+        scripts.append(script)
+
+    collect()
+    return scripts
+
+
+def fuzz_scripts(count: int) -> list[str]:
+    return hypothesis_scripts(count // 2) + mutated_scripts(count - count // 2)
+
+
+# ---------------------------------------------------------------- tests
+def test_parsers_agree_on_fuzzed_scripts():
+    counts, found = run_batch(fuzz_scripts(4000))
+    assert counts["accepted"] > 200 and counts["rejected"] > 1000 and counts["none"] > 200, counts
+    assert not found, "\n".join(f"{what}\n  script={script[:300]!r}" for script, what in found[:10])
+
+
+def test_disagreement_check_can_fail():
+    ok = python_verdict("#ELASTIC gpus=2-4\n")
+    assert disagreement(ok, ok) is None
+    assert "values" in disagreement(ok, {"kind": "ok", "result": {"gpus": {"min": {"n": "2"}, "max": {"n": "5"}}}})
+    bad = python_verdict("#ELASTIC gpus=\u00e9\x00\n")
+    assert bad["kind"] == "error" and disagreement(bad, dict(bad)) is None
+    assert "quote" in disagreement(bad, dict(bad, message="line 1: gpus: nope"))
+    assert "message" in disagreement(bad, dict(bad, message=bad["message"].replace("gpus", "gpu", 1)))
+    assert "crashed" in disagreement(bad, {"kind": "crash", "error": "x"})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=4000, help="scripts to try (half hypothesis, half mutations)")
+    parser.add_argument("--show", type=int, default=5, help="disagreements to print")
+    args = parser.parse_args(argv)
+    counts, found = run_batch(fuzz_scripts(args.count))
+    print("| " + " | ".join(counts) + " |")
+    print("|" + "---|" * len(counts))
+    print("| " + " | ".join(str(v) for v in counts.values()) + " |")
+    for script, what in found[:args.show]:
+        print(f"- {what}\n  script={script[:300]!r}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
