@@ -58,7 +58,13 @@ io.write(cjson.encode({ init_rc = init_rc, results = out }))
 class Predictor:
     """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
 
-    REPLIES = {"rewrite": REWRITE, "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1}
+    REPLIES = {"rewrite": REWRITE, "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1,
+               # with cache_ttl_s: the hook may reuse these (tests/unit/test_lua_hook_cache.py)
+               "cached": {**REWRITE, "decision_id": "d-44", "cache_ttl_s": 30},
+               "cached-short": {**REWRITE, "decision_id": "d-45", "cache_ttl_s": 0.3},
+               "cached-zero": {**REWRITE, "decision_id": "d-46", "cache_ttl_s": 0},
+               "cached-keep": {"decision_id": "d-47", "action": "keep", "reason": "elastic: request already "
+                               "matches the plan", "cache_ttl_s": 30}}
 
     def __init__(self):
         self.requests: list[dict] = []

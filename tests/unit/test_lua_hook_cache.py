@@ -1,0 +1,106 @@
+"""The job_submit hook's decision cache, in lua5.1 with the stub `slurm` table of test_lua_hook.py.
+
+The fake service picks its reply by job name, which is not part of the cache key (the plan does not read
+it): a second submission named `mode-500` that is served from the cache proves that no request was sent.
+"""
+from __future__ import annotations
+
+import pytest
+
+from predictor import planner
+from tests.unit.test_lua_hook import Predictor, install, job, kinds, run_hook
+
+CACHED = Predictor.REPLIES["cached"]
+
+
+@pytest.fixture
+def predictor():
+    server = Predictor()
+    yield server
+    server.close()
+
+
+def names(predictor):
+    return [r["body"]["job"]["name"] for r in predictor.requests]
+
+
+def test_identical_request_reuses_the_decision_without_a_call(tmp_path, predictor):
+    results = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="cached")},
+                                                          {"job_desc": job(mode="500")}])
+    assert names(predictor) == ["mode-cached"]
+    first, second = (r["job_desc"] for r in results)
+    # applied fully: the same rewrite, environment and decision id in the comment
+    assert {k: v for k, v in second.items() if k != "name"} == {k: v for k, v in first.items() if k != "name"}
+    assert second["comment"] == "my run elastic:decision=d-44" and second["min_nodes"] == 2
+    assert second["environment"]["SLURM_GPUS_PER_NODE"] == "2"
+    assert kinds(results[1], "user_msg") == [CACHED["reason"] + " (cached)"]
+    assert any("rewrite, cached" in line for line in kinds(results[1], "log_info"))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("directives", ("#ELASTIC model=resnet50 gpus=2-16",)), ("user_name", "bob"), ("partition", "gpu"),
+    ("min_nodes", 2), ("max_nodes", 2), ("ntasks_per_node", 4), ("tres_per_job", "gres:gpu:8"),
+    ("tres_per_node", "gres:gpu:2"), ("time_limit", 61), ("req_switch", 1), ("account", "proj"), ("qos", "high")])
+def test_any_decision_relevant_field_misses(tmp_path, predictor, field, value):
+    second = job(mode="cached")
+    if field == "directives":
+        second = job(mode="cached", directives=value)
+    else:
+        second[field] = value
+    run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="cached")}, {"job_desc": second}])
+    assert names(predictor) == ["mode-cached", "mode-cached"]
+
+
+def test_ttl_expires_and_zero_or_absent_ttl_disables(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url)
+    cases = [{"job_desc": job(mode="cached-short")}, {"job_desc": job(mode="cached-short")},           # hit
+             {"job_desc": job(mode="cached-short"), "sleep": 0.4},                                      # expired
+             {"job_desc": job(mode="cached-zero", time_limit=5)}, {"job_desc": job(mode="cached-zero", time_limit=5)},
+             {"job_desc": job(mode="rewrite", time_limit=6)}, {"job_desc": job(mode="rewrite", time_limit=6)}]
+    results = run_hook(conf, cases)
+    assert names(predictor) == ["mode-cached-short", "mode-cached-short", "mode-cached-zero", "mode-cached-zero",
+                                "mode-rewrite", "mode-rewrite"]
+    assert all(r["job_desc"]["min_nodes"] == 2 for r in results)
+
+
+def test_keep_decisions_are_reused_too(tmp_path, predictor):
+    results = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="cached-keep")},
+                                                          {"job_desc": job(mode="500")}])
+    assert names(predictor) == ["mode-cached-keep"]
+    assert results[1]["job_desc"]["comment"] == "my run elastic:decision=d-47"
+    assert results[1]["job_desc"]["min_nodes"] == 1
+
+
+def test_failures_are_never_cached_and_a_hit_survives_an_open_breaker(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url, failures=1, open_s=30)
+    cases = [{"job_desc": job(mode="cached")},                       # cached d-44
+             {"job_desc": job(mode="500", time_limit=7)},            # failure: breaker opens
+             {"job_desc": job(mode="cached", time_limit=7)},         # same request: not cached, breaker open
+             {"job_desc": job(mode="500")}]                          # the cached request: still rewritten
+    results = run_hook(conf, cases)
+    assert names(predictor) == ["mode-cached", "mode-500"]
+    assert "predictor unavailable" in kinds(results[2], "user_msg")[0]
+    assert results[2]["job_desc"]["min_nodes"] == 1
+    assert results[3]["job_desc"]["comment"] == "my run elastic:decision=d-44"
+
+
+def test_reuse_counts_ride_on_the_next_real_request_and_survive_a_failure(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url)
+    cases = [{"job_desc": job(mode="cached")}, {"job_desc": job(mode="x")}, {"job_desc": job(mode="x")},
+             {"job_desc": job(mode="500", time_limit=8)},            # carries the counts, fails: kept
+             {"job_desc": job(mode="cached", time_limit=9)},         # carries them again, delivered
+             {"job_desc": job(mode="cached", time_limit=10)}]        # nothing left to report
+    run_hook(conf, cases)
+    bodies = [r["body"] for r in predictor.requests]
+    assert [b.get("reused") for b in bodies] == [None, {"d-44": 2}, {"d-44": 2}, None]
+    for body in bodies:
+        planner.parse_request(body)    # the service accepts the field
+
+
+def test_full_cache_is_emptied(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url)
+    with open(conf / "elastic.conf", "a") as f:
+        f.write("cache_entries = 2\n")
+    cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 3rd entry empties it
+    run_hook(conf, cases)
+    assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == [1, 2, 3, 1]
