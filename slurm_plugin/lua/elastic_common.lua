@@ -370,7 +370,8 @@ function M.new_cache(max_entries)
   end
   function c.note_reuse(decision_id)
     if c.reused[decision_id] == nil then
-      if c.reused_ids >= c.max then return end   -- bounded: more distinct ids than entries go uncounted
+      -- bounded (the service takes up to 4096 ids): more distinct ids than that go uncounted
+      if c.reused_ids >= math.min(c.max, 4096) then return end
       c.reused_ids = c.reused_ids + 1
     end
     c.reused[decision_id] = (c.reused[decision_id] or 0) + 1
