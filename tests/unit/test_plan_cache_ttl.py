@@ -1,0 +1,75 @@
+"""/v1/plan's side of the hook's decision cache: `cache_ttl_s` in the reply, `reused` in the request."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from predictor.app import create_app
+from predictor.config import Config
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
+
+PLAN = {"source": "job_submit",
+        "directives": ["#ELASTIC model=resnet50 gpus=2-16", "#ELASTIC per_gpu_batch=64 min_efficiency=0.3"],
+        "job": {"min_nodes": 1, "tres_per_node": "gres:gpu:4", "partition": "debug"}}
+
+
+def _client(tmp_path, ttl: timedelta | None = None):
+    extra = {} if ttl is None else {"plan_cache_ttl": ttl}
+    app = create_app(Config(db_path=str(tmp_path / "p.db"), refit_debounce=timedelta(0),
+                            refit_min_interval=timedelta(0), refit_poll=timedelta(milliseconds=50), **extra),
+                     predictor_factory=FakePredictor)
+    client = app.test_client()
+    assert client.post("/v1/profiles", json=PROFILE).status_code == 201
+    assert client.post("/v1/observations", json=[STEP, COLLECTIVE]).status_code == 201
+    assert app.extensions["elastic_predictor"].models.wait_fresh(timedelta(seconds=10))
+    return app, client
+
+
+@pytest.fixture
+def service(tmp_path):
+    app, client = _client(tmp_path)
+    yield client
+    app.extensions["elastic_predictor"].models.stop()
+    app.extensions["elastic_predictor"].store.close()
+
+
+def test_predicted_decisions_carry_the_configured_ttl(service):
+    body = service.post("/v1/plan", json=PLAN).get_json()
+    assert body["action"] == "rewrite" and body["cache_ttl_s"] == 30
+    stored = service.get(f"/v1/decisions/{body['decision_id']}").get_json()
+    assert stored["response"]["cache_ttl_s"] == 30
+
+
+def test_cant_judge_keeps_are_not_reusable(service):
+    body = service.post("/v1/plan", json={**PLAN, "directives": ["#ELASTIC model=vgg99 per_gpu_batch=8"]}).get_json()
+    assert body["action"] == "keep" and body["cache_ttl_s"] == 0
+
+
+def test_zero_ttl_disables(tmp_path):
+    app, client = _client(tmp_path, ttl=timedelta(0))
+    try:
+        assert client.post("/v1/plan", json=PLAN).get_json()["cache_ttl_s"] == 0
+    finally:
+        app.extensions["elastic_predictor"].models.stop()
+        app.extensions["elastic_predictor"].store.close()
+
+
+def test_ttl_from_the_environment_and_bounds():
+    assert Config.from_env({"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "2.5"}).plan_cache_ttl == timedelta(seconds=2.5)
+    with pytest.raises(ValueError):
+        Config.from_env({"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "soon"})
+    with pytest.raises(ValueError):
+        Config(plan_cache_ttl=timedelta(seconds=-1))
+
+
+def test_reuse_counts_are_stored_with_the_request(service):
+    body = service.post("/v1/plan", json={**PLAN, "reused": {"d-1": 3, "d-7": 1}}).get_json()
+    stored = service.get(f"/v1/decisions/{body['decision_id']}").get_json()
+    assert stored["request"]["reused"] == {"d-1": 3, "d-7": 1}
+
+
+@pytest.mark.parametrize("reused", [[1], {"d-1": 0}, {"d-1": "3"}, {"d-1": True}, {f"d-{i}": 1 for i in range(4097)}])
+def test_malformed_reuse_counts_are_400(service, reused):
+    response = service.post("/v1/plan", json={**PLAN, "reused": reused})
+    assert response.status_code == 400 and response.get_json()["field"].startswith("reused")
