@@ -279,7 +279,7 @@ STEPS = [([1], 0.030), ([2], 0.031), ([3], 0.0315), ([4], 0.032), ([1, 1], 0.034
 class RealPredictor:
     """`elastic-predictor serve` on a fresh database holding the resnet50 profile and synthetic H200 steps."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, env: dict | None = None):
         import json
         import socket
 
@@ -300,7 +300,7 @@ class RealPredictor:
         self.log = open(workdir / "predictor.log", "w")
         self.proc = subprocess.Popen(
             [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--db", str(self.db), "--workers", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t"})
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t", **(env or {})})
         import requests
         deadline = time.monotonic() + 60
         while True:
@@ -361,7 +361,57 @@ def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatc
     assert stored["action"] == "rewrite" and stored["source"] == "job_submit"
     assert stored["response"]["layout"] == [4, 4] and stored["request"]["directives"] == REAL.splitlines()
     real_predictor.stop()
-    down = sbatch(script(directives=REAL), "-H")
+    down = sbatch(script(directives=REAL), "-H", "-t", "7")   # another time limit: not a cached request
     assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
     assert down.seconds < BUDGET_MS / 1000 + SLACK_S
     assert show_job(bed, down.job_id)["TresPerJob"] == "gres:gpu:4"
+
+
+def _decision_of(bed, result) -> str:
+    return re.fullmatch(r"orig elastic:decision=(\S+)", show_job(bed, result.job_id)["Comment"]).group(1)
+
+
+def test_identical_submissions_reuse_the_decision_without_a_call(hook, sbatch, bed, tmp_path):
+    """The decision cache lives in slurmctld's Lua state: the second identical submission gets the same
+    decision id with no request (the service's decision count does not move, and it still works once the
+    service is stopped); the reuse is reported with the next real request."""
+    import requests
+
+    server = RealPredictor(tmp_path, env={"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "120"})
+    try:
+        hook(server.url)
+
+        def count():
+            return len(requests.get(f"{server.url}/v1/decisions?limit=500", timeout=5).json()["decisions"])
+
+        first = sbatch(script(directives=REAL), "-H")
+        assert first.rc == 0 and first.stderr.startswith("sbatch: elastic: 2 nodes x 4 GPUs (2x4)"), first.stderr
+        decision, before = _decision_of(bed, first), count()
+        second = sbatch(script(directives=REAL), "-H", "-J", "another-name")   # the name is not in the key
+        assert second.rc == 0 and second.stderr.rstrip().endswith("(cached)"), second.stderr
+        assert _decision_of(bed, second) == decision and count() == before
+        job = show_job(bed, second.job_id)
+        assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
+        third = sbatch(script(directives=REAL), "-H", "-t", "9")              # a new request: asked
+        assert third.rc == 0 and "(cached)" not in third.stderr
+        assert server.decision(_decision_of(bed, third))["request"]["reused"] == {decision: 1}
+        server.stop()
+        fourth = sbatch(script(directives=REAL), "-H")                          # service down, TTL not expired
+        assert fourth.rc == 0 and fourth.stderr.rstrip().endswith("(cached)"), fourth.stderr
+        assert _decision_of(bed, fourth) == decision
+    finally:
+        server.stop()
+
+
+def test_zero_ttl_disables_the_decision_cache(hook, sbatch, bed, tmp_path):
+    server = RealPredictor(tmp_path, env={"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "0"})
+    try:
+        hook(server.url)
+        results = [sbatch(script(directives=REAL), "-H") for _ in range(2)]
+        assert all(r.rc == 0 and "(cached)" not in r.stderr for r in results)
+        assert len({_decision_of(bed, r) for r in results}) == 2
+        server.stop()
+        down = sbatch(script(directives=REAL), "-H")
+        assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
+    finally:
+        server.stop()
