@@ -63,16 +63,30 @@ def allocation_from_env(environ) -> Allocation:
 
 
 def _directives(script: Optional[Path], extra: tuple[str, ...]) -> Directives:
+    """The directives of the script's leading comment block plus `--directive` items.
+
+    Raises:
+        click.ClickException: `SCRIPT:LINE: what is wrong` (unreadable, not UTF-8, a bad #ELASTIC line), or
+            `--directive: ...` for a bad item.
+    """
     from slurm_plugin.errors import DirectiveError
 
-    text = script.read_text() if script is not None else ""
+    try:
+        data = script.read_bytes() if script is not None else b""
+        text = data.decode("utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"cannot read {script}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        line_no = data[:exc.start].count(b"\n") + 1
+        raise click.ClickException(f"{script}:{line_no}: not UTF-8 text ({exc.reason})") from None
     lines = [line for line in text.splitlines()]
     prefix_end = next((i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")), len(lines))
     block = lines[:prefix_end] + [f"#ELASTIC {item}" for item in extra]
     try:
         return Directives.from_script("\n".join(block) + "\n")
     except DirectiveError as exc:
-        raise click.ClickException(f"{script or '--directive'}: {exc}") from exc
+        where = f"{script}:{exc.line_no}" if script is not None and exc.line_no <= prefix_end else "--directive"
+        raise click.ClickException(f"{where}: {exc.reason}: {exc.line!r}") from None
 
 
 def _seconds(value: float) -> timedelta:
@@ -177,8 +191,8 @@ def ctl(job_id, nodes, status, registry, timeout):
     path = _registry(registry) / f"{job_id}.json"
     if not path.exists():
         raise click.ClickException(f"no elastic controller registered for job {job_id} ({path} is missing)")
-    address = json.loads(path.read_text())
-    client = ControlClient(address["host"], int(address["port"]), timeout=_seconds(timeout))
+    host, port = _controller_address(path)
+    client = ControlClient(host, port, timeout=_seconds(timeout))
     try:
         reply = client.status() if status else client.request_nodes(nodes)
     except Exception as exc:
@@ -186,6 +200,28 @@ def ctl(job_id, nodes, status, registry, timeout):
     click.echo(json.dumps(reply, sort_keys=True))
     if reply.get("ok") is False:
         sys.exit(1)
+
+
+def _controller_address(path: Path) -> tuple[str, int]:
+    """`host` and `port` from a controller's registry file.
+
+    Raises:
+        click.ClickException: `PATH: FIELD: what is wrong` (unreadable, not JSON, a missing or bad field).
+    """
+    try:
+        address = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise click.ClickException(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise click.ClickException(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(address, dict):
+        raise click.ClickException(f"{path}: expected an object with host and port")
+    host, port = address.get("host"), address.get("port")
+    if not isinstance(host, str) or not host:
+        raise click.ClickException(f"{path}: host: expected a host name, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise click.ClickException(f"{path}: port: expected a port number, got {port!r}")
+    return host, port
 
 
 @click.command()

@@ -20,12 +20,25 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _config(db: str | None, cluster: str | None = None) -> Config:
+    """The config from the environment and the options; a bad cluster file is an error naming it."""
     from predictor.cluster import Cluster  # noqa: PLC0415
+    from predictor.config import ENV_CLUSTER  # noqa: PLC0415
 
     try:
-        return Config.from_env(os.environ, db_path=db, cluster=Cluster.from_file(cluster) if cluster else None)
+        model = Cluster.from_file(cluster) if cluster else None
     except ValidationError as exc:
+        raise click.ClickException(_in_file(cluster, exc)) from None
+    try:
+        return Config.from_env(os.environ, db_path=db, cluster=model)
+    except ValidationError as exc:
+        if not exc.field.startswith("ELASTIC_PREDICTOR_") and os.environ.get(ENV_CLUSTER):
+            raise click.ClickException(_in_file(f"{os.environ[ENV_CLUSTER]} (${ENV_CLUSTER})", exc)) from None
         raise click.ClickException(str(exc)) from None
+
+
+def _in_file(name: str, exc: ValidationError) -> str:
+    """`FILE: FIELD: message` (the cluster loader's own read errors already name the file)."""
+    return str(exc) if exc.field == "cluster" else f"{name}: {exc}"
 
 
 def _open_store(db_path: str):
@@ -78,6 +91,32 @@ def _slurm_cluster(spec: str):
         raise click.ClickException(f"cannot read the cluster from Slurm: {exc}") from None
 
 
+def auth_policy(config: Config) -> list[str]:
+    """What `serve` says at start about who may write and read (predictor.auth's rules on this config)."""
+    from predictor.config import ENV_ADMIN_TOKEN, ENV_MUNGE, ENV_READ_AUTH, ENV_TOKEN  # noqa: PLC0415
+
+    writers = []
+    if config.admin_token:
+        writers.append(f"the admin token ({ENV_ADMIN_TOKEN})")
+    if config.token:
+        writers.append(f"the tool token ({ENV_TOKEN})")
+    if config.munge_auth:
+        writers.append(f"munge-signed job credentials ({ENV_MUNGE}=1)")
+    if not writers:
+        lines = [f"warning: writes are open to anyone: none of {ENV_TOKEN}, {ENV_ADMIN_TOKEN}, {ENV_MUNGE} is set"]
+        if config.read_auth:
+            lines.append(f"warning: {ENV_READ_AUTH} is on but no credential is configured: every read except "
+                         "/healthz is refused")
+        return lines
+    admin = ("the admin token" if config.admin_token else "the tool token" if config.token else None)
+    reads = "reads need the same credentials" if config.read_auth else "reads are open"
+    lines = [f"writes need {' or '.join(writers)}; admin operations (replacing a profile) need "
+             f"{admin or 'a token: none is set, so they are refused'}; {reads}"]
+    if not (config.token or config.admin_token):
+        lines.append(f"warning: neither {ENV_TOKEN} nor {ENV_ADMIN_TOKEN} is set: only running jobs can write")
+    return lines
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
 @click.option("--port", default=8470, show_default=True, type=int, help="port to bind")
@@ -90,7 +129,10 @@ def _slurm_cluster(spec: str):
 @click.option("--from-slurm", "from_slurm", default=None, metavar="GPU:INTRA:INTER",
               help="build the cluster model from sinfo/scontrol, with the GPU type and link names given, e.g. H200:nvlink:ib")
 def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
-    """Run the HTTP API under gunicorn; writes need $ELASTIC_PREDICTOR_TOKEN when it is set.
+    """Run the HTTP API under gunicorn; prints at start who may write and read (docs/admin-guide.md, Security).
+
+    Writes need $ELASTIC_PREDICTOR_ADMIN_TOKEN, $ELASTIC_PREDICTOR_TOKEN or, with ELASTIC_PREDICTOR_MUNGE=1, a
+    munge-signed job credential; with none of them set, writes are open (a warning).
 
     Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
     """
@@ -101,8 +143,8 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
     config = _config(db, cluster)
     if from_slurm:
         config = config.replace(cluster=_slurm_cluster(from_slurm))
-    if not config.token:
-        click.echo("warning: ELASTIC_PREDICTOR_TOKEN is not set; writes are open to anyone", err=True)
+    for line in auth_policy(config):
+        click.echo(line, err=True)
 
     _open_store(config.db_path).close()        # migrate once, before the workers fork
 
@@ -124,49 +166,51 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
 
 
 @main.command("import")
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("rb"))
 @click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
-@click.option("--skip-bad", is_flag=True, help="store the good lines even when some are bad")
+@click.option("--skip-bad", is_flag=True, help="store the good lines even when some are bad (exit status 0)")
 def import_(file, db, skip_bad):
     """Import JSON lines of observations and profiles (`"kind": "profile"` or an object with `tensors`).
 
-    Bad lines are reported by number; nothing is stored unless every line is good (or --skip-bad).
+    Every line is read and validated before anything is written. A bad line is reported as
+    FILE:LINE: FIELD: what is wrong; then the import is all or nothing: nothing is stored and the exit
+    status is 1, unless --skip-bad, which stores the good lines. Profiles are written first (one of the
+    same name is replaced), then all observations in one transaction; if the database fails in between,
+    the error says what was written, and running the same import again is safe.
 
     Example: elastic-predictor import --db predictor.db history.jsonl
     """
-    from predictor.api.profiles import register  # noqa: PLC0415
-    from predictor.profiles import Profile  # noqa: PLC0415
-    from predictor.records import validate_record  # noqa: PLC0415
+    from predictor.importer import read_jsonl  # noqa: PLC0415
 
-    records, profiles, bad = [], [], []
-    for number, line in enumerate(file, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            if isinstance(item, dict) and (item.get("kind") == "profile" or "tensors" in item and "kind" not in item):
-                body = {k: v for k, v in item.items() if k != "kind"}
-                Profile.from_dict(body)
-                profiles.append(body)
-            else:
-                records.append(validate_record(item, "record"))
-        except ValueError as exc:          # json.JSONDecodeError and ValidationError
-            bad.append(f"line {number}: {exc}")
-    for message in bad:
+    name = "<stdin>" if getattr(file, "name", "-") in ("-", "<stdin>") else file.name
+    parsed = read_jsonl(file, name)
+    for message in parsed.bad:
         click.echo(message, err=True)
-    if bad and not skip_bad:
-        raise click.ClickException(f"{len(bad)} bad line(s); nothing imported (use --skip-bad to keep the good ones)")
-    store = _open_store(_config(db).db_path)
+    if parsed.bad and not skip_bad:
+        raise click.ClickException(f"{name}: {len(parsed.bad)} bad line(s); nothing imported "
+                                   "(use --skip-bad to keep the good ones)")
+    _write_import(_config(db).db_path, parsed.profiles, parsed.records)
+    click.echo(f"imported {len(parsed.records)} observation(s) and {len(parsed.profiles)} profile(s); "
+               f"{len(parsed.bad)} bad line(s)")
+
+
+def _write_import(db_path: str, profiles: dict[str, dict], records: list[dict]) -> None:
+    """Profiles, then the observations in one transaction; a database error says what got written."""
+    import sqlite3  # noqa: PLC0415
+
+    store = _open_store(db_path)
+    written = 0
     try:
-        for body in profiles:
-            register(store, body)
+        for profile_name, body in profiles.items():
+            store.put_profile(profile_name, body)
+            written += 1
         if records:
             store.add_observations(records)
-    except ValidationError as exc:
-        raise click.ClickException(str(exc)) from None
+    except (sqlite3.Error, ValueError) as exc:
+        raise click.ClickException(f"cannot write to {db_path}: {exc}; {written} of {len(profiles)} profile(s) "
+                                   "and no observation written (running the import again is safe)") from None
     finally:
         store.close()
-    click.echo(f"imported {len(records)} observation(s) and {len(profiles)} profile(s); {len(bad)} bad line(s)")
 
 
 @main.command()
@@ -254,7 +298,7 @@ def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
 
 
 @main.command()
-@click.argument("script", type=click.File("r", encoding="utf-8"))
+@click.argument("script", type=click.File("rb"))
 @click.option("--nodes", default=None, type=click.IntRange(1, 4096), help="nodes the job asks for (-N)")
 @click.option("--gpus-per-node", default=None, type=click.IntRange(1, 64), help="GPUs per node it asks for")
 @click.option("--partition", default=None, help="partition (default: the cluster model's default)")
@@ -266,16 +310,27 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     Example: elastic-predictor plan train.sbatch --nodes 1 --gpus-per-node 4
     """
     from predictor import planner  # noqa: PLC0415
-    from slurm_plugin.directives import directive_lines  # noqa: PLC0415
+    from slurm_plugin.directives import directive_lines, parse_lines  # noqa: PLC0415
+
+    from slurm_plugin.errors import DirectiveError  # noqa: PLC0415
 
     config = _config(db, cluster)
     job = {"min_nodes": nodes, "partition": partition,
            "tres_per_node": f"gres:gpu:{gpus_per_node}" if gpus_per_node else None}
-    body = {"source": "cli", "directives": [line for _, line in directive_lines(script.read())], "job": job}
+    data = script.read()
+    try:
+        lines = directive_lines(data.decode("utf-8"))
+        parse_lines(lines)                  # line numbers of the file (the planner counts directives only)
+    except UnicodeDecodeError as exc:
+        line_no = data[:exc.start].count(b"\n") + 1
+        raise click.ClickException(f"{script.name}:{line_no}: not UTF-8 text ({exc.reason})") from None
+    except DirectiveError as exc:
+        raise click.ClickException(f"{script.name}:{exc.line_no}: {exc.reason}: {exc.line!r}") from None
+    body = {"source": "cli", "directives": [line for _, line in lines], "job": job}
     try:
         request = planner.parse_request(body)
     except (ValidationError, planner.DirectiveProblem) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(f"{script.name}: {exc}") from None
     cache = _fitted_cache(config)
     decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates)
     decision = cache.store.add_decision(body, decision, "cli", cache.version)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from predictor.cli import main
 from predictor.store import Store
-from tests.unit._service_fakes import COLLECTIVE, STEP
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP
 
 COMMANDS = ["serve", "import", "profile", "predict", "plan", "evaluate", "decisions"]
 
@@ -70,12 +70,120 @@ def test_import_reports_bad_lines_by_number_and_stores_nothing(runner, tmp_path)
     path.write_text("\n".join([json.dumps(STEP), "not json", json.dumps(dict(COLLECTIVE, seconds=-1)),
                                "", json.dumps(COLLECTIVE)]) + "\n")
     result = runner.invoke(main, ["import", "--db", db, str(path)])
-    assert result.exit_code == 1
-    assert "line 2:" in result.stderr and "line 3: record.seconds" in result.stderr and "line 1:" not in result.stderr
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert f"{path}:2: line: not valid JSON" in result.stderr and f"{path}:3: record.seconds" in result.stderr
+    assert f"{path}:1:" not in result.stderr and f"{path}:5:" not in result.stderr
     assert not os.path.exists(db), "a rejected import must not even create the database"
     kept = runner.invoke(main, ["import", "--db", db, "--skip-bad", str(path)])
     assert kept.exit_code == 0 and "imported 2 observation(s)" in kept.output
     assert Store(db).observation_counts() == {"collective": 1, "step": 1}
+
+
+def _counts(db: str) -> tuple:
+    store = Store(db)
+    try:
+        return store.observation_counts(), [p["name"] for p in store.list_profiles()]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("bad_line,where", [
+    (b"\xff\xfe not text\n", "line: not UTF-8 text"),
+    (b"[" * 5000 + b"]" * 5000 + b"\n", "line: not valid JSON"),
+    (b"[1, 2]\n", "record: expected an object, got list"),
+    (json.dumps(dict(PROFILE, kind="profile", name="bad name!")).encode() + b"\n", "name: must match"),
+    (json.dumps(dict(PROFILE, name="x", source=5)).encode() + b"\n", "source: expected a string"),
+    (json.dumps(dict(PROFILE, name="x", tensors=[{"name": "w", "numel": -1, "dtype": "float32"}])).encode() + b"\n",
+     "tensors[0].numel"),
+])
+def test_a_bad_line_names_file_line_and_field_and_the_import_is_all_or_nothing(runner, history, tmp_path,
+                                                                               bad_line, where):
+    before = _counts(history)
+    path = tmp_path / "mixed.jsonl"
+    good_profile = json.dumps(dict(PROFILE, name="newnet", kind="profile")).encode() + b"\n"
+    path.write_bytes(good_profile + json.dumps(COLLECTIVE).encode() + b"\n\n" + bad_line + json.dumps(STEP).encode())
+    result = runner.invoke(main, ["import", "--db", history, str(path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{path}:4: {where}" in result.stderr and "Traceback" not in result.output
+    assert f"Error: {path}: 1 bad line(s); nothing imported" in result.stderr
+    assert _counts(history) == before, "a rejected import must leave the database as it was"
+    kept = runner.invoke(main, ["import", "--db", history, "--skip-bad", str(path)])
+    assert kept.exit_code == 0 and "imported 2 observation(s) and 1 profile(s); 1 bad line(s)" in kept.output
+    counts, names = _counts(history)
+    assert counts["collective"] == before[0]["collective"] + 1 and counts["step"] == before[0]["step"] + 1
+    assert names == sorted(before[1] + ["newnet"])
+
+
+def test_a_database_failure_during_import_says_what_was_written(runner, tmp_path, monkeypatch):
+    import sqlite3
+
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps(dict(PROFILE, kind="profile")) + "\n" + json.dumps(COLLECTIVE) + "\n")
+    db = str(tmp_path / "f.db")
+
+    def disk_full(self, records):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Store, "add_observations", disk_full)
+    result = runner.invoke(main, ["import", "--db", db, str(path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert f"cannot write to {db}: database or disk is full; 1 of 1 profile(s) and no observation written" \
+        in result.stderr
+    monkeypatch.undo()
+    again = runner.invoke(main, ["import", "--db", db, str(path)])
+    assert again.exit_code == 0 and _counts(db) == ({"collective": 1, "step": 0}, ["resnet50"])
+
+
+def test_plan_and_cluster_file_errors_name_the_file_and_line(runner, history, tmp_path, monkeypatch):
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -N1\n#ELASTIC model=resnet50\n#ELASTIC gpus=8-2\nsrun true\n")
+    result = runner.invoke(main, ["plan", str(script), "--db", history])
+    assert result.exit_code == 1 and f"{script}:4: gpus: minimum 8 is above maximum 2" in result.stderr
+    script.write_bytes(b"#!/bin/bash\n#ELASTIC model=resnet50\n#ELASTIC gpus=\xff\n")
+    result = runner.invoke(main, ["plan", str(script), "--db", history])
+    assert result.exit_code == 1 and f"{script}:3: not UTF-8 text" in result.stderr
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"partitions": [{"name": "gpu"}]}))
+    result = runner.invoke(main, ["decisions", "--db", history], env={"ELASTIC_PREDICTOR_CLUSTER": str(cluster)})
+    assert result.exit_code == 1 and f"{cluster} ($ELASTIC_PREDICTOR_CLUSTER): partitions[0]." in result.stderr
+    result = runner.invoke(main, ["plan", str(script), "--db", history, "--cluster", str(cluster)])
+    assert result.exit_code == 1 and f"{cluster}: partitions[0]." in result.stderr
+
+
+@pytest.mark.parametrize("settings", [{}, {"token": "t"}, {"admin_token": "a"}, {"munge_auth": True},
+                                      {"token": "t", "admin_token": "a", "munge_auth": True, "read_auth": True},
+                                      {"read_auth": True}, {"munge_auth": True, "read_auth": True}])
+def test_serve_states_the_write_policy_the_service_applies(settings):
+    from predictor.auth import AuthError, Authenticator
+    from predictor.cli import auth_policy
+    from predictor.config import Config
+
+    config = Config(**settings)
+    text = "\n".join(auth_policy(config))
+    auth = Authenticator.from_config(config)
+    try:
+        auth.check_write({}, b"[]")
+        open_writes = True
+    except AuthError:
+        open_writes = False
+    assert ("writes are open to anyone" in text) == open_writes
+    for value, name in [(config.token, "ELASTIC_PREDICTOR_TOKEN"), (config.admin_token, "ELASTIC_PREDICTOR_ADMIN_TOKEN"),
+                        (config.munge_auth, "ELASTIC_PREDICTOR_MUNGE")]:
+        assert (f"({name}" in text) == bool(value) or open_writes
+    admin_ok = any(_admin_accepted(auth, token) for token in ("t", "a"))
+    assert ("admin operations (replacing a profile) need a token: none is set" in text) == \
+           (not admin_ok and not open_writes)
+    reads_closed = settings.get("read_auth", False)
+    assert ("reads need" in text or "every read except /healthz is refused" in text) == reads_closed
+
+
+def _admin_accepted(auth, token: str) -> bool:
+    from predictor.auth import AuthError
+
+    try:
+        return auth.check_admin({"Authorization": f"Bearer {token}"}).kind == "admin"
+    except AuthError:
+        return False
 
 
 def test_predict_prints_a_table_of_candidates(runner, history):
@@ -101,7 +209,7 @@ def test_plan_a_batch_script(runner, history, tmp_path):
     bad = tmp_path / "bad.sbatch"
     bad.write_text("#ELASTIC gpus=8-2\n")
     broken = runner.invoke(main, ["plan", str(bad), "--db", history])
-    assert broken.exit_code == 1 and "line 1" in broken.output and "above maximum" in broken.output
+    assert broken.exit_code == 1 and f"{bad}:1: gpus: " in broken.output and "above maximum" in broken.output
 
 
 def test_evaluate_fit_errors_and_decisions_table(runner, history):
@@ -147,3 +255,30 @@ def test_serve_runs_gunicorn_with_the_token_from_the_environment(history):
         proc.terminate()
         output = proc.communicate(timeout=30)[0]
     assert "Booting worker" in output
+    assert "writes need the tool token (ELASTIC_PREDICTOR_TOKEN)" in output and "open to anyone" not in output
+
+
+def test_elastic_launch_script_and_registry_errors_name_the_file(runner, tmp_path):
+    from elastic_launcher.cli import ctl, launch
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    script = tmp_path / "job.sbatch"
+    cases = [(b"#!/bin/bash\n#SBATCH -N1\n#ELASTIC gpus=8-2\nsrun true\n", f"{script}:3: gpus: "),
+             (b"#!/bin/bash\n#ELASTIC model=\xff\n", f"{script}:2: not UTF-8 text"),
+             (b"#!/bin/bash\n#ELASTIC model=resnet50 colour=blue\n", f"{script}:2: ")]
+    for content, expected in cases:
+        script.write_bytes(content)
+        result = runner.invoke(launch, ["--script", str(script), "--", "true"], env=env)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert expected in result.output, result.output
+    script.write_text("#!/bin/bash\n#ELASTIC model=resnet50\n")
+    result = runner.invoke(launch, ["--script", str(script), "--directive", "gpus=4-1", "--", "true"], env=env)
+    assert result.exit_code == 1 and "Error: --directive: gpus: " in result.output
+    registry = tmp_path / "registry"
+    registry.mkdir()
+    for content, expected in [("{not json", "not valid JSON"), ('{"host": "h"}', "port: expected a port number"),
+                              ('{"host": 5, "port": 80}', "host: expected a host name"), ("[]", "expected an object")]:
+        (registry / "42.json").write_text(content)
+        result = runner.invoke(ctl, ["42", "--status", "--registry", str(registry)])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+        assert f"{registry / '42.json'}: {expected}" in result.output, result.output
