@@ -2,18 +2,23 @@
 
 A job of root and a job of an unprivileged user are kept running; credentials come from the lab's own
 munged (`munge --socket`), decoded by the service with `unmunge --socket`, and the owner check goes
-through `slurm_plugin.client` on the lab's slurm.conf.
+through `slurm_plugin.client` on the lab's slurm.conf. The launcher's own client
+(`elastic_launcher.reporting.PredictorClient`) posts over real HTTP, signed with the lab's munged.
 """
 from __future__ import annotations
 
 import json
 import pwd
 import subprocess
+import threading
 import time
 from datetime import timedelta
 
 import pytest
+import requests
+from werkzeug.serving import make_server
 
+from elastic_launcher import reporting
 from predictor.app import create_app
 from predictor.auth import MUNGE_HEADER, munge_payload, munge_sign
 from predictor.config import Config
@@ -116,3 +121,58 @@ def test_real_munge_credentials_against_real_jobs(client, testbed, jobs):
     r = post("ended, window 0", body, munge_sign(body, jobs["root"], socket=sock))
     assert (r.status_code, r.json["reason"]) == (403, "job_not_active"), r.json
     print("\nmunge auth results:", json.dumps(results))
+
+
+@pytest.fixture
+def served(testbed, tmp_path):
+    """The service over real HTTP (the launcher posts with `requests`), munge on, tool token "tool"."""
+    config = Config(db_path=str(tmp_path / "served.db"), token="tool", munge_auth=True,
+                    munge_socket=str(testbed.config.munge_socket), slurm_conf=str(testbed.config.slurm_conf),
+                    refit_debounce=timedelta(0), refit_min_interval=timedelta(0))
+    app = create_app(config, predictor_factory=FakePredictor, start_refit=False)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield app, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join()
+    app.extensions["elastic_predictor"].store.close()
+
+
+def test_launcher_post_signed_with_munge_is_accepted_and_a_tampered_or_foreign_one_is_not(served, testbed, jobs,
+                                                                                          monkeypatch):
+    app, url = served
+    sock = str(testbed.config.munge_socket)
+    signed = []
+
+    def recording_sign(body, job_id, **kwargs):
+        signed.append((body, job_id))
+        return munge_sign(body, job_id, **kwargs)
+
+    monkeypatch.setattr(reporting, "munge_sign", recording_sign)
+    store = app.extensions["elastic_predictor"].store
+    launcher = reporting.PredictorClient(url, None, timeout_s=10, job_id=jobs["root"], munge_socket=sock)
+    assert launcher.observe([RECORD]), launcher.last_error
+    assert store.observations()[-1]["job_id"] == jobs["root"]
+    body = signed[-1][0]
+
+    def post(data, headers):
+        reply = requests.post(f"{url}/v1/observations", data=data, timeout=10,
+                              headers={"Content-Type": "application/json", **headers})
+        return reply.status_code, reply.json().get("reason")
+
+    # the launcher's exact bytes with one byte changed, under a fresh credential for the original bytes
+    at = body.index(b'"seconds": ') + len(b'"seconds": ')
+    tampered = body[:at] + (b"9" if body[at:at + 1] != b"9" else b"8") + body[at + 1:]
+    assert len(tampered) == len(body) and tampered != body
+    assert post(tampered, munge_sign(body, jobs["root"], socket=sock)) == (403, "digest_mismatch")
+    # the same bytes signed by root for another user's job, and for a job Slurm does not know
+    assert post(body, munge_sign(body, jobs["user"], socket=sock)) == (403, "uid_mismatch")
+    assert post(body, munge_sign(body, 9_999_999, socket=sock)) == (403, "job_not_found")
+    foreign = reporting.PredictorClient(url, None, timeout_s=10, job_id=jobs["user"], munge_socket=sock, retries=0)
+    assert foreign.observe([RECORD]) is False and "uid_mismatch" in foreign.last_error
+    # munged unreachable: the launcher falls back to the bearer token (a tool write, no job id)
+    fallback = reporting.PredictorClient(url, "tool", timeout_s=10, job_id=jobs["root"],
+                                         munge_socket=str(testbed.config.munge_dir / "no-such.socket"))
+    assert fallback.observe([RECORD]), fallback.last_error
+    assert [r.get("job_id") for r in store.observations()] == [jobs["root"], None]
