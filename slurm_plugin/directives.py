@@ -18,7 +18,7 @@ _DECIMAL_RE = re.compile(r"^[0-9]+(\.[0-9]+)?$|^\.[0-9]+$")
 _LINE_END_RE = re.compile(r"\r\n|\r|\n")
 _SPACE = " \t\v\f"
 _TOKEN_RE = re.compile(f"[^{_SPACE}]+")
-_PREFIXES = tuple(PREFIX + c for c in _SPACE)
+_PREFIXES = (PREFIX + " ", PREFIX + "\t")    # as predictor/planner.py checks the lines the hooks send
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:

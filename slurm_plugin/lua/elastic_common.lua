@@ -92,8 +92,8 @@ function M.directive_lines(script)
     number = number + 1
     pos = e + 1
     if line:find("%S") and line:sub(1, 1) ~= "#" then break end
-    -- whitespace (docs/directives.md): space, tab, \v, \f; %s also has \r and \n, which end lines first
-    if line == M.PREFIX or (line:sub(1, #M.PREFIX) == M.PREFIX and line:find("^%s", #M.PREFIX + 1)) then
+    local head = line:sub(1, #M.PREFIX + 1)
+    if line == M.PREFIX or head == M.PREFIX .. " " or head == M.PREFIX .. "\t" then
       found[#found + 1] = { no = number, line = line }
     end
   end
