@@ -47,8 +47,9 @@ class PredictorClient:
     munge missing, munged down) or when the service answers 401 `munge_disabled`, the post goes with the
     bearer token instead (without one when no token is set), and the fall-back is logged once.
 
-    A connection error, timeout or 5xx answer is retried `retries` times after `retry_delay_s`; a 4xx answer is
-    not (the same body would be refused again). Never raises: when the service is unset, unreachable or
+    A post of observations that meets a connection error, timeout or 5xx answer is retried `retries` times
+    after `retry_delay_s`; a 4xx answer is not (the same body would be refused again), nor is /v1/plan (the
+    controller decides without it). Never raises: when the service is unset, unreachable or
     answers garbage, `plan` returns None and the controller falls back to its own measured-efficiency
     heuristic; the breaker then skips the service for `cooldown_s`.
 
@@ -95,7 +96,7 @@ class PredictorClient:
             log.warning("cannot sign observations with munge (%s); posting them %s", why,
                         "with the bearer token" if self.token else "without a credential (no token set)")
 
-    def _send(self, path: str, data: bytes, signed: bool):
+    def _send(self, path: str, data: bytes, signed: bool, retries: int):
         """One POST with retries; returns the decoded reply or raises `_Refused` with the last error."""
         attempt = 0
         while True:
@@ -116,16 +117,16 @@ class PredictorClient:
                 if reply.status_code < 500:
                     raise _Refused(error)
             attempt += 1
-            if attempt > self.retries:
+            if attempt > retries:
                 raise _Refused(error)
             time.sleep(self.retry_delay_s)
 
-    def _post(self, path: str, body, signed: bool = False) -> Optional[dict]:
+    def _post(self, path: str, body, signed: bool = False, retries: int = 0) -> Optional[dict]:
         if self.url is None or time.monotonic() < self._open_until:
             return None
         try:
             data = json.dumps(body, allow_nan=False).encode()
-            return self._send(path, data, signed)
+            return self._send(path, data, signed, retries)
         except _Refused as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - posting never raises into the job (garbage reply, bad body...)
@@ -136,7 +137,7 @@ class PredictorClient:
         return None
 
     def observe(self, records: list[dict]) -> bool:
-        return bool(records) and self._post("/v1/observations", records, signed=True) is not None
+        return bool(records) and self._post("/v1/observations", records, signed=True, retries=self.retries) is not None
 
     def plan(self, body: dict) -> Optional[dict]:
         reply = self._post("/v1/plan", body)

@@ -376,3 +376,12 @@ def test_without_a_job_id_the_launcher_sends_the_bearer_token(scripted, monkeypa
     signer = FakeSigner()
     assert launcher(scripted, monkeypatch, signer).observe([COLLECTIVE])
     assert signer.signed == [] and Scripted.seen[0][0]["Authorization"] == f"Bearer {TOKEN}"
+
+
+def test_plan_is_asked_once_with_the_bearer_token_and_never_signed(scripted, monkeypatch):
+    Scripted.answers = [(503, b'{"reason": "busy"}')]
+    signer = FakeSigner()
+    client = launcher(scripted, monkeypatch, signer, job_id=7, retries=3)
+    assert client.plan({"source": "launcher", "directives": []}) is None
+    assert len(Scripted.seen) == 1 and signer.signed == []
+    assert Scripted.seen[0][0]["Authorization"] == f"Bearer {TOKEN}"
