@@ -9,7 +9,10 @@ rendezvous like any other worker.
 Lifecycle contract (no orphan allocations): the agent, and with it the helper job, ends when
 - all its workers have ended (they left at a commit point after a shrink, or training finished);
 - the controller writes `helper/<id>/stop` (the workers get `stop_timeout` to end, then SIGTERM/SIGKILL);
-- the main job is no longer RUNNING in Slurm (completed, cancelled, failed, timed out, or unknown);
+- the main job is no longer RUNNING in Slurm (completed, cancelled, failed, timed out, or unknown) *and*
+  the controller's heartbeat has stood still for `main_check_interval` (a live controller runs inside a
+  running main job; what Slurm says while slurmctld restarts cannot be told from "gone", so Slurm's word
+  alone never ends the agent while the controller beats);
 - the controller's heartbeat counter has not moved, or the store could not be reached, for
   `orphan_timeout` (the controller died or hangs);
 - the agent gets SIGTERM/SIGINT (scancel of the helper, its time limit).
@@ -111,8 +114,13 @@ class HelperAgent:
             if now >= next_main_check:
                 next_main_check = now + self.main_check_interval.total_seconds()
                 if not self.main_job_running():
-                    reason = f"main job {self.main_job} is no longer running"
-                    break
+                    silent_s = now - beat_seen_at
+                    if silent_s >= self.main_check_interval.total_seconds():
+                        reason = f"main job {self.main_job} is no longer running"
+                        break
+                    log.warning("helper %s: Slurm does not show main job %s running, but its controller beat "
+                                "%.1f s ago: Slurm unreachable? carrying on", self.helper_job, self.main_job,
+                                silent_s)
             try:
                 store = store or self.connect()
                 beat = read_key(store, HEARTBEAT_KEY)

@@ -15,6 +15,12 @@ Shrink order (Slurm SIGKILLs tasks on released nodes): the leaving ranks leave a
 nodes by ending the helper job (stop key + scancel), main-job nodes with `client.shrink`, whose refreshed
 Slurm environment replaces the one the controller launches with. Grow: a helper job is submitted; once
 it runs, its agent starts workers that join the rendezvous, and the controller posts the plan with them.
+
+Slurm faults: every Slurm change here (shrink, helper lookup, scancel) goes through
+`slurm_plugin.client.retry_transient`, so a slurmctld that restarts (each command then fails after its own
+timeout) is retried with backoff for up to `SLURM_RETRY`; a submit that fails skips that grow. A release
+that still fails after that is logged (`slurm_shrink_failed`): the workers are gone already, the node
+stays allocated, idle, until the job ends. "Unreachable" is never read as "job gone".
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ from elastic_launcher.helper_agent import helper_key
 from elastic_launcher.launch_config import helper_comment, helper_name
 from elastic_launcher.membership import Plan
 from elastic_launcher.workers import transition_idle_s
+from slurm_plugin.client import retry_transient
+from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
 log = logging.getLogger("elastic_launcher.resize")
 
@@ -164,6 +172,9 @@ def wait_until(predicate, timeout: timedelta, interval: float = 0.1) -> bool:
 
 # Time a worker gets to exit after it left the group (or failed) before its step is signalled.
 EXIT_GRACE = timedelta(seconds=5)
+# How long a Slurm change (shrink, helper lookup, scancel) is retried through transient failures such as a
+# slurmctld restart; each attempt has the client's own per-command timeout (LaunchConfig.slurm_timeout).
+SLURM_RETRY = timedelta(seconds=120)
 
 
 @dataclasses.dataclass
@@ -361,26 +372,41 @@ class Transitions:
             for node in mains:
                 self.pool.forget(node)
             keep = [n for n, s in self.nodes.items() if s.owner == self.job_id and n not in mains]
-            result = self.slurm.shrink(int(self.job_id), keep)
-            self.alloc = self.alloc.with_nodes(tuple(keep), result.apply(self.alloc.env))
-            self.records.write("slurm_shrink", job=self.job_id, nodelist=result.job.nodelist,
-                               nodes=len(result.job.nodes), reason=reason)
+            self._slurm_shrink(self.job_id, keep, reason, main=True)
         for helper, helper_nodes in list(self.helpers.items()):
             going = [n for n in helper_nodes if n in nodes]
             if not going:
                 continue
             staying = [n for n in helper_nodes if n not in going]
             if staying:
-                result = self.slurm.shrink(int(helper), staying)
+                self._slurm_shrink(helper, staying, reason, main=False)
                 self.helpers[helper] = staying
-                self.records.write("slurm_shrink", job=helper, nodelist=result.job.nodelist,
-                                   nodes=len(result.job.nodes), reason=reason)
             else:
                 self._end_helper(helper, reason)
         for node in nodes:
             self.nodes.pop(node, None)
             self.stragglers.forget(node)
         return round(time.monotonic() - t0, 3)
+
+    def _slurm_shrink(self, job: str, keep: Sequence[str], reason: str, main: bool) -> bool:
+        """`client.shrink(job, keep)`, retried through transient failures for `SLURM_RETRY`; for the main
+        job the refreshed environment replaces the one new steps start with. False (and a
+        `slurm_shrink_failed` record) when Slurm refused or stayed unreachable."""
+        t0 = time.monotonic()
+        try:
+            result = retry_transient(lambda: self.slurm.shrink(int(job), list(keep)),
+                                     f"job {self.job_id}: shrink job {job} to {','.join(keep)}", SLURM_RETRY)
+        except (SlurmError, ResizeError, JobNotFoundError) as exc:
+            log.error("job %s: could not give nodes back to Slurm (job %s keeps %s): %s; they stay allocated, "
+                      "unused", self.job_id, job, ",".join(keep), exc)
+            self.records.write("slurm_shrink_failed", job=job, keep=list(keep), reason=reason, error=str(exc),
+                               wall_s=round(time.monotonic() - t0, 3))
+            return False
+        if main:
+            self.alloc = self.alloc.with_nodes(tuple(keep), result.apply(self.alloc.env))
+        self.records.write("slurm_shrink", job=job, nodelist=result.job.nodelist, nodes=len(result.job.nodes),
+                           reason=reason, wall_s=round(time.monotonic() - t0, 3))
+        return True
 
     def _end_helper(self, helper: str, reason: str) -> None:
         self.kv.set(helper_key(helper, "stop"), reason)
@@ -391,16 +417,26 @@ class Transitions:
         self.records.write("helper_ended", helper=helper, reason=reason, cancelled=not gone)
 
     def _helper_gone(self, helper: str) -> bool:
+        """True once Slurm shows the helper ended or no longer lists it; False while it runs or while
+        Slurm cannot be asked (an unreachable controller is not a finished job)."""
         try:
             return self.slurm.job(int(helper)).state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
-        except Exception:  # not in squeue any more
+        except JobNotFoundError:
             return True
+        except SlurmError as exc:
+            log.warning("job %s: state of helper %s unknown: %s", self.job_id, helper, exc)
+            return False
 
     def _cancel(self, helper: str) -> None:
+        """scancel the helper, retried through transient failures for `SLURM_RETRY`."""
         try:
-            self.slurm.cancel(int(helper))
-        except Exception as exc:  # already gone
+            retry_transient(lambda: self.slurm.cancel(int(helper)), f"job {self.job_id}: scancel helper {helper}",
+                            SLURM_RETRY)
+        except JobNotFoundError as exc:  # already gone
             log.info("scancel %s: %s", helper, exc)
+        except SlurmError as exc:
+            log.error("job %s: could not cancel helper %s: %s (its agent ends on its own after the orphan "
+                      "timeout)", self.job_id, helper, exc)
 
     def _grow(self, add: int, action: str, reason: str, exclude: Sequence[str] = ()) -> bool:
         """Grow by up to `add` nodes with one helper job; False when nothing was added."""
@@ -415,7 +451,12 @@ class Transitions:
                                [*self.nodes, *exclude], self.store_addr, self.slots, cfg.helper_orphan_timeout,
                                cfg.run_dir, cfg.command, Path(os.getcwd()))
         t0 = time.monotonic()
-        helper = str(self.slurm.submit(script))
+        try:
+            helper = str(self.slurm.submit(script))
+        except SlurmError as exc:  # not retried: the decision is re-taken at the next measurement
+            log.warning("job %s: helper submission failed: %s", self.job_id, exc)
+            self.records.write("transition_failed", action=action, error=f"helper submission failed: {exc}")
+            return False
         self.helpers[helper] = []
         self.records.write("helper_submitted", helper=helper, nodes=count, reason=reason)
         running = wait_until(lambda: self._job_state(helper) == "RUNNING", cfg.helper_start_timeout, interval=0.2)
@@ -425,7 +466,13 @@ class Transitions:
             self.records.write("transition_failed", action=action, error=f"helper {helper} did not start "
                                f"within {cfg.helper_start_timeout.total_seconds():g} s")
             return False
-        nodes = list(self.slurm.job(int(helper)).nodes)
+        try:
+            nodes = list(retry_transient(lambda: self.slurm.job(int(helper)).nodes,
+                                         f"job {self.job_id}: nodes of helper {helper}", SLURM_RETRY))
+        except (SlurmError, JobNotFoundError) as exc:
+            self._end_helper(helper, f"its nodes are unknown: {exc}")
+            self.records.write("transition_failed", action=action, error=f"helper {helper}: {exc}")
+            return False
         self.helpers[helper] = nodes
         for node in nodes:
             self.nodes[node] = NodeSlot(node, helper, f"j{helper}-{node}-")

@@ -8,10 +8,13 @@ slurmrestd or pyslurm backend (for sites whose Slurm matches a pyslurm release; 
 22.05) only has to provide the same methods and return the same dataclasses.
 
 Every command runs through `CommandBackend._run(argv, timeout)`, which raises `SlurmError` on a
-non-zero exit or a timeout. Commands get an explicit environment (`SLURM_CONF` plus a fixed PATH
-unless a full `env` mapping is given); in particular `SLURM_JOBID` is not passed, so `scontrol update`
-never writes `slurm_job_<id>_resize.sh` files into the caller's cwd. `shrink` returns the refreshed
-environment instead (see `ResizeResult`).
+non-zero exit, a timeout, or an unreachable slurmctld (22.05's `squeue/sinfo --json` and `scontrol show
+topology` then still exit 0, with an `errors` list and no jobs or nodes: without this check a controller
+restart would look like "every job is gone"). `is_transient` tells such passing failures from refusals, and
+`retry_transient` retries a call through them with backoff under one deadline. Commands get an explicit
+environment (`SLURM_CONF` plus a fixed PATH unless a full `env` mapping is given); in particular
+`SLURM_JOBID` is not passed, so `scontrol update` never writes `slurm_job_<id>_resize.sh` files into the
+caller's cwd. `shrink` returns the refreshed environment instead (see `ResizeResult`).
 
 Callers must assume job state changes between calls: every method re-reads Slurm.
 """
@@ -19,17 +22,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import subprocess
+import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence, Union
+from typing import Callable, Mapping, Protocol, Sequence, TypeVar, Union
 
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What `scontrol update ... NumNodes=` tells a job to unset after a resize.
 RESIZE_UNSET = ("SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE")
+# stderr of a client that could not reach slurmctld (22.05 prints it even where it exits 0).
+UNREACHABLE = "Unable to contact slurm controller"
+JSON_ERRORS = "errors in the JSON output"  # a query that answered with errors instead of results
+# Failures that pass on their own: slurmctld restarting, busy, or a message lost on the way.
+_TRANSIENT = (UNREACHABLE, JSON_ERRORS, "Socket timed out", "Zero Bytes were transmitted", "Connection refused",
+              "Slurm temporarily unable", "try again")
+log = logging.getLogger("slurm_plugin.client")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,14 +201,27 @@ class CommandBackend:
             raise SlurmError(argv, None, "", f"cannot run: {exc}") from exc
         if proc.returncode != 0:
             raise SlurmError(argv, proc.returncode, proc.stderr)
+        if UNREACHABLE in proc.stderr:  # e.g. `scontrol show topology` exits 0 without a controller
+            raise SlurmError(argv, 0, proc.stderr)
         return proc
 
     def _json(self, argv: Sequence[str], timeout: timedelta | None) -> dict:
-        out = self._run(argv, timeout or self.timeout).stdout
+        """Parsed `--json` output.
+
+        :raises SlurmError: not JSON, or it carries `errors` (22.05's squeue/sinfo exit 0 with
+            `{"errors": [{"error": "Unspecified error"}], "jobs": []}` when slurmctld is down).
+        """
+        proc = self._run(argv, timeout or self.timeout)
         try:
-            return json.loads(out)
+            data = json.loads(proc.stdout)
         except json.JSONDecodeError as exc:
-            raise SlurmError(argv, 0, "", f"output is not JSON: {exc}") from exc
+            raise SlurmError(argv, 0, proc.stderr, f"output is not JSON: {exc}") from exc
+        errors = data.get("errors") if isinstance(data, dict) else None
+        if errors:
+            detail = "; ".join(str(e.get("description") or e.get("error") or e) if isinstance(e, dict) else str(e)
+                               for e in errors)
+            raise SlurmError(argv, 0, proc.stderr, f"{JSON_ERRORS}: {detail}")
+        return data
 
     def _update(self, job_id: int, fields: Sequence[str], timeout: timedelta | None) -> None:
         argv = ["scontrol", "update", f"JobId={job_id}", *fields]
@@ -280,6 +306,8 @@ class CommandBackend:
         :raises JobNotFoundError: unknown `job_id`.
         :raises ResizeError: the job is not running, `keep` is not a subset of its nodes, is empty,
             asks for more nodes than the job has, drops the batch host, or Slurm refuses the update.
+        :raises SlurmError: Slurm could not be asked (`is_transient`); calling again is safe: a job that
+            already has exactly `keep` is left alone.
         """
         job = self.job(job_id, timeout)
         target = _shrink_target(job, [keep] if isinstance(keep, str) else keep)
@@ -289,6 +317,8 @@ class CommandBackend:
             except JobNotFoundError:
                 raise
             except SlurmError as exc:
+                if is_transient(exc):  # the controller was away: the caller may retry (shrink is idempotent)
+                    raise
                 raise ResizeError(job_id, f"Slurm refused NodeList={compress_hostlist(target)}: {exc}") from exc
             job = self.job(job_id, timeout)
         return ResizeResult(job=job, env=job.resize_env())
@@ -320,6 +350,45 @@ class CommandBackend:
         if owner is None:
             raise JobNotFoundError(job_id, "neither squeue nor sacct lists it")
         return owner
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for a `SlurmError` that may pass when asked again: the command timed out or could not reach
+    slurmctld (restarting, overloaded). Refusals (`ResizeError`), unknown jobs and bad output are not."""
+    if not isinstance(exc, SlurmError):
+        return False
+    if exc.rc is None:
+        return "timed out" in str(exc)
+    return any(mark in exc.stderr or mark in str(exc) for mark in _TRANSIENT)
+
+
+def retry_transient(call: Callable[[], T], what: str, timeout: timedelta, first_delay: float = 1.0,
+                    max_delay: float = 10.0) -> T:
+    """`call()`, repeated with exponential backoff while it fails with a transient `SlurmError`.
+
+    Each attempt is bounded by the backend's own per-command timeout; this bounds the whole: no new
+    attempt starts after `timeout` has passed since the first one. Each failure is logged with `what`.
+
+    :raises SlurmError: the last transient failure, once `timeout` has passed.
+    :raises Exception: any other error of `call`, at once.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay, attempt = first_delay, 1
+    while True:
+        try:
+            result = call()
+        except SlurmError as exc:
+            left = deadline - time.monotonic()
+            if not is_transient(exc) or left <= 0:
+                raise
+            log.warning("%s: attempt %d failed (%s); retrying in %.1f s (%.0f s left)", what, attempt, exc,
+                        min(delay, left), left)
+            time.sleep(min(delay, left))
+            delay, attempt = min(delay * 2, max_delay), attempt + 1
+            continue
+        if attempt > 1:
+            log.warning("%s: succeeded at attempt %d", what, attempt)
+        return result
 
 
 def _raise_if_unknown_job(job_id: int, exc: SlurmError) -> None:

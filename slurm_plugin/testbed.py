@@ -214,6 +214,108 @@ class Testbed:
         """`scontrol reconfigure` (slurmctld re-reads slurm.conf and job_submit plugins)."""
         self.client.reconfigure()
 
+    # -- fault injection (tests/integration/test_faults_slurm.py) --------------------------------
+    def kill_daemon(self, name: str) -> int:
+        """SIGKILL one daemon of this lab (`slurmctld`, `slurmd-node2`, ...) as a crash would; return its pid.
+
+        :raises TestbedError: it is not running, or it survives SIGKILL.
+        """
+        d = self._daemon(name)
+        pid = self._pid(d)
+        if pid is None:
+            raise TestbedError(name, "not running, nothing to kill")
+        _kill_and_wait([pid], name)
+        return pid
+
+    def start_daemon(self, name: str) -> float:
+        """Start one daemon of this lab unless it runs; wait for its port; return the seconds it took.
+
+        :raises TestbedError: it did not start (with its log tail).
+        """
+        t0 = time.monotonic()
+        d = self._daemon(name)
+        if self._pid(d) is None:
+            self._start(d)
+        return time.monotonic() - t0
+
+    def stop_controller(self, kill: bool = True) -> None:
+        """Crash slurmctld (SIGKILL), or stop it (`kill=False`: SIGTERM, SIGKILL after `stop_timeout`).
+        Jobs, steps and slurmd keep running; every Slurm command fails until `start_controller`.
+
+        :raises TestbedError: it is not running, or it survives SIGKILL.
+        """
+        if kill:
+            self.kill_daemon("slurmctld")
+        elif self._pid(self._daemon("slurmctld")) is None:
+            raise TestbedError("slurmctld", "not running, nothing to stop")
+        else:
+            self._stop(self._daemon("slurmctld"))
+
+    def start_controller(self) -> float:
+        """Start slurmctld again (it recovers jobs from its state directory) and wait until it answers
+        `sinfo`; return the seconds that took.
+
+        :raises TestbedError: it did not start or answer within `start_timeout` (with its log tail).
+        """
+        t0 = time.monotonic()
+        self.start_daemon("slurmctld")
+        self._wait_answering()
+        return time.monotonic() - t0
+
+    def kill_node(self, node: str) -> list[int]:
+        """The node dies: SIGKILL its slurmd, its slurmstepd processes (those writing its slurmd log) and
+        every process they started (the job's tasks there), all found before the first signal; return them.
+
+        :raises TestbedError: the node's slurmd is not running, or a process survives SIGKILL.
+        """
+        d = self._daemon(f"slurmd-{node}")
+        slurmd = self._pid(d)
+        if slurmd is None:
+            raise TestbedError(d.name, "not running, nothing to kill")
+        stepds = [pid for pid, cmd in _processes() if cmd.startswith(b"slurmstepd") and _writes(pid, d.log_file)]
+        victims = [slurmd, *stepds, *_descendants(stepds)]
+        _kill_and_wait(victims, f"node {node}")
+        return victims
+
+    def revive_node(self, node: str) -> str:
+        """Start the node's slurmd again and return the node to service (`State=RESUME` when Slurm has
+        marked it down or drained meanwhile); wait until it is idle or in use; return its state then.
+
+        :raises TestbedError: slurmd did not start, or the node did not come back within `start_timeout`.
+        """
+        self.start_daemon(f"slurmd-{node}")
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        state = "?"
+        while time.monotonic() < deadline:
+            try:
+                state = next(n.state for n in self.client.nodes(timeout=timedelta(seconds=5)) if n.name == node)
+            except (SlurmError, StopIteration):
+                state = "?"
+            if state in ("idle", "mixed", "allocated"):
+                return state
+            if state.startswith(("down", "drain", "fail")):
+                try:
+                    self._cmd(["scontrol", "update", f"NodeName={node}", "State=RESUME"], f"slurmd-{node}",
+                              timeout=self.config.command_timeout.total_seconds())
+                except TestbedError:
+                    pass  # not resumable yet (still registering): try again
+            time.sleep(0.5)
+        raise TestbedError(f"slurmd-{node}", f"node {node} still {state!r} after "
+                                             f"{self.config.start_timeout.total_seconds():g} s",
+                           self._log_tail(self._daemon(f"slurmd-{node}")))
+
+    def _wait_answering(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        while True:
+            try:
+                self.client.nodes(timeout=timedelta(seconds=5))
+                return
+            except SlurmError as exc:
+                if time.monotonic() > deadline:
+                    raise TestbedError("slurmctld", f"does not answer: {exc}",
+                                       self._log_tail(self._daemon("slurmctld")))
+            time.sleep(0.2)
+
     # -- internals -------------------------------------------------------------------------------
     def _prepare(self) -> bool:
         """Create directories, devices, configs, munge key and database; return whether slurm.conf changed."""
@@ -375,6 +477,65 @@ class Testbed:
             if text:
                 chunks.append(f"[{path}]\n" + "\n".join(text[-lines:]))
         return "\n".join(chunks)
+
+
+def _processes() -> list[tuple[int, bytes]]:
+    """(pid, cmdline) of every process."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out.append((int(entry.name), (entry / "cmdline").read_bytes()))
+            except OSError:
+                continue
+    return out
+
+
+def _writes(pid: int, path: Path) -> bool:
+    """True when `pid` has `path` open (a slurmstepd keeps its node's slurmd log open)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) == str(path):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every live process below `roots` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for pid, _ in _processes():
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_and_wait(pids: list[int], what: str) -> None:
+    """SIGKILL `pids` in order; wait (5 s) until none is alive."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(process_alive(p) for p in pids):
+        time.sleep(0.02)
+    alive = [p for p in pids if process_alive(p)]
+    if alive:
+        raise TestbedError(what, f"pids {alive} survived SIGKILL")
 
 
 def _reap(proc: subprocess.Popen) -> None:
