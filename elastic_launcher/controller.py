@@ -61,7 +61,7 @@ class Controller(Transitions):
         self.stragglers = StragglerDetector(config.straggler_ratio, config.straggler_windows,
                                             protected=frozenset({self.alloc.batch_host}))
         self.predictor = PredictorClient(config.predictor_url, config.predictor_token,
-                                         config.http_timeout.total_seconds())
+                                         config.http_timeout.total_seconds(), job_id=int(self.job_id))
         self.nodes: dict[str, NodeSlot] = {}
         self.helpers: dict[str, list[str]] = {}  # helper job id -> its nodes
         self.failures_in_a_row = 0
