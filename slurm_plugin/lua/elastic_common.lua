@@ -8,7 +8,7 @@
    M.directive_lines(script)      the #ELASTIC lines of the directive block (docs/directives.md)
    M.parse_lines(lines)           typed values, or nil + {line_no, line, reason, message}
    M.is_helper(name, comment, dependency)  launcher helper jobs and expand: allocations
-   M.post_json(url, body, budget_s)  HTTP/1.1 POST under one total deadline (keeps the connection)
+   M.post_json(url, body, budget_s)  HTTP/1.0 POST under one total deadline
    M.new_breaker(k, open_s, path) circuit breaker; persisted to `path` when given (cli_filter)
    M.new_cache(max_entries)       decision cache (job_submit keeps one for the life of its Lua state)
    M.plan(cfg, breaker, request, cache)  {kind = "rewrite"|"keep"|"reject"|"skip", ...}
@@ -236,87 +236,54 @@ local function address(host)
   return resolved[host]
 end
 
--- One request/response on `sock` under `deadline`; every step (send, each receive) gets only what is left
--- of it. Returns status, body_text, reusable (the server keeps the connection open); or nil, error, stale
--- (stale: nothing came back at all on a reused connection, i.e. the server had closed it while idle).
-local function exchange(sock, request, deadline, reused)
+-- POST `body` to `url`; every step (connect, send, each receive) gets only what is left of `budget_s`.
+-- Returns status, body_text; or nil, error string ("timeout", "connection refused", ...).
+function M.post_json(url, body, budget_s)
+  local deadline = socket.gettime() + budget_s
+  local host, port, path = parse_url(url)
+  if not host then return nil, "bad predictor_url " .. tostring(url) end
+  local sock = socket.tcp()
+  if not sock then return nil, "no socket" end
   local function left()
     local r = deadline - socket.gettime()
     if r <= 0 then return nil end
     sock:settimeout(r, "t")
     return r
   end
-  if not left() then return nil, "timeout" end
-  local ok, err = sock:send(request)
-  if not ok then return nil, err, reused and err ~= "timeout" end
-  if not left() then return nil, "timeout" end
-  local status_line, err2 = sock:receive("*l")
-  if not status_line then return nil, err2, reused and err2 ~= "timeout" end
-  local version, code = status_line:match("^HTTP/(%d%.%d) (%d%d%d)")
-  local status = tonumber(code)
-  if not status then return nil, "bad status line" end
-  local length, keep = nil, version == "1.1"
-  while true do
-    if not left() then return nil, "timeout" end
-    local header, err3 = sock:receive("*l")
-    if not header then return nil, err3 end
-    if header == "" then break end
-    local lower = header:lower()
-    local n = lower:match("^content%-length:%s*(%d+)")
-    if n then length = tonumber(n) end
-    if lower:match("^connection:%s*close") then keep = false end
-    if lower:match("^transfer%-encoding:") then return nil, "chunked reply not supported" end
-  end
-  if not left() then return nil, "timeout" end
-  local text, err4
-  if length then
-    text, err4 = sock:receive(length)
-  else
-    text, err4 = sock:receive("*a")
-    keep = false
-  end
-  if not text then return nil, err4 == "closed" and "truncated body" or err4 end
-  return status, text, keep
-end
-
--- The connection the server left open after the last reply (HTTP/1.1 keep-alive), per Lua state: in
--- slurmctld one submission after the other reuses it (no connect, no accept, no new worker thread).
-local idle = { sock = nil, target = nil }
-
--- POST `body` to `url` under one total deadline of `budget_s` (connect, send, each receive).
--- Returns status, body_text; or nil, error string ("timeout", "connection refused", ...).
--- A kept-open connection is tried first; if the server had closed it meanwhile (nothing comes back), the
--- request goes once more over a new connection, within what is left of the same budget.
-function M.post_json(url, body, budget_s)
-  local deadline = socket.gettime() + budget_s
-  local host, port, path = parse_url(url)
-  if not host then return nil, "bad predictor_url " .. tostring(url) end
+  local function fail(err) sock:close(); return nil, err end
   local ip = address(host)
-  if not ip then return nil, "cannot resolve " .. host end
-  local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.1\r\nHost: " .. host .. ":" .. port ..
-    "\r\nContent-Type: application/json\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
-  local target = ip .. ":" .. port
-  local sock = idle.target == target and idle.sock or nil
-  if idle.sock and not sock then idle.sock:close() end
-  idle.sock, idle.target = nil, nil
-  if sock then
-    local status, text, keep = exchange(sock, request, deadline, true)
-    if status then
-      if keep then idle.sock, idle.target = sock, target else sock:close() end
-      return status, text
-    end
-    sock:close()
-    if not keep then return nil, text end      -- a real failure (timeout, garbage), not a stale connection
-  end
-  sock = socket.tcp()
-  if not sock then return nil, "no socket" end
-  local r = deadline - socket.gettime()
-  if r <= 0 then sock:close(); return nil, "timeout" end
-  sock:settimeout(r, "t")
+  if not ip then return fail("cannot resolve " .. host) end
+  if not left() then return fail("timeout") end
   local ok, err = sock:connect(ip, port)
-  if not ok then sock:close(); return nil, err end
-  local status, text, keep = exchange(sock, request, deadline, false)
-  if status and keep then idle.sock, idle.target = sock, target else sock:close() end
+  if not ok then return fail(err) end
+  local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port ..
+    "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
+  if not left() then return fail("timeout") end
+  ok, err = sock:send(request)
+  if not ok then return fail(err) end
+  if not left() then return fail("timeout") end
+  local status_line, err2 = sock:receive("*l")
+  if not status_line then return fail(err2) end
+  local status = tonumber(status_line:match("^HTTP/%d%.%d (%d%d%d)"))
+  if not status then return fail("bad status line") end
+  local length
+  while true do
+    if not left() then return fail("timeout") end
+    local header, err3 = sock:receive("*l")
+    if not header then return fail(err3) end
+    if header == "" then break end
+    local n = header:lower():match("^content%-length:%s*(%d+)")
+    if n then length = tonumber(n) end
+  end
+  if not left() then return fail("timeout") end
+  local text, err4, partial
+  if length then
+    text, err4, partial = sock:receive(length)
+  else
+    text, err4, partial = sock:receive("*a")
+  end
+  if not text then return fail(err4 == "closed" and "truncated body" or err4) end
+  sock:close()
   return status, text
 end
 
