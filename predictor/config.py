@@ -152,7 +152,8 @@ class Config:
             try:
                 values["plan_cache_ttl"] = timedelta(seconds=float(env[ENV_PLAN_CACHE_TTL]))
             except ValueError:
-                raise ValidationError(ENV_PLAN_CACHE_TTL, f"expected seconds, got {env[ENV_PLAN_CACHE_TTL]!r}") from None
+                raise ValidationError(ENV_PLAN_CACHE_TTL,
+                                      f"expected seconds, got {env[ENV_PLAN_CACHE_TTL]!r}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
