@@ -300,7 +300,8 @@ class RealPredictor:
         self.log = open(workdir / "predictor.log", "w")
         self.proc = subprocess.Popen(
             [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--db", str(self.db), "--workers", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t", **(env or {})})
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t", **(env or {})})
         import requests
         deadline = time.monotonic() + 60
         while True:
