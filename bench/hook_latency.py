@@ -5,8 +5,12 @@ phase, and prints median / p99 sbatch latency and submissions/s, with the plugin
 the same run (phases run round-robin, so the drift of a shared host spreads over all of them):
 
     off          JobSubmitPlugins removed (baseline)
-    on           hook installed, jobs carry #ELASTIC lines, `elastic-predictor serve` answers (rewrite)
-    on-static    the same against a static in-process /v1/plan (the hook's own cost, without the service's)
+    on           hook installed, jobs carry #ELASTIC lines, `elastic-predictor serve` answers (rewrite); every
+                 submission is the same request, so after the first one the hook's decision cache answers
+    on-distinct  the same, but every submission differs in a decision-relevant field (its own
+                 `#ELASTIC min_efficiency=` value): the cache never hits, every submission asks the service
+    on-static    the same against a static /v1/plan in its own process, which sends no cache_ttl_s (never
+                 cached): the hook's own cost of a round trip, without the service's
     on-plain     hook installed, jobs without #ELASTIC lines (must cost nothing)
     down         hook installed, nothing listens on the predictor port (breaker opens after K failures)
     hang         hook installed, the predictor accepts connections and never answers (budget, then breaker)
@@ -14,13 +18,17 @@ the same run (phases run round-robin, so the drift of a shared host spreads over
                  runs in each sbatch process, in parallel, instead of serially inside slurmctld
 
 Targets (issue 5): on/off median <= 1.15; down/off median <= 1.3 once the breaker is open.
+Each phase of each round reinstalls the hook (a new Lua state): the cache starts empty every time.
+`--phases on,on-distinct` runs a subset (with off) for quick looks; results files come from full runs.
 
 Example: python bench/hook_latency.py --lab /var/tmp/lab-hook --port-base 17800 --out bench/results/hook_latency.md
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -158,7 +166,7 @@ dofile(DIR .. "/job_submit.lua")
 local t0 = socket.gettime()
 for i = 1, N do
   local desc = { script = SCRIPT, name = "bench", min_nodes = 1, max_nodes = 1, tres_per_job = "gres:gpu:4",
-                 environment = { SLURM_GPUS = "4" } }
+                 environment = { SLURM_GPUS = "4" }, time_limit = DISTINCT and i or nil }
   slurm_job_submit(desc, {}, 0)
 end
 io.write(string.format("%.6f", (socket.gettime() - t0) / N))
@@ -170,38 +178,44 @@ def micro(work: Path, url_static: str, url_down: str, url_real: str, calls: int 
     from slurm_plugin.installer import LUA_DIR
 
     big = "#!/bin/bash\n#SBATCH -N1\n" + ELASTIC + "".join(f"echo line {i}\n" for i in range(20000))
-    cases = [("no #ELASTIC line", "#!/bin/bash\n#SBATCH -N1 --gpus=4\nsrun true\n", url_static, 1000),
-             ("no #ELASTIC line, 20000-line script", big.replace("#ELASTIC", "#NOTELASTIC"), url_static, 1000),
-             ("#ELASTIC, static rewrite over HTTP", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_static, 1000),
-             ("#ELASTIC, elastic-predictor serve (rewrite)", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_real, 1000),
-             ("#ELASTIC, predictor port closed", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_down, 1000),
-             ("#ELASTIC, breaker open", "#!/bin/bash\n" + ELASTIC + "srun true\n", url_down, 1)]
+    elastic = "#!/bin/bash\n" + ELASTIC + "srun true\n"
+    cases = [("no #ELASTIC line", "#!/bin/bash\n#SBATCH -N1 --gpus=4\nsrun true\n", url_static, 1000, False),
+             ("no #ELASTIC line, 20000-line script", big.replace("#ELASTIC", "#NOTELASTIC"), url_static, 1000, False),
+             ("#ELASTIC, static rewrite over HTTP (no cache_ttl_s)", elastic, url_static, 1000, False),
+             ("#ELASTIC, elastic-predictor serve, same request (cache hits)", elastic, url_real, 1000, False),
+             ("#ELASTIC, elastic-predictor serve, distinct requests", elastic, url_real, 1000, True),
+             ("#ELASTIC, predictor port closed", elastic, url_down, 1000, False),
+             ("#ELASTIC, breaker open", elastic, url_down, 1, False)]
     out = []
-    for name, script, url, failures in cases:
+    for name, script, url, failures, distinct in cases:
         conf = work / f"micro{len(out)}"
         conf.mkdir()
         for lua in ("elastic_common.lua", "job_submit.lua"):
             (conf / lua).write_text((LUA_DIR / lua).read_text())
         (conf / "elastic.conf").write_text(f"predictor_url = {url}\nbudget_ms = 100\n"
                                            f"breaker_failures = {failures}\nbreaker_open_s = 300\n")
-        code = (f"DIR = {json.dumps(str(conf))}\nN = {calls}\nSCRIPT = [==[\n{script}]==]\n" + MICRO_DRIVER)
+        code = (f"DIR = {json.dumps(str(conf))}\nN = {calls}\nDISTINCT = {str(distinct).lower()}\n"
+                f"SCRIPT = [==[\n{script}]==]\n" + MICRO_DRIVER)
         proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=300, check=True)
         out.append((name, float(proc.stdout) * 1e6))
     return out
 
 
-def run_phase(env: dict, script: Path, count: int, clients: int) -> dict:
+def run_phase(env: dict, script, count: int, clients: int) -> dict:
+    """`script`: a path, or a callable giving a fresh script path per submission."""
     messages: dict[str, int] = {}
     lock = threading.Lock()
 
     def one(_):
+        path = script() if callable(script) else script
         t0 = time.perf_counter()
-        proc = subprocess.run(["sbatch", "--parsable", "-H", "-J", "bench", str(script)], capture_output=True,
+        proc = subprocess.run(["sbatch", "--parsable", "-H", "-J", "bench", str(path)], capture_output=True,
                               text=True, env=env, timeout=120)
         seconds = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"sbatch failed: {proc.stderr}")
-        key = proc.stderr.strip().split("(")[0][:60] or "(no message)"
+        text = proc.stderr.strip()
+        key = text.split("(")[0][:60] + (" (cached)" if text.endswith("(cached)") else "") or "(no message)"
         with lock:
             messages[key] = messages.get(key, 0) + 1
         return seconds, int(proc.stdout.strip().split(";")[0])
@@ -217,13 +231,26 @@ def run_phase(env: dict, script: Path, count: int, clients: int) -> dict:
             "median_s": statistics.median(s for s, _ in results)}
 
 
+HOOK_MS_RE = re.compile(r"slurm_job_submit: elastic: uid \d+: [^(]*\(([0-9.]+) ms\)")
+
+
+def hook_ms(log: Path, offset: int) -> list[float]:
+    """The hook's own durations (its slurmctld log line per call) written after `offset`."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        return [float(m) for m in HOOK_MS_RE.findall(f.read().decode(errors="replace"))]
+
+
 def summarize(parts: list[dict]) -> dict:
     lat = sorted(s for part in parts for s in part["latencies"])
     messages: dict[str, int] = {}
     for part in parts:
         for key, n in part["messages"].items():
             messages[key] = messages.get(key, 0) + n
+    hook = sorted(ms for part in parts for ms in part.get("hook_ms", []))
     return {"median_ms": statistics.median(lat) * 1000, "p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1000,
+            "hook_median_ms": statistics.median(hook) if hook else None,
+            "hook_p90_ms": hook[int(0.9 * (len(hook) - 1))] if hook else None,
             "per_s": len(lat) / sum(part["wall_s"] for part in parts), "messages": messages, "n": len(lat)}
 
 
@@ -237,6 +264,7 @@ def main():
                         help="phases run round-robin this many times (count/rounds jobs each), so drift of a "
                              "shared host spreads over all phases")
     parser.add_argument("--budget-ms", type=int, default=100)
+    parser.add_argument("--phases", help="comma-separated subset of the phases to run (off always runs first)")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
 
@@ -247,8 +275,21 @@ def main():
     env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
     others = [ln for ln in bed.slurm_conf_lines() if not ln.startswith(("JobSubmitPlugins", "CliFilterPlugins"))]
     work = Path(tempfile.mkdtemp(prefix="hook-bench-"))
+    ctld_log = bed.config.lab / "log" / "slurmctld.log"
     elastic_job = work / "elastic.sh"
     elastic_job.write_text("#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\n" + ELASTIC + "srun true\n")
+    serial = itertools.count(1)
+    serial_lock = threading.Lock()
+
+    def distinct_job() -> Path:
+        """A script of its own: `min_efficiency=0.5NNNNN` differs from every other submission's."""
+        with serial_lock:
+            n = next(serial)
+        path = work / f"distinct{n}.sh"
+        path.write_text("#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\n" + ELASTIC + f"#ELASTIC min_efficiency=0.5{n:05d}\n"
+                        "srun true\n")
+        return path
+
     plain_job = work / "plain.sh"
     plain_job.write_text("#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\nsrun true\n")
 
@@ -264,18 +305,24 @@ def main():
     down_url = f"http://127.0.0.1:{free_port()}"
     cli = "CliFilterPlugins=lua"
     phases = [("off", None, elastic_job, ""), ("on", predictor.url, elastic_job, ""),
+              ("on-distinct", predictor.url, distinct_job, ""),
               ("on-static", static.url, elastic_job, ""), ("on-plain", predictor.url, plain_job, ""),
               ("down", down_url, elastic_job, ""), ("hang", hole.url, elastic_job, ""),
               ("cli_filter on", predictor.url, elastic_job, cli)]
-    micro_rows = micro(work, static.url, down_url, predictor.url)
-    for name, us in micro_rows:
-        print(f"micro {name:40} {us:9.1f} us/call", flush=True)
+    if args.phases:
+        wanted = {"off", *args.phases.split(",")}
+        phases = [phase for phase in phases if phase[0] in wanted]
     samples: dict[str, list] = {name: [] for name, _, _, _ in phases}
     try:
+        micro_rows = micro(work, static.url, down_url, predictor.url)
+        for name, us in micro_rows:
+            print(f"micro {name:40} {us:9.1f} us/call", flush=True)
         for round_no in range(args.rounds):
             for name, url, job, plugin in phases:
                 enable(url, plugin or "JobSubmitPlugins=lua")
+                offset = ctld_log.stat().st_size
                 samples[name].append(run_phase(env, job, args.count // args.rounds, args.clients))
+                samples[name][-1]["hook_ms"] = hook_ms(ctld_log, offset)
                 print(f"round {round_no + 1} {name:12} {samples[name][-1]['median_s'] * 1000:7.2f} ms", flush=True)
     finally:
         enable(None)
@@ -287,14 +334,19 @@ def main():
     base = rows[0][1]
     lines = [f"# sbatch latency with the job_submit hook ({args.count} held jobs per phase, {args.clients} parallel "
              f"clients, {args.rounds} round-robin rounds, budget {args.budget_ms} ms, breaker K=3)", "",
-             f"Run: `python bench/hook_latency.py --lab {args.lab} --port-base {args.port_base}` on "
+             f"Run: `python bench/hook_latency.py --lab {args.lab} --port-base {args.port_base} --count {args.count} "
+             f"--rounds {args.rounds}` on "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2-core shared host. Ratios against the first `off` row.",
-             "", "| phase | median ms | p99 ms | submissions/s | median / off | p99 / off | messages |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "`hook ms`: the hook's own time per call inside slurmctld (median / p90 of its log lines), which "
+             "slurmctld spends serially under its locks.",
+             "", "| phase | median ms | p99 ms | submissions/s | median / off | p99 / off | hook ms | messages |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, row in rows:
         msgs = "; ".join(f"{k} x{v}" for k, v in row["messages"].items())
+        hook = "" if row["hook_median_ms"] is None else f"{row['hook_median_ms']:.1f} / {row['hook_p90_ms']:.1f}"
         lines.append(f"| {name} | {row['median_ms']:.2f} | {row['p99_ms']:.2f} | {row['per_s']:.1f} | "
-                     f"{row['median_ms'] / base['median_ms']:.2f} | {row['p99_ms'] / base['p99_ms']:.2f} | {msgs} |")
+                     f"{row['median_ms'] / base['median_ms']:.2f} | {row['p99_ms'] / base['p99_ms']:.2f} | {hook} | "
+                     f"{msgs} |")
     lines += ["", "One `slurm_job_submit` call in lua5.1 with a stub `slurm` table (no slurmctld, no sbatch; 300 calls "
               "each, same host, same run): the hook's own cost, which slurmctld pays serially under its locks.", "",
               "| case | us per call |", "|---|---:|"]
