@@ -49,6 +49,8 @@ class PluginConfig:
         breaker_failures: failures in a row that open the circuit breaker.
         breaker_open: how long an open breaker skips the call.
         cli_filter: also install cli_filter.lua (the same request from sbatch's side).
+        cache_entries: size of job_submit.lua's decision cache (reuse of a /v1/plan decision for identical
+            requests within the `cache_ttl_s` the service sends); 0 turns it off on this side.
     """
 
     conf_dir: Path
@@ -57,6 +59,7 @@ class PluginConfig:
     breaker_failures: int = 3
     breaker_open: timedelta = timedelta(seconds=30)
     cli_filter: bool = False
+    cache_entries: int = 1024
 
     def __post_init__(self):
         parts = urlsplit(self.predictor_url)
@@ -68,6 +71,8 @@ class PluginConfig:
             raise InstallError(f"breaker_failures must be >= 1, got {self.breaker_failures}")
         if self.breaker_open.total_seconds() < 0:
             raise InstallError("breaker_open must not be negative")
+        if not 0 <= self.cache_entries <= 1_000_000:
+            raise InstallError(f"cache_entries must be 0..1000000, got {self.cache_entries}")
 
     def conf_text(self) -> str:
         budget_ms = self.budget.total_seconds() * 1000
@@ -77,6 +82,7 @@ class PluginConfig:
             f"budget_ms = {budget_ms:g}\n"
             f"breaker_failures = {self.breaker_failures}\n"
             f"breaker_open_s = {self.breaker_open.total_seconds():g}\n"
+            f"cache_entries = {self.cache_entries}\n"
         )
 
     def slurm_conf_lines(self) -> list[str]:
@@ -172,16 +178,18 @@ def add_to_slurm_conf(slurm_conf: Path, lines: list[str]) -> bool:
 @click.option("--breaker-open-s", type=click.FloatRange(0, 86400), default=30.0, show_default=True,
               help="Seconds an open breaker skips the call.")
 @click.option("--cli-filter", is_flag=True, help="Also install cli_filter.lua (CliFilterPlugins=lua).")
+@click.option("--cache-entries", type=click.IntRange(0, 1_000_000), default=1024, show_default=True,
+              help="Decisions job_submit.lua keeps for identical requests (the service sets how long); 0: none.")
 @click.option("--apply", is_flag=True, help="Add the lines to DIR/slurm.conf and run `scontrol reconfigure`.")
 def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_failures: int,
-                   breaker_open_s: float, cli_filter: bool, apply: bool) -> None:
+                   breaker_open_s: float, cli_filter: bool, cache_entries: int, apply: bool) -> None:
     """Install the job_submit (and cli_filter) Lua hooks and print the slurm.conf lines.
 
     Example: elastic-slurm install-plugin --conf-dir /etc/slurm --predictor-url http://10.0.0.5:8080 --apply
     """
     try:
         config = PluginConfig(conf_dir.absolute(), predictor_url, timedelta(milliseconds=budget_ms),
-                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter)
+                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter, cache_entries)
         versions = check_lua()
         written = install(config)
     except InstallError as exc:

@@ -356,7 +356,8 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
     assert [p.name for p in written] == ["elastic_common.lua", "elastic.conf", "cli_filter.lua", "job_submit.lua"]
     assert (tmp_path / "job_submit.lua").stat().st_mtime > int(loaded_at)  # slurmctld compares whole seconds
     assert (tmp_path / "elastic.conf").read_text().splitlines()[1:] == [
-        "predictor_url = http://127.0.0.1:8470", "budget_ms = 80", "breaker_failures = 5", "breaker_open_s = 12"]
+        "predictor_url = http://127.0.0.1:8470", "budget_ms = 80", "breaker_failures = 5", "breaker_open_s = 12",
+        "cache_entries = 1024"]
     # the installed hook reads that config and works from its own directory
     [result] = run_hook(tmp_path, [{"job_desc": job()}])
     assert "connection refused" in kinds(result, "user_msg")[0]

@@ -97,10 +97,14 @@ def test_reuse_counts_ride_on_the_next_real_request_and_survive_a_failure(tmp_pa
         planner.parse_request(body)    # the service accepts the field
 
 
-def test_full_cache_is_emptied(tmp_path, predictor):
-    conf = install(tmp_path, predictor.url)
-    with open(conf / "elastic.conf", "a") as f:
-        f.write("cache_entries = 2\n")
-    cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 3rd entry empties it
-    run_hook(conf, cases)
-    assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == [1, 2, 3, 1]
+@pytest.mark.parametrize("entries, asked", [(2, [1, 2, 3, 1]), (0, [1, 2, 1, 3, 1])], ids=["full-emptied", "off"])
+def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
+    from datetime import timedelta
+
+    from slurm_plugin.installer import PluginConfig
+    from slurm_plugin.installer import install as install_plugin
+
+    install_plugin(PluginConfig(tmp_path, predictor.url, timedelta(milliseconds=100), cache_entries=entries))
+    cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 2 entries: 3rd empties it
+    run_hook(tmp_path, cases)
+    assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked
