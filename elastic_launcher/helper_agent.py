@@ -10,9 +10,9 @@ Lifecycle contract (no orphan allocations): the agent, and with it the helper jo
 - all its workers have ended (they left at a commit point after a shrink, or training finished);
 - the controller writes `helper/<id>/stop` (the workers get `stop_timeout` to end, then SIGTERM/SIGKILL);
 - the main job is no longer RUNNING in Slurm (completed, cancelled, failed, timed out, or unknown) *and*
-  the controller's heartbeat has stood still for `main_check_interval` (a live controller runs inside a
-  running main job; what Slurm says while slurmctld restarts cannot be told from "gone", so Slurm's word
-  alone never ends the agent while the controller beats);
+  the controller's heartbeat did not move across that check plus `BEAT_GRACE` (a live controller runs
+  inside a running main job; while slurmctld restarts, "unreachable" cannot be told from "gone", so
+  Slurm's word alone never ends the agent while the controller beats);
 - the controller's heartbeat counter has not moved, or the store could not be reached, for
   `orphan_timeout` (the controller died or hangs);
 - the agent gets SIGTERM/SIGINT (scancel of the helper, its time limit).
@@ -34,6 +34,9 @@ from elastic_launcher.workers import WorkerPool
 log = logging.getLogger("elastic_launcher.helper_agent")
 
 HEARTBEAT_KEY = "heartbeat"
+# After Slurm says the main job is not running, the agent waits this long for the heartbeat (bumped every
+# 0.5 s by a live controller) to move before it believes it.
+BEAT_GRACE = timedelta(seconds=1.5)
 
 
 def helper_key(helper_job: str, what: str) -> str:
@@ -65,6 +68,8 @@ class HelperAgent:
         main_check_interval: period of the Slurm check of the main job.
         stop_timeout: after a stop request, time the workers get to exit before they are signalled (the
             controller sends it once they left the group or failed to within its own leave timeout).
+        beat_grace: after Slurm says the main job is not running, how long the heartbeat gets to move
+            (proving the controller, and so the main job, alive) before the agent believes Slurm.
     """
 
     def __init__(self, helper_job: str, main_job: str, nodes: Sequence[str], slots: int,
@@ -72,7 +77,7 @@ class HelperAgent:
                  main_job_running: Callable[[], bool], orphan_timeout: timedelta = timedelta(seconds=30),
                  poll_interval: timedelta = timedelta(seconds=0.5),
                  main_check_interval: timedelta = timedelta(seconds=5),
-                 stop_timeout: timedelta = timedelta(seconds=5)):
+                 stop_timeout: timedelta = timedelta(seconds=5), beat_grace: timedelta = BEAT_GRACE):
         self.helper_job = str(helper_job)
         self.main_job = str(main_job)
         self.nodes = tuple(nodes)
@@ -85,6 +90,7 @@ class HelperAgent:
         self.poll_interval = poll_interval
         self.main_check_interval = main_check_interval
         self.stop_timeout = stop_timeout
+        self.beat_grace = beat_grace
         self._signalled = threading.Event()
         self.exit_reason_: Optional[str] = None
 
@@ -114,13 +120,14 @@ class HelperAgent:
             if now >= next_main_check:
                 next_main_check = now + self.main_check_interval.total_seconds()
                 if not self.main_job_running():
-                    silent_s = now - beat_seen_at
-                    if silent_s >= self.main_check_interval.total_seconds():
+                    time.sleep(self.beat_grace.total_seconds())
+                    beat = self._read_beat(store)
+                    if beat is None or beat == last_beat:
                         reason = f"main job {self.main_job} is no longer running"
                         break
-                    log.warning("helper %s: Slurm does not show main job %s running, but its controller beat "
-                                "%.1f s ago: Slurm unreachable? carrying on", self.helper_job, self.main_job,
-                                silent_s)
+                    log.warning("helper %s: Slurm does not show main job %s running, but its controller beats: "
+                                "Slurm unreachable? carrying on", self.helper_job, self.main_job)
+                    last_beat, beat_seen_at = beat, time.monotonic()
             try:
                 store = store or self.connect()
                 beat = read_key(store, HEARTBEAT_KEY)
@@ -145,6 +152,14 @@ class HelperAgent:
         except Exception:  # the controller may be gone; exiting is what matters
             pass
         return reason
+
+    def _read_beat(self, store) -> Optional[str]:
+        """The heartbeat counter now; None when the store cannot be read."""
+        try:
+            return read_key(store or self.connect(), HEARTBEAT_KEY)
+        except Exception as exc:
+            log.warning("helper %s: controller store unreachable: %s", self.helper_job, exc)
+            return None
 
     def _try_connect(self):
         try:

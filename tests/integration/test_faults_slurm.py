@@ -5,6 +5,9 @@ The suite's faults and where each is tested:
   `test_slurmctld_crash_during_a_shrink` here. The launcher's Slurm calls fail (squeue/scontrol cannot
   reach the controller), are retried with backoff (each bounded by its command timeout), and succeed once
   the controller is back; the job finishes its steps with exact accounting.
+- slurmctld crashes while the job is grown with a helper job: `test_slurmctld_crash_keeps_the_helper`.
+  The helper's agent cannot see the main job in Slurm during the outage, but the controller's heartbeat
+  moves, so it carries on; the job keeps its 4 nodes and finishes.
 - one node dies (its slurmd, slurmstepd and workers SIGKILLed): `test_node_death_shrinks_the_job` here.
   The survivors evict the dead ranks, the launcher releases the node with `client.shrink` and finishes on
   the rest; afterwards the node is revived (slurmd restarted, resumed) so later tests find 4 idle nodes.
@@ -110,6 +113,35 @@ def test_slurmctld_crash_during_a_shrink(slurm, testbed, idle_nodes, wait_until,
     wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
     wait_until(lambda: _all_idle(slurm), 150, "all nodes idle again after the restart")
     print(f"slurmctld down {down_s:.1f} s; shrink wall {shrink['wall_s']} s, release {shrink['release_s']} s")
+
+
+def test_slurmctld_crash_keeps_the_helper(slurm, testbed, idle_nodes, wait_until, submit, tmp_path):
+    work = Path(tmp_path)
+    registry, run = work / "registry", work / "run"
+    job_id = submit(_batch_script(work, registry, STEPS, extra_launch="--no-autoscale", sbatch="--no-kill"))
+    wait_until(lambda: _transition(run, "start"), 120, "the job's first step on 2 nodes")
+    assert _ctl(registry, job_id, "--nodes", "4")["ok"]
+    grow = wait_until(lambda: _transition(run, "grow"), 120, "the operator grow to 4 nodes")
+    assert (grow["from_nodes"], grow["to_nodes"], grow["world"]) == (2, 4, 4)
+    helper_out = run / f"helper-{grow['helper']}.out"
+
+    testbed.stop_controller(kill=True)
+    try:  # the agent checks the main job in Slurm every 5 s: let it fail at least twice
+        wait_until(lambda: helper_out.exists() and helper_out.read_text().count("Slurm unreachable?") >= 2, 60,
+                   "the helper agent to find Slurm unreachable twice")
+    finally:
+        testbed.start_controller()
+    assert slurm.job(int(grow["helper"])).state == "RUNNING"
+    assert _ctl(registry, job_id, "--status")["world"] == 4
+
+    _finish(slurm, wait_until, work, job_id)
+    kinds = [r["kind"] for r in _records(run)]
+    assert "failure" not in kinds and "transition_failed" not in kinds
+    _check_accounting(work / "samples", STEPS)
+    wait_until(lambda: slurm.job(int(grow["helper"])).state not in ("RUNNING", "COMPLETING"), 60,
+               "the helper to end with the job")
+    wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
+    wait_until(lambda: _all_idle(slurm), 150, "all nodes idle again after the restart")
 
 
 def test_node_death_shrinks_the_job(slurm, testbed, idle_nodes, wait_until, submit, tmp_path):

@@ -173,7 +173,7 @@ class _Store:
 def _agent(store, main_running):
     return HelperAgent("7", "3", ["node3"], 1, {}, _Pool(), connect=lambda: store, main_job_running=main_running,
                        orphan_timeout=timedelta(seconds=30), poll_interval=timedelta(seconds=0.01),
-                       main_check_interval=timedelta(seconds=0.05))
+                       main_check_interval=timedelta(seconds=0.05), beat_grace=timedelta(seconds=0.02))
 
 
 def test_helper_keeps_running_while_slurm_is_unreachable_but_the_controller_beats():
