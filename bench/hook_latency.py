@@ -5,6 +5,8 @@ phase, and prints median / p99 sbatch latency and submissions/s, with the plugin
 the same run (phases run round-robin, so the drift of a shared host spreads over all of them):
 
     off          JobSubmitPlugins removed (baseline)
+    off-as-rewritten  no hook, the job submitted as the hook rewrites it (2 nodes x 4 GPUs, --switches=1):
+                 what slurmctld itself spends on the bigger request, which no hook can avoid
     on           hook installed, jobs carry #ELASTIC lines, `elastic-predictor serve` answers (rewrite); every
                  submission is the same request, so after the first one the hook's decision cache answers
     on-distinct  the same, but every submission differs in a decision-relevant field (its own
@@ -292,6 +294,9 @@ def main():
 
     plain_job = work / "plain.sh"
     plain_job.write_text("#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\nsrun true\n")
+    rewritten_job = work / "rewritten.sh"      # what the hook turns elastic.sh into (2x4, one leaf switch)
+    rewritten_job.write_text("#!/bin/bash\n#SBATCH -N2 --gpus-per-node=4 --ntasks-per-node=4 --switches=1 -t 5\n"
+                             + ELASTIC + "srun true\n")
 
     def enable(url: str | None, plugin: str = "JobSubmitPlugins=lua"):
         if url is not None:
@@ -304,7 +309,8 @@ def main():
     predictor, static, hole = Predictor(work), StaticPlan(), Blackhole()
     down_url = f"http://127.0.0.1:{free_port()}"
     cli = "CliFilterPlugins=lua"
-    phases = [("off", None, elastic_job, ""), ("on", predictor.url, elastic_job, ""),
+    phases = [("off", None, elastic_job, ""), ("off-as-rewritten", None, rewritten_job, ""),
+              ("on", predictor.url, elastic_job, ""),
               ("on-distinct", predictor.url, distinct_job, ""),
               ("on-static", static.url, elastic_job, ""), ("on-plain", predictor.url, plain_job, ""),
               ("down", down_url, elastic_job, ""), ("hang", hole.url, elastic_job, ""),
