@@ -272,10 +272,20 @@ class Testbed:
         slurmd = self._pid(d)
         if slurmd is None:
             raise TestbedError(d.name, "not running, nothing to kill")
-        stepds = [pid for pid, cmd in _processes() if cmd.startswith(b"slurmstepd") and _writes(pid, d.log_file)]
+        stepds = self.stepds(node=node)
         victims = [slurmd, *stepds, *_descendants(stepds)]
         _kill_and_wait(victims, f"node {node}")
         return victims
+
+    def stepds(self, node: str | None = None, job_id: int | None = None) -> list[int]:
+        """Live slurmstepd processes of this lab (each keeps its node's slurmd log open), only those on
+        `node` and/or of `job_id` when given. A step that ended while slurmctld was down keeps its stepd
+        until the step-completion message gets through (it retries every 60 s)."""
+        logs = [d.log_file for d in self.daemons() if d.name.startswith("slurmd-")
+                and (node is None or d.name == f"slurmd-{node}")]
+        prefix = b"slurmstepd: [" + (b"" if job_id is None else f"{job_id}.".encode())
+        return [pid for pid, cmd in _processes()
+                if cmd.startswith(prefix) and process_alive(pid) and any(_writes(pid, log) for log in logs)]
 
     def revive_node(self, node: str) -> str:
         """Start the node's slurmd again and return the node to service (`State=RESUME` when Slurm has

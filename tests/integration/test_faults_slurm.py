@@ -22,6 +22,8 @@ nodes idle, also when it fails (the fault is undone in `finally`).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -64,6 +66,18 @@ def _environ(pid: int) -> bytes:
 def _out(work: Path) -> str:
     path = work / "job.out"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _settled(testbed, slurm, wait_until, job_id: int) -> None:
+    """Leave the cluster as found: no stepd of the job left (one whose step ended during the outage retries
+    its completion message every 60 s; killing slurmctld again before that drains its node with "Kill task
+    failed"), slurmctld running, every node idle."""
+    wait_until(lambda: not testbed.stepds(job_id=job_id), 120, f"no slurmstepd of job {job_id} left")
+    assert next(s for s in testbed.status() if s.name == "slurmctld").running
+    wait_until(lambda: _all_idle(slurm), 90, "all nodes idle")
+    reasons = subprocess.run(["sinfo", "-h", "-N", "-R", "-o", "%N|%E"], env={**os.environ, **testbed.env()},
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    assert not reasons.strip(), f"nodes drained or down: {reasons}"
 
 
 def _finish(slurm, wait_until, work: Path, job_id: int) -> dict:
@@ -109,9 +123,8 @@ def test_slurmctld_crash_during_a_shrink(slurm, testbed, idle_nodes, wait_until,
     _finish(slurm, wait_until, work, job_id)
     committed = _check_accounting(work / "samples", STEPS)
     assert committed > STEPS * 4  # some steps ran on 2 workers before the shrink
-    assert next(s for s in testbed.status() if s.name == "slurmctld").running
     wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
-    wait_until(lambda: _all_idle(slurm), 150, "all nodes idle again after the restart")
+    _settled(testbed, slurm, wait_until, job_id)
     print(f"slurmctld down {down_s:.1f} s; shrink wall {shrink['wall_s']} s, release {shrink['release_s']} s")
 
 
@@ -141,7 +154,7 @@ def test_slurmctld_crash_keeps_the_helper(slurm, testbed, idle_nodes, wait_until
     wait_until(lambda: slurm.job(int(grow["helper"])).state not in ("RUNNING", "COMPLETING"), 60,
                "the helper to end with the job")
     wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
-    wait_until(lambda: _all_idle(slurm), 150, "all nodes idle again after the restart")
+    _settled(testbed, slurm, wait_until, job_id)
 
 
 def test_node_death_shrinks_the_job(slurm, testbed, idle_nodes, wait_until, submit, tmp_path):
@@ -169,4 +182,4 @@ def test_node_death_shrinks_the_job(slurm, testbed, idle_nodes, wait_until, subm
     committed = _check_accounting(work / "samples", STEPS)
     assert committed > STEPS * 4  # some steps ran on 2 workers before the failure
     wait_until(lambda: not _job_processes(job_id), 30, "no worker process of the job")
-    wait_until(lambda: _all_idle(slurm), 90, "all nodes idle again after node2 came back")
+    _settled(testbed, slurm, wait_until, job_id)
