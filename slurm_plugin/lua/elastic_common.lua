@@ -473,8 +473,9 @@ function M.plan(cfg, breaker, request, cache)
     return { kind = "skip", why = "cannot encode request: " .. tostring(encode_err) }
   end
   local status, text = M.post_json(cfg.predictor_url .. "/v1/plan", body, (tonumber(cfg.budget_ms) or 100) / 1000)
-  -- Reuse counts are delivered with a 200; after a transport error or 5xx they go with the next request.
-  if cache and (status == nil or status >= 500) then cache.restore(reused) end
+  -- Reuse counts are delivered with a 200 (stored with the decision); a 400 drops them (they would be
+  -- refused again); after anything else (no answer, 422, 5xx, ...) they go with the next request.
+  if cache and status ~= 200 and status ~= 400 then cache.restore(reused) end
   local why
   if not status then
     why = tostring(text)
