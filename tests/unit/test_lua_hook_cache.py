@@ -108,3 +108,12 @@ def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
     cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 2 entries: 3rd empties it
     run_hook(tmp_path, cases)
     assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked
+
+
+def test_reuse_counts_survive_a_422(tmp_path, predictor):
+    cases = [{"job_desc": job(mode="cached")}, {"job_desc": job(mode="x")},
+             {"job_desc": job(mode="422", time_limit=8)},            # rejected: the service stored nothing
+             {"job_desc": job(mode="cached", time_limit=9)}]
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    assert results[2]["rc"] != 0
+    assert [r["body"].get("reused") for r in predictor.requests] == [None, {"d-44": 1}, {"d-44": 1}]
