@@ -21,6 +21,11 @@ this lab's (its SLURM_CONF, socket or datadir), with SIGTERM, then SIGKILL after
 `stop_timeout` (a slurmd stuck in registration ignores SIGTERM). `down(wipe=True)` also removes the
 state, spool, database and logs together (job ids restart at 1, so state and DB go as one).
 
+Fault injection (tests/integration/test_faults_slurm.py): `stop_controller()` / `start_controller()`
+crash and restart slurmctld, `kill_node(node)` SIGKILLs a node's slurmd, its slurmstepd processes and their
+tasks (a node death on this one-host cluster), `revive_node(node)` brings it back to service; `stepds()`
+lists the lab's live slurmstepd processes.
+
 Hook for the installer (slurm_plugin/installer.py): put job_submit.lua / cli_filter.lua into
 `testbed.config.etc` (next to slurm.conf), then call
 
