@@ -61,7 +61,10 @@ class Service:
             self.proc = subprocess.Popen(
                 [self.exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--db", str(self.db),
                  "--workers", "2"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t", "ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S": "0.2"})
+                # TTL 0: the hook's decision cache would answer the storm's identical submissions without
+                # asking the service, and this test is about every submission meeting a dying service
+                env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t", "ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S": "0.2",
+                     "ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "0"})
         self.starts += 1
         deadline = time.monotonic() + 60
         while wait:
