@@ -33,17 +33,20 @@ class Predictor:
         sync_weight: weight of reported sync times against step times in the step fit.
         w_l2: ridge weight of a link's topology corrections.
         dw_l2: ridge weight of a job's own refinement of them.
+        shape_l2: ridge weight of a link's per-shape corrections (learnt from shapes >= 2 jobs ran).
         gamma_prior: compute/sync overlap exponent used where it cannot be fitted.
         f_scale: soft-L1 scale of log residuals in the step fit.
     """
 
     def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,
-                 w_l2: float = 1.0, dw_l2: float = 0.3, gamma_prior: float = 1.5, f_scale: float = 0.05):
+                 w_l2: float = 1.0, dw_l2: float = 0.3, shape_l2: float = 1.0, gamma_prior: float = 1.5,
+                 f_scale: float = 0.05):
         self.bucket_cap_mb = bucket_cap_mb
         self.link_prior_weight = link_prior_weight
         self.sync_weight = sync_weight
         self.w_l2 = w_l2
         self.dw_l2 = dw_l2
+        self.shape_l2 = shape_l2
         self.gamma_prior = gamma_prior
         self.f_scale = f_scale
 
@@ -82,6 +85,7 @@ class Predictor:
             bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
                               for o in steps])
             fit = fit_throughput(steps, bases, sync_weight=self.sync_weight, w_l2=self.w_l2, dw_l2=self.dw_l2,
+                                 shape_l2=self.shape_l2,
                                  gamma_prior=self.gamma_prior, f_scale=self.f_scale)
         else:
             fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
@@ -167,7 +171,7 @@ class Predictor:
                 link_std = max(link_std, self.links_.link_log_std(link))
         s_i = self.net_.get("intra", {}).get(intra, 0.0)
         s_e, w = self.net_.get("inter", {}).get(inter or "", (0.0, (0.0,) * N_PHI))
-        return NetParams(s_i, s_e, w), link_std
+        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or "")), link_std
 
     def link_stats(self) -> list[dict]:
         """Per link: alpha_s, bandwidth_Bps (as steps see it), n collectives, n_steps, log_rmse (collective fit

@@ -6,7 +6,7 @@ inter link E). With K = max_i k_i and G = sum_i k_i:
     compute     T_c = c0 + c1 * b^e                                  per (P, g), fitted from step history
     intra sync  T_I = sum_buckets LM_I(allreduce, K, bucket)         reduce-scatter/all-gather inside a node
     inter sync  T_E = sum_buckets LM_E(allreduce, n, bucket)         ring across the n nodes' NICs
-    sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout)))
+    sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout) + u_E[shape]))
     step        T   = (T_c^gamma + T_s^gamma)^(1/gamma)              gamma=1: no overlap, large: full overlap
     throughput  X   = G * b / T
 
@@ -20,10 +20,14 @@ phi(layout) are the learned topology corrections of the inter link (only for n >
     w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement from its own rows (not for log n,
     whose extrapolation to node counts a job has not run on rests on the link's pooled rows).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
+u_E[shape] is the inter link's own correction for one layout shape (GPUs per node, sorted: `1133` and `1313` are
+one shape), learnt only from shapes that >= 2 jobs ran on that link and pulled to 0 by a ridge (shape_l2, set
+a priori equal to the links' w_l2, not tuned), so a new job inherits what other jobs saw of that exact shape;
+an unseen shape gets 0 and rests on phi.
 
 Fitting (`fit_throughput`): bounded scipy least squares of log step time (soft L1), plus the exposed sync time
 (T - T_c) where steps report `sync_s`, with ridge penalties pulling s_L, w and S to 0 (the link model and the
-profile). Parameters the rows cannot identify are pinned: w_E and s_E without multi-node rows, s_I without
+profile; u to 0). Parameters the rows cannot identify are pinned: w_E and s_E without multi-node rows, s_I without
 multi-GPU rows on one node, gamma, S and dw without multi-GPU rows of that (P, g), c0 with a single batch
 size, e with fewer than 4, a weight whose feature does not vary over the rows.
 `result.success` is checked; on failure the initial (prior) values are kept and `converged` says so.
@@ -66,6 +70,7 @@ class NetParams(NamedTuple):
     log_intra: float  # s_I: log scale of the intra-node link model
     log_inter: float  # s_E: log scale of the inter-node link model
     w: tuple  # N_PHI topology correction weights on the inter-node time
+    shape: dict | None = None  # {layout class (sorted GPUs per node): u}, learnt per shape on the inter link
 
 
 def layout_features(layout) -> np.ndarray:
@@ -80,12 +85,17 @@ def layout_features(layout) -> np.ndarray:
     return np.array([pair, lk, pair * lk, math.log(n), odd, unbal, odd * unbal, 1.0 / (n - 1)])
 
 
+def layout_class(layout) -> tuple:
+    """A layout's shape: its GPUs per node sorted, so permutations (`1133`, `1313`) are one shape."""
+    return tuple(sorted(int(k) for k in layout))
+
+
 def _predict_compute(c0, c1, b, e=1.0):
     return c0 + c1 * b**e
 
 
-def _predict_sync(log_bytes_scale, log_intra, log_inter, w, t_intra, t_inter, phi):
-    corr = np.exp(np.clip(np.sum(phi * w, axis=-1), -20, 20))
+def _predict_sync(log_bytes_scale, log_intra, log_inter, w, t_intra, t_inter, phi, u=0.0):
+    corr = np.exp(np.clip(np.sum(phi * w, axis=-1) + u, -20, 20))
     return np.exp(log_bytes_scale) * (np.exp(log_intra) * t_intra + np.exp(log_inter) * t_inter * corr)
 
 
@@ -103,7 +113,7 @@ def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tu
 
 
 def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
-                   dw_l2: float = 1.0,
+                   dw_l2: float = 1.0, shape_l2: float = 1.0,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
                    gamma_prior: float = 1.5, max_nfev: int = 400) -> dict:
     """Fit PerfParams per (profile, gpu), s_I per intra link, (s_E, w_E) per inter link on step rows.
@@ -129,6 +139,9 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     ii = np.array([intras.index(r["intra_link"]) for r in rows])
     ei = np.array([inters.index(r.get("inter_link") or "") for r in rows])
     t_i, t_e = bases[:, 0], bases[:, 1]
+    shape = [layout_class(r["layout"]) for r in rows]
+    shapes = sorted({(ei[k], shape[k]) for k in range(len(rows)) if nn[k] > 1})
+    si = np.array([shapes.index((ei[k], shape[k])) if nn[k] > 1 else -1 for k in range(len(rows))])
 
     # ---- parameter vector layout with pinning ----
     names, x0, lo, hi = [], [], [], []
@@ -185,6 +198,44 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             fixed[("sE", f)] = 0.0
             for q in range(N_PHI):
                 fixed[("w", f, q)] = 0.0
+    # shape effects: only where >= 2 jobs ran that shape on that link; 0 in the first stage (see below)
+    u_free = [("u", q) for q in range(len(shapes)) if len({pi[k] for k in np.flatnonzero(si == q)}) >= 2]
+    fixed.update({("u", q): 0.0 for q in range(len(shapes))})
+    has_sync = np.isfinite(sync) & (G > 1)
+    ly = np.log(y)
+    ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2, "u": shape_l2}
+    ctx = {"pairs": pairs, "intras": intras, "inters": inters, "shapes": shapes, "pi": pi, "ii": ii, "ei": ei,
+           "si": si, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly, "sync": sync,
+           "has_sync": has_sync, "sync_weight": sync_weight, "f_scale": f_scale, "max_nfev": max_nfev}
+    x, ok, cost, unpack, model = _solve(ctx, names, x0, lo, hi, fixed, ridge)
+    if u_free and ok:
+        # Second stage: the shape effects are what the fitted model leaves unexplained, every other parameter
+        # held, so phi's weights (which extrapolate to unseen shapes) are fitted as if no shape were special.
+        fixed = {**fixed, **dict(zip(names, map(float, x)))}
+        for n in u_free:
+            del fixed[n]
+        x, ok, cost, unpack, model = _solve(ctx, u_free, [0.0] * len(u_free), [-3.0] * len(u_free),
+                                            [3.0] * len(u_free), fixed, ridge)
+    c0, c1, g, S, sI, sE, W, DW, E, U = unpack(x)
+    _, _, t = model(x)
+    err = np.log(t) - ly
+    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j]), tuple(map(float, DW[j])),
+                          float(E[j])) for j, pr in enumerate(pairs)}
+    net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
+           "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l},
+           "shape": {l: {cls: float(U[q]) for q, (f2, cls) in enumerate(shapes) if f2 == f and U[q] != 0.0}
+                     for f, l in enumerate(inters) if l}}
+    rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
+    return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": cost}
+
+
+def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
+    """Bounded soft-L1 least squares over `names` (others at `fixed`); ctx holds fit_throughput's row arrays.
+    Returns (x, converged, cost, unpack, model); on failure x is the clipped start."""
+    pairs, intras, inters, shapes = ctx["pairs"], ctx["intras"], ctx["inters"], ctx["shapes"]
+    pi, ii, ei, si, b, G, phi = ctx["pi"], ctx["ii"], ctx["ei"], ctx["si"], ctx["b"], ctx["G"], ctx["phi"]
+    t_i, t_e, y, ly, sync, has_sync = ctx["t_i"], ctx["t_e"], ctx["y"], ctx["ly"], ctx["sync"], ctx["has_sync"]
+    sync_weight, f_scale, max_nfev = ctx["sync_weight"], ctx["f_scale"], ctx["max_nfev"]
     index = {n: i for i, n in enumerate(names)}
 
     def unpack(x):
@@ -200,17 +251,15 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         W = np.array([[get(("w", f, q)) for q in range(N_PHI)] for f in range(len(inters))])
         DW = np.array([[get(("dw", j, q)) for q in range(N_PHI)] for j in range(len(pairs))])
         E = np.array([get(("e", j)) for j in range(len(pairs))])
-        return c0, c1, g, S, sI, sE, W, DW, E
+        U = np.array([get(("u", q)) for q in range(len(shapes))] + [0.0])  # U[-1]: one-node rows
+        return c0, c1, g, S, sI, sE, W, DW, E, U
 
-    has_sync = np.isfinite(sync) & (G > 1)
-    ly = np.log(y)
-    ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2}
     pen_w = np.array([ridge.get(n[0], 0.0) for n in names])
 
     def model(x):
-        c0, c1, g, S, sI, sE, W, DW, E = unpack(x)
+        c0, c1, g, S, sI, sE, W, DW, E, U = unpack(x)
         tc = _predict_compute(c0[pi], c1[pi], b, E[pi])
-        ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi) * (G > 1)
+        ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi, U[si]) * (G > 1)
         return tc, ts, _predict_step(tc, ts, g[pi])
 
     def resid(x):
@@ -220,30 +269,21 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             exposed = np.maximum(t - tc, 1e-6)
             r.append(math.sqrt(sync_weight) * (np.log(exposed[has_sync] + 1e-3 * y[has_sync])
                                                - np.log(sync[has_sync] + 1e-3 * y[has_sync])))
-        r.append(pen_w * (x - np.array(x0)) * math.sqrt(len(rows)) / 10.0)
+        r.append(pen_w * (x - np.array(x0)) * math.sqrt(len(y)) / 10.0)
         return np.concatenate(r)
 
     x0a = np.clip(np.array(x0, dtype=float), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
     with threadpool_limits(1):  # small dense problems: BLAS threads only contend on a shared machine
         res = least_squares(resid, x0a, bounds=(lo, hi), loss="soft_l1", f_scale=f_scale, max_nfev=max_nfev,
                             x_scale=1.0, ftol=1e-6, xtol=1e-6,
-                            jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, has_sync), np.array(hi)))
+                            jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, si, has_sync), np.array(hi)))
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
-    x = res.x if ok else x0a
-    c0, c1, g, S, sI, sE, W, DW, E = unpack(x)
-    _, _, t = model(x)
-    err = np.log(t) - ly
-    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j]), tuple(map(float, DW[j])),
-                          float(E[j])) for j, pr in enumerate(pairs)}
-    net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
-           "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l}}
-    rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
-    return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": float(res.cost)}
+    return (res.x if ok else x0a), ok, float(res.cost), unpack, model
 
 
-def _sparsity(names, pi, ii, ei, has_sync) -> np.ndarray:
+def _sparsity(names, pi, ii, ei, si, has_sync) -> np.ndarray:
     """Which parameters each residual depends on (rows: step residuals, sync residuals, penalties)."""
-    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei}
+    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei, "u": si}
     dep = np.zeros((len(pi), len(names)), dtype=bool)
     for k, n in enumerate(names):
         dep[:, k] = owner[n[0]] == n[1]
@@ -284,7 +324,9 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     phi = np.array([layout_features(l) for l in layouts])
     tc = _predict_compute(perf.c0, perf.c1, b, perf.e) * np.ones(len(layouts))
     w = np.array(net.w) + np.array(perf.dw)
-    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, w, bases[:, 0], bases[:, 1], phi) * (G > 1)
+    u = np.array([(net.shape or {}).get(layout_class(l), 0.0) if len(l) > 1 else 0.0 for l in layouts])
+    ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, w, bases[:, 0], bases[:, 1], phi,
+                       u) * (G > 1)
     t = _predict_step(tc, ts, perf.gamma)
     return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
 

@@ -114,3 +114,25 @@ def test_uncertainty_shrinks_as_step_history_grows(fitted):
     many = pred.predict(profiles["resnet50"], "T4", 16, CANDS[:1])[0]
     assert few["basis"] == many["basis"] == "observed"
     assert few["uncertainty"] > many["uncertainty"]
+
+
+def test_a_shape_other_jobs_found_slow_is_ranked_down_for_a_new_job_and_permutations_tie():
+    rng = np.random.default_rng(3)
+    profiles = {n: profile_from_spec("resnet50") for n in ("a", "b", "c")}
+    obs = []
+    for name, c1 in (("a", 4e-3), ("b", 6e-3), ("c", 5e-3)):
+        for lay in ([1], [2], [4], [1, 1], [2, 2], [4, 4], [1, 1, 1, 1], [1, 3], [1, 3, 3, 3], [1, 1, 3, 3]):
+            if name == "c" and len(lay) == 4 and 3 in lay:
+                continue  # c never ran either four-node shape with 3 GPUs on a node
+            for b in (8, 16, 32):
+                slow = 0.15 if sorted(lay) == [1, 1, 3, 3] else 0.0  # same features as 1333, much slower
+                t = 0.02 + c1 * b + 0.01 * max(lay) * (sum(lay) > 1) + (0.08 + slow) * (len(lay) > 1)
+                obs.append({"kind": "step", "profile": name, "gpu": "T4", "layout": lay, "intra_link": "pcie",
+                            "inter_link": "ethernet", "per_gpu_batch": b,
+                            "iter_s": t * float(np.exp(0.01 * rng.standard_normal()))})
+    pred = Predictor().fit(profiles, obs)
+    cands = [{"layout": lay, "intra_link": "pcie", "inter_link": "ethernet"}
+             for lay in ([1, 1, 3, 3], [3, 1, 3, 1], [3, 3, 3, 1])]
+    out = pred.predict(profiles["c"], "T4", 16, cands)
+    assert out[0]["iter_s"] == out[1]["iter_s"]  # permutations of one shape: one prediction
+    assert out[0]["iter_s"] > 1.1 * out[2]["iter_s"]

@@ -76,3 +76,67 @@ def test_layout_features_only_for_multi_node():
     assert not layout_features([8]).any()
     assert layout_features([2, 2])[0] == 1.0 and layout_features([2, 2, 2])[0] == 0.0
     assert len(layout_features([1, 3])) == N_PHI
+
+
+def _two_jobs(shape_u: float, jobs=("a", "b"), seed=0):
+    """Rows of jobs whose (1, 1, 3, 3) shape pays exp(shape_u) more inter-node time than (1, 3, 3, 3), a shape with
+    the same topology features phi (so phi's weights cannot tell them apart)."""
+    rng = np.random.default_rng(seed)
+    lm, prof = empty_link_model(), profile_from_spec("resnet50")
+    net = NetParams(0.3, 0.8, (0.3, 0.2) + (0.0,) * (N_PHI - 2), {(1, 1, 3, 3): shape_u})
+    rows, bases = [], []
+    for j, job in enumerate(jobs):
+        perf = PerfParams(c0=0.02, c1=3e-3 * (1 + j), gamma=1.5, log_bytes_scale=0.0)
+        for lay in LAYOUTS + [[1, 1, 3, 3], [1, 3, 1, 3], [1, 3, 3, 3]]:
+            base = sync_bases(lm, np.array(prof.buckets_bytes, float), lay, "pcie", "ethernet")
+            for b in (16, 32, 64, 128):
+                t = predict_rows(perf, net, b, [lay], np.array([base]))["iter_s"][0]
+                rows.append({"profile": job, "gpu": "T4", "layout": lay, "intra_link": "pcie",
+                             "inter_link": "ethernet" if len(lay) > 1 else None, "per_gpu_batch": b,
+                             "iter_s": float(t * np.exp(0.01 * rng.standard_normal()))})
+                bases.append(base)
+    return rows, np.array(bases)
+
+
+def test_shape_effect_is_learnt_from_other_jobs_and_blind_to_permutations():
+    rows, bases = _two_jobs(0.7)
+    fit = fit_throughput(rows, bases)
+    assert fit["converged"]
+    u = fit["net"]["shape"]["ethernet"]
+    assert u[(1, 1, 3, 3)] - u[(1, 3, 3, 3)] > 0.3  # the slow shape is found (ridge shrinks it towards 0)
+    assert abs(u.get((2, 2, 2, 2), 0.0)) < 0.1  # a shape that behaves as its features say stays near 0
+    s_e, w = fit["net"]["inter"]["ethernet"]
+    perf = fit["perf"][("a", "T4")]
+    lm, prof = empty_link_model(), profile_from_spec("resnet50")
+    lays = [[1, 3, 1, 3], [3, 3, 1, 1], [2, 2, 2, 2], [3, 1, 3, 3]]
+    base = np.array([sync_bases(lm, np.array(prof.buckets_bytes, float), l, "pcie", "ethernet") for l in lays])
+    with_shape = predict_rows(perf, NetParams(fit["net"]["intra"]["pcie"], s_e, w, u), 32, lays, base)["iter_s"]
+    without = predict_rows(perf, NetParams(fit["net"]["intra"]["pcie"], s_e, w), 32, lays, base)["iter_s"]
+    assert with_shape[0] == with_shape[1]  # permutations of one shape are one prediction
+    assert with_shape[0] > without[0] * 1.05 and with_shape[2] == pytest.approx(without[2], rel=0.05)
+    assert with_shape[0] > with_shape[3] * 1.05  # ranks the slow shape below its phi twin
+
+
+def test_shape_of_a_single_job_gets_no_effect():
+    rows, bases = _two_jobs(0.7, jobs=("a",))
+    fit = fit_throughput(rows, bases)
+    assert fit["converged"] and fit["net"]["shape"]["ethernet"] == {}  # one job: its own dw, not a shape
+
+
+def test_pollux_reference_recovers_its_parameters_from_step_and_sync_times():
+    from predictor.pollux import PolluxModel, PolluxParams, _predict
+
+    truth = PolluxParams(alpha_c=0.02, beta_c=3e-3, alpha_n=0.05, beta_n=4e-3, alpha_r=0.01, beta_r=1e-3, gamma=1.8)
+    rng = np.random.default_rng(1)
+    rows = []
+    for lay in [[1], [2], [4], [1, 1], [2, 2], [4, 4], [1, 1, 1, 1], [2, 2, 2, 2], [4, 4, 4]]:
+        for b in (8, 16, 32, 64):
+            step, comp = (float(v) for v in _predict(truth, b, len(lay), sum(lay)))
+            noise = float(np.exp(0.01 * rng.standard_normal()))
+            rows.append({"profile": "p", "gpu": "T4", "layout": lay, "per_gpu_batch": b, "iter_s": step * noise,
+                         "sync_s": (step - comp) * noise})
+    fit = PolluxModel().fit(rows).params_[("p", "T4")]
+    assert fit.alpha_c == pytest.approx(truth.alpha_c, rel=0.15) and fit.beta_c == pytest.approx(truth.beta_c, rel=0.1)
+    test = [{**r, "layout": [3, 3]} for r in rows[:4]]  # (n, G) = (2, 6) never fitted
+    want = np.array([_predict(truth, r["per_gpu_batch"], 2, 6)[0] for r in test])
+    assert np.allclose(PolluxModel().fit(rows).predict(test), want, rtol=0.05)
