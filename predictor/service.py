@@ -12,7 +12,6 @@ dropped whenever a new model is swapped in, so a cached answer never outlives it
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
@@ -29,6 +28,12 @@ def default_predictor_factory():
     from predictor.engine import Predictor  # noqa: PLC0415
 
     return Predictor()
+
+
+def candidates_key(candidates: list[dict]) -> tuple:
+    """A hashable key equal for equal candidate lists (lists become tuples; key order as given, as the
+    producers build them: a different order only costs a cache miss)."""
+    return tuple(tuple((k, tuple(v) if type(v) is list else v) for k, v in cand.items()) for cand in candidates)
 
 
 class ModelUnavailable(RuntimeError):
@@ -194,7 +199,7 @@ class ModelCache:
         predictor, generation = self._snapshot
         if predictor is None:
             raise ModelUnavailable(self.last_error or "the model is still being fitted; retry in a few seconds")
-        key = (generation, profile.name, gpu, per_gpu_batch, json.dumps(candidates, sort_keys=True))
+        key = (generation, profile.name, gpu, per_gpu_batch, candidates_key(candidates))
         with self._cache_lock:
             hit = self._cache.get(key)
             if hit is not None:

@@ -1,4 +1,4 @@
-"""The history store: the only module that touches SQLite (through sqlite-utils).
+"""The history store: the only module that touches SQLite (sqlite-utils; the bare connection for decisions).
 
 Tables (explicit schema, created by named migrations recorded in `migrations`):
     profiles      name -> JSON body of a tensor profile
@@ -50,6 +50,11 @@ def _m0002_link_fits_and_generation(db: sqlite_utils.Database) -> None:
                                  pk="id", not_null={"model_version", "stats", "fitted_at_s"})
     db.table("meta").create({"key": str, "value": int}, pk="key", not_null={"value"})
     db.table("meta").insert({"key": "generation", "value": 0})
+
+
+def encode(document: Any) -> str:
+    """Compact JSON text, byte for byte what Flask's `jsonify` sends; NaN and Infinity raise ValueError."""
+    return json.dumps(document, separators=(",", ":"), allow_nan=False)
 
 
 _DECISION_COLUMNS = "id, created_at_s, source, action, model, reason, model_version, request, response"
@@ -238,17 +243,29 @@ class Store:
     # --- decisions ------------------------------------------------------------------------------
     def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None) -> dict:
         """Store a plan decision; returns the response with `decision_id` (`d-<n>`) filled in."""
-        db = self.db
-        with self._write():
-            cursor = db.execute(
-                "INSERT INTO decisions (created_at_s, source, action, model, reason, model_version, request, response)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [time.time(), source, response["action"], response.get("model"), response["reason"], model_version,
-                 json.dumps(request, allow_nan=False), "{}"])
-            decision_id = f"d-{cursor.lastrowid}"
-            full = {"decision_id": decision_id, **response}
-            db.execute("UPDATE decisions SET response = ? WHERE id = ?",
-                       [json.dumps(full, allow_nan=False), cursor.lastrowid])
+        return json.loads(self.add_decision_text(encode(request), response, source, model_version))
+
+    def add_decision_text(self, request_text: str, response: dict, source: str | None,
+                          model_version: str | None) -> str:
+        """Store a plan decision whose request is already JSON text; returns the stored response text.
+
+        The hot path of /v1/plan: the response is encoded once (compact, as Flask sends JSON), the
+        `decision_id` is spliced in front and the same text is both stored and sent, in one INSERT of a
+        transaction that commits before this returns (durable against SIGKILL, see the module doc). The id is
+        the next rowid, read under the write lock (`d-<max+1>`, what a plain INSERT would assign).
+
+        Raises:
+            ValueError: the response holds NaN or Infinity (nothing stored).
+        """
+        tail = encode(response)[1:]          # '"action":...}': the response always has action and reason
+        with self._write() as db:
+            conn = db.conn
+            number = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM decisions").fetchone()[0]
+            full = f'{{"decision_id":"d-{number}",' + tail
+            conn.execute("INSERT INTO decisions (id, created_at_s, source, action, model, reason, model_version,"
+                         " request, response) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (number, time.time(), source, response["action"], response.get("model"),
+                          response["reason"], model_version, request_text, full))
         return full
 
     def get_decision(self, decision_id: str) -> dict:

@@ -15,7 +15,8 @@ Series (all prefixed `elastic_predictor_`):
 Counters are the whole service's: each gunicorn worker writes its counts to `<db>.metrics/` beside the
 database (at most every 0.5 s, see `Registry`), and whichever worker answers a scrape sums them. The model
 gauges (fits, fit errors) are those of the answering worker; all workers fit the same history. The hooks are
-registered here with `before_app_request` / `after_app_request`, so every blueprint's requests are counted.
+registered here with `before_app_request` / `after_app_request`, so every blueprint's requests are counted;
+the /v1/plan view passes its parsed body and action through `note_plan`, so counting decodes nothing again.
 """
 from __future__ import annotations
 
@@ -205,15 +206,28 @@ def _count(response):
     reg = registry()
     reg.observe(request.method, endpoint, response.status_code, time.perf_counter() - t0 if t0 else 0.0)
     if endpoint == "/v1/plan" and request.method == "POST":
-        body = request.get_json(silent=True, cache=True)
-        source = body.get("source", "unknown") if isinstance(body, dict) else "unknown"
-        source = source if source in ("job_submit", "cli_filter", "launcher", "cli") else "other"
+        source = g.pop("elastic_plan_source", None) or plan_source(request.get_json(silent=True, cache=True))
         if response.status_code == 200:
-            action = (response.get_json(silent=True) or {}).get("action", "unknown")
+            action = g.pop("elastic_plan_action", "unknown")
         else:
             action = "reject" if response.status_code == 422 else "error"
         reg.decision(source, action)
     return response
+
+
+def plan_source(body) -> str:
+    """The `source` label of a /v1/plan body (`other` when missing, unknown or the body is not JSON)."""
+    source = body.get("source") if isinstance(body, dict) else None
+    return source if source in ("job_submit", "cli_filter", "launcher", "cli") else "other"
+
+
+def note_plan(body=None, action: str | None = None) -> None:
+    """Tell the request's counter what the /v1/plan view already knows, so it decodes nothing again:
+    the parsed body (only if sent as JSON, as `request.get_json` would see it) and then the 200's action."""
+    if body is not None:
+        g.elastic_plan_source = plan_source(body if request.is_json else None)
+    if action is not None:
+        g.elastic_plan_action = action
 
 
 def _model_samples(svc) -> tuple[list, list]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flask import Blueprint
+from flask import Blueprint, Response, request
 
 from predictor import planner
-from predictor.api import json_body, services
+from predictor.api import json_body, metrics, services
 from predictor.errors import NotFoundError, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
+from predictor.store import encode
 
 bp = Blueprint("predict", __name__, url_prefix="/v1")
 MAX_CANDIDATES = 512
@@ -114,11 +115,25 @@ def predict():
 @bp.post("/plan")
 def plan():
     svc = services()
-    plan_request = planner.parse_request(json_body())
+    body = json_body()
+    metrics.note_plan(body)
+    plan_request = planner.parse_request(body)
     response = planner.plan(plan_request, svc.cluster, svc.models, svc.config.default_min_efficiency,
                             svc.config.max_plan_candidates)
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a
     # model, profile or history is not reused, since it changes as soon as the admin or a job supplies it.
     ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None else 0
     response["cache_ttl_s"] = round(ttl, 3)
-    return svc.store.add_decision(plan_request.raw, response, plan_request.source, svc.models.version)
+    text = svc.store.add_decision_text(_request_text(plan_request.raw), response, plan_request.source,
+                                       svc.models.version)
+    metrics.note_plan(action=response["action"])
+    return Response(text + "\n", mimetype="application/json")    # stored and sent: the same bytes as jsonify
+
+
+def _request_text(raw: dict) -> str:
+    """The request as stored: the body's own UTF-8 text (it parsed to `raw`), else `raw` encoded again."""
+    try:
+        text = request.get_data(cache=True).decode("utf-8")
+    except UnicodeDecodeError:                  # UTF-16/32 or lone surrogates: json.loads took it, store canonical
+        return encode(raw)
+    return encode(raw) if text.startswith("\ufeff") else text
