@@ -154,7 +154,8 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
     )
-    from slurm_plugin.client import CommandBackend, start_step
+    from slurm_plugin.client import CommandBackend, is_transient, start_step
+    from slurm_plugin.errors import SlurmError
 
     # Slurm commands get our environment without the job's SLURM_* (sbatch of a helper must not inherit
     # the main job's variables; scontrol must not write resize.sh files) but with PATH, HOME, ...
@@ -236,7 +237,8 @@ def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, comma
     from elastic_launcher.helper_agent import HelperAgent
     from elastic_launcher.resize import launcher_store
     from elastic_launcher.workers import WorkerPool
-    from slurm_plugin.client import CommandBackend, start_step
+    from slurm_plugin.client import CommandBackend, is_transient, start_step
+    from slurm_plugin.errors import SlurmError
 
     _logging(False)
     allocation = allocation_from_env(os.environ)
@@ -247,7 +249,9 @@ def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, comma
     def main_running() -> bool:
         try:
             return slurm.job(int(main_job)).state == "RUNNING"
-        except Exception:  # unknown job or Slurm unreachable: treat as gone
+        except SlurmError as exc:  # unreachable (slurmctld restarting): can't tell, the heartbeat rule decides
+            return is_transient(exc)
+        except Exception:  # unknown job, bad output: treat as gone
             return False
 
     pool = WorkerPool(command, store_addr, main_job, start_step, log_dir)
