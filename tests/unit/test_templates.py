@@ -54,6 +54,10 @@ def test_template_shape_header_sbatch_elastic_then_one_command(name):
     command = templates.split_script(text)[1]
     assert sum(1 for line in command if not line.rstrip().endswith("\\")) == 1, "exactly one command"
     assert not re.search(r"/(home|scratch|work|gpfs|lustre)/", text), "templates hold no site paths"
+    # a dead node must cost the job that node only (elastic-launch drops it), not the whole job
+    assert "#SBATCH --no-kill" in text
+    rendered = templates.render(templates.get(name), templates.Params(gpus="2-16", sbatch={"time": "01:00:00"}))
+    assert "#SBATCH --no-kill" in rendered
 
 
 @pytest.mark.parametrize("name", NAMES)
