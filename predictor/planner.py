@@ -280,6 +280,8 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
 
 
 def _finite(value: Any) -> float | None:
+    if type(value) is float:                    # the common case, without the conversion
+        return value if math.isfinite(value) else None
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
@@ -293,23 +295,21 @@ def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
 
 def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest, *, profile_name: str, gpu: str,
             batch: int, min_eff: float, limit_note: str, requested: tuple, version: str | None) -> dict:
-    best: dict[int, dict] = {}
+    by_gpus: dict[int, list[dict]] = {}
     for e in entries:
-        if e["gpus"] not in best or e["samples_per_s"] > best[e["gpus"]]["samples_per_s"]:
-            best[e["gpus"]] = e
+        by_gpus.setdefault(e["gpus"], []).append(e)
+    best = {gpus: max(group, key=_throughput) for gpus, group in by_gpus.items()}   # first of equals
     counts = sorted(best)
     # Walk up the counts from an anchor (the last accepted count); a count is accepted when growing from
     # the anchor to it has efficiency >= min_eff. Rejected counts are skipped, not a stop: 4 -> 6 GPUs may
     # be poor (6 = 3x3 crosses nodes) while 4 -> 8 (2x4) is worth it.
     anchor, feasible, rejected = counts[0], {counts[0]}, []
-    for e in entries:
-        if e["gpus"] == anchor:
-            e["efficiency"] = 1.0
+    for e in by_gpus[anchor]:
+        e["efficiency"] = 1.0
     for gpus in counts[1:]:
         t_anchor = best[anchor]["samples_per_s"]
-        for e in entries:
-            if e["gpus"] == gpus:
-                e["efficiency"] = _efficiency(t_anchor, e["samples_per_s"], anchor, gpus)
+        for e in by_gpus[gpus]:
+            e["efficiency"] = _efficiency(t_anchor, e["samples_per_s"], anchor, gpus)
         if best[gpus]["efficiency"] >= min_eff:
             feasible.add(gpus)
             anchor, rejected = gpus, []
@@ -356,6 +356,10 @@ def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest,
 
 def _order(e: dict):
     return (e["gpus"], e["nodes"])
+
+
+def _throughput(e: dict) -> float:
+    return e["samples_per_s"]
 
 
 def _efficiency(t_k: float, t_next: float, k: int, k_next: int) -> float:
