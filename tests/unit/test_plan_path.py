@@ -1,10 +1,14 @@
 """The cheap /v1/plan path (issue #5): one encode, one INSERT, no re-decoding, same contract and bytes."""
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import sqlite3
 import threading
+import time
+import urllib.error
+import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -128,3 +132,55 @@ def test_candidates_key_tells_links_apart_and_matches_equal_lists():
     assert candidates_key(a) != candidates_key([{"layout": [4, 4], "intra_link": "nvlink"}])
     assert candidates_key(a + a) != candidates_key(a)
     hash(candidates_key(a))
+
+
+def test_sigkill_during_a_plan_burst_loses_no_acknowledged_decision(tmp_path):
+    """Issue #8's rule on the /v1/plan path: a decision whose 200 reached the client survives SIGKILL."""
+    from tests.unit.test_store_durability import _free_port, _kill, _serve  # noqa: PLC0415
+
+    db, port = tmp_path / "plans.db", _free_port()
+    proc = _serve(db, port, tmp_path / "serve.log")
+    acked: dict[str, tuple[dict, dict]] = {}
+    lock, stop = threading.Lock(), threading.Event()
+    errors: list = []
+
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = {**PLAN, "job": {**PLAN["job"], "name": f"j{n}-{i}"}}
+            i += 1
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/plan", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=30) as answer:
+                    reply = json.loads(answer.read())
+            except urllib.error.HTTPError as exc:
+                errors.append((exc.code, exc.read()[:200]))
+                return
+            except (OSError, ValueError, http.client.HTTPException):
+                return                                     # killed: refused, reset or cut mid-answer
+            with lock:
+                acked[reply["decision_id"]] = (body, reply)
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(acked) < 300 and time.monotonic() < deadline and not errors:
+        time.sleep(0.01)
+    _kill(proc)                                            # the whole process group, mid-burst
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert len(acked) >= 300, "the burst did not get going before the kill"
+    _kill(_serve(db, port, tmp_path / "serve.log"))        # restart on the same file (WAL recovery)
+    store = Store(str(db))
+    try:
+        for decision_id, (body, reply) in acked.items():
+            stored = store.get_decision(decision_id)
+            assert stored["request"] == body and stored["response"] == reply
+    finally:
+        store.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
