@@ -5,11 +5,14 @@ import http.client
 import json
 import re
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -184,3 +187,25 @@ def test_sigkill_during_a_plan_burst_loses_no_acknowledged_decision(tmp_path):
         store.close()
     with sqlite3.connect(db) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+
+FREEZE_PROBE = """
+import gc, json, sys
+from predictor.service import ModelCache
+from predictor.store import Store
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
+store = Store(sys.argv[1]); store.migrate()
+store.put_profile(PROFILE["name"], PROFILE); store.add_observations([STEP, COLLECTIVE])
+cache = ModelCache(store, FakePredictor)
+counts = [gc.get_freeze_count()]
+cache.refit(); counts.append(gc.get_freeze_count())
+store.add_observations([STEP]); cache.refit(); counts.append(gc.get_freeze_count())
+print(json.dumps(counts))
+"""
+
+
+def test_the_first_fit_of_a_process_freezes_the_heap_once(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FREEZE_PROBE, str(tmp_path / "f.db")], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    before, first, second = json.loads(out.stdout)
+    assert before == 0 and first > 10000 and second <= first      # frozen objects can still be freed
