@@ -190,7 +190,28 @@ def permutation_noise(rows) -> dict | None:
         return None
     rms = lambda v: float(np.sqrt(np.mean(np.square(v))) * 100)  # noqa: E731
     return {"pairs": len(means), "rms_pct": rms(diffs), "persistent_pct": rms(means),
-            "independent_pct": float(np.sqrt(np.mean(indep)) * 100)}
+            "independent_pct": float(np.sqrt(np.mean(indep)) * 100), "cross_job_r": _cross_job_r(by)}
+
+
+def _cross_job_r(by: dict) -> float | None:
+    """Mean correlation, over pairs of jobs, of a placement's persistent offset from its shape's mean. Near 0:
+    the offset belongs to the job's measurement session, not to the cluster (nodes, links), so no history of
+    other jobs on that exact placement can predict it."""
+    offsets: dict[str, dict] = {}
+    for (job, _), perms in by.items():
+        if len(perms) < 2:
+            continue
+        mean = {layout: np.mean(list(v.values())) for layout, v in perms.items()}
+        centre = np.mean(list(mean.values()))
+        offsets.setdefault(job, {}).update({layout: m - centre for layout, m in mean.items()})
+    rs = []
+    jobs = sorted(offsets)
+    for i, a in enumerate(jobs):
+        for b in jobs[i + 1:]:
+            shared = sorted(set(offsets[a]) & set(offsets[b]))
+            if len(shared) >= 5:
+                rs.append(np.corrcoef([offsets[a][k] for k in shared], [offsets[b][k] for k in shared])[0, 1])
+    return float(np.mean(rs)) if rs else None
 
 
 def evaluate(rows, pred_iter, rng) -> dict:
@@ -281,7 +302,11 @@ def notes(results) -> str:
         if noise:
             lines.append(f"- {dname}: two permutations of one shape of one job differ by {noise['rms_pct']:.1f}% rms "
                          f"per row; averaged over the batch sizes still {noise['persistent_pct']:.1f}% "
-                         f"({noise['independent_pct']:.1f}% were rows independent; {noise['pairs']} pairs).")
+                         f"({noise['independent_pct']:.1f}% were rows independent; {noise['pairs']} pairs)"
+                         + (f"; that offset is not shared between jobs (mean correlation of one placement's offset "
+                            f"across pairs of jobs r = {noise['cross_job_r']:+.2f}), so the history of other jobs on "
+                            f"that exact placement cannot predict it either." if noise.get("cross_job_r") is not None
+                            else "."))
         ours, ceil = res["ours"], res.get("ceiling")
         for key, tgt, what in (("chosen_best", 0.97, "all layouts"), ("chosen_best_multinode", 0.95, "multi-node")):
             v = ours.get(key)
