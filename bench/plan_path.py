@@ -264,6 +264,9 @@ def render(results: dict, args) -> str:
                            ("healthz_cpu_ms", "CPU ms / healthz (floor)")):
             b, a = med(mode, "before", key), med(mode, "after", key)
             lines.append(f"| {mode} | {label} | {b:.3f} | {a:.3f} | {a / b:.2f} |")
+        b, a = (statistics.median(r["cpu_ms"] - r["healthz_cpu_ms"] for r in results[(mode, name)])
+                for name in ("before", "after"))
+        lines.append(f"| {mode} | CPU ms / plan above healthz (the plan path's own) | {b:.3f} | {a:.3f} | {a / b:.2f} |")
     return "\n".join(lines) + "\n"
 
 
