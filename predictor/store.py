@@ -11,7 +11,7 @@ Durability: WAL journal with `synchronous=NORMAL`. In WAL mode NORMAL never corr
 survives an application crash: a COMMIT has written the transaction's frames to the WAL file (the OS
 page cache) before the HTTP answer leaves, so a SIGKILLed worker or master loses no acknowledged write;
 tests/unit/test_store_durability.py kills `elastic-predictor serve` during a burst of writes and checks
-exactly that. Only a power loss or OS crash can roll back the last few committed transactions. Observations are re-sent telemetry and decisions are an audit trail, so losing the final
+exactly that (tests/unit/test_plan_path.py does the same for /v1/plan decisions). Only a power loss or OS crash can roll back the last few committed transactions. Observations are re-sent telemetry and decisions are an audit trail, so losing the final
 milliseconds on power loss is acceptable, while FULL would add an fsync to every POST and /v1/plan on
 the request path. Each thread gets its own connection (gunicorn workers are processes; the refit
 thread reads beside the request thread), and a busy timeout lets several workers write in turn.
