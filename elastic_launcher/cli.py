@@ -250,7 +250,12 @@ def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, comma
         try:
             return slurm.job(int(main_job)).state == "RUNNING"
         except SlurmError as exc:  # unreachable (slurmctld restarting): can't tell, the heartbeat rule decides
-            return is_transient(exc)
+            if not is_transient(exc):
+                return False
+            logging.getLogger("elastic_launcher.helper_agent").warning(
+                "helper %s: cannot ask Slurm whether main job %s runs (Slurm unreachable, carrying on): %s",
+                allocation.job_id, main_job, exc)
+            return True
         except Exception:  # unknown job, bad output: treat as gone
             return False
 

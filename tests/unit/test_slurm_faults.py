@@ -177,7 +177,8 @@ def _agent(store, main_running):
 
 
 def test_helper_keeps_running_while_slurm_is_unreachable_but_the_controller_beats():
-    """cli.agent's check reads "Slurm unreachable" as "main job not running"; a beating controller wins."""
+    """A main-job check that says "not running" (Slurm's answer may be wrong while it restarts) loses to a
+    beating controller."""
     store, checks = _Store(), []
 
     def main_running():
