@@ -311,7 +311,6 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     """
     from predictor import planner  # noqa: PLC0415
     from slurm_plugin.directives import directive_lines, parse_lines  # noqa: PLC0415
-
     from slurm_plugin.errors import DirectiveError  # noqa: PLC0415
 
     config = _config(db, cluster)

@@ -459,12 +459,7 @@ class Testbed:
         while time.monotonic() < deadline and process_alive(pid):
             time.sleep(0.02)
         if process_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            end = time.monotonic() + 5
-            while time.monotonic() < end and process_alive(pid):
-                time.sleep(0.02)
-            if process_alive(pid):
-                raise TestbedError(d.name, f"pid {pid} survived SIGKILL")
+            _kill_and_wait([pid], d.name)
         d.pid_file.unlink(missing_ok=True)
 
     def _pid(self, d: Daemon) -> int | None:
