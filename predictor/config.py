@@ -42,6 +42,9 @@ ENV_SLURM_CONF = "ELASTIC_PREDICTOR_SLURM_CONF"
 ENV_JOB_RECENT = "ELASTIC_PREDICTOR_JOB_RECENT_S"
 ENV_READ_AUTH = "ELASTIC_PREDICTOR_READ_AUTH"
 ENV_PLAN_CACHE_TTL = "ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S"
+# The variable behind each range-checked field, so an out-of-range value is reported by the name the admin set.
+_FIELD_ENV = {"max_body_bytes": ENV_MAX_BODY, "prediction_cache_size": ENV_CACHE, "refit_debounce": ENV_DEBOUNCE,
+              "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +157,15 @@ class Config:
             except ValueError:
                 raise ValidationError(ENV_PLAN_CACHE_TTL,
                                       f"expected seconds, got {env[ENV_PLAN_CACHE_TTL]!r}") from None
+        from_env = set(values)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        from_env -= {k for k, v in overrides.items() if v is not None}
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            if exc.field in from_env and exc.field in _FIELD_ENV:
+                raise ValidationError(_FIELD_ENV[exc.field], exc.message) from None
+            raise
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:

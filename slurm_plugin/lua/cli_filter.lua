@@ -9,7 +9,11 @@
 local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
 local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
 local cfg
-if loaded then cfg = elastic.read_config(dir .. "elastic.conf") end
+if loaded then
+  local problem
+  cfg, problem = elastic.read_config(dir .. "elastic.conf")
+  if problem and slurm.log_error then slurm.log_error("cli_filter: elastic: %s", problem) end
+end
 
 local function is_sbatch()
   local f = io.open("/proc/self/comm", "r")

@@ -4,7 +4,8 @@
  Loaded with dofile() from the directory of the calling script, so no package.path setup is needed.
  It holds no global state: everything is returned in the module table M.
 
-   M.read_config(path)            key = value file written by `elastic-slurm install-plugin`
+   M.read_config(path)            key = value file written by `elastic-slurm install-plugin`; returns
+                                  cfg and, when a line was unusable, a message naming file, line and key
    M.directive_lines(script)      the #ELASTIC lines of the directive block (docs/directives.md)
    M.parse_lines(lines)           typed values, or nil + {line_no, line, reason, message}
    M.is_helper(name, comment, dependency)  launcher helper jobs and expand: allocations
@@ -46,16 +47,24 @@ function M.read_config(path)
   local cfg = {}
   for k, v in pairs(DEFAULTS) do cfg[k] = v end
   local f = path and io.open(path, "r")
-  if not f then return cfg, "cannot read " .. tostring(path) end
+  if not f then return cfg, "cannot read " .. tostring(path) .. ": defaults used" end
+  local problems, number = {}, 0
   for raw in f:lines() do
+    number = number + 1
     local key, value = raw:match("^%s*([%w_]+)%s*=%s*(.-)%s*$")
     if key and DEFAULTS[key] ~= nil then
-      if type(DEFAULTS[key]) == "number" then value = tonumber(value) or DEFAULTS[key] end
+      if type(DEFAULTS[key]) == "number" and tonumber(value) == nil then
+        problems[#problems + 1] = string.format("%s:%d: %s: expected a number, got %q; default %s used",
+                                                path, number, key, value, tostring(DEFAULTS[key]))
+        value = DEFAULTS[key]
+      elseif type(DEFAULTS[key]) == "number" then
+        value = tonumber(value)
+      end
       cfg[key] = value
     end
   end
   f:close()
-  return cfg
+  return cfg, (#problems > 0 and table.concat(problems, "; ") or nil)
 end
 
 -- ---------------------------------------------------------------- directives

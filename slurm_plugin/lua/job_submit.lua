@@ -12,7 +12,9 @@ local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
 local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
 local cfg, breaker, cache
 if loaded then
-  cfg = elastic.read_config(dir .. "elastic.conf")
+  local problem
+  cfg, problem = elastic.read_config(dir .. "elastic.conf")
+  if problem then slurm.log_error("slurm_job_submit: elastic: %s", problem) end
   breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s)
   -- Module state lives as long as slurmctld's Lua state (until the script is reloaded): repeated
   -- submissions within the service's cache_ttl_s reuse its decision without a call.

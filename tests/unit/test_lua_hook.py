@@ -43,6 +43,7 @@ slurm = {
   log_error = function(fmt, ...) table.insert(msgs, {"log_error", string.format(fmt, ...)}) end,
 }
 local init_rc = dofile(DIR .. "/job_submit.lua")
+local init_msgs = msgs
 local out = {}
 for i, case in ipairs(cjson.decode(CASES)) do
   if case.sleep then socket.sleep(case.sleep) end
@@ -51,7 +52,7 @@ for i, case in ipairs(cjson.decode(CASES)) do
   local rc = slurm_job_submit(case.job_desc, {}, case.uid or 1001)
   out[i] = { rc = rc, elapsed = socket.gettime() - t0, job_desc = case.job_desc, msgs = msgs }
 end
-io.write(cjson.encode({ init_rc = init_rc, results = out }))
+io.write(cjson.encode({ init_rc = init_rc, init_msgs = init_msgs, results = out }))
 """
 
 
@@ -140,13 +141,29 @@ def install(tmp_path, url, budget_ms=100, failures=3, open_s=30):
     return tmp_path
 
 
-def run_hook(conf_dir, cases):
+def run_hook(conf_dir, cases, init_msgs=None):
+    """The results of `cases`; `init_msgs`, a list, receives what the hook logged while loading."""
     code = f"DIR = {json.dumps(str(conf_dir))}\nCASES = [==[{json.dumps(cases)}]==]\n" + DRIVER
     proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["init_rc"] == 0
+    if init_msgs is not None:
+        init_msgs.extend(out["init_msgs"] or [])
     return out["results"]
+
+
+def test_an_unusable_config_line_is_logged_with_file_line_and_key_and_the_default_kept(tmp_path, predictor):
+    conf = install(tmp_path, predictor.url)
+    (conf / "elastic.conf").write_text((conf / "elastic.conf").read_text() + "budget_ms = fast\n")
+    logged = []
+    result = run_hook(conf, [{"job_desc": job("rewrite")}], init_msgs=logged)[0]
+    assert [m for m in logged if m[0] == "log_error"] == [["log_error", f"slurm_job_submit: elastic: {conf}/elastic.conf:5: budget_ms: expected a "
+                                    f"number, got \"fast\"; default 100 used"]]
+    assert result["rc"] == 0 and result["job_desc"]["min_nodes"] == 2          # still works, on the default
+    clean = []
+    run_hook(install(tmp_path, predictor.url), [], init_msgs=clean)
+    assert [m for m in clean if m[0] == "log_error"] == [] and clean   # loading still logs its info line
 
 
 def script(*directives, body="srun python train.py"):

@@ -7,6 +7,7 @@ import pytest
 
 from predictor.app import create_app
 from predictor.config import Config
+from predictor.errors import ValidationError
 from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
 
 PLAN = {"source": "job_submit",
@@ -61,6 +62,15 @@ def test_ttl_from_the_environment_and_bounds():
         Config.from_env({"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "soon"})
     with pytest.raises(ValueError):
         Config(plan_cache_ttl=timedelta(seconds=-1))
+
+
+@pytest.mark.parametrize("var, value", [("ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S", "7200"),
+                                        ("ELASTIC_PREDICTOR_CACHE_SIZE", "-1"),
+                                        ("ELASTIC_PREDICTOR_REFIT_DEBOUNCE_S", "-2")])
+def test_an_out_of_range_variable_is_named_in_the_error(var, value):
+    with pytest.raises(ValidationError) as err:
+        Config.from_env({var: value})
+    assert err.value.field == var and str(err.value).startswith(f"{var}: ")
 
 
 def test_reuse_counts_are_stored_with_the_request(service):
