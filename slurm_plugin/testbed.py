@@ -256,6 +256,27 @@ class Testbed:
         else:
             self._stop(self._daemon("slurmctld"))
 
+    def save_job_state(self, job_id: int, timeout: float = 30.0) -> float:
+        """Make slurmctld write its job state file now; return the seconds that took.
+
+        slurmctld writes `state/job_state` a second or two after a job changes (measured here: 1.4 s after a
+        job starts), so a crash in that window restarts it with the job as it was before (a job started just
+        before comes back PENDING, or is unknown and its processes killed). A fault test that means to crash
+        slurmctld while a new job runs calls this first: a job update (an admin comment on `job_id`)
+        schedules a save, and this waits for the file to be newer than the update.
+
+        :raises TestbedError: the update failed, or no save came within `timeout`.
+        """
+        path = self.config.lab / "state" / "job_state"
+        t0 = time.time()
+        self._cmd(["scontrol", "update", f"JobId={job_id}", f"AdminComment=state-saved-{t0:.0f}"], "scontrol",
+                  timeout=self.config.command_timeout.total_seconds())
+        while not (path.exists() and path.stat().st_mtime > t0):
+            if time.time() - t0 > timeout:
+                raise TestbedError("slurmctld", f"{path} not written within {timeout:.0f} s of a job update")
+            time.sleep(0.05)
+        return time.time() - t0
+
     def start_controller(self) -> float:
         """Start slurmctld again (it recovers jobs from its state directory) and wait until it answers
         `sinfo`; return the seconds that took.
@@ -400,7 +421,7 @@ class Testbed:
                 time.sleep(0.1)
 
     def _start(self, d: Daemon) -> None:
-        if d.port is not None and port_open(d.port):
+        if d.port is not None and _port_stays_open(d.port, seconds=5.0):  # a just-killed daemon's port may linger
             raise TestbedError(d.name, f"port {d.port} is already in use by another process "
                                        f"(another lab? choose another --port-base)")
         d.pid_file.unlink(missing_ok=True)
@@ -573,6 +594,16 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _port_stays_open(port: int, seconds: float) -> bool:
+    """True when something still listens on `port` after `seconds` of polling."""
+    deadline = time.monotonic() + seconds
+    while port_open(port):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def port_open(port: int) -> bool:

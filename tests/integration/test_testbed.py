@@ -86,3 +86,20 @@ def test_second_lab_fails_loudly_recovers_and_stops_only_its_daemons(testbed, se
     second_lab.down()
     assert not any(s.running for s in second_lab.status())
     assert {s.name: s.pid for s in testbed.status()} == first and testbed.is_up()
+
+
+def test_a_job_started_just_before_a_controller_crash_survives_once_its_state_is_saved(
+        testbed, slurm, idle_nodes, wait_until, submit):
+    job_id = submit("#!/bin/sh\nsleep 120\n", ["-N1", "-o", "/dev/null"])
+    wait_until(lambda: slurm.job(job_id).state == "RUNNING", 30, "the job to start")
+    took = testbed.save_job_state(job_id)
+    assert 0 < took < 30
+    testbed.stop_controller(kill=True)
+    try:
+        assert not next(s for s in testbed.status() if s.name == "slurmctld").running
+    finally:
+        testbed.start_controller()  # right after the kill: the port is free again within start's wait
+    job = slurm.job(job_id)
+    assert (job.state, len(job.nodes)) == ("RUNNING", 1)
+    slurm.cancel(job_id)
+    wait_until(lambda: slurm.job(job_id).state == "CANCELLED", 30, "the job to be cancelled")
