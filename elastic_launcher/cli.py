@@ -154,8 +154,7 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
     )
-    from slurm_plugin.client import CommandBackend, is_transient, start_step
-    from slurm_plugin.errors import SlurmError
+    from slurm_plugin.client import CommandBackend, start_step
 
     # Slurm commands get our environment without the job's SLURM_* (sbatch of a helper must not inherit
     # the main job's variables; scontrol must not write resize.sh files) but with PATH, HOME, ...
@@ -185,7 +184,7 @@ def ctl(job_id, nodes, status, registry, timeout):
 
     Example: elastic-launch ctl 42 --nodes 2
     """
-    from elastic_launcher.resize import ControlClient
+    from elastic_launcher.control import ControlClient
 
     if nodes is None and not status:
         raise click.UsageError("give --nodes N or --status")
@@ -235,7 +234,7 @@ def _controller_address(path: Path) -> tuple[str, int]:
 def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, command):
     """Batch step of a grow helper job (submitted by the controller; not for users)."""
     from elastic_launcher.helper_agent import HelperAgent
-    from elastic_launcher.resize import launcher_store
+    from elastic_launcher.control import launcher_store
     from elastic_launcher.workers import WorkerPool
     from slurm_plugin.client import CommandBackend, is_transient, start_step
     from slurm_plugin.errors import SlurmError

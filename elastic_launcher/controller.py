@@ -24,7 +24,8 @@ from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.observations import Links, ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
-from elastic_launcher.resize import LAUNCHER_PREFIX, ControlInbox, NodeSlot, Transitions, wait_until
+from elastic_launcher.control import LAUNCHER_PREFIX, ControlInbox
+from elastic_launcher.resize import NodeSlot, Transitions, wait_until
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import WorkerPool
 

@@ -1,0 +1,87 @@
+"""The launcher channel of a job's TCPStore: operator control (`elastic-launch ctl`) and the controller's
+status, heartbeat and helper keys.
+
+Keys of the launcher channel (prefix `launcher/` of the job's TCPStore; the runtime uses `elastic/`):
+
+    heartbeat            counter the controller bumps every loop (helper agents watch it move)
+    status               JSON: the controller's state (`elastic-launch ctl JOB --status`)
+    ctl/seq              counter; an operator request takes the next number n
+    ctl/req/<n>          JSON {"nodes": N}
+    ctl/reply/<n>        JSON {"ok": bool, "message": ..., "target_nodes": N}
+    helper/<job>/status  JSON written by the helper agent (state, nodes, steps)
+    helper/<job>/stop    set by the controller: the helper's workers have left, end the helper
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch.distributed as dist
+
+LAUNCHER_PREFIX = "launcher"
+
+
+def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:
+    """A client of the job's TCPStore, restricted to the launcher channel.
+
+    Raises:
+        RuntimeError (from torch): the store cannot be reached within `timeout`.
+    """
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(LAUNCHER_PREFIX, store)
+
+
+class ControlClient:
+    """What `elastic-launch ctl` uses to talk to a running controller.
+
+    Args:
+        host / port: the job's store (from the registry file the controller writes).
+        timeout: bounds the connection and the wait for the controller's reply.
+    """
+
+    def __init__(self, host: str, port: int, timeout: timedelta = timedelta(seconds=30)):
+        self.host, self.port, self.timeout = host, port, timeout
+
+    def request_nodes(self, nodes: int) -> dict:
+        """Ask for a resize to `nodes`; return the controller's reply (it answers before resizing).
+
+        Raises:
+            TimeoutError: no reply within the timeout (the controller is busy in a transition or gone).
+        """
+        store = launcher_store(self.host, self.port, self.timeout)
+        seq = store.add("ctl/seq", 1)
+        store.set(f"ctl/req/{seq}", json.dumps({"nodes": nodes}))
+        try:
+            store.wait([f"ctl/reply/{seq}"], self.timeout)
+        except Exception as exc:
+            raise TimeoutError(f"no reply to request {seq} within {self.timeout.total_seconds():g} s") from exc
+        return json.loads(store.get(f"ctl/reply/{seq}"))
+
+    def status(self) -> dict:
+        store = launcher_store(self.host, self.port, self.timeout)
+        store.wait(["status"], self.timeout)
+        return json.loads(store.get("status"))
+
+
+class ControlInbox:
+    """Controller side of the operator channel: new requests since the last poll, and replies."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+        self.seen = 0
+
+    def poll(self) -> list[tuple[int, dict]]:
+        last = self.store.add("ctl/seq", 0)
+        out = []
+        while self.seen < last:
+            self.seen += 1
+            key = f"ctl/req/{self.seen}"
+            if self.store.check([key]):
+                try:
+                    out.append((self.seen, json.loads(self.store.get(key))))
+                except ValueError:
+                    self.reply(self.seen, False, "request is not JSON")
+        return out
+
+    def reply(self, seq: int, ok: bool, message: str, **extra) -> None:
+        self.store.set(f"ctl/reply/{seq}", json.dumps({"ok": ok, "message": message, **extra}))
