@@ -47,3 +47,29 @@ def test_nccl_resize(tmp_path, start, target):
     assert mp.active_children() == [] and port_closed(cl.port)
     assert stats["world"] == len(target)
     _check(res, stats, str(tmp_path))
+
+
+def test_nccl_sigkill_one_rank_recovers(tmp_path):
+    """The last rank SIGKILLs itself mid-backward (its NCCL peers are then stuck in the all-reduce): the
+    survivors detect it, abort the broken communicator, rebuild on NCCL without it, roll back to the last
+    commit and finish."""
+    victim = ALL[-1]
+    cl = Cluster(str(tmp_path), target_world=N - 1, fail_at=(victim, N - 1, 8), cuda=True)
+    try:
+        cl.coord.start(ALL)
+        cl.spawn(ALL)
+        res = cl.results(N - 1)
+    finally:
+        codes = cl.close()
+    assert codes[victim] == -9 and all(codes[w] == 0 for w in ALL if w != victim)
+    assert mp.active_children() == [] and port_closed(cl.port)
+    kept = {w: r for w, r in res.items() if w != victim}
+    ref = kept["w0"]["params"]
+    assert all(r["params"] == ref for r in kept.values())
+    rec = [s for s in res["w0"]["switches"] if s["kind"] == "recovery"]
+    assert len(rec) == 1 and (rec[0]["old_world"], rec[0]["world"], rec[0]["step"]) == (N, N - 1, 8)
+    assert rec[0]["recover_s"] < 15  # heartbeat timeout 2 s, collective timeout 20 s
+    print(f"NCCL recovery {N}->{N - 1}: {rec[0]['recover_s']:.2f} s")
+    losses = dict(res["w0"]["losses"])
+    assert losses[max(losses)] < losses[8] < losses[1]
+    check_accounting(read_logs(str(tmp_path)), res["w0"]["sampler"])
