@@ -133,11 +133,13 @@ class JobWatcher:
     def _request(self, nodes: int, why: str) -> None:
         argv = [*self.ctl, "ctl", str(self.job_id), "--registry", str(self.registry), "--nodes", str(nodes)]
         self.echo(f"{self._stamp()} operator: elastic-launch ctl {self.job_id} --nodes {nodes}   ({why})")
+        # when it was sent: the controller may carry it out before `ctl` (a Python start, then the reply) returns
+        sent = time.time()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         reply = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         if proc.returncode != 0:
             raise DemoError(f"elastic-launch ctl failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-        self.requests.append({"t": time.time(), "nodes": nodes, "why": why, "reply": reply})
+        self.requests.append({"t": sent, "nodes": nodes, "why": why, "reply": reply})
 
     def _steer(self) -> None:
         grew, shrank = bool(self.transitions(GROWS)), bool(self.transitions(SHRINKS))
