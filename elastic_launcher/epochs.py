@@ -80,6 +80,7 @@ class EpochTransitions:
         self._hook.step_fn = lambda: self.step
         self.ddp.register_comm_hook(self._hook, _hook_with_fault)
         self._repartition()
+        self._epoch_group = (plan.id, self.group)
         self.membership.watch(plan)
         if self.rank == 0:
             self.membership.publish_current(plan)

@@ -26,6 +26,11 @@ class ProcessGroupError(ElasticError):
         self.epoch_prefix = epoch_prefix
 
 
+class PeerFailure(ProcessGroupError):
+    """A peer of the current epoch stopped beating (or its recovery began): the group is failed from the
+    heartbeat thread, not by a collective."""
+
+
 class NotConfiguredError(ProcessGroupError):
     """A collective was issued on a wrapper whose ``configure`` has not succeeded."""
 

@@ -223,6 +223,44 @@ class Coordinator:
         return self._k.has(f"left/{wid}")
 
 
+class _PeerWatch:
+    """The heartbeat thread's view of its peers' beats: who has not beaten for ``timeout`` seconds.
+
+    Staleness is judged by this host's monotonic clock from when a peer's beat value last changed, never by
+    comparing timestamps written on other hosts. Reports once per epoch.
+    """
+
+    def __init__(self, wid: str, timeout: float) -> None:
+        self.wid, self.timeout = wid, timeout
+        self.epoch: Optional[int] = None
+        self.seen: dict[str, tuple[bytes, float]] = {}  # peer -> (last beat value, when it changed here)
+        self.reported = False
+
+    def check(self, k: "_Keys", epoch: int, members: Sequence[str]) -> Optional[str]:
+        """A reason to declare the epoch broken, once; else None."""
+        if epoch != self.epoch:
+            self.epoch, self.seen, self.reported = epoch, {}, False
+        if self.reported:
+            return None
+        reason = None
+        if k.has(f"recover/{epoch}/leader"):
+            reason = f"a recovery of epoch {epoch} has begun"
+        else:
+            now = time.monotonic()
+            peers = [m for m in members if m != self.wid]
+            keys = [f"hb/{m}" for m in peers]
+            if peers and k.store.check(keys):
+                for m, beat in zip(peers, k.store.multi_get(keys)):
+                    last = self.seen.get(m)
+                    if last is None or last[0] != beat:
+                        self.seen[m] = (beat, now)
+                    elif now - last[1] > self.timeout and not k.has(f"left/{m}"):
+                        reason = f"worker {m} has not beaten for {now - last[1]:.1f} s"
+                        break
+        self.reported = reason is not None
+        return reason
+
+
 class Membership:
     """Worker-side view: heartbeat, polling for the next plan, newcomer wait, failure recovery.
 
@@ -232,20 +270,28 @@ class Membership:
         timeout: bound for waiting on a plan / recovery decision.
         heartbeat_interval: period of heartbeats and of polling ``next/<current>``.
         heartbeat_timeout: a peer silent for longer is considered dead during recovery.
+        on_peer_failure: if given, the heartbeat thread also watches the peers of the watched epoch and calls
+            ``on_peer_failure(epoch, reason)`` once per epoch when one of them has not beaten for
+            ``heartbeat_timeout`` (measured on this host's clock, from when its beat last changed, so clock
+            skew between nodes does not matter) or when a recovery of that epoch has begun. It runs on the
+            heartbeat thread and must not block.
     """
 
     def __init__(self, store_factory: Callable[[], dist.Store], wid: str,
                  timeout: timedelta = timedelta(seconds=120),
                  heartbeat_interval: timedelta = timedelta(seconds=0.2),
-                 heartbeat_timeout: timedelta = timedelta(seconds=5)) -> None:
+                 heartbeat_timeout: timedelta = timedelta(seconds=5),
+                 on_peer_failure: Optional[Callable[[int, str], None]] = None) -> None:
         _validate([wid])
         self.wid = wid
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.on_peer_failure = on_peer_failure
         self._factory = store_factory
         self._k = _Keys(store_factory(), timeout)
         self._watch_epoch: Optional[int] = None
+        self._watch_members: tuple[str, ...] = ()
         self._next: Optional[Plan] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -263,23 +309,35 @@ class Membership:
 
     def _loop(self) -> None:
         k = _Keys(self._factory(), self.timeout)
+        peers = _PeerWatch(self.wid, self.heartbeat_timeout.total_seconds())
         while not self._stop.wait(self.heartbeat_interval.total_seconds()):
             try:
                 k.store.set(f"hb/{self.wid}", repr(time.time()))
-                ep = self._watch_epoch
+                ep, members = self._watch_epoch, self._watch_members
                 if ep is not None and self._next is None and k.has(f"next/{ep}"):
                     plan = k.plan(int(k.get(f"next/{ep}")))
                     with self._lock:
                         if self._watch_epoch == ep:
                             self._next = plan
+                if self.on_peer_failure is not None and ep is not None:
+                    reason = peers.check(k, ep, members)
+                    if reason is not None:
+                        self._report_peer_failure(ep, reason)
             except Exception as e:  # noqa: BLE001 - store gone: the controller ended; stop beating
                 logger.debug("heartbeat thread stops: %s", e)
                 return
 
+    def _report_peer_failure(self, epoch: int, reason: str) -> None:
+        logger.warning("worker %s: epoch %d: %s", self.wid, epoch, reason)
+        try:
+            self.on_peer_failure(epoch, reason)
+        except Exception:  # noqa: BLE001 - the heartbeat must go on
+            logger.exception("on_peer_failure raised")
+
     def watch(self, plan: Plan) -> None:
         """Sets the epoch whose successor the poll thread looks for (call after each switch)."""
         with self._lock:
-            self._watch_epoch, self._next = plan.id, None
+            self._watch_epoch, self._watch_members, self._next = plan.id, tuple(plan.members), None
 
     def next_plan(self) -> Optional[Plan]:
         """The posted successor of the watched epoch, if any (no store access)."""

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_launcher.errors import NotConfiguredError, ProcessGroupError, StoreAddressError
-from elastic_launcher.teardown import abandon_retired, drain_reaper, release_retired, retire, retired_groups
+from elastic_launcher.teardown import (abandon_retired, abort_nccl, drain_reaper, release_retired, retire,
+                                       retired_groups)
 
 logger = logging.getLogger("elastic_launcher.process_group")
 
@@ -107,6 +108,7 @@ class ProcessGroupWrapper:
         self._rank = -1
         self._world = 0
         self._error: Optional[Exception] = None
+        self._aborted = False  # `fail` aborted the communicator in place
         self._lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class ProcessGroupWrapper:
         with self._lock:
             self._pg, self._backend_impl, self._store = pg, backend_impl, store
             self._prefix, self._rank, self._world, self._error = addr.prefix, rank, world_size, None
+            self._aborted = False
         logger.info("configured group %s rank %d/%d", addr, rank, world_size,
                     extra={"rank": rank, "world": world_size, "prefix": addr.prefix})
 
@@ -209,6 +212,9 @@ class ProcessGroupWrapper:
         impl, pg = self._backend_impl, self._pg
         if impl is None or pg is None:
             raise NotConfiguredError("shrink on an unconfigured group")
+        if self._aborted:
+            raise ProcessGroupError(f"group {self._prefix} was aborted (a peer failed): nothing to shrink",
+                                    self._prefix)
         if not getattr(impl, "supports_shrinking", False):
             raise ProcessGroupError(f"backend {self.backend} of group {self._prefix} cannot shrink", self._prefix)
         flags = 1 if abort else 0  # torch.distributed.distributed_c10d.SHRINK_ABORT / SHRINK_DEFAULT
@@ -235,12 +241,30 @@ class ProcessGroupWrapper:
         teardown can block until the collective timeout.
         """
         with self._lock:
-            pg, impl = self._pg, self._backend_impl
+            pg, impl, aborted = self._pg, self._backend_impl, self._aborted
             self._pg = self._backend_impl = None
             self._store = None
             self._rank, self._world = -1, 0
         if impl is not None:
-            retire(self.backend, pg, impl)
+            retire(self.backend, pg, impl, aborted)
+
+    def fail(self, e: Exception) -> None:
+        """Marks the group broken from another thread (a peer stopped beating): records ``e`` and, on NCCL,
+        aborts the communicator in place. Never blocks.
+
+        Why: an NCCL collective with a dead peer does not fail, it waits on the GPU until the collective
+        timeout, and the training thread waits with it (in the next device synchronisation). The abort ends
+        those kernels with an error, so the training thread reaches its commit vote, which turns into a
+        recovery. A gloo collective fails by itself when a peer's connection drops; gloo's abort does not
+        wake a waiting collective, so on gloo this only records the error.
+        """
+        self.report_error(e)
+        with self._lock:
+            impl = self._backend_impl if self.backend == "nccl" and not self._aborted else None
+            self._aborted = self._aborted or impl is not None
+        if impl is not None:
+            logger.warning("aborting group %s: %s", self._prefix, e)
+            abort_nccl(impl)
 
     def shutdown(self) -> None:
         """Releases the group for good (same as :meth:`abort`)."""

@@ -18,7 +18,7 @@ from typing import Optional
 
 logger = logging.getLogger("elastic_launcher.process_group")
 
-__all__ = ["retire", "drain_reaper", "release_retired", "abandon_retired", "retired_groups"]
+__all__ = ["retire", "abort_nccl", "drain_reaper", "release_retired", "abandon_retired", "retired_groups"]
 
 
 class _Reaper:
@@ -76,10 +76,10 @@ class _Graveyard:
         self._lock = threading.Lock()
         self._groups: list = []
 
-    def retire(self, backend: str, pg, impl) -> None:
+    def retire(self, backend: str, pg, impl, aborted: bool = False) -> None:
         with self._lock:
             self._groups.append((backend, pg, impl))
-        if backend == "nccl":
+        if backend == "nccl" and not aborted:
             _REAPER.submit(backend, impl)
 
     def take(self) -> list:
@@ -135,6 +135,13 @@ def abandon_retired() -> int:
     return len(groups)
 
 
-def retire(backend: str, pg, impl) -> None:
-    """Keeps an aborted group alive (NCCL: aborted now, on the reaper thread). Never blocks."""
-    _GRAVEYARD.retire(backend, pg, impl)
+def retire(backend: str, pg, impl, aborted: bool = False) -> None:
+    """Keeps an aborted group alive (NCCL: aborted now, on the reaper thread, unless `aborted` says
+    :func:`abort_nccl` did it already: a communicator is aborted once). Never blocks."""
+    _GRAVEYARD.retire(backend, pg, impl, aborted)
+
+
+def abort_nccl(impl) -> None:
+    """Aborts an NCCL backend on the reaper thread while its group is still held (a peer died): its pending
+    collectives end with an error instead of waiting for their timeout. Never blocks."""
+    _REAPER.submit("nccl", impl)

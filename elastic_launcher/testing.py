@@ -112,6 +112,8 @@ class FakeProcessGroupWrapper:
     def report_error(self, e: Exception) -> None:
         self._error = self._error or e
 
+    fail = report_error  # nothing to abort in a fake
+
     def errored(self) -> Optional[Exception]:
         return self._error
 

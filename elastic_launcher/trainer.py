@@ -39,6 +39,7 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epochs import EpochTransitions
+from elastic_launcher.errors import PeerFailure
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -66,6 +67,9 @@ class TrainerConfig:
         max_retries: consecutive failed commits tolerated before TooManyFailures.
         bucket_cap_mb: DDP bucket size.
         try_shrink: on failure, try the backend's communicator shrink before a fresh build.
+        peer_watchdog: watch the epoch's peers from the heartbeat thread and abort the communicator when one
+            stops beating for ``heartbeat_timeout`` (None: on for NCCL, whose collectives otherwise wait for a
+            dead peer until ``timeout``; gloo's fail on their own when a peer's connection drops).
         seed: sampler seed.
         observations_every: committed steps between hand-offs of the telemetry's observation records to the
             progress hook (``progress.publish``), when both are given.
@@ -81,6 +85,7 @@ class TrainerConfig:
     max_retries: int = 3
     bucket_cap_mb: float = 25.0
     try_shrink: bool = True
+    peer_watchdog: Optional[bool] = None
     seed: int = 0
     observations_every: int = 50
 
@@ -128,8 +133,11 @@ class ElasticTrainer(EpochTransitions):
         self.state.counters.update(lr_factor=1.0, ref_global=0)
         self._store = connect_store(self.addr.with_prefix(self.addr.prefix + "/elastic-state"),
                                     config.connect_timeout)
+        self._epoch_group: Optional[tuple[int, ProcessGroupWrapper]] = None  # for the peer watchdog
+        watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,
-                                     config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout)
+                                     config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
+                                     on_peer_failure=self._on_peer_failure if watchdog else None)
         self.membership.start()
         self._store.set(f"speed/{worker_id}", repr(float(speed)))
         self.sampler: Optional[ElasticSampler] = None
@@ -174,6 +182,14 @@ class ElasticTrainer(EpochTransitions):
     @property
     def epoch(self) -> int:
         return self.sampler.epoch if self.sampler is not None else 0
+
+    def _on_peer_failure(self, epoch: int, reason: str) -> None:
+        """Heartbeat thread: a peer of ``epoch`` stopped beating, or its recovery began. Fails that epoch's group
+        (an NCCL communicator is aborted), so a training thread waiting on the dead peer wakes up with an error
+        and its commit vote turns into a recovery."""
+        current = self._epoch_group
+        if current is not None and current[0] == epoch:
+            current[1].fail(PeerFailure(f"epoch {epoch}: {reason}"))
 
     def report_error(self, e: BaseException) -> None:
         """Marks this step as failed locally (e.g. a non-finite loss); the commit vote rolls everyone back."""
@@ -273,6 +289,8 @@ class ElasticTrainer(EpochTransitions):
                 v = v.cpu()
         except Exception as e:  # noqa: BLE001
             self.group.report_error(e)
+            ok_coll = 0
+        if self.group.errored() is not None:  # failed meanwhile (the watchdog aborted it): v means nothing
             ok_coll = 0
         if not ok_coll or int(v[1]) == 0:
             self._recover(self.group.errored())

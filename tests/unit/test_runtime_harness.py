@@ -56,7 +56,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
         fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
     cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=40),
                         rendezvous_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.1),
-                        heartbeat_timeout=timedelta(seconds=2))
+                        heartbeat_timeout=timedelta(seconds=2), peer_watchdog=opts.get("peer_watchdog"))
     et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/job", worker_id=wid,
                         policy=BatchPolicy(per_gpu_batch=4, lr_scaling="sqrt"), scheduler=sched, config=cfg,
                         fault=fault)

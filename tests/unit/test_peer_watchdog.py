@@ -1,0 +1,157 @@
+"""The peer watchdog: the heartbeat thread fails an epoch whose peer stopped beating (what wakes an NCCL
+collective stuck on a dead peer; GPU check in tests/gpu/test_nccl_rebuild.py). CPU parts: who is reported,
+when, how often; what failing a group does; which group the trainer fails."""
+from __future__ import annotations
+
+import threading
+import time
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_launcher.errors import PeerFailure
+from elastic_launcher.membership import Coordinator, Membership
+from elastic_launcher.process_group import ProcessGroupWrapper
+from elastic_launcher.trainer import ElasticTrainer
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server
+    del server
+
+
+def _member(store, wid, **kw):
+    return Membership(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False),
+                      wid, timeout=timedelta(seconds=2), heartbeat_interval=timedelta(seconds=0.02), **kw)
+
+
+class _Reports:
+    def __init__(self):
+        self.calls: list[tuple[int, str]] = []
+
+    def __call__(self, epoch, reason):
+        self.calls.append((epoch, reason))
+
+    def wait(self, n: int, timeout: float = 5.0) -> list:
+        deadline = time.monotonic() + timeout
+        while len(self.calls) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.calls
+
+
+def test_a_peer_that_stops_beating_is_reported_once_per_epoch(store):
+    plan = Coordinator(store).start(["a", "b", "c"])
+    reports = _Reports()
+    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
+    b, c = _member(store, "b"), _member(store, "c")
+    for m in (a, b, c):
+        m.start()
+    try:
+        a.watch(plan)
+        time.sleep(0.8)
+        assert reports.calls == []  # everyone beats
+        t_stop = time.monotonic()
+        c.stop()
+        (epoch, reason), = reports.wait(1)
+        assert time.monotonic() - t_stop < 2.0
+        assert epoch == plan.id and reason.startswith("worker c has not beaten for")
+        b.stop()
+        time.sleep(0.8)
+        assert len(reports.calls) == 1  # the epoch is failed already
+    finally:
+        a.stop(), b.stop(), c.stop()
+
+
+def test_a_leaver_is_not_reported_and_a_recovery_begun_elsewhere_is(store):
+    plan = Coordinator(store).start(["a", "b", "c"])
+    reports = _Reports()
+    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
+    b, c = _member(store, "b"), _member(store, "c")
+    for m in (a, b, c):
+        m.start()
+    try:
+        a.watch(plan)
+        c.mark_left()
+        c.stop()
+        time.sleep(1.0)
+        assert reports.calls == []
+        store.set(f"elastic/recover/{plan.id}/leader", "b")  # b's vote failed: it leads the recovery
+        (epoch, reason), = reports.wait(1)
+        assert (epoch, reason) == (plan.id, f"a recovery of epoch {plan.id} has begun")
+    finally:
+        a.stop(), b.stop(), c.stop()
+
+
+def test_beats_are_judged_by_this_hosts_clock_not_the_peers(store):
+    """A peer whose clock is an hour behind still beats: its value changes, so it is alive."""
+    plan = Coordinator(store).start(["a", "b"])
+    reports = _Reports()
+    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
+    a.start()
+    stop = threading.Event()
+
+    def skewed_beats():
+        while not stop.wait(0.05):
+            store.set("elastic/hb/b", repr(time.time() - 3600))
+
+    beater = threading.Thread(target=skewed_beats)
+    beater.start()
+    try:
+        a.watch(plan)
+        time.sleep(1.0)
+        assert reports.calls == []
+        stop.set()
+        beater.join()
+        (epoch, reason), = reports.wait(1)
+        assert epoch == plan.id and "worker b" in reason
+    finally:
+        stop.set()
+        a.stop()
+
+
+def test_watching_a_new_epoch_rearms_the_report(store):
+    coord = Coordinator(store)
+    first = coord.start(["a", "b"])
+    reports = _Reports()
+    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.2), on_peer_failure=reports)
+    b = _member(store, "b")
+    a.start(), b.start()
+    try:
+        a.watch(first)
+        b.stop()
+        reports.wait(1)
+        second = coord.request_resize(["a", "b"])  # b is still a member: its silence is reported again
+        a.watch(second)
+        calls = reports.wait(2)
+        assert [e for e, _ in calls] == [first.id, second.id]
+    finally:
+        a.stop(), b.stop()
+
+
+def test_failing_a_gloo_group_records_the_error_and_keeps_it_usable_for_abort(store):
+    w = ProcessGroupWrapper("gloo", timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=5))
+    w.configure(f"127.0.0.1:{store.port}/fail", 0, 1)
+    err = PeerFailure("epoch 3: worker b has not beaten for 5.1 s")
+    w.fail(err)
+    assert w.errored() is err and w.configured  # gloo: recorded only, the group object stays
+    t = torch.ones(1)
+    w.allreduce([t]).wait()  # a world of one still answers; the vote reads errored() anyway
+    w.abort()
+    assert not w.configured and w.errored() is err
+    w.fail(err)  # on a group already given up: records only, never raises
+
+
+def test_the_trainer_fails_only_the_group_of_the_reported_epoch():
+    failed = []
+    group = types.SimpleNamespace(fail=failed.append)
+    fake = types.SimpleNamespace(_epoch_group=(7, group))
+    ElasticTrainer._on_peer_failure(fake, 6, "worker b has not beaten for 3.0 s")  # an epoch already left
+    assert failed == []
+    ElasticTrainer._on_peer_failure(fake, 7, "worker b has not beaten for 3.0 s")
+    (err,), = [failed]
+    assert isinstance(err, PeerFailure) and str(err) == "epoch 7: worker b has not beaten for 3.0 s"
