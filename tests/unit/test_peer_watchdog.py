@@ -8,26 +8,24 @@ import time
 import types
 from datetime import timedelta
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from elastic_launcher.errors import PeerFailure
-from elastic_launcher.membership import Coordinator, Membership
+from elastic_launcher.membership import Coordinator
 from elastic_launcher.process_group import ProcessGroupWrapper
 from elastic_launcher.trainer import ElasticTrainer
+from tests.unit.test_runtime_units import _member, store  # noqa: F401 - store is a fixture
 
 
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield server
-    del server
-
-
-def _member(store, wid, **kw):
-    return Membership(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False),
-                      wid, timeout=timedelta(seconds=2), heartbeat_interval=timedelta(seconds=0.02), **kw)
+def _three(store, reports):
+    """Epoch of a, b, c, all beating; a watches its peers (0.3 s timeout) and reports to `reports`."""
+    plan = Coordinator(store).start(["a", "b", "c"])
+    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
+    b, c = _member(store, "b"), _member(store, "c")
+    for m in (a, b, c):
+        m.start()
+    a.watch(plan)
+    return plan, a, b, c
 
 
 class _Reports:
@@ -45,14 +43,9 @@ class _Reports:
 
 
 def test_a_peer_that_stops_beating_is_reported_once_per_epoch(store):
-    plan = Coordinator(store).start(["a", "b", "c"])
     reports = _Reports()
-    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
-    b, c = _member(store, "b"), _member(store, "c")
-    for m in (a, b, c):
-        m.start()
+    plan, a, b, c = _three(store, reports)
     try:
-        a.watch(plan)
         time.sleep(0.8)
         assert reports.calls == []  # everyone beats
         t_stop = time.monotonic()
@@ -68,14 +61,9 @@ def test_a_peer_that_stops_beating_is_reported_once_per_epoch(store):
 
 
 def test_a_leaver_is_not_reported_and_a_recovery_begun_elsewhere_is(store):
-    plan = Coordinator(store).start(["a", "b", "c"])
     reports = _Reports()
-    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
-    b, c = _member(store, "b"), _member(store, "c")
-    for m in (a, b, c):
-        m.start()
+    plan, a, b, c = _three(store, reports)
     try:
-        a.watch(plan)
         c.mark_left()
         c.stop()
         time.sleep(1.0)
