@@ -250,7 +250,8 @@ class _PeerWatch:
             peers = [m for m in members if m != self.wid]
             keys = [f"hb/{m}" for m in peers]
             if peers and k.store.check(keys):
-                for m, beat in zip(peers, k.store.multi_get(keys)):
+                beats = k.store.multi_get(keys) if hasattr(k.store, "multi_get") else [k.store.get(x) for x in keys]
+                for m, beat in zip(peers, beats):
                     last = self.seen.get(m)
                     if last is None or last[0] != beat:
                         self.seen[m] = (beat, now)
@@ -319,13 +320,18 @@ class Membership:
                     with self._lock:
                         if self._watch_epoch == ep:
                             self._next = plan
-                if self.on_peer_failure is not None and ep is not None:
-                    reason = peers.check(k, ep, members)
-                    if reason is not None:
-                        self._report_peer_failure(ep, reason)
             except Exception as e:  # noqa: BLE001 - store gone: the controller ended; stop beating
                 logger.debug("heartbeat thread stops: %s", e)
                 return
+            if self.on_peer_failure is not None and ep is not None and peers is not None:
+                try:
+                    reason = peers.check(k, ep, members)
+                except Exception as e:  # noqa: BLE001 - the watch is a help; it never stops the beat
+                    logger.warning("worker %s: peer watch off: %s", self.wid, e)
+                    peers = None
+                    continue
+                if reason is not None:
+                    self._report_peer_failure(ep, reason)
 
     def _report_peer_failure(self, epoch: int, reason: str) -> None:
         logger.warning("worker %s: epoch %d: %s", self.wid, epoch, reason)

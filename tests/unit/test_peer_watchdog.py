@@ -143,3 +143,20 @@ def test_the_trainer_fails_only_the_group_of_the_reported_epoch():
     ElasticTrainer._on_peer_failure(fake, 7, "worker b has not beaten for 3.0 s")
     (err,), = [failed]
     assert isinstance(err, PeerFailure) and str(err) == "epoch 7: worker b has not beaten for 3.0 s"
+
+
+def test_a_failing_peer_watch_turns_itself_off_and_the_beat_goes_on(store, monkeypatch):
+    import elastic_launcher.membership as membership
+
+    def broken(self, k, epoch, members):
+        raise RuntimeError("multi_get not supported")
+
+    monkeypatch.setattr(membership._PeerWatch, "check", broken)
+    reports = _Reports()
+    plan, a, b, c = _three(store, reports)
+    try:
+        first = store.get("elastic/hb/a")
+        time.sleep(0.3)
+        assert store.get("elastic/hb/a") != first and reports.calls == []
+    finally:
+        a.stop(), b.stop(), c.stop()
