@@ -60,6 +60,12 @@ function slurm_cli_pre_submit(options, pack_offset)
     slurm.log_error("elastic: %s", err.message)
     return slurm.ERROR
   end
+  -- An elastic job survives a node's death (the launcher drops the node): without --no-kill slurmctld
+  -- cancels the whole job. job_submit/lua 22.05 cannot set it (no kill_on_node_fail field); sbatch can.
+  if options["no-kill"] ~= "set" then
+    options["no-kill"] = "set"
+    slurm.log_verbose("elastic: --no-kill set: a node failure shrinks the job instead of ending it")
+  end
   local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s, state_file(cfg))
   local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options, slurm.time_str2mins)))
   if outcome.kind == "reject" then
