@@ -19,12 +19,12 @@ from typing import Optional
 import torch.distributed as dist
 
 from elastic_launcher.autoscale import AutoscalePolicy, Decision, Measurement, scaling_efficiency
+from elastic_launcher.control import LAUNCHER_PREFIX, ControlInbox
 from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.observations import Links, ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
-from elastic_launcher.control import LAUNCHER_PREFIX, ControlInbox
 from elastic_launcher.resize import NodeSlot, Transitions, wait_until
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import WorkerPool
