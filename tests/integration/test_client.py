@@ -36,8 +36,10 @@ def test_two_node_gpu_job_sees_its_gpus(slurm, submit, idle_nodes, wait_until, t
     assert {s[1] for s in steps} == set(job.nodes) and len(job.nodes) == 2
     for _, _, gpus, cvd in steps:
         assert gpus == "JOB_GPUS=0,1,2,3" and cvd == "CVD=0,1,2,3"
-    records = wait_until(lambda: _sacct_or_none(slurm, job_id), 30, f"sacct record of job {job_id}")
-    assert records[-1].gpus == 8 and records[-1].state == "COMPLETED"
+    # slurmdbd learns of the start and the end after the fact: its first record can still say PENDING, 0 GPUs
+    # (CI saw it under load), so wait for the completed one
+    records = wait_until(lambda: _sacct_completed(slurm, job_id), 60, f"sacct to record job {job_id} completed")
+    assert records[-1].gpus == 8
 
 
 def _sacct_or_none(slurm, job_id):
@@ -45,6 +47,11 @@ def _sacct_or_none(slurm, job_id):
         return slurm.sacct(job_id)
     except JobNotFoundError:
         return None
+
+
+def _sacct_completed(slurm, job_id):
+    records = _sacct_or_none(slurm, job_id)
+    return records if records and records[-1].state == "COMPLETED" else None
 
 
 def test_switches_one_places_job_under_one_leaf(slurm, submit, idle_nodes, wait_until):
