@@ -39,7 +39,7 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epochs import EpochTransitions
-from elastic_launcher.errors import PeerFailure
+from elastic_launcher.errors import PeerFailure, ProcessGroupError
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -88,6 +88,30 @@ class TrainerConfig:
     peer_watchdog: Optional[bool] = None
     seed: int = 0
     observations_every: int = 50
+
+
+@dataclass(frozen=True)
+class VoteTally:
+    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1].
+
+    Attributes:
+        counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
+            communicator handed back untouched says 1).
+        collectives_ok: counted, and no rank saw a collective fail.
+        local_ok: no rank reported a local error (non-finite loss, ...): else everyone rolls back.
+        ready: every rank is ready to switch to the same next epoch (``ready`` > 0).
+    """
+
+    counted: bool
+    collectives_ok: bool
+    local_ok: bool
+    ready: bool
+
+    @classmethod
+    def read(cls, v, n: int, ready: int) -> "VoteTally":
+        total, coll, local, count = (int(x) for x in v)
+        counted = count == n
+        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready)
 
 
 class ElasticTrainer(EpochTransitions):
@@ -282,20 +306,26 @@ class ElasticTrainer(EpochTransitions):
         ready = nxt[0] if nxt is not None else 0
         ok_coll = 0 if self.group.errored() is not None else 1
         ok_local = 0 if self._local_error is not None else 1
-        v = torch.tensor([ready, ok_coll, ok_local], dtype=torch.int64, device=self.device)
+        n = self.group.size()
+        # SUM of [ready, ok_coll, ok_local, 1]: the last entry counts the ranks that took part, so a vote that
+        # an aborted communicator left as it was (NCCL: the buffer comes back untouched) reads as failed
+        v = torch.tensor([ready, ok_coll, ok_local, 1], dtype=torch.int64, device=self.device)
         try:
             if ok_coll:
-                self.group.allreduce([v], dist.ReduceOp.MIN).wait()
+                self.group.allreduce([v], dist.ReduceOp.SUM).wait()
                 v = v.cpu()
         except Exception as e:  # noqa: BLE001
             self.group.report_error(e)
             ok_coll = 0
+        tally = VoteTally.read(v, n, ready) if ok_coll else None
+        if tally is not None and not tally.counted:
+            self.group.report_error(ProcessGroupError(f"commit vote counted {int(v[3])} of {n} ranks"))
         if self.group.errored() is not None:  # failed meanwhile (the watchdog aborted it): v means nothing
-            ok_coll = 0
-        if not ok_coll or int(v[1]) == 0:
+            tally = None
+        if tally is None or not tally.collectives_ok:
             self._recover(self.group.errored())
             return not self.left
-        if int(v[2]) == 0:
+        if not tally.local_ok:
             self._rollback(self._local_error)
             return True
         try:
@@ -311,7 +341,7 @@ class ElasticTrainer(EpochTransitions):
             self._finish_switch(t)
         self._record_step(now)
         self.state.snapshot()
-        if nxt is not None and int(v[0]) == nxt[0]:
+        if tally.ready:
             return self._switch(t)
         return True
 
