@@ -96,7 +96,7 @@ class VoteTally:
 
     Attributes:
         counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
-            communicator handed back untouched says 1).
+            communicator handed back untouched says 1, half reduced less than the size).
         collectives_ok: counted, and no rank saw a collective fail.
         local_ok: no rank reported a local error (non-finite loss, ...): else everyone rolls back.
         ready: every rank is ready to switch to the same next epoch (``ready`` > 0).
@@ -307,8 +307,8 @@ class ElasticTrainer(EpochTransitions):
         ok_coll = 0 if self.group.errored() is not None else 1
         ok_local = 0 if self._local_error is not None else 1
         n = self.group.size()
-        # SUM of [ready, ok_coll, ok_local, 1]: the last entry counts the ranks that took part, so a vote that
-        # an aborted communicator left as it was (NCCL: the buffer comes back untouched) reads as failed
+        # SUM of [ready, ok_coll, ok_local, 1]: the last entry counts the ranks that took part; a dead rank cannot
+        # be counted, so a vote an aborted communicator hands back (untouched or half reduced) reads as failed
         v = torch.tensor([ready, ok_coll, ok_local, 1], dtype=torch.int64, device=self.device)
         try:
             if ok_coll:
