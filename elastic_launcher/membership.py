@@ -48,6 +48,7 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from elastic_launcher.errors import InvalidPlan, RendezvousTimeout, ResizeConflict
+from elastic_launcher.peer_watch import PeerWatch
 
 logger = logging.getLogger("elastic_launcher.membership")
 
@@ -223,45 +224,6 @@ class Coordinator:
         return self._k.has(f"left/{wid}")
 
 
-class _PeerWatch:
-    """The heartbeat thread's view of its peers' beats: who has not beaten for ``timeout`` seconds.
-
-    Staleness is judged by this host's monotonic clock from when a peer's beat value last changed, never by
-    comparing timestamps written on other hosts. Reports once per epoch.
-    """
-
-    def __init__(self, wid: str, timeout: float) -> None:
-        self.wid, self.timeout = wid, timeout
-        self.epoch: Optional[int] = None
-        self.seen: dict[str, tuple[bytes, float]] = {}  # peer -> (last beat value, when it changed here)
-        self.reported = False
-
-    def check(self, k: "_Keys", epoch: int, members: Sequence[str]) -> Optional[str]:
-        """A reason to declare the epoch broken, once; else None."""
-        if epoch != self.epoch:
-            self.epoch, self.seen, self.reported = epoch, {}, False
-        if self.reported:
-            return None
-        reason = None
-        if k.has(f"recover/{epoch}/leader"):
-            reason = f"a recovery of epoch {epoch} has begun"
-        else:
-            now = time.monotonic()
-            peers = [m for m in members if m != self.wid]
-            keys = [f"hb/{m}" for m in peers]
-            if peers and k.store.check(keys):
-                beats = k.store.multi_get(keys) if hasattr(k.store, "multi_get") else [k.store.get(x) for x in keys]
-                for m, beat in zip(peers, beats):
-                    last = self.seen.get(m)
-                    if last is None or last[0] != beat:
-                        self.seen[m] = (beat, now)
-                    elif now - last[1] > self.timeout and not k.has(f"left/{m}"):
-                        reason = f"worker {m} has not beaten for {now - last[1]:.1f} s"
-                        break
-        self.reported = reason is not None
-        return reason
-
-
 class Membership:
     """Worker-side view: heartbeat, polling for the next plan, newcomer wait, failure recovery.
 
@@ -310,7 +272,7 @@ class Membership:
 
     def _loop(self) -> None:
         k = _Keys(self._factory(), self.timeout)
-        peers = _PeerWatch(self.wid, self.heartbeat_timeout.total_seconds())
+        peers = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds())
         while not self._stop.wait(self.heartbeat_interval.total_seconds()):
             try:
                 k.store.set(f"hb/{self.wid}", repr(time.time()))

@@ -146,12 +146,12 @@ def test_the_trainer_fails_only_the_group_of_the_reported_epoch():
 
 
 def test_a_failing_peer_watch_turns_itself_off_and_the_beat_goes_on(store, monkeypatch):
-    import elastic_launcher.membership as membership
+    from elastic_launcher.peer_watch import PeerWatch
 
     def broken(self, k, epoch, members):
         raise RuntimeError("multi_get not supported")
 
-    monkeypatch.setattr(membership._PeerWatch, "check", broken)
+    monkeypatch.setattr(PeerWatch, "check", broken)
     reports = _Reports()
     plan, a, b, c = _three(store, reports)
     try:
