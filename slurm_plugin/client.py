@@ -292,6 +292,11 @@ class CommandBackend:
     def update_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None:
         self._update(job_id, [f"Comment={text}"], timeout)
 
+    def update_admin_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None:
+        """Set the job's AdminComment (admins only; the user's Comment, which the hook and launcher read,
+        stays as it is)."""
+        self._update(job_id, [f"AdminComment={text}"], timeout)
+
     def reconfigure(self, timeout: timedelta | None = None) -> None:
         """`scontrol reconfigure`: slurmctld and the slurmd re-read slurm.conf."""
         self._run(["scontrol", "reconfigure"], timeout or self.update_timeout)

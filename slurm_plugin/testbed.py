@@ -53,7 +53,7 @@ from pathlib import Path
 
 from slurm_plugin import testbed_conf
 from slurm_plugin.client import DEFAULT_PATH, CommandBackend
-from slurm_plugin.errors import SlurmError, TestbedError
+from slurm_plugin.errors import JobNotFoundError, SlurmError, TestbedError
 from slurm_plugin.testbed_conf import TestbedConfig
 
 _PIDFILE_GRACE_S = 3.0  # a forked daemon that has not written a live pid file by then has died
@@ -265,12 +265,14 @@ class Testbed:
         slurmctld while a new job runs calls this first: a job update (an admin comment on `job_id`)
         schedules a save, and this waits for the file to be newer than the update.
 
-        :raises TestbedError: the update failed, or no save came within `timeout`.
+        :raises TestbedError: the update failed (an unknown job too), or no save came within `timeout`.
         """
         path = self.config.lab / "state" / "job_state"
         t0 = time.time()
-        self._cmd(["scontrol", "update", f"JobId={job_id}", f"AdminComment=state-saved-{t0:.0f}"], "scontrol",
-                  timeout=self.config.command_timeout.total_seconds())
+        try:
+            self.client.update_admin_comment(job_id, f"state-saved-{t0:.0f}")
+        except (SlurmError, JobNotFoundError) as exc:
+            raise TestbedError("slurmctld", f"cannot update job {job_id} to make it save its state: {exc}") from exc
         while not (path.exists() and path.stat().st_mtime > t0):
             if time.time() - t0 > timeout:
                 raise TestbedError("slurmctld", f"{path} not written within {timeout:.0f} s of a job update")

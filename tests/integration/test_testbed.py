@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_plugin.cli import main
+from slurm_plugin.errors import TestbedError
 from slurm_plugin.testbed import Testbed
 from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
 
@@ -101,5 +102,7 @@ def test_a_job_started_just_before_a_controller_crash_survives_once_its_state_is
         testbed.start_controller()  # right after the kill: the port is free again within start's wait
     job = slurm.job(job_id)
     assert (job.state, len(job.nodes)) == ("RUNNING", 1)
+    with pytest.raises(TestbedError, match="cannot update job 999999"):
+        testbed.save_job_state(999999)
     slurm.cancel(job_id)
     wait_until(lambda: slurm.job(job_id).state == "CANCELLED", 30, "the job to be cancelled")
