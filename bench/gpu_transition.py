@@ -10,8 +10,6 @@ Paths, each for grow 2->4 and shrink 4->2 of data-parallel training (one process
   plain    (a) destroy_process_group, init_process_group on a new store prefix, broadcast of the state
            (DDP's init sync for the model, per-tensor broadcasts for optimizer state), first DDP step. Newcomers
            are already running and have built their model (same head start as ours, but no communicator).
-  ours-gc  ours with Python's automatic garbage collection left on during the switch (TrainerConfig.gc_hold
-           False): what keeping the collector out of the pause saves.
   restart  (b) checkpoint-and-restart: rank 0 saves model+optimizer to local disk, every process exits, new
            interpreters start, import, build, init NCCL, load, first step.
 
@@ -140,7 +138,7 @@ def worker_ours(args) -> None:
     if args.newcomer:
         local_warmup(model, opt, make_batch, loss_fn, b, dev)
     cfg = TrainerConfig(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=120),
-                        heartbeat_interval=timedelta(seconds=0.05), gc_hold=not args.no_gc_hold)
+                        heartbeat_interval=timedelta(seconds=0.05))
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg)
     times, last, stop_at = [], None, None
@@ -297,7 +295,7 @@ class Controller:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, role: str, wid: str, gpu: int, newcomer: bool = False, epoch: int = 0,
-              ckpt: str = "", ckpt_out: str = "", extra: tuple = ()) -> subprocess.Popen:
+              ckpt: str = "", ckpt_out: str = "") -> subprocess.Popen:
         a = self.args
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--wid", wid, "--gpu", str(gpu),
                "--port", str(self.port), "--model", a.model, "--device", a.device, "--epoch", str(epoch)]
@@ -307,7 +305,6 @@ class Controller:
             cmd += ["--ckpt", ckpt]
         if ckpt_out:
             cmd += ["--ckpt-out", ckpt_out]
-        cmd += list(extra)
         p = subprocess.Popen(cmd, cwd=ROOT)
         self.procs.append(p)
         return p
@@ -341,20 +338,19 @@ class Controller:
                 p.wait()
 
 
-def run_ours(c: Controller, gc_hold: bool = True) -> dict:
+def run_ours(c: Controller) -> dict:
     from elastic_launcher.membership import Coordinator
-    extra = () if gc_hold else ("--no-gc-hold",)
     coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
     S, L = c.args.small, c.args.large
     keep = [f"w{i}" for i in range(S)]
     coord.start(keep)
-    ps = [c.spawn("ours", w, i, extra=extra) for i, w in enumerate(keep)]
+    ps = [c.spawn("ours", w, i) for i, w in enumerate(keep)]
     out = {"grow": [], "shrink": []}
     nxt = S
     for cycle in range(c.args.cycles):
         news = [f"w{nxt + i}" for i in range(L - S)]
         c.wait_step("w0", WARM_STEPS if cycle == 0 else coord_step(c) + AFTER_STEPS)
-        newps = [c.spawn("ours", w, S + i, True, extra=extra) for i, w in enumerate(news)]
+        newps = [c.spawn("ours", w, S + i, True) for i, w in enumerate(news)]
         plan = coord.request_resize(keep + news)
         out["grow"].append(coord.wait_switched(plan))
         c.wait_step("w0", coord_step(c) + AFTER_STEPS)
@@ -460,7 +456,6 @@ def main() -> None:
     ap.add_argument("--newcomer", action="store_true")
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--ckpt-out", default="")
-    ap.add_argument("--no-gc-hold", action="store_true", help="worker: TrainerConfig(gc_hold=False)")
     args = ap.parse_args()
     if args.role != "controller":
         {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart}[args.role](args)
@@ -485,8 +480,7 @@ def main() -> None:
             c = Controller(args)
             t0 = time.time()
             try:
-                r = {"ours": run_ours, "ours-gc": lambda c: run_ours(c, gc_hold=False), "plain": run_plain,
-                     "restart": run_restart}[path](c)
+                r = {"ours": run_ours, "plain": run_plain, "restart": run_restart}[path](c)
             except Exception as e:  # noqa: BLE001 - report and go on with the other paths
                 r = {"error": f"{type(e).__name__}: {e}"}
             finally:
@@ -495,24 +489,21 @@ def main() -> None:
             results[(model, path)] = r
             print(json.dumps({"model": model, "path": path, **r}), flush=True)
         ours, plain, rst = (results.get((model, p), {}) for p in ("ours", "plain", "restart"))
-        rows = (("ours", ours), ("ours, collector on", results.get((model, "ours-gc"), {})), ("plain (a)", plain),
-                ("restart (b)", rst))
-        for path, r in ((p, r) for p, r in rows if r):
+        for path, r in (("ours", ours), ("plain (a)", plain), ("restart (b)", rst)):
             if "error" in r:
                 lines.append(f"| {model} | {path} | - | - | failed: {r['error'][:120]} |")
                 continue
             g = [x["pause_s"] for x in r.get("grow", [])]
             s = [x["pause_s"] for x in r.get("shrink", [])]
             note = ""
-            if path.startswith("ours") and g:
+            if path == "ours" and g:
                 def ph(k, kind):
                     return fmt([x.get(k, float("nan")) for x in r[kind]])
                 note = (f"step {r['step_s_small']*1e3:.1f} ms @{S}, {r['step_s_large']*1e3:.1f} ms @{L}; grow phases "
                         f"abort {ph('abort_s', 'grow')}, state sync {ph('state_sync_s', 'grow')} "
                         f"({r['grow'][0]['state_bytes']/2**20:.0f} MiB), rewrap {ph('rewrap_s', 'grow')}, "
                         f"first step {ph('first_step_s', 'grow')}; shrink rewrap {ph('rewrap_s', 'shrink')}, "
-                        f"first step {ph('first_step_s', 'shrink')}; in the collector during the pause: grow "
-                        f"{ph('gc_s', 'grow')}, shrink {ph('gc_s', 'shrink')}")
+                        f"first step {ph('first_step_s', 'shrink')}")
             if path == "plain (a)" and "step_s" in r:
                 note = f"median step {r['step_s']*1e3:.1f} ms (plain DDP, no vote/snapshot)"
             if path == "restart (b)" and g:

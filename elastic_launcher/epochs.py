@@ -8,7 +8,7 @@ to it (or leaving) at a commit point, rolling back a failed step, and recovering
 Expects on ``self`` (set by ``ElasticTrainer.__init__``): ``config``, ``device``, ``module``, ``optimizer``,
 ``scheduler``, ``policy``, ``telemetry``, ``fault``, ``wid``, ``addr``, ``state``, ``membership``, ``sampler``,
 ``plan``, ``group``, ``ddp``, ``_hook``, ``_store``, ``_next``, ``_next_thread``, ``_pending_switch``,
-``switches``, ``failures``, ``left``, ``_local_error``, ``_since_vote``, ``_joined``, ``_gc``, and the properties
+``switches``, ``failures``, ``left``, ``_local_error``, ``_since_vote``, ``_joined``, and the properties
 ``rank``, ``world_size``, ``step``.
 """
 from __future__ import annotations
@@ -45,8 +45,6 @@ class EpochTransitions:
     def _join(self) -> None:
         """First entry into the group: receive the state from the plan's first survivor (rank 0 initially)."""
         src = self._source_rank(self.plan)
-        self._gc.hold()  # the newcomers' first step is in lockstep with the survivors'
-        gc0 = self._gc.seconds
         t0 = time.perf_counter()
         self.state.broadcast(self.group, src, self._store, f"state/{self.plan.id}", self.config.rendezvous_timeout)
         t1 = time.perf_counter()
@@ -58,8 +56,7 @@ class EpochTransitions:
         self._pending_switch = {"epoch": self.plan.id, "prev": self.plan.prev,
                                 "kind": "initial" if self.plan.kind == "initial" else "join",
                                 "world": self.plan.world_size, "step": self.step, "t_decide": t1,
-                                "state_wait_and_sync_s": t1 - t0, "enter_s": time.perf_counter() - t1,
-                                "gc_mark": gc0}
+                                "state_wait_and_sync_s": t1 - t0, "enter_s": time.perf_counter() - t1}
 
     def _source_rank(self, plan: Plan) -> int:
         if plan.kind == "initial" or plan.prev == 0:
@@ -148,8 +145,6 @@ class EpochTransitions:
             self.membership.mark_left()
             events.info("left at epoch %d -> %d", old_plan.id, pid, extra={"wid": self.wid, "step": self.step})
             return False
-        self._gc.hold()
-        gc0 = self._gc.seconds
         t0 = time.perf_counter()
         self.group = new_group
         old_group.abort()
@@ -165,7 +160,7 @@ class EpochTransitions:
         self._pending_switch = {"epoch": nxt.id, "prev": old_plan.id, "kind": nxt.kind,
                                 "old_world": old_plan.world_size, "world": nxt.world_size, "step": self.step,
                                 "t_decide": t_decide, "abort_s": t1 - t0, "state_sync_s": t2 - t1,
-                                "state_bytes": nbytes, "rewrap_s": t3 - t2, "t_entered": t3, "gc_mark": gc0}
+                                "state_bytes": nbytes, "rewrap_s": t3 - t2, "t_entered": t3}
         return True
 
     def _finish_switch(self, t: float) -> None:
@@ -178,8 +173,6 @@ class EpochTransitions:
         rec["pause_s"] = t - rec.pop("t_decide")
         if "t_entered" in rec:
             rec["first_step_s"] = t - rec.pop("t_entered")
-        rec["gc_s"] = self._gc.seconds - rec.pop("gc_mark")
-        self._gc.release()
         self.switches.append(rec)
         events.info("switch %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
         if self.rank == 0 and rec["kind"] != "join":
@@ -209,8 +202,6 @@ class EpochTransitions:
             old.abort()
             self.left = True
             raise LeftGroup(f"worker {self.wid} was declared dead in recovery of epoch {failed.id}")
-        self._gc.hold()
-        gc0 = self._gc.seconds
         new = None
         dead = [failed.rank_of(m) for m in failed.members if m not in plan.members]
         if self.config.try_shrink and dead:
@@ -232,7 +223,7 @@ class EpochTransitions:
                "world": plan.world_size, "step": self.step, "recover_s": t1 - t0, "error": str(err)[:200]}
         events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
         # completed (pause_s, switches, elastic/switched/<id> from rank 0) at the first commit of the new epoch
-        self._pending_switch = {**rec, "t_decide": t0, "t_entered": t1, "gc_mark": gc0}
+        self._pending_switch = {**rec, "t_decide": t0, "t_entered": t1}
 
 
 def _hook_with_fault(state: HookState, bucket):  # no return annotation (see elastic_allreduce_hook)

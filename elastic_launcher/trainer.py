@@ -40,7 +40,6 @@ from torch.utils.data import default_collate
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epochs import EpochTransitions
 from elastic_launcher.errors import PeerFailure, ProcessGroupError
-from elastic_launcher.gc_window import GcWindow
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -74,8 +73,6 @@ class TrainerConfig:
         seed: sampler seed.
         observations_every: committed steps between hand-offs of the telemetry's observation records to the
             progress hook (``progress.publish``), when both are given.
-        gc_hold: keep Python's automatic garbage collection off from a switch's decision to its first completed
-            step (:mod:`elastic_launcher.gc_window`); switch records carry ``gc_s`` (seconds collecting) either way.
     """
 
     backend: str = "gloo"
@@ -91,7 +88,6 @@ class TrainerConfig:
     peer_watchdog: Optional[bool] = None
     seed: int = 0
     observations_every: int = 50
-    gc_hold: bool = True
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,6 @@ class ElasticTrainer(EpochTransitions):
         self._next: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
         self._next_thread: Optional[threading.Thread] = None
         self._pending_switch: Optional[dict] = None
-        self._gc = GcWindow(config.gc_hold).start()
         self.plan = self.membership.wait_for_plan()
         self.group = self._new_wrapper()
         self.group.configure(self.addr.with_prefix(f"{self.addr.prefix}/{self.plan.group_prefix}"),
@@ -370,7 +365,6 @@ class ElasticTrainer(EpochTransitions):
         self._drop_next()
         self.ddp = None
         self.group.abort()
-        self._gc.close()
         if not drain_reaper(timeout):
             logger.warning("group teardown still blocked after %s", timeout)
         abandon_retired()

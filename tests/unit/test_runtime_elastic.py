@@ -34,14 +34,6 @@ def _finish(cl: Cluster) -> dict:
     return codes
 
 
-def _assert_collector_back_on(res: dict) -> None:
-    """Every switch (initial, join, resize, recovery) held the collector and gave it back at its first step."""
-    for w, r in res.items():
-        if not r["left"]:
-            assert r["gc_enabled"], f"{w}: automatic garbage collection still off after training"
-            assert r["switches"] and all(s["gc_s"] >= 0 for s in r["switches"]), w
-
-
 def test_grow_2_to_4(tmp_path):
     cl = Cluster(str(tmp_path), target_world=4)
     try:
@@ -63,8 +55,6 @@ def test_grow_2_to_4(tmp_path):
     # sqrt LR scaling: global batch 8 -> 16
     assert r0["lr"] == pytest.approx(0.02 * 2 ** 0.5)
     assert res["w2"]["lr"] == r0["lr"]
-    assert {s["kind"] for s in res["w2"]["switches"]} == {"join"}
-    _assert_collector_back_on(res)
     check_accounting(read_logs(str(tmp_path)), r0["sampler"])
 
 
@@ -88,7 +78,6 @@ def test_shrink_4_to_2(tmp_path):
     end = stats["step"] + 12
     assert all(r["world"] == 2 and r["step"] == end for r in kept.values())
     _assert_same_params(kept)
-    _assert_collector_back_on(kept)
     r0 = res["w0"]
     assert _loss_at(r0, end) < _loss_at(r0, stats["step"]) < _loss_at(r0, 1)
     check_accounting(read_logs(str(tmp_path)), r0["sampler"])
@@ -110,7 +99,6 @@ def test_sigkill_one_rank_recovers(tmp_path, watchdog):
     rec = [s for s in res["w0"]["switches"] if s["kind"] == "recovery"]
     assert len(rec) == 1 and rec[0]["old_world"] == 3 and rec[0]["world"] == 2
     assert rec[0]["step"] == 8  # rolled back to the last commit before the failed step
-    _assert_collector_back_on(res)
     assert rec[0]["recover_s"] < 15  # bounded detection: heartbeat timeout 2 s, collective timeout 20 s
     r0 = res["w0"]
     assert r0["step"] == 8 + 12 and r0["world"] == 2

@@ -89,7 +89,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
         out.put({"wid": wid, "left": et.left, "step": et.step, "world": et.world_size if not et.left else 0,
                  "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
                  "switches": et.switches, "sampler": et.sampler.state_dict(), "lr": opt.param_groups[0]["lr"],
-                 "obs": et.observations() if et.telemetry else [], "gc_enabled": gc.isenabled()})
+                 "obs": et.observations() if et.telemetry else []})
     finally:
         log.close()
         et.close()
