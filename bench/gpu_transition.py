@@ -4,12 +4,13 @@ Pause = from the decision (the step boundary at which the resize is taken) to th
 training step at the new size (CUDA-synchronised), measured on rank 0 of the survivors.
 
 Paths, each for grow 2->4 and shrink 4->2 of data-parallel training (one process per GPU):
-  ours     ElasticTrainer: newcomers start, build the model, warm up and build the next communicator while the
-           survivors keep training; at a commit point the old group is aborted, state is broadcast to newcomers,
+  ours     ElasticTrainer: newcomers start, build the model, warm up (``ElasticTrainer.warm_up``: two local
+           training steps, state put back) and build the next communicator while the survivors keep training; at a commit point the old group is aborted, state is broadcast to newcomers,
            DDP is re-wrapped (no init sync) and training goes on.
   plain    (a) destroy_process_group, init_process_group on a new store prefix, broadcast of the state
            (DDP's init sync for the model, per-tensor broadcasts for optimizer state), first DDP step. Newcomers
            are already running and have built their model (same head start as ours, but no communicator).
+  ours-compute  ours, but newcomers warm up forward and backward only (no optimizer step): what warm_up saves.
   restart  (b) checkpoint-and-restart: rank 0 saves model+optimizer to local disk, every process exits, new
            interpreters start, import, build, init NCCL, load, first step.
 
@@ -135,20 +136,40 @@ def worker_ours(args) -> None:
     dev = device_of(args)
     model, opt, b, make_batch, loss_fn = build(args.model, dev)
     bench = client(args, "bench")
-    if args.newcomer:
+    if args.newcomer and args.compute_warmup:
         local_warmup(model, opt, make_batch, loss_fn, b, dev)
     cfg = TrainerConfig(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=120),
                         heartbeat_interval=timedelta(seconds=0.05))
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg)
-    times, last, stop_at = [], None, None
+    if args.newcomer and not args.compute_warmup:
+
+        def local_step(m):
+            loss_fn(m, make_batch(b)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        et.warm_up(local_step)
+    times, last, stop_at, phases = [], None, None, []
     for batch in et.loader(Synthetic(100_000), collate_fn=lambda items: make_batch(len(items))):
+        ph = [time.perf_counter()]
         loss = loss_fn(et.model, batch)
+        if args.phases:
+            sync(dev)
+            ph.append(time.perf_counter())
         loss.backward()
+        if args.phases:
+            sync(dev)
+            ph.append(time.perf_counter())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if args.phases:
+            sync(dev)
+            ph.append(time.perf_counter())
+        world = et.world_size
         alive = et.commit()  # the vote syncs the device every step
         now = time.perf_counter()
+        if args.phases:  # (world of the step, forward, backward, optimizer, commit) seconds
+            phases.append([world] + [b_ - a_ for a_, b_ in zip(ph, ph[1:] + [now])])
         if last is not None:
             times.append((et.world_size if alive else 0, now - last))
         last = now
@@ -159,7 +180,7 @@ def worker_ours(args) -> None:
             stop_at = int(bench.get("stop_at"))
         if stop_at is not None and et.step >= stop_at:
             break
-    bench.set(f"res/{args.wid}", json.dumps({"times": times, "switches": et.switches}))
+    bench.set(f"res/{args.wid}", json.dumps({"times": times, "switches": et.switches, "phases": phases}))
     et.close()
 
 
@@ -295,7 +316,7 @@ class Controller:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, role: str, wid: str, gpu: int, newcomer: bool = False, epoch: int = 0,
-              ckpt: str = "", ckpt_out: str = "") -> subprocess.Popen:
+              ckpt: str = "", ckpt_out: str = "", extra: tuple = ()) -> subprocess.Popen:
         a = self.args
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--wid", wid, "--gpu", str(gpu),
                "--port", str(self.port), "--model", a.model, "--device", a.device, "--epoch", str(epoch)]
@@ -305,6 +326,7 @@ class Controller:
             cmd += ["--ckpt", ckpt]
         if ckpt_out:
             cmd += ["--ckpt-out", ckpt_out]
+        cmd += list(extra)
         p = subprocess.Popen(cmd, cwd=ROOT)
         self.procs.append(p)
         return p
@@ -338,19 +360,20 @@ class Controller:
                 p.wait()
 
 
-def run_ours(c: Controller) -> dict:
+def run_ours(c: Controller, compute_warmup: bool = False) -> dict:
     from elastic_launcher.membership import Coordinator
+    extra = (("--compute-warmup",) if compute_warmup else ()) + (("--phases",) if c.args.phases else ())
     coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
     S, L = c.args.small, c.args.large
     keep = [f"w{i}" for i in range(S)]
     coord.start(keep)
-    ps = [c.spawn("ours", w, i) for i, w in enumerate(keep)]
+    ps = [c.spawn("ours", w, i, extra=extra) for i, w in enumerate(keep)]
     out = {"grow": [], "shrink": []}
     nxt = S
     for cycle in range(c.args.cycles):
         news = [f"w{nxt + i}" for i in range(L - S)]
         c.wait_step("w0", WARM_STEPS if cycle == 0 else coord_step(c) + AFTER_STEPS)
-        newps = [c.spawn("ours", w, S + i, True) for i, w in enumerate(news)]
+        newps = [c.spawn("ours", w, S + i, True, extra=extra) for i, w in enumerate(news)]
         plan = coord.request_resize(keep + news)
         out["grow"].append(coord.wait_switched(plan))
         c.wait_step("w0", coord_step(c) + AFTER_STEPS)
@@ -362,7 +385,10 @@ def run_ours(c: Controller) -> dict:
     c.bench.set("stop_at", str(coord_step(c) + 8))
     c.reap(ps)
     res = json.loads(c.bench.get("res/w0"))
-    out["newcomers"] = [sw for i in range(S, nxt) for sw in json.loads(c.bench.get(f"res/w{i}"))["switches"]]
+    news = [json.loads(c.bench.get(f"res/w{i}")) for i in range(S, nxt)]
+    out["newcomers"] = [sw for r in news for sw in r["switches"]]
+    if c.args.phases:
+        out["phases"] = {"w0": res["phases"], "newcomers": [r["phases"] for r in news]}
     steady = [t for w, t in res["times"] if w == S]
     out["step_s_small"] = statistics.median(steady) if steady else float("nan")
     steady4 = [t for w, t in res["times"] if w == L]
@@ -432,6 +458,23 @@ def run_restart(c: Controller) -> dict:
     return out
 
 
+def phase_rows(model: str, path: str, ph: dict, S: int, L: int) -> list[str]:
+    """Where the first step at a new size goes: forward / backward / optimizer / commit, medians in ms."""
+    def med(steps: list) -> str:
+        return " | ".join(f"{statistics.median(s[i] for s in steps) * 1e3:.1f}" for i in range(1, 5)) if steps \
+            else "- | - | - | -"
+    w0 = ph["w0"]
+    first = [i for i in range(1, len(w0)) if w0[i][0] != w0[i - 1][0]]
+    after = {i for j in first for i in (j, j + 1)}  # the first two steps at a size (DDP rebuilds buckets in its 2nd)
+    rows = [(f"rank 0 steady @{S}", [x for i, x in enumerate(w0) if x[0] == S and i not in after and i > 2]),
+            (f"rank 0 steady @{L}", [x for i, x in enumerate(w0) if x[0] == L and i not in after]),
+            ("rank 0 first step after grow", [w0[i] for i in first if w0[i][0] == L]),
+            ("rank 0 second step after grow", [w0[i + 1] for i in first if w0[i][0] == L and i + 1 < len(w0)]),
+            ("rank 0 first step after shrink", [w0[i] for i in first if w0[i][0] == S]),
+            ("newcomers' first step", [n[0] for n in ph["newcomers"] if n])]
+    return [f"| {model} | {path} | {name} | {len(steps)} | {med(steps)} |" for name, steps in rows]
+
+
 def fmt(xs) -> str:
     return "/".join(f"{x:.3f}" for x in xs) if xs else "-"
 
@@ -456,6 +499,10 @@ def main() -> None:
     ap.add_argument("--newcomer", action="store_true")
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--ckpt-out", default="")
+    ap.add_argument("--compute-warmup", action="store_true",
+                    help="worker: newcomers warm up forward/backward only, not through ElasticTrainer.warm_up")
+    ap.add_argument("--phases", action="store_true",
+                    help="ours: time forward/backward/optimizer/commit of every step (device synced between them)")
     args = ap.parse_args()
     if args.role != "controller":
         {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart}[args.role](args)
@@ -473,14 +520,16 @@ def main() -> None:
              "pause = decision (step boundary) -> first completed step at the new size, rank 0 of the survivors;",
              f"values are per cycle ({args.cycles} grow/shrink cycles for ours/plain, one for restart).", "",
              f"| model | path | grow {S}->{L} pause s | shrink {L}->{S} pause s | notes |", "|---|---|---|---|---|"]
-    results = {}
+    results: dict = {}
+    phase_lines: list[str] = []
     for model in args.models.split(","):
         args.model = model
         for path in args.paths.split(","):
             c = Controller(args)
             t0 = time.time()
             try:
-                r = {"ours": run_ours, "plain": run_plain, "restart": run_restart}[path](c)
+                r = {"ours": run_ours, "ours-compute": lambda c: run_ours(c, compute_warmup=True), "plain": run_plain,
+                     "restart": run_restart}[path](c)
             except Exception as e:  # noqa: BLE001 - report and go on with the other paths
                 r = {"error": f"{type(e).__name__}: {e}"}
             finally:
@@ -489,14 +538,16 @@ def main() -> None:
             results[(model, path)] = r
             print(json.dumps({"model": model, "path": path, **r}), flush=True)
         ours, plain, rst = (results.get((model, p), {}) for p in ("ours", "plain", "restart"))
-        for path, r in (("ours", ours), ("plain (a)", plain), ("restart (b)", rst)):
+        rows = (("ours", ours), ("ours, compute-only warm-up", results.get((model, "ours-compute"), {})),
+                ("plain (a)", plain), ("restart (b)", rst))
+        for path, r in ((p, r) for p, r in rows if r):
             if "error" in r:
                 lines.append(f"| {model} | {path} | - | - | failed: {r['error'][:120]} |")
                 continue
             g = [x["pause_s"] for x in r.get("grow", [])]
             s = [x["pause_s"] for x in r.get("shrink", [])]
             note = ""
-            if path == "ours" and g:
+            if path.startswith("ours") and g:
                 def ph(k, kind):
                     return fmt([x.get(k, float("nan")) for x in r[kind]])
                 note = (f"step {r['step_s_small']*1e3:.1f} ms @{S}, {r['step_s_large']*1e3:.1f} ms @{L}; grow phases "
@@ -520,10 +571,20 @@ def main() -> None:
                          f"{ps/os_:.1f}x vs (a), {rs/os_:.0f}x vs (b) | |")
         except (KeyError, statistics.StatisticsError, ZeroDivisionError):
             pass
+        for path in ("ours", "ours-compute"):
+            if "phases" in results.get((model, path), {}):
+                phase_lines += phase_rows(model, path, results[(model, path)]["phases"], S, L)
         if args.out:  # after every model, so a cut-off run still leaves its finished rows
             with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
-    print("\n".join(lines) + "\n", flush=True)
+                f.write("\n".join(lines + phase_table(phase_lines)) + "\n")
+    print("\n".join(lines + phase_table(phase_lines)) + "\n", flush=True)
+
+
+def phase_table(rows: list[str]) -> list[str]:
+    if not rows:
+        return []
+    return ["", "Phases of steps (`--phases`: device synchronised between phases), medians in ms:", "",
+            "| model | path | steps | n | forward | backward | optimizer | commit |", "|---|---|---|---|---|---|---|---|"] + rows
 
 
 if __name__ == "__main__":

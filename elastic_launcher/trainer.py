@@ -3,6 +3,7 @@
 Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what the launcher passes)::
 
     et = ElasticTrainer(model, optimizer, store_addr=addr, worker_id=wid, policy=BatchPolicy(per_gpu_batch=64))
+    et.warm_up(one_local_step)               # optional: first-use costs paid before joining, state put back
     for x, y in et.loader(dataset):
         loss = loss_fn(et.model(x), y)       # et.model is the current DDP wrapper: re-read it every step
         loss.backward()
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epochs import EpochTransitions
-from elastic_launcher.errors import PeerFailure, ProcessGroupError
+from elastic_launcher.errors import ElasticError, PeerFailure, ProcessGroupError
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -214,6 +215,40 @@ class ElasticTrainer(EpochTransitions):
         current = self._epoch_group
         if current is not None and current[0] == epoch:
             current[1].fail(PeerFailure(f"epoch {epoch}: {reason}"))
+
+    def warm_up(self, step_fn: Callable[[torch.nn.Module], Any], steps: int = 2) -> float:
+        """Runs ``steps`` local training steps before this worker joins, then puts model and optimizer back.
+
+        CUDA loads a kernel the first time it runs. A newcomer whose first optimizer step is its first ever pays
+        for that inside the first step at the new size, and every rank waits for it (ResNet-50 on 2x H100: the
+        newcomer's first optimizer step 30 ms against 2.4 ms steady; bench/results/gpu_transition.md). Two steps
+        take both optimizer paths (creating its state, then updating it). Call it between the constructor and the
+        first :meth:`loader`: newcomers then warm up while the survivors keep training.
+
+        Args:
+            step_fn: ``step_fn(model)`` runs one step on a representative local batch with the bare model given
+                (no collectives): forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``.
+            steps: how many steps.
+
+        Returns:
+            Seconds spent (device synchronised).
+
+        Raises:
+            ElasticError: this worker already joined (its state is the group's now).
+        """
+        if self._joined:
+            raise ElasticError(f"warm_up after worker {self.wid} joined epoch {self.plan.id}: call it before loader()")
+        t0 = time.perf_counter()
+        saved = self.state.snapshot()
+        try:
+            for _ in range(steps):
+                step_fn(self.module)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.restore(saved)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def report_error(self, e: BaseException) -> None:
         """Marks this step as failed locally (e.g. a non-finite loss); the commit vote rolls everyone back."""

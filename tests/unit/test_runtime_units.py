@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_launcher.batch_policy import BatchPolicy, split_batch
-from elastic_launcher.errors import (InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
+from elastic_launcher.errors import (ElasticError, InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
                                      StateMismatch, StoreAddressError, TooManyFailures)
 from elastic_launcher.membership import Coordinator, Membership, Plan
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, drain_reaper, release_retired,
@@ -347,5 +347,33 @@ def test_trainer_world_of_one_rolls_back_local_errors_then_gives_up(store):
         next(it)
         with pytest.raises(TooManyFailures, match="3 failed commits in a row"):
             et.commit()
+    finally:
+        et.close()
+
+
+def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
+    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    et = _trainer(store)
+    ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
+    x, y = ds[:4]
+    before = {k: v.clone() for k, v in et.module.state_dict().items()}  # weights and BatchNorm statistics
+    seen = []
+
+    def step(model):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        et.optimizer.step()
+        et.optimizer.zero_grad()
+        seen.append((model, any(not torch.equal(before[k], v) for k, v in model.state_dict().items())))
+
+    try:
+        assert et.warm_up(step) >= 0
+        assert [m is et.module for m, _ in seen] == [True, True]  # the bare model, twice
+        assert all(changed for _, changed in seen)  # the steps really trained...
+        assert all(torch.equal(before[k], v) for k, v in et.module.state_dict().items())  # ...and left no trace
+        assert et.optimizer.state_dict()["state"] == {} and all(p.grad is None for p in et.module.parameters())
+        it = et.loader(ds)
+        next(it)
+        with pytest.raises(ElasticError, match="call it before loader"):
+            et.warm_up(step)
     finally:
         et.close()
