@@ -4,8 +4,8 @@ Pause = from the decision (the step boundary at which the resize is taken) to th
 training step at the new size (CUDA-synchronised), measured on rank 0 of the survivors.
 
 Paths, each for grow 2->4 and shrink 4->2 of data-parallel training (one process per GPU):
-  ours     ElasticTrainer: newcomers start, build the model, warm up (``ElasticTrainer.warm_up``: two local
-           training steps, state put back) and build the next communicator while the survivors keep training; at a commit point the old group is aborted, state is broadcast to newcomers,
+  ours     ElasticTrainer: newcomers start, build the model, warm up (``ElasticTrainer(warm_up=...)``: two local
+           training steps before the rendezvous, state put back) and build the next communicator while the survivors keep training; at a commit point the old group is aborted, state is broadcast to newcomers,
            DDP is re-wrapped (no init sync) and training goes on.
   plain    (a) destroy_process_group, init_process_group on a new store prefix, broadcast of the state
            (DDP's init sync for the model, per-tensor broadcasts for optimizer state), first DDP step. Newcomers
@@ -136,19 +136,18 @@ def worker_ours(args) -> None:
     dev = device_of(args)
     model, opt, b, make_batch, loss_fn = build(args.model, dev)
     bench = client(args, "bench")
+
+    def local_step(m):
+        loss_fn(m, make_batch(b)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     if args.newcomer and args.compute_warmup:
         local_warmup(model, opt, make_batch, loss_fn, b, dev)
     cfg = TrainerConfig(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=120),
                         heartbeat_interval=timedelta(seconds=0.05))
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
-                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg)
-    if args.newcomer and not args.compute_warmup:
-
-        def local_step(m):
-            loss_fn(m, make_batch(b)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        et.warm_up(local_step)
+                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
+                        warm_up=local_step if args.newcomer and not args.compute_warmup else None)
     times, last, stop_at, phases = [], None, None, []
     for batch in et.loader(Synthetic(100_000), collate_fn=lambda items: make_batch(len(items))):
         ph = [time.perf_counter()]
@@ -500,7 +499,7 @@ def main() -> None:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--ckpt-out", default="")
     ap.add_argument("--compute-warmup", action="store_true",
-                    help="worker: newcomers warm up forward/backward only, not through ElasticTrainer.warm_up")
+                    help="worker: newcomers warm up forward/backward only, not through ElasticTrainer(warm_up=)")
     ap.add_argument("--phases", action="store_true",
                     help="ours: time forward/backward/optimizer/commit of every step (device synced between them)")
     args = ap.parse_args()

@@ -2,8 +2,8 @@
 
 Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what the launcher passes)::
 
-    et = ElasticTrainer(model, optimizer, store_addr=addr, worker_id=wid, policy=BatchPolicy(per_gpu_batch=64))
-    et.warm_up(one_local_step)               # optional: first-use costs paid before joining, state put back
+    et = ElasticTrainer(model, optimizer, store_addr=addr, worker_id=wid, policy=BatchPolicy(per_gpu_batch=64),
+                        warm_up=one_local_step)  # optional: first-use costs paid before joining, state put back
     for x, y in et.loader(dataset):
         loss = loss_fn(et.model(x), y)       # et.model is the current DDP wrapper: re-read it every step
         loss.backward()
@@ -40,7 +40,7 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epochs import EpochTransitions
-from elastic_launcher.errors import ElasticError, PeerFailure, ProcessGroupError
+from elastic_launcher.errors import PeerFailure, ProcessGroupError
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -51,6 +51,8 @@ from elastic_launcher.telemetry import HookState, Telemetry
 logger = logging.getLogger("elastic_launcher.trainer")
 
 __all__ = ["TrainerConfig", "ElasticTrainer"]
+
+WARM_UP_STEPS = 2  # local steps of ElasticTrainer(warm_up=...): the optimizer's first step and a later one
 
 
 @dataclass(frozen=True)
@@ -134,15 +136,26 @@ class ElasticTrainer(EpochTransitions):
             ``report(epoch, step, samples, compute_s)`` (e.g. ``workers.ProgressReporter``, which elastic-launch
             reads for throughput and stragglers); if it has ``publish(records)``, the telemetry's observation
             records go there every ``observations_every`` committed steps and at ``close``.
+        warm_up: optional ``warm_up(model)`` running one local training step on a representative batch with the
+            bare model given (no collectives): forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``.
+            The constructor runs it ``WARM_UP_STEPS`` times before this worker joins the next group's rendezvous,
+            then puts model and optimizer state back (``warm_up_s`` says how long it took). CUDA loads a kernel the
+            first time it runs: a newcomer whose first optimizer step is its first ever pays for that inside the
+            first step at the new size, and every rank waits (ResNet-50 on 2x H100: 30 ms against 2.4 ms steady;
+            bench/results/gpu_transition.md). Two steps take both optimizer paths (creating its state, then
+            updating it). Running before the rendezvous keeps it off the survivors' critical path; it must end
+            within ``connect_timeout``, for which the survivors wait on the new group.
 
-    The constructor announces the worker, waits for a plan that includes it and builds that plan's group (the
-    slow part: newcomers do it while the survivors keep training). State is synchronised when the loader starts.
+    The constructor announces the worker, (warms up,) waits for a plan that includes it and builds that plan's
+    group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
+    loader starts.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,
                  worker_id: str, policy: BatchPolicy, scheduler=None, device: Optional[torch.device] = None,
                  config: TrainerConfig = TrainerConfig(), telemetry: Optional[Telemetry] = None,
-                 speed: float = 1.0, fault=None, progress=None) -> None:
+                 speed: float = 1.0, fault=None, progress=None,
+                 warm_up: Optional[Callable[[torch.nn.Module], Any]] = None) -> None:
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -165,6 +178,7 @@ class ElasticTrainer(EpochTransitions):
                                      on_peer_failure=self._on_peer_failure if watchdog else None)
         self.membership.start()
         self._store.set(f"speed/{worker_id}", repr(float(speed)))
+        self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
         self.sampler: Optional[ElasticSampler] = None
         self.ddp: Optional[DDP] = None
         self._hook: Optional[HookState] = None
@@ -216,32 +230,12 @@ class ElasticTrainer(EpochTransitions):
         if current is not None and current[0] == epoch:
             current[1].fail(PeerFailure(f"epoch {epoch}: {reason}"))
 
-    def warm_up(self, step_fn: Callable[[torch.nn.Module], Any], steps: int = 2) -> float:
-        """Runs ``steps`` local training steps before this worker joins, then puts model and optimizer back.
-
-        CUDA loads a kernel the first time it runs. A newcomer whose first optimizer step is its first ever pays
-        for that inside the first step at the new size, and every rank waits for it (ResNet-50 on 2x H100: the
-        newcomer's first optimizer step 30 ms against 2.4 ms steady; bench/results/gpu_transition.md). Two steps
-        take both optimizer paths (creating its state, then updating it). Call it between the constructor and the
-        first :meth:`loader`: newcomers then warm up while the survivors keep training.
-
-        Args:
-            step_fn: ``step_fn(model)`` runs one step on a representative local batch with the bare model given
-                (no collectives): forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``.
-            steps: how many steps.
-
-        Returns:
-            Seconds spent (device synchronised).
-
-        Raises:
-            ElasticError: this worker already joined (its state is the group's now).
-        """
-        if self._joined:
-            raise ElasticError(f"warm_up after worker {self.wid} joined epoch {self.plan.id}: call it before loader()")
+    def _warm_up(self, step_fn: Callable[[torch.nn.Module], Any]) -> float:
+        """``WARM_UP_STEPS`` local steps, then the state as it was (see ``warm_up`` in the class docstring)."""
         t0 = time.perf_counter()
         saved = self.state.snapshot()
         try:
-            for _ in range(steps):
+            for _ in range(WARM_UP_STEPS):
                 step_fn(self.module)
         finally:
             self.optimizer.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
+from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup
@@ -101,6 +102,20 @@ def _to(batch, device: torch.device):
     return batch
 
 
+def _local_step(model, optimizer, dataset, loss_of: Callable, batch: int, device: torch.device):
+    """The warm-up step for ``ElasticTrainer(warm_up=)`` on a GPU (CUDA loads each kernel on its first use; the
+    trainer runs it before joining and puts the state back); None on a CPU, where there is nothing to load."""
+    if device.type != "cuda":
+        return None
+    sample = _to(default_collate([dataset[i] for i in range(min(len(dataset), batch))]), device)
+
+    def step(m: torch.nn.Module) -> None:
+        loss_of(m, sample).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
 def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Callable, dataset,
           loss_of: Callable, *, profile: str, environ: Mapping[str, str]) -> int:
     """Run the elastic loop until `args.steps` global steps; returns the process exit status.
@@ -126,7 +141,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                          **({"max_global_batch": args.max_global_batch} if args.max_global_batch else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
-                        config=config, telemetry=telemetry, device=device)
+                        config=config, telemetry=telemetry, device=device,
+                        warm_up=_local_step(model, optimizer, dataset, loss_of, args.per_gpu_batch, device))
     reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
     loss = torch.tensor(float("nan"))
     window = (time.perf_counter(), 0)

@@ -58,6 +58,27 @@ def test_grow_2_to_4(tmp_path):
     check_accounting(read_logs(str(tmp_path)), r0["sampler"])
 
 
+def test_newcomers_warm_up_off_the_survivors_critical_path(tmp_path):
+    # w2, w3 start when the grow is requested (as helper jobs do) and spend 2 x 1.5 s in warm_up before they join
+    # the next group's rendezvous: the survivors train on meanwhile, so none of it is in their pause.
+    cl = Cluster(str(tmp_path), target_world=4, warm_up_s=1.5)
+    try:
+        cl.coord.start(["w0", "w1"])
+        cl.spawn(["w0", "w1"])
+        cl.wait_step("w0", 4)
+        cl.spawn(["w2", "w3"])
+        plan = cl.coord.request_resize(["w0", "w1", "w2", "w3"])
+        stats = cl.coord.wait_switched(plan)
+        res = cl.results(4)
+    finally:
+        codes = _finish(cl)
+    assert codes == {w: 0 for w in ["w0", "w1", "w2", "w3"]}
+    assert all(r["warm_up_s"] >= 3.0 for r in res.values())
+    assert stats["world"] == 4 and stats["pause_s"] < 1.5, stats
+    _assert_same_params(res)
+    check_accounting(read_logs(str(tmp_path)), res["w0"]["sampler"])
+
+
 def test_shrink_4_to_2(tmp_path):
     cl = Cluster(str(tmp_path), target_world=2)
     try:

@@ -57,9 +57,18 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=40),
                         rendezvous_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.1),
                         heartbeat_timeout=timedelta(seconds=2), peer_watchdog=opts.get("peer_watchdog"))
+    warm = None
+    if opts.get("warm_up_s") is not None:  # a real local step, made slow: it must stay off the critical path
+        x0, y0 = ds.tensors[0][:4], ds.tensors[1][:4]
+
+        def warm(m):
+            torch.nn.functional.mse_loss(m(x0), y0).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(opts["warm_up_s"])
     et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/job", worker_id=wid,
                         policy=BatchPolicy(per_gpu_batch=4, lr_scaling="sqrt"), scheduler=sched, config=cfg,
-                        fault=fault)
+                        fault=fault, warm_up=warm)
     log = open(os.path.join(opts["logdir"], f"{wid}.jsonl"), "a", buffering=1)
     full_x, full_y = ds.tensors
     losses = []
@@ -89,7 +98,8 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
         out.put({"wid": wid, "left": et.left, "step": et.step, "world": et.world_size if not et.left else 0,
                  "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
                  "switches": et.switches, "sampler": et.sampler.state_dict(), "lr": opt.param_groups[0]["lr"],
-                 "obs": et.observations() if et.telemetry else []})
+                 "obs": et.observations() if et.telemetry else [],
+                 "warm_up_s": et.warm_up_s})
     finally:
         log.close()
         et.close()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_launcher.batch_policy import BatchPolicy, split_batch
-from elastic_launcher.errors import (ElasticError, InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
+from elastic_launcher.errors import (InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
                                      StateMismatch, StoreAddressError, TooManyFailures)
 from elastic_launcher.membership import Coordinator, Membership, Plan
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, drain_reaper, release_retired,
@@ -308,9 +308,9 @@ def test_fault_plan_and_fake_group():
     g.allreduce([torch.ones(1)]).wait()
 
 
-def _trainer(store, **kw):
+def _trainer(store, model_opt=None, **kw):
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
-    m, o = _model_opt()
+    m, o = model_opt or _model_opt()
     cfg = TrainerConfig(timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=5),
                         rendezvous_timeout=timedelta(seconds=5), max_retries=2)
     return ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
@@ -352,28 +352,28 @@ def test_trainer_world_of_one_rolls_back_local_errors_then_gives_up(store):
 
 
 def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
+    from elastic_launcher.trainer import WARM_UP_STEPS
     Coordinator(dist.PrefixStore("job", store)).start(["solo"])
-    et = _trainer(store)
-    ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
-    x, y = ds[:4]
-    before = {k: v.clone() for k, v in et.module.state_dict().items()}  # weights and BatchNorm statistics
+    m, o = _model_opt()
+    before = {k: v.clone() for k, v in m.state_dict().items()}  # weights and BatchNorm statistics
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
     seen = []
 
     def step(model):
         torch.nn.functional.mse_loss(model(x), y).backward()
-        et.optimizer.step()
-        et.optimizer.zero_grad()
+        o.step()
+        o.zero_grad()
         seen.append((model, any(not torch.equal(before[k], v) for k, v in model.state_dict().items())))
 
+    et = _trainer(store, model_opt=(m, o), warm_up=step)
     try:
-        assert et.warm_up(step) >= 0
-        assert [m is et.module for m, _ in seen] == [True, True]  # the bare model, twice
+        assert WARM_UP_STEPS == 2 and et.warm_up_s > 0
+        assert [model is m for model, _ in seen] == [True, True]  # the bare model, before any DDP wrap
         assert all(changed for _, changed in seen)  # the steps really trained...
-        assert all(torch.equal(before[k], v) for k, v in et.module.state_dict().items())  # ...and left no trace
-        assert et.optimizer.state_dict()["state"] == {} and all(p.grad is None for p in et.module.parameters())
-        it = et.loader(ds)
-        next(it)
-        with pytest.raises(ElasticError, match="call it before loader"):
-            et.warm_up(step)
+        assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # ...and left no trace
+        assert o.state_dict()["state"] == {} and all(p.grad is None for p in m.parameters())
+        ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
+        next(et.loader(ds))
+        assert et.step == 0
     finally:
         et.close()
