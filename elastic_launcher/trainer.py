@@ -178,7 +178,11 @@ class ElasticTrainer(EpochTransitions):
                                      on_peer_failure=self._on_peer_failure if watchdog else None)
         self.membership.start()
         self._store.set(f"speed/{worker_id}", repr(float(speed)))
-        self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
+        try:
+            self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
+        except BaseException:
+            self.membership.stop()  # the user's step failed: no heartbeat left behind (state already put back)
+            raise
         self.sampler: Optional[ElasticSampler] = None
         self.ddp: Optional[DDP] = None
         self._hook: Optional[HookState] = None

@@ -34,18 +34,29 @@ def _finish(cl: Cluster) -> dict:
     return codes
 
 
-def test_grow_2_to_4(tmp_path):
-    cl = Cluster(str(tmp_path), target_world=4)
+ALL4 = ["w0", "w1", "w2", "w3"]
+
+
+def _grow_2_to_4(cl: Cluster, late: bool) -> tuple[dict, dict, dict]:
+    """w0, w1 train; w2, w3 start with them (``late`` False: they prepare while w0, w1 train) or only when the
+    grow is requested (as helper jobs do). Returns (rank 0's switch record, results, exit codes)."""
     try:
-        cl.coord.start(["w0", "w1"])
-        cl.spawn(["w0", "w1", "w2", "w3"])  # w2, w3 prepare while w0, w1 train
-        cl.wait_step("w0", 6)
-        plan = cl.coord.request_resize(["w0", "w1", "w2", "w3"])
+        cl.coord.start(ALL4[:2])
+        cl.spawn(ALL4[:2] if late else ALL4)
+        cl.wait_step("w0", 4 if late else 6)
+        if late:
+            cl.spawn(ALL4[2:])
+        plan = cl.coord.request_resize(ALL4)
         stats = cl.coord.wait_switched(plan)
         res = cl.results(4)
     finally:
         codes = _finish(cl)
-    assert codes == {w: 0 for w in ["w0", "w1", "w2", "w3"]}
+    return stats, res, codes
+
+
+def test_grow_2_to_4(tmp_path):
+    stats, res, codes = _grow_2_to_4(Cluster(str(tmp_path), target_world=4), late=False)
+    assert codes == {w: 0 for w in ALL4}
     assert stats["old_world"] == 2 and stats["world"] == 4 and stats["state_bytes"] > 0
     end = stats["step"] + 12
     assert all(r["world"] == 4 and r["step"] == end for r in res.values())
@@ -61,18 +72,8 @@ def test_grow_2_to_4(tmp_path):
 def test_newcomers_warm_up_off_the_survivors_critical_path(tmp_path):
     # w2, w3 start when the grow is requested (as helper jobs do) and spend 2 x 1.5 s in warm_up before they join
     # the next group's rendezvous: the survivors train on meanwhile, so none of it is in their pause.
-    cl = Cluster(str(tmp_path), target_world=4, warm_up_s=1.5)
-    try:
-        cl.coord.start(["w0", "w1"])
-        cl.spawn(["w0", "w1"])
-        cl.wait_step("w0", 4)
-        cl.spawn(["w2", "w3"])
-        plan = cl.coord.request_resize(["w0", "w1", "w2", "w3"])
-        stats = cl.coord.wait_switched(plan)
-        res = cl.results(4)
-    finally:
-        codes = _finish(cl)
-    assert codes == {w: 0 for w in ["w0", "w1", "w2", "w3"]}
+    stats, res, codes = _grow_2_to_4(Cluster(str(tmp_path), target_world=4, warm_up_s=1.5), late=True)
+    assert codes == {w: 0 for w in ALL4}
     assert all(r["warm_up_s"] >= 3.0 for r in res.values())
     assert stats["world"] == 4 and stats["pause_s"] < 1.5, stats
     _assert_same_params(res)

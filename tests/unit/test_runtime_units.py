@@ -377,3 +377,21 @@ def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
         assert et.step == 0
     finally:
         et.close()
+
+
+def test_a_failing_warm_up_step_fails_the_constructor_and_leaves_nothing_running(store):
+    import threading
+    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    m, o = _model_opt()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(4, 4)
+
+    def step(model):
+        model(x).sum().backward()
+        o.step()
+        raise FloatingPointError("loss is nan in the warm-up batch")
+
+    with pytest.raises(FloatingPointError, match="warm-up batch"):
+        _trainer(store, model_opt=(m, o), warm_up=step)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert not [t for t in threading.enumerate() if t.name == "elastic-hb-solo"]
