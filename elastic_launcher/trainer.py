@@ -144,7 +144,9 @@ class ElasticTrainer(EpochTransitions):
             first step at the new size, and every rank waits (ResNet-50 on 2x H100: 30 ms against 2.4 ms steady;
             bench/results/gpu_transition.md). Two steps take both optimizer paths (creating its state, then
             updating it). Running before the rendezvous keeps it off the survivors' critical path; it must end
-            within ``connect_timeout``, for which the survivors wait on the new group.
+            within ``connect_timeout``, for which the survivors wait on the new group. Only model, optimizer and
+            scheduler state are put back: what else the step changes (random number streams, a GradScaler's
+            scale) stays changed.
 
     The constructor announces the worker, (warms up,) waits for a plan that includes it and builds that plan's
     group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
