@@ -5,8 +5,9 @@ training step at the new size (CUDA-synchronised), measured on rank 0 of the sur
 
 Paths, each for grow 2->4 and shrink 4->2 of data-parallel training (one process per GPU):
   ours     ElasticTrainer: newcomers start, build the model, warm up (``ElasticTrainer(warm_up=...)``: two local
-           training steps before the rendezvous, state put back) and build the next communicator while the survivors keep training; at a commit point the old group is aborted, state is broadcast to newcomers,
-           DDP is re-wrapped (no init sync) and training goes on.
+           training steps before the worker announces itself, state put back) and build the next communicator
+           while the survivors keep training; at a commit point the old group is aborted, state is broadcast to
+           newcomers, DDP is re-wrapped (no init sync) and training goes on.
   plain    (a) destroy_process_group, init_process_group on a new store prefix, broadcast of the state
            (DDP's init sync for the model, per-tensor broadcasts for optimizer state), first DDP step. Newcomers
            are already running and have built their model (same head start as ours, but no communicator).
@@ -464,7 +465,8 @@ def phase_rows(model: str, path: str, ph: dict, S: int, L: int) -> list[str]:
             else "- | - | - | -"
     w0 = ph["w0"]
     first = [i for i in range(1, len(w0)) if w0[i][0] != w0[i - 1][0]]
-    after = {i for j in first for i in (j, j + 1)}  # the first two steps at a size (DDP rebuilds buckets in its 2nd)
+    # not steady: the step whose commit switched, and the first two at the new size (DDP rebuilds buckets in its 2nd)
+    after = {i for j in first for i in (j - 1, j, j + 1)}
     rows = [(f"rank 0 steady @{S}", [x for i, x in enumerate(w0) if x[0] == S and i not in after and i > 2]),
             (f"rank 0 steady @{L}", [x for i, x in enumerate(w0) if x[0] == L and i not in after]),
             ("rank 0 first step after grow", [w0[i] for i in first if w0[i][0] == L]),

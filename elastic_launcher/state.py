@@ -87,14 +87,18 @@ class TrainingState:
     # ---- rollback -------------------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         """Clones everything into memory; becomes the rollback point."""
-        self._snap = Snapshot(
+        self._snap = self.capture()
+        return self._snap
+
+    def capture(self) -> Snapshot:
+        """Clones everything into memory, for ``restore(snap)``; the rollback point stays as it was."""
+        return Snapshot(
             model=_clone_tree(self.model.state_dict()),
             optim=_clone_tree(self.optimizer.state_dict()),
             sched=_clone_tree(self.scheduler.state_dict()) if self.scheduler is not None else None,
             sampler=dict(self.sampler.state_dict()) if self.sampler is not None else None,
             counters=dict(self.counters),
         )
-        return self._snap
 
     @property
     def last_snapshot(self) -> Optional[Snapshot]:

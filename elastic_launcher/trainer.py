@@ -138,17 +138,17 @@ class ElasticTrainer(EpochTransitions):
             records go there every ``observations_every`` committed steps and at ``close``.
         warm_up: optional ``warm_up(model)`` running one local training step on a representative batch with the
             bare model given (no collectives): forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``.
-            The constructor runs it ``WARM_UP_STEPS`` times before this worker joins the next group's rendezvous,
-            then puts model and optimizer state back (``warm_up_s`` says how long it took). CUDA loads a kernel the
+            The constructor runs it ``WARM_UP_STEPS`` times before this worker announces itself (so before it
+            joins a plan's rendezvous), then puts model and optimizer state back (``warm_up_s`` says how long it took). CUDA loads a kernel the
             first time it runs: a newcomer whose first optimizer step is its first ever pays for that inside the
             first step at the new size, and every rank waits (ResNet-50 on 2x H100: 30 ms against 2.4 ms steady;
             bench/results/gpu_transition.md). Two steps take both optimizer paths (creating its state, then
-            updating it). Running before the rendezvous keeps it off the survivors' critical path; it must end
-            within ``connect_timeout``, for which the survivors wait on the new group. Only model, optimizer and
-            scheduler state are put back: what else the step changes (random number streams, a GradScaler's
-            scale) stays changed.
+            updating it). Running before the announcement keeps it off the survivors' critical path, and a step
+            that raises fails the constructor before anyone counts on this worker. Model, optimizer and scheduler
+            state are put back and every gradient of the model is cleared; what else the step changes (random
+            number streams, a GradScaler's scale, buffers outside ``state_dict``) stays changed.
 
-    The constructor announces the worker, (warms up,) waits for a plan that includes it and builds that plan's
+    The constructor (warms up,) announces the worker, waits for a plan that includes it and builds that plan's
     group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
     loader starts.
     """
@@ -174,17 +174,13 @@ class ElasticTrainer(EpochTransitions):
         self._store = connect_store(self.addr.with_prefix(self.addr.prefix + "/elastic-state"),
                                     config.connect_timeout)
         self._epoch_group: Optional[tuple[int, ProcessGroupWrapper]] = None  # for the peer watchdog
+        # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
+        self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
         watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,
                                      config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
                                      on_peer_failure=self._on_peer_failure if watchdog else None)
         self.membership.start()
-        self._store.set(f"speed/{worker_id}", repr(float(speed)))
-        try:
-            self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
-        except BaseException:
-            self.membership.stop()  # the user's step failed: no heartbeat left behind (state already put back)
-            raise
         self.sampler: Optional[ElasticSampler] = None
         self.ddp: Optional[DDP] = None
         self._hook: Optional[HookState] = None
@@ -200,11 +196,16 @@ class ElasticTrainer(EpochTransitions):
         self._next: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
         self._next_thread: Optional[threading.Thread] = None
         self._pending_switch: Optional[dict] = None
-        self.plan = self.membership.wait_for_plan()
-        self.group = self._new_wrapper()
-        self.group.configure(self.addr.with_prefix(f"{self.addr.prefix}/{self.plan.group_prefix}"),
-                             self.plan.rank_of(worker_id), self.plan.world_size)
         self._joined = False
+        try:
+            self._store.set(f"speed/{worker_id}", repr(float(speed)))
+            self.plan = self.membership.wait_for_plan()
+            self.group = self._new_wrapper()
+            self.group.configure(self.addr.with_prefix(f"{self.addr.prefix}/{self.plan.group_prefix}"),
+                                 self.plan.rank_of(worker_id), self.plan.world_size)
+        except BaseException:
+            self.membership.stop()  # no plan or no group: leave no heartbeat behind
+            raise
 
     # ---- public accessors -----------------------------------------------------------------------------------
     @property
@@ -239,12 +240,13 @@ class ElasticTrainer(EpochTransitions):
     def _warm_up(self, step_fn: Callable[[torch.nn.Module], Any]) -> float:
         """``WARM_UP_STEPS`` local steps, then the state as it was (see ``warm_up`` in the class docstring)."""
         t0 = time.perf_counter()
-        saved = self.state.snapshot()
+        saved = self.state.capture()  # not the rollback point
         try:
             for _ in range(WARM_UP_STEPS):
                 step_fn(self.module)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=True)  # parameters outside the optimizer too
             self.state.restore(saved)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

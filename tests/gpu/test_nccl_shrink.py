@@ -23,6 +23,14 @@ N = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 4
 
 
 def _worker(rank: int, port: int, out: "mp.Queue") -> None:
+    try:
+        _shrink_or_leave(rank, port, out)
+    except BaseException as e:  # report it, so the test fails on this error and not on a queue timeout
+        out.put({"rank": rank, "crash": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _shrink_or_leave(rank: int, port: int, out: "mp.Queue") -> None:
     from elastic_launcher.errors import ProcessGroupError
     from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr
 
@@ -69,6 +77,7 @@ def test_nccl_shrink_drops_the_last_rank():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    assert not [r["crash"] for r in res.values() if "crash" in r]
     assert [p.exitcode for p in procs] == [0] * N
     assert all(r["full_sum"] == N * (N + 1) / 2 for r in res.values())
     survivors = [res[r] for r in range(N - 1)]

@@ -354,7 +354,8 @@ def test_trainer_world_of_one_rolls_back_local_errors_then_gives_up(store):
 def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
     from elastic_launcher.trainer import WARM_UP_STEPS
     Coordinator(dist.PrefixStore("job", store)).start(["solo"])
-    m, o = _model_opt()
+    m, _ = _model_opt()
+    o = torch.optim.Adam(list(m.parameters())[:-1], lr=0.01)  # the last bias trains outside the optimizer
     before = {k: v.clone() for k, v in m.state_dict().items()}  # weights and BatchNorm statistics
     x, y = torch.randn(4, 4), torch.randn(4, 1)
     seen = []
@@ -372,6 +373,7 @@ def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
         assert all(changed for _, changed in seen)  # the steps really trained...
         assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # ...and left no trace
         assert o.state_dict()["state"] == {} and all(p.grad is None for p in m.parameters())
+        assert et.state.last_snapshot is None or et.state.last_snapshot.counters["step"] == 0
         ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
         next(et.loader(ds))
         assert et.step == 0
@@ -379,9 +381,10 @@ def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
         et.close()
 
 
-def test_a_failing_warm_up_step_fails_the_constructor_and_leaves_nothing_running(store):
+def test_a_failing_warm_up_step_fails_the_constructor_before_the_worker_announces_itself(store):
     import threading
-    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    coord = Coordinator(dist.PrefixStore("job", store))
+    coord.start(["solo"])
     m, o = _model_opt()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     x = torch.randn(4, 4)
@@ -394,4 +397,16 @@ def test_a_failing_warm_up_step_fails_the_constructor_and_leaves_nothing_running
     with pytest.raises(FloatingPointError, match="warm-up batch"):
         _trainer(store, model_opt=(m, o), warm_up=step)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert "solo" not in coord.joined()  # the launcher never counted on it
     assert not [t for t in threading.enumerate() if t.name == "elastic-hb-solo"]
+
+
+def test_a_constructor_that_gets_no_plan_leaves_no_heartbeat(store):
+    import threading
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+    m, o = _model_opt()  # no coordinator posts a plan
+    cfg = TrainerConfig(connect_timeout=timedelta(seconds=5), rendezvous_timeout=timedelta(seconds=0.5))
+    with pytest.raises(RendezvousTimeout):
+        ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="lonely",
+                       policy=BatchPolicy(per_gpu_batch=4), config=cfg)
+    assert not [t for t in threading.enumerate() if t.name == "elastic-hb-lonely"]
