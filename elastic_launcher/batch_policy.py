@@ -40,7 +40,8 @@ def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
     exact = [spare * s / total for s in speeds]
     out = [1 + int(math.floor(e)) for e in exact]
     left = global_batch - sum(out)
-    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+    # equal remainders (speeds a rounding error apart give the same quotient): the faster rank first
+    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), -speeds[i], i))
     for i in order[:left]:
         out[i] += 1
     return out

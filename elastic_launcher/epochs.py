@@ -8,7 +8,7 @@ to it (or leaving) at a commit point, rolling back a failed step, and recovering
 Expects on ``self`` (set by ``ElasticTrainer.__init__``): ``config``, ``device``, ``module``, ``optimizer``,
 ``scheduler``, ``policy``, ``telemetry``, ``fault``, ``wid``, ``addr``, ``state``, ``membership``, ``sampler``,
 ``plan``, ``group``, ``ddp``, ``_hook``, ``_store``, ``_next``, ``_next_thread``, ``_pending_switch``,
-``switches``, ``failures``, ``left``, ``_local_error``, ``_since_vote``, ``_joined``, and the properties
+``switches``, ``failures``, ``left``, ``_local_error``, ``schedule``, ``committed_step``, ``_joined``, and the properties
 ``rank``, ``world_size``, ``step``.
 """
 from __future__ import annotations
@@ -85,8 +85,9 @@ class EpochTransitions:
         if self.rank == 0:
             self.membership.publish_current(plan)
         self._local_error = None
-        self._since_vote = 0
         self.state.snapshot()
+        self.committed_step = self.step
+        self.schedule.enter(self.step, time.perf_counter())  # next commit point: the first step of the epoch
 
     def _repartition(self) -> None:
         world = self.world_size
@@ -185,7 +186,7 @@ class EpochTransitions:
             raise TooManyFailures(f"{self.failures} failed commits in a row at step {self.step}; last: {err}")
         self.state.restore()
         self._local_error = None
-        self._since_vote = 0
+        self.schedule.enter(self.step, time.perf_counter())
         logger.warning("rolled back to step %d after %s", self.step, err)
 
     def _recover(self, err: Optional[BaseException]) -> None:
@@ -215,12 +216,14 @@ class EpochTransitions:
             new.configure(self.addr.with_prefix(f"{self.addr.prefix}/{plan.group_prefix}"),
                           plan.rank_of(self.wid), plan.world_size)
         self.group = new
+        lost, interval = self.step - self.committed_step, self.schedule.interval
         self.state.restore()
         self.state.broadcast(self.group, 0, self._store, f"state/{plan.id}", self.config.rendezvous_timeout)
         self._enter(plan)
         t1 = time.perf_counter()
         rec = {"epoch": plan.id, "prev": failed.id, "kind": "recovery", "old_world": failed.world_size,
-               "world": plan.world_size, "step": self.step, "recover_s": t1 - t0, "error": str(err)[:200]}
+               "world": plan.world_size, "step": self.step, "lost_steps": lost, "commit_interval": interval,
+               "recover_s": t1 - t0, "error": str(err)[:200]}
         events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
         # completed (pause_s, switches, elastic/switched/<id> from rank 0) at the first commit of the new epoch
         self._pending_switch = {**rec, "t_decide": t0, "t_entered": t1}

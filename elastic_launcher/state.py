@@ -54,6 +54,52 @@ def _clone_tree(x: Any) -> Any:
     return x
 
 
+def _tensor_leaves(x: Any, out: list) -> list:
+    """Appends the tensors of a state tree to ``out`` in traversal order; returns ``out``."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _tensor_leaves(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _tensor_leaves(v, out)
+    return out
+
+
+def _with_leaves(x: Any, leaves) -> Any:
+    """A copy of the tree ``x`` (new containers, as ``_clone_tree``) whose tensors are taken from ``leaves``."""
+    if isinstance(x, torch.Tensor):
+        return next(leaves)
+    if isinstance(x, dict):
+        return {k: _with_leaves(v, leaves) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_with_leaves(v, leaves) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_with_leaves(v, leaves) for v in x)
+    return x
+
+
+def _copy_tree(x: Any, reuse: list) -> tuple[Any, list]:
+    """``_clone_tree(x)``, but copying into the tensors of ``reuse`` (an earlier result's leaves) when they match
+    ``x``'s tensors one to one (shape, dtype, device): one ``_foreach_copy_`` per device and dtype instead of
+    one clone per tensor. Returns the copy and its leaves."""
+    src = _tensor_leaves(x, [])
+    if len(reuse) != len(src) or any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                                     for a, b in zip(reuse, src)):
+        out = _clone_tree(x)
+        return out, _tensor_leaves(out, [])
+    groups: dict[tuple, tuple[list, list]] = {}
+    for a, b in zip(reuse, src):
+        ds, ss = groups.setdefault((a.device, a.dtype), ([], []))
+        ds.append(a)
+        ss.append(b.detach())
+    with torch.no_grad():
+        for ds, ss in groups.values():
+            torch._foreach_copy_(ds, ss)
+    return _with_leaves(x, iter(reuse)), reuse
+
+
 class _Ref:
     """Placeholder for a tensor sent by collective: position in the flat list, shape, dtype."""
 
@@ -83,11 +129,22 @@ class TrainingState:
         self.device = device or next(model.parameters()).device
         self.counters: dict = {"step": 0, "epoch": 0}
         self._snap: Optional[Snapshot] = None
+        self._snap_leaves: list[torch.Tensor] = []  # the rollback snapshot's tensors, reused by the next one
 
     # ---- rollback -------------------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
-        """Clones everything into memory; becomes the rollback point."""
-        self._snap = self.capture()
+        """Copies everything into memory; becomes the rollback point.
+
+        The tensors go into the previous snapshot's buffers when the state still has the same tensors (shapes,
+        dtypes, devices): one ``_foreach_copy_`` per device and dtype, so a commit point allocates nothing and
+        launches a handful of copies instead of one clone per tensor.
+        """
+        tree = (self.model.state_dict(), self.optimizer.state_dict(),
+                self.scheduler.state_dict() if self.scheduler is not None else None)
+        (model, optim, sched), self._snap_leaves = _copy_tree(tree, self._snap_leaves)
+        self._snap = Snapshot(model, optim, sched,
+                              dict(self.sampler.state_dict()) if self.sampler is not None else None,
+                              dict(self.counters))
         return self._snap
 
     def capture(self) -> Snapshot:
@@ -262,9 +319,6 @@ def _broadcast_flat(group: ProcessGroupWrapper, tensors: list[torch.Tensor], src
     if group.rank() != src:
         with torch.no_grad():
             for flat, ts in pending:
-                off = 0
-                for t in ts:
-                    n = t.numel()
-                    t.copy_(flat[off:off + n].view_as(t))
-                    off += n
+                parts = flat.split([t.numel() for t in ts])
+                torch._foreach_copy_(ts, [p.view_as(t) for p, t in zip(parts, ts)])
     return nbytes

@@ -41,6 +41,8 @@ class Telemetry:
         inter_link: link class between nodes (e.g. ``ib``, ``socket``).
         multi_node: the group spans several nodes (collectives are then limited by ``inter_link``).
         max_samples: keep at most this many raw timings per key between drains.
+        time_every: time the gradient allreduces of one step in this many (CUDA events cost host time per
+            bucket; step times are recorded for every step).
 
     A step record carries ``inter_link`` whenever its layout spans several nodes (the predictor requires it
     there). Under elastic-launch the controller relabels the records with the real layout and the cluster's
@@ -53,6 +55,7 @@ class Telemetry:
     inter_link: str = "socket"
     multi_node: bool = False
     max_samples: int = 256
+    time_every: int = 8
     _coll: dict = field(default_factory=dict)
     _events: list = field(default_factory=list)
     _steps: dict = field(default_factory=dict)
@@ -101,6 +104,7 @@ class HookState:
         scale: multiplier applied to the local bucket before the SUM (set every step by the trainer).
         first_sync_t: ``time.perf_counter()`` at the step's first bucket (the local compute before any wait
             on peers ends about here); the trainer clears it when it hands out a batch.
+        timed: time this step's buckets (the trainer sets it every step from ``Telemetry.time_every``).
     """
 
     def __init__(self, group: ProcessGroupWrapper, telemetry: Optional[Telemetry] = None) -> None:
@@ -109,6 +113,7 @@ class HookState:
         self.scale = 1.0 / max(group.size(), 1)
         self.buckets: dict[int, int] = {}  # bucket index -> bytes (the model's bucket layout)
         self.first_sync_t: Optional[float] = None
+        self.timed = True
 
 
 def _done(buf: torch.Tensor) -> torch.futures.Future:
@@ -128,7 +133,7 @@ def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: D
         return _done(buf)
     nbytes = buf.numel() * buf.element_size()
     state.buckets[bucket.index()] = nbytes
-    tel, world = state.telemetry, group.size()
+    tel, world = (state.telemetry if state.timed else None), group.size()
     cuda = buf.is_cuda
     t0 = time.perf_counter()
     ev0 = None

@@ -15,8 +15,10 @@ Contracts the script must keep: do not hold on to ``et.model``, rank or world si
 commit points); call :meth:`ElasticTrainer.commit` exactly once per batch the loader yields; the loss is the
 *mean over the local batch* (the communication hook weights ranks by their share of the global batch).
 
-Commit points (every ``commit_every`` batches) run one tiny allreduce vote on the current group carrying
-(ready-for-next-epoch, collective ok, local ok). Then, all ranks together: a failed collective -> recovery
+Commit points (at steps every rank agreed on: :mod:`elastic_launcher.commit_schedule`) run one tiny allreduce
+vote on the current group carrying (ready-for-next-epoch, collective ok, local ok, count, proposed interval),
+broadcast the floating-point buffers and take the in-memory snapshot that is the rollback point. Between
+commit points a step queues its device work and returns: no host synchronisation, no store access. Then, all ranks together: a failed collective -> recovery
 (abort, agree on survivors through the store, build a fresh group, roll back to the last in-memory commit,
 re-sync from rank 0); a local error -> roll back and retry (at most ``max_retries`` in a row); everyone ready for
 the posted next plan -> switch. Newcomers and survivors build the next group in the background while training
@@ -39,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.commit_schedule import CommitSchedule
 from elastic_launcher.epochs import EpochTransitions
 from elastic_launcher.errors import PeerFailure, ProcessGroupError
 from elastic_launcher.membership import Membership
@@ -66,7 +69,12 @@ class TrainerConfig:
         rendezvous_timeout: waiting for a plan, a recovery decision or the state skeleton.
         heartbeat_interval: heartbeat and next-plan polling period.
         heartbeat_timeout: silence after which a peer is declared dead during recovery.
-        commit_every: batches between votes (and rollback snapshots).
+        commit_every: batches between commit points (vote, buffer broadcast, rollback snapshot); None: chosen
+            from measurements (``commit_period``, ``commit_overhead``), agreed in the vote.
+        commit_period: auto mode: training time between commit points to aim at.
+        commit_overhead: auto mode: the largest fraction of that time a commit point may cost.
+        max_commit_every: upper bound on the batches between commit points: a failure (a dead peer, a local
+            error) rolls back at most this many batches (auto mode: about ``commit_period`` of training).
         max_retries: consecutive failed commits tolerated before TooManyFailures.
         bucket_cap_mb: DDP bucket size.
         try_shrink: on failure, try the backend's communicator shrink before a fresh build.
@@ -84,7 +92,10 @@ class TrainerConfig:
     rendezvous_timeout: timedelta = timedelta(seconds=180)
     heartbeat_interval: timedelta = timedelta(seconds=0.2)
     heartbeat_timeout: timedelta = timedelta(seconds=5)
-    commit_every: int = 1
+    commit_every: Optional[int] = None
+    commit_period: timedelta = timedelta(seconds=0.5)
+    commit_overhead: float = 0.01
+    max_commit_every: int = 256
     max_retries: int = 3
     bucket_cap_mb: float = 25.0
     try_shrink: bool = True
@@ -95,7 +106,7 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class VoteTally:
-    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1].
+    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1, proposal].
 
     Attributes:
         counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
@@ -103,18 +114,20 @@ class VoteTally:
         collectives_ok: counted, and no rank saw a collective fail.
         local_ok: no rank reported a local error (non-finite loss, ...): else everyone rolls back.
         ready: every rank is ready to switch to the same next epoch (``ready`` > 0).
+        proposals: the sum of the ranks' proposed commit intervals (``CommitSchedule.committed`` reads it).
     """
 
     counted: bool
     collectives_ok: bool
     local_ok: bool
     ready: bool
+    proposals: int = 0
 
     @classmethod
     def read(cls, v, n: int, ready: int) -> "VoteTally":
-        total, coll, local, count = (int(x) for x in v)
+        total, coll, local, count, proposals = (int(x) for x in v)
         counted = count == n
-        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready)
+        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready, proposals)
 
 
 class ElasticTrainer(EpochTransitions):
@@ -190,9 +203,12 @@ class ElasticTrainer(EpochTransitions):
         self.failures = 0
         self.switches: list[dict] = []
         self._local_error: Optional[BaseException] = None
-        self._since_vote = 0
         self._last_commit_t = time.perf_counter()
         self._batch_t = self._last_commit_t
+        self.schedule = CommitSchedule(config.commit_every, config.commit_period.total_seconds(),
+                                       config.commit_overhead, config.max_commit_every)
+        self.committed_step = 0  # the step of the last commit point (the rollback point)
+        self._uncommitted = (0, 0.0)  # (steps, compute seconds) since the last commit point, for the progress hook
         self._next: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
         self._next_thread: Optional[threading.Thread] = None
         self._pending_switch: Optional[dict] = None
@@ -294,6 +310,10 @@ class ElasticTrainer(EpochTransitions):
     def commit(self, compute_s: Optional[float] = None) -> bool:
         """Ends the current batch. Returns True if training goes on in this process, False once it left.
 
+        Most batches end here at once (their device work stays queued). At a commit point (a step every rank
+        agreed on, see :attr:`schedule`) the ranks vote, and may roll back to the last commit point, recover
+        from a failed peer, switch to the next epoch or leave.
+
         Args:
             compute_s: this rank's local compute time for the batch, for the progress hook. Default: from the
                 batch being handed out to its first gradient bucket (forward and the first part of backward,
@@ -306,17 +326,26 @@ class ElasticTrainer(EpochTransitions):
         if compute_s is None:
             first = self._hook.first_sync_t if self._hook is not None else None
             compute_s = (first if first is not None and first >= self._batch_t else now) - self._batch_t
-        before = self.step
+        before, committed = self.step, self.committed_step
         went_on = self._commit(now)
-        if self.progress is not None and self.step == before + 1:  # committed (a rollback resets the count)
-            self._report_progress(compute_s)
+        steps, spent = self._uncommitted
+        if self.step == before + 1:
+            steps, spent = steps + 1, spent + compute_s
+        else:  # rolled back: those steps are trained again
+            steps, spent = 0, 0.0
+        if self.committed_step > committed:
+            if self.progress is not None:
+                self._report_progress(steps, spent)
+            steps, spent = 0, 0.0
+        self._uncommitted = (steps, spent)
         return went_on
 
-    def _report_progress(self, compute_s: float) -> None:
+    def _report_progress(self, steps: int, compute_s: float) -> None:
         s = self.sampler
-        self.progress.report(self.plan.id, self.step, s.epoch * s.size + s.pos, compute_s)
+        self.progress.report(self.plan.id, self.step, s.epoch * s.size + s.pos, compute_s, steps=steps)
         publish = getattr(self.progress, "publish", None)
-        if publish is not None and self.telemetry is not None and self.step % self.config.observations_every == 0:
+        every = self.config.observations_every
+        if publish is not None and self.telemetry is not None and self.step // every > (self.step - steps) // every:
             records = self.observations()
             if records:
                 publish(records)
@@ -324,29 +353,33 @@ class ElasticTrainer(EpochTransitions):
     def _commit(self, now: float) -> bool:
         self.sampler.advance(self.batches)
         self.state.counters["step"] += 1
-        self._since_vote += 1
         self._maybe_prepare_next()
-        force = self._pending_switch is not None or self._local_error is not None or \
-            self.group.errored() is not None or self._next is not None
-        if self._since_vote < self.config.commit_every and not force:
-            self._record_step(now)
+        self._record_step(now)
+        # A failed collective goes to recovery at once: that needs no collective (survivors agree through the
+        # store). Everything else waits for the agreed commit point: a vote some ranks take and others do not
+        # would pair the vote's allreduce with a gradient bucket's.
+        if self.group.errored() is None and not self.schedule.due(self.step):
+            self.schedule.tick(time.perf_counter())
             return True
-        return self._vote(now)
+        return self._vote()
 
     def _record_step(self, now: float) -> None:
         if self.telemetry is not None:
             self.telemetry.record_step([self.world_size], self.batches[self.rank], now - self._last_commit_t)
+            self._hook.timed = self.step % self.telemetry.time_every == 0
         self._last_commit_t = now
 
-    def _vote(self, now: float) -> bool:
+    def _vote(self) -> bool:
         nxt = self._next
         ready = nxt[0] if nxt is not None else 0
         ok_coll = 0 if self.group.errored() is not None else 1
         ok_local = 0 if self._local_error is not None else 1
         n = self.group.size()
-        # SUM of [ready, ok_coll, ok_local, 1]: the last entry counts the ranks that took part; a dead rank cannot
-        # be counted, so a vote an aborted communicator hands back (untouched or half reduced) reads as failed
-        v = torch.tensor([ready, ok_coll, ok_local, 1], dtype=torch.int64, device=self.device)
+        # SUM of [ready, ok_coll, ok_local, 1, proposal]: the 4th entry counts the ranks that took part (a dead
+        # rank cannot be counted, so a vote an aborted communicator hands back, untouched or half reduced, reads
+        # as failed); the 5th gives every rank the same next commit interval
+        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal()], dtype=torch.int64,
+                         device=self.device)
         try:
             if ok_coll:
                 self.group.allreduce([v], dist.ReduceOp.SUM).wait()
@@ -372,12 +405,12 @@ class ElasticTrainer(EpochTransitions):
             self._recover(e)
             return not self.left
         self.failures = 0
-        self._since_vote = 0
         t = time.perf_counter()
         if self._pending_switch is not None:
             self._finish_switch(t)
-        self._record_step(now)
         self.state.snapshot()
+        self.committed_step = self.step
+        self.schedule.committed(self.step, tally.proposals, n, time.perf_counter())
         if tally.ready:
             return self._switch(t)
         return True

@@ -197,19 +197,21 @@ class ProgressReporter:
         self.steps = 0
         self.recent: list[tuple[int, int, float]] = []
 
-    def report(self, epoch: int, step: int, samples: int, compute_s: float) -> None:
-        """Publish progress after a committed step.
+    def report(self, epoch: int, step: int, samples: int, compute_s: float, steps: int = 1) -> None:
+        """Publish progress at a commit point.
 
         Args:
             epoch: membership epoch (plan id) the worker is in after the commit.
             step: global committed step count.
             samples: global committed sample count (all ranks).
-            compute_s: this worker's local compute time in the step (forward/backward without waiting
-                for peers); slow hardware shows here, while the synchronous step time is the same everywhere.
+            compute_s: this worker's local compute time in the ``steps`` steps since its last report
+                (forward/backward without waiting for peers); slow hardware shows here, while the synchronous
+                step time is the same everywhere.
+            steps: steps this report covers (commit points come every few steps).
         """
         now = time.time()
         self.compute_total_s += compute_s
-        self.steps += 1
+        self.steps += steps
         self.recent = (self.recent + [(epoch, step, now)])[-self.history:]
         self.store.set(PROGRESS_PREFIX + self.wid, json.dumps(
             {"epoch": epoch, "step": step, "samples": samples, "t": now, "node": self.node,
@@ -224,15 +226,17 @@ def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Option
     """`(idle, step)`: idle time of the switch into `epoch` and the normal step time, from one survivor's
     recent (epoch, step, t) reports.
 
-    The first report in `epoch` follows the last one before it by one step plus the transition; the
-    median gap between other consecutive reports is one step. Idle is clamped at 0 (step-time jitter can
-    exceed a very short switch). (None, None) when the boundary is not in `recent`.
+    Reports come at commit points, every few steps. The report that crosses into `epoch` follows the one
+    before it by its steps plus the transition; the median per-step time between other consecutive reports
+    is one step. Idle is clamped at 0 (step-time jitter can exceed a very short switch). (None, None) when
+    the boundary is not in `recent`.
     """
-    gaps = [(b[2] - a[2], b[0] == epoch and a[0] != epoch) for a, b in zip(recent, recent[1:])]
-    boundary = [gap for gap, crosses in gaps if crosses]
-    normal = sorted(gap for gap, crosses in gaps if not crosses)
+    gaps = [(b[2] - a[2], max(b[1] - a[1], 1), b[0] == epoch and a[0] != epoch) for a, b in zip(recent, recent[1:])]
+    boundary = [(gap, n) for gap, n, crosses in gaps if crosses]
+    normal = sorted(gap / n for gap, n, crosses in gaps if not crosses)
     if not boundary or not normal:
         return None, None
     step = normal[len(normal) // 2]
-    return max(0.0, boundary[0] - step), step
+    gap, n = boundary[0]
+    return max(0.0, gap - n * step), step
 

@@ -164,14 +164,14 @@ def test_a_failing_peer_watch_turns_itself_off_and_the_beat_goes_on(store, monke
 
 def test_a_vote_an_aborted_communicator_hands_back_untouched_counts_as_failed():
     from elastic_launcher.trainer import VoteTally
-    # 4 ranks, all fine, all ready for epoch 9: SUM of [9, 1, 1, 1] over 4 ranks
-    assert VoteTally.read([36, 4, 4, 4], 4, 9) == VoteTally(True, True, True, True)
+    # 4 ranks, all fine, all ready for epoch 9, proposing 8 steps to the next commit point: SUM of [9, 1, 1, 1, 8]
+    assert VoteTally.read([36, 4, 4, 4, 32], 4, 9) == VoteTally(True, True, True, True, 32)
     # the same vote on an aborted NCCL communicator: the buffer comes back as this rank sent it
-    untouched = VoteTally.read([9, 1, 1, 1], 4, 9)
+    untouched = VoteTally.read([9, 1, 1, 1, 8], 4, 9)
     assert not untouched.counted and not untouched.collectives_ok and not untouched.ready
     # one rank saw a collective fail; one rank had a local error; one rank not ready yet
-    assert VoteTally.read([36, 3, 4, 4], 4, 9).collectives_ok is False
-    assert VoteTally.read([36, 4, 3, 4], 4, 9) == VoteTally(True, True, False, True)
-    assert VoteTally.read([27, 4, 4, 4], 4, 9).ready is False
-    assert VoteTally.read([0, 4, 4, 4], 4, 0).ready is False  # nothing prepared: no switch
-    assert VoteTally.read([1, 1, 1, 1], 1, 1) == VoteTally(True, True, True, True)  # a world of one
+    assert VoteTally.read([36, 3, 4, 4, 32], 4, 9).collectives_ok is False
+    assert VoteTally.read([36, 4, 3, 4, 32], 4, 9) == VoteTally(True, True, False, True, 32)
+    assert VoteTally.read([27, 4, 4, 4, 32], 4, 9).ready is False
+    assert VoteTally.read([0, 4, 4, 4, 32], 4, 0).ready is False  # nothing prepared: no switch
+    assert VoteTally.read([1, 1, 1, 1, 3], 1, 1) == VoteTally(True, True, True, True, 3)  # a world of one

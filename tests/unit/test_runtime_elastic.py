@@ -105,11 +105,24 @@ def test_shrink_4_to_2(tmp_path):
     check_accounting(read_logs(str(tmp_path)), r0["sampler"])
 
 
-@pytest.mark.parametrize("watchdog", [None, True], ids=["gloo-default", "peer-watchdog"])
-def test_sigkill_one_rank_recovers(tmp_path, watchdog):
-    # w2 (rank 2) SIGKILLs itself in the middle of step 8's backward pass. With the peer watchdog (NCCL's
-    # default, off on gloo) the survivors' heartbeat threads also fail the epoch: both paths end in one recovery.
-    cl = Cluster(str(tmp_path), target_world=2, fail_at=("w2", 2, 8), peer_watchdog=watchdog)
+def test_grow_with_commit_points_every_10_steps(tmp_path):
+    # Ranks finish preparing the next group at different steps. The switch must wait for an agreed commit point:
+    # a rank that votes as soon as its own group is ready pairs the vote's allreduce with its peers' gradient
+    # buckets (before the fix: RendezvousTimeout waiting for the switch, or a hung collective).
+    # w1 reaches each commit 40 ms after w0 (out of ~90 ms a step), so the group is ready for one before the other.
+    cl = Cluster(str(tmp_path), target_world=4, commit_every=10, skew={"w1": 0.04})
+    stats, res, codes = _grow_2_to_4(cl, late=True)
+    assert codes == {w: 0 for w in ALL4}
+    assert stats["old_world"] == 2 and stats["world"] == 4
+    assert (stats["step"] - 1) % 10 == 0  # commit points: the epoch's first step, then every 10
+    _assert_same_params(res)
+    check_accounting(read_logs(str(tmp_path)), res["w0"]["sampler"])
+
+
+def _sigkill_w2_at_step_8(tmp_path, **opts) -> tuple[dict, dict]:
+    """w2 (rank 2 of 3) SIGKILLs itself in the middle of the 9th batch's backward pass; returns (w0's recovery
+    record, w0's results) after checking what every recovery must give."""
+    cl = Cluster(str(tmp_path), target_world=2, fail_at=("w2", 2, 8), **opts)
     try:
         cl.coord.start(["w0", "w1", "w2"])
         cl.spawn(["w0", "w1", "w2"])
@@ -120,9 +133,27 @@ def test_sigkill_one_rank_recovers(tmp_path, watchdog):
     _assert_same_params(res)
     rec = [s for s in res["w0"]["switches"] if s["kind"] == "recovery"]
     assert len(rec) == 1 and rec[0]["old_world"] == 3 and rec[0]["world"] == 2
-    assert rec[0]["step"] == 8  # rolled back to the last commit before the failed step
     assert rec[0]["recover_s"] < 15  # bounded detection: heartbeat timeout 2 s, collective timeout 20 s
+    # rolled back to the last commit point: the failed batch and the steps since that point are trained again,
+    # never more than the interval in force
+    assert rec[0]["step"] + rec[0]["lost_steps"] == 9
+    assert 1 <= rec[0]["lost_steps"] <= rec[0]["commit_interval"]
     r0 = res["w0"]
-    assert r0["step"] == 8 + 12 and r0["world"] == 2
-    assert _loss_at(r0, 20) < _loss_at(r0, 8) < _loss_at(r0, 1)
+    assert r0["step"] == rec[0]["step"] + 12 and r0["world"] == 2
+    assert _loss_at(r0, r0["step"]) < _loss_at(r0, rec[0]["step"]) < _loss_at(r0, 1)
     check_accounting(read_logs(str(tmp_path)), r0["sampler"])
+    return rec[0], r0
+
+
+@pytest.mark.parametrize("watchdog", [None, True], ids=["gloo-default", "peer-watchdog"])
+def test_sigkill_one_rank_recovers(tmp_path, watchdog):
+    # auto commit schedule (the default); with the peer watchdog (NCCL's default, off on gloo) the survivors'
+    # heartbeat threads also fail the epoch: both paths end in one recovery
+    rec, _ = _sigkill_w2_at_step_8(tmp_path, peer_watchdog=watchdog)
+    assert rec["commit_interval"] <= 256  # TrainerConfig.max_commit_every
+
+
+def test_sigkill_loses_at_most_commit_every_steps(tmp_path):
+    # commit points at steps 1, 6, 11, ...: the failure in the 9th batch rolls back to step 6
+    rec, _ = _sigkill_w2_at_step_8(tmp_path, commit_every=5)
+    assert rec["step"] == 6 and rec["lost_steps"] == 3 and rec["commit_interval"] == 5

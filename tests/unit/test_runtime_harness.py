@@ -1,7 +1,8 @@
 """Multi-process harness for the elastic runtime tests (gloo, spawned workers, controller in the test).
 
 Each worker trains a small MLP regression with :class:`ElasticTrainer`, logs the dataset indices of every step
-it processed to its own file (flushed per step, so a SIGKILLed worker's log survives), and returns its final
+it processed to its own file once a commit point covers the step (a rollback takes back the steps after the
+last commit point; line-buffered, so a SIGKILLed worker's committed steps survive), and returns its final
 parameters, its full-dataset loss history and its switch records through a queue.
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
         fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
     cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=40),
                         rendezvous_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.1),
-                        heartbeat_timeout=timedelta(seconds=2), peer_watchdog=opts.get("peer_watchdog"))
+                        heartbeat_timeout=timedelta(seconds=2), peer_watchdog=opts.get("peer_watchdog"),
+                        commit_every=opts.get("commit_every"))
     warm = None
     if opts.get("warm_up_s") is not None:  # a real local step, made slow: it must stay off the critical path
         x0, y0 = ds.tensors[0][:4], ds.tensors[1][:4]
@@ -73,6 +75,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     full_x, full_y = ds.tensors
     losses = []
     store = et._store
+    pending: list[dict] = []  # steps trained since the last commit point: a rollback takes them back
     try:
         stop_at = None  # all ranks reach the target world at the same step, so they stop together
         for x, y in et.loader(ds):
@@ -81,9 +84,15 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if stop_at is None and wid in opts.get("skew", {}):  # out of phase with its peers until the resize
+                time.sleep(opts["skew"][wid])
             alive = et.commit()
-            if et.step > step:  # committed (not rolled back); a leaver's last step counts too
-                log.write(json.dumps({"wid": wid, "step": step, "epoch": epoch, "idx": idx}) + "\n")
+            pending = [e for e in pending + [{"wid": wid, "step": step, "epoch": epoch, "idx": idx}]
+                       if e["step"] < et.step]  # not rolled back
+            for e in pending:
+                if e["step"] < et.committed_step:  # committed; a leaver's last step counts too
+                    log.write(json.dumps(e) + "\n")
+            pending = [e for e in pending if e["step"] >= et.committed_step]
             if not alive:
                 break
             with torch.no_grad():
@@ -95,10 +104,13 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
                 break
             if stop_at is None:
                 time.sleep(opts["slow"])  # train slowly until the resize, so the test controls when it lands
+        for e in pending:  # a clean end: the steps after the last commit point stand
+            log.write(json.dumps(e) + "\n")
         out.put({"wid": wid, "left": et.left, "step": et.step, "world": et.world_size if not et.left else 0,
                  "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
                  "switches": et.switches, "sampler": et.sampler.state_dict(), "lr": opt.param_groups[0]["lr"],
-                 "obs": et.observations() if et.telemetry else [],
+                 "obs": et.observations() if et.telemetry else [], "committed_step": et.committed_step,
+                 "commit_interval": et.schedule.interval,
                  "warm_up_s": et.warm_up_s})
     finally:
         log.close()

@@ -308,45 +308,48 @@ def test_fault_plan_and_fake_group():
     g.allreduce([torch.ones(1)]).wait()
 
 
-def _trainer(store, model_opt=None, **kw):
+def _trainer(store, model_opt=None, commit_every=None, **kw):
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
     m, o = model_opt or _model_opt()
     cfg = TrainerConfig(timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=5),
-                        rendezvous_timeout=timedelta(seconds=5), max_retries=2)
+                        rendezvous_timeout=timedelta(seconds=5), max_retries=2, commit_every=commit_every)
     return ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
                           policy=BatchPolicy(per_gpu_batch=4), config=cfg, telemetry=Telemetry(profile="mlp"), **kw)
 
 
-def test_trainer_world_of_one_rolls_back_local_errors_then_gives_up(store):
+def _one_step(et, it, error=None) -> bool:
+    x, y = next(it)
+    torch.nn.functional.mse_loss(et.model(x), y).backward()
+    et.optimizer.step()
+    et.optimizer.zero_grad()
+    if error is not None:
+        et.report_error(error)
+    return et.commit()
+
+
+def test_trainer_world_of_one_rolls_back_local_errors_to_the_last_commit_point_then_gives_up(store):
+    # commit points every 3 steps after the epoch's first step: steps 1, 4, 7, ...
     Coordinator(dist.PrefixStore("job", store)).start(["solo"])
-    et = _trainer(store)
-    ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
+    et = _trainer(store, commit_every=3)
+    ds = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
     try:
         it = et.loader(ds)
-        for _ in range(3):
-            x, y = next(it)
-            torch.nn.functional.mse_loss(et.model(x), y).backward()
-            et.optimizer.step()
-            et.optimizer.zero_grad()
-            assert et.commit()
-        assert et.step == 3 and et.sampler.pos == 12
+        for _ in range(4):
+            assert _one_step(et, it)
+        assert et.step == 4 and et.committed_step == 4 and et.sampler.pos == 16
         before = [p.clone() for p in et.module.parameters()]
-        x, y = next(it)
-        torch.nn.functional.mse_loss(et.model(x), y).backward()
-        et.optimizer.step()
-        et.report_error(ValueError("loss is nan"))
-        assert et.commit()  # voted failed: rolled back
-        assert et.step == 3 and et.sampler.pos == 12
+        assert _one_step(et, it, ValueError("loss is nan"))  # step 5: no commit point, the error waits for one
+        assert et.step == 5 and et.committed_step == 4
+        assert _one_step(et, it)
+        assert _one_step(et, it)  # step 7: voted failed, rolled back to step 4 (at most commit_every steps lost)
+        assert et.step == 4 and et.committed_step == 4 and et.sampler.pos == 16
         assert all(torch.equal(a, b) for a, b in zip(before, et.module.parameters()))
         obs = et.observations()
         assert {r["kind"] for r in obs} == {"collective", "step"}
-        et.report_error(ValueError("again"))
-        next(it)
-        assert et.commit()
-        et.report_error(ValueError("and again"))
-        next(it)
+        # after a rollback the next step is a commit point again: two more failures in a row end it
+        assert _one_step(et, it, ValueError("again")) and et.step == 4
         with pytest.raises(TooManyFailures, match="3 failed commits in a row"):
-            et.commit()
+            _one_step(et, it, ValueError("and again"))
     finally:
         et.close()
 
