@@ -34,101 +34,17 @@ import sys
 import time
 from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: elastic_launcher
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import steady_goodput  # noqa: E402
+from gpu_common import (ROOT, STORE_TIMEOUT, Controller, Synthetic, build, client, device_of,  # noqa: E402
+                        local_warmup, sync)
+
 WARM_STEPS = 12      # steps before a resize is requested
 AFTER_STEPS = 8      # steps at a size before the next request
-STORE_TIMEOUT = timedelta(seconds=100)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# models
-# ---------------------------------------------------------------------------------------------------------------
-def build(name: str, device: torch.device):
-    """Returns (model, optimizer, per_gpu_batch, make_batch(n), loss_fn(model, batch))."""
-    if name == "resnet50":
-        import torchvision
-        model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        b = 64
-        x = torch.randn(b, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (b,), device=device)
-        ce = torch.nn.CrossEntropyLoss()
-
-        def loss_fn(m, batch):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                return ce(m(batch[0]), batch[1])
-    elif name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        model = GPT2LMHeadModel(GPT2Config()).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        b = 8
-        x = torch.randint(0, 50257, (b, 1024), device=device)
-        y = x
-
-        def loss_fn(m, batch):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                return m(input_ids=batch[0], labels=batch[1]).loss
-    else:  # tiny, for CPU debugging
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        b = 16
-        x = torch.randn(b, 64, device=device)
-        y = torch.randint(0, 10, (b,), device=device)
-        ce = torch.nn.CrossEntropyLoss()
-
-        def loss_fn(m, batch):
-            return ce(m(batch[0]), batch[1])
-
-    def make_batch(n: int):
-        return x[:n], y[:n]
-    return model, opt, b, make_batch, loss_fn
-
-
-def local_warmup(model, opt, make_batch, loss_fn, b: int, device) -> None:
-    """Compute warm-up of a newcomer (kernels, cuDNN/cuBLAS handles) without touching weights or optimizer."""
-    for _ in range(2):
-        loss_fn(model, make_batch(b)).backward()
-    model.zero_grad(set_to_none=True)
-    sync(device)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Synthetic(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# workers (separate interpreters)
-# ---------------------------------------------------------------------------------------------------------------
-def client(args, prefix: str = "") -> dist.Store:
-    s = dist.TCPStore(args.host, args.port, is_master=False, timeout=STORE_TIMEOUT, wait_for_workers=False)
-    return dist.PrefixStore(prefix, s) if prefix else s
-
-
-def device_of(args) -> torch.device:
-    if args.device == "cuda":
-        torch.cuda.set_device(args.gpu)
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = True
-        return torch.device("cuda", args.gpu)
-    torch.set_num_threads(1)
-    return torch.device("cpu")
 
 
 def worker_ours(args) -> None:
@@ -304,62 +220,6 @@ def worker_restart(args) -> None:
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# controller
-# ---------------------------------------------------------------------------------------------------------------
-class Controller:
-    def __init__(self, args) -> None:
-        self.args = args
-        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
-        self.port = self.server.port
-        self.bench = dist.PrefixStore("bench", self.server)
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, role: str, wid: str, gpu: int, newcomer: bool = False, epoch: int = 0,
-              ckpt: str = "", ckpt_out: str = "", extra: tuple = ()) -> subprocess.Popen:
-        a = self.args
-        cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--wid", wid, "--gpu", str(gpu),
-               "--port", str(self.port), "--model", a.model, "--device", a.device, "--epoch", str(epoch)]
-        if newcomer:
-            cmd.append("--newcomer")
-        if ckpt:
-            cmd += ["--ckpt", ckpt]
-        if ckpt_out:
-            cmd += ["--ckpt-out", ckpt_out]
-        cmd += list(extra)
-        p = subprocess.Popen(cmd, cwd=ROOT)
-        self.procs.append(p)
-        return p
-
-    def wait_step(self, wid: str, step: int, timeout: float = 100) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.bench.check([f"prog/{wid}"]) and int(self.bench.get(f"prog/{wid}")) >= step:
-                return
-            time.sleep(0.02)
-        raise TimeoutError(f"{wid} did not reach step {step}")
-
-    def wait_key(self, key: str, timeout: float = 100) -> str:
-        self.bench.wait([key], timedelta(seconds=timeout))
-        return self.bench.get(key).decode()
-
-    def reap(self, procs, timeout: float = 60) -> None:
-        for p in procs:
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.returncode != 0:
-                raise RuntimeError(f"worker {p.args[4:6]} exited with {p.returncode}")
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 def run_ours(c: Controller, compute_warmup: bool = False) -> dict:
     from elastic_launcher.membership import Coordinator
     extra = (("--compute-warmup",) if compute_warmup else ()) + (("--phases",) if c.args.phases else ())
@@ -504,9 +364,20 @@ def main() -> None:
                     help="worker: newcomers warm up forward/backward only, not through ElasticTrainer(warm_up=)")
     ap.add_argument("--phases", action="store_true",
                     help="ours: time forward/backward/optimizer/commit of every step (device synced between them)")
+    ap.add_argument("--mode", default="all", choices=("all", "steady", "pauses"),
+                    help="steady: plain DDP steady steps and ours through the resize schedule (steady ratio, goodput, "
+                         "pauses); pauses: the --paths protocol; all: both (ours' pauses then come from the schedule: "
+                         "give --paths plain,restart)")
+    ap.add_argument("--seg-steps", type=int, default=300, help="steady: steps at each size of the schedule")
+    ap.add_argument("--schedule", default="", help="steady: sizes, comma-separated (default 1,S,L,S,L,S)")
+    ap.add_argument("--steps", type=int, default=250, help="steady: plain DDP timed steps at each size")
+    ap.add_argument("--warm", type=int, default=20, help="steady: plain DDP steps before timing")
+    ap.add_argument("--sizes", default="", help="worker: plain-steady sizes")
     args = ap.parse_args()
     if args.role != "controller":
-        {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart}[args.role](args)
+        {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart,
+         "plain-steady": steady_goodput.worker_plain_steady, "ours-sched": steady_goodput.worker_ours_sched}[
+            args.role](args)
         return
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ[k] = "0" if k == "NCCL_NVLS_ENABLE" else "1"  # NVLink multicast stays off, children too
@@ -523,9 +394,31 @@ def main() -> None:
              f"| model | path | grow {S}->{L} pause s | shrink {L}->{S} pause s | notes |", "|---|---|---|---|---|"]
     results: dict = {}
     phase_lines: list[str] = []
+    steady_rows: list[str] = []
+    goodput_lines: list[str] = []
+    schedule = [int(x) for x in args.schedule.split(",")] if args.schedule else \
+        ([1] if S > 1 else []) + [S, L, S, L, S]
+    sizes = sorted(set(schedule))
     for model in args.models.split(","):
         args.model = model
-        for path in args.paths.split(","):
+        steady = None
+        if args.mode in ("all", "steady"):
+            c = Controller(args)
+            t0 = time.time()
+            try:
+                base = steady_goodput.run_plain_steady(c, sizes)
+                c.close()
+                c = Controller(args)
+                ours_sched = steady_goodput.run_ours_schedule(c, schedule)
+                steady = steady_goodput.analyse(ours_sched, base, ours_sched["b"], schedule)
+                steady_rows += steady_goodput.table(model, steady, base)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                steady_rows.append(f"| {model} | - | - | - | failed: {type(e).__name__}: {str(e)[:160]} | | |")
+            finally:
+                c.close()
+            print(json.dumps({"model": model, "path": "steady", "wall_s": time.time() - t0, "result": steady}),
+                  flush=True)
+        for path in (args.paths.split(",") if args.mode in ("all", "pauses") else []):
             c = Controller(args)
             t0 = time.time()
             try:
@@ -572,13 +465,21 @@ def main() -> None:
                          f"{ps/os_:.1f}x vs (a), {rs/os_:.0f}x vs (b) | |")
         except (KeyError, statistics.StatisticsError, ZeroDivisionError):
             pass
+        if steady is not None:
+            goodput_lines.append(steady_goodput.goodput_line(model, steady, schedule, S, L,
+                                                             results.get((model, "plain"), {})))
         for path in ("ours", "ours-compute"):
             if "phases" in results.get((model, path), {}):
                 phase_lines += phase_rows(model, path, results[(model, path)]["phases"], S, L)
+        report = lines if args.mode != "steady" else lines[:3]
+        if steady_rows:
+            report = report + steady_goodput.header(schedule, args.seg_steps, args.steps) + steady_rows + [""] + \
+                goodput_lines
+        report = report + phase_table(phase_lines)
         if args.out:  # after every model, so a cut-off run still leaves its finished rows
             with open(args.out, "w") as f:
-                f.write("\n".join(lines + phase_table(phase_lines)) + "\n")
-    print("\n".join(lines + phase_table(phase_lines)) + "\n", flush=True)
+                f.write("\n".join(report) + "\n")
+    print("\n".join(report) + "\n", flush=True)
 
 
 def phase_table(rows: list[str]) -> list[str]:

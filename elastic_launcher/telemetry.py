@@ -10,7 +10,9 @@ Everything comes out as predictor observation records in the shapes of design.md
 
 The communication hook is also where the elastic runtime weights heterogeneous batches: each rank's bucket is
 scaled by ``local_samples / step_samples`` before a SUM allreduce, which gives the exact global mean gradient
-for a local-mean loss (DDP's default divides by the world size, wrong when batches differ). A failed
+for a local-mean loss (DDP's default divides by the world size, wrong when batches differ). With equal shares
+on NCCL the hook asks for an AVG allreduce instead (no extra kernel per bucket); a share of 1 (a world of one)
+needs no scaling at all. A failed
 allreduce is recorded on the group (``report_error``) and the bucket is returned unreduced, so backward
 completes and the commit vote decides (errors recorded, then voted on).
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from elastic_launcher.process_group import ProcessGroupWrapper
 
@@ -127,13 +130,18 @@ def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: D
     if state.first_sync_t is None:
         state.first_sync_t = time.perf_counter()
     buf = bucket.buffer()
-    buf.mul_(state.scale)
     group = state.group
     if group.errored() is not None:
         return _done(buf)
+    world = group.size()
+    op = dist.ReduceOp.SUM
+    if abs(state.scale * world - 1.0) < 1e-12 and group.backend == "nccl" and world > 1:
+        op = dist.ReduceOp.AVG  # an equal share per rank: NCCL divides inside the allreduce, as DDP's own path
+    elif state.scale != 1.0:
+        buf.mul_(state.scale)
     nbytes = buf.numel() * buf.element_size()
     state.buckets[bucket.index()] = nbytes
-    tel, world = (state.telemetry if state.timed else None), group.size()
+    tel = state.telemetry if state.timed else None
     cuda = buf.is_cuda
     t0 = time.perf_counter()
     ev0 = None
@@ -141,7 +149,7 @@ def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: D
         ev0 = torch.cuda.Event(enable_timing=True)
         ev0.record()
     try:
-        fut = group.allreduce([buf]).get_future()
+        fut = group.allreduce([buf], op).get_future()
     except Exception as e:  # noqa: BLE001 - recorded, voted on at the commit point
         group.report_error(e)
         return _done(buf)

@@ -74,6 +74,7 @@ class FakeProcessGroupWrapper:
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         self.timeout = timeout
+        self.backend = "fake"
         self.device = torch.device("cpu")
         self.configure_count = 0
         self._configured = False

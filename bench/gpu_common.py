@@ -1,0 +1,174 @@
+"""What the GPU benches share: the models, the worker helpers, the controller that spawns worker processes.
+
+Workers are separate interpreters: ``bench/gpu_transition.py --role ROLE ...`` (one process per GPU).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_transition.py")
+STORE_TIMEOUT = timedelta(seconds=100)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------------------------
+def build(name: str, device: torch.device):
+    """Returns (model, optimizer, per_gpu_batch, make_batch(n), loss_fn(model, batch))."""
+    if name == "resnet50":
+        import torchvision
+        model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        b = 64
+        x = torch.randn(b, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (b,), device=device)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def loss_fn(m, batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                return ce(m(batch[0]), batch[1])
+    elif name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        model = GPT2LMHeadModel(GPT2Config()).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        b = 8
+        x = torch.randint(0, 50257, (b, 1024), device=device)
+        y = x
+
+        def loss_fn(m, batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                return m(input_ids=batch[0], labels=batch[1]).loss
+    elif name == "mlp":  # the CPU row: a step of tens of ms on one thread, a 21 MB gradient
+        model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                    torch.nn.ReLU(), torch.nn.Linear(2048, 10)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        b = 32
+        x = torch.randn(b, 512, device=device)
+        y = torch.randint(0, 10, (b,), device=device)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def loss_fn(m, batch):
+            return ce(m(batch[0]), batch[1])
+    else:  # tiny, for CPU debugging
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        b = 16
+        x = torch.randn(b, 64, device=device)
+        y = torch.randint(0, 10, (b,), device=device)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def loss_fn(m, batch):
+            return ce(m(batch[0]), batch[1])
+
+    def make_batch(n: int):
+        return x[:n], y[:n]
+    return model, opt, b, make_batch, loss_fn
+
+
+def local_warmup(model, opt, make_batch, loss_fn, b: int, device) -> None:
+    """Compute warm-up of a newcomer (kernels, cuDNN/cuBLAS handles) without touching weights or optimizer."""
+    for _ in range(2):
+        loss_fn(model, make_batch(b)).backward()
+    model.zero_grad(set_to_none=True)
+    sync(device)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# workers (separate interpreters)
+# ---------------------------------------------------------------------------------------------------------------
+def client(args, prefix: str = "") -> dist.Store:
+    s = dist.TCPStore(args.host, args.port, is_master=False, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    return dist.PrefixStore(prefix, s) if prefix else s
+
+
+def device_of(args) -> torch.device:
+    if args.device == "cuda":
+        torch.cuda.set_device(args.gpu)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return torch.device("cuda", args.gpu)
+    torch.set_num_threads(1)
+    return torch.device("cpu")
+
+# ---------------------------------------------------------------------------------------------------------------
+# controller
+# ---------------------------------------------------------------------------------------------------------------
+class Controller:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        self.port = self.server.port
+        self.bench = dist.PrefixStore("bench", self.server)
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, role: str, wid: str, gpu: int, newcomer: bool = False, epoch: int = 0,
+              ckpt: str = "", ckpt_out: str = "", extra: tuple = ()) -> subprocess.Popen:
+        a = self.args
+        cmd = [sys.executable, SCRIPT, "--role", role, "--wid", wid, "--gpu", str(gpu),
+               "--port", str(self.port), "--model", a.model, "--device", a.device, "--epoch", str(epoch)]
+        if newcomer:
+            cmd.append("--newcomer")
+        if ckpt:
+            cmd += ["--ckpt", ckpt]
+        if ckpt_out:
+            cmd += ["--ckpt-out", ckpt_out]
+        cmd += list(extra)
+        logdir = os.environ.get("BENCH_WORKER_LOGS")  # one log file per worker, e.g. to find who died
+        out = open(os.path.join(logdir, f"{role}_{wid}.log"), "a") if logdir else None
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None)
+        if out is not None:
+            out.close()
+        self.procs.append(p)
+        return p
+
+    def wait_step(self, wid: str, step: int, timeout: float = 100) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.bench.check([f"prog/{wid}"]) and int(self.bench.get(f"prog/{wid}")) >= step:
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"{wid} did not reach step {step}")
+
+    def wait_key(self, key: str, timeout: float = 100) -> str:
+        self.bench.wait([key], timedelta(seconds=timeout))
+        return self.bench.get(key).decode()
+
+    def reap(self, procs, timeout: float = 60) -> None:
+        for p in procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.returncode != 0:
+                raise RuntimeError(f"worker {p.args[4:6]} exited with {p.returncode}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,0 +1,274 @@
+"""Steady step and goodput over a resize schedule: ElasticTrainer against plain DDP, same run, same machine.
+
+plain   one process per GPU (``--role plain-steady``); for each size n: ``init_process_group`` over the first n,
+        ``DDP(model)`` with its defaults (buffers broadcast every forward, 25 MB buckets, built-in allreduce),
+        ``--warm`` steps, a device sync, ``--steps`` timed steps with no sync between them (as a torchrun
+        script runs), a device sync. Step time = window / steps (``mean``); ``median`` of the host periods.
+ours    ElasticTrainer as the templates build it (default TrainerConfig, so the auto commit schedule; Telemetry;
+        a ProgressReporter on the job store; newcomers warm up through ``warm_up=``), one run through the size
+        schedule ``--schedule`` (default 1,S,L,S,L,S), ``--seg-steps`` steps per size: the controller asks for
+        each resize once rank 0 reports the segment's end, newcomers are started a third of a segment earlier
+        (helper jobs start while the job trains), leavers exit at the commit point that shrinks.
+
+Steady (ours): per size, windows between commit points (the vote synchronises the device there, so a window is
+exact device time), from ``SEG_WARM`` steps after entering the size to the last commit point before the step
+that switches away; ``mean`` = window time / steps over all windows of that size, ``median`` of the host periods
+inside them. Goodput: from the first step after the 1 -> S switch to the end, samples trained over the ideal,
+where ideal = sum over sizes n of (time spent at n) x (plain DDP's samples/s at n). Every second counts: a
+step's period (end of its commit to the end of the next) goes to the size it ran at, so the resize pauses, the
+commit points and the first steps at a new size are all in the denominator.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gpu_common import STORE_TIMEOUT, Controller, Synthetic, build, client, device_of, sync
+
+SEG_WARM = 10  # steps after entering a size that the steady figures leave out
+
+
+def _step(model, opt, batch, loss_fn) -> None:
+    loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _barrier(bench, key: str, n: int, timeout: float = 300) -> None:
+    bench.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while bench.add(key, 0) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {key}: {bench.add(key, 0)} of {n}")
+        time.sleep(0.01)
+
+
+def worker_plain_steady(args) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dev = device_of(args)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    model, opt, b, make_batch, loss_fn = build(args.model, dev)
+    batch = make_batch(b)
+    bench = client(args, "bench")
+    me = int(args.wid[1:])
+    sizes = [int(x) for x in args.sizes.split(",")]
+    ids = dict(device_ids=[args.gpu]) if dev.type == "cuda" else {}
+    for n in sizes:
+        if me < n:
+            dist.init_process_group(backend, store=client(args, f"steady/pg/{n}"), rank=me, world_size=n,
+                                    timeout=timedelta(seconds=120))
+            ddp = DDP(model, **ids)
+            for _ in range(args.warm):
+                _step(ddp, opt, batch, loss_fn)
+            sync(dev)
+            periods = []
+            t0 = last = time.perf_counter()
+            for _ in range(args.steps):
+                _step(ddp, opt, batch, loss_fn)
+                now = time.perf_counter()
+                periods.append(now - last)
+                last = now
+            sync(dev)
+            t1 = time.perf_counter()
+            if me == 0:
+                bench.set(f"steady/res/{n}", json.dumps({"mean_s": (t1 - t0) / args.steps, "steps": args.steps,
+                                                          "median_s": statistics.median(periods)}))
+            del ddp
+            dist.destroy_process_group()
+        _barrier(bench, f"steady/done/{n}", max(sizes))
+
+
+def worker_ours_sched(args) -> None:
+    from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.telemetry import Telemetry
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+    from elastic_launcher.workers import ProgressReporter
+    dev = device_of(args)
+    model, opt, b, make_batch, loss_fn = build(args.model, dev)
+    batch = make_batch(b)
+    bench = client(args, "bench")
+    cuda = dev.type == "cuda"
+    tel = Telemetry(profile=args.model, gpu=torch.cuda.get_device_name(dev) if cuda else "cpu",
+                    intra_link="nvlink" if cuda else "shm")
+    et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
+                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev,
+                        config=TrainerConfig(backend="nccl" if cuda else "gloo"), telemetry=tel,
+                        progress=ProgressReporter(client(args), args.wid, "localhost"),
+                        warm_up=(lambda m: _step(m, opt, batch, loss_fn)) if args.newcomer else None)
+    recs = []  # (world the step ran at, end of its commit, step after it, a commit point)
+    stop_at = None
+    for _ in et.loader(Synthetic(10 ** 6), collate_fn=lambda items: None):
+        world = et.world_size
+        _step(et.model, opt, batch, loss_fn)
+        alive = et.commit()
+        at_commit = et.committed_step == et.step
+        recs.append((world, time.perf_counter(), et.step, at_commit))
+        if not alive:
+            break
+        if at_commit and stop_at is None:  # the controller names the last step (see run_ours_schedule)
+            if et.rank == 0:
+                bench.set("sched/interval", str(et.schedule.interval))
+            if bench.check(["sched/stop_at"]):
+                stop_at = int(bench.get("sched/stop_at"))
+        if stop_at is not None and et.step >= stop_at:
+            break
+    bench.set(f"res/{args.wid}", json.dumps({"recs": recs, "switches": et.switches, "b": b,
+                                             "commit_interval": et.schedule.interval}))
+    et.close()
+
+
+def _progress_step(c: Controller, wid: str) -> int:
+    key = f"launcher/progress/{wid}"
+    return json.loads(c.server.get(key))["step"] if c.server.check([key]) else 0
+
+
+def _wait_progress(c: Controller, wid: str, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while _progress_step(c, wid) < step:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{wid} did not commit step {step}")
+        time.sleep(0.02)
+
+
+def run_plain_steady(c: Controller, sizes: list[int]) -> dict:
+    extra = ("--sizes", ",".join(map(str, sizes)), "--steps", str(c.args.steps), "--warm", str(c.args.warm))
+    ps = [c.spawn("plain-steady", f"s{i}", i, extra=extra) for i in range(max(sizes))]
+    c.reap(ps, timeout=600)
+    return {n: json.loads(c.bench.get(f"steady/res/{n}")) for n in sizes}
+
+
+def run_ours_schedule(c: Controller, schedule: list[int]) -> dict:
+    from elastic_launcher.membership import Coordinator
+    seg = c.args.seg_steps
+    extra = ()
+    coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
+    members = [f"w{i}" for i in range(schedule[0])]
+    gpus = {w: i for i, w in enumerate(members)}
+    procs = {w: c.spawn("ours-sched", w, gpus[w], extra=extra) for w in members}
+    coord.start(members)
+    nxt = len(members)
+    end = seg  # the step at which the current size has run its segment
+    for n in schedule[1:]:
+        leavers: list[str] = []
+        if n > len(members):
+            _wait_progress(c, "w0", end - seg // 3)
+            free = sorted(set(range(max(schedule))) - set(gpus.values()))
+            news = [f"w{nxt + i}" for i in range(n - len(members))]
+            nxt += len(news)
+            for w, g in zip(news, free):
+                gpus[w] = g
+                procs[w] = c.spawn("ours-sched", w, g, newcomer=True, extra=extra)
+            _wait_progress(c, "w0", end)
+            members = members + news
+        else:
+            _wait_progress(c, "w0", end)
+            leavers = members[n:]
+            members = members[:n]
+        plan = coord.request_resize(members)
+        end = int(coord.wait_switched(plan)["step"]) + seg
+        if leavers:
+            c.reap([procs.pop(w) for w in leavers])
+            for w in leavers:
+                gpus.pop(w)
+    _wait_progress(c, "w0", end)
+    # every rank reads the key at its commit points, which all ranks pass together: a step three intervals
+    # after the last commit point seen here is ahead of every rank when it reads it
+    c.bench.set("sched/stop_at", str(_progress_step(c, "w0") + 3 * int(c.bench.get("sched/interval")) + 1))
+    c.reap(list(procs.values()), timeout=600)
+    return json.loads(c.bench.get("res/w0"))
+
+
+def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
+    """Steady step per size, goodput over the schedule after its first segment, pauses (see the module doc)."""
+    recs = ours["recs"]
+    # segments: runs of steps at one size; the last step of a segment is the one whose commit switched away
+    segs, start = [], 0
+    for i in range(1, len(recs) + 1):
+        if i == len(recs) or recs[i][0] != recs[start][0]:
+            segs.append((start, i))
+            start = i
+    steady: dict[int, dict] = {}
+    for a, z in segs:
+        world = recs[a][0]
+        last = z - 1 if z < len(recs) else z  # leave the switching step out
+        points = [i for i in range(a + SEG_WARM, last) if recs[i][3]]
+        if len(points) < 2:
+            continue
+        i, j = points[0], points[-1]
+        s = steady.setdefault(world, {"time": 0.0, "steps": 0, "periods": []})
+        s["time"] += recs[j][1] - recs[i][1]
+        s["steps"] += recs[j][2] - recs[i][2]
+        s["periods"] += [recs[m][1] - recs[m - 1][1] for m in range(i + 1, j + 1)]
+    out = {"steady": {}, "goodput": None}
+    for world, s in sorted(steady.items()):
+        mean = s["time"] / s["steps"]
+        p = plain.get(world)
+        out["steady"][world] = {"mean_s": mean, "median_s": statistics.median(s["periods"]), "steps": s["steps"],
+                                "ratio": mean / p["mean_s"] if p else None,
+                                "ratio_median": statistics.median(s["periods"]) / p["median_s"] if p else None}
+    # goodput after the first segment
+    g0 = segs[0][1] - 1  # the step that switched from the first size
+    t_at: dict[int, float] = {}
+    samples = 0
+    for m in range(g0 + 1, len(recs)):
+        world = recs[m][0]
+        t_at[world] = t_at.get(world, 0.0) + recs[m][1] - recs[m - 1][1]
+        samples += world * b
+    if all(w in plain for w in t_at):
+        ideal = sum(t * w * b / plain[w]["mean_s"] for w, t in t_at.items())
+        out["goodput"] = {"samples": samples, "ideal": ideal, "ratio": samples / ideal,
+                          "seconds": {w: round(t, 2) for w, t in sorted(t_at.items())},
+                          "steps": len(recs) - g0 - 1}
+    sw = [s for s in ours["switches"] if s["kind"] == "resize"]
+    out["pauses"] = [("grow" if s["world"] > s["old_world"] else "shrink", s["old_world"], s["world"], s["pause_s"])
+                     for s in sw]
+    return out
+
+
+def _ms(xs) -> str:
+    return "/".join(f"{x:.3f}" for x in xs) if xs else "-"
+
+
+def table(model: str, res: dict, plain: dict) -> list[str]:
+    """Rows of the steady table for one model."""
+    rows = []
+    for world, s in res["steady"].items():
+        p = plain.get(world, {})
+        ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
+        ratio_m = f"{s['ratio_median']:.3f}" if s["ratio_median"] is not None else "-"
+        rows.append(f"| {model} | {world} | {p.get('mean_s', float('nan')) * 1e3:.2f} / "
+                    f"{p.get('median_s', float('nan')) * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
+                    f"| **{ratio}** | {ratio_m} | {s['steps']} |")
+    return rows
+
+
+def goodput_line(model: str, res: dict, schedule: list[int], S: int, L: int, rebuild: dict) -> str:
+    """The goodput and pause line for one model (``rebuild``: the plain rebuild path's pauses, if run)."""
+    g = res["goodput"]
+    if not g:
+        return f"- {model}: no goodput (a size lacks a plain DDP baseline)"
+    grows = [p for k, a, z, p in res["pauses"] if k == "grow" and (a, z) == (S, L)]
+    shrinks = [p for k, a, z, p in res["pauses"] if k == "shrink" and (a, z) == (L, S)]
+    reb = ""
+    if rebuild.get("grow") and grows and shrinks:
+        rg = [x["pause_s"] for x in rebuild["grow"]]
+        rs = [x["pause_s"] for x in rebuild["shrink"]]
+        reb = (f"; plain rebuild (a) grow {_ms(rg)} s, shrink {_ms(rs)} s: ours "
+               f"{statistics.median(rg) / statistics.median(grows):.1f}x / "
+               f"{statistics.median(rs) / statistics.median(shrinks):.1f}x shorter (medians)")
+    return (f"- {model}: goodput **{g['ratio']:.3f}** of ideal over {g['steps']} steps of "
+            f"{'->'.join(map(str, schedule[1:]))} ({g['samples']} samples against {g['ideal']:.0f}; seconds at each "
+            f"size {g['seconds']}); grow {S}->{L} pauses {_ms(grows)} s, shrink {L}->{S} {_ms(shrinks)} s{reb}")
+
+
+def header(schedule: list[int], seg: int, steps: int) -> list[str]:
+    return ["", f"Steady step: plain DDP ({steps} timed steps a size) against ElasticTrainer (auto commit schedule) "
+            f"over the schedule {'->'.join(map(str, schedule))}, {seg} steps a size; ms a step, mean (window / "
+            "steps, device-synchronised ends) / median (host periods); ratio = ours / plain, mean (median beside).",
+            "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | ratio of medians | steady steps (ours) |",
+            "|---|---|---|---|---|---|---|"]
