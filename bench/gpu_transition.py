@@ -373,6 +373,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=250, help="steady: plain DDP timed steps at each size")
     ap.add_argument("--warm", type=int, default=20, help="steady: plain DDP steps before timing")
     ap.add_argument("--sizes", default="", help="worker: plain-steady sizes")
+    ap.add_argument("--variants", default="",
+                    help="steady: '|'-separated A/B variants of ours, each 'k=v,...' with commit_every=N, "
+                         "telemetry=0, progress=0, hook=builtin (DDP's own allreduce); the first is the default run")
+    ap.add_argument("--variant", default="", help="worker: one of --variants")
     args = ap.parse_args()
     if args.role != "controller":
         {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart,
@@ -401,23 +405,25 @@ def main() -> None:
     sizes = sorted(set(schedule))
     for model in args.models.split(","):
         args.model = model
-        steady = None
+        steady, base = None, {}
         if args.mode in ("all", "steady"):
             c = Controller(args)
             t0 = time.time()
             try:
                 base = steady_goodput.run_plain_steady(c, sizes)
-                c.close()
-                c = Controller(args)
-                ours_sched = steady_goodput.run_ours_schedule(c, schedule)
-                steady = steady_goodput.analyse(ours_sched, base, ours_sched["b"], schedule)
-                steady_rows += steady_goodput.table(model, steady, base)
+                for i, variant in enumerate(args.variants.split("|") if args.variants else [""]):
+                    c.close()
+                    c = Controller(args)
+                    ours_sched = steady_goodput.run_ours_schedule(c, schedule, variant)
+                    res = steady_goodput.analyse(ours_sched, base, ours_sched["b"], schedule)
+                    steady_rows += steady_goodput.table(model + (f" [{variant}]" if variant else ""), res, base)
+                    print(json.dumps({"model": model, "variant": variant, "result": res}), flush=True)
+                    steady = res if i == 0 else steady
             except Exception as e:  # noqa: BLE001 - report and go on
                 steady_rows.append(f"| {model} | - | - | - | failed: {type(e).__name__}: {str(e)[:160]} | | |")
             finally:
                 c.close()
-            print(json.dumps({"model": model, "path": "steady", "wall_s": time.time() - t0, "result": steady}),
-                  flush=True)
+            print(json.dumps({"model": model, "path": "steady", "wall_s": time.time() - t0, "plain": base}), flush=True)
         for path in (args.paths.split(",") if args.mode in ("all", "pauses") else []):
             c = Controller(args)
             t0 = time.time()

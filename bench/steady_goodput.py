@@ -66,18 +66,20 @@ def worker_plain_steady(args) -> None:
             for _ in range(args.warm):
                 _step(ddp, opt, batch, loss_fn)
             sync(dev)
-            periods = []
+            periods, calls = [], []
             t0 = last = time.perf_counter()
             for _ in range(args.steps):
                 _step(ddp, opt, batch, loss_fn)
                 now = time.perf_counter()
                 periods.append(now - last)
+                calls.append(now - last)
                 last = now
             sync(dev)
             t1 = time.perf_counter()
             if me == 0:
                 bench.set(f"steady/res/{n}", json.dumps({"mean_s": (t1 - t0) / args.steps, "steps": args.steps,
-                                                          "median_s": statistics.median(periods)}))
+                                                          "median_s": statistics.median(periods),
+                                                          "step_calls_us": 1e6 * statistics.median(calls)}))
             del ddp
             dist.destroy_process_group()
         _barrier(bench, f"steady/done/{n}", max(sizes))
@@ -93,21 +95,34 @@ def worker_ours_sched(args) -> None:
     batch = make_batch(b)
     bench = client(args, "bench")
     cuda = dev.type == "cuda"
+    variant = dict(kv.split("=") for kv in args.variant.split(",") if "=" in kv)  # see --variants
+    if variant.get("hook") == "builtin":  # A/B only: DDP's own allreduce instead of the elastic hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        DDP.register_comm_hook = lambda self, state, hook: None
     tel = Telemetry(profile=args.model, gpu=torch.cuda.get_device_name(dev) if cuda else "cpu",
-                    intra_link="nvlink" if cuda else "shm")
+                    intra_link="nvlink" if cuda else "shm") if variant.get("telemetry", "1") == "1" else None
+    progress = ProgressReporter(client(args), args.wid, "localhost") if variant.get("progress", "1") == "1" else None
+    cfg = TrainerConfig(backend="nccl" if cuda else "gloo",
+                        commit_every=int(variant["commit_every"]) if "commit_every" in variant else None)
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
-                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev,
-                        config=TrainerConfig(backend="nccl" if cuda else "gloo"), telemetry=tel,
-                        progress=ProgressReporter(client(args), args.wid, "localhost"),
+                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
+                        telemetry=tel, progress=progress,
                         warm_up=(lambda m: _step(m, opt, batch, loss_fn)) if args.newcomer else None)
-    recs = []  # (world the step ran at, end of its commit, step after it, a commit point)
+    # (world the step ran at, end of its commit, step after it, a commit point, host s in commit, host s in the
+    # step's forward/backward/optimizer calls)
+    recs = []
     stop_at = None
     for _ in et.loader(Synthetic(10 ** 6), collate_fn=lambda items: None):
         world = et.world_size
+        t0 = time.perf_counter()
         _step(et.model, opt, batch, loss_fn)
+        t1 = time.perf_counter()
         alive = et.commit()
+        t2 = time.perf_counter()
         at_commit = et.committed_step == et.step
-        recs.append((world, time.perf_counter(), et.step, at_commit))
+        if progress is None and at_commit and et.rank == 0:  # the controller follows rank 0's commit points
+            client(args).set("launcher/progress/w0", json.dumps({"step": et.step}))
+        recs.append((world, t2, et.step, at_commit, t2 - t1, t1 - t0))
         if not alive:
             break
         if at_commit and stop_at is None:  # the controller names the last step (see run_ours_schedule)
@@ -118,7 +133,9 @@ def worker_ours_sched(args) -> None:
         if stop_at is not None and et.step >= stop_at:
             break
     bench.set(f"res/{args.wid}", json.dumps({"recs": recs, "switches": et.switches, "b": b,
-                                             "commit_interval": et.schedule.interval}))
+                                             "commit_interval": et.schedule.interval,
+                                             "commit_cost_s": et.schedule.cost_s,
+                                             "commit_history": list(et.schedule.history)}))
     et.close()
 
 
@@ -142,10 +159,10 @@ def run_plain_steady(c: Controller, sizes: list[int]) -> dict:
     return {n: json.loads(c.bench.get(f"steady/res/{n}")) for n in sizes}
 
 
-def run_ours_schedule(c: Controller, schedule: list[int]) -> dict:
+def run_ours_schedule(c: Controller, schedule: list[int], variant: str = "") -> dict:
     from elastic_launcher.membership import Coordinator
     seg = c.args.seg_steps
-    extra = ()
+    extra = ("--variant", variant) if variant else ()
     coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
     members = [f"w{i}" for i in range(schedule[0])]
     gpus = {w: i for i, w in enumerate(members)}
@@ -204,7 +221,12 @@ def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
         s["time"] += recs[j][1] - recs[i][1]
         s["steps"] += recs[j][2] - recs[i][2]
         s["periods"] += [recs[m][1] - recs[m - 1][1] for m in range(i + 1, j + 1)]
-    out = {"steady": {}, "goodput": None}
+    plain_steps = [r for r in recs if not r[3]]
+    out = {"steady": {}, "goodput": None, "commit_cost_s": ours.get("commit_cost_s"),
+           "interval": ours.get("commit_interval"),
+           "host_us": {"commit_plain_step": 1e6 * statistics.median(r[4] for r in plain_steps) if plain_steps else None,
+                       "commit_point": 1e6 * statistics.median(r[4] for r in recs if r[3]),
+                       "step_calls": 1e6 * statistics.median(r[5] for r in recs)}}
     for world, s in sorted(steady.items()):
         mean = s["time"] / s["steps"]
         p = plain.get(world)
@@ -219,7 +241,7 @@ def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
         world = recs[m][0]
         t_at[world] = t_at.get(world, 0.0) + recs[m][1] - recs[m - 1][1]
         samples += world * b
-    if all(w in plain for w in t_at):
+    if t_at and all(w in plain for w in t_at):
         ideal = sum(t * w * b / plain[w]["mean_s"] for w, t in t_at.items())
         out["goodput"] = {"samples": samples, "ideal": ideal, "ratio": samples / ideal,
                           "seconds": {w: round(t, 2) for w, t in sorted(t_at.items())},
@@ -237,13 +259,19 @@ def _ms(xs) -> str:
 def table(model: str, res: dict, plain: dict) -> list[str]:
     """Rows of the steady table for one model."""
     rows = []
+    h, cost = res["host_us"], res["commit_cost_s"]
+    cost_ms = "-" if cost is None else f"{cost * 1e3:.1f}"
+    plain_us = "-" if h["commit_plain_step"] is None else f"{h['commit_plain_step']:.0f}"
+    notes = (f"commit points every {res['interval']} steps at the end, measured cost {cost_ms} ms; host time in "
+             f"commit() {plain_us} us a plain step, {h['commit_point']:.0f} us a commit point; host time in the "
+             f"step's own calls {h['step_calls']:.0f} us")
     for world, s in res["steady"].items():
         p = plain.get(world, {})
         ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
         ratio_m = f"{s['ratio_median']:.3f}" if s["ratio_median"] is not None else "-"
         rows.append(f"| {model} | {world} | {p.get('mean_s', float('nan')) * 1e3:.2f} / "
                     f"{p.get('median_s', float('nan')) * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
-                    f"| **{ratio}** | {ratio_m} | {s['steps']} |")
+                    f"| **{ratio}** | {ratio_m} | {s['steps']} | {notes} |")
     return rows
 
 
@@ -270,5 +298,5 @@ def header(schedule: list[int], seg: int, steps: int) -> list[str]:
     return ["", f"Steady step: plain DDP ({steps} timed steps a size) against ElasticTrainer (auto commit schedule) "
             f"over the schedule {'->'.join(map(str, schedule))}, {seg} steps a size; ms a step, mean (window / "
             "steps, device-synchronised ends) / median (host periods); ratio = ours / plain, mean (median beside).",
-            "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | ratio of medians | steady steps (ours) |",
-            "|---|---|---|---|---|---|---|"]
+            "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | ratio of medians | steady steps (ours) | "
+            "notes |", "|---|---|---|---|---|---|---|---|"]

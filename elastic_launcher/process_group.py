@@ -17,6 +17,7 @@ Timeouts:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -99,6 +100,8 @@ class ProcessGroupWrapper:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = device
+        if backend == "nccl":  # see _warm_up: peers connected when a communicator is built, not at first use
+            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._pg: Optional[dist.ProcessGroup] = None
@@ -139,10 +142,10 @@ class ProcessGroupWrapper:
                 # kernels can wait on each other across GPUs (deadlock when the old group spans GPUs).
                 with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
                     backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
-                    self._warm_up(pg)
+                    self._warm_up(pg, backend_impl)
             else:
                 backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
-                self._warm_up(pg)
+                self._warm_up(pg, backend_impl)
         except Exception as e:  # noqa: BLE001
             raise ProcessGroupError(f"building group {addr} rank {rank}/{world_size} failed: {e}",
                                     addr.prefix) from e
@@ -177,12 +180,21 @@ class ProcessGroupWrapper:
             pg._register_backend(torch.device("cuda"), btype, impl)
         return impl, pg
 
-    def _warm_up(self, pg: dist.ProcessGroup) -> None:
+    def _warm_up(self, pg: dist.ProcessGroup, impl) -> None:
         """Forces communicator creation and connection setup off the critical path.
 
-        A tiny allreduce creates the communicator; on CUDA a bucket-sized allreduce and broadcast also set up the
-        ring connections that NCCL otherwise opens lazily at the first large collective.
+        NCCL: the communicator is created eagerly (``eager_connect_single_device``) and, with
+        ``NCCL_RUNTIME_CONNECT=0`` (set by the constructor unless the environment sets it), connects its peers at
+        creation; no collective runs on it. A group is built in the background while training goes on over the
+        current one, and a collective on the new communicator could then wait on one of the current communicator
+        across GPUs: on 4x H200 the survivors' warm-up allreduce and the newcomers' gradient allreduce of the old
+        epoch waited on each other for the whole collective timeout (bench/results/gpu_runs/2026-11-27_session5).
+        Elsewhere (gloo, a torch without eager connect) a tiny allreduce creates the communicator; on CUDA a
+        bucket-sized allreduce and broadcast also set up the connections.
         """
+        if self.backend == "nccl" and hasattr(impl, "eager_connect_single_device"):
+            impl.eager_connect_single_device(self.device)
+            return
         t = torch.ones(1, device=self.device)
         pg.allreduce([t]).wait()
         if self.device.type == "cuda":
