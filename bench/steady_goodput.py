@@ -12,7 +12,7 @@ ours    ElasticTrainer as the templates build it (default TrainerConfig, so the 
 
 Steady (ours): per size, windows between commit points (the vote synchronises the device there, so a window is
 exact device time), from ``SEG_WARM`` steps after entering the size to the last commit point before the step
-that switches away; ``mean`` = window time / steps over all windows of that size, ``median`` of the host periods
+that switches away or before newcomers are started on the same host (their start-up loads the host CPU); ``mean`` = window time / steps over all windows of that size, ``median`` of the host periods
 inside them. Goodput: from the first step after the 1 -> S switch to the end, samples trained over the ideal,
 where ideal = sum over sizes n of (time spent at n) x (plain DDP's samples/s at n). Every second counts: a
 step's period (end of its commit to the end of the next) goes to the size it ran at, so the resize pauses, the
@@ -170,6 +170,7 @@ def run_ours_schedule(c: Controller, schedule: list[int], variant: str = "") -> 
     coord.start(members)
     nxt = len(members)
     end = seg  # the step at which the current size has run its segment
+    busy: list[float] = []  # when newcomers were started (perf_counter is one clock for all processes here)
     for n in schedule[1:]:
         leavers: list[str] = []
         if n > len(members):
@@ -177,6 +178,7 @@ def run_ours_schedule(c: Controller, schedule: list[int], variant: str = "") -> 
             free = sorted(set(range(max(schedule))) - set(gpus.values()))
             news = [f"w{nxt + i}" for i in range(n - len(members))]
             nxt += len(news)
+            busy.append(time.perf_counter())  # newcomers start: not steady until the switch (see analyse)
             for w, g in zip(news, free):
                 gpus[w] = g
                 procs[w] = c.spawn("ours-sched", w, g, newcomer=True, extra=extra)
@@ -197,7 +199,7 @@ def run_ours_schedule(c: Controller, schedule: list[int], variant: str = "") -> 
     # after the last commit point seen here is ahead of every rank when it reads it
     c.bench.set("sched/stop_at", str(_progress_step(c, "w0") + 3 * int(c.bench.get("sched/interval")) + 1))
     c.reap(list(procs.values()), timeout=600)
-    return json.loads(c.bench.get("res/w0"))
+    return {**json.loads(c.bench.get("res/w0")), "newcomers_started": busy}
 
 
 def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
@@ -210,17 +212,23 @@ def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
             segs.append((start, i))
             start = i
     steady: dict[int, dict] = {}
+    started = ours.get("newcomers_started", [])
     for a, z in segs:
         world = recs[a][0]
         last = z - 1 if z < len(recs) else z  # leave the switching step out
-        points = [i for i in range(a + SEG_WARM, last) if recs[i][3]]
-        if len(points) < 2:
-            continue
-        i, j = points[0], points[-1]
-        s = steady.setdefault(world, {"time": 0.0, "steps": 0, "periods": []})
-        s["time"] += recs[j][1] - recs[i][1]
-        s["steps"] += recs[j][2] - recs[i][2]
-        s["periods"] += [recs[m][1] - recs[m - 1][1] for m in range(i + 1, j + 1)]
+        # newcomers starting up on the same host (interpreter, CUDA context, model, warm-up) slow the survivors'
+        # host: a steady window ends before that (goodput counts it all)
+        cut = min((t for t in started if t > recs[a][1]), default=float("inf"))
+        s = steady.setdefault(world, {"time": 0.0, "steps": 0, "periods": [], "time_all": 0.0, "steps_all": 0})
+        for key, limit in (("", cut), ("_all", float("inf"))):
+            points = [i for i in range(a + SEG_WARM, last) if recs[i][3] and recs[i][1] < limit]
+            if len(points) < 2:
+                continue
+            i, j = points[0], points[-1]
+            s["time" + key] += recs[j][1] - recs[i][1]
+            s["steps" + key] += recs[j][2] - recs[i][2]
+            if not key:
+                s["periods"] += [recs[m][1] - recs[m - 1][1] for m in range(i + 1, j + 1)]
     plain_steps = [r for r in recs if not r[3]]
     out = {"steady": {}, "goodput": None, "commit_cost_s": ours.get("commit_cost_s"),
            "interval": ours.get("commit_interval"),
@@ -228,11 +236,15 @@ def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
                        "commit_point": 1e6 * statistics.median(r[4] for r in recs if r[3]),
                        "step_calls": 1e6 * statistics.median(r[5] for r in recs)}}
     for world, s in sorted(steady.items()):
+        if not s["steps"]:
+            continue
         mean = s["time"] / s["steps"]
         p = plain.get(world)
         out["steady"][world] = {"mean_s": mean, "median_s": statistics.median(s["periods"]), "steps": s["steps"],
                                 "ratio": mean / p["mean_s"] if p else None,
-                                "ratio_median": statistics.median(s["periods"]) / p["median_s"] if p else None}
+                                "ratio_median": statistics.median(s["periods"]) / p["median_s"] if p else None,
+                                "ratio_with_startups": s["time_all"] / s["steps_all"] / p["mean_s"]
+                                if p and s["steps_all"] else None}
     # goodput after the first segment
     g0 = segs[0][1] - 1  # the step that switched from the first size
     t_at: dict[int, float] = {}
@@ -267,11 +279,14 @@ def table(model: str, res: dict, plain: dict) -> list[str]:
              f"step's own calls {h['step_calls']:.0f} us")
     for world, s in res["steady"].items():
         p = plain.get(world, {})
+        with_startups = s.get("ratio_with_startups")
+        notes_w = notes + ("" if with_startups is None else
+                           f"; ratio with newcomers starting on the host counted in: {with_startups:.3f}")
         ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
         ratio_m = f"{s['ratio_median']:.3f}" if s["ratio_median"] is not None else "-"
         rows.append(f"| {model} | {world} | {p.get('mean_s', float('nan')) * 1e3:.2f} / "
                     f"{p.get('median_s', float('nan')) * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
-                    f"| **{ratio}** | {ratio_m} | {s['steps']} | {notes} |")
+                    f"| **{ratio}** | {ratio_m} | {s['steps']} | {notes_w} |")
     return rows
 
 

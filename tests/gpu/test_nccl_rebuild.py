@@ -68,8 +68,10 @@ def test_nccl_sigkill_one_rank_recovers(tmp_path):
     assert all(r["params"] == ref for r in kept.values())
     rec = [s for s in res["w0"]["switches"] if s["kind"] == "recovery"]
     assert len(rec) == 1 and (rec[0]["old_world"], rec[0]["world"]) == (N, N - 1)
-    # rolled back to the last commit point before the failed (9th) batch, at most one commit interval back
-    assert rec[0]["step"] + rec[0]["lost_steps"] == 9 and 1 <= rec[0]["lost_steps"] <= rec[0]["commit_interval"]
+    # rolled back to the last commit point before the failed (9th) batch, at most one commit interval back; on
+    # NCCL the host may queue a step or two past the failed one before the watchdog wakes it (4x H200: 7 + 3)
+    assert rec[0]["step"] <= 8 and rec[0]["step"] + rec[0]["lost_steps"] >= 9
+    assert 1 <= rec[0]["lost_steps"] <= rec[0]["commit_interval"]
     assert rec[0]["recover_s"] < 15  # heartbeat timeout 2 s, collective timeout 20 s
     print(f"NCCL recovery {N}->{N - 1}: {rec[0]['recover_s']:.2f} s, {rec[0]['lost_steps']} steps trained again")
     losses = dict(res["w0"]["losses"])

@@ -32,7 +32,7 @@ def _worker(rank: int, port: int, out: "mp.Queue") -> None:
 
 def _shrink_or_leave(rank: int, port: int, out: "mp.Queue") -> None:
     from elastic_launcher.errors import ProcessGroupError
-    from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr
+    from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, drain_reaper
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -46,6 +46,7 @@ def _shrink_or_leave(rank: int, port: int, out: "mp.Queue") -> None:
     res = {"rank": rank, "full_sum": x[0].item(), "build_s": build_s}
     if rank == N - 1:  # the excluded rank never calls shrink
         g.abort()
+        assert drain_reaper(timedelta(seconds=30))
         out.put(res)
         return
     t0 = time.perf_counter()
@@ -60,6 +61,9 @@ def _shrink_or_leave(rank: int, port: int, out: "mp.Queue") -> None:
         res["child_sum"] = y[0].item()
         child.abort()
     g.abort()
+    # the aborts run on the reaper thread: let them finish before the interpreter (and CUDA) shut down, as
+    # ElasticTrainer.close does (an abort still running at exit ends the process with SIGABRT)
+    assert drain_reaper(timedelta(seconds=30))
     out.put(res)
 
 
