@@ -6,7 +6,7 @@ on GPUs; the real CPU work of the tiny model is negligible next to it), then run
 with a gloo all-reduce through the runtime. `--slow-node NODE --slow-factor F` makes the workers on one
 node F times slower (a straggler).
 
-Accounting: after each committed step every rank appends one JSON line to `<out>/samples-<wid>.jsonl`:
+Accounting: once a commit point covers a step every rank appends one JSON line to `<out>/samples-<wid>.jsonl`:
 `{"step", "epoch", "idx": [...], "world", "plan"}` (its dataset indices of that step). The test checks
 that, per epoch, no index is seen twice and that the number of committed samples is exact.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.committed import CommittedSteps
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.sampler import ElasticSampler
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
     dataset = Squares(args.dataset_size)
     loss_fn = torch.nn.MSELoss()
     loss = torch.tensor(float("nan"))
+    steps = CommittedSteps()
     try:
         for x, y, idx in et.loader(dataset, max_steps=args.steps):
             before, epoch, world, plan = et.step, et.sampler.epoch, et.world_size, et.plan.id
@@ -102,11 +104,14 @@ def main(argv=None) -> int:
             optimizer.step()
             optimizer.zero_grad()
             went_on = et.commit()
-            if et.step == before + 1:  # committed (a failed vote rolls the step counter back)
-                log.write(json.dumps({"step": et.step, "epoch": epoch, "idx": mine, "world": world, "plan": plan,
-                                      "t": round(time.time(), 4)}) + "\n")
+            steps.add(before, {"step": before + 1, "epoch": epoch, "idx": mine, "world": world, "plan": plan,
+                               "t": round(time.time(), 4)})
+            for rec in steps.ready(et.step, et.committed_step):  # a rollback takes back the steps after a commit
+                log.write(json.dumps(rec) + "\n")
             if not went_on:
                 break
+        for rec in steps.rest():  # a clean end: the steps after the last commit point stand
+            log.write(json.dumps(rec) + "\n")
         if args.save is not None and et.rank == 0 and et.step == args.steps:
             torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
                         "sampler": et.sampler.state_dict(), "step": et.step}, args.save)

@@ -76,3 +76,18 @@ def test_bad_settings_are_refused():
         CommitSchedule(every=0)
     with pytest.raises(ValueError, match="overhead_budget"):
         CommitSchedule(overhead_budget=1.5)
+
+
+def test_committed_steps_releases_covered_records_and_drops_rolled_back_ones():
+    from elastic_launcher.committed import CommittedSteps
+    c = CommittedSteps()
+    for s in range(4):  # batches started at 0..3; commit point at 1 covers the batch started at 0
+        c.add(s, f"b{s}")
+        if s == 0:
+            assert c.ready(1, 1) == ["b0"]
+    assert c.ready(4, 1) == []  # 1..3 tentative
+    assert c.ready(1, 1) == []  # rolled back to 1: b1..b3 dropped
+    c.add(1, "b1'")
+    assert c.ready(2, 2) == ["b1'"]
+    c.add(2, "b2'")
+    assert c.rest() == ["b2'"] and c.rest() == []

@@ -39,6 +39,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     """One elastic worker (spawned)."""
     torch.set_num_threads(1)
     from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.committed import CommittedSteps
     from elastic_launcher.testing import FaultPlan
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 
@@ -75,7 +76,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     full_x, full_y = ds.tensors
     losses = []
     store = et._store
-    pending: list[dict] = []  # steps trained since the last commit point: a rollback takes them back
+    steps = CommittedSteps()  # steps trained since the last commit point: a rollback takes them back
     try:
         stop_at = None  # all ranks reach the target world at the same step, so they stop together
         for x, y in et.loader(ds):
@@ -87,12 +88,9 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
             if stop_at is None and wid in opts.get("skew", {}):  # out of phase with its peers until the resize
                 time.sleep(opts["skew"][wid])
             alive = et.commit()
-            pending = [e for e in pending + [{"wid": wid, "step": step, "epoch": epoch, "idx": idx}]
-                       if e["step"] < et.step]  # not rolled back
-            for e in pending:
-                if e["step"] < et.committed_step:  # committed; a leaver's last step counts too
-                    log.write(json.dumps(e) + "\n")
-            pending = [e for e in pending if e["step"] >= et.committed_step]
+            steps.add(step, {"wid": wid, "step": step, "epoch": epoch, "idx": idx})
+            for e in steps.ready(et.step, et.committed_step):  # committed; a leaver's last step counts too
+                log.write(json.dumps(e) + "\n")
             if not alive:
                 break
             with torch.no_grad():
@@ -104,7 +102,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
                 break
             if stop_at is None:
                 time.sleep(opts["slow"])  # train slowly until the resize, so the test controls when it lands
-        for e in pending:  # a clean end: the steps after the last commit point stand
+        for e in steps.rest():  # a clean end: the steps after the last commit point stand
             log.write(json.dumps(e) + "\n")
         out.put({"wid": wid, "left": et.left, "step": et.step, "world": et.world_size if not et.left else 0,
                  "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()], "losses": losses,
