@@ -10,9 +10,9 @@ Everything comes out as predictor observation records in the shapes of design.md
 
 The communication hook is also where the elastic runtime weights heterogeneous batches: each rank's bucket is
 scaled by ``local_samples / step_samples`` before a SUM allreduce, which gives the exact global mean gradient
-for a local-mean loss (DDP's default divides by the world size, wrong when batches differ). With equal shares
-on NCCL the hook asks for an AVG allreduce instead (no extra kernel per bucket); a share of 1 (a world of one)
-needs no scaling at all. A failed
+for a local-mean loss (DDP's default divides by the world size, wrong when batches differ). The reduction is a SUM,
+as on DDP's own path (an AVG allreduce was tried this session and is a suspect of the ResNet-50 gap on 4x H200:
+bench/results/gpu_transition.md); a share of 1 (a world of one) needs no scaling. A failed
 allreduce is recorded on the group (``report_error``) and the bucket is returned unreduced, so backward
 completes and the commit vote decides (errors recorded, then voted on).
 
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from elastic_launcher.process_group import ProcessGroupWrapper
 
@@ -134,10 +133,7 @@ def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: D
     if group.errored() is not None:
         return _done(buf)
     world = group.size()
-    op = dist.ReduceOp.SUM
-    if abs(state.scale * world - 1.0) < 1e-12 and group.backend == "nccl" and world > 1:
-        op = dist.ReduceOp.AVG  # an equal share per rank: NCCL divides inside the allreduce, as DDP's own path
-    elif state.scale != 1.0:
+    if state.scale != 1.0:  # a world of one needs no scaling
         buf.mul_(state.scale)
     nbytes = buf.numel() * buf.element_size()
     state.buckets[bucket.index()] = nbytes
@@ -149,7 +145,7 @@ def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: D
         ev0 = torch.cuda.Event(enable_timing=True)
         ev0.record()
     try:
-        fut = group.allreduce([buf], op).get_future()
+        fut = group.allreduce([buf]).get_future()
     except Exception as e:  # noqa: BLE001 - recorded, voted on at the commit point
         group.report_error(e)
         return _done(buf)

@@ -3,7 +3,8 @@
 Three kinds of caller:
     admin     `Authorization: Bearer <admin_token>` (ELASTIC_PREDICTOR_ADMIN_TOKEN): everything, including
               admin-only operations (replacing a profile that already exists with a different body).
-    tool      `Authorization: Bearer <token>` (ELASTIC_PREDICTOR_TOKEN): writes, as before.
+    tool      `Authorization: Bearer <token>` (ELASTIC_PREDICTOR_TOKEN): writes; admin operations only while no
+              admin token is configured.
     job       `X-Elastic-Munge: <credential>` (ELASTIC_PREDICTOR_MUNGE=1): a running (or recently ended)
               job signs its own observations and new profiles with the site's munge; no new secret.
 
@@ -230,6 +231,15 @@ class Authenticator:
             raise AuthError(401, "admin operations need `Authorization: Bearer <admin token>` "
                                  "(ELASTIC_PREDICTOR_ADMIN_TOKEN)", "Authorization", "admin_required")
         return self._bearer(headers["Authorization"], admin_only=True)
+
+    def administers(self, caller: Caller) -> bool:
+        """Whether an accepted caller may do admin operations: the admin token; the tool token only when no admin
+        token is configured; anyone while writes are open. Never a job credential."""
+        if caller.kind == "admin":
+            return True
+        if caller.kind == "tool":
+            return self.admin_token is None
+        return caller.kind == "anonymous" and self.writes_open
 
     def _accepted(self) -> str:
         ways = []

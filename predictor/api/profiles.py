@@ -5,7 +5,7 @@ import json
 
 from flask import Blueprint
 
-from predictor.api import AuthError, caller, json_body, services, write_access
+from predictor.api import AuthError, authenticator, caller, json_body, services, write_access
 from predictor.errors import ValidationError
 from predictor.profiles import Profile
 from predictor.records import NAME_RE
@@ -22,7 +22,8 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
     """Validate and store a profile body; returns (profile, created).
 
     Args:
-        may_replace: False (a munge-signed job): an existing profile may only be re-posted unchanged.
+        may_replace: False (a job credential, or the tool token while an admin token is configured): an existing
+            profile may only be re-posted unchanged.
 
     Raises:
         ValidationError: naming the bad field (`name`, `tensors[3].numel`).
@@ -38,7 +39,7 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
         stored.update({k: v for k, v in body.items() if k not in stored})   # keep extra fields (layer kinds...)
     if not may_replace and store.has_profile(profile.name) and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
         raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
-                             "admin or tool token, not a job credential", "name", "admin_required")
+                             "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN)", "name", "admin_required")
     created = store.put_profile(profile.name, stored)
     return profile, created
 
@@ -47,7 +48,7 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
 @write_access
 def create():
     svc = services()
-    profile, created = register(svc.store, json_body(), may_replace=caller().kind != "job")
+    profile, created = register(svc.store, json_body(), may_replace=authenticator().administers(caller()))
     svc.models.notify()
     return summary(profile), 201 if created else 200
 

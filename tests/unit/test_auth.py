@@ -146,6 +146,26 @@ def test_job_may_add_but_not_replace_a_profile(client):
                                                               "Content-Type": "application/json"}).status_code == 200
 
 
+def test_tool_token_may_not_replace_a_profile_while_an_admin_token_is_set(client):
+    # issue #14.1: the tool token replaced a 199-tensor profile with a 1-tensor one (200) despite the admin token
+    tool = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    assert client.post("/v1/profiles", data=json.dumps(PROFILE), headers=tool).status_code == 201
+    assert client.post("/v1/profiles", data=json.dumps(PROFILE), headers=tool).status_code == 200  # unchanged
+    one = dict(PROFILE, tensors=PROFILE["tensors"][:1])
+    r = client.post("/v1/profiles", data=json.dumps(one), headers=tool)
+    assert (r.status_code, r.json["reason"], r.json["field"]) == (403, "admin_required", "name")
+    assert len(client.get(f"/v1/profiles/{PROFILE['name']}").json["tensors"]) == len(PROFILE["tensors"])
+
+
+def test_without_an_admin_token_the_tool_token_administers(tmp_path):
+    from predictor.auth import Authenticator, Caller
+    assert Authenticator(token=TOKEN).administers(Caller("tool"))
+    assert not Authenticator(token=TOKEN, admin_token=ADMIN).administers(Caller("tool"))
+    assert not Authenticator(token=TOKEN).administers(Caller("job", uid=1, job_id=7))
+    assert Authenticator().administers(Caller("anonymous"))  # writes open: nothing configured
+    assert not Authenticator(munge=True).administers(Caller("anonymous"))
+
+
 @pytest.mark.parametrize("headers,status,reason", [
     ({}, 401, "missing_credential"),
     ({"Authorization": "Bearer nope"}, 403, "bad_token"),
