@@ -206,13 +206,23 @@ def _count(response):
     reg = registry()
     reg.observe(request.method, endpoint, response.status_code, time.perf_counter() - t0 if t0 else 0.0)
     if endpoint == "/v1/plan" and request.method == "POST":
-        source = g.pop("elastic_plan_source", None) or plan_source(request.get_json(silent=True, cache=True))
+        source = g.pop("elastic_plan_source", None) or _source_of_raw_body()
         if response.status_code == 200:
             action = g.pop("elastic_plan_action", "unknown")
         else:
             action = "reject" if response.status_code == 422 else "error"
         reg.decision(source, action)
     return response
+
+
+def _source_of_raw_body() -> str:
+    """The `source` of a /v1/plan body the view did not note (it answered before decoding it): `other` when the
+    body cannot be read (over the size cap), is not JSON or is nested too deep. Never raises: an exception in an
+    after-request hook turns the view's 4xx into a 500."""
+    try:
+        return plan_source(json.loads(request.get_data(cache=True)))
+    except Exception:  # noqa: BLE001 - RequestEntityTooLarge, ValueError, RecursionError, ...
+        return "other"
 
 
 def plan_source(body) -> str:

@@ -261,3 +261,16 @@ def test_config_from_env_reads_each_variable_once_and_names_bad_ones(tmp_path):
     assert info.value.field == "cluster"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.token = "changed"
+
+
+@pytest.mark.parametrize("body,status", [
+    ("[" * 20_000 + "]" * 20_000, 400),      # nested 20,000 deep, under the cap (#14.7: 500 from the metrics hook)
+    ("x" * (65 * 1024), 413),                 # over the 64 KiB cap of this app (#14.7: 500)
+    ('{"source": "launcher", "script": ', 400),
+], ids=["nested-20000-deep", "over-the-cap", "truncated"])
+def test_a_bad_plan_body_is_a_4xx_never_a_500(client, body, status):
+    r = client.post("/v1/plan", data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.data[:200]
+    assert r.get_json()["field"] == "body"
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert 'source="other"' in metrics  # counted, under the source it could not read
