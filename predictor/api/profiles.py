@@ -11,6 +11,7 @@ from predictor.profiles import Profile
 from predictor.records import NAME_RE
 
 bp = Blueprint("profiles", __name__, url_prefix="/v1/profiles")
+MAX_EXTRA_FIELD_BYTES = 16 * 1024  # a field beyond the profile's own (#14.7: a 3.9 MB junk field was stored)
 
 
 def summary(profile: Profile) -> dict:
@@ -36,7 +37,16 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
     profile = Profile.from_dict(body)
     stored = dict(profile.to_dict())
     if isinstance(body, dict):
-        stored.update({k: v for k, v in body.items() if k not in stored})   # keep extra fields (layer kinds...)
+        extra = {k: v for k, v in body.items() if k not in stored}   # keep extra fields (layer kinds...)
+        for key, value in extra.items():
+            try:
+                size = len(json.dumps(value, allow_nan=False))
+            except ValueError:
+                raise ValidationError(key, "NaN and Infinity are not JSON values") from None
+            if size > MAX_EXTRA_FIELD_BYTES:
+                raise ValidationError(key, f"an extra profile field is kept as given, up to {MAX_EXTRA_FIELD_BYTES} "
+                                           "bytes of JSON")
+        stored.update(extra)
     if not may_replace and store.has_profile(profile.name) and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
         raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
                              "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN)", "name", "admin_required")

@@ -274,3 +274,13 @@ def test_a_bad_plan_body_is_a_4xx_never_a_500(client, body, status):
     assert r.get_json()["field"] == "body"
     metrics = client.get("/metrics").get_data(as_text=True)
     assert 'source="other"' in metrics  # counted, under the source it could not read
+
+
+def test_nan_and_oversized_extra_profile_fields_are_400_naming_the_field(client):
+    nan = json.dumps(dict(PROFILE, note=1.0)).replace("1.0", "NaN")
+    r = client.post("/v1/profiles", data=nan, headers={**AUTH, "Content-Type": "application/json"})
+    assert (r.status_code, r.get_json()["field"]) == (400, "note") and "NaN" in r.get_json()["error"]
+    r = client.post("/v1/profiles", json=dict(PROFILE, junk="x" * 20_000), headers=AUTH)
+    assert (r.status_code, r.get_json()["field"]) == (400, "junk")
+    assert client.get(f"/v1/profiles/{PROFILE['name']}").status_code == 404  # nothing stored
+    assert client.post("/v1/profiles", json=dict(PROFILE, layer_kinds=["conv"] * 10), headers=AUTH).status_code == 201
