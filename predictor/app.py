@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sqlite3
 from typing import Callable
 
 from flask import Flask, jsonify
@@ -22,6 +24,7 @@ from predictor.service import ModelCache, ModelUnavailable, default_predictor_fa
 from predictor.store import Store
 
 log = logging.getLogger("predictor.app")
+_STORE_FULL_OR_READONLY = re.compile(r"readonly|read-only|disk is full|disk I/O error", re.IGNORECASE)
 
 
 def handle_error(exc: Exception):
@@ -40,6 +43,12 @@ def handle_error(exc: Exception):
     if isinstance(exc, ModelUnavailable):
         response = jsonify(error=f"no fitted model: {exc}", field=None)
         response.headers["Retry-After"] = "2"
+        return response, 503
+    if isinstance(exc, sqlite3.OperationalError) and _STORE_FULL_OR_READONLY.search(str(exc)):
+        response = jsonify(error=f"the history database cannot be written ({exc}); nothing was stored. "
+                                 "An admin must free disk space or make the database writable (GET /healthz)",
+                           field=None)
+        response.headers["Retry-After"] = "30"
         return response, 503
     if isinstance(exc, HTTPException):
         field = "body" if exc.code == 413 else None

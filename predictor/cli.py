@@ -41,11 +41,12 @@ def _in_file(name: str, exc: ValidationError) -> str:
     return str(exc) if exc.field == "cluster" else f"{name}: {exc}"
 
 
-def _open_store(db_path: str):
-    """The store at `db_path`, migrated.
+def _open_store(db_path: str, writable: bool = False):
+    """The store at `db_path`, migrated (and, with `writable`, checked by a real write).
 
     Raises:
-        click.ClickException: the file cannot be opened or migrated (missing folder, not a database...).
+        click.ClickException: the file cannot be opened or migrated (missing folder, not a database...), or
+            with `writable`, cannot be written (read-only file or mount, full disk).
     """
     import sqlite3  # noqa: PLC0415
 
@@ -57,6 +58,11 @@ def _open_store(db_path: str):
     except sqlite3.Error as exc:
         store.close()
         raise click.ClickException(f"cannot open database {db_path}: {exc}") from None
+    if writable and (problem := store.write_problem()) is not None:
+        store.close()
+        raise click.ClickException(f"database {db_path} cannot be written ({problem}): the service would answer "
+                                   "every write with an error; check the file's permissions, its file system "
+                                   "(read-only mount?) and free disk space")
     return store
 
 
@@ -146,7 +152,7 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
     for line in auth_policy(config):
         click.echo(line, err=True)
 
-    _open_store(config.db_path).close()        # migrate once, before the workers fork
+    _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
 
     class Application(BaseApplication):
         def load_config(self):

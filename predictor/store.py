@@ -79,6 +79,7 @@ class Store:
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self._probe: tuple[float, str | None] | None = None  # (monotonic time, write_problem's answer)
 
     @property
     def db(self) -> sqlite_utils.Database:
@@ -164,6 +165,31 @@ class Store:
     def migrations(self) -> list[str]:
         """Names of the migrations applied, in order."""
         return [row[0] for row in self.db.execute("SELECT name FROM migrations ORDER BY name").fetchall()]
+
+    def write_problem(self, max_age: timedelta = timedelta(0)) -> str | None:
+        """Why this store cannot be written, or None: a real write (one `meta` row) in its own transaction.
+
+        A read-only file or a full disk does not stop the service from starting or reading; every write then
+        failed with a 500. `serve` checks this at start, /healthz on every call.
+
+        Args:
+            max_age: answer from the last probe when it is younger than this.
+        """
+        now = time.monotonic()
+        with self._lock:
+            last = self._probe
+        if last is not None and now - last[0] < max_age.total_seconds():
+            return last[1]
+        problem = None
+        try:
+            with self._write() as db:
+                db.execute("INSERT INTO meta(key, value) VALUES('write_probe', ?) "
+                           "ON CONFLICT(key) DO UPDATE SET value = excluded.value", [int(time.time())])
+        except sqlite3.Error as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._probe = (now, problem)
+        return problem
 
     def generation(self) -> int:
         """A counter bumped by every write that changes the fitting data (profiles, observations)."""

@@ -284,3 +284,30 @@ def test_nan_and_oversized_extra_profile_fields_are_400_naming_the_field(client)
     assert (r.status_code, r.get_json()["field"]) == (400, "junk")
     assert client.get(f"/v1/profiles/{PROFILE['name']}").status_code == 404  # nothing stored
     assert client.post("/v1/profiles", json=dict(PROFILE, layer_kinds=["conv"] * 10), headers=AUTH).status_code == 201
+
+
+def test_a_store_that_cannot_be_written_is_reported_by_healthz_and_writes_get_503(app, client):
+    # #14.8: a read-only database (or a full disk): the service started, /healthz said ok, every write was a 500
+    store = app.extensions["elastic_predictor"].store
+    assert client.get("/healthz").get_json()["writable"] is True
+    store.db.execute("PRAGMA query_only = ON")   # this thread's connection, as a read-only file or mount answers
+    store._probe = None                          # forget the last probe (max_age)
+    r = client.get("/healthz")
+    assert r.status_code == 503 and r.get_json()["status"] == "degraded"
+    assert "readonly" in r.get_json()["store_error"]
+    w = client.post("/v1/profiles", json=PROFILE, headers=AUTH)
+    assert w.status_code == 503 and "cannot be written" in w.get_json()["error"] and "Retry-After" in w.headers
+    store.db.execute("PRAGMA query_only = OFF")
+    store._probe = None
+    assert client.get("/healthz").status_code == 200
+
+
+def test_serve_refuses_a_database_it_cannot_write(tmp_path, monkeypatch):
+    import click
+
+    from predictor.cli import _open_store
+    from predictor.store import Store
+    _open_store(str(tmp_path / "ok.db"), writable=True).close()
+    monkeypatch.setattr(Store, "write_problem", lambda self, max_age=None: "OperationalError: database or disk is full")
+    with pytest.raises(click.ClickException, match="cannot be written .*disk is full.*free disk space"):
+        _open_store(str(tmp_path / "ok.db"), writable=True)
