@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Protocol
 
 MUNGE_HEADER = "X-Elastic-Munge"
 PAYLOAD_PREFIX = "elastic-predictor/1"
-_PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256=([0-9a-f]{{64}})$")
+_PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256=([0-9a-f]{{64}})\Z")
 DEFAULT_TIMEOUT = timedelta(seconds=5)
 
 
@@ -212,12 +212,13 @@ class Authenticator:
             return Caller("anonymous")
         raise AuthError(401, "writes need a credential: " + self._accepted(), "Authorization", "missing_credential")
 
-    def check_read(self, headers: Mapping[str, str]) -> Caller:
-        """With `read_auth` off, everyone; on, the same credentials as writes (a job signs the empty body)."""
+    def check_read(self, headers: Mapping[str, str], body: bytes = b"") -> Caller:
+        """With `read_auth` off, everyone; on, the same credentials as writes (a job signs the body it sends: the
+        empty body of a GET, the request of a `POST /v1/predict`)."""
         if not self.read_auth:
             return Caller("anonymous")
         if headers.get(MUNGE_HEADER):
-            return self._job(headers[MUNGE_HEADER], b"")
+            return self._job(headers[MUNGE_HEADER], body)
         if headers.get("Authorization"):
             return self._bearer(headers["Authorization"], admin_only=False)
         raise AuthError(401, "reads need a credential (ELASTIC_PREDICTOR_READ_AUTH is on): " + self._accepted(),

@@ -22,8 +22,8 @@ from typing import Any
 
 from predictor.errors import NotFoundError, ValidationError
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}$")
-_HOSTLIST_RE = re.compile(r"^([A-Za-z0-9_.-]*)\[([0-9,\-]+)\]([A-Za-z0-9_.-]*)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}\Z")
+_HOSTLIST_RE = re.compile(r"^([A-Za-z0-9_.-]*)\[([0-9,\-]+)\]([A-Za-z0-9_.-]*)\Z")
 
 
 def expand_hostlist(spec: str, field: str = "nodes") -> tuple[str, ...]:

@@ -18,8 +18,8 @@ from typing import Any
 
 from predictor.errors import ValidationError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}$")      # profile names, as in the directive grammar
-LINK_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}$")        # link classes and GPU types
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}\Z")      # profile names, as in the directive grammar
+LINK_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}\Z")        # link classes and GPU types
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv")
 MAX_BATCH = 4096                                          # records in one POST
 MAX_SECONDS = 3600.0                                      # one collective or one step taking an hour is absurd

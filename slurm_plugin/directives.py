@@ -10,10 +10,10 @@ from typing import Any, Callable
 from slurm_plugin.errors import DirectiveError
 
 PREFIX = "#ELASTIC"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}$")
-_GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_INT_RE = re.compile(r"^[0-9]+$")
-_DECIMAL_RE = re.compile(r"^[0-9]+(\.[0-9]+)?$|^\.[0-9]+$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}\Z")
+_GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+_INT_RE = re.compile(r"^[0-9]+\Z")
+_DECIMAL_RE = re.compile(r"^(?:[0-9]+(\.[0-9]+)?|\.[0-9]+)\Z")
 # docs/directives.md: lines end at \n, \r\n or \r; whitespace is space, tab, \v and \f (ASCII only, as Lua's %s).
 _LINE_END_RE = re.compile(r"\r\n|\r|\n")
 _SPACE = " \t\v\f"

@@ -37,7 +37,7 @@ def _template_dir() -> Path:
 
 
 TEMPLATE_DIR = _template_dir()
-_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+\Z")
 _SBATCH = re.compile(r"^#SBATCH\s+--([a-z-]+)(?:=(.*))?$")
 
 

@@ -40,7 +40,8 @@ class Services:
 __all__ = ["AuthError", "Services", "admin_access", "caller", "install_auth_hooks", "json_body", "services",
            "write_access"]
 _AUTH_KEY = "elastic_predictor_auth"
-OPEN_READS = ("/healthz",)
+OPEN_READS = ("/healthz", "/v1/openapi.json")   # GETs that stay open under ELASTIC_PREDICTOR_READ_AUTH
+READ_POSTS = ("/v1/predict",)                   # POSTs that only read: under READ_AUTH they need a read credential
 
 
 def services() -> Services:
@@ -108,9 +109,12 @@ def _auth_error(exc: AuthError):
 
 
 def _read_check():
+    if not authenticator().read_auth:
+        return
     if request.method in ("GET", "HEAD") and request.path not in OPEN_READS:
-        if authenticator().read_auth:
-            g.elastic_caller = authenticator().check_read(request.headers)
+        g.elastic_caller = authenticator().check_read(request.headers)
+    elif request.method == "POST" and request.path in READ_POSTS:   # a job signs the body it sends
+        g.elastic_caller = authenticator().check_read(request.headers, request.get_data(cache=True))
 
 
 def install_auth_hooks(bp: Blueprint) -> None:

@@ -204,7 +204,23 @@ def test_reads_open_by_default_and_closed_by_the_switch(tmp_path, client):
     assert closed.get("/v1/profiles", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
     assert closed.get("/v1/profiles", headers=sign(b"", 7)).status_code == 200
     assert closed.get("/v1/profiles", headers={"Authorization": "Bearer x"}).status_code == 403
+    # #14.9: the API contract stays open as documented; POST /v1/predict only reads, so it is closed too
+    assert closed.get("/v1/openapi.json").status_code == 200
+    query = json.dumps({"profile": "x", "gpu": "H100", "per_gpu_batch": 8}).encode()
+    r = closed.post("/v1/predict", data=query, headers={"Content-Type": "application/json"})
+    assert (r.status_code, r.json["reason"]) == (401, "missing_credential")
+    signed = closed.post("/v1/predict", data=query, headers={**sign(query, 7), "Content-Type": "application/json"})
+    assert signed.status_code != 401 and signed.status_code != 403
     closed_app.extensions["elastic_predictor"].store.close()
+
+
+@pytest.mark.parametrize("name", ["resnet50\n", "resnet50\n\n"])
+def test_a_name_with_a_trailing_newline_is_refused(client, name):
+    # #14.9: `$` with re.match let "resnet50\n" through
+    body = json.dumps(dict(PROFILE, name=name)).encode()
+    r = client.post("/v1/profiles", data=body, headers={"Authorization": f"Bearer {ADMIN}",
+                                                        "Content-Type": "application/json"})
+    assert (r.status_code, r.json["field"]) == (400, "name")
 
 
 def test_admin_check(tmp_path):
