@@ -46,23 +46,15 @@ def build(name: str, device: torch.device):
         def loss_fn(m, batch):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 return m(input_ids=batch[0], labels=batch[1]).loss
-    elif name == "mlp":  # the CPU row: a step of tens of ms on one thread, a 21 MB gradient
-        model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
-                                    torch.nn.ReLU(), torch.nn.Linear(2048, 10)).to(device)
+    else:  # mlp: the CPU row (a step of tens of ms on one thread, a 21 MB gradient); tiny: CPU debugging
+        widths, b = ([512, 2048, 2048, 10], 32) if name == "mlp" else ([64, 256, 10], 16)
+        layers: list = []
+        for w_in, w_out in zip(widths, widths[1:]):
+            layers += [torch.nn.Linear(w_in, w_out), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers[:-1]).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        b = 32
-        x = torch.randn(b, 512, device=device)
-        y = torch.randint(0, 10, (b,), device=device)
-        ce = torch.nn.CrossEntropyLoss()
-
-        def loss_fn(m, batch):
-            return ce(m(batch[0]), batch[1])
-    else:  # tiny, for CPU debugging
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        b = 16
-        x = torch.randn(b, 64, device=device)
-        y = torch.randint(0, 10, (b,), device=device)
+        x = torch.randn(b, widths[0], device=device)
+        y = torch.randint(0, widths[-1], (b,), device=device)
         ce = torch.nn.CrossEntropyLoss()
 
         def loss_fn(m, batch):

@@ -8,7 +8,7 @@ to it (or leaving) at a commit point, rolling back a failed step, and recovering
 Expects on ``self`` (set by ``ElasticTrainer.__init__``): ``config``, ``device``, ``module``, ``optimizer``,
 ``scheduler``, ``policy``, ``telemetry``, ``fault``, ``wid``, ``addr``, ``state``, ``membership``, ``sampler``,
 ``plan``, ``group``, ``ddp``, ``_hook``, ``_store``, ``_next``, ``_next_thread``, ``_pending_switch``,
-``switches``, ``failures``, ``left``, ``_local_error``, ``schedule``, ``committed_step``, ``_joined``, and the properties
+``switches``, ``failures``, ``left``, ``_local_error``, ``_nonfinite``, ``schedule``, ``committed_step``, ``_joined``, and the properties
 ``rank``, ``world_size``, ``step``.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class EpochTransitions:
         self.membership.watch(plan)
         if self.rank == 0:
             self.membership.publish_current(plan)
-        self._local_error = None
+        self._local_error = self._nonfinite = None
         self.state.snapshot()
         self.committed_step = self.step
         self.schedule.enter(self.step, time.perf_counter())  # next commit point: the first step of the epoch
@@ -185,7 +185,7 @@ class EpochTransitions:
         if self.failures > self.config.max_retries:
             raise TooManyFailures(f"{self.failures} failed commits in a row at step {self.step}; last: {err}")
         self.state.restore()
-        self._local_error = None
+        self._local_error = self._nonfinite = None
         self.schedule.enter(self.step, time.perf_counter())
         logger.warning("rolled back to step %d after %s", self.step, err)
 

@@ -203,6 +203,7 @@ class ElasticTrainer(EpochTransitions):
         self.failures = 0
         self.switches: list[dict] = []
         self._local_error: Optional[BaseException] = None
+        self._nonfinite: Optional[torch.Tensor] = None  # device flag of watch_loss, read by the next vote
         self._last_commit_t = time.perf_counter()
         self._batch_t = self._last_commit_t
         self.schedule = CommitSchedule(config.commit_every, config.commit_period.total_seconds(),
@@ -269,8 +270,14 @@ class ElasticTrainer(EpochTransitions):
         return time.perf_counter() - t0
 
     def report_error(self, e: BaseException) -> None:
-        """Marks this step as failed locally (e.g. a non-finite loss); the commit vote rolls everyone back."""
+        """Marks this step as failed locally; the next commit point rolls everyone back to the one before."""
         self._local_error = self._local_error or e
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """A non-finite ``loss`` fails the step like :meth:`report_error`, without a host synchronisation: the flag
+        stays on the device and the next commit point's vote reads it."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
     def observations(self) -> list[dict]:
         """Predictor observation records collected since the last call (design.md shapes)."""
@@ -291,9 +298,11 @@ class ElasticTrainer(EpochTransitions):
         if not self._joined:
             self._join()
         while not self.left:
-            if max_steps is not None and self.step >= max_steps:
-                return
-            if epochs is not None and self.sampler.epoch >= epochs:
+            if (max_steps is not None and self.step >= max_steps) or \
+                    (epochs is not None and self.sampler.epoch >= epochs):
+                if self.committed_step < self.step and self.group.errored() is None:
+                    self._end_commit_point()  # may roll back: the loop then trains those steps again
+                    continue
                 return
             sl = self.sampler.slice_for(self.rank, self.batches)
             self.batch_indices = sl.indices
@@ -340,6 +349,16 @@ class ElasticTrainer(EpochTransitions):
         self._uncommitted = (steps, spent)
         return went_on
 
+    def _end_commit_point(self) -> None:
+        """The end of training (``max_steps`` or ``epochs``, the same step on every rank) is a commit point: errors
+        since the last one are voted on, buffers synchronised, progress reported."""
+        committed = self.committed_step
+        self._vote()
+        steps, spent = self._uncommitted
+        if self.committed_step > committed and self.progress is not None:
+            self._report_progress(steps, spent)
+        self._uncommitted = (0, 0.0)
+
     def _report_progress(self, steps: int, compute_s: float) -> None:
         s = self.sampler
         self.progress.report(self.plan.id, self.step, s.epoch * s.size + s.pos, compute_s, steps=steps)
@@ -380,6 +399,9 @@ class ElasticTrainer(EpochTransitions):
         # as failed); the 5th gives every rank the same next commit interval
         v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal()], dtype=torch.int64,
                          device=self.device)
+        nonfinite, self._nonfinite = self._nonfinite, None
+        if nonfinite is not None:  # watch_loss: a non-finite loss since the last commit point is a local error
+            v[2] -= nonfinite.to(device=self.device, dtype=torch.int64)
         try:
             if ok_coll:
                 self.group.allreduce([v], dist.ReduceOp.SUM).wait()
@@ -396,7 +418,7 @@ class ElasticTrainer(EpochTransitions):
             self._recover(self.group.errored())
             return not self.left
         if not tally.local_ok:
-            self._rollback(self._local_error)
+            self._rollback(self._local_error or FloatingPointError("a rank saw a non-finite loss (watch_loss)"))
             return True
         try:
             self.state.broadcast_buffers(self.group, 0)

@@ -178,8 +178,8 @@ class ProgressReporter:
     """Worker side of the launcher's progress channel: one small JSON key per worker.
 
     The controller measures throughput (samples/s between two reports of one worker) and per-node compute
-    time (straggler detection) from these keys. `ElasticTrainer(progress=...)` calls `report` after every
-    committed step and `publish` with its telemetry's observation records (which the controller relabels
+    time (straggler detection) from these keys. `ElasticTrainer(progress=...)` calls `report` at every commit
+    point (with the steps since the last one) and `publish` with its telemetry's observation records (which the controller relabels
     with the layout and links and posts to the predictor; see observations.py).
 
     Args:

@@ -18,7 +18,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch.utils.data import default_collate
@@ -66,8 +66,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
     parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints a line every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--observations", type=Path, default=None,
-                        help="rank 0 writes predictor observation records (JSON lines) here at the end; "
-                             "import them with `elastic-predictor import`")
+                        help="rank 0 appends its predictor observation records (JSON lines) here as the runtime "
+                             "hands them over; import them with `elastic-predictor import`")
 
 
 def pick_device(choice: str, local_id: int) -> torch.device:
@@ -140,33 +140,28 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     policy = BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling=args.lr_scaling,
                          **({"max_global_batch": args.max_global_batch} if args.max_global_batch else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
+    reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
+                        progress=_Progress(reporter, args.observations, lambda: et.rank),
                         warm_up=_local_step(model, optimizer, dataset, loss_of, args.per_gpu_batch, device))
-    reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
     loss = torch.tensor(float("nan"))
     window = (time.perf_counter(), 0)
     rank = None  # the group is gone after close(): remember the last rank
     try:
         for batch in et.loader(dataset, max_steps=args.steps):
-            before = et.step
-            t0 = time.perf_counter()
+            # no host synchronisation in the step: the runtime reports progress at its commit points, and a
+            # non-finite loss is voted on there (watch_loss keeps the check on the device)
             batch = _to(batch, device)
             loss = loss_of(et.model, batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            compute_s = time.perf_counter() - t0
-            if not torch.isfinite(loss):
-                et.report_error(FloatingPointError(f"loss is {loss.item()} at step {before}"))
+            et.watch_loss(loss)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             went_on = et.commit()
             if not et.left:
                 rank = et.rank
-            if et.step == before + 1:
                 samples = et.sampler.epoch * len(dataset) + et.sampler.pos
-                reporter.report(et.plan.id, et.step, samples, compute_s)
                 if rank == 0 and (et.step % args.log_every == 0 or et.step == args.steps):
                     t, done = time.perf_counter(), samples
                     rate = (done - window[1]) / max(t - window[0], 1e-9)
@@ -184,8 +179,24 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
     elif rank == 0:
         print(f"done: {et.step} steps, final loss {loss.item():.4f}, {len(et.switches)} resize(s)", flush=True)
-        if args.observations is not None:
-            with open(args.observations, "a", encoding="utf-8") as out:
-                for record in et.observations():
-                    out.write(json.dumps(record) + "\n")
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Progress:
+    """The trainer's progress hook: the launcher's channel, and with `--observations FILE` a copy of the
+    observation records rank 0 hands over (appended as JSON lines as they come, for `elastic-predictor import`)."""
+
+    reporter: ProgressReporter
+    observations: Optional[Path]
+    rank: Callable[[], int]
+
+    def report(self, epoch: int, step: int, samples: int, compute_s: float, steps: int = 1) -> None:
+        self.reporter.report(epoch, step, samples, compute_s, steps=steps)
+
+    def publish(self, records: list) -> None:
+        self.reporter.publish(records)
+        if self.observations is not None and self.rank() == 0:
+            with open(self.observations, "a", encoding="utf-8") as out:
+                for record in records:
+                    out.write(json.dumps(record) + "\n")

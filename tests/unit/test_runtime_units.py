@@ -413,3 +413,27 @@ def test_a_constructor_that_gets_no_plan_leaves_no_heartbeat(store):
         ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="lonely",
                        policy=BatchPolicy(per_gpu_batch=4), config=cfg)
     assert not [t for t in threading.enumerate() if t.name == "elastic-hb-lonely"]
+
+
+def test_the_end_of_training_is_a_commit_point_and_a_late_nan_is_rolled_back(store):
+    # commit points every 4 steps (1, 5, 9, ...); training ends at step 7, between two of them
+    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    et = _trainer(store, commit_every=4)
+    ds = torch.utils.data.TensorDataset(torch.randn(80, 4), torch.randn(80, 1))
+    seen = []
+    try:
+        for x, y in et.loader(ds, max_steps=7):
+            loss = torch.nn.functional.mse_loss(et.model(x), y)
+            if et.step == 6 and 6 not in seen:  # once: a NaN in the last steps before the end
+                loss = loss * float("nan")
+            seen.append(et.step)
+            et.watch_loss(loss)
+            loss.backward()
+            et.optimizer.step()
+            et.optimizer.zero_grad()
+            assert et.commit()
+        # the end voted: the NaN rolled back to step 5, steps 5 and 6 were trained again, then the end committed
+        assert seen == [0, 1, 2, 3, 4, 5, 6, 5, 6] and et.step == 7 and et.committed_step == 7
+        assert all(torch.isfinite(p).all() for p in et.module.parameters())
+    finally:
+        et.close()
