@@ -6,6 +6,7 @@ Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what t
                         warm_up=one_local_step)  # optional: first-use costs paid before joining, state put back
     for x, y in et.loader(dataset):
         loss = loss_fn(et.model(x), y)       # et.model is the current DDP wrapper: re-read it every step
+        et.watch_loss(loss)                  # optional: a non-finite loss rolls back at the next commit point
         loss.backward()
         optimizer.step(); optimizer.zero_grad()
         et.commit()                          # once per batch; membership changes happen here
