@@ -19,7 +19,8 @@ commit points); call :meth:`ElasticTrainer.commit` exactly once per batch the lo
 Commit points (at steps every rank agreed on: :mod:`elastic_launcher.commit_schedule`) run one tiny allreduce
 vote on the current group carrying (ready-for-next-epoch, collective ok, local ok, count, proposed interval),
 broadcast the floating-point buffers and take the in-memory snapshot that is the rollback point. Between
-commit points a step queues its device work and returns: no host synchronisation, no store access. Then, all ranks together: a failed collective -> recovery
+commit points a step queues its device work and returns: no host synchronisation, no store access. At a commit
+point, all ranks together: a failed collective -> recovery
 (abort, agree on survivors through the store, build a fresh group, roll back to the last in-memory commit,
 re-sync from rank 0); a local error -> roll back and retry (at most ``max_retries`` in a row); everyone ready for
 the posted next plan -> switch. Newcomers and survivors build the next group in the background while training
@@ -301,8 +302,8 @@ class ElasticTrainer(EpochTransitions):
         while not self.left:
             if (max_steps is not None and self.step >= max_steps) or \
                     (epochs is not None and self.sampler.epoch >= epochs):
-                if self.committed_step < self.step and self.group.errored() is None:
-                    self._end_commit_point()  # may roll back: the loop then trains those steps again
+                if self.committed_step < self.step:
+                    self._end_commit_point()  # may roll back or recover: the loop then trains those steps again
                     continue
                 return
             sl = self.sampler.slice_for(self.rank, self.batches)
