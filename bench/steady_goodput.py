@@ -12,7 +12,8 @@ ours    ElasticTrainer as the templates build it (default TrainerConfig, so the 
 
 Steady (ours): per size, windows between commit points (the vote synchronises the device there, so a window is
 exact device time), from ``SEG_WARM`` steps after entering the size to the last commit point before the step
-that switches away or before newcomers are started on the same host (their start-up loads the host CPU); ``mean`` = window time / steps over all windows of that size, ``median`` of the host periods
+that switches away or before newcomers are started on the same host (their start-up loads the host CPU);
+``mean`` = window time / steps over all windows of that size, ``median`` of the host periods
 inside them. Goodput: from the first step after the 1 -> S switch to the end, samples trained over the ideal,
 where ideal = sum over sizes n of (time spent at n) x (plain DDP's samples/s at n). Every second counts: a
 step's period (end of its commit to the end of the next) goes to the size it ran at, so the resize pauses, the
@@ -285,7 +286,8 @@ def table(model: str, res: dict, plain: dict) -> list[str]:
         ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
         ratio_m = f"{s['ratio_median']:.3f}" if s["ratio_median"] is not None else "-"
         rows.append(f"| {model} | {world} | {p.get('mean_s', float('nan')) * 1e3:.2f} / "
-                    f"{p.get('median_s', float('nan')) * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
+                    f"{p.get('median_s', float('nan')) * 1e3:.2f} | "
+                    f"{s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
                     f"| **{ratio}** | {ratio_m} | {s['steps']} | {notes_w} |")
     return rows
 

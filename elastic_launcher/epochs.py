@@ -8,7 +8,8 @@ to it (or leaving) at a commit point, rolling back a failed step, and recovering
 Expects on ``self`` (set by ``ElasticTrainer.__init__``): ``config``, ``device``, ``module``, ``optimizer``,
 ``scheduler``, ``policy``, ``telemetry``, ``fault``, ``wid``, ``addr``, ``state``, ``membership``, ``sampler``,
 ``plan``, ``group``, ``ddp``, ``_hook``, ``_store``, ``_next``, ``_next_thread``, ``_pending_switch``,
-``switches``, ``failures``, ``left``, ``_local_error``, ``_nonfinite``, ``schedule``, ``committed_step``, ``_joined``, and the properties
+``switches``, ``failures``, ``left``, ``_local_error``, ``_nonfinite``, ``schedule``, ``committed_step``,
+``_joined``, and the properties
 ``rank``, ``world_size``, ``step``.
 """
 from __future__ import annotations

@@ -179,8 +179,8 @@ class ProgressReporter:
 
     The controller measures throughput (samples/s between two reports of one worker) and per-node compute
     time (straggler detection) from these keys. `ElasticTrainer(progress=...)` calls `report` at every commit
-    point (with the steps since the last one) and `publish` with its telemetry's observation records (which the controller relabels
-    with the layout and links and posts to the predictor; see observations.py).
+    point (with the steps since the last one) and `publish` with its telemetry's observation records (which the
+    controller relabels with the layout and links and posts to the predictor; see observations.py).
 
     Args:
         store: a client of the job's store (no prefix; the key is `launcher/progress/<wid>`).
