@@ -1,6 +1,6 @@
 """`elastic-slurm demo`: the whole product on one machine, in a few minutes.
 
-    elastic-slurm demo [--lab /var/tmp/elastic-slurm-demo] [--port-base 17000] [--steps 1500] [--keep]
+    elastic-slurm demo [--lab /var/tmp/elastic-slurm-demo] [--port-base 17000] [--steps 3000] [--keep]
 
 1. brings up the local 4-node Slurm testbed in its own lab (`Testbed.up`);
 2. starts `elastic-predictor serve` (gunicorn, detached, pid file, token and database in the lab) with a
@@ -280,7 +280,7 @@ def _num(value, digits: int) -> str:
                                       "munge and mysql).")
 @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), default=DEFAULT_DEMO_PORT_BASE,
               show_default=True, help=f"First of the {PORT_SPAN} ports of the lab (the predictor takes the last).")
-@click.option("--steps", type=click.IntRange(200, 100000), default=1500, show_default=True,
+@click.option("--steps", type=click.IntRange(200, 100000), default=3000, show_default=True,
               help="Training steps of the demo job (enough for a grow and a shrink).")
 @click.option("--calibration-steps", type=click.IntRange(12, 1000), default=30, show_default=True,
               help="Steps of each calibration run (1 and 2 workers).")

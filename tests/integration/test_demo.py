@@ -56,7 +56,7 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     bed = Testbed(TestbedConfig(lab=LAB, port_base=port_base))
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "slurm_plugin.cli", "demo", "--lab", str(LAB), "--port-base",
-                           str(port_base), "--steps", "1000", "--calibration-steps", "20"],
+                           str(port_base), "--steps", "2500", "--calibration-steps", "20"],
                           capture_output=True, text=True, timeout=540)
     wall = time.monotonic() - started
     out = proc.stdout
