@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 import click
 
 from predictor.errors import NotFoundError, ValidationError
+from predictor.records import layout_name
 
 Column = tuple[str, str, str]  # (row key, header, format spec; "" for text)
 
@@ -64,15 +65,6 @@ def render_table(rows: list[dict], columns: list[Column], width: int | None = No
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def layout_name(layout) -> str:
-    """`2x4` for [4, 4], `4` for [4], `3+1` for uneven layouts."""
-    if not layout:
-        return "-"
-    if len(set(layout)) == 1:
-        return f"{len(layout)}x{layout[0]}" if len(layout) > 1 else str(layout[0])
-    return "+".join(map(str, layout))
 
 
 # --- rows -------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import click
 
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
+from predictor.records import layout_name
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -342,7 +343,7 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     click.echo(f"{decision['decision_id']} {decision['action']}: {decision['reason']}")
     if decision["curve"]:
         for point in decision["curve"]:
-            point["shape"] = planner.layout_name(point["layout"])
+            point["shape"] = layout_name(point["layout"])
         click.echo(_table(decision["curve"], [("gpus", "gpus", "d"), ("shape", "nodes x gpus", "s"),
                                               ("samples_per_s", "samples/s", ".1f"), ("efficiency", "efficiency", ".2f"),
                                               ("global_batch", "global batch", "d")]))

@@ -23,7 +23,7 @@ from typing import Any
 
 from predictor.cluster import Cluster, Partition
 from predictor.errors import NotFoundError, ValidationError
-from predictor.records import validate_layout
+from predictor.records import layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from slurm_plugin.directives import PREFIX, parse_lines
 from slurm_plugin.errors import DirectiveError
@@ -171,13 +171,6 @@ def requested_shape(job: dict) -> tuple[int | None, int | None, int | None]:
     if total is None and per_node is not None:
         total = per_node * (nodes or 1)
     return nodes, per_node, total
-
-
-def layout_name(layout) -> str:
-    """`2x4` for [4, 4] (nodes x GPUs per node); `4+2` for a ragged layout."""
-    if len(set(layout)) == 1:
-        return f"{len(layout)}x{layout[0]}"
-    return "+".join(str(n) for n in layout)
 
 
 def _keep(reason: str, **extra) -> dict:

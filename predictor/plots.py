@@ -26,7 +26,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from predictor.admin_tables import layout_name
+from predictor.records import layout_name
 from predictor.errors import NotFoundError
 
 MARKERS = ["o", "s", "^", "D", "v", "P"]

@@ -116,6 +116,16 @@ def validate_collective(record: Any, where: str) -> dict:
     return out
 
 
+def layout_name(layout) -> str:
+    """The one name of a layout (GPUs per node): `2x4` for [4, 4], `1x4` for [4], `4+2` for a ragged one, `-` for
+    none. The planner's reasons, the CLI, `/admin` and the plots all print this."""
+    if not layout:
+        return "-"
+    if len(set(layout)) == 1:
+        return f"{len(layout)}x{layout[0]}"
+    return "+".join(str(n) for n in layout)
+
+
 def validate_layout(value: Any, field: str) -> list[int]:
     """A layout: GPUs per node, e.g. `[2, 2]`.
 

@@ -104,8 +104,12 @@ def test_render_table_aligns_and_fits_the_width():
     assert admin_tables.render_table(rows, cols, width=500).count("a very long reason") == 10
 
 
-def test_layout_names():
-    assert [admin_tables.layout_name(x) for x in ([4], [4, 4], [3, 1], [], None)] == ["4", "2x4", "3+1", "-", "-"]
+def test_one_layout_name_everywhere():
+    # #15.4: planner.layout_name and admin_tables.layout_name disagreed ([4]: "1x4" against "4")
+    from predictor import planner, plots
+    from predictor.records import layout_name
+    assert [layout_name(x) for x in ([4], [4, 4], [3, 1], [], None)] == ["1x4", "2x4", "3+1", "-", "-"]
+    assert admin_tables.layout_name is planner.layout_name is plots.layout_name is layout_name
 
 
 def test_model_rows_from_history_and_fit(fitted):
@@ -114,7 +118,7 @@ def test_model_rows_from_history_and_fit(fitted):
     assert set(rows) == {"resnet50", "gpt2"}
     r = rows["resnet50"]
     assert r["gpu"] == "H200" and r["steps"] == len(LAYOUTS) and r["basis"] == "observed"
-    assert r["layouts"] == "1 2 4 2x2 2x4" and abs(r["params_m"] - 25.557) < 0.01
+    assert r["layouts"] == "1x1 1x2 1x4 2x2 2x4" and abs(r["params_m"] - 25.557) < 0.01
     assert 0 <= r["log_rmse"] < 0.2
     unfitted = {r["profile"]: r for r in admin_tables.model_rows(store, None)}
     assert unfitted["gpt2"]["log_rmse"] is None and unfitted["gpt2"]["basis"] == "not fitted"
