@@ -48,7 +48,7 @@ def allocation_from_env(environ) -> Allocation:
     Raises:
         click.ClickException: not inside a Slurm job.
     """
-    from slurm_plugin.client import expand_hostlist
+    from slurm_plugin.hostlist import expand as expand_hostlist
 
     job_id = environ.get("SLURM_JOB_ID")
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")

@@ -21,36 +21,21 @@ import re
 from typing import Any
 
 from predictor.errors import NotFoundError, ValidationError
+from slurm_plugin import hostlist
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}\Z")
-_HOSTLIST_RE = re.compile(r"^([A-Za-z0-9_.-]*)\[([0-9,\-]+)\]([A-Za-z0-9_.-]*)\Z")
 
 
 def expand_hostlist(spec: str, field: str = "nodes") -> tuple[str, ...]:
-    """Expand a Slurm-style host list (`node[1-3,5],gpu7`) into names.
+    """Expand a Slurm-style host list (`node[1-3,5],gpu7`) into names (`slurm_plugin.hostlist`, the one parser).
 
     Raises:
-        ValidationError: the list is malformed.
+        ValidationError: the list is malformed or names a node twice, naming `field`.
     """
-    names: list[str] = []
-    for part in re.split(r",(?![^\[]*\])", spec.strip()):
-        match = _HOSTLIST_RE.match(part)
-        if match is None:
-            if not _NAME_RE.match(part):
-                raise ValidationError(field, f"not a host name or host list: {part!r}")
-            names.append(part)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for item in ranges.split(","):
-            low, _, high = item.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise ValidationError(field, f"bad range {item!r} in {part!r}")
-            width = len(low)
-            for number in range(int(low), int(high or low) + 1):
-                names.append(f"{prefix}{number:0{width}d}{suffix}")
-    if len(set(names)) != len(names):
-        raise ValidationError(field, f"host list {spec!r} names a node twice")
-    return tuple(names)
+    try:
+        return tuple(hostlist.expand(spec))
+    except hostlist.HostlistError as exc:
+        raise ValidationError(field, str(exc)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, TypeVar, Union
 
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
+from slurm_plugin.hostlist import compress as compress_hostlist
+from slurm_plugin.hostlist import expand as expand_hostlist
+from slurm_plugin.hostlist import split_top
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What `scontrol update ... NumNodes=` tells a job to unset after a resize.
@@ -428,7 +431,7 @@ def _shrink_target(job: Job, keep: Union[int, Sequence[str]]) -> tuple[str, ...]
 def _gpu_count(gres: str) -> int:
     """`gpu:4`, `gpu:4(S:0)`, `gpu:2(IDX:0-1)`, `gpu:tesla:2(...)` -> GPU count; 0 if no gpu entry."""
     total = 0
-    for item in _split_top(gres or ""):
+    for item in split_top(gres or ""):
         parts = item.split("(")[0].split(":")
         if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
             total += int(parts[-1])
@@ -539,64 +542,6 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
 
 
 # -- host lists ----------------------------------------------------------------------------------
-def _split_top(expr: str) -> list[str]:
-    """Split on commas outside brackets: `a[1-2],b3` -> [`a[1-2]`, `b3`]."""
-    parts, depth, cur = [], 0, ""
-    for ch in expr:
-        depth += (ch == "[") - (ch == "]")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if cur:
-        parts.append(cur)
-    return [p for p in (s.strip() for s in parts) if p]
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """`node[1-2,4],gpu07` -> [node1, node2, node4, gpu07] (one bracket group per name, as Slurm prints)."""
-    out = []
-    for part in _split_top(expr):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", part)
-        if not m:
-            out.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for rng in ranges.split(","):
-            lo, _, hi = rng.partition("-")
-            width = len(lo) if lo.startswith("0") else 0
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{prefix}{i:0{width}d}{suffix}")
-    return out
-
-
-def compress_hostlist(names) -> str:
-    """Inverse of `expand_hostlist`: [node1, node2, node4] -> `node[1-2,4]`."""
-    groups: dict[tuple[str, int], list[int]] = {}
-    plain = []
-    for name in sorted(set(names)):
-        m = re.fullmatch(r"(.*?)(\d+)", name)
-        if m:
-            width = len(m.group(2)) if m.group(2).startswith("0") else 0
-            groups.setdefault((m.group(1), width), []).append(int(m.group(2)))
-        else:
-            plain.append(name)
-    parts = list(plain)
-    for (prefix, width), nums in sorted(groups.items()):
-        nums.sort()
-        if len(nums) == 1:
-            parts.append(f"{prefix}{nums[0]:0{width}d}")
-            continue
-        runs, start = [], nums[0]
-        for prev, cur in zip(nums, nums[1:] + [None]):
-            if cur != prev + 1:
-                runs.append(f"{start:0{width}d}" + (f"-{prev:0{width}d}" if prev != start else ""))
-                start = cur
-        parts.append(f"{prefix}[{','.join(runs)}]")
-    return ",".join(parts)
-
-
 def compress_counts(counts: Sequence[int]) -> str:
     """Slurm's repeated-count form: (8, 8, 4) -> `8(x2),4`."""
     out: list[str] = []

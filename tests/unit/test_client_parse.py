@@ -164,3 +164,17 @@ def test_run_nonzero_exit_carries_stderr():
     with pytest.raises(SlurmError) as info:
         CommandBackend()._run(["sh", "-c", "echo boom >&2; exit 3"], timedelta(seconds=5))
     assert info.value.rc == 3 and "boom" in str(info.value)
+
+
+@pytest.mark.parametrize("spec,problem", [("n[1-2],n2", "names a node twice"), ("n[3-1]", "bad range"),
+                                          ("n[1-x]", "not a host name"), ("a b", "not a host name")])
+def test_one_hostlist_parser_refuses_the_same_lists_everywhere(spec, problem):
+    # #15: the client's copy gave n1,n2,n2 for n[1-2],n2 where the predictor's refused it
+    from predictor.cluster import expand_hostlist as cluster_expand
+    from predictor.errors import ValidationError
+    from slurm_plugin.hostlist import HostlistError
+    with pytest.raises(HostlistError, match=problem):
+        expand_hostlist(spec)
+    with pytest.raises(ValidationError, match=problem):
+        cluster_expand(spec, "partitions[0].nodes")
+    assert expand_hostlist("gpu[08-10],login") == ["gpu08", "gpu09", "gpu10", "login"]
