@@ -82,7 +82,7 @@ def worker_ours(args) -> None:
             sync(dev)
             ph.append(time.perf_counter())
         world = et.world_size
-        alive = et.commit()  # the vote syncs the device every step
+        alive = et.commit()  # a commit point's vote syncs the device
         now = time.perf_counter()
         if args.phases:  # (world of the step, forward, backward, optimizer, commit) seconds
             phases.append([world] + [b_ - a_ for a_, b_ in zip(ph, ph[1:] + [now])])

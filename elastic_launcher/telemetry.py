@@ -11,8 +11,8 @@ Everything comes out as predictor observation records in the shapes of design.md
 The communication hook is also where the elastic runtime weights heterogeneous batches: each rank's bucket is
 scaled by ``local_samples / step_samples`` before a SUM allreduce, which gives the exact global mean gradient
 for a local-mean loss (DDP's default divides by the world size, wrong when batches differ). The reduction is a SUM,
-as on DDP's own path (an AVG allreduce was tried this session and is a suspect of the ResNet-50 gap on 4x H200:
-bench/results/gpu_transition.md); a share of 1 (a world of one) needs no scaling. A failed
+as on DDP's own path (NCCL's AVG is a suspect of the ResNet-50 gap in bench/results/gpu_transition.md); a share of
+1 (a world of one) needs no scaling. A failed
 allreduce is recorded on the group (``report_error``) and the bucket is returned unreduced, so backward
 completes and the commit vote decides (errors recorded, then voted on).
 

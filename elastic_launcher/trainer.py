@@ -339,16 +339,7 @@ class ElasticTrainer(EpochTransitions):
             compute_s = (first if first is not None and first >= self._batch_t else now) - self._batch_t
         before, committed = self.step, self.committed_step
         went_on = self._commit(now)
-        steps, spent = self._uncommitted
-        if self.step == before + 1:
-            steps, spent = steps + 1, spent + compute_s
-        else:  # rolled back: those steps are trained again
-            steps, spent = 0, 0.0
-        if self.committed_step > committed:
-            if self.progress is not None:
-                self._report_progress(steps, spent)
-            steps, spent = 0, 0.0
-        self._uncommitted = (steps, spent)
+        self._settle(committed, compute_s if self.step == before + 1 else None)
         return went_on
 
     def _end_commit_point(self) -> None:
@@ -356,10 +347,19 @@ class ElasticTrainer(EpochTransitions):
         since the last one are voted on, buffers synchronised, progress reported."""
         committed = self.committed_step
         self._vote()
+        self._settle(committed, None)
+
+    def _settle(self, committed_before: int, step_compute_s: Optional[float]) -> None:
+        """Progress bookkeeping after ``commit()`` (``step_compute_s``: the step it ended) or the end's commit point:
+        steps since the last commit point accumulate; a new commit point reports them; a rollback drops them."""
         steps, spent = self._uncommitted
-        if self.committed_step > committed and self.progress is not None:
-            self._report_progress(steps, spent)
-        self._uncommitted = (0, 0.0)
+        if step_compute_s is not None:
+            steps, spent = steps + 1, spent + step_compute_s
+        if self.step <= self.committed_step:  # nothing tentative left: committed just now, or rolled back
+            if self.committed_step > committed_before and self.progress is not None:
+                self._report_progress(steps, spent)
+            steps, spent = 0, 0.0
+        self._uncommitted = (steps, spent)
 
     def _report_progress(self, steps: int, compute_s: float) -> None:
         s = self.sampler

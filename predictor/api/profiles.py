@@ -49,7 +49,8 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
         stored.update(extra)
     if not may_replace and store.has_profile(profile.name) and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
         raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
-                             "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN)", "name", "admin_required")
+                             "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN; the tool token while none is set)", "name",
+                        "admin_required")
     created = store.put_profile(profile.name, stored)
     return profile, created
 
