@@ -7,6 +7,8 @@ ddp          DDP on ``init_process_group``'s group, DDP's own allreduce (the bas
 ddp+pyhook   the same plus torch's own Python comm hook (``default_hooks.allreduce_hook``: divide, SUM, ``.then``)
 ddp+elastic  the same group with ``elastic_allreduce_hook`` (no telemetry)
 pgw          DDP over a ``ProcessGroupWrapper`` group (eager connect, ``NCCL_RUNTIME_CONNECT=0``), own allreduce
+pgw+pyhook   that group with torch's Python hook
+pgwlazy+...  a wrapper group whose communicator a first allreduce makes (no eager connect)
 pgw+elastic  that group with ``elastic_allreduce_hook`` (no telemetry): the trainer's wrap
 pgw+tel      the same with Telemetry (one step in ``time_every`` timed with CUDA events)
 trainer      ElasticTrainer itself at a fixed size (auto commit schedule, telemetry), the templates' loop
@@ -82,6 +84,30 @@ def _timed(step, dev, warm: int, steps: int) -> dict:
             "backward_host_ms": 1e3 * statistics.median(bwd)}
 
 
+def _profile(step, dev) -> dict:
+    """Host time by op over 10 steps (torch.profiler, CPU activities): a blocking call shows as self time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])  # + runtime API calls
+    with profile(activities=acts) as prof:
+        for _ in range(10):
+            step()
+        sync(dev)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    return {"mean_ms": 0.0, "median_ms": 0.0, "backward_host_ms": 0.0}
+
+
+def _make_lazy():
+    from elastic_launcher.process_group import ProcessGroupWrapper
+
+    class LazyWrapper(ProcessGroupWrapper):
+        """A wrapper whose NCCL communicator is made by a first tiny allreduce (no eager connect)."""
+
+        def _warm_up(self, pg, impl) -> None:
+            pg.allreduce([torch.ones(1, device=self.device)]).wait()
+            sync(self.device)
+    return LazyWrapper
+
+
 def worker(rank: int, args, port: int, q) -> None:
     cuda = args.device == "cuda"
     if cuda:
@@ -94,6 +120,8 @@ def worker(rank: int, args, port: int, q) -> None:
     store = dist.TCPStore("127.0.0.1", port, args.gpus, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group(backend, store=dist.PrefixStore("default", store), rank=rank,
                             world_size=args.gpus, timeout=timedelta(seconds=120))
+    global _LazyWrapper
+    _LazyWrapper = _make_lazy()
     model, opt, b, make_batch, loss_fn = build(args.model, dev)
     batch = make_batch(b)
     ids = dict(device_ids=[rank]) if cuda else {}
@@ -117,16 +145,16 @@ def worker(rank: int, args, port: int, q) -> None:
             continue
         if v.startswith("pgw"):
             from elastic_launcher.process_group import ProcessGroupWrapper
-            g = ProcessGroupWrapper(backend, dev)
+            g = (_LazyWrapper if v.startswith("pgwlazy") else ProcessGroupWrapper)(backend, dev)
             g.configure(f"127.0.0.1:{port}/pgw-{v}", rank, args.gpus)
             pg = g.pg
         else:
             g, pg = _DefaultGroup(), None
         m = DDP(model, process_group=pg, init_sync=False, **{BUFFERS: False}, **ids)
-        if v == "ddp+pyhook":
+        if v.endswith("+pyhook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-            m.register_comm_hook(None, allreduce_hook)
-        elif v in ("ddp+elastic", "pgw+elastic", "pgw+tel"):
+            m.register_comm_hook(pg, allreduce_hook)
+        elif v.endswith("+elastic") or v == "pgw+tel":
             from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
             st = HookState(g, Telemetry(gpu="x", intra_link="nvlink") if v == "pgw+tel" else None)
             m.register_comm_hook(st, elastic_allreduce_hook)
@@ -145,6 +173,8 @@ def worker(rank: int, args, port: int, q) -> None:
                 g.abort()
                 continue
         out.append((v, _timed(plain_step(m), dev, args.warm, args.steps)))
+        if v in args.profile.split(",") and rank == 0:
+            out.append((v + " profile", _profile(plain_step(m), dev)))
         del m
         if v.startswith("pgw"):
             g.abort()
@@ -208,6 +238,7 @@ def main() -> None:
     ap.add_argument("--variants", default=ALL)
     ap.add_argument("--warm", type=int, default=30)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--profile", default="", help="variants to profile (host time by op, rank 0) after timing")
     ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times")
     args = ap.parse_args()
     args.variants = ",".join([args.variants] * args.repeat)
@@ -230,6 +261,8 @@ def main() -> None:
     base = None
     for v, r in out:
         base = r["mean_ms"] if v == "ddp" else base  # the latest ddp run before this one
+        if v.endswith(" profile"):
+            continue
         ratio = f"{r['mean_ms'] / base:.3f}" if base else "-"
         print(f"| {v} | {r['mean_ms']:.2f} | {r['median_ms']:.2f} | {r['backward_host_ms']:.2f} | {ratio} |")
     for v, r in out:
