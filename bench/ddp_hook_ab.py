@@ -84,7 +84,7 @@ def _timed(step, dev, warm: int, steps: int) -> dict:
             "backward_host_ms": 1e3 * statistics.median(bwd)}
 
 
-def _profile(step, dev) -> dict:
+def _profile(step, dev, show: bool) -> dict:
     """Host time by op over 10 steps (torch.profiler, CPU activities): a blocking call shows as self time."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])  # + runtime API calls
@@ -92,7 +92,8 @@ def _profile(step, dev) -> dict:
         for _ in range(10):
             step()
         sync(dev)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    if show:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     return {"mean_ms": 0.0, "median_ms": 0.0, "backward_host_ms": 0.0}
 
 
@@ -173,8 +174,8 @@ def worker(rank: int, args, port: int, q) -> None:
                 g.abort()
                 continue
         out.append((v, _timed(plain_step(m), dev, args.warm, args.steps)))
-        if v in args.profile.split(",") and rank == 0:
-            out.append((v + " profile", _profile(plain_step(m), dev)))
+        if v in args.profile.split(","):  # every rank steps (collectives), rank 0 prints
+            out.append((v + " profile", _profile(plain_step(m), dev, rank == 0)))
         del m
         if v.startswith("pgw"):
             g.abort()
