@@ -12,6 +12,13 @@ what=${1:-bench}
 shift || true
 { date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git rev-parse HEAD 2>/dev/null; } \
     | tee -a "$OUT/env.txt"
+# the GPUs' clocks, temperature, power and throttle reasons every 2 s while it runs (they drift as the GPUs heat)
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active \
+        --format=csv -l 2 >"$OUT/gpu_clocks_$what.csv" 2>/dev/null &
+    smi=$!
+    trap 'kill $smi 2>/dev/null' EXIT
+fi
 case $what in
     bench)
         args=("$@")

@@ -373,6 +373,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=250, help="steady: plain DDP timed steps at each size")
     ap.add_argument("--warm", type=int, default=20, help="steady: plain DDP steps before timing")
     ap.add_argument("--sizes", default="", help="worker: plain-steady sizes")
+    ap.add_argument("--preheat-s", type=float, default=-1.0,
+                    help="steady: seconds of plain DDP steps at the largest size before the first timing "
+                         "(default 45 on cuda, 0 on cpu)")
     ap.add_argument("--variants", default="",
                     help="steady: '|'-separated A/B variants of ours, each 'k=v,...' with commit_every=N, "
                          "telemetry=0, progress=0, hook=builtin (DDP's own allreduce); the first is the default run")
@@ -385,6 +388,8 @@ def main() -> None:
         return
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ[k] = "0" if k == "NCCL_NVLS_ENABLE" else "1"  # NVLink multicast stays off, children too
+    if args.preheat_s < 0:
+        args.preheat_s = 45.0 if args.device == "cuda" else 0.0
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (gloo)"
     ngpu = torch.cuda.device_count() if args.device == "cuda" else 0
     args.large = args.large or (min(4, ngpu) if ngpu else 4)
@@ -410,11 +415,19 @@ def main() -> None:
             c = Controller(args)
             t0 = time.time()
             try:
-                base = steady_goodput.run_plain_steady(c, sizes)
-                for i, variant in enumerate(args.variants.split("|") if args.variants else [""]):
+                # plain DDP before and after ours (the GPUs' clocks drift as they heat: the same plain run was
+                # 10-20% slower a few minutes into a session), after a preheat at the largest size
+                before = steady_goodput.run_plain_steady(c, sizes, args.preheat_s)
+                runs = []
+                for variant in args.variants.split("|") if args.variants else [""]:
                     c.close()
                     c = Controller(args)
-                    ours_sched = steady_goodput.run_ours_schedule(c, schedule, variant)
+                    runs.append((variant, steady_goodput.run_ours_schedule(c, schedule, variant)))
+                c.close()
+                c = Controller(args)
+                after = steady_goodput.run_plain_steady(c, sizes)
+                base = steady_goodput.bracket(before, after)
+                for i, (variant, ours_sched) in enumerate(runs):
                     res = steady_goodput.analyse(ours_sched, base, ours_sched["b"], schedule)
                     steady_rows += steady_goodput.table(model + (f" [{variant}]" if variant else ""), res, base)
                     print(json.dumps({"model": model, "variant": variant, "result": res}), flush=True)

@@ -4,6 +4,9 @@ plain   one process per GPU (``--role plain-steady``); for each size n: ``init_p
         ``DDP(model)`` with its defaults (buffers broadcast every forward, 25 MB buckets, built-in allreduce),
         ``--warm`` steps, a device sync, ``--steps`` timed steps with no sync between them (as a torchrun
         script runs), a device sync. Step time = window / steps (``mean``); ``median`` of the host periods.
+        Run before ours (after ``--preheat-s`` seconds of plain steps at the largest size, so the GPUs are at
+        their working clocks) and again after; the baseline is the mean of the two (``bracket``), and the
+        table gives both, so a drift of the machine during the run shows instead of landing on one side.
 ours    ElasticTrainer as the templates build it (default TrainerConfig, so the auto commit schedule; Telemetry;
         a ProgressReporter on the job store; newcomers warm up through ``warm_up=``), one run through the size
         schedule ``--schedule`` (default 1,S,L,S,L,S), ``--seg-steps`` steps per size: the controller asks for
@@ -59,6 +62,22 @@ def worker_plain_steady(args) -> None:
     me = int(args.wid[1:])
     sizes = [int(x) for x in args.sizes.split(",")]
     ids = dict(device_ids=[args.gpu]) if dev.type == "cuda" else {}
+    if args.preheat_s > 0:  # bring the GPUs to the clocks and temperature they train at before any timing
+        n = max(sizes)
+        if me < n:
+            dist.init_process_group(backend, store=client(args, "steady/pg/preheat"), rank=me, world_size=n,
+                                    timeout=timedelta(seconds=120))
+            ddp = DDP(model, **ids)
+            go = torch.ones(1, device=dev)
+            t_end = time.perf_counter() + args.preheat_s
+            while go.item() > 0:  # rank 0's clock decides; every rank steps the same number of times
+                for _ in range(20):
+                    _step(ddp, opt, batch, loss_fn)
+                go.fill_(1.0 if me != 0 or time.perf_counter() < t_end else 0.0)
+                dist.all_reduce(go, op=dist.ReduceOp.MIN)
+            del ddp
+            dist.destroy_process_group()
+        _barrier(bench, "steady/done/preheat", max(sizes))
     for n in sizes:
         if me < n:
             dist.init_process_group(backend, store=client(args, f"steady/pg/{n}"), rank=me, world_size=n,
@@ -97,9 +116,13 @@ def worker_ours_sched(args) -> None:
     bench = client(args, "bench")
     cuda = dev.type == "cuda"
     variant = dict(kv.split("=") for kv in args.variant.split(",") if "=" in kv)  # see --variants
+    from torch.nn.parallel import DistributedDataParallel as DDP
     if variant.get("hook") == "builtin":  # A/B only: DDP's own allreduce instead of the elastic hook
-        from torch.nn.parallel import DistributedDataParallel as DDP
         DDP.register_comm_hook = lambda self, state, hook: None
+    elif variant.get("hook") == "torch":  # A/B only: torch's own Python hook (divide, SUM, .then) on our group
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        register = DDP.register_comm_hook
+        DDP.register_comm_hook = lambda self, state, hook: register(self, self.process_group, allreduce_hook)
     tel = Telemetry(profile=args.model, gpu=torch.cuda.get_device_name(dev) if cuda else "cpu",
                     intra_link="nvlink" if cuda else "shm") if variant.get("telemetry", "1") == "1" else None
     progress = ProgressReporter(client(args), args.wid, "localhost") if variant.get("progress", "1") == "1" else None
@@ -153,11 +176,28 @@ def _wait_progress(c: Controller, wid: str, step: int, timeout: float = 300) -> 
         time.sleep(0.02)
 
 
-def run_plain_steady(c: Controller, sizes: list[int]) -> dict:
-    extra = ("--sizes", ",".join(map(str, sizes)), "--steps", str(c.args.steps), "--warm", str(c.args.warm))
+def run_plain_steady(c: Controller, sizes: list[int], preheat_s: float = 0.0) -> dict:
+    """Plain DDP's steady step at each size (after ``preheat_s`` seconds of plain steps at the largest)."""
+    extra = ("--sizes", ",".join(map(str, sizes)), "--steps", str(c.args.steps), "--warm", str(c.args.warm),
+             "--preheat-s", str(preheat_s))
     ps = [c.spawn("plain-steady", f"s{i}", i, extra=extra) for i in range(max(sizes))]
     c.reap(ps, timeout=600)
     return {n: json.loads(c.bench.get(f"steady/res/{n}")) for n in sizes}
+
+
+def bracket(before: dict, after: dict) -> dict:
+    """The baseline of a run measured before and after ours: per size, the mean of the two plain runs' mean and
+    median step, with both runs and their drift (after / before) kept beside."""
+    out = {}
+    for n, a in before.items():
+        z = after.get(n)
+        if z is None:
+            out[n] = a
+            continue
+        out[n] = {"mean_s": (a["mean_s"] + z["mean_s"]) / 2, "median_s": (a["median_s"] + z["median_s"]) / 2,
+                  "steps": a["steps"] + z["steps"], "before_mean_s": a["mean_s"], "after_mean_s": z["mean_s"],
+                  "drift": z["mean_s"] / a["mean_s"]}
+    return out
 
 
 def run_ours_schedule(c: Controller, schedule: list[int], variant: str = "") -> dict:
@@ -285,6 +325,9 @@ def table(model: str, res: dict, plain: dict) -> list[str]:
                            f"; ratio with newcomers starting on the host counted in: {with_startups:.3f}")
         ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
         ratio_m = f"{s['ratio_median']:.3f}" if s["ratio_median"] is not None else "-"
+        if "drift" in p:
+            notes_w += (f"; plain DDP before / after ours {p['before_mean_s'] * 1e3:.2f} / {p['after_mean_s'] * 1e3:.2f}"
+                        f" ms (drift {p['drift']:.3f})")
         rows.append(f"| {model} | {world} | {p.get('mean_s', float('nan')) * 1e3:.2f} / "
                     f"{p.get('median_s', float('nan')) * 1e3:.2f} | "
                     f"{s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
@@ -312,7 +355,8 @@ def goodput_line(model: str, res: dict, schedule: list[int], S: int, L: int, reb
 
 
 def header(schedule: list[int], seg: int, steps: int) -> list[str]:
-    return ["", f"Steady step: plain DDP ({steps} timed steps a size) against ElasticTrainer (auto commit schedule) "
+    return ["", f"Steady step: plain DDP ({steps} timed steps a size, run before and after ours: the baseline is "
+            "the mean of the two, and the notes give both) against ElasticTrainer (auto commit schedule) "
             f"over the schedule {'->'.join(map(str, schedule))}, {seg} steps a size; ms a step, mean (window / "
             "steps, device-synchronised ends) / median (host periods); ratio = ours / plain, mean (median beside).",
             "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | ratio of medians | steady steps (ours) | "
