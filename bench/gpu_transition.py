@@ -415,8 +415,9 @@ def main() -> None:
             c = Controller(args)
             t0 = time.time()
             try:
-                # plain DDP before and after ours (the GPUs' clocks drift as they heat: the same plain run was
-                # 10-20% slower a few minutes into a session), after a preheat at the largest size
+                # plain DDP before and after ours, after a preheat at the largest size: the machine drifts (on
+                # 4x H200 plain DDP's ResNet-50 step was 5-12% faster after ours than before, GPU clocks at
+                # 1980 MHz throughout with no throttle reason: the host), so one plain run would favour a side
                 before = steady_goodput.run_plain_steady(c, sizes, args.preheat_s)
                 runs = []
                 for variant in args.variants.split("|") if args.variants else [""]:
