@@ -3,7 +3,15 @@
 Throughput scaling efficiency (Or et al.), going from k to k+d workers with throughputs T_k, T_{k+d}:
     s = (T_{k+d} - T_k) / (d * T_k / k)          1 = perfect, 0 = no gain, < 0 = slower.
 A grow is kept when s >= min_efficiency; otherwise it is reverted and no size at or above the one that
-did not pay is tried again (the ceiling). The predictor's plan, when there is one, sets the grow target.
+did not pay is tried again (the ceiling).
+
+One policy: the predictor's /v1/plan (the planner the job_submit hook used at submit time) decides the
+target size, passed in as a `PlanAdvice`. With a plan the policy never grows past the plan's node count,
+stays when the plan says the current size (a `keep`), and shrinks toward it when it says fewer nodes. The
+launcher's own heuristic grow (`grow_step_nodes` while nodes are free) runs only while the service is
+unreachable or not configured, and its reasons say so. A job without `#ELASTIC` lines is not autoscaled
+(the planner would answer `keep`: not an elastic job). The revert test and the directives' limits apply
+on top of either.
 """
 from __future__ import annotations
 
@@ -43,6 +51,77 @@ class Decision:
     target_nodes: int
     reason: str
     efficiency: Optional[float] = None
+
+
+PLANNER = "planner"               # /v1/plan answered: its node count is the target
+UNREACHABLE = "unreachable"       # the service is unset, unreachable, or answered garbage: heuristic
+NO_DIRECTIVES = "no-directives"   # the job has no #ELASTIC lines: nothing to plan, no autoscaling grow
+ADVICE_SOURCES = (PLANNER, UNREACHABLE, NO_DIRECTIVES)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanAdvice:
+    """What /v1/plan says about the job's size now, and where that came from.
+
+    Attributes:
+        nodes: node count the plan wants (the current one for a `keep`); None unless source is PLANNER.
+        source: PLANNER | UNREACHABLE | NO_DIRECTIVES.
+        note: one line: the planner's reason, or why there is no plan.
+    """
+
+    nodes: Optional[int]
+    source: str
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in ADVICE_SOURCES:
+            raise ValueError(f"PlanAdvice.source: expected one of {'|'.join(ADVICE_SOURCES)}, got {self.source!r}")
+        if (self.source == PLANNER) != (self.nodes is not None):
+            raise ValueError(f"PlanAdvice.nodes: a {self.source} advice has nodes={self.nodes!r}")
+        if self.nodes is not None and self.nodes < 1:
+            raise ValueError(f"PlanAdvice.nodes: must be >= 1, got {self.nodes}")
+
+    @property
+    def policy(self) -> str:
+        """Who decides the size: what the `decision` record's `policy` field says."""
+        return {PLANNER: "planner", UNREACHABLE: "heuristic (service unreachable)",
+                NO_DIRECTIVES: "none (no #ELASTIC directives)"}[self.source]
+
+
+NO_SERVICE = PlanAdvice(None, UNREACHABLE, "no predictor service")
+
+
+def advice_from_plan(reply: Optional[dict], current_nodes: int, slots_per_node: int) -> PlanAdvice:
+    """Map a /v1/plan answer (planner.plan's body) to a target node count for a job at `current_nodes`.
+
+    `keep` (the job already runs the planned layout, or the planner cannot judge it) means: stay at the
+    current size. `rewrite` means: move to the plan's layout; a layout with another GPU count per node than
+    the job's `slots_per_node` (which a running job cannot change) is taken as its GPU count in whole nodes
+    of the job, rounded down (never more GPUs than planned), at least 1. None or an answer without a usable
+    layout: UNREACHABLE (the client already turns errors and garbage into None).
+    """
+    if reply is None:
+        return PlanAdvice(None, UNREACHABLE, "service unreachable")
+    note = " ".join(str(reply.get("reason") or "").split())
+    action = reply.get("action")
+    if action == "keep":
+        return PlanAdvice(current_nodes, PLANNER, note)
+    nodes, per_node, layout = reply.get("nodes"), reply.get("gpus_per_node"), reply.get("layout")
+    if action != "rewrite" or not _positive_int(nodes):
+        return PlanAdvice(None, UNREACHABLE, f"unusable plan answer: action {action!r}, nodes {nodes!r}")
+    if per_node is None or per_node == slots_per_node:
+        return PlanAdvice(nodes, PLANNER, note)
+    if isinstance(layout, list) and layout and all(_positive_int(g) for g in layout):
+        gpus = sum(layout)
+    elif _positive_int(per_node):
+        gpus = nodes * per_node
+    else:
+        return PlanAdvice(None, UNREACHABLE, f"unusable plan answer: layout {layout!r}, gpus_per_node {per_node!r}")
+    return PlanAdvice(max(1, gpus // slots_per_node), PLANNER, note)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def scaling_efficiency(before: Measurement, after: Measurement) -> float:
@@ -90,17 +169,26 @@ class AutoscalePolicy:
         """Add the measurement at the current size (call once per measurement window)."""
         self.history_.append(measurement)
 
-    def max_nodes(self) -> int:
-        """Largest node count allowed by the directives, the global batch cap and the ceiling."""
+    def directive_max_nodes(self) -> int:
+        """Largest node count the directives allow (`gpus` max and `max_global_batch`), ignoring the ceiling."""
         by_batch = self.max_global_batch // (self.per_gpu_batch * self.slots_per_node)
         by_gpus = self.max_workers // self.slots_per_node
-        limit = min(by_batch, by_gpus)
+        return max(min(by_batch, by_gpus), 0)
+
+    def max_nodes(self) -> int:
+        """Largest node count allowed by the directives, the global batch cap and the ceiling."""
+        limit = self.directive_max_nodes()
         if self.ceiling_nodes_ is not None:
             limit = min(limit, self.ceiling_nodes_ - 1)
         return max(limit, 0)
 
     def min_nodes(self) -> int:
         return max(1, -(-self.min_workers // self.slots_per_node))
+
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) nodes the job may span by its directives: what /v1/plan is asked to choose within."""
+        low = self.min_nodes()
+        return low, max(low, self.directive_max_nodes())
 
     def _last_step(self) -> tuple[Optional[Measurement], Optional[Measurement]]:
         """The latest measurement and the one before it at a different size (None when absent)."""
@@ -112,13 +200,14 @@ class AutoscalePolicy:
                 return current, earlier
         return current, None
 
-    def decide(self, free_nodes: int, plan_nodes: Optional[int] = None) -> Decision:
+    def decide(self, free_nodes: int, advice: PlanAdvice = NO_SERVICE) -> Decision:
         """Decide from the latest measurement.
 
         Args:
             free_nodes: idle nodes a grow could get now.
-            plan_nodes: node count /v1/plan suggests (None: service unreachable or `keep`); the policy
-                grows toward it but never past its own limits, and falls back to its heuristic without it.
+            advice: what /v1/plan says (`PlanAdvice`). PLANNER: grow toward its node count (never past it,
+                nor past the policy's own limits), stay when it is the current size, shrink toward it when it
+                is smaller. UNREACHABLE: the heuristic grow by `grow_step_nodes`. NO_DIRECTIVES: no grow.
 
         Preconditions: `record` was called at the current size.
         """
@@ -138,21 +227,27 @@ class AutoscalePolicy:
             target = max(self.max_nodes(), self.min_nodes())
             return Decision("shrink", target, f"{current.nodes} nodes is above the limit {self.max_nodes()}",
                             efficiency)
+        if advice.source == NO_DIRECTIVES:
+            return Decision("keep", current.nodes, "no #ELASTIC directives: not autoscaled", efficiency)
+        if advice.source == PLANNER and advice.nodes < current.nodes:
+            target = max(advice.nodes, self.min_nodes())
+            if target < current.nodes:
+                return Decision("shrink", target, f"plan says {advice.nodes} nodes, fewer than {current.nodes}",
+                                efficiency)
         limit = min(self.max_nodes(), current.nodes + free_nodes)
-        want = current.nodes + self.grow_step_nodes if plan_nodes is None else plan_nodes
+        want = advice.nodes if advice.source == PLANNER else current.nodes + self.grow_step_nodes
         target = min(want, limit, current.nodes + self.grow_step_nodes)
         if target <= current.nodes:
-            why = self._why_not(current, free_nodes, plan_nodes, efficiency)
+            why = self._why_not(current, free_nodes, advice)
             return Decision("keep", current.nodes, why, efficiency)
-        source = "heuristic" if plan_nodes is None else f"plan says {plan_nodes} nodes"
+        source = f"plan says {advice.nodes} nodes" if advice.source == PLANNER else advice.policy
         paid = "" if efficiency is None else f", last grow efficiency {efficiency:.2f}"
         return Decision("grow", target, f"{source}; global batch {target * self.slots_per_node * self.per_gpu_batch}"
                         f" <= {self.max_global_batch}{paid}", efficiency)
 
-    def _why_not(self, current: Measurement, free_nodes: int, plan_nodes: Optional[int],
-                 efficiency: Optional[float]) -> str:
-        if plan_nodes is not None and plan_nodes <= current.nodes:
-            return f"plan says {plan_nodes} nodes"
+    def _why_not(self, current: Measurement, free_nodes: int, advice: PlanAdvice) -> str:
+        if advice.source == PLANNER and advice.nodes <= current.nodes:
+            return f"plan says {advice.nodes} nodes"
         if self.ceiling_nodes_ is not None and current.nodes + 1 >= self.ceiling_nodes_:
             return f"{self.ceiling_nodes_} nodes did not pay before"
         if current.nodes >= self.max_nodes():

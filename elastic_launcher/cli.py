@@ -100,11 +100,12 @@ def _seconds(value: float) -> timedelta:
               help="Extra directive tokens, as on an #ELASTIC line (repeatable).")
 @click.option("--workers-per-node", type=click.IntRange(1, 64), help="Workers per node (default: GPUs per node).")
 @click.option("--predictor", "predictor_url", envvar="ELASTIC_PREDICTOR_URL",
-              help="Predictor base URL (env ELASTIC_PREDICTOR_URL); unset or unreachable: own heuristic.")
-@click.option("--intra-link", default="nvlink", show_default=True,
-              help="Link class between the GPUs of a node, as the predictor names it (e.g. nvlink, pcie, shm).")
-@click.option("--inter-link", default="ib", show_default=True,
-              help="Link class between nodes, as the predictor names it (e.g. ib, ethernet, socket).")
+              help="Predictor base URL (env ELASTIC_PREDICTOR_URL; default: the hook's, predictor_url in the "
+                   "elastic.conf beside $SLURM_CONF); unreachable: own heuristic, and the records say so.")
+@click.option("--intra-link", default=None,
+              help="Override the detected link class between the GPUs of a node (e.g. nvlink, pcie, shm).")
+@click.option("--inter-link", default=None,
+              help="Override the detected link class between nodes (e.g. ib, roce, tcp).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Records and logs (default: $SLURM_SUBMIT_DIR/elastic-<job>).")
 @click.option("--registry", type=click.Path(file_okay=False, path_type=Path),
@@ -139,6 +140,9 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
     from elastic_launcher.controller import Controller
 
     _logging(verbose)
+    if predictor_url is None:  # the service the site's hook asks (elastic.conf), so both halves use one planner
+        from slurm_plugin.installer import site_predictor_url
+        predictor_url = site_predictor_url(os.environ)
     allocation = allocation_from_env(os.environ)
     submit_dir = Path(os.environ.get("SLURM_SUBMIT_DIR", "."))
     config = LaunchConfig(

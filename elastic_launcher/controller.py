@@ -18,16 +18,18 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from elastic_launcher.autoscale import AutoscalePolicy, Decision, Measurement, scaling_efficiency
+from elastic_launcher.autoscale import (NO_DIRECTIVES, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
+                                        PlanAdvice, advice_from_plan, scaling_efficiency)
 from elastic_launcher.control import LAUNCHER_PREFIX, ControlInbox
 from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
-from elastic_launcher.observations import Links, ObservationInbox, layout_of, relabel, step_record
+from elastic_launcher.links import HostFacts, Links, links_for
+from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import NodeSlot, Transitions, wait_until
 from elastic_launcher.stragglers import StragglerDetector
-from elastic_launcher.workers import WorkerPool
+from elastic_launcher.workers import HOSTS_PREFIX, WorkerPool
 
 # AutoscalePolicy & co. are re-exported: they lived here before autoscale.py.
 __all__ = ["Controller", "AutoscalePolicy", "Decision", "Measurement", "scaling_efficiency", "PredictorClient",
@@ -68,11 +70,12 @@ class Controller(Transitions):
         self.failures_in_a_row = 0
         self.operator_cap: Optional[int] = None
         self._last_keep: Optional[str] = None
-        self._plan_cache: tuple = (None, 0.0, None)  # (nodes asked at, when, plan's node count)
+        self._plan_cache: tuple[Optional[int], float, Optional[PlanAdvice]] = (None, 0.0, None)  # (nodes asked
+        # at, when, the advice then): at one size /v1/plan is asked at most every PLAN_INTERVAL_S
         self.records: Optional[RecordLog] = None
         self._stop_beat = threading.Event()
-        self.links = Links(config.intra_link, config.inter_link)
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
+        self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -263,7 +266,8 @@ class Controller(Transitions):
                                                                          compute_by_node.items()})
         layout = self._current_layout() or [self.slots] * m.nodes
         d = self.config.directives
-        own = step_record(d.model or "unknown", d.gpu_type, layout, self.links, d.per_gpu_batch, m.step_s)
+        links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
+        own = step_record(d.model or "unknown", d.gpu_type, layout, links, d.per_gpu_batch, m.step_s)
         self._post_observations([own])
         if not self.config.directives.elastic:
             return
@@ -273,20 +277,26 @@ class Controller(Transitions):
             return
         if not self.config.autoscale:
             return
-        plan_nodes = self._ask_plan(m, layout)
+        advice = self._ask_plan(m, layout)
         free = self._free_nodes()
-        decision = self.policy.decide(len(free), plan_nodes)
+        decision = self.policy.decide(len(free), advice)
         cap = self.operator_cap
         if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
             decision = Decision("grow", cap, f"{decision.reason}; capped at the operator's {cap} nodes",
                                 decision.efficiency) if cap > m.nodes else \
                 Decision("keep", m.nodes, f"operator asked for {cap} nodes", decision.efficiency)
-        if decision.action == "keep" and decision.reason == self._last_keep:
-            return  # an unchanged "keep" is not logged again (the measurement is)
-        self._last_keep = decision.reason if decision.action == "keep" else None
+        elif decision.action == "shrink" and advice.source == "planner" and cap is not None \
+                and decision.target_nodes < cap <= m.nodes:  # the operator's size stands against the plan
+            decision = Decision("keep", m.nodes, f"{decision.reason}; kept at the operator's {cap} nodes",
+                                decision.efficiency)
+        keep_key = f"{advice.policy}: {decision.reason}"
+        if decision.action == "keep" and keep_key == self._last_keep:
+            return  # an unchanged "keep" (same policy, same reason) is not logged again (the measurement is)
+        self._last_keep = keep_key if decision.action == "keep" else None
         self.records.write("decision", source="autoscale", action=decision.action, from_nodes=m.nodes,
                            target_nodes=decision.target_nodes, reason=decision.reason,
-                           efficiency=decision.efficiency, plan_nodes=plan_nodes, free_nodes=len(free),
+                           efficiency=decision.efficiency, policy=advice.policy, plan_nodes=advice.nodes,
+                           plan_note=advice.note, free_nodes=len(free),
                            predictor=self.predictor.url is not None and self.predictor.last_error is None)
         if decision.action == "grow":
             self._grow(decision.target_nodes - m.nodes, action="grow", reason=decision.reason)
@@ -294,43 +304,74 @@ class Controller(Transitions):
             self._shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
 
     def _current_layout(self) -> Optional[list[int]]:
-        """GPUs per node of the current epoch (remembered by world size for the workers' records)."""
+        """GPUs per node of the current epoch, remembered by world size with its links for the workers' records."""
         plan = self.coord.current()
-        layout = layout_of(plan.members, {w: n for n, slot in self.nodes.items() for w in slot.wids})
+        node_of = {w: n for n, slot in self.nodes.items() for w in slot.wids}
+        layout = layout_of(plan.members, node_of)
         if layout is not None:
             self._layouts[plan.world_size] = layout
+            self._links[plan.world_size] = self._links_of(layout, plan.members, node_of)
         return layout
+
+    def _links_of(self, layout: list[int], members, node_of) -> Links:
+        """The links of the current epoch: the flags when given, else from one worker's host facts per node."""
+        c = self.config
+        if c.intra_link and c.inter_link:
+            return Links(c.intra_link, c.inter_link, "flag")
+        first: dict[str, str] = {}  # node -> its first member, in the layout's node order
+        for w in members:
+            first.setdefault(node_of[w], w)
+        facts = []
+        for wid in first.values():
+            try:
+                key = HOSTS_PREFIX + wid
+                if self.server.check([key]):
+                    facts.append(HostFacts.from_json(self.server.get(key)))
+            except Exception as exc:  # noqa: BLE001 - a store hiccup or an old worker: fewer facts
+                log.debug("no host facts of %s: %s", wid, exc)
+        found = links_for(layout, facts)
+        if c.intra_link or c.inter_link:  # one flag: it wins for its side
+            return Links(c.intra_link or found.intra, c.inter_link or found.inter, f"flag and {found.source}")
+        return found
 
     def _post_observations(self, own: list[dict]) -> None:
         """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""
         d = self.config.directives
         wids = {w for slot in self.nodes.values() for w in slot.wids}
-        records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self.links,
+        records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
                                 d.model or "unknown", d.gpu_type)
         for start in range(0, len(records), OBSERVATIONS_PER_POST):
             if not self.predictor.observe(records[start:start + OBSERVATIONS_PER_POST]):
                 break
 
-    def _ask_plan(self, m: Measurement, layout: list[int]) -> Optional[int]:
-        """The predictor's node count for this job now (None: no plan); asked at most every PLAN_INTERVAL
-        at one size, again after every transition (a plan is stored server-side per call)."""
+    def _ask_plan(self, m: Measurement, layout: list[int]) -> PlanAdvice:
+        """What /v1/plan says about this job's size now (autoscale.PlanAdvice): the planner chooses within the
+        node range the directives allow, from where the job runs (`current`). Asked at most every
+        PLAN_INTERVAL_S at one size (a plan is stored server-side per call), again after every transition;
+        an unreachable service is remembered for as long (the client's circuit breaker skips it anyway)."""
         d = self.config.directives
+        if not d.raw_lines:
+            return PlanAdvice(None, NO_DIRECTIVES, "no #ELASTIC lines: nothing for /v1/plan to size")
         now = time.monotonic()
-        if not d.raw_lines or (self._plan_cache[0] == m.nodes and now - self._plan_cache[1] < PLAN_INTERVAL_S):
-            return self._plan_cache[2] if self._plan_cache[0] == m.nodes else None
-        self._plan_cache = (m.nodes, now, None)
+        asked_at, when, cached = self._plan_cache
+        if cached is not None and asked_at == m.nodes and now - when < PLAN_INTERVAL_S:
+            return cached
+        low, high = self.policy.node_range()
         reply = self.predictor.plan({
             "source": "launcher", "directives": list(d.raw_lines),
-            "job": {"job_id": int(self.job_id), "min_nodes": m.nodes, "max_nodes": m.nodes,
+            "job": {"job_id": int(self.job_id), "min_nodes": low, "max_nodes": high,
                     "tres_per_node": f"gres:gpu:{self.alloc.gpus_per_node}", "partition": self.alloc.partition},
             "current": {"layout": layout, "samples_per_s": m.samples_per_s, "per_gpu_batch": d.per_gpu_batch}})
         if reply is None:
-            return None
-        self.records.write("plan", decision_id=reply.get("decision_id"), action=reply.get("action"),
-                           nodes=reply.get("nodes"), reason=reply.get("reason"))
-        nodes = int(reply["nodes"]) if reply.get("action") == "rewrite" and reply.get("nodes") else None
-        self._plan_cache = (m.nodes, now, nodes)
-        return nodes
+            why = "no predictor URL configured" if self.predictor.url is None else \
+                (self.predictor.last_error or "service unreachable")
+            advice = PlanAdvice(None, UNREACHABLE, " ".join(why.split()))
+        else:
+            advice = advice_from_plan(reply, m.nodes, self.policy.slots_per_node)
+            self.records.write("plan", decision_id=reply.get("decision_id"), action=reply.get("action"),
+                               nodes=reply.get("nodes"), reason=reply.get("reason"), target_nodes=advice.nodes)
+        self._plan_cache = (m.nodes, now, advice)
+        return advice
 
     def _free_nodes(self) -> list[str]:
         try:

@@ -114,9 +114,9 @@ class LaunchConfig:
         workers_per_node: workers started per node (default: one per GPU slot).
         predictor_url: base URL of the predictor service; None: heuristic only.
         predictor_token: bearer token for POST /v1/observations.
-        intra_link / inter_link: the cluster's link classes within a node and between nodes, as the
-            predictor names them (observation records carry them; e.g. `nvlink`/`ib`, `shm`/`socket` on a
-            CPU testbed).
+        intra_link / inter_link: override the link labels of the observation records (within a node / between
+            nodes, as the predictor names them, e.g. `nvlink` / `ib`); None: detected from what each worker
+            reports about its host (`links.links_for`: `loopback` for gloo on one host, as on the testbed).
         run_dir: where the controller writes `controller.json` (its address) and `records.jsonl`.
         store_host / store_port: address the rendezvous TCPStore binds (port 0: any free port).
         grow_step_nodes: nodes added per grow step (one helper job each).
@@ -145,8 +145,8 @@ class LaunchConfig:
     workers_per_node: Optional[int] = None
     predictor_url: Optional[str] = None
     predictor_token: Optional[str] = None
-    intra_link: str = "nvlink"
-    inter_link: str = "ib"
+    intra_link: Optional[str] = None
+    inter_link: Optional[str] = None
     run_dir: Path = Path(".")
     store_host: str = "127.0.0.1"
     store_port: int = 0

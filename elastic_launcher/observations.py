@@ -1,18 +1,18 @@
 """Predictor observation records (design.md, `POST /v1/observations`) as the controller sends them.
 
 The workers' telemetry (`ElasticTrainer.observations()`) knows the world size of the group it timed, not how
-the workers are spread over nodes, nor the cluster's link names. The controller knows both: which node each
-worker of an epoch runs on (so the layout, e.g. `[2, 2]`) and the links (`LaunchConfig.intra_link` /
-`inter_link`). So the workers hand their records over through the store (`ProgressReporter.publish`, one
-JSON list per line under `launcher/observations/<wid>`), and the controller relabels them here before it
-posts them:
+the workers are spread over nodes, nor which links its collectives crossed. The controller knows both: which
+node each worker of an epoch runs on (so the layout, e.g. `[2, 2]`) and the links of that layout
+(`links.links_for`, from the facts each worker published about its host, or `--intra-link/--inter-link`). So the
+workers hand their records over through the store (`ProgressReporter.publish`, one JSON list per line under
+`launcher/observations/<wid>`), and the controller relabels them here before it posts them:
 
 * a step record gets the layout of its world size, `intra_link`, and `inter_link` whenever the layout spans
   several nodes (the predictor rejects a multi-node step record without it);
 * a collective record gets `link` (the inter-node link when its group spans several nodes: the bottleneck;
   else the intra-node link) and `nodes`;
-* both get the job's profile (`#ELASTIC model=`) and GPU type. A record whose world size matches no layout
-  the controller has seen is dropped.
+* both get `link_source` (how the labels were found) and the job's profile (`#ELASTIC model=`) and GPU type.
+  A record whose world size matches no layout the controller has seen (or labelled) is dropped.
 """
 from __future__ import annotations
 
@@ -21,33 +21,10 @@ import json
 import logging
 from typing import Iterable, Mapping, Optional, Sequence
 
+from elastic_launcher.links import Links
 from elastic_launcher.workers import OBSERVATIONS_PREFIX
 
 log = logging.getLogger("elastic_launcher.observations")
-
-
-@dataclasses.dataclass(frozen=True)
-class Links:
-    """The cluster's link classes (free text, as the predictor knows them).
-
-    Attributes:
-        intra: between the GPUs of one node (e.g. `nvlink`, `pcie`, `shm`).
-        inter: between nodes (e.g. `ib`, `ethernet`, `socket`).
-    """
-
-    intra: str = "nvlink"
-    inter: str = "ib"
-
-    def for_layout(self, layout: Sequence[int]) -> dict:
-        """The link fields of a step record on `layout`: `inter_link` only when it spans several nodes."""
-        fields = {"intra_link": self.intra}
-        if len(layout) > 1:
-            fields["inter_link"] = self.inter
-        return fields
-
-    def bottleneck(self, layout: Sequence[int]) -> str:
-        """The link a collective over `layout` is limited by."""
-        return self.inter if len(layout) > 1 else self.intra
 
 
 def step_record(profile: str, gpu: str, layout: Sequence[int], links: Links, per_gpu_batch: int,
@@ -57,28 +34,32 @@ def step_record(profile: str, gpu: str, layout: Sequence[int], links: Links, per
             "per_gpu_batch": int(per_gpu_batch), "iter_s": float(iter_s)}
 
 
-def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links: Links, profile: str,
-            gpu: str) -> list[dict]:
+def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links: Mapping[int, Links],
+            profile: str, gpu: str) -> list[dict]:
     """Worker records with the layout, links, profile and GPU the controller knows (see the module docstring).
 
     Args:
         records: records from `ElasticTrainer.observations()` (any number of workers).
         layouts: world size -> layout (GPUs per node) of the epochs the job ran.
+        links: world size -> the links of that layout.
     """
     out = []
     for rec in records:
         kind = rec.get("kind") if isinstance(rec, dict) else None
         if kind == "collective":
-            layout = layouts.get(int(rec.get("world", 0)))
-            if layout is None:
+            world = int(rec.get("world", 0))
+            layout, lk = layouts.get(world), links.get(world)
+            if layout is None or lk is None:
                 continue
-            out.append({**rec, "link": links.bottleneck(layout), "nodes": len(layout), "gpu": gpu})
+            out.append({**rec, "link": lk.bottleneck(layout), "link_source": lk.source, "nodes": len(layout),
+                        "gpu": gpu})
         elif kind == "step":
-            layout = layouts.get(sum(rec.get("layout") or [0]))
-            if layout is None:
+            world = sum(rec.get("layout") or [0])
+            layout, lk = layouts.get(world), links.get(world)
+            if layout is None or lk is None:
                 continue
-            fixed = {k: v for k, v in rec.items() if k not in ("intra_link", "inter_link")}
-            out.append({**fixed, "layout": list(layout), **links.for_layout(layout), "profile": profile, "gpu": gpu})
+            fixed = {k: v for k, v in rec.items() if k not in ("intra_link", "inter_link", "link_source")}
+            out.append({**fixed, "layout": list(layout), **lk.for_layout(layout), "profile": profile, "gpu": gpu})
     return out
 
 

@@ -46,6 +46,7 @@ from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.commit_schedule import CommitSchedule
 from elastic_launcher.epochs import EpochTransitions
 from elastic_launcher.errors import PeerFailure, ProcessGroupError
+from elastic_launcher.links import HostFacts
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -191,6 +192,10 @@ class ElasticTrainer(EpochTransitions):
         self._epoch_group: Optional[tuple[int, ProcessGroupWrapper]] = None  # for the peer watchdog
         # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
         self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
+        publish_host = getattr(progress, "publish_host", None)
+        if publish_host is not None:  # the launcher labels this worker's records with the links it really uses
+            gpu = self.device.index if self.device.type == "cuda" else None
+            publish_host(HostFacts.probe(config.backend, gpu).to_json())
         watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,
                                      config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,

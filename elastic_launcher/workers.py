@@ -172,6 +172,7 @@ class WorkerPool:
 
 PROGRESS_PREFIX = "launcher/progress/"
 OBSERVATIONS_PREFIX = "launcher/observations/"  # read by observations.ObservationInbox
+HOSTS_PREFIX = "launcher/hosts/"  # links.HostFacts of each worker, read by the controller (links.links_for)
 
 
 class ProgressReporter:
@@ -220,6 +221,10 @@ class ProgressReporter:
     def publish(self, records: list) -> None:
         """Hand observation records to the controller (appended as one JSON line; it reads what is new)."""
         self.store.append(OBSERVATIONS_PREFIX + self.wid, json.dumps(records) + "\n")
+
+    def publish_host(self, facts_json: str) -> None:
+        """Tell the controller what this worker's host offers (``links.HostFacts.to_json``), once at start."""
+        self.store.set(HOSTS_PREFIX + self.wid, facts_json)
 
 
 def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Optional[float]]:

@@ -28,7 +28,7 @@ MAX_WORLD = 65536
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 4096
 
-_COMMON_OPTIONAL = {"job_id", "timestamp_s", "source"}
+_COMMON_OPTIONAL = {"job_id", "timestamp_s", "source", "link_source"}
 _COLLECTIVE = {"required": {"kind", "op", "link", "world", "bytes", "seconds"},
                "optional": {"gpu", "nodes", "dtype"} | _COMMON_OPTIONAL}
 _STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter_s", "intra_link"},
@@ -89,6 +89,12 @@ def _optional(record: dict, out: dict, where: str) -> None:
         out["timestamp_s"] = _seconds(record, "timestamp_s", where, high=1e11)
     if "source" in record:
         out["source"] = _str(record, "source", where)
+    if "link_source" in record:  # how the launcher found the link labels (free text, kept for the admin)
+        value = record["link_source"]
+        if not isinstance(value, str) or not 0 < len(value) <= 512 or not value.isprintable():
+            raise ValidationError(f"{where}.link_source", f"expected printable text of 1-512 characters, got "
+                                  f"{str(value)[:80]!r}")
+        out["link_source"] = value
     if "dtype" in record:
         if record["dtype"] not in DTYPES:
             raise ValidationError(f"{where}.dtype", f"expected one of {'|'.join(DTYPES)}, got {record['dtype']!r}")

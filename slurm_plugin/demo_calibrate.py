@@ -4,9 +4,9 @@
 1 and 2 workers on this machine, outside Slurm, the way elastic-launch runs it: a `TCPStore`, one process per
 worker with the ELASTIC_* environment, a first plan posted by a `Coordinator`. Rank 0 writes the runtime's
 own observation records (per-bucket all-reduce timings, median step time). They are relabelled to what the
-testbed's layouts are: one worker per node, `shm` within a node, `socket` (gloo over loopback TCP) between
-nodes, GPU type `cpu`. Those are the names the launcher also reports, so the predictor's history, the
-planner's candidates and the running job's own measurements all speak about the same thing.
+testbed's layouts are: one worker per node, every node this machine, so gloo's TCP runs over `loopback`, GPU type
+`cpu`, by the launcher's own rules (`elastic_launcher.links`), so the predictor's history, the planner's
+candidates and the running job's own measurements all speak about the same links.
 """
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 
 GPU = "cpu"
-INTRA_LINK = "shm"
-INTER_LINK = "socket"
 PROFILE = "resnet-tiny"
 # The training script's options, shared by the calibration and the demo job (template resnet50 --cpu-test).
 SCRIPT_OPTIONS = {"--arch": "resnet-tiny", "--image-size": "32", "--classes": "10", "--dataset-size": "512",
@@ -61,21 +59,19 @@ def profile_body() -> dict:
     return tensor_profile(models.build_resnet("resnet-tiny", int(SCRIPT_OPTIONS["--classes"])), PROFILE)
 
 
+def testbed_links(workers: int):
+    """The links of the testbed's layout `[1] * workers`: every pretend node is this machine, gloo over TCP, so
+    `loopback` (`links.links_for` on this host's facts: the rule the launcher applies to the demo job)."""
+    from elastic_launcher.links import HostFacts, links_for  # noqa: PLC0415
+
+    return links_for([1] * workers, [HostFacts.probe("gloo")] * workers)
+
+
 def relabel(records: list[dict], workers: int) -> list[dict]:
-    """Observation records as the testbed would report them: layout [1] * workers, cpu, shm/socket."""
-    out = []
-    for rec in records:
-        rec = dict(rec, gpu=GPU)
-        if rec["kind"] == "collective":
-            rec["link"] = INTER_LINK if rec["world"] > 1 else INTRA_LINK
-        elif rec["kind"] == "step":
-            rec.update(layout=[1] * workers, intra_link=INTRA_LINK)
-            if workers > 1:
-                rec["inter_link"] = INTER_LINK
-            else:
-                rec.pop("inter_link", None)
-        out.append(rec)
-    return out
+    """Observation records as the launcher labels the demo job's on the testbed (observations.relabel)."""
+    from elastic_launcher.observations import relabel as launcher_relabel  # noqa: PLC0415
+
+    return launcher_relabel(records, {workers: [1] * workers}, {workers: testbed_links(workers)}, PROFILE, GPU)
 
 
 def run_once(workers: int, steps: int, work: Path, python: str = sys.executable,

@@ -78,11 +78,14 @@ class PredictorService:
     def cluster(self) -> dict:
         """The cluster file: the testbed's nodes and switches, one CPU worker per node."""
         cfg = self.testbed.config
+        from slurm_plugin.demo_calibrate import testbed_links  # noqa: PLC0415
         from slurm_plugin.testbed_conf import LEAVES, PARTITION  # noqa: PLC0415
+
+        links = testbed_links(2)  # the links the launcher will label the demo job's multi-node records with
 
         return {"default_partition": PARTITION, "partitions": [{
             "name": PARTITION, "nodes": cfg.node_names(), "gpus_per_node": 1, "gpu": "cpu",
-            "intra_link": "shm", "inter_link": "socket",
+            "intra_link": links.intra, "inter_link": links.inter,
             "switches": {leaf: [f"node{i}" for i in members] for leaf, members in LEAVES}}]}
 
     def pid(self) -> int | None:

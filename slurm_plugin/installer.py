@@ -23,6 +23,7 @@ import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Mapping, Optional
 from urllib.parse import urlsplit
 
 import click
@@ -90,6 +91,23 @@ class PluginConfig:
         if self.cli_filter:
             lines.append("CliFilterPlugins=lua")
         return lines
+
+
+def site_predictor_url(environ: Mapping[str, str]) -> Optional[str]:
+    """The predictor URL the site's hook uses: `predictor_url` of the `elastic.conf` beside slurm.conf
+    (`$SLURM_CONF`, else /etc/slurm/slurm.conf); None when there is no such file or line.
+
+    For elastic-launch, so a job's launcher asks the same service as the hook that sized it."""
+    conf = Path(environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf").parent / "elastic.conf"
+    try:
+        lines = conf.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "predictor_url" and value.strip():
+            return value.strip()
+    return None
 
 
 def check_lua(lua: str = "lua5.1", timeout: timedelta = timedelta(seconds=10)) -> str:

@@ -194,6 +194,9 @@ class _Progress:
     def report(self, epoch: int, step: int, samples: int, compute_s: float, steps: int = 1) -> None:
         self.reporter.report(epoch, step, samples, compute_s, steps=steps)
 
+    def publish_host(self, facts_json: str) -> None:
+        self.reporter.publish_host(facts_json)
+
     def publish(self, records: list) -> None:
         self.reporter.publish(records)
         if self.observations is not None and self.rank() == 0:

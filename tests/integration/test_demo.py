@@ -78,6 +78,20 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     assert all(isinstance(r.get("idle_s"), (int, float)) for r in (grow, shrink))
     assert any(r["kind"] == "end" for r in records)
 
+    # every record of the demo's model went in with the links it really crossed: gloo over TCP, every pretend
+    # node on this machine, so loopback, labelled by detection (a record under nvlink, ib, shm or socket
+    # would be a defect: the job used none of them)
+    from predictor.store import Store
+    from slurm_plugin.demo_calibrate import GPU, PROFILE
+    ours = [r for r in Store(str(LAB / "predictor" / "predictor.db")).observations()
+            if r.get("gpu") == GPU and r.get("profile", PROFILE) == PROFILE]
+    steps = [r for r in ours if r["kind"] == "step"]
+    assert len(steps) >= 2 and any(len(r["layout"]) > 1 for r in steps), ours[-5:]
+    labels = {r.get("link") for r in ours if r["kind"] == "collective"} | {r["intra_link"] for r in steps} | \
+        {r["inter_link"] for r in steps if len(r["layout"]) > 1}
+    assert labels == {"loopback"}, labels
+    assert all(r.get("link_source", "").startswith("detected") for r in ours), {r.get("link_source") for r in ours}
+
     # the summary
     summary = out[out.index("== 6/6 summary"):]
     assert "chosen layout:" in summary and "calibrated" in summary and "predicted" in summary

@@ -1,6 +1,8 @@
 """AutoscalePolicy: Or et al.'s scaling-efficiency test, limits, revert and ceiling (no I/O)."""
 import pytest
 
+from elastic_launcher.autoscale import (NO_DIRECTIVES, NO_SERVICE, PLANNER, UNREACHABLE, PlanAdvice,
+                                        advice_from_plan)
 from elastic_launcher.controller import AutoscalePolicy, Measurement, scaling_efficiency
 
 
@@ -81,12 +83,109 @@ def test_gpus_max_caps_growth_and_free_nodes_limit_it():
     assert "no free nodes" in policy.decide(free_nodes=0).reason
 
 
+def planned(nodes):
+    return PlanAdvice(nodes, PLANNER, f"plan of {nodes} nodes")
+
+
+UNREACHABLE_ADVICE = PlanAdvice(None, UNREACHABLE, "connection refused")
+
+
 def test_plan_bounds_growth_but_never_exceeds_policy_limits():
     policy = AutoscalePolicy(grow_step_nodes=2, max_workers=4)
     policy.record(m(2, 100.0))
-    assert policy.decide(free_nodes=2, plan_nodes=2).action == "keep"
-    assert policy.decide(free_nodes=2, plan_nodes=3).target_nodes == 3
-    assert policy.decide(free_nodes=2, plan_nodes=16).target_nodes == 4
+    assert policy.decide(free_nodes=2, advice=planned(2)).action == "keep"
+    assert policy.decide(free_nodes=2, advice=planned(3)).target_nodes == 3
+    assert policy.decide(free_nodes=2, advice=planned(16)).target_nodes == 4
+
+
+# -- one policy: the planner decides, the heuristic runs only while the service is unreachable ---------------
+def test_plan_keep_means_no_grow_even_with_free_nodes():
+    policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
+    policy.record(m(1, 100.0))
+    keep = advice_from_plan({"action": "keep", "nodes": 1, "reason": "request already matches the plan; "
+                             "elastic: 1 node x 1 GPUs (1x1); 2x1 efficiency 0.38 < 0.7"}, 1, 1)
+    assert keep == PlanAdvice(1, PLANNER, keep.note) and "2x1 efficiency 0.38" in keep.note
+    decision = policy.decide(free_nodes=3, advice=keep)
+    assert (decision.action, decision.target_nodes) == ("keep", 1) and "plan says 1 nodes" in decision.reason
+    cannot_judge = advice_from_plan({"action": "keep", "nodes": None, "reason": "no step history"}, 1, 1)
+    assert cannot_judge.nodes == 1 and policy.decide(free_nodes=3, advice=cannot_judge).action == "keep"
+
+
+def test_plan_of_more_nodes_grows_to_the_plan_only():
+    policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
+    policy.record(m(2, 100.0))
+    decision = policy.decide(free_nodes=4, advice=planned(3))
+    assert (decision.action, decision.target_nodes) == ("grow", 3)
+    assert decision.reason.startswith("plan says 3 nodes;") and "heuristic" not in decision.reason
+    assert policy.decide(free_nodes=4, advice=planned(8)).target_nodes == 4    # one grow step at a time
+
+
+def test_plan_of_fewer_nodes_shrinks_toward_it_never_below_gpus_min():
+    policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
+    policy.record(m(2, 100.0))
+    decision = policy.decide(free_nodes=4, advice=planned(1))
+    assert (decision.action, decision.target_nodes) == ("shrink", 1) and "plan says 1 nodes" in decision.reason
+    bounded = AutoscalePolicy(min_workers=2)
+    bounded.record(m(3, 100.0))
+    assert (bounded.decide(free_nodes=0, advice=planned(1)).action,
+            bounded.decide(free_nodes=0, advice=planned(1)).target_nodes) == ("shrink", 2)
+    bounded = AutoscalePolicy(min_workers=2)
+    bounded.record(m(2, 100.0))
+    assert bounded.decide(free_nodes=2, advice=planned(1)).action == "keep"
+
+
+def test_unreachable_service_runs_the_heuristic_and_says_so():
+    policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
+    policy.record(m(1, 100.0))
+    for advice in (UNREACHABLE_ADVICE, NO_SERVICE, advice_from_plan(None, 1, 1)):
+        decision = policy.decide(free_nodes=3, advice=advice)
+        assert (decision.action, decision.target_nodes) == ("grow", 3)
+        assert decision.reason.startswith("heuristic (service unreachable);")
+    assert policy.decide(free_nodes=3).reason == policy.decide(free_nodes=3, advice=UNREACHABLE_ADVICE).reason
+
+
+def test_no_directives_means_no_autoscaling_grow():
+    policy = AutoscalePolicy(grow_step_nodes=2)
+    policy.record(m(1, 100.0))
+    decision = policy.decide(free_nodes=3, advice=PlanAdvice(None, NO_DIRECTIVES))
+    assert (decision.action, decision.target_nodes) == ("keep", 1) and "no #ELASTIC directives" in decision.reason
+
+
+def test_planned_grow_that_did_not_pay_is_reverted_and_not_tried_again():
+    policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
+    policy.record(m(2, 100.0))
+    assert policy.decide(free_nodes=4, advice=planned(3)).target_nodes == 3
+    policy.record(m(3, 110.0))            # s = 0.2 < 0.7, although the plan still says 3
+    revert = policy.decide(free_nodes=4, advice=planned(3))
+    assert (revert.action, revert.target_nodes) == ("revert", 2) and "did not pay" in revert.reason
+    policy.record(m(2, 100.0))
+    again = policy.decide(free_nodes=4, advice=planned(3))
+    assert (again.action, again.target_nodes) == ("keep", 2) and "did not pay before" in again.reason
+
+
+def test_plan_answers_map_to_node_counts():
+    rewrite = {"action": "rewrite", "nodes": 3, "gpus_per_node": 4, "layout": [4, 4, 4], "reason": "elastic:\n 3x4"}
+    assert advice_from_plan(rewrite, 2, 4) == PlanAdvice(3, PLANNER, "elastic: 3x4")
+    # a layout with another GPU count per node: its GPUs in whole nodes of the job, rounded down
+    assert advice_from_plan({**rewrite, "nodes": 1, "gpus_per_node": 2, "layout": [2]}, 1, 1).nodes == 2
+    assert advice_from_plan({**rewrite, "nodes": 3, "gpus_per_node": 2, "layout": [2, 2, 2]}, 1, 4).nodes == 1
+    garbage = advice_from_plan({"action": "rewrite", "nodes": None}, 2, 4)
+    assert garbage.source == UNREACHABLE and "unusable" in garbage.note
+    with pytest.raises(ValueError, match="source"):
+        PlanAdvice(2, "guess")
+    with pytest.raises(ValueError, match="nodes"):
+        PlanAdvice(None, PLANNER)
+
+
+def test_node_range_is_the_directive_bounds_without_the_ceiling():
+    policy = AutoscalePolicy(min_efficiency=0.7, max_global_batch=512, per_gpu_batch=64, slots_per_node=2,
+                             min_workers=4, max_workers=12, grow_step_nodes=2)
+    assert policy.node_range() == (2, 4)
+    policy.record(m(2, 100.0, slots=2))
+    policy.record(m(4, 100.0, slots=2))
+    assert policy.decide(free_nodes=0).action == "revert" and policy.max_nodes() == 3
+    assert policy.node_range() == (2, 4)
+    assert AutoscalePolicy(max_global_batch=16, per_gpu_batch=32, min_workers=2).node_range() == (2, 2)
 
 
 def test_shrinks_when_above_limits():
@@ -116,10 +215,12 @@ def test_invariants_on_random_histories(seed):
     nodes = 1
     for _ in range(10):
         policy.record(m(nodes, rng.uniform(10, 1000), slots=policy.slots_per_node))
-        decision = policy.decide(free_nodes=rng.randint(0, 4))
+        advice = rng.choice([NO_SERVICE, PlanAdvice(rng.randint(1, 6), PLANNER), PlanAdvice(None, NO_DIRECTIVES)])
+        decision = policy.decide(free_nodes=rng.randint(0, 4), advice=advice)
         assert decision.target_nodes >= 1
         if decision.action == "grow":
-            assert decision.target_nodes > nodes
+            assert decision.target_nodes > nodes and advice.source != NO_DIRECTIVES
+            assert advice.source == UNREACHABLE or decision.target_nodes <= advice.nodes
             assert decision.target_nodes * policy.slots_per_node * 16 <= policy.max_global_batch
             if policy.ceiling_nodes_ is not None:
                 assert decision.target_nodes < policy.ceiling_nodes_

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.membership import Coordinator
-from elastic_launcher.observations import Links, ObservationInbox, layout_of, relabel, step_record
+from elastic_launcher.links import Links
+from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.workers import PROGRESS_PREFIX, ProgressReporter
@@ -49,14 +50,15 @@ def test_worker_records_relabelled_with_the_layout_and_links_pass_the_validator(
     tel.record_collective(3, 1 << 10, 0.001)       # an epoch whose layout the controller never saw
     tel.record_step([4], 8, 0.2)
     tel.record_step([2], 8, 0.1)
-    links = Links("shm", "socket")
-    out = relabel(tel.drain(), {4: [2, 2], 2: [2]}, links, "tiny", "H100")
+    links = Links("shm", "socket", "flag")
+    out = relabel(tel.drain(), {4: [2, 2], 2: [2]}, {4: links, 2: links}, "tiny", "H100")
     assert validate_batch(out) == out
     coll = [r for r in out if r["kind"] == "collective"]
     steps = {tuple(r["layout"]): r for r in out if r["kind"] == "step"}
     assert [(r["world"], r["link"], r["nodes"], r["gpu"]) for r in coll] == [(4, "socket", 2, "H100")]
     assert steps[(2, 2)]["inter_link"] == "socket" and steps[(2, 2)]["intra_link"] == "shm"
     assert "inter_link" not in steps[(2,)] and steps[(2,)]["profile"] == "tiny"
+    assert {r["link_source"] for r in out} == {"flag"}
 
 
 def test_telemetry_multi_node_step_records_carry_inter_link():

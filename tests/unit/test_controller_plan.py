@@ -1,0 +1,141 @@
+"""Controller._ask_plan / _measure_and_decide with a fake predictor: what /v1/plan is asked, and which policy
+decides (planner, heuristic while the service is unreachable, none without directives). No Slurm, no workers:
+the measurement, the layout and the resize calls are stubbed on the instance."""
+import json
+
+import pytest
+
+from elastic_launcher import controller as controller_module
+from elastic_launcher.autoscale import Measurement
+from elastic_launcher.controller import Controller
+from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
+from elastic_launcher.reporting import RecordLog
+
+SCRIPT = ("#!/bin/bash\n#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=16 max_global_batch=64 min_efficiency=0.7\n"
+          "python train.py\n")
+
+
+class FakePredictor:
+    """Stands in for reporting.PredictorClient: answers /v1/plan from a list, records every body."""
+
+    def __init__(self, replies, url="http://predictor:8080", last_error=None):
+        self.url, self.last_error = url, last_error
+        self.replies = list(replies)
+        self.bodies: list[dict] = []
+
+    def plan(self, body):
+        self.bodies.append(json.loads(json.dumps(body)))
+        return self.replies.pop(0)
+
+    def observe(self, records):
+        return True
+
+
+def make_controller(tmp_path, predictor, script=SCRIPT, nodes=2, free=("node3", "node4")):
+    alloc = Allocation(job_id="42", nodes=tuple(f"node{i + 1}" for i in range(nodes)), batch_host="node1",
+                       gpus_per_node=1, partition="debug")
+    config = LaunchConfig(command=("python", "train.py"), allocation=alloc,
+                          directives=Directives.from_script(script), run_dir=tmp_path, grow_step_nodes=2)
+    c = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
+    c.predictor = predictor
+    c.records = RecordLog(tmp_path / "records.jsonl")
+    c.resizes = []
+    c._measure = lambda: (Measurement(nodes=nodes, workers=nodes, samples_per_s=100.0 * nodes, step_s=0.1), {})
+    c._current_layout = lambda: [1] * nodes
+    c._post_observations = lambda own: None
+    c._free_nodes = lambda: list(free)
+    c._grow = lambda count, action, reason, **kw: c.resizes.append(("grow", nodes + count))
+    c._shrink_to = lambda target, action, reason, **kw: c.resizes.append((action, target))
+    return c
+
+
+def decisions(c):
+    return [r for r in c.records.items if r["kind"] == "decision"]
+
+
+def test_plan_is_asked_with_the_directive_node_range_and_the_measured_current(tmp_path):
+    keep = {"action": "keep", "nodes": 2, "gpus_per_node": 1, "layout": [1, 1], "decision_id": "d-1",
+            "reason": "request already matches the plan; elastic: 2 nodes x 1 GPUs (2x1); 3x1 efficiency 0.4 < 0.7"}
+    c = make_controller(tmp_path, FakePredictor([keep]))
+    c._measure_and_decide()
+    (body,) = c.predictor.bodies
+    assert body["source"] == "launcher" and body["directives"] == list(c.config.directives.raw_lines)
+    # gpus=1-8 at 1 slot per node, max_global_batch 64 / per_gpu_batch 16: 1..4 nodes (not just the current 2)
+    assert (body["job"]["min_nodes"], body["job"]["max_nodes"]) == (1, 4)
+    assert body["current"] == {"layout": [1, 1], "samples_per_s": 200.0, "per_gpu_batch": 16}
+
+
+def test_plan_keep_stays_at_the_current_size(tmp_path):
+    keep = {"action": "keep", "nodes": 2, "gpus_per_node": 1, "layout": [1, 1], "reason": "already matches"}
+    c = make_controller(tmp_path, FakePredictor([keep]))
+    c._measure_and_decide()
+    assert c.resizes == []
+    (d,) = decisions(c)
+    assert (d["action"], d["policy"], d["plan_nodes"]) == ("keep", "planner", 2) and "plan says 2" in d["reason"]
+
+
+@pytest.mark.parametrize("plan_nodes, resize", [(3, ("grow", 3)), (1, ("shrink", 1))])
+def test_plan_rewrite_sets_the_target(tmp_path, plan_nodes, resize):
+    rewrite = {"action": "rewrite", "nodes": plan_nodes, "gpus_per_node": 1, "layout": [1] * plan_nodes,
+               "reason": f"elastic: {plan_nodes}x1"}
+    c = make_controller(tmp_path, FakePredictor([rewrite]))
+    c._measure_and_decide()
+    assert c.resizes == [resize]
+    (d,) = decisions(c)
+    assert (d["policy"], d["plan_nodes"], d["target_nodes"]) == ("planner", plan_nodes, plan_nodes)
+    assert f"plan says {plan_nodes} nodes" in d["reason"]
+    (plan,) = [r for r in c.records.items if r["kind"] == "plan"]
+    assert plan["target_nodes"] == plan_nodes
+
+
+def test_unreachable_service_runs_the_heuristic_and_the_record_says_so(tmp_path):
+    c = make_controller(tmp_path, FakePredictor([None], last_error="/v1/plan: connection refused"))
+    c._measure_and_decide()
+    assert c.resizes == [("grow", 4)]
+    (d,) = decisions(c)
+    assert d["policy"] == "heuristic (service unreachable)" and d["plan_nodes"] is None
+    assert d["reason"].startswith("heuristic (service unreachable);") and "connection refused" in d["plan_note"]
+
+
+def test_no_directives_asks_nothing_and_does_not_grow(tmp_path):
+    c = make_controller(tmp_path, FakePredictor([]), script="#!/bin/bash\npython train.py\n")
+    c._measure_and_decide()
+    assert c.predictor.bodies == [] and c.resizes == []
+    (d,) = decisions(c)
+    assert d["action"] == "keep" and d["policy"] == "none (no #ELASTIC directives)"
+
+
+def test_the_advice_is_cached_per_size_for_plan_interval(tmp_path):
+    keep = {"action": "keep", "nodes": 2, "gpus_per_node": 1, "layout": [1, 1], "reason": "already matches"}
+    c = make_controller(tmp_path, FakePredictor([keep, keep]))
+    c._measure_and_decide()
+    c._measure_and_decide()                     # within PLAN_INTERVAL_S at 2 nodes: the cached keep, no call
+    assert len(c.predictor.bodies) == 1 and c.resizes == []
+    asked_at, when, advice = c._plan_cache
+    assert (asked_at, advice.nodes, advice.source) == (2, 2, "planner")
+    c._plan_cache = (asked_at, when - controller_module.PLAN_INTERVAL_S - 1, advice)
+    c._measure_and_decide()
+    assert len(c.predictor.bodies) == 2 and c.resizes == []
+
+
+def test_an_unreachable_service_is_cached_too_and_asked_again_after_the_interval(tmp_path):
+    rewrite = {"action": "rewrite", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "elastic: 3x1"}
+    c = make_controller(tmp_path, FakePredictor([None, rewrite]), free=())
+    c._measure_and_decide()
+    c._measure_and_decide()
+    assert len(c.predictor.bodies) == 1 and c._plan_cache[2].source == "unreachable"
+    asked_at, when, advice = c._plan_cache
+    c._plan_cache = (asked_at, when - controller_module.PLAN_INTERVAL_S - 1, advice)
+    c._measure_and_decide()
+    assert len(c.predictor.bodies) == 2 and c._plan_cache[2].source == "planner"
+    assert [d["policy"] for d in decisions(c)] == ["heuristic (service unreachable)", "planner"]
+
+
+def test_a_plan_to_shrink_does_not_undo_an_operators_size(tmp_path):
+    rewrite = {"action": "rewrite", "nodes": 1, "gpus_per_node": 1, "layout": [1], "reason": "elastic: 1x1"}
+    c = make_controller(tmp_path, FakePredictor([rewrite]))
+    c.operator_cap = 2  # `elastic-launch ctl 42 --nodes 2` earlier
+    c._measure_and_decide()
+    assert c.resizes == []
+    (d,) = decisions(c)
+    assert d["action"] == "keep" and "operator's 2 nodes" in d["reason"]
