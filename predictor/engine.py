@@ -36,11 +36,15 @@ class Predictor:
         shape_l2: ridge weight of a link's per-shape corrections (learnt from shapes >= 2 jobs ran).
         gamma_prior: compute/sync overlap exponent used where it cannot be fitted.
         f_scale: soft-L1 scale of log residuals in the step fit.
+        recent_rows: a candidate that was measured (same profile, GPU, per-GPU batch, layout shape and links)
+            is predicted at the median of its newest this-many step rows (`basis: measured`): the model
+            generalises to what was not run, a measurement wins where there is one, and newer evidence wins
+            over older (records are fitted in the order they were stored).
     """
 
     def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,
                  w_l2: float = 1.0, dw_l2: float = 0.3, shape_l2: float = 1.0, gamma_prior: float = 1.5,
-                 f_scale: float = 0.05):
+                 f_scale: float = 0.05, recent_rows: int = 5):
         self.bucket_cap_mb = bucket_cap_mb
         self.link_prior_weight = link_prior_weight
         self.sync_weight = sync_weight
@@ -49,6 +53,7 @@ class Predictor:
         self.shape_l2 = shape_l2
         self.gamma_prior = gamma_prior
         self.f_scale = f_scale
+        self.recent_rows = recent_rows
 
     # ------------------------------------------------------------------ fit
     def fit(self, profiles: dict[str, Profile], observations: list[dict]) -> "Predictor":
@@ -97,7 +102,13 @@ class Predictor:
         self.converged_ = fit["converged"]
         self.calibration_ = self._calibrate()
         self.n_steps_ = len(steps)
+        self.measured_ = measured_steps(steps, self.recent_rows)
         return self
+
+    def __getstate__(self) -> dict:
+        """What pickling keeps (the service stores fitted predictors): all but the `_bases` cache, which is
+        rebuilt on use and can hold up to 200,000 arrays."""
+        return {k: v for k, v in self.__dict__.items() if k != "_base_cache"}
 
     def _bases(self, profile: Profile, layout, intra, inter):
         """(T_I, T_E) of the profile's buckets on a layout; cached per fit (bounded)."""
@@ -138,6 +149,7 @@ class Predictor:
         if not cands:
             return []
         perf, basis, log_std = self._perf(profile, gpu)
+        measured = self.__dict__.get("measured_", {})
         out = []
         for c in cands:
             net, link_std = self._net(c["intra_link"], c["inter_link"])
@@ -145,9 +157,18 @@ class Predictor:
             r = predict_rows(perf, net, float(per_gpu_batch), [c["layout"]], bases)
             share = float(r["comm_s"][0] / max(r["iter_s"][0], 1e-12)) if sum(c["layout"]) > 1 else 0.0
             std = math.sqrt(log_std**2 + (share * link_std) ** 2)
-            out.append({"layout": list(c["layout"]), "samples_per_s": float(r["samples_per_s"][0]),
-                        "iter_s": float(r["iter_s"][0]), "compute_s": float(r["compute_s"][0]),
-                        "comm_s": float(r["comm_s"][0]), "uncertainty": std, "basis": basis})
+            pred = {"layout": list(c["layout"]), "samples_per_s": float(r["samples_per_s"][0]),
+                    "iter_s": float(r["iter_s"][0]), "compute_s": float(r["compute_s"][0]),
+                    "comm_s": float(r["comm_s"][0]), "uncertainty": std, "basis": basis}
+            seen = measured.get(step_key(profile.name, gpu, per_gpu_batch, c["layout"], c["intra_link"],
+                                         c["inter_link"]))
+            if seen is not None:  # measured: its newest rows' median, the model's split of it scaled alike
+                iter_s, spread, n = seen
+                scale = iter_s / pred["iter_s"]
+                pred.update(iter_s=iter_s, samples_per_s=sum(c["layout"]) * per_gpu_batch / iter_s,
+                            compute_s=pred["compute_s"] * scale, comm_s=pred["comm_s"] * scale,
+                            uncertainty=max(spread, std / math.sqrt(n), MIN_LOG_STD), basis=f"measured ({n} rows)")
+            out.append(pred)
         return out
 
     def _perf(self, profile: Profile, gpu: str) -> tuple[PerfParams, str, float]:
@@ -190,6 +211,27 @@ class Predictor:
     def _check_fitted(self):
         if not hasattr(self, "perf_"):
             raise RuntimeError("Predictor is not fitted: call fit(profiles, observations) first")
+
+
+def step_key(profile: str, gpu: str, per_gpu_batch, layout, intra: str, inter: str | None) -> tuple:
+    """What makes two step rows the same measurement: the layout as a shape (GPUs per node, sorted), and the
+    inter link only where the layout spans nodes."""
+    shape = tuple(sorted(int(k) for k in layout))
+    return profile, gpu, float(per_gpu_batch), shape, intra, inter if len(shape) > 1 else None
+
+
+def measured_steps(steps: list[dict], recent: int) -> dict[tuple, tuple[float, float, int]]:
+    """Per `step_key`: (median iter_s of the newest `recent` rows, their log spread, rows used)."""
+    groups: dict[tuple, list[float]] = {}
+    for o in steps:  # oldest first: the newest rows of a key end the list
+        groups.setdefault(step_key(o["profile"], o["gpu"], o["per_gpu_batch"], o["layout"], o["intra_link"],
+                                   o.get("inter_link")), []).append(float(o["iter_s"]))
+    out = {}
+    for key, xs in groups.items():
+        xs = xs[-recent:]
+        logs = np.log(xs)
+        out[key] = (float(np.median(xs)), float(np.std(logs)) if len(xs) > 1 else 0.0, len(xs))
+    return out
 
 
 def _check_candidate(c, i: int) -> dict:

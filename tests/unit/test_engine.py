@@ -36,7 +36,7 @@ def test_predict_shape_order_and_observed_basis(fitted):
     assert [o["layout"] for o in out] == [c["layout"] for c in CANDS]
     for o in out:
         assert set(o) == {"layout", "samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty", "basis"}
-        assert o["basis"] == "observed" and 0 < o["uncertainty"] < 0.5
+        assert o["basis"] in ("observed", "measured (1 rows)") and 0 < o["uncertainty"] < 0.5
         assert o["samples_per_s"] == pytest.approx(sum(o["layout"]) * 16 / o["iter_s"])
 
 
@@ -110,8 +110,8 @@ def test_bad_batch_and_unfitted():
 def test_uncertainty_shrinks_as_step_history_grows(fitted):
     pred, profiles, obs = fitted
     one = [o for o in obs if o["kind"] == "step" and o["profile"] == "resnet50"][:1]
-    few = Predictor().fit(profiles, one).predict(profiles["resnet50"], "T4", 16, CANDS[:1])[0]
-    many = pred.predict(profiles["resnet50"], "T4", 16, CANDS[:1])[0]
+    few = Predictor().fit(profiles, one).predict(profiles["resnet50"], "T4", 24, CANDS[:1])[0]  # batch 24: never
+    many = pred.predict(profiles["resnet50"], "T4", 24, CANDS[:1])[0]                         # measured, modelled
     assert few["basis"] == many["basis"] == "observed"
     assert few["uncertainty"] > many["uncertainty"]
 
@@ -136,3 +136,95 @@ def test_a_shape_other_jobs_found_slow_is_ranked_down_for_a_new_job_and_permutat
     out = pred.predict(profiles["c"], "T4", 16, cands)
     assert out[0]["iter_s"] == out[1]["iter_s"]  # permutations of one shape: one prediction
     assert out[0]["iter_s"] > 1.1 * out[2]["iter_s"]
+
+
+def test_a_fitted_predictor_pickles_without_its_bases_cache_and_predicts_the_same(fitted):
+    import pickle
+
+    pred, profiles, _ = fitted
+    before = pred.predict(profiles["resnet50"], "T4", 16, CANDS)
+    assert pred.__dict__.get("_base_cache")                    # filled by fitting and predicting
+    loaded = pickle.loads(pickle.dumps(pred))
+    assert "_base_cache" not in loaded.__dict__
+    assert loaded.predict(profiles["resnet50"], "T4", 16, CANDS) == before
+    assert loaded.known("resnet50", "T4") and loaded.link_stats() == pred.link_stats()
+
+
+def _measured_history(profile_name="resnet50"):
+    """A resnet50-like history on T4 (the module fixture's shape) plus one job's own rows on [1, 1] / loopback."""
+    rng = np.random.default_rng(3)
+    obs = []
+    for lay in ([1], [2], [4], [2, 2], [4, 4]):
+        for b in (8, 16, 32):
+            t = 0.02 + 0.002 * b + (0.01 * max(lay) if sum(lay) > 1 else 0) + 0.08 * (len(lay) > 1)
+            obs.append({"kind": "step", "profile": profile_name, "gpu": "T4", "layout": lay, "intra_link": "pcie",
+                        "inter_link": "ethernet", "per_gpu_batch": b,
+                        "iter_s": t * float(np.exp(0.02 * rng.standard_normal()))})
+    return obs
+
+
+def test_a_measured_layout_is_predicted_at_its_newest_median_and_others_by_the_model():
+    from predictor.profiles import Profile
+    from tests.unit._service_fakes import PROFILE
+    profiles = {"resnet50": Profile.from_dict(PROFILE)}
+    obs = _measured_history()
+    old = [0.30, 0.31, 0.29]          # an earlier run of [1, 1] on loopback at batch 8
+    new = [0.50, 0.52, 0.49, 0.51]    # the job's own, newer: slower than the model or the old run would say
+    for t in old + new:
+        obs.append({"kind": "step", "profile": "resnet50", "gpu": "T4", "layout": [1, 1], "intra_link": "loopback",
+                    "inter_link": "loopback", "per_gpu_batch": 8, "iter_s": t})
+    pred = Predictor(recent_rows=4).fit(profiles, obs)
+    cands = [{"layout": [1, 1], "intra_link": "loopback", "inter_link": "loopback"},
+             {"layout": [1, 1, 1], "intra_link": "loopback", "inter_link": "loopback"}]
+    two, three = pred.predict(profiles["resnet50"], "T4", 8, cands)
+    assert two["iter_s"] == pytest.approx(float(np.median(new)), rel=0.05)   # within 5% of the newest median
+    assert two["samples_per_s"] == pytest.approx(2 * 8 / two["iter_s"])
+    assert two["basis"] == "measured (4 rows)" and three["basis"] == "observed"
+    # a batch that was not measured is the model's answer
+    (other,) = pred.predict(profiles["resnet50"], "T4", 16, cands[:1])
+    assert other["basis"] == "observed"
+
+
+def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
+    from predictor import planner
+    from predictor.cluster import Cluster
+    from predictor.profiles import Profile
+    from tests.unit._service_fakes import PROFILE
+    profiles = {"resnet50": Profile.from_dict(PROFILE)}
+    cluster = Cluster.default()
+    gpu, intra, inter = cluster.partition().gpu, cluster.partition().intra_link, cluster.partition().inter_link
+    rows = []
+    for lay, t in (([1], 0.10), ([2], 0.102), ([4], 0.105), ([2, 2], 0.11)):
+        for _ in range(3):  # a history in which crossing nodes scales well
+            rows.append({"kind": "step", "profile": "resnet50", "gpu": gpu, "layout": lay, "intra_link": intra,
+                         "inter_link": inter, "per_gpu_batch": 64, "iter_s": t})
+    for _ in range(3):  # then this job measured 2 nodes: half the throughput of one node
+        rows.append({"kind": "step", "profile": "resnet50", "gpu": gpu, "layout": [4, 4], "intra_link": intra,
+                     "inter_link": inter, "per_gpu_batch": 64, "iter_s": 0.42})
+
+    class Models:
+        version = "v1"
+
+        def __init__(self, rows):
+            self.pred = Predictor().fit(profiles, rows)
+
+        def predictor(self):
+            return self.pred
+
+        def profile(self, name):
+            return profiles.get(name)
+
+        def known(self, name, g):
+            return self.pred.known(name, g)
+
+        def predict(self, profile, g, batch, candidates):
+            return self.pred.predict(profile, g, batch, candidates)
+
+    body = {"source": "launcher", "directives": ["#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64"],
+            "job": {}, "current": {"layout": [4], "per_gpu_batch": 64}}
+    before = planner.plan(planner.parse_request(dict(body)), cluster, Models(rows[:-3]), default_min_efficiency=0.7)
+    after = planner.plan(planner.parse_request(dict(body)), cluster, Models(rows), default_min_efficiency=0.7)
+    assert before["layout"] == [4, 4], before           # the history alone said: two nodes pay
+    assert after["layout"] != [4, 4], after             # this job measured them: they did not
+    two = next(e for e in after["curve"] if e["gpus"] == 8)
+    assert two["samples_per_s"] == pytest.approx(8 * 64 / 0.42, rel=0.05) and two["efficiency"] < 0.7
