@@ -339,7 +339,7 @@ class Controller(Transitions):
         d = self.config.directives
         wids = {w for slot in self.nodes.values() for w in slot.wids}
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
-                                d.model or "unknown", d.gpu_type)
+                                d.model or "unknown", d.gpu_type, steps=False)
         for start in range(0, len(records), OBSERVATIONS_PER_POST):
             if not self.predictor.observe(records[start:start + OBSERVATIONS_PER_POST]):
                 break

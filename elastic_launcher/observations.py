@@ -35,13 +35,16 @@ def step_record(profile: str, gpu: str, layout: Sequence[int], links: Links, per
 
 
 def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links: Mapping[int, Links],
-            profile: str, gpu: str) -> list[dict]:
+            profile: str, gpu: str, steps: bool = True) -> list[dict]:
     """Worker records with the layout, links, profile and GPU the controller knows (see the module docstring).
 
     Args:
         records: records from `ElasticTrainer.observations()` (any number of workers).
         layouts: world size -> layout (GPUs per node) of the epochs the job ran.
         links: world size -> the links of that layout.
+        steps: keep the workers' step records. The controller passes False: its own step record per
+            measurement window (commit points and all) is the job's step time, and a second kind of step row
+            for the same layout (the workers' median step) would pull the measured figure two ways.
     """
     out = []
     for rec in records:
@@ -53,7 +56,7 @@ def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links
                 continue
             out.append({**rec, "link": lk.bottleneck(layout), "link_source": lk.source, "nodes": len(layout),
                         "gpu": gpu})
-        elif kind == "step":
+        elif kind == "step" and steps:
             world = sum(rec.get("layout") or [0])
             layout, lk = layouts.get(world), links.get(world)
             if layout is None or lk is None:

@@ -1,8 +1,10 @@
 """The Flask application factory (also the WSGI entry point: `predictor.app:create_app()`).
 
-`create_app(config=None)` builds the Store (migrating it), the ModelCache (starting its refit thread)
-and registers one blueprint per resource plus one JSON error handler. With `config=None` it reads the
-environment once through `Config.from_env` (the WSGI-factory entry point).
+`create_app(config=None)` builds the Store (migrating it), the ModelCache (loading the newest stored model,
+then starting its refit thread; only the worker holding the fit lock fits: predictor.service) and registers
+one blueprint per resource plus one JSON error handler (a model version not reached: 503 naming both
+versions). With `config=None` it reads the environment once through `Config.from_env` (the WSGI-factory entry
+point).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from predictor.api import decisions, health, links, metrics, observations, predi
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
 from predictor.planner import DirectiveProblem
-from predictor.service import ModelCache, ModelUnavailable, default_predictor_factory
+from predictor.service import ModelCache, ModelUnavailable, ModelVersionUnavailable, default_predictor_factory
 from predictor.store import Store
 
 log = logging.getLogger("predictor.app")
@@ -40,6 +42,13 @@ def handle_error(exc: Exception):
         if exc.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="elastic-predictor"'
         return response, exc.status
+    if isinstance(exc, ModelVersionUnavailable):
+        response = jsonify(error=exc.reason, field="min_model_version", min_model_version=exc.wanted,
+                           model_version=None if exc.available is None else f"g{exc.available}",
+                           model_generation=exc.available, store_generation=exc.store_generation,
+                           waited_ms=round(exc.waited.total_seconds() * 1000))
+        response.headers["Retry-After"] = "2"
+        return response, 503
     if isinstance(exc, ModelUnavailable):
         response = jsonify(error=f"no fitted model: {exc}", field=None)
         response.headers["Retry-After"] = "2"
@@ -64,7 +73,8 @@ def create_app(config: Config | None = None, *, predictor_factory: Callable | No
     Args:
         config: the frozen config; None reads the environment (WSGI factory use).
         predictor_factory: builds an unfitted Predictor (tests pass a fake); default predictor.engine.
-        start_refit: start the background refit thread (the CLI's one-shot commands pass False).
+        start_refit: load the newest stored model and start the background refit thread (the CLI's one-shot
+            commands pass False: the app then loads a stored model on first use and never fits on its own).
     """
     if config is None:
         config = Config.from_env(os.environ)

@@ -1,27 +1,60 @@
-"""ModelCache: the fitted Predictor a service process answers from, refitted in the background.
+"""ModelCache: the fitted model a service process answers from; one process of the service fits it.
 
-One ModelCache is built by `create_app` for each process. Requests never fit: they read the current
-`(predictor, version)` snapshot, and a daemon thread refits when the store's `generation` counter
-moves, either because this process stored observations (`notify()`, then a debounce so a burst of
-POSTs costs one fit) or because another gunicorn worker did (seen by polling every `poll`). A failed
-fit keeps the previous model and is reported by `status()`.
+One ModelCache is built by `create_app` for each gunicorn worker. Requests never fit. The service's worker
+processes share one model per data version:
 
-Predictions are cached per (model version, profile, gpu, per_gpu_batch, candidates): the cache is
-dropped whenever a new model is swapped in, so a cached answer never outlives its model.
+- **One fitter.** The worker that holds the fit lock (predictor.fitlock: a non-blocking `flock` on
+  `<db>.fitlock`) is the only one that fits. Its refit thread fits when the store's `generation` counter has
+  moved past the model's (a write by this process: `notify()`, then a debounce so a burst of POSTs costs one
+  fit; a write by another worker: seen within `min(poll, check)`), and stores the fitted model in the store's
+  `models` table (a pickle, version = the generation fitted on, newest few kept). A failed fit keeps the
+  previous model, is recorded in `fit_failures` and reported by every worker's `status()`. When the fitter
+  dies the kernel drops its lock and another worker's thread takes it on its next try.
+- **Every worker answers from the newest stored model.** Each refit thread looks at the newest stored
+  model's version every `check` (an index lookup) and loads it (unpickles) when it changed. `start()` loads it
+  before the first request, so a worker never answers 503 while a fitted model exists.
+- **Versions you can name.** A model's version is the generation it was fitted on (`model_generation`;
+  `model_version` is `g<generation>`). `POST /v1/observations` answers the generation its write produced;
+  `view(min_generation, wait)` waits, at most `MAX_VERSION_WAIT`, for a model at least that new and pins it
+  for the request, or raises `ModelVersionUnavailable` (503).
+
+Stored models are pickles: the database must be writable by the service only (as it already must: it holds
+the decisions). Each carries the fingerprint of the code that fitted it (`code_fingerprint()`: the predictor
+package's sources, Python's and the numeric libraries' versions). A worker answers from the newest stored
+model whatever its code (better than a 503), and the fitter fits the data again when the model in use was
+fitted by other code (after an upgrade, or a worker respawned on changed files), so the new code's model
+replaces it under the same version.
+
+Predictions are cached per (model, profile, gpu, per_gpu_batch, candidates): the cache is dropped whenever a
+new model is swapped in, so a cached answer never outlives its model.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
+import hashlib
+import importlib.metadata
 import logging
+import pickle
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
-from predictor.store import Store
+from predictor.fitlock import FitLock, fit_lock_path
+from predictor.store import ModelHead, StoredModel, Store
 
 log = logging.getLogger("predictor.service")
+
+MAX_VERSION_WAIT = timedelta(seconds=20)      # a request waits at most this long for a model version; below
+                                              # gunicorn's default 30 s worker timeout, which a sync worker
+                                              # blocked longer than that would hit
+DEFAULT_VERSION_WAIT = timedelta(seconds=10)  # when `min_model_version` comes without `wait_ms`
+WAIT_STEP = timedelta(milliseconds=50)        # how often a waiting request looks at the store
+_PROBLEMS = ("fit", "load", "read", "refresh")  # what ModelCache.last_error reports first
 
 
 def default_predictor_factory():
@@ -41,195 +74,555 @@ _heap_frozen = False
 
 
 def freeze_heap_once() -> None:
-    """Once per process, after its first fit: move the long-lived heap (imports, app, first model) out of
+    """Once per process, after its first model: move the long-lived heap (imports, app, first model) out of
     the garbage collector's full passes (`gc.freeze`). In a service process a full pass over those ~145,000
     objects took ~70 ms, paid inside whichever request triggered it (about one /v1/plan in 6,000: the hook's
     tail); afterwards a pass scans only what is new. Only once, so what stays uncollectable is bounded by
-    the first model's reference cycles once a refit replaces it."""
+    the first model's reference cycles once a newer model replaces it."""
     global _heap_frozen
     if not _heap_frozen:
         _heap_frozen = True
         gc.freeze()
 
 
+_fingerprint: str | None = None
+
+
+def code_fingerprint() -> str:
+    """What a stored model's pickle depends on: the predictor package's sources, Python's and the numeric
+    libraries' versions (computed once per process)."""
+    global _fingerprint
+    if _fingerprint is None:
+        digest = hashlib.sha256(sys.version.encode())
+        for dist in ("numpy", "scipy", "scikit-learn"):
+            try:
+                digest.update(f"{dist}={importlib.metadata.version(dist)};".encode())
+            except importlib.metadata.PackageNotFoundError:
+                digest.update(f"{dist}=none;".encode())
+        for source in sorted(Path(__file__).resolve().parent.glob("*.py")):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+        _fingerprint = digest.hexdigest()[:16]
+    return _fingerprint
+
+
 class ModelUnavailable(RuntimeError):
     """No fitted model yet (first fit still running or every fit so far failed)."""
 
 
-class ModelCache:
-    """Holds the fitted Predictor and refits it off the request path.
+class ModelVersionUnavailable(Exception):
+    """A request asked for a model at least as new as `wanted` and none came within its wait (503).
 
-    Args:
-        store: the history store the model is fitted on.
-        predictor_factory: builds an unfitted Predictor (`fit`, `predict`, `known`, `link_stats`).
-        debounce: wait after a notification so bursts of observations coalesce into one fit.
-        poll: how often to look for writes by other processes.
-        cache_size: prediction cache entries (LRU).
-        min_interval: least time between two fits of the background thread.
+    Attributes:
+        wanted: the generation asked for (`min_model_version`).
+        available: the generation of the model this worker answers from now, None without one.
+        store_generation: the store's generation now.
+        waited: how long the request waited.
+        reason: why, in words.
     """
 
-    def __init__(self, store: Store, predictor_factory: Callable[[], Any] = default_predictor_factory,
-                 debounce: timedelta = timedelta(seconds=1), poll: timedelta = timedelta(seconds=2),
-                 cache_size: int = 4096, min_interval: timedelta = timedelta(0)):
-        self.store = store
-        self.predictor_factory = predictor_factory
-        self.debounce = debounce
-        self.poll = poll
-        self.cache_size = cache_size
-        self.min_interval = min_interval
-        self._snapshot: tuple[Any, int | None] = (None, None)   # (predictor, generation fitted on)
-        self._profiles: dict = {}
-        self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._cache_lock = threading.Lock()
-        self._fit_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._fitted = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.last_error: str | None = None
-        self.fitted_at_s: float | None = None
-        self.fit_seconds: float | None = None
-        self.fits = 0
-        self._failed_generation: int | None = None
+    def __init__(self, wanted: int, available: int | None, store_generation: int, waited: timedelta, reason: str):
+        super().__init__(reason)
+        self.wanted = wanted
+        self.available = available
+        self.store_generation = store_generation
+        self.waited = waited
+        self.reason = reason
 
-    # --- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "ModelCache":
-        """Start the refit thread (it fits at once, then on notifications and polls)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="predictor-refit", daemon=True)
-            self._thread.start()
-        return self
 
-    def stop(self, timeout: timedelta = timedelta(seconds=10)) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout.total_seconds())
-            self._thread = None
+@dataclasses.dataclass(frozen=True)
+class FittedModel:
+    """A fitted predictor with the profiles it was fitted with: what the fitter stores and every worker uses.
 
-    def notify(self) -> None:
-        """New data was stored by this process: refit after the debounce."""
-        self._wake.set()
+    Attributes:
+        predictor: the fitted object (`predict`, `known`, `link_stats`).
+        profiles: name -> predictor.profiles.Profile, as fitted.
+        generation: the store generation of the data it was fitted on (its version).
+        fitted_at_s: when the fit ended (wall clock); tells two fits of one generation apart.
+        fit_s: how long the fit took.
+        code: `code_fingerprint()` of the process that fitted it.
+    """
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                generation = self.store.generation()
-                if generation not in (self._snapshot[1], self._failed_generation):
-                    self.refit()
-                    self._stop.wait(self.min_interval.total_seconds())
-            except Exception as exc:  # noqa: BLE001 - the thread must survive a broken fit or store
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("refit failed")
-                self._stop.wait(self.poll.total_seconds())
-            woken = self._wake.wait(self.poll.total_seconds())
-            if woken:
-                self._wake.clear()
-                self._stop.wait(self.debounce.total_seconds())   # coalesce a burst of POSTs
+    predictor: Any
+    profiles: dict
+    generation: int
+    fitted_at_s: float
+    fit_s: float
+    code: str
 
-    # --- fitting --------------------------------------------------------------------------------
-    def refit(self) -> int:
-        """Fit a new Predictor on everything stored now and swap it in; returns the generation used.
+    @property
+    def version(self) -> str:
+        return f"g{self.generation}"
 
-        Raises:
-            Exception: whatever loading or fitting raised; the previous model stays in place.
-        """
-        from predictor.profiles import Profile  # noqa: PLC0415
+    @property
+    def key(self) -> tuple[int, float]:
+        """Orders models: a newer generation, or a later fit of the same one, is newer."""
+        return self.generation, self.fitted_at_s
 
-        with self._fit_lock:
-            started = time.monotonic()
-            generation = self.store.generation()
-            profiles = {}
-            for row in self.store.list_profiles():
-                profiles[row["name"]] = Profile.from_dict(row["body"])
-            observations = self.store.observations()
-            try:
-                predictor = self.predictor_factory().fit(profiles, observations)
-            except Exception as exc:
-                self._failed_generation = generation
-                self.last_error = f"fit failed on generation {generation}: {type(exc).__name__}: {exc}"
-                with self._fitted:
-                    self._fitted.notify_all()
-                raise
-            with self._cache_lock:
-                self._snapshot = (predictor, generation)
-                self._profiles = profiles
-                self._cache.clear()
-            self.last_error = None
-            freeze_heap_once()
-            self.fitted_at_s = time.time()
-            self.fit_seconds = time.monotonic() - started
-            self.fits += 1
-            try:
-                self.store.replace_link_fits(self.version, list(predictor.link_stats()))
-            except Exception:  # noqa: BLE001 - stats are informational
-                log.exception("storing link stats failed")
-            with self._fitted:
-                self._fitted.notify_all()
-            return generation
+    def blob(self) -> bytes:
+        return pickle.dumps({"predictor": self.predictor, "profiles": self.profiles}, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def wait_fresh(self, timeout: timedelta = timedelta(seconds=30)) -> bool:
-        """Block until the model is fitted on the store's current data (or a fit failed); True if fresh."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        target = self.store.generation()
-        self.notify()
-        with self._fitted:
-            while self._snapshot[1] is None or self._snapshot[1] < target:
-                remaining = deadline - time.monotonic()
-                failed = self._failed_generation is not None and self._failed_generation >= target
-                if remaining <= 0 or failed:
-                    return False
-                self._fitted.wait(min(remaining, 0.5))
-        return True
+    @classmethod
+    def from_stored(cls, stored: StoredModel) -> "FittedModel":
+        state = pickle.loads(stored.blob)
+        head = stored.head
+        return cls(state["predictor"], state["profiles"], head.version, head.fitted_at_s, stored.fit_s, head.code)
 
-    # --- reading --------------------------------------------------------------------------------
+
+class PredictionCache:
+    """LRU of predictions, keyed by the model that made them (so a key never outlives its model).
+
+    Args:
+        size: entries kept; 0 disables the cache.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple):
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple, value) -> None:
+        if not self.size:
+            return
+        with self._lock:
+            self._entries[key] = value
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class ModelView:
+    """The model one request answers from, pinned: its version, profiles and predictions all come from it.
+
+    The planner and the /v1/predict view use it like a ModelCache (`predictor()`, `profile()`, `known()`,
+    `predict()`, `version`).
+    """
+
+    def __init__(self, cache: "ModelCache", model: FittedModel | None):
+        self._cache = cache
+        self.model = model
+
     @property
     def version(self) -> str | None:
-        """`g<generation>` of the model in use, None before the first fit."""
-        generation = self._snapshot[1]
-        return None if generation is None else f"g{generation}"
+        return None if self.model is None else self.model.version
+
+    @property
+    def generation(self) -> int | None:
+        return None if self.model is None else self.model.generation
 
     def predictor(self):
-        """The fitted Predictor.
+        """The fitted predictor.
 
         Raises:
             ModelUnavailable: nothing fitted yet.
         """
-        predictor = self._snapshot[0]
-        if predictor is None:
-            raise ModelUnavailable(self.last_error or "the model is still being fitted; retry in a few seconds")
-        return predictor
+        if self.model is None:
+            raise ModelUnavailable(self._cache.unavailable_reason())
+        return self.model.predictor
 
     def profile(self, name: str):
-        """The Profile object the current model was fitted with, or None."""
-        return self._profiles.get(name)
+        """The Profile object the model was fitted with, or None."""
+        return None if self.model is None else self.model.profiles.get(name)
 
     def known(self, profile: str, gpu: str) -> bool:
         return bool(self.predictor().known(profile, gpu))
 
     def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict]) -> list[dict]:
-        """Predictions for candidates, served from the cache when this model answered the same question.
+        """Predictions for candidates, from the cache when this model answered the same question.
 
         Raises:
             ModelUnavailable: nothing fitted yet.
         """
-        predictor, generation = self._snapshot
-        if predictor is None:
-            raise ModelUnavailable(self.last_error or "the model is still being fitted; retry in a few seconds")
-        key = (generation, profile.name, gpu, per_gpu_batch, candidates_key(candidates))
-        with self._cache_lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
+        predictor = self.predictor()
+        key = (self.model.key, profile.name, gpu, per_gpu_batch, candidates_key(candidates))
+        hit = self._cache.predictions.get(key)
+        if hit is not None:
+            return hit
         result = predictor.predict(profile, gpu, per_gpu_batch, candidates)
-        with self._cache_lock:
-            if self.cache_size and self._snapshot[1] == generation:
-                self._cache[key] = result
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+        if self._cache.current is self.model:         # a model swapped out meanwhile caches nothing
+            self._cache.predictions.put(key, result)
         return result
 
+
+class ModelCache:
+    """Holds the model this process answers from; fits and stores it while this process holds the fit lock.
+
+    Args:
+        store: the history store the model is fitted on and stored in.
+        predictor_factory: builds an unfitted predictor (`fit`, `predict`, `known`, `link_stats`); what it
+            returns is pickled into the store, so it must be picklable once fitted.
+        debounce: wait after a notification so bursts of observations coalesce into one fit.
+        poll: how often, at least, to look for writes by other processes.
+        cache_size: prediction cache entries (LRU).
+        min_interval: least time between two fits of the background thread.
+        check: how often, at least, to look for a newer stored model (and try for the fit lock).
+        keep_models: stored models kept (the newest).
+        lock: the fit lock; default `<db>.fitlock` beside the store's database.
+    """
+
+    def __init__(self, store: Store, predictor_factory: Callable[[], Any] = default_predictor_factory,
+                 debounce: timedelta = timedelta(seconds=1), poll: timedelta = timedelta(seconds=2),
+                 cache_size: int = 4096, min_interval: timedelta = timedelta(0),
+                 check: timedelta = timedelta(milliseconds=100), keep_models: int = 3, lock: FitLock | None = None):
+        self.store = store
+        self.predictor_factory = predictor_factory
+        self.debounce = debounce
+        self.poll = poll
+        self.min_interval = min_interval
+        self.check = check
+        self.keep_models = keep_models
+        self.election = lock or FitLock(fit_lock_path(store.path))
+        self.predictions = PredictionCache(cache_size)
+        self._model: FittedModel | None = None
+        self._seen: ModelHead | None = None       # the newest stored model last loaded, or found unusable
+        self._failed_generation: int | None = None
+        self._fit_lock = threading.Lock()         # one fit at a time in this process
+        self._load_lock = threading.Lock()        # one unpickling at a time in this process
+        self._swapped = threading.Condition()     # notified when a model is swapped in or a fit fails
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._problems: dict[str, str] = {}       # what is wrong in this process now, by source (see _PROBLEMS)
+        self.fits = 0                             # fits completed by this process
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "ModelCache":
+        """Load the newest stored model (so the first request has it), then start the refit thread."""
+        if self._thread is None:
+            self.load_newest()
+            self._thread = threading.Thread(target=self._run, name="predictor-refit", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Stop the refit thread and give the fit lock up (another worker takes it on its next try)."""
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout.total_seconds())
+            if thread.is_alive():
+                log.warning("the refit thread is still fitting after %s; it keeps the fit lock", timeout)
+                return
+        self.election.release()
+
+    def notify(self) -> None:
+        """New data was stored by this process: look again after the debounce."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        interval = min(self.poll, self.check).total_seconds()
+        while not self._stop.is_set():
+            try:
+                self._tick()
+                self._report("refresh", None)
+            except Exception as exc:  # noqa: BLE001 - the thread must survive a broken store
+                self._report("refresh", f"{type(exc).__name__}: {exc}")
+                log.exception("model refresh failed")
+                self._stop.wait(self.poll.total_seconds())
+            if self._wake.wait(interval):
+                self._wake.clear()
+                if self.election.held:       # the fitter coalesces a burst of POSTs; the others only load
+                    self._stop.wait(self.debounce.total_seconds())
+
+    def _tick(self) -> None:
+        """Load a newer stored model; then, as the fitter, fit when the data moved past the model."""
+        self.load_newest()
+        if self.election.try_acquire() and self._fit_due():
+            try:
+                self._fit_and_publish()
+            except Exception:  # noqa: BLE001 - reported (here and in the store) by _fit_and_publish
+                log.exception("fit failed")
+            self._stop.wait(self.min_interval.total_seconds())
+
+    def _fit_due(self) -> bool:
+        generation = self.store.generation()
+        model = self._model
+        if model is not None and model.generation >= generation and model.code == code_fingerprint():
+            return False
+        failure = self.store.newest_fit_failure()
+        return self._failed_generation != generation and (failure is None or failure.version < generation)
+
+    # --- fitting --------------------------------------------------------------------------------
+    def refit(self, timeout: timedelta = timedelta(seconds=60)) -> int:
+        """Bring this process's model up to the data stored now; returns the generation of the model in use.
+
+        This process fits when it may (it holds the fit lock, or takes it for this fit); while another
+        process holds it, it waits up to `timeout` for that fitter's model of the current data and loads it.
+
+        Raises:
+            ModelUnavailable: another process fits and no model of the current data came in time.
+            Exception: whatever loading or fitting raised; the previous model stays in place.
+        """
+        if self.election.held:
+            return self._fit_and_publish().generation
+        if self.election.try_acquire():
+            try:
+                return self._fit_and_publish().generation
+            finally:
+                if self._thread is None:      # no refit thread to keep fitting: let another process fit
+                    self.election.release()
+        target = self.store.generation()
+        model = self.wait_for(target, timeout)
+        if model is None:
+            raise ModelUnavailable(f"another process fits the model and none of generation {target} came within "
+                                   f"{timeout.total_seconds():g} s: {self.unavailable_reason()}")
+        return model.generation
+
+    def _fit_and_publish(self) -> FittedModel:
+        from predictor.profiles import Profile  # noqa: PLC0415
+
+        with self._fit_lock:
+            started = time.monotonic()
+            generation, profile_rows, observations = self.store.fit_inputs()
+            try:
+                profiles = {row["name"]: Profile.from_dict(row["body"]) for row in profile_rows}
+                predictor = self.predictor_factory().fit(profiles, observations)
+            except Exception as exc:
+                self._record_failure(generation, exc)
+                raise
+            model = FittedModel(predictor, profiles, generation, time.time(), time.monotonic() - started,
+                                code_fingerprint())
+            self.fits += 1
+            try:                                  # before the model: a worker that loads it finds its stats
+                self.store.replace_link_fits(model.version, list(predictor.link_stats()))
+            except Exception:  # noqa: BLE001 - stats are informational
+                log.exception("storing link stats failed")
+            self._report("fit", self._publish(model))
+            self._swap(model)
+            return model
+
+    def _publish(self, model: FittedModel) -> str | None:
+        """Store the model for every worker; returns what went wrong, or None."""
+        try:
+            self.store.put_model(model.generation, model.blob(), model.code, model.fitted_at_s, model.fit_s,
+                                 keep=self.keep_models)
+        except Exception as exc:  # noqa: BLE001 - this process still answers from it; status() says why
+            log.exception("storing model %s failed", model.version)
+            return (f"model {model.version} could not be stored, so only the fitting process answers from it: "
+                    f"{type(exc).__name__}: {exc}")
+        self._seen = ModelHead(model.generation, model.fitted_at_s, model.code)
+        return None
+
+    def _record_failure(self, generation: int, exc: Exception) -> None:
+        self._failed_generation = generation
+        problem = f"fit failed on generation {generation}: {type(exc).__name__}: {exc}"
+        self._report("fit", problem)
+        try:
+            self.store.add_fit_failure(generation, problem)
+        except Exception:  # noqa: BLE001 - the local record still stops a retry loop
+            log.exception("recording the failed fit failed")
+        with self._swapped:
+            self._swapped.notify_all()     # requests waiting for this generation answer now
+
+    # --- loading --------------------------------------------------------------------------------
+    def load_newest(self) -> FittedModel | None:
+        """Swap in the newest stored model when it is newer than the one in use; returns the model in use.
+
+        Cheap when nothing changed (one index lookup). Never raises: a store or unpickling error is reported
+        (`last_error`) and the current model stays. While another thread of this process is loading, returns
+        at once (that thread swaps the model in and wakes the waiters).
+        """
+        try:
+            head = self.store.newest_model_head()
+            self._report("read", None)
+        except Exception as exc:  # noqa: BLE001 - keep answering from what is loaded
+            self._report("read", f"reading the stored model failed: {type(exc).__name__}: {exc}")
+            return self._model
+        if head is None or head == self._seen or not self._load_lock.acquire(blocking=False):
+            return self._model
+        try:
+            current = self._model
+            if current is not None and current.key >= (head.version, head.fitted_at_s):
+                self._seen = head
+            else:
+                stored = self.store.newest_model()
+                if stored is not None:
+                    self._swap(FittedModel.from_stored(stored))
+                    self._seen = stored.head
+                    if stored.head.code != code_fingerprint():
+                        log.info("answering from stored model g%d, fitted by other code, until the fitter has "
+                                 "fitted it again", stored.head.version)
+        except Exception as exc:  # noqa: BLE001 - an unreadable blob must not take the worker down
+            self._seen = head
+            self._report("load", f"loading stored model g{head.version} failed: {type(exc).__name__}: {exc}")
+            log.exception("loading the stored model failed")
+        finally:
+            self._load_lock.release()
+        return self._model
+
+    def _swap(self, model: FittedModel) -> None:
+        with self._swapped:
+            current = self._model
+            if current is not None and current.key >= model.key:
+                return
+            self._model = model
+            self.predictions.clear()
+            self._report("load", None)        # a stored model that could not be loaded is superseded
+            self._swapped.notify_all()
+        freeze_heap_once()
+
+    # --- versions -------------------------------------------------------------------------------
+    def wait_for(self, generation: int, timeout: timedelta) -> FittedModel | None:
+        """The model in use once it is fitted on at least `generation`; None when `timeout` passed first or
+        the fit of that data failed."""
+        deadline = time.monotonic() + max(timeout.total_seconds(), 0.0)
+        while True:
+            model = self._model
+            if model is None or model.generation < generation:
+                model = self.load_newest()
+            if model is not None and model.generation >= generation:
+                return model
+            if self._fit_failed_at(generation):
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with self._swapped:
+                self._swapped.wait(min(remaining, WAIT_STEP.total_seconds()))
+
+    def _fit_failed_at(self, generation: int) -> bool:
+        if self._failed_generation is not None and self._failed_generation >= generation:
+            return True
+        failure = self.store.newest_fit_failure()
+        return failure is not None and failure.version >= generation
+
+    def wait_fresh(self, timeout: timedelta = timedelta(seconds=30)) -> bool:
+        """Block until the model is fitted on the store's current data (or its fit failed); True if fresh."""
+        target = self.store.generation()
+        self.notify()
+        model = self.wait_for(target, timeout)
+        return model is not None and model.generation >= target
+
+    def view(self, min_generation: int | None = None, wait: timedelta = DEFAULT_VERSION_WAIT) -> ModelView:
+        """The model a request answers from, pinned for the whole request.
+
+        Args:
+            min_generation: answer only from a model fitted on at least this generation (what
+                `POST /v1/observations` said as `model_version_pending`), waiting for it.
+            wait: how long to wait for it; capped at MAX_VERSION_WAIT.
+
+        Raises:
+            ModelVersionUnavailable: no such model within the wait, no write has produced that generation
+                yet, or its fit failed.
+        """
+        model = self._model
+        if min_generation is None:
+            return ModelView(self, model if model is not None else self.load_newest())
+        if model is not None and model.generation >= min_generation:
+            return ModelView(self, model)
+        started = time.monotonic()
+        store_generation = self.store.generation()
+        if min_generation > store_generation:
+            raise self._not_reached(min_generation, started, f"no write has produced generation {min_generation} "
+                                                             f"yet (the store is at generation {store_generation})")
+        wait = min(max(wait, timedelta(0)), MAX_VERSION_WAIT)
+        model = self.wait_for(min_generation, wait)
+        if model is None:
+            failed = self._fit_failed_at(min_generation)
+            why = (f"the fit of that data failed: {self.unavailable_reason()}" if failed else
+                   f"it was not fitted within {round(wait.total_seconds() * 1000)} ms")
+            raise self._not_reached(min_generation, started, why)
+        return ModelView(self, model)
+
+    def _not_reached(self, wanted: int, started: float, why: str) -> ModelVersionUnavailable:
+        model = self._model
+        have = f"this worker answers from {model.version}" if model is not None else "no model is fitted yet"
+        store_generation = self.store.generation()
+        return ModelVersionUnavailable(
+            wanted, None if model is None else model.generation, store_generation,
+            timedelta(seconds=time.monotonic() - started),
+            f"model version g{wanted} is not available: {why}; {have}")
+
+    # --- reading --------------------------------------------------------------------------------
+    @property
+    def current(self) -> FittedModel | None:
+        """The model in use now (None before the first one)."""
+        return self._model
+
+    @property
+    def version(self) -> str | None:
+        """`g<generation>` of the model in use, None before the first one."""
+        model = self._model
+        return None if model is None else model.version
+
+    @property
+    def fitted_at_s(self) -> float | None:
+        model = self._model
+        return None if model is None else model.fitted_at_s
+
+    @property
+    def fit_seconds(self) -> float | None:
+        model = self._model
+        return None if model is None else model.fit_s
+
+    def unavailable_reason(self) -> str:
+        """Why there is no model (for the 503): the last fit error, else that the first fit is running."""
+        return self.last_error or "the model is still being fitted; retry in a few seconds"
+
+    def _report(self, source: str, problem: str | None) -> None:
+        """Set (or, with None, clear) what is wrong with one source: fit, load, read, refresh."""
+        if problem is None:
+            self._problems.pop(source, None)
+        else:
+            self._problems[source] = problem
+
+    @property
+    def last_error(self) -> str | None:
+        """What is wrong now: this process's failing fit, stored-model load or store read, else a failed fit
+        (by any process) newer than the model in use; None when nothing is."""
+        for source in _PROBLEMS:
+            if source in self._problems:
+                return self._problems[source]
+        try:
+            failure = self.store.newest_fit_failure()
+        except Exception as exc:  # noqa: BLE001 - status must answer
+            return f"reading fit failures failed: {type(exc).__name__}: {exc}"
+        model = self._model
+        if failure is not None and (model is None or failure.version > model.generation):
+            return failure.error
+        return None
+
+    def predictor(self):
+        """The fitted predictor in use.
+
+        Raises:
+            ModelUnavailable: nothing fitted yet.
+        """
+        return self.view().predictor()
+
+    def profile(self, name: str):
+        """The Profile object the current model was fitted with, or None."""
+        return self.view().profile(name)
+
+    def known(self, profile: str, gpu: str) -> bool:
+        return self.view().known(profile, gpu)
+
+    def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict]) -> list[dict]:
+        """Predictions of the current model (cached per model).
+
+        Raises:
+            ModelUnavailable: nothing fitted yet.
+        """
+        return self.view().predict(profile, gpu, per_gpu_batch, candidates)
+
     def status(self) -> dict:
-        return {"model_version": self.version, "fitted_at_s": self.fitted_at_s, "fit_s": self.fit_seconds,
-                "fits": self.fits, "last_error": self.last_error, "cached_predictions": len(self._cache)}
+        model = self._model
+        return {"model_version": None if model is None else model.version,
+                "model_generation": None if model is None else model.generation,
+                "fitted_at_s": None if model is None else model.fitted_at_s,
+                "fit_s": None if model is None else model.fit_s,
+                "fits": self.fits, "fitter": self.election.held, "last_error": self.last_error,
+                "cached_predictions": len(self.predictions)}

@@ -6,6 +6,9 @@ Tables (explicit schema, created by named migrations recorded in `migrations`):
     decisions     every /v1/plan answer with its request (id `d-<n>`)
     link_fits     per-link statistics of the last fitted communication model
     meta          `generation`: bumped by every write that changes what the models are fitted on
+    models        the fitted models (`version` = the generation fitted on, a pickled blob), newest few only;
+                  written by the one process that holds the fit lock, read by every worker (predictor.service)
+    fit_failures  the fits that failed (`version`, error text), newest few only, so every worker can say why
 
 Durability: WAL journal with `synchronous=NORMAL`. In WAL mode NORMAL never corrupts the database and
 survives an application crash: a COMMIT has written the transaction's frames to the WAL file (the OS
@@ -24,7 +27,7 @@ import sqlite3
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import sqlite_utils
 
@@ -52,6 +55,14 @@ def _m0002_link_fits_and_generation(db: sqlite_utils.Database) -> None:
     db.table("meta").insert({"key": "generation", "value": 0})
 
 
+def _m0003_models(db: sqlite_utils.Database) -> None:
+    # the blob last: a check reads version, code and fitted_at_s without walking the blob's overflow pages
+    db.table("models").create({"version": int, "code": str, "fitted_at_s": float, "fit_s": float, "blob": bytes},
+                              pk="version", not_null={"code", "fitted_at_s", "fit_s", "blob"})
+    db.table("fit_failures").create({"version": int, "error": str, "failed_at_s": float},
+                                    pk="version", not_null={"error", "failed_at_s"})
+
+
 def encode(document: Any) -> str:
     """Compact JSON text, byte for byte what Flask's `jsonify` sends; NaN and Infinity raise ValueError."""
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
@@ -62,7 +73,33 @@ _DECISION_COLUMNS = "id, created_at_s, source, action, model, reason, model_vers
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_link_fits_and_generation", _m0002_link_fits_and_generation),
+    ("0003_models", _m0003_models),
 ]
+
+
+class ModelHead(NamedTuple):
+    """Which stored model is the newest, without its blob: what a worker compares on every check."""
+
+    version: int          # the store generation the model was fitted on
+    fitted_at_s: float    # tells a model stored again under the same version from the one already loaded
+    code: str             # fingerprint of the code that fitted it (predictor.service.code_fingerprint)
+
+
+class StoredModel(NamedTuple):
+    head: ModelHead
+    blob: bytes
+    fit_s: float
+
+
+class FitFailure(NamedTuple):
+    version: int
+    error: str
+    failed_at_s: float
+
+
+class WrittenObservations(NamedTuple):
+    ids: list[int]
+    generation: int       # the store generation right after the write: a model of this version includes it
 
 
 class Store:
@@ -113,6 +150,16 @@ class Store:
             db.rollback()
             raise
         db.conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _read(self):
+        """A read transaction: every SELECT inside sees the same committed state (a WAL snapshot)."""
+        db = self.db
+        db.conn.execute("BEGIN")
+        try:
+            yield db
+        finally:
+            db.conn.execute("ROLLBACK")
 
     def _begin_immediate(self, db: sqlite_utils.Database) -> None:
         """BEGIN IMMEDIATE, retried with backoff while another connection holds the lock.
@@ -235,6 +282,11 @@ class Store:
     # --- observations ---------------------------------------------------------------------------
     def add_observations(self, records: Iterable[dict]) -> list[int]:
         """Store validated records in one transaction (all or nothing); returns their ids."""
+        return self.write_observations(records).ids
+
+    def write_observations(self, records: Iterable[dict]) -> WrittenObservations:
+        """Store validated records in one transaction (all or nothing); returns their ids and the generation
+        the write produced (read inside the same transaction, so another writer cannot move it in between)."""
         now = time.time()
         rows = [{"kind": r["kind"], "profile": r.get("profile"), "gpu": r.get("gpu"), "link": r.get("link"),
                  "body": json.dumps(r, allow_nan=False), "created_at_s": now} for r in records]
@@ -247,7 +299,8 @@ class Store:
                     [row["kind"], row["profile"], row["gpu"], row["link"], row["body"], row["created_at_s"]])
                 ids.append(cursor.lastrowid)
             self._bump()
-        return ids
+            generation = self.generation()
+        return WrittenObservations(ids, generation)
 
     def observations(self, kind: str | None = None, limit: int | None = None) -> list[dict]:
         """Stored records (oldest first), optionally of one kind, each with its `id`."""
@@ -329,6 +382,48 @@ class Store:
             out["request"] = json.loads(request)
             out["response"] = json.loads(response)
         return out
+
+    def fit_inputs(self) -> tuple[int, list[dict], list[dict]]:
+        """(generation, profiles as `list_profiles` gives them, observations), read in one transaction: the
+        generation names exactly the data returned, so a model fitted on it may carry that number."""
+        with self._read():
+            return self.generation(), self.list_profiles(), self.observations()
+
+    # --- fitted models --------------------------------------------------------------------------
+    def put_model(self, version: int, blob: bytes, code: str, fitted_at_s: float, fit_s: float,
+                  keep: int = 3) -> None:
+        """Store a fitted model (replacing one of the same version), keep only the newest `keep`, and drop the
+        failures it supersedes; one transaction."""
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO models (version, blob, code, fitted_at_s, fit_s) VALUES (?, ?, ?, ?, ?)",
+                       [version, sqlite3.Binary(blob), code, fitted_at_s, fit_s])
+            db.execute("DELETE FROM models WHERE version NOT IN "
+                       "(SELECT version FROM models ORDER BY version DESC LIMIT ?)", [max(1, keep)])
+            db.execute("DELETE FROM fit_failures WHERE version <= ?", [version])
+
+    def newest_model_head(self) -> ModelHead | None:
+        """The newest stored model's version, fit time and code fingerprint (no blob: an index lookup)."""
+        row = self.db.execute("SELECT version, fitted_at_s, code FROM models ORDER BY version DESC LIMIT 1").fetchone()
+        return ModelHead(*row) if row else None
+
+    def newest_model(self) -> StoredModel | None:
+        """The newest stored model with its blob."""
+        row = self.db.execute("SELECT version, fitted_at_s, code, blob, fit_s FROM models "
+                              "ORDER BY version DESC LIMIT 1").fetchone()
+        return StoredModel(ModelHead(*row[:3]), bytes(row[3]), row[4]) if row else None
+
+    def add_fit_failure(self, version: int, error: str, keep: int = 3) -> None:
+        """Record that fitting `version` failed (replacing an earlier record of it), keeping the newest few."""
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO fit_failures (version, error, failed_at_s) VALUES (?, ?, ?)",
+                       [version, error, time.time()])
+            db.execute("DELETE FROM fit_failures WHERE version NOT IN "
+                       "(SELECT version FROM fit_failures ORDER BY version DESC LIMIT ?)", [max(1, keep)])
+
+    def newest_fit_failure(self) -> FitFailure | None:
+        row = self.db.execute("SELECT version, error, failed_at_s FROM fit_failures "
+                              "ORDER BY version DESC LIMIT 1").fetchone()
+        return FitFailure(*row) if row else None
 
     # --- link fits ------------------------------------------------------------------------------
     def replace_link_fits(self, model_version: str, stats: list[dict]) -> None:

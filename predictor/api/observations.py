@@ -2,6 +2,8 @@
 
 A job that signs with munge may only post records of its own job: a record's `job_id`, when given,
 must be the signed job's (403 `job_id_mismatch`), and records without one get it filled in.
+The answer's `model_version_pending` is the store generation the write produced: the first model version that
+includes the records (a client passes it as `min_model_version` to /v1/predict or /v1/plan).
 This blueprint also installs the app-wide auth hooks (read check, AuthError answers).
 """
 from __future__ import annotations
@@ -28,9 +30,13 @@ def create():
                                      f"{record['job_id']!r}, the credential signs job {who.job_id}",
                                 "observations[{}].job_id".format(i), "job_id_mismatch")
         records = [dict(r, job_id=r.get("job_id", who.job_id)) for r in records]
-    ids = svc.store.add_observations(records)
+    written = svc.store.write_observations(records)
     svc.models.notify()
-    return {"stored": len(ids), "first_id": ids[0], "last_id": ids[-1]}, 201
+    ids = written.ids
+    # A model of this version or newer includes these records: ask /v1/predict or /v1/plan for it with
+    # `min_model_version` to read your own writes.
+    return {"stored": len(ids), "first_id": ids[0], "last_id": ids[-1],
+            "model_version_pending": written.generation}, 201
 
 
 @bp.get("")

@@ -1,7 +1,15 @@
-"""POST /v1/predict (throughput of candidate layouts) and POST /v1/plan (the hook's and launcher's question)."""
+"""POST /v1/predict (throughput of candidate layouts) and POST /v1/plan (the hook's and launcher's question).
+
+Both answer from one model pinned for the request and name it (`model_version` `g<N>`, `model_generation` N).
+Read-your-writes: `min_model_version=N` (a query parameter on both; a body field too on /v1/predict) answers
+only from a model fitted on generation N or later, waiting for it up to `wait_ms` (default 10,000, at most
+predictor.service.MAX_VERSION_WAIT, 20,000); otherwise 503 with Retry-After naming both versions.
+"""
 from __future__ import annotations
 
 import math
+import re
+from datetime import timedelta
 from typing import Any
 
 from flask import Blueprint, Response, request
@@ -11,10 +19,15 @@ from predictor.api import json_body, metrics, services
 from predictor.errors import NotFoundError, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
+from predictor.service import DEFAULT_VERSION_WAIT, MAX_VERSION_WAIT, ModelView
 from predictor.store import encode
 
 bp = Blueprint("predict", __name__, url_prefix="/v1")
 MAX_CANDIDATES = 512
+PREDICT_FIELDS = ("profile", "gpu", "per_gpu_batch", "candidates", "partition", "max_gpus", "min_model_version",
+                  "wait_ms")
+_VERSION_RE = re.compile(r"^g?([0-9]{1,18})$")
+_MAX_WAIT_MS = round(MAX_VERSION_WAIT.total_seconds() * 1000)
 
 
 def _name(body: dict, key: str, pattern) -> str:
@@ -49,13 +62,56 @@ def _candidates(value: Any) -> list[dict]:
     return out
 
 
-def lookup_profile(svc, name: str) -> Profile:
+def _min_model_version(raw: Any) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < 10**18:
+        return raw
+    match = _VERSION_RE.match(raw) if isinstance(raw, str) else None
+    if match is None:
+        raise ValidationError("min_model_version", "expected a model version: an integer >= 0 (as "
+                                                   "`model_version_pending` says) or 'g<integer>' (as `model_version` "
+                                                   f"says), got {raw!r}")
+    return int(match.group(1))
+
+
+def _wait_ms(raw: Any, in_query: bool) -> timedelta:
+    if in_query and isinstance(raw, str) and re.fullmatch(r"[0-9]+", raw):
+        raw = int(raw) if len(raw) <= 9 else _MAX_WAIT_MS
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise ValidationError("wait_ms", f"expected an integer number of milliseconds >= 0 (at most {_MAX_WAIT_MS} "
+                                         f"are waited), got {raw!r}")
+    return timedelta(milliseconds=min(raw, _MAX_WAIT_MS))
+
+
+def version_wait(body: dict | None) -> tuple[int | None, timedelta]:
+    """The request's `min_model_version` and `wait_ms`: query parameters, or fields of `body` when given.
+
+    Raises:
+        ValidationError: a malformed value, one given twice, or `wait_ms` without `min_model_version`.
+    """
+    raw = {}
+    for key in ("min_model_version", "wait_ms"):
+        in_body = body is not None and key in body
+        if key in request.args:
+            if in_body:
+                raise ValidationError(key, "given both as a query parameter and in the body; give it once")
+            raw[key] = request.args[key]
+        elif in_body:
+            raw[key] = body[key]
+    if "min_model_version" not in raw:
+        if "wait_ms" in raw:
+            raise ValidationError("wait_ms", "only means something with min_model_version")
+        return None, DEFAULT_VERSION_WAIT
+    wait = _wait_ms(raw["wait_ms"], "wait_ms" in request.args) if "wait_ms" in raw else DEFAULT_VERSION_WAIT
+    return _min_model_version(raw["min_model_version"]), wait
+
+
+def lookup_profile(svc, name: str, models: ModelView | None = None) -> Profile:
     """The profile the model was fitted with, else the stored one (registered since the last fit).
 
     Raises:
         NotFoundError: unknown profile (404 with a hint).
     """
-    profile = svc.models.profile(name)
+    profile = (models or svc.models).profile(name)
     return profile if profile is not None else Profile.from_dict(svc.store.get_profile(name))
 
 
@@ -88,8 +144,8 @@ def predict():
     if not isinstance(body, dict):
         raise ValidationError("body", "expected a JSON object")
     for key in body:
-        if key not in ("profile", "gpu", "per_gpu_batch", "candidates", "partition", "max_gpus"):
-            raise ValidationError(key, "unknown field (known: candidates, gpu, max_gpus, partition, per_gpu_batch, profile)")
+        if key not in PREDICT_FIELDS:
+            raise ValidationError(key, f"unknown field (known: {', '.join(sorted(PREDICT_FIELDS))})")
     name = _name(body, "profile", NAME_RE)
     gpu = _name(body, "gpu", LINK_RE)
     batch = body.get("per_gpu_batch")
@@ -106,10 +162,13 @@ def predict():
         candidates = _candidates(body["candidates"])
     else:
         candidates = enumerate_candidates(svc.cluster, gpu, partition, max_gpus)
-    profile = lookup_profile(svc, name)
-    predictions = svc.models.predict(profile, gpu, batch, candidates)
-    return {"profile": name, "gpu": gpu, "per_gpu_batch": batch, "model_version": svc.models.version,
-            "known": svc.models.known(name, gpu), "predictions": [_clean(p) for p in predictions]}
+    min_version, wait = version_wait(body)
+    models = svc.models.view(min_version, wait)
+    profile = lookup_profile(svc, name, models)
+    predictions = models.predict(profile, gpu, batch, candidates)
+    return {"profile": name, "gpu": gpu, "per_gpu_batch": batch, "model_version": models.version,
+            "model_generation": models.generation, "known": models.known(name, gpu),
+            "predictions": [_clean(p) for p in predictions]}
 
 
 @bp.post("/plan")
@@ -118,14 +177,17 @@ def plan():
     body = json_body()
     metrics.note_plan(body)
     plan_request = planner.parse_request(body)
-    response = planner.plan(plan_request, svc.cluster, svc.models, svc.config.default_min_efficiency,
+    models = svc.models.view(*version_wait(None))
+    response = planner.plan(plan_request, svc.cluster, models, svc.config.default_min_efficiency,
                             svc.config.max_plan_candidates)
+    response.setdefault("model_version", models.version)     # keeps name the model in use too
+    response["model_generation"] = models.generation
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a
     # model, profile or history is not reused, since it changes as soon as the admin or a job supplies it.
     ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None else 0
     response["cache_ttl_s"] = round(ttl, 3)
     text = svc.store.add_decision_text(_request_text(plan_request.raw), response, plan_request.source,
-                                       svc.models.version)
+                                       models.version)
     metrics.note_plan(action=response["action"])
     return Response(text + "\n", mimetype="application/json")    # stored and sent: the same bytes as jsonify
 

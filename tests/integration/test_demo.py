@@ -92,6 +92,30 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     assert labels == {"loopback"}, labels
     assert all(r.get("link_source", "").startswith("detected") for r in ours), {r.get("link_source") for r in ours}
 
+    # after the job, the model answers its measured layouts with what the job measured: fitted offline on the
+    # stored history, as the service fits it, each layout the job ran is predicted within 5% of the job's
+    # median there (or within the spread of its measurement windows)
+    import statistics
+    from predictor.engine import Predictor
+    from predictor.profiles import Profile
+    store = Store(str(LAB / "predictor" / "predictor.db"))
+    profiles = {p["name"]: Profile.from_dict(p["body"]) for p in store.list_profiles()}
+    model = Predictor().fit(profiles, store.observations())
+    batch = int(next(r for r in steps)["per_gpu_batch"])
+    windows: dict[int, list[float]] = {}
+    for r in records:
+        if r["kind"] == "measurement":
+            windows.setdefault(r["nodes"], []).append(r["samples_per_s"])
+    assert len(windows) >= 2, windows
+    links = {"intra_link": "loopback", "inter_link": "loopback"}
+    for nodes, xs in sorted(windows.items()):
+        cand = {"layout": [1] * nodes, **(links if nodes > 1 else {"intra_link": "loopback"})}
+        (pred,) = model.predict(profiles[PROFILE], GPU, batch, [cand])
+        measured = statistics.median(xs)
+        noise = (max(xs) - min(xs)) / measured if len(xs) > 1 else 0.0
+        assert pred["basis"].startswith("measured"), (nodes, pred)
+        assert abs(pred["samples_per_s"] / measured - 1) <= max(0.05, noise), (nodes, pred, xs)
+
     # the summary
     summary = out[out.index("== 6/6 summary"):]
     assert "chosen layout:" in summary and "calibrated" in summary and "predicted" in summary

@@ -51,11 +51,23 @@ def api_schema(app):
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+def no_5xx_but_a_version_not_reached(ctx, response, case):
+    """`not_a_server_error`, except the documented 503 of a model version a request asked for with
+    `min_model_version` that is not available (generated versions are mostly ones no write produced): the
+    service's deliberate answer, with Retry-After and the versions asked and available, not a fault."""
+    if response.status_code == 503 and "retry-after" in response.headers:
+        body = json.loads(response.content)
+        if body.get("field") == "min_model_version" and isinstance(body.get("min_model_version"), int):
+            return None
+    return not_a_server_error(ctx, response, case)
+
+
+@pytest.mark.slow  # schemathesis over every operation
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_openapi_fuzz_finds_no_5xx(case):
     """Every operation, with and without the token: no 5xx, declared status codes, JSON bodies as documented."""
-    case.call_and_validate(headers=AUTH, checks=[not_a_server_error, status_code_conformance,
+    case.call_and_validate(headers=AUTH, checks=[no_5xx_but_a_version_not_reached, status_code_conformance,
                                                  content_type_conformance, response_schema_conformance,
                                                  negative_data_rejection])
 
@@ -78,10 +90,11 @@ def engine_schema(tmp_path_factory):
 engine = schemathesis.pytest.from_fixture("engine_schema")
 
 
+@pytest.mark.slow  # schemathesis with the real engine
 @engine.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_openapi_fuzz_with_the_real_engine_finds_no_5xx(case):
-    case.call_and_validate(headers=AUTH, checks=[not_a_server_error, response_schema_conformance])
+    case.call_and_validate(headers=AUTH, checks=[no_5xx_but_a_version_not_reached, response_schema_conformance])
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),

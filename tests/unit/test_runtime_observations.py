@@ -59,6 +59,13 @@ def test_worker_records_relabelled_with_the_layout_and_links_pass_the_validator(
     assert steps[(2, 2)]["inter_link"] == "socket" and steps[(2, 2)]["intra_link"] == "shm"
     assert "inter_link" not in steps[(2,)] and steps[(2,)]["profile"] == "tiny"
     assert {r["link_source"] for r in out} == {"flag"}
+    # under elastic-launch the controller's own window record is the step row: the workers' are left out
+    only_coll = relabel(tel.drain() or [], {4: [2, 2]}, {4: links}, "tiny", "H100", steps=False)
+    assert only_coll == []
+    tel.record_step([4], 8, 0.2)
+    tel.record_collective(4, 1 << 20, 0.002)
+    assert [r["kind"] for r in relabel(tel.drain(), {4: [2, 2]}, {4: links}, "tiny", "H100", steps=False)] == \
+        ["collective"]
 
 
 def test_telemetry_multi_node_step_records_carry_inter_link():

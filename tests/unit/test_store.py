@@ -110,3 +110,35 @@ def test_link_fits_are_replaced(store):
     store.replace_link_fits("g1", [{"link": "nvlink", "n": 3}, {"link": "ib", "n": 1}])
     store.replace_link_fits("g2", [{"link": "ib", "n": 5}])
     assert [(f["model_version"], f["link"], f["n"]) for f in store.link_fits()] == [("g2", "ib", 5)]
+
+
+def test_a_write_names_the_generation_it_produced_even_with_writers_beside_it(store):
+    seen = []
+
+    def write():
+        for _ in range(10):
+            seen.append(store.write_observations([STEP]).generation)
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == list(range(1, 31)) and store.generation() == 30   # each write its own number
+    generation, profiles, observations = store.fit_inputs()
+    assert (generation, profiles, len(observations)) == (30, [], 30)
+
+
+def test_models_keep_the_newest_and_a_success_clears_older_failures(store):
+    assert store.newest_model_head() is None and store.newest_model() is None
+    store.add_fit_failure(1, "fit failed on generation 1: boom")
+    for version in (2, 3, 4, 5):
+        store.put_model(version, b"blob-%d" % version, "code", 100.0 + version, 0.5, keep=3)
+    assert [r[0] for r in store.db.execute("SELECT version FROM models ORDER BY version")] == [3, 4, 5]
+    assert store.newest_model_head() == (5, 105.0, "code")
+    assert store.newest_model().blob == b"blob-5" and store.newest_model().fit_s == 0.5
+    assert store.newest_fit_failure() is None                 # model 2 superseded the failure of 1
+    store.add_fit_failure(6, "fit failed on generation 6: boom")
+    assert store.newest_fit_failure()[:2] == (6, "fit failed on generation 6: boom")
+    store.put_model(5, b"again", "code", 200.0, 0.1)          # the same version fitted again replaces it
+    assert store.newest_model_head() == (5, 200.0, "code") and store.newest_fit_failure().version == 6
