@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_hook import (BUDGET_MS, SLACK_S, bed, hook, predictor, sbatch, script,  # noqa: F401
-                                         show_job)
+from tests.integration.test_hook import bed, hook, predictor, sbatch, script, show_job  # noqa: F401
 from tests.unit.test_lua_hook import REWRITE
 
 LAYOUT_FIELDS = ("NumNodes", "TresPerNode", "Switches", "NtasksPerN:B:S:C", "Comment")
@@ -51,7 +50,6 @@ def test_cli_filter_fails_open(hook, predictor, sbatch, bed, mode):
     hook("http://127.0.0.1:9" if mode == "stopped" else predictor.url, job_submit=False, cli_filter=True)
     result = sbatch(script(), "-H", "-J", f"mode-{mode}")
     assert result.rc == 0 and "sbatch: lua: elastic: prediction skipped (" in result.stderr
-    assert result.seconds < BUDGET_MS / 1000 + SLACK_S
     job = show_job(bed, result.job_id)
     assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and "TresPerNode" not in job
 

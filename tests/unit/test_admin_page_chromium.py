@@ -22,6 +22,8 @@ from matplotlib.image import imread
 
 from tests.unit.test_admin_views import PLAN, seed_records
 
+pytestmark = pytest.mark.slow  # gunicorn and a headless Chromium
+
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars"]

@@ -227,6 +227,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow  # a real gunicorn process
 def test_serve_runs_gunicorn_with_the_token_from_the_environment(history):
     port = _free_port()
     env = dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok")

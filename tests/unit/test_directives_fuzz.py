@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -287,6 +288,7 @@ def fuzz_scripts(count: int, seed: int = 8) -> list[str]:
 
 
 # ---------------------------------------------------------------- tests
+@pytest.mark.slow  # 4,000 fuzzed scripts through both parsers
 def test_parsers_agree_on_fuzzed_scripts():
     counts, found = run_batch(fuzz_scripts(4000))
     assert counts["accepted"] > 200 and counts["rejected"] > 1000 and counts["none"] > 200, counts

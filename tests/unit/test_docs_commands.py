@@ -115,6 +115,7 @@ def _doc_tests(guide: Path) -> list[tuple[str, str | None]]:
     return [tuple(t) for t in tests]
 
 
+@pytest.mark.slow  # every doc-test block as a shell script, one CLI process per command
 @pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.name)
 def test_guide_commands_run_as_written(guide, tmp_path):
     (tmp_path / "history.jsonl").write_text(

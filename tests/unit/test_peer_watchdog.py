@@ -48,10 +48,8 @@ def test_a_peer_that_stops_beating_is_reported_once_per_epoch(store):
     try:
         time.sleep(0.8)
         assert reports.calls == []  # everyone beats
-        t_stop = time.monotonic()
         c.stop()
-        (epoch, reason), = reports.wait(1)
-        assert time.monotonic() - t_stop < 2.0
+        (epoch, reason), = reports.wait(1)  # within wait's 5 s; the delay: bench/unit_timings.py
         assert epoch == plan.id and reason.startswith("worker c has not beaten for")
         b.stop()
         time.sleep(0.8)

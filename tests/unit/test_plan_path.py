@@ -137,6 +137,7 @@ def test_candidates_key_tells_links_apart_and_matches_equal_lists():
     hash(candidates_key(a))
 
 
+@pytest.mark.slow  # gunicorn, SIGKILLed
 def test_sigkill_during_a_plan_burst_loses_no_acknowledged_decision(tmp_path):
     """Issue #8's rule on the /v1/plan path: a decision whose 200 reached the client survives SIGKILL."""
     from tests.unit.test_store_durability import _free_port, _kill, _serve  # noqa: PLC0415

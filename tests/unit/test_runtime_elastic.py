@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.test_runtime_harness import Cluster, check_accounting, port_closed, read_logs
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # worker processes per test
 
 
 def _assert_same_params(results: dict) -> None:
@@ -75,7 +75,9 @@ def test_newcomers_warm_up_off_the_survivors_critical_path(tmp_path):
     stats, res, codes = _grow_2_to_4(Cluster(str(tmp_path), target_world=4, warm_up_s=1.5), late=True)
     assert codes == {w: 0 for w in ALL4}
     assert all(r["warm_up_s"] >= 3.0 for r in res.values())
-    assert stats["world"] == 4 and stats["pause_s"] < 1.5, stats
+    # the survivors' pause is shorter than one newcomer's warm-up: none of it was spent waiting for one (the
+    # pause itself is reported by bench/gpu_transition.py, which also runs on CPU: --device cpu)
+    assert stats["world"] == 4 and stats["pause_s"] < min(res[w]["warm_up_s"] for w in ALL4[2:]), stats
     _assert_same_params(res)
     check_accounting(read_logs(str(tmp_path)), res["w0"]["sampler"])
 

@@ -211,7 +211,9 @@ def test_abort_never_tears_a_gloo_group_down_on_the_caller(store):
     stop.set()
     ticker.join()
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert took < 0.5 and max(gaps) < 1.0  # the collective timeout is 2 s
+    # half the collective timeout (2 s): abort did not wait for it, nor hold the GIL until it (the times
+    # themselves: bench/unit_timings.py)
+    assert took < 1.0 and max(gaps) < 1.0
     assert release_retired(timedelta(seconds=10))
 
 

@@ -127,6 +127,7 @@ def _burst_then_kill(port: int, proc: subprocess.Popen, round_no: int, acked: se
         t.join(timeout=60)
 
 
+@pytest.mark.slow  # gunicorn, SIGKILLed and restarted
 def test_sigkill_during_write_burst_loses_no_acknowledged_record(tmp_path):
     db, port, log = tmp_path / "history.db", _free_port(), tmp_path / "serve.log"
     acked: set[str] = set()
