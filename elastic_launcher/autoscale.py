@@ -124,6 +124,39 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingJob:
+    """Another job of the partition waiting for nodes (squeue: PENDING, reason Resources or Priority).
+
+    Attributes:
+        job_id: its Slurm id.
+        nodes: nodes it asks for.
+        reason: Slurm's pending reason.
+    """
+
+    job_id: int
+    nodes: int
+    reason: str
+
+
+def yield_to_pending(current_nodes: int, min_nodes: int, idle_nodes: int,
+                     pending: "list[PendingJob]") -> Optional[Decision]:
+    """A shrink that lets a pending job of the partition start, or None.
+
+    The job gives back what a pending job lacks beyond the idle nodes, never going below its own minimum (the
+    `gpus` directive's lower bound); of the pending jobs it could unblock, the one needing the fewest nodes
+    first. A pending job that even the job's whole surplus cannot unblock is left to Slurm.
+    """
+    spare = current_nodes - min_nodes
+    for p in sorted(pending, key=lambda p: (p.nodes, p.job_id)):
+        need = p.nodes - idle_nodes
+        if 0 < need <= spare:
+            return Decision("shrink", current_nodes - need,
+                            f"handing {need} node{'s' if need > 1 else ''} back for pending job {p.job_id} "
+                            f"({p.nodes} node{'s' if p.nodes > 1 else ''}, {p.reason})")
+    return None
+
+
 def scaling_efficiency(before: Measurement, after: Measurement) -> float:
     """Or et al.'s throughput scaling efficiency from `before` (k workers) to `after` (k+d workers).
 

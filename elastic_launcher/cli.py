@@ -116,6 +116,8 @@ def _seconds(value: float) -> timedelta:
 @click.option("--warmup-steps", default=2, show_default=True, type=click.IntRange(0, 10000),
               help="Committed steps ignored after each resize.")
 @click.option("--no-autoscale", is_flag=True, help="Resize only on operator requests and failures.")
+@click.option("--no-yield", "no_yield", is_flag=True,
+              help="Keep nodes above the job's minimum even while another job of the partition waits for them.")
 @click.option("--test-throughput", type=click.Choice(["linear"]),
               help="TEST POLICY KNOB (CPU testbeds only): treat throughput as linear in workers.")
 @click.option("--straggler-ratio", default=1.5, show_default=True, type=float)
@@ -128,7 +130,8 @@ def _seconds(value: float) -> timedelta:
 @click.option("-v", "--verbose", is_flag=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(script, directive_items, workers_per_node, predictor_url, intra_link, inter_link, run_dir,
-           registry, grow_step_nodes, measure_steps, warmup_steps, no_autoscale, test_throughput, straggler_ratio,
+           registry, grow_step_nodes, measure_steps, warmup_steps, no_autoscale, no_yield, test_throughput,
+           straggler_ratio,
            straggler_windows, rendezvous_timeout, leave_timeout, helper_start_timeout, helper_orphan_timeout, verbose,
            command):
     """Run COMMAND as elastic workers in this Slurm allocation.
@@ -153,7 +156,8 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         store_host=socket.gethostname() if os.environ.get("ELASTIC_STORE_HOST") is None
         else os.environ["ELASTIC_STORE_HOST"],
         grow_step_nodes=grow_step_nodes, measure_steps=measure_steps, warmup_steps=warmup_steps,
-        test_throughput=test_throughput, autoscale=not no_autoscale, straggler_ratio=straggler_ratio,
+        test_throughput=test_throughput, autoscale=not no_autoscale, yield_to_pending=not no_yield,
+        straggler_ratio=straggler_ratio,
         straggler_windows=straggler_windows, rendezvous_timeout=_seconds(rendezvous_timeout),
         leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),

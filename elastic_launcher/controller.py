@@ -19,7 +19,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from elastic_launcher.autoscale import (NO_DIRECTIVES, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
-                                        PlanAdvice, advice_from_plan, scaling_efficiency)
+                                        PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
+                                        yield_to_pending)
 from elastic_launcher.control import LAUNCHER_PREFIX, ControlInbox
 from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
 from elastic_launcher.launch_config import LaunchConfig
@@ -280,6 +281,13 @@ class Controller(Transitions):
         advice = self._ask_plan(m, layout)
         free = self._free_nodes()
         decision = self.policy.decide(len(free), advice)
+        pending = self._pending_jobs() if self.config.yield_to_pending else []
+        handback = yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), pending)
+        if handback is not None:  # another job waits for nodes this one holds above its minimum
+            decision = handback
+        elif decision.action == "grow" and pending:  # the free nodes are what a pending job waits to add up
+            decision = Decision("keep", m.nodes, f"no grow while job {pending[0].job_id} waits for nodes "
+                                f"({decision.reason})", decision.efficiency)
         cap = self.operator_cap
         if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
             decision = Decision("grow", cap, f"{decision.reason}; capped at the operator's {cap} nodes",
@@ -372,6 +380,19 @@ class Controller(Transitions):
                                nodes=reply.get("nodes"), reason=reply.get("reason"), target_nodes=advice.nodes)
         self._plan_cache = (m.nodes, now, advice)
         return advice
+
+    def _pending_jobs(self) -> list[PendingJob]:
+        """Other jobs of this partition pending for nodes (not this job's own helpers); [] when Slurm is slow."""
+        ours = {int(self.job_id), *(int(h) for h in self.helpers)}
+        try:
+            jobs = self.slurm.jobs()
+        except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
+            log.warning("cannot list jobs: %s", exc)
+            return []
+        part = self.alloc.partition
+        return [PendingJob(j.job_id, j.node_count, j.reason) for j in jobs
+                if j.state == "PENDING" and j.job_id not in ours and j.node_count > 0
+                and j.reason in ("Resources", "Priority") and (not part or part in j.partition.split(","))]
 
     def _free_nodes(self) -> list[str]:
         try:

@@ -126,6 +126,8 @@ class LaunchConfig:
             treat throughput as linear in workers (efficiency 1.0) regardless of measurement, so
             a CPU testbed where nothing really scales can exercise grow. None: measure.
         autoscale: False: resize only on operator requests and failures.
+        yield_to_pending: hand nodes above the job's minimum back to a job of the partition pending for them
+            (and grow no further while one waits); `elastic-launch --no-yield` turns it off.
         straggler_ratio: a node whose mean step time is this many times the median is slow.
         straggler_windows: consecutive slow measurement windows before a node is shrunk away.
         max_failures: failed resizes or worker losses in a row before the controller gives up.
@@ -155,6 +157,7 @@ class LaunchConfig:
     warmup_steps: int = 2
     test_throughput: Optional[str] = None
     autoscale: bool = True
+    yield_to_pending: bool = True
     straggler_ratio: float = 1.5
     straggler_windows: int = 3
     max_failures: int = 3

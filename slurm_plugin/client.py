@@ -78,6 +78,8 @@ class Job:
         nodelist: the node list as Slurm prints it (`node[1-2]`), "" while pending.
         tres_per_node: the per-node request (`gres:gpu:4`), "" if none.
         reason: why a job is pending ("None" when it is not).
+        partition: the partition(s) it runs in or asked for (comma-separated while pending on several).
+        node_count: nodes it holds, or asks for while pending (0: unknown).
     """
 
     job_id: int
@@ -91,6 +93,8 @@ class Job:
     comment: str
     batch_host: str
     reason: str
+    partition: str = ""
+    node_count: int = 0
 
     def resize_env(self) -> dict[str, str]:
         """The variables `scontrol`'s resize.sh would export for this allocation."""
@@ -505,9 +509,18 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
                 comment=j.get("comment") or "",
                 batch_host=j.get("batch_host") or "",
                 reason=j.get("state_reason") or "",
+                partition=j.get("partition") or "",
+                node_count=_number(j.get("node_count")),
             )
         )
     return jobs
+
+
+def _number(value) -> int:
+    """An integer of squeue's JSON: a plain number (22.05), or `{"set": true, "number": N}` (later versions)."""
+    if isinstance(value, dict):
+        value = value.get("number") if value.get("set", True) else 0
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 def _allocated_cores(node: dict) -> int:

@@ -186,6 +186,27 @@ def _sacct(slurm, job_id):
         return []
 
 
+def test_nodes_are_handed_back_to_a_job_pending_for_them(slurm, idle_nodes, wait_until, submit, tmp_path):
+    """A job of the partition that waits for nodes gets them from the elastic job's surplus: the launcher
+    shrinks (named `shrink`, the reason names the pending job) and Slurm starts the other job."""
+    work = Path(tmp_path)
+    run = work / "run"
+    job_id = submit(_batch_script(work, work / "registry", 100000, sbatch="--nodes=3"))
+    wait_until(lambda: _transition(run, "start"), 120, "the elastic job's first step on 3 nodes")
+    wait_until(lambda: any(r["kind"] == "measurement" for r in _records(run)), 60, "a first measurement")
+    other = submit(f"#!/bin/bash\n#SBATCH --nodes=2 --gres=gpu:4 --job-name=waits-for-nodes --output={work}/other.out\nsleep 20\n")
+    decision = wait_until(lambda: next((r for r in _records(run) if r["kind"] == "decision"
+                                        and f"pending job {other}" in (r.get("reason") or "")), None),
+                          90, "the launcher to hand nodes back")
+    assert decision["action"] == "shrink" and decision["source"] == "autoscale"
+    wait_until(lambda: slurm.job(other).state in ("RUNNING", "COMPLETING", "COMPLETED"), 90,
+               "the other job to start on the nodes handed back")
+    shrink = _transition(run, "shrink")
+    assert shrink is not None and shrink["to_nodes"] < shrink["from_nodes"]
+    slurm.cancel(job_id)
+    wait_until(lambda: not _job_processes(job_id), 60, "no worker process of the job")
+
+
 def test_helper_ends_when_the_main_job_is_cancelled(slurm, idle_nodes, wait_until, submit, tmp_path):
     """No orphan allocation: scancel of the main job ends its helper job (agent sees the job gone)."""
     work = Path(tmp_path)

@@ -284,3 +284,12 @@ def test_helper_job_script_is_marked_for_the_hook_and_runs_the_agent(tmp_path):
     assert "#SBATCH --gres=gpu:4\n" in text and "#SBATCH --exclude=node1,node2\n" in text
     assert "--main-job 42 --store h:123 --workers-per-node 4 --orphan-timeout 30" in text
     assert text.rstrip().endswith("-- python train.py --lr '0.1 x'")
+
+
+def test_yield_gives_back_what_a_pending_job_lacks_and_keeps_the_minimum():
+    from elastic_launcher.autoscale import PendingJob, yield_to_pending
+    d = yield_to_pending(4, 1, 1, [PendingJob(9, 3, "Resources"), PendingJob(8, 2, "Priority")])
+    assert (d.action, d.target_nodes) == ("shrink", 3) and "pending job 8" in d.reason   # 2 - 1 idle = 1 node
+    assert yield_to_pending(4, 3, 0, [PendingJob(9, 2, "Resources")]) is None              # minimum 3: 1 spare
+    assert yield_to_pending(4, 1, 2, [PendingJob(9, 2, "Resources")]) is None              # idle nodes suffice
+    assert yield_to_pending(2, 1, 0, []) is None

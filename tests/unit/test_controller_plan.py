@@ -44,6 +44,7 @@ def make_controller(tmp_path, predictor, script=SCRIPT, nodes=2, free=("node3", 
     c._current_layout = lambda: [1] * nodes
     c._post_observations = lambda own: None
     c._free_nodes = lambda: list(free)
+    c._pending_jobs = lambda: []
     c._grow = lambda count, action, reason, **kw: c.resizes.append(("grow", nodes + count))
     c._shrink_to = lambda target, action, reason, **kw: c.resizes.append((action, target))
     return c
@@ -139,3 +140,46 @@ def test_a_plan_to_shrink_does_not_undo_an_operators_size(tmp_path):
     assert c.resizes == []
     (d,) = decisions(c)
     assert d["action"] == "keep" and "operator's 2 nodes" in d["reason"]
+
+
+def _pending_squeue(tmp_path, jobs):
+    """A Controller whose Slurm client answers squeue with `jobs` (slurm_plugin.client.Job)."""
+    keep = {"action": "keep", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "already matches"}
+    c = make_controller(tmp_path, FakePredictor([keep]), nodes=3, free=())
+    del c._pending_jobs  # the real one, over a fake client
+    c.slurm = type("Slurm", (), {"jobs": lambda self: jobs})()
+    return c
+
+
+def _job(job_id, state, nodes, reason, partition="debug"):
+    from slurm_plugin.client import Job
+    return Job(job_id=job_id, name="other", state=state, nodes=(), nodelist="", cpus_per_node=(), gpus_per_node=(),
+               tres_per_node="", comment="", batch_host="", reason=reason, partition=partition, node_count=nodes)
+
+
+def test_a_job_pending_for_nodes_gets_them_from_the_surplus(tmp_path):
+    c = _pending_squeue(tmp_path, [_job(7, "PENDING", 2, "Resources"), _job(8, "RUNNING", 1, "None"),
+                                   _job(9, "PENDING", 1, "Resources", partition="other")])
+    c._measure_and_decide()
+    assert c.resizes == [("shrink", 1)]
+    (d,) = decisions(c)
+    assert d["action"] == "shrink" and "pending job 7" in d["reason"]
+
+
+def test_own_helpers_and_unsatisfiable_pending_jobs_are_not_yielded_to(tmp_path):
+    c = _pending_squeue(tmp_path, [_job(42, "PENDING", 1, "Resources"), _job(7, "PENDING", 9, "Resources")])
+    c.helpers = {"43": []}
+    c.slurm = type("Slurm", (), {"jobs": lambda self: [_job(43, "PENDING", 1, "Resources"),
+                                                       _job(7, "PENDING", 9, "Resources")]})()
+    c._measure_and_decide()
+    assert c.resizes == []   # 43 is its own helper; 7 needs more than the whole surplus of 2 nodes
+
+
+def test_no_grow_while_another_job_waits_for_nodes(tmp_path):
+    rewrite = {"action": "rewrite", "nodes": 4, "gpus_per_node": 1, "layout": [1] * 4, "reason": "elastic: 4x1"}
+    c = make_controller(tmp_path, FakePredictor([rewrite]), nodes=2, free=("node3",))
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 4, "Resources")]
+    c._measure_and_decide()
+    assert c.resizes == []
+    (d,) = decisions(c)
+    assert d["action"] == "keep" and "job 7 waits" in d["reason"]
