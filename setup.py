@@ -13,7 +13,9 @@ setup(
     packages=find_packages(include=["slurm_plugin*", "predictor*", "elastic_launcher*"]),
     package_data={
         "slurm_plugin": ["lua/*.lua"],
-        "predictor": ["*.yaml", "*.json"],
+        # the measured public data predictor/datasets.py reads (each folder's SOURCE.md: origin, license)
+        "predictor": ["*.yaml", "*.json", "data/*.md", "data/*.txt", "data/*/SOURCE.md", "data/*/*/*.csv",
+                      "data/*/*/*/*.csv"],
     },
     include_package_data=True,
     # The templates are read from the checkout in an editable install, from here otherwise.
@@ -34,7 +36,9 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "schemathesis>=3.30"],
+        # a set that works together (schemathesis 4.32.5 with pytest 9.0.3, hypothesis 6.155.2, pytest-timeout
+        # 2.4.0): schemathesis' pytest plugin fails under pytest 9.2, and tests/unit/test_api_fuzz.py uses the 4.x API
+        "test": ["pytest>=8.4,<9.2", "pytest-timeout>=2.3,<3", "hypothesis>=6.130.12,<7", "schemathesis>=4.32,<5"],
         "pyslurm": ["pyslurm"],
     },
     entry_points={

@@ -158,13 +158,13 @@ def decision_rows(store, limit: int = 50) -> list[dict]:
 
 
 # --- CLI (registered on `elastic-predictor` by predictor/cli.py) ---------------------------------------------
-def _open(db: str | None):
-    from predictor.cli import _config  # noqa: PLC0415
-    from predictor.store import Store  # noqa: PLC0415
+def _open(db: str | None, needed_for: str):
+    """The existing database (a read command refuses a missing file instead of creating an empty one)."""
+    from predictor.cli import _config, _open_store, require_db  # noqa: PLC0415
 
-    store = Store(_config(db).db_path)
-    store.migrate()
-    return store
+    path = _config(db).db_path
+    require_db(path, db, needed_for)
+    return _open_store(path)
 
 
 def _fit(store, skip: bool):
@@ -186,9 +186,9 @@ _NO_FIT = click.option("--no-fit", is_flag=True, help="do not fit (faster; fit c
 _WIDTH = click.option("--width", type=click.IntRange(40, 1000), default=None, help="line width (default: terminal)")
 
 
-def _with_fitted_store(db: str | None, fit: bool, build):
+def _with_fitted_store(db: str | None, fit: bool, build, needed_for: str):
     """`build(store, predictor or None)` on the database, closed afterwards; library errors become click's."""
-    store = _open(db)
+    store = _open(db, needed_for)
     try:
         return build(store, _fit(store, not fit))
     except NotFoundError as exc:
@@ -218,7 +218,8 @@ def models_cmd(db, no_fit, width):
 
     Example: elastic-predictor models --db predictor.db
     """
-    _echo_table(_with_fitted_store(db, not no_fit, model_rows), MODEL_COLUMNS, width,
+    _echo_table(_with_fitted_store(db, not no_fit, model_rows, "no profiles and no step history to show"),
+                MODEL_COLUMNS, width,
                 "no profiles and no step history in the database yet")
 
 
@@ -231,13 +232,29 @@ def links_cmd(db, no_fit, width):
 
     Example: elastic-predictor links --db predictor.db
     """
-    _echo_table(_with_fitted_store(db, not no_fit, link_rows), LINK_COLUMNS, width,
+    _echo_table(_with_fitted_store(db, not no_fit, link_rows, "no collective history to show"), LINK_COLUMNS, width,
                 "no collective history and no link fits in the database yet")
 
 
-@click.group("plot")
+class _SubcommandFirst(click.Group):
+    """A group whose commands take the options: an option given to the group itself (`plot --db X`) is an
+    error that names the subcommands, instead of click's bare "No such option"."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            names = " | ".join(sorted(self.commands))
+            raise click.UsageError(f"{exc.format_message().rstrip('.')}: `{ctx.command_path}` needs a subcommand first "
+                                   f"({names}), then its options, e.g. "
+                                   f"`{ctx.command_path} scaling --db predictor.db --out scaling.png`", ctx) from None
+
+
+@click.group("plot", cls=_SubcommandFirst)
 def plot_group():
-    """Write the admin plots as PNG files (the /admin page serves the same)."""
+    """Write the admin plots as PNG files (the /admin page serves the same): `plot scaling` or `plot links`,
+    then the options (--db, --out).
+    """
 
 
 _OUT = click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
@@ -255,7 +272,8 @@ def plot_scaling(db, profile, gpu, out):
     """
     from predictor import plots  # noqa: PLC0415
 
-    _write_png(out, _with_fitted_store(db, True, lambda s, p: plots.scaling_png(s, p, profile=profile, gpu=gpu)))
+    _write_png(out, _with_fitted_store(db, True, lambda s, p: plots.scaling_png(s, p, profile=profile, gpu=gpu),
+                                       "nothing to plot"))
 
 
 @plot_group.command("links")
@@ -268,7 +286,7 @@ def plot_links(db, out):
     """
     from predictor import plots  # noqa: PLC0415
 
-    _write_png(out, _with_fitted_store(db, True, plots.links_png))
+    _write_png(out, _with_fitted_store(db, True, plots.links_png, "nothing to plot"))
 
 
 COMMANDS = (models_cmd, links_cmd, plot_group)

@@ -42,6 +42,29 @@ def _in_file(name: str, exc: ValidationError) -> str:
     return str(exc) if exc.field == "cluster" else f"{name}: {exc}"
 
 
+def require_db(db_path: str, db_option: str | None, needed_for: str) -> None:
+    """Refuse a read command on a database file that does not exist (opening it would create an empty one).
+
+    Args:
+        db_path: the resolved path (`Config.db_path`).
+        db_option: the command's `--db` value (None: it came from the environment or the default).
+        needed_for: what the command reads, for the message (e.g. "no history to fit").
+
+    Raises:
+        click.ClickException: naming the path, where it came from, and what creates a database.
+    """
+    from predictor.config import ENV_DB  # noqa: PLC0415
+
+    if db_path == ":memory:" or os.path.isfile(db_path):
+        return
+    origin = ("--db" if db_option else f"${ENV_DB}" if os.environ.get(ENV_DB)
+              else f"the default: neither --db nor ${ENV_DB} is set")
+    where = os.path.abspath(db_path)
+    problem = f"{where} is not a file" if os.path.exists(db_path) else f"no database at {where}"
+    raise click.ClickException(f"{problem} ({origin}): {needed_for}; check the path "
+                               "(`elastic-predictor import` and `serve` create a database)")
+
+
 def _open_store(db_path: str, writable: bool = False):
     """The store at `db_path`, migrated (and, with `writable`, checked by a real write).
 
@@ -235,7 +258,9 @@ def profile(spec, db, dtype, as_json):
 
     try:
         built = profile_from_spec(spec, dtype=dtype)
-    except (NotFoundError, ValidationError) as exc:
+    except NotFoundError as exc:
+        raise click.ClickException(_did_you_mean(str(exc), spec, _builtin_specs(spec))) from None
+    except ValidationError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(built.to_dict()))
@@ -248,11 +273,32 @@ def profile(spec, db, dtype, as_json):
         _, created = register(store, built.to_dict())
         store.close()
         click.echo(f"{'registered' if created else 'replaced'} profile {built.name!r} in {db}", err=True)
+    elif not as_json:
+        click.echo(f"(printed only: add --db DB to register {built.name!r} in a database)", err=True)
 
 
-def _fitted_cache(config: Config):
+def _did_you_mean(message: str, name: str, candidates) -> str:
+    """`message`, plus the candidate that differs from `name` only in letter case, if there is one."""
+    close = sorted({c for c in candidates if c.lower() == name.lower() and c != name})
+    if not close:
+        return message
+    return f"{message.split(';', 1)[0]}; did you mean {close[0]!r}? (names are case-sensitive)"
+
+
+def _builtin_specs(spec: str) -> list[str]:
+    """The specs `profile` can build with the same library prefix as `spec` (built-ins and their aliases)."""
+    from predictor import profiles  # noqa: PLC0415
+
+    lib, sep, _ = spec.rpartition(":")
+    names = [*profiles.BUILTIN, *getattr(profiles, "_ALIASES", {})]
+    return [f"{lib}{sep}{name}" for name in names]
+
+
+def _fitted_cache(config: Config, db_option: str | None, needed_for: str = "no history to fit"):
+    """The model fitted on the database, which must exist (a read command never creates one)."""
     from predictor.service import ModelCache  # noqa: PLC0415
 
+    require_db(config.db_path, db_option, needed_for)
     store = _open_store(config.db_path)
     cache = ModelCache(store)
     try:
@@ -273,6 +319,9 @@ def _fitted_cache(config: Config):
 def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
     """Fit on the database and print predicted throughput of every candidate layout.
 
+    The GPU type and partition come from the cluster model (--cluster, else $ELASTIC_PREDICTOR_CLUSTER, else
+    the built-in testbed): pass the one the service runs with.
+
     Example: elastic-predictor predict --profile resnet50 --gpu H200 --per-gpu-batch 64 --gpus 4-8
     """
     from predictor.api.predict import enumerate_candidates  # noqa: PLC0415
@@ -283,15 +332,24 @@ def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
     if not low.isdigit() or (high and not high.isdigit()):
         raise click.BadParameter(f"expected N or MIN-MAX, got {gpus!r}", param_hint="--gpus")
     low_n, high_n = int(low), int(high or low) if gpus else None
-    cache = _fitted_cache(config)
+    cache = _fitted_cache(config, db, "no history to predict from")
+    prof = cache.profile(profile_name)
+    if prof is None:
+        if not cache.store.has_profile(profile_name):
+            names = [row["name"] for row in cache.store.list_profiles()]
+            raise click.ClickException(_did_you_mean(
+                f"profile {profile_name!r} not found in {config.db_path}", profile_name, names)
+                + f" (register one with: elastic-predictor profile torchvision:NAME --db {config.db_path})")
+        prof = Profile.from_dict(cache.store.get_profile(profile_name))
     try:
-        prof = cache.profile(profile_name) or Profile.from_dict(cache.store.get_profile(profile_name))
         candidates = enumerate_candidates(config.cluster, gpu, partition, high_n)
     except NotFoundError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(
+            f"{exc}; pass --cluster FILE (or set $ELASTIC_PREDICTOR_CLUSTER) with the cluster model the service "
+            "runs with (a demo lab's is LAB/predictor/cluster.json)") from None
     candidates = [c for c in candidates if sum(c["layout"]) >= low_n]
     if not candidates:
-        raise click.ClickException(f"no layout of {gpus} GPUs fits the partition")
+        raise click.ClickException(f"no layout of {gpus} GPU{'' if gpus == '1' else 's'} fits the partition")
     rows = cache.predict(prof, gpu, per_gpu_batch, candidates)
     for row, cand in zip(rows, candidates):
         row.update(gpus=sum(cand["layout"]), shape="x".join(map(str, (len(cand["layout"]), cand["layout"][0]))),
@@ -337,7 +395,7 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
         request = planner.parse_request(body)
     except (ValidationError, planner.DirectiveProblem) as exc:
         raise click.ClickException(f"{script.name}: {exc}") from None
-    cache = _fitted_cache(config)
+    cache = _fitted_cache(config, db, "no history to plan with")
     decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates)
     decision = cache.store.add_decision(body, decision, "cli", cache.version)
     click.echo(f"{decision['decision_id']} {decision['action']}: {decision['reason']}")
@@ -350,26 +408,58 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
 
 
 @main.command()
-@click.option("--db", default=None, help="SQLite database, for fit errors when bench/accuracy.py is absent")
-@click.option("--datasets", default=None, help="passed to bench/accuracy.py --datasets")
+@click.option("--db", default=None, help="with --fit-errors: SQLite database (default $ELASTIC_PREDICTOR_DB or "
+                                         "predictor.db)")
+@click.option("--datasets", default=None, metavar="NAME[,NAME...]",
+              help="benchmark datasets (vendored in predictor/data): pollux-t4, morphling-a800, elasticflow-a100 "
+                   "(default: all)")
 @click.option("--write", is_flag=True, help="let bench/accuracy.py write bench/results")
 @click.option("--fit-errors", is_flag=True, help="print the fit errors on the database instead of the benchmark")
 def evaluate(db, datasets, write, fit_errors):
-    """Run the accuracy benchmark (bench/accuracy.py) if present, else print the fit errors on the database.
+    """Run the accuracy benchmark (bench/accuracy.py of a source checkout) on the vendored public datasets, or
+    with --fit-errors print how well the model fits a database's history.
 
     Example: elastic-predictor evaluate --datasets pollux-t4
     """
-    script = REPO_ROOT / "bench" / "accuracy.py"
-    if script.exists() and not fit_errors:
-        argv = [sys.executable, str(script)] + ([] if write else ["--no-write"])
-        argv += ["--datasets", datasets] if datasets else []
-        raise SystemExit(subprocess.call(argv, cwd=str(REPO_ROOT)))
-    cache = _fitted_cache(_config(db))
+    if not fit_errors:
+        _run_accuracy_bench(db, datasets, write)
+    if datasets or write:
+        raise click.UsageError("--datasets and --write are options of the benchmark, not of --fit-errors")
+    cache = _fitted_cache(_config(db), db)
     predictor = cache.predictor()
     rows = [{"key": f"{name} on {gpu}", "log_rmse": err} for (name, gpu), err in sorted(predictor.log_rmse_.items())]
     click.echo(_table(rows, [("key", "step model", "s"), ("log_rmse", "log RMSE", ".3f")]))
     click.echo(_table(predictor.link_stats(), [("link", "link", "s"), ("n", "collectives", "d"),
                                                ("log_rmse", "log RMSE", ".3f")]))
+
+
+def _run_accuracy_bench(db: str | None, datasets: str | None, write: bool) -> None:
+    """bench/accuracy.py of the checkout this package runs from; exits with its status.
+
+    Raises:
+        click.UsageError / click.ClickException: --db given, an unknown or incomplete dataset, or no
+            bench/accuracy.py (an installed package is not a checkout).
+    """
+    from predictor import datasets as vendored  # noqa: PLC0415
+
+    if db:
+        raise click.UsageError("--db goes with --fit-errors: the benchmark reads the vendored datasets, not a database")
+    names = [n.strip() for n in (datasets or ",".join(vendored.LOADERS)).split(",") if n.strip()]
+    for name in names:
+        try:
+            vendored.check(name)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--datasets") from None
+        except vendored.DatasetError as exc:
+            raise click.ClickException(str(exc)) from None
+    script = REPO_ROOT / "bench" / "accuracy.py"
+    if not script.is_file():
+        raise click.ClickException(
+            f"the accuracy benchmark is bench/accuracy.py of a source checkout, and {REPO_ROOT} (where this package "
+            "runs from) has none: run `elastic-predictor evaluate` in a clone installed with `pip install -e .`, "
+            "or use --fit-errors for the fit errors on a database")
+    argv = [sys.executable, str(script)] + ([] if write else ["--no-write"]) + ["--datasets", ",".join(names)]
+    raise SystemExit(subprocess.call(argv, cwd=str(REPO_ROOT)))
 
 
 @main.command()
@@ -381,7 +471,9 @@ def decisions(db, limit):
     Example: elastic-predictor decisions --db predictor.db --limit 5
     """
 
-    store = _open_store(_config(db).db_path)
+    config = _config(db)
+    require_db(config.db_path, db, "no decisions to show")
+    store = _open_store(config.db_path)
     rows = store.list_decisions(limit=limit)
     store.close()
     click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),

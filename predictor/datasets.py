@@ -1,4 +1,9 @@
-"""Loaders turning the measured public data in ../shared/data into step observations and profiles.
+"""Loaders turning the measured public data vendored in predictor/data into step observations and profiles.
+
+The data ships with the package (`predictor/data/<folder>/`, each folder with a SOURCE.md naming origin,
+commit and license), so a clone or an installed package needs nothing outside it. `LOADERS` maps the
+dataset names (`pollux-t4`, `morphling-a800`, `elasticflow-a100`) to their loaders; `check(name)` raises
+`DatasetError` naming the first missing file before anything is loaded.
 
 Each loader returns a `Dataset`: step records with the shapes of docs/design.md (`kind="step"`, plus
 `sync_s` where the source measured it and `source`, the file and row) and the tensor profiles of its models
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from predictor.profiles import Profile, profile_from_spec
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
+DEFAULT_ROOT = Path(__file__).resolve().parent / "data"
 A800_GLOBAL_BATCH = 840
 
 POLLUX_MODELS = {"bert": "bert-base-uncased", "cifar10": "resnet18_cifar10", "deepspeech2": "deepspeech2",
@@ -34,6 +39,10 @@ MORPHLING_MODELS = {"bert": "bert-large-uncased", "roberta": "roberta-large", "v
 ELASTICFLOW_MODELS = {"bert": "bert-base-uncased", "deepspeech2": "deepspeech2", "gpt2": "gpt2",
                       "inception3": "inception_v3", "resnet50": "resnet50", "resnet50_cifar10": "resnet50_cifar10",
                       "vgg16": "vgg16"}
+
+
+class DatasetError(FileNotFoundError):
+    """A data file a loader needs is missing; the message names it and where the data comes from."""
 
 
 @dataclass
@@ -62,8 +71,23 @@ def _step(model, gpu, layout, intra, inter, b, iter_s, source, sync_s=None) -> d
 
 
 def _read(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        return list(csv.DictReader(f))
+    """The rows of one CSV file.
+
+    Raises:
+        DatasetError: the file does not exist (the message names it and its folder's SOURCE.md).
+    """
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            return list(csv.DictReader(f))
+    except FileNotFoundError:
+        raise DatasetError(_missing(Path(path))) from None
+
+
+def _missing(path: Path) -> str:
+    folder = next((parent for parent in path.parents if (parent / "SOURCE.md").exists()), None)
+    where = (f"see {folder / 'SOURCE.md'} for its origin" if folder is not None else
+             f"the data is vendored in {DEFAULT_ROOT} (predictor/data of the package)")
+    return f"dataset file missing: {path} ({where}; reinstall the package or restore the file from git)"
 
 
 def even_layout(nodes: int, gpus: int) -> list[int]:
@@ -122,5 +146,32 @@ def load_elasticflow(root: Path = DEFAULT_ROOT) -> Dataset:
     return Dataset("elasticflow-a100", "A100", _profiles(ELASTICFLOW_MODELS), steps)
 
 
+LOADERS = {"pollux-t4": load_pollux, "morphling-a800": load_morphling, "elasticflow-a100": load_elasticflow}
+
+
+def files(name: str, root: Path = DEFAULT_ROOT) -> list[Path]:
+    """The data files the loader of dataset `name` reads.
+
+    Raises:
+        ValueError: no dataset of that name (the message lists the known ones).
+    """
+    root = Path(root)
+    if name == "pollux-t4":
+        return [root / "pollux-osdi21" / "traces" / m / f for m in POLLUX_MODELS
+                for f in ("placements.csv", "scalability.csv")]
+    if name == "morphling-a800":
+        return [root / "morphling-a800" / "traces" / m / "placements.csv" for m in MORPHLING_MODELS]
+    if name == "elasticflow-a100":
+        return [root / "elasticflow-a100" / "throughputs_A100" / f"{m}.csv" for m in ELASTICFLOW_MODELS]
+    raise ValueError(f"no dataset {name!r} (known: {', '.join(LOADERS)})")
+
+
+def check(name: str, root: Path = DEFAULT_ROOT) -> None:
+    """Raise before loading: ValueError for an unknown name, DatasetError naming the first missing file."""
+    for path in files(name, root):
+        if not path.is_file():
+            raise DatasetError(_missing(path))
+
+
 def load_all(root: Path = DEFAULT_ROOT) -> list[Dataset]:
-    return [load_pollux(root), load_morphling(root), load_elasticflow(root)]
+    return [loader(root) for loader in LOADERS.values()]

@@ -67,15 +67,26 @@ def up(bed: Testbed) -> None:
 @_lab_options
 @click.option("--wipe", is_flag=True, help="Also delete state, spool, database and logs.")
 def down(bed: Testbed, wipe: bool) -> None:
-    """Stop exactly the daemons this lab started (SIGTERM, then SIGKILL).
+    """Stop everything the lab runs: cancel its jobs, stop its predictor service (the one `elastic-slurm demo
+    --keep` leaves in LAB/predictor), then exactly the daemons this lab started (SIGTERM, then SIGKILL).
+    Refused while a demo is running in the lab (it stops everything itself when it ends).
 
     Example: elastic-slurm testbed down --wipe
     """
+    from slurm_plugin.demo import LabLock, busy_message, stop_lab_services  # noqa: PLC0415
+
+    holder = LabLock.holder(bed.config.lab)
+    if holder is not None:
+        raise click.ClickException(busy_message(bed.config.lab, holder, elsewhere=False))
+    cancelled, predictor_stopped = stop_lab_services(bed)
     try:
         timings = bed.down(wipe=wipe)
     except TestbedError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"testbed down: lab {bed.config.lab}" + (" (wiped)" if wipe else ""))
+    stopped = [f"{cancelled} job{'' if cancelled == 1 else 's'} cancelled"] if cancelled else []
+    stopped += ["predictor stopped"] if predictor_stopped else []
+    click.echo(f"testbed down: lab {bed.config.lab}" + (" (wiped)" if wipe else "")
+               + (f"; {', '.join(stopped)}" if stopped else ""))
     click.echo(f"timings: {_timings(timings)}")
 
 

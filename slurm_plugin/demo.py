@@ -14,11 +14,19 @@
    autoscaler's own, or the demo asks like an operator (`elastic-launch ctl JOB --nodes N`);
 6. prints a summary (layout and reason, predicted vs measured throughput, transitions with idle time,
    outcome) and stops everything it started, unless `--keep`.
+
+One demo at a time per lab: `LabLock` holds an `flock` on `<lab>/demo.lock` for the demo's lifetime (the
+file says which pid holds it and since when), and a second demo on the same lab is refused with that. A lab
+left running by `--keep` is stopped by `elastic-slurm testbed down --lab LAB` (`stop_lab_services`: its jobs
+cancelled, its predictor stopped, then the daemons).
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
+import fcntl
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -37,6 +45,129 @@ from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
 DEFAULT_DEMO_LAB = Path("/var/tmp/elastic-slurm-demo")
 DEFAULT_DEMO_PORT_BASE = 17000   # the CI lab uses 16800; PORT_SPAN ports each
 MAX_NODES = 4
+LOCK_FILE = "demo.lock"
+
+
+class DemoBusy(DemoError):
+    """Another demo holds the lab's lock; the message says which (pid, lab, since when)."""
+
+
+class LabLock:
+    """An exclusive `flock` on `<lab>/demo.lock`, held while one demo runs in the lab.
+
+    The holder writes its pid, lab, port base and start time into the file; the lock itself is the kernel's,
+    so it goes away with the process however that ends (the file stays, and the next holder rewrites it).
+    The descriptor is not inherited by the processes the demo starts (the detached predictor outlives it).
+
+    Use as `with LabLock(lab).acquire(port_base): ...`.
+    """
+
+    def __init__(self, lab: Path):
+        self.lab = Path(lab)
+        self.path = self.lab / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self, port_base: int | None = None) -> "LabLock":
+        """Take the lock without waiting.
+
+        Raises:
+            DemoBusy: another process holds it (the message names its pid, lab and start time).
+        """
+        self.lab.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_info(fd)
+            os.close(fd)
+            raise DemoBusy(busy_message(self.lab, holder)) from None
+        now = time.time()
+        info = {"pid": os.getpid(), "lab": str(self.lab), "port_base": port_base, "since_s": now,
+                "since": datetime.datetime.fromtimestamp(now).strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "LabLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    @staticmethod
+    def holder(lab: Path) -> dict | None:
+        """Who holds the lab's lock now ({} when the holder has not written itself yet), None when no one."""
+        path = Path(lab) / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder_info(fd)
+        finally:
+            os.close(fd)       # closing drops a lock this probe took
+        return None
+
+
+def _holder_info(fd: int) -> dict:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def busy_message(lab: Path, holder: dict, elsewhere: bool = True) -> str:
+    """What a refused demo (or, `elsewhere` False, `testbed down`) says about the demo that holds the lab."""
+    since = holder.get("since")
+    ago = f" ({time.time() - holder['since_s']:.0f} s ago)" if isinstance(holder.get("since_s"), (int, float)) else ""
+    who = (f"pid {holder.get('pid', '?')}, running since {since or '?'}{ago}"
+           + (f", port base {holder['port_base']}" if holder.get("port_base") else ""))
+    return (f"an elastic-slurm demo is running in lab {lab} ({who}; lock {Path(lab) / LOCK_FILE}): wait for it "
+            f"to end (it stops what it started) or interrupt it (kill -INT {holder.get('pid', 'PID')})"
+            + ("; or use another --lab and --port-base" if elsewhere else ""))
+
+
+def lab_slurm(bed: Testbed, token: str | None = None):
+    """A Slurm client for the lab's cluster (with the predictor token in the environment of what it submits)."""
+    from slurm_plugin.client import DEFAULT_PATH, CommandBackend  # noqa: PLC0415
+
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
+    if token:
+        env["ELASTIC_PREDICTOR_TOKEN"] = token
+    return CommandBackend(slurm_conf=bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
+                          update_timeout=timedelta(seconds=30))
+
+
+def stop_lab_services(bed: Testbed, predictor: PredictorService | None = None) -> tuple[int, bool]:
+    """Cancel the lab's unfinished jobs (when its cluster is up; waits up to 30 s for them to end) and stop the
+    lab's predictor service (`LAB/predictor`, the demo's). The daemons are left to `Testbed.down`.
+
+    Returns:
+        (jobs cancelled, whether the predictor was running). Each step goes on when the other fails.
+    """
+    cancelled = 0
+    with contextlib.suppress(Exception):
+        if bed.is_up():
+            slurm = lab_slurm(bed)
+            for job in slurm.jobs():
+                if job.state not in ENDED:
+                    slurm.cancel(job.job_id)
+                    cancelled += 1
+            deadline = time.monotonic() + 30
+            while cancelled and time.monotonic() < deadline and any(j.state not in ENDED for j in slurm.jobs()):
+                time.sleep(0.5)
+    stopped = (predictor or PredictorService(bed)).stop()
+    return cancelled, stopped
 
 
 def launcher_argv(python: str = sys.executable) -> list[str]:
@@ -74,11 +205,7 @@ class Demo:
         self.echo(f"   ({self.phases[name]:.1f} s)")
 
     def slurm(self):
-        from slurm_plugin.client import DEFAULT_PATH, CommandBackend  # noqa: PLC0415
-
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "ELASTIC_PREDICTOR_TOKEN": self.predictor.token}
-        return CommandBackend(slurm_conf=self.bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
-                              update_timeout=timedelta(seconds=30))
+        return lab_slurm(self.bed, self.predictor.token)
 
     # -- the steps ------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -147,7 +274,7 @@ class Demo:
                               "--registry": str(registry), "--straggler-ratio": "1000"})
         script = self.work / "job.sbatch"
         script.write_text(templates.render(templates.get("resnet50"), params))
-        self.echo(f"   like: elastic-slurm template new resnet50 --cpu-test --gpus 1-{MAX_NODES} --model {cal.PROFILE} "
+        self.echo(f"   like: elastic-slurm template new resnet50 --cpu-test --gpus 1-{MAX_NODES} "
                   f"--gpu-type cpu --steps {self.steps} --out {script}"
                   f" (plus --ntasks-per-node=1, paths, --predictor)")
         self.echo("   request as written: " + "  ".join(
@@ -238,16 +365,7 @@ class Demo:
     # -- cleanup --------------------------------------------------------------------------------------------
     def stop(self) -> None:
         """Cancel the lab's jobs, stop the predictor and the testbed (each step tolerant of the others)."""
-        with contextlib.suppress(Exception):
-            slurm = self.slurm() if self.predictor.dir.exists() else None
-            if slurm is not None and self.bed.is_up():
-                for job in slurm.jobs():
-                    if job.state not in ENDED:
-                        slurm.cancel(job.job_id)
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and any(j.state not in ENDED for j in slurm.jobs()):
-                    time.sleep(0.5)
-        stopped = self.predictor.stop()
+        _, stopped = stop_lab_services(self.bed, self.predictor)
         if not self.was_up:
             from slurm_plugin.errors import TestbedError  # noqa: PLC0415
 
@@ -260,14 +378,16 @@ class Demo:
                      f"testbed left up: it ran before the demo (elastic-slurm testbed down --lab {self.bed.config.lab})"))
 
     def keep_hint(self) -> None:
-        lab = self.bed.config.lab
+        lab, db = self.bed.config.lab, self.predictor.db
+        batch = cal.SCRIPT_OPTIONS["--per-gpu-batch"]
         self.echo(f"\nleft running (--keep): look around with\n"
                   f"  eval \"$(elastic-slurm testbed env --lab {lab})\"; squeue; sacct -j {self.job_id}\n"
-                  f"  elastic-predictor decisions --db {self.predictor.db}\n"
+                  f"  elastic-predictor decisions --db {db}\n"
+                  f"  elastic-predictor predict --db {db} --cluster {self.predictor.dir / 'cluster.json'} "
+                  f"--profile {cal.PROFILE} --gpu {cal.GPU} --per-gpu-batch {batch}\n"
                   f"  curl {self.predictor.url}/admin   (the /admin page; open it in a browser)\n"
                   f"  less {self.work}/run/records.jsonl\n"
-                  f"stop it with: kill $(cat {self.predictor.pid_file}); "
-                  f"elastic-slurm testbed down --lab {lab}")
+                  f"stop it all (jobs, predictor, cluster): elastic-slurm testbed down --lab {lab}")
 
 
 def _num(value, digits: int) -> str:
@@ -292,28 +412,35 @@ def _num(value, digits: int) -> str:
 def demo_command(lab: Path, port_base: int, steps: int, calibration_steps: int, budget_ms: int, keep: bool) -> None:
     """Run the whole thing locally: cluster, predictor, hook, a real elastic job that grows and shrinks.
 
-    Needs root and the packages of `sudo bash .ci/setup`. Takes 2-4 minutes on 2 cores. With --keep, look
-    around afterwards: eval "$(elastic-slurm testbed env --lab LAB)"; squeue; elastic-predictor decisions
-    --db LAB/predictor/predictor.db; the /admin page of the printed URL.
+    Needs root and the packages of `sudo bash .ci/setup`. Takes 2-4 minutes on 2 cores. One demo at a time
+    per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
+    "$(elastic-slurm testbed env --lab LAB)"; squeue; elastic-predictor decisions --db
+    LAB/predictor/predictor.db; elastic-predictor predict ... --cluster LAB/predictor/cluster.json; the
+    /admin page of the printed URL; then stop it all with elastic-slurm testbed down --lab LAB.
 
     Example: elastic-slurm demo --lab /var/tmp/elastic-slurm-demo --port-base 17000 --keep
     """
     run = Demo(lab.absolute(), port_base, steps, calibration_steps, timedelta(milliseconds=budget_ms))
-    click.echo(f"elastic-slurm demo: lab {run.bed.config.lab}, port base {port_base}, job steps {steps}")
-    ok = False
     try:
-        summary = run.run()
-        ok = True
-    except (DemoError, cal.CalibrationError) as exc:
-        raise click.ClickException(f"demo failed: {exc}") from None
-    finally:
-        if keep and ok:
-            run.keep_hint()
-        else:
-            if not ok:
-                click.echo(f"demo failed after {time.monotonic() - run.t0:.1f} s; stopping what it started "
-                           f"(logs stay in {run.bed.config.lab}/log and {run.work})", err=True)
-            run.stop()
+        lock = LabLock(run.bed.config.lab).acquire(port_base)
+    except DemoBusy as exc:
+        raise click.ClickException(str(exc)) from None
+    with lock:
+        click.echo(f"elastic-slurm demo: lab {run.bed.config.lab}, port base {port_base}, job steps {steps}")
+        ok = False
+        try:
+            summary = run.run()
+            ok = True
+        except (DemoError, cal.CalibrationError) as exc:
+            raise click.ClickException(f"demo failed: {exc}") from None
+        finally:
+            if keep and ok:
+                run.keep_hint()
+            else:
+                if not ok:
+                    click.echo(f"demo failed after {time.monotonic() - run.t0:.1f} s; stopping what it started "
+                               f"(logs stay in {run.bed.config.lab}/log and {run.work})", err=True)
+                run.stop()
     click.echo(f"demo done in {summary['wall_s']:.1f} s" + ("" if keep else " (all stopped)"))
 
 

@@ -108,8 +108,9 @@ class JobWatcher:
             self.echo(f"{self._stamp()}   measured {rec['samples_per_s']:.1f} samples/s on {rec['nodes']} node(s), "
                       f"{rec['workers']} worker(s), step {rec['step_s'] * 1000:.0f} ms")
         elif kind == "decision":
+            nodes = rec.get('target_nodes', rec.get('nodes'))
             self.echo(f"{self._stamp()}   decision ({rec.get('source')}): {rec.get('action')} -> "
-                      f"{rec.get('target_nodes', rec.get('nodes'))} nodes: {rec.get('reason')}")
+                      f"{nodes} node{'' if nodes == 1 else 's'}: {rec.get('reason')}")
         elif kind == "plan":
             self.echo(f"{self._stamp()}   predictor plan: {rec.get('action')} {rec.get('nodes')}: {rec.get('reason')}")
         elif kind in ("helper_submitted", "slurm_shrink", "failure", "transition_failed"):

@@ -11,8 +11,11 @@ place of its values, so what comes out is the same script with other numbers:
 
 `--gpus MIN-MAX` sets the directive and sizes the written request to MIN GPUs (what runs without the hook;
 with it, the planner rewrites the request). `--cpu-test` renders the small variant for the CPU testbed:
-2 nodes x 1 slot, a tiny model, 20 steps on the CPU. Every rendering is checked: its directives must parse
-(slurm_plugin.directives) and its command must hold `elastic-launch`.
+2 nodes x 1 slot, a tiny model, 20 steps on the CPU. The `#ELASTIC model=` directive and the script's
+`--profile` (the name its measurements are posted under) always name the model that really trains: the
+tiny one's profile name with `--cpu-test` (`CPU_PROFILES`), the `--model` value when one is given. Every
+rendering is checked: its directives must parse (slurm_plugin.directives) and its command must hold
+`elastic-launch`.
 """
 from __future__ import annotations
 
@@ -75,6 +78,10 @@ class Template:
 
 
 _CPU_COMMON = {"--steps": "20", "--device": "cpu", "--log-every": "5"}
+# The profile names of the models the --cpu-test variants really train (never the full model's name: their
+# measurements would teach the predictor the full model's history from a tiny one's step times).
+CPU_PROFILES = {"resnet50": "resnet-tiny", "transformer-finetune": "encoder-tiny", "gpt-lm": "gpt-tiny",
+                "wrap-train-py": "plain-train-linear"}
 _CPU = {
     "resnet50": ({"--arch": "resnet-tiny", "--image-size": "32", "--classes": "10", "--dataset-size": "512",
                   "--per-gpu-batch": "8", "--lr": "0.05"}, {"per_gpu_batch": "8", "max_global_batch": "64"}),
@@ -92,6 +99,8 @@ def templates(directory: Path = TEMPLATE_DIR) -> dict[str, Template]:
     out = {}
     for path in sorted(directory.glob("*.sbatch")):
         cpu, cpu_dir = _CPU.get(path.stem, ({}, {}))
+        if path.stem in CPU_PROFILES:
+            cpu_dir = {"model": CPU_PROFILES[path.stem], **cpu_dir}
         out[path.stem] = Template(path.stem, path, {**_CPU_COMMON, **cpu} if path.stem != "wrap-train-py" else {},
                                   cpu_dir)
     return out
@@ -271,6 +280,8 @@ def render(template: Template, params: Params) -> str:
         sbatch.setdefault("gpus-per-node", str(params.gpus_per_node))
     if "per_gpu_batch" in directives and template.name != "wrap-train-py":
         script.setdefault("--per-gpu-batch", str(directives["per_gpu_batch"]))
+    if template.name != "wrap-train-py" and directives.get("model") not in (None, _own_model(template)):
+        script.setdefault("--profile", str(directives["model"]))   # its measurements go in under that name
     block = _edit_directives(_edit_sbatch(block, sbatch), directives)
 
     launcher, worker, inner = command_parts(command_lines, str(template.path))
@@ -294,6 +305,14 @@ def render(template: Template, params: Params) -> str:
     except DirectiveError as exc:
         raise TemplateError(f"the rendered script has a bad directive: {exc}") from None
     return text
+
+
+def _own_model(template: Template) -> str | None:
+    """The template's own `model=` (its script's default `--profile`, tests/unit/test_templates.py checks)."""
+    try:
+        return parse_script(template.text).get("model")
+    except DirectiveError:
+        return None
 
 
 def _current_gpus_per_node(block: list[str]) -> int:
@@ -358,7 +377,8 @@ def _pairs(values: tuple[str, ...], what: str) -> dict:
 @click.option("--min-efficiency", help="#ELASTIC min_efficiency, in [0, 1].")
 @click.option("--objective", type=click.Choice(["throughput", "efficiency", "cost"]), help="#ELASTIC objective.")
 @click.option("--gpu-type", help="#ELASTIC gpu_type (e.g. H100).")
-@click.option("--model", help="#ELASTIC model: the predictor profile name.")
+@click.option("--model", help="#ELASTIC model: the predictor profile name (also the script's --profile, the name "
+                                "its measurements go in under; --cpu-test: the tiny model's name).")
 @click.option("--elastic", type=click.Choice(["on", "off"]), help="#ELASTIC elastic: off = never resize at run time.")
 @click.option("--steps", type=click.IntRange(1), help="Training steps.")
 @click.option("--data", help="Dataset path passed to the script as --data (default: synthetic data).")

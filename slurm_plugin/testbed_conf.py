@@ -10,8 +10,7 @@ starting at `TestbedConfig.port_base`, so several labs can run side by side on o
     port_base + 3         MariaDB                  (StoragePort, bound to 127.0.0.1)
     port_base + 10 + i    slurmd of node<i>        (NodeName=node<i> Port=...)
 
-Two labs need port bases at least `PORT_SPAN` apart. The recipe follows
-shared/docs/slurm-facts.md (verified on Slurm 22.05.8 / Debian 12).
+Two labs need port bases at least `PORT_SPAN` apart. The recipe was verified on Slurm 22.05.8 / Debian 12.
 """
 from __future__ import annotations
 

@@ -253,6 +253,7 @@ def test_example_refuses_to_run_outside_elastic_launch():
     assert proc.returncode != 0 and "run this script under elastic-launch" in proc.stderr
 
 
+@pytest.mark.slow  # two worker processes
 def test_two_workers_train_under_a_local_coordinator(tmp_path):
     """What elastic-launch does, without Slurm: a store, a first plan, two worker processes."""
     import torch.distributed as dist
