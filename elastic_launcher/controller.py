@@ -392,7 +392,9 @@ class Controller(Transitions):
         part = self.alloc.partition
         return [PendingJob(j.job_id, j.node_count, j.reason) for j in jobs
                 if j.state == "PENDING" and j.job_id not in ours and j.node_count > 0
-                and j.reason in ("Resources", "Priority") and (not part or part in j.partition.split(","))]
+                # "None": just submitted, not yet looked at by the scheduler (a job that idle nodes can take
+                # needs nothing from this one: yield_to_pending counts the idle nodes first)
+                and j.reason in ("Resources", "Priority", "None") and (not part or part in j.partition.split(","))]
 
     def _free_nodes(self) -> list[str]:
         try:

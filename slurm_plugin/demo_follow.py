@@ -3,8 +3,9 @@
 `JobWatcher` reads the launcher's `records.jsonl` incrementally (measurement, decision, plan, transition ...
 see docs/launcher.md) and rank 0's progress lines in the worker logs (`step 340/1200  workers 3 ...`),
 prints what happens as it happens, and makes sure the job goes through at least one grow and one shrink:
-when the autoscaler has not done one after the job settled at a size, it asks as an operator would
-(`elastic-launch ctl JOB --nodes N`).
+when the autoscaler has not grown the job after it settled at a size, it asks as an operator would
+(`elastic-launch ctl JOB --nodes N`); for the shrink it submits another user's job that needs a node the demo
+job holds, which the launcher hands back (an operator request only if that has not happened within 60 s).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class JobWatcher:
         self._last_step = (0.0, None)        # (when, workers) of the last progress line printed
         self._last_measure = (0.0, None)     # (when, nodes) of the last measurement printed
         self.requests: list[dict] = []
+        self.waiting_job: tuple[int, float] | None = None   # (id, when) of the other user's job the demo submits
         self.state = "PENDING"
         self.t0 = time.monotonic()
 
@@ -142,9 +144,24 @@ class JobWatcher:
             raise DemoError(f"elastic-launch ctl failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
         self.requests.append({"t": sent, "nodes": nodes, "why": why, "reply": reply})
 
+    def _submit_waiting_job(self) -> None:
+        """Another user's job that needs one whole node more than is idle: it pends until the elastic job
+        hands a node back (elastic-launch does that for a pending job of its partition, docs/launcher.md)."""
+        idle = sum(1 for n in self.slurm.nodes() if n.state == "idle")
+        want = idle + 1
+        out = self.run_dir.parent / "other-user-%j.out"
+        job = self.slurm.submit(f"#!/bin/bash\n#SBATCH --job-name=other-user --nodes={want} --exclusive "
+                                f"--output={out}\nsleep 15\n")
+        self.waiting_job = (job, time.time())
+        self.echo(f"{self._stamp()} another user submits job {job}: {want} whole node{'s' if want > 1 else ''}, "
+                  f"{idle} idle: it waits for one the demo job holds")
+
     def _steer(self) -> None:
         grew, shrank = bool(self.transitions(GROWS)), bool(self.transitions(SHRINKS))
         nodes = self._nodes_now()
+        if nodes is not None and nodes > 1 and grew and self.waiting_job is None and not self.transitions(("shrink",)):
+            self._submit_waiting_job()   # at once: before the autoscaler's next measurement may revert the grow
+            return
         if nodes is None or (grew and shrank) or not self._settled():
             return
         pending = [r for r in self.records if r["kind"] in ("transition", "helper_submitted")]
@@ -155,13 +172,13 @@ class JobWatcher:
             return   # the last request is still being carried out (a helper job takes a while to start)
         if not grew and nodes < self.max_nodes:
             self._request(min(nodes + 2, self.max_nodes), "no grow by the autoscaler yet: the demo asks for one")
-        elif not shrank and nodes > 1:
-            self._request(max(1, nodes - 2), "free nodes for other jobs: the demo shrinks the job")
+        elif not shrank and nodes > 1 and self.waiting_job is not None and time.time() - self.waiting_job[1] > 60:
+            self._request(max(1, nodes - 2), "no node handed back in 60 s: the demo shrinks the job")
         elif not grew:   # at the maximum and never grew: shrink first, the grow follows
             self._request(max(1, nodes - 2), "at the maximum: shrink first, then grow")
 
     # -- the loop -------------------------------------------------------------------------------------------
-    def follow(self, timeout_s: float, poll_s: float = 1.0) -> str:
+    def follow(self, timeout_s: float, poll_s: float = 0.3) -> str:
         """Print progress until the job ends; return its final Slurm state.
 
         :raises DemoError: the job did not end within `timeout_s`.
