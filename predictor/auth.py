@@ -35,6 +35,10 @@ MUNGE_HEADER = "X-Elastic-Munge"
 PAYLOAD_PREFIX = "elastic-predictor/1"
 _PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256=([0-9a-f]{{64}})\Z")
 DEFAULT_TIMEOUT = timedelta(seconds=5)
+# what munge's encoder writes: "MUNGE:" + base64 + ":" (a header of any other shape never costs an unmunge run)
+_CREDENTIAL_RE = re.compile(r"^MUNGE:[A-Za-z0-9+/]{16,16384}={0,2}:\Z")
+OWNER_TTL = timedelta(seconds=10)   # a job's owner and state, as Slurm said them, reused this long
+OWNER_ENTRIES = 4096
 
 
 class AuthError(Exception):
@@ -103,7 +107,10 @@ class Unmunger:
         self.timeout = timeout
 
     def decode(self, credential: str) -> MungeIdentity:
-        """:raises AuthError: 401 `bad_credential` naming what unmunge said."""
+        """:raises AuthError: 401 `bad_credential` naming what unmunge said, or the header's shape."""
+        if not _CREDENTIAL_RE.match(credential.strip()):
+            raise AuthError(401, f"{MUNGE_HEADER}: bad credential: not a munge credential (MUNGE:<base64>:, at "
+                                 "most 16 KiB)", MUNGE_HEADER, "bad_credential")
         argv = ["unmunge", "--numeric"]
         if self.socket:
             argv.append(f"--socket={self.socket}")
@@ -134,6 +141,45 @@ class JobOwners(Protocol):
     """What the check needs from Slurm (slurm_plugin.client.CommandBackend provides it)."""
 
     def job_owner(self, job_id: int): ...
+
+
+class OwnerCache:
+    """Slurm's answer about a job's owner, kept `ttl` per job id (found or not found), at most `entries`.
+
+    A credential for an unknown or foreign job costs a squeue and a sacct run; without this, one client could
+    make the service run them for every request. Staleness is bounded by `ttl` (a job that just ended is
+    still accepted for `job_recent` anyway).
+    """
+
+    def __init__(self, jobs: Callable[[], JobOwners], ttl: timedelta = OWNER_TTL, entries: int = OWNER_ENTRIES,
+                 clock: Callable[[], float] = time.monotonic):
+        self._jobs = jobs
+        self.ttl = ttl
+        self.entries = entries
+        self.clock = clock
+        self._seen: dict[int, tuple[float, object, Exception | None]] = {}  # job -> (when, owner, not found)
+
+    def job_owner(self, job_id: int):
+        """Raises what the lookup raised (JobNotFoundError is remembered too; SlurmError is not)."""
+        from slurm_plugin.errors import JobNotFoundError   # noqa: PLC0415
+
+        now = self.clock()
+        hit = self._seen.get(job_id)
+        if hit is not None and now - hit[0] < self.ttl.total_seconds():
+            if hit[2] is not None:
+                raise hit[2]
+            return hit[1]
+        try:
+            owner, missing = self._jobs().job_owner(job_id), None
+        except JobNotFoundError as exc:
+            owner, missing = None, exc
+        if len(self._seen) >= self.entries:
+            for old in sorted(self._seen, key=lambda j: self._seen[j][0])[: self.entries // 4]:
+                del self._seen[old]
+        self._seen[job_id] = (now, owner, missing)
+        if missing is not None:
+            raise missing
+        return owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +216,7 @@ class Authenticator:
         self.unmunger = unmunger or Unmunger()
         self._jobs = jobs
         self._jobs_factory = jobs_factory
+        self.owners = OwnerCache(lambda: self.jobs)
         self.job_recent = job_recent
         self.read_auth = read_auth
         self.clock = clock
@@ -289,7 +336,7 @@ class Authenticator:
         from slurm_plugin.errors import JobNotFoundError, SlurmError   # noqa: PLC0415
 
         try:
-            owner = self.jobs.job_owner(job_id)
+            owner = self.owners.job_owner(job_id)
         except JobNotFoundError:
             raise AuthError(403, f"{MUNGE_HEADER}: job not found: Slurm does not know job {job_id}",
                             MUNGE_HEADER, "job_not_found") from None

@@ -421,3 +421,38 @@ def test_plan_is_asked_once_with_the_bearer_token_and_never_signed(scripted, mon
     assert client.plan({"source": "launcher", "directives": []}) is None
     assert len(Scripted.seen) == 1 and signer.signed == []
     assert Scripted.seen[0][0]["Authorization"] == f"Bearer {TOKEN}"
+
+
+def test_a_header_that_is_no_munge_credential_never_runs_unmunge(monkeypatch):
+    from predictor import auth as auth_module
+    runs = []
+    monkeypatch.setattr(auth_module.subprocess, "run", lambda *a, **k: runs.append(a) or None)
+    for junk in ("garbage", "MUNGE:", "MUNGE:!!!!:", "MUNGE:" + "A" * 20000 + ":", "x" * 100):
+        with pytest.raises(auth_module.AuthError) as err:
+            auth_module.Unmunger().decode(junk)
+        assert err.value.reason == "bad_credential" and "not a munge credential" in str(err.value)
+    assert runs == []
+
+
+def test_slurm_is_asked_about_a_job_once_per_ttl_found_or_not():
+    from predictor.auth import OwnerCache
+    from slurm_plugin.errors import JobNotFoundError
+    calls = []
+
+    class Jobs:
+        def job_owner(self, job_id):
+            calls.append(job_id)
+            if job_id == 404:
+                raise JobNotFoundError(f"job {job_id}")
+            return ("owner", job_id)
+
+    now = [0.0]
+    cache = OwnerCache(lambda: Jobs(), clock=lambda: now[0])
+    assert cache.job_owner(7) == cache.job_owner(7) == ("owner", 7)
+    for _ in range(3):
+        with pytest.raises(JobNotFoundError):
+            cache.job_owner(404)
+    assert calls == [7, 404]
+    now[0] = cache.ttl.total_seconds() + 1
+    cache.job_owner(7)
+    assert calls == [7, 404, 7]
