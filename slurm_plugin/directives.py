@@ -104,6 +104,7 @@ def parse_lines(lines: list[tuple[int, str]]) -> dict[str, Any]:
         DirectiveError: naming the line number, quoting the line and saying what is wrong.
     """
     result: dict[str, Any] = {}
+    where: dict[str, tuple[int, str]] = {}  # key -> the line that gave it (for errors across keys)
     for number, line in lines:
         tokens = _TOKEN_RE.findall(line[len(PREFIX):])
         if tokens and tokens[0].startswith("#") or not tokens:
@@ -122,6 +123,11 @@ def parse_lines(lines: list[tuple[int, str]]) -> dict[str, Any]:
                 result[key] = KEYS[key](value)
             except ValueError as exc:
                 raise DirectiveError(number, line, f"{key}: {exc}") from None
+            where[key] = (number, line)
+    cap, batch, gpus = result.get("max_global_batch"), result.get("per_gpu_batch"), result.get("gpus")
+    if cap is not None and batch is not None and gpus is not None and cap < batch * gpus["min"]:
+        raise DirectiveError(*where["max_global_batch"], f"max_global_batch {cap} is below per_gpu_batch {batch} x "
+                             f"gpus min {gpus['min']} = {batch * gpus['min']}: no allowed size fits")
     return result
 
 

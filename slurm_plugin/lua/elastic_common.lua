@@ -184,6 +184,7 @@ end
 -- Returns the typed values, or nil and an error table (message names the line, quotes it).
 function M.parse_lines(lines)
   local result = {}
+  local where = {} -- key -> the entry that gave it (for errors across keys)
   for _, entry in ipairs(lines) do
     local number, line = entry.no, entry.line
     local tokens = {}
@@ -208,7 +209,15 @@ function M.parse_lines(lines)
       local typed, err = KEYS[key](value)
       if typed == nil then return directive_error(number, line, key .. ": " .. err) end
       result[key] = typed
+      where[key] = entry
     end
+  end
+  local cap, batch, gpus = result.max_global_batch, result.per_gpu_batch, result.gpus
+  if cap ~= nil and batch ~= nil and gpus ~= nil and cap < batch * gpus.min then
+    local e = where.max_global_batch
+    return directive_error(e.no, e.line, string.format(
+      "max_global_batch %d is below per_gpu_batch %d x gpus min %d = %d: no allowed size fits",
+      cap, batch, gpus.min, batch * gpus.min))
   end
   return result
 end
