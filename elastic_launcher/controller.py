@@ -348,6 +348,7 @@ class Controller(Transitions):
         wids = {w for slot in self.nodes.values() for w in slot.wids}
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
                                 d.model or "unknown", d.gpu_type, steps=False)
+        records = [dict(r, job_id=int(self.job_id)) for r in records]  # the job's own rows answer its own plans
         for start in range(0, len(records), OBSERVATIONS_PER_POST):
             if not self.predictor.observe(records[start:start + OBSERVATIONS_PER_POST]):
                 break

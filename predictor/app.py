@@ -1,7 +1,9 @@
 """The Flask application factory (also the WSGI entry point: `predictor.app:create_app()`).
 
-`create_app(config=None)` builds the Store (migrating it), the ModelCache (loading the newest stored model,
-then starting its refit thread; only the worker holding the fit lock fits: predictor.service) and registers
+`create_app(config=None)` builds the Store (migrating it; decisions pruned to the configured retention), the
+ModelCache (loading the newest stored model, then starting its refit thread; only the worker holding the fit
+lock fits: predictor.service), the PlotRenderer (the admin plots' drawing thread: predictor.plotcache; started
+with the refit thread when `plot_prerender`, else by the first plot request) and registers
 one blueprint per resource plus one JSON error handler (a model version not reached: 503 naming both
 versions). With `config=None` it reads the environment once through `Config.from_env` (the WSGI-factory entry
 point).
@@ -20,10 +22,11 @@ from werkzeug.exceptions import HTTPException
 from predictor.api import AuthError, Services
 from predictor.api import decisions, health, links, metrics, observations, predict, profiles, web
 from predictor.config import Config
-from predictor.errors import NotFoundError, ValidationError
+from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.planner import DirectiveProblem
+from predictor.plotcache import PlotRenderer
 from predictor.service import ModelCache, ModelUnavailable, ModelVersionUnavailable, default_predictor_factory
-from predictor.store import Store
+from predictor.store import DecisionRetention, Store
 
 log = logging.getLogger("predictor.app")
 _STORE_FULL_OR_READONLY = re.compile(r"readonly|read-only|disk is full|disk I/O error", re.IGNORECASE)
@@ -31,6 +34,8 @@ _STORE_FULL_OR_READONLY = re.compile(r"readonly|read-only|disk is full|disk I/O 
 
 def handle_error(exc: Exception):
     """The one error handler: every error leaves as JSON `{"error": ..., "field": ...}`."""
+    if isinstance(exc, TooLarge):
+        return jsonify(error=str(exc), field=exc.field), 413
     if isinstance(exc, ValidationError):
         return jsonify(error=str(exc), field=exc.field), 400
     if isinstance(exc, DirectiveProblem):
@@ -81,15 +86,19 @@ def create_app(config: Config | None = None, *, predictor_factory: Callable | No
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False
-    store = Store(config.db_path)
+    store = Store(config.db_path, decision_retention=DecisionRetention(
+        max_rows=config.decisions_keep, max_age=config.decisions_max_age, max_bytes=config.decisions_max_bytes))
     store.migrate()
     models = ModelCache(store, predictor_factory or default_predictor_factory, debounce=config.refit_debounce,
                         poll=config.refit_poll, cache_size=config.prediction_cache_size,
-                        min_interval=config.refit_min_interval)
-    app.extensions["elastic_predictor"] = Services(config=config, store=store, models=models)
+                        cache_bytes=config.prediction_cache_bytes, min_interval=config.refit_min_interval)
+    plots = PlotRenderer(store, models, prerender=config.plot_prerender)
+    app.extensions["elastic_predictor"] = Services(config=config, store=store, models=models, plots=plots)
     for module in (health, profiles, observations, predict, decisions, links, metrics, web):
         app.register_blueprint(module.bp)
     app.register_error_handler(Exception, handle_error)
     if start_refit:
         models.start()
+        if config.plot_prerender:
+            plots.start()
     return app

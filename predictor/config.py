@@ -19,6 +19,12 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_READ_AUTH   1: reads (GET) need a credential too (/healthz stays open)
     ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S  seconds the job_submit hook may reuse a /v1/plan decision for an
                                   identical request (`cache_ttl_s`; default 30, 0 disables)
+    ELASTIC_PREDICTOR_CACHE_BYTES prediction cache budget per worker, in estimated bytes (default 64 MiB)
+    ELASTIC_PREDICTOR_DECISIONS_KEEP      decisions kept at most (default 100000; the oldest are pruned)
+    ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS  decisions older than this are pruned (default 90)
+    ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES request and response text the decisions may hold (default 512 MiB)
+    ELASTIC_PREDICTOR_PLOT_PRERENDER  1 (the default here, not in `Config()`): each worker draws the admin
+                                  page's plots for every new model version before anyone asks
 """
 from __future__ import annotations
 
@@ -42,9 +48,16 @@ ENV_SLURM_CONF = "ELASTIC_PREDICTOR_SLURM_CONF"
 ENV_JOB_RECENT = "ELASTIC_PREDICTOR_JOB_RECENT_S"
 ENV_READ_AUTH = "ELASTIC_PREDICTOR_READ_AUTH"
 ENV_PLAN_CACHE_TTL = "ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S"
+ENV_CACHE_BYTES = "ELASTIC_PREDICTOR_CACHE_BYTES"
+ENV_DECISIONS_KEEP = "ELASTIC_PREDICTOR_DECISIONS_KEEP"
+ENV_DECISIONS_MAX_AGE = "ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS"
+ENV_DECISIONS_MAX_BYTES = "ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES"
+ENV_PLOT_PRERENDER = "ELASTIC_PREDICTOR_PLOT_PRERENDER"
 # The variable behind each range-checked field, so an out-of-range value is reported by the name the admin set.
 _FIELD_ENV = {"max_body_bytes": ENV_MAX_BODY, "prediction_cache_size": ENV_CACHE, "refit_debounce": ENV_DEBOUNCE,
-              "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL}
+              "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL,
+              "prediction_cache_bytes": ENV_CACHE_BYTES, "decisions_keep": ENV_DECISIONS_KEEP,
+              "decisions_max_age": ENV_DECISIONS_MAX_AGE, "decisions_max_bytes": ENV_DECISIONS_MAX_BYTES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +74,7 @@ class Config:
         refit_min_interval: least time between the end of one fit and the start of the next, so a steady
             stream of observations cannot keep a worker fitting all the time.
         prediction_cache_size: entries in the per-model-version prediction cache.
+        prediction_cache_bytes: budget of that cache in estimated bytes (candidates x layout length), per worker.
         default_min_efficiency: scaling-efficiency threshold when the directives give none.
         max_plan_candidates: cap on the layouts one /v1/plan or /v1/predict evaluates.
         admin_token: bearer token for admin operations; None: the tool token does them.
@@ -72,6 +86,12 @@ class Config:
         auth_timeout: limit for one `unmunge` or Slurm lookup.
         plan_cache_ttl: how long the job_submit hook may reuse a /v1/plan decision for an identical
             request (sent as `cache_ttl_s`); zero disables the hook's cache.
+        decisions_keep: decisions kept at most (the newest; predictor.store.DecisionRetention).
+        decisions_max_age: decisions older than this are pruned.
+        decisions_max_bytes: bytes of request and response text the decisions may hold.
+        plot_prerender: draw the admin page's default plots in the background for every new model version
+            before anyone asks (on for `serve` through `from_env`; off in `Config()`, so embedding code and
+            tests start no drawing they did not ask for).
     """
 
     db_path: str = "predictor.db"
@@ -92,6 +112,11 @@ class Config:
     read_auth: bool = False
     auth_timeout: timedelta = timedelta(seconds=5)
     plan_cache_ttl: timedelta = timedelta(seconds=30)
+    prediction_cache_bytes: int = 64 * 1024 * 1024
+    decisions_keep: int = 100_000
+    decisions_max_age: timedelta = timedelta(days=90)
+    decisions_max_bytes: int = 512 * 1024 * 1024
+    plot_prerender: bool = False
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -106,6 +131,14 @@ class Config:
             raise ValidationError("job_recent", "job_recent must be >= 0 and auth_timeout > 0")
         if not timedelta(0) <= self.plan_cache_ttl <= timedelta(hours=1):
             raise ValidationError("plan_cache_ttl", "must lie in 0..3600 s")
+        if self.prediction_cache_bytes < 0:
+            raise ValidationError("prediction_cache_bytes", "must be >= 0")
+        if self.decisions_keep < 1:
+            raise ValidationError("decisions_keep", "must be >= 1")
+        if self.decisions_max_age <= timedelta(0):
+            raise ValidationError("decisions_max_age", "must be > 0 days")
+        if self.decisions_max_bytes < 64 * 1024:
+            raise ValidationError("decisions_max_bytes", "must be at least 65536")
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (the object itself stays frozen)."""
@@ -157,6 +190,18 @@ class Config:
             except ValueError:
                 raise ValidationError(ENV_PLAN_CACHE_TTL,
                                       f"expected seconds, got {env[ENV_PLAN_CACHE_TTL]!r}") from None
+        if env.get(ENV_CACHE_BYTES):
+            values["prediction_cache_bytes"] = _int_var(env, ENV_CACHE_BYTES)
+        if env.get(ENV_DECISIONS_KEEP):
+            values["decisions_keep"] = _int_var(env, ENV_DECISIONS_KEEP)
+        if env.get(ENV_DECISIONS_MAX_AGE):
+            try:
+                values["decisions_max_age"] = timedelta(days=float(env[ENV_DECISIONS_MAX_AGE]))
+            except (ValueError, OverflowError):
+                raise ValidationError(ENV_DECISIONS_MAX_AGE, f"expected days, got {env[ENV_DECISIONS_MAX_AGE]!r}") from None
+        if env.get(ENV_DECISIONS_MAX_BYTES):
+            values["decisions_max_bytes"] = _int_var(env, ENV_DECISIONS_MAX_BYTES)
+        values["plot_prerender"] = _bool_var(env, ENV_PLOT_PRERENDER) if env.get(ENV_PLOT_PRERENDER) else True
         from_env = set(values)
         values.update({k: v for k, v in overrides.items() if v is not None})
         from_env -= {k for k, v in overrides.items() if v is not None}

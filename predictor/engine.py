@@ -15,6 +15,7 @@ import numpy as np
 
 from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, empty_link_model
+from predictor.lru import ByteBudgetLRU
 from predictor.profiles import Profile
 from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, predict_rows,
                                   profile_compute_params, sync_bases)
@@ -22,6 +23,8 @@ from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, 
 PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a profile
 PRIOR_LOG_STD = 1.0  # ... from a parameter-count guess
 MIN_LOG_STD = 0.03
+BASES_CACHE_BYTES = 32 * 1024 * 1024  # budget of the per-fit sync-time cache (`Predictor._bases`), per process
+BASES_ENTRY_BYTES = 512  # one entry: a key of fixed size (no layout in it) and a pair of floats, dict slot included
 
 
 class Predictor:
@@ -36,15 +39,16 @@ class Predictor:
         shape_l2: ridge weight of a link's per-shape corrections (learnt from shapes >= 2 jobs ran).
         gamma_prior: compute/sync overlap exponent used where it cannot be fitted.
         f_scale: soft-L1 scale of log residuals in the step fit.
-        recent_rows: a candidate that was measured (same profile, GPU, per-GPU batch, layout shape and links)
-            is predicted at the median of its newest this-many step rows (`basis: measured`): the model
-            generalises to what was not run, a measurement wins where there is one, and newer evidence wins
-            over older (records are fitted in the order they were stored).
+        recent_rows: for a job asking about itself (`predict(job_id=)`), a candidate that job measured (same
+            profile, GPU, per-GPU batch, layout shape and links) is predicted at the median of its newest
+            this-many step rows (`basis: measured`): the model generalises to what was not run, the job's own
+            measurement wins where there is one, and newer evidence over older (rows in stored order).
+        job_rows_cap: one job's step rows weigh at most this many rows in the fit (throughput.job_weights).
     """
 
     def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,
                  w_l2: float = 1.0, dw_l2: float = 0.3, shape_l2: float = 1.0, gamma_prior: float = 1.5,
-                 f_scale: float = 0.05, recent_rows: int = 5):
+                 f_scale: float = 0.05, recent_rows: int = 5, job_rows_cap: int = 20):
         self.bucket_cap_mb = bucket_cap_mb
         self.link_prior_weight = link_prior_weight
         self.sync_weight = sync_weight
@@ -54,6 +58,7 @@ class Predictor:
         self.gamma_prior = gamma_prior
         self.f_scale = f_scale
         self.recent_rows = recent_rows
+        self.job_rows_cap = job_rows_cap
 
     # ------------------------------------------------------------------ fit
     def fit(self, profiles: dict[str, Profile], observations: list[dict]) -> "Predictor":
@@ -80,7 +85,7 @@ class Predictor:
         else:
             self.links_ = empty_link_model(prior_weight=self.link_prior_weight)
         self.profiles_ = dict(profiles)
-        self._base_cache = {}
+        self._base_cache = ByteBudgetLRU(BASES_CACHE_BYTES)
         self.step_links_ = {}
         for o in steps:
             for key in (o["intra_link"], o.get("inter_link")):
@@ -90,7 +95,7 @@ class Predictor:
             bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
                               for o in steps])
             fit = fit_throughput(steps, bases, sync_weight=self.sync_weight, w_l2=self.w_l2, dw_l2=self.dw_l2,
-                                 shape_l2=self.shape_l2,
+                                 shape_l2=self.shape_l2, job_rows_cap=self.job_rows_cap,
                                  gamma_prior=self.gamma_prior, f_scale=self.f_scale)
         else:
             fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
@@ -107,19 +112,24 @@ class Predictor:
 
     def __getstate__(self) -> dict:
         """What pickling keeps (the service stores fitted predictors): all but the `_bases` cache, which is
-        rebuilt on use and can hold up to 200,000 arrays."""
+        rebuilt on use."""
         return {k: v for k, v in self.__dict__.items() if k != "_base_cache"}
 
     def _bases(self, profile: Profile, layout, intra, inter):
-        """(T_I, T_E) of the profile's buckets on a layout; cached per fit (bounded)."""
-        key = (profile.name, profile.buckets_bytes, tuple(layout), intra, inter)
-        cache = self.__dict__.setdefault("_base_cache", {})
-        if key not in cache:
-            if len(cache) > 200_000:
-                cache.clear()
-            cache[key] = sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout),
-                                    intra, inter)
-        return cache[key]
+        """(T_I, T_E) of the profile's buckets on a layout; cached per fit, bounded by BASES_CACHE_BYTES.
+
+        `sync_bases` depends on the layout only through its largest node and its node count, so those are the
+        key: an entry's size does not grow with the layout, and layouts of one shape share an entry.
+        """
+        key = (profile.name, profile.buckets_bytes, max(layout), len(layout), intra, inter)
+        cache = self.__dict__.get("_base_cache")
+        if cache is None:       # unpickled: the cache is not stored with the model
+            cache = self.__dict__.setdefault("_base_cache", ByteBudgetLRU(BASES_CACHE_BYTES))
+        hit = cache.get(key)
+        if hit is None:
+            hit = sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout), intra, inter)
+            cache.put(key, hit, BASES_ENTRY_BYTES)
+        return hit
 
     def _calibrate(self) -> dict[str, float]:
         """Per GPU: geometric mean of fitted c1 over the profile estimate, for never-observed profiles."""
@@ -135,8 +145,13 @@ class Predictor:
         self._check_fitted()
         return (profile_name, gpu) in self.perf_
 
-    def predict(self, profile: Profile, gpu: str, per_gpu_batch: int, candidates: list[dict]) -> list[dict]:
+    def predict(self, profile: Profile, gpu: str, per_gpu_batch: int, candidates: list[dict],
+                job_id: int | None = None) -> list[dict]:
         """Predicted step time and throughput of each candidate layout, in order.
+
+        For `job_id` (a running job asking about itself), a layout that job measured is answered with its own
+        measurement (`recent_rows`); for anyone else every layout is the model's, fitted on all jobs, so one
+        job's rows never stand in for everybody's answer.
 
         Raises:
             ValidationError: bad batch or candidate (named as `candidates[i].layout`, ...).
@@ -160,8 +175,9 @@ class Predictor:
             pred = {"layout": list(c["layout"]), "samples_per_s": float(r["samples_per_s"][0]),
                     "iter_s": float(r["iter_s"][0]), "compute_s": float(r["compute_s"][0]),
                     "comm_s": float(r["comm_s"][0]), "uncertainty": std, "basis": basis}
-            seen = measured.get(step_key(profile.name, gpu, per_gpu_batch, c["layout"], c["intra_link"],
-                                         c["inter_link"]))
+            seen = None if job_id is None else measured.get(
+                (int(job_id), *step_key(profile.name, gpu, per_gpu_batch, c["layout"], c["intra_link"],
+                                        c["inter_link"])))
             if seen is not None:  # measured: its newest rows' median, the model's split of it scaled alike
                 iter_s, spread, n = seen
                 scale = iter_s / pred["iter_s"]
@@ -221,11 +237,15 @@ def step_key(profile: str, gpu: str, per_gpu_batch, layout, intra: str, inter: s
 
 
 def measured_steps(steps: list[dict], recent: int) -> dict[tuple, tuple[float, float, int]]:
-    """Per `step_key`: (median iter_s of the newest `recent` rows, their log spread, rows used)."""
+    """Per (job_id, `step_key`) of rows that name their job: (median iter_s of the newest `recent` rows, their
+    log spread, rows used)."""
     groups: dict[tuple, list[float]] = {}
     for o in steps:  # oldest first: the newest rows of a key end the list
-        groups.setdefault(step_key(o["profile"], o["gpu"], o["per_gpu_batch"], o["layout"], o["intra_link"],
-                                   o.get("inter_link")), []).append(float(o["iter_s"]))
+        if o.get("job_id") is None:
+            continue
+        groups.setdefault((int(o["job_id"]), *step_key(o["profile"], o["gpu"], o["per_gpu_batch"], o["layout"],
+                                                       o["intra_link"], o.get("inter_link"))),
+                          []).append(float(o["iter_s"]))
     out = {}
     for key, xs in groups.items():
         xs = xs[-recent:]

@@ -18,3 +18,7 @@ class NotFoundError(LookupError):
         self.name = name
         self.hint = hint
         super().__init__(f"{what} {name!r} not found" + (f"; {hint}" if hint else ""))
+
+
+class TooLarge(ValidationError):
+    """Input within the body cap that asks for more work or storage than a named limit allows (413)."""

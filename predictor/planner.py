@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from predictor.cluster import Cluster, Partition
-from predictor.errors import NotFoundError, ValidationError
+from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.records import layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from slurm_plugin.directives import PREFIX, parse_lines
@@ -32,6 +32,10 @@ SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
 NO_VAL32 = 0xFFFFFFFE            # Slurm's "unset" for 32-bit job_desc fields (and INFINITE above it)
 NO_VAL16 = 0xFFFE
 MAX_REUSED_IDS = 4096
+MAX_DIRECTIVE_LINES = 64         # `#ELASTIC` lines in one request
+MAX_DIRECTIVE_LINE = 4096        # characters in one line
+MAX_DIRECTIVES_CHARS = 16384     # characters of all lines together (a real job has a few short lines)
+DECISION_ID_RE = re.compile(r"^d-[0-9]{1,18}$")   # what `reused` may name: ids the service answered
 _TRES_GPU_RE = re.compile(r"(?:^|,)(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)(?:,|$)")
 _JOB_FIELDS: dict[str, tuple[type, int]] = {      # field -> (type, upper bound for ints / length for str)
     "user": (str, 256), "uid": (int, 2**32), "partition": (str, 1024), "job_id": (int, 2**32),
@@ -51,14 +55,27 @@ class DirectiveProblem(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
-    """A validated /v1/plan body."""
+    """A validated /v1/plan body. The raw body is not kept: `record()` is what a decision stores of it."""
 
     source: str
     directives: dict | None            # parsed directives; None when no line was given
     job: dict
     current: dict | None
-    raw: dict
+    lines: tuple[str, ...] = ()        # the `#ELASTIC` lines as parsed (validated, bounded)
     reused: dict = dataclasses.field(default_factory=dict)   # decision id -> submissions that reused it
+
+    def record(self) -> dict:
+        """The request as a decision stores it: source, the directive lines, the validated job fields, current
+        and reused, each bounded by the parser's limits; never the body's own text (whitespace, duplicate keys
+        and unknown encodings do not reach the database)."""
+        out: dict[str, Any] = {"source": self.source, "directives": list(self.lines)}
+        if self.job:
+            out["job"] = dict(self.job)
+        if self.current is not None:
+            out["current"] = dict(self.current)
+        if self.reused:
+            out["reused"] = dict(self.reused)
+        return out
 
 
 def _job(value: Any) -> dict:
@@ -114,7 +131,9 @@ def parse_request(body: Any) -> PlanRequest:
     """Validate a /v1/plan body and parse its directives.
 
     Raises:
-        ValidationError: a malformed request field (400), e.g. `job.min_nodes`.
+        ValidationError: a malformed request field (400), e.g. `job.min_nodes`, or `reused` naming something
+            other than decision ids.
+        TooLarge: more directive text than MAX_DIRECTIVES_CHARS (413, field `directives`).
         DirectiveProblem: a malformed `#ELASTIC` line (422).
     """
     if not isinstance(body, dict):
@@ -126,12 +145,16 @@ def parse_request(body: Any) -> PlanRequest:
     if source not in SOURCES:
         raise ValidationError("source", f"expected one of {'|'.join(SOURCES)}, got {source!r}")
     lines = body.get("directives")
-    if not isinstance(lines, list) or len(lines) > 64:
-        raise ValidationError("directives", "expected a list of at most 64 `#ELASTIC` lines")
-    numbered = []
+    if not isinstance(lines, list) or len(lines) > MAX_DIRECTIVE_LINES:
+        raise ValidationError("directives", f"expected a list of at most {MAX_DIRECTIVE_LINES} `#ELASTIC` lines")
+    numbered, chars = [], 0
     for index, line in enumerate(lines):
-        if not isinstance(line, str) or len(line) > 4096:
-            raise ValidationError(f"directives[{index}]", "expected a string of at most 4096 characters")
+        if not isinstance(line, str) or len(line) > MAX_DIRECTIVE_LINE:
+            raise ValidationError(f"directives[{index}]", f"expected a string of at most {MAX_DIRECTIVE_LINE} "
+                                                          "characters")
+        chars += len(line)
+        if chars > MAX_DIRECTIVES_CHARS:
+            raise TooLarge("directives", f"more than {MAX_DIRECTIVES_CHARS} characters of `#ELASTIC` lines in all")
         line = line.rstrip("\r\n")
         if not (line == PREFIX or line.startswith(PREFIX + " ") or line.startswith(PREFIX + "\t")):
             raise DirectiveProblem(f"directives[{index}]", line,
@@ -142,19 +165,27 @@ def parse_request(body: Any) -> PlanRequest:
     except DirectiveError as exc:
         raise DirectiveProblem(f"directives[{exc.line_no - 1}]", exc.line, str(exc)) from None
     return PlanRequest(source=source, directives=directives, job=_job(body.get("job")),
-                       current=_current(body.get("current")), raw=body, reused=_reused(body.get("reused")))
+                       current=_current(body.get("current")), lines=tuple(line for _, line in numbered),
+                       reused=_reused(body.get("reused")))
 
 
 def _reused(value: Any) -> dict:
-    """`{"d-42": 3}`: how many submissions reused each cached decision since the hook's last request."""
+    """`{"d-42": 3}`: how many submissions reused each cached decision since the hook's last request.
+
+    Keys must be decision ids (`d-<digits>`, as the service answers them), at most MAX_REUSED_IDS of them, so
+    what a decision stores of them is bounded (about 35 bytes an id).
+    """
     if value is None:
         return {}
     if not isinstance(value, dict) or len(value) > MAX_REUSED_IDS:
         raise ValidationError("reused", f"expected an object of at most {MAX_REUSED_IDS} decision ids")
     for key, count in value.items():
+        if not DECISION_ID_RE.match(key):
+            raise ValidationError("reused", f"expected decision ids such as 'd-42' as keys, got {key[:64]!r}"
+                                            + ("..." if len(key) > 64 else ""))
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 2**31:
-            raise ValidationError(f"reused.{key[:64]}", f"expected a count in 1..2**31, got {count!r}")
-    return value
+            raise ValidationError(f"reused.{key}", f"expected a count in 1..2**31, got {count!r}")
+    return dict(value)
 
 
 def gpus_in_tres(tres: str | None) -> int | None:
@@ -261,9 +292,11 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     if sum(map(len, by_batch.values())) > max_candidates:
         return _keep(f"more than {max_candidates} candidate layouts; narrow gpus=MIN-MAX", model=model)
     entries = []
+    # a running job (the launcher) asking about itself: its own measurements answer for the layouts it ran
+    asking = request.job.get("job_id") if request.current is not None else None
     try:
         for per_gpu, cands in by_batch.items():
-            for cand, pred in zip(cands, models.predict(profile, part.gpu, per_gpu, cands)):
+            for cand, pred in zip(cands, models.predict(profile, part.gpu, per_gpu, cands, job_id=asking)):
                 entries.append(_entry(cand["layout"], pred, per_gpu))
     except ModelUnavailable as exc:
         return _keep(f"predictor not ready: {exc}", model=model)

@@ -15,10 +15,17 @@
 Reading them: dots on their line mean the model has learnt that family; dots above the line mean the model
 is pessimistic there (it will under-size jobs), dots below mean optimistic (it will over-size them).
 
-Everything renders off-screen (Agg canvas, no pyplot state), so it is safe in server threads.
+What a figure draws is bounded, whatever the history holds (issue #14.4: 400 GPU names made a 400-panel
+figure that took a worker past its timeout): at most MAX_PANELS panels and MAX_SERIES series per panel (those
+with the most records), MAX_POINTS observed points per series (the newest) and MAX_CURVE_POINTS predicted
+points per curve; what was left out is named in a note on the image (`omitted`).
+
+Everything renders off-screen (Agg canvas, no pyplot state), so it is safe in server threads. The service
+draws only in its background renderer (predictor.plotcache), never in a request.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections import Counter, defaultdict
 
@@ -31,6 +38,51 @@ from predictor.errors import NotFoundError
 
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+MAX_PANELS = 12            # scaling panels (profile, GPU type) drawn: the ones with the most step records
+MAX_SERIES = len(COLORS)   # layout families per panel, links in the link plot: the ones with the most records
+MAX_WORLDS = len(MARKERS)  # participant counts (marker shapes) per link: the most frequent
+MAX_POINTS = 400           # observed points per series (or per link and participant count): the newest
+MAX_CURVE_POINTS = 64      # predicted points per curve
+MAX_NOTE_NAMES = 8         # names a note lists before "and N more"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounded:
+    """What a plot draws (`items`: panels or link series) and what it left out, in words (`omitted`)."""
+
+    items: list[dict]
+    omitted: list[str]
+
+
+def _most(groups: dict, limit: int, what: str, omitted: list[str], hint: str = "") -> list:
+    """The keys of `groups` with the most members (at most `limit`, ties by key); the rest named in `omitted`."""
+    ranked = sorted(groups, key=lambda k: (-len(groups[k]), str(k)))
+    kept, dropped = ranked[:limit], ranked[limit:]
+    if dropped:
+        names = ", ".join(_name(k) for k in dropped[:MAX_NOTE_NAMES])
+        more = f" and {len(dropped) - MAX_NOTE_NAMES} more" if len(dropped) > MAX_NOTE_NAMES else ""
+        omitted.append(f"{len(dropped)} {what} not drawn (fewest records): {names}{more}{hint}")
+    return kept
+
+
+def _name(key) -> str:
+    if isinstance(key, tuple):
+        return " on ".join(str(k) for k in key if k is not None) or "-"
+    return str(key)
+
+
+def _newest(records: list, limit: int, what: str, omitted: list[str]) -> list:
+    if len(records) > limit:
+        omitted.append(f"{what}: the newest {limit} of {len(records)} records drawn")
+        return records[-limit:]
+    return records
+
+
+def _note(fig: Figure, omitted: list[str]) -> None:
+    if omitted:
+        lines = omitted[:MAX_NOTE_NAMES] + ([f"... and {len(omitted) - MAX_NOTE_NAMES} more notes"]
+                                            if len(omitted) > MAX_NOTE_NAMES else [])
+        fig.supxlabel("\n".join(line[:160] for line in lines), fontsize=7, color="#555555")
 
 
 def _png(fig: Figure) -> bytes:
@@ -58,14 +110,32 @@ def _family(rec: dict) -> tuple:
 
 def _candidates(per_node: int, intra: str, inter: str | None, fam: list[dict]) -> list[dict]:
     if per_node == 0:   # one node: 1 .. the most GPUs seen on one node
-        return [{"layout": [g], "intra_link": intra} for g in range(1, max(r["layout"][0] for r in fam) + 1)]
+        top = max(r["layout"][0] for r in fam)
+        return [{"layout": [g], "intra_link": intra} for g in _spread(top)]
     nodes = max(2, 2 * max(len(r["layout"]) for r in fam))
     return [{"layout": [per_node] * n, "intra_link": intra, **({"inter_link": inter or intra} if n > 1 else {})}
-            for n in range(1, nodes + 1)]
+            for n in _spread(nodes)]
+
+
+def _spread(top: int) -> list[int]:
+    """1..top, or MAX_CURVE_POINTS of them evenly spread (1 and top included) when there are more."""
+    if top <= MAX_CURVE_POINTS:
+        return list(range(1, top + 1))
+    return sorted({int(round(x)) for x in np.linspace(1, top, MAX_CURVE_POINTS)})
 
 
 def scaling_series(store, predictor, profile: str | None = None, gpu: str | None = None) -> list[dict]:
-    """The data of the scaling plot: per panel, observed points and predicted curves per layout family.
+    """The panels the scaling plot draws (`scaling_data(...).items`).
+
+    Raises:
+        NotFoundError: a profile/GPU filter that matches no step history.
+    """
+    return scaling_data(store, predictor, profile, gpu).items
+
+
+def scaling_data(store, predictor, profile: str | None = None, gpu: str | None = None) -> Bounded:
+    """The data of the scaling plot: per panel, observed points and predicted curves per layout family,
+    bounded (MAX_PANELS, MAX_SERIES, MAX_POINTS, MAX_CURVE_POINTS), with what was left out.
 
     Raises:
         NotFoundError: a profile/GPU filter that matches no step history.
@@ -79,13 +149,17 @@ def scaling_series(store, predictor, profile: str | None = None, gpu: str | None
     if not groups and (profile or gpu):
         raise NotFoundError("step history", f"{profile or '*'} on {gpu or '*'}", "list what exists with "
                                                                                  "`elastic-predictor models`")
+    omitted: list[str] = []
+    drawn = _most(groups, MAX_PANELS, "model/GPU panels", omitted, "; narrow with ?profile=&gpu=")
     panels = []
-    for (name, gpu_type), recs in sorted(groups.items()):
+    for name, gpu_type in sorted(drawn):
+        recs = groups[(name, gpu_type)]
         batch = Counter(r["per_gpu_batch"] for r in recs).most_common(1)[0][0]
         recs = [r for r in recs if r["per_gpu_batch"] == batch]
         families: dict = defaultdict(list)
         for r in recs:
             families[_family(r)].append(r)
+        kept = _most(families, MAX_SERIES, f"layout families of {name} on {gpu_type}", omitted)
         prof = None
         if predictor is not None:
             try:
@@ -93,22 +167,24 @@ def scaling_series(store, predictor, profile: str | None = None, gpu: str | None
             except NotFoundError:
                 prof = None
         series = []
-        for (per_node, intra, inter), fam in sorted(families.items(), key=lambda kv: str(kv[0])):
+        for (per_node, intra, inter) in sorted(kept, key=str):
+            label = f"1 node, {intra}" if per_node == 0 else f"{per_node} GPUs/node, {intra}+{inter}"
+            fam = _newest(families[(per_node, intra, inter)], MAX_POINTS, f"{name} on {gpu_type}, {label}", omitted)
             observed = [(sum(r["layout"]), sum(r["layout"]) * batch / r["iter_s"], layout_name(r["layout"]))
                         for r in fam]
             curve = []
             if prof is not None:
                 preds = predictor.predict(prof, gpu_type, batch, _candidates(per_node, intra, inter, fam))
                 curve = [(sum(p["layout"]), p["samples_per_s"]) for p in preds]
-            label = f"1 node, {intra}" if per_node == 0 else f"{per_node} GPUs/node, {intra}+{inter}"
             series.append({"label": label, "observed": observed, "predicted": curve})
         panels.append({"profile": name, "gpu": gpu_type, "per_gpu_batch": batch, "series": series})
-    return panels
+    return Bounded(panels, omitted)
 
 
 def scaling_png(store, predictor, profile: str | None = None, gpu: str | None = None) -> bytes:
     """PNG of predicted vs observed scaling curves (see the module docstring)."""
-    panels = scaling_series(store, predictor, profile, gpu)
+    data = scaling_data(store, predictor, profile, gpu)
+    panels = data.items
     if not panels:
         return _message("no step history yet: observations of kind 'step' appear here")
     cols = min(2, len(panels))
@@ -132,6 +208,7 @@ def scaling_png(store, predictor, profile: str | None = None, gpu: str | None = 
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper left")
+    _note(fig, data.omitted)
     return _png(fig)
 
 
@@ -141,15 +218,31 @@ def _bus(nbytes: float, seconds: float, world: int) -> float:
 
 
 def links_series(store, predictor) -> list[dict]:
-    """The data of the link plot: per link, observed (bytes, B/s, world) and the fitted curve."""
+    """The link series the link plot draws (`links_data(...).items`)."""
+    return links_data(store, predictor).items
+
+
+def links_data(store, predictor) -> Bounded:
+    """The data of the link plot: per link, observed (bytes, B/s, world) and the fitted curve, bounded
+    (MAX_SERIES links, MAX_WORLDS participant counts per link, MAX_POINTS points per count), with what was
+    left out."""
     by_link: dict = defaultdict(list)
     for rec in store.observations(kind="collective"):
         if rec.get("op", "allreduce") == "allreduce" and rec.get("seconds", 0) > 0 and rec.get("bytes", 0) > 0:
             by_link[rec["link"]].append(rec)
+    omitted: list[str] = []
     out = []
-    for link, recs in sorted(by_link.items()):
-        world = Counter(r["world"] for r in recs).most_common(1)[0][0]
-        observed = [(r["bytes"], _bus(r["bytes"], r["seconds"], r["world"]), r["world"]) for r in recs]
+    for link in sorted(_most(by_link, MAX_SERIES, "links", omitted)):
+        recs = by_link[link]
+        counts = Counter(r["world"] for r in recs)
+        world = counts.most_common(1)[0][0]
+        by_world: dict = defaultdict(list)
+        for r in recs:
+            by_world[r["world"]].append(r)
+        observed = []
+        for w in sorted(_most(by_world, MAX_WORLDS, f"participant counts of {link}", omitted)):
+            for r in _newest(by_world[w], MAX_POINTS, f"{link}, {w} ranks", omitted):
+                observed.append((r["bytes"], _bus(r["bytes"], r["seconds"], r["world"]), r["world"]))
         curve = []
         if hasattr(getattr(predictor, "links_", None), "time"):   # the engine's LinkModel
             lo, hi = min(r["bytes"] for r in recs), max(r["bytes"] for r in recs)
@@ -157,12 +250,13 @@ def links_series(store, predictor) -> list[dict]:
             seconds = predictor.links_.time(link, "allreduce", world, sizes)
             curve = [(float(b), _bus(float(b), float(t), world)) for b, t in zip(sizes, seconds) if t > 0]
         out.append({"link": link, "world": world, "observed": observed, "predicted": curve})
-    return out
+    return Bounded(out, omitted)
 
 
 def links_png(store, predictor) -> bytes:
     """PNG of per-link all-reduce bandwidth against message size (see the module docstring)."""
-    series = links_series(store, predictor)
+    data = links_data(store, predictor)
+    series = data.items
     if not series:
         return _message("no collective history yet: observations of kind 'collective' appear here")
     fig = Figure(figsize=(7.5, 4.8), layout="constrained")
@@ -183,4 +277,15 @@ def links_png(store, predictor) -> bytes:
     ax.set_title("per-link all-reduce bandwidth against message size", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    _note(fig, data.omitted)
     return _png(fig)
+
+
+def rendering_png() -> bytes:
+    """The placeholder the service answers (202) while a plot is drawn in the background."""
+    return _message("this plot is being drawn in the background: reload in a moment", size=(6.0, 1.0))
+
+
+def failed_png(error: str) -> bytes:
+    """What the service shows for a plot whose drawing failed (the error, shortened)."""
+    return _message(f"drawing this plot failed: {error[:300]}")

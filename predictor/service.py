@@ -26,11 +26,12 @@ fitted by other code (after an upgrade, or a worker respawned on changed files),
 replaces it under the same version.
 
 Predictions are cached per (model, profile, gpu, per_gpu_batch, candidates): the cache is dropped whenever a
-new model is swapped in, so a cached answer never outlives its model.
+new model is swapped in, so a cached answer never outlives its model. It is bounded by entries and by the bytes
+its entries are estimated to hold (`prediction_entry_bytes`, ELASTIC_PREDICTOR_CACHE_BYTES), since a key holds
+its candidates' layouts: an entry bound alone let distinct large requests grow a worker without bound.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import gc
 import hashlib
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from predictor.fitlock import FitLock, fit_lock_path
+from predictor.lru import ByteBudgetLRU
 from predictor.store import ModelHead, StoredModel, Store
 
 log = logging.getLogger("predictor.service")
@@ -168,39 +170,54 @@ class FittedModel:
         return cls(state["predictor"], state["profiles"], head.version, head.fitted_at_s, stored.fit_s, head.code)
 
 
+PREDICTION_ENTRY_BYTES = 1024        # a cached answer's fixed cost: its key tuple and result list
+PREDICTION_CANDIDATE_BYTES = 768     # one candidate: its key tuples and its prediction dict (measured, tracemalloc)
+PREDICTION_NODE_BYTES = 16           # one layout element: in the key's tuple and in the prediction's copy
+DEFAULT_PREDICTION_CACHE_BYTES = 64 * 1024 * 1024
+
+
+def prediction_entry_bytes(candidates: list[dict]) -> int:
+    """A cheap estimate of what one cached prediction list holds in memory (key and value), from the
+    candidate count and the layout lengths; within ~10% of tracemalloc's figure for 1..4096-node layouts."""
+    nodes = sum(len(cand.get("layout") or ()) for cand in candidates)
+    return PREDICTION_ENTRY_BYTES + PREDICTION_CANDIDATE_BYTES * len(candidates) + PREDICTION_NODE_BYTES * nodes
+
+
 class PredictionCache:
-    """LRU of predictions, keyed by the model that made them (so a key never outlives its model).
+    """LRU of predictions, keyed by the model that made them (so a key never outlives its model), bounded by
+    entries and by the estimated bytes they hold (`prediction_entry_bytes`).
 
     Args:
         size: entries kept; 0 disables the cache.
+        max_bytes: budget of the entries' estimated sizes; an answer larger than it is not cached.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, max_bytes: int = DEFAULT_PREDICTION_CACHE_BYTES):
         self.size = size
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._lru = ByteBudgetLRU(max_bytes, max_entries=size)
 
     def get(self, key: tuple):
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-            return hit
+        return self._lru.get(key)
 
-    def put(self, key: tuple, value) -> None:
-        if not self.size:
-            return
-        with self._lock:
-            self._entries[key] = value
-            if len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+    def put(self, key: tuple, value, candidates: list[dict]) -> None:
+        """Cache `value`, the predictions of `candidates` (whose size the estimate is taken from)."""
+        if self.size:
+            self._lru.put(key, value, prediction_entry_bytes(candidates))
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._lru.clear()
+
+    @property
+    def bytes(self) -> int:
+        """Estimated bytes held now; never above `max_bytes`."""
+        return self._lru.bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
 
 class ModelView:
@@ -239,20 +256,22 @@ class ModelView:
     def known(self, profile: str, gpu: str) -> bool:
         return bool(self.predictor().known(profile, gpu))
 
-    def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict]) -> list[dict]:
-        """Predictions for candidates, from the cache when this model answered the same question.
+    def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict],
+                job_id: int | None = None) -> list[dict]:
+        """Predictions for candidates, from the cache when this model answered the same question (`job_id`:
+        the asking job, whose own measurements answer for the layouts it ran: engine.Predictor.predict).
 
         Raises:
             ModelUnavailable: nothing fitted yet.
         """
         predictor = self.predictor()
-        key = (self.model.key, profile.name, gpu, per_gpu_batch, candidates_key(candidates))
+        key = (self.model.key, profile.name, gpu, per_gpu_batch, job_id, candidates_key(candidates))
         hit = self._cache.predictions.get(key)
         if hit is not None:
             return hit
-        result = predictor.predict(profile, gpu, per_gpu_batch, candidates)
+        result = predictor.predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id)
         if self._cache.current is self.model:         # a model swapped out meanwhile caches nothing
-            self._cache.predictions.put(key, result)
+            self._cache.predictions.put(key, result, candidates)
         return result
 
 
@@ -266,6 +285,7 @@ class ModelCache:
         debounce: wait after a notification so bursts of observations coalesce into one fit.
         poll: how often, at least, to look for writes by other processes.
         cache_size: prediction cache entries (LRU).
+        cache_bytes: prediction cache budget in estimated bytes (`prediction_entry_bytes`).
         min_interval: least time between two fits of the background thread.
         check: how often, at least, to look for a newer stored model (and try for the fit lock).
         keep_models: stored models kept (the newest).
@@ -275,6 +295,7 @@ class ModelCache:
     def __init__(self, store: Store, predictor_factory: Callable[[], Any] = default_predictor_factory,
                  debounce: timedelta = timedelta(seconds=1), poll: timedelta = timedelta(seconds=2),
                  cache_size: int = 4096, min_interval: timedelta = timedelta(0),
+                 cache_bytes: int = DEFAULT_PREDICTION_CACHE_BYTES,
                  check: timedelta = timedelta(milliseconds=100), keep_models: int = 3, lock: FitLock | None = None):
         self.store = store
         self.predictor_factory = predictor_factory
@@ -284,7 +305,7 @@ class ModelCache:
         self.check = check
         self.keep_models = keep_models
         self.election = lock or FitLock(fit_lock_path(store.path))
-        self.predictions = PredictionCache(cache_size)
+        self.predictions = PredictionCache(cache_size, cache_bytes)
         self._model: FittedModel | None = None
         self._seen: ModelHead | None = None       # the newest stored model last loaded, or found unusable
         self._failed_generation: int | None = None
@@ -610,13 +631,14 @@ class ModelCache:
     def known(self, profile: str, gpu: str) -> bool:
         return self.view().known(profile, gpu)
 
-    def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict]) -> list[dict]:
+    def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict],
+                job_id: int | None = None) -> list[dict]:
         """Predictions of the current model (cached per model).
 
         Raises:
             ModelUnavailable: nothing fitted yet.
         """
-        return self.view().predict(profile, gpu, per_gpu_batch, candidates)
+        return self.view().predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id)
 
     def status(self) -> dict:
         model = self._model
@@ -625,4 +647,4 @@ class ModelCache:
                 "fitted_at_s": None if model is None else model.fitted_at_s,
                 "fit_s": None if model is None else model.fit_s,
                 "fits": self.fits, "fitter": self.election.held, "last_error": self.last_error,
-                "cached_predictions": len(self.predictions)}
+                "cached_predictions": len(self.predictions), "cached_prediction_bytes": self.predictions.bytes}

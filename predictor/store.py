@@ -3,7 +3,8 @@
 Tables (explicit schema, created by named migrations recorded in `migrations`):
     profiles      name -> JSON body of a tensor profile
     observations  collective and step records (JSON body plus indexed kind/profile/gpu/link)
-    decisions     every /v1/plan answer with its request (id `d-<n>`)
+    decisions     the /v1/plan answers with their validated requests (id `d-<n>`), pruned on write to the
+                  newest rows, age and bytes a `DecisionRetention` allows (meta `decision_bytes` counts them)
     link_fits     per-link statistics of the last fitted communication model
     meta          `generation`: bumped by every write that changes what the models are fitted on
     models        the fitted models (`version` = the generation fitted on, a pickled blob), newest few only;
@@ -22,6 +23,7 @@ thread reads beside the request thread), and a busy timeout lets several workers
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -63,6 +65,12 @@ def _m0003_models(db: sqlite_utils.Database) -> None:
                                     pk="version", not_null={"error", "failed_at_s"})
 
 
+def _m0004_decision_bytes(db: sqlite_utils.Database) -> None:
+    # the bytes of request and response text the decisions hold, kept up to date by every insert and prune
+    db.execute("INSERT INTO meta (key, value) SELECT 'decision_bytes', COALESCE(SUM("
+               "length(CAST(request AS BLOB)) + length(CAST(response AS BLOB))), 0) FROM decisions")
+
+
 def encode(document: Any) -> str:
     """Compact JSON text, byte for byte what Flask's `jsonify` sends; NaN and Infinity raise ValueError."""
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
@@ -74,7 +82,53 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_link_fits_and_generation", _m0002_link_fits_and_generation),
     ("0003_models", _m0003_models),
+    ("0004_decision_bytes", _m0004_decision_bytes),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionRetention:
+    """How many /v1/plan decisions the store keeps; the oldest go first, pruned by the writes themselves.
+
+    A decision is deleted once it is not among the newest `max_rows`, or older than `max_age`, or the
+    decisions hold more than `max_bytes` of request and response text. A write that finds a bound passed
+    deletes down to a slack below it (at most `batch_rows` rows, `batch_bytes` bytes or `max_age / 16` of
+    age), so one write in many pays for a prune and none deletes more than a batch.
+
+    Attributes:
+        max_rows: decisions kept at most.
+        max_age: decisions older than this are deleted.
+        max_bytes: request and response text kept at most, in bytes.
+        batch_rows: most rows one write deletes, and the row slack a prune leaves below `max_rows`.
+        batch_bytes: the byte slack a prune leaves below `max_bytes`.
+    """
+
+    max_rows: int = 100_000
+    max_age: timedelta = timedelta(days=90)
+    max_bytes: int = 512 * 1024 * 1024
+    batch_rows: int = 256
+    batch_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self):
+        if self.max_rows < 1 or self.max_bytes < 1 or self.batch_rows < 1 or self.batch_bytes < 1:
+            raise ValueError("decision retention bounds must be >= 1")
+        if self.max_age <= timedelta(0):
+            raise ValueError("decision retention max_age must be > 0")
+
+    @property
+    def row_target(self) -> int:
+        """Rows a prune leaves: a slack below `max_rows` that one batch (with the row just written) reaches."""
+        return max(1, self.max_rows - min(self.batch_rows - 1, self.max_rows // 8))
+
+    @property
+    def byte_target(self) -> int:
+        """Bytes a prune leaves at most (a slack below `max_bytes`)."""
+        return self.max_bytes - min(self.batch_bytes, max(1, self.max_bytes // 8))
+
+    @property
+    def age_target(self) -> timedelta:
+        """Age above which a prune deletes (a slack below `max_age`)."""
+        return self.max_age - self.max_age / 16
 
 
 class ModelHead(NamedTuple):
@@ -108,11 +162,15 @@ class Store:
     Args:
         path: database file (created if missing).
         busy_timeout: how long a write waits for another writer's lock.
+        decision_retention: the bounds decision writes prune to; None keeps every decision (one-shot CLI
+            commands, which must not prune by defaults the service was configured past).
     """
 
-    def __init__(self, path: str, busy_timeout: timedelta = timedelta(seconds=10)):
+    def __init__(self, path: str, busy_timeout: timedelta = timedelta(seconds=10),
+                 decision_retention: DecisionRetention | None = None):
         self.path = path
         self.busy_timeout = busy_timeout
+        self.decision_retention = decision_retention
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -315,6 +373,11 @@ class Store:
             params.append(limit)
         return [dict(json.loads(body), id=oid) for oid, body in self.db.execute(sql, params)]
 
+    def step_pairs(self) -> set[tuple[str, str]]:
+        """The (profile, GPU type) pairs that have step records."""
+        rows = self.db.execute("SELECT DISTINCT profile, gpu FROM observations WHERE kind = 'step'").fetchall()
+        return {(profile, gpu) for profile, gpu in rows}
+
     def observation_counts(self) -> dict[str, int]:
         rows = self.db.execute("SELECT kind, COUNT(*) FROM observations GROUP BY kind").fetchall()
         return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
@@ -339,13 +402,48 @@ class Store:
         tail = encode(response)[1:]          # '"action":...}': the response always has action and reason
         with self._write() as db:
             conn = db.conn
+            now = time.time()
             number = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM decisions").fetchone()[0]
             full = f'{{"decision_id":"d-{number}",' + tail
             conn.execute("INSERT INTO decisions (id, created_at_s, source, action, model, reason, model_version,"
                          " request, response) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         (number, time.time(), source, response["action"], response.get("model"),
+                         (number, now, source, response["action"], response.get("model"),
                           response["reason"], model_version, request_text, full))
+            added = len(request_text.encode("utf-8", "surrogatepass")) + len(full.encode("utf-8", "surrogatepass"))
+            conn.execute("UPDATE meta SET value = value + ? WHERE key = 'decision_bytes'", (added,))
+            if self.decision_retention is not None:
+                self._prune_decisions(conn, number, now, self.decision_retention)
         return full
+
+    @staticmethod
+    def _prune_decisions(conn: sqlite3.Connection, newest: int, now: float, keep: DecisionRetention) -> int:
+        """Inside a decision's write: when a bound of `keep` is passed, delete the oldest decisions down to its
+        targets (one batch at most, never the decision just written); returns the rows deleted."""
+        oldest = conn.execute("SELECT id, created_at_s FROM decisions ORDER BY id LIMIT 1").fetchone()
+        held = conn.execute("SELECT value FROM meta WHERE key = 'decision_bytes'").fetchone()
+        held = held[0] if held else 0
+        rows = newest - oldest[0] + 1         # ids are contiguous (MAX + 1, oldest deleted first): an upper bound
+        if rows <= keep.max_rows and held <= keep.max_bytes and oldest[1] >= now - keep.max_age.total_seconds():
+            return 0
+        cutoff = now - keep.age_target.total_seconds()
+        last, freed, deleted = None, 0, 0
+        for oid, created, size in conn.execute(
+                "SELECT id, created_at_s, length(CAST(request AS BLOB)) + length(CAST(response AS BLOB)) "
+                "FROM decisions WHERE id < ? ORDER BY id LIMIT ?", (newest, keep.batch_rows)):
+            if rows - deleted <= keep.row_target and held - freed <= keep.byte_target and created >= cutoff:
+                break
+            last, freed, deleted = oid, freed + size, deleted + 1
+        if last is None:
+            return 0
+        conn.execute("DELETE FROM decisions WHERE id <= ?", (last,))
+        conn.execute("UPDATE meta SET value = MAX(0, value - ?) WHERE key = 'decision_bytes'", (freed,))
+        return deleted
+
+    def decision_bytes(self) -> int:
+        """Bytes of request and response text the stored decisions hold (what `DecisionRetention.max_bytes`
+        bounds)."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'decision_bytes'").fetchone()
+        return int(row[0]) if row else 0
 
     def get_decision(self, decision_id: str) -> dict:
         """One decision with its request and response.

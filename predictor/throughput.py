@@ -112,15 +112,27 @@ def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tu
     return t_i, t_e
 
 
+def job_weights(rows: list[dict], cap: int) -> np.ndarray:
+    """Per row: 1, or cap / n for the n rows of a job (`job_id`) with more than `cap`, so that no one job
+    weighs more than `cap` rows in the fit, however many it posted (rows naming no job weigh 1)."""
+    counts: dict = {}
+    for r in rows:
+        if r.get("job_id") is not None:
+            counts[r["job_id"]] = counts.get(r["job_id"], 0) + 1
+    return np.array([1.0 if r.get("job_id") is None else min(1.0, cap / counts[r["job_id"]]) for r in rows])
+
+
 def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
                    dw_l2: float = 1.0, shape_l2: float = 1.0,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
-                   gamma_prior: float = 1.5, max_nfev: int = 400) -> dict:
+                   gamma_prior: float = 1.5, max_nfev: int = 400, job_rows_cap: int = 20) -> dict:
     """Fit PerfParams per (profile, gpu), s_I per intra link, (s_E, w_E) per inter link on step rows.
 
     Args:
         rows: step observations (design.md shape, optional `sync_s`).
         bases: array (len(rows), 2) of (T_I, T_E) from `sync_bases`.
+        job_rows_cap: one job's rows together weigh at most this many rows (`job_weights`): a job that posts
+            hundreds of rows, honest or not, moves everyone's fit no more than one that posted this many.
     Returns:
         {"perf": {(profile, gpu): PerfParams}, "net": {"intra": {link: s_I}, "inter": {link: (s_E, w_E)}},
          "log_rmse": {(profile, gpu): float},
@@ -206,6 +218,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2, "u": shape_l2}
     ctx = {"pairs": pairs, "intras": intras, "inters": inters, "shapes": shapes, "pi": pi, "ii": ii, "ei": ei,
            "si": si, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly, "sync": sync,
+           "w_rows": job_weights(rows, job_rows_cap),
            "has_sync": has_sync, "sync_weight": sync_weight, "f_scale": f_scale, "max_nfev": max_nfev}
     x, ok, cost, unpack, model = _solve(ctx, names, x0, lo, hi, fixed, ridge)
     if u_free and ok:
@@ -236,6 +249,15 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
     pi, ii, ei, si, b, G, phi = ctx["pi"], ctx["ii"], ctx["ei"], ctx["si"], ctx["b"], ctx["G"], ctx["phi"]
     t_i, t_e, y, ly, sync, has_sync = ctx["t_i"], ctx["t_e"], ctx["y"], ctx["ly"], ctx["sync"], ctx["has_sync"]
     sync_weight, f_scale, max_nfev = ctx["sync_weight"], ctx["f_scale"], ctx["max_nfev"]
+    w_rows = ctx["w_rows"]
+    n_eff = float(np.sum(w_rows))  # rows the penalties are scaled to: len(y) when no job is capped
+    # the rows' weights scale their robust loss (not their residuals: under soft L1 a residual scaled by sqrt(w)
+    # still pulls with sqrt(w), so 200 rows at 1/200 each would weigh 14 rows, not 1)
+    weights = np.concatenate([w_rows, w_rows[has_sync], np.ones(len(names))])
+
+    def weighted_soft_l1(z):
+        root = np.sqrt(1.0 + z)
+        return np.vstack([weights * 2.0 * (root - 1.0), weights / root, -0.5 * weights / root ** 3])
     index = {n: i for i, n in enumerate(names)}
 
     def unpack(x):
@@ -269,12 +291,12 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
             exposed = np.maximum(t - tc, 1e-6)
             r.append(math.sqrt(sync_weight) * (np.log(exposed[has_sync] + 1e-3 * y[has_sync])
                                                - np.log(sync[has_sync] + 1e-3 * y[has_sync])))
-        r.append(pen_w * (x - np.array(x0)) * math.sqrt(len(y)) / 10.0)
+        r.append(pen_w * (x - np.array(x0)) * math.sqrt(n_eff) / 10.0)
         return np.concatenate(r)
 
     x0a = np.clip(np.array(x0, dtype=float), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
     with threadpool_limits(1):  # small dense problems: BLAS threads only contend on a shared machine
-        res = least_squares(resid, x0a, bounds=(lo, hi), loss="soft_l1", f_scale=f_scale, max_nfev=max_nfev,
+        res = least_squares(resid, x0a, bounds=(lo, hi), loss=weighted_soft_l1, f_scale=f_scale, max_nfev=max_nfev,
                             x_scale=1.0, ftol=1e-6, xtol=1e-6,
                             jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, si, has_sync), np.array(hi)))
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))

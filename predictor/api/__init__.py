@@ -20,6 +20,7 @@ from predictor.auth import MUNGE_HEADER, AuthError, Authenticator, Caller
 from predictor.cluster import Cluster
 from predictor.config import Config
 from predictor.errors import ValidationError
+from predictor.plotcache import PlotRenderer
 from predictor.service import ModelCache
 from predictor.store import Store
 
@@ -31,6 +32,7 @@ class Services:
     config: Config
     store: Store
     models: ModelCache
+    plots: PlotRenderer
 
     @property
     def cluster(self) -> Cluster:

@@ -16,7 +16,7 @@ from flask import Blueprint, Response, request
 
 from predictor import planner
 from predictor.api import json_body, metrics, services
-from predictor.errors import NotFoundError, ValidationError
+from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
 from predictor.service import DEFAULT_VERSION_WAIT, MAX_VERSION_WAIT, ModelView
@@ -24,6 +24,7 @@ from predictor.store import encode
 
 bp = Blueprint("predict", __name__, url_prefix="/v1")
 MAX_CANDIDATES = 512
+MAX_REQUEST_LAYOUT_NODES = 65536   # sum of len(layout) over one request's candidates: the work one request may ask
 PREDICT_FIELDS = ("profile", "gpu", "per_gpu_batch", "candidates", "partition", "max_gpus", "min_model_version",
                   "wait_ms")
 _VERSION_RE = re.compile(r"^g?([0-9]{1,18})$")
@@ -40,6 +41,13 @@ def _name(body: dict, key: str, pattern) -> str:
 def _candidates(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value or len(value) > MAX_CANDIDATES:
         raise ValidationError("candidates", f"expected a list of 1..{MAX_CANDIDATES} candidates")
+    nodes = 0
+    for cand in value:            # the work bound first, before validating what would be refused anyway
+        layout = cand.get("layout") if isinstance(cand, dict) else None
+        nodes += len(layout) if isinstance(layout, list) else 0
+    if nodes > MAX_REQUEST_LAYOUT_NODES:
+        raise TooLarge("candidates", f"{nodes} nodes in the candidates' layouts together; at most "
+                                     f"{MAX_REQUEST_LAYOUT_NODES} per request: send fewer or smaller candidates")
     out = []
     for index, cand in enumerate(value):
         where = f"candidates[{index}]"
@@ -120,6 +128,7 @@ def enumerate_candidates(cluster, gpu: str, partition: str | None, max_gpus: int
 
     Raises:
         NotFoundError: the partition is unknown or no partition has that GPU type.
+        TooLarge: the layouts hold more than MAX_REQUEST_LAYOUT_NODES nodes together (field `max_gpus`).
     """
     if partition is not None:
         part = cluster.partition(partition)
@@ -130,7 +139,15 @@ def enumerate_candidates(cluster, gpu: str, partition: str | None, max_gpus: int
                                 + ", ".join(sorted({p.gpu for p in cluster.partitions})) + "; or pass candidates")
         part = parts[0]
     top = min(part.total_gpus, max_gpus or part.total_gpus)
-    return [part.candidate(layout) for gpus in range(1, top + 1) for layout in part.layouts(gpus)]
+    out, nodes = [], 0
+    for gpus in range(1, top + 1):
+        for layout in part.layouts(gpus):
+            nodes += len(layout)
+            if nodes > MAX_REQUEST_LAYOUT_NODES:
+                raise TooLarge("max_gpus", f"the layouts of 1..{top} GPUs on partition {part.name} hold more than "
+                                           f"{MAX_REQUEST_LAYOUT_NODES} nodes together; pass a smaller max_gpus")
+            out.append(part.candidate(layout))
+    return out
 
 
 def _clean(prediction: dict) -> dict:
@@ -186,16 +203,7 @@ def plan():
     # model, profile or history is not reused, since it changes as soon as the admin or a job supplies it.
     ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None else 0
     response["cache_ttl_s"] = round(ttl, 3)
-    text = svc.store.add_decision_text(_request_text(plan_request.raw), response, plan_request.source,
+    text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
                                        models.version)
     metrics.note_plan(action=response["action"])
     return Response(text + "\n", mimetype="application/json")    # stored and sent: the same bytes as jsonify
-
-
-def _request_text(raw: dict) -> str:
-    """The request as stored: the body's own UTF-8 text (it parsed to `raw`), else `raw` encoded again."""
-    try:
-        text = request.get_data(cache=True).decode("utf-8")
-    except UnicodeDecodeError:                  # UTF-16/32 or lone surrogates: json.loads took it, store canonical
-        return encode(raw)
-    return encode(raw) if text.startswith("\ufeff") else text

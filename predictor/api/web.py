@@ -5,25 +5,26 @@
     /admin/plots/links.png          per-link all-reduce bandwidth against message size
 
 Same rows as the CLI tables (predictor/admin_tables.py) and the same figures as `elastic-predictor plot`.
-Nothing here writes: the page has no forms, and every link goes to a GET. PNGs are cached per model version
-and store generation, so a page load costs one render per change of the model.
+Nothing here writes: the page has no forms, and every link goes to a GET. No request draws a plot: each
+worker's predictor.plotcache.PlotRenderer draws them in a background thread, per model version, and the
+routes answer its cached PNG (200), a "being drawn" placeholder (202, Retry-After) before the first drawing,
+404 for a filter that names no history, 503 (Retry-After) while too many plots wait to be drawn.
 """
 from __future__ import annotations
 
 import datetime
-import threading
 from urllib.parse import urlencode
 
-from flask import Blueprint, Response, current_app, request, url_for
+from flask import Blueprint, Response, jsonify, request, url_for
 from markupsafe import Markup, escape
 
-from predictor import admin_tables, plots
+from predictor import admin_tables
 from predictor.api import services
-from predictor.errors import ValidationError
+from predictor.errors import NotFoundError, ValidationError
+from predictor.plotcache import RETRY_AFTER_S, PlotKey
+from predictor.records import LINK_RE, NAME_RE
 
 bp = Blueprint("web", __name__, url_prefix="/admin")
-_CACHE = "elastic_predictor_plot_cache"
-_CACHE_ENTRIES = 32
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; background: #fff; }
@@ -114,28 +115,40 @@ def index():
     return Response(page, mimetype="text/html")
 
 
-def _cached_png(kind: str, render, *key) -> Response:
-    svc = services()
-    cache, lock = current_app.extensions.setdefault(_CACHE, ({}, threading.Lock()))
-    full_key = (kind, svc.models.version, svc.store.generation(), *key)
-    with lock:
-        png = cache.get(full_key)
-    if png is None:
-        png = render(svc, _predictor(svc))
-        with lock:
-            if len(cache) >= _CACHE_ENTRIES:
-                cache.pop(next(iter(cache)))
-            cache[full_key] = png
-    return Response(png, mimetype="image/png", headers={"Cache-Control": "no-cache"})
+def _plot(key: PlotKey) -> Response:
+    """The renderer's answer for one plot, as HTTP (see the module docstring); never draws."""
+    answer = services().plots.answer(key)
+    if answer.status == 404:
+        raise answer.error
+    if answer.status == 503:
+        response = jsonify(error="too many plots are waiting to be drawn; retry shortly", field=None)
+        response.status_code = 503
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+    headers = {"Cache-Control": "no-cache" if answer.status == 200 else "no-store",
+               "X-Plot-Model-Version": answer.model_version or "none"}
+    if answer.status == 202:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+        headers["X-Plot-State"] = "drawing"
+    else:
+        headers["X-Plot-State"] = answer.state
+    return Response(answer.png, status=answer.status, mimetype="image/png", headers=headers)
+
+
+def _filter(name: str, pattern) -> str | None:
+    """A `?profile=` / `?gpu=` value; one no stored name can have is a 404 at once (nothing matches it)."""
+    value = request.args.get(name) or None
+    if value is not None and not pattern.match(value):
+        raise NotFoundError("step history", value[:64], f"no {name} is named like that; list what exists with "
+                                                        "`elastic-predictor models`")
+    return value
 
 
 @bp.get("/plots/scaling.png")
 def scaling_png():
-    profile, gpu = request.args.get("profile") or None, request.args.get("gpu") or None
-    return _cached_png("scaling", lambda svc, pred: plots.scaling_png(svc.store, pred, profile=profile, gpu=gpu),
-                       profile, gpu)
+    return _plot(PlotKey("scaling", _filter("profile", NAME_RE), _filter("gpu", LINK_RE)))
 
 
 @bp.get("/plots/links.png")
 def links_png():
-    return _cached_png("links", lambda svc, pred: plots.links_png(svc.store, pred))
+    return _plot(PlotKey("links"))

@@ -92,9 +92,9 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     assert labels == {"loopback"}, labels
     assert all(r.get("link_source", "").startswith("detected") for r in ours), {r.get("link_source") for r in ours}
 
-    # after the job, the model answers its measured layouts with what the job measured: fitted offline on the
-    # stored history, as the service fits it, each layout the job ran is predicted within 5% of the job's
-    # median there (or within the spread of its measurement windows)
+    # after the job, the model answers the job's measured layouts with what it measured: fitted offline on the
+    # stored history, as the service fits it, each layout the job ran is predicted (for that job, as its
+    # launcher's /v1/plan asks) within 5% of the job's median there (or within the spread of its windows)
     import statistics
     from predictor.engine import Predictor
     from predictor.profiles import Profile
@@ -102,6 +102,7 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     profiles = {p["name"]: Profile.from_dict(p["body"]) for p in store.list_profiles()}
     model = Predictor().fit(profiles, store.observations())
     batch = int(next(r for r in steps)["per_gpu_batch"])
+    job = next(r["job_id"] for r in steps if r.get("job_id") is not None)   # the demo job's rows name it
     windows: dict[int, list[float]] = {}
     for r in records:
         if r["kind"] == "measurement":
@@ -110,7 +111,7 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     links = {"intra_link": "loopback", "inter_link": "loopback"}
     for nodes, xs in sorted(windows.items()):
         cand = {"layout": [1] * nodes, **(links if nodes > 1 else {"intra_link": "loopback"})}
-        (pred,) = model.predict(profiles[PROFILE], GPU, batch, [cand])
+        (pred,) = model.predict(profiles[PROFILE], GPU, batch, [cand], job_id=job)   # as its launcher asks
         measured = statistics.median(xs)
         noise = (max(xs) - min(xs)) / measured if len(xs) > 1 else 0.0
         assert pred["basis"].startswith("measured"), (nodes, pred)

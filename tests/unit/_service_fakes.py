@@ -36,7 +36,7 @@ class FakePredictor:
     def link_stats(self):
         return [{"link": link, "observations": self.n_observations_} for link in self.links_]
 
-    def predict(self, profile, gpu, per_gpu_batch, candidates):
+    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None):
         FakePredictor.predict_calls += 1
         out = []
         for cand in candidates:

@@ -30,6 +30,12 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 PLOT_BLUE = np.array([0x1F, 0x77, 0xB4]) / 255.0   # plots.COLORS[0]
 
 
+def _status(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5.0) as response:
+        response.read()
+        return response.status
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,6 +76,10 @@ def live_server(tmp_path_factory):
             time.sleep(0.3)
         for _ in range(3):
             _get(base + "/v1/plan", data=json.dumps(PLAN).encode())
+        for plot in ("/admin/plots/scaling.png", "/admin/plots/links.png"):   # drawn in the background (#14.4)
+            while _status(base + plot) != 200:
+                assert time.monotonic() < deadline, f"{plot} was not drawn within 120 s"
+                time.sleep(0.1)
         yield base, work
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -78,7 +78,20 @@ def app(seeded_db, tmp_path):
     application = create_app(Config(db_path=str(db)), start_refit=False)
     application.extensions["elastic_predictor"].models.refit()
     yield application
+    application.extensions["elastic_predictor"].plots.stop()
     application.extensions["elastic_predictor"].store.close()
+
+
+def _get(client, url: str, deadline_s: float = 60.0):
+    """GET a URL; for a plot, again while it is being drawn in the background (202), within a deadline that
+    only turns a hang into a failure."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        response = client.get(url)
+        if response.status_code != 202 or time.monotonic() > deadline:
+            return response
+        assert response.mimetype == "image/png" and response.headers["Retry-After"]
+        time.sleep(0.05)
 
 
 def _png(data: bytes) -> np.ndarray:
@@ -280,9 +293,9 @@ def test_admin_page_lists_decisions_models_links_and_plots(app):
     images = [u for u in links if ".png" in u]
     assert "http://localhost/admin/plots/scaling.png?profile=resnet50&gpu=H200" in images and len(images) == 4
     for url in links:                                                        # every link and image resolves
-        assert client.get(url).status_code == 200, url
+        assert _get(client, url).status_code == 200, url
     for url in ("/admin/plots/scaling.png", "/admin/plots/links.png", "/admin/plots/scaling.png?profile=gpt2"):
-        response = client.get(url)
+        response = _get(client, url)
         assert response.status_code == 200 and response.mimetype == "image/png", url
         assert _colours(_png(response.data)) > 20
         assert client.get(url).data == response.data                          # cached per model version
@@ -302,7 +315,8 @@ def test_admin_is_read_only_and_validates_its_parameter(app):
     assert client.post("/admin").status_code == 405
     bad = client.get("/admin?limit=0")
     assert bad.status_code == 400 and bad.get_json()["field"] == "limit"
-    assert client.get("/admin/plots/scaling.png?profile=nope").status_code == 404
+    assert _get(client, "/admin/plots/scaling.png?profile=nope").status_code == 404
+    assert client.get("/admin/plots/scaling.png?profile=nope").status_code == 404        # known at once now
     for _ in range(3):
         client.post("/v1/plan", json=PLAN)
     assert client.get("/admin?limit=2").get_data(as_text=True).count('href="/v1/decisions/d-') == 2
@@ -314,7 +328,8 @@ def test_admin_before_the_first_fit(seeded_db, tmp_path):
     application = create_app(Config(db_path=str(db)), start_refit=False)
     html = application.test_client().get("/admin").get_data(as_text=True)
     assert "model <b>none</b>, fitted not yet" in html and "not fitted" in html
-    assert application.test_client().get("/admin/plots/scaling.png").status_code == 200
+    assert _get(application.test_client(), "/admin/plots/scaling.png").status_code == 200
+    application.extensions["elastic_predictor"].plots.stop()
     application.extensions["elastic_predictor"].store.close()
 
 

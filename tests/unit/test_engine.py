@@ -172,17 +172,20 @@ def test_a_measured_layout_is_predicted_at_its_newest_median_and_others_by_the_m
     new = [0.50, 0.52, 0.49, 0.51]    # the job's own, newer: slower than the model or the old run would say
     for t in old + new:
         obs.append({"kind": "step", "profile": "resnet50", "gpu": "T4", "layout": [1, 1], "intra_link": "loopback",
-                    "inter_link": "loopback", "per_gpu_batch": 8, "iter_s": t})
+                    "inter_link": "loopback", "per_gpu_batch": 8, "iter_s": t, "job_id": 77})
     pred = Predictor(recent_rows=4).fit(profiles, obs)
     cands = [{"layout": [1, 1], "intra_link": "loopback", "inter_link": "loopback"},
              {"layout": [1, 1, 1], "intra_link": "loopback", "inter_link": "loopback"}]
-    two, three = pred.predict(profiles["resnet50"], "T4", 8, cands)
+    two, three = pred.predict(profiles["resnet50"], "T4", 8, cands, job_id=77)
     assert two["iter_s"] == pytest.approx(float(np.median(new)), rel=0.05)   # within 5% of the newest median
     assert two["samples_per_s"] == pytest.approx(2 * 8 / two["iter_s"])
     assert two["basis"] == "measured (4 rows)" and three["basis"] == "observed"
-    # a batch that was not measured is the model's answer
-    (other,) = pred.predict(profiles["resnet50"], "T4", 16, cands[:1])
+    # a batch that was not measured is the model's answer; so is every layout for anyone but that job (one
+    # job's rows never stand in for everybody's answer)
+    (other,) = pred.predict(profiles["resnet50"], "T4", 16, cands[:1], job_id=77)
     assert other["basis"] == "observed"
+    (stranger,) = pred.predict(profiles["resnet50"], "T4", 8, cands[:1], job_id=78)
+    assert stranger["basis"] == "observed" and stranger["iter_s"] != two["iter_s"]
 
 
 def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
@@ -200,7 +203,7 @@ def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
                          "inter_link": inter, "per_gpu_batch": 64, "iter_s": t})
     for _ in range(3):  # then this job measured 2 nodes: half the throughput of one node
         rows.append({"kind": "step", "profile": "resnet50", "gpu": gpu, "layout": [4, 4], "intra_link": intra,
-                     "inter_link": inter, "per_gpu_batch": 64, "iter_s": 0.42})
+                     "inter_link": inter, "per_gpu_batch": 64, "iter_s": 0.42, "job_id": 5})
 
     class Models:
         version = "v1"
@@ -217,11 +220,11 @@ def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
         def known(self, name, g):
             return self.pred.known(name, g)
 
-        def predict(self, profile, g, batch, candidates):
-            return self.pred.predict(profile, g, batch, candidates)
+        def predict(self, profile, g, batch, candidates, job_id=None):
+            return self.pred.predict(profile, g, batch, candidates, job_id=job_id)
 
     body = {"source": "launcher", "directives": ["#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64"],
-            "job": {}, "current": {"layout": [4], "per_gpu_batch": 64}}
+            "job": {"job_id": 5}, "current": {"layout": [4], "per_gpu_batch": 64}}
     before = planner.plan(planner.parse_request(dict(body)), cluster, Models(rows[:-3]), default_min_efficiency=0.7)
     after = planner.plan(planner.parse_request(dict(body)), cluster, Models(rows), default_min_efficiency=0.7)
     assert before["layout"] == [4, 4], before           # the history alone said: two nodes pay

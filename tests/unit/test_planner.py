@@ -34,7 +34,7 @@ class Models:
     def known(self, name, gpu):
         return self.fake.known(name, gpu)
 
-    def predict(self, profile, gpu, batch, candidates):
+    def predict(self, profile, gpu, batch, candidates, job_id=None):
         return self.fake.predict(profile, gpu, batch, candidates)
 
 
@@ -145,8 +145,9 @@ def test_request_that_already_matches_is_kept():
     (("#ELASTIC model=resnet50 per_gpu_batch=8",), {}, Models(ready=False), "job_submit", "not ready"),
     (("#ELASTIC model=resnet50",), {}, None, "job_submit", "no per_gpu_batch"),
     (("#ELASTIC model=resnet50 per_gpu_batch=8 gpus=32-64",), {}, None, "job_submit", "exceeds partition"),
-    (("#ELASTIC model=resnet50 per_gpu_batch=64 gpus=8-16 max_global_batch=100",), {}, None, "job_submit",
-     "max_global_batch 100"),
+    # the directives alone cannot say it (no gpus=): the request's 2 x 4 GPUs do
+    (("#ELASTIC model=resnet50 per_gpu_batch=64 max_global_batch=100",),
+     {"min_nodes": 2, "max_nodes": 2, "tres_per_node": "gres:gpu:4"}, None, "job_submit", "max_global_batch 100"),
     (("#ELASTIC model=resnet50 per_gpu_batch=8 elastic=off",), {}, None, "launcher", "elastic=off"),
 ])
 def test_keep_with_a_reason(lines, job, models, source, reason):
@@ -178,6 +179,10 @@ def test_malformed_directive_names_item_and_line():
     with pytest.raises(planner.DirectiveProblem) as info:
         planner.parse_request({"directives": ["#SBATCH -N2"]})
     assert info.value.field == "directives[0]"
+    with pytest.raises(planner.DirectiveProblem) as info:   # no size fits: refused at parse, on its line
+        planner.parse_request({"directives": ["#ELASTIC model=resnet50 per_gpu_batch=64 gpus=8-16",
+                                              "#ELASTIC max_global_batch=100"]})
+    assert info.value.field == "directives[1]" and "no allowed size fits" in info.value.message
 
 
 @pytest.mark.parametrize("body,field", [

@@ -1,0 +1,90 @@
+"""History poisoning (#14.2): one job posting 200 made-up step rows must not move other users' predictions by
+more than 10% nor change their plan. Each job's rows together weigh at most `job_rows_cap` rows in the robust fit
+(throughput.job_weights, applied to the soft-L1 loss), and a job's own measurements answer only its own plans."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from predictor import planner
+from predictor.cluster import Cluster
+from predictor.engine import Predictor
+from predictor.profiles import Profile
+from predictor.throughput import job_weights
+from tests.unit._service_fakes import PROFILE
+
+PROFILES = {"resnet50": Profile.from_dict(PROFILE)}
+CLUSTER = Cluster.default()
+PART = CLUSTER.partition()
+LAYOUTS = ([1], [2], [4], [4, 4], [4, 4, 4, 4])
+
+
+def _t(layout) -> float:
+    """A workload that scales well across nodes (efficiency from 4 to 16 GPUs about 0.9)."""
+    return 0.1 + 0.002 * np.log2(sum(layout)) + 0.006 * (len(layout) > 1) + 0.002 * (len(layout) - 1)
+
+
+def _row(layout, iter_s, job):
+    return {"kind": "step", "profile": "resnet50", "gpu": PART.gpu, "layout": list(layout), "per_gpu_batch": 64,
+            "intra_link": PART.intra_link, "inter_link": PART.inter_link, "iter_s": float(iter_s), "job_id": job}
+
+
+def _history():
+    rng = np.random.default_rng(0)
+    return [_row(lay, _t(lay) * np.exp(0.02 * rng.standard_normal()), job)
+            for job in range(1, 9) for lay in LAYOUTS for _ in range(3)]
+
+
+ATTACK = [_row(lay, 5 * _t(lay), 999) for lay in ([4, 4], [4, 4, 4, 4]) for _ in range(100)]  # 5x slower
+CANDS = [{"layout": [4], "intra_link": PART.intra_link}] + [
+    {"layout": lay, "intra_link": PART.intra_link, "inter_link": PART.inter_link} for lay in ([4, 4], [4, 4, 4, 4])]
+
+
+class Models:
+    version = "v"
+
+    def __init__(self, predictor):
+        self.p = predictor
+
+    def predictor(self):
+        return self.p
+
+    def profile(self, name):
+        return PROFILES.get(name)
+
+    def known(self, name, gpu):
+        return self.p.known(name, gpu)
+
+    def predict(self, profile, gpu, batch, candidates, job_id=None):
+        return self.p.predict(profile, gpu, batch, candidates, job_id=job_id)
+
+
+def _plan(predictor):
+    body = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64"], "job": {}}
+    return planner.plan(planner.parse_request(body), CLUSTER, Models(predictor), default_min_efficiency=0.7)
+
+
+@pytest.mark.parametrize("cap, bounded", [(20, True), (10 ** 9, False)])
+def test_two_hundred_made_up_rows_move_others_by_at_most_ten_percent_and_change_no_plan(cap, bounded):
+    clean = Predictor(job_rows_cap=cap).fit(PROFILES, _history())
+    poisoned = Predictor(job_rows_cap=cap).fit(PROFILES, _history() + ATTACK)
+    before = clean.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    after = poisoned.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    moved = max(abs(a["samples_per_s"] / b["samples_per_s"] - 1) for a, b in zip(after, before))
+    same_plan = _plan(clean)["layout"] == _plan(poisoned)["layout"]
+    if bounded:   # the default
+        assert moved <= 0.10 and same_plan, (moved, _plan(clean)["layout"], _plan(poisoned)["layout"])
+    else:         # without the cap (the fit before #14.2) the same attack takes the predictions over
+        assert moved > 0.5 and not same_plan
+
+
+def test_the_attacker_still_sees_its_own_rows():
+    poisoned = Predictor().fit(PROFILES, _history() + ATTACK)
+    (own,) = poisoned.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS[1:2], job_id=999)
+    assert own["basis"].startswith("measured") and own["iter_s"] == pytest.approx(5 * _t([4, 4]))
+
+
+def test_job_weights_cap_a_job_and_leave_unnamed_rows_whole():
+    rows = [{"job_id": 1}] * 40 + [{"job_id": 2}] * 5 + [{}] * 3
+    w = job_weights(rows, 20)
+    assert w[:40].sum() == pytest.approx(20) and w[40:45].tolist() == [1.0] * 5 and w[45:].tolist() == [1.0] * 3
