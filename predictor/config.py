@@ -160,47 +160,9 @@ class Config:
             values["db_path"] = env[ENV_DB]
         if env.get(ENV_CLUSTER):
             values["cluster"] = Cluster.from_file(env[ENV_CLUSTER])
-        if env.get(ENV_MAX_BODY):
-            values["max_body_bytes"] = _int_var(env, ENV_MAX_BODY)
-        if env.get(ENV_CACHE):
-            values["prediction_cache_size"] = _int_var(env, ENV_CACHE)
-        if env.get(ENV_DEBOUNCE):
-            try:
-                values["refit_debounce"] = timedelta(seconds=float(env[ENV_DEBOUNCE]))
-            except ValueError:
-                raise ValidationError(ENV_DEBOUNCE, f"expected seconds, got {env[ENV_DEBOUNCE]!r}") from None
-        if env.get(ENV_ADMIN_TOKEN):
-            values["admin_token"] = env[ENV_ADMIN_TOKEN]
-        if env.get(ENV_MUNGE):
-            values["munge_auth"] = _bool_var(env, ENV_MUNGE)
-        if env.get(ENV_MUNGE_SOCKET):
-            values["munge_socket"] = env[ENV_MUNGE_SOCKET]
-        if env.get(ENV_SLURM_CONF):
-            values["slurm_conf"] = env[ENV_SLURM_CONF]
-        if env.get(ENV_JOB_RECENT):
-            try:
-                values["job_recent"] = timedelta(seconds=float(env[ENV_JOB_RECENT]))
-            except ValueError:
-                raise ValidationError(ENV_JOB_RECENT, f"expected seconds, got {env[ENV_JOB_RECENT]!r}") from None
-        if env.get(ENV_READ_AUTH):
-            values["read_auth"] = _bool_var(env, ENV_READ_AUTH)
-        if env.get(ENV_PLAN_CACHE_TTL):
-            try:
-                values["plan_cache_ttl"] = timedelta(seconds=float(env[ENV_PLAN_CACHE_TTL]))
-            except ValueError:
-                raise ValidationError(ENV_PLAN_CACHE_TTL,
-                                      f"expected seconds, got {env[ENV_PLAN_CACHE_TTL]!r}") from None
-        if env.get(ENV_CACHE_BYTES):
-            values["prediction_cache_bytes"] = _int_var(env, ENV_CACHE_BYTES)
-        if env.get(ENV_DECISIONS_KEEP):
-            values["decisions_keep"] = _int_var(env, ENV_DECISIONS_KEEP)
-        if env.get(ENV_DECISIONS_MAX_AGE):
-            try:
-                values["decisions_max_age"] = timedelta(days=float(env[ENV_DECISIONS_MAX_AGE]))
-            except (ValueError, OverflowError):
-                raise ValidationError(ENV_DECISIONS_MAX_AGE, f"expected days, got {env[ENV_DECISIONS_MAX_AGE]!r}") from None
-        if env.get(ENV_DECISIONS_MAX_BYTES):
-            values["decisions_max_bytes"] = _int_var(env, ENV_DECISIONS_MAX_BYTES)
+        for name, field, parse in _ENV_FIELDS:
+            if env.get(name):
+                values[field] = parse(env, name)
         values["plot_prerender"] = _bool_var(env, ENV_PLOT_PRERENDER) if env.get(ENV_PLOT_PRERENDER) else True
         from_env = set(values)
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -211,6 +173,26 @@ class Config:
             if exc.field in from_env and exc.field in _FIELD_ENV:
                 raise ValidationError(_FIELD_ENV[exc.field], exc.message) from None
             raise
+
+
+def _str_var(env: Mapping[str, str], name: str) -> str:
+    return env[name]
+
+
+def _seconds_var(env: Mapping[str, str], name: str) -> timedelta:
+    return _duration_var(env, name, "seconds")
+
+
+def _days_var(env: Mapping[str, str], name: str) -> timedelta:
+    return _duration_var(env, name, "days")
+
+
+def _duration_var(env: Mapping[str, str], name: str, unit: str) -> timedelta:
+    """A duration in `unit` (seconds, days) from a variable; names the variable when it is not one."""
+    try:
+        return timedelta(**{unit: float(env[name])})
+    except (ValueError, OverflowError):
+        raise ValidationError(name, f"expected {unit}, got {env[name]!r}") from None
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
@@ -227,3 +209,22 @@ def _bool_var(env: Mapping[str, str], name: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValidationError(name, f"expected 1/0 (true/false), got {env[name]!r}")
+
+
+# variable -> Config field, and how its text is read (Config.from_env; each names the variable when it is wrong)
+_ENV_FIELDS = (
+    (ENV_MAX_BODY, "max_body_bytes", _int_var),
+    (ENV_CACHE, "prediction_cache_size", _int_var),
+    (ENV_DEBOUNCE, "refit_debounce", _seconds_var),
+    (ENV_ADMIN_TOKEN, "admin_token", _str_var),
+    (ENV_MUNGE, "munge_auth", _bool_var),
+    (ENV_MUNGE_SOCKET, "munge_socket", _str_var),
+    (ENV_SLURM_CONF, "slurm_conf", _str_var),
+    (ENV_JOB_RECENT, "job_recent", _seconds_var),
+    (ENV_READ_AUTH, "read_auth", _bool_var),
+    (ENV_PLAN_CACHE_TTL, "plan_cache_ttl", _seconds_var),
+    (ENV_CACHE_BYTES, "prediction_cache_bytes", _int_var),
+    (ENV_DECISIONS_KEEP, "decisions_keep", _int_var),
+    (ENV_DECISIONS_MAX_AGE, "decisions_max_age", _days_var),
+    (ENV_DECISIONS_MAX_BYTES, "decisions_max_bytes", _int_var),
+)

@@ -55,3 +55,24 @@ STEP = {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2], 
         "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
 COLLECTIVE = {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4, "bytes": 67108864,
               "seconds": 0.00037, "gpu": "H200"}
+
+
+class FittedModels:
+    """The slice of service.ModelCache the planner uses, over a real fitted engine Predictor (no service)."""
+
+    version = "v1"
+
+    def __init__(self, predictor, profiles: dict):
+        self.p, self.profiles = predictor, profiles
+
+    def predictor(self):
+        return self.p
+
+    def profile(self, name):
+        return self.profiles.get(name)
+
+    def known(self, name, gpu):
+        return self.p.known(name, gpu)
+
+    def predict(self, profile, gpu, batch, candidates, job_id=None):
+        return self.p.predict(profile, gpu, batch, candidates, job_id=job_id)

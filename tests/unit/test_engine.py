@@ -205,23 +205,10 @@ def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
         rows.append({"kind": "step", "profile": "resnet50", "gpu": gpu, "layout": [4, 4], "intra_link": intra,
                      "inter_link": inter, "per_gpu_batch": 64, "iter_s": 0.42, "job_id": 5})
 
-    class Models:
-        version = "v1"
+    from tests.unit._service_fakes import FittedModels
 
-        def __init__(self, rows):
-            self.pred = Predictor().fit(profiles, rows)
-
-        def predictor(self):
-            return self.pred
-
-        def profile(self, name):
-            return profiles.get(name)
-
-        def known(self, name, g):
-            return self.pred.known(name, g)
-
-        def predict(self, profile, g, batch, candidates, job_id=None):
-            return self.pred.predict(profile, g, batch, candidates, job_id=job_id)
+    def Models(rows):  # noqa: N802 - reads as the class it stands for
+        return FittedModels(Predictor().fit(profiles, rows), profiles)
 
     body = {"source": "launcher", "directives": ["#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64"],
             "job": {"job_id": 5}, "current": {"layout": [4], "per_gpu_batch": 64}}

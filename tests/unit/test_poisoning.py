@@ -11,7 +11,7 @@ from predictor.cluster import Cluster
 from predictor.engine import Predictor
 from predictor.profiles import Profile
 from predictor.throughput import job_weights
-from tests.unit._service_fakes import PROFILE
+from tests.unit._service_fakes import PROFILE, FittedModels
 
 PROFILES = {"resnet50": Profile.from_dict(PROFILE)}
 CLUSTER = Cluster.default()
@@ -40,28 +40,10 @@ CANDS = [{"layout": [4], "intra_link": PART.intra_link}] + [
     {"layout": lay, "intra_link": PART.intra_link, "inter_link": PART.inter_link} for lay in ([4, 4], [4, 4, 4, 4])]
 
 
-class Models:
-    version = "v"
-
-    def __init__(self, predictor):
-        self.p = predictor
-
-    def predictor(self):
-        return self.p
-
-    def profile(self, name):
-        return PROFILES.get(name)
-
-    def known(self, name, gpu):
-        return self.p.known(name, gpu)
-
-    def predict(self, profile, gpu, batch, candidates, job_id=None):
-        return self.p.predict(profile, gpu, batch, candidates, job_id=job_id)
-
-
 def _plan(predictor):
     body = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64"], "job": {}}
-    return planner.plan(planner.parse_request(body), CLUSTER, Models(predictor), default_min_efficiency=0.7)
+    return planner.plan(planner.parse_request(body), CLUSTER, FittedModels(predictor, PROFILES),
+                        default_min_efficiency=0.7)
 
 
 @pytest.mark.parametrize("cap, bounded", [(20, True), (10 ** 9, False)])
