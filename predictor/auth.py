@@ -37,7 +37,8 @@ _PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256
 DEFAULT_TIMEOUT = timedelta(seconds=5)
 # what munge's encoder writes: "MUNGE:" + base64 + ":" (a header of any other shape never costs an unmunge run)
 _CREDENTIAL_RE = re.compile(r"^MUNGE:[A-Za-z0-9+/]{16,16384}={0,2}:\Z")
-OWNER_TTL = timedelta(seconds=10)   # a job's owner and state, as Slurm said them, reused this long
+OWNER_TTL = timedelta(seconds=1)        # a job's owner and state, as Slurm said them, reused this long
+MISSING_TTL = timedelta(seconds=10)     # ... and that Slurm does not know a job id
 OWNER_ENTRIES = 4096
 
 
@@ -144,17 +145,20 @@ class JobOwners(Protocol):
 
 
 class OwnerCache:
-    """Slurm's answer about a job's owner, kept `ttl` per job id (found or not found), at most `entries`.
+    """Slurm's answer about a job's owner, kept per job id (`ttl` when found, `missing_ttl` when Slurm does not
+    know it), at most `entries`.
 
-    A credential for an unknown or foreign job costs a squeue and a sacct run; without this, one client could
-    make the service run them for every request. Staleness is bounded by `ttl` (a job that just ended is
-    still accepted for `job_recent` anyway).
+    A credential for an unknown job costs a squeue and a sacct run; without this, one client could make the
+    service run them for every request. A found job's state (running, ended) is at most `ttl` old, so the
+    `job_recent` window still closes on time.
     """
 
-    def __init__(self, jobs: Callable[[], JobOwners], ttl: timedelta = OWNER_TTL, entries: int = OWNER_ENTRIES,
+    def __init__(self, jobs: Callable[[], JobOwners], ttl: timedelta = OWNER_TTL,
+                 missing_ttl: timedelta = MISSING_TTL, entries: int = OWNER_ENTRIES,
                  clock: Callable[[], float] = time.monotonic):
         self._jobs = jobs
         self.ttl = ttl
+        self.missing_ttl = missing_ttl
         self.entries = entries
         self.clock = clock
         self._seen: dict[int, tuple[float, object, Exception | None]] = {}  # job -> (when, owner, not found)
@@ -165,7 +169,7 @@ class OwnerCache:
 
         now = self.clock()
         hit = self._seen.get(job_id)
-        if hit is not None and now - hit[0] < self.ttl.total_seconds():
+        if hit is not None and now - hit[0] < (self.ttl if hit[2] is None else self.missing_ttl).total_seconds():
             if hit[2] is not None:
                 raise hit[2]
             return hit[1]

@@ -434,7 +434,7 @@ def test_a_header_that_is_no_munge_credential_never_runs_unmunge(monkeypatch):
     assert runs == []
 
 
-def test_slurm_is_asked_about_a_job_once_per_ttl_found_or_not():
+def test_slurm_is_asked_about_a_job_once_per_ttl_found_or_not_found():
     from predictor.auth import OwnerCache
     from slurm_plugin.errors import JobNotFoundError
     calls = []
@@ -453,6 +453,12 @@ def test_slurm_is_asked_about_a_job_once_per_ttl_found_or_not():
         with pytest.raises(JobNotFoundError):
             cache.job_owner(404)
     assert calls == [7, 404]
-    now[0] = cache.ttl.total_seconds() + 1
+    now[0] = cache.ttl.total_seconds() + 0.01   # a found job's state is re-read after ttl (it may have ended) ...
     cache.job_owner(7)
+    with pytest.raises(JobNotFoundError):        # ... an unknown one only after missing_ttl
+        cache.job_owner(404)
     assert calls == [7, 404, 7]
+    now[0] = cache.missing_ttl.total_seconds() + 0.01
+    with pytest.raises(JobNotFoundError):
+        cache.job_owner(404)
+    assert calls == [7, 404, 7, 404]
