@@ -19,6 +19,7 @@ import http.client
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -81,14 +82,17 @@ def bodies(names: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def start_server(db: str, workers: int, threads: int, cache: bool) -> tuple[subprocess.Popen, str]:
+def start_server(db: str, workers: int, threads: int, cache: bool, extra_args: tuple[str, ...] = (),
+                 launcher: list[str] | None = None, log=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+    """`elastic-predictor serve` (or `launcher`, given the same options) on a free loopback port, once every
+    worker answers from a fitted model; `extra_args` are appended to its options."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, ELASTIC_PREDICTOR_TOKEN="bench", ELASTIC_PREDICTOR_CACHE_SIZE="4096" if cache else "0")
-    proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--db", db, "--workers", str(workers), "--threads", str(threads)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*(launcher or [sys.executable, "-m", "predictor.cli", "serve"]), "--host", "127.0.0.1",
+                             "--port", str(port), "--db", db, "--workers", str(workers), "--threads", str(threads),
+                             *extra_args], env=env, cwd=ROOT, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     fitted = 0
@@ -98,7 +102,7 @@ def start_server(db: str, workers: int, threads: int, cache: bool) -> tuple[subp
             raise RuntimeError("server did not come up")
         try:
             fitted += 1 if requests.get(f"{base}/healthz", timeout=2).json().get("model_version") else 0
-        except requests.ConnectionError:
+        except requests.RequestException:      # not up yet, or a slow first answer
             pass
         time.sleep(0.2)
     return proc, base
@@ -181,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", choices=("both", "on", "off"), default="both")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--output", default=str(RESULTS / "service.md"), help="where to write the markdown table")
+    ap.add_argument("--serve-args", default="", help="more `elastic-predictor serve` options, e.g. '--server gunicorn'")
     ap.add_argument("--cpus", default=None, help="note on the CPUs used, printed in the header (e.g. 'taskset -c 0,1')")
     args = ap.parse_args(argv)
     rows = []
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
                         if json.loads(l).get("kind") == "profile"})
         work = [(path, json.dumps(body).encode()) for path, body in bodies(names)]
         for cache in {"both": (True, False), "on": (True,), "off": (False,)}[args.cache]:
-            proc, base = start_server(db, args.workers, args.threads, cache)
+            proc, base = start_server(db, args.workers, args.threads, cache, tuple(shlex.split(args.serve_args)))
             try:
                 run(base, work, 200, args.clients, None)                      # warm-up, not reported
                 for label, clients, rate in (("flat out", args.clients, None), (f"paced {args.rate:g}/s", args.paced_clients, args.rate)):
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
                 proc.wait(30)
     header = (f"Service benchmark: {args.requests} requests per row, half POST /v1/predict (enumerated candidates) and "
               f"half POST /v1/plan (decision stored), 24 distinct bodies; gunicorn {args.workers} worker(s) x "
-              f"{args.threads} thread(s); clients are threads in the same process on the same "
+              f"{args.threads} thread(s){' (serve ' + args.serve_args + ')' if args.serve_args else ''}; clients are threads in the same process on the same "
               f"{len(os.sched_getaffinity(0))} usable cores{' (' + args.cpus + ')' if args.cpus else ''}, Python "
               f"{platform.python_version()}. Paced rows time latency from the scheduled send.")
     table = ["| scenario | cache | clients | load avg before | req/s | p50 ms | p90 ms | p99 ms | max ms | errors |",

@@ -158,17 +158,22 @@ def auth_policy(config: Config) -> list[str]:
 @click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
 @click.option("--from-slurm", "from_slurm", default=None, metavar="GPU:INTRA:INTER",
               help="build the cluster model from sinfo/scontrol, with the GPU type and link names given, e.g. H200:nvlink:ib")
-def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
-    """Run the HTTP API under gunicorn; prints at start who may write and read (docs/admin-guide.md, Security).
+@click.option("--server", "server_mode", default="buffered", show_default=True, type=click.Choice(["buffered", "gunicorn"]),
+              help="buffered: a front end reads each request whole (limits, deadline) before gunicorn sees it; "
+                   "gunicorn: gunicorn alone on the port (a half-sent request holds a worker)")
+@click.option("--read-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="buffered: seconds a client has to send a whole request (else 408 and close)")
+def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout):
+    """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
+    and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
     Writes need $ELASTIC_PREDICTOR_ADMIN_TOKEN, $ELASTIC_PREDICTOR_TOKEN or, with ELASTIC_PREDICTOR_MUNGE=1, a
     munge-signed job credential; with none of them set, writes are open (a warning).
 
     Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
     """
-    from gunicorn.app.base import BaseApplication  # noqa: PLC0415
-
     from predictor.app import create_app  # noqa: PLC0415
+    from predictor.server import Limits, gunicorn_application, run_buffered  # noqa: PLC0415
 
     config = _config(db, cluster)
     if from_slurm:
@@ -178,21 +183,19 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm):
 
     _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
 
-    class Application(BaseApplication):
-        def load_config(self):
-            self.cfg.set("bind", f"{host}:{port}")
-            self.cfg.set("workers", workers)
-            self.cfg.set("threads", threads)
-            self.cfg.set("timeout", timeout)
-            self.cfg.set("accesslog", None)
-            self.cfg.set("proc_name", "elastic-predictor")
-            if "control_socket_disable" in self.cfg.settings:   # gunicorn >= 24: one socket path per user
-                self.cfg.set("control_socket_disable", True)
+    def load():
+        return create_app(config)         # per worker: its own connections and refit thread
 
-        def load(self):
-            return create_app(config)     # per worker: its own connections and refit thread
-
-    Application().run()
+    if server_mode == "gunicorn":
+        gunicorn_application(load, bind=f"{host}:{port}", workers=workers, threads=threads, timeout=timeout).run()
+        return
+    limits = Limits(max_body=config.max_body_bytes, read_timeout=read_timeout, upstream_timeout=timeout + 5)
+    try:
+        status = run_buffered(load, host=host, port=port, workers=workers, threads=threads, timeout=timeout,
+                              limits=limits, log=lambda line: click.echo(line, err=True))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    sys.exit(status)
 
 
 @main.command("import")
