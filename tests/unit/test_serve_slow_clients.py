@@ -21,37 +21,13 @@ import time
 
 import pytest
 import requests
-from click.testing import CliRunner
 
-from predictor.cli import main
 from predictor.server import FrontEnd, Limits, listen
-from tests.unit._service_fakes import COLLECTIVE, STEP
+from tests.unit.test_cli import history, runner  # noqa: F401 - the same database fixture as the CLI tests
 
 HALF_SENT = b"POST /v1/plan HTTP/1.1\r\nHost: x\r\n"
 PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=64"]}
 HANG_GUARD_S = 5.0          # a liveness bound, not a speed assertion
-
-
-@pytest.fixture
-def history(tmp_path):
-    """A database with the resnet50 profile and a few H200 steps and collectives."""
-    runner = CliRunner()
-    db = str(tmp_path / "h.db")
-    assert runner.invoke(main, ["profile", "resnet50", "--db", db]).exit_code == 0
-    lines = []
-    for layout, iter_s in [([1], 0.030), ([2], 0.031), ([4], 0.0322), ([2, 2], 0.036), ([4, 4], 0.040)]:
-        step = dict(STEP, layout=layout, iter_s=iter_s)
-        if len(layout) == 1:
-            del step["inter_link"]
-        lines.append(step)
-    for link, bandwidth in [("nvlink", 3e11), ("ib", 2.5e10)]:
-        for world in (2, 4, 8):
-            lines.append(dict(COLLECTIVE, link=link, world=world, bytes=1 << 24, seconds=2e-5 + (1 << 24) / bandwidth))
-    path = tmp_path / "h.jsonl"
-    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    result = runner.invoke(main, ["import", "--db", db, str(path)])
-    assert result.exit_code == 0, result.output
-    return db
 
 
 def _free_port() -> int:
