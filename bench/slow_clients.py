@@ -17,13 +17,14 @@ GET /healthz. The variants:
 A connection the server closes (a deadline, a killed worker) is opened again at once, as a persistent slow
 client would (column `reopened`), except `unread` and `pipelined`. Then, per server, the polite figures: bench/service_bench.py's
 flat-out (8 client threads) and paced (200/s) runs, and the paced /v1/plan probes while observations are posted
-once a second (each write makes the fitter worker refit: what a fit does to the other requests).
+once a second (the fitter worker refits on new data, at most every 5 s: what a fit does to the other requests).
 
 Server options: `buffered` (`elastic-predictor serve`'s default: the front end of predictor/server.py in front of
 gunicorn sync workers), `gunicorn-sync` and `gunicorn-gthread` (`serve --server gunicorn`, threads 1 / 4: the
 previous default and its threaded mode), `gunicorn-gevent` (gunicorn's gevent worker, monkey-patched) and
 `waitress` (one process, 8 threads, connection_limit 1000): the last two are started by this script
-(`--serve-as`), they are not options of `serve`.
+(`--serve-as`), they are not options of `serve` nor dependencies of the package (`pip install gevent waitress`
+to measure them, or leave them out of --servers).
 """
 from __future__ import annotations
 
@@ -374,7 +375,8 @@ def main(argv=None) -> int:
         lines += ["", "Polite load, no slow connections (bench/service_bench.py's run: half /v1/predict, half "
                   "/v1/plan, cache on; flat out = 8 client threads; paced = 4 threads at 200/s, latency from the "
                   "scheduled send); and the /v1/plan probes above while an observation is posted every second "
-                  "(each one makes the fitter refit).", "",
+                  "(the fitter worker refits on new data, at most every 5 s: a fit lands in the 4 s window; `model "
+                  "gA -> gB` is the version answered before and 3 s after).", "",
                   "| server | scenario | requests | req/s | p50 ms | p99 ms | max ms | errors |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in polite_rows:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -36,8 +37,10 @@ import resource
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
+import time
 from typing import Callable
 
 MAX_REQUEST_LINE = 4094          # gunicorn's limit_request_line
@@ -514,6 +517,33 @@ class FrontEnd:
                 conn.transport.close()
 
 
+FOLDER_PREFIX = "elastic-predictor-"
+
+
+def prune_stale_folders(parent: str, older_than_s: float = 60.0) -> list[str]:
+    """Remove the socket folders of earlier `serve`s killed with SIGKILL (nothing listens on their socket any
+    more); a folder younger than `older_than_s` may be a `serve` still starting, and is left. Returns the removed."""
+    removed = []
+    for folder in glob.glob(os.path.join(parent, FOLDER_PREFIX + "*")):
+        try:
+            info = os.lstat(folder)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or \
+                    time.time() - info.st_mtime < older_than_s:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                try:
+                    probe.connect(os.path.join(folder, "gunicorn.sock"))
+                    continue                       # a live one
+                except (FileNotFoundError, ConnectionRefusedError):
+                    pass
+        except OSError:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
@@ -557,12 +587,13 @@ def run_buffered(load: Callable, *, host: str, port: int, workers: int, threads:
     if fds < 2 * limits.max_connections + 64:
         limits = dataclasses.replace(limits, max_connections=max(16, (fds - 64) // 2))
         log(f"front end: open-file limit {fds}: at most {limits.max_connections} client connections")
-    folder = tempfile.mkdtemp(prefix="elastic-predictor-")
+    folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
     upstream = os.path.join(folder, "gunicorn.sock")
     if len(upstream) > 100:                       # AF_UNIX path limit (108)
         shutil.rmtree(folder, ignore_errors=True)
-        folder = tempfile.mkdtemp(prefix="elastic-predictor-", dir="/tmp")
+        folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir="/tmp")
         upstream = os.path.join(folder, "gunicorn.sock")
+    prune_stale_folders(os.path.dirname(folder))
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -281,3 +281,20 @@ def test_front_end_drops_a_client_that_does_not_read_its_answers(front):
         pass
     sock.close()
     assert received < 20 * 400_000
+
+
+def test_socket_folders_of_killed_servers_are_pruned_and_live_ones_kept(tmp_path):
+    from predictor.server import FOLDER_PREFIX, prune_stale_folders
+
+    dead, live, young = (tmp_path / f"{FOLDER_PREFIX}{name}" for name in ("dead", "live", "young"))
+    for folder in (dead, live, young):
+        folder.mkdir()
+    (dead / "gunicorn.sock").touch()                     # a socket file nobody listens on
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(live / "gunicorn.sock"))
+        listener.listen(1)
+        old = time.time() - 120
+        for folder in (dead, live):
+            os.utime(folder, (old, old))
+        assert prune_stale_folders(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and young.exists()
