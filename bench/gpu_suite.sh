@@ -3,6 +3,8 @@
 #   bash bench/gpu_suite.sh bench [ARGS...]   bench/gpu_transition.py (default: both models, steady + goodput + plain
 #                                             rebuild pauses), output in $OUT/bench.log and $OUT/gpu_transition.md
 #   bash bench/gpu_suite.sh tests             tests/gpu (NCCL grow, shrink, SIGKILL recovery, communicator shrink)
+#   bash bench/gpu_suite.sh coldstart [W...]  bench/coldstart_collect.py at each world size W (default 1 2 4), W > 1
+#                                             once per NCCL transport (nvlink, shm, socket); $OUT/coldstart/*.jsonl
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -25,7 +27,26 @@ case $what in
         ((${#args[@]})) || args=(--models resnet50,gpt2 --mode all --paths plain)
         python3 bench/gpu_transition.py "${args[@]}" --out "$OUT/gpu_transition.md" 2>&1 \
             | grep -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/bench.log" ;;
+    coldstart)
+        mkdir -p "$OUT/coldstart"
+        sizes=("$@")
+        ((${#sizes[@]})) || sizes=(1 2 4)
+        for w in "${sizes[@]}"; do
+            transports=(nvlink shm socket)
+            ((w > 1)) || transports=(none)
+            for tr in "${transports[@]}"; do
+                env=(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET "NCCL_DEBUG_FILE=$OUT/coldstart/nccl_w${w}_${tr}_%h_%p.log")
+                case $tr in
+                    shm) env+=(NCCL_P2P_DISABLE=1) ;;
+                    socket) env+=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket) ;;
+                esac
+                echo "=== coldstart W=$w transport=$tr $(date -u +%T)"
+                env "${env[@]}" timeout 420 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
+                    bench/coldstart_collect.py --transport "$tr" --out "$OUT/coldstart/w${w}_${tr}.jsonl" 2>&1 \
+                    | grep -v 'socket.cpp\|TCPStore.cpp\|^W[0-9]' | tee -a "$OUT/coldstart.log"
+            done
+        done ;;
     tests)
         python3 -m pytest -m gpu -q -s tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    *) echo "usage: $0 bench [ARGS...] | tests" >&2; exit 2 ;;
+    *) echo "usage: $0 bench [ARGS...] | tests | coldstart [W...]" >&2; exit 2 ;;
 esac

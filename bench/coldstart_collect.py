@@ -1,0 +1,282 @@
+"""Cold-start data, measured on the GPU machine: all-reduce sweeps and DDP step times per NCCL transport.
+
+One launch per (world size, transport); `bash bench/gpu_suite.sh coldstart` runs them all, one after another:
+
+    python3 -m torch.distributed.run --standalone --nproc_per_node=W bench/coldstart_collect.py --out F.jsonl
+    (transport by environment: none = what NCCL picks (NVLink here), NCCL_P2P_DISABLE=1 = shared memory,
+     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket = TCP sockets)
+
+At W = 1 there is no process group and no DDP: the step is what a user's single-GPU run measures. Rank 0 writes one
+JSON line per measurement, in the record shapes of docs/design.md plus bench fields:
+- {"kind": "profile", ...}: the model's tensor profile (predictor.profiles.profile_from_module, DDP's bucket cap);
+- {"kind": "collective", "link", "op": "allreduce", "world", "bytes", "seconds", "rep"}: mean of a window of
+  back-to-back all-reduces of one fp32 tensor, two windows per size;
+- {"kind": "step", "profile", "gpu", "layout": [W], "intra_link", "per_gpu_batch", "iter_s", "windows", "local_s"}:
+  iter_s is the median over windows of the mean step (forward, backward with DDP's overlapped all-reduce,
+  optimizer) with one device sync per window, not per step; local_s the same under `no_sync()` (no
+  communication: this moment's compute, at W > 1 only);
+- {"kind": "links", ...}: the label the launcher's own detection gives (elastic_launcher.links on this host's
+  facts and NCCL's debug output) beside the transports NCCL's debug output names.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic_launcher.links import HostFacts, links_for, nccl_transports  # noqa: E402
+from predictor.profiles import profile_from_module  # noqa: E402
+
+# model -> per-GPU batch sizes measured (smallest first); the order is the order of measurement
+MODELS = {
+    "resnet18": (32, 64, 128), "resnet50": (32, 64, 128), "vit_b_16": (16, 32, 64), "gpt2": (2, 4, 8),
+    "bert": (8, 16, 32),
+}
+CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
+SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
+
+
+def build(name: str, device: torch.device):
+    """(model, optimizer, make_batch(b), loss(model, batch)) of one bench model, bf16 autocast on CUDA."""
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    if name in ("resnet18", "resnet50", "vit_b_16"):
+        import torchvision
+        model = getattr(torchvision.models, name)().to(device)
+        if name.startswith("resnet"):
+            model = model.to(memory_format=torch.channels_last)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def make_batch(b):
+            x = torch.randn(b, 3, 224, 224, device=device)
+            if name.startswith("resnet"):
+                x = x.to(memory_format=torch.channels_last)
+            return x, torch.randint(0, 1000, (b,), device=device)
+
+        def loss(m, batch):
+            with torch.autocast(**amp):
+                return ce(m(batch[0]), batch[1])
+    elif name in ("gpt2", "bert"):
+        import transformers
+        if name == "gpt2":
+            model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
+        else:
+            model, seq, vocab = transformers.BertForMaskedLM(transformers.BertConfig()).to(device), 512, 30522
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def make_batch(b):
+            x = torch.randint(0, vocab, (b, seq), device=device)
+            return x, x
+
+        def loss(m, batch):
+            with torch.autocast(**amp):
+                return m(input_ids=batch[0], labels=batch[1]).loss
+    else:  # CPU checks of this script: small MLPs
+        widths = [512, 2048, 2048, 10] if name == "mlp" else [64, 256, 10]
+        layers: list = []
+        for w_in, w_out in zip(widths, widths[1:]):
+            layers += [torch.nn.Linear(w_in, w_out), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers[:-1]).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ce = torch.nn.CrossEntropyLoss()
+
+        def make_batch(b):
+            return torch.randn(b, widths[0], device=device), torch.randint(0, widths[-1], (b,), device=device)
+
+        def loss(m, batch):
+            return ce(m(batch[0]), batch[1])
+    return model, opt, make_batch, loss
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_name(device) -> str:
+    """Short GPU type (`H100`, `H200`, `A100`), as the cluster's GRES type would name it; `cpu` on CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    full = torch.cuda.get_device_name(device)
+    for token in full.replace("-", " ").split():
+        if token[:1] in "HABLVTK" and any(c.isdigit() for c in token) and len(token) <= 6:
+            return token.upper()
+    return full
+
+
+def agree(x: float, device) -> float:
+    """The largest of every rank's x (ranks must run the same number of collectives and steps)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def windows(run_steps, device, est_s: float, target_s: float, n_windows: int) -> list[float]:
+    """Mean seconds per step of `n_windows` windows, each long enough for ~target_s (2..30 steps), one sync each."""
+    n = max(2, min(30, math.ceil(target_s / max(est_s, 1e-4))))
+    out = []
+    for _ in range(n_windows):
+        sync(device)
+        t0 = time.perf_counter()
+        run_steps(n)
+        sync(device)
+        out.append((time.perf_counter() - t0) / n)
+    return out
+
+
+def sweep(device, world: int, link: str, budget_s: float, emit) -> None:
+    """All-reduce seconds per size on this transport: two windows per size, ~0.15 s each (2..50 ops)."""
+    deadline = time.monotonic() + budget_s
+    for nbytes in SWEEP_BYTES:
+        if agree(float(time.monotonic() > deadline), device):
+            break
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        for _ in range(3):
+            dist.all_reduce(t)
+        sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        sync(device)
+        est = agree(time.perf_counter() - t0, device)
+        n = max(2, min(50, math.ceil(0.15 / max(est, 1e-6))))
+        for rep in range(2):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(t)
+            sync(device)
+            emit({"kind": "collective", "link": link, "op": "allreduce", "world": world, "bytes": nbytes,
+                  "seconds": (time.perf_counter() - t0) / n, "rep": rep, "n_ops": n})
+        del t
+
+
+def measure_model(name: str, batches, device, world: int, link: str, gpu: str, args, emit) -> None:
+    torch.manual_seed(0)
+    model, opt, make_batch, loss_fn = build(name, device)
+    profile = profile_from_module(model, name, bucket_cap_mb=25.0)
+    emit({"kind": "profile", **profile.to_dict(), "source": f"module ({gpu})"})
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
+    for b in batches:
+        batch = make_batch(b)
+
+        def step(m=net):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(m, batch).backward()
+            opt.step()
+
+        def run_steps(n):
+            for _ in range(n):
+                step()
+
+        def run_local(n):
+            with net.no_sync():
+                for _ in range(n):
+                    opt.zero_grad(set_to_none=True)
+                    loss_fn(net, batch).backward()
+                    opt.step()
+        try:
+            sync(device)
+            t0 = time.perf_counter()
+            run_steps(args.warmup)
+            sync(device)
+            est = agree((time.perf_counter() - t0) / args.warmup, device)
+            ws = windows(run_steps, device, est, args.window_s, args.windows)
+            local = windows(run_local, device, est, args.window_s, 1) if world > 1 else None
+        except torch.OutOfMemoryError:
+            emit({"kind": "skipped", "profile": name, "per_gpu_batch": b, "why": "out of memory"})
+            del batch
+            torch.cuda.empty_cache()
+            break
+        emit({"kind": "step", "profile": name, "gpu": gpu, "layout": [world], "intra_link": link,
+              "inter_link": None, "per_gpu_batch": b, "iter_s": statistics.median(ws), "windows": ws,
+              "local_s": local[0] if local else None, "warmup_s": est})
+        del batch
+    del net, model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON lines file (rank 0 appends)")
+    ap.add_argument("--models", default=None, help=f"comma list (default: {','.join(MODELS)}; on CPU mlp,tiny)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--warmup", type=int, default=5, help="steps before timing (DDP rebuilds its buckets once)")
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--window-s", type=float, default=0.5, help="target length of one timing window")
+    ap.add_argument("--sweep-budget-s", type=float, default=20.0)
+    ap.add_argument("--transport", default="auto", help="what the launch set up (nvlink|shm|socket), recorded")
+    args = ap.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        device = torch.device("cuda", local)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    table = MODELS if device.type == "cuda" else CPU_MODELS
+    names = args.models.split(",") if args.models else list(table)
+    unknown = [n for n in names if n not in MODELS and n not in CPU_MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; known: {sorted(MODELS) + sorted(CPU_MODELS)}")
+    gpu = gpu_name(device)
+    out = open(args.out, "a") if rank == 0 else None
+
+    def emit(rec: dict) -> None:
+        if out is not None:
+            rec = {**rec, "world": rec.get("world", world), "transport": args.transport, "t": time.time()}
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+            if rec["kind"] in ("step", "links", "skipped"):
+                print(json.dumps({k: v for k, v in rec.items() if k not in ("windows", "t")}), flush=True)
+
+    link = "none"
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        warm = torch.ones(1024, device=device)
+        dist.all_reduce(warm)
+        sync(device)
+        debug = ""
+        path = os.environ.get("NCCL_DEBUG_FILE", "").replace("%h", os.uname().nodename).replace("%p", str(os.getpid()))
+        if path and os.path.exists(path):
+            debug = Path(path).read_text(errors="replace")
+        facts = HostFacts.probe(backend, gpu_index=local, nccl_debug_text=debug)
+        links = links_for([world], [facts])
+        link = links.intra
+        emit({"kind": "links", "intra": links.intra, "source": links.source,
+              "nccl_via": sorted(nccl_transports(debug)), "nvlink": facts.nvlink, "env": facts.env})
+        sweep(device, world, link, args.sweep_budget_s, emit)
+    emit({"kind": "env", "torch": torch.__version__, "gpu": gpu,
+          "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None})
+    for name in names:
+        measure_model(name, table.get(name) or MODELS.get(name) or CPU_MODELS[name], device, world, link, gpu,
+                      args, emit)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
