@@ -1,0 +1,134 @@
+"""Cold-start accuracy: a model never run on more than one GPU, predicted at 2 and 4 GPUs on each NCCL transport.
+
+Run: `python bench/coldstart.py [--data bench/data/coldstart] [--no-write]`; writes bench/results/coldstart.md.
+Data: bench/data/coldstart/*.jsonl, measured on the lent GPU machine by `bash bench/gpu_suite.sh coldstart`
+(bench/coldstart_collect.py; bench/data/coldstart/SOURCE.md says where and when).
+
+Protocol (leave one model out, the submit-time case): for each model m, the predictor (predictor/engine.py, the
+service's configuration) is fitted on
+- the cluster's collective history: every all-reduce sweep (2 and 4 GPUs, per transport),
+- every other model's step rows (1, 2 and 4 GPUs, every transport and batch size),
+- m's own 1-GPU step rows (every batch size) and m's tensor profile,
+and predicts m's 2- and 4-GPU rows on every transport. Nothing of m at more than one GPU is ever seen.
+Metrics: MAPE of throughput (= G * b / step) over the predicted rows, per transport and per model.
+
+The noise line below the table: the same model and batch on one GPU measured twice in the same launch set (its
+1-GPU step, and its compute under `no_sync()` in each multi-GPU launch) differ by this much; no model that reads
+the 1-GPU step can be closer than that on rows where compute dominates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from predictor.engine import Predictor  # noqa: E402
+from predictor.profiles import Profile  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data" / "coldstart"
+RESULTS = HERE / "results"
+TARGET_ALL, TARGET_PER_TRANSPORT = 8.0, 10.0
+ONE_GPU_LINK = "none"  # 1-GPU rows move no bytes; their intra link is never used
+
+
+def load(data: Path) -> tuple[dict[str, Profile], list[dict], list[dict]]:
+    """(profiles, collective rows, step rows) of the committed measurements."""
+    profiles, coll, steps = {}, [], []
+    for f in sorted(data.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r["kind"] == "profile" and r["name"] not in profiles:
+                profiles[r["name"]] = Profile.from_dict(r)
+            elif r["kind"] == "collective":
+                coll.append({k: r[k] for k in ("kind", "link", "op", "world", "bytes", "seconds")})
+            elif r["kind"] == "step":
+                steps.append({"kind": "step", "profile": r["profile"], "gpu": r["gpu"], "layout": r["layout"],
+                              "intra_link": r["intra_link"] if sum(r["layout"]) > 1 else ONE_GPU_LINK,
+                              "inter_link": None, "per_gpu_batch": r["per_gpu_batch"], "iter_s": r["iter_s"],
+                              "local_s": r.get("local_s")})
+    return profiles, coll, steps
+
+
+def cold_start(profiles, coll, steps, model_kwargs: dict) -> list[tuple[dict, float]]:
+    """(row, predicted step seconds) for every multi-GPU row, each model fitted without its multi-GPU rows."""
+    out = []
+    for m in sorted({r["profile"] for r in steps}):
+        train = [r for r in steps if r["profile"] != m or sum(r["layout"]) == 1]
+        test = [r for r in steps if r["profile"] == m and sum(r["layout"]) > 1]
+        pred = Predictor(**model_kwargs).fit(profiles, coll + train)
+        for r in test:
+            p = pred.predict(profiles[m], r["gpu"], r["per_gpu_batch"],
+                             [{"layout": r["layout"], "intra_link": r["intra_link"], "inter_link": None}])[0]
+            out.append((r, p["iter_s"]))
+    return out
+
+
+def mape(pairs) -> float:
+    return float(np.mean([abs(m / p - 1.0) for m, p in pairs]) * 100) if pairs else float("nan")
+
+
+def table(results) -> list[str]:
+    """MAPE of throughput per transport x GPU count, per model, and overall (measured over predicted)."""
+    def err(rows):  # throughput error = |X_pred / X_meas - 1| = |t_meas / t_pred - 1|
+        return mape([(r["iter_s"], t) for r, t in rows])
+    links = sorted({r["intra_link"] for r, _ in results})
+    models = sorted({r["profile"] for r, _ in results})
+    lines = ["| model | " + " | ".join(f"{l} @2 | {l} @4" for l in links) + " | all |",
+             "|---|" + "---|---|" * len(links) + "---|"]
+    for m in models + ["**all**"]:
+        cells = []
+        for l in links:
+            for g in (2, 4):
+                rows = [x for x in results if x[0]["intra_link"] == l and sum(x[0]["layout"]) == g
+                        and (m == "**all**" or x[0]["profile"] == m)]
+                cells.append(f"{err(rows):.1f}%")
+        rows = [x for x in results if m == "**all**" or x[0]["profile"] == m]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {err(rows):.1f}% |")
+    per = {l: err([x for x in results if x[0]["intra_link"] == l]) for l in links}
+    lines += ["", "| transport | rows | MAPE | target |", "|---|---|---|---|"]
+    for l in links:
+        n = sum(1 for x in results if x[0]["intra_link"] == l)
+        lines.append(f"| {l} | {n} | {per[l]:.1f}% | <= {TARGET_PER_TRANSPORT:.0f}% |")
+    lines.append(f"| all | {len(results)} | {err(results):.1f}% | <= {TARGET_ALL:.0f}% |")
+    return lines
+
+
+def noise(steps) -> tuple[float, int]:
+    """Mean |1-GPU step / compute under no_sync() in a multi-GPU launch - 1| over (model, batch, launch)."""
+    one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in steps if sum(r["layout"]) == 1}
+    pairs = [(r["local_s"], one[(r["profile"], r["per_gpu_batch"])]) for r in steps
+             if sum(r["layout"]) > 1 and r.get("local_s") and (r["profile"], r["per_gpu_batch"]) in one]
+    return mape(pairs), len(pairs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    profiles, coll, steps = load(args.data)
+    t0 = time.perf_counter()
+    results = cold_start(profiles, coll, steps, {})
+    lines = [f"# Cold-start accuracy (`python bench/coldstart.py`)", "", __doc__.split("\n\n", 1)[1].strip(), "",
+             f"Data: {len(coll)} all-reduce timings, {len(steps)} step rows of {len(profiles)} models "
+             f"({', '.join(sorted(profiles))}); {len(results)} multi-GPU rows predicted "
+             f"({time.perf_counter() - t0:.1f} s to fit and predict).", "", "MAPE of throughput:", ""]
+    lines += table(results)
+    nz, n = noise(steps)
+    lines += ["", f"Noise: the 1-GPU step against the same model and batch's compute under `no_sync()` in the "
+                  f"multi-GPU launches differs by {nz:.1f}% on average ({n} pairs)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_write:
+        (RESULTS / "coldstart.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

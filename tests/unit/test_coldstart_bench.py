@@ -1,0 +1,42 @@
+"""bench/coldstart.py: the committed GPU data loads, and the protocol never trains on what it predicts."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import coldstart  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data():
+    return coldstart.load(coldstart.DATA)
+
+
+def test_committed_data_has_every_transport_and_size(data):
+    profiles, coll, steps = data
+    assert len(profiles) >= 4
+    assert {(c["link"], c["world"]) for c in coll} == {(l, w) for l in ("nvlink", "shm", "tcp") for w in (2, 4)}
+    for m in profiles:
+        sizes = {(sum(r["layout"]), r["intra_link"]) for r in steps if r["profile"] == m}
+        assert {(1, coldstart.ONE_GPU_LINK)} | {(w, l) for w in (2, 4) for l in ("nvlink", "shm", "tcp")} <= sizes
+
+
+def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
+    profiles, coll, steps = data
+    seen = []
+    real_fit = coldstart.Predictor.fit
+
+    def spy(self, profs, obs):
+        seen.append(obs)
+        return real_fit(self, profs, obs)
+    monkeypatch.setattr(coldstart.Predictor, "fit", spy)
+    out = coldstart.cold_start(profiles, coll, steps, {})
+    assert len(out) == sum(1 for r in steps if sum(r["layout"]) > 1)
+    for obs in seen:
+        train_multi = {o["profile"] for o in obs if o.get("kind") == "step" and sum(o["layout"]) > 1}
+        assert len(train_multi) == len(profiles) - 1  # every model's multi-GPU rows but the held-out one's
+        held = (set(profiles) - train_multi).pop()
+        assert any(o.get("profile") == held and sum(o["layout"]) == 1 for o in obs)  # its 1-GPU rows stay
+    assert all(t > 0 for _, t in out)
