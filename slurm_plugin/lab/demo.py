@@ -7,7 +7,7 @@
    cluster file that says what the testbed is: one CPU worker per node, gloo over `shm`/`socket`; installs
    the job_submit hook pointing at it and reconfigures slurmctld;
 3. seeds the history: calibrates the demo model (resnet-tiny) at 1 and 2 workers through the real runtime
-   and posts the runtime's step and all-reduce observations (slurm_plugin/demo_calibrate.py);
+   and posts the runtime's step and all-reduce observations (slurm_plugin/lab/demo_calibrate.py);
 4. renders the `resnet50` template's CPU variant and submits it with the real sbatch, whose hook line
    (`sbatch: elastic: ...`) says how the job was sized and why;
 5. follows the job (records.jsonl, rank 0's log) through at least one grow (helper job) and one shrink: the
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import click
 
-from slurm_plugin import demo_calibrate as cal
-from slurm_plugin.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
-from slurm_plugin.demo_services import DemoError, PredictorService, install_hook, tail
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+from slurm_plugin.lab import demo_calibrate as cal
+from slurm_plugin.lab.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
+from slurm_plugin.lab.demo_services import DemoError, PredictorService, install_hook, tail
+from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig
 
 DEFAULT_DEMO_LAB = Path("/var/tmp/elastic-slurm-demo")
 DEFAULT_DEMO_PORT_BASE = 17000   # the CI lab uses 16800; PORT_SPAN ports each
