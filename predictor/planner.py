@@ -25,18 +25,16 @@ from predictor.cluster import Cluster, Partition
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.records import layout_name, validate_layout
 from predictor.service import ModelUnavailable
+from slurm_plugin.client import job_desc_number, requested_shape
 from slurm_plugin.directives import PREFIX, parse_lines
 from slurm_plugin.errors import DirectiveError
 
 SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
-NO_VAL32 = 0xFFFFFFFE            # Slurm's "unset" for 32-bit job_desc fields (and INFINITE above it)
-NO_VAL16 = 0xFFFE
 MAX_REUSED_IDS = 4096
 MAX_DIRECTIVE_LINES = 64         # `#ELASTIC` lines in one request
 MAX_DIRECTIVE_LINE = 4096        # characters in one line
 MAX_DIRECTIVES_CHARS = 16384     # characters of all lines together (a real job has a few short lines)
 DECISION_ID_RE = re.compile(r"^d-[0-9]{1,18}$")   # what `reused` may name: ids the service answered
-_TRES_GPU_RE = re.compile(r"(?:^|,)(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)(?:,|$)")
 _JOB_FIELDS: dict[str, tuple[type, int]] = {      # field -> (type, upper bound for ints / length for str)
     "user": (str, 256), "uid": (int, 2**32), "partition": (str, 1024), "job_id": (int, 2**32),
     "name": (str, 1024), "min_nodes": (int, 2**32), "max_nodes": (int, 2**32),
@@ -94,8 +92,7 @@ def _job(value: Any) -> dict:
         if kind is int:
             if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < bound:
                 raise ValidationError(f"job.{key}", f"expected an integer in 0..{bound - 1} or null, got {item!r}")
-            unset = item >= NO_VAL32 or (key == "ntasks_per_node" and item in (NO_VAL16, NO_VAL16 + 1))
-            job[key] = None if unset or (item == 0 and key.endswith("nodes")) else item
+            job[key] = job_desc_number(key, item)
         else:
             if not isinstance(item, str) or len(item) > bound:
                 raise ValidationError(f"job.{key}", f"expected a string of at most {bound} characters or null")
@@ -186,22 +183,6 @@ def _reused(value: Any) -> dict:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 2**31:
             raise ValidationError(f"reused.{key}", f"expected a count in 1..2**31, got {count!r}")
     return dict(value)
-
-
-def gpus_in_tres(tres: str | None) -> int | None:
-    """GPU count in a Slurm TRES string (`gres:gpu:4`, `gres/gpu:a100:2`), None when absent."""
-    match = _TRES_GPU_RE.search(tres or "")
-    return int(match.group(1)) if match else None
-
-
-def requested_shape(job: dict) -> tuple[int | None, int | None, int | None]:
-    """(nodes, gpus per node, total gpus) as the job asked, each None when not derivable."""
-    nodes = job.get("min_nodes")
-    per_node = gpus_in_tres(job.get("tres_per_node"))
-    total = gpus_in_tres(job.get("tres_per_job"))
-    if total is None and per_node is not None:
-        total = per_node * (nodes or 1)
-    return nodes, per_node, total
 
 
 def _keep(reason: str, **extra) -> dict:

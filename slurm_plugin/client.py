@@ -434,12 +434,7 @@ def _shrink_target(job: Job, keep: Union[int, Sequence[str]]) -> tuple[str, ...]
 # -- parsing (pure functions; unit-tested on output captured from the 22.05 testbed) -------------
 def _gpu_count(gres: str) -> int:
     """`gpu:4`, `gpu:4(S:0)`, `gpu:2(IDX:0-1)`, `gpu:tesla:2(...)` -> GPU count; 0 if no gpu entry."""
-    total = 0
-    for item in split_top(gres or ""):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
-            total += int(parts[-1])
-    return total
+    return gpus_in_tres(gres) or 0
 
 
 def parse_topology(text: str) -> dict[str, str]:
@@ -552,6 +547,39 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
             )
         )
     return out
+
+
+# -- job_desc values and TRES strings (what the job_submit hook posts as /v1/plan's `job`) ---------------
+# Slurm's sentinels and TRES strings stop here: the planner sees plain numbers and None.
+NO_VAL = 0xFFFFFFFE          # "unset" in a 32-bit job_desc field (INFINITE, 0xFFFFFFFF, is above it)
+NO_VAL16 = 0xFFFE            # "unset" in a 16-bit one (ntasks_per_node; INFINITE16 is NO_VAL16 + 1)
+_GPU_ENTRY = re.compile(r"^(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)$")
+
+
+def gpus_in_tres(tres: str | None) -> int | None:
+    """GPUs in a TRES or GRES list: `gres:gpu:4`, `gres/gpu:a100:2`, `gres/gpu=4`, `gpu:tesla:2(IDX:0-1)`;
+    entries of several types add up. None when the list has no gpu entry (`gres:shard:2`, "", None)."""
+    counts = [int(m.group(1)) for item in split_top(tres or "") if (m := _GPU_ENTRY.match(item.split("(")[0]))]
+    return sum(counts) if counts else None
+
+
+def job_desc_number(key: str, value: int) -> int | None:
+    """A job_desc integer as the job asked it, None for Slurm's "unset" (NO_VAL and above; NO_VAL16 and
+    INFINITE16 in `ntasks_per_node`; 0 in `min_nodes`/`max_nodes`)."""
+    if value >= NO_VAL or (key == "ntasks_per_node" and value in (NO_VAL16, NO_VAL16 + 1)):
+        return None
+    return None if value == 0 and key.endswith("nodes") else value
+
+
+def requested_shape(job: Mapping) -> tuple[int | None, int | None, int | None]:
+    """(nodes, GPUs per node, total GPUs) a job asked for, from its `min_nodes`, `tres_per_node` and
+    `tres_per_job` (sentinels already read as None); each None when not derivable."""
+    nodes = job.get("min_nodes")
+    per_node = gpus_in_tres(job.get("tres_per_node"))
+    total = gpus_in_tres(job.get("tres_per_job"))
+    if total is None and per_node is not None:
+        total = per_node * (nodes or 1)
+    return nodes, per_node, total
 
 
 # -- host lists ----------------------------------------------------------------------------------

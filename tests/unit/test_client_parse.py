@@ -19,11 +19,14 @@ from slurm_plugin.client import (
     compress_counts,
     compress_hostlist,
     expand_hostlist,
+    gpus_in_tres,
+    job_desc_number,
     parse_jobs,
     parse_nodes,
     parse_partitions,
     parse_sacct,
     parse_topology,
+    requested_shape,
 )
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
@@ -178,3 +181,26 @@ def test_one_hostlist_parser_refuses_the_same_lists_everywhere(spec, problem):
     with pytest.raises(ValidationError, match=problem):
         cluster_expand(spec, "partitions[0].nodes")
     assert expand_hostlist("gpu[08-10],login") == ["gpu08", "gpu09", "gpu10", "login"]
+
+
+@pytest.mark.parametrize("tres,count", [("gres:gpu:4", 4), ("gres/gpu:a100:2", 2), ("gpu:8", 8), ("gres/gpu=4", 4),
+                                        ("gpu:tesla:2(IDX:0,2)", 2), ("gpu:4(S:0),gpu:a100:2", 6),
+                                        ("gres:shard:2", None), ("", None), (None, None),
+                                        ("gres:gpu:2,gres:shard:1", 2), ("gres:gpus:2", None)])
+def test_gpus_in_tres(tres, count):
+    """The one reading of GPU counts in TRES/GRES strings: the hook's job_desc, sinfo's gres and gres_used."""
+    assert gpus_in_tres(tres) == count
+
+
+@pytest.mark.parametrize("key,value,read", [("min_nodes", 4294967294, None), ("min_nodes", 4294967295, None),
+                                            ("min_nodes", 0, None), ("min_nodes", 3, 3), ("time_limit_min", 0, 0),
+                                            ("ntasks_per_node", 65534, None), ("ntasks_per_node", 65535, None),
+                                            ("job_id", 65534, 65534)])
+def test_job_desc_sentinels_read_as_unset(key, value, read):
+    assert job_desc_number(key, value) == read
+
+
+def test_requested_shape():
+    assert requested_shape({"min_nodes": 2, "tres_per_node": "gres:gpu:4"}) == (2, 4, 8)
+    assert requested_shape({"tres_per_job": "gres:gpu:6"}) == (None, None, 6)
+    assert requested_shape({}) == (None, None, None)
