@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from predictor.cluster import Cluster, Partition
+from predictor.config import MAX_CANDIDATES
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.records import layout_name, validate_layout
 from predictor.service import ModelUnavailable
@@ -209,7 +210,7 @@ def _pick_partition(cluster: Cluster, job: dict, gpu_type: str | None) -> Partit
 
 
 def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency: float = 0.5,
-         max_candidates: int = 512) -> dict:
+         max_candidates: int = MAX_CANDIDATES) -> dict:
     """Decide keep or rewrite (the response body without `decision_id`).
 
     Args:

@@ -23,7 +23,6 @@ from predictor.service import DEFAULT_VERSION_WAIT, MAX_VERSION_WAIT, ModelView
 from predictor.store import encode
 
 bp = Blueprint("predict", __name__, url_prefix="/v1")
-MAX_CANDIDATES = 512
 MAX_REQUEST_LAYOUT_NODES = 65536   # sum of len(layout) over one request's candidates: the work one request may ask
 PREDICT_FIELDS = ("profile", "gpu", "per_gpu_batch", "candidates", "partition", "max_gpus", "min_model_version",
                   "wait_ms")
@@ -38,9 +37,9 @@ def _name(body: dict, key: str, pattern) -> str:
     return value
 
 
-def _candidates(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value or len(value) > MAX_CANDIDATES:
-        raise ValidationError("candidates", f"expected a list of 1..{MAX_CANDIDATES} candidates")
+def _candidates(value: Any, cap: int) -> list[dict]:
+    if not isinstance(value, list) or not value or len(value) > cap:
+        raise ValidationError("candidates", f"expected a list of 1..{cap} candidates")
     nodes = 0
     for cand in value:            # the work bound first, before validating what would be refused anyway
         layout = cand.get("layout") if isinstance(cand, dict) else None
@@ -176,7 +175,7 @@ def predict():
                                  or not 1 <= max_gpus <= 65536):
         raise ValidationError("max_gpus", "expected an integer in 1..65536")
     if "candidates" in body:
-        candidates = _candidates(body["candidates"])
+        candidates = _candidates(body["candidates"], svc.config.max_plan_candidates)
     else:
         candidates = enumerate_candidates(svc.cluster, gpu, partition, max_gpus)
     min_version, wait = version_wait(body)
