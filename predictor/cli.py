@@ -108,13 +108,13 @@ def main():
 
 def _slurm_cluster(spec: str):
     from predictor.cluster import Cluster  # noqa: PLC0415
-    from slurm_plugin.client import CommandBackend  # noqa: PLC0415
+    from slurm_plugin.client import Backend, CommandBackend  # noqa: PLC0415
     from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts):
         raise click.BadParameter(f"expected GPU:INTRA:INTER, got {spec!r}", param_hint="--from-slurm")
-    backend = CommandBackend()
+    backend: Backend = CommandBackend()
     try:
         return Cluster.from_slurm(backend.nodes(), backend.partitions(), *parts)
     except (SlurmError, ValidationError) as exc:

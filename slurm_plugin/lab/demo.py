@@ -36,6 +36,7 @@ from pathlib import Path
 
 import click
 
+from slurm_plugin.client import Backend, CommandBackend
 from slurm_plugin.lab import demo_calibrate as cal
 from slurm_plugin.lab.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
 from slurm_plugin.lab.demo_services import DemoError, PredictorService, install_hook, tail
@@ -137,9 +138,9 @@ def busy_message(lab: Path, holder: dict, elsewhere: bool = True) -> str:
             + ("; or use another --lab and --port-base" if elsewhere else ""))
 
 
-def lab_slurm(bed: Testbed, token: str | None = None):
+def lab_slurm(bed: Testbed, token: str | None = None) -> Backend:
     """A Slurm client for the lab's cluster (with the predictor token in the environment of what it submits)."""
-    from slurm_plugin.client import DEFAULT_PATH, CommandBackend  # noqa: PLC0415
+    from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
 
     env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
     if token:

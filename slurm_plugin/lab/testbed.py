@@ -52,7 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from slurm_plugin.lab import testbed_conf
-from slurm_plugin.client import DEFAULT_PATH, CommandBackend
+from slurm_plugin.client import DEFAULT_PATH, Backend, CommandBackend
 from slurm_plugin.errors import JobNotFoundError, SlurmError, TestbedError
 from slurm_plugin.lab.testbed_conf import TestbedConfig
 
@@ -95,7 +95,7 @@ class Testbed:
 
     def __init__(self, config: TestbedConfig):
         self.config = config
-        self.client = CommandBackend(
+        self.client: Backend = CommandBackend(
             slurm_conf=config.slurm_conf, timeout=config.command_timeout, update_timeout=config.command_timeout
         )
 

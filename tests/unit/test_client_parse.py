@@ -204,3 +204,35 @@ def test_requested_shape():
     assert requested_shape({"min_nodes": 2, "tres_per_node": "gres:gpu:4"}) == (2, 4, 8)
     assert requested_shape({"tres_per_job": "gres:gpu:6"}) == (None, None, 6)
     assert requested_shape({}) == (None, None, None)
+
+
+def test_command_backend_implements_the_backend_protocol():
+    """Every method the protocol declares exists on CommandBackend with the same parameters, and the
+    protocol declares every public method (so callers typed as `Backend` can use what the client offers)."""
+    import inspect
+
+    from slurm_plugin.client import Backend
+
+    declared = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    offered = {n for n, v in vars(CommandBackend).items() if callable(v) and not n.startswith("_")}
+    assert declared == offered
+    for name in declared:
+        assert list(inspect.signature(getattr(Backend, name)).parameters) == \
+            list(inspect.signature(getattr(CommandBackend, name)).parameters), name
+
+
+def test_the_launcher_calls_only_what_backend_declares():
+    """The launcher holds its Slurm client as `self.slurm` / `slurm`: each method it calls is in the protocol."""
+    import ast
+
+    from slurm_plugin.client import Backend
+
+    called = set()
+    for path in (Path(__file__).resolve().parents[2] / "elastic_launcher").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+                if name == "slurm":
+                    called.add(node.func.attr)
+    assert called and called <= set(vars(Backend)), called - set(vars(Backend))
