@@ -399,7 +399,8 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     except (ValidationError, planner.DirectiveProblem) as exc:
         raise click.ClickException(f"{script.name}: {exc}") from None
     cache = _fitted_cache(config, db, "no history to plan with")
-    decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates)
+    decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates,
+                            cache.store.path)
     decision = cache.store.add_decision(body, decision, "cli", cache.version)
     click.echo(f"{decision['decision_id']} {decision['action']}: {decision['reason']}")
     if decision["curve"]:

@@ -24,8 +24,9 @@ from typing import Any
 from predictor.cluster import Cluster, Partition
 from predictor.config import MAX_CANDIDATES
 from predictor.errors import NotFoundError, TooLarge, ValidationError
-from predictor.records import layout_name, validate_layout
+from predictor.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
+from predictor.store import register_hint
 from slurm_plugin.client import job_desc_number, requested_shape
 from slurm_plugin.directives import PREFIX, parse_lines
 from slurm_plugin.errors import DirectiveError
@@ -210,12 +211,13 @@ def _pick_partition(cluster: Cluster, job: dict, gpu_type: str | None) -> Partit
 
 
 def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency: float = 0.5,
-         max_candidates: int = MAX_CANDIDATES) -> dict:
+         max_candidates: int = MAX_CANDIDATES, db_path: str = "DB") -> dict:
     """Decide keep or rewrite (the response body without `decision_id`).
 
     Args:
         models: a ModelCache-like object: `predictor()`, `profile(name)`, `known(name, gpu)`, `predict(...)`,
             `version`.
+        db_path: the service's database, named in the hint for registering an unknown model.
     """
     d = request.directives
     if d is None:
@@ -234,8 +236,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
         return _keep(f"predictor not ready: {exc}", model=model)
     profile = models.profile(model)
     if profile is None:
-        return _keep(f"unknown model {model!r}: register it with POST /v1/profiles or "
-                     f"`elastic-predictor profile torchvision:{model}`", model=model)
+        return _keep(f"unknown model {model!r}: {register_hint(model, db_path)}", model=model)
     if not models.known(model, part.gpu):
         return _keep(f"no step history for {model} on {part.gpu}: predictions would be guesses", model=model)
     batch = d.get("per_gpu_batch") or (request.current or {}).get("per_gpu_batch")
@@ -248,16 +249,16 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     bounds = d.get("gpus") or ({"min": req_total, "max": req_total} if req_total else {"min": 1, "max": part.total_gpus})
     low, high = bounds["min"], min(bounds["max"], part.total_gpus)
     if low > part.total_gpus:
-        return _keep(f"gpus min {low} exceeds partition {part.name}'s {part.total_gpus} GPUs", model=model)
+        return _keep(f"gpus min {low} exceeds partition {part.name}'s {counted(part.total_gpus, 'GPU')}", model=model)
     keep_global = d.get("batch_policy") == "keep_global"
     global_fixed = batch * (req_total or low) if keep_global else None
     cap = d.get("max_global_batch")
-    limit_note = f"gpus max {bounds['max']}" if high == bounds["max"] else f"partition {part.name} has {part.total_gpus} GPUs"
+    limit_note = f"gpus max {bounds['max']}" if high == bounds["max"] else f"partition {part.name} has {counted(part.total_gpus, 'GPU')}"
     if cap is not None and not keep_global and cap // batch < high:
         high = cap // batch
-        limit_note = f"max_global_batch {cap} caps at {high} GPUs"
+        limit_note = f"max_global_batch {cap} caps at {counted(high, 'GPU')}"
         if high < low:
-            return _keep(f"max_global_batch {cap} allows {high} GPUs at per_gpu_batch {batch}, below gpus min {low}",
+            return _keep(f"max_global_batch {cap} allows {counted(high, 'GPU')} at per_gpu_batch {batch}, below gpus min {low}",
                          model=model)
     by_batch: dict[int, list[dict]] = {}
     for gpus in range(low, high + 1):
@@ -270,7 +271,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
             by_batch.setdefault(per_gpu, []).append(part.candidate(layout))
     if not by_batch:
         return _keep(f"no layout of {low}-{high} GPUs fits partition {part.name} "
-                     f"({len(part.nodes)} nodes x {part.gpus_per_node} GPUs)", model=model)
+                     f"({counted(len(part.nodes), 'node')} x {counted(part.gpus_per_node, 'GPU')})", model=model)
     if sum(map(len, by_batch.values())) > max_candidates:
         return _keep(f"more than {max_candidates} candidate layouts; narrow gpus=MIN-MAX", model=model)
     entries = []
@@ -342,7 +343,7 @@ def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest,
     base = next((e for e in entries if e["nodes"] == requested[0] and e["layout"][0] == requested[1]),
                 best[counts[0]])
     ratio = chosen["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] > 0 else float("nan")
-    reason = (f"elastic: {nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs ({layout_name(chosen['layout'])}) "
+    reason = (f"elastic: {counted(nodes, 'node')} x {counted(per_node, 'GPU')} ({layout_name(chosen['layout'])}) "
               f"predicted {chosen['samples_per_s']:.0f} samples/s, {ratio:.1f}x of {layout_name(base['layout'])}")
     if objective != "throughput":
         reason += f" (objective {objective})"

@@ -195,7 +195,7 @@ def plan():
     plan_request = planner.parse_request(body)
     models = svc.models.view(*version_wait(None))
     response = planner.plan(plan_request, svc.cluster, models, svc.config.default_min_efficiency,
-                            svc.config.max_plan_candidates)
+                            svc.config.max_plan_candidates, svc.config.db_path)
     response.setdefault("model_version", models.version)     # keeps name the model in use too
     response["model_generation"] = models.generation
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a

@@ -243,3 +243,19 @@ def test_stop_lab_services_on_a_lab_that_runs_nothing(tmp_path):
 
     bed = Testbed(TestbedConfig(lab=tmp_path / "lab", port_base=17000))
     assert demo.stop_lab_services(bed) == (0, False)
+
+
+def test_unknown_profile_hint_names_the_database_and_counts_agree(tmp_path):
+    """#15: the 'register it' hint gives a command that runs as shown (with --db), and "1 GPU", not "1 GPUs"."""
+    from predictor.errors import NotFoundError
+    from predictor.records import counted
+    from predictor.store import Store
+
+    db = str(tmp_path / "hint.db")
+    store = Store(db)
+    store.migrate()
+    with pytest.raises(NotFoundError) as info:
+        store.get_profile("vgg99")
+    store.close()
+    assert f"elastic-predictor profile torchvision:vgg99 --db {db}" in str(info.value.hint)
+    assert [counted(n, "GPU") for n in (1, 2)] == ["1 GPU", "2 GPUs"]
