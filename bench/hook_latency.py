@@ -43,8 +43,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from slurm_plugin.installer import PluginConfig, install
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import TestbedConfig
+from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.testbed_conf import TestbedConfig
 
 ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
 STEPS = [([1], 0.030), ([2], 0.031), ([4], 0.032), ([1, 1], 0.034), ([2, 2], 0.035), ([4, 4], 0.037)]

@@ -162,14 +162,14 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
     )
-    from slurm_plugin.client import CommandBackend, start_step
+    from slurm_plugin.client import Backend, CommandBackend, start_step
 
     # Slurm commands get our environment without the job's SLURM_* (sbatch of a helper must not inherit
     # the main job's variables; scontrol must not write resize.sh files) but with PATH, HOME, ...
     command_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     slurm_conf = os.environ.get("SLURM_CONF")
-    slurm = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
-                           timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
+    slurm: Backend = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
+                                    timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
     controller = Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step)
     # scancel / time limit: SIGTERM to the batch step; unwind so the controller ends its helper jobs.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
@@ -244,14 +244,14 @@ def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, comma
     from elastic_launcher.helper_agent import HelperAgent
     from elastic_launcher.control import launcher_store
     from elastic_launcher.workers import WorkerPool
-    from slurm_plugin.client import CommandBackend, is_transient, start_step
+    from slurm_plugin.client import Backend, CommandBackend, is_transient, start_step
     from slurm_plugin.errors import SlurmError
 
     _logging(False)
     allocation = allocation_from_env(os.environ)
     host, _, port = store_addr.rpartition(":")
-    slurm = CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get("SLURM_CONF") else None,
-                           env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    slurm: Backend = CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get("SLURM_CONF") else None,
+                                    env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
 
     def main_running() -> bool:
         try:

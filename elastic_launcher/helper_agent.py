@@ -1,6 +1,6 @@
 """The grow helper agent: the batch step of a helper job, which lends its nodes to a main job.
 
-Slurm 22.05 cannot merge nodes into a running GPU job (shared/docs/slurm-facts.md, section 3), so the
+Slurm 22.05 cannot merge nodes into a running GPU job (docs/design.md, section "Slurm": grow), so the
 controller grows a job by submitting a *helper job*: a normal sbatch job named `elastic-helper-<main>`
 with comment `elastic-helper:<main>` (the job_submit hook skips these). Its batch step runs this agent,
 which starts one worker step per node of the helper allocation; the workers join the main job's

@@ -108,13 +108,13 @@ def main():
 
 def _slurm_cluster(spec: str):
     from predictor.cluster import Cluster  # noqa: PLC0415
-    from slurm_plugin.client import CommandBackend  # noqa: PLC0415
+    from slurm_plugin.client import Backend, CommandBackend  # noqa: PLC0415
     from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts):
         raise click.BadParameter(f"expected GPU:INTRA:INTER, got {spec!r}", param_hint="--from-slurm")
-    backend = CommandBackend()
+    backend: Backend = CommandBackend()
     try:
         return Cluster.from_slurm(backend.nodes(), backend.partitions(), *parts)
     except (SlurmError, ValidationError) as exc:
@@ -399,7 +399,8 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     except (ValidationError, planner.DirectiveProblem) as exc:
         raise click.ClickException(f"{script.name}: {exc}") from None
     cache = _fitted_cache(config, db, "no history to plan with")
-    decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates)
+    decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates,
+                            cache.store.path)
     decision = cache.store.add_decision(body, decision, "cli", cache.version)
     click.echo(f"{decision['decision_id']} {decision['action']}: {decision['reason']}")
     if decision["curve"]:

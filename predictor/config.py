@@ -35,6 +35,8 @@ from typing import Mapping
 from predictor.cluster import Cluster
 from predictor.errors import ValidationError
 
+MAX_CANDIDATES = 512   # layouts one /v1/plan or /v1/predict evaluates (`Config.max_plan_candidates`'s default)
+
 ENV_TOKEN = "ELASTIC_PREDICTOR_TOKEN"
 ENV_DB = "ELASTIC_PREDICTOR_DB"
 ENV_CLUSTER = "ELASTIC_PREDICTOR_CLUSTER"
@@ -76,7 +78,8 @@ class Config:
         prediction_cache_size: entries in the per-model-version prediction cache.
         prediction_cache_bytes: budget of that cache in estimated bytes (candidates x layout length), per worker.
         default_min_efficiency: scaling-efficiency threshold when the directives give none.
-        max_plan_candidates: cap on the layouts one /v1/plan or /v1/predict evaluates.
+        max_plan_candidates: cap on the layouts one /v1/plan or /v1/predict evaluates (a longer
+            `candidates` list is refused, a plan with more layouts answers keep).
         admin_token: bearer token for admin operations; None: the tool token does them.
         munge_auth: accept munge-signed job writes (`X-Elastic-Munge`).
         munge_socket: munged socket used by `unmunge`; None: munge's default.
@@ -103,7 +106,7 @@ class Config:
     refit_min_interval: timedelta = timedelta(seconds=5)
     prediction_cache_size: int = 4096
     default_min_efficiency: float = 0.5
-    max_plan_candidates: int = 512
+    max_plan_candidates: int = MAX_CANDIDATES
     admin_token: str | None = None
     munge_auth: bool = False
     munge_socket: str | None = None

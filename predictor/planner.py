@@ -22,21 +22,21 @@ import re
 from typing import Any
 
 from predictor.cluster import Cluster, Partition
+from predictor.config import MAX_CANDIDATES
 from predictor.errors import NotFoundError, TooLarge, ValidationError
-from predictor.records import layout_name, validate_layout
+from predictor.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
+from predictor.store import register_hint
+from slurm_plugin.client import job_desc_number, requested_shape
 from slurm_plugin.directives import PREFIX, parse_lines
 from slurm_plugin.errors import DirectiveError
 
 SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
-NO_VAL32 = 0xFFFFFFFE            # Slurm's "unset" for 32-bit job_desc fields (and INFINITE above it)
-NO_VAL16 = 0xFFFE
 MAX_REUSED_IDS = 4096
 MAX_DIRECTIVE_LINES = 64         # `#ELASTIC` lines in one request
 MAX_DIRECTIVE_LINE = 4096        # characters in one line
 MAX_DIRECTIVES_CHARS = 16384     # characters of all lines together (a real job has a few short lines)
 DECISION_ID_RE = re.compile(r"^d-[0-9]{1,18}$")   # what `reused` may name: ids the service answered
-_TRES_GPU_RE = re.compile(r"(?:^|,)(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)(?:,|$)")
 _JOB_FIELDS: dict[str, tuple[type, int]] = {      # field -> (type, upper bound for ints / length for str)
     "user": (str, 256), "uid": (int, 2**32), "partition": (str, 1024), "job_id": (int, 2**32),
     "name": (str, 1024), "min_nodes": (int, 2**32), "max_nodes": (int, 2**32),
@@ -94,8 +94,7 @@ def _job(value: Any) -> dict:
         if kind is int:
             if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < bound:
                 raise ValidationError(f"job.{key}", f"expected an integer in 0..{bound - 1} or null, got {item!r}")
-            unset = item >= NO_VAL32 or (key == "ntasks_per_node" and item in (NO_VAL16, NO_VAL16 + 1))
-            job[key] = None if unset or (item == 0 and key.endswith("nodes")) else item
+            job[key] = job_desc_number(key, item)
         else:
             if not isinstance(item, str) or len(item) > bound:
                 raise ValidationError(f"job.{key}", f"expected a string of at most {bound} characters or null")
@@ -188,22 +187,6 @@ def _reused(value: Any) -> dict:
     return dict(value)
 
 
-def gpus_in_tres(tres: str | None) -> int | None:
-    """GPU count in a Slurm TRES string (`gres:gpu:4`, `gres/gpu:a100:2`), None when absent."""
-    match = _TRES_GPU_RE.search(tres or "")
-    return int(match.group(1)) if match else None
-
-
-def requested_shape(job: dict) -> tuple[int | None, int | None, int | None]:
-    """(nodes, gpus per node, total gpus) as the job asked, each None when not derivable."""
-    nodes = job.get("min_nodes")
-    per_node = gpus_in_tres(job.get("tres_per_node"))
-    total = gpus_in_tres(job.get("tres_per_job"))
-    if total is None and per_node is not None:
-        total = per_node * (nodes or 1)
-    return nodes, per_node, total
-
-
 def _keep(reason: str, **extra) -> dict:
     return {"action": "keep", "reason": reason, "nodes": None, "gpus_per_node": None, "tasks_per_node": None,
             "switches": None, "layout": None, "predicted": None, "curve": [], **extra}
@@ -228,12 +211,13 @@ def _pick_partition(cluster: Cluster, job: dict, gpu_type: str | None) -> Partit
 
 
 def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency: float = 0.5,
-         max_candidates: int = 512) -> dict:
+         max_candidates: int = MAX_CANDIDATES, db_path: str = "DB") -> dict:
     """Decide keep or rewrite (the response body without `decision_id`).
 
     Args:
         models: a ModelCache-like object: `predictor()`, `profile(name)`, `known(name, gpu)`, `predict(...)`,
             `version`.
+        db_path: the service's database, named in the hint for registering an unknown model.
     """
     d = request.directives
     if d is None:
@@ -252,8 +236,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
         return _keep(f"predictor not ready: {exc}", model=model)
     profile = models.profile(model)
     if profile is None:
-        return _keep(f"unknown model {model!r}: register it with POST /v1/profiles or "
-                     f"`elastic-predictor profile torchvision:{model}`", model=model)
+        return _keep(f"unknown model {model!r}: {register_hint(model, db_path)}", model=model)
     if not models.known(model, part.gpu):
         return _keep(f"no step history for {model} on {part.gpu}: predictions would be guesses", model=model)
     batch = d.get("per_gpu_batch") or (request.current or {}).get("per_gpu_batch")
@@ -266,16 +249,16 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     bounds = d.get("gpus") or ({"min": req_total, "max": req_total} if req_total else {"min": 1, "max": part.total_gpus})
     low, high = bounds["min"], min(bounds["max"], part.total_gpus)
     if low > part.total_gpus:
-        return _keep(f"gpus min {low} exceeds partition {part.name}'s {part.total_gpus} GPUs", model=model)
+        return _keep(f"gpus min {low} exceeds partition {part.name}'s {counted(part.total_gpus, 'GPU')}", model=model)
     keep_global = d.get("batch_policy") == "keep_global"
     global_fixed = batch * (req_total or low) if keep_global else None
     cap = d.get("max_global_batch")
-    limit_note = f"gpus max {bounds['max']}" if high == bounds["max"] else f"partition {part.name} has {part.total_gpus} GPUs"
+    limit_note = f"gpus max {bounds['max']}" if high == bounds["max"] else f"partition {part.name} has {counted(part.total_gpus, 'GPU')}"
     if cap is not None and not keep_global and cap // batch < high:
         high = cap // batch
-        limit_note = f"max_global_batch {cap} caps at {high} GPUs"
+        limit_note = f"max_global_batch {cap} caps at {counted(high, 'GPU')}"
         if high < low:
-            return _keep(f"max_global_batch {cap} allows {high} GPUs at per_gpu_batch {batch}, below gpus min {low}",
+            return _keep(f"max_global_batch {cap} allows {counted(high, 'GPU')} at per_gpu_batch {batch}, below gpus min {low}",
                          model=model)
     by_batch: dict[int, list[dict]] = {}
     for gpus in range(low, high + 1):
@@ -288,7 +271,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
             by_batch.setdefault(per_gpu, []).append(part.candidate(layout))
     if not by_batch:
         return _keep(f"no layout of {low}-{high} GPUs fits partition {part.name} "
-                     f"({len(part.nodes)} nodes x {part.gpus_per_node} GPUs)", model=model)
+                     f"({counted(len(part.nodes), 'node')} x {counted(part.gpus_per_node, 'GPU')})", model=model)
     if sum(map(len, by_batch.values())) > max_candidates:
         return _keep(f"more than {max_candidates} candidate layouts; narrow gpus=MIN-MAX", model=model)
     entries = []
@@ -360,7 +343,7 @@ def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest,
     base = next((e for e in entries if e["nodes"] == requested[0] and e["layout"][0] == requested[1]),
                 best[counts[0]])
     ratio = chosen["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] > 0 else float("nan")
-    reason = (f"elastic: {nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs ({layout_name(chosen['layout'])}) "
+    reason = (f"elastic: {counted(nodes, 'node')} x {counted(per_node, 'GPU')} ({layout_name(chosen['layout'])}) "
               f"predicted {chosen['samples_per_s']:.0f} samples/s, {ratio:.1f}x of {layout_name(base['layout'])}")
     if objective != "throughput":
         reason += f" (objective {objective})"

@@ -168,7 +168,7 @@ def scaling_data(store, predictor, profile: str | None = None, gpu: str | None =
                 prof = None
         series = []
         for (per_node, intra, inter) in sorted(kept, key=str):
-            label = f"1 node, {intra}" if per_node == 0 else f"{per_node} GPUs/node, {intra}+{inter}"
+            label = f"1 node, {intra}" if per_node == 0 else f"{per_node} GPU{'' if per_node == 1 else 's'}/node, {intra}+{inter}"
             fam = _newest(families[(per_node, intra, inter)], MAX_POINTS, f"{name} on {gpu_type}, {label}", omitted)
             observed = [(sum(r["layout"]), sum(r["layout"]) * batch / r["iter_s"], layout_name(r["layout"]))
                         for r in fam]

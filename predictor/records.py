@@ -122,6 +122,11 @@ def validate_collective(record: Any, where: str) -> dict:
     return out
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 GPU`, `4 GPUs`, `1 node`: a count and its noun as user-facing text says it."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def layout_name(layout) -> str:
     """The one name of a layout (GPUs per node): `2x4` for [4, 4], `1x4` for [4], `4+2` for a ragged one, `-` for
     none. The planner's reasons, the CLI, `/admin` and the plots all print this."""

@@ -86,6 +86,12 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
 ]
 
 
+def register_hint(name: str, db: str) -> str:
+    """How to register an unknown profile, as the service and the CLI say it (a command that runs as shown)."""
+    return (f"register it with POST /v1/profiles or `elastic-predictor profile torchvision:{name} --db {db}` "
+            f"(a torchvision model name)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecisionRetention:
     """How many /v1/plan decisions the store keeps; the oldest go first, pruned by the writes themselves.
@@ -325,8 +331,7 @@ class Store:
         """
         row = self.db.execute("SELECT body FROM profiles WHERE name = ?", [name]).fetchone()
         if row is None:
-            raise NotFoundError("profile", name, "register it with POST /v1/profiles or "
-                                                 f"`elastic-predictor profile torchvision:{name}`")
+            raise NotFoundError("profile", name, register_hint(name, self.path))
         return json.loads(row[0])
 
     def has_profile(self, name: str) -> bool:

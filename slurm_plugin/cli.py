@@ -1,18 +1,15 @@
-"""`elastic-slurm` command line. `main` is a plain click group; other modules add their commands
-with `main.add_command(...)`. This is an entry point: it reads the environment once into frozen
-config objects and converts library errors into click errors at the boundary.
+"""`elastic-slurm`, the console entry point: a plain click group holding the core's commands (`install-plugin`,
+`template`) and the lab's (`testbed`, `demo`: `slurm_plugin.lab.cli.COMMANDS`). It is the top of the import
+order (docs/design.md): it imports the core and the lab, and nothing imports it. Entry points read the
+environment once into frozen config objects and convert library errors into click errors at the boundary.
 """
 from __future__ import annotations
 
-import functools
-import shlex
-from pathlib import Path
-
 import click
 
-from slurm_plugin.errors import TestbedError
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig, recorded_port_base
+from slurm_plugin.installer import install_plugin
+from slurm_plugin.lab.cli import COMMANDS as LAB_COMMANDS
+from slurm_plugin.templates import template_group
 
 
 @click.group()
@@ -20,110 +17,8 @@ def main() -> None:
     """Right-sized and elastic distributed training on Slurm GPU clusters."""
 
 
-@main.group()
-def testbed() -> None:
-    """A local 4-node Slurm cluster (4 fake GPUs per node) for tests and the demo."""
-
-
-def _lab_options(func):
-    @click.option("--lab", type=click.Path(file_okay=False, path_type=Path), envvar="ELASTIC_SLURM_LAB",
-                  default=DEFAULT_LAB, show_default=True, help="Lab directory (env ELASTIC_SLURM_LAB).")
-    @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), envvar="ELASTIC_SLURM_PORT_BASE",
-                  help=f"First of the {PORT_SPAN} TCP ports the lab uses (env ELASTIC_SLURM_PORT_BASE; default: "
-                       f"the one the lab last used, else {DEFAULT_PORT_BASE}).")
-    @functools.wraps(func)
-    def wrapper(lab: Path, port_base: int | None, **kwargs):
-        lab = lab.absolute()
-        base = port_base or recorded_port_base(lab) or DEFAULT_PORT_BASE
-        return func(Testbed(TestbedConfig(lab=lab, port_base=base)), **kwargs)
-
-    return wrapper
-
-
-def _timings(timings: dict[str, float]) -> str:
-    return "  ".join(f"{name}={seconds:.2f}s" for name, seconds in timings.items())
-
-
-@testbed.command()
-@_lab_options
-def up(bed: Testbed) -> None:
-    """Start the cluster (idempotent) and wait until all nodes are idle.
-
-    Example: elastic-slurm testbed up --lab /var/tmp/my-lab --port-base 16900
-    """
-    try:
-        timings = bed.up()
-    except TestbedError as exc:
-        hint = ""
-        if any(st.running for st in bed.status()):
-            hint = f"\n(stop what did start with: elastic-slurm testbed down --lab {bed.config.lab})"
-        raise click.ClickException(f"{exc}{hint}") from exc
-    click.echo(f"testbed up: {bed.config.nodes} nodes idle, lab {bed.config.lab}, "
-               f"port base {bed.config.port_base}")
-    click.echo(f"timings: {_timings(timings)}")
-
-
-@testbed.command()
-@_lab_options
-@click.option("--wipe", is_flag=True, help="Also delete state, spool, database and logs.")
-def down(bed: Testbed, wipe: bool) -> None:
-    """Stop everything the lab runs: cancel its jobs, stop its predictor service (the one `elastic-slurm demo
-    --keep` leaves in LAB/predictor), then exactly the daemons this lab started (SIGTERM, then SIGKILL).
-    Refused while a demo is running in the lab (it stops everything itself when it ends).
-
-    Example: elastic-slurm testbed down --wipe
-    """
-    from slurm_plugin.demo import LabLock, busy_message, stop_lab_services  # noqa: PLC0415
-
-    holder = LabLock.holder(bed.config.lab)
-    if holder is not None:
-        raise click.ClickException(busy_message(bed.config.lab, holder, elsewhere=False))
-    cancelled, predictor_stopped = stop_lab_services(bed)
-    try:
-        timings = bed.down(wipe=wipe)
-    except TestbedError as exc:
-        raise click.ClickException(str(exc)) from exc
-    stopped = [f"{cancelled} job{'' if cancelled == 1 else 's'} cancelled"] if cancelled else []
-    stopped += ["predictor stopped"] if predictor_stopped else []
-    click.echo(f"testbed down: lab {bed.config.lab}" + (" (wiped)" if wipe else "")
-               + (f"; {', '.join(stopped)}" if stopped else ""))
-    click.echo(f"timings: {_timings(timings)}")
-
-
-@testbed.command()
-@_lab_options
-def status(bed: Testbed) -> None:
-    """Show the lab's daemons and nodes; exit 1 unless the cluster is up.
-
-    Example: elastic-slurm testbed status
-    """
-    for st in bed.status():
-        click.echo(f"{st.name:14} {'running' if st.running else 'stopped':8} {st.pid or ''}")
-    if not bed.is_up():
-        raise click.ClickException(f"testbed in {bed.config.lab} is not up")
-    for node in bed.client.nodes():
-        click.echo(f"{node.name:8} {node.state:10} gpu {node.gpus_alloc}/{node.gpus} switch {node.switch}")
-
-
-@testbed.command()
-@_lab_options
-def env(bed: Testbed) -> None:
-    """Print shell exports for this lab.
-
-    Example: eval "$(elastic-slurm testbed env)" && sinfo
-    """
-    exports = {**bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
-    for key, value in exports.items():
-        click.echo(f"export {key}={shlex.quote(value)}")
-
-
-from slurm_plugin.installer import install_plugin  # noqa: E402  (issue 5)
-
-main.add_command(install_plugin)
-from slurm_plugin.templates import template_group  # noqa: E402  (issue 7)
-main.add_command(template_group)
-from slurm_plugin.demo import demo_command  # noqa: E402  (issue 7, item 2)
-main.add_command(demo_command)
+for _command in (install_plugin, template_group, *LAB_COMMANDS):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -140,26 +140,41 @@ class AcctRecord:
 
 
 class Backend(Protocol):
-    """What the rest of the project may ask of Slurm. Implementations raise `SlurmError`,
-    `JobNotFoundError` or `ResizeError` (slurm_plugin.errors)."""
+    """What the rest of the project may ask of Slurm: the type callers hold a client as (the launcher, the lab,
+    the installer, `elastic-predictor cluster`). `CommandBackend` implements it; a slurmrestd or pyslurm backend
+    only has to provide these methods with the same dataclasses. Every call takes an optional `timeout`
+    (the client's default otherwise). Implementations raise `SlurmError`, `JobNotFoundError` or `ResizeError`
+    (slurm_plugin.errors). tests/unit/test_client_parse.py checks that `CommandBackend` matches it and that
+    the launcher calls nothing else on its client.
+    """
 
-    def nodes(self) -> list[Node]: ...
+    def nodes(self, timeout: timedelta | None = None) -> list[Node]: ...
 
-    def partitions(self) -> list[Partition]: ...
+    def partitions(self, timeout: timedelta | None = None) -> list[Partition]: ...
 
-    def jobs(self) -> list[Job]: ...
+    def jobs(self, timeout: timedelta | None = None) -> list[Job]: ...
 
-    def job(self, job_id: int) -> Job: ...
+    def job(self, job_id: int, timeout: timedelta | None = None) -> Job: ...
 
-    def submit(self, script: Union[str, Path], args: Sequence[str] = ()) -> int: ...
+    def sacct(self, job_id: int, timeout: timedelta | None = None) -> list[AcctRecord]: ...
 
-    def cancel(self, job_id: int) -> None: ...
+    def sbatch(self, script: Union[str, Path], args: Sequence[str] = (),
+               timeout: timedelta | None = None) -> "Submission": ...
 
-    def shrink(self, job_id: int, keep: Union[int, Sequence[str]]) -> ResizeResult: ...
+    def submit(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> int: ...
 
-    def update_comment(self, job_id: int, text: str) -> None: ...
+    def cancel(self, job_id: int, timeout: timedelta | None = None) -> None: ...
 
-    def sacct(self, job_id: int) -> list[AcctRecord]: ...
+    def update_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None: ...
+
+    def update_admin_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None: ...
+
+    def reconfigure(self, timeout: timedelta | None = None) -> None: ...
+
+    def shrink(self, job_id: int, keep: Union[int, Sequence[str]],
+               timeout: timedelta | None = None) -> ResizeResult: ...
+
+    def job_owner(self, job_id: int, timeout: timedelta | None = None) -> "JobOwner": ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,12 +449,7 @@ def _shrink_target(job: Job, keep: Union[int, Sequence[str]]) -> tuple[str, ...]
 # -- parsing (pure functions; unit-tested on output captured from the 22.05 testbed) -------------
 def _gpu_count(gres: str) -> int:
     """`gpu:4`, `gpu:4(S:0)`, `gpu:2(IDX:0-1)`, `gpu:tesla:2(...)` -> GPU count; 0 if no gpu entry."""
-    total = 0
-    for item in split_top(gres or ""):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
-            total += int(parts[-1])
-    return total
+    return gpus_in_tres(gres) or 0
 
 
 def parse_topology(text: str) -> dict[str, str]:
@@ -552,6 +562,39 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
             )
         )
     return out
+
+
+# -- job_desc values and TRES strings (what the job_submit hook posts as /v1/plan's `job`) ---------------
+# Slurm's sentinels and TRES strings stop here: the planner sees plain numbers and None.
+NO_VAL = 0xFFFFFFFE          # "unset" in a 32-bit job_desc field (INFINITE, 0xFFFFFFFF, is above it)
+NO_VAL16 = 0xFFFE            # "unset" in a 16-bit one (ntasks_per_node; INFINITE16 is NO_VAL16 + 1)
+_GPU_ENTRY = re.compile(r"^(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)$")
+
+
+def gpus_in_tres(tres: str | None) -> int | None:
+    """GPUs in a TRES or GRES list: `gres:gpu:4`, `gres/gpu:a100:2`, `gres/gpu=4`, `gpu:tesla:2(IDX:0-1)`;
+    entries of several types add up. None when the list has no gpu entry (`gres:shard:2`, "", None)."""
+    counts = [int(m.group(1)) for item in split_top(tres or "") if (m := _GPU_ENTRY.match(item.split("(")[0]))]
+    return sum(counts) if counts else None
+
+
+def job_desc_number(key: str, value: int) -> int | None:
+    """A job_desc integer as the job asked it, None for Slurm's "unset" (NO_VAL and above; NO_VAL16 and
+    INFINITE16 in `ntasks_per_node`; 0 in `min_nodes`/`max_nodes`)."""
+    if value >= NO_VAL or (key == "ntasks_per_node" and value in (NO_VAL16, NO_VAL16 + 1)):
+        return None
+    return None if value == 0 and key.endswith("nodes") else value
+
+
+def requested_shape(job: Mapping) -> tuple[int | None, int | None, int | None]:
+    """(nodes, GPUs per node, total GPUs) a job asked for, from its `min_nodes`, `tres_per_node` and
+    `tres_per_job` (sentinels already read as None); each None when not derivable."""
+    nodes = job.get("min_nodes")
+    per_node = gpus_in_tres(job.get("tres_per_node"))
+    total = gpus_in_tres(job.get("tres_per_job"))
+    if total is None and per_node is not None:
+        total = per_node * (nodes or 1)
+    return nodes, per_node, total
 
 
 # -- host lists ----------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from predictor.service import DEFAULT_VERSION_WAIT, MAX_VERSION_WAIT, ModelView
 from predictor.store import encode
 
 bp = Blueprint("predict", __name__, url_prefix="/v1")
-MAX_CANDIDATES = 512
 MAX_REQUEST_LAYOUT_NODES = 65536   # sum of len(layout) over one request's candidates: the work one request may ask
 PREDICT_FIELDS = ("profile", "gpu", "per_gpu_batch", "candidates", "partition", "max_gpus", "min_model_version",
                   "wait_ms")
@@ -38,9 +37,9 @@ def _name(body: dict, key: str, pattern) -> str:
     return value
 
 
-def _candidates(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value or len(value) > MAX_CANDIDATES:
-        raise ValidationError("candidates", f"expected a list of 1..{MAX_CANDIDATES} candidates")
+def _candidates(value: Any, cap: int) -> list[dict]:
+    if not isinstance(value, list) or not value or len(value) > cap:
+        raise ValidationError("candidates", f"expected a list of 1..{cap} candidates")
     nodes = 0
     for cand in value:            # the work bound first, before validating what would be refused anyway
         layout = cand.get("layout") if isinstance(cand, dict) else None
@@ -176,7 +175,7 @@ def predict():
                                  or not 1 <= max_gpus <= 65536):
         raise ValidationError("max_gpus", "expected an integer in 1..65536")
     if "candidates" in body:
-        candidates = _candidates(body["candidates"])
+        candidates = _candidates(body["candidates"], svc.config.max_plan_candidates)
     else:
         candidates = enumerate_candidates(svc.cluster, gpu, partition, max_gpus)
     min_version, wait = version_wait(body)
@@ -196,7 +195,7 @@ def plan():
     plan_request = planner.parse_request(body)
     models = svc.models.view(*version_wait(None))
     response = planner.plan(plan_request, svc.cluster, models, svc.config.default_min_efficiency,
-                            svc.config.max_plan_candidates)
+                            svc.config.max_plan_candidates, svc.config.db_path)
     response.setdefault("model_version", models.version)     # keeps name the model in use too
     response["model_generation"] = models.generation
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a

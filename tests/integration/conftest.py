@@ -23,8 +23,8 @@ import pytest
 
 from slurm_plugin.client import CommandBackend
 from slurm_plugin.errors import JobNotFoundError, SlurmError
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, TestbedConfig, recorded_port_base
+from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, TestbedConfig, recorded_port_base
 
 # Entry point of the test session: the one place here that reads the environment.
 LAB = Path(os.environ.get("ELASTIC_SLURM_LAB", str(DEFAULT_LAB))).absolute()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig
 
 pytestmark = pytest.mark.timeout(560)   # a cold cluster, a calibration and a job of a few minutes
 LAB = Path("/var/tmp/elastic-slurm-demo-test")
@@ -82,7 +82,7 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     # node on this machine, so loopback, labelled by detection (a record under nvlink, ib, shm or socket
     # would be a defect: the job used none of them)
     from predictor.store import Store
-    from slurm_plugin.demo_calibrate import GPU, PROFILE
+    from slurm_plugin.lab.demo_calibrate import GPU, PROFILE
     ours = [r for r in Store(str(LAB / "predictor" / "predictor.db")).observations()
             if r.get("gpu") == GPU and r.get("profile", PROFILE) == PROFILE]
     steps = [r for r in ours if r["kind"] == "step"]

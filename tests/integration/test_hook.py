@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from slurm_plugin.installer import PluginConfig, install
-from slurm_plugin.testbed import Testbed
+from slurm_plugin.lab.testbed import Testbed
 from tests.unit.test_lua_hook import REWRITE, Predictor
 
 BUDGET_MS = 100

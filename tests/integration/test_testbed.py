@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from slurm_plugin.cli import main
 from slurm_plugin.errors import TestbedError
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig
 
 
 def test_four_nodes_with_four_gpus_under_two_leaf_switches(testbed, slurm):

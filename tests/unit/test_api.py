@@ -125,6 +125,18 @@ def test_predict_with_and_without_candidates(seeded):
     assert [1] in layouts and [4, 4, 4, 4] in layouts and [2, 2, 2, 2] in layouts and [8] not in layouts
 
 
+def test_predict_candidates_capped_by_config(tmp_path):
+    """/v1/predict's `candidates` list and /v1/plan's layouts share one cap, `Config.max_plan_candidates`."""
+    app = create_app(Config(db_path=str(tmp_path / "c.db"), max_plan_candidates=2), predictor_factory=FakePredictor,
+                     start_refit=False)
+    cands = [{"layout": [n], "intra_link": "nvlink"} for n in (1, 2, 3)]
+    answer = app.test_client().post("/v1/predict", json={"profile": "resnet50", "gpu": "H200", "per_gpu_batch": 8,
+                                                         "candidates": cands})
+    assert answer.status_code == 400 and answer.get_json()["field"] == "candidates"
+    assert "1..2 candidates" in answer.get_json()["error"]
+    app.extensions["elastic_predictor"].store.close()
+
+
 def test_predict_errors(seeded):
     unknown = seeded.post("/v1/predict", json={"profile": "nope", "gpu": "H200", "per_gpu_batch": 8})
     assert unknown.status_code == 404 and "POST /v1/profiles" in unknown.get_json()["error"]

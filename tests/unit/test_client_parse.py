@@ -19,11 +19,14 @@ from slurm_plugin.client import (
     compress_counts,
     compress_hostlist,
     expand_hostlist,
+    gpus_in_tres,
+    job_desc_number,
     parse_jobs,
     parse_nodes,
     parse_partitions,
     parse_sacct,
     parse_topology,
+    requested_shape,
 )
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
@@ -178,3 +181,58 @@ def test_one_hostlist_parser_refuses_the_same_lists_everywhere(spec, problem):
     with pytest.raises(ValidationError, match=problem):
         cluster_expand(spec, "partitions[0].nodes")
     assert expand_hostlist("gpu[08-10],login") == ["gpu08", "gpu09", "gpu10", "login"]
+
+
+@pytest.mark.parametrize("tres,count", [("gres:gpu:4", 4), ("gres/gpu:a100:2", 2), ("gpu:8", 8), ("gres/gpu=4", 4),
+                                        ("gpu:tesla:2(IDX:0,2)", 2), ("gpu:4(S:0),gpu:a100:2", 6),
+                                        ("gres:shard:2", None), ("", None), (None, None),
+                                        ("gres:gpu:2,gres:shard:1", 2), ("gres:gpus:2", None)])
+def test_gpus_in_tres(tres, count):
+    """The one reading of GPU counts in TRES/GRES strings: the hook's job_desc, sinfo's gres and gres_used."""
+    assert gpus_in_tres(tres) == count
+
+
+@pytest.mark.parametrize("key,value,read", [("min_nodes", 4294967294, None), ("min_nodes", 4294967295, None),
+                                            ("min_nodes", 0, None), ("min_nodes", 3, 3), ("time_limit_min", 0, 0),
+                                            ("ntasks_per_node", 65534, None), ("ntasks_per_node", 65535, None),
+                                            ("job_id", 65534, 65534)])
+def test_job_desc_sentinels_read_as_unset(key, value, read):
+    assert job_desc_number(key, value) == read
+
+
+def test_requested_shape():
+    assert requested_shape({"min_nodes": 2, "tres_per_node": "gres:gpu:4"}) == (2, 4, 8)
+    assert requested_shape({"tres_per_job": "gres:gpu:6"}) == (None, None, 6)
+    assert requested_shape({}) == (None, None, None)
+
+
+def test_command_backend_implements_the_backend_protocol():
+    """Every method the protocol declares exists on CommandBackend with the same parameters, and the
+    protocol declares every public method (so callers typed as `Backend` can use what the client offers)."""
+    import inspect
+
+    from slurm_plugin.client import Backend
+
+    declared = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    offered = {n for n, v in vars(CommandBackend).items() if callable(v) and not n.startswith("_")}
+    assert declared == offered
+    for name in declared:
+        assert list(inspect.signature(getattr(Backend, name)).parameters) == \
+            list(inspect.signature(getattr(CommandBackend, name)).parameters), name
+
+
+def test_the_launcher_calls_only_what_backend_declares():
+    """The launcher holds its Slurm client as `self.slurm` / `slurm`: each method it calls is in the protocol."""
+    import ast
+
+    from slurm_plugin.client import Backend
+
+    called = set()
+    for path in (Path(__file__).resolve().parents[2] / "elastic_launcher").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+                if name == "slurm":
+                    called.add(node.func.attr)
+    assert called and called <= set(vars(Backend)), called - set(vars(Backend))

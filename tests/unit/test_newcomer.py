@@ -18,7 +18,8 @@ import predictor
 from predictor import cli as predictor_cli_module
 from predictor import datasets
 from predictor.cli import main as predictor_cli
-from slurm_plugin import demo, demo_calibrate, templates
+from slurm_plugin import templates
+from slurm_plugin.lab import demo, demo_calibrate
 from slurm_plugin.cli import main as slurm_cli
 from slurm_plugin.directives import parse_script
 
@@ -237,8 +238,24 @@ def test_keep_hint_gives_one_stop_command_and_the_cluster_file(tmp_path):
 
 
 def test_stop_lab_services_on_a_lab_that_runs_nothing(tmp_path):
-    from slurm_plugin.testbed import Testbed
-    from slurm_plugin.testbed_conf import TestbedConfig
+    from slurm_plugin.lab.testbed import Testbed
+    from slurm_plugin.lab.testbed_conf import TestbedConfig
 
     bed = Testbed(TestbedConfig(lab=tmp_path / "lab", port_base=17000))
     assert demo.stop_lab_services(bed) == (0, False)
+
+
+def test_unknown_profile_hint_names_the_database_and_counts_agree(tmp_path):
+    """#15: the 'register it' hint gives a command that runs as shown (with --db), and "1 GPU", not "1 GPUs"."""
+    from predictor.errors import NotFoundError
+    from predictor.records import counted
+    from predictor.store import Store
+
+    db = str(tmp_path / "hint.db")
+    store = Store(db)
+    store.migrate()
+    with pytest.raises(NotFoundError) as info:
+        store.get_profile("vgg99")
+    store.close()
+    assert f"elastic-predictor profile torchvision:vgg99 --db {db}" in str(info.value.hint)
+    assert [counted(n, "GPU") for n in (1, 2)] == ["1 GPU", "2 GPUs"]

@@ -204,9 +204,3 @@ def test_bad_request_fields(body, field):
 def test_slurm_unset_sentinels_read_as_unset():
     request = planner.parse_request({"directives": [], "job": {"min_nodes": 4294967294, "ntasks_per_node": 65534}})
     assert request.job == {"min_nodes": None, "ntasks_per_node": None}
-
-
-@pytest.mark.parametrize("tres,count", [("gres:gpu:4", 4), ("gres/gpu:a100:2", 2), ("gpu:8", 8),
-                                        ("gres:shard:2", None), (None, None), ("gres:gpu:2,gres:shard:1", 2)])
-def test_gpus_in_tres(tres, count):
-    assert planner.gpus_in_tres(tres) == count

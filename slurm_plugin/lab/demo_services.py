@@ -24,8 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from slurm_plugin.installer import PluginConfig, install
-from slurm_plugin.testbed import Testbed, port_open, process_alive
-from slurm_plugin.testbed_conf import PORT_SPAN
+from slurm_plugin.lab.testbed import Testbed, port_open, process_alive
+from slurm_plugin.lab.testbed_conf import PORT_SPAN
 
 
 class DemoError(RuntimeError):
@@ -78,8 +78,8 @@ class PredictorService:
     def cluster(self) -> dict:
         """The cluster file: the testbed's nodes and switches, one CPU worker per node."""
         cfg = self.testbed.config
-        from slurm_plugin.demo_calibrate import testbed_links  # noqa: PLC0415
-        from slurm_plugin.testbed_conf import LEAVES, PARTITION  # noqa: PLC0415
+        from slurm_plugin.lab.demo_calibrate import testbed_links  # noqa: PLC0415
+        from slurm_plugin.lab.testbed_conf import LEAVES, PARTITION  # noqa: PLC0415
 
         links = testbed_links(2)  # the links the launcher will label the demo job's multi-node records with
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from slurm_plugin.demo_services import DemoError, tail
+from slurm_plugin.lab.demo_services import DemoError, tail
 
 GROWS = ("grow", "replace")
 SHRINKS = ("shrink", "revert", "straggler")

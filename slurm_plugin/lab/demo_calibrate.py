@@ -135,7 +135,7 @@ def _tail(work: Path, workers: int, lines: int = 15) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":   # manual check: python -m slurm_plugin.demo_calibrate DIR
+if __name__ == "__main__":   # manual check: python -m slurm_plugin.lab.demo_calibrate DIR
     for n in (1, 2):
         run = run_once(n, 30, Path(sys.argv[1]))
         print(n, f"{run.iter_s:.4f}", f"{run.samples_per_s:.1f}", f"{run.wall_s:.1f}", len(run.records))

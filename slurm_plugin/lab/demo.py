@@ -7,7 +7,7 @@
    cluster file that says what the testbed is: one CPU worker per node, gloo over `shm`/`socket`; installs
    the job_submit hook pointing at it and reconfigures slurmctld;
 3. seeds the history: calibrates the demo model (resnet-tiny) at 1 and 2 workers through the real runtime
-   and posts the runtime's step and all-reduce observations (slurm_plugin/demo_calibrate.py);
+   and posts the runtime's step and all-reduce observations (slurm_plugin/lab/demo_calibrate.py);
 4. renders the `resnet50` template's CPU variant and submits it with the real sbatch, whose hook line
    (`sbatch: elastic: ...`) says how the job was sized and why;
 5. follows the job (records.jsonl, rank 0's log) through at least one grow (helper job) and one shrink: the
@@ -36,11 +36,12 @@ from pathlib import Path
 
 import click
 
-from slurm_plugin import demo_calibrate as cal
-from slurm_plugin.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
-from slurm_plugin.demo_services import DemoError, PredictorService, install_hook, tail
-from slurm_plugin.testbed import Testbed
-from slurm_plugin.testbed_conf import PORT_SPAN, TestbedConfig
+from slurm_plugin.client import Backend, CommandBackend
+from slurm_plugin.lab import demo_calibrate as cal
+from slurm_plugin.lab.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
+from slurm_plugin.lab.demo_services import DemoError, PredictorService, install_hook, tail
+from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig
 
 DEFAULT_DEMO_LAB = Path("/var/tmp/elastic-slurm-demo")
 DEFAULT_DEMO_PORT_BASE = 17000   # the CI lab uses 16800; PORT_SPAN ports each
@@ -137,9 +138,9 @@ def busy_message(lab: Path, holder: dict, elsewhere: bool = True) -> str:
             + ("; or use another --lab and --port-base" if elsewhere else ""))
 
 
-def lab_slurm(bed: Testbed, token: str | None = None):
+def lab_slurm(bed: Testbed, token: str | None = None) -> Backend:
     """A Slurm client for the lab's cluster (with the predictor token in the environment of what it submits)."""
-    from slurm_plugin.client import DEFAULT_PATH, CommandBackend  # noqa: PLC0415
+    from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
 
     env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
     if token:

@@ -6,7 +6,7 @@
     eval "$(elastic-slurm testbed env [--lab DIR])"          # SLURM_CONF for sinfo/sbatch/...
 
 Defaults: lab /var/tmp/elastic-slurm-lab (env ELASTIC_SLURM_LAB), port base 16800 or the one the lab
-last used (env ELASTIC_SLURM_PORT_BASE); ports are listed in slurm_plugin/testbed_conf.py. The lab must
+last used (env ELASTIC_SLURM_PORT_BASE); ports are listed in slurm_plugin/lab/testbed_conf.py. The lab must
 be reachable by the munge and mysql users (not under a 0700 directory such as pytest's tmp_path).
 
 `Testbed(TestbedConfig(lab=..., port_base=...)).up()` starts, in order: its own munged (own key and
@@ -51,10 +51,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from slurm_plugin import testbed_conf
-from slurm_plugin.client import DEFAULT_PATH, CommandBackend
+from slurm_plugin.lab import testbed_conf
+from slurm_plugin.client import DEFAULT_PATH, Backend, CommandBackend
 from slurm_plugin.errors import JobNotFoundError, SlurmError, TestbedError
-from slurm_plugin.testbed_conf import TestbedConfig
+from slurm_plugin.lab.testbed_conf import TestbedConfig
 
 _PIDFILE_GRACE_S = 3.0  # a forked daemon that has not written a live pid file by then has died
 _WIPED = ("state", "spool", "mysql", "log", "run", "munge")
@@ -95,7 +95,7 @@ class Testbed:
 
     def __init__(self, config: TestbedConfig):
         self.config = config
-        self.client = CommandBackend(
+        self.client: Backend = CommandBackend(
             slurm_conf=config.slurm_conf, timeout=config.command_timeout, update_timeout=config.command_timeout
         )
 
