@@ -16,18 +16,25 @@ from predictor.engine import Predictor  # noqa: E402
 from tests.unit.test_poisoning import ATTACK, CANDS, PROFILES, PART, _history, _plan  # noqa: E402
 
 
+def impact(cap: int) -> dict:
+    """One cap's figures: `moved` (the stranger's predicted samples/s, poisoned / clean - 1, at 1 / 2 / 4 nodes),
+    the plan's layout before and after the attack."""
+    clean = Predictor(job_rows_cap=cap).fit(PROFILES, _history())
+    poisoned = Predictor(job_rows_cap=cap).fit(PROFILES, _history() + ATTACK)
+    a = clean.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    b = poisoned.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    return {"moved": [y["samples_per_s"] / x["samples_per_s"] - 1 for x, y in zip(a, b)],
+            "before": _plan(clean)["layout"], "after": _plan(poisoned)["layout"]}
+
+
 def main() -> None:
     print("| per-job cap (rows) | prediction moved, 1 / 2 / 4 nodes | plan before | plan after |")
     print("|---|---|---|---|")
     for cap in (1, 5, 20, 10 ** 9):
-        clean = Predictor(job_rows_cap=cap).fit(PROFILES, _history())
-        poisoned = Predictor(job_rows_cap=cap).fit(PROFILES, _history() + ATTACK)
-        a = clean.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
-        b = poisoned.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
-        moved = " / ".join(f"{y['samples_per_s'] / x['samples_per_s'] - 1:+.1%}" for x, y in zip(a, b))
+        r = impact(cap)
+        moved = " / ".join(f"{m:+.1%}" for m in r["moved"])
         label = "none" if cap == 10 ** 9 else str(cap)
-        print(f"| {label} | {moved} | {_plan(clean)['layout']} | {_plan(poisoned)['layout']} |")
-
+        print(f"| {label} | {moved} | {r['before']} | {r['after']} |")
 
 if __name__ == "__main__":
     main()

@@ -10,13 +10,14 @@ point).
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import sqlite3
 from typing import Callable
 
-from flask import Flask, jsonify
+from flask import Flask, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from predictor.api import AuthError, Services
@@ -71,6 +72,44 @@ def handle_error(exc: Exception):
     return jsonify(error=f"internal error: {type(exc).__name__}", field=None), 500
 
 
+_TOO_LARGE = "elastic_predictor.body_too_large"
+
+
+class WholeUnsizedBody:
+    """WSGI middleware: a body sent without Content-Length (chunked; the server sets `wsgi.input_terminated`) is
+    read here, up to `limit` bytes, and handed on with its length; a longer one is flagged, and the app answers
+    413 naming `body` (`refuse_unsized_overflow`). Without it werkzeug cut such a body at MAX_CONTENT_LENGTH
+    without a word, and the truncated JSON became a 400 (#14.7). The buffering front end (predictor.server)
+    already refuses it itself; this covers `serve --server gunicorn` and any other WSGI server."""
+
+    def __init__(self, wsgi_app: Callable, limit: int):
+        self.wsgi_app = wsgi_app
+        self.limit = limit
+
+    def __call__(self, environ: dict, start_response: Callable):
+        chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+        if environ.get("CONTENT_LENGTH") in (None, "") and (chunked or environ.get("wsgi.input_terminated")):
+            data, stream = bytearray(), environ["wsgi.input"]
+            while len(data) <= self.limit:
+                block = stream.read(min(65536, self.limit + 1 - len(data)))
+                if not block:
+                    break
+                data += block
+            environ = {k: v for k, v in environ.items() if k not in ("wsgi.input_terminated",
+                                                                      "HTTP_TRANSFER_ENCODING")}
+            if len(data) > self.limit:
+                environ[_TOO_LARGE] = True
+                data = bytearray()
+            environ.update({"wsgi.input": io.BytesIO(bytes(data)), "CONTENT_LENGTH": str(len(data))})
+        return self.wsgi_app(environ, start_response)
+
+
+def refuse_unsized_overflow() -> None:
+    """before_request: 413 for a body `WholeUnsizedBody` found over the limit."""
+    if request.environ.get(_TOO_LARGE):
+        raise TooLarge("body", f"request body larger than {current_app.config['MAX_CONTENT_LENGTH']} bytes")
+
+
 def create_app(config: Config | None = None, *, predictor_factory: Callable | None = None,
                start_refit: bool = True) -> Flask:
     """Build the service.
@@ -85,6 +124,8 @@ def create_app(config: Config | None = None, *, predictor_factory: Callable | No
         config = Config.from_env(os.environ)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.wsgi_app = WholeUnsizedBody(app.wsgi_app, config.max_body_bytes)
+    app.before_request(refuse_unsized_overflow)
     app.json.sort_keys = False
     store = Store(config.db_path, decision_retention=DecisionRetention(
         max_rows=config.decisions_keep, max_age=config.decisions_max_age, max_bytes=config.decisions_max_bytes))

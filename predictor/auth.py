@@ -17,7 +17,8 @@ expired credential), checks that the digest matches the body it received, then a
 Every refusal is an `AuthError` with a status (401: no usable credential; 403: a credential that was
 understood and refused), the header it concerns and a short `reason` code:
     missing_credential, bad_token, munge_disabled, bad_credential, digest_mismatch, bad_payload,
-    job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable.
+    job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable,
+    record_mismatch (a signed record that does not fit its job's Slurm facts: predictor.jobcheck).
 """
 from __future__ import annotations
 
@@ -188,11 +189,13 @@ class OwnerCache:
 
 @dataclasses.dataclass(frozen=True)
 class Caller:
-    """Who a request was accepted from: `kind` admin, tool, job or anonymous (auth off)."""
+    """Who a request was accepted from: `kind` admin, tool, job or anonymous (auth off); a job's caller carries
+    what Slurm said about the job (`slurm_plugin.client.JobOwner`: allocation, run window) in `job`."""
 
     kind: str
     uid: int | None = None
     job_id: int | None = None
+    job: object | None = dataclasses.field(default=None, compare=False)
 
 
 class Authenticator:
@@ -333,10 +336,12 @@ class Authenticator:
             raise AuthError(403, f"{MUNGE_HEADER}: digest mismatch: the credential signs body sha256 "
                                  f"{digest[:12]}..., the request body has {actual[:12]}...", MUNGE_HEADER,
                             "digest_mismatch")
-        self._check_job(job_id, ident.uid)
-        return Caller("job", uid=ident.uid, job_id=job_id)
+        owner = self._check_job(job_id, ident.uid)
+        return Caller("job", uid=ident.uid, job_id=job_id, job=owner)
 
-    def _check_job(self, job_id: int, uid: int) -> None:
+    def _check_job(self, job_id: int, uid: int):
+        """Slurm's facts about `job_id` (`JobOwner`) once it is `uid`'s and active; fails closed (503) when Slurm
+        cannot be asked."""
         from slurm_plugin.errors import JobNotFoundError, SlurmError   # noqa: PLC0415
 
         try:
@@ -356,3 +361,4 @@ class Authenticator:
             raise AuthError(403, f"{MUNGE_HEADER}: job {job_id} ended {self.clock() - owner.ended_at_s:.0f} s ago "
                                  f"(accepted up to {self.job_recent.total_seconds():.0f} s)", MUNGE_HEADER,
                             "job_not_active")
+        return owner

@@ -351,29 +351,32 @@ class CommandBackend:
         return ResizeResult(job=job, env=job.resize_env())
 
     def job_owner(self, job_id: int, timeout: timedelta | None = None) -> "JobOwner":
-        """Who owns `job_id`, its state and when it ended (for checking a signed write against Slurm).
+        """Who owns `job_id`, its state, run window and allocation (for checking a signed write against Slurm).
 
-        Asks squeue for that one job in text form (`squeue --json` ignores `-j` in 22.05 and lists every
-        job, which takes a second on a busy controller), then sacct once slurmctld has forgotten it.
+        Asks squeue for that one job (`-O`, text: `squeue --json` ignores `-j` in 22.05 and lists every job,
+        which takes a second on a busy controller), then sacct for its accounting records: one per size of a
+        resized job, so the allocation is the largest the job has held, and the only source once slurmctld
+        has forgotten the job. Without slurmdbd (sacct fails) a job squeue lists gets its current allocation.
 
         :raises JobNotFoundError: neither squeue nor sacct knows `job_id`.
+        :raises SlurmError: squeue failed (slurmctld unreachable, timed out).
         """
-        fmt = ["-o", "%i|%U|%T|%e"]
         try:
-            out = self._run(["squeue", "-h", "-t", "all", "-j", str(job_id), *fmt], timeout or self.timeout).stdout
+            out = self._run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-O", _OWNER_SQUEUE],
+                            timeout or self.timeout).stdout
         except SlurmError as exc:
             if "Invalid job id" not in exc.stderr:
                 raise
             out = ""
-        owner = _parse_owner(out, job_id)
-        if owner is not None:
-            return owner
         try:
-            out = self._run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobID,UID,State,End"],
-                            timeout or self.timeout).stdout
+            acct = self._run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", _OWNER_SACCT],
+                             timeout or self.timeout).stdout
         except SlurmError as exc:
-            raise JobNotFoundError(job_id, f"not in squeue and sacct failed: {exc}") from exc
-        owner = _parse_owner(out, job_id)
+            if not out.strip():
+                raise JobNotFoundError(job_id, f"not in squeue and sacct failed: {exc}") from exc
+            log.warning("sacct failed for job %s (%s): its current allocation only", job_id, exc)
+            acct = ""
+        owner = parse_owner(out, acct, job_id)
         if owner is None:
             raise JobNotFoundError(job_id, "neither squeue nor sacct lists it")
         return owner
@@ -642,37 +645,93 @@ def start_step(env: Mapping[str, str], node: str, ntasks: int, argv: Sequence[st
 
 @dataclasses.dataclass(frozen=True)
 class JobOwner:
-    """A job's owner and life-cycle as far as a signed write needs them.
+    """A job's owner, life-cycle and allocation as far as a signed write needs them.
 
     Attributes:
         user_id: the numeric uid the job runs as (-1 when sacct names a user unknown on this host).
         state: Slurm's state in upper case (RUNNING, COMPLETED...).
         ended_at_s: Unix time the job ended; None while it is pending or running.
+        started_at_s: Unix time the job started; None while pending (or when Slurm did not say).
+        max_nodes: the most nodes it has held (a resized job: over all its sizes); 0 while pending.
+        max_gpus: the most GPUs it has held in all.
+        max_cpus: the most CPUs it has held in all.
+        gpus_per_node: GPUs on each of its nodes when it asked per node (`--gres=gpu:N`), else None.
+        gpu_type: the GPU type of a typed GRES allocation (`gres/gpu:h100`), None when untyped.
+        partition: the partition it runs in.
     """
 
     job_id: int
     user_id: int
     state: str
     ended_at_s: float | None
+    started_at_s: float | None = None
+    max_nodes: int = 0
+    max_gpus: int = 0
+    max_cpus: int = 0
+    gpus_per_node: int | None = None
+    gpu_type: str | None = None
+    partition: str = ""
 
 
 _LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
+_OWNER_SQUEUE = "JobID:|,UserID:|,State:|,StartTime:|,EndTime:|,NumNodes:|,Partition:|,tres-alloc:|,tres-per-node:|"
+_OWNER_SACCT = "JobID,UID,State,Start,End,NNodes,Partition,AllocTRES"
 
 
-def _parse_owner(text: str, job_id: int) -> JobOwner | None:
-    """The `id|uid|state|end` line of `job_id` (squeue `%i|%U|%T|%e`, sacct `JobID,UID,State,End`)."""
-    import time   # noqa: PLC0415
+def _slurm_time(text: str) -> float | None:
+    """`2026-11-26T07:49:48` (Slurm prints local time) -> Unix time; None for Unknown, N/A, NONE."""
+    import time as _time   # noqa: PLC0415
 
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) != 4 or parts[0] != str(job_id) or not parts[1].isdigit():
+    try:
+        return _time.mktime(_time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def _tres(text: str) -> tuple[int, int, str | None]:
+    """`cpu=2,node=2,billing=2,gres/gpu=4,gres/gpu:h100=4` -> (cpus 2, gpus 4, type `h100` or None)."""
+    cpus = gpus = 0
+    gpu_type = None
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if not value.isdigit():
             continue
-        state = parts[2].split()[0].upper() if parts[2].strip() else ""   # sacct: "CANCELLED by 0"
-        ended = None
-        if state not in _LIVE_STATES:
-            try:
-                ended = time.mktime(time.strptime(parts[3], "%Y-%m-%dT%H:%M:%S"))   # Slurm prints local time
-            except ValueError:
-                ended = None
-        return JobOwner(job_id, int(parts[1]), state, ended)
-    return None
+        if key == "cpu":
+            cpus = int(value)
+        elif key == "gres/gpu":
+            gpus = int(value)
+        elif key.startswith("gres/gpu:") and gpu_type is None:
+            gpu_type = key.split(":", 1)[1]
+    return cpus, gpus, gpu_type
+
+
+def parse_owner(squeue: str, sacct: str, job_id: int) -> JobOwner | None:
+    """`job_id`'s owner and facts from squeue `-O` (`_OWNER_SQUEUE`, one `|`-ended line) and sacct `-X -P`
+    (`_OWNER_SACCT`, one line per size of a resized job); None when neither lists it. squeue's line, when
+    there is one, gives the state (sacct lags slurmctld); the allocation is the largest of all lines."""
+    def lines(text: str, columns: int) -> list[list[str]]:
+        rows = [line.strip().removesuffix("|").split("|") for line in text.splitlines()]
+        return [r[:columns] + [""] * (9 - columns) for r in rows
+                if len(r) >= columns and r[0] == str(job_id) and r[1].isdigit()]
+
+    live_rows, acct_rows = lines(squeue, 9), lines(sacct, 8)
+    rows = live_rows + acct_rows
+    if not rows:
+        return None
+    # the state: squeue's (sacct lags slurmctld), else the newest accounting record (not a former size's)
+    current = [r for r in acct_rows if not r[2].startswith("RESIZING")] or acct_rows
+    first = live_rows[0] if live_rows else current[-1]
+    state = first[2].split()[0].upper() if first[2].strip() else ""   # sacct: "CANCELLED by 0"
+    live = state in _LIVE_STATES
+    ended = None if live else _slurm_time(first[4])
+    starts = [t for t in (_slurm_time(r[3]) for r in rows) if t is not None]
+    tres = [_tres(r[7]) for r in rows]
+    per_node = [_gpu_count(g.removeprefix("gres:")) for g in split_top(first[8])] if first[8] not in ("", "N/A") \
+        else []
+    nodes = [int(r[5]) for r in rows if r[5].isdigit()]
+    return JobOwner(job_id, int(first[1]), state, ended,
+                    started_at_s=min(starts) if starts and state != "PENDING" else None,
+                    max_nodes=max(nodes, default=0) if state != "PENDING" else 0,
+                    max_gpus=max((t[1] for t in tres), default=0), max_cpus=max((t[0] for t in tres), default=0),
+                    gpus_per_node=sum(per_node) or None,
+                    gpu_type=next((t[2] for t in tres if t[2]), None), partition=first[6])

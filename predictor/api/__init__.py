@@ -39,7 +39,7 @@ class Services:
         return self.config.cluster
 
 
-__all__ = ["AuthError", "Services", "admin_access", "caller", "install_auth_hooks", "json_body", "services",
+__all__ = ["AuthError", "Services", "admin_access", "authenticator", "caller", "install_auth_hooks", "json_body", "services",
            "write_access"]
 _AUTH_KEY = "elastic_predictor_auth"
 OPEN_READS = ("/healthz", "/v1/openapi.json")   # GETs that stay open under ELASTIC_PREDICTOR_READ_AUTH

@@ -1,7 +1,9 @@
 """POST /v1/observations: collective and step records, validated whole, stored all-or-nothing.
 
 A job that signs with munge may only post records of its own job: a record's `job_id`, when given,
-must be the signed job's (403 `job_id_mismatch`), and records without one get it filled in.
+must be the signed job's (403 `job_id_mismatch`), and records without one get it filled in. Each record must
+also fit what Slurm says about that job (predictor.jobcheck: GPU type, layout within its allocation, time within
+its run window; 403 `record_mismatch` naming the field), or nothing of the request is stored.
 The answer's `model_version_pending` is the store generation the write produced: the first model version that
 includes the records (a client passes it as `min_model_version` to /v1/predict or /v1/plan).
 This blueprint also installs the app-wide auth hooks (read check, AuthError answers).
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from predictor.api import AuthError, caller, install_auth_hooks, json_body, services, write_access
+from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
+from predictor.jobcheck import check_records
 from predictor.records import validate_batch
 
 bp = Blueprint("observations", __name__, url_prefix="/v1/observations")
@@ -29,6 +32,7 @@ def create():
                 raise AuthError(403, f"observations[{i}].job_id: job_id mismatch: the record says "
                                      f"{record['job_id']!r}, the credential signs job {who.job_id}",
                                 "observations[{}].job_id".format(i), "job_id_mismatch")
+        check_records(records, who.job, svc.cluster, now=authenticator().clock())
         records = [dict(r, job_id=r.get("job_id", who.job_id)) for r in records]
     written = svc.store.write_observations(records)
     svc.models.notify()

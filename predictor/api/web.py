@@ -1,6 +1,7 @@
 """GET /admin: a small read-only HTML page for admins, and the plots as PNG.
 
-    /admin                          model state, models, links, the newest decisions (`?limit=`, default 50)
+    /admin                          model state, models, links, the newest decisions (`?limit=`, default 50),
+                                    step rows far from the model and jobs whose rows mostly are (predictor.outliers)
     /admin/plots/scaling.png        predicted vs observed scaling (`?profile=&gpu=` to narrow it)
     /admin/plots/links.png          per-link all-reduce bandwidth against message size
 
@@ -18,7 +19,7 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, request, url_for
 from markupsafe import Markup, escape
 
-from predictor import admin_tables
+from predictor import admin_tables, outliers
 from predictor.api import services
 from predictor.errors import NotFoundError, ValidationError
 from predictor.plotcache import RETRY_AFTER_S, PlotKey
@@ -88,6 +89,7 @@ def index():
     scaling_link = {"profile": lambda r: url_for("web.scaling_png") + "?" + urlencode(
         {k: v for k, v in (("profile", r["profile"]), ("gpu", r.get("gpu"))) if v})}
     decisions = admin_tables.decision_rows(svc.store, limit)
+    flagged = outliers.outlier_report(svc.store, predictor)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>elastic-predictor admin</title><style>{STYLE}</style></head>
 <body>
@@ -100,6 +102,12 @@ def index():
              links={"decision_id": lambda r: url_for("decisions.show", decision_id=r["decision_id"])})}
 <h2>Models</h2>
 {_html_table(models, admin_tables.MODEL_COLUMNS, links=scaling_link)}
+<h2>Outliers: jobs whose step rows are mostly far from the model</h2>
+<p><small>A row is an outlier when its log residual against the model's prediction for its layout is more than
+ {outliers.K:g} robust sigma (now {flagged.sigma:.3f}) from the median; {flagged.checked} rows checked.</small></p>
+{_html_table(flagged.jobs, outliers.JOB_COLUMNS)}
+<h2>Outlier rows (largest {outliers.SHOWN})</h2>
+{_html_table(flagged.rows, outliers.OUTLIER_COLUMNS)}
 <h2>Links</h2>
 {_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
 <h2>Scaling: predicted vs observed</h2>

@@ -1,8 +1,10 @@
 """Munge-signed writes against the real testbed: the lab's munged signs, real Slurm jobs are checked.
 
-A job of root and a job of an unprivileged user are kept running; credentials come from the lab's own
+A job of root and a job of an unprivileged user (1 node, 4 GPUs of partition debug: H200 in the default
+cluster model) are kept running; credentials come from the lab's own
 munged (`munge --socket`), decoded by the service with `unmunge --socket`, and the owner check goes
-through `slurm_plugin.client` on the lab's slurm.conf. The launcher's own client
+through `slurm_plugin.client` on the lab's slurm.conf, and so does the check of each record against the
+job's allocation and run window (predictor.jobcheck). The launcher's own client
 (`elastic_launcher.reporting.PredictorClient`) posts over real HTTP, signed with the lab's munged.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from elastic_launcher import reporting
 from predictor.app import create_app
 from predictor.auth import MUNGE_HEADER, munge_payload, munge_sign
 from predictor.config import Config
-from tests.unit._service_fakes import COLLECTIVE, PROFILE, FakePredictor
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
 
 USER = "cloudsdk" if any(p.pw_name == "cloudsdk" for p in pwd.getpwall()) else "nobody"
 RECORD = dict(COLLECTIVE, source="test_auth_munge")
@@ -39,7 +41,7 @@ def client(testbed, tmp_path):
 
 
 def _running_job(testbed, slurm, wait_until, user: str | None) -> int:
-    argv = ["sbatch", "--parsable", "-N1", "-t", "5", "--chdir=/tmp", "-o", "/dev/null", "--wrap", "sleep 120"]
+    argv = ["sbatch", "--parsable", "-N1", "--gres=gpu:4", "-t", "5", "--chdir=/tmp", "-o", "/dev/null", "--wrap", "sleep 120"]
     if user:
         argv = ["runuser", "-u", user, "--", *argv]
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(testbed.config.slurm_conf)}
@@ -104,9 +106,22 @@ def test_real_munge_credentials_against_real_jobs(client, testbed, jobs):
     other = json.dumps([dict(RECORD, job_id=jobs["user"])]).encode()
     r = post("record of another job", other, munge_sign(other, jobs["root"], socket=sock))
     assert (r.status_code, r.json["reason"]) == (403, "job_id_mismatch"), r.json
+    # records checked against Slurm's facts about the job: 1 node x 4 GPUs, running since its start
+    fits = json.dumps([RECORD, dict(STEP, layout=[4], timestamp_s=time.time())]).encode()
+    assert post("fits the allocation", fits, munge_sign(fits, jobs["root"], socket=sock)).status_code == 201
+    for name, record, field in [("2 nodes on a 1-node job", dict(STEP, layout=[2, 2]), "layout"),
+                                ("8 ranks on 4 GPUs", dict(RECORD, world=8), "world"),
+                                ("another GPU type", dict(STEP, layout=[4], gpu="A100"), "gpu"),
+                                ("before the job began", dict(STEP, layout=[4], timestamp_s=time.time() - 86400),
+                                 "timestamp_s")]:
+        bad = json.dumps([RECORD, record]).encode()
+        r = post(name, bad, munge_sign(bad, jobs["root"], socket=sock))
+        assert (r.status_code, r.json["reason"], r.json["field"]) == (403, "record_mismatch",
+                                                                      f"observations[1].{field}"), r.json
 
     counts = client.get("/v1/observations").json["counts"]
-    assert counts["collective"] == 3        # root job, user job, first use; nothing refused got in
+    assert counts["collective"] == 4        # root job, user job, first use, fits; nothing refused got in
+    assert counts["step"] == 1
 
     # a job that just ended is still accepted (within job_recent), but not once the window is 0
     env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(testbed.config.slurm_conf)}

@@ -351,3 +351,49 @@ def test_metrics_sum_every_worker_of_the_service(seeded_db, tmp_path):
     assert len(list((tmp_path / "shared.db.metrics").glob("*.json"))) == 2
     for app_ in (first, second):
         app_.extensions["elastic_predictor"].store.close()
+
+
+# --- outliers (#14.2) -----------------------------------------------------------------------------------------
+def _poisoned(seeded_db, tmp_path):
+    """The seeded history plus honest rows of jobs 1-6 and 30 rows of job 666, five times slower than the truth
+    (the honest jobs outweigh job 666's rows, which the per-job cap counts as 20)."""
+    db = tmp_path / "poisoned.db"
+    db.write_bytes(seeded_db.read_bytes())
+    store = Store(str(db))
+    honest = [r for r in seed_records() if r["kind"] == "step" and r["profile"] == "resnet50"]
+    made_up = [dict(honest[i % len(honest)], iter_s=honest[i % len(honest)]["iter_s"] * 5, job_id=666)
+               for i in range(30)]
+    store.write_observations([dict(r, job_id=job) for job in range(1, 7) for r in honest] + made_up)
+    return db, store
+
+
+def test_rows_far_from_the_model_and_their_job_are_flagged(seeded_db, tmp_path):
+    from predictor import outliers
+    db, store = _poisoned(seeded_db, tmp_path)
+    profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
+    report = outliers.outlier_report(store, Predictor().fit(profiles, store.observations()))
+    store.close()
+    assert report.checked == 2 * len(LAYOUTS) + 6 * len(LAYOUTS) + 30
+    assert [j["job_id"] for j in report.jobs] == [666]
+    job = report.jobs[0]
+    assert (job["rows"], job["outliers"]) == (30, 30) and job["deviation"] > 2.0     # about +400%
+    assert report.rows and {r["job_id"] for r in report.rows} == {666}
+    assert all(r["deviation"] > 2.0 and r["score"] > outliers.K for r in report.rows)
+    assert outliers.outlier_report(Store(str(db)), None).rows == []
+
+
+def test_admin_page_lists_the_outlier_job_with_its_deviation(seeded_db, tmp_path):
+    db, store = _poisoned(seeded_db, tmp_path)
+    store.close()
+    application = create_app(Config(db_path=str(db)), start_refit=False)
+    application.extensions["elastic_predictor"].models.refit()
+    try:
+        page = application.test_client().get("/admin").get_data(as_text=True)
+    finally:
+        application.extensions["elastic_predictor"].plots.stop()
+        application.extensions["elastic_predictor"].store.close()
+    section = page[page.index("Outliers: jobs"):page.index("Outlier rows")]
+    cells = [unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", section)]
+    assert cells[:3] == ["666", "30", "30"] and cells[4].startswith("+") and cells[4].endswith("%")
+    assert int(cells[4][1:-1]) > 200
+    assert not any(f">{job}<" in section for job in range(1, 7))

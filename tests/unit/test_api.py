@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from datetime import timedelta
 
 import pytest
+from werkzeug.test import EnvironBuilder
 
 from predictor.app import create_app
 from predictor.config import Config
@@ -286,6 +288,24 @@ def test_a_bad_plan_body_is_a_4xx_never_a_500(client, body, status):
     assert r.get_json()["field"] == "body"
     metrics = client.get("/metrics").get_data(as_text=True)
     assert 'source="other"' in metrics  # counted, under the source it could not read
+
+
+@pytest.mark.parametrize("size,status", [(1000, 422), (65 * 1024, 413), (5 * 1024 * 1024, 413)])
+def test_a_chunked_body_over_the_cap_is_413_and_one_under_it_is_read_whole(app, size, status):
+    # #14.7: a chunked body (no Content-Length; the server sets wsgi.input_terminated, as gunicorn does) was cut
+    # at the cap by werkzeug without a word, and the truncated JSON answered 400
+    body = json.dumps({"source": "launcher", "directives": ["#ELASTIC " + "x" * size]}).encode()
+    environ = EnvironBuilder(path="/v1/plan", method="POST", headers={"Transfer-Encoding": "chunked",
+                                                                      "Content-Type": "application/json"}).get_environ()
+    environ.pop("CONTENT_LENGTH", None)
+    environ.update({"wsgi.input": io.BytesIO(body), "wsgi.input_terminated": True})
+    status_line = []
+    reply = json.loads(b"".join(app(environ, lambda s, h, exc_info=None: status_line.append(s))))
+    assert int(status_line[0].split()[0]) == status, reply
+    if status == 413:
+        assert reply["field"] == "body" and "larger than" in reply["error"]
+    else:
+        assert "x" * size in reply["error"] or reply.get("line") == 1     # the whole body was read and parsed
 
 
 def test_nan_and_oversized_extra_profile_fields_are_400_naming_the_field(client):

@@ -39,10 +39,20 @@ class FakeUnmunger:
         return MungeIdentity(int(uid), int(uid), payload)
 
 
+def facts(job_id: int, uid: int, state: str, ended: float | None, **alloc) -> JobOwner:
+    """A job as Slurm would describe it: by default 2 nodes x 4 GPUs of partition debug (H200 in the default
+    cluster model), started an hour before NOW."""
+    alloc = {"started_at_s": NOW - 7200, "max_nodes": 2, "max_gpus": 8, "max_cpus": 16, "gpus_per_node": 4,
+             "partition": "debug", **alloc}
+    if state == "PENDING":
+        alloc.update(started_at_s=None, max_nodes=0)
+    return JobOwner(job_id, uid, state, ended, **alloc)
+
+
 class FakeJobs:
-    jobs = {7: JobOwner(7, 1000, "RUNNING", None), 8: JobOwner(8, 1001, "RUNNING", None),
-            9: JobOwner(9, 1000, "COMPLETED", NOW - 60), 10: JobOwner(10, 1000, "COMPLETED", NOW - 3600),
-            11: JobOwner(11, 1000, "PENDING", None)}
+    jobs = {7: facts(7, 1000, "RUNNING", None), 8: facts(8, 1001, "RUNNING", None),
+            9: facts(9, 1000, "COMPLETED", NOW - 60), 10: facts(10, 1000, "COMPLETED", NOW - 3600),
+            11: facts(11, 1000, "PENDING", None)}
 
     def job_owner(self, job_id: int) -> JobOwner:
         if job_id not in self.jobs:
@@ -252,12 +262,28 @@ def test_config_reads_auth_variables_once():
 
 
 def test_job_owner_lines_from_squeue_and_sacct():
-    from slurm_plugin.client import _parse_owner
-    assert _parse_owner("6405|1000|RUNNING|NONE\n", 6405) == JobOwner(6405, 1000, "RUNNING", None)
-    done = _parse_owner("17|0|CANCELLED by 0|2026-11-26T07:49:48\n", 17)
-    assert (done.state, done.user_id) == ("CANCELLED", 0) and done.ended_at_s > 0
-    assert _parse_owner("", 5) is None and _parse_owner("18|0|RUNNING|NONE\n", 5) is None
-    assert _parse_owner("5|root|RUNNING|NONE\n", 5) is None
+    from slurm_plugin.client import parse_owner
+    # captured on the testbed: squeue -O (see _OWNER_SQUEUE) and sacct -X -P (_OWNER_SACCT) of a 2-node
+    # --gres=gpu:2 job shrunk to 1 node: its first size stays in sacct as RESIZING
+    squeue = "1|1000|RUNNING|2026-11-27T05:15:42|2026-11-27T05:20:42|1|debug|cpu=1,node=1,billing=1,gres/gpu=2|" \
+             "gres:gpu:2|\n"
+    sacct = ("1|1000|RESIZING|2026-11-27T05:15:42|2026-11-27T05:16:07|2|debug|billing=2,cpu=2,gres/gpu=4,node=2\n"
+             "1|1000|RUNNING|2026-11-27T05:15:42|Unknown|1|debug|billing=1,cpu=1,gres/gpu=2,node=1\n")
+    job = parse_owner(squeue, sacct, 1)
+    assert (job.user_id, job.state, job.ended_at_s, job.partition) == (1000, "RUNNING", None, "debug")
+    assert (job.max_nodes, job.max_gpus, job.max_cpus, job.gpus_per_node, job.gpu_type) == (2, 4, 2, 2, None)
+    assert job.started_at_s is not None
+    # forgotten by slurmctld: sacct alone; its newest record gives the state, the end and a typed GPU
+    done = parse_owner("", "17|0|RESIZING|2026-11-26T07:40:00|2026-11-26T07:41:00|4|gpu|gres/gpu=16,"
+                           "gres/gpu:h100=16\n17|0|CANCELLED by 0|2026-11-26T07:40:00|2026-11-26T07:49:48|2|gpu|"
+                           "gres/gpu=8,gres/gpu:h100=8\n", 17)
+    assert (done.state, done.max_nodes, done.max_gpus, done.gpu_type, done.gpus_per_node) == \
+        ("CANCELLED", 4, 16, "h100", None)
+    assert done.ended_at_s - done.started_at_s == 588
+    pending = parse_owner("5|1000|PENDING|2026-11-27T06:00:00|2026-11-27T07:00:00|2|debug||gres:gpu:4|", "", 5)
+    assert (pending.state, pending.started_at_s, pending.max_nodes, pending.max_gpus) == ("PENDING", None, 0, 0)
+    assert parse_owner("", "", 5) is None and parse_owner("18|0|RUNNING|||1|debug|||", "", 5) is None
+    assert parse_owner("5|root|RUNNING|||1|debug|||", "", 5) is None
 
 
 # --- the launcher's side: elastic_launcher.reporting.PredictorClient signs its posts ---------------------

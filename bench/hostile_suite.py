@@ -1,0 +1,151 @@
+"""The hostile-client suite in one table (issue #14, "Done when"): attacks tried, 5xx, memory and disk growth,
+/v1/plan p99 under slow connections, poisoning impact.
+
+Run: `python bench/hostile_suite.py [--full] [--output bench/results/hostile_suite.md]`
+
+It runs the three benches as libraries, each in its quick form unless `--full`:
+- bench/hostile_clients.py (plots, /v1/predict memory, /v1/plan disk) against `elastic-predictor serve`, plot attacks
+  5 s each (20 s with --full), and, on a second served instance, the malformed bodies of item 7 (`MALFORMED`);
+- bench/slow_clients.py on the default (buffered) server: K = 0 and 200 connections of each slow variant
+  (--full: K = 0, 2, 8, 200);
+- bench/poisoning.py: one job's 200 made-up rows with the fit's per-job cap (20) and without it.
+The per-bench tables stay in their own results files; this prints the summary and the raw rows it came from.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import hostile_clients  # noqa: E402
+import poisoning  # noqa: E402
+import slow_clients  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+MB = 1024 * 1024
+# item 7: (label, headers, body); each must be a 4xx
+MALFORMED = [
+    ("/v1/plan, 50 MB body (Content-Length)", {"Content-Type": "application/json"}, b"x" * (50 * MB)),
+    ("/v1/plan, 50 MB chunked body", {"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+     b"x" * (50 * MB)),
+    ("/v1/plan, JSON nested 100,000 deep", {"Content-Type": "application/json"}, b"[" * 100_000 + b"]" * 100_000),
+    ("/v1/plan, truncated JSON", {"Content-Type": "application/json"}, b'{"source": "launcher", "directives": '),
+    ("/v1/observations, NaN seconds", {"Content-Type": "application/json"},
+     b'[{"kind": "collective", "op": "allreduce", "link": "ib", "world": 2, "bytes": 1, "seconds": NaN}]'),
+]
+
+
+def _chunked(body: bytes, size: int = 1 << 20) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+def malformed(work: Path) -> dict:
+    """The MALFORMED bodies against a served instance: a `Tally` row shaped like hostile_clients' rows."""
+    db = work / "malformed.db"
+    hostile_clients.seed(ROOT, db)
+    service = hostile_clients.Service(ROOT, db, 2, work / "malformed.log")
+    tally = hostile_clients.Tally()
+    try:
+        service.wait_ready()
+        rss, size = service.worker_rss_mb(), hostile_clients.db_mb(db)
+        auth = {"Authorization": f"Bearer {hostile_clients.TOKEN}"}
+        for label, headers, body in MALFORMED:
+            path = "/v1/observations" if "observations" in label else "/v1/plan"
+            if headers.get("Transfer-Encoding") == "chunked":
+                body = _chunked(body)
+            hostile_clients.send(service.port, tally, "POST", path, body, {**headers, **auth})
+        return {"attack": f"malformed bodies ({len(MALFORMED)}: 50 MB, 50 MB chunked, nested, truncated, NaN)",
+                "tally": tally, "rss": (rss, service.worker_rss_mb()), "db": (size, hostile_clients.db_mb(db)),
+                "plan_p99": None}
+    finally:
+        service.stop()
+
+
+def run(full: bool) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
+    try:
+        rows = hostile_clients.run(ROOT, 2, 20.0 if full else 5.0, work)
+        rows.append(malformed(work))
+        db = str(work / "slow.db")
+        slow_clients.seed(db)
+        ks = slow_clients.KS if full else (0, 200)
+        slow, _ = slow_clients.bench_server("buffered", db, 2, 2.0, 40.0, ks, slow_clients.VARIANTS, 0,
+                                            subprocess.DEVNULL)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    poison = {cap: poisoning.impact(cap) for cap in (20, 10 ** 9)}
+    return {"hostile": rows, "slow": slow, "poison": poison}
+
+
+def summary(res: dict) -> str:
+    rows, slow, poison = res["hostile"], res["slow"], res["poison"]
+    requests = sum(r["tally"].total for r in rows)
+    errors = sum(r["tally"].server_errors for r in rows)
+    busy = sum(r["tally"].busy for r in rows)
+    rss = max(rows, key=lambda r: r["rss"][1] - r["rss"][0])
+    disk = max(rows, key=lambda r: r["db"][1] - r["db"][0])
+    held = [r for r in slow if r["k"]]
+    worst = max(held, key=lambda r: r["p99"])
+    capped, uncapped = poison[20], poison[10 ** 9]
+    attacks = len(rows) + len(held) + 1
+    fmt = slow_clients.fmt_ms
+    out = ["| figure | result |", "|---|---|",
+           f"| attacks tried | {attacks}: {len(rows) - 1} hostile-client attacks (plots, /v1/predict, /v1/plan), "
+           f"{len(MALFORMED)} malformed bodies, {len(held)} slow-connection cases "
+           f"({', '.join(slow_clients.VARIANTS)} x K = {', '.join(str(r) for r in sorted({r['k'] for r in held}))}), "
+           "1 poisoning attack (200 rows) |",
+           f"| 5xx or no answer | {errors} of {requests} requests, of which {busy} are 503 'too many plots' with "
+           f"Retry-After (the renderer's full queue: backpressure); {errors - busy} others |",
+           f"| worker memory growth | at most {rss['rss'][1] - rss['rss'][0]:+.0f} MB in one attack ({rss['attack']}: "
+           f"{rss['rss'][0]:.0f} -> {rss['rss'][1]:.0f} MB); {rows[0]['rss'][0]:.0f} -> {rows[-2]['rss'][1]:.0f} MB "
+           "over the hostile-client run |",
+           f"| disk growth | at most {disk['db'][1] - disk['db'][0]:+.1f} MB in one attack ({disk['attack']}: "
+           f"{disk['db'][0]:.1f} -> {disk['db'][1]:.1f} MB; decisions are pruned to their 16 MiB budget) |",
+           f"| /v1/plan p99 with slow connections held | at most {fmt(worst['p99'], 2.0)} ms ({worst['variant']}, "
+           f"K = {worst['k']}; {worst['failed']} probes failed, {sum(r['over'] for r in held)} of "
+           f"{len(held) * slow_clients.PROBES} over 100 ms); "
+           f"{fmt(next(r['p99'] for r in slow if not r['k']), 2.0)} ms with none |",
+           f"| poisoning impact (per-job cap 20) | others' predictions moved "
+           f"{' / '.join(f'{m:+.1%}' for m in capped['moved'])} at 1 / 2 / 4 nodes; plan {capped['before']} -> "
+           f"{capped['after']} ({'changed' if capped['before'] != capped['after'] else 'unchanged'}) |",
+           f"| poisoning impact without the cap | {' / '.join(f'{m:+.1%}' for m in uncapped['moved'])}; plan "
+           f"{uncapped['before']} -> {uncapped['after']} |"]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="the benches' full forms (longer plot attacks, all K)")
+    ap.add_argument("--output", default=None, help="also write the summary and raw rows (markdown) here")
+    args = ap.parse_args(argv)
+    started, load = time.time(), os.getloadavg()[0]
+    res = run(args.full)
+    header = (f"Hostile-client suite ({'full' if args.full else 'quick'}), {len(os.sched_getaffinity(0))} usable "
+              f"cores shared with other users (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after), "
+              f"Python {platform.python_version()}, {date.today().isoformat()}, {time.time() - started:.0f} s.")
+    raw = ["", "Raw: hostile clients (bench/hostile_clients.py's table)", "", hostile_clients.table(res["hostile"]),
+           "", "Raw: slow connections on the buffered server (bench/slow_clients.py's rows)", "",
+           *(json.dumps(r) for r in res["slow"]), "", "Raw: poisoning (bench/poisoning.py's impact)", "",
+           json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]})]
+    text = header + "\n\n" + summary(res) + "\n" + "\n".join(raw) + "\n"
+    print(text)
+    if args.output:
+        command = "python bench/hostile_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        Path(args.output).write_text(f"# Hostile-client suite (issue #14)\n\nCommand: `{command.strip()}`\n\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

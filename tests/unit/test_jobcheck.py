@@ -1,0 +1,110 @@
+"""A job-signed record must fit what Slurm says about that job (predictor.jobcheck, issue #14.2).
+
+Through the Flask app with the fakes of test_auth (a fake unmunger, a fake Slurm client). Job 7 is 2 nodes x 4
+GPUs in partition debug (H200 in the default cluster model), running since NOW - 7200.
+"""
+from __future__ import annotations
+
+import pytest
+
+from slurm_plugin.errors import SlurmError
+from tests.unit._service_fakes import COLLECTIVE, STEP
+from tests.unit.test_auth import NOW, TOKEN, FakeJobs, app, body_of, facts, sign  # noqa: F401 - app: fixture
+
+GOOD_STEP = dict(STEP, layout=[4, 4], timestamp_s=NOW - 60)
+
+
+@pytest.fixture
+def jobs(app, monkeypatch):
+    """The fake Slurm's jobs, writable per test."""
+    table = dict(FakeJobs.jobs)
+    monkeypatch.setattr(FakeJobs, "jobs", table)
+    return table
+
+
+def stored(app) -> int:
+    return len(app.extensions["elastic_predictor"].store.observations())
+
+
+def post(client, records, job=7):
+    body = body_of(records)
+    return client.post("/v1/observations", data=body, headers=sign(body, job))
+
+
+@pytest.mark.parametrize("record,field,words", [
+    (dict(STEP, gpu="A100"), "gpu", "runs on 'H200'"),
+    (dict(STEP, layout=[2, 2, 2]), "layout", "spans 3 nodes"),
+    (dict(STEP, layout=[8], inter_link=None), "layout", "8 GPUs on a node"),
+    (dict(COLLECTIVE, world=16), "world", "16 ranks"),
+    (dict(COLLECTIVE, nodes=3), "nodes", "3 nodes"),
+    (dict(COLLECTIVE, gpu="A100"), "gpu", "runs on 'H200'"),
+    (dict(STEP, timestamp_s=NOW - 3 * 86400), "timestamp_s", "outside job 7's run window"),
+    (dict(STEP, timestamp_s=NOW + 3600), "timestamp_s", "outside job 7's run window"),
+])
+def test_a_record_that_does_not_fit_the_job_is_refused_by_field_and_nothing_is_stored(app, jobs, record, field,
+                                                                                        words):
+    record = {k: v for k, v in record.items() if v is not None}
+    before = stored(app)
+    r = post(app.test_client(), [GOOD_STEP, COLLECTIVE, record])
+    assert r.status_code == 403, r.json
+    assert (r.json["reason"], r.json["field"]) == ("record_mismatch", f"observations[2].{field}")
+    assert words in r.json["error"]
+    assert stored(app) == before
+
+
+def test_records_that_fit_are_stored(app, jobs):
+    r = post(app.test_client(), [GOOD_STEP, dict(STEP, layout=[1]), dict(COLLECTIVE, world=8, nodes=2)])
+    assert r.status_code == 201, r.json
+    assert r.json["stored"] == 3
+
+
+def test_a_resized_job_may_post_the_layouts_of_its_former_size(app, jobs):
+    # shrunk to 1 node: Slurm's facts (parse_owner) keep the most nodes it held, so the windows measured
+    # before the shrink still fit
+    jobs[7] = facts(7, 1000, "RUNNING", None, max_nodes=2, max_gpus=8)
+    assert post(app.test_client(), [GOOD_STEP]).status_code == 201
+
+
+def test_a_typed_gres_decides_the_gpu_type(app, jobs):
+    jobs[7] = facts(7, 1000, "RUNNING", None, gpu_type="h100", partition="elsewhere")
+    client = app.test_client()
+    r = post(client, [GOOD_STEP])
+    assert (r.status_code, r.json["field"]) == (403, "observations[0].gpu")
+    assert "GRES type (h100)" in r.json["error"]
+    assert post(client, [dict(GOOD_STEP, gpu="H100")]).status_code == 201
+
+
+@pytest.mark.parametrize("alloc,words", [
+    ({"max_gpus": 0, "gpus_per_node": None}, "holds no GPUs"),
+    ({"partition": "elsewhere"}, "cannot confirm GPU 'H200'"),
+])
+def test_a_gpu_slurm_cannot_confirm_is_refused(app, jobs, alloc, words):
+    jobs[7] = facts(7, 1000, "RUNNING", None, **alloc)
+    r = post(app.test_client(), [GOOD_STEP])
+    assert (r.status_code, r.json["field"], r.json["reason"]) == (403, "observations[0].gpu", "record_mismatch")
+    assert words in r.json["error"]
+
+
+def test_an_ended_job_posts_records_of_its_run_window_only(app, jobs):
+    client = app.test_client()
+    assert post(client, [dict(GOOD_STEP, timestamp_s=NOW - 100)], job=9).status_code == 201
+    r = post(client, [dict(GOOD_STEP, timestamp_s=NOW - 60 + 500)], job=9)      # after its end + slack
+    assert (r.status_code, r.json["field"]) == (403, "observations[0].timestamp_s")
+
+
+def test_tokens_are_not_bound_to_a_job(app, jobs):
+    r = app.test_client().post("/v1/observations", json=[dict(STEP, layout=[8] * 64, inter_link="ib", gpu="A100")],
+                               headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 201, r.json
+
+
+def test_slurm_unreachable_fails_closed(app, jobs, monkeypatch):
+    def down(self, job_id):
+        raise SlurmError(["squeue"], None, "", "timed out after 5 s")
+
+    monkeypatch.setattr(FakeJobs, "job_owner", down)
+    before = stored(app)
+    r = post(app.test_client(), [GOOD_STEP], job=77)
+    assert (r.status_code, r.json["reason"]) == (503, "slurm_unavailable")
+    assert stored(app) == before
+
