@@ -306,8 +306,10 @@ function M.post_json(url, body, budget_s)
 end
 
 -- ---------------------------------------------------------------- circuit breaker
--- After `k` failures in a row the breaker opens for `open_s` seconds: calls are skipped. The next call
--- after that is a trial; a failure reopens it at once, a success closes it.
+-- After `k` failures in a row the breaker opens for `open_s` seconds: calls are skipped. A timeout opens it
+-- at once (`failure(now, true)`): a hung service costs a whole budget per call, and slurmctld runs the
+-- calls one at a time, so a hung service costs one budget in all, not k. The next call after `open_s` is a
+-- trial; a failure reopens it at once, a success closes it.
 function M.new_breaker(k, open_s, path)
   local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
               failures = 0, open_until = 0, path = path }
@@ -334,9 +336,9 @@ function M.new_breaker(k, open_s, path)
   function b.success()
     if b.failures ~= 0 or b.open_until ~= 0 then b.failures, b.open_until = 0, 0; save() end
   end
-  function b.failure(now)
+  function b.failure(now, open_now)
     b.failures = b.failures + 1
-    if b.failures >= b.k then b.open_until = now + b.open_s end
+    if open_now or b.failures >= b.k then b.open_until = now + b.open_s end
     save()
   end
   load()
@@ -517,7 +519,7 @@ function M.plan(cfg, breaker, request, cache)
       return reply
     end
   end
-  breaker.failure(socket.gettime())
+  breaker.failure(socket.gettime(), why == "timeout")
   local _, retry = breaker.is_open(socket.gettime())
   if retry > 0 then why = why .. string.format("; not asking again for %d s", math.ceil(retry)) end
   return { kind = "skip", why = why }

@@ -327,6 +327,23 @@ def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
     assert results[3]["job_desc"]["min_nodes"] == 2
 
 
+@pytest.mark.parametrize("mode", ["sleep", "drip"])
+def test_a_timeout_opens_the_breaker_at_once(tmp_path, predictor, mode):
+    """A hung service (accepts, never answers) costs slurmctld one budget in all, not K of them (issue 14.10):
+    the next submissions are skipped without a call, each with its one-line reason."""
+    conf = install(tmp_path, predictor.url, budget_ms=100, failures=3, open_s=30)
+    results = run_hook(conf, [{"job_desc": job(mode=mode)}, {"job_desc": job(mode=mode)},
+                              {"job_desc": job(mode="rewrite")}])
+    assert [r["rc"] for r in results] == [0, 0, 0]
+    assert [r["body"]["job"]["name"] for r in predictor.requests] == [f"mode-{mode}"]
+    first = kinds(results[0], "user_msg")[0]
+    assert "timeout; not asking again for 30 s" in first
+    for later in results[1:]:
+        assert kinds(later, "user_msg") == ["elastic: prediction skipped (predictor unavailable, retry in 30 s); "
+                                            "job submitted as written"]
+        assert later["job_desc"]["min_nodes"] == 1
+
+
 def test_success_resets_the_failure_count(tmp_path, predictor):
     conf = install(tmp_path, predictor.url, failures=2, open_s=30)
     modes = ["500", "rewrite", "500", "rewrite"]
