@@ -25,7 +25,7 @@ from predictor.cluster import Cluster, Partition
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.records import layout_name, validate_layout
 from predictor.service import ModelUnavailable
-from slurm_plugin.directives import PREFIX, parse_lines
+from slurm_plugin.directives import PREFIX, line_of, parse_lines
 from slurm_plugin.errors import DirectiveError
 
 SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
@@ -246,6 +246,14 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     part = _pick_partition(cluster, request.job, d.get("gpu_type"))
     if isinstance(part, str):
         return _keep(part, model=model)
+    if d.get("gpus") and d["gpus"]["min"] > part.total_gpus:
+        message = f"gpus min {d['gpus']['min']} exceeds partition {part.name}'s {part.total_gpus} GPUs"
+        if request.source == "launcher":       # already running: nothing to reject
+            return _keep(message, model=model)
+        # At submit, the job would run below the user's own minimum: reject it, naming the line.
+        number, line = line_of(list(enumerate(request.lines, start=1)), "gpus")
+        raise DirectiveProblem(f"directives[{number - 1}]", line, f"line {number}: gpus: minimum {d['gpus']['min']} "
+                               f"exceeds the {part.total_gpus} GPUs of partition {part.name}: {line!r}")
     try:
         models.predictor()
     except ModelUnavailable as exc:
@@ -265,8 +273,8 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
         req_nodes, req_per_node, req_total = len(layout), layout[0], sum(layout)
     bounds = d.get("gpus") or ({"min": req_total, "max": req_total} if req_total else {"min": 1, "max": part.total_gpus})
     low, high = bounds["min"], min(bounds["max"], part.total_gpus)
-    if low > part.total_gpus:
-        return _keep(f"gpus min {low} exceeds partition {part.name}'s {part.total_gpus} GPUs", model=model)
+    if low > part.total_gpus:            # no gpus= directive: the job's own #SBATCH request is larger
+        return _keep(f"the request's {low} GPUs exceed partition {part.name}'s {part.total_gpus} GPUs", model=model)
     keep_global = d.get("batch_policy") == "keep_global"
     global_fixed = batch * (req_total or low) if keep_global else None
     cap = d.get("max_global_batch")

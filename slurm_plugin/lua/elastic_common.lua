@@ -25,6 +25,16 @@ local cjson = require("cjson.safe")
 M.PREFIX = "#ELASTIC"
 M.HELPER_MARKER = "elastic-helper"
 M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES: "Invalid generic resource (gres) specification"
+-- What Slurm 22.05 prints after our rejection line (it always adds its own, last): job_submit's code's text,
+-- and cli_filter's fixed line. Our line names it, so the user knows it is a consequence, not a --gres problem.
+M.SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
+                        cli_filter = "cli_filter plugin terminated with error" }
+
+-- The one line a rejected submission shows for `message` (a directive error or the service's 422).
+function M.reject_message(message, source)
+  return string.format('elastic: %s; job rejected: Slurm\'s next line ("%s") is this rejection', message,
+                       M.SLURM_REJECT_LINE[source])
+end
 
 local NO_VAL = 4294967294
 local NO_VAL16 = 65534

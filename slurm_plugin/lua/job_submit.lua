@@ -31,7 +31,7 @@ local function submit(job_desc, submit_uid)
   end
   local _, err = elastic.parse_lines(lines)
   if err then
-    slurm.log_user("elastic: " .. err.message)
+    slurm.log_user("%s", elastic.reject_message(err.message, "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   end
   local started = elastic.now()
@@ -39,7 +39,7 @@ local function submit(job_desc, submit_uid)
                               cache)
   local ms = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
-    slurm.log_user("elastic: " .. outcome.message)
+    slurm.log_user("%s", elastic.reject_message(outcome.message, "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind == "skip" then
     slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped (%.1f ms): %s", tostring(submit_uid), ms, outcome.why)

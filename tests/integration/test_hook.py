@@ -217,7 +217,11 @@ def test_malformed_directive_rejected_quoting_the_line_even_with_service_down(ho
     assert result.rc != 0
     assert "sbatch: error: elastic: line 3: gpus: minimum 8 is above maximum 2: '#ELASTIC model=resnet50 gpus=8-2'" \
         in result.stderr
-    assert "Batch job submission failed: Invalid generic resource (gres) specification" in result.stderr
+    # Slurm's own line comes last; ours, just before it, says that line is this rejection (issue 15.6)
+    ours, slurms = result.stderr.strip().splitlines()[-2:]
+    assert ours.endswith("'#ELASTIC model=resnet50 gpus=8-2'; job rejected: Slurm's next line (\"Invalid generic "
+                         "resource (gres) specification\") is this rejection")
+    assert slurms == "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification"
 
 
 def test_service_422_rejects_with_its_message(hook, predictor, sbatch):

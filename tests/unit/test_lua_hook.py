@@ -283,14 +283,18 @@ def test_malformed_directive_is_rejected_without_asking_the_service(tmp_path):
     desc = job(directives=("#ELASTIC model=resnet50", "#ELASTIC gpus=8-2"))
     [result] = run_hook(install(tmp_path, "http://127.0.0.1:9"), [{"job_desc": desc}])
     assert result["rc"] == REJECT_CODE
-    assert kinds(result, "log_user") == ["elastic: line 4: gpus: minimum 8 is above maximum 2: '#ELASTIC gpus=8-2'"]
+    # Slurm prints its own line last ("Batch job submission failed: <the code's text>"): ours says it is this
+    assert kinds(result, "log_user") == ["elastic: line 4: gpus: minimum 8 is above maximum 2: '#ELASTIC gpus=8-2'; "
+                                         "job rejected: Slurm's next line (\"Invalid generic resource (gres) "
+                                         "specification\") is this rejection"]
     assert kinds(result, "user_msg") == []
 
 
 def test_service_422_rejects_with_its_message(tmp_path, predictor):
     [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="422")}])
     assert result["rc"] == REJECT_CODE
-    assert kinds(result, "log_user") == ["elastic: line 2: unknown model 'nosuch'"]
+    assert kinds(result, "log_user") == ["elastic: line 2: unknown model 'nosuch'; job rejected: Slurm's next line "
+                                         "(\"Invalid generic resource (gres) specification\") is this rejection"]
 
 
 @pytest.mark.parametrize("mode, why", [("500", "HTTP 500"), ("garbage", "unreadable reply"),
