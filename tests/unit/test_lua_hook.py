@@ -65,7 +65,12 @@ class Predictor:
                "cached-short": {**REWRITE, "decision_id": "d-45", "cache_ttl_s": 0.3},
                "cached-zero": {**REWRITE, "decision_id": "d-46", "cache_ttl_s": 0},
                "cached-keep": {"decision_id": "d-47", "action": "keep", "reason": "elastic: request already "
-                               "matches the plan", "cache_ttl_s": 30}}
+                               "matches the plan", "cache_ttl_s": 30},
+               # with a prediction table (the first of tests/vectors/policy.json: resnet50, per_gpu_batch 16)
+               "table": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "table": json.loads(
+                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]},
+               "table-short": {**REWRITE, "decision_id": "d-49", "cache_ttl_s": 0.3, "table": json.loads(
+                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]}}
 
     def __init__(self):
         self.requests: list[dict] = []
