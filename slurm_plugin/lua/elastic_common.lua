@@ -654,7 +654,7 @@ local function from_table(cache, tkey, d, request, now)
   local out = M.last_step(hit.table, d, M.requested(request.job or {}))
   if not out.judged then return nil end
   out.kind, out.decision_id, out.cached = out.action, hit.decision_id, true
-  out.reason = out.reason .. " (cached predictions)"
+  out.reason = (out.reason:sub(1, 8) == "elastic:" and "" or "elastic: ") .. out.reason .. " (cached predictions)"
   return out
 end
 

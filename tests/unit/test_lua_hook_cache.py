@@ -140,7 +140,8 @@ def test_a_cached_prediction_table_decides_other_bounds_without_a_call(tmp_path,
     got = results[1]["job_desc"]
     assert got["min_nodes"] == got["max_nodes"] == expect["nodes"]
     assert got["comment"] == "my run elastic:decision=d-48"
-    assert kinds(results[1], "user_msg") == [expect["reason"] + " (cached predictions)"]
+    shown = expect["reason"] if expect["reason"].startswith("elastic:") else "elastic: " + expect["reason"]
+    assert kinds(results[1], "user_msg") == [shown + " (cached predictions)"]
     assert got.get("req_switch") == expect["switches"]
 
 
