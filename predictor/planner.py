@@ -28,7 +28,7 @@ from predictor.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from predictor.store import register_hint
 from slurm_plugin.client import job_desc_number, requested_shape
-from slurm_plugin.directives import PREFIX, parse_lines
+from slurm_plugin.directives import PREFIX, line_of, parse_lines
 from slurm_plugin.errors import DirectiveError
 
 SOURCES = ("job_submit", "cli_filter", "launcher", "cli")
@@ -187,6 +187,20 @@ def _reused(value: Any) -> dict:
     return dict(value)
 
 
+def requested(job: dict) -> dict:
+    """What a job asked, as `last_step` reads it: `nodes`, `per_node`, `total` (None when not derivable) and
+    `switch` (its req_switch)."""
+    nodes, per_node, total = requested_shape(job)
+    return {"nodes": nodes, "per_node": per_node, "total": total, "switch": job.get("req_switch")}
+
+
+def _requested_now(request: PlanRequest) -> dict:
+    if request.current is None:
+        return requested(request.job)
+    layout = request.current["layout"]       # the launcher: compare with where the job runs now
+    return {"nodes": len(layout), "per_node": layout[0], "total": sum(layout), "switch": "placed"}
+
+
 def _keep(reason: str, **extra) -> dict:
     return {"action": "keep", "reason": reason, "nodes": None, "gpus_per_node": None, "tasks_per_node": None,
             "switches": None, "layout": None, "predicted": None, "curve": [], **extra}
@@ -230,6 +244,14 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     part = _pick_partition(cluster, request.job, d.get("gpu_type"))
     if isinstance(part, str):
         return _keep(part, model=model)
+    if d.get("gpus") and d["gpus"]["min"] > part.total_gpus:
+        message = f"gpus min {d['gpus']['min']} exceeds partition {part.name}'s {part.total_gpus} GPUs"
+        if request.source == "launcher":       # already running: nothing to reject
+            return _keep(message, model=model)
+        # At submit, the job would run below the user's own minimum: reject it, naming the line.
+        number, line = line_of(list(enumerate(request.lines, start=1)), "gpus")
+        raise DirectiveProblem(f"directives[{number - 1}]", line, f"line {number}: gpus: minimum {d['gpus']['min']} "
+                               f"exceeds the {part.total_gpus} GPUs of partition {part.name}: {line!r}")
     try:
         models.predictor()
     except ModelUnavailable as exc:
@@ -242,50 +264,118 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     batch = d.get("per_gpu_batch") or (request.current or {}).get("per_gpu_batch")
     if batch is None:
         return _keep("no per_gpu_batch directive: cannot predict throughput", model=model)
-    req_nodes, req_per_node, req_total = requested_shape(request.job)
-    if request.current is not None:           # the launcher: compare with where the job runs now
-        layout = request.current["layout"]
-        req_nodes, req_per_node, req_total = len(layout), layout[0], sum(layout)
-    bounds = d.get("gpus") or ({"min": req_total, "max": req_total} if req_total else {"min": 1, "max": part.total_gpus})
-    low, high = bounds["min"], min(bounds["max"], part.total_gpus)
-    if low > part.total_gpus:
-        return _keep(f"gpus min {low} exceeds partition {part.name}'s {counted(part.total_gpus, 'GPU')}", model=model)
-    keep_global = d.get("batch_policy") == "keep_global"
-    global_fixed = batch * (req_total or low) if keep_global else None
-    cap = d.get("max_global_batch")
-    limit_note = f"gpus max {bounds['max']}" if high == bounds["max"] else f"partition {part.name} has {counted(part.total_gpus, 'GPU')}"
-    if cap is not None and not keep_global and cap // batch < high:
-        high = cap // batch
-        limit_note = f"max_global_batch {cap} caps at {counted(high, 'GPU')}"
-        if high < low:
-            return _keep(f"max_global_batch {cap} allows {counted(high, 'GPU')} at per_gpu_batch {batch}, below gpus min {low}",
-                         model=model)
+    requested = _requested_now(request)
+    # a running job (the launcher) asking about itself: its own measurements answer for the layouts it ran
+    asking = request.job.get("job_id") if request.current is not None else None
+    if d.get("batch_policy") != "keep_global":
+        # The predictions for every layout of the partition at this (model, GPU, per-GPU batch): the request's
+        # bounds are applied by `last_step`, which job_submit.lua also runs on this table (tests/vectors/policy.json)
+        cands = [part.candidate(layout) for gpus in range(1, part.total_gpus + 1) for layout in part.layouts(gpus)]
+        full = len(cands) <= max_candidates
+        if not full:                          # a large partition: only the request's bounds (no table sent)
+            low, high = _bounds(d, requested, part.total_gpus)
+            cands = [c for c in cands if low <= sum(c["layout"]) <= high]
+        if len(cands) <= max_candidates:
+            try:
+                preds = models.predict(profile, part.gpu, batch, cands, job_id=asking)
+            except ModelUnavailable as exc:
+                return _keep(f"predictor not ready: {exc}", model=model)
+            table = {**_table_of(part, default_min_efficiency), "model": model, "per_gpu_batch": batch,
+                     "entries": [_entry(c["layout"], p, batch) for c, p in zip(cands, preds)]}
+            out = last_step(table, d, requested)
+            out.setdefault("model", model)
+            if full and out["predicted"] is not None:
+                out["table"] = {**table, "entries": [{"layout": e["layout"], "samples_per_s": e["samples_per_s"]}
+                                                     for e in table["entries"]]}
+            out["model_version"] = models.version
+            return out
+        else:
+            return _keep(f"more than {max_candidates} candidate layouts; narrow gpus=MIN-MAX", model=model)
+    low, high = _bounds(d, requested, part.total_gpus)
+    if low > part.total_gpus:            # no gpus= directive: the job's own #SBATCH request is larger
+        return _keep(f"the request's {counted(low, 'GPU')} exceed partition {part.name}'s {counted(part.total_gpus, 'GPU')}", model=model)
+    global_fixed = batch * (requested["total"] or low)
     by_batch: dict[int, list[dict]] = {}
     for gpus in range(low, high + 1):
-        per_gpu = batch
-        if keep_global:
-            if global_fixed % gpus:
-                continue
-            per_gpu = global_fixed // gpus
+        if global_fixed % gpus:
+            continue
         for layout in part.layouts(gpus):
-            by_batch.setdefault(per_gpu, []).append(part.candidate(layout))
+            by_batch.setdefault(global_fixed // gpus, []).append(part.candidate(layout))
     if not by_batch:
         return _keep(f"no layout of {low}-{high} GPUs fits partition {part.name} "
                      f"({counted(len(part.nodes), 'node')} x {counted(part.gpus_per_node, 'GPU')})", model=model)
     if sum(map(len, by_batch.values())) > max_candidates:
         return _keep(f"more than {max_candidates} candidate layouts; narrow gpus=MIN-MAX", model=model)
     entries = []
-    # a running job (the launcher) asking about itself: its own measurements answer for the layouts it ran
-    asking = request.job.get("job_id") if request.current is not None else None
     try:
         for per_gpu, cands in by_batch.items():
             for cand, pred in zip(cands, models.predict(profile, part.gpu, per_gpu, cands, job_id=asking)):
                 entries.append(_entry(cand["layout"], pred, per_gpu))
     except ModelUnavailable as exc:
         return _keep(f"predictor not ready: {exc}", model=model)
-    return _choose(entries, d, part, request, profile_name=model, gpu=part.gpu, batch=batch,
-                   min_eff=d.get("min_efficiency", default_min_efficiency), limit_note=limit_note,
-                   requested=(req_nodes, req_per_node), version=models.version)
+    limit_note = _limit_note(d, requested, high, part.total_gpus, part.name)
+    return {**_choose(entries, d, _table_of(part, default_min_efficiency), requested, limit_note), "model": model,
+            "model_version": models.version}
+
+
+def _bounds(d: dict, requested: dict, total: int) -> tuple[int, int]:
+    """(low, high) GPU counts: the `gpus` directive, else the job's own request, else the whole partition."""
+    bounds = d.get("gpus") or ({"min": requested["total"], "max": requested["total"]} if requested["total"]
+                               else {"min": 1, "max": total})
+    return bounds["min"], min(bounds["max"], total)
+
+
+def _limit_note(d: dict, requested: dict, high: int, total: int, partition: str) -> str:
+    wanted = (d.get("gpus") or {}).get("max") or requested["total"] or total
+    return f"gpus max {wanted}" if high == wanted else f"partition {partition} has {counted(total, 'GPU')}"
+
+
+def _table_of(part: Partition, default_min_efficiency: float) -> dict:
+    return {"gpu": part.gpu, "partition": part.name, "total_gpus": part.total_gpus, "nodes": len(part.nodes),
+            "gpus_per_node": part.gpus_per_node,
+            "one_leaf_nodes": part.largest_leaf if part.switches else 0, "gpu_hour_cost": part.gpu_hour_cost,
+            "node_hour_cost": part.node_hour_cost, "min_efficiency": default_min_efficiency}
+
+
+def last_step(table: dict, d: dict, requested: dict) -> dict:
+    """The policy's last step: the request's bounds applied to a prediction table, then `_choose`.
+
+    It reads nothing but its arguments, so job_submit.lua runs the same step on a table it cached from an
+    earlier reply (`M.last_step` in elastic_common.lua); both are checked against tests/vectors/policy.json.
+
+    Args:
+        table: the partition (`partition`, `total_gpus`, `one_leaf_nodes`, `gpu_hour_cost`, `node_hour_cost`),
+            the service's default `min_efficiency`, `per_gpu_batch`, and `entries`: every uniform layout of the
+            partition in order of GPU count then fewest nodes, each `{"layout", "samples_per_s", ...}`.
+        d: the parsed directives (`gpus`, `max_global_batch`, `min_efficiency`, `objective` are read).
+        requested: what the job asked: `nodes`, `per_node`, `total` (each None when unknown) and `switch`
+            (the job's req_switch, or "placed" for a running job).
+
+    Returns the response without `decision_id`; a keep whose `predicted` is None when no size can be judged
+    (job_submit.lua asks the service instead of answering those).
+    """
+    model, batch, total = table.get("model"), table["per_gpu_batch"], table["total_gpus"]
+    low, high = _bounds(d, requested, total)
+    if low > total:
+        return _keep(f"the request's {counted(low, 'GPU')} exceed partition {table['partition']}'s {counted(total, 'GPU')}", model=model)
+    cap = d.get("max_global_batch")
+    limit_note = _limit_note(d, requested, high, total, table["partition"])
+    if cap is not None and cap // batch < high:
+        high = cap // batch
+        limit_note = f"max_global_batch {cap} caps at {counted(high, 'GPU')}"
+        if high < low:
+            return _keep(f"max_global_batch {cap} allows {counted(high, 'GPU')} at per_gpu_batch {batch}, below gpus min {low}",
+                         model=model)
+    entries = [dict(e) for e in table["entries"] if low <= sum(e["layout"]) <= high]
+    if not entries:
+        return _keep(f"no layout of {low}-{high} GPUs fits partition {table['partition']} "
+                     f"({counted(table['nodes'], 'node')} x {counted(table['gpus_per_node'], 'GPU')})", model=model)
+    for e in entries:
+        e.setdefault("gpus", sum(e["layout"]))
+        e.setdefault("nodes", len(e["layout"]))
+        e.setdefault("per_gpu_batch", batch)
+        e.setdefault("global_batch", batch * e["gpus"])
+    return _choose(entries, d, table, requested, limit_note)
 
 
 def _finite(value: Any) -> float | None:
@@ -302,8 +392,8 @@ def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
             "comm_s": _finite(pred.get("comm_s")), "uncertainty": _finite(pred.get("uncertainty"))}
 
 
-def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest, *, profile_name: str, gpu: str,
-            batch: int, min_eff: float, limit_note: str, requested: tuple, version: str | None) -> dict:
+def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_note: str) -> dict:
+    min_eff = d.get("min_efficiency", table["min_efficiency"])
     by_gpus: dict[int, list[dict]] = {}
     for e in entries:
         by_gpus.setdefault(e["gpus"], []).append(e)
@@ -330,17 +420,19 @@ def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest,
         stop_note = f"{layout_name(worst['layout'])} efficiency {worst['efficiency']:.2f} < {min_eff:g}"
     pool = [e for e in entries if e["gpus"] in feasible and e["samples_per_s"] > 0] or [best[counts[0]]]
     objective = d.get("objective", "throughput")
-    if objective == "efficiency" or (objective == "cost" and part.gpu_hour_cost + part.node_hour_cost == 0):
+    gpu_cost, node_cost = table["gpu_hour_cost"], table["node_hour_cost"]
+    if len(pool) == 1:       # also: no layout predicted above 0 samples/s (a cost per sample would divide by 0)
+        chosen = pool[0]
+    elif objective == "efficiency" or (objective == "cost" and gpu_cost + node_cost == 0):
         chosen = _argbest(pool, lambda e: e["samples_per_s"] / e["gpus"], 0.01)
     elif objective == "cost":
-        chosen = _argbest(pool, lambda e: -(e["gpus"] * part.gpu_hour_cost + e["nodes"] * part.node_hour_cost)
-                          / e["samples_per_s"], 0.01)
+        chosen = _argbest(pool, lambda e: -(e["gpus"] * gpu_cost + e["nodes"] * node_cost) / e["samples_per_s"], 0.01)
     else:
         top = max(e["samples_per_s"] for e in pool)
         chosen = min((e for e in pool if e["samples_per_s"] >= top * 0.995), key=lambda e: (e["gpus"], e["nodes"]))
     nodes, per_node = chosen["nodes"], chosen["layout"][0]
-    switches = 1 if nodes > 1 and part.fits_one_leaf(nodes) else None
-    base = next((e for e in entries if e["nodes"] == requested[0] and e["layout"][0] == requested[1]),
+    switches = 1 if 1 < nodes <= table["one_leaf_nodes"] else None
+    base = next((e for e in entries if e["nodes"] == requested["nodes"] and e["layout"][0] == requested["per_node"]),
                 best[counts[0]])
     ratio = chosen["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] > 0 else float("nan")
     reason = (f"elastic: {counted(nodes, 'node')} x {counted(per_node, 'GPU')} ({layout_name(chosen['layout'])}) "
@@ -351,16 +443,16 @@ def _choose(entries: list[dict], d: dict, part: Partition, request: PlanRequest,
         reason += f"; {stop_note}"
     if switches:
         reason += "; one leaf switch"
-    same_switch = request.current is not None or request.job.get("req_switch") == switches   # running: placed
-    same = (requested[0] or 1) == nodes and requested[1] == per_node and same_switch
-    curve = [{k: e[k] for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
+    same_switch = requested["switch"] == "placed" or requested["switch"] == switches   # running: placed
+    same = (requested["nodes"] or 1) == nodes and requested["per_node"] == per_node and same_switch
+    curve = [{k: e.get(k) for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
                                 "iter_s", "efficiency", "uncertainty")} for e in sorted(entries, key=_order)]
-    predicted = {k: chosen[k] for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
+    predicted = {k: chosen.get(k) for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
     return {"action": "keep" if same else "rewrite", "reason": ("request already matches the plan; " if same else "")
             + reason, "nodes": nodes, "gpus_per_node": per_node, "tasks_per_node": per_node, "switches": switches,
-            "layout": chosen["layout"], "predicted": predicted, "curve": curve, "model": profile_name, "gpu": gpu,
-            "partition": part.name, "objective": objective, "min_efficiency": min_eff, "per_gpu_batch":
-            chosen["per_gpu_batch"], "global_batch": chosen["global_batch"], "model_version": version}
+            "layout": chosen["layout"], "predicted": predicted, "curve": curve, "gpu": table["gpu"],
+            "partition": table["partition"], "objective": objective, "min_efficiency": min_eff, "per_gpu_batch":
+            chosen["per_gpu_batch"], "global_batch": chosen["global_batch"]}
 
 
 def _order(e: dict):

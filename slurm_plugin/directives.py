@@ -131,6 +131,17 @@ def parse_lines(lines: list[tuple[int, str]]) -> dict[str, Any]:
     return result
 
 
+def line_of(lines: list[tuple[int, str]], key: str) -> tuple[int, str] | None:
+    """The `(line_no, line)` of parsed `lines` that gives `key` (for errors found after parsing), None if none does."""
+    for number, line in lines:
+        for token in _TOKEN_RE.findall(line[len(PREFIX):]):
+            if token.startswith("#"):
+                break
+            if token.partition("=")[0] == key:
+                return number, line
+    return None
+
+
 def parse_script(script: str) -> dict[str, Any] | None:
     """Parse the directives of a batch script; None when it has no `#ELASTIC` line.
 

@@ -57,7 +57,7 @@ function slurm_cli_pre_submit(options, pack_offset)
   end
   local _, err = elastic.parse_lines(lines)
   if err then
-    slurm.log_error("elastic: %s", err.message)
+    slurm.log_error("%s", elastic.reject_message(err.message, "cli_filter"))
     return slurm.ERROR
   end
   -- An elastic job survives a node's death (the launcher drops the node): without --no-kill slurmctld
@@ -69,7 +69,7 @@ function slurm_cli_pre_submit(options, pack_offset)
   local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s, state_file(cfg))
   local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options, slurm.time_str2mins)))
   if outcome.kind == "reject" then
-    slurm.log_error("elastic: %s", outcome.message)
+    slurm.log_error("%s", elastic.reject_message(outcome.message, "cli_filter"))
     return slurm.ERROR
   elseif outcome.kind == "skip" then
     slurm.log_info("%s", elastic.skip_message(outcome))

@@ -25,6 +25,16 @@ local cjson = require("cjson.safe")
 M.PREFIX = "#ELASTIC"
 M.HELPER_MARKER = "elastic-helper"
 M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES: "Invalid generic resource (gres) specification"
+-- What Slurm 22.05 prints after our rejection line (it always adds its own, last): job_submit's code's text,
+-- and cli_filter's fixed line. Our line names it, so the user knows it is a consequence, not a --gres problem.
+M.SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
+                        cli_filter = "cli_filter plugin terminated with error" }
+
+-- The one line a rejected submission shows for `message` (a directive error or the service's 422).
+function M.reject_message(message, source)
+  return string.format('elastic: %s; job rejected: Slurm\'s next line ("%s") is this rejection', message,
+                       M.SLURM_REJECT_LINE[source])
+end
 
 local NO_VAL = 4294967294
 local NO_VAL16 = 65534
@@ -306,8 +316,10 @@ function M.post_json(url, body, budget_s)
 end
 
 -- ---------------------------------------------------------------- circuit breaker
--- After `k` failures in a row the breaker opens for `open_s` seconds: calls are skipped. The next call
--- after that is a trial; a failure reopens it at once, a success closes it.
+-- After `k` failures in a row the breaker opens for `open_s` seconds: calls are skipped. A timeout opens it
+-- at once (`failure(now, true)`): a hung service costs a whole budget per call, and slurmctld runs the
+-- calls one at a time, so a hung service costs one budget in all, not k. The next call after `open_s` is a
+-- trial; a failure reopens it at once, a success closes it.
 function M.new_breaker(k, open_s, path)
   local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
               failures = 0, open_until = 0, path = path }
@@ -334,9 +346,9 @@ function M.new_breaker(k, open_s, path)
   function b.success()
     if b.failures ~= 0 or b.open_until ~= 0 then b.failures, b.open_until = 0, 0; save() end
   end
-  function b.failure(now)
+  function b.failure(now, open_now)
     b.failures = b.failures + 1
-    if b.failures >= b.k then b.open_until = now + b.open_s end
+    if open_now or b.failures >= b.k then b.open_until = now + b.open_s end
     save()
   end
   load()
@@ -411,6 +423,165 @@ function M.new_cache(max_entries)
   return c
 end
 
+-- ---------------------------------------------------------------- the policy's last step
+-- predictor/planner.py's `last_step`, for prediction tables the service sent (`table` in a /v1/plan reply):
+-- the request's GPU bounds applied to the predictions of every layout of a partition at one (model, GPU type,
+-- per-GPU batch), then the efficiency walk and the objective. Both are checked against tests/vectors/policy.json;
+-- the planner's docstring is the definition. Returns the decision, with judged = false where the service's
+-- answer is a keep it could not judge from predictions (the hook then asks the service).
+
+-- GPU count in a TRES string as planner.gpus_in_tres reads it ("gres:gpu:4", "gres/gpu:a100:2", "gpu=4").
+local function tres_gpus(list)
+  for entry in tostring(list or ""):gmatch("[^,]+") do
+    local rest = entry:match("^gres[:/]gpu(.*)$") or entry:match("^gpu(.*)$")
+    local n = rest and (rest:match("^[:=](%d+)$") or rest:match("^:[%w_.%-]+[:=](%d+)$"))
+    if n then return tonumber(n) end
+  end
+  return nil
+end
+
+-- planner.requested_shape: what the job asked (nodes, per_node, total; each nil when unknown) and its switch.
+function M.requested(job)
+  local nodes = job.min_nodes
+  if nodes == 0 then nodes = nil end
+  local per_node, total = tres_gpus(job.tres_per_node), tres_gpus(job.tres_per_job)
+  if total == nil and per_node ~= nil then total = per_node * (nodes or 1) end
+  return { nodes = nodes, per_node = per_node, total = total, switch = job.req_switch }
+end
+
+local function counted(n, word)  -- "1 GPU", "2 GPUs" (predictor.records.counted)
+  return string.format("%d %s%s", n, word, n == 1 and "" or "s")
+end
+
+local function layout_name(layout)
+  local first, same = layout[1], true
+  for _, n in ipairs(layout) do if n ~= first then same = false end end
+  if same then return #layout .. "x" .. first end
+  return table.concat(layout, "+")
+end
+
+local function efficiency(t_k, t_next, k, k_next)
+  if t_k <= 0 then return 0.0 end
+  return tonumber(string.format("%.4f", (t_next - t_k) / ((k_next - k) * t_k / k)))
+end
+
+-- max over `pool` of score within `tolerance` of the top, ties by (samples/s, -gpus), first of equals
+local function argbest(pool, score, tolerance)
+  local top = -math.huge
+  for _, e in ipairs(pool) do top = math.max(top, score(e)) end
+  local margin, best = math.abs(top) * tolerance, nil
+  for _, e in ipairs(pool) do
+    if score(e) >= top - margin and (best == nil or e.samples_per_s > best.samples_per_s
+        or (e.samples_per_s == best.samples_per_s and -e.gpus > -best.gpus)) then
+      best = e
+    end
+  end
+  return best
+end
+
+local function unjudged(reason) return { action = "keep", reason = reason, judged = false } end
+
+function M.last_step(tbl, d, requested)
+  local batch, total = tbl.per_gpu_batch, tbl.total_gpus
+  local low, high, wanted
+  if d.gpus then low, wanted = d.gpus.min, d.gpus.max
+  elseif requested.total then low, wanted = requested.total, requested.total
+  else low, wanted = 1, total end
+  high = math.min(wanted, total)
+  if low > total then
+    return unjudged(string.format("the request's %s exceed partition %s's %s", counted(low, "GPU"), tbl.partition, counted(total, "GPU")))
+  end
+  local limit_note = high == wanted and ("gpus max " .. wanted) or string.format("partition %s has %s", tbl.partition, counted(total, "GPU"))
+  local cap = d.max_global_batch
+  if cap ~= nil and math.floor(cap / batch) < high then
+    high = math.floor(cap / batch)
+    limit_note = string.format("max_global_batch %d caps at %s", cap, counted(high, "GPU"))
+    if high < low then return unjudged("max_global_batch below gpus min") end
+  end
+  local entries, by_gpus, counts = {}, {}, {}
+  for _, src in ipairs(tbl.entries) do
+    local gpus = 0
+    for _, n in ipairs(src.layout) do gpus = gpus + n end
+    if gpus >= low and gpus <= high then
+      local e = { layout = src.layout, gpus = gpus, nodes = #src.layout, samples_per_s = tonumber(src.samples_per_s) or 0 }
+      entries[#entries + 1] = e
+      if not by_gpus[gpus] then by_gpus[gpus] = {}; counts[#counts + 1] = gpus end
+      table.insert(by_gpus[gpus], e)
+    end
+  end
+  if #entries == 0 then return unjudged("no layout fits") end
+  table.sort(counts)
+  local best = {}
+  for _, gpus in ipairs(counts) do
+    for _, e in ipairs(by_gpus[gpus]) do
+      if best[gpus] == nil or e.samples_per_s > best[gpus].samples_per_s then best[gpus] = e end
+    end
+  end
+  local min_eff = d.min_efficiency or tbl.min_efficiency
+  local anchor, feasible, rejected, top_feasible = counts[1], { [counts[1]] = true }, {}, counts[1]
+  for _, e in ipairs(by_gpus[anchor]) do e.efficiency = 1.0 end
+  for i = 2, #counts do
+    local gpus = counts[i]
+    local t_anchor = best[anchor].samples_per_s
+    for _, e in ipairs(by_gpus[gpus]) do e.efficiency = efficiency(t_anchor, e.samples_per_s, anchor, gpus) end
+    if best[gpus].efficiency >= min_eff then
+      feasible[gpus], anchor, rejected, top_feasible = true, gpus, {}, gpus
+    else
+      rejected[#rejected + 1] = best[gpus]
+    end
+  end
+  local stop_note = limit_note
+  if #rejected > 0 then
+    local worst = rejected[1]
+    for _, e in ipairs(rejected) do if e.efficiency > worst.efficiency then worst = e end end
+    stop_note = string.format("%s efficiency %.2f < %s", layout_name(worst.layout), worst.efficiency,
+                              string.format("%g", min_eff))
+  end
+  local pool = {}
+  for _, e in ipairs(entries) do
+    if feasible[e.gpus] and e.samples_per_s > 0 then pool[#pool + 1] = e end
+  end
+  if #pool == 0 then pool = { best[counts[1]] } end
+  local objective = d.objective or "throughput"
+  local gpu_cost, node_cost = tbl.gpu_hour_cost, tbl.node_hour_cost
+  local chosen
+  if #pool == 1 then         -- also: no layout predicted above 0 samples/s (a cost per sample would divide by 0)
+    chosen = pool[1]
+  elseif objective == "efficiency" or (objective == "cost" and gpu_cost + node_cost == 0) then
+    chosen = argbest(pool, function(e) return e.samples_per_s / e.gpus end, 0.01)
+  elseif objective == "cost" then
+    chosen = argbest(pool, function(e) return -(e.gpus * gpu_cost + e.nodes * node_cost) / e.samples_per_s end, 0.01)
+  else
+    local top = -math.huge
+    for _, e in ipairs(pool) do top = math.max(top, e.samples_per_s) end
+    for _, e in ipairs(pool) do
+      if e.samples_per_s >= top * 0.995 and (chosen == nil or e.gpus < chosen.gpus
+          or (e.gpus == chosen.gpus and e.nodes < chosen.nodes)) then
+        chosen = e
+      end
+    end
+  end
+  local nodes, per_node = chosen.nodes, chosen.layout[1]
+  local switches = (nodes > 1 and nodes <= tbl.one_leaf_nodes) and 1 or nil
+  local base
+  for _, e in ipairs(entries) do
+    if base == nil and e.nodes == requested.nodes and e.layout[1] == requested.per_node then base = e end
+  end
+  base = base or best[counts[1]]
+  local ratio = base.samples_per_s > 0 and string.format("%.1f", chosen.samples_per_s / base.samples_per_s) or "nan"
+  local reason = string.format("elastic: %s x %s (%s) predicted %.0f samples/s, %sx of %s", counted(nodes, "node"),
+                               counted(per_node, "GPU"), layout_name(chosen.layout), chosen.samples_per_s,
+                               ratio, layout_name(base.layout))
+  if objective ~= "throughput" then reason = reason .. " (objective " .. objective .. ")" end
+  if chosen.gpus == top_feasible or objective == "throughput" then reason = reason .. "; " .. stop_note end
+  if switches then reason = reason .. "; one leaf switch" end
+  local same_switch = requested.switch == "placed" or requested.switch == switches
+  local same = (requested.nodes or 1) == nodes and requested.per_node == per_node and same_switch
+  return { action = same and "keep" or "rewrite", reason = (same and "request already matches the plan; " or "") .. reason,
+           nodes = nodes, gpus_per_node = per_node, tasks_per_node = per_node, switches = switches,
+           layout = chosen.layout, judged = true }
+end
+
 -- ---------------------------------------------------------------- request / reply
 local function num(v, unset)
   if type(v) ~= "number" or v == unset or v == NO_VAL or v == INFINITE then return nil end
@@ -468,15 +639,45 @@ local function reuse(reply)
   return copy
 end
 
--- Ask the service, or `cache` (optional) when it holds an unexpired reply for this request.
--- Never raises; every failure becomes kind = "skip".
-function M.plan(cfg, breaker, request, cache)
+-- The cache key of the prediction table a request can be decided from (nil: none can, ask the service):
+-- the table depends on the partition, model, GPU type and per-GPU batch only. keep_global varies the per-GPU
+-- batch with the GPU count, which one table does not hold.
+function M.table_key(request, d)
+  if d == nil or d.model == nil or d.per_gpu_batch == nil or d.batch_policy == "keep_global" then return nil end
+  local job = request.job or {}
+  local parts = { "table", request.source or "", job.partition or "\0", d.model, d.gpu_type or "\0",
+                  tostring(d.per_gpu_batch) }
+  for i, part in ipairs(parts) do parts[i] = #part .. ":" .. part end
+  return table.concat(parts)
+end
+
+-- A decision from a cached prediction table (nil when none fits or the step leaves it to the service).
+local function from_table(cache, tkey, d, request, now)
+  local hit = tkey and cache.get(tkey, now)
+  if not hit then return nil end
+  local out = M.last_step(hit.table, d, M.requested(request.job or {}))
+  if not out.judged then return nil end
+  out.kind, out.decision_id, out.cached = out.action, hit.decision_id, true
+  out.reason = (out.reason:sub(1, 8) == "elastic:" and "" or "elastic: ") .. out.reason .. " (cached predictions)"
+  return out
+end
+
+-- Ask the service, or `cache` (optional) when it holds an unexpired reply for this request, or a prediction
+-- table the policy's last step can decide it from (`d`: the parsed directives). Never raises; every failure
+-- becomes kind = "skip".
+function M.plan(cfg, breaker, request, cache, d)
   local now = socket.gettime()
   local key = cache and M.cache_key(request)
   local hit = cache and cache.get(key, now)
   if hit then
     cache.note_reuse(hit.decision_id)
     return reuse(hit)
+  end
+  local tkey = cache and M.table_key(request, d)
+  local derived = tkey and from_table(cache, tkey, d, request, now)
+  if derived then
+    cache.note_reuse(derived.decision_id)
+    return derived
   end
   local open, left = breaker.is_open(now)
   if open then
@@ -513,11 +714,19 @@ function M.plan(cfg, breaker, request, cache)
       reply.reason = one_line(type(reply.reason) == "string" and reply.reason or reply.action, 400)
       if reply.reason:sub(1, 8) ~= "elastic:" then reply.reason = "elastic: " .. reply.reason end
       if reply.decision_id ~= nil then reply.decision_id = one_line(reply.decision_id, 64):gsub("%s", "_") end
-      if cache then cache.put(key, reply, reply.cache_ttl_s, now) end
+      if cache then
+        cache.put(key, reply, reply.cache_ttl_s, now)
+        local tbl = reply.table
+        if tkey and type(tbl) == "table" and type(tbl.entries) == "table" and tbl.model == d.model
+           and tbl.per_gpu_batch == d.per_gpu_batch then
+          cache.put(tkey, { table = tbl, decision_id = reply.decision_id }, reply.cache_ttl_s, now)
+        end
+        reply.table = nil
+      end
       return reply
     end
   end
-  breaker.failure(socket.gettime())
+  breaker.failure(socket.gettime(), why == "timeout")
   local _, retry = breaker.is_open(socket.gettime())
   if retry > 0 then why = why .. string.format("; not asking again for %d s", math.ceil(retry)) end
   return { kind = "skip", why = why }

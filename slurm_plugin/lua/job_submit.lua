@@ -4,7 +4,9 @@
  Jobs without #ELASTIC lines, launcher helper jobs and expand: allocations pass untouched and silently.
  A malformed #ELASTIC line is rejected here, even when the predictor is down. Otherwise the raw lines and
  the job's request go to POST /v1/plan within a hard total budget; a rewrite is applied mechanically.
- A decision is reused for identical requests within the cache_ttl_s the service sent with it.
+ A decision is reused for identical requests within the cache_ttl_s the service sent with it, and the
+ prediction table sent with it decides other requests of the same partition, model, GPU type and per-GPU
+ batch locally (the policy's last step, elastic_common.lua M.last_step; docs/hook.md "Prediction tables").
  Any failure of the service (down, slow, 5xx, garbage, circuit open) accepts the job as written.
  Installed with elastic_common.lua and elastic.conf beside it by `elastic-slurm install-plugin`.
 ]]
@@ -29,17 +31,17 @@ local function submit(job_desc, submit_uid)
      or elastic.planned(job_desc.comment) then
     return slurm.SUCCESS
   end
-  local _, err = elastic.parse_lines(lines)
+  local directives, err = elastic.parse_lines(lines)
   if err then
-    slurm.log_user("elastic: " .. err.message)
+    slurm.log_user("%s", elastic.reject_message(err.message, "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   end
   local started = elastic.now()
   local outcome = elastic.plan(cfg, breaker, elastic.request("job_submit", lines, elastic.job_from_desc(job_desc, submit_uid)),
-                              cache)
+                              cache, directives)
   local ms = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
-    slurm.log_user("elastic: " .. outcome.message)
+    slurm.log_user("%s", elastic.reject_message(outcome.message, "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind == "skip" then
     slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped (%.1f ms): %s", tostring(submit_uid), ms, outcome.why)

@@ -217,7 +217,11 @@ def test_malformed_directive_rejected_quoting_the_line_even_with_service_down(ho
     assert result.rc != 0
     assert "sbatch: error: elastic: line 3: gpus: minimum 8 is above maximum 2: '#ELASTIC model=resnet50 gpus=8-2'" \
         in result.stderr
-    assert "Batch job submission failed: Invalid generic resource (gres) specification" in result.stderr
+    # Slurm's own line comes last; ours, just before it, says that line is this rejection (issue 15.6)
+    ours, slurms = result.stderr.strip().splitlines()[-2:]
+    assert ours.endswith("'#ELASTIC model=resnet50 gpus=8-2'; job rejected: Slurm's next line (\"Invalid generic "
+                         "resource (gres) specification\") is this rejection")
+    assert slurms == "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification"
 
 
 def test_service_422_rejects_with_its_message(hook, predictor, sbatch):
@@ -361,7 +365,8 @@ def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatc
     assert stored["action"] == "rewrite" and stored["source"] == "job_submit"
     assert stored["response"]["layout"] == [4, 4] and stored["request"]["directives"] == REAL.splitlines()
     real_predictor.stop()
-    down = sbatch(script(directives=REAL), "-H", "-t", "7")   # another time limit: not a cached request
+    # another per-GPU batch: neither the decision nor the prediction table cached by the first answers it
+    down = sbatch(script(directives=REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")), "-H")
     # the latency of a submission against a stopped service: bench/hook_latency.py (down)
     assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
     assert show_job(bed, down.job_id)["TresPerJob"] == "gres:gpu:4"
@@ -371,36 +376,81 @@ def _decision_of(bed, result) -> str:
     return re.fullmatch(r"orig elastic:decision=(\S+)", show_job(bed, result.job_id)["Comment"]).group(1)
 
 
-def test_identical_submissions_reuse_the_decision_without_a_call(hook, sbatch, bed, tmp_path):
+@pytest.fixture
+def caching_predictor(tmp_path):
+    """elastic-predictor serve whose decisions (and prediction tables) the hook may reuse for 120 s."""
+    server = RealPredictor(tmp_path, env={"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "120"})
+    yield server
+    server.stop()
+
+
+def _decision_count(server) -> int:
+    import requests
+
+    return len(requests.get(f"{server.url}/v1/decisions?limit=500", timeout=5).json()["decisions"])
+
+
+def _first_real(hook, server, sbatch, bed) -> tuple[str, int]:
+    """Install the hook against `server` and submit REAL once: (its decision id, the service's decision count)."""
+    hook(server.url)
+    first = sbatch(script(directives=REAL), "-H")
+    assert first.rc == 0 and first.stderr.startswith("sbatch: elastic: 2 nodes x 4 GPUs (2x4)"), first.stderr
+    return _decision_of(bed, first), _decision_count(server)
+
+
+def test_identical_submissions_reuse_the_decision_without_a_call(hook, sbatch, bed, caching_predictor):
     """The decision cache lives in slurmctld's Lua state: the second identical submission gets the same
     decision id with no request (the service's decision count does not move, and it still works once the
     service is stopped); the reuse is reported with the next real request."""
+    server = caching_predictor
+    decision, before = _first_real(hook, server, sbatch, bed)
+    second = sbatch(script(directives=REAL), "-H", "-J", "another-name")   # the name is not in the key
+    assert second.rc == 0 and second.stderr.rstrip().endswith("(cached)"), second.stderr
+    assert _decision_of(bed, second) == decision and _decision_count(server) == before
+    job = show_job(bed, second.job_id)
+    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
+    other_batch = REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")      # no cached table either
+    third = sbatch(script(directives=other_batch), "-H", "-t", "9")       # a new request: asked
+    assert third.rc == 0 and "(cached)" not in third.stderr
+    assert server.decision(_decision_of(bed, third))["request"]["reused"] == {decision: 1}
+    server.stop()
+    fourth = sbatch(script(directives=REAL), "-H")                          # service down, TTL not expired
+    assert fourth.rc == 0 and fourth.stderr.rstrip().endswith("(cached)"), fourth.stderr
+    assert _decision_of(bed, fourth) == decision
+
+
+def test_distinct_requests_are_decided_from_the_cached_prediction_table(hook, sbatch, bed, caching_predictor):
+    """Issue 14.10: other bounds for the same model, GPU and per-GPU batch are decided in slurmctld from the
+    table the first reply brought, without a call, and the decision is the one the service gives."""
     import requests
 
-    server = RealPredictor(tmp_path, env={"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "120"})
-    try:
-        hook(server.url)
+    server = caching_predictor
+    decision, before = _first_real(hook, server, sbatch, bed)
+    narrower = REAL.replace("gpus=2-8", "gpus=1-4")
+    second = sbatch(script(directives=narrower), "-H", "-t", "9")
+    assert second.rc == 0 and second.stderr.rstrip().endswith("(cached predictions)"), second.stderr
+    assert _decision_of(bed, second) == decision and _decision_count(server) == before
+    job = show_job(bed, second.job_id)
+    body = {"source": "job_submit", "directives": narrower.splitlines(),
+            "job": {"min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4", "time_limit_min": 9}}
+    asked = requests.post(f"{server.url}/v1/plan", json=body, timeout=5).json()
+    shown = asked["reason"] if asked["reason"].startswith("elastic:") else f"elastic: {asked['reason']}"
+    assert second.stderr.strip() == f"sbatch: {shown} (cached predictions)"
+    nodes = asked["nodes"] if asked["action"] == "rewrite" else 1
+    assert job["NumNodes"] in (str(nodes), f"{nodes}-{nodes}")
 
-        def count():
-            return len(requests.get(f"{server.url}/v1/decisions?limit=500", timeout=5).json()["decisions"])
 
-        first = sbatch(script(directives=REAL), "-H")
-        assert first.rc == 0 and first.stderr.startswith("sbatch: elastic: 2 nodes x 4 GPUs (2x4)"), first.stderr
-        decision, before = _decision_of(bed, first), count()
-        second = sbatch(script(directives=REAL), "-H", "-J", "another-name")   # the name is not in the key
-        assert second.rc == 0 and second.stderr.rstrip().endswith("(cached)"), second.stderr
-        assert _decision_of(bed, second) == decision and count() == before
-        job = show_job(bed, second.job_id)
-        assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
-        third = sbatch(script(directives=REAL), "-H", "-t", "9")              # a new request: asked
-        assert third.rc == 0 and "(cached)" not in third.stderr
-        assert server.decision(_decision_of(bed, third))["request"]["reused"] == {decision: 1}
-        server.stop()
-        fourth = sbatch(script(directives=REAL), "-H")                          # service down, TTL not expired
-        assert fourth.rc == 0 and fourth.stderr.rstrip().endswith("(cached)"), fourth.stderr
-        assert _decision_of(bed, fourth) == decision
-    finally:
-        server.stop()
+def test_a_hung_service_costs_one_budget_then_the_breaker_skips(hook, predictor, sbatch, bed):
+    """A service that accepts and never answers: the first submission waits one budget, the breaker opens on
+    that timeout, and the next ones are skipped without a call (not K budgets back to back)."""
+    hook(predictor.url, budget_ms=100, failures=3, open_s=30)
+    results = [sbatch(script(), "-H", "-J", "mode-sleep") for _ in range(3)]
+    assert all(r.rc == 0 for r in results)
+    assert "timeout; not asking again for 30 s" in results[0].stderr
+    for later in results[1:]:
+        assert later.stderr.strip() == ("sbatch: elastic: prediction skipped (predictor unavailable, retry in 30 s); "
+                                        "job submitted as written")
+    assert len(predictor.requests) == 1
 
 
 def test_zero_ttl_disables_the_decision_cache(hook, sbatch, bed, tmp_path):

@@ -65,7 +65,12 @@ class Predictor:
                "cached-short": {**REWRITE, "decision_id": "d-45", "cache_ttl_s": 0.3},
                "cached-zero": {**REWRITE, "decision_id": "d-46", "cache_ttl_s": 0},
                "cached-keep": {"decision_id": "d-47", "action": "keep", "reason": "elastic: request already "
-                               "matches the plan", "cache_ttl_s": 30}}
+                               "matches the plan", "cache_ttl_s": 30},
+               # with a prediction table (the first of tests/vectors/policy.json: resnet50, per_gpu_batch 16)
+               "table": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "table": json.loads(
+                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]},
+               "table-short": {**REWRITE, "decision_id": "d-49", "cache_ttl_s": 0.3, "table": json.loads(
+                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]}}
 
     def __init__(self):
         self.requests: list[dict] = []
@@ -283,14 +288,18 @@ def test_malformed_directive_is_rejected_without_asking_the_service(tmp_path):
     desc = job(directives=("#ELASTIC model=resnet50", "#ELASTIC gpus=8-2"))
     [result] = run_hook(install(tmp_path, "http://127.0.0.1:9"), [{"job_desc": desc}])
     assert result["rc"] == REJECT_CODE
-    assert kinds(result, "log_user") == ["elastic: line 4: gpus: minimum 8 is above maximum 2: '#ELASTIC gpus=8-2'"]
+    # Slurm prints its own line last ("Batch job submission failed: <the code's text>"): ours says it is this
+    assert kinds(result, "log_user") == ["elastic: line 4: gpus: minimum 8 is above maximum 2: '#ELASTIC gpus=8-2'; "
+                                         "job rejected: Slurm's next line (\"Invalid generic resource (gres) "
+                                         "specification\") is this rejection"]
     assert kinds(result, "user_msg") == []
 
 
 def test_service_422_rejects_with_its_message(tmp_path, predictor):
     [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="422")}])
     assert result["rc"] == REJECT_CODE
-    assert kinds(result, "log_user") == ["elastic: line 2: unknown model 'nosuch'"]
+    assert kinds(result, "log_user") == ["elastic: line 2: unknown model 'nosuch'; job rejected: Slurm's next line "
+                                         "(\"Invalid generic resource (gres) specification\") is this rejection"]
 
 
 @pytest.mark.parametrize("mode, why", [("500", "HTTP 500"), ("garbage", "unreadable reply"),
@@ -325,6 +334,23 @@ def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
     assert results[2]["job_desc"]["min_nodes"] == 1
     assert [r["body"]["job"]["name"] for r in predictor.requests] == ["mode-500", "mode-500", "mode-rewrite"]
     assert results[3]["job_desc"]["min_nodes"] == 2
+
+
+@pytest.mark.parametrize("mode", ["sleep", "drip"])
+def test_a_timeout_opens_the_breaker_at_once(tmp_path, predictor, mode):
+    """A hung service (accepts, never answers) costs slurmctld one budget in all, not K of them (issue 14.10):
+    the next submissions are skipped without a call, each with its one-line reason."""
+    conf = install(tmp_path, predictor.url, budget_ms=100, failures=3, open_s=30)
+    results = run_hook(conf, [{"job_desc": job(mode=mode)}, {"job_desc": job(mode=mode)},
+                              {"job_desc": job(mode="rewrite")}])
+    assert [r["rc"] for r in results] == [0, 0, 0]
+    assert [r["body"]["job"]["name"] for r in predictor.requests] == [f"mode-{mode}"]
+    first = kinds(results[0], "user_msg")[0]
+    assert "timeout; not asking again for 30 s" in first
+    for later in results[1:]:
+        assert kinds(later, "user_msg") == ["elastic: prediction skipped (predictor unavailable, retry in 30 s); "
+                                            "job submitted as written"]
+        assert later["job_desc"]["min_nodes"] == 1
 
 
 def test_success_resets_the_failure_count(tmp_path, predictor):

@@ -117,3 +117,52 @@ def test_reuse_counts_survive_a_422(tmp_path, predictor):
     results = run_hook(install(tmp_path, predictor.url), cases)
     assert results[2]["rc"] != 0
     assert [r["body"].get("reused") for r in predictor.requests] == [None, {"d-44": 1}, {"d-44": 1}]
+
+
+TABLE = Predictor.REPLIES["table"]["table"]
+
+
+def batch16(*extra):
+    return ("#ELASTIC model=resnet50 per_gpu_batch=16",) + extra
+
+
+@pytest.mark.parametrize("bounds", ["gpus=1-16 min_efficiency=0.2", "gpus=2-8 min_efficiency=0.71", "gpus=4",
+                                    "gpus=1-12 objective=efficiency", "gpus=3-7 max_global_batch=80"])
+def test_a_cached_prediction_table_decides_other_bounds_without_a_call(tmp_path, predictor, bounds):
+    """Issue 14.10: distinct requests (the decision cache cannot answer) of the same partition, model, GPU type
+    and per-GPU batch are decided in the hook from the table the service sent, by the policy's last step."""
+    first = job(mode="table", directives=batch16("#ELASTIC gpus=2-8"))
+    second = job(mode="500", directives=batch16(f"#ELASTIC {bounds}"), time_limit=7)
+    results = run_hook(install(tmp_path, predictor.url), [{"job_desc": first}, {"job_desc": second}])
+    assert names(predictor) == ["mode-table"]
+    expect = planner.last_step(TABLE, planner.parse_request({"directives": list(batch16(f"#ELASTIC {bounds}"))})
+                               .directives, planner.requested({"min_nodes": 1, "tres_per_job": "gres:gpu:4"}))
+    got = results[1]["job_desc"]
+    assert got["min_nodes"] == got["max_nodes"] == expect["nodes"]
+    assert got["comment"] == "my run elastic:decision=d-48"
+    shown = expect["reason"] if expect["reason"].startswith("elastic:") else "elastic: " + expect["reason"]
+    assert kinds(results[1], "user_msg") == [shown + " (cached predictions)"]
+    assert got.get("req_switch") == expect["switches"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("directives", batch16("#ELASTIC gpus=2-8 gpu_type=H100")),
+    ("directives", ("#ELASTIC model=resnet50 per_gpu_batch=32 gpus=2-8",)),
+    ("directives", ("#ELASTIC model=vgg16 per_gpu_batch=16 gpus=2-8",)),
+    ("directives", batch16("#ELASTIC gpus=2-8 batch_policy=keep_global")),
+    ("directives", batch16("#ELASTIC gpus=32-64")),          # above the partition: the service rejects it
+    ("partition", "gpu")])
+def test_a_table_answers_only_its_partition_model_gpu_and_batch(tmp_path, predictor, field, value):
+    second = job(mode="table", directives=value) if field == "directives" else job(mode="table", **{field: value})
+    run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="table", directives=batch16("#ELASTIC gpus=2-8"))},
+                                                 {"job_desc": second}])
+    assert names(predictor) == ["mode-table", "mode-table"]
+
+
+def test_a_table_expires_with_its_ttl_and_its_uses_are_reported(tmp_path, predictor):
+    cases = [{"job_desc": job(mode="table-short", directives=batch16("#ELASTIC gpus=2-8"))},
+             {"job_desc": job(mode="500", directives=batch16("#ELASTIC gpus=1-4"))},              # from the table
+             {"job_desc": job(mode="table", directives=batch16("#ELASTIC gpus=1-3")), "sleep": 0.4}]  # expired
+    run_hook(install(tmp_path, predictor.url), cases)
+    assert names(predictor) == ["mode-table-short", "mode-table"]
+    assert predictor.requests[1]["body"]["reused"] == {"d-49": 1}

@@ -144,7 +144,7 @@ def test_request_that_already_matches_is_kept():
     (("#ELASTIC model=resnet50 per_gpu_batch=8",), {}, Models(known=False), "job_submit", "no step history"),
     (("#ELASTIC model=resnet50 per_gpu_batch=8",), {}, Models(ready=False), "job_submit", "not ready"),
     (("#ELASTIC model=resnet50",), {}, None, "job_submit", "no per_gpu_batch"),
-    (("#ELASTIC model=resnet50 per_gpu_batch=8 gpus=32-64",), {}, None, "job_submit", "exceeds partition"),
+    (("#ELASTIC model=resnet50 per_gpu_batch=8 gpus=32-64",), {}, None, "launcher", "exceeds partition"),
     # the directives alone cannot say it (no gpus=): the request's 2 x 4 GPUs do
     (("#ELASTIC model=resnet50 per_gpu_batch=64 max_global_batch=100",),
      {"min_nodes": 2, "max_nodes": 2, "tres_per_node": "gres:gpu:4"}, None, "job_submit", "max_global_batch 100"),
@@ -154,6 +154,18 @@ def test_keep_with_a_reason(lines, job, models, source, reason):
     out = decide(*lines, job=job, models=models, source=source)
     assert out["action"] == "keep" and reason in out["reason"]
     assert out["nodes"] is None and out["curve"] == []
+
+
+@pytest.mark.parametrize("source", ["job_submit", "cli_filter", "cli"])
+@pytest.mark.parametrize("models", [None, Models(ready=False)], ids=["ready", "not-ready"])
+def test_gpus_minimum_above_the_partition_is_rejected_at_submit_naming_the_line(source, models):
+    """Issue 15.8: `gpus=32-64` on the 16-GPU partition was kept, and the job ran below the user's minimum."""
+    with pytest.raises(planner.DirectiveProblem) as info:
+        decide("#ELASTIC model=resnet50 per_gpu_batch=8", "#ELASTIC gpus=32-64  # at least 32", source=source,
+               models=models)
+    assert info.value.field == "directives[1]" and info.value.line == "#ELASTIC gpus=32-64  # at least 32"
+    assert str(info.value) == ("line 2: gpus: minimum 32 exceeds the 16 GPUs of partition debug: "
+                               "'#ELASTIC gpus=32-64  # at least 32'")
 
 
 def test_launcher_is_compared_with_its_current_layout():

@@ -1,0 +1,111 @@
+"""The policy's last step (predictor.planner.last_step) against tests/vectors/policy.json, which
+tests/unit/test_lua_policy.py runs through job_submit.lua's copy (elastic_common.lua `M.last_step`).
+
+Each vector: a prediction table as /v1/plan sends it (`table`), the `#ELASTIC` lines and the job fields of a
+request, and what the step decides (`expect`: action, nodes, gpus_per_node, tasks_per_node, switches, layout,
+reason; `judged` false for a keep the hook leaves to the service). Regenerate after a deliberate policy
+change with `python -m tests.unit.test_policy_vectors` and review the diff.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+
+import pytest
+
+from predictor import planner
+from predictor.cluster import Cluster
+from slurm_plugin.directives import parse_lines
+
+PATH = pathlib.Path(__file__).parents[1] / "vectors" / "policy.json"
+FIELDS = ("action", "nodes", "gpus_per_node", "tasks_per_node", "switches", "layout", "reason")
+
+
+def decide(vector: dict, table: dict) -> dict:
+    d = parse_lines(list(enumerate(vector["directives"], start=1)))
+    out = planner.last_step(table, d, planner.requested(planner._job(vector["job"])))
+    got = {key: out[key] for key in FIELDS if out.get(key) is not None}
+    got["judged"] = out["predicted"] is not None
+    return got
+
+
+def _tables() -> list[dict]:
+    """Tables from the planner itself (the fake predictor of the unit tests, several curve shapes)."""
+    from tests.unit.test_planner import Models
+
+    tables = []
+    for batch, fake in itertools.product((16, 64, 512), ({}, {"inter_node_s": 0.0005}, {"comm_per_doubling_s": 0.05},
+                                                          {"compute_per_sample_s": 0.02, "inter_node_s": 0.2})):
+        body = {"source": "job_submit", "directives": [f"#ELASTIC model=resnet50 per_gpu_batch={batch}"], "job": {}}
+        out = planner.plan(planner.parse_request(body), Cluster.default(), Models(**fake), 0.5)
+        tables.append(out["table"])
+    flat = {**tables[1], "one_leaf_nodes": 0, "node_hour_cost": 3.0, "min_efficiency": 0.3}
+    ties = {**tables[0], "entries": [{**e, "samples_per_s": 1000.0 * (1 + (sum(e["layout"]) > 2))}
+                                     for e in tables[0]["entries"]]}
+    zero = {**tables[0], "entries": [{**e, "samples_per_s": 0.0} for e in tables[0]["entries"]]}
+    return tables + [flat, ties, zero]
+
+
+DIRECTIVES = [
+    ["#ELASTIC model=resnet50 gpus=2-8"], ["#ELASTIC model=resnet50 gpus=1-16 min_efficiency=0.9"],
+    ["#ELASTIC model=resnet50 gpus=1-16 min_efficiency=0.2"], ["#ELASTIC model=resnet50 gpus=4"],
+    ["#ELASTIC model=resnet50 gpus=3-7 objective=efficiency"], ["#ELASTIC model=resnet50 objective=cost"],
+    ["#ELASTIC model=resnet50 gpus=1-16 max_global_batch=4096"], ["#ELASTIC model=resnet50 gpus=5-5"],
+    ["#ELASTIC model=resnet50 max_global_batch=100"], ["#ELASTIC model=resnet50 gpus=2-64 min_efficiency=0"],
+    ["#ELASTIC model=resnet50"], ["#ELASTIC model=resnet50 gpus=1-12 min_efficiency=0.512345 objective=cost"],
+]
+JOBS = [{}, {"min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4"},
+        {"min_nodes": 2, "max_nodes": 2, "tres_per_node": "gres:gpu:h100:4", "req_switch": 1},
+        {"min_nodes": 1, "tres_per_node": "gres:nic:1,gres:gpu:2"}, {"min_nodes": 4, "tres_per_node": "gpu:1"},
+        {"min_nodes": 3, "max_nodes": 3, "tres_per_node": "gres:gpu:4"}]
+
+
+def generate() -> dict:
+    vectors, tables = [], _tables()
+    for t, table in enumerate(tables):
+        for i, lines in enumerate(DIRECTIVES):
+            for j, job in enumerate(JOBS):
+                if (t + i + j) % 3:        # a spread of the combinations, not all of them
+                    continue
+                lines_ = [lines[0] + f" per_gpu_batch={table['per_gpu_batch']}"]
+                vector = {"name": f"table {t}, directives {i}, job {j}", "table": t, "directives": lines_,
+                          "job": job}
+                vector["expect"] = decide(vector, table)
+                vectors.append(vector)
+    return {"tables": tables, "vectors": vectors}
+
+
+SHARED = json.loads(PATH.read_text()) if PATH.exists() else {"tables": [], "vectors": []}
+VECTORS = SHARED["vectors"]
+
+
+@pytest.mark.parametrize("vector", VECTORS, ids=[v["name"] for v in VECTORS])
+def test_last_step_matches_the_shared_vectors(vector):
+    assert decide(vector, SHARED["tables"][vector["table"]]) == vector["expect"]
+
+
+def test_vectors_cover_every_outcome():
+    outcomes = {(v["expect"]["action"], v["expect"]["judged"]) for v in VECTORS}
+    assert outcomes == {("rewrite", True), ("keep", True), ("keep", False)}
+    reasons = " | ".join(v["expect"]["reason"] for v in VECTORS)
+    for part in ("efficiency", "objective cost", "objective efficiency", "one leaf switch", "caps at",
+                 "already matches", "gpus max", "has 16 GPUs", "nan"):
+        assert part in reasons, part
+
+
+def test_the_service_answers_what_last_step_decides_on_its_own_table():
+    from tests.unit.test_planner import Models
+
+    body = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-8 per_gpu_batch=64"],
+            "job": {"min_nodes": 1, "tres_per_job": "gres:gpu:4"}}
+    out = planner.plan(planner.parse_request(body), Cluster.default(), Models(), 0.5)
+    again = decide({"directives": body["directives"], "job": body["job"]}, out["table"])
+    assert {k: out[k] for k in again if k != "judged"} == {k: v for k, v in again.items() if k != "judged"}
+
+
+if __name__ == "__main__":
+    shared = generate()
+    PATH.write_text('{"tables": [\n' + ",\n".join(json.dumps(t) for t in shared["tables"]) + '\n],\n"vectors": [\n'
+                    + ",\n".join(json.dumps(v) for v in shared["vectors"]) + "\n]}\n")
+    print(f"wrote {PATH}")
