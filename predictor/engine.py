@@ -18,7 +18,7 @@ from predictor.linkmodel import LinkModel, empty_link_model
 from predictor.lru import ByteBudgetLRU
 from predictor.profiles import Profile
 from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, predict_rows,
-                                  profile_compute_params, sync_bases)
+                                  profile_compute_params, sync_bases, sync_link_key)
 
 PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a profile
 PRIOR_LOG_STD = 1.0  # ... from a parameter-count guess
@@ -167,7 +167,7 @@ class Predictor:
         measured = self.__dict__.get("measured_", {})
         out = []
         for c in cands:
-            net, link_std = self._net(c["intra_link"], c["inter_link"])
+            net, link_std = self._net(c["layout"], c["intra_link"], c["inter_link"])
             bases = np.array([self._bases(profile, c["layout"], c["intra_link"], c["inter_link"])])
             r = predict_rows(perf, net, float(per_gpu_batch), [c["layout"]], bases)
             share = float(r["comm_s"][0] / max(r["iter_s"][0], 1e-12)) if sum(c["layout"]) > 1 else 0.0
@@ -200,15 +200,17 @@ class Predictor:
         has_estimate = profile.compute_s_per_sample is not None or profile.flops_per_sample is not None
         return perf, ("profile" if has_estimate else "prior"), (PROFILE_LOG_STD if has_estimate else PRIOR_LOG_STD)
 
-    def _net(self, intra: str, inter: str | None) -> tuple[NetParams, float]:
-        """Link scales and topology corrections of the candidate's links (0 = the link model as is)."""
+    def _net(self, layout, intra: str, inter: str | None) -> tuple[NetParams, float]:
+        """Link scales, topology corrections, overlap offset and overhead of the candidate's links (0 = the link
+        model as is)."""
         link_std = 0.0
         for link in (intra, inter):
             if link and link not in self.step_links_ and link not in self.links_.links_:
                 link_std = max(link_std, self.links_.link_log_std(link))
         s_i = self.net_.get("intra", {}).get(intra, 0.0)
         s_e, w = self.net_.get("inter", {}).get(inter or "", (0.0, (0.0,) * N_PHI))
-        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or "")), link_std
+        dgamma, overhead = self.net_.get("sync", {}).get(sync_link_key(layout, intra, inter), (0.0, 0.0))
+        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or ""), dgamma, overhead), link_std
 
     def link_stats(self) -> list[dict]:
         """Per link: alpha_s, bandwidth_Bps (as steps see it), n collectives, n_steps, log_rmse (collective fit

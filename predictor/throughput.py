@@ -7,7 +7,8 @@ inter link E). With K = max_i k_i and G = sum_i k_i:
     intra sync  T_I = sum_buckets LM_I(allreduce, K, bucket)         reduce-scatter/all-gather inside a node
     inter sync  T_E = sum_buckets LM_E(allreduce, n, bucket)         ring across the n nodes' NICs
     sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout) + u_E[shape]))
-    step        T   = (T_c^gamma + T_s^gamma)^(1/gamma)              gamma=1: no overlap, large: full overlap
+    step        T   = (T_c^gamma + T_s^gamma)^(1/gamma) + o_L        gamma=1: no overlap, large: full overlap
+                    gamma = gamma_(P,g) + g_L, o_L per sync link L (the inter link across nodes, else the intra link)
     throughput  X   = G * b / T
 
 LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link). Hierarchical: a layout on
@@ -20,6 +21,10 @@ phi(layout) are the learned topology corrections of the inter link (only for n >
     w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement from its own rows (not for log n,
     whose extrapolation to node counts a job has not run on rests on the link's pooled rows).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
+g_L and o_L are the sync link's overlap offset and per-step overhead (seconds a synchronised step costs beyond
+compute and sync: DDP's wait for the last bucket stops the host from queueing ahead), both learnt from every
+(P, g) that ran on L, so a (P, g) seen only on one GPU (the submit-time cold start, bench/coldstart.py) gets its
+links' overlap and overhead, and the median gamma of the pairs that ran on several GPUs.
 u_E[shape] is the inter link's own correction for one layout shape (GPUs per node, sorted: `1133` and `1313` are
 one shape), learnt only from shapes that >= 2 jobs ran on that link and pulled to 0 by a ridge (shape_l2, set
 a priori equal to the links' w_l2, not tuned), so a new job inherits what other jobs saw of that exact shape;
@@ -50,6 +55,7 @@ POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all 
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
 DEFAULT_FLOPS = 20e12
+OVERHEAD_MAX_MS = 50.0  # bound of a sync link's per-step overhead (fitted in ms; measured 3-4 ms on H200)
 FLOPS_EFFICIENCY = 0.35
 
 
@@ -71,6 +77,14 @@ class NetParams(NamedTuple):
     log_inter: float  # s_E: log scale of the inter-node link model
     w: tuple  # N_PHI topology correction weights on the inter-node time
     shape: dict | None = None  # {layout class (sorted GPUs per node): u}, learnt per shape on the inter link
+    dgamma: float = 0.0  # the sync link's overlap offset, added to the (profile, GPU)'s gamma
+    overhead_s: float = 0.0  # the sync link's seconds per synchronised step beyond compute and sync
+
+
+def sync_link_key(layout, intra: str, inter: str | None) -> str:
+    """The link whose overlap and per-step overhead a multi-GPU step pays: the inter-node link across nodes, the
+    intra-node link on one node (`inter:ib`, `intra:nvlink`)."""
+    return f"inter:{inter}" if len(layout) > 1 else f"intra:{intra}"
 
 
 def layout_features(layout) -> np.ndarray:
@@ -99,9 +113,12 @@ def _predict_sync(log_bytes_scale, log_intra, log_inter, w, t_intra, t_inter, ph
     return np.exp(log_bytes_scale) * (np.exp(log_intra) * t_intra + np.exp(log_inter) * t_inter * corr)
 
 
-def _predict_step(t_compute, t_sync, gamma):
+def _predict_step(t_compute, t_sync, gamma, overhead=0.0):
+    """(T_c^g + T_s^g)^(1/g) + o: gamma's overlap of compute and sync, plus a synchronised step's overhead o (0
+    on one GPU): DDP waits for the last bucket before the optimizer, so the host stops queueing the next step's
+    kernels; what that costs a step depends on the link (measured: bench/results/coldstart.md), not on bytes."""
     t_sync = np.maximum(t_sync, 1e-12)
-    return (t_compute**gamma + t_sync**gamma) ** (1.0 / gamma)
+    return (t_compute**gamma + t_sync**gamma) ** (1.0 / gamma) + overhead
 
 
 def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tuple[float, float]:
@@ -125,7 +142,8 @@ def job_weights(rows: list[dict], cap: int) -> np.ndarray:
 def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
                    dw_l2: float = 1.0, shape_l2: float = 1.0,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
-                   gamma_prior: float = 1.5, max_nfev: int = 400, job_rows_cap: int = 20) -> dict:
+                   gamma_prior: float = 1.5, max_nfev: int = 400, job_rows_cap: int = 20,
+                   link_gamma_l2: float = 0.3, overhead_l2: float = 0.05) -> dict:
     """Fit PerfParams per (profile, gpu), s_I per intra link, (s_E, w_E) per inter link on step rows.
 
     Args:
@@ -154,6 +172,9 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     shape = [layout_class(r["layout"]) for r in rows]
     shapes = sorted({(ei[k], shape[k]) for k in range(len(rows)) if nn[k] > 1})
     si = np.array([shapes.index((ei[k], shape[k])) if nn[k] > 1 else -1 for k in range(len(rows))])
+    row_links = [sync_link_key(r["layout"], r["intra_link"], r.get("inter_link")) for r in rows]
+    slinks = sorted({row_links[k] for k in range(len(rows)) if G[k] > 1})
+    li = np.array([slinks.index(row_links[k]) if G[k] > 1 else -1 for k in range(len(rows))])
 
     # ---- parameter vector layout with pinning ----
     names, x0, lo, hi = [], [], [], []
@@ -192,6 +213,14 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
                 add(("dw", j, q), 0.0, -5.0, 5.0)
             else:
                 fixed[("dw", j, q)] = 0.0
+    for q, link in enumerate(slinks):
+        # overlap offset and overhead per sync link: learnt where >= 2 (profile, GPU) pairs ran on it, so that
+        # a pair with no multi-GPU row of its own (the submit-time case) inherits its link's, not a prior's
+        if link.startswith("intra:") and len({pi[k] for k in np.flatnonzero(li == q)}) >= 2:
+            add(("gL", q), 0.0, -5.0, 8.0)
+            add(("oL", q), 0.0, 0.0, OVERHEAD_MAX_MS)
+        else:
+            fixed[("gL", q)], fixed[("oL", q)] = 0.0, 0.0
     for f in range(len(intras)):
         if ((ii == f) & (t_i > 0)).any():
             add(("sI", f), 0.0, -8.0, 8.0)
@@ -215,9 +244,10 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     fixed.update({("u", q): 0.0 for q in range(len(shapes))})
     has_sync = np.isfinite(sync) & (G > 1)
     ly = np.log(y)
-    ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2, "u": shape_l2}
-    ctx = {"pairs": pairs, "intras": intras, "inters": inters, "shapes": shapes, "pi": pi, "ii": ii, "ei": ei,
-           "si": si, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly, "sync": sync,
+    ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2, "u": shape_l2,
+             "gL": link_gamma_l2, "oL": overhead_l2}
+    ctx = {"pairs": pairs, "intras": intras, "inters": inters, "shapes": shapes, "slinks": slinks, "pi": pi,
+           "ii": ii, "ei": ei, "si": si, "li": li, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly, "sync": sync,
            "w_rows": job_weights(rows, job_rows_cap),
            "has_sync": has_sync, "sync_weight": sync_weight, "f_scale": f_scale, "max_nfev": max_nfev}
     x, ok, cost, unpack, model = _solve(ctx, names, x0, lo, hi, fixed, ridge)
@@ -229,15 +259,18 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             del fixed[n]
         x, ok, cost, unpack, model = _solve(ctx, u_free, [0.0] * len(u_free), [-3.0] * len(u_free),
                                             [3.0] * len(u_free), fixed, ridge)
-    c0, c1, g, S, sI, sE, W, DW, E, U = unpack(x)
+    c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL = unpack(x)
     _, _, t = model(x)
     err = np.log(t) - ly
-    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j]), float(S[j]), tuple(map(float, DW[j])),
-                          float(E[j])) for j, pr in enumerate(pairs)}
+    warm = np.array([bool((G[pi == j] > 1).any()) for j in range(len(pairs))])
+    g_cold = float(np.median(g[warm])) if warm.any() else gamma_prior  # the typical pair's, not a prior's
+    perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j] if warm[j] else g_cold), float(S[j]),
+                          tuple(map(float, DW[j])), float(E[j])) for j, pr in enumerate(pairs)}
     net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
            "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l},
            "shape": {l: {cls: float(U[q]) for q, (f2, cls) in enumerate(shapes) if f2 == f and U[q] != 0.0}
-                     for f, l in enumerate(inters) if l}}
+                     for f, l in enumerate(inters) if l},
+           "sync": {l: (float(GL[q]), float(OL[q]) * 1e-3) for q, l in enumerate(slinks)}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
     return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": cost}
 
@@ -247,6 +280,7 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
     Returns (x, converged, cost, unpack, model); on failure x is the clipped start."""
     pairs, intras, inters, shapes = ctx["pairs"], ctx["intras"], ctx["inters"], ctx["shapes"]
     pi, ii, ei, si, b, G, phi = ctx["pi"], ctx["ii"], ctx["ei"], ctx["si"], ctx["b"], ctx["G"], ctx["phi"]
+    li, n_links = ctx["li"], len(ctx["slinks"])
     t_i, t_e, y, ly, sync, has_sync = ctx["t_i"], ctx["t_e"], ctx["y"], ctx["ly"], ctx["sync"], ctx["has_sync"]
     sync_weight, f_scale, max_nfev = ctx["sync_weight"], ctx["f_scale"], ctx["max_nfev"]
     w_rows = ctx["w_rows"]
@@ -274,15 +308,17 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
         DW = np.array([[get(("dw", j, q)) for q in range(N_PHI)] for j in range(len(pairs))])
         E = np.array([get(("e", j)) for j in range(len(pairs))])
         U = np.array([get(("u", q)) for q in range(len(shapes))] + [0.0])  # U[-1]: one-node rows
-        return c0, c1, g, S, sI, sE, W, DW, E, U
+        GL = np.array([get(("gL", q)) for q in range(n_links)] + [0.0])  # [-1]: one-GPU rows
+        OL = np.array([get(("oL", q)) for q in range(n_links)] + [0.0])
+        return c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL
 
     pen_w = np.array([ridge.get(n[0], 0.0) for n in names])
 
     def model(x):
-        c0, c1, g, S, sI, sE, W, DW, E, U = unpack(x)
+        c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL = unpack(x)
         tc = _predict_compute(c0[pi], c1[pi], b, E[pi])
         ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi, U[si]) * (G > 1)
-        return tc, ts, _predict_step(tc, ts, g[pi])
+        return tc, ts, _predict_step(tc, ts, np.maximum(g[pi] + GL[li], 1.0), OL[li] * 1e-3 * (G > 1))
 
     def resid(x):
         tc, ts, t = model(x)
@@ -298,14 +334,16 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
     with threadpool_limits(1):  # small dense problems: BLAS threads only contend on a shared machine
         res = least_squares(resid, x0a, bounds=(lo, hi), loss=weighted_soft_l1, f_scale=f_scale, max_nfev=max_nfev,
                             x_scale=1.0, ftol=1e-6, xtol=1e-6,
-                            jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, si, has_sync), np.array(hi)))
+                            jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, si, li, has_sync),
+                                                    np.array(hi)))
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
     return (res.x if ok else x0a), ok, float(res.cost), unpack, model
 
 
-def _sparsity(names, pi, ii, ei, si, has_sync) -> np.ndarray:
+def _sparsity(names, pi, ii, ei, si, li, has_sync) -> np.ndarray:
     """Which parameters each residual depends on (rows: step residuals, sync residuals, penalties)."""
-    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei, "u": si}
+    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei, "u": si,
+             "gL": li, "oL": li}
     dep = np.zeros((len(pi), len(names)), dtype=bool)
     for k, n in enumerate(names):
         dep[:, k] = owner[n[0]] == n[1]
@@ -349,7 +387,7 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     u = np.array([(net.shape or {}).get(layout_class(l), 0.0) if len(l) > 1 else 0.0 for l in layouts])
     ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, w, bases[:, 0], bases[:, 1], phi,
                        u) * (G > 1)
-    t = _predict_step(tc, ts, perf.gamma)
+    t = _predict_step(tc, ts, max(perf.gamma + net.dgamma, 1.0), net.overhead_s * (G > 1))
     return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
 
 

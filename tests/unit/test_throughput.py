@@ -140,3 +140,49 @@ def test_pollux_reference_recovers_its_parameters_from_step_and_sync_times():
     test = [{**r, "layout": [3, 3]} for r in rows[:4]]  # (n, G) = (2, 6) never fitted
     want = np.array([_predict(truth, r["per_gpu_batch"], 2, 6)[0] for r in test])
     assert np.allclose(PolluxModel().fit(rows).predict(test), want, rtol=0.05)
+
+
+def _per_link_rows(seed, cold="m0"):
+    """Four models on one node, two intra links with their own overlap and per-step overhead; `cold` ran on one
+    GPU only (the submit-time case)."""
+    rng = np.random.default_rng(seed)
+    lm = empty_link_model()
+    truth_net = {"nvlink": NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 4.0, 3e-3),
+                 "tcp": NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.5, 1e-3)}
+    rows, bases, truth = [], [], {}
+    for m in range(4):
+        name = f"m{m}"
+        perf = PerfParams(c0=2e-3, c1=float(rng.uniform(2e-4, 8e-4)), gamma=1.5, log_bytes_scale=0.0)
+        buckets = np.full(4 + 3 * m, 25e6)
+        for link, net in truth_net.items():
+            for g in (1, 2, 4):
+                if g > 1 and name == cold:
+                    continue
+                base = sync_bases(lm, buckets, [g], link, None)
+                for b in (16, 32, 64):
+                    t = predict_rows(perf, net, b, [[g]], np.array([base]))["iter_s"][0]
+                    rows.append({"profile": name, "gpu": "H200", "layout": [g], "intra_link": link,
+                                 "inter_link": None, "per_gpu_batch": b,
+                                 "iter_s": float(t * np.exp(0.01 * rng.standard_normal()))})
+                    bases.append(base)
+        truth[name] = (perf, buckets)
+    return rows, np.array(bases), truth, truth_net, lm
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_model_seen_on_one_gpu_inherits_its_links_overlap_and_overhead(seed):
+    rows, bases, truth, truth_net, lm = _per_link_rows(seed)
+    fit = fit_throughput(rows, bases)
+    assert fit["converged"]
+    perf = fit["perf"][("m0", "H200")]
+    for link, net in truth_net.items():
+        dgamma, overhead = fit["net"]["sync"][f"intra:{link}"]
+        fitted = NetParams(fit["net"]["intra"][link], 0.0, (0.0,) * N_PHI, None, dgamma, overhead)
+        for g in (2, 4):
+            base = np.array([sync_bases(lm, truth["m0"][1], [g], link, None)])
+            want = predict_rows(truth["m0"][0], net, 32, [[g]], base)["iter_s"][0]
+            got = predict_rows(perf, fitted, 32, [[g]], base)["iter_s"][0]
+            assert got == pytest.approx(want, rel=0.05), (link, g)
+    # the overhead is the link's: a one-GPU row pays none of it
+    one = predict_rows(perf, NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.0, 5e-3), 32, [[1]], np.zeros((1, 2)))
+    assert one["iter_s"][0] == pytest.approx(perf.c0 + perf.c1 * 32)
