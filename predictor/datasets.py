@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import csv
 import dataclasses
+import gzip
 import json
 import math
 import re
@@ -167,9 +168,10 @@ def load_gavel(root: Path = DEFAULT_ROOT) -> list[dict]:
     Raises:
         DatasetError: the file is missing.
     """
-    path = Path(root) / "gavel-osdi20" / "physical_cluster_throughputs.json"
+    path = Path(root) / "gavel-osdi20" / "physical_cluster_throughputs.json.gz"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
     except FileNotFoundError:
         raise DatasetError(_missing(path)) from None
     rows = []
@@ -205,7 +207,7 @@ def files(name: str, root: Path = DEFAULT_ROOT) -> list[Path]:
     if name == "elasticflow-a100":
         return [root / "elasticflow-a100" / "throughputs_A100" / f"{m}.csv" for m in ELASTICFLOW_MODELS]
     if name == "gavel":
-        return [root / "gavel-osdi20" / "physical_cluster_throughputs.json"]
+        return [root / "gavel-osdi20" / "physical_cluster_throughputs.json.gz"]
     raise ValueError(f"no dataset {name!r} (known: {', '.join(LOADERS)})")
 
 
