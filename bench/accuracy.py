@@ -32,6 +32,8 @@ only odd and unbalanced one, so vit's slowness on it is shared between GPUs-per-
 vit's `44` is then predicted slower than `2222` (chosen/best multi-node 0.80 on that group).
 Settings: the ridge weights of ours (w_l2 = 1, dw_l2 = 0.3) were chosen on morphling-a800 A; the shape ridge is
 set equal to w_l2 a priori. Nothing was tuned on T4 rows.
+Cross-type prediction (a model on a GPU type it never ran on) has its own protocol on Gavel's K80/P100/V100 data:
+`python bench/crosstype.py` (bench/results/crosstype.md).
 """
 from __future__ import annotations
 

@@ -22,9 +22,13 @@ Each loader returns a `Dataset`: step records with the shapes of docs/design.md 
 """
 from __future__ import annotations
 
+import ast
 import csv
 import dataclasses
+import gzip
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +150,45 @@ def load_elasticflow(root: Path = DEFAULT_ROOT) -> Dataset:
     return Dataset("elasticflow-a100", "A100", _profiles(ELASTICFLOW_MODELS), steps)
 
 
+# Gavel job types: the model behind each name and its parameter count (approximate: the workloads' default
+# configurations, see predictor/data/gavel-osdi20/SOURCE.md); A3C and CycleGAN name no batch size.
+GAVEL_MODELS = {"ResNet-18": 11.2e6, "ResNet-50": 25.6e6, "Transformer": 5.0e7, "LM": 1.4e7,
+                "Recommendation": 2.4e7, "A3C": 6.0e5, "CycleGAN": 2.8e7}
+GAVEL_DEFAULT_BATCH = {"A3C": 4, "CycleGAN": 1}
+GAVEL_TYPES = ("k80", "p100", "v100")
+
+
+def load_gavel(root: Path = DEFAULT_ROOT) -> list[dict]:
+    """Gavel's isolated throughputs, consolidated workers (one server), K80/P100/V100, 1-8 GPUs.
+
+    One row per measured (job type, GPU count, GPU type): `job_type` (Gavel's name), `model`, `n_params`,
+    `batch`, `gpus`, `gpu` (upper case), `steps_per_s` and `source`. Zero throughputs (ResNet-50 bs 128 on
+    K80: not measured) are left out.
+
+    Raises:
+        DatasetError: the file is missing.
+    """
+    path = Path(root) / "gavel-osdi20" / "physical_cluster_throughputs.json.gz"
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise DatasetError(_missing(path)) from None
+    rows = []
+    for gpu in GAVEL_TYPES:
+        for key, v in data[gpu].items():
+            job, gpus = ast.literal_eval(key)
+            model = job.split(" (")[0]
+            m = re.search(r"batch size (\d+)", job)
+            tput = float(v["null"])
+            if not tput > 0:
+                continue
+            rows.append({"job_type": job, "model": model, "n_params": GAVEL_MODELS[model],
+                         "batch": int(m.group(1)) if m else GAVEL_DEFAULT_BATCH[model], "gpus": int(gpus),
+                         "gpu": gpu.upper(), "steps_per_s": tput, "source": f"gavel/{gpu}/{key}"})
+    return rows
+
+
 LOADERS = {"pollux-t4": load_pollux, "morphling-a800": load_morphling, "elasticflow-a100": load_elasticflow}
 
 
@@ -163,6 +206,8 @@ def files(name: str, root: Path = DEFAULT_ROOT) -> list[Path]:
         return [root / "morphling-a800" / "traces" / m / "placements.csv" for m in MORPHLING_MODELS]
     if name == "elasticflow-a100":
         return [root / "elasticflow-a100" / "throughputs_A100" / f"{m}.csv" for m in ELASTICFLOW_MODELS]
+    if name == "gavel":
+        return [root / "gavel-osdi20" / "physical_cluster_throughputs.json.gz"]
     raise ValueError(f"no dataset {name!r} (known: {', '.join(LOADERS)})")
 
 

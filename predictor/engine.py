@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from predictor.crosstype import CrossTypeModel, features
 from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, empty_link_model
 from predictor.lru import ByteBudgetLRU
@@ -24,6 +25,8 @@ PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a prof
 PRIOR_LOG_STD = 1.0  # ... from a parameter-count guess
 MIN_LOG_STD = 0.03
 BASES_CACHE_BYTES = 32 * 1024 * 1024  # budget of the per-fit sync-time cache (`Predictor._bases`), per process
+MIN_CROSS_MODELS = 2  # models measured on both types before a cross-type answer is given
+CROSS_BATCHES = 8  # batch sizes per model a cross-type fit takes (spread over those it was measured at)
 BASES_ENTRY_BYTES = 512  # one entry: a key of fixed size (no layout in it) and a pair of floats, dict slot included
 
 
@@ -100,10 +103,12 @@ class Predictor:
         else:
             fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
         self.perf_, self.net_, self.log_rmse_ = fit["perf"], fit["net"], fit["log_rmse"]
-        self.n_rows_ = {}
+        self.n_rows_, self.batches_ = {}, {}
         for o in steps:
             key = (o["profile"], o["gpu"])
             self.n_rows_[key] = self.n_rows_.get(key, 0) + 1
+            self.batches_.setdefault(key, set()).add(float(o["per_gpu_batch"]))
+        self._cross_cache = {}
         self.converged_ = fit["converged"]
         self.calibration_ = self._calibrate()
         self.n_steps_ = len(steps)
@@ -113,7 +118,7 @@ class Predictor:
     def __getstate__(self) -> dict:
         """What pickling keeps (the service stores fitted predictors): all but the `_bases` cache, which is
         rebuilt on use."""
-        return {k: v for k, v in self.__dict__.items() if k != "_base_cache"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_base_cache", "_cross_cache")}
 
     def _bases(self, profile: Profile, layout, intra, inter):
         """(T_I, T_E) of the profile's buckets on a layout; cached per fit, bounded by BASES_CACHE_BYTES.
@@ -163,7 +168,7 @@ class Predictor:
         cands = [_check_candidate(c, i) for i, c in enumerate(candidates)]
         if not cands:
             return []
-        perf, basis, log_std = self._perf(profile, gpu)
+        perf, basis, log_std = self._cross_type(profile, gpu, float(per_gpu_batch)) or self._perf(profile, gpu)
         measured = self.__dict__.get("measured_", {})
         out = []
         for c in cands:
@@ -200,6 +205,54 @@ class Predictor:
         has_estimate = profile.compute_s_per_sample is not None or profile.flops_per_sample is not None
         return perf, ("profile" if has_estimate else "prior"), (PROFILE_LOG_STD if has_estimate else PRIOR_LOG_STD)
 
+    # ------------------------------------------------------------------ cross-type (predictor/crosstype.py)
+    def _cross_type(self, profile: Profile, gpu: str, b: float) -> tuple[PerfParams, str, float] | None:
+        """For a profile never measured on `gpu` but measured on other types: its fitted parameters on the source
+        type whose cross-type answer is surest, compute scaled by the predicted ratio at this batch; None where
+        the pair was measured, the profile never was, or no source type shares MIN_CROSS_MODELS models with
+        `gpu`. Uncertainty: the cross-type model's spread and the source pair's own, together."""
+        if (profile.name, gpu) in self.perf_:
+            return None
+        best = None
+        for (name, src), ps in self.perf_.items():
+            if name != profile.name:
+                continue
+            fitted = self._cross_model(src, gpu)
+            if fitted is None:
+                continue
+            model, n_models = fitted
+            t_src = _compute_s(ps, b)
+            m, sd = model.predict(features(profile.n_params, profile.flops_per_sample, b, 1, t_src), return_std=True)
+            std = math.sqrt(float(sd[0]) ** 2 + self._perf(profile, src)[2] ** 2)
+            if best is None or std < best[2]:
+                ratio = math.exp(float(m[0]))
+                best = (ps._replace(c0=ps.c0 * ratio, c1=ps.c1 * ratio),
+                        f"cross-type from {src} ({n_models} models on both)", std)
+        return best
+
+    def _cross_model(self, src: str, dst: str) -> tuple[CrossTypeModel, int] | None:
+        """The cross-type model src -> dst and how many profiles it learnt from: fitted on the single-GPU compute
+        time of every profile fitted on both types, at the batches it was measured at (cached per fit)."""
+        cache = self.__dict__.setdefault("_cross_cache", {})
+        key = (src, dst)
+        if key not in cache:
+            names = sorted({n for n, g in self.perf_ if g == src and (n, dst) in self.perf_})
+            rows = []
+            for n in names:
+                batches = sorted(self.batches_.get((n, src), set()) | self.batches_.get((n, dst), set()))
+                pick = np.unique(np.linspace(0, len(batches) - 1, min(CROSS_BATCHES, len(batches))).round())
+                for b in (batches[int(i)] for i in pick):
+                    t_s, t_d = _compute_s(self.perf_[(n, src)], b), _compute_s(self.perf_[(n, dst)], b)
+                    p = self.profiles_[n]
+                    rows.append((p.n_params, p.flops_per_sample, b, t_s, math.log(t_d / t_s)))
+            if len(names) < MIN_CROSS_MODELS:
+                cache[key] = None
+            else:
+                n_params, flops, bs, t_src, y = zip(*rows)
+                X = features(n_params, list(flops), bs, [1] * len(rows), t_src)
+                cache[key] = (CrossTypeModel().fit(X, np.array(y)), len(names))
+        return cache[key]
+
     def _net(self, layout, intra: str, inter: str | None) -> tuple[NetParams, float]:
         """Link scales, topology corrections, overlap offset and overhead of the candidate's links (0 = the link
         model as is)."""
@@ -229,6 +282,11 @@ class Predictor:
     def _check_fitted(self):
         if not hasattr(self, "perf_"):
             raise RuntimeError("Predictor is not fitted: call fit(profiles, observations) first")
+
+
+def _compute_s(perf: PerfParams, b: float) -> float:
+    """One GPU's compute seconds per step at per-GPU batch b."""
+    return float(perf.c0 + perf.c1 * b**perf.e)
 
 
 def step_key(profile: str, gpu: str, per_gpu_batch, layout, intra: str, inter: str | None) -> tuple:

@@ -10,7 +10,9 @@ Among the layouts left, the objective picks:
     throughput  most samples/s (ties within 0.5%: fewer GPUs, then fewer nodes)
     efficiency  most samples/s per GPU (ties within 1%: more samples/s)
     cost        least (gpus * gpu_hour_cost + nodes * node_hour_cost) per sample (ties: more samples/s)
-A multi-node choice that fits under one leaf switch asks for `switches=1`. Anything the service cannot
+Several partitions (`--partition=a,b`, or `gpu_type=any`): each is planned so and `compare_partitions` picks
+one under the same objective (cost from each partition's costs). A multi-node choice that fits under one leaf
+switch asks for `switches=1`. Anything the service cannot
 judge (no model directive, unknown profile or GPU type, no fitted model, no history for that model and
 GPU) answers `keep` with the reason.
 """
@@ -206,21 +208,30 @@ def _keep(reason: str, **extra) -> dict:
             "switches": None, "layout": None, "predicted": None, "curve": [], **extra}
 
 
-def _pick_partition(cluster: Cluster, job: dict, gpu_type: str | None) -> Partition | str:
+def _pick_partitions(cluster: Cluster, job: dict, gpu_type: str | None) -> list[Partition] | str:
+    """The partitions to compare: those the job names (`--partition=a,b`) that exist and have `gpu_type`; with no
+    names, every partition with `gpu_type`, every partition for `gpu_type=any`, else the default one. A string
+    says why there is none."""
+    any_type = gpu_type is not None and gpu_type.lower() == "any"
+    wanted = None if any_type else gpu_type
     names = [n for n in (job.get("partition") or "").split(",") if n]
     if names:
+        parts = []
         for name in names:
             try:
                 part = cluster.partition(name)
             except NotFoundError:
                 continue
-            if gpu_type is None or part.gpu.lower() == gpu_type.lower():
-                return part
-        return f"partition {job['partition']!r} has no {gpu_type or 'GPU'} nodes in the predictor's cluster model"
+            if (wanted is None or part.gpu.lower() == wanted.lower()) and part not in parts:
+                parts.append(part)
+        return parts or f"partition {job['partition']!r} has no {wanted or 'GPU'} nodes in the predictor's cluster " \
+                        f"model"
+    if any_type:
+        return list(cluster.partitions)
     if gpu_type is None:
-        return cluster.partition()
+        return [cluster.partition()]
     matching = cluster.partitions_with_gpu(gpu_type)
-    return matching[0] if matching else f"unknown GPU type {gpu_type!r} (the cluster model has " \
+    return matching or f"unknown GPU type {gpu_type!r} (the cluster model has " \
         f"{', '.join(sorted({p.gpu for p in cluster.partitions}))})"
 
 
@@ -241,17 +252,20 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     model = d.get("model")
     if model is None:
         return _keep("no model= directive: add `#ELASTIC model=<profile>` to let the predictor size the job")
-    part = _pick_partition(cluster, request.job, d.get("gpu_type"))
-    if isinstance(part, str):
-        return _keep(part, model=model)
-    if d.get("gpus") and d["gpus"]["min"] > part.total_gpus:
-        message = f"gpus min {d['gpus']['min']} exceeds partition {part.name}'s {part.total_gpus} GPUs"
+    parts = _pick_partitions(cluster, request.job, d.get("gpu_type"))
+    if isinstance(parts, str):
+        return _keep(parts, model=model)
+    low = (d.get("gpus") or {}).get("min")
+    if low and all(low > p.total_gpus for p in parts):
+        part = max(parts, key=lambda p: p.total_gpus)
+        message = f"gpus min {low} exceeds partition {part.name}'s {counted(part.total_gpus, 'GPU')}"
         if request.source == "launcher":       # already running: nothing to reject
             return _keep(message, model=model)
         # At submit, the job would run below the user's own minimum: reject it, naming the line.
         number, line = line_of(list(enumerate(request.lines, start=1)), "gpus")
-        raise DirectiveProblem(f"directives[{number - 1}]", line, f"line {number}: gpus: minimum {d['gpus']['min']} "
+        raise DirectiveProblem(f"directives[{number - 1}]", line, f"line {number}: gpus: minimum {low} "
                                f"exceeds the {part.total_gpus} GPUs of partition {part.name}: {line!r}")
+    parts = [p for p in parts if not low or low <= p.total_gpus]
     try:
         models.predictor()
     except ModelUnavailable as exc:
@@ -259,7 +273,26 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     profile = models.profile(model)
     if profile is None:
         return _keep(f"unknown model {model!r}: {register_hint(model, db_path)}", model=model)
-    if not models.known(model, part.gpu):
+    if len(parts) == 1:
+        return _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates)
+    known = [p for p in parts if models.known(model, p.gpu)]
+    if not known:
+        return _keep(f"no step history for {model} on {', '.join(sorted({p.gpu for p in parts}))}: predictions "
+                     f"would be guesses", model=model)
+    results = [(p, _plan_on(p, request, models, profile, default_min_efficiency, max_candidates,
+                            cross_type=p not in known)) for p in parts]
+    out = compare_partitions(results, request)
+    out.pop("table", None)  # a table is one partition's: the hook's cache must not answer a comparison from it
+    return out
+
+
+def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min_efficiency: float,
+             max_candidates: int, cross_type: bool = False) -> dict:
+    """The plan on one partition. `cross_type`: the model has no history on this partition's GPU type; its
+    predictions there count only where the predictor answers them cross-type (from the model's measurements on
+    another type), never from the profile alone."""
+    d, model = request.directives, request.directives["model"]
+    if not cross_type and not models.known(model, part.gpu):
         return _keep(f"no step history for {model} on {part.gpu}: predictions would be guesses", model=model)
     batch = d.get("per_gpu_batch") or (request.current or {}).get("per_gpu_batch")
     if batch is None:
@@ -282,6 +315,8 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
                 return _keep(f"predictor not ready: {exc}", model=model)
             table = {**_table_of(part, default_min_efficiency), "model": model, "per_gpu_batch": batch,
                      "entries": [_entry(c["layout"], p, batch) for c, p in zip(cands, preds)]}
+            if cross_type and not _all_cross_type(table["entries"]):
+                return _not_cross_type(model, part)
             out = last_step(table, d, requested)
             out.setdefault("model", model)
             if full and out["predicted"] is not None:
@@ -313,9 +348,20 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
                 entries.append(_entry(cand["layout"], pred, per_gpu))
     except ModelUnavailable as exc:
         return _keep(f"predictor not ready: {exc}", model=model)
+    if cross_type and not _all_cross_type(entries):
+        return _not_cross_type(model, part)
     limit_note = _limit_note(d, requested, high, part.total_gpus, part.name)
     return {**_choose(entries, d, _table_of(part, default_min_efficiency), requested, limit_note), "model": model,
             "model_version": models.version}
+
+
+def _all_cross_type(entries: list[dict]) -> bool:
+    return all(e.get("basis", "").startswith("cross-type") for e in entries)
+
+
+def _not_cross_type(model: str, part: Partition) -> dict:
+    return _keep(f"no step history for {model} on {part.gpu} and too little on other types to predict it "
+                 f"cross-type: predictions would be guesses", model=model)
 
 
 def _bounds(d: dict, requested: dict, total: int) -> tuple[int, int]:
@@ -389,7 +435,8 @@ def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
     return {"layout": list(layout), "gpus": gpus, "nodes": len(layout), "per_gpu_batch": per_gpu,
             "global_batch": per_gpu * gpus, "samples_per_s": _finite(pred.get("samples_per_s")) or 0.0,
             "iter_s": _finite(pred.get("iter_s")), "compute_s": _finite(pred.get("compute_s")),
-            "comm_s": _finite(pred.get("comm_s")), "uncertainty": _finite(pred.get("uncertainty"))}
+            "comm_s": _finite(pred.get("comm_s")), "uncertainty": _finite(pred.get("uncertainty")),
+            "basis": str(pred.get("basis", ""))}
 
 
 def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_note: str) -> dict:
@@ -448,11 +495,68 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
     curve = [{k: e.get(k) for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
                                 "iter_s", "efficiency", "uncertainty")} for e in sorted(entries, key=_order)]
     predicted = {k: chosen.get(k) for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
+    if chosen.get("basis", "").startswith("cross-type"):   # what a single partition answers is unchanged otherwise
+        predicted["basis"] = chosen["basis"]
     return {"action": "keep" if same else "rewrite", "reason": ("request already matches the plan; " if same else "")
             + reason, "nodes": nodes, "gpus_per_node": per_node, "tasks_per_node": per_node, "switches": switches,
             "layout": chosen["layout"], "predicted": predicted, "curve": curve, "gpu": table["gpu"],
             "partition": table["partition"], "objective": objective, "min_efficiency": min_eff, "per_gpu_batch":
             chosen["per_gpu_batch"], "global_batch": chosen["global_batch"]}
+
+
+def _cost_per_sample(part: Partition, plan: dict) -> float:
+    """Cost weight per sample of a plan on a partition (its `gpu_hour_cost`, `node_hour_cost`): 0 when free."""
+    gpus = plan["nodes"] * plan["gpus_per_node"]
+    return (gpus * part.gpu_hour_cost + plan["nodes"] * part.node_hour_cost) / plan["predicted"]["samples_per_s"]
+
+
+def compare_partitions(results: list[tuple[Partition, dict]], request: PlanRequest) -> dict:
+    """Pick among the plans of several partitions (each `_plan_on`'s answer) under the objective:
+        throughput  most samples/s
+        efficiency  most samples/s per GPU
+        cost        least cost per sample (partition costs; all free: efficiency)
+    The answer is the chosen partition's plan with `partition` set, the reason led by the comparison with the
+    runner-up (`elastic: partition a100: 2x4 A100 predicted 1.9x of v100 2x4 at 0.6x its cost per sample`), and
+    `alternatives`: every partition's layout, samples/s, cost per sample and reason. A plan on another partition
+    than the job's is a rewrite."""
+    planned = [(p, r) for p, r in results if r.get("predicted") and r["predicted"].get("samples_per_s")]
+    alternatives = [{"partition": p.name, "gpu": p.gpu, "layout": r.get("layout"),
+                     "samples_per_s": (r.get("predicted") or {}).get("samples_per_s"),
+                     "cost_per_sample": _cost_per_sample(p, r) if (p, r) in planned else None,
+                     "reason": r["reason"]} for p, r in results]
+    if not planned:
+        first = results[0][1]
+        return {**first, "reason": "no partition could be planned: "
+                + "; ".join(f"{p.name}: {r['reason']}" for p, r in results), "alternatives": alternatives}
+    objective = planned[0][1]["objective"]
+    free = all(_cost_per_sample(p, r) == 0 for p, r in planned)
+
+    def score(item):
+        p, r = item
+        sps = r["predicted"]["samples_per_s"]
+        if objective == "cost" and not free:
+            return -_cost_per_sample(p, r)
+        if objective in ("efficiency", "cost"):
+            return sps / (r["nodes"] * r["gpus_per_node"])
+        return sps
+
+    ranked = sorted(planned, key=score, reverse=True)   # stable: the job's order among equals
+    (part, chosen), rest = ranked[0], ranked[1:]
+    lead = f"elastic: partition {part.name}: {layout_name(chosen['layout'])} {part.gpu}"
+    if rest:
+        other, alt = rest[0]
+        ratio = chosen["predicted"]["samples_per_s"] / alt["predicted"]["samples_per_s"]
+        lead += f" predicted {ratio:.1f}x of {other.name} {layout_name(alt['layout'])}"
+        c_alt = _cost_per_sample(other, alt)
+        if not free and c_alt > 0:
+            lead += f" at {_cost_per_sample(part, chosen) / c_alt:.1f}x its cost per sample"
+    basis = chosen["predicted"].get("basis", "")
+    if basis.startswith("cross-type"):
+        lead += f" ({basis})"
+    moved = part.name != (request.job.get("partition") or part.name)
+    return {**chosen, "action": "rewrite" if moved else chosen["action"],
+            "reason": lead + "; " + chosen["reason"].removeprefix("elastic: "), "partition": part.name,
+            "alternatives": alternatives}
 
 
 def _order(e: dict):

@@ -38,3 +38,12 @@ def test_even_layout():
     assert even_layout(6, 7) == [2, 1, 1, 1, 1, 1]
     assert even_layout(16, 64) == [4] * 16
     assert sum(even_layout(12, 40)) == 40
+
+
+def test_gavel_rows_cover_three_types_and_skip_unmeasured():
+    from predictor.datasets import load_gavel
+
+    rows = load_gavel()
+    assert {r["gpu"] for r in rows} == {"K80", "P100", "V100"} and len(rows) == 245  # 3 x 83 keys, 4 zeros left out
+    assert all(r["steps_per_s"] > 0 and r["batch"] > 0 and r["gpus"] in (1, 2, 4, 8) for r in rows)
+    assert not [r for r in rows if r["gpu"] == "K80" and r["job_type"] == "ResNet-50 (batch size 128)"]

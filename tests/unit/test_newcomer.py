@@ -41,12 +41,14 @@ def test_vendored_datasets_live_in_the_package_and_load():
 def test_every_vendored_folder_says_where_it_comes_from():
     root = Path(datasets.DEFAULT_ROOT)
     folders = sorted(p for p in root.iterdir() if p.is_dir())
-    assert [f.name for f in folders] == ["elasticflow-a100", "morphling-a800", "pollux-osdi21"]
+    assert [f.name for f in folders] == ["elasticflow-a100", "gavel-osdi20", "morphling-a800", "pollux-osdi21"]
     for folder in folders:
         source = (folder / "SOURCE.md").read_text(encoding="utf-8")
         assert re.search(r"Commit: `[0-9a-f]{40}`", source), folder
-        assert "License: Apache-2.0" in source and "https://github.com/" in source and "Left out" in source
+        license = "License: MIT" if folder.name == "gavel-osdi20" else "License: Apache-2.0"
+        assert license in source and "https://github.com/" in source and "Left out" in source
     assert "Apache License" in (root / "LICENSE-Apache-2.0.txt").read_text()
+    assert "MIT License" in (root / "LICENSE-MIT-gavel.txt").read_text()
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     assert size < 1_000_000, f"vendored data is {size} bytes"
 

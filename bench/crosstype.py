@@ -1,0 +1,103 @@
+"""Cross-type prediction on Gavel's measured throughputs (26 job types x K80/P100/V100 x 1-8 GPUs, consolidated).
+
+Run: `python bench/crosstype.py [--no-write]`. Prints the table and writes bench/results/crosstype.md.
+
+A pair is (job type, GPU count, target type T, source type S): predict the job's steps/s on T from its steps/s on
+S alone (not its third type) plus every row of the other job types on S and T. A job type is Gavel's
+(name, GPU count) key, so 79 keys measured on all three types give 6 pairs each and 4 keys on two types (ResNet-50
+bs 128, no K80 value) give 2: 482 pairs.
+- leave-one-job-type-out: the other job types are every other (name, GPU count) key, the same model's other batch
+  sizes and GPU counts included.
+- leave-one-model-out: every key of the same model (all batch sizes and GPU counts) is held out with it.
+Models: the median-ratio baseline (steps/s on S times the median T/S ratio of the training keys; the issue's
+36.6% on 482 pairs reproduces it) and ours (predictor/crosstype.py: a GP of the log ratio over parameter count,
+batch, GPU count and the source step time, hyperparameters by ML-II on the training rows of each fit).
+Metric: MAPE of steps/s over the pairs; also the share of pairs whose measured value lies within ours'
+1-sigma and 2-sigma band (calibration of the uncertainty).
+Reading: leave-one-model-out is where ours fails (worse than the median ratio): with the parameter count as
+the only model feature (Gavel's job types carry no FLOPs; the counts are approximate, see the data's SOURCE.md),
+a held-out model borrows the ratios of the models of nearest size, and here those are other families (ResNet-50
+25.6 M sits between Recommendation 24 M and CycleGAN 28 M), while the GPU-count terms carry the V100 server's
+multi-GPU advantage (LM on 8 V100 is 4-5x P100) to models that do not share it (an exploratory run with the
+starting hyperparameters kept and those terms off still scored 48%). Its uncertainty says so in part (fewer
+pairs within their band); the engine asks for 2 models on both types and names the basis, but a prediction for
+a family unlike any in the history should be read as this row says.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from predictor.crosstype import CrossTypeModel, features, mape, median_ratio  # noqa: E402
+from predictor.datasets import load_gavel  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET = {"leave-one-job-type-out": 15.0}
+ISSUE_BASELINE = {"leave-one-job-type-out": "36.6% (482 pairs)"}
+
+
+def _x(rows, src_tput):
+    """Features of rows whose source step time is 1 / src_tput (steps/s)."""
+    return features([r["n_params"] for r in rows], [None] * len(rows), [r["batch"] for r in rows],
+                    [r["gpus"] for r in rows], 1.0 / np.asarray(src_tput, dtype=float))
+
+
+def run(rows, held_out) -> dict:
+    """Predict every pair under `held_out(key, other_key) -> bool`; returns per model: MAPE, pairs, coverage."""
+    tput = {((r["job_type"], r["gpus"]), r["gpu"]): r["steps_per_s"] for r in rows}
+    info = {(r["job_type"], r["gpus"]): r for r in rows}
+    types = sorted({r["gpu"] for r in rows})
+    meas, base, ours, std = [], [], [], []
+    for key in sorted(info):
+        for t in types:
+            for s in types:
+                if s == t or (key, t) not in tput or (key, s) not in tput:
+                    continue
+                train = [k for k in sorted(info) if (k, t) in tput and (k, s) in tput and not held_out(key, k)]
+                y = np.log([tput[(k, s)] / tput[(k, t)] for k in train])  # log(step_T / step_S)
+                model = CrossTypeModel().fit(_x([info[k] for k in train], [tput[(k, s)] for k in train]), y)
+                m, sd = model.predict(_x([info[key]], [tput[(key, s)]]), return_std=True)
+                meas.append(tput[(key, t)])
+                base.append(tput[(key, s)] / np.exp(median_ratio(y)))
+                ours.append(tput[(key, s)] / np.exp(m[0]))
+                std.append(sd[0])
+    meas, ours, std = np.array(meas), np.array(ours), np.array(std)
+    z = np.abs(np.log(meas / ours)) / std
+    return {"pairs": len(meas), "baseline": mape(base, meas), "ours": mape(ours, meas),
+            "within_1sd": float(np.mean(z <= 1)), "within_2sd": float(np.mean(z <= 2))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-write", action="store_true", help="print only; do not write bench/results")
+    args = ap.parse_args(argv)
+    rows, t0 = load_gavel(), time.time()
+    protocols = {"leave-one-job-type-out": lambda key, k: k == key,
+                 "leave-one-model-out": lambda key, k: k[0].split(" (")[0] == key[0].split(" (")[0]}
+    lines = ["| protocol | pairs | median-ratio baseline MAPE | ours MAPE | ours within 1 sd / 2 sd | target | "
+             "issue's baseline |", "|---|---|---|---|---|---|---|"]
+    for name, held in protocols.items():
+        r = run(rows, held)
+        tgt = TARGET.get(name)
+        lines.append(f"| {name} | {r['pairs']} | {r['baseline']:.1f}% | {r['ours']:.1f}% | "
+                     f"{r['within_1sd']:.2f} / {r['within_2sd']:.2f} | {'<= %.0f%%' % tgt if tgt else ''} | "
+                     f"{ISSUE_BASELINE.get(name, '')} |")
+        print(f"{name}: done at {time.time() - t0:.0f} s", file=sys.stderr)
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "crosstype.md").write_text(
+            "# Cross-type prediction on Gavel (`python bench/crosstype.py`)\n\n" + __doc__.split("\n", 2)[2]
+            + "\n" + text + f"\n\nWall time {time.time() - t0:.0f} s.\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

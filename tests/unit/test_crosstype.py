@@ -1,0 +1,116 @@
+"""Cross-type prediction (predictor/crosstype.py) and its use by the engine for pairs never measured."""
+import pickle
+
+import numpy as np
+import pytest
+
+from predictor.crosstype import CrossTypeModel, features
+from predictor.engine import Predictor
+from predictor.profiles import profile_from_spec
+
+CAND = [{"layout": [1], "intra_link": "pcie"}]
+
+
+def _rows(rng, models=(1e6, 1e7, 1e8), batches=(8, 16, 32, 64, 128)):
+    """Synthetic history: the newer type's speedup grows with model size and batch (more compute-bound)."""
+    X, y = [], []
+    for n in models:
+        for b in batches:
+            t_src = 1e-3 + n * b * 1e-11
+            X.append((n, b, t_src))
+            y.append(-0.2 * np.log10(n) - 0.15 * np.log2(b) + 0.03 * rng.standard_normal())
+    n, b, t = zip(*X)
+    return features(n, [None] * len(n), b, [1] * len(n), t), np.array(y)
+
+
+def test_a_training_row_is_answered_within_its_noise():
+    X, y = _rows(np.random.default_rng(0))
+    m, sd = CrossTypeModel().fit(X, y).predict(X, return_std=True)
+    assert np.all(np.abs(m - y) < 3 * np.maximum(sd, 0.03))
+
+
+def test_monotone_in_batch_where_the_data_is():
+    X, y = _rows(np.random.default_rng(1))
+    model = CrossTypeModel().fit(X, y)
+    b = np.array([8, 12, 16, 24, 32, 48, 64, 96, 128])
+    pred = model.predict(features([1e7] * len(b), [None] * len(b), b, [1] * len(b), 1e-3 + 1e7 * b * 1e-11))
+    assert np.all(np.diff(pred) < 0)  # log(step_T / step_S) falls: T's advantage grows with batch
+
+
+def test_far_from_every_model_is_the_median_with_a_wider_spread():
+    X, y = _rows(np.random.default_rng(2))
+    model = CrossTypeModel().fit(X, y)
+    near_m, near_sd = model.predict(X[:1], return_std=True)
+    far = features([1e15], [None], [1e6], [512], [1e4])
+    far_m, far_sd = model.predict(far, return_std=True)
+    assert far_m[0] == pytest.approx(np.median(y), abs=0.05) and far_sd[0] > 3 * near_sd[0]
+
+
+def test_no_rows_answers_the_prior_and_bad_input_is_named():
+    model = CrossTypeModel().fit(np.empty((0, 5)), np.empty(0))
+    m, sd = model.predict(features([1e6], [None], [8], [1], [0.1]), return_std=True)
+    assert m[0] == 0.0 and sd[0] > 0.5
+    with pytest.raises(RuntimeError, match="not fitted"):
+        CrossTypeModel().predict(np.zeros((1, 5)))
+    with pytest.raises(ValueError, match="X must be"):
+        CrossTypeModel().fit(np.zeros((3, 2)), np.zeros(3))
+    with pytest.raises(ValueError, match="positive"):
+        features([1e6], [None], [0], [1], [0.1])
+
+
+# ---- engine: a (profile, GPU) never measured, its profile measured on another type
+SPEEDUP = {"resnet18": 2.0, "resnet50": 3.0, "vgg16": 3.4, "bert-base-uncased": 2.6}  # A100 over V100
+
+
+def _history(names, skip=()):
+    obs = []
+    for name in names:
+        c1 = profile_from_spec(name).flops_per_sample / 5e12
+        for gpu, speed in (("V100", 1.0), ("A100", SPEEDUP[name])):
+            if (name, gpu) in skip:
+                continue
+            for b in (8, 16, 32, 64):
+                obs.append({"kind": "step", "profile": name, "gpu": gpu, "layout": [1], "intra_link": "pcie",
+                            "per_gpu_batch": b, "iter_s": (2e-3 + c1 * b) / speed})
+    return obs
+
+
+@pytest.fixture(scope="module")
+def cross():
+    names = ["resnet18", "resnet50", "vgg16", "bert-base-uncased"]
+    profiles = {n: profile_from_spec(n) for n in names}
+    return Predictor().fit(profiles, _history(names, skip={("vgg16", "A100")})), profiles
+
+
+def test_a_pair_never_measured_is_answered_cross_type(cross):
+    pred, profiles = cross
+    assert not pred.known("vgg16", "A100")
+    out = pred.predict(profiles["vgg16"], "A100", 32, CAND)[0]
+    v100 = pred.predict(profiles["vgg16"], "V100", 32, CAND)[0]
+    assert out["basis"] == "cross-type from V100 (3 models on both)"
+    assert out["uncertainty"] > v100["uncertainty"]
+    truth = v100["iter_s"] / SPEEDUP["vgg16"]
+    assert abs(np.log(out["iter_s"] / truth)) < 2 * out["uncertainty"]
+    assert out["iter_s"] < v100["iter_s"]  # every model of the history runs faster on A100
+
+
+def test_measured_pairs_keep_their_answer(cross):
+    pred, profiles = cross
+    out = pred.predict(profiles["resnet50"], "A100", 32, CAND)[0]
+    assert out["basis"] == "observed"
+    alone = Predictor().fit({"resnet50": profiles["resnet50"]}, _history(["resnet50"]))
+    assert out["iter_s"] == pytest.approx(alone.predict(profiles["resnet50"], "A100", 32, CAND)[0]["iter_s"],
+                                          rel=1e-3)
+
+
+def test_too_little_shared_history_falls_back_to_the_profile():
+    names = ["resnet50", "vgg16"]
+    profiles = {n: profile_from_spec(n) for n in names}
+    pred = Predictor().fit(profiles, _history(names, skip={("vgg16", "A100")}))
+    assert pred.predict(profiles["vgg16"], "A100", 32, CAND)[0]["basis"] == "profile"
+
+
+def test_cross_type_survives_pickling(cross):
+    pred, profiles = cross
+    again = pickle.loads(pickle.dumps(pred))
+    assert again.predict(profiles["vgg16"], "A100", 32, CAND) == pred.predict(profiles["vgg16"], "A100", 32, CAND)
