@@ -38,6 +38,9 @@ class RecordMismatch(AuthError):
         super().__init__(403, f"{field}: {message}", field, "record_mismatch")
 
 
+UNKNOWN_GPU = "unknown"  # elastic_launcher.launch_config's gpu_type when the job gave none
+
+
 def _job_gpu(job, cluster: Cluster) -> tuple[str | None, str]:
     """The job's GPU type and where it came from ("" source: unknown)."""
     if job.gpu_type:
@@ -71,6 +74,9 @@ def _check_gpu(record: dict, where: str, job, cluster: Cluster) -> None:
         raise RecordMismatch(f"{where}.gpu", f"cannot confirm GPU {record['gpu']!r} for job {job.job_id}: its "
                                              f"GRES is untyped and partition {job.partition!r} is not in the "
                                              "cluster model")
+    if record["gpu"].lower() == UNKNOWN_GPU:  # the launcher's default when no gpu_type= was given: Slurm knows
+        record["gpu"] = gpu
+        return
     if record["gpu"].lower() != gpu.lower():
         raise RecordMismatch(f"{where}.gpu", f"the record says {record['gpu']!r}, job {job.job_id} runs on "
                                              f"{gpu!r} ({source})")
@@ -121,6 +127,9 @@ def check_records(records: Sequence[dict], job, cluster: Cluster, now: float, fi
         job: the signed job's `slurm_plugin.client.JobOwner`.
         cluster: the service's cluster model (a partition's GPU type and node size).
         now: Unix time (the end of a running job's window).
+
+    A record whose GPU is `unknown` (a launcher started without `#ELASTIC gpu_type=`) gets the job's GPU type
+    as Slurm and the cluster model give it, in place; it is refused only where that is unknown too.
 
     Raises:
         RecordMismatch: the first record that does not fit, naming e.g. `observations[3].layout`.

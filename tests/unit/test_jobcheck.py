@@ -108,3 +108,10 @@ def test_slurm_unreachable_fails_closed(app, jobs, monkeypatch):
     assert (r.status_code, r.json["reason"]) == (503, "slurm_unavailable")
     assert stored(app) == before
 
+
+
+def test_a_record_of_unknown_gpu_is_stored_under_the_jobs_gpu_type(app, jobs):
+    """The launcher sends gpu 'unknown' when the job gave no `#ELASTIC gpu_type=`: Slurm's answer fills it."""
+    r = post(app.test_client(), [dict(GOOD_STEP, gpu="unknown")])
+    assert r.status_code == 201, r.json
+    assert app.extensions["elastic_predictor"].store.observations()[-1]["gpu"] == "H200"
