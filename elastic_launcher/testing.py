@@ -19,7 +19,7 @@ import torch
 
 from elastic_launcher.errors import ElasticError, NotConfiguredError
 
-__all__ = ["FaultPlan", "InjectedFault", "FakeProcessGroupWrapper"]
+__all__ = ["FaultPlan", "InjectedFault", "FakeProcessGroupWrapper", "LinearThroughput"]
 
 
 class InjectedFault(ElasticError):
@@ -127,3 +127,16 @@ class FakeProcessGroupWrapper:
     @property
     def configured(self) -> bool:
         return self._configured
+
+
+class LinearThroughput:
+    """A throughput model (``steering.ThroughputModel``) for CPU testbeds, where nothing really scales: samples/s
+    linear in workers from the first measurement (scaling efficiency 1.0), so a test can exercise grow. Injected
+    with ``Controller(throughput=LinearThroughput())`` or ``elastic-launch --test-throughput linear``; never for
+    production."""
+
+    def samples_per_s(self, measured: float, workers: int, history) -> float:
+        if not history:
+            return measured
+        base = history[0]
+        return base.samples_per_s / base.workers * workers
