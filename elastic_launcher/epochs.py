@@ -1,28 +1,15 @@
-"""How an :class:`~elastic_launcher.trainer.ElasticTrainer` moves between membership epochs.
+"""How an :class:`~elastic_launcher.trainer.ElasticTrainer` moves between membership epochs: the executor of the
+decisions in :mod:`elastic_launcher.epoch_decisions` (whose docstring draws the transitions), and the small
+stateful helpers around it.
 
 Decisions and their execution are apart (as torchelastic's rendezvous and agent do): a pure ``decide_*`` function
 looks at what a commit point, a posted plan or a recovery says and returns an action; :class:`EpochExecutor`
 applies it (groups, DDP wraps, state broadcasts, store keys) and returns what the trainer adopts. No class here
 reads an attribute another class sets.
-
-Transitions of one worker (:class:`Phase`)::
-
-    JOINING --join (state from the plan's first survivor)--> TRAINING
-    TRAINING, at a commit point: decide_commit(vote) ->
-        COMMIT    the step becomes the rollback point                           -> TRAINING
-        SWITCH    commit, then move to the next epoch's prepared group           -> TRAINING (next epoch)
-        LEAVE     commit, then leave (this worker is not in the next plan)       -> LEFT
-        ROLLBACK  a rank saw a local error: restore the last commit point        -> TRAINING
-        RECOVER   a collective failed: decide_recovery(survivors) ->
-                      SHRINK / REBUILD a group of the survivors, roll back, resync -> TRAINING (recovery epoch)
-                      LEAVE (declared dead)                                        -> LEFT, raises LeftGroup
-        GIVE_UP   ``max_retries`` failed commits in a row                         -> raises TooManyFailures
-    TRAINING, every step: a newly posted plan -> decide_prepare ->
-        BUILD (the next group, in the background) or LEAVE (ready at once: nothing to build)
 """
+
 from __future__ import annotations
 
-import enum
 import inspect
 import json
 import logging
@@ -36,6 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.epoch_decisions import PrepareKind, RecoveryKind, decide_prepare, decide_recovery, source_rank
 from elastic_launcher.errors import LeftGroup, PeerFailure, ProcessGroupError
 from elastic_launcher.membership import Membership, Plan
 from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr
@@ -45,119 +33,9 @@ from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_h
 logger = logging.getLogger("elastic_launcher.trainer")
 events = logging.getLogger("elastic_launcher.events")  # resize / recovery records
 
-__all__ = ["Phase", "CommitOutcome", "CommitAction", "decide_commit", "RecoveryKind", "RecoveryAction",
-           "decide_recovery", "PrepareKind", "PrepareAction", "decide_prepare", "source_rank", "Epoch",
-           "PeerFailureRelay", "NextEpoch", "SwitchLog", "EpochExecutor"]
+__all__ = ["Epoch", "PeerFailureRelay", "NextEpoch", "SwitchLog", "ExecutorSettings", "EpochExecutor"]
 
 _DDP_PARAMS = inspect.signature(DDP.__init__).parameters
-
-
-class Phase(enum.Enum):
-    """Where a worker is: JOINING (constructed, state not received yet), TRAINING, LEFT (for good)."""
-
-    JOINING = "joining"
-    TRAINING = "training"
-    LEFT = "left"
-
-
-# ---- decisions (pure) ---------------------------------------------------------------------------------------
-class CommitOutcome(enum.Enum):
-    """What a commit point does (see the module docstring's diagram)."""
-
-    COMMIT = "commit"
-    SWITCH = "switch"
-    LEAVE = "leave"
-    ROLLBACK = "rollback"
-    RECOVER = "recover"
-    GIVE_UP = "give_up"
-
-
-@dataclass(frozen=True)
-class CommitAction:
-    """The decision of one commit point.
-
-    Attributes:
-        outcome: what to do.
-        failures: failed commits in a row once this one is applied (0 after a success).
-        error: what failed (ROLLBACK, RECOVER, GIVE_UP), for the logs and the exception.
-    """
-
-    outcome: CommitOutcome
-    failures: int
-    error: Optional[BaseException] = None
-
-
-def decide_commit(tally, collective_error: Optional[BaseException], local_error: Optional[BaseException],
-                  leaving: bool, failures: int, max_retries: int) -> CommitAction:
-    """The commit point's decision from the vote.
-
-    Args:
-        tally: the vote's :class:`~elastic_launcher.trainer.VoteTally`, or None when the vote itself failed.
-        collective_error: the group's recorded error (``errored()``), read after the vote.
-        local_error: this rank's error since the last commit point (``report_error``), if any.
-        leaving: the prepared next epoch leaves this worker out (only read when the tally says ready).
-        failures: failed commits in a row before this one.
-        max_retries: failed commits in a row tolerated; one more gives up.
-    """
-    if tally is None or collective_error is not None or not tally.collectives_ok:
-        outcome, error = CommitOutcome.RECOVER, collective_error
-    elif not tally.local_ok:
-        outcome = CommitOutcome.ROLLBACK
-        error = local_error or FloatingPointError("a rank saw a non-finite loss (watch_loss)")
-    elif tally.ready:
-        return CommitAction(CommitOutcome.LEAVE if leaving else CommitOutcome.SWITCH, 0)
-    else:
-        return CommitAction(CommitOutcome.COMMIT, 0)
-    if failures + 1 > max_retries:
-        return CommitAction(CommitOutcome.GIVE_UP, failures + 1, error)
-    return CommitAction(outcome, failures + 1, error)
-
-
-class RecoveryKind(enum.Enum):
-    LEAVE = "leave"      # this worker was declared dead: it leaves and raises LeftGroup
-    SHRINK = "shrink"    # try the backend's communicator shrink without the dead ranks, else REBUILD
-    REBUILD = "rebuild"  # a fresh group of the survivors
-
-
-@dataclass(frozen=True)
-class RecoveryAction:
-    """How a recovery rebuilds. ``dead_ranks``: ranks of the failed epoch left out (SHRINK)."""
-
-    kind: RecoveryKind
-    dead_ranks: tuple[int, ...] = ()
-
-
-def decide_recovery(failed: Plan, survivors: Plan, wid: str, try_shrink: bool) -> RecoveryAction:
-    """How this worker goes from the failed epoch to the survivors' epoch the group agreed on."""
-    if wid not in survivors.members:
-        return RecoveryAction(RecoveryKind.LEAVE)
-    dead = tuple(failed.rank_of(m) for m in failed.members if m not in survivors.members)
-    if try_shrink and dead:
-        return RecoveryAction(RecoveryKind.SHRINK, dead)
-    return RecoveryAction(RecoveryKind.REBUILD)
-
-
-class PrepareKind(enum.Enum):
-    LEAVE = "leave"  # not a member of the next plan: ready to leave at once
-    BUILD = "build"  # build the next plan's group in the background
-
-
-@dataclass(frozen=True)
-class PrepareAction:
-    kind: PrepareKind
-    plan: Plan
-
-
-def decide_prepare(nxt: Plan, wid: str) -> PrepareAction:
-    """What this worker prepares for a newly posted next plan."""
-    return PrepareAction(PrepareKind.BUILD if wid in nxt.members else PrepareKind.LEAVE, nxt)
-
-
-def source_rank(plan: Plan, prev: Optional[Plan]) -> int:
-    """The rank of ``plan`` whose state the others receive: its first survivor of ``prev`` (0 without one)."""
-    if plan.kind == "initial" or plan.prev == 0 or prev is None:
-        return 0
-    return min(plan.rank_of(m) for m in plan.members if m in prev.members)
 
 
 # ---- state the executor hands back --------------------------------------------------------------------------

@@ -26,7 +26,7 @@ re-sync from rank 0); a local error -> roll back and retry (at most ``max_retrie
 the posted next plan -> switch. Newcomers and survivors build the next group in the background while training
 goes on, so the switch costs: abort of the old group, the state broadcast to newcomers (none on a shrink), a
 DDP re-wrap on the new group (no init sync), and the first step. The epoch changes themselves are decided by
-pure functions and executed by a separate executor, both in :mod:`elastic_launcher.epochs`.
+pure functions (:mod:`elastic_launcher.epoch_decisions`) and executed apart (:mod:`elastic_launcher.epochs`).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.commit_schedule import CommitSchedule
-from elastic_launcher.epochs import (CommitAction, CommitOutcome, Epoch, EpochExecutor, ExecutorSettings, NextEpoch,
-                                     PeerFailureRelay, Phase, SwitchLog, decide_commit)
+from elastic_launcher.epoch_decisions import CommitAction, CommitOutcome, Phase, VoteTally, decide_commit
+from elastic_launcher.epochs import Epoch, EpochExecutor, ExecutorSettings, NextEpoch, PeerFailureRelay, SwitchLog
 from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
 from elastic_launcher.links import HostFacts
 from elastic_launcher.membership import Membership, Plan
@@ -56,7 +56,7 @@ from elastic_launcher.telemetry import HookState, Telemetry
 
 logger = logging.getLogger("elastic_launcher.trainer")
 
-__all__ = ["TrainerConfig", "ElasticTrainer"]
+__all__ = ["TrainerConfig", "ElasticTrainer", "VoteTally"]  # VoteTally: from epoch_decisions
 
 WARM_UP_STEPS = 2  # local steps of ElasticTrainer(warm_up=...): the optimizer's first step and a later one
 
@@ -105,32 +105,6 @@ class TrainerConfig:
     peer_watchdog: Optional[bool] = None
     seed: int = 0
     observations_every: int = 50
-
-
-@dataclass(frozen=True)
-class VoteTally:
-    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1, proposal].
-
-    Attributes:
-        counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
-            communicator handed back untouched says 1, half reduced less than the size).
-        collectives_ok: counted, and no rank saw a collective fail.
-        local_ok: no rank reported a local error (non-finite loss, ...): else everyone rolls back.
-        ready: every rank is ready to switch to the same next epoch (``ready`` > 0).
-        proposals: the sum of the ranks' proposed commit intervals (``CommitSchedule.committed`` reads it).
-    """
-
-    counted: bool
-    collectives_ok: bool
-    local_ok: bool
-    ready: bool
-    proposals: int = 0
-
-    @classmethod
-    def read(cls, v, n: int, ready: int) -> "VoteTally":
-        total, coll, local, count, proposals = (int(x) for x in v)
-        counted = count == n
-        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready, proposals)
 
 
 class ElasticTrainer:

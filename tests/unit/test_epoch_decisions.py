@@ -2,11 +2,11 @@
 posted plan lead to, from plain values (no group, no store, no process)."""
 import pytest
 
-from elastic_launcher.epochs import (CommitOutcome, PrepareKind, RecoveryKind, decide_commit, decide_prepare,
+from elastic_launcher.epoch_decisions import (CommitOutcome, PrepareKind, RecoveryKind, decide_commit, decide_prepare,
                                      decide_recovery, source_rank)
 from elastic_launcher.errors import PeerFailure
 from elastic_launcher.membership import Plan
-from elastic_launcher.trainer import VoteTally
+from elastic_launcher.epoch_decisions import VoteTally
 
 FINE = VoteTally(counted=True, collectives_ok=True, local_ok=True, ready=False, proposals=8)
 READY = VoteTally(counted=True, collectives_ok=True, local_ok=True, ready=True, proposals=8)
