@@ -32,8 +32,8 @@ from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
-from elastic_launcher.steering import (JobPhase, MeasuredThroughput, RequestKind, ThroughputModel, decide_request,
-                                       settle_decision)
+from elastic_launcher.steering import (JobPhase, MeasuredThroughput, RequestKind, ThroughputModel, decide_failures,
+                                       decide_request, settle_decision)
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import HOSTS_PREFIX, WorkerPool
 
@@ -198,16 +198,16 @@ class Controller:
     def _handle_failures(self) -> None:
         """A node failed when its step ended non-zero while it is a member, or when a recovery epoch left
         all its workers out although their step still runs (hung workers the survivors declared dead)."""
-        failed = [s.node for s in self._main_steps()
-                  if not s.alive() and s.returncode() != 0 and not s.leaving and s.node in self.fleet.nodes]
+        ended = [s.node for s in self._main_steps() if not s.alive() and s.returncode() != 0 and not s.leaving]
+        helper_failed = []
         for helper, nodes in list(self.fleet.helpers.items()):
             steps = self._helper_status(helper).get("steps", {})
-            failed += [n for n in nodes if steps.get(n) not in (None, 0) and n in self.fleet.nodes]
+            helper_failed += [n for n in nodes if steps.get(n) not in (None, 0)]
         members = set(self.coord.current().members)
         evicted = [n for n, slot in self.fleet.nodes.items() if slot.wids and not set(slot.wids) & members]
-        for node in dict.fromkeys(failed + evicted):
-            if node in self.fleet.nodes:
-                self.resizer.node_failed(node, evicted=node not in failed)
+        for node, was_evicted in decide_failures(ended, helper_failed, evicted, set(self.fleet.nodes)):
+            if node in self.fleet.nodes:  # an earlier node's handling may have changed the fleet
+                self.resizer.node_failed(node, evicted=was_evicted)
 
     def _handle_request(self, seq: int, request: dict) -> None:
         have = len(self.fleet.nodes)

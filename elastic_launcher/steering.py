@@ -6,7 +6,7 @@ Transitions of a job (:class:`JobPhase`)::
 
     STARTING --initial plan's first step--> STEERING --every main-job worker ended--> ENDED (completed | failed)
     STEERING, each round:
-        failures       -> Resizer.node_failed (release or restart the node)       -> STEERING
+        failures       -> decide_failures, then Resizer.node_failed each (release or restart the node) -> STEERING
         operator asks  -> decide_request: REJECT | ALREADY | RESIZE (grow/shrink) -> STEERING
         a measurement  -> AutoscalePolicy.decide, then settle_decision (pending jobs, the operator's cap):
                           keep | grow | shrink | revert                          -> STEERING
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Collection, Optional, Protocol, Sequence
 
 from elastic_launcher.autoscale import Decision, Measurement, PendingJob, PlanAdvice
 
-__all__ = ["JobPhase", "RequestKind", "RequestAction", "decide_request", "settle_decision", "ThroughputModel",
+__all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decide_request", "settle_decision", "ThroughputModel",
            "MeasuredThroughput"]
 
 
@@ -27,6 +27,21 @@ class JobPhase(enum.Enum):
     STARTING = "starting"
     STEERING = "steering"
     ENDED = "ended"
+
+
+def decide_failures(ended: Sequence[str], helper_failed: Sequence[str], evicted: Sequence[str],
+                    nodes: Collection[str]) -> list[tuple[str, bool]]:
+    """The job's nodes to handle as failed, in order, each with ``evicted``: True when its workers still run but
+    a recovery epoch left them all out (hung workers the survivors declared dead).
+
+    Args:
+        ended: nodes whose main-job step ended non-zero while they were members (not leaving).
+        helper_failed: helper nodes whose step ended non-zero (the helper agent's status).
+        evicted: nodes none of whose workers is in the current membership.
+        nodes: the nodes the job trains on (others are no longer its concern).
+    """
+    failed = [n for n in (*ended, *helper_failed) if n in nodes]
+    return [(n, n not in failed) for n in dict.fromkeys([*failed, *evicted]) if n in nodes]
 
 
 class RequestKind(enum.Enum):

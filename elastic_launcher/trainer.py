@@ -140,8 +140,9 @@ class ElasticTrainer:
 
     The constructor (warms up,) announces the worker, waits for a plan that includes it and builds that plan's
     group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
-    loader starts. Epoch changes are decided by the pure ``decide_*`` functions of :mod:`elastic_launcher.epochs`
-    and applied by its :class:`~elastic_launcher.epochs.EpochExecutor`; this class adopts what they hand back.
+    loader starts. Epoch changes are decided by the pure ``decide_*`` functions of
+    :mod:`elastic_launcher.epoch_decisions` and applied by :class:`~elastic_launcher.epochs.EpochExecutor`; this
+    class adopts what the executor hands back.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,

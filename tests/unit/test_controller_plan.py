@@ -227,3 +227,11 @@ def test_the_linear_throughput_seam_scales_the_first_measurement():
     assert MeasuredThroughput().samples_per_s(60.0, 4, [first]) == 60.0
     assert LinearThroughput().samples_per_s(60.0, 4, []) == 60.0
     assert LinearThroughput().samples_per_s(60.0, 4, [first]) == 100.0
+
+
+def test_failed_nodes_are_the_ended_then_the_evicted_each_once():
+    from elastic_launcher.steering import decide_failures
+    nodes = {"node1", "node2", "node3", "node4"}
+    assert decide_failures(["node2", "gone"], ["node4"], ["node3", "node2"], nodes) == \
+        [("node2", False), ("node4", False), ("node3", True)]
+    assert decide_failures([], [], [], nodes) == []
