@@ -163,8 +163,8 @@ class Controller:
         t0 = time.monotonic()
         stats = self.resizer.wait_switched(plan)
         self.records.write("transition", action="start", epoch=plan.id, from_nodes=0,
-                           to_nodes=len(self.fleet.nodes), world=plan.world_size, first_step_s=round(time.monotonic() - t0, 3),
-                           stats=stats)
+                           to_nodes=len(self.fleet.nodes), world=plan.world_size,
+                           first_step_s=round(time.monotonic() - t0, 3), stats=stats)
         self.window.reset()
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -371,7 +371,8 @@ class Controller:
         reply = self.predictor.plan({
             "source": "launcher", "directives": list(d.raw_lines),
             "job": {"job_id": int(self.job_id), "min_nodes": low, "max_nodes": high,
-                    "tres_per_node": f"gres:gpu:{self.fleet.alloc.gpus_per_node}", "partition": self.fleet.alloc.partition},
+                    "tres_per_node": f"gres:gpu:{self.fleet.alloc.gpus_per_node}",
+                    "partition": self.fleet.alloc.partition},
             "current": {"layout": layout, "samples_per_s": m.samples_per_s, "per_gpu_batch": d.per_gpu_batch}})
         if reply is None:
             why = "no predictor URL configured" if self.predictor.url is None else \

@@ -89,8 +89,8 @@ class CommitAction:
     error: Optional[BaseException] = None
 
 
-def decide_commit(tally: Optional[VoteTally], collective_error: Optional[BaseException], local_error: Optional[BaseException],
-                  leaving: bool, failures: int, max_retries: int) -> CommitAction:
+def decide_commit(tally: Optional[VoteTally], collective_error: Optional[BaseException],
+                  local_error: Optional[BaseException], leaving: bool, failures: int, max_retries: int) -> CommitAction:
     """The commit point's decision from the vote.
 
     Args:

@@ -286,7 +286,8 @@ class Resizer:
         except (RendezvousTimeout, ResizeConflict) as exc:
             self.records.write("transition_failed", action="rejoin", node=node, error=str(exc))
             return
-        self.records.write("transition", action="rejoin", epoch=plan.id, from_nodes=before, to_nodes=len(self.fleet.nodes),
+        self.records.write("transition", action="rejoin", epoch=plan.id, from_nodes=before,
+                           to_nodes=len(self.fleet.nodes),
                            world=plan.world_size, nodes_in=[node], wall_s=round(wall, 3),
                            pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), stats=stats)
         self.window.reset()
@@ -340,7 +341,8 @@ class Resizer:
             log.warning("workers %s did not leave within %g s; their steps are stopped", stuck,
                         self.config.leave_timeout.total_seconds())
         released = self._release(leavers, reason=reason)
-        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.fleet.nodes),
+        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before,
+                           to_nodes=len(self.fleet.nodes),
                            world=plan.world_size, nodes_out=leavers, reason=reason, wall_s=round(wall, 3),
                            pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), left_cleanly=left,
                            release_s=released, stats=stats)
@@ -438,8 +440,8 @@ class Resizer:
             self.records.write("transition_skipped", action=action, reason="no free nodes")
             return False
         script = helper_script(self.job_id, count, self.fleet.alloc.gpus_per_node, self.fleet.alloc.partition,
-                               [*self.fleet.nodes, *exclude], self.store_addr, self.fleet.slots, cfg.helper_orphan_timeout,
-                               cfg.run_dir, cfg.command, Path(os.getcwd()))
+                               [*self.fleet.nodes, *exclude], self.store_addr, self.fleet.slots,
+                               cfg.helper_orphan_timeout, cfg.run_dir, cfg.command, Path(os.getcwd()))
         t0 = time.monotonic()
         try:
             helper = str(self.slurm.submit(script))
@@ -477,7 +479,8 @@ class Resizer:
             self.records.write("transition_failed", action=action, error=str(exc))
             self.fleet.failures_in_a_row += 1
             return False
-        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before, to_nodes=len(self.fleet.nodes),
+        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before,
+                           to_nodes=len(self.fleet.nodes),
                            world=plan.world_size, nodes_in=nodes, helper=helper, reason=reason,
                            allocate_s=round(allocated_s, 3), wall_s=round(wall, 3), pause_s=stats.get("pause_s"),
                            idle_s=stats.get("idle_s"), stats=stats)

@@ -19,8 +19,8 @@ from typing import Collection, Optional, Protocol, Sequence
 
 from elastic_launcher.autoscale import Decision, Measurement, PendingJob, PlanAdvice
 
-__all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decide_request", "settle_decision", "ThroughputModel",
-           "MeasuredThroughput"]
+__all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decide_request", "settle_decision",
+           "ThroughputModel", "MeasuredThroughput"]
 
 
 class JobPhase(enum.Enum):

@@ -199,7 +199,8 @@ def test_no_grow_while_another_job_waits_for_nodes(tmp_path):
 
 def test_operator_requests_are_decided_from_plain_values():
     from elastic_launcher.steering import RequestKind, decide_request
-    assert decide_request("2", 2, 1).kind is RequestKind.REJECT and "positive integer" in decide_request(0, 2, 1).message
+    assert decide_request("2", 2, 1).kind is RequestKind.REJECT
+    assert "positive integer" in decide_request(0, 2, 1).message
     assert decide_request(2, 2, 1).kind is RequestKind.ALREADY
     below = decide_request(1, 3, 2)
     assert below.kind is RequestKind.REJECT and below.message == "1 nodes is below the job's minimum of 2"
