@@ -119,7 +119,8 @@ def _seconds(value: float) -> timedelta:
 @click.option("--no-yield", "no_yield", is_flag=True,
               help="Keep nodes above the job's minimum even while another job of the partition waits for them.")
 @click.option("--test-throughput", type=click.Choice(["linear"]),
-              help="TEST POLICY KNOB (CPU testbeds only): treat throughput as linear in workers.")
+              help="Test seam (CPU testbeds only, never for production): take throughput as linear in workers "
+                   "(elastic_launcher.testing.LinearThroughput) so grow can be exercised where nothing scales.")
 @click.option("--straggler-ratio", default=1.5, show_default=True, type=float)
 @click.option("--straggler-windows", default=3, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--rendezvous-timeout", default=120.0, show_default=True, type=float, help="Seconds.")
@@ -141,6 +142,7 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         elastic-launch --script "$0" --workers-per-node 1 -- python train.py --steps 200
     """
     from elastic_launcher.controller import Controller
+    from elastic_launcher.steering import MeasuredThroughput
 
     _logging(verbose)
     if predictor_url is None:  # the service the site's hook asks (elastic.conf), so both halves use one planner
@@ -156,7 +158,7 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         store_host=socket.gethostname() if os.environ.get("ELASTIC_STORE_HOST") is None
         else os.environ["ELASTIC_STORE_HOST"],
         grow_step_nodes=grow_step_nodes, measure_steps=measure_steps, warmup_steps=warmup_steps,
-        test_throughput=test_throughput, autoscale=not no_autoscale, yield_to_pending=not no_yield,
+        autoscale=not no_autoscale, yield_to_pending=not no_yield,
         straggler_ratio=straggler_ratio,
         straggler_windows=straggler_windows, rendezvous_timeout=_seconds(rendezvous_timeout),
         leave_timeout=_seconds(leave_timeout),
@@ -170,7 +172,12 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
     slurm_conf = os.environ.get("SLURM_CONF")
     slurm: Backend = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
                                     timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
-    controller = Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step)
+    throughput = MeasuredThroughput()
+    if test_throughput == "linear":  # the injection point of the testbed's throughput model
+        from elastic_launcher.testing import LinearThroughput
+        throughput = LinearThroughput()
+    controller = Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step,
+                            throughput=throughput)
     # scancel / time limit: SIGTERM to the batch step; unwind so the controller ends its helper jobs.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:

@@ -4,7 +4,10 @@
 at each size, posts observations (the workers' relabelled records and its own step records, observations.py)
 and asks /v1/plan (reporting.PredictorClient), applies the pure policy (autoscale.AutoscalePolicy: Or et al.'s
 scaling-efficiency test, the predictor's plan, the directives' limits), operator requests and failure
-handling through resize.py, and logs every decision and measurement as a record (reporting.RecordLog).
+handling, and logs every decision and measurement as a record (reporting.RecordLog). Its decisions are pure
+functions (steering.py: decide_request, settle_decision; autoscale.AutoscalePolicy.decide); resize.Resizer
+executes them. Every attribute is declared in `__init__`; what `run()` opens (the store and its clients, the
+resizer) is None until then.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
-from elastic_launcher.resize import NodeSlot, Transitions, wait_until
+from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
+from elastic_launcher.steering import (JobPhase, MeasuredThroughput, RequestKind, ThroughputModel, decide_failures,
+                                       decide_request, settle_decision)
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import HOSTS_PREFIX, WorkerPool
 
@@ -41,7 +46,7 @@ OBSERVATIONS_PER_POST = 1000  # records in one POST /v1/observations (the servic
 log = logging.getLogger("elastic_launcher.controller")
 
 
-class Controller(Transitions):
+class Controller:
     """Runs one elastic job from the batch step (see the module docstring).
 
     Args:
@@ -49,31 +54,43 @@ class Controller(Transitions):
         registry: directory where `<job>.json` with the store address is published for `ctl`.
         slurm: the Slurm client (slurm_plugin.client.CommandBackend or a fake with the same methods).
         start_step: starts an srun step (slurm_plugin.client.start_step or a fake).
+        throughput: what a measurement window's samples/s is taken to be (steering.ThroughputModel); the
+            default is the measurement. Tests and CPU testbeds inject ``testing.LinearThroughput``.
     """
 
-    def __init__(self, config: LaunchConfig, registry: Path, slurm, start_step):
+    def __init__(self, config: LaunchConfig, registry: Path, slurm, start_step,
+                 throughput: ThroughputModel = MeasuredThroughput()):
         self.config = config
         self.registry = Path(registry)
         self.slurm = slurm
         self.start_step = start_step
+        self.throughput = throughput
         self.job_id = str(config.allocation.job_id)
-        self.alloc = config.allocation
         self.slots = config.slots_per_node
+        self.fleet = Fleet(self.job_id, config.allocation, self.slots)
+        self.phase = JobPhase.STARTING
+        self.window = MeasureWindow()
         d = config.directives
         self.policy = AutoscalePolicy(d.min_efficiency, d.max_global_batch, d.per_gpu_batch, self.slots,
                                       d.gpus_min, d.gpus_max, config.grow_step_nodes)
         self.stragglers = StragglerDetector(config.straggler_ratio, config.straggler_windows,
-                                            protected=frozenset({self.alloc.batch_host}))
+                                            protected=frozenset({self.fleet.alloc.batch_host}))
         self.predictor = PredictorClient(config.predictor_url, config.predictor_token,
                                          config.http_timeout.total_seconds(), job_id=int(self.job_id))
-        self.nodes: dict[str, NodeSlot] = {}
-        self.helpers: dict[str, list[str]] = {}  # helper job id -> its nodes
-        self.failures_in_a_row = 0
         self.operator_cap: Optional[int] = None
         self._last_keep: Optional[str] = None
         self._plan_cache: tuple[Optional[int], float, Optional[PlanAdvice]] = (None, 0.0, None)  # (nodes asked
         # at, when, the advice then): at one size /v1/plan is asked at most every PLAN_INTERVAL_S
+        # opened by run()
         self.records: Optional[RecordLog] = None
+        self.server: Optional[dist.TCPStore] = None
+        self.store_addr: Optional[str] = None
+        self.kv: Optional[dist.Store] = None  # the launcher channel (control.LAUNCHER_PREFIX)
+        self.coord: Optional[Coordinator] = None
+        self.inbox: Optional[ControlInbox] = None
+        self.observations: Optional[ObservationInbox] = None
+        self.pool: Optional[WorkerPool] = None
+        self.resizer: Optional[Resizer] = None
         self._stop_beat = threading.Event()
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
@@ -97,17 +114,24 @@ class Controller(Transitions):
         self.observations = ObservationInbox(self.server)
         self.pool = WorkerPool(cfg.command, self.store_addr, self.job_id, self.start_step, cfg.run_dir,
                                stop_timeout=cfg.leave_timeout)
+        self.resizer = Resizer(cfg, self.fleet, coord=self.coord, pool=self.pool, slurm=self.slurm, kv=self.kv,
+                               records=self.records, stragglers=self.stragglers, window=self.window,
+                               store_addr=self.store_addr, progress=self._progress, finished=self._finished,
+                               free_nodes=self._free_nodes)
         self._publish()
         beat = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
         beat.start()
-        self.records.write("start", job=self.job_id, nodes=list(self.alloc.nodes), slots=self.slots,
-                           store=self.store_addr, config=json.loads(cfg.to_json()))
+        self.records.write("start", job=self.job_id, nodes=list(self.fleet.alloc.nodes), slots=self.slots,
+                           store=self.store_addr, config=json.loads(cfg.to_json()),
+                           throughput=type(self.throughput).__name__)
         outcome = "failed"
         try:
             self._start_initial()
+            self.phase = JobPhase.STEERING
             outcome = self._loop()
             return self._summary(outcome)
         finally:
+            self.phase = JobPhase.ENDED
             self._cleanup(outcome)
             self._stop_beat.set()
             beat.join(timeout=5)
@@ -131,17 +155,17 @@ class Controller(Transitions):
                 return
 
     def _start_initial(self) -> None:
-        for node in self.alloc.nodes:
-            step = self.pool.start(node, self.slots, self.alloc.env, owner_job=self.job_id)
-            self.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
-        wids = self._wait_joined(list(self.alloc.nodes))
+        for node in self.fleet.alloc.nodes:
+            step = self.pool.start(node, self.slots, self.fleet.alloc.env, owner_job=self.job_id)
+            self.fleet.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
+        wids = self.resizer.wait_joined(list(self.fleet.alloc.nodes))
         plan = self.coord.start(wids)
         t0 = time.monotonic()
-        stats = self._wait_switched(plan)
+        stats = self.resizer.wait_switched(plan)
         self.records.write("transition", action="start", epoch=plan.id, from_nodes=0,
-                           to_nodes=len(self.nodes), world=plan.world_size, first_step_s=round(time.monotonic() - t0, 3),
-                           stats=stats)
-        self._measure_reset()
+                           to_nodes=len(self.fleet.nodes), world=plan.world_size,
+                           first_step_s=round(time.monotonic() - t0, 3), stats=stats)
+        self.window.reset()
 
     # -- the loop ------------------------------------------------------------------------------------
     def _loop(self) -> str:
@@ -174,39 +198,35 @@ class Controller(Transitions):
     def _handle_failures(self) -> None:
         """A node failed when its step ended non-zero while it is a member, or when a recovery epoch left
         all its workers out although their step still runs (hung workers the survivors declared dead)."""
-        failed = [s.node for s in self._main_steps()
-                  if not s.alive() and s.returncode() != 0 and not s.leaving and s.node in self.nodes]
-        for helper, nodes in list(self.helpers.items()):
+        ended = [s.node for s in self._main_steps() if not s.alive() and s.returncode() != 0 and not s.leaving]
+        helper_failed = []
+        for helper, nodes in list(self.fleet.helpers.items()):
             steps = self._helper_status(helper).get("steps", {})
-            failed += [n for n in nodes if steps.get(n) not in (None, 0) and n in self.nodes]
+            helper_failed += [n for n in nodes if steps.get(n) not in (None, 0)]
         members = set(self.coord.current().members)
-        evicted = [n for n, slot in self.nodes.items() if slot.wids and not set(slot.wids) & members]
-        for node in dict.fromkeys(failed + evicted):
-            if node in self.nodes:
-                self._node_failed(node, evicted=node not in failed)
+        evicted = [n for n, slot in self.fleet.nodes.items() if slot.wids and not set(slot.wids) & members]
+        for node, was_evicted in decide_failures(ended, helper_failed, evicted, set(self.fleet.nodes)):
+            if node in self.fleet.nodes:  # an earlier node's handling may have changed the fleet
+                self.resizer.node_failed(node, evicted=was_evicted)
 
     def _handle_request(self, seq: int, request: dict) -> None:
-        target = request.get("nodes")
-        have = len(self.nodes)
-        if not isinstance(target, int) or target < 1:
-            self.inbox.reply(seq, False, f"'nodes' must be a positive integer, got {target!r}")
+        have = len(self.fleet.nodes)
+        action = decide_request(request.get("nodes"), have, self.policy.min_nodes())
+        if action.kind is RequestKind.REJECT:
+            self.inbox.reply(seq, False, action.message)
             return
-        if target == have:
-            self.operator_cap = target
-            self.inbox.reply(seq, True, f"already on {have} nodes", target_nodes=target)
-            return
-        if target < self.policy.min_nodes():
-            self.inbox.reply(seq, False, f"{target} nodes is below the job's minimum of {self.policy.min_nodes()}")
-            return
+        target = action.target
         self.operator_cap = target
-        self.inbox.reply(seq, True, f"resizing from {have} to {target} nodes", target_nodes=target)
+        self.inbox.reply(seq, True, action.message, target_nodes=target)
+        if action.kind is RequestKind.ALREADY:
+            return
         self.records.write("decision", source="operator", action="grow" if target > have else "shrink",
                            from_nodes=have, target_nodes=target, reason=f"elastic-launch ctl {self.job_id} "
                            f"--nodes {target}")
         if target < have:
-            self._shrink_to(target, action="shrink", reason="operator request")
+            self.resizer.shrink_to(target, action="shrink", reason="operator request")
         else:
-            self._grow(target - have, action="grow", reason="operator request")
+            self.resizer.grow(target - have, action="grow", reason="operator request")
 
     # -- measurement and autoscaling --------------------------------------------------------------------
     def _progress(self, wids) -> dict[str, dict]:
@@ -217,24 +237,21 @@ class Controller(Transitions):
                 out[wid] = json.loads(self.server.get(key))
         return out
 
-    def _measure_reset(self) -> None:
-        self._window: dict = {"epoch": None, "first": None, "start": None}
-
     def _measure(self) -> Optional[tuple[Measurement, dict[str, float]]]:
         """The throughput and per-node compute time over the current window, once it is complete."""
         plan = self.coord.current()
         progress = self._progress(plan.members)
         head = progress.get(plan.members[0])
-        win = self._window
+        win = self.window
         if head is None or head["epoch"] != plan.id:
             return None
-        if win["epoch"] != plan.id:
-            win.update(epoch=plan.id, first=head["step"], start=None)
-        if win["start"] is None:
-            if head["step"] >= win["first"] + self.config.warmup_steps and len(progress) == len(plan.members):
-                win["start"] = progress
+        if win.epoch != plan.id:
+            win.epoch, win.first, win.start = plan.id, head["step"], None
+        if win.start is None:
+            if head["step"] >= win.first + self.config.warmup_steps and len(progress) == len(plan.members):
+                win.start = progress
             return None
-        start = win["start"]
+        start = win.start
         steps = head["step"] - start[plan.members[0]]["step"]
         if steps < self.config.measure_steps:
             return None
@@ -248,11 +265,9 @@ class Controller(Transitions):
                 mean = (now["compute_total_s"] - then["compute_total_s"]) / (now["steps"] - then["steps"])
                 per_node.setdefault(now["node"], []).append(mean)
         workers = plan.world_size
-        if self.config.test_throughput == "linear":  # TEST POLICY KNOB (see LaunchConfig.test_throughput)
-            base = self.policy.history_[0] if self.policy.history_ else None
-            sps = sps if base is None else base.samples_per_s / base.workers * workers
-        win.update(start=progress)
-        m = Measurement(nodes=len(self.nodes), workers=workers, samples_per_s=sps, step_s=elapsed / steps)
+        sps = self.throughput.samples_per_s(sps, workers, self.policy.history_)
+        win.start = progress
+        m = Measurement(nodes=len(self.fleet.nodes), workers=workers, samples_per_s=sps, step_s=elapsed / steps)
         return m, {node: sum(v) / len(v) for node, v in per_node.items()}
 
     def _measure_and_decide(self) -> None:
@@ -260,7 +275,7 @@ class Controller(Transitions):
         if result is None:
             return
         m, compute_by_node = result
-        self.failures_in_a_row = 0
+        self.fleet.failures_in_a_row = 0
         self.policy.record(m)
         self.records.write("measurement", nodes=m.nodes, workers=m.workers, samples_per_s=round(m.samples_per_s, 3),
                            step_s=round(m.step_s, 4), compute_s_by_node={k: round(v, 4) for k, v in
@@ -283,20 +298,7 @@ class Controller(Transitions):
         decision = self.policy.decide(len(free), advice)
         pending = self._pending_jobs() if self.config.yield_to_pending else []
         handback = yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), pending)
-        if handback is not None:  # another job waits for nodes this one holds above its minimum
-            decision = handback
-        elif decision.action == "grow" and pending:  # the free nodes are what a pending job waits to add up
-            decision = Decision("keep", m.nodes, f"no grow while job {pending[0].job_id} waits for nodes "
-                                f"({decision.reason})", decision.efficiency)
-        cap = self.operator_cap
-        if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
-            decision = Decision("grow", cap, f"{decision.reason}; capped at the operator's {cap} nodes",
-                                decision.efficiency) if cap > m.nodes else \
-                Decision("keep", m.nodes, f"operator asked for {cap} nodes", decision.efficiency)
-        elif decision.action == "shrink" and advice.source == "planner" and cap is not None \
-                and decision.target_nodes < cap <= m.nodes:  # the operator's size stands against the plan
-            decision = Decision("keep", m.nodes, f"{decision.reason}; kept at the operator's {cap} nodes",
-                                decision.efficiency)
+        decision = settle_decision(decision, m.nodes, handback, pending, self.operator_cap, advice)
         keep_key = f"{advice.policy}: {decision.reason}"
         if decision.action == "keep" and keep_key == self._last_keep:
             return  # an unchanged "keep" (same policy, same reason) is not logged again (the measurement is)
@@ -307,14 +309,14 @@ class Controller(Transitions):
                            plan_note=advice.note, free_nodes=len(free),
                            predictor=self.predictor.url is not None and self.predictor.last_error is None)
         if decision.action == "grow":
-            self._grow(decision.target_nodes - m.nodes, action="grow", reason=decision.reason)
+            self.resizer.grow(decision.target_nodes - m.nodes, action="grow", reason=decision.reason)
         elif decision.action in ("revert", "shrink") and decision.target_nodes < m.nodes:
-            self._shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
+            self.resizer.shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
 
     def _current_layout(self) -> Optional[list[int]]:
         """GPUs per node of the current epoch, remembered by world size with its links for the workers' records."""
         plan = self.coord.current()
-        node_of = {w: n for n, slot in self.nodes.items() for w in slot.wids}
+        node_of = {w: n for n, slot in self.fleet.nodes.items() for w in slot.wids}
         layout = layout_of(plan.members, node_of)
         if layout is not None:
             self._layouts[plan.world_size] = layout
@@ -345,7 +347,7 @@ class Controller(Transitions):
     def _post_observations(self, own: list[dict]) -> None:
         """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""
         d = self.config.directives
-        wids = {w for slot in self.nodes.values() for w in slot.wids}
+        wids = {w for slot in self.fleet.nodes.values() for w in slot.wids}
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
                                 d.model or "unknown", d.gpu_type, steps=False)
         records = [dict(r, job_id=int(self.job_id)) for r in records]  # the job's own rows answer its own plans
@@ -369,7 +371,8 @@ class Controller(Transitions):
         reply = self.predictor.plan({
             "source": "launcher", "directives": list(d.raw_lines),
             "job": {"job_id": int(self.job_id), "min_nodes": low, "max_nodes": high,
-                    "tres_per_node": f"gres:gpu:{self.alloc.gpus_per_node}", "partition": self.alloc.partition},
+                    "tres_per_node": f"gres:gpu:{self.fleet.alloc.gpus_per_node}",
+                    "partition": self.fleet.alloc.partition},
             "current": {"layout": layout, "samples_per_s": m.samples_per_s, "per_gpu_batch": d.per_gpu_batch}})
         if reply is None:
             why = "no predictor URL configured" if self.predictor.url is None else \
@@ -384,13 +387,13 @@ class Controller(Transitions):
 
     def _pending_jobs(self) -> list[PendingJob]:
         """Other jobs of this partition pending for nodes (not this job's own helpers); [] when Slurm is slow."""
-        ours = {int(self.job_id), *(int(h) for h in self.helpers)}
+        ours = {int(self.job_id), *(int(h) for h in self.fleet.helpers)}
         try:
             jobs = self.slurm.jobs()
         except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
             log.warning("cannot list jobs: %s", exc)
             return []
-        part = self.alloc.partition
+        part = self.fleet.alloc.partition
         return [PendingJob(j.job_id, j.node_count, j.reason) for j in jobs
                 if j.state == "PENDING" and j.job_id not in ours and j.node_count > 0
                 # "None": just submitted, not yet looked at by the scheduler (a job that idle nodes can take
@@ -399,21 +402,21 @@ class Controller(Transitions):
 
     def _free_nodes(self) -> list[str]:
         try:
-            return [n.name for n in self.slurm.nodes() if n.state == "idle" and n.name not in self.nodes]
+            return [n.name for n in self.slurm.nodes() if n.state == "idle" and n.name not in self.fleet.nodes]
         except Exception as exc:  # Slurm slow or down: no grow this round
             log.warning("cannot list nodes: %s", exc)
             return []
 
     def _replace_stragglers(self, slow: list[str], compute_by_node: dict[str, float]) -> None:
         self.records.write("decision", source="stragglers", action="shrink", nodes=slow,
-                           from_nodes=len(self.nodes), target_nodes=len(self.nodes) - len(slow),
+                           from_nodes=len(self.fleet.nodes), target_nodes=len(self.fleet.nodes) - len(slow),
                            reason=f"persistently slower: {({n: round(compute_by_node[n], 4) for n in slow})}")
-        self._shrink_to(len(self.nodes) - len(slow), action="straggler", reason="straggler", prefer=slow)
+        self.resizer.shrink_to(len(self.fleet.nodes) - len(slow), action="straggler", reason="straggler", prefer=slow)
         for node in slow:
             self.stragglers.forget(node)
         free = [n for n in self._free_nodes() if n not in slow]
         if free:
-            self._grow(min(len(slow), len(free)), action="replace", reason=f"replace {','.join(slow)}",
+            self.resizer.grow(min(len(slow), len(free)), action="replace", reason=f"replace {','.join(slow)}",
                        exclude=slow)
 
     # -- reporting and cleanup --------------------------------------------------------------------------
@@ -422,17 +425,17 @@ class Controller(Transitions):
         plan = self.coord.current()
         last = self.policy.history_[-1] if self.policy.history_ else None
         self.kv.set("status", json.dumps({
-            "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.nodes),
-            "helpers": self.helpers, "operator_cap": self.operator_cap,
+            "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.fleet.nodes),
+            "helpers": self.fleet.helpers, "operator_cap": self.operator_cap,
             "samples_per_s": None if last is None else round(last.samples_per_s, 3),
             "progress": {w: [p["epoch"], p["step"]] for w, p in self._progress(self._known_wids()).items()}}))
 
     def _known_wids(self) -> list[str]:
-        return [w for slot in self.nodes.values() for w in slot.wids]
+        return [w for slot in self.fleet.nodes.values() for w in slot.wids]
 
     def _summary(self, outcome: str) -> dict:
         items = self.records.items
-        return {"job": self.job_id, "outcome": outcome, "final_nodes": len(self.nodes),
+        return {"job": self.job_id, "outcome": outcome, "final_nodes": len(self.fleet.nodes),
                 "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "idle_s", "pause_s", "wall_s")}
                                 for r in items if r["kind"] == "transition"],
                 "measurements": sum(r["kind"] == "measurement" for r in items)}
@@ -447,19 +450,19 @@ class Controller(Transitions):
             self._post_observations([])  # what the workers handed over at their close
         except Exception as exc:
             log.warning("last observations not posted: %s", exc)
-        helpers = list(self.helpers)
+        helpers = list(self.fleet.helpers)
         for helper in helpers:  # ask first (their workers are gone), then make sure: Slurm's KillWait is short
             try:
                 self.kv.set(helper_key(helper, "stop"), f"main job {outcome}")
             except Exception as exc:
                 log.warning("cannot signal helper %s: %s", helper, exc)
-        wait_until(lambda: all(self._helper_gone(h) for h in helpers), timedelta(seconds=3), interval=0.2)
+        wait_until(lambda: all(self.resizer.helper_gone(h) for h in helpers), timedelta(seconds=3), interval=0.2)
         for helper in helpers:
-            cancelled = not self._helper_gone(helper)
+            cancelled = not self.resizer.helper_gone(helper)
             if cancelled:
-                self._cancel(helper)
-            self.helpers.pop(helper, None)
+                self.resizer.cancel(helper)
+            self.fleet.helpers.pop(helper, None)
             self.records.write("helper_ended", helper=helper, reason=f"main job {outcome}", cancelled=cancelled)
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
-            self.records.write("end", outcome=outcome, nodes=len(self.nodes))
+            self.records.write("end", outcome=outcome, nodes=len(self.fleet.nodes))

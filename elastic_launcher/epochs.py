@@ -1,17 +1,13 @@
-"""How an :class:`~elastic_launcher.trainer.ElasticTrainer` moves between membership epochs.
+"""How an :class:`~elastic_launcher.trainer.ElasticTrainer` moves between membership epochs: the executor of the
+decisions in :mod:`elastic_launcher.epoch_decisions` (whose docstring draws the transitions), and the small
+stateful helpers around it.
 
-The :class:`EpochTransitions` mixin holds the epoch changes the commit vote decides on: joining the first
-epoch (state from the plan's first survivor), preparing the next epoch's group in the background, switching
-to it (or leaving) at a commit point, rolling back a failed step, and recovering from a failed collective
-(agree on survivors, rebuild, roll back, resync). ``trainer.py`` holds the API, the loader and the vote.
-
-Expects on ``self`` (set by ``ElasticTrainer.__init__``): ``config``, ``device``, ``module``, ``optimizer``,
-``scheduler``, ``policy``, ``telemetry``, ``fault``, ``wid``, ``addr``, ``state``, ``membership``, ``sampler``,
-``plan``, ``group``, ``ddp``, ``_hook``, ``_store``, ``_next``, ``_next_thread``, ``_pending_switch``,
-``switches``, ``failures``, ``left``, ``_local_error``, ``_nonfinite``, ``schedule``, ``committed_step``,
-``_joined``, and the properties
-``rank``, ``world_size``, ``step``.
+Decisions and their execution are apart (as torchelastic's rendezvous and agent do): a pure ``decide_*`` function
+looks at what a commit point, a posted plan or a recovery says and returns an action; :class:`EpochExecutor`
+applies it (groups, DDP wraps, state broadcasts, store keys) and returns what the trainer adopts. No class here
+reads an attribute another class sets.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -19,82 +15,273 @@ import json
 import logging
 import threading
 import time
-from typing import Optional
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
-from elastic_launcher.membership import Plan
-from elastic_launcher.process_group import ProcessGroupWrapper
-from elastic_launcher.telemetry import HookState, elastic_allreduce_hook
+from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.epoch_decisions import PrepareKind, RecoveryKind, decide_prepare, decide_recovery, source_rank
+from elastic_launcher.errors import LeftGroup, PeerFailure, ProcessGroupError
+from elastic_launcher.membership import Membership, Plan
+from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr
+from elastic_launcher.state import TrainingState
+from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
 
 logger = logging.getLogger("elastic_launcher.trainer")
 events = logging.getLogger("elastic_launcher.events")  # resize / recovery records
 
+__all__ = ["Epoch", "PeerFailureRelay", "NextEpoch", "SwitchLog", "ExecutorSettings", "EpochExecutor"]
+
 _DDP_PARAMS = inspect.signature(DDP.__init__).parameters
 
 
-class EpochTransitions:
-    """Joining, switching, leaving, rollback and recovery (mixed into ``ElasticTrainer``)."""
+# ---- state the executor hands back --------------------------------------------------------------------------
+@dataclass
+class Epoch:
+    """The epoch a worker trains in, as the executor built it.
 
-    # ---- joining and switching ------------------------------------------------------------------------------
-    def _new_wrapper(self) -> ProcessGroupWrapper:
-        c = self.config
-        return ProcessGroupWrapper(c.backend, self.device, c.timeout, c.connect_timeout)
+    Attributes:
+        plan: the membership epoch.
+        group: its process group.
+        ddp: the DDP wrapper on ``group``.
+        hook: the wrapper's communication hook state.
+        batches: every rank's local batch size (``BatchPolicy.split``).
+    """
 
-    def _join(self) -> None:
-        """First entry into the group: receive the state from the plan's first survivor (rank 0 initially)."""
-        src = self._source_rank(self.plan)
-        t0 = time.perf_counter()
-        self.state.broadcast(self.group, src, self._store, f"state/{self.plan.id}", self.config.rendezvous_timeout)
-        t1 = time.perf_counter()
-        self.sampler.prefetch()
-        self._enter(self.plan, newcomer=True)
-        self._joined = True
-        # The first epoch's rank 0 reports it switched (the controller waits for that); a newcomer of a later
-        # epoch only records its own join (that epoch's rank 0 is a survivor and reports it).
-        self._pending_switch = {"epoch": self.plan.id, "prev": self.plan.prev,
-                                "kind": "initial" if self.plan.kind == "initial" else "join",
-                                "world": self.plan.world_size, "step": self.step, "t_decide": t1,
-                                "state_wait_and_sync_s": t1 - t0, "enter_s": time.perf_counter() - t1}
+    plan: Plan
+    group: ProcessGroupWrapper
+    ddp: DDP
+    hook: HookState
+    batches: list[int]
 
-    def _source_rank(self, plan: Plan) -> int:
-        if plan.kind == "initial" or plan.prev == 0:
-            return 0
-        prev = self.membership.plan(plan.prev)
-        return min(plan.rank_of(m) for m in plan.members if m in prev.members)
 
-    def _enter(self, plan: Plan, newcomer: bool = False) -> None:
-        """Re-wraps DDP on the current group and repartitions; the epoch is ``plan`` from here on."""
-        self.plan = plan
-        self.epoch_start_step = self.step  # same on every rank of the plan (survivors and newcomers)
-        if self.ddp is not None:
-            self.ddp = None  # drop the old reducer (and its autograd hooks) before wrapping again
-        kw = dict(process_group=self.group.pg, init_sync=False, bucket_cap_mb=self.config.bucket_cap_mb)
+class PeerFailureRelay:
+    """Called from the heartbeat thread when a peer of an epoch stopped beating, or its recovery began: fails
+    that epoch's group (an NCCL communicator is aborted), so a training thread waiting on the dead peer wakes
+    up with an error and its commit vote turns into a recovery. Reports of an epoch already left are dropped."""
+
+    def __init__(self) -> None:
+        self._current: Optional[tuple[int, ProcessGroupWrapper]] = None
+
+    def watch(self, epoch: int, group: ProcessGroupWrapper) -> None:
+        """From now on, failures reported for ``epoch`` fail ``group``."""
+        self._current = (epoch, group)
+
+    def __call__(self, epoch: int, reason: str) -> None:
+        current = self._current
+        if current is not None and current[0] == epoch:
+            current[1].fail(PeerFailure(f"epoch {epoch}: {reason}"))
+
+
+class NextEpoch:
+    """The next epoch's group, built in the background while training goes on.
+
+    Args:
+        membership: where posted plans appear (``next_plan()`` reads no store).
+        wid: this worker.
+        build: ``build(plan) -> group`` configures the plan's group (blocking; runs on a thread).
+    """
+
+    def __init__(self, membership: Membership, wid: str, build: Callable[[Plan], ProcessGroupWrapper]) -> None:
+        self._membership = membership
+        self._wid = wid
+        self._build = build
+        self._decided: Optional[int] = None  # the plan id last acted on
+        self._ready: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
+        self._thread: Optional[threading.Thread] = None
+
+    def poll(self) -> None:
+        """Every step: acts on a newly posted plan (no store access, no allocation otherwise)."""
+        nxt = self._membership.next_plan()
+        if nxt is None or nxt.id == self._decided or self._thread is not None:
+            return
+        self._decided = nxt.id
+        action = decide_prepare(nxt, self._wid)
+        if action.kind is PrepareKind.LEAVE:
+            self._ready = (nxt.id, None)
+            return
+        self._thread = threading.Thread(target=self._run_build, args=(nxt,), name=f"elastic-build-{nxt.id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run_build(self, plan: Plan) -> None:
+        try:
+            g = self._build(plan)
+        except Exception as e:  # noqa: BLE001 - a superseded or failed plan: stay in the current epoch
+            logger.warning("building group for epoch %d failed: %s", plan.id, e)
+            return
+        self._ready = (plan.id, g)
+
+    def ready_id(self) -> int:
+        """The plan id this worker is ready to switch to (its vote), 0 when none."""
+        ready = self._ready
+        return ready[0] if ready is not None else 0
+
+    def leaving(self) -> bool:
+        """The prepared next plan leaves this worker out."""
+        ready = self._ready
+        return ready is not None and ready[1] is None
+
+    def take(self) -> tuple[int, Optional[ProcessGroupWrapper]]:
+        """Hands the prepared (plan id, group or None to leave) over; nothing is prepared afterwards.
+
+        Raises:
+            ProcessGroupError: nothing was prepared (the vote said ready: a bug).
+        """
+        ready = self._ready
+        if ready is None:
+            raise ProcessGroupError("switch voted without a prepared next epoch")
+        self._ready, self._thread, self._decided = None, None, None
+        return ready
+
+    def drop(self) -> None:
+        """Forgets the prepared epoch, aborting its group."""
+        if self._ready is not None and self._ready[1] is not None:
+            self._ready[1].abort()
+        self._ready, self._thread, self._decided = None, None, None
+
+
+class SwitchLog:
+    """The records of epoch changes: one is pending from the change until the first commit point after it.
+
+    Args:
+        wid: this worker, for the event log.
+        device: a CUDA device is synchronised before a pause ends (its queued first step is part of it).
+    """
+
+    def __init__(self, wid: str, device: torch.device) -> None:
+        self._wid = wid
+        self._device = device
+        self.pending: Optional[dict] = None
+        self.done: list[dict] = []
+
+    def begin(self, rec: dict) -> None:
+        """A change happened; ``rec`` holds ``t_decide`` (and ``t_entered`` once the new epoch was entered)."""
+        self.pending = rec
+
+    def finish(self, t: float, step: int) -> Optional[dict]:
+        """The first commit point after the change, at ``t``: completes and returns the record (None if none)."""
+        rec = self.pending
+        if rec is None:
+            return None
+        self.pending = None
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            t = time.perf_counter()
+        rec["pause_s"] = t - rec.pop("t_decide")
+        if "t_entered" in rec:
+            rec["first_step_s"] = t - rec.pop("t_entered")
+        self.done.append(rec)
+        events.info("switch %s", json.dumps(rec), extra={"wid": self._wid, "step": step})
+        return rec
+
+
+# ---- execution ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """What the executor needs of ``TrainerConfig``.
+
+    Attributes:
+        backend, timeout, connect_timeout: of every group built.
+        rendezvous_timeout: waiting for a state skeleton.
+        bucket_cap_mb: DDP bucket size.
+    """
+
+    backend: str
+    timeout: timedelta
+    connect_timeout: timedelta
+    rendezvous_timeout: timedelta
+    bucket_cap_mb: float
+
+
+class EpochExecutor:
+    """Applies the decisions: builds groups, wraps DDP, moves state. Holds only what it is given here.
+
+    Args:
+        settings: timeouts and sizes.
+        wid: this worker.
+        addr: the job store's address (group prefixes go under it).
+        store: the trainer's store client (speeds, state skeletons).
+        membership: this worker's membership client.
+        state: the registered training state.
+        module: the bare model.
+        optimizer: its optimizer (learning rates follow the global batch).
+        scheduler: its LR scheduler or None.
+        policy: the batch/LR policy.
+        device: the model's device.
+        telemetry: the hook's timing collector or None.
+        fault: the ``fail_at`` test seam or None.
+        relay: the peer watchdog's relay (pointed at each entered epoch's group).
+    """
+
+    def __init__(self, settings: ExecutorSettings, *, wid: str, addr: StoreAddr, store, membership: Membership,
+                 state: TrainingState, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                 policy: BatchPolicy, device: torch.device, telemetry: Optional[Telemetry], fault,
+                 relay: PeerFailureRelay) -> None:
+        self.settings = settings
+        self.wid = wid
+        self.addr = addr
+        self.store = store
+        self.membership = membership
+        self.state = state
+        self.module = module
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.policy = policy
+        self.device = device
+        self.telemetry = telemetry
+        self.fault = fault
+        self.relay = relay
+
+    # ---- groups ---------------------------------------------------------------------------------------------
+    def new_group(self, plan: Plan) -> ProcessGroupWrapper:
+        """A configured group for ``plan`` (blocking; aborted again when configuring fails).
+
+        Raises:
+            ProcessGroupError, RendezvousTimeout: the group could not be built.
+        """
+        s = self.settings
+        g = ProcessGroupWrapper(s.backend, self.device, s.timeout, s.connect_timeout)
+        try:
+            g.configure(self.addr.with_prefix(f"{self.addr.prefix}/{plan.group_prefix}"), plan.rank_of(self.wid),
+                        plan.world_size)
+        except BaseException:
+            g.abort()
+            raise
+        return g
+
+    def _source(self, plan: Plan) -> int:
+        prev = self.membership.plan(plan.prev) if plan.kind != "initial" and plan.prev != 0 else None
+        return source_rank(plan, prev)
+
+    def _broadcast_state(self, group: ProcessGroupWrapper, src: int, plan: Plan) -> int:
+        return self.state.broadcast(group, src, self.store, f"state/{plan.id}", self.settings.rendezvous_timeout)
+
+    # ---- entering an epoch ----------------------------------------------------------------------------------
+    def enter(self, plan: Plan, group: ProcessGroupWrapper, step_fn: Callable[[], int]) -> Epoch:
+        """Wraps DDP on ``group`` (no init sync), splits the batch, scales learning rates, watches ``plan``.
+        The caller drops the old wrapper first (its reducer holds autograd hooks)."""
+        kw = dict(process_group=group.pg, init_sync=False, bucket_cap_mb=self.settings.bucket_cap_mb)
         kw["forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers"] = False
         if self.device.type == "cuda":
             kw["device_ids"] = [self.device.index]
-        self.ddp = DDP(self.module, **kw)
-        self._hook = HookState(self.group, self.telemetry)
-        self._hook.fault = self.fault
-        self._hook.step_fn = lambda: self.step
-        self.ddp.register_comm_hook(self._hook, _hook_with_fault)
-        self._repartition()
-        self._epoch_group = (plan.id, self.group)
+        ddp = DDP(self.module, **kw)
+        hook = HookState(group, self.telemetry, fault=self.fault, step_fn=step_fn)
+        ddp.register_comm_hook(hook, _hook_with_fault)
+        batches = self._repartition(plan, group.size())
+        self.relay.watch(plan.id, group)
         self.membership.watch(plan)
-        if self.rank == 0:
+        if group.rank() == 0:
             self.membership.publish_current(plan)
-        self._local_error = self._nonfinite = None
-        self.state.snapshot()
-        self.committed_step = self.step
-        self.schedule.enter(self.step, time.perf_counter())  # next commit point: the first step of the epoch
+        return Epoch(plan, group, ddp, hook, batches)
 
-    def _repartition(self) -> None:
-        world = self.world_size
-        speeds = [float(self._store.get(f"speed/{m}")) for m in self.plan.members]
-        self.batches = self.policy.split(world, speeds if len(set(speeds)) > 1 else None)
-        g = sum(self.batches)
+    def _repartition(self, plan: Plan, world: int) -> list[int]:
+        speeds = [float(self.store.get(f"speed/{m}")) for m in plan.members]
+        batches = self.policy.split(world, speeds if len(set(speeds)) > 1 else None)
+        g = sum(batches)
         c = self.state.counters
         if not c.get("ref_global"):
             c["ref_global"] = self.policy.ref_global or g
@@ -106,133 +293,89 @@ class EpochTransitions:
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
         c["lr_factor"] = factor
+        return batches
 
-    def _maybe_prepare_next(self) -> None:
-        nxt = self.membership.next_plan()
-        if nxt is None or (self._next is not None and self._next[0] == nxt.id) or self._next_thread is not None:
-            return
-        if self.wid not in nxt.members:
-            self._next = (nxt.id, None)  # leaving: ready at once
-            return
-
-        def build() -> None:
-            g = self._new_wrapper()
-            try:
-                g.configure(self.addr.with_prefix(f"{self.addr.prefix}/{nxt.group_prefix}"),
-                            nxt.rank_of(self.wid), nxt.world_size)
-            except Exception as e:  # noqa: BLE001 - a superseded or failed plan: stay in the current epoch
-                logger.warning("building group for epoch %d failed: %s", nxt.id, e)
-                g.abort()
-                return
-            self._next = (nxt.id, g)
-
-        self._next_thread = threading.Thread(target=build, name=f"elastic-build-{nxt.id}", daemon=True)
-        self._next_thread.start()
-
-    def _drop_next(self) -> None:
-        if self._next is not None and self._next[1] is not None:
-            self._next[1].abort()
-        self._next, self._next_thread = None, None
-
-    def _switch(self, t_decide: float) -> bool:
-        """Everyone voted ready for the posted plan: leave, or move to the prepared group."""
-        pid, new_group = self._next  # type: ignore[misc]
-        nxt = self.membership.next_plan()
-        old_plan, old_group = self.plan, self.group
-        self._next, self._next_thread = None, None
-        self.ddp = None  # the old reducer (freed later by the cyclic GC; the old group stays retired)
-        if new_group is None:
-            old_group.abort()
-            self.left = True
-            self.membership.mark_left()
-            events.info("left at epoch %d -> %d", old_plan.id, pid, extra={"wid": self.wid, "step": self.step})
-            return False
+    # ---- transitions ----------------------------------------------------------------------------------------
+    def join(self, plan: Plan, group: ProcessGroupWrapper, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
+        """First entry into ``plan``: receive the state from its first survivor (rank 0 initially). Returns the
+        epoch and its pending switch record (completed at the first commit point)."""
         t0 = time.perf_counter()
-        self.group = new_group
+        self._broadcast_state(group, self._source(plan), plan)
+        t1 = time.perf_counter()
+        if self.state.sampler is not None:
+            self.state.sampler.prefetch()
+        epoch = self.enter(plan, group, step_fn)
+        # The first epoch's rank 0 reports it switched (the controller waits for that); a newcomer of a later
+        # epoch only records its own join (that epoch's rank 0 is a survivor and reports it).
+        rec = {"epoch": plan.id, "prev": plan.prev, "kind": "initial" if plan.kind == "initial" else "join",
+               "world": plan.world_size, "step": step_fn(), "t_decide": t1, "state_wait_and_sync_s": t1 - t0,
+               "enter_s": time.perf_counter() - t1}
+        return epoch, rec
+
+    def leave(self, old: Plan, old_group: ProcessGroupWrapper, pid: int, step: int) -> None:
+        """Leaves at a commit point: this worker is not in plan ``pid``."""
+        old_group.abort()
+        self.membership.mark_left()
+        events.info("left at epoch %d -> %d", old.id, pid, extra={"wid": self.wid, "step": step})
+
+    def switch(self, old: Plan, old_group: ProcessGroupWrapper, new_group: ProcessGroupWrapper,
+               t_decide: float, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
+        """Moves to the posted next plan on its prepared group: newcomers receive the state."""
+        nxt = self.membership.next_plan()
+        if nxt is None:
+            raise ProcessGroupError(f"switch from epoch {old.id} voted but no next plan is posted")
+        t0 = time.perf_counter()
         old_group.abort()
         t1 = time.perf_counter()
-        newcomers = [m for m in nxt.members if m not in old_plan.members]
         nbytes = 0
-        if newcomers:
-            nbytes = self.state.broadcast(self.group, self._source_rank(nxt), self._store, f"state/{nxt.id}",
-                                          self.config.rendezvous_timeout)
+        if any(m not in old.members for m in nxt.members):
+            nbytes = self._broadcast_state(new_group, self._source(nxt), nxt)
         t2 = time.perf_counter()
-        self._enter(nxt)
+        epoch = self.enter(nxt, new_group, step_fn)
         t3 = time.perf_counter()
-        self._pending_switch = {"epoch": nxt.id, "prev": old_plan.id, "kind": nxt.kind,
-                                "old_world": old_plan.world_size, "world": nxt.world_size, "step": self.step,
-                                "t_decide": t_decide, "abort_s": t1 - t0, "state_sync_s": t2 - t1,
-                                "state_bytes": nbytes, "rewrap_s": t3 - t2, "t_entered": t3}
-        return True
+        rec = {"epoch": nxt.id, "prev": old.id, "kind": nxt.kind, "old_world": old.world_size,
+               "world": nxt.world_size, "step": step_fn(), "t_decide": t_decide, "abort_s": t1 - t0,
+               "state_sync_s": t2 - t1, "state_bytes": nbytes, "rewrap_s": t3 - t2, "t_entered": t3}
+        return epoch, rec
 
-    def _finish_switch(self, t: float) -> None:
-        """Called at the first commit after a switch: the first step at the new size is done."""
-        rec = self._pending_switch
-        self._pending_switch = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            t = time.perf_counter()
-        rec["pause_s"] = t - rec.pop("t_decide")
-        if "t_entered" in rec:
-            rec["first_step_s"] = t - rec.pop("t_entered")
-        self.switches.append(rec)
-        events.info("switch %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
-        if self.rank == 0 and rec["kind"] != "join":
-            self.membership.report_switched(self.plan, rec)
+    def recover(self, failed: Plan, old_group: ProcessGroupWrapper, err: Optional[BaseException],
+                try_shrink: bool, lost: int, interval: int, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
+        """Agrees on the survivors of ``failed``, rebuilds (``decide_recovery``), rolls back to the last commit
+        point and resyncs from rank 0.
 
-    # ---- failure handling -----------------------------------------------------------------------------------
-    def _rollback(self, err: Optional[BaseException]) -> None:
-        self.failures += 1
-        if self.failures > self.config.max_retries:
-            raise TooManyFailures(f"{self.failures} failed commits in a row at step {self.step}; last: {err}")
-        self.state.restore()
-        self._local_error = self._nonfinite = None
-        self.schedule.enter(self.step, time.perf_counter())
-        logger.warning("rolled back to step %d after %s", self.step, err)
-
-    def _recover(self, err: Optional[BaseException]) -> None:
-        """A collective failed: agree on survivors, rebuild, roll back to the last commit, resync from rank 0."""
+        Raises:
+            LeftGroup: this worker was declared dead.
+        """
         t0 = time.perf_counter()
-        self.failures += 1
-        if self.failures > self.config.max_retries:
-            raise TooManyFailures(f"{self.failures} failed commits in a row at step {self.step}; last: {err}")
-        failed, old = self.plan, self.group
-        self._drop_next()
-        self.ddp = None
         plan = self.membership.recover(failed)
-        if self.wid not in plan.members:
-            old.abort()
-            self.left = True
+        action = decide_recovery(failed, plan, self.wid, try_shrink)
+        if action.kind is RecoveryKind.LEAVE:
+            old_group.abort()
             raise LeftGroup(f"worker {self.wid} was declared dead in recovery of epoch {failed.id}")
         new = None
-        dead = [failed.rank_of(m) for m in failed.members if m not in plan.members]
-        if self.config.try_shrink and dead:
+        if action.kind is RecoveryKind.SHRINK:
             try:
-                new = old.shrink(dead, abort=True)
+                new = old_group.shrink(list(action.dead_ranks), abort=True)
             except ProcessGroupError as e:
                 logger.info("shrink unavailable, rebuilding: %s", e)
-        old.abort()
+        old_group.abort()
         if new is None:
-            new = self._new_wrapper()
-            new.configure(self.addr.with_prefix(f"{self.addr.prefix}/{plan.group_prefix}"),
-                          plan.rank_of(self.wid), plan.world_size)
-        self.group = new
-        lost, interval = self.step - self.committed_step, self.schedule.interval
+            new = self.new_group(plan)
         self.state.restore()
-        self.state.broadcast(self.group, 0, self._store, f"state/{plan.id}", self.config.rendezvous_timeout)
-        self._enter(plan)
+        self._broadcast_state(new, 0, plan)
+        epoch = self.enter(plan, new, step_fn)
         t1 = time.perf_counter()
         rec = {"epoch": plan.id, "prev": failed.id, "kind": "recovery", "old_world": failed.world_size,
-               "world": plan.world_size, "step": self.step, "lost_steps": lost, "commit_interval": interval,
+               "world": plan.world_size, "step": step_fn(), "lost_steps": lost, "commit_interval": interval,
                "recover_s": t1 - t0, "error": str(err)[:200]}
-        events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": self.step})
+        events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": step_fn()})
         # completed (pause_s, switches, elastic/switched/<id> from rank 0) at the first commit of the new epoch
-        self._pending_switch = {**rec, "t_decide": t0, "t_entered": t1}
+        return epoch, {**rec, "t_decide": t0, "t_entered": t1}
 
 
 def _hook_with_fault(state: HookState, bucket):  # no return annotation (see elastic_allreduce_hook)
     """The elastic hook, plus the ``fail_at`` seam: dies mid-backward when the fault plan says so."""
-    fault = getattr(state, "fault", None)
+    fault = state.fault
     if fault is not None and bucket.index() == 0:
         fault.maybe_fail(state.group.rank(), state.step_fn())
     return elastic_allreduce_hook(state, bucket)

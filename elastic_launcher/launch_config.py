@@ -122,9 +122,6 @@ class LaunchConfig:
         grow_step_nodes: nodes added per grow step (one helper job each).
         measure_steps: committed steps averaged for one throughput measurement.
         warmup_steps: committed steps ignored after a resize before measuring.
-        test_throughput: TEST POLICY KNOB, never for production: "linear" makes the controller
-            treat throughput as linear in workers (efficiency 1.0) regardless of measurement, so
-            a CPU testbed where nothing really scales can exercise grow. None: measure.
         autoscale: False: resize only on operator requests and failures.
         yield_to_pending: hand nodes above the job's minimum back to a job of the partition pending for them
             (and grow no further while one waits); `elastic-launch --no-yield` turns it off.
@@ -155,7 +152,6 @@ class LaunchConfig:
     grow_step_nodes: int = 2
     measure_steps: int = 8
     warmup_steps: int = 2
-    test_throughput: Optional[str] = None
     autoscale: bool = True
     yield_to_pending: bool = True
     straggler_ratio: float = 1.5
@@ -175,8 +171,6 @@ class LaunchConfig:
             raise ValueError("LaunchConfig.command: no worker command given (elastic-launch [options] -- CMD ...)")
         if self.workers_per_node is not None and self.workers_per_node < 1:
             raise ValueError(f"LaunchConfig.workers_per_node: must be >= 1, got {self.workers_per_node}")
-        if self.test_throughput not in (None, "linear"):
-            raise ValueError(f"LaunchConfig.test_throughput: expected 'linear' or None, got {self.test_throughput!r}")
         if self.grow_step_nodes < 1:
             raise ValueError(f"LaunchConfig.grow_step_nodes: must be >= 1, got {self.grow_step_nodes}")
 

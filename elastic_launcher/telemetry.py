@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -107,11 +107,16 @@ class HookState:
         first_sync_t: ``time.perf_counter()`` at the step's first bucket (the local compute before any wait
             on peers ends about here); the trainer clears it when it hands out a batch.
         timed: time this step's buckets (the trainer sets it every step from ``Telemetry.time_every``).
+        fault: the ``fail_at`` test seam (``maybe_fail(rank, step)``) or None.
+        step_fn: returns the global step (the fault seam's clock).
     """
 
-    def __init__(self, group: ProcessGroupWrapper, telemetry: Optional[Telemetry] = None) -> None:
+    def __init__(self, group: ProcessGroupWrapper, telemetry: Optional[Telemetry] = None, fault=None,
+                 step_fn: Optional[Callable[[], int]] = None) -> None:
         self.group = group
         self.telemetry = telemetry
+        self.fault = fault
+        self.step_fn = step_fn
         self.scale = 1.0 / max(group.size(), 1)
         self.buckets: dict[int, int] = {}  # bucket index -> bytes (the model's bucket layout)
         self.first_sync_t: Optional[float] = None

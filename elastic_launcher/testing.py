@@ -1,4 +1,4 @@
-"""Test seams shipped with the package: a fake group and a fault plan.
+"""Test seams shipped with the package: a fake group, a fault plan and a throughput model.
 
 ``FaultPlan().fail_at(rank, step)`` makes the worker that has rank ``rank`` at global step ``step`` kill itself
 with SIGKILL in the middle of that step's backward pass (inside the communication hook, before the first
@@ -7,6 +7,9 @@ bucket's allreduce), or raise :class:`InjectedFault` when ``mode="raise"``. Pass
 
 :class:`FakeProcessGroupWrapper` is a one-rank stand-in with the wrapper's interface: collectives complete at
 once, ``fail_next()`` makes the next collective raise (to test error recording and votes without peers).
+
+:class:`LinearThroughput` is the controller's throughput model for CPU testbeds, where nothing really scales
+(``Controller(throughput=LinearThroughput())``, or ``elastic-launch --test-throughput linear``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 
 from elastic_launcher.errors import ElasticError, NotConfiguredError
 
-__all__ = ["FaultPlan", "InjectedFault", "FakeProcessGroupWrapper"]
+__all__ = ["FaultPlan", "InjectedFault", "FakeProcessGroupWrapper", "LinearThroughput"]
 
 
 class InjectedFault(ElasticError):
@@ -127,3 +130,16 @@ class FakeProcessGroupWrapper:
     @property
     def configured(self) -> bool:
         return self._configured
+
+
+class LinearThroughput:
+    """A throughput model (``steering.ThroughputModel``) for CPU testbeds, where nothing really scales: samples/s
+    linear in workers from the first measurement (scaling efficiency 1.0), so a test can exercise grow. Injected
+    with ``Controller(throughput=LinearThroughput())`` or ``elastic-launch --test-throughput linear``; never for
+    production."""
+
+    def samples_per_s(self, measured: float, workers: int, history) -> float:
+        if not history:
+            return measured
+        base = history[0]
+        return base.samples_per_s / base.workers * workers

@@ -25,13 +25,12 @@ point, all ranks together: a failed collective -> recovery
 re-sync from rank 0); a local error -> roll back and retry (at most ``max_retries`` in a row); everyone ready for
 the posted next plan -> switch. Newcomers and survivors build the next group in the background while training
 goes on, so the switch costs: abort of the old group, the state broadcast to newcomers (none on a shrink), a
-DDP re-wrap on the new group (no init sync), and the first step. The epoch changes themselves live in
-:mod:`elastic_launcher.epochs`.
+DDP re-wrap on the new group (no init sync), and the first step. The epoch changes themselves are decided by
+pure functions (:mod:`elastic_launcher.epoch_decisions`) and executed apart (:mod:`elastic_launcher.epochs`).
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,10 +43,11 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.commit_schedule import CommitSchedule
-from elastic_launcher.epochs import EpochTransitions
-from elastic_launcher.errors import PeerFailure, ProcessGroupError
+from elastic_launcher.epoch_decisions import CommitAction, CommitOutcome, Phase, VoteTally, decide_commit
+from elastic_launcher.epochs import Epoch, EpochExecutor, ExecutorSettings, NextEpoch, PeerFailureRelay, SwitchLog
+from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
 from elastic_launcher.links import HostFacts
-from elastic_launcher.membership import Membership
+from elastic_launcher.membership import Membership, Plan
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
 from elastic_launcher.sampler import ElasticSampler
@@ -56,7 +56,7 @@ from elastic_launcher.telemetry import HookState, Telemetry
 
 logger = logging.getLogger("elastic_launcher.trainer")
 
-__all__ = ["TrainerConfig", "ElasticTrainer"]
+__all__ = ["TrainerConfig", "ElasticTrainer", "VoteTally"]  # VoteTally: from epoch_decisions
 
 WARM_UP_STEPS = 2  # local steps of ElasticTrainer(warm_up=...): the optimizer's first step and a later one
 
@@ -107,33 +107,7 @@ class TrainerConfig:
     observations_every: int = 50
 
 
-@dataclass(frozen=True)
-class VoteTally:
-    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1, proposal].
-
-    Attributes:
-        counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
-            communicator handed back untouched says 1, half reduced less than the size).
-        collectives_ok: counted, and no rank saw a collective fail.
-        local_ok: no rank reported a local error (non-finite loss, ...): else everyone rolls back.
-        ready: every rank is ready to switch to the same next epoch (``ready`` > 0).
-        proposals: the sum of the ranks' proposed commit intervals (``CommitSchedule.committed`` reads it).
-    """
-
-    counted: bool
-    collectives_ok: bool
-    local_ok: bool
-    ready: bool
-    proposals: int = 0
-
-    @classmethod
-    def read(cls, v, n: int, ready: int) -> "VoteTally":
-        total, coll, local, count, proposals = (int(x) for x in v)
-        counted = count == n
-        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready, proposals)
-
-
-class ElasticTrainer(EpochTransitions):
+class ElasticTrainer:
     """Elastic data-parallel training inside the current process.
 
     Args:
@@ -166,7 +140,9 @@ class ElasticTrainer(EpochTransitions):
 
     The constructor (warms up,) announces the worker, waits for a plan that includes it and builds that plan's
     group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
-    loader starts.
+    loader starts. Epoch changes are decided by the pure ``decide_*`` functions of
+    :mod:`elastic_launcher.epoch_decisions` and applied by :class:`~elastic_launcher.epochs.EpochExecutor`; this
+    class adopts what the executor hands back.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,
@@ -176,12 +152,9 @@ class ElasticTrainer(EpochTransitions):
                  warm_up: Optional[Callable[[torch.nn.Module], Any]] = None) -> None:
         self.module = model
         self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.policy = policy
         self.config = config
         self.telemetry = telemetry
         self.wid = worker_id
-        self.fault = fault
         self.progress = progress
         self.addr = StoreAddr.parse(store_addr) if isinstance(store_addr, str) else store_addr
         self.device = device or next(model.parameters()).device
@@ -189,7 +162,6 @@ class ElasticTrainer(EpochTransitions):
         self.state.counters.update(lr_factor=1.0, ref_global=0)
         self._store = connect_store(self.addr.with_prefix(self.addr.prefix + "/elastic-state"),
                                     config.connect_timeout)
-        self._epoch_group: Optional[tuple[int, ProcessGroupWrapper]] = None  # for the peer watchdog
         # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
         self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
         publish_host = getattr(progress, "publish_host", None)
@@ -197,18 +169,29 @@ class ElasticTrainer(EpochTransitions):
             gpu = self.device.index if self.device.type == "cuda" else None
             publish_host(HostFacts.probe(config.backend, gpu).to_json())
         watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
+        self._relay = PeerFailureRelay()
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,
                                      config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
-                                     on_peer_failure=self._on_peer_failure if watchdog else None)
+                                     on_peer_failure=self._relay if watchdog else None)
+        self._executor = EpochExecutor(
+            ExecutorSettings(config.backend, config.timeout, config.connect_timeout, config.rendezvous_timeout,
+                             config.bucket_cap_mb),
+            wid=worker_id, addr=self.addr, store=self._store, membership=self.membership, state=self.state,
+            module=model, optimizer=optimizer, scheduler=scheduler, policy=policy, device=self.device,
+            telemetry=telemetry, fault=fault, relay=self._relay)
+        self._next_epoch = NextEpoch(self.membership, worker_id, self._executor.new_group)
+        self._switch_log = SwitchLog(worker_id, self.device)
         self.membership.start()
+        self.phase = Phase.JOINING
         self.sampler: Optional[ElasticSampler] = None
+        # the current epoch (what EpochExecutor hands back), flat: the step reads these
+        self.plan: Plan
+        self.group: ProcessGroupWrapper
         self.ddp: Optional[DDP] = None
         self._hook: Optional[HookState] = None
         self.batches: list[int] = []
         self.batch_indices: list[int] = []
-        self.left = False
         self.failures = 0
-        self.switches: list[dict] = []
         self._local_error: Optional[BaseException] = None
         self._nonfinite: Optional[torch.Tensor] = None  # device flag of watch_loss, read by the next vote
         self._last_commit_t = time.perf_counter()
@@ -216,17 +199,12 @@ class ElasticTrainer(EpochTransitions):
         self.schedule = CommitSchedule(config.commit_every, config.commit_period.total_seconds(),
                                        config.commit_overhead, config.max_commit_every)
         self.committed_step = 0  # the step of the last commit point (the rollback point)
+        self.epoch_start_step = 0  # the step the current epoch began at (the same on every rank of its plan)
         self._uncommitted = (0, 0.0)  # (steps, compute seconds) since the last commit point, for the progress hook
-        self._next: Optional[tuple[int, Optional[ProcessGroupWrapper]]] = None  # (plan id, group or None=leave)
-        self._next_thread: Optional[threading.Thread] = None
-        self._pending_switch: Optional[dict] = None
-        self._joined = False
         try:
             self._store.set(f"speed/{worker_id}", repr(float(speed)))
             self.plan = self.membership.wait_for_plan()
-            self.group = self._new_wrapper()
-            self.group.configure(self.addr.with_prefix(f"{self.addr.prefix}/{self.plan.group_prefix}"),
-                                 self.plan.rank_of(worker_id), self.plan.world_size)
+            self.group = self._executor.new_group(self.plan)
         except BaseException:
             self.membership.stop()  # no plan or no group: leave no heartbeat behind
             raise
@@ -253,13 +231,15 @@ class ElasticTrainer(EpochTransitions):
     def epoch(self) -> int:
         return self.sampler.epoch if self.sampler is not None else 0
 
-    def _on_peer_failure(self, epoch: int, reason: str) -> None:
-        """Heartbeat thread: a peer of ``epoch`` stopped beating, or its recovery began. Fails that epoch's group
-        (an NCCL communicator is aborted), so a training thread waiting on the dead peer wakes up with an error
-        and its commit vote turns into a recovery."""
-        current = self._epoch_group
-        if current is not None and current[0] == epoch:
-            current[1].fail(PeerFailure(f"epoch {epoch}: {reason}"))
+    @property
+    def left(self) -> bool:
+        """This worker left the job (a shrink left it out, or a recovery declared it dead)."""
+        return self.phase is Phase.LEFT
+
+    @property
+    def switches(self) -> list[dict]:
+        """The completed records of this worker's epoch changes (join, resize, recovery), oldest first."""
+        return self._switch_log.done
 
     def _warm_up(self, step_fn: Callable[[torch.nn.Module], Any]) -> float:
         """``WARM_UP_STEPS`` local steps, then the state as it was (see ``warm_up`` in the class docstring)."""
@@ -302,9 +282,10 @@ class ElasticTrainer(EpochTransitions):
             self.sampler = ElasticSampler(len(dataset), seed=self.config.seed)
             self.sampler.prefetch()
             self.state.sampler = self.sampler
-        if not self._joined:
-            self._join()
-        while not self.left:
+        if self.phase is Phase.JOINING:
+            self._adopt(*self._executor.join(self.plan, self.group, self._step_fn))
+        left = Phase.LEFT
+        while self.phase is not left:
             if (max_steps is not None and self.step >= max_steps) or \
                     (epochs is not None and self.sampler.epoch >= epochs):
                 if self.committed_step < self.step:
@@ -379,7 +360,7 @@ class ElasticTrainer(EpochTransitions):
     def _commit(self, now: float) -> bool:
         self.sampler.advance(self.batches)
         self.state.counters["step"] += 1
-        self._maybe_prepare_next()
+        self._next_epoch.poll()
         self._record_step(now)
         # A failed collective goes to recovery at once: that needs no collective (survivors agree through the
         # store). Everything else waits for the agreed commit point: a vote some ranks take and others do not
@@ -395,9 +376,9 @@ class ElasticTrainer(EpochTransitions):
             self._hook.timed = self.step % self.telemetry.time_every == 0
         self._last_commit_t = now
 
-    def _vote(self) -> bool:
-        nxt = self._next
-        ready = nxt[0] if nxt is not None else 0
+    # ---- commit points: vote, decide, execute ---------------------------------------------------------------
+    def _tally(self, ready: int) -> Optional[VoteTally]:
+        """Runs the vote on the current group; None when it failed (the group's error is recorded)."""
         ok_coll = 0 if self.group.errored() is not None else 1
         ok_local = 0 if self._local_error is not None else 1
         n = self.group.size()
@@ -419,30 +400,88 @@ class ElasticTrainer(EpochTransitions):
         tally = VoteTally.read(v, n, ready) if ok_coll else None
         if tally is not None and not tally.counted:
             self.group.report_error(ProcessGroupError(f"commit vote counted {int(v[3])} of {n} ranks"))
-        if self.group.errored() is not None:  # failed meanwhile (the watchdog aborted it): v means nothing
-            tally = None
-        if tally is None or not tally.collectives_ok:
-            self._recover(self.group.errored())
-            return not self.left
-        if not tally.local_ok:
-            self._rollback(self._local_error or FloatingPointError("a rank saw a non-finite loss (watch_loss)"))
+        return tally
+
+    def _vote(self) -> bool:
+        """A commit point: vote, ``decide_commit``, apply. Returns False once this worker left."""
+        tally = self._tally(self._next_epoch.ready_id())
+        action = decide_commit(tally, self.group.errored(), self._local_error, self._next_epoch.leaving(),
+                               self.failures, self.config.max_retries)
+        if action.outcome in _COMMITTING:
+            try:
+                self.state.broadcast_buffers(self.group, 0)
+            except Exception as e:  # noqa: BLE001
+                self.group.report_error(e)
+                action = decide_commit(None, e, self._local_error, False, self.failures, self.config.max_retries)
+        return self._apply(action, tally)
+
+    def _apply(self, action: CommitAction, tally: Optional[VoteTally]) -> bool:
+        """Executes a commit point's decision (``tally``: the vote it came from). Returns False once this worker left.
+
+        Raises:
+            TooManyFailures: GIVE_UP.
+            LeftGroup: the recovery declared this worker dead.
+        """
+        self.failures = action.failures
+        outcome = action.outcome
+        if outcome is CommitOutcome.GIVE_UP:
+            raise TooManyFailures(f"{action.failures} failed commits in a row at step {self.step}; "
+                                  f"last: {action.error}")
+        if outcome is CommitOutcome.RECOVER:
+            self._recover(action.error)
             return True
-        try:
-            self.state.broadcast_buffers(self.group, 0)
-        except Exception as e:  # noqa: BLE001
-            self.group.report_error(e)
-            self._recover(e)
-            return not self.left
-        self.failures = 0
+        if outcome is CommitOutcome.ROLLBACK:
+            self.state.restore()
+            self._local_error = self._nonfinite = None
+            self.schedule.enter(self.step, time.perf_counter())
+            logger.warning("rolled back to step %d after %s", self.step, action.error)
+            return True
         t = time.perf_counter()
-        if self._pending_switch is not None:
-            self._finish_switch(t)
+        rec = self._switch_log.finish(t, self.step)
+        if rec is not None and self.rank == 0 and rec["kind"] != "join":
+            self.membership.report_switched(self.plan, rec)
         self.state.snapshot()
         self.committed_step = self.step
-        self.schedule.committed(self.step, tally.proposals, n, time.perf_counter())
-        if tally.ready:
-            return self._switch(t)
+        self.schedule.committed(self.step, tally.proposals, self.group.size(), time.perf_counter())
+        if outcome is CommitOutcome.COMMIT:
+            return True
+        pid, new_group = self._next_epoch.take()
+        old_plan, old_group = self.plan, self.group
+        self.ddp = None  # the old reducer (freed later by the cyclic GC; the old group stays retired)
+        if outcome is CommitOutcome.LEAVE:
+            self.phase = Phase.LEFT
+            self._executor.leave(old_plan, old_group, pid, self.step)
+            return False
+        self._adopt(*self._executor.switch(old_plan, old_group, new_group, t, self._step_fn))
         return True
+
+    def _recover(self, err: Optional[BaseException]) -> None:
+        """A collective failed: the executor agrees on survivors, rebuilds, rolls back and resyncs."""
+        lost, interval = self.step - self.committed_step, self.schedule.interval
+        self._next_epoch.drop()
+        self.ddp = None
+        try:
+            adopted = self._executor.recover(self.plan, self.group, err, self.config.try_shrink, lost, interval,
+                                             self._step_fn)
+        except LeftGroup:
+            self.phase = Phase.LEFT
+            raise
+        self._adopt(*adopted)
+
+    def _adopt(self, epoch: Epoch, record: dict) -> None:
+        """The executor entered ``epoch``: train in it from the current step, which is the rollback point."""
+        self.plan, self.group, self.ddp, self._hook, self.batches = (epoch.plan, epoch.group, epoch.ddp, epoch.hook,
+                                                                     epoch.batches)
+        self.phase = Phase.TRAINING
+        self.epoch_start_step = self.step
+        self._local_error = self._nonfinite = None
+        self.state.snapshot()
+        self.committed_step = self.step
+        self.schedule.enter(self.step, time.perf_counter())  # next commit point: the first step of the epoch
+        self._switch_log.begin(record)
+
+    def _step_fn(self) -> int:
+        return int(self.state.counters["step"])
 
     # ---- shutdown -------------------------------------------------------------------------------------------
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
@@ -461,7 +500,7 @@ class ElasticTrainer(EpochTransitions):
                     publish(records)
             except Exception as e:  # noqa: BLE001 - the store may be gone (the controller ended)
                 logger.debug("last observations not published: %s", e)
-        self._drop_next()
+        self._next_epoch.drop()
         self.ddp = None
         self.group.abort()
         if not drain_reaper(timeout):
@@ -473,3 +512,6 @@ class ElasticTrainer(EpochTransitions):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_COMMITTING = (CommitOutcome.COMMIT, CommitOutcome.SWITCH, CommitOutcome.LEAVE)

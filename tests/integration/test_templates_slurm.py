@@ -88,7 +88,8 @@ def test_cpu_variant_runs_to_completion_under_elastic_launch(slurm, submit, idle
 def test_template_job_grows_through_a_helper_and_shrinks_on_request(slurm, submit, idle_nodes, wait_until, tmp_path):
     """The example scripts are elastic: the job grows from 2 to 4 nodes with a helper job (newcomers receive
     the state and train on), an operator shrink takes them out again at a commit point, and the job finishes
-    its steps. `--test-throughput linear` is the launcher's CPU-testbed knob (throughput taken as linear)."""
+    its steps. `--test-throughput linear` injects the launcher's CPU-testbed throughput model
+    (elastic_launcher.testing.LinearThroughput: throughput taken as linear in workers)."""
     work = Path(tmp_path)
     registry, run = work / "registry", work / "run"
     params = templates.Params(cpu_test=True, python=sys.executable, launcher=LAUNCH,

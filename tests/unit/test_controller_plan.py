@@ -39,15 +39,27 @@ def make_controller(tmp_path, predictor, script=SCRIPT, nodes=2, free=("node3", 
     c = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
     c.predictor = predictor
     c.records = RecordLog(tmp_path / "records.jsonl")
-    c.resizes = []
+    c.resizes: list = []
     c._measure = lambda: (Measurement(nodes=nodes, workers=nodes, samples_per_s=100.0 * nodes, step_s=0.1), {})
     c._current_layout = lambda: [1] * nodes
     c._post_observations = lambda own: None
     c._free_nodes = lambda: list(free)
     c._pending_jobs = lambda: []
-    c._grow = lambda count, action, reason, **kw: c.resizes.append(("grow", nodes + count))
-    c._shrink_to = lambda target, action, reason, **kw: c.resizes.append((action, target))
+    c.resizer = FakeResizer(c.resizes, nodes)
     return c
+
+
+class FakeResizer:
+    """Stands in for resize.Resizer: records the transitions the controller asks for."""
+
+    def __init__(self, resizes: list, nodes: int):
+        self.resizes, self.nodes = resizes, nodes
+
+    def grow(self, count, action, reason, **kw):
+        self.resizes.append(("grow", self.nodes + count))
+
+    def shrink_to(self, target, action, reason, **kw):
+        self.resizes.append((action, target))
 
 
 def decisions(c):
@@ -168,7 +180,7 @@ def test_a_job_pending_for_nodes_gets_them_from_the_surplus(tmp_path):
 
 def test_own_helpers_and_unsatisfiable_pending_jobs_are_not_yielded_to(tmp_path):
     c = _pending_squeue(tmp_path, [_job(42, "PENDING", 1, "Resources"), _job(7, "PENDING", 9, "Resources")])
-    c.helpers = {"43": []}
+    c.fleet.helpers = {"43": []}
     c.slurm = type("Slurm", (), {"jobs": lambda self: [_job(43, "PENDING", 1, "Resources"),
                                                        _job(7, "PENDING", 9, "Resources")]})()
     c._measure_and_decide()
@@ -183,3 +195,44 @@ def test_no_grow_while_another_job_waits_for_nodes(tmp_path):
     assert c.resizes == []
     (d,) = decisions(c)
     assert d["action"] == "keep" and "job 7 waits" in d["reason"]
+
+
+def test_operator_requests_are_decided_from_plain_values():
+    from elastic_launcher.steering import RequestKind, decide_request
+    assert decide_request("2", 2, 1).kind is RequestKind.REJECT
+    assert "positive integer" in decide_request(0, 2, 1).message
+    assert decide_request(2, 2, 1).kind is RequestKind.ALREADY
+    below = decide_request(1, 3, 2)
+    assert below.kind is RequestKind.REJECT and below.message == "1 nodes is below the job's minimum of 2"
+    assert (decide_request(4, 2, 1).kind, decide_request(4, 2, 1).target) == (RequestKind.RESIZE, 4)
+
+
+def test_the_operators_cap_bounds_a_grow_and_a_pending_job_wins():
+    from elastic_launcher.autoscale import PlanAdvice
+    from elastic_launcher.steering import settle_decision
+    grow = controller_module.Decision("grow", 4, "efficiency 0.9")
+    heuristic = PlanAdvice(None, "unreachable", "down")
+    capped = settle_decision(grow, 2, None, [], 3, heuristic)
+    assert (capped.action, capped.target_nodes) == ("grow", 3) and "operator's 3 nodes" in capped.reason
+    assert settle_decision(grow, 3, None, [], 3, heuristic).action == "keep"
+    pending = [controller_module.PendingJob(7, 1, "Resources")]
+    assert settle_decision(grow, 2, None, pending, None, heuristic).action == "keep"
+    handback = controller_module.Decision("shrink", 1, "pending job 7")
+    assert settle_decision(grow, 2, handback, pending, None, heuristic) is handback
+
+
+def test_the_linear_throughput_seam_scales_the_first_measurement():
+    from elastic_launcher.steering import MeasuredThroughput
+    from elastic_launcher.testing import LinearThroughput
+    first = Measurement(nodes=1, workers=2, samples_per_s=50.0, step_s=0.1)
+    assert MeasuredThroughput().samples_per_s(60.0, 4, [first]) == 60.0
+    assert LinearThroughput().samples_per_s(60.0, 4, []) == 60.0
+    assert LinearThroughput().samples_per_s(60.0, 4, [first]) == 100.0
+
+
+def test_failed_nodes_are_the_ended_then_the_evicted_each_once():
+    from elastic_launcher.steering import decide_failures
+    nodes = {"node1", "node2", "node3", "node4"}
+    assert decide_failures(["node2", "gone"], ["node4"], ["node3", "node2"], nodes) == \
+        [("node2", False), ("node4", False), ("node3", True)]
+    assert decide_failures([], [], [], nodes) == []

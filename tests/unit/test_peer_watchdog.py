@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from datetime import timedelta
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from elastic_launcher.errors import PeerFailure
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.process_group import ProcessGroupWrapper
-from elastic_launcher.trainer import ElasticTrainer
+from elastic_launcher.epochs import PeerFailureRelay
 from tests.unit.test_runtime_units import _member, store  # noqa: F401 - store is a fixture
 
 
@@ -132,14 +131,24 @@ def test_failing_a_gloo_group_records_the_error_and_keeps_it_usable_for_abort(st
     w.fail(err)  # on a group already given up: records only, never raises
 
 
-def test_the_trainer_fails_only_the_group_of_the_reported_epoch():
-    failed = []
-    group = types.SimpleNamespace(fail=failed.append)
-    fake = types.SimpleNamespace(_epoch_group=(7, group))
-    ElasticTrainer._on_peer_failure(fake, 6, "worker b has not beaten for 3.0 s")  # an epoch already left
-    assert failed == []
-    ElasticTrainer._on_peer_failure(fake, 7, "worker b has not beaten for 3.0 s")
-    (err,), = [failed]
+class _Group:
+    """Records what failing it was asked to record (``ProcessGroupWrapper.fail``'s interface)."""
+
+    def __init__(self):
+        self.failed: list[BaseException] = []
+
+    def fail(self, err):
+        self.failed.append(err)
+
+
+def test_the_relay_fails_only_the_group_of_the_reported_epoch():
+    relay, group = PeerFailureRelay(), _Group()
+    relay(7, "worker b has not beaten for 3.0 s")  # before any epoch is entered: nothing to fail
+    relay.watch(7, group)
+    relay(6, "worker b has not beaten for 3.0 s")  # an epoch already left
+    assert group.failed == []
+    relay(7, "worker b has not beaten for 3.0 s")
+    (err,) = group.failed
     assert isinstance(err, PeerFailure) and str(err) == "epoch 7: worker b has not beaten for 3.0 s"
 
 

@@ -1,0 +1,122 @@
+"""The controller's pure decisions (no I/O): what an operator request, a measurement window and a failure
+survey lead to. :class:`~elastic_launcher.controller.Controller` gathers the facts, calls these and has the
+:class:`~elastic_launcher.resize.Resizer` execute the result.
+
+Transitions of a job (:class:`JobPhase`)::
+
+    STARTING --initial plan's first step--> STEERING --every main-job worker ended--> ENDED (completed | failed)
+    STEERING, each round:
+        failures       -> decide_failures, then Resizer.node_failed each (release or restart the node) -> STEERING
+        operator asks  -> decide_request: REJECT | ALREADY | RESIZE (grow/shrink) -> STEERING
+        a measurement  -> AutoscalePolicy.decide, then settle_decision (pending jobs, the operator's cap):
+                          keep | grow | shrink | revert                          -> STEERING
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Collection, Optional, Protocol, Sequence
+
+from elastic_launcher.autoscale import Decision, Measurement, PendingJob, PlanAdvice
+
+__all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decide_request", "settle_decision",
+           "ThroughputModel", "MeasuredThroughput"]
+
+
+class JobPhase(enum.Enum):
+    STARTING = "starting"
+    STEERING = "steering"
+    ENDED = "ended"
+
+
+def decide_failures(ended: Sequence[str], helper_failed: Sequence[str], evicted: Sequence[str],
+                    nodes: Collection[str]) -> list[tuple[str, bool]]:
+    """The job's nodes to handle as failed, in order, each with ``evicted``: True when its workers still run but
+    a recovery epoch left them all out (hung workers the survivors declared dead).
+
+    Args:
+        ended: nodes whose main-job step ended non-zero while they were members (not leaving).
+        helper_failed: helper nodes whose step ended non-zero (the helper agent's status).
+        evicted: nodes none of whose workers is in the current membership.
+        nodes: the nodes the job trains on (others are no longer its concern).
+    """
+    failed = [n for n in (*ended, *helper_failed) if n in nodes]
+    return [(n, n not in failed) for n in dict.fromkeys([*failed, *evicted]) if n in nodes]
+
+
+class RequestKind(enum.Enum):
+    REJECT = "reject"    # answered False with the reason
+    ALREADY = "already"  # the job has that size: the operator's cap is set, nothing moves
+    RESIZE = "resize"    # the cap is set and the job grows or shrinks to it
+
+
+@dataclass(frozen=True)
+class RequestAction:
+    """The answer to an operator's `elastic-launch ctl JOB --nodes N`.
+
+    Attributes:
+        kind: what happens.
+        message: the reply the operator reads.
+        target: the node count asked for (None when rejected for its form).
+    """
+
+    kind: RequestKind
+    message: str
+    target: Optional[int] = None
+
+
+def decide_request(target, have: int, min_nodes: int) -> RequestAction:
+    """An operator's request for ``target`` nodes while the job has ``have`` (``min_nodes``: the job's minimum)."""
+    if not isinstance(target, int) or target < 1:
+        return RequestAction(RequestKind.REJECT, f"'nodes' must be a positive integer, got {target!r}")
+    if target == have:
+        return RequestAction(RequestKind.ALREADY, f"already on {have} nodes", target)
+    if target < min_nodes:
+        return RequestAction(RequestKind.REJECT, f"{target} nodes is below the job's minimum of {min_nodes}",
+                             target)
+    return RequestAction(RequestKind.RESIZE, f"resizing from {have} to {target} nodes", target)
+
+
+def settle_decision(decision: Decision, nodes: int, handback: Optional[Decision], pending: Sequence[PendingJob],
+                    operator_cap: Optional[int], advice: PlanAdvice) -> Decision:
+    """The policy's ``decision`` at ``nodes`` nodes, after what the partition and the operator say.
+
+    Args:
+        decision: ``AutoscalePolicy.decide``'s answer.
+        nodes: the job's nodes now.
+        handback: ``yield_to_pending``'s shrink for a job that waits for this one's nodes, if any (wins).
+        pending: jobs of the partition pending for nodes (no grow while one waits).
+        operator_cap: the size the operator asked for last, if any (caps a grow; stands against a planner shrink).
+        advice: what /v1/plan said (a planner shrink below the operator's size is refused).
+    """
+    if handback is not None:  # another job waits for nodes this one holds above its minimum
+        decision = handback
+    elif decision.action == "grow" and pending:  # the free nodes are what a pending job waits to add up
+        decision = Decision("keep", nodes, f"no grow while job {pending[0].job_id} waits for nodes "
+                            f"({decision.reason})", decision.efficiency)
+    cap = operator_cap
+    if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
+        return Decision("grow", cap, f"{decision.reason}; capped at the operator's {cap} nodes",
+                        decision.efficiency) if cap > nodes else \
+            Decision("keep", nodes, f"operator asked for {cap} nodes", decision.efficiency)
+    if decision.action == "shrink" and advice.source == "planner" and cap is not None \
+            and decision.target_nodes < cap <= nodes:  # the operator's size stands against the plan
+        return Decision("keep", nodes, f"{decision.reason}; kept at the operator's {cap} nodes", decision.efficiency)
+    return decision
+
+
+class ThroughputModel(Protocol):
+    """What the controller takes as a window's samples/s. Production uses the measurement
+    (:class:`MeasuredThroughput`); a test or a CPU testbed, where nothing really scales, injects another through
+    ``Controller(throughput=...)`` (``elastic-launch --test-throughput linear`` gives
+    ``elastic_launcher.testing.LinearThroughput``)."""
+
+    def samples_per_s(self, measured: float, workers: int, history: Sequence[Measurement]) -> float:
+        """``measured`` samples/s of a window at ``workers`` workers; ``history``: the earlier measurements."""
+
+
+class MeasuredThroughput:
+    """The throughput is what was measured (the production model)."""
+
+    def samples_per_s(self, measured: float, workers: int, history: Sequence[Measurement]) -> float:
+        return measured
