@@ -70,7 +70,7 @@ def _predicted(store, predictor, rows: list[dict]) -> list[tuple[dict, float]]:
             profile = Profile.from_dict(store.get_profile(name))
         except (NotFoundError, ValidationError):
             continue
-        keys = sorted({(tuple(r["layout"]), r["intra_link"], r.get("inter_link")) for r in members})
+        keys = sorted({_key(r) for r in members})
         cands = [{"layout": list(lay), "intra_link": intra, **({"inter_link": inter} if inter else {})}
                  for lay, intra, inter in keys]
         try:
@@ -78,8 +78,13 @@ def _predicted(store, predictor, rows: list[dict]) -> list[tuple[dict, float]]:
         except ValidationError:
             continue
         by_key = {k: p["iter_s"] for k, p in zip(keys, preds)}
-        out += [(r, by_key[(tuple(r["layout"]), r["intra_link"], r.get("inter_link"))]) for r in members]
+        out += [(r, by_key[_key(r)]) for r in members]
     return out
+
+
+def _key(row: dict) -> tuple:
+    """A row's candidate: layout, intra link, inter link ("" on one node, so keys of both kinds sort together)."""
+    return tuple(row["layout"]), row["intra_link"], row.get("inter_link") or ""
 
 
 def outlier_report(store, predictor) -> Report:

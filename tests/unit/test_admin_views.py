@@ -397,3 +397,16 @@ def test_admin_page_lists_the_outlier_job_with_its_deviation(seeded_db, tmp_path
     assert cells[:3] == ["666", "30", "30"] and cells[4].startswith("+") and cells[4].endswith("%")
     assert int(cells[4][1:-1]) > 200
     assert not any(f">{job}<" in section for job in range(1, 7))
+
+
+def test_outliers_compare_rows_of_one_layout_with_and_without_an_inter_link(seeded_db, tmp_path):
+    """One-node rows of one (profile, GPU, batch, layout), one naming an inter link and one not, are predicted
+    together (their keys once failed to sort, None against a link name: a 500 on /admin)."""
+    from predictor import outliers
+    db, store = _poisoned(seeded_db, tmp_path)
+    one_node = next(r for r in store.observations(kind="step") if len(r["layout"]) == 1 and r.get("job_id") == 1)
+    store.write_observations([dict(one_node, inter_link=None, job_id=7), dict(one_node, inter_link="eth", job_id=8)])
+    profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
+    report = outliers.outlier_report(store, Predictor().fit(profiles, store.observations()))
+    store.close()
+    assert report.checked > 0 and [j["job_id"] for j in report.jobs] == [666]
