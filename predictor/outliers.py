@@ -98,11 +98,11 @@ def outlier_report(store, predictor) -> Report:
     if predictor is None:
         return Report([], [], 0, MIN_SIGMA)
     pairs = [(r, p) for r, p in _predicted(store, predictor, store.observations(kind="step")[-MAX_ROWS:])
-             if p > 0 and math.isfinite(p)]
+             if p > 0 and math.isfinite(p) and 0 < r["iter_s"] / p < math.inf]  # extreme values: no log ratio
     if not pairs:
         return Report([], [], 0, MIN_SIGMA)
     rows = [r for r, _ in pairs]
-    resid = np.log(np.array([r["iter_s"] for r in rows]) / np.array([p for _, p in pairs]))
+    resid = np.log(np.array([r["iter_s"] / p for r, p in pairs]))
     weights = job_weights(rows, JOB_ROWS_CAP)
     centre = _weighted_median(resid, weights)
     sigma = max(1.4826 * _weighted_median(np.abs(resid - centre), weights), MIN_SIGMA)
