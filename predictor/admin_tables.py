@@ -8,7 +8,9 @@ and the /admin page (predictor/api/web.py), so both show the same numbers:
   the step model on its own history) and the basis a prediction would have (observed / profile / prior).
 - `link_rows(store, predictor)`: one row per link class: collective records, fitted latency and
   bandwidth, fit error, and how many step records used the link.
-- `decision_rows(store, limit)`: the newest /v1/plan decisions with the chosen layout and prediction.
+- `decision_rows(store, limit)`: the newest /v1/plan decisions with the chosen partition, layout and prediction.
+- `alternative_rows(decision)`: for a decision that compared partitions, one row per partition (layout,
+  samples/s, cost per sample, reason), the chosen one marked.
 
 `render_table` right-aligns numbers, left-aligns text and shortens the widest text column with an
 ellipsis so a line never exceeds the width (the terminal's, by default).
@@ -76,8 +78,12 @@ LINK_COLUMNS: list[Column] = [("link", "link", ""), ("collectives", "collectives
                               ("alpha_us", "latency (us)", ".1f"), ("bandwidth_gbs", "bandwidth (GB/s)", ".2f"),
                               ("log_rmse", "fit log RMSE", ".3f"), ("n_steps", "step records", "d")]
 DECISION_COLUMNS: list[Column] = [("decision_id", "id", ""), ("when", "when (UTC)", ""), ("source", "source", ""),
-                                  ("action", "action", ""), ("model", "model", ""), ("layout", "layout", ""),
-                                  ("samples_per_s", "pred. samples/s", ".1f"), ("reason", "reason", "")]
+                                  ("action", "action", ""), ("model", "model", ""), ("partition", "partition", ""),
+                                  ("layout", "layout", ""), ("samples_per_s", "pred. samples/s", ".1f"),
+                                  ("reason", "reason", "")]
+ALTERNATIVE_COLUMNS: list[Column] = [("chosen", "chosen", ""), ("partition", "partition", ""), ("gpu", "gpu", ""),
+                                     ("layout", "layout", ""), ("samples_per_s", "pred. samples/s", ".1f"),
+                                     ("cost_per_sample", "cost per sample", ".3g"), ("reason", "reason", "")]
 
 
 def _profile_sizes(store) -> dict[str, dict]:
@@ -144,17 +150,43 @@ def link_rows(store, predictor=None) -> list[dict]:
 
 
 def decision_rows(store, limit: int = 50) -> list[dict]:
-    """The newest decisions with their layout and predicted throughput (from the stored response)."""
+    """The newest decisions with their partition, layout and predicted throughput (from the stored response)."""
+    return [decision_row(store.get_decision(d["decision_id"])) for d in store.list_decisions(limit=limit)]
+
+
+def decision_row(full: dict) -> dict:
+    """One decision (`Store.get_decision`'s answer) as a row: `when`, the chosen `partition` (None where the
+    answer named none), `layout`, `samples_per_s` and the request's directives as JSON."""
+    response = full.get("response") or {}
+    predicted = response.get("predicted") or {}
+    when = datetime.datetime.fromtimestamp(full["created_at_s"], datetime.timezone.utc)
+    row = {k: v for k, v in full.items() if k not in ("request", "response")}
+    return {**row, "when": when.strftime("%Y-%m-%d %H:%M:%S"), "partition": response.get("partition"),
+            "layout": layout_name(response.get("layout")), "samples_per_s": predicted.get("samples_per_s"),
+            "request": json.dumps((full.get("request") or {}).get("directives", []))}
+
+
+def alternative_rows(full: dict) -> list[dict]:
+    """The partitions a decision compared (its response's `alternatives`), the chosen one first and marked
+    `chosen`; [] for a decision that compared none. Stored text is shown as stored (the page escapes it)."""
+    response = full.get("response") or {}
+    alternatives = response.get("alternatives")
+    if not isinstance(alternatives, list):
+        return []
     rows = []
-    for d in store.list_decisions(limit=limit):
-        full = store.get_decision(d["decision_id"])
-        response = full.get("response") or {}
-        predicted = response.get("predicted") or {}
-        when = datetime.datetime.fromtimestamp(d["created_at_s"], datetime.timezone.utc)
-        rows.append({**d, "when": when.strftime("%Y-%m-%d %H:%M:%S"), "layout": layout_name(response.get("layout")),
-                     "samples_per_s": predicted.get("samples_per_s"),
-                     "request": json.dumps(full.get("request", {}).get("directives", []))})
-    return rows
+    for alt in alternatives:
+        if not isinstance(alt, dict):
+            continue
+        chosen = alt.get("partition") is not None and alt.get("partition") == response.get("partition")
+        rows.append({"chosen": "yes" if chosen else "", "partition": alt.get("partition"), "gpu": alt.get("gpu"),
+                     "layout": layout_name(alt["layout"] if isinstance(alt.get("layout"), list) else None),
+                     "samples_per_s": _number(alt.get("samples_per_s")),
+                     "cost_per_sample": _number(alt.get("cost_per_sample")), "reason": alt.get("reason")})
+    return sorted(rows, key=lambda r: not r["chosen"])   # stable: the compared order after the chosen one
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 # --- CLI (registered on `elastic-predictor` by predictor/cli.py) ---------------------------------------------

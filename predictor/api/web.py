@@ -2,6 +2,7 @@
 
     /admin                          model state, models, links, the newest decisions (`?limit=`, default 50),
                                     step rows far from the model and jobs whose rows mostly are (predictor.outliers)
+    /admin/decisions/<id>           one decision: what was asked and answered, and the partitions it compared
     /admin/plots/scaling.png        predicted vs observed scaling (`?profile=&gpu=` to narrow it)
     /admin/plots/links.png          per-link all-reduce bandwidth against message size
 
@@ -35,6 +36,7 @@ th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-al
 td.reason, td.layouts { white-space: normal; }
 th { background: #e8eef6; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 tr.rewrite td.action { color: #1a7f37; font-weight: bold; } tr.keep td.action { color: #555; }
+tr.chosen td { font-weight: bold; background: #eef7ee; }
 .status { background: #f6f8fa; border: 1px solid #ddd; padding: 0.5em 0.8em; display: inline-block; }
 .bad { color: #b42318; } img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; }
 """
@@ -99,7 +101,7 @@ def index():
  {counts.get("collective", 0)} collective records &middot; {len(models)} model rows{error}</div>
 <h2>Decisions (newest {limit})</h2>
 {_html_table(decisions, admin_tables.DECISION_COLUMNS, row_class=lambda r: r.get("action") or "",
-             links={"decision_id": lambda r: url_for("decisions.show", decision_id=r["decision_id"])})}
+             links={"decision_id": lambda r: url_for("web.decision", decision_id=r["decision_id"])})}
 <h2>Models</h2>
 {_html_table(models, admin_tables.MODEL_COLUMNS, links=scaling_link)}
 <h2>Outliers: jobs whose step rows are mostly far from the model</h2>
@@ -118,6 +120,40 @@ def index():
 <p><small>Read-only. JSON: <a href="{url_for("decisions.index")}">/v1/decisions</a> &middot;
  <a href="{url_for("links.index")}">/v1/links</a> &middot; <a href="{url_for("health.healthz")}">/healthz</a> &middot;
  <a href="{url_for("metrics.metrics")}">/metrics</a></small></p>
+</body></html>
+"""
+    return Response(page, mimetype="text/html")
+
+
+DECISION_FIELDS = [("decision_id", "id", ""), ("when", "when (UTC)", ""), ("source", "source", ""),
+                   ("action", "action", ""), ("model", "model", ""), ("partition", "partition", ""),
+                   ("layout", "layout", ""), ("samples_per_s", "pred. samples/s", ".1f"),
+                   ("model_version", "model version", ""), ("request", "directives", ""), ("reason", "reason", "")]
+
+
+@bp.get("/decisions/<decision_id>")
+def decision(decision_id: str):
+    """One decision as a page: its fields, and for a decision that compared partitions, each partition's layout,
+    samples/s, cost per sample and reason, the chosen one first (NotFoundError for an unknown id: 404)."""
+    full = services().store.get_decision(decision_id)
+    row = admin_tables.decision_row(full)
+    fields = "".join(f'<tr><th>{escape(header)}</th><td class="{escape(key)}">'
+                     f"{escape(admin_tables.cell(row.get(key), spec))}</td></tr>"
+                     for key, header, spec in DECISION_FIELDS)
+    alternatives = admin_tables.alternative_rows(full)
+    compared = f"""<h2>Partitions compared</h2>
+{_html_table(alternatives, admin_tables.ALTERNATIVE_COLUMNS, row_class=lambda r: "chosen" if r["chosen"] else "")}
+""" if alternatives else "<p>This decision compared no partitions.</p>"
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>decision {escape(row["decision_id"])}</title>
+<style>{STYLE}</style></head>
+<body>
+<h1>Decision {escape(row["decision_id"])}</h1>
+<table class="{escape(row.get("action") or "")}">{fields}</table>
+{compared}
+<p><small>Read-only. <a href="{url_for("web.index")}">/admin</a> &middot; JSON:
+ <a href="{url_for("decisions.show", decision_id=row["decision_id"])}">{escape(url_for("decisions.show",
+                                                                                     decision_id=row["decision_id"]))}</a></small></p>
 </body></html>
 """
     return Response(page, mimetype="text/html")

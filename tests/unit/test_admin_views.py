@@ -24,6 +24,7 @@ from predictor.engine import Predictor
 from predictor.errors import NotFoundError
 from predictor.profiles import Profile, profile_from_spec
 from predictor.store import Store
+from tests.unit.test_plan_partitions import LINE, decide
 
 LINKS = {"nvlink": (150e9, 2e-5), "ib": (20e9, 3e-5)}
 LAYOUTS = ([1], [2], [4], [2, 2], [4, 4])
@@ -286,7 +287,7 @@ def test_admin_page_lists_decisions_models_links_and_plots(app):
     page = client.get("/admin")
     assert page.status_code == 200 and page.mimetype == "text/html"
     html = page.get_data(as_text=True)
-    assert f'href="/v1/decisions/{decision["decision_id"]}"' in html and "2x4" in html
+    assert f'href="/admin/decisions/{decision["decision_id"]}"' in html and "2x4" in html
     assert "resnet50" in html and "gpt2" in html and "nvlink" in html and ">observed<" in html
     assert "<form" not in html.lower()
     links = [urljoin("http://localhost/admin", unescape(u)) for u in re.findall(r'(?:src|href)="([^"]+)"', html)]
@@ -319,7 +320,49 @@ def test_admin_is_read_only_and_validates_its_parameter(app):
     assert client.get("/admin/plots/scaling.png?profile=nope").status_code == 404        # known at once now
     for _ in range(3):
         client.post("/v1/plan", json=PLAN)
-    assert client.get("/admin?limit=2").get_data(as_text=True).count('href="/v1/decisions/d-') == 2
+    assert client.get("/admin?limit=2").get_data(as_text=True).count('href="/admin/decisions/d-') == 2
+
+
+def _cells(html: str, row_class: str) -> list[list[str]]:
+    rows = re.findall(rf'<tr class="{row_class}">(.*?)</tr>', html)
+    return [[unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", r)] for r in rows]
+
+
+def test_a_decision_that_compared_partitions_shows_the_chosen_one_and_the_alternatives(app):
+    client = app.test_client()
+    store = app.extensions["elastic_predictor"].store
+    answer = decide(LINE, job={"partition": "v100,a100"})                   # the planner's own comparison
+    alt = {a["partition"]: a for a in answer["alternatives"]}
+    stored = store.add_decision({"directives": [LINE]}, answer, "job_submit", "g1")
+    index = client.get("/admin").get_data(as_text=True)
+    assert f'href="/admin/decisions/{stored["decision_id"]}"' in index and ">a100<" in index
+    page = client.get(f"/admin/decisions/{stored['decision_id']}")
+    assert page.status_code == 200 and page.mimetype == "text/html"
+    html = page.get_data(as_text=True)
+    assert "Partitions compared" in html and f'href="/v1/decisions/{stored["decision_id"]}"' in html
+    (chosen,), others = _cells(html, "chosen"), _cells(html, "")
+    assert chosen[:4] == ["yes", "a100", "A100", admin_tables.layout_name(answer["layout"])]
+    assert float(chosen[4]) == pytest.approx(alt["a100"]["samples_per_s"], rel=1e-3)
+    assert float(chosen[5]) == pytest.approx(alt["a100"]["cost_per_sample"], rel=1e-2)
+    (v100,) = others
+    assert v100[:3] == ["", "v100", "V100"] and v100[6] == alt["v100"]["reason"]
+    assert float(v100[4]) == pytest.approx(alt["v100"]["samples_per_s"], rel=1e-3)
+    for url in re.findall(r'href="([^"]+)"', html):                              # every link resolves
+        assert client.get(unescape(url)).status_code == 200, url
+
+
+def test_a_decision_without_alternatives_says_so_and_unknown_ids_are_404(app):
+    client = app.test_client()
+    store = app.extensions["elastic_predictor"].store
+    plain = client.post("/v1/plan", json=PLAN).get_json()
+    html = client.get(f"/admin/decisions/{plain['decision_id']}").get_data(as_text=True)
+    assert "compared no partitions" in html and "Partitions compared" not in html and ">2x4<" in html
+    odd = store.add_decision({"directives": []}, {"action": "keep", "reason": "r", "alternatives": [
+        {"partition": "<b>x</b>", "layout": "nope", "samples_per_s": "fast", "reason": "<i>r</i>"}, 7]}, "cli", None)
+    html = client.get(f"/admin/decisions/{odd['decision_id']}").get_data(as_text=True)
+    assert _cells(html, "") == [["", "<b>x</b>", "-", "-", "-", "-", "<i>r</i>"]] and "<b>x</b>" not in html
+    missing = client.get("/admin/decisions/d-999999")
+    assert missing.status_code == 404 and missing.get_json()["error"]
 
 
 def test_admin_before_the_first_fit(seeded_db, tmp_path):

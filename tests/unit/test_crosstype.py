@@ -37,13 +37,35 @@ def test_monotone_in_batch_where_the_data_is():
     assert np.all(np.diff(pred) < 0)  # log(step_T / step_S) falls: T's advantage grows with batch
 
 
-def test_far_from_every_model_is_the_median_with_a_wider_spread():
+def test_far_from_every_model_is_the_centre_with_a_wider_spread():
     X, y = _rows(np.random.default_rng(2))
     model = CrossTypeModel().fit(X, y)
     near_m, near_sd = model.predict(X[:1], return_std=True)
     far = features([1e15], [None], [1e6], [512], [1e4])
     far_m, far_sd = model.predict(far, return_std=True)
     assert far_m[0] == pytest.approx(np.median(y), abs=0.05) and far_sd[0] > 3 * near_sd[0]
+
+
+def test_a_model_outside_the_history_gets_the_pooled_centre_and_its_leave_one_model_out_spread():
+    """Each model one vote: a model with many rows does not pull the centre (the rows' median) towards itself,
+    and the new model's spread is at least what leaving each training model out of the centre cost."""
+    rng = np.random.default_rng(3)
+    ratios = {1e6: -0.2, 1e7: -0.5, 1e8: -0.9}
+    counts = {1e6: 12, 1e7: 2, 1e8: 2}
+    n, b, y = [], [], []
+    for size, r in ratios.items():
+        for i in range(counts[size]):
+            n.append(size), b.append(8 * 2 ** (i % 5)), y.append(r + 0.01 * rng.standard_normal())
+    X = features(n, [None] * len(n), b, [1] * len(n), [0.1] * len(n))
+    model = CrossTypeModel().fit(X, np.array(y))
+    m, sd = model.predict(features([3e7], [None], [32], [1], [0.1]), return_std=True)
+    assert m[0] == pytest.approx(np.mean(list(ratios.values())), abs=0.02)
+    assert abs(m[0] - np.median(y)) > 0.2
+    left_out = [r - np.mean([v for k, v in ratios.items() if k != size]) for size, r in ratios.items()
+                for _ in range(counts[size])]
+    assert sd[0] >= np.sqrt(np.mean(np.square(left_out))) - 1e-3
+    seen_m, seen_sd = model.predict(X[12:13], return_std=True)               # a model of the history: its own
+    assert seen_m[0] == pytest.approx(-0.5, abs=0.1) and seen_sd[0] < sd[0] / 2
 
 
 def test_no_rows_answers_the_prior_and_bad_input_is_named():
