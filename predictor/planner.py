@@ -281,7 +281,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
                      f"would be guesses", model=model)
     results = [(p, _plan_on(p, request, models, profile, default_min_efficiency, max_candidates,
                             cross_type=p not in known)) for p in parts]
-    out = compare_partitions(results, request)
+    out = compare_partitions(results, request, cluster.default_partition)
     out.pop("table", None)  # a table is one partition's: the hook's cache must not answer a comparison from it
     return out
 
@@ -510,7 +510,8 @@ def _cost_per_sample(part: Partition, plan: dict) -> float:
     return (gpus * part.gpu_hour_cost + plan["nodes"] * part.node_hour_cost) / plan["predicted"]["samples_per_s"]
 
 
-def compare_partitions(results: list[tuple[Partition, dict]], request: PlanRequest) -> dict:
+def compare_partitions(results: list[tuple[Partition, dict]], request: PlanRequest,
+                       default_partition: str | None = None) -> dict:
     """Pick among the plans of several partitions (each `_plan_on`'s answer) under the objective:
         throughput  most samples/s
         efficiency  most samples/s per GPU
@@ -518,7 +519,7 @@ def compare_partitions(results: list[tuple[Partition, dict]], request: PlanReque
     The answer is the chosen partition's plan with `partition` set, the reason led by the comparison with the
     runner-up (`elastic: partition a100: 2x4 A100 predicted 1.9x of v100 2x4 at 0.6x its cost per sample`), and
     `alternatives`: every partition's layout, samples/s, cost per sample and reason. A plan on another partition
-    than the job's is a rewrite."""
+    than the job's (`default_partition` when it names none) is a rewrite."""
     planned = [(p, r) for p, r in results if r.get("predicted") and r["predicted"].get("samples_per_s")]
     alternatives = [{"partition": p.name, "gpu": p.gpu, "layout": r.get("layout"),
                      "samples_per_s": (r.get("predicted") or {}).get("samples_per_s"),
@@ -553,7 +554,7 @@ def compare_partitions(results: list[tuple[Partition, dict]], request: PlanReque
     basis = chosen["predicted"].get("basis", "")
     if basis.startswith("cross-type"):
         lead += f" ({basis})"
-    moved = part.name != (request.job.get("partition") or part.name)
+    moved = part.name != (request.job.get("partition") or default_partition or part.name)
     return {**chosen, "action": "rewrite" if moved else chosen["action"],
             "reason": lead + "; " + chosen["reason"].removeprefix("elastic: "), "partition": part.name,
             "alternatives": alternatives}

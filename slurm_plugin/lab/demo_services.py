@@ -24,8 +24,13 @@ from datetime import timedelta
 from pathlib import Path
 
 from slurm_plugin.installer import PluginConfig, install
+from slurm_plugin.lab import gpu_types
 from slurm_plugin.lab.testbed import Testbed, port_open, process_alive
 from slurm_plugin.lab.testbed_conf import PORT_SPAN
+
+
+# The service runs this checkout's code (its cwd is the lab, where `-m predictor.cli` would find an installed copy).
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class DemoError(RuntimeError):
@@ -54,6 +59,8 @@ class PredictorService:
         self.timeout = timeout
         self.dir = testbed.config.lab / "predictor"
         self.port = testbed.config.port_base + PORT_SPAN - 1
+        # the gunicorn master this object started (waited for by `stop`), None when it started none
+        self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -76,7 +83,8 @@ class PredictorService:
         return (self.dir / "token").read_text().strip()
 
     def cluster(self) -> dict:
-        """The cluster file: the testbed's nodes and switches, one CPU worker per node."""
+        """The cluster file: the testbed's nodes and switches, one CPU worker per node in the default partition,
+        and the typed partitions with their GPU types and costs (slurm_plugin/lab/gpu_types.py)."""
         cfg = self.testbed.config
         from slurm_plugin.lab.demo_calibrate import testbed_links  # noqa: PLC0415
         from slurm_plugin.lab.testbed_conf import LEAVES, PARTITION  # noqa: PLC0415
@@ -86,7 +94,18 @@ class PredictorService:
         return {"default_partition": PARTITION, "partitions": [{
             "name": PARTITION, "nodes": cfg.node_names(), "gpus_per_node": 1, "gpu": "cpu",
             "intra_link": links.intra, "inter_link": links.inter,
-            "switches": {leaf: [f"node{i}" for i in members] for leaf, members in LEAVES}}]}
+            "switches": {leaf: [f"node{i}" for i in members] for leaf, members in LEAVES}},
+            *gpu_types.partitions(cfg)]}
+
+    def seed_gpu_types(self, profile_body: dict) -> dict:
+        """Register a model (`POST /v1/profiles` body) and post its synthetic step history on every GPU type of
+        the lab (`gpu_types.seed_records`), so `/v1/plan` can compare the typed partitions for it; return the
+        service's answer to the records.
+
+        :raises DemoError: the service refused the profile or the records.
+        """
+        self.post("/v1/profiles", profile_body)
+        return self.post("/v1/observations", gpu_types.seed_records(self.testbed.config, profile_body["name"]))
 
     def pid(self) -> int | None:
         try:
@@ -118,12 +137,13 @@ class PredictorService:
             token_file.chmod(0o600)
         (self.dir / "cluster.json").write_text(json.dumps(self.cluster(), indent=1) + "\n")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-               "ELASTIC_PREDICTOR_TOKEN": self.token}
+               "ELASTIC_PREDICTOR_TOKEN": self.token, "PYTHONPATH": str(CHECKOUT)}
         argv = [self.python, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--db", str(self.db), "--cluster", str(self.dir / "cluster.json"), "--workers", "2"]
         with open(self.log_file, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=self.dir, start_new_session=True)
+        self._proc = proc
         self.pid_file.write_text(f"{proc.pid}\n")
         deadline = time.monotonic() + self.timeout.total_seconds()
         while time.monotonic() < deadline:
@@ -151,6 +171,9 @@ class PredictorService:
             time.sleep(0.1)
         if process_alive(pid):
             os.killpg(pid, signal.SIGKILL)
+        if self._proc is not None and self._proc.pid == pid:
+            self._proc.wait(timeout=self.timeout.total_seconds())   # reap it: no zombie, no ResourceWarning
+            self._proc = None
         self.pid_file.unlink(missing_ok=True)
         return True
 

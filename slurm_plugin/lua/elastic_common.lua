@@ -628,6 +628,10 @@ local function validate(reply)
   if not is_count(reply.gpus_per_node, 0) then return "bad gpus_per_node " .. tostring(reply.gpus_per_node) end
   if reply.tasks_per_node ~= nil and not is_count(reply.tasks_per_node, 1) then return "bad tasks_per_node" end
   if reply.switches ~= nil and not is_count(reply.switches, 1) then return "bad switches" end
+  if reply.partition ~= nil and (type(reply.partition) ~= "string" or not reply.partition:match("^[%w_.:+-]+$")
+                                 or #reply.partition > 64) then
+    return "bad partition " .. tostring(reply.partition)
+  end
   return nil
 end
 
@@ -748,7 +752,8 @@ function M.planned(comment)
 end
 
 -- Replace (or add) the gpu entry of a comma-separated TRES list, keeping a GPU type ("gres:gpu:h100:4");
--- count nil removes the gpu entry.
+-- count nil removes the gpu entry. `gpu` (optional, a moved job's new GPU type): a type other than it is
+-- dropped, since the new partition's nodes do not have it; an untyped request matches any type.
 local function gpu_entry(entry)
   local rest = entry:match("^gres[:/]gpu(.*)$")
   if not rest then return nil end
@@ -760,12 +765,13 @@ local function gpu_entry(entry)
   return nil
 end
 
-local function set_gpu_tres(list, count)
+local function set_gpu_tres(list, count, gpu)
   local out, gpu_type = {}, nil
   for entry in tostring(list or ""):gmatch("[^,]+") do
-    local gpu = gpu_entry(entry)
-    if gpu then gpu_type = gpu.type else out[#out + 1] = entry end
+    local e = gpu_entry(entry)
+    if e then gpu_type = e.type else out[#out + 1] = entry end
   end
+  if gpu_type and gpu and gpu_type:lower() ~= tostring(gpu):lower() then gpu_type = nil end
   if count then
     out[#out + 1] = "gres:gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count
   end
@@ -781,20 +787,30 @@ local function gpu_count(list)
   return nil
 end
 
+-- The partition a comparison of partitions (several named, or gpu_type=any; the reply lists `alternatives`)
+-- moves the job to, nil when it stays where it is. A single partition's answer never moves the job: the
+-- cluster model may name the default partition otherwise than Slurm.
+function M.moved_to(asked, reply)
+  if reply.alternatives == nil or reply.partition == nil or reply.partition == asked then return nil end
+  return reply.partition
+end
+
 -- The new job_desc values for a rewrite reply, computed before anything is assigned; or nil and why the
 -- reply cannot be applied consistently (the caller then keeps the job as written).
 function M.rewrite_fields(job_desc, reply)
   local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
   local f, env = { min_nodes = nodes, max_nodes = nodes }, {}
+  f.partition = M.moved_to(str(job_desc.partition), reply)
+  local new_type = f.partition and (reply.gpu or "") or nil   -- moved: a typed request keeps only this type
   local per_task = gpu_count(job_desc.tres_per_task)
   if per_task then
     if not tasks or per_node % tasks ~= 0 or per_node == 0 then
       return nil, string.format("%d GPUs per node do not split over %s tasks (--gpus-per-task)", per_node, tostring(tasks))
     end
-    f.tres_per_task = set_gpu_tres(job_desc.tres_per_task, per_node / tasks)
+    f.tres_per_task = set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
     env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
   end
-  f.tres_per_node = set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil)
+  f.tres_per_node = set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type)
   if job_desc.tres_per_job ~= nil then f.tres_per_job = set_gpu_tres(job_desc.tres_per_job, nil) end
   local cpus_per_task = num(job_desc.cpus_per_task, NO_VAL16) or 1
   if tasks then
@@ -893,8 +909,12 @@ function M.apply_cli_options(options, reply)
     return nil, string.format("%d GPUs per node do not split over %s tasks (--gpus-per-task)", per_node, tostring(tasks))
   end
   options["nodes"] = tostring(nodes)
+  local partition = M.moved_to(option(options, "partition"), reply)
+  if partition then options["partition"] = partition end
   local gres = option(options, "gres")
-  if gres then options["gres"] = (set_gpu_tres(as_tres(gres), per_node):gsub("gres:", "")) end
+  if gres then
+    options["gres"] = (set_gpu_tres(as_tres(gres), per_node, partition and (reply.gpu or "") or nil):gsub("gres:", ""))
+  end
   if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
   if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
   if per_task then options["gpus-per-task"] = tostring(per_node / tasks) end

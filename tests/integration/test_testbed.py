@@ -22,12 +22,40 @@ def test_four_nodes_with_four_gpus_under_two_leaf_switches(testbed, slurm):
     assert [n.name for n in nodes] == ["node1", "node2", "node3", "node4"]
     assert all(n.gpus == 4 for n in nodes)
     assert [n.switch for n in nodes] == ["leaf1", "leaf1", "leaf2", "leaf2"]
-    (part,) = slurm.partitions()
-    assert part.default and part.nodes == tuple(n.name for n in nodes)
+    parts = {p.name: p for p in slurm.partitions()}
+    assert parts["debug"].default and parts["debug"].nodes == tuple(n.name for n in nodes)
+    # one partition per GPU type, one leaf each, not default
+    assert {name: p.nodes for name, p in parts.items() if not p.default} == {
+        "h100": ("node1", "node2"), "a100": ("node3", "node4")}
     # sinfo itself, as a user would run it after `eval "$(elastic-slurm testbed env)"`.
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %G"], env={**testbed.env(), "PATH": "/usr/bin:/bin"},
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %G"],
+                         env={**testbed.env(), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=10, check=True).stdout
-    assert sorted(out.split("\n")[:-1]) == [f"node{i} gpu:4" for i in range(1, 5)]
+    assert sorted(out.split("\n")[:-1]) == [f"node{i} gpu:{'h100' if i < 3 else 'a100'}:4" for i in range(1, 5)]
+
+
+def test_untyped_requests_run_anywhere_and_a_typed_one_only_on_its_type(testbed, slurm, idle_nodes):
+    env = {**testbed.env(), "PATH": "/usr/bin:/bin"}
+
+    def srun(*args):
+        return subprocess.run(["srun", *args, "bash", "-c", "echo $SLURMD_NODENAME"], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    every = srun("-N4", "--gres=gpu:4")
+    assert every.returncode == 0 and sorted(every.stdout.split()) == ["node1", "node2", "node3", "node4"]
+    typed = srun("-p", "a100", "-N2", "--gres=gpu:a100:2")
+    assert typed.returncode == 0 and sorted(typed.stdout.split()) == ["node3", "node4"]
+    wrong = srun("-p", "h100", "--gres=gpu:a100:1")
+    assert wrong.returncode != 0 and "Requested node configuration is not available" in wrong.stderr
+
+
+def test_untyped_lab_config_is_the_plain_recipe(tmp_path):
+    from slurm_plugin.lab import testbed_conf
+
+    cfg = TestbedConfig(lab=tmp_path, gpu_types=())
+    assert all(ln.startswith("Name=gpu File=") for ln in testbed_conf.gres_conf(cfg).splitlines())
+    conf = testbed_conf.slurm_conf(cfg, [])
+    assert "Gres=gpu:4 " in conf and conf.count("PartitionName=") == 1
 
 
 def test_up_is_idempotent(testbed):

@@ -28,6 +28,12 @@ REWRITE = {"decision_id": "d-42", "action": "rewrite", "nodes": 2, "gpus_per_nod
 
 REWRITE_1X1 = {**REWRITE, "nodes": 1, "gpus_per_node": 1, "tasks_per_node": 1, "switches": None, "layout": [1],
                "reason": "elastic: 1 node x 1 GPU (1x1) predicted 1640 samples/s"}
+# a comparison of partitions (issue #16): the service moved the job to partition a100 (predictor/planner.py)
+MOVED = {**REWRITE, "decision_id": "d-50", "partition": "a100", "gpu": "A100",
+         "reason": "elastic: partition a100: 2x2 A100 predicted 1.5x of h100 2x2 at 0.5x its cost per sample; "
+                   "2 nodes x 2 GPUs (2x2) predicted 3120 samples/s",
+         "alternatives": [{"partition": "a100", "gpu": "A100", "layout": [2, 2], "samples_per_s": 3120.0},
+                          {"partition": "h100", "gpu": "H100", "layout": [2, 2], "samples_per_s": 2080.0}]}
 NO_VAL = 4294967294
 NO_VAL16 = 65534
 
@@ -59,7 +65,9 @@ io.write(cjson.encode({ init_rc = init_rc, init_msgs = init_msgs, results = out 
 class Predictor:
     """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
 
-    REPLIES = {"rewrite": REWRITE, "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1,
+    REPLIES = {"rewrite": REWRITE, "moved": MOVED, "badpartition": {**MOVED, "partition": "a100,h100"},
+               "onepartition": {**REWRITE, "partition": "a100", "gpu": "A100"},  # no comparison: stays put
+               "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1,
                # with cache_ttl_s: the hook may reuse these (tests/unit/test_lua_hook_cache.py)
                "cached": {**REWRITE, "decision_id": "d-44", "cache_ttl_s": 30},
                "cached-short": {**REWRITE, "decision_id": "d-45", "cache_ttl_s": 0.3},
@@ -276,6 +284,37 @@ def test_rewrite_that_cannot_be_applied_consistently_leaves_the_job_as_written(t
                                          "split over 3 tasks (--gpus-per-task)); job submitted as written"]
 
 
+def test_a_comparison_moves_the_job_to_the_chosen_partition(tmp_path, predictor):
+    directives = ("#ELASTIC model=resnet50 gpus=2-8", "#ELASTIC per_gpu_batch=64")
+    named = job(mode="moved", directives=directives, partition="h100,a100")
+    typed_other = job(mode="moved", partition="h100,a100", tres_per_job=None, tres_per_node="gres:gpu:h100:4")
+    typed_same = job(mode="moved", partition="h100,a100", tres_per_job=None, tres_per_node="gres:gpu:a100:4,gres:nic:1")
+    any_type = job(mode="moved", directives=("#ELASTIC model=resnet50 gpu_type=any",), partition=None)
+    results = run_hook(install(tmp_path, predictor.url),
+                       [{"job_desc": d} for d in (named, typed_other, typed_same, any_type)])
+    got = [r["job_desc"] for r in results]
+    assert [g["partition"] for g in got] == ["a100"] * 4
+    assert got[0]["tres_per_node"] == "gres:gpu:2" and got[0]["min_nodes"] == 2
+    # a typed request naming the other partition's type would not fit a100's nodes: it becomes untyped
+    assert got[1]["tres_per_node"] == "gres:gpu:2" and got[2]["tres_per_node"] == "gres:nic:1,gres:gpu:a100:2"
+    assert all(kinds(r, "user_msg") == [MOVED["reason"]] for r in results)
+    assert [r["body"]["job"].get("partition") for r in predictor.requests] == ["h100,a100"] * 3 + [None]
+    assert predictor.requests[3]["body"]["directives"] == ["#ELASTIC model=resnet50 gpu_type=any"]
+
+
+def test_a_single_partition_answer_never_moves_the_job(tmp_path, predictor):
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="onepartition", partition=None)}])
+    assert "partition" not in result["job_desc"] and result["job_desc"]["min_nodes"] == 2
+
+
+def test_a_malformed_partition_in_the_reply_fails_open(tmp_path, predictor):
+    desc = job(mode="badpartition", partition="h100,a100")
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc
+    assert kinds(result, "user_msg") == ["elastic: prediction skipped (bad partition a100,h100); job submitted as "
+                                         "written"]
+
+
 def test_keep_records_decision_and_changes_nothing_else(tmp_path, predictor):
     desc = job(mode="keep")
     [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
@@ -425,3 +464,20 @@ def test_installer_rejects_bad_options(tmp_path, url, budget_ms):
 
     with pytest.raises(InstallError):
         PluginConfig(tmp_path, url, timedelta(milliseconds=budget_ms))
+
+
+def test_cli_filter_moves_the_options_to_the_chosen_partition(tmp_path):
+    """cli_filter's side of a comparison (elastic_common.apply_cli_options): --partition and a typed --gres."""
+    cases = [[{"partition": "h100,a100", "gres": "gpu:h100:4", "nodes": "1"}, MOVED],
+             [{"partition": "h100", "gres": "gpu:h100:4", "nodes": "1"}, {**MOVED, "alternatives": None}]]
+    code = (f"local M = dofile({json.dumps(str(LUA_DIR / 'elastic_common.lua'))})\n"
+            "local cjson = require('cjson')\nlocal out = {}\n"
+            f"for i, case in ipairs(cjson.decode([==[{json.dumps(cases)}]==])) do\n"
+            "  if case[2].alternatives == cjson.null then case[2].alternatives = nil end\n"
+            "  M.apply_cli_options(case[1], case[2]); out[i] = case[1]\nend\nio.write(cjson.encode(out))\n")
+    proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    moved, kept = json.loads(proc.stdout)
+    assert moved == {"partition": "a100", "gres": "gpu:2", "nodes": "2", "ntasks-per-node": "2", "switches": "1",
+                     "comment": "elastic:decision=d-50"}
+    assert kept["partition"] == "h100" and kept["gres"] == "gpu:h100:2"

@@ -87,6 +87,16 @@ def test_gpu_type_any_compares_every_partition():
     assert out["partition"] == "a100" and len(out["alternatives"]) == 2
 
 
+def test_a_job_already_sized_right_but_bound_for_the_default_partition_is_moved():
+    first = decide(LINE + " gpu_type=any")
+    sized = {"min_nodes": first["nodes"], "max_nodes": first["nodes"],
+             "tres_per_node": f"gres:gpu:{first['gpus_per_node']}", "req_switch": first["switches"]}
+    on_a100 = decide(LINE, job={**sized, "partition": "a100"})
+    assert on_a100["action"] == "keep"               # the layout alone would be kept on a100
+    out = decide(LINE + " gpu_type=any", job=sized)  # no partition named: it would run on the default, v100
+    assert out["partition"] == "a100" and out["action"] == "rewrite"
+
+
 def test_a_type_never_measured_counts_only_cross_type():
     cross = decide(LINE, job={"partition": "v100,a100"}, models=TypedModels(known=("V100",)))
     assert cross["partition"] == "a100" and "(cross-type from V100 (3 models on both))" in cross["reason"]
