@@ -177,7 +177,7 @@ class Tally:
 
     def __init__(self):
         self.codes: collections.Counter = collections.Counter()
-        self.busy = 0          # 503s the service means (plot queue full, Retry-After), among `codes`
+        self.busy = 0          # 429s the service means (plot queue full, Retry-After), among `codes`
         self._lock = threading.Lock()
 
     def add(self, code: int, busy: bool = False) -> None:
@@ -202,7 +202,7 @@ def send(port: int, tally: Tally, method: str, path: str, body: bytes | None = N
         status, answer = request(port, method, path, body, headers)
     except (OSError, http.client.HTTPException):
         status, answer = 0, b""
-    tally.add(status, busy=status == 503 and b"too many plots" in answer)
+    tally.add(status, busy=status == 429 and b"too many plots" in answer)
     return status
 
 
@@ -332,7 +332,7 @@ def run(root: Path, workers: int, attack_s: float, work: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| attack | requests | answers | 5xx or no answer (of which 503 'too many plots', Retry-After) | "
+    out = ["| attack | requests | answers | 5xx or no answer (429 'too many plots', Retry-After, besides) | "
            "worker RSS MB before -> after | DB MB before -> after | /v1/plan p99 during (plans) |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:

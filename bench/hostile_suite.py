@@ -106,8 +106,8 @@ def summary(res: dict) -> str:
            f"{len(MALFORMED)} malformed bodies, {len(held)} slow-connection cases "
            f"({', '.join(slow_clients.VARIANTS)} x K = {', '.join(str(r) for r in sorted({r['k'] for r in held}))}), "
            "1 poisoning attack (200 rows) |",
-           f"| 5xx or no answer | {errors} of {requests} requests, of which {busy} are 503 'too many plots' with "
-           f"Retry-After (the renderer's full queue: backpressure); {errors - busy} others |",
+           f"| 5xx or no answer | {errors} of {requests} requests (besides them {busy} answers 429 'too many plots' "
+           "with Retry-After: the renderer's full queue, backpressure on the asking client) |",
            f"| worker memory growth | at most {rss['rss'][1] - rss['rss'][0]:+.0f} MB in one attack ({rss['attack']}: "
            f"{rss['rss'][0]:.0f} -> {rss['rss'][1]:.0f} MB); {rows[0]['rss'][0]:.0f} -> {rows[-2]['rss'][1]:.0f} MB "
            "over the hostile-client run |",

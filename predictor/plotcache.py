@@ -6,7 +6,8 @@ A plot request never draws; it answers from this worker's cache of PNG bytes (`P
   on its way (the old one is served meanwhile), `fresh` otherwise;
 - 202 with a small "being drawn" placeholder PNG and `Retry-After` while the first drawing is not ready;
 - 404 when a `?profile=&gpu=` filter names no step history (checked against the pairs the thread read last);
-- 503 with `Retry-After` when MAX_PENDING plots already wait to be drawn.
+- 429 with `Retry-After` when MAX_PENDING plots already wait to be drawn (a client asks too much of the
+  renderer; the service itself is fine).
 
 The thread draws the queued plots one at a time, within a drawing-time budget (`DrawBudget`: DUTY of the
 wall time, after a burst of BURST), so in a stream of drawings it holds at most about half of the worker's
@@ -32,7 +33,7 @@ from predictor.errors import NotFoundError
 
 log = logging.getLogger("predictor.plotcache")
 
-MAX_PENDING = 8                             # plots waiting to be drawn; more asks get 503
+MAX_PENDING = 8                             # plots waiting to be drawn; more asks get 429
 MAX_ENTRIES = 32                            # drawings cached per worker
 MAX_BYTES = 16 * 1024 * 1024                # ... and their PNG bytes at most
 KEEP_WANTED = timedelta(minutes=10)         # a plot asked for within this is drawn again for each new model
@@ -40,7 +41,7 @@ NO_MODEL_REFRESH = timedelta(seconds=30)    # without a model, a drawing this ol
 CHECK = timedelta(milliseconds=250)         # how often the thread looks for a new model version
 DUTY = 0.5                                  # share of time the thread may spend drawing, in the long run
 BURST = timedelta(seconds=2)                # drawing time allowed back to back (the admin page's two plots)
-RETRY_AFTER_S = 1                           # what 202 and 503 answers tell the client
+RETRY_AFTER_S = 1                           # what 202 and 429 answers tell the client
 _MISSING_BYTES = 1024                       # what a cached "nothing matches" counts against MAX_BYTES
 
 
@@ -213,7 +214,7 @@ class PlotRenderer:
             else:
                 self._want(key, now)
             if not self._enqueue(key):
-                return PlotAnswer(503)
+                return PlotAnswer(429)
             return PlotAnswer(202, self._placeholder, label)
 
     def _want(self, key: PlotKey, now: float) -> None:

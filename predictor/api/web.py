@@ -10,7 +10,7 @@ Same rows as the CLI tables (predictor/admin_tables.py) and the same figures as 
 Nothing here writes: the page has no forms, and every link goes to a GET. No request draws a plot: each
 worker's predictor.plotcache.PlotRenderer draws them in a background thread, per model version, and the
 routes answer its cached PNG (200), a "being drawn" placeholder (202, Retry-After) before the first drawing,
-404 for a filter that names no history, 503 (Retry-After) while too many plots wait to be drawn.
+404 for a filter that names no history, 429 (Retry-After) while too many plots wait to be drawn.
 """
 from __future__ import annotations
 
@@ -164,9 +164,9 @@ def _plot(key: PlotKey) -> Response:
     answer = services().plots.answer(key)
     if answer.status == 404:
         raise answer.error
-    if answer.status == 503:
+    if answer.status == 429:
         response = jsonify(error="too many plots are waiting to be drawn; retry shortly", field=None)
-        response.status_code = 503
+        response.status_code = 429
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
     headers = {"Cache-Control": "no-cache" if answer.status == 200 else "no-store",

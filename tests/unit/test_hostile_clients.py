@@ -142,7 +142,7 @@ def test_the_renderer_queue_is_bounded_and_a_stale_drawing_is_served_while_the_n
         assert renderer.answer(PlotKey("scaling")).status == 202
         assert drawing.wait(30)                                         # the thread is busy with the first
         answers = [renderer.answer(PlotKey("scaling", f"p{i}")).status for i in range(MAX_PENDING + 2)]
-        assert answers == [202] * (MAX_PENDING - 1) + [503] * 3        # the one drawn counts; then 503 (Retry-After)
+        assert answers == [202] * (MAX_PENDING - 1) + [429] * 3        # the one drawn counts; then 429 (Retry-After)
         gate.set()
         done = _until(lambda: renderer.answer(PlotKey("scaling")).status == 200)
         assert done and renderer.answer(PlotKey("scaling")).png == b"\x89PNG scaling None"
