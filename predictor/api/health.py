@@ -18,6 +18,7 @@ def healthz():
     """200 `ok`, or 503 `degraded` with `store_error` when the database cannot be written (read-only, disk full):
     the service still reads, but every write (observations, profiles, /v1/plan's decision) would fail."""
     svc = services()
+    svc.models.load_newest()  # every worker reports the service's newest model, not only what it has loaded
     problem = svc.store.write_problem(max_age=WRITE_PROBE_MAX_AGE)
     body = {"status": "ok" if problem is None else "degraded", "writable": problem is None,
             "schema": svc.store.migrations(), "generation": svc.store.generation(),

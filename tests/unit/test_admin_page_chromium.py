@@ -121,6 +121,6 @@ def test_admin_page_dom_in_the_browser(live_server, tmp_path):
     proc = _run_chromium(["--dump-dom", base + "/admin"], tmp_path / "profile")
     dom = proc.stdout
     assert "<h1>elastic-predictor</h1>" in dom, proc.stderr[-2000:]
-    assert dom.count('href="/v1/decisions/d-') == 3 and ">rewrite<" in dom
+    assert dom.count('href="/admin/decisions/d-') == 3 and ">rewrite<" in dom
     assert ">resnet50<" in dom and ">gpt2<" in dom and ">nvlink<" in dom
     assert 'src="/admin/plots/scaling.png"' in dom and 'src="/admin/plots/links.png"' in dom
