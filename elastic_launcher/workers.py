@@ -181,7 +181,7 @@ class ProgressReporter:
     controller relabels with the layout and links and posts to the predictor; see observations.py).
 
     Args:
-        store: a client of the job's store (no prefix; the key is `launcher/progress/<wid>`).
+        store: a client of the job's store (no prefix; keys `store_keys.progress(wid)` and `observations(wid)`).
         wid: this worker's id (`worker_identity`).
         node: this worker's node.
     """
@@ -191,6 +191,7 @@ class ProgressReporter:
         self.wid = wid
         self.node = node
         self.history = history
+        self._progress_key, self._observations_key = keys.progress(wid), keys.observations(wid)  # built once
         self.compute_total_s = 0.0
         self.steps = 0
         self.recent: list[tuple[int, int, float]] = []
@@ -211,13 +212,13 @@ class ProgressReporter:
         self.compute_total_s += compute_s
         self.steps += steps
         self.recent = (self.recent + [(epoch, step, now)])[-self.history:]
-        self.store.set(keys.progress(self.wid), json.dumps(
+        self.store.set(self._progress_key, json.dumps(
             {"epoch": epoch, "step": step, "samples": samples, "t": now, "node": self.node,
              "compute_total_s": self.compute_total_s, "steps": self.steps, "recent": self.recent}))
 
     def publish(self, records: list) -> None:
         """Hand observation records to the controller (appended as one JSON line; it reads what is new)."""
-        self.store.append(keys.observations(self.wid), json.dumps(records) + "\n")
+        self.store.append(self._observations_key, json.dumps(records) + "\n")
 
     def publish_host(self, facts_json: str) -> None:
         """Tell the controller what this worker's host offers (``links.HostFacts.to_json``), once at start."""
