@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_launcher import store_keys as keys
 from gpu_common import STORE_TIMEOUT, Controller, Synthetic, build, client, device_of, sync
 
 SEG_WARM = 10  # steps after entering a size that the steady figures leave out
@@ -145,7 +146,7 @@ def worker_ours_sched(args) -> None:
         t2 = time.perf_counter()
         at_commit = et.committed_step == et.step
         if progress is None and at_commit and et.rank == 0:  # the controller follows rank 0's commit points
-            client(args).set("launcher/progress/w0", json.dumps({"step": et.step}))
+            client(args).set(keys.progress("w0"), json.dumps({"step": et.step}))
         recs.append((world, t2, et.step, at_commit, t2 - t1, t1 - t0))
         if not alive:
             break
@@ -164,7 +165,7 @@ def worker_ours_sched(args) -> None:
 
 
 def _progress_step(c: Controller, wid: str) -> int:
-    key = f"launcher/progress/{wid}"
+    key = keys.progress(wid)
     return json.loads(c.server.get(key))["step"] if c.server.check([key]) else 0
 
 

@@ -1,15 +1,7 @@
 """The launcher channel of a job's TCPStore: operator control (`elastic-launch ctl`) and the controller's
 status, heartbeat and helper keys.
 
-Keys of the launcher channel (prefix `launcher/` of the job's TCPStore; the runtime uses `elastic/`):
-
-    heartbeat            counter the controller bumps every loop (helper agents watch it move)
-    status               JSON: the controller's state (`elastic-launch ctl JOB --status`)
-    ctl/seq              counter; an operator request takes the next number n
-    ctl/req/<n>          JSON {"nodes": N}
-    ctl/reply/<n>        JSON {"ok": bool, "message": ..., "target_nodes": N}
-    helper/<job>/status  JSON written by the helper agent (state, nodes, steps)
-    helper/<job>/stop    set by the controller: the helper's workers have left, end the helper
+Keys of the launcher channel (prefix `launcher/` of the job's TCPStore): see elastic_launcher.store_keys.
 """
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-LAUNCHER_PREFIX = "launcher"
+from elastic_launcher import store_keys as keys
 
 
 def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:
@@ -28,7 +20,7 @@ def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:
         RuntimeError (from torch): the store cannot be reached within `timeout`.
     """
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    return dist.PrefixStore(LAUNCHER_PREFIX, store)
+    return dist.PrefixStore(keys.LAUNCHER, store)
 
 
 class ControlClient:
@@ -49,18 +41,18 @@ class ControlClient:
             TimeoutError: no reply within the timeout (the controller is busy in a transition or gone).
         """
         store = launcher_store(self.host, self.port, self.timeout)
-        seq = store.add("ctl/seq", 1)
-        store.set(f"ctl/req/{seq}", json.dumps({"nodes": nodes}))
+        seq = store.add(keys.CTL_SEQ, 1)
+        store.set(keys.ctl_request(seq), json.dumps({"nodes": nodes}))
         try:
-            store.wait([f"ctl/reply/{seq}"], self.timeout)
+            store.wait([keys.ctl_reply(seq)], self.timeout)
         except Exception as exc:
             raise TimeoutError(f"no reply to request {seq} within {self.timeout.total_seconds():g} s") from exc
-        return json.loads(store.get(f"ctl/reply/{seq}"))
+        return json.loads(store.get(keys.ctl_reply(seq)))
 
     def status(self) -> dict:
         store = launcher_store(self.host, self.port, self.timeout)
-        store.wait(["status"], self.timeout)
-        return json.loads(store.get("status"))
+        store.wait([keys.STATUS], self.timeout)
+        return json.loads(store.get(keys.STATUS))
 
 
 class ControlInbox:
@@ -71,11 +63,11 @@ class ControlInbox:
         self.seen = 0
 
     def poll(self) -> list[tuple[int, dict]]:
-        last = self.store.add("ctl/seq", 0)
+        last = self.store.add(keys.CTL_SEQ, 0)
         out = []
         while self.seen < last:
             self.seen += 1
-            key = f"ctl/req/{self.seen}"
+            key = keys.ctl_request(self.seen)
             if self.store.check([key]):
                 try:
                     out.append((self.seen, json.loads(self.store.get(key))))
@@ -84,4 +76,4 @@ class ControlInbox:
         return out
 
     def reply(self, seq: int, ok: bool, message: str, **extra) -> None:
-        self.store.set(f"ctl/reply/{seq}", json.dumps({"ok": ok, "message": message, **extra}))
+        self.store.set(keys.ctl_reply(seq), json.dumps({"ok": ok, "message": message, **extra}))

@@ -21,11 +21,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.autoscale import (NO_DIRECTIVES, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
                                         PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
-from elastic_launcher.control import LAUNCHER_PREFIX, ControlInbox
-from elastic_launcher.helper_agent import HEARTBEAT_KEY, helper_key, read_key
+from elastic_launcher.control import ControlInbox, launcher_store
+from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
@@ -35,7 +36,7 @@ from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wai
 from elastic_launcher.steering import (JobPhase, MeasuredThroughput, RequestKind, ThroughputModel, decide_failures,
                                        decide_request, settle_decision)
 from elastic_launcher.stragglers import StragglerDetector
-from elastic_launcher.workers import HOSTS_PREFIX, WorkerPool
+from elastic_launcher.workers import WorkerPool
 
 # AutoscalePolicy & co. are re-exported: they lived here before autoscale.py.
 __all__ = ["Controller", "AutoscalePolicy", "Decision", "Measurement", "scaling_efficiency", "PredictorClient",
@@ -85,7 +86,7 @@ class Controller:
         self.records: Optional[RecordLog] = None
         self.server: Optional[dist.TCPStore] = None
         self.store_addr: Optional[str] = None
-        self.kv: Optional[dist.Store] = None  # the launcher channel (control.LAUNCHER_PREFIX)
+        self.kv: Optional[dist.Store] = None  # the launcher channel (store_keys.LAUNCHER)
         self.coord: Optional[Coordinator] = None
         self.inbox: Optional[ControlInbox] = None
         self.observations: Optional[ObservationInbox] = None
@@ -108,7 +109,7 @@ class Controller:
         self.server = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=True, wait_for_workers=False,
                                     timeout=cfg.store_timeout)
         self.store_addr = f"{cfg.store_host}:{self.server.port}"
-        self.kv = dist.PrefixStore(LAUNCHER_PREFIX, self.server)
+        self.kv = dist.PrefixStore(keys.LAUNCHER, self.server)
         self.coord = Coordinator(self.server, timeout=cfg.rendezvous_timeout)
         self.inbox = ControlInbox(self.kv)
         self.observations = ObservationInbox(self.server)
@@ -145,11 +146,10 @@ class Controller:
     def _beat(self) -> None:
         """Bump the heartbeat the helper agents watch (own store client: the loop may block)."""
         host, port = self.store_addr.rsplit(":", 1)
-        kv = dist.PrefixStore(LAUNCHER_PREFIX, dist.TCPStore(host, int(port), is_master=False,
-                                                             timeout=self.config.store_timeout))
+        kv = launcher_store(host, int(port), self.config.store_timeout)
         while not self._stop_beat.wait(0.5):
             try:
-                kv.add(HEARTBEAT_KEY, 1)
+                kv.add(keys.CONTROLLER_BEAT, 1)
             except Exception as exc:  # the store closes at exit
                 log.debug("heartbeat stops: %s", exc)
                 return
@@ -192,7 +192,7 @@ class Controller:
         return "completed" if all(c == 0 for c in codes) else "failed"
 
     def _helper_status(self, helper: str) -> dict:
-        text = read_key(self.kv, helper_key(helper, "status"))
+        text = read_key(self.kv, keys.helper_status(helper))
         return json.loads(text) if text else {}
 
     def _handle_failures(self) -> None:
@@ -232,7 +232,7 @@ class Controller:
     def _progress(self, wids) -> dict[str, dict]:
         out = {}
         for wid in wids:
-            key = f"{LAUNCHER_PREFIX}/progress/{wid}"
+            key = keys.progress(wid)
             if self.server.check([key]):
                 out[wid] = json.loads(self.server.get(key))
         return out
@@ -334,7 +334,7 @@ class Controller:
         facts = []
         for wid in first.values():
             try:
-                key = HOSTS_PREFIX + wid
+                key = keys.hosts(wid)
                 if self.server.check([key]):
                     facts.append(HostFacts.from_json(self.server.get(key)))
             except Exception as exc:  # noqa: BLE001 - a store hiccup or an old worker: fewer facts
@@ -424,7 +424,7 @@ class Controller:
         self._current_layout()
         plan = self.coord.current()
         last = self.policy.history_[-1] if self.policy.history_ else None
-        self.kv.set("status", json.dumps({
+        self.kv.set(keys.STATUS, json.dumps({
             "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.fleet.nodes),
             "helpers": self.fleet.helpers, "operator_cap": self.operator_cap,
             "samples_per_s": None if last is None else round(last.samples_per_s, 3),
@@ -453,7 +453,7 @@ class Controller:
         helpers = list(self.fleet.helpers)
         for helper in helpers:  # ask first (their workers are gone), then make sure: Slurm's KillWait is short
             try:
-                self.kv.set(helper_key(helper, "stop"), f"main job {outcome}")
+                self.kv.set(keys.helper_stop(helper), f"main job {outcome}")
             except Exception as exc:
                 log.warning("cannot signal helper %s: %s", helper, exc)
         wait_until(lambda: all(self.resizer.helper_gone(h) for h in helpers), timedelta(seconds=3), interval=0.2)

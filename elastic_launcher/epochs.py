@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epoch_decisions import PrepareKind, RecoveryKind, decide_prepare, decide_recovery, source_rank
 from elastic_launcher.errors import LeftGroup, PeerFailure, ProcessGroupError
@@ -246,7 +247,7 @@ class EpochExecutor:
         s = self.settings
         g = ProcessGroupWrapper(s.backend, self.device, s.timeout, s.connect_timeout)
         try:
-            g.configure(self.addr.with_prefix(f"{self.addr.prefix}/{plan.group_prefix}"), plan.rank_of(self.wid),
+            g.configure(self.addr.with_prefix(keys.group_channel(self.addr.prefix, plan.id)), plan.rank_of(self.wid),
                         plan.world_size)
         except BaseException:
             g.abort()
@@ -258,7 +259,7 @@ class EpochExecutor:
         return source_rank(plan, prev)
 
     def _broadcast_state(self, group: ProcessGroupWrapper, src: int, plan: Plan) -> int:
-        return self.state.broadcast(group, src, self.store, f"state/{plan.id}", self.settings.rendezvous_timeout)
+        return self.state.broadcast(group, src, self.store, keys.state(plan.id), self.settings.rendezvous_timeout)
 
     # ---- entering an epoch ----------------------------------------------------------------------------------
     def enter(self, plan: Plan, group: ProcessGroupWrapper, step_fn: Callable[[], int]) -> Epoch:
@@ -279,7 +280,7 @@ class EpochExecutor:
         return Epoch(plan, group, ddp, hook, batches)
 
     def _repartition(self, plan: Plan, world: int) -> list[int]:
-        speeds = [float(self.store.get(f"speed/{m}")) for m in plan.members]
+        speeds = [float(self.store.get(keys.speed(m))) for m in plan.members]
         batches = self.policy.split(world, speeds if len(set(speeds)) > 1 else None)
         g = sum(batches)
         c = self.state.counters

@@ -29,19 +29,14 @@ import time
 from datetime import timedelta
 from typing import Callable, Mapping, Optional, Sequence
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.workers import WorkerPool
 
 log = logging.getLogger("elastic_launcher.helper_agent")
 
-HEARTBEAT_KEY = "heartbeat"
 # After Slurm says the main job is not running, the agent waits this long for the heartbeat (bumped every
 # 0.5 s by a live controller) to move before it believes it.
 BEAT_GRACE = timedelta(seconds=1.5)
-
-
-def helper_key(helper_job: str, what: str) -> str:
-    """Store key of one helper's channel: `helper/<job>/<what>` (what: status | stop)."""
-    return f"helper/{helper_job}/{what}"
 
 
 def read_key(store, key: str) -> Optional[str]:
@@ -130,8 +125,8 @@ class HelperAgent:
                     last_beat, beat_seen_at = beat, time.monotonic()
             try:
                 store = store or self.connect()
-                beat = read_key(store, HEARTBEAT_KEY)
-                stop = read_key(store, helper_key(self.helper_job, "stop"))
+                beat = read_key(store, keys.CONTROLLER_BEAT)
+                stop = read_key(store, keys.helper_stop(self.helper_job))
                 self._report(store, "running")
             except Exception as exc:  # a store failure: the heartbeat is not seen, the orphan clock runs
                 log.warning("helper %s: controller store unreachable: %s", self.helper_job, exc)
@@ -156,7 +151,7 @@ class HelperAgent:
     def _read_beat(self, store) -> Optional[str]:
         """The heartbeat counter now; None when the store cannot be read."""
         try:
-            return read_key(store or self.connect(), HEARTBEAT_KEY)
+            return read_key(store or self.connect(), keys.CONTROLLER_BEAT)
         except Exception as exc:
             log.warning("helper %s: controller store unreachable: %s", self.helper_job, exc)
             return None
@@ -172,6 +167,6 @@ class HelperAgent:
         if store is None:
             return
         steps = {node: (None if s.alive() else s.returncode()) for node, s in self.pool.steps.items()}
-        store.set(helper_key(self.helper_job, "status"),
+        store.set(keys.helper_status(self.helper_job),
                   json.dumps({"state": state, "nodes": list(self.nodes), "steps": steps,
                               "reason": self.exit_reason_}))

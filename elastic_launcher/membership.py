@@ -5,20 +5,9 @@ controller exchange small keys under the ``elastic/`` prefix. An *epoch* is one 
 with a unique integer id and the ordered list of worker ids (the order is the rank order). Process groups of an
 epoch use the store prefix ``epoch/<id>``, so every membership change gets a fresh prefix.
 
-Keys (all values are UTF-8 strings; JSON where noted):
-
-====================== =========================================================================================
-``seq``                counter; ``add(seq, 1)`` allocates plan ids
-``plan/<id>``          JSON plan ``{"id", "members", "prev", "kind"}``; ``kind`` is initial | resize | recovery
-``current``            id of the plan the workers currently train in (written by its rank 0 after the switch)
-``next/<id>``          id of the planned successor of epoch ``id``, set once by ``compare_set`` (resize)
-``recover/<id>/...``   failure recovery of epoch ``id``: ``alive/<wid>``, ``leader``, ``plan``
-``hb/<wid>``           heartbeat: ``time.time()`` of the worker's last beat
-``joined/<wid>``       a worker announced itself (value: time); ``joined`` lists them, comma-separated
-``switched/<id>``      JSON stats written by rank 0 of plan ``id`` after its first step, for every epoch
-                       (initial, resize, recovery): pause seconds, ...
-``left/<wid>``         a worker left the group at a resize and is exiting
-====================== =========================================================================================
+The keys (who writes and reads each, and its value) are the runtime channel of
+:mod:`elastic_launcher.store_keys`: ``plan/<id>``, ``current``, ``next/<id>``, ``recover/<id>/...``, ``hb/<wid>``,
+``joined``, ``switched/<id>``, ``left/<wid>``.
 
 Controller side (:class:`Coordinator`): ``start(members)`` posts the first plan; ``request_resize(members)``
 posts the successor of the current epoch (grow: newcomers appended after the survivors; shrink: leavers
@@ -47,14 +36,13 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.errors import InvalidPlan, RendezvousTimeout, ResizeConflict
 from elastic_launcher.peer_watch import PeerWatch
 
 logger = logging.getLogger("elastic_launcher.membership")
 
-__all__ = ["Plan", "Coordinator", "Membership", "PREFIX"]
-
-PREFIX = "elastic/"
+__all__ = ["Plan", "Coordinator", "Membership"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,7 @@ class Plan:
 
     @property
     def group_prefix(self) -> str:
-        return f"epoch/{self.id}"
+        return keys.epoch_group(self.id)
 
     def rank_of(self, wid: str) -> int:
         """Rank of ``wid`` in this plan, -1 if not a member."""
@@ -110,7 +98,7 @@ class _Keys:
     """Store access shared by both sides (all keys under ``elastic/``)."""
 
     def __init__(self, store: dist.Store, timeout: timedelta) -> None:
-        self.store = dist.PrefixStore(PREFIX.rstrip("/"), store)
+        self.store = dist.PrefixStore(keys.RUNTIME, store)
         self.timeout = timeout
 
     def has(self, key: str) -> bool:
@@ -127,16 +115,16 @@ class _Keys:
         return self.get(key)
 
     def plan(self, pid: int) -> Plan:
-        return Plan.from_json(self.get(f"plan/{pid}"))
+        return Plan.from_json(self.get(keys.plan(pid)))
 
     def post(self, members: Sequence[str], prev: int, kind: str) -> Plan:
-        pid = self.store.add("seq", 1)
+        pid = self.store.add(keys.SEQ, 1)
         plan = Plan(pid, _validate(members), prev, kind)
-        self.store.set(f"plan/{pid}", plan.to_json())
+        self.store.set(keys.plan(pid), plan.to_json())
         return plan
 
     def current(self) -> Optional[Plan]:
-        return self.plan(int(self.get("current"))) if self.has("current") else None
+        return self.plan(int(self.get(keys.CURRENT))) if self.has(keys.CURRENT) else None
 
 
 class Coordinator:
@@ -157,7 +145,7 @@ class Coordinator:
     def start(self, members: Sequence[str]) -> Plan:
         """Posts the first plan; its members then start training together."""
         plan = self._k.post(members, 0, "initial")
-        self._k.store.set("current", str(plan.id))
+        self._k.store.set(keys.CURRENT, str(plan.id))
         return plan
 
     def current(self) -> Plan:
@@ -166,7 +154,7 @@ class Coordinator:
         Raises:
             RendezvousTimeout: :meth:`start` was never called.
         """
-        return Plan.from_json(self._k.get(f"plan/{self._k.wait_get('current', self.timeout, 'first plan')}"))
+        return self._k.plan(int(self._k.wait_get(keys.CURRENT, self.timeout, "first plan")))
 
     def request_resize(self, members: Sequence[str], base: Optional[Plan] = None) -> Plan:
         """Posts the successor of ``base`` (default: the current epoch) with ``members`` in rank order.
@@ -182,11 +170,11 @@ class Coordinator:
         if not any(m in base.members for m in members):
             raise InvalidPlan(f"plan {list(members)} keeps no member of epoch {base.id}; state would be lost")
         plan = self._k.post(members, base.id, "resize")
-        won = self._k.store.compare_set(f"next/{base.id}", "", str(plan.id)).decode()
+        won = self._k.store.compare_set(keys.next_plan(base.id), "", str(plan.id)).decode()
         if won != str(plan.id):
             raise ResizeConflict(base.id, int(won))
-        if self._k.has(f"recover/{base.id}/plan"):
-            raise ResizeConflict(base.id, int(self._k.get(f"recover/{base.id}/plan")))
+        if self._k.has(keys.recover_plan(base.id)):
+            raise ResizeConflict(base.id, int(self._k.get(keys.recover_plan(base.id))))
         logger.info("resize requested: epoch %d %s -> %d %s", base.id, list(base.members), plan.id,
                     list(plan.members))
         return plan
@@ -198,30 +186,30 @@ class Coordinator:
         Raises:
             RendezvousTimeout: not switched within ``timeout``.
         """
-        return json.loads(self._k.wait_get(f"switched/{plan.id}", timeout or self.timeout, f"switch to {plan.id}"))
+        return json.loads(self._k.wait_get(keys.switched(plan.id), timeout or self.timeout, f"switch to {plan.id}"))
 
     def switched(self, plan: Plan) -> Optional[dict]:
         """``plan``'s switch record if its rank 0 reported its first step already, else None (no wait)."""
-        key = f"switched/{plan.id}"
+        key = keys.switched(plan.id)
         return json.loads(self._k.get(key)) if self._k.has(key) else None
 
     def joined(self) -> list[str]:
         """Worker ids that announced themselves (newcomers preparing, or members), sorted."""
-        if not self._k.has("joined"):
+        if not self._k.has(keys.JOINED_LIST):
             return []
-        return sorted({w for w in self._k.get("joined").split(",") if w})
+        return sorted({w for w in self._k.get(keys.JOINED_LIST).split(",") if w})
 
     def alive(self, wids: Sequence[str]) -> dict[str, bool]:
         """For each worker id, whether its heartbeat is younger than ``heartbeat_timeout``."""
         now, out = time.time(), {}
         for w in wids:
-            out[w] = self._k.has(f"hb/{w}") and now - float(self._k.get(f"hb/{w}")) < \
+            out[w] = self._k.has(keys.beat(w)) and now - float(self._k.get(keys.beat(w))) < \
                 self.heartbeat_timeout.total_seconds()
         return out
 
     def has_left(self, wid: str) -> bool:
         """True once ``wid`` left at a resize (its node may be released)."""
-        return self._k.has(f"left/{wid}")
+        return self._k.has(keys.left(wid))
 
 
 class Membership:
@@ -263,10 +251,10 @@ class Membership:
     # ---- background heartbeat and poll ----------------------------------------------------------------------
     def start(self) -> None:
         """Starts the heartbeat/poll thread (idempotent)."""
-        self._k.store.set(f"hb/{self.wid}", repr(time.time()))
+        self._k.store.set(keys.beat(self.wid), repr(time.time()))
         if self._thread is None:
-            self._k.store.set(f"joined/{self.wid}", repr(time.time()))
-            self._k.store.append("joined", f"{self.wid},")
+            self._k.store.set(keys.joined(self.wid), repr(time.time()))
+            self._k.store.append(keys.JOINED_LIST, f"{self.wid},")
             self._thread = threading.Thread(target=self._loop, name=f"elastic-hb-{self.wid}", daemon=True)
             self._thread.start()
 
@@ -275,10 +263,10 @@ class Membership:
         peers = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds())
         while not self._stop.wait(self.heartbeat_interval.total_seconds()):
             try:
-                k.store.set(f"hb/{self.wid}", repr(time.time()))
+                k.store.set(keys.beat(self.wid), repr(time.time()))
                 ep, members = self._watch_epoch, self._watch_members
-                if ep is not None and self._next is None and k.has(f"next/{ep}"):
-                    plan = k.plan(int(k.get(f"next/{ep}")))
+                if ep is not None and self._next is None and k.has(keys.next_plan(ep)):
+                    plan = k.plan(int(k.get(keys.next_plan(ep))))
                     with self._lock:
                         if self._watch_epoch == ep:
                             self._next = plan
@@ -329,17 +317,17 @@ class Membership:
         """
         t = timeout or self.timeout
         deadline = time.monotonic() + t.total_seconds()
-        pid = int(self._k.wait_get("current", t, "the first plan"))
+        pid = int(self._k.wait_get(keys.CURRENT, t, "the first plan"))
         while True:
             plan = self._k.plan(pid)
             if self.wid in plan.members:
                 return plan
-            key = f"next/{pid}"
+            key = keys.next_plan(pid)
             if self._k.has(key):
                 pid = int(self._k.get(key))
                 continue
-            if self._k.has(f"recover/{pid}/plan"):
-                pid = int(self._k.get(f"recover/{pid}/plan"))
+            if self._k.has(keys.recover_plan(pid)):
+                pid = int(self._k.get(keys.recover_plan(pid)))
                 continue
             if time.monotonic() > deadline:
                 raise RendezvousTimeout(f"worker {self.wid}: no plan includes it after {t.total_seconds():.0f}s")
@@ -351,14 +339,14 @@ class Membership:
 
     def publish_current(self, plan: Plan) -> None:
         """Marks ``plan`` as the epoch being trained (called by its rank 0 at the switch)."""
-        self._k.store.set("current", str(plan.id))
+        self._k.store.set(keys.CURRENT, str(plan.id))
 
     def report_switched(self, plan: Plan, stats: dict) -> None:
         """Writes the switch stats record the controller waits for (rank 0 of ``plan``)."""
-        self._k.store.set(f"switched/{plan.id}", json.dumps(stats))
+        self._k.store.set(keys.switched(plan.id), json.dumps(stats))
 
     def mark_left(self) -> None:
-        self._k.store.set(f"left/{self.wid}", repr(time.time()))
+        self._k.store.set(keys.left(self.wid), repr(time.time()))
 
     # ---- failure recovery -------------------------------------------------------------------------------------
     def recover(self, failed: Plan, timeout: Optional[timedelta] = None) -> Plan:
@@ -370,18 +358,17 @@ class Membership:
             RendezvousTimeout: the decision did not come within ``timeout``.
         """
         t = timeout or self.timeout
-        base = f"recover/{failed.id}"
-        self._k.store.set(f"{base}/alive/{self.wid}", "1")
-        leader = self._k.store.compare_set(f"{base}/leader", "", self.wid).decode()
+        self._k.store.set(keys.recover_alive(failed.id, self.wid), "1")
+        leader = self._k.store.compare_set(keys.recover_leader(failed.id), "", self.wid).decode()
         if leader == self.wid:
             deadline = time.monotonic() + t.total_seconds()
             while True:
                 state = {}
                 for m in failed.members:
-                    if self._k.has(f"{base}/alive/{m}"):
+                    if self._k.has(keys.recover_alive(failed.id, m)):
                         state[m] = True
-                    elif not self._k.has(f"hb/{m}") or \
-                            time.time() - float(self._k.get(f"hb/{m}")) > self.heartbeat_timeout.total_seconds():
+                    elif not self._k.has(keys.beat(m)) or \
+                            time.time() - float(self._k.get(keys.beat(m))) > self.heartbeat_timeout.total_seconds():
                         state[m] = False
                 if len(state) == len(failed.members):
                     break
@@ -390,13 +377,13 @@ class Membership:
                 time.sleep(self.heartbeat_interval.total_seconds() / 2)
             survivors = [m for m in failed.members if state[m]]
             plan = self._k.post(survivors, failed.id, "recovery")
-            self._k.store.set(f"{base}/plan", str(plan.id))
+            self._k.store.set(keys.recover_plan(failed.id), str(plan.id))
             logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
                            [m for m in failed.members if not state[m]], plan.id)
             return plan
-        pid = int(self._k.wait_get(f"{base}/plan", t, f"recovery plan of epoch {failed.id}"))
+        pid = int(self._k.wait_get(keys.recover_plan(failed.id), t, f"recovery plan of epoch {failed.id}"))
         return self._k.plan(pid)
 
     def plan_superseded(self, plan: Plan) -> bool:
         """True if ``plan`` (a resize) lost to a recovery of its base epoch."""
-        return self._k.has(f"recover/{plan.prev}/plan")
+        return self._k.has(keys.recover_plan(plan.prev))

@@ -22,7 +22,7 @@ import logging
 from typing import Iterable, Mapping, Optional, Sequence
 
 from elastic_launcher.links import Links
-from elastic_launcher.workers import OBSERVATIONS_PREFIX
+from elastic_launcher import store_keys as keys
 
 log = logging.getLogger("elastic_launcher.observations")
 
@@ -81,7 +81,7 @@ class ObservationInbox:
         """New records of these workers (unreadable lines are skipped and logged)."""
         out: list[dict] = []
         for wid in wids:
-            key = OBSERVATIONS_PREFIX + wid
+            key = keys.observations(wid)
             try:
                 if not self.store.check([key]):
                     continue

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+from elastic_launcher import store_keys as keys
+
 
 class PeerWatch:
     """The heartbeat thread's view of its peers' beats: who has not beaten for ``timeout`` seconds.
@@ -29,19 +31,19 @@ class PeerWatch:
         if self.reported:
             return None
         reason = None
-        if k.has(f"recover/{epoch}/leader"):
+        if k.has(keys.recover_leader(epoch)):
             reason = f"a recovery of epoch {epoch} has begun"
         else:
             now = time.monotonic()
             peers = [m for m in members if m != self.wid]
-            keys = [f"hb/{m}" for m in peers]
-            if peers and k.store.check(keys):
-                beats = k.store.multi_get(keys) if hasattr(k.store, "multi_get") else [k.store.get(x) for x in keys]
+            beats_at = [keys.beat(m) for m in peers]
+            if peers and k.store.check(beats_at):
+                beats = k.store.multi_get(beats_at) if hasattr(k.store, "multi_get") else [k.store.get(x) for x in beats_at]
                 for m, beat in zip(peers, beats):
                     last = self.seen.get(m)
                     if last is None or last[0] != beat:
                         self.seen[m] = (beat, now)
-                    elif now - last[1] > self.timeout and not k.has(f"left/{m}"):
+                    elif now - last[1] > self.timeout and not k.has(keys.left(m)):
                         reason = f"worker {m} has not beaten for {now - last[1]:.1f} s"
                         break
         self.reported = reason is not None

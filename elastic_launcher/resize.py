@@ -1,6 +1,6 @@
 """Resize mechanics: helper jobs, shrink and grow (:class:`Resizer`, which executes the controller's decisions).
 
-The launcher channel's keys (status, operator requests, helper stop) are in `control.py`.
+The launcher channel's keys (status, operator requests, helper stop) are laid out in `store_keys.py`.
 
 Shrink order (Slurm SIGKILLs tasks on released nodes): the leaving ranks leave at a commit point first
 (runtime resize plan without them), their srun steps end, and only then are the nodes released: helper
@@ -26,8 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.errors import ElasticError, RendezvousTimeout, ResizeConflict
-from elastic_launcher.helper_agent import helper_key
 from elastic_launcher.launch_config import Allocation, LaunchConfig, helper_comment, helper_name
 from elastic_launcher.membership import Coordinator, Plan
 from elastic_launcher.reporting import RecordLog
@@ -401,7 +401,7 @@ class Resizer:
         return True
 
     def _end_helper(self, helper: str, reason: str) -> None:
-        self.kv.set(helper_key(helper, "stop"), reason)
+        self.kv.set(keys.helper_stop(helper), reason)
         gone = wait_until(lambda: self.helper_gone(helper), self.config.leave_timeout, interval=0.3)
         if not gone:
             self.cancel(helper)

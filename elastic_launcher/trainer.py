@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.commit_schedule import CommitSchedule
 from elastic_launcher.epoch_decisions import CommitAction, CommitOutcome, Phase, VoteTally, decide_commit
@@ -160,7 +161,7 @@ class ElasticTrainer:
         self.device = device or next(model.parameters()).device
         self.state = TrainingState(model, optimizer, scheduler, None, self.device)
         self.state.counters.update(lr_factor=1.0, ref_global=0)
-        self._store = connect_store(self.addr.with_prefix(self.addr.prefix + "/elastic-state"),
+        self._store = connect_store(self.addr.with_prefix(keys.state_channel(self.addr.prefix)),
                                     config.connect_timeout)
         # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
         self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
@@ -202,7 +203,7 @@ class ElasticTrainer:
         self.epoch_start_step = 0  # the step the current epoch began at (the same on every rank of its plan)
         self._uncommitted = (0, 0.0)  # (steps, compute seconds) since the last commit point, for the progress hook
         try:
-            self._store.set(f"speed/{worker_id}", repr(float(speed)))
+            self._store.set(keys.speed(worker_id), repr(float(speed)))
             self.plan = self.membership.wait_for_plan()
             self.group = self._executor.new_group(self.plan)
         except BaseException:

@@ -22,6 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from elastic_launcher import store_keys as keys
+
 log = logging.getLogger("elastic_launcher.workers")
 
 # start_step(env, node, ntasks, argv, stdout_path) -> Popen of `srun ...` (slurm_plugin.client owns srun).
@@ -170,11 +172,6 @@ class WorkerPool:
             self.stop(node, timeout)
 
 
-PROGRESS_PREFIX = "launcher/progress/"
-OBSERVATIONS_PREFIX = "launcher/observations/"  # read by observations.ObservationInbox
-HOSTS_PREFIX = "launcher/hosts/"  # links.HostFacts of each worker, read by the controller (links.links_for)
-
-
 class ProgressReporter:
     """Worker side of the launcher's progress channel: one small JSON key per worker.
 
@@ -184,7 +181,7 @@ class ProgressReporter:
     controller relabels with the layout and links and posts to the predictor; see observations.py).
 
     Args:
-        store: a client of the job's store (no prefix; the key is `launcher/progress/<wid>`).
+        store: a client of the job's store (no prefix; keys `store_keys.progress(wid)` and `observations(wid)`).
         wid: this worker's id (`worker_identity`).
         node: this worker's node.
     """
@@ -194,6 +191,7 @@ class ProgressReporter:
         self.wid = wid
         self.node = node
         self.history = history
+        self._progress_key, self._observations_key = keys.progress(wid), keys.observations(wid)  # built once
         self.compute_total_s = 0.0
         self.steps = 0
         self.recent: list[tuple[int, int, float]] = []
@@ -214,17 +212,17 @@ class ProgressReporter:
         self.compute_total_s += compute_s
         self.steps += steps
         self.recent = (self.recent + [(epoch, step, now)])[-self.history:]
-        self.store.set(PROGRESS_PREFIX + self.wid, json.dumps(
+        self.store.set(self._progress_key, json.dumps(
             {"epoch": epoch, "step": step, "samples": samples, "t": now, "node": self.node,
              "compute_total_s": self.compute_total_s, "steps": self.steps, "recent": self.recent}))
 
     def publish(self, records: list) -> None:
         """Hand observation records to the controller (appended as one JSON line; it reads what is new)."""
-        self.store.append(OBSERVATIONS_PREFIX + self.wid, json.dumps(records) + "\n")
+        self.store.append(self._observations_key, json.dumps(records) + "\n")
 
     def publish_host(self, facts_json: str) -> None:
         """Tell the controller what this worker's host offers (``links.HostFacts.to_json``), once at start."""
-        self.store.set(HOSTS_PREFIX + self.wid, facts_json)
+        self.store.set(keys.hosts(self.wid), facts_json)
 
 
 def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Optional[float]]:

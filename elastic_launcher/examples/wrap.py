@@ -21,6 +21,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.examples.common import WorkerEnv
 from elastic_launcher.membership import Membership
 from elastic_launcher.process_group import StoreAddr, connect_store
@@ -64,11 +65,11 @@ def main(argv=None) -> int:
     try:
         plan = membership.wait_for_plan()
         rank = plan.rank_of(env.wid)
-        store = connect_store(addr.with_prefix(f"elastic-wrap/{plan.id}"), timeout)
+        store = connect_store(addr.with_prefix(keys.wrap_channel(plan.id)), timeout)
         if rank == 0:
-            store.set("master", f"{socket.gethostname()}:{free_port()}")
-        store.wait(["master"], timeout)
-        master = store.get("master").decode()
+            store.set(keys.WRAP_MASTER, f"{socket.gethostname()}:{free_port()}")
+        store.wait([keys.WRAP_MASTER], timeout)
+        master = store.get(keys.WRAP_MASTER).decode()
         child_env = {**environ, **torchrun_env(rank, plan.world_size, env.local_id,
                                                int(environ.get("ELASTIC_SLOTS", "1")), master)}
         child = subprocess.Popen(command, env=child_env)

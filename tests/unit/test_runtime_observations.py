@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import Links
 from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient
 from elastic_launcher.telemetry import Telemetry
-from elastic_launcher.workers import PROGRESS_PREFIX, ProgressReporter
+from elastic_launcher.workers import ProgressReporter
 from predictor.errors import ValidationError
 from predictor.records import validate_batch
 
@@ -124,7 +125,7 @@ def test_trainer_reports_progress_and_publishes_observations(store):
         x, y = next(it)
         et.report_error(ValueError("nan"))
         assert et.commit()  # rolled back: no report
-        progress = json.loads(store.get(PROGRESS_PREFIX + "solo"))
+        progress = json.loads(store.get(keys.progress("solo")))
         assert (progress["epoch"], progress["step"], progress["samples"], progress["steps"]) == (plan.id, 3, 12, 3)
         assert progress["compute_total_s"] > 0
         published = ObservationInbox(store).collect(["solo"])

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_launcher.helper_agent import HEARTBEAT_KEY, HelperAgent, helper_key
+from elastic_launcher import store_keys as keys
+from elastic_launcher.helper_agent import HelperAgent
 from slurm_plugin.client import CommandBackend, is_transient, retry_transient
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
@@ -155,14 +156,14 @@ class _Store:
     """The controller's store as the agent sees it; the heartbeat moves on every read while `beating`."""
 
     def __init__(self):
-        self.data, self.beating, self.lock = {HEARTBEAT_KEY: b"1"}, True, threading.Lock()
+        self.data, self.beating, self.lock = {keys.CONTROLLER_BEAT: b"1"}, True, threading.Lock()
 
-    def check(self, keys):
-        return all(k in self.data for k in keys)
+    def check(self, names):
+        return all(k in self.data for k in names)
 
     def get(self, key):
         with self.lock:
-            if key == HEARTBEAT_KEY and self.beating:
+            if key == keys.CONTROLLER_BEAT and self.beating:
                 self.data[key] = str(int(self.data[key]) + 1).encode()
             return self.data[key]
 
@@ -184,7 +185,7 @@ def test_helper_keeps_running_while_slurm_is_unreachable_but_the_controller_beat
     def main_running():
         checks.append(1)
         if len(checks) == 6:
-            store.set(helper_key("7", "stop"), "test over")
+            store.set(keys.helper_stop("7"), "test over")
         return False
 
     assert _agent(store, main_running).run() == "controller asked to stop (test over)"
