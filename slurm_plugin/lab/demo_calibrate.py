@@ -82,6 +82,7 @@ def run_once(workers: int, steps: int, work: Path, python: str = sys.executable,
     """
     import torch.distributed as dist  # noqa: PLC0415
 
+    from elastic_launcher import store_keys  # noqa: PLC0415
     from elastic_launcher.membership import Coordinator  # noqa: PLC0415
 
     work.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,8 @@ def run_once(workers: int, steps: int, work: Path, python: str = sys.executable,
             logs.append(log)
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = started + timeout.total_seconds()
-        while len([k for k in server.list_keys() if k.startswith("elastic/joined/")]) < workers:
+        joined = f"{store_keys.RUNTIME}/{store_keys.joined('')}"   # "elastic/joined/": a worker's first key
+        while len([k for k in server.list_keys() if k.startswith(joined)]) < workers:
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise CalibrationError(f"{workers} calibration worker(s) did not join:\n{_tail(work, workers)}")
             time.sleep(0.1)
