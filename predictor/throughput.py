@@ -139,8 +139,8 @@ def job_weights(rows: list[dict], cap: int) -> np.ndarray:
     return np.array([1.0 if r.get("job_id") is None else min(1.0, cap / counts[r["job_id"]]) for r in rows])
 
 
-def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 0.3,
-                   dw_l2: float = 1.0, shape_l2: float = 1.0,
+def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 1.0,
+                   dw_l2: float = 0.3, shape_l2: float = 1.0,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
                    gamma_prior: float = 1.5, max_nfev: int = 400, job_rows_cap: int = 20,
                    link_gamma_l2: float = 0.3, overhead_l2: float = 0.05) -> dict:

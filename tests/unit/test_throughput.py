@@ -186,3 +186,16 @@ def test_a_model_seen_on_one_gpu_inherits_its_links_overlap_and_overhead(seed):
     # the overhead is the link's: a one-GPU row pays none of it
     one = predict_rows(perf, NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.0, 5e-3), 32, [[1]], np.zeros((1, 2)))
     assert one["iter_s"][0] == pytest.approx(perf.c0 + perf.c1 * 32)
+
+
+def test_the_defaults_are_the_services_configuration():
+    """These tests call fit_throughput with its defaults: they must be what Predictor (the service) passes."""
+    import inspect
+
+    from predictor.engine import Predictor
+    defaults = {k: p.default for k, p in inspect.signature(fit_throughput).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    service = vars(Predictor())
+    shared = {k for k in defaults if k in service}
+    assert {"sync_weight", "w_l2", "dw_l2", "shape_l2", "gamma_prior", "f_scale", "job_rows_cap"} <= shared
+    assert {k: defaults[k] for k in shared} == {k: service[k] for k in shared}
