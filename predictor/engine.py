@@ -237,9 +237,11 @@ class Predictor:
         key = (src, dst)
         if key not in cache:
             names = sorted({n for n, g in self.perf_ if g == src and (n, dst) in self.perf_})
+            seen = self.__dict__.get("batches_", {})  # a model stored by older code has none: no cross-type answer
+            names = [n for n in names if seen.get((n, src)) or seen.get((n, dst))]
             rows = []
             for n in names:
-                batches = sorted(self.batches_.get((n, src), set()) | self.batches_.get((n, dst), set()))
+                batches = sorted(seen.get((n, src), set()) | seen.get((n, dst), set()))
                 pick = np.unique(np.linspace(0, len(batches) - 1, min(CROSS_BATCHES, len(batches))).round())
                 for b in (batches[int(i)] for i in pick):
                     t_s, t_d = _compute_s(self.perf_[(n, src)], b), _compute_s(self.perf_[(n, dst)], b)
