@@ -8,6 +8,7 @@ Model, per link class L (a free string such as "nvlink", "ib") and collective op
     allgather/reducescatter: steps = p - 1,    vol = (p - 1) / p
     broadcast/reduce:      steps = p - 1,      vol = 1
     alltoall:              steps = p - 1,      vol = (p - 1) / p
+    sendrecv:              steps = 1,          vol = 1             (one exchange with a peer)
 
 `gamma_L` is the learned correction for how the link degrades with participants (contention, protocol
 changes); it is pulled towards 0. Fitting is MAP in log space with a robust (soft L1) loss: the prior of the
@@ -41,14 +42,14 @@ LINK_PRIORS = {
 DEFAULT_PRIOR = (5e-5, 5e9)
 PRIOR_LOG_STD = 1.0  # relative spread of a prior-only prediction (log space)
 UNKNOWN_LOG_STD = 1.5  # link name matching no known class
-OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "alltoall")
+OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "alltoall", "sendrecv")  # records.OPS
 
 
 def _op_factors(op: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(latency steps, bandwidth volume factor) of each op on p participants (ring algorithms)."""
-    steps = np.where(op == "allreduce", 2.0 * (p - 1), p - 1.0)
+    steps = np.where(op == "allreduce", 2.0 * (p - 1), np.where(op == "sendrecv", 1.0, p - 1.0))
     vol = np.where(op == "allreduce", 2.0 * (p - 1) / p,
-                   np.where(np.isin(op, ("broadcast", "reduce")), (p > 1).astype(float), (p - 1) / p))
+                   np.where(np.isin(op, ("broadcast", "reduce", "sendrecv")), (p > 1).astype(float), (p - 1) / p))
     return steps, vol
 
 

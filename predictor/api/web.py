@@ -70,7 +70,7 @@ def _html_table(rows: list[dict], columns: list, row_class=None, links=None) -> 
 
 def _limit() -> int:
     raw = request.args.get("limit", "50")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1000:  # '³'.isdigit(), int('³') fails
         raise ValidationError("limit", f"expected an integer in 1..1000, got {raw!r}")
     return int(raw)
 

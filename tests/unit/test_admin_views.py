@@ -314,8 +314,9 @@ def test_admin_escapes_stored_text(app):
 def test_admin_is_read_only_and_validates_its_parameter(app):
     client = app.test_client()
     assert client.post("/admin").status_code == 405
-    bad = client.get("/admin?limit=0")
-    assert bad.status_code == 400 and bad.get_json()["field"] == "limit"
+    for limit in ("0", "\u00b3", "\u0663"):          # zero; a superscript and an Arabic-Indic digit (str.isdigit)
+        bad = client.get("/admin", query_string={"limit": limit})
+        assert bad.status_code == 400 and bad.get_json()["field"] == "limit", limit
     assert _get(client, "/admin/plots/scaling.png?profile=nope").status_code == 404
     assert client.get("/admin/plots/scaling.png?profile=nope").status_code == 404        # known at once now
     for _ in range(3):

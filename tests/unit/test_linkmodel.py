@@ -129,3 +129,15 @@ def test_link_stats_report_each_link():
     assert set(stats) == {"nvlink", "ethernet"}
     assert stats["nvlink"]["bandwidth_Bps"] > stats["ethernet"]["bandwidth_Bps"]
     assert all(s["n"] > 0 and s["log_rmse"] >= 0 for s in stats.values())
+
+
+def test_every_collective_the_api_accepts_can_be_fitted():
+    """A stored record of any op POST /v1/observations accepts must not fail everyone's fit (it once did for
+    `sendrecv`: the service then had no model)."""
+    from predictor.records import OPS
+    X = [("nvlink", op, 4, 2.0**20 * (1 + i)) for i, op in enumerate(OPS)]
+    model = LinkModel().fit(X, [1e-4 * (1 + i) for i in range(len(OPS))])
+    assert np.all(model.predict(X) > 0)
+    # a point-to-point exchange moves its bytes once, whatever the group size
+    t2, t8 = model.time("nvlink", "sendrecv", 2, [2.0**24]), model.time("nvlink", "sendrecv", 8, [2.0**24])
+    assert t2[0] <= t8[0] < 2 * t2[0]
