@@ -35,7 +35,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 from elastic_launcher.links import HostFacts, links_for, nccl_transports  # noqa: E402
+from gpu_common import build, sync  # noqa: E402
 from predictor.profiles import profile_from_module  # noqa: E402
 
 # model -> per-GPU batch sizes measured (smallest first); the order is the order of measurement
@@ -45,65 +48,6 @@ MODELS = {
 }
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
-
-
-def build(name: str, device: torch.device):
-    """(model, optimizer, make_batch(b), loss(model, batch)) of one bench model, bf16 autocast on CUDA."""
-    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    if name in ("resnet18", "resnet50", "vit_b_16"):
-        import torchvision
-        model = getattr(torchvision.models, name)().to(device)
-        if name.startswith("resnet"):
-            model = model.to(memory_format=torch.channels_last)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ce = torch.nn.CrossEntropyLoss()
-
-        def make_batch(b):
-            x = torch.randn(b, 3, 224, 224, device=device)
-            if name.startswith("resnet"):
-                x = x.to(memory_format=torch.channels_last)
-            return x, torch.randint(0, 1000, (b,), device=device)
-
-        def loss(m, batch):
-            with torch.autocast(**amp):
-                return ce(m(batch[0]), batch[1])
-    elif name in ("gpt2", "bert"):
-        import transformers
-        if name == "gpt2":
-            model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
-        else:
-            model, seq, vocab = transformers.BertForMaskedLM(transformers.BertConfig()).to(device), 512, 30522
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def make_batch(b):
-            x = torch.randint(0, vocab, (b, seq), device=device)
-            return x, x
-
-        def loss(m, batch):
-            with torch.autocast(**amp):
-                return m(input_ids=batch[0], labels=batch[1]).loss
-    else:  # CPU checks of this script: small MLPs
-        widths = [512, 2048, 2048, 10] if name == "mlp" else [64, 256, 10]
-        layers: list = []
-        for w_in, w_out in zip(widths, widths[1:]):
-            layers += [torch.nn.Linear(w_in, w_out), torch.nn.ReLU()]
-        model = torch.nn.Sequential(*layers[:-1]).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        ce = torch.nn.CrossEntropyLoss()
-
-        def make_batch(b):
-            return torch.randn(b, widths[0], device=device), torch.randint(0, widths[-1], (b,), device=device)
-
-        def loss(m, batch):
-            return ce(m(batch[0]), batch[1])
-    return model, opt, make_batch, loss
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gpu_name(device) -> str:
@@ -167,7 +111,7 @@ def sweep(device, world: int, link: str, budget_s: float, emit) -> None:
 
 def measure_model(name: str, batches, device, world: int, link: str, gpu: str, args, emit) -> None:
     torch.manual_seed(0)
-    model, opt, make_batch, loss_fn = build(name, device)
+    model, opt, _, make_batch, loss_fn = build(name, device, batch=max(batches))
     profile = profile_from_module(model, name, bucket_cap_mb=25.0)
     emit({"kind": "profile", **profile.to_dict(), "source": f"module ({gpu})"})
     net = torch.nn.parallel.DistributedDataParallel(

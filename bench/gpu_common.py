@@ -21,33 +21,49 @@ STORE_TIMEOUT = timedelta(seconds=100)
 # ---------------------------------------------------------------------------------------------------------------
 # models
 # ---------------------------------------------------------------------------------------------------------------
-def build(name: str, device: torch.device):
-    """Returns (model, optimizer, per_gpu_batch, make_batch(n), loss_fn(model, batch))."""
-    if name == "resnet50":
+DEFAULT_BATCH = {"resnet18": 64, "resnet50": 64, "vit_b_16": 32, "gpt2": 8, "bert": 16, "mlp": 32, "tiny": 16}
+MODELS = tuple(DEFAULT_BATCH)
+
+
+def build(name: str, device: torch.device, batch: int | None = None):
+    """Returns (model, optimizer, per_gpu_batch, make_batch(n), loss_fn(model, batch)), bf16 autocast on CUDA.
+
+    `batch`: the per-GPU batch (default DEFAULT_BATCH[name]); `make_batch(n)` slices n <= batch samples of it.
+    """
+    if name not in DEFAULT_BATCH:
+        raise ValueError(f"unknown bench model {name!r}; known: {', '.join(MODELS)}")
+    b = batch or DEFAULT_BATCH[name]
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    if name in ("resnet18", "resnet50", "vit_b_16"):
         import torchvision
-        model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        b = 64
-        x = torch.randn(b, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+        model = getattr(torchvision.models, name)().to(device)
+        x = torch.randn(b, 3, 224, 224, device=device)
+        if name.startswith("resnet"):
+            model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         y = torch.randint(0, 1000, (b,), device=device)
         ce = torch.nn.CrossEntropyLoss()
 
         def loss_fn(m, batch):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(**amp):
                 return ce(m(batch[0]), batch[1])
-    elif name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        model = GPT2LMHeadModel(GPT2Config()).to(device)
+    elif name in ("gpt2", "bert"):
+        import transformers
+        if name == "gpt2":
+            model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
+        else:
+            model, seq, vocab = transformers.BertForMaskedLM(transformers.BertConfig()).to(device), 512, 30522
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        b = 8
-        x = torch.randint(0, 50257, (b, 1024), device=device)
+        x = torch.randint(0, vocab, (b, seq), device=device)
         y = x
 
         def loss_fn(m, batch):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(**amp):
                 return m(input_ids=batch[0], labels=batch[1]).loss
     else:  # mlp: the CPU row (a step of tens of ms on one thread, a 21 MB gradient); tiny: CPU debugging
-        widths, b = ([512, 2048, 2048, 10], 32) if name == "mlp" else ([64, 256, 10], 16)
+        widths = [512, 2048, 2048, 10] if name == "mlp" else [64, 256, 10]
         layers: list = []
         for w_in, w_out in zip(widths, widths[1:]):
             layers += [torch.nn.Linear(w_in, w_out), torch.nn.ReLU()]

@@ -76,3 +76,20 @@ class FittedModels:
 
     def predict(self, profile, gpu, batch, candidates, job_id=None):
         return self.p.predict(profile, gpu, batch, candidates, job_id=job_id)
+
+
+def seeded_app(tmp_path, wait=None, **config):
+    """A service app over FakePredictor, refitting at once, with PROFILE and [STEP, COLLECTIVE] posted and a model
+    fitted on them (waiting at most `wait`, default 10 s); `config`: further Config fields."""
+    from datetime import timedelta
+
+    from predictor.app import create_app
+    from predictor.config import Config
+    app = create_app(Config(db_path=str(tmp_path / "p.db"), refit_debounce=timedelta(0),
+                            refit_min_interval=timedelta(0), refit_poll=timedelta(milliseconds=50), **config),
+                     predictor_factory=FakePredictor)
+    client = app.test_client()
+    assert client.post("/v1/profiles", json=PROFILE).status_code == 201
+    assert client.post("/v1/observations", json=[STEP, COLLECTIVE]).status_code == 201
+    assert app.extensions["elastic_predictor"].models.wait_fresh(wait or timedelta(seconds=10))
+    return app

@@ -22,15 +22,13 @@ import pytest
 from matplotlib.image import imread
 
 from predictor import engine, plots
-from predictor.app import create_app
 from predictor.cluster import Cluster
-from predictor.config import Config
 from predictor.engine import Predictor
 from predictor.plotcache import MAX_PENDING, PlotKey, PlotRenderer
 from predictor.profiles import Profile
 from predictor.service import PredictionCache, prediction_entry_bytes
 from predictor.store import DecisionRetention, Store
-from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor, seeded_app
 
 WAIT = timedelta(seconds=60)
 PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-16", "#ELASTIC per_gpu_batch=64 "
@@ -39,14 +37,7 @@ PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-1
 
 
 def _app(tmp_path, **config):
-    app = create_app(Config(db_path=str(tmp_path / "p.db"), refit_debounce=timedelta(0),
-                            refit_min_interval=timedelta(0), refit_poll=timedelta(milliseconds=50), **config),
-                     predictor_factory=FakePredictor)
-    client = app.test_client()
-    assert client.post("/v1/profiles", json=PROFILE).status_code == 201
-    assert client.post("/v1/observations", json=[STEP, COLLECTIVE]).status_code == 201
-    assert app.extensions["elastic_predictor"].models.wait_fresh(WAIT)
-    return app
+    return seeded_app(tmp_path, wait=WAIT, **config)
 
 
 def _close(app) -> None:

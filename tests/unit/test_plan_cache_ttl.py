@@ -5,10 +5,9 @@ from datetime import timedelta
 
 import pytest
 
-from predictor.app import create_app
 from predictor.config import Config
 from predictor.errors import ValidationError
-from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
+from tests.unit._service_fakes import seeded_app
 
 PLAN = {"source": "job_submit",
         "directives": ["#ELASTIC model=resnet50 gpus=2-16", "#ELASTIC per_gpu_batch=64 min_efficiency=0.3"],
@@ -16,15 +15,8 @@ PLAN = {"source": "job_submit",
 
 
 def _client(tmp_path, ttl: timedelta | None = None):
-    extra = {} if ttl is None else {"plan_cache_ttl": ttl}
-    app = create_app(Config(db_path=str(tmp_path / "p.db"), refit_debounce=timedelta(0),
-                            refit_min_interval=timedelta(0), refit_poll=timedelta(milliseconds=50), **extra),
-                     predictor_factory=FakePredictor)
-    client = app.test_client()
-    assert client.post("/v1/profiles", json=PROFILE).status_code == 201
-    assert client.post("/v1/observations", json=[STEP, COLLECTIVE]).status_code == 201
-    assert app.extensions["elastic_predictor"].models.wait_fresh(timedelta(seconds=10))
-    return app, client
+    app = seeded_app(tmp_path, **({} if ttl is None else {"plan_cache_ttl": ttl}))
+    return app, app.test_client()
 
 
 @pytest.fixture

@@ -11,16 +11,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from predictor.app import create_app
-from predictor.config import Config
 from predictor.service import candidates_key
 from predictor.store import Store
-from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
+from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor, seeded_app
 
 PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-16", "#ELASTIC per_gpu_batch=64 "
                                                "min_efficiency=0.3"],
@@ -29,13 +26,7 @@ PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-1
 
 @pytest.fixture
 def app(tmp_path):
-    config = Config(db_path=str(tmp_path / "p.db"), refit_debounce=timedelta(0), refit_min_interval=timedelta(0),
-                    refit_poll=timedelta(milliseconds=50))
-    app = create_app(config, predictor_factory=FakePredictor)
-    client = app.test_client()
-    assert client.post("/v1/profiles", json=PROFILE).status_code == 201
-    assert client.post("/v1/observations", json=[STEP, COLLECTIVE]).status_code == 201
-    assert app.extensions["elastic_predictor"].models.wait_fresh(timedelta(seconds=10))
+    app = seeded_app(tmp_path)
     yield app
     app.extensions["elastic_predictor"].models.stop()
     app.extensions["elastic_predictor"].store.close()
