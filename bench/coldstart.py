@@ -121,6 +121,9 @@ def main() -> None:
              f"({', '.join(sorted(profiles))}); {len(results)} multi-GPU rows predicted "
              f"({time.perf_counter() - t0:.1f} s to fit and predict).", "", "MAPE of throughput:", ""]
     lines += table(results)
+    fitted = Predictor().fit(profiles, coll + steps).net_.get("sync", {})
+    lines += ["", "Per sync link, fitted on every row (all models): overlap offset g_L / per-step overhead o_L: "
+              + "; ".join(f"{k} {g:+.2f} / {o * 1e3:.2f} ms" for k, (g, o) in sorted(fitted.items())) + "."]
     nz, n = noise(steps)
     lines += ["", f"Noise: the 1-GPU step against the same model and batch's compute under `no_sync()` in the "
                   f"multi-GPU launches differs by {nz:.1f}% on average ({n} pairs)."]

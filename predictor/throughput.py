@@ -55,7 +55,7 @@ POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all 
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
 DEFAULT_FLOPS = 20e12
-OVERHEAD_MAX_MS = 50.0  # bound of a sync link's per-step overhead (fitted in ms; measured 3-4 ms on H200)
+OVERHEAD_MAX_MS = 50.0  # bound of a sync link's per-step overhead (fitted in ms; bench/coldstart.md lists the fitted values)
 FLOPS_EFFICIENCY = 0.35
 
 
