@@ -1,26 +1,31 @@
-"""Where ElasticTrainer's steady step loses against plain DDP: the same model and batch, one process per GPU,
-variants run one after another in the same processes (same machine, same minute), each against plain DDP.
+"""Where ElasticTrainer's steady step loses against plain DDP: one model, one process per GPU, every variant built
+once in the same processes and run in short interleaved blocks (round-robin, the order rotated each round), so a
+host that drifts by several ms a minute (bench/results/gpu_transition.md, session 6) moves every variant alike.
 
-Variants (``--variants``, comma-separated; every one with ``broadcast_buffers=False`` so buffers never differ):
+Variants (``--variants``, comma-separated; all wrap the same module, whose idle wrappers' reducers do nothing):
 
-ddp          DDP on ``init_process_group``'s group, DDP's own allreduce (the baseline)
-ddp+pyhook   the same plus torch's own Python comm hook (``default_hooks.allreduce_hook``: divide, SUM, ``.then``)
-ddp+elastic  the same group with ``elastic_allreduce_hook`` (no telemetry)
-pgw          DDP over a ``ProcessGroupWrapper`` group (eager connect, ``NCCL_RUNTIME_CONNECT=0``), own allreduce
-pgw+pyhook   that group with torch's Python hook
-pgwlazy+...  a wrapper group whose communicator a first allreduce makes (no eager connect)
-pgw+elastic  that group with ``elastic_allreduce_hook`` (no telemetry): the trainer's wrap
-pgw+tel      the same with Telemetry (one step in ``time_every`` timed with CUDA events)
-trainer      ElasticTrainer itself at a fixed size (auto commit schedule, telemetry), the templates' loop
+ddp          DDP on ``init_process_group``'s group, DDP's own C++ allreduce, ``broadcast_buffers=False`` (the
+             trainer's buffer setting): the baseline every ratio is against
+ddp-default  DDP with its defaults (a buffer broadcast in every forward): what a plain ``torchrun`` script runs
+ddp+pyhook   ``ddp`` plus torch's own Python comm hook (``default_hooks.allreduce_hook``)
+ddp+elastic  ``ddp`` plus ``elastic_allreduce_hook`` (no telemetry) over the default group
+trainer      ElasticTrainer at a fixed size: its own group, loader, ``watch_loss``, ``commit()`` every step, the
+             automatic commit schedule and Telemetry, as the templates run it
+trainer:K=V  the same with one change (A/B only): ``hook=builtin`` (DDP's own allreduce instead of the elastic
+             hook), ``telemetry=0``; every trainer variant is a job of its own (store prefix, group)
 
-Per variant: ``--warm`` steps, a device sync, ``--steps`` steps with no sync between them, a device sync;
-``mean`` = window / steps; ``median`` of host periods; host ms inside ``backward()``. Ratio = variant / ddp.
+A block: ``--warm`` steps, a device sync, ``--steps`` steps with no sync between them, a device sync. Per block:
+``mean`` = window / steps, and the host time of each call of the step (forward, ``backward()``, ``opt.step()``,
+``commit()`` / loader): in a host-bound step the calls that grew are where the time went. Per variant the table
+gives the median over ``--rounds`` of its block means and the median (range) of its ratio to the ``ddp`` block of
+the same round.
 
-Run: ``python3 bench/ddp_hook_ab.py --gpus 2 --model resnet50`` (``--device cpu`` runs it on gloo).
+Run: ``python3 bench/ddp_hook_ab.py --gpus 2 --model resnet50`` (``--device cpu --model tiny`` on gloo).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -38,10 +43,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_common import Synthetic, build, sync  # noqa: E402
 
-import inspect  # noqa: E402
 BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
     else "broadcast_buffers"  # as the trainer wraps (elastic_launcher/epochs.py)
-ALL = "ddp,ddp+pyhook,ddp+elastic,pgw,pgw+elastic,pgw+tel,trainer"
+ALL = "ddp,ddp-default,ddp+pyhook,ddp+elastic,trainer"
+PHASES = ("next", "forward", "backward", "optimizer", "commit")
 
 
 class _DefaultGroup:
@@ -68,45 +73,96 @@ class _DefaultGroup:
         raise e
 
 
-def _timed(step, dev, warm: int, steps: int) -> dict:
+class _Plain:
+    """A DDP wrapper stepped on one fixed batch."""
+
+    def __init__(self, ddp, opt, batch, loss_fn) -> None:
+        self.ddp, self.opt, self.batch, self.loss_fn = ddp, opt, batch, loss_fn
+
+    def step(self) -> list[float]:
+        t = [time.perf_counter()]
+        t.append(t[0])  # no loader
+        loss = self.loss_fn(self.ddp, self.batch)
+        t.append(time.perf_counter())
+        loss.backward()
+        t.append(time.perf_counter())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t.append(time.perf_counter())
+        t.append(t[-1])  # no commit
+        return t
+
+
+class _Trainer:
+    """ElasticTrainer's loop, resumable block by block (its loader is a generator)."""
+
+    def __init__(self, rank, args, port, model, opt, b, batch, loss_fn, dev, name: str) -> None:
+        from elastic_launcher.batch_policy import BatchPolicy
+        from elastic_launcher.membership import Coordinator
+        from elastic_launcher.telemetry import Telemetry
+        from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        change = dict(kv.split("=") for kv in name.partition(":")[2].split(",") if "=" in kv)
+        if set(change) - {"hook", "telemetry"}:
+            raise SystemExit(f"unknown trainer change in {name!r}: hook=builtin, telemetry=0")
+        job = "job-" + name.replace(":", "-").replace("=", "-").replace(",", "-")
+        members = [f"w{i}" for i in range(args.gpus)]
+        if rank == 0:
+            Coordinator(dist.PrefixStore(job, store)).start(members)
+        cuda = dev.type == "cuda"
+        tel = Telemetry(gpu="x", intra_link="nvlink" if cuda else "shm") if change.get("telemetry") != "0" else None
+        self.et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/{job}", worker_id=members[rank],
+                                 policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev,
+                                 config=TrainerConfig(backend="nccl" if cuda else "gloo"), telemetry=tel)
+        self.it = self.et.loader(Synthetic(10 ** 7), collate_fn=lambda items: None)
+        register = DDP.register_comm_hook
+        if change.get("hook") == "builtin":
+            DDP.register_comm_hook = lambda self, state, hook: None
+        try:
+            next(self.it)  # joins: builds this trainer's DDP wrapper (with or without the hook)
+        finally:
+            DDP.register_comm_hook = register
+        self._pending = True
+        self.opt, self.batch, self.loss_fn = opt, batch, loss_fn
+
+    def step(self) -> list[float]:
+        et = self.et
+        t = [time.perf_counter()]
+        if not self._pending:
+            next(self.it)
+        self._pending = False
+        t.append(time.perf_counter())
+        loss = self.loss_fn(et.model, self.batch)
+        et.watch_loss(loss)
+        t.append(time.perf_counter())
+        loss.backward()
+        t.append(time.perf_counter())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t.append(time.perf_counter())
+        et.commit()
+        t.append(time.perf_counter())
+        return t
+
+    def close(self) -> dict:
+        info = {"commit_interval": self.et.schedule.interval}
+        self.et.close()
+        return info
+
+
+def _block(runner, dev, warm: int, steps: int) -> dict:
     for _ in range(warm):
-        step()
+        runner.step()
     sync(dev)
-    periods, bwd = [], []
-    t0 = last = time.perf_counter()
+    phases = []
+    t0 = time.perf_counter()
     for _ in range(steps):
-        bwd.append(step())
-        now = time.perf_counter()
-        periods.append(now - last)
-        last = now
+        t = runner.step()
+        phases.append([b - a for a, b in zip(t, t[1:])])
     sync(dev)
-    return {"mean_ms": 1e3 * (time.perf_counter() - t0) / steps, "median_ms": 1e3 * statistics.median(periods),
-            "backward_host_ms": 1e3 * statistics.median(bwd)}
-
-
-def _profile(step, dev, show: bool) -> dict:
-    """Host time by op over 10 steps (torch.profiler, CPU activities): a blocking call shows as self time."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])  # + runtime API calls
-    with profile(activities=acts) as prof:
-        for _ in range(10):
-            step()
-        sync(dev)
-    if show:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-    return {"mean_ms": 0.0, "median_ms": 0.0, "backward_host_ms": 0.0}
-
-
-def _make_lazy():
-    from elastic_launcher.process_group import ProcessGroupWrapper
-
-    class LazyWrapper(ProcessGroupWrapper):
-        """A wrapper whose NCCL communicator is made by a first tiny allreduce (no eager connect)."""
-
-        def _warm_up(self, pg, impl) -> None:
-            pg.allreduce([torch.ones(1, device=self.device)]).wait()
-            sync(self.device)
-    return LazyWrapper
+    mean = (time.perf_counter() - t0) / steps
+    host = [statistics.median(col) for col in zip(*phases)]
+    return {"mean_ms": 1e3 * mean, "host_ms": [1e3 * h for h in host]}
 
 
 def worker(rank: int, args, port: int, q) -> None:
@@ -117,118 +173,55 @@ def worker(rank: int, args, port: int, q) -> None:
     else:
         torch.set_num_threads(1)
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    backend = "nccl" if cuda else "gloo"
     store = dist.TCPStore("127.0.0.1", port, args.gpus, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group(backend, store=dist.PrefixStore("default", store), rank=rank,
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("default", store), rank=rank,
                             world_size=args.gpus, timeout=timedelta(seconds=120))
-    global _LazyWrapper
-    _LazyWrapper = _make_lazy()
     model, opt, b, make_batch, loss_fn = build(args.model, dev)
     batch = make_batch(b)
     ids = dict(device_ids=[rank]) if cuda else {}
-    out = []  # (variant, result) in run order
-
-    def plain_step(m):
-        def step():
-            loss = loss_fn(m, batch)
-            t = time.perf_counter()
-            loss.backward()
-            t = time.perf_counter() - t
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return t
-        return step
-
-    for v in args.variants.split(","):
-        dist.barrier()
-        if v == "trainer":
-            out.append((v, _trainer(rank, args, port, model, opt, b, batch, loss_fn, dev)))
+    runners = {}
+    for v in args.variants:
+        if v.partition(":")[0] == "trainer":
+            runners[v] = _Trainer(rank, args, port, model, opt, b, batch, loss_fn, dev, v)
             continue
-        if v.startswith("pgw"):
-            from elastic_launcher.process_group import ProcessGroupWrapper
-            g = (_LazyWrapper if v.startswith("pgwlazy") else ProcessGroupWrapper)(backend, dev)
-            g.configure(f"127.0.0.1:{port}/pgw-{v}", rank, args.gpus)
-            pg = g.pg
-        else:
-            g, pg = _DefaultGroup(), None
-        m = DDP(model, process_group=pg, init_sync=False, **{BUFFERS: False}, **ids)
-        if v.endswith("+pyhook"):
+        m = DDP(model, init_sync=False, **({} if v == "ddp-default" else {BUFFERS: False}), **ids)
+        if v == "ddp+pyhook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-            m.register_comm_hook(pg, allreduce_hook)
-        elif v.endswith("+elastic") or v == "pgw+tel":
-            from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
-            st = HookState(g, Telemetry(gpu="x", intra_link="nvlink") if v == "pgw+tel" else None)
-            m.register_comm_hook(st, elastic_allreduce_hook)
-            if v == "pgw+tel":
-                base = plain_step(m)
-                k = [0]
-
-                def step(base=base, st=st):  # the trainer's per-step hook settings
-                    k[0] += 1
-                    st.timed = k[0] % 8 == 0
-                    st.first_sync_t = None
-                    return base()
-                out.append((v, _timed(step, dev, args.warm, args.steps)))
-                st.telemetry.drain()
-                del m
-                g.abort()
-                continue
-        out.append((v, _timed(plain_step(m), dev, args.warm, args.steps)))
-        if v in args.profile.split(","):  # every rank steps (collectives), rank 0 prints
-            out.append((v + " profile", _profile(plain_step(m), dev, rank == 0)))
-        del m
-        if v.startswith("pgw"):
-            g.abort()
+            m.register_comm_hook(None, allreduce_hook)
+        elif v == "ddp+elastic":
+            from elastic_launcher.telemetry import HookState, elastic_allreduce_hook
+            m.register_comm_hook(HookState(_DefaultGroup()), elastic_allreduce_hook)
+        elif v not in ("ddp", "ddp-default"):
+            raise SystemExit(f"unknown variant {v!r}; known: {ALL}")
+        runners[v] = _Plain(m, opt, batch, loss_fn)
+    out = []  # (round, variant, result)
+    names = list(runners)
+    for r in range(args.rounds):
+        k = r % len(names)
+        for v in names[k:] + names[:k]:  # rotated: no variant always first or last
+            out.append((r, v, _block(runners[v], dev, args.warm, args.steps)))
+    info = {v: r.close() for v, r in runners.items() if isinstance(r, _Trainer)}
     if rank == 0:
-        q.put(out)
+        q.put((out, info))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _trainer(rank, args, port, model, opt, b, batch, loss_fn, dev) -> dict:
-    import threading
-    from elastic_launcher.batch_policy import BatchPolicy
-    from elastic_launcher.membership import Coordinator
-    from elastic_launcher.telemetry import Telemetry
-    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    members = [f"w{i}" for i in range(args.gpus)]
-    if rank == 0:
-        Coordinator(dist.PrefixStore("job", store)).start(members)
-    cuda = dev.type == "cuda"
-    et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/job", worker_id=members[rank],
-                        policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev,
-                        config=TrainerConfig(backend="nccl" if cuda else "gloo"),
-                        telemetry=Telemetry(gpu="x", intra_link="nvlink" if cuda else "shm"))
-    periods, bwd, n = [], [], 0
-    t0 = last = None
-    total = args.warm + args.steps
-    for _ in et.loader(Synthetic(10 ** 6), collate_fn=lambda items: None):
-        loss = loss_fn(et.model, batch)
-        et.watch_loss(loss)
-        t = time.perf_counter()
-        loss.backward()
-        t = time.perf_counter() - t
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        et.commit()
-        n += 1
-        if n == args.warm:
-            sync(dev)
-            t0 = last = time.perf_counter()
-        elif n > args.warm:
-            now = time.perf_counter()
-            periods.append(now - last)
-            bwd.append(t)
-            last = now
-        if n >= total:
-            break
-    sync(dev)
-    res = {"mean_ms": 1e3 * (time.perf_counter() - t0) / args.steps, "median_ms": 1e3 * statistics.median(periods),
-           "backward_host_ms": 1e3 * statistics.median(bwd), "commit_interval": et.schedule.interval,
-           "threads": sorted(t.name for t in threading.enumerate())}
-    et.close()
-    return res
+def table(out: list, rounds: int) -> list[str]:
+    by = {}
+    for r, v, res in out:
+        by.setdefault(v, {})[r] = res
+    base = by.get("ddp", {})
+    lines = ["| variant | mean step ms (median of rounds) | ratio to ddp, median (range) | host ms: "
+             + " / ".join(PHASES) + " |", "|---|---|---|---|"]
+    for v, rs in by.items():
+        means = [rs[r]["mean_ms"] for r in sorted(rs)]
+        ratios = [rs[r]["mean_ms"] / base[r]["mean_ms"] for r in sorted(rs) if r in base]
+        host = [statistics.median(rs[r]["host_ms"][i] for r in rs) for i in range(len(PHASES))]
+        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-")
+        lines.append(f"| {v} | {statistics.median(means):.2f} | {ratio} | "
+                     + " / ".join(f"{h:.2f}" for h in host) + " |")
+    return lines
 
 
 def main() -> None:
@@ -237,12 +230,11 @@ def main() -> None:
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", default=ALL)
-    ap.add_argument("--warm", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--profile", default="", help="variants to profile (host time by op, rank 0) after timing")
-    ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times")
+    ap.add_argument("--warm", type=int, default=5, help="steps before each timed block")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps a block")
+    ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
-    args.variants = ",".join([args.variants] * args.repeat)
+    args.variants = args.variants.split(",")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -251,24 +243,16 @@ def main() -> None:
     ps = [ctx.Process(target=worker, args=(r, args, port, q)) for r in range(args.gpus)]
     for p in ps:
         p.start()
-    out = q.get(timeout=1800)
+    out, info = q.get(timeout=1800)
     for p in ps:
         p.join()
-    print(json.dumps({"model": args.model, "gpus": args.gpus, "device": args.device, "results": out}))
-    print(f"\n{args.model} at {args.gpus} {'GPUs' if args.device == 'cuda' else 'gloo ranks'}: {args.steps} steps a "
-          "variant after a device sync; ratio of means against ddp\n")
-    print("| variant | mean ms | median ms | host ms in backward() | ratio |")
-    print("|---|---|---|---|---|")
-    base = None
-    for v, r in out:
-        base = r["mean_ms"] if v == "ddp" else base  # the latest ddp run before this one
-        if v.endswith(" profile"):
-            continue
-        ratio = f"{r['mean_ms'] / base:.3f}" if base else "-"
-        print(f"| {v} | {r['mean_ms']:.2f} | {r['median_ms']:.2f} | {r['backward_host_ms']:.2f} | {ratio} |")
-    for v, r in out:
-        if v == "trainer":
-            print(f"\ntrainer threads: {r['threads']}; commit interval {r['commit_interval']}")
+    print(json.dumps({"model": args.model, "gpus": args.gpus, "device": args.device, "info": info,
+                      "blocks": out}))
+    print(f"\n{args.model} at {args.gpus} {'GPUs' if args.device == 'cuda' else 'gloo ranks'}: {args.rounds} rounds "
+          f"of interleaved blocks, {args.steps} steps a block after {args.warm} and a device sync\n")
+    print("\n".join(table(out, args.rounds)))
+    for v, i in info.items():
+        print(f"\n{v}: commit interval {i['commit_interval']} steps at the end")
 
 
 if __name__ == "__main__":
