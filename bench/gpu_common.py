@@ -113,8 +113,19 @@ def client(args, prefix: str = "") -> dist.Store:
     return dist.PrefixStore(prefix, s) if prefix else s
 
 
+def pin_cpus(slot: int, slots: int) -> None:
+    """Binds this process (and the threads it starts later) to its own share of the CPUs, as Slurm's task
+    affinity binds a job's tasks: slot ``slot`` of ``slots`` equal, disjoint shares. Plain DDP and ours get the
+    same binding; it takes the OS's migrations out of the host-bound steps' jitter."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // max(slots, 1)
+    if per >= 1:
+        os.sched_setaffinity(0, cpus[slot * per:(slot + 1) * per])
+
+
 def device_of(args) -> torch.device:
     if args.device == "cuda":
+        pin_cpus(args.gpu, torch.cuda.device_count())
         torch.cuda.set_device(args.gpu)
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -2,7 +2,7 @@
 # What a GPU session runs on the lent machine (the device tool), with its raw output under $OUT (or ./gpu_out).
 #   bash bench/gpu_suite.sh bench [ARGS...]   bench/gpu_transition.py (default: both models, steady + goodput + plain
 #                                             rebuild pauses), output in $OUT/bench.log and $OUT/gpu_transition.md
-#   bash bench/gpu_suite.sh ab [ARGS...]      bench/ddp_hook_ab.py (interleaved A/B of the step's parts), $OUT/ab.log
+#   bash bench/gpu_suite.sh ab [ARGS...]      bench/interleaved.py (interleaved A/B of the step), $OUT/ab.log
 #   bash bench/gpu_suite.sh tests             tests/gpu (NCCL grow, shrink, SIGKILL recovery, communicator shrink)
 #   bash bench/gpu_suite.sh coldstart [W...]  bench/coldstart_collect.py at each world size W (default 1 2 4), W > 1
 #                                             once per NCCL transport (nvlink, shm, socket); $OUT/coldstart/*.jsonl
@@ -48,7 +48,7 @@ case $what in
             done
         done ;;
     ab)
-        python3 bench/ddp_hook_ab.py "$@" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
+        python3 bench/interleaved.py "$@" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
     tests)
         python3 -m pytest -m gpu -q -s tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
     *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | tests | coldstart [W...]" >&2; exit 2 ;;

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import interleaved  # noqa: E402
 import steady_goodput  # noqa: E402
 from gpu_common import (ROOT, STORE_TIMEOUT, Controller, Synthetic, build, client, device_of,  # noqa: E402
                         local_warmup, sync)
@@ -370,16 +371,17 @@ def main() -> None:
                          "give --paths plain,restart)")
     ap.add_argument("--seg-steps", type=int, default=300, help="steady: steps at each size of the schedule")
     ap.add_argument("--schedule", default="", help="steady: sizes, comma-separated (default 1,S,L,S,L,S)")
-    ap.add_argument("--steps", type=int, default=250, help="steady: plain DDP timed steps at each size")
-    ap.add_argument("--warm", type=int, default=20, help="steady: plain DDP steps before timing")
+    ap.add_argument("--rounds", type=int, default=8, help="steady: interleaved rounds (bench/interleaved.py)")
+    ap.add_argument("--block-steps", type=int, default=40, help="steady: timed steps of a block in a round")
+    ap.add_argument("--bracket", action="store_true",
+                    help="steady: also plain DDP measured before and after ours' schedule run, as up to session 7 "
+                         "(the drift of the host between the runs shows)")
+    ap.add_argument("--steps", type=int, default=250, help="--bracket: plain DDP timed steps at each size")
+    ap.add_argument("--warm", type=int, default=20, help="--bracket: plain DDP steps before timing")
     ap.add_argument("--sizes", default="", help="worker: plain-steady sizes")
     ap.add_argument("--preheat-s", type=float, default=-1.0,
                     help="steady: seconds of plain DDP steps at the largest size before the first timing "
                          "(default 45 on cuda, 0 on cpu)")
-    ap.add_argument("--variants", default="",
-                    help="steady: '|'-separated A/B variants of ours, each 'k=v,...' with commit_every=N, "
-                         "telemetry=0, progress=0, hook=builtin (DDP's own allreduce); the first is the default run")
-    ap.add_argument("--variant", default="", help="worker: one of --variants")
     args = ap.parse_args()
     if args.role != "controller":
         {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart,
@@ -410,34 +412,43 @@ def main() -> None:
     sizes = sorted(set(schedule))
     for model in args.models.split(","):
         args.model = model
-        steady, base = None, {}
+        steady = None
         if args.mode in ("all", "steady"):
-            c = Controller(args)
             t0 = time.time()
+            c = None
             try:
-                # plain DDP before and after ours, after a preheat at the largest size: the machine drifts (on
-                # 4x H200 plain DDP's ResNet-50 step was 5-12% faster after ours than before, GPU clocks at
-                # 1980 MHz throughout with no throttle reason: the host), so one plain run would favour a side
-                before = steady_goodput.run_plain_steady(c, sizes, args.preheat_s)
-                runs = []
-                for variant in args.variants.split("|") if args.variants else [""]:
-                    c.close()
-                    c = Controller(args)
-                    runs.append((variant, steady_goodput.run_ours_schedule(c, schedule, variant)))
+                # the steady ratio: plain DDP and ours in interleaved blocks in one process set (the host of this
+                # host-bound step drifts by 20% within a minute: plain DDP measured before and after ours, as up
+                # to session 7, put that drift into the ratio)
+                blocks, _ = interleaved.run(model, sizes, [interleaved.PLAIN, "trainer"], args.device,
+                                            rounds=args.rounds, steps=args.block_steps)
+                inter = interleaved.ratios(blocks, "trainer", interleaved.PLAIN)
+                print(json.dumps({"model": model, "interleaved": inter}), flush=True)
+                c = Controller(args)
+                before = steady_goodput.run_plain_steady(c, sizes, args.preheat_s) if args.bracket else {}
                 c.close()
                 c = Controller(args)
-                after = steady_goodput.run_plain_steady(c, sizes)
-                base = steady_goodput.bracket(before, after)
-                for i, (variant, ours_sched) in enumerate(runs):
-                    res = steady_goodput.analyse(ours_sched, base, ours_sched["b"], schedule)
-                    steady_rows += steady_goodput.table(model + (f" [{variant}]" if variant else ""), res, base)
-                    print(json.dumps({"model": model, "variant": variant, "result": res}), flush=True)
-                    steady = res if i == 0 else steady
+                ours_sched = steady_goodput.run_ours_schedule(c, schedule)
+                after = {}
+                if args.bracket:
+                    c.close()
+                    c = Controller(args)
+                    after = steady_goodput.run_plain_steady(c, sizes)
+                own = steady_goodput.analyse(ours_sched, {}, ours_sched["b"], schedule)
+                steady = steady_goodput.analyse(ours_sched, steady_goodput.matched_plain(own, inter),
+                                                ours_sched["b"], schedule)
+                steady_rows += steady_goodput.table(model, inter, steady)
+                bracketed = steady_goodput.analyse(ours_sched, steady_goodput.bracket(before, after),
+                                                   ours_sched["b"], schedule) if args.bracket else None
+                if bracketed is not None:
+                    steady_rows += steady_goodput.bracket_rows(model, bracketed, steady_goodput.bracket(before, after))
+                print(json.dumps({"model": model, "result": steady, "bracketed": bracketed}), flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on
-                steady_rows.append(f"| {model} | - | - | - | failed: {type(e).__name__}: {str(e)[:160]} | | |")
+                steady_rows.append(f"| {model} | - | - | - | failed: {type(e).__name__}: {str(e)[:160]} | | | |")
             finally:
-                c.close()
-            print(json.dumps({"model": model, "path": "steady", "wall_s": time.time() - t0, "plain": base}), flush=True)
+                if c is not None:
+                    c.close()
+            print(json.dumps({"model": model, "path": "steady", "wall_s": time.time() - t0}), flush=True)
         for path in (args.paths.split(",") if args.mode in ("all", "pauses") else []):
             c = Controller(args)
             t0 = time.time()
@@ -493,8 +504,8 @@ def main() -> None:
                 phase_lines += phase_rows(model, path, results[(model, path)]["phases"], S, L)
         report = lines if args.mode != "steady" else lines[:3]
         if steady_rows:
-            report = report + steady_goodput.header(schedule, args.seg_steps, args.steps) + steady_rows + [""] + \
-                goodput_lines
+            report = report + steady_goodput.header(schedule, args.seg_steps, args.rounds, args.block_steps) + \
+                steady_rows + [""] + goodput_lines
         report = report + phase_table(phase_lines)
         if args.out:  # after every model, so a cut-off run still leaves its finished rows
             with open(args.out, "w") as f:

@@ -13,6 +13,12 @@ ours    ElasticTrainer as the templates build it (default TrainerConfig, so the 
         each resize once rank 0 reports the segment's end, newcomers are started a third of a segment earlier
         (helper jobs start while the job trains), leavers exit at the commit point that shrinks.
 
+Since session 8 the steady ratio comes from ``bench/interleaved.py`` (plain DDP and ours in interleaved blocks in
+one process set: on 4x H200 the host-bound ResNet-50 step moved by 20% between blocks a minute apart, so plain DDP
+measured before and after ours put the host's drift into the ratio); ``--bracket`` still runs plain as above.
+Goodput's ideal takes plain DDP's step at size n as ours' steady step at n in the schedule run over the interleaved
+ratio at n (``matched_plain``): plain measured beside ours, carried to the schedule run's minutes.
+
 Steady (ours): per size, windows between commit points (the vote synchronises the device there, so a window is
 exact device time), from ``SEG_WARM`` steps after entering the size to the last commit point before the step
 that switches away or before newcomers are started on the same host (their start-up loads the host CPU);
@@ -116,19 +122,10 @@ def worker_ours_sched(args) -> None:
     batch = make_batch(b)
     bench = client(args, "bench")
     cuda = dev.type == "cuda"
-    variant = dict(kv.split("=") for kv in args.variant.split(",") if "=" in kv)  # see --variants
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    if variant.get("hook") == "builtin":  # A/B only: DDP's own allreduce instead of the elastic hook
-        DDP.register_comm_hook = lambda self, state, hook: None
-    elif variant.get("hook") == "torch":  # A/B only: torch's own Python hook (divide, SUM, .then) on our group
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        register = DDP.register_comm_hook
-        DDP.register_comm_hook = lambda self, state, hook: register(self, self.process_group, allreduce_hook)
     tel = Telemetry(profile=args.model, gpu=torch.cuda.get_device_name(dev) if cuda else "cpu",
-                    intra_link="nvlink" if cuda else "shm") if variant.get("telemetry", "1") == "1" else None
-    progress = ProgressReporter(client(args), args.wid, "localhost") if variant.get("progress", "1") == "1" else None
-    cfg = TrainerConfig(backend="nccl" if cuda else "gloo",
-                        commit_every=int(variant["commit_every"]) if "commit_every" in variant else None)
+                    intra_link="nvlink" if cuda else "shm")
+    progress = ProgressReporter(client(args), args.wid, "localhost")
+    cfg = TrainerConfig(backend="nccl" if cuda else "gloo")
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
                         telemetry=tel, progress=progress,
@@ -145,8 +142,6 @@ def worker_ours_sched(args) -> None:
         alive = et.commit()
         t2 = time.perf_counter()
         at_commit = et.committed_step == et.step
-        if progress is None and at_commit and et.rank == 0:  # the controller follows rank 0's commit points
-            client(args).set(keys.progress("w0"), json.dumps({"step": et.step}))
         recs.append((world, t2, et.step, at_commit, t2 - t1, t1 - t0))
         if not alive:
             break
@@ -201,10 +196,10 @@ def bracket(before: dict, after: dict) -> dict:
     return out
 
 
-def run_ours_schedule(c: Controller, schedule: list[int], variant: str = "") -> dict:
+def run_ours_schedule(c: Controller, schedule: list[int]) -> dict:
     from elastic_launcher.membership import Coordinator
     seg = c.args.seg_steps
-    extra = ("--variant", variant) if variant else ()
+    extra = ()
     coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
     members = [f"w{i}" for i in range(schedule[0])]
     gpus = {w: i for i, w in enumerate(members)}
@@ -310,29 +305,44 @@ def _ms(xs) -> str:
     return "/".join(f"{x:.3f}" for x in xs) if xs else "-"
 
 
-def table(model: str, res: dict, plain: dict) -> list[str]:
-    """Rows of the steady table for one model."""
+def matched_plain(own: dict, inter: dict) -> dict:
+    """Plain DDP's step at each size on the schedule run's host: ours' steady step there (``analyse`` with no
+    baseline) over the interleaved ratio at that size (``interleaved.ratios``). Goodput's ideal uses it: plain DDP
+    measured beside ours (interleaved), carried to the minutes of the schedule run by ours' own steady step."""
+    return {w: {"mean_s": s["mean_s"] / inter[w]["ratio"], "median_s": s["median_s"] / inter[w]["ratio"]}
+            for w, s in own["steady"].items() if w in inter}
+
+
+def table(model: str, inter: dict, res: dict) -> list[str]:
+    """Rows of the steady table for one model: the interleaved ratio per size, and the schedule run's figures."""
     rows = []
     h, cost = res["host_us"], res["commit_cost_s"]
     cost_ms = "-" if cost is None else f"{cost * 1e3:.1f}"
     plain_us = "-" if h["commit_plain_step"] is None else f"{h['commit_plain_step']:.0f}"
-    notes = (f"commit points every {res['interval']} steps at the end, measured cost {cost_ms} ms; host time in "
-             f"commit() {plain_us} us a plain step, {h['commit_point']:.0f} us a commit point; host time in the "
-             f"step's own calls {h['step_calls']:.0f} us")
+    notes = (f"schedule run: commit points every {res['interval']} steps at the end, measured cost {cost_ms} ms; "
+             f"host time in commit() {plain_us} us a plain step, {h['commit_point']:.0f} us a commit point")
+    for world, i in sorted(inter.items()):
+        rr = i["round_ratios"]
+        s = res["steady"].get(world)
+        sched = f"{s['mean_s'] * 1e3:.2f} ({s['steps']} steps)" if s else "-"
+        rows.append(f"| {model} | {world} | {i['plain_mean_s'] * 1e3:.2f} | {i['mean_s'] * 1e3:.2f} | "
+                    f"**{i['ratio']:.3f}** | {statistics.median(rr):.3f} ({min(rr):.3f}-{max(rr):.3f}), {len(rr)} | "
+                    f"{sched} | {notes} |")
+    return rows
+
+
+def bracket_rows(model: str, res: dict, plain: dict) -> list[str]:
+    """``--bracket`` rows: ours' schedule run against plain DDP measured before and after it."""
+    rows = []
     for world, s in res["steady"].items():
-        p = plain.get(world, {})
-        with_startups = s.get("ratio_with_startups")
-        notes_w = notes + ("" if with_startups is None else
-                           f"; ratio with newcomers starting on the host counted in: {with_startups:.3f}")
-        ratio = f"{s['ratio']:.3f}" if s["ratio"] is not None else "-"
-        ratio_m = f"{s['ratio_median']:.3f}" if s["ratio_median"] is not None else "-"
-        if "drift" in p:
-            notes_w += (f"; plain DDP before / after ours {p['before_mean_s'] * 1e3:.2f} / {p['after_mean_s'] * 1e3:.2f}"
-                        f" ms (drift {p['drift']:.3f})")
-        rows.append(f"| {model} | {world} | {p.get('mean_s', float('nan')) * 1e3:.2f} / "
-                    f"{p.get('median_s', float('nan')) * 1e3:.2f} | "
-                    f"{s['mean_s'] * 1e3:.2f} / {s['median_s'] * 1e3:.2f} "
-                    f"| **{ratio}** | {ratio_m} | {s['steps']} | {notes_w} |")
+        p = plain.get(world)
+        if not p or s["ratio"] is None:
+            continue
+        g = res["goodput"]
+        rows.append(f"| {model} (bracketed) | {world} | {p['mean_s'] * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} | "
+                    f"{s['ratio']:.3f} | - | - | plain DDP before / after ours "
+                    f"{p.get('before_mean_s', float('nan')) * 1e3:.2f} / {p.get('after_mean_s', float('nan')) * 1e3:.2f}"
+                    f" ms; goodput against it {g['ratio']:.3f} |" if g else " |")
     return rows
 
 
@@ -351,14 +361,16 @@ def goodput_line(model: str, res: dict, schedule: list[int], S: int, L: int, reb
                f"{statistics.median(rg) / statistics.median(grows):.1f}x / "
                f"{statistics.median(rs) / statistics.median(shrinks):.1f}x shorter (medians)")
     return (f"- {model}: goodput **{g['ratio']:.3f}** of ideal over {g['steps']} steps of "
-            f"{'->'.join(map(str, schedule[1:]))} ({g['samples']} samples against {g['ideal']:.0f}; seconds at each "
+            f"{'->'.join(map(str, schedule[1:]))} ({g['samples']} samples against {g['ideal']:.0f}, the ideal from "
+            f"plain DDP's step at each size = ours' steady step in this run / the interleaved ratio; seconds at each "
             f"size {g['seconds']}); grow {S}->{L} pauses {_ms(grows)} s, shrink {L}->{S} {_ms(shrinks)} s{reb}")
 
 
-def header(schedule: list[int], seg: int, steps: int) -> list[str]:
-    return ["", f"Steady step: plain DDP ({steps} timed steps a size, run before and after ours: the baseline is "
-            "the mean of the two, and the notes give both) against ElasticTrainer (auto commit schedule) "
-            f"over the schedule {'->'.join(map(str, schedule))}, {seg} steps a size; ms a step, mean (window / "
-            "steps, device-synchronised ends) / median (host periods); ratio = ours / plain, mean (median beside).",
-            "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | ratio of medians | steady steps (ours) | "
-            "notes |", "|---|---|---|---|---|---|---|---|"]
+def header(schedule: list[int], seg: int, rounds: int, block: int) -> list[str]:
+    return ["", f"Steady step (bench/interleaved.py): plain DDP (its defaults, as torchrun runs it) and ElasticTrainer "
+            f"(auto commit schedule, Telemetry) at each size in one process set, {rounds} rounds of interleaved "
+            f"blocks of {block} steps after a warm-up round; ms a step = window / steps (device-synchronised ends), "
+            "pooled over the rounds; ratio = ours / plain. Then ours alone through the resize schedule "
+            f"{'->'.join(map(str, schedule))}, {seg} steps a size (its steady step at each size beside).",
+            "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | per-round ratio, median (range), rounds | "
+            "ours in the schedule run, ms | notes |", "|---|---|---|---|---|---|---|---|"]
