@@ -228,7 +228,7 @@ def consider_mixed(single: dict, pairs: list[tuple], cluster, named: Sequence[st
             + f" ({m.samples_per_s / x_s:.2f}x of {single['partition']}; equal batches {m.equal_samples_per_s / x_s:.2f}x)")
     if wins:
         verdict = "chosen"
-    elif objective == "throughput" and not gated:
+    elif objective == "throughput" and not gated and m.samples_per_s > x_s:
         verdict = f"not chosen: the added GPUs' efficiency {eff:.2f} < {min_eff:g}"
     else:
         verdict = f"not chosen: no better than {single['partition']} under objective {objective}"
