@@ -6,8 +6,8 @@ proportional to the local batch (p_t = T_c,t(b) / b seconds per sample), so a ra
 
     v_t = 1 / p_t                     samples/s; relative speed s_t = v_t / max_u v_u (the fastest type 1.0)
 
-The runtime splits B over the ranks in proportion to their speeds (elastic_launcher.batch_policy.split_batch,
-the same function here: the prediction and the job use one rule, rounding included), so with b_i samples on
+The runtime splits B over the ranks in proportion to their speeds with `split_batch` below (it lives here so
+that the runtime's elastic_launcher.batch_policy imports it from the predictor: one rule, rounding included), so with b_i samples on
 rank i of type t(i) the balanced step and throughput are
 
     T_bal = max_i b_i * p_t(i) + T_s          X_bal = B / T_bal
@@ -21,11 +21,35 @@ objective (predictor/planner.py `mixed_candidates`); Hare (Jia et al.) found mix
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from elastic_launcher.batch_policy import split_batch
+
+def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
+    """Splits ``global_batch`` over ranks proportionally to ``speeds`` (samples/s), each rank >= 1.
+
+    Raises:
+        ValueError: no ranks, a non-positive speed, or fewer samples than ranks.
+    """
+    n = len(speeds)
+    if n == 0:
+        raise ValueError("split_batch needs at least one rank")
+    if any(not s > 0 for s in speeds):
+        raise ValueError(f"speeds must be positive, got {list(speeds)}")
+    if global_batch < n:
+        raise ValueError(f"global batch {global_batch} is smaller than the {n} ranks")
+    total = float(sum(speeds))
+    spare = global_batch - n  # one sample each first, the rest proportionally
+    exact = [spare * s / total for s in speeds]
+    out = [1 + int(math.floor(e)) for e in exact]
+    left = global_batch - sum(out)
+    # equal remainders (speeds a rounding error apart give the same quotient): the faster rank first
+    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), -speeds[i], i))
+    for i in order[:left]:
+        out[i] += 1
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
