@@ -44,7 +44,7 @@ def _launch(work: Path, url: str, token: str) -> str:
              "--dataset-size", "10000", "--compute-ms", "20", "--emulate-gpu-types", "--out", str(work / "samples")]
     return f"""#!/bin/bash
 #ELASTIC model=resnet50 gpus=2 per_gpu_batch={BATCH}
-export ELASTIC_PREDICTOR_TOKEN={token}
+export ELASTIC_PREDICTOR_TOKEN={token} PYTHONPATH={HERE.parents[1]}
 exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1 --run-dir {work}/run \\
     --predictor {url} --intra-link shm --inter-link socket --no-autoscale --straggler-ratio 1000 \\
     --measure-steps 8 --warmup-steps 2 -- {' '.join(train)}
