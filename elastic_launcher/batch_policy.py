@@ -19,32 +19,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+# One split rule for the runtime and the planner's balanced prediction of mixed GPU types (predictor/mixed.py,
+# which owns it: the predictor may not import the launcher, docs/design.md "Import order").
+from predictor.mixed import split_batch
+
 __all__ = ["BatchPolicy", "split_batch"]
-
-
-def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
-    """Splits ``global_batch`` over ranks proportionally to ``speeds`` (samples/s), each rank >= 1.
-
-    Raises:
-        ValueError: no ranks, a non-positive speed, or fewer samples than ranks.
-    """
-    n = len(speeds)
-    if n == 0:
-        raise ValueError("split_batch needs at least one rank")
-    if any(not s > 0 for s in speeds):
-        raise ValueError(f"speeds must be positive, got {list(speeds)}")
-    if global_batch < n:
-        raise ValueError(f"global batch {global_batch} is smaller than the {n} ranks")
-    total = float(sum(speeds))
-    spare = global_batch - n  # one sample each first, the rest proportionally
-    exact = [spare * s / total for s in speeds]
-    out = [1 + int(math.floor(e)) for e in exact]
-    left = global_batch - sum(out)
-    # equal remainders (speeds a rounding error apart give the same quotient): the faster rank first
-    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), -speeds[i], i))
-    for i in order[:left]:
-        out[i] += 1
-    return out
 
 
 @dataclass(frozen=True)

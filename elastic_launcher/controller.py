@@ -30,6 +30,7 @@ from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
+from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
 from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
@@ -95,6 +96,7 @@ class Controller:
         self._stop_beat = threading.Event()
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
+        self.types = JobTypes({}, "not read yet")  # each node's GPU type and speed, read at start (gpu_speeds.py)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -154,7 +156,24 @@ class Controller:
                 log.debug("heartbeat stops: %s", exc)
                 return
 
+    def _gpu_types(self) -> JobTypes:
+        """Each allocated node's GPU type (Slurm's GRES type) and speed (gpu_speeds.py); Slurm unreachable:
+        no labels, equal speeds."""
+        names = list(self.fleet.alloc.nodes)
+        try:
+            gres = node_gres_types(self.slurm.nodes(), names)
+        except Exception as exc:  # noqa: BLE001 - labels are a refinement: the job runs with equal batches
+            log.warning("cannot read the nodes' GPU types from Slurm: %s", exc)
+            gres = {n: None for n in names}
+        d, c = self.config.directives, self.config
+        model = d.model or "unknown"
+        return decide_speeds(gres, lambda gpu: self.predictor.compute_s(model, gpu, d.per_gpu_batch,
+                                                                        c.intra_link or "nvlink"))
+
     def _start_initial(self) -> None:
+        self.types = self._gpu_types()
+        self.pool.node_env = {node: self.types.env(node) for node in self.types.nodes}
+        self.records.write("gpu_types", **self.types.to_record())
         for node in self.fleet.alloc.nodes:
             step = self.pool.start(node, self.slots, self.fleet.alloc.env, owner_job=self.job_id)
             self.fleet.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
@@ -279,12 +298,15 @@ class Controller:
         self.policy.record(m)
         self.records.write("measurement", nodes=m.nodes, workers=m.workers, samples_per_s=round(m.samples_per_s, 3),
                            step_s=round(m.step_s, 4), compute_s_by_node={k: round(v, 4) for k, v in
-                                                                         compute_by_node.items()})
+                                                                         compute_by_node.items()},
+                           gpu_type_by_node={k: self.types.nodes[k].gpu for k in compute_by_node
+                                             if k in self.types.nodes})
         layout = self._current_layout() or [self.slots] * m.nodes
         d = self.config.directives
         links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
         own = step_record(d.model or "unknown", d.gpu_type, layout, links, d.per_gpu_batch, m.step_s)
-        self._post_observations([own])
+        # a mixed job's step time is no one type's: not posted as a step observation of any type
+        self._post_observations([] if self.types.mixed else [own])
         if not self.config.directives.elastic:
             return
         slow = self.stragglers.observe(compute_by_node)

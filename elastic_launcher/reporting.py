@@ -39,7 +39,7 @@ class RecordLog:
 
 
 class PredictorClient:
-    """POST /v1/observations and /v1/plan with a per-request timeout and a circuit breaker.
+    """POST /v1/observations, /v1/plan and /v1/predict with a per-request timeout and a circuit breaker.
 
     Observations are signed for the job (`predictor.auth.munge_sign`, header `X-Elastic-Munge`) when `job_id`
     is given: the body is serialised once and exactly those bytes are signed and sent; each attempt signs
@@ -138,6 +138,23 @@ class PredictorClient:
 
     def observe(self, records: list[dict]) -> bool:
         return bool(records) and self._post("/v1/observations", records, signed=True, retries=self.retries) is not None
+
+    def compute_s(self, profile: str, gpu: str, per_gpu_batch: int, intra_link: str) -> tuple[Optional[float], str]:
+        """The predicted compute seconds per step of `profile` on one `gpu` at `per_gpu_batch` (POST /v1/predict),
+        or None and why: no service, no answer, or no history of the model on that type (measured or cross-type).
+        """
+        reply = self._post("/v1/predict", {"profile": profile, "gpu": gpu, "per_gpu_batch": per_gpu_batch,
+                                           "candidates": [{"layout": [1], "intra_link": intra_link}]})
+        if reply is None:
+            return None, "no predictor URL configured" if self.url is None else (self.last_error or "no answer")
+        try:
+            pred = reply["predictions"][0]
+            seconds = float(pred["compute_s"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None, "a /v1/predict answer without compute_s"
+        if not reply.get("known") and not str(pred.get("basis", "")).startswith("cross-type"):
+            return None, f"no step history of {profile} on {gpu}"
+        return (seconds, "predicted") if seconds > 0 else (None, f"compute_s {seconds!r}")
 
     def plan(self, body: dict) -> Optional[dict]:
         reply = self._post("/v1/plan", body)

@@ -177,7 +177,9 @@ def alternative_rows(full: dict) -> list[dict]:
     for alt in alternatives:
         if not isinstance(alt, dict):
             continue
-        chosen = alt.get("partition") is not None and alt.get("partition") == response.get("partition")
+        # the partition and the GPU type: a mixed-type candidate may be placed in a partition a single plan also uses
+        chosen = alt.get("partition") is not None and alt.get("partition") == response.get("partition") \
+            and alt.get("gpu") in (response.get("gpu"), None)
         rows.append({"chosen": "yes" if chosen else "", "partition": alt.get("partition"), "gpu": alt.get("gpu"),
                      "layout": layout_name(alt["layout"] if isinstance(alt.get("layout"), list) else None),
                      "samples_per_s": _number(alt.get("samples_per_s")),

@@ -24,6 +24,7 @@ from predictor.errors import NotFoundError, ValidationError
 from slurm_plugin import hostlist
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}\Z")
+_FEATURE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
 
 def expand_hostlist(spec: str, field: str = "nodes") -> tuple[str, ...]:
@@ -51,6 +52,9 @@ class Partition:
         inter_link: link class between nodes (e.g. `ib`).
         switches: leaf switch name -> node names under it.
         gpu_hour_cost, node_hour_cost: weights for the `cost` objective.
+        feature: the Slurm node feature that selects exactly this partition's nodes (`Features=h100` in
+            slurm.conf), or None; a mixed-type plan asks for counts of each type's nodes by it
+            (`--constraint=[h100*2&a100*2]`), so only partitions with a feature are mixed (predictor/mixed.py).
     """
 
     name: str
@@ -62,6 +66,7 @@ class Partition:
     switches: tuple[tuple[str, tuple[str, ...]], ...] = ()
     gpu_hour_cost: float = 1.0
     node_hour_cost: float = 0.0
+    feature: str | None = None
 
     @property
     def total_gpus(self) -> int:
@@ -94,14 +99,15 @@ class Partition:
         return {"name": self.name, "nodes": list(self.nodes), "gpus_per_node": self.gpus_per_node,
                 "gpu": self.gpu, "intra_link": self.intra_link, "inter_link": self.inter_link,
                 "switches": {name: list(members) for name, members in self.switches},
-                "gpu_hour_cost": self.gpu_hour_cost, "node_hour_cost": self.node_hour_cost}
+                "gpu_hour_cost": self.gpu_hour_cost, "node_hour_cost": self.node_hour_cost,
+                **({"feature": self.feature} if self.feature else {})}
 
     @classmethod
     def from_dict(cls, data: Any, field: str) -> "Partition":
         if not isinstance(data, dict):
             raise ValidationError(field, "expected an object")
         known = {"name", "nodes", "gpus_per_node", "gpu", "intra_link", "inter_link", "switches",
-                 "gpu_hour_cost", "node_hour_cost"}
+                 "gpu_hour_cost", "node_hour_cost", "feature"}
         for key in data:
             if key not in known:
                 raise ValidationError(f"{field}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
@@ -133,9 +139,13 @@ class Partition:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1e6:
                 raise ValidationError(f"{field}.{key}", "expected a number in [0, 1e6)")
             costs[key] = float(value)
+        feature = data.get("feature")
+        if feature is not None and (not isinstance(feature, str) or not _FEATURE_RE.match(feature)):
+            raise ValidationError(f"{field}.feature", f"expected a node feature matching {_FEATURE_RE.pattern} "
+                                                      f"(it goes into a --constraint expression)")
         return cls(name=name, nodes=nodes, gpus_per_node=gpn, gpu=_name(data, "gpu", field),
                    intra_link=_name(data, "intra_link", field), inter_link=_name(data, "inter_link", field),
-                   switches=tuple(switches), **costs)
+                   switches=tuple(switches), feature=feature, **costs)
 
 
 def _name(data: dict, key: str, field: str) -> str:

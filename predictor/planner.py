@@ -26,6 +26,7 @@ from typing import Any
 from predictor.cluster import Cluster, Partition
 from predictor.config import MAX_CANDIDATES
 from predictor.errors import NotFoundError, TooLarge, ValidationError
+from predictor.mixed import consider_mixed
 from predictor.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from predictor.store import register_hint
@@ -283,7 +284,28 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
                             cross_type=p not in known)) for p in parts]
     out = compare_partitions(results, request, cluster.default_partition)
     out.pop("table", None)  # a table is one partition's: the hook's cache must not answer a comparison from it
-    return out
+    return _with_mixed(out, [p for p in parts if p in known], cluster, request, models, profile,
+                       default_min_efficiency)
+
+
+def _with_mixed(out: dict, known: list[Partition], cluster: Cluster, request: PlanRequest, models, profile,
+                default_min_efficiency: float) -> dict:
+    """`out` with mixed GPU types considered (predictor/mixed.py): at submit time only, for a job that allows
+    several types (it named several partitions or `gpu_type=any`, as `plan` compares partitions only then), over
+    pairs of partitions of two GPU types with step history and a node feature, within the job's GPU bounds."""
+    d = request.directives
+    pairs = [(a, b) for i, a in enumerate(known) for b in known[i + 1:]
+             if a.feature and b.feature and a.gpu.lower() != b.gpu.lower()]
+    if not pairs or request.current is not None or d.get("batch_policy") == "keep_global" or not out.get("predicted"):
+        return out
+    low, high = _bounds(d, requested(request.job), sum(p.total_gpus for p in known))
+    if d.get("max_global_batch") is not None:
+        high = min(high, d["max_global_batch"] // out["per_gpu_batch"])
+    named = [n for n in (request.job.get("partition") or "").split(",") if n]
+    try:
+        return consider_mixed(out, pairs, cluster, named, d, (low, high), models, profile, default_min_efficiency)
+    except ModelUnavailable:
+        return out
 
 
 def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min_efficiency: float,

@@ -51,7 +51,8 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class Node:
     """A compute node. `state` is Slurm's base state in lower case (idle, mixed, allocated, down...);
-    `switch` is the lowest-level switch above the node in topology.conf, None without topology."""
+    `switch` is the lowest-level switch above the node in topology.conf, None without topology;
+    `gpu_type` its GPUs' GRES type as slurm.conf names it (`Gres=gpu:h100:4`), None for untyped GPUs."""
 
     name: str
     state: str
@@ -59,6 +60,7 @@ class Node:
     gpus_alloc: int
     switch: str | None
     partitions: tuple[str, ...]
+    gpu_type: str | None = None   # the GRES type of its GPUs (`gpu:h100:4` -> `h100`); None when untyped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,6 +480,7 @@ def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
             gpus_alloc=_gpu_count(n.get("gres_used", "")),
             switch=switches.get(n["name"]),
             partitions=tuple(n.get("partitions", [])),
+            gpu_type=gres_gpu_type(n.get("gres", "")),
         )
         for n in sinfo_json.get("nodes", [])
     ]
@@ -572,6 +575,7 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
 NO_VAL = 0xFFFFFFFE          # "unset" in a 32-bit job_desc field (INFINITE, 0xFFFFFFFF, is above it)
 NO_VAL16 = 0xFFFE            # "unset" in a 16-bit one (ntasks_per_node; INFINITE16 is NO_VAL16 + 1)
 _GPU_ENTRY = re.compile(r"^(?:gres[:/])?gpu(?::[A-Za-z0-9_.-]+)?[:=]([0-9]+)$")
+_GPU_TYPE = re.compile(r"^(?:gres[:/])?gpu:([A-Za-z][A-Za-z0-9_.-]*):[0-9]+$")
 
 
 def gpus_in_tres(tres: str | None) -> int | None:
@@ -579,6 +583,13 @@ def gpus_in_tres(tres: str | None) -> int | None:
     entries of several types add up. None when the list has no gpu entry (`gres:shard:2`, "", None)."""
     counts = [int(m.group(1)) for item in split_top(tres or "") if (m := _GPU_ENTRY.match(item.split("(")[0]))]
     return sum(counts) if counts else None
+
+
+def gres_gpu_type(gres: str | None) -> str | None:
+    """The GPU type of a node's GRES list (`gpu:h100:4(S:0)` -> `h100`); None when its GPUs are untyped
+    (`gpu:4`), when it has none, or when it has GPUs of several types."""
+    types = {m.group(1) for item in split_top(gres or "") if (m := _GPU_TYPE.match(item.split("(")[0]))}
+    return types.pop() if len(types) == 1 else None
 
 
 def job_desc_number(key: str, value: int) -> int | None:

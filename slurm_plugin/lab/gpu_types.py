@@ -30,7 +30,7 @@ def partitions(cfg: TestbedConfig) -> list[dict]:
         out.append({"name": t.partition, "nodes": nodes, "gpus_per_node": cfg.gpus_per_node, "gpu": t.gpu,
                     "intra_link": INTRA_LINK, "inter_link": INTER_LINK,
                     "switches": {leaf: members for leaf, members in switches.items() if members},
-                    "gpu_hour_cost": t.gpu_hour_cost, "node_hour_cost": 0.0})
+                    "gpu_hour_cost": t.gpu_hour_cost, "node_hour_cost": 0.0, "feature": t.gres_type})
     return out
 
 

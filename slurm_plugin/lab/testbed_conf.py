@@ -13,7 +13,8 @@ starting at `TestbedConfig.port_base`, so several labs can run side by side on o
 Two labs need port bases at least `PORT_SPAN` apart. The recipe was verified on Slurm 22.05.8 / Debian 12.
 
 GPU types: each leaf's nodes carry typed GRES (`Gres=gpu:h100:4` on node[1-2], `gpu:a100:4` on node[3-4],
-`GPU_TYPES`), and each type has its own partition (`h100`, `a100`) beside the default partition `debug`, which
+`GPU_TYPES`) and the node feature of that type (`Features=h100`: a mixed-type job asks for counts of each
+type's nodes with `--constraint=[h100*1&a100*1]`), and each type has its own partition (`h100`, `a100`) beside the default partition `debug`, which
 still holds every node: an untyped request (`--gres=gpu:4`, `--gpus=8`) matches any type, so jobs that name no
 type run as before. `TestbedConfig(gpu_types=())` writes the untyped lab (one `Name=gpu File=...` line per device
 and no NodeName, the last one /dev/tty0: the spelling Slurm's own testsuite expects).
@@ -175,7 +176,7 @@ def slurm_conf(cfg: TestbedConfig, extra_lines: list[str]) -> str:
     lab = cfg.lab
     nodes = "".join(
         f"NodeName={name} NodeHostname=localhost Port={cfg.node_port(i)} CPUs={cfg.cpus_per_node}"
-        f" RealMemory=4000 Gres={_gres(cfg, i)} State=UNKNOWN\n"
+        f" RealMemory=4000 Gres={_gres(cfg, i)}{_features(cfg, i)} State=UNKNOWN\n"
         for i, name in enumerate(cfg.node_names(), start=1)
     )
     typed = "".join(f"PartitionName={t.partition} Nodes={_hostlist(t.nodes)} MaxTime=INFINITE State=UP "
@@ -231,6 +232,13 @@ MailProg=/bin/true
 def _gres(cfg: TestbedConfig, index: int) -> str:
     gpu_type = cfg.gpu_type_of(index)
     return f"gpu:{gpu_type.gres_type}:{cfg.gpus_per_node}" if gpu_type else f"gpu:{cfg.gpus_per_node}"
+
+
+def _features(cfg: TestbedConfig, index: int) -> str:
+    """A typed node's node feature (its GRES type, `Features=h100`): what a mixed-type job's count constraint
+    (`--constraint=[h100*1&a100*1]`) selects nodes by; none for an untyped node."""
+    gpu_type = cfg.gpu_type_of(index)
+    return f" Features={gpu_type.gres_type}" if gpu_type else ""
 
 
 def _hostlist(indices: tuple[int, ...]) -> str:

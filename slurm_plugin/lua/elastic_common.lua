@@ -632,6 +632,10 @@ local function validate(reply)
                                  or #reply.partition > 64) then
     return "bad partition " .. tostring(reply.partition)
   end
+  if reply.constraint ~= nil and (type(reply.constraint) ~= "string" or #reply.constraint > 256
+                                  or not reply.constraint:match("^%[[%w_-]+%*%d+[%w_*&-]*%]$")) then
+    return "bad constraint " .. tostring(reply.constraint)
+  end
   return nil
 end
 
@@ -832,6 +836,8 @@ function M.rewrite_fields(job_desc, reply)
     f.min_cpus = nodes * (tasks or 1) * cpus_per_task
   end
   if reply.switches then f.req_switch = reply.switches end
+  -- a mixed-type plan: counts of each type's nodes by node feature (`[h100*2&a100*2]`), replacing the job's own
+  if reply.constraint then f.features = reply.constraint end
   if reply.decision_id ~= nil then f.comment = M.comment_with(job_desc.comment, reply.decision_id) end
   local changed = gpu_count(job_desc.tres_per_job) ~= nil or per_task ~= nil
     or gpu_count(job_desc.tres_per_node) ~= per_node
@@ -911,6 +917,7 @@ function M.apply_cli_options(options, reply)
   options["nodes"] = tostring(nodes)
   local partition = M.moved_to(option(options, "partition"), reply)
   if partition then options["partition"] = partition end
+  if reply.constraint then options["constraint"] = reply.constraint end
   local gres = option(options, "gres")
   if gres then
     options["gres"] = (set_gpu_tres(as_tres(gres), per_node, partition and (reply.gpu or "") or nil):gsub("gres:", ""))

@@ -4,10 +4,12 @@ It stands in for a GPU job on the CPU testbed: each step "computes" for `--compu
 the device time of one local batch, so measured throughput scales with the worker count the way it does
 on GPUs; the real CPU work of the tiny model is negligible next to it), then runs a real forward/backward
 with a gloo all-reduce through the runtime. `--slow-node NODE --slow-factor F` makes the workers on one
-node F times slower (a straggler).
+node F times slower (a straggler). `--emulate-gpu-types` makes a step's compute proportional to the rank's
+local batch and to its node's GPU type's STEP_FACTOR (the lab's emulated types; the rank's speed comes from
+elastic-launch, `ELASTIC_SPEED`, into `ElasticTrainer(speed=...)`).
 
 Accounting: once a commit point covers a step every rank appends one JSON line to `<out>/samples-<wid>.jsonl`:
-`{"step", "epoch", "idx": [...], "world", "plan"}` (its dataset indices of that step). The test checks
+`{"step", "epoch", "idx": [...], "world", "plan", "t", "node", "gpu"}` (its dataset indices of that step). The test checks
 that, per epoch, no index is seen twice and that the number of committed samples is exact.
 
 Entry point: the only place that reads the environment (what elastic-launch passes to each worker).
@@ -29,11 +31,13 @@ import torch
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.committed import CommittedSteps
 from elastic_launcher.errors import LeftGroup
+from elastic_launcher.gpu_speeds import GPU_TYPE_ENV, worker_speed
 from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 from elastic_launcher.workers import ProgressReporter, worker_identity
+from slurm_plugin.lab.gpu_types import STEP_FACTOR
 
 
 class Squares(torch.utils.data.Dataset):
@@ -59,6 +63,10 @@ def main(argv=None) -> int:
     p.add_argument("--compute-ms", type=float, default=150.0, help="simulated device time per step")
     p.add_argument("--slow-node", default=None)
     p.add_argument("--slow-factor", type=float, default=1.0)
+    p.add_argument("--emulate-gpu-types", action="store_true",
+                   help="emulate the lab's GPU types (the testbed has no GPUs): a step computes --compute-ms times "
+                        "its local batch over --per-gpu-batch times the STEP_FACTOR of the node's type "
+                        "(slurm_plugin/lab/gpu_types.py; ELASTIC_GPU_TYPE from elastic-launch)")
     p.add_argument("--out", type=Path, required=True, help="directory for the per-rank sample logs")
     p.add_argument("--save", type=Path, default=None,
                    help="checkpoint-and-restart baseline: rank 0 saves the state here after the last step")
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
     wid, store_text = worker_identity(env)
     node = env.get("ELASTIC_NODE", "?")
     slow = args.slow_factor if args.slow_node == node else 1.0
+    gpu_type = env.get(GPU_TYPE_ENV)
+    factor = STEP_FACTOR.get(gpu_type or "", 1.0) if args.emulate_gpu_types else None
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Linear(8, 1)
@@ -79,7 +89,7 @@ def main(argv=None) -> int:
     reporter = ProgressReporter(connect_store(StoreAddr.parse(store_text), timedelta(seconds=30)), wid, node)
     et = ElasticTrainer(model, optimizer, store_addr=store_text, worker_id=wid,
                         policy=BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling="none"), config=config,
-                        telemetry=Telemetry(profile="tiny"), progress=reporter)
+                        telemetry=Telemetry(profile="tiny"), progress=reporter, speed=worker_speed(env))
     if args.resume is not None:  # baseline only: what a restarted job does before its first step
         ckpt = torch.load(args.resume, weights_only=False)
         model.load_state_dict(ckpt["model"])
@@ -98,14 +108,17 @@ def main(argv=None) -> int:
         for x, y, idx in et.loader(dataset, max_steps=args.steps):
             before, epoch, world, plan = et.step, et.sampler.epoch, et.world_size, et.plan.id
             mine = list(et.batch_indices)
-            time.sleep(args.compute_ms / 1000.0 * slow)
+            if factor is None:
+                time.sleep(args.compute_ms / 1000.0 * slow)
+            else:   # compute proportional to the local batch, at the emulated type's pace
+                time.sleep(args.compute_ms / 1000.0 * slow * factor * len(mine) / args.per_gpu_batch)
             loss = loss_fn(et.model(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             went_on = et.commit()
             steps.add(before, {"step": before + 1, "epoch": epoch, "idx": mine, "world": world, "plan": plan,
-                               "t": round(time.time(), 4)})
+                               "t": round(time.time(), 4), "node": node, "gpu": gpu_type})
             for rec in steps.ready(et.step, et.committed_step):  # a rollback takes back the steps after a commit
                 log.write(json.dumps(rec) + "\n")
             if not went_on:

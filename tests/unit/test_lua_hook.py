@@ -34,6 +34,10 @@ MOVED = {**REWRITE, "decision_id": "d-50", "partition": "a100", "gpu": "A100",
                    "2 nodes x 2 GPUs (2x2) predicted 3120 samples/s",
          "alternatives": [{"partition": "a100", "gpu": "A100", "layout": [2, 2], "samples_per_s": 3120.0},
                           {"partition": "h100", "gpu": "H100", "layout": [2, 2], "samples_per_s": 2080.0}]}
+# a mixed-type plan (predictor/mixed.py): placed in a partition holding both types, by node-feature counts
+MIXED = {**MOVED, "decision_id": "d-51", "partition": "debug", "gpu": "H100+A100", "nodes": 4, "gpus_per_node": 4,
+         "tasks_per_node": 4, "switches": None, "layout": [4, 4, 4, 4], "constraint": "[h100*2&a100*2]",
+         "reason": "elastic: mixed 2x4 H100 + 2x4 A100 on partition debug predicted 25090 samples/s"}
 NO_VAL = 4294967294
 NO_VAL16 = 65534
 
@@ -66,6 +70,7 @@ class Predictor:
     """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
 
     REPLIES = {"rewrite": REWRITE, "moved": MOVED, "badpartition": {**MOVED, "partition": "a100,h100"},
+               "mixed": MIXED, "badconstraint": {**MIXED, "constraint": "h100*2|a100"},
                "onepartition": {**REWRITE, "partition": "a100", "gpu": "A100"},  # no comparison: stays put
                "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1,
                # with cache_ttl_s: the hook may reuse these (tests/unit/test_lua_hook_cache.py)
@@ -300,6 +305,18 @@ def test_a_comparison_moves_the_job_to_the_chosen_partition(tmp_path, predictor)
     assert all(kinds(r, "user_msg") == [MOVED["reason"]] for r in results)
     assert [r["body"]["job"].get("partition") for r in predictor.requests] == ["h100,a100"] * 3 + [None]
     assert predictor.requests[3]["body"]["directives"] == ["#ELASTIC model=resnet50 gpu_type=any"]
+
+
+def test_a_mixed_plan_asks_for_each_types_node_count(tmp_path, predictor):
+    typed = job(mode="mixed", partition="h100,a100,debug", tres_per_job=None, tres_per_node="gres:gpu:h100:4")
+    bad = job(mode="badconstraint", partition="h100,a100,debug")
+    mixed, refused = run_hook(install(tmp_path, predictor.url), [{"job_desc": typed}, {"job_desc": bad}])
+    got = mixed["job_desc"]
+    assert got["partition"] == "debug" and got["features"] == "[h100*2&a100*2]" and got["min_nodes"] == 4
+    assert got["tres_per_node"] == "gres:gpu:4"   # a typed request would hold it to one type: untyped
+    assert kinds(mixed, "user_msg") == [MIXED["reason"]]
+    assert refused["job_desc"] == bad and kinds(refused, "user_msg") == [
+        "elastic: prediction skipped (bad constraint h100*2|a100); job submitted as written"]
 
 
 def test_a_single_partition_answer_never_moves_the_job(tmp_path, predictor):
