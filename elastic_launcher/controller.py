@@ -168,7 +168,7 @@ class Controller:
         d, c = self.config.directives, self.config
         model = d.model or "unknown"
         return decide_speeds(gres, lambda gpu: self.predictor.compute_s(model, gpu, d.per_gpu_batch,
-                                                                        c.intra_link or "nvlink"))
+                                                                        c.intra_link or "nvlink"), d.gpu_type)
 
     def _start_initial(self) -> None:
         self.types = self._gpu_types()

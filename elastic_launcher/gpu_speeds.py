@@ -4,6 +4,11 @@ Labels: each node's GRES type as Slurm reports it (`sinfo --json`'s `gres`, `gpu
 slurm_plugin.client's `nodes()`), named as the predictor names GPU types by upper-casing it (`H100`). A node
 whose GPUs are untyped has no label.
 
+A job that names one type (`#ELASTIC gpu_type=H100`, anything but `any`) is taken at its word: every node carries
+that type and speed 1.0, and `source` says so, naming Slurm's GRES types where they differ. The hook sends such a
+job to that type's nodes; where a lab's GRES labels are fiction (the testbed's CPU workers on `gpu:h100` and
+`gpu:a100` nodes, the demo's `gpu_type=cpu`), the declared type is what ran.
+
 Speeds: when the job's nodes have more than one type, the predictor's compute seconds of the job's model on each
 type at its per-GPU batch (POST /v1/predict, the one-GPU layout) give each type's relative speed, by the rule the
 planner's balanced prediction uses (predictor.mixed.type_speeds: the fastest type 1.0). With one type, an
@@ -66,14 +71,21 @@ def gpu_name(gres_type: Optional[str]) -> Optional[str]:
 
 
 def decide_speeds(gres_types: Mapping[str, Optional[str]],
-                  compute_s: Callable[[str], tuple[Optional[float], str]]) -> JobTypes:
+                  compute_s: Callable[[str], tuple[Optional[float], str]],
+                  declared: Optional[str] = None) -> JobTypes:
     """Each node's type and speed (module docstring). Pure apart from `compute_s`, asked once per type and only
     for a job of several types.
 
     Args:
         gres_types: node -> its GRES type (None: untyped).
         compute_s: GPU type -> (compute seconds per step at the job's per-GPU batch, or None; why not).
+        declared: the job's `#ELASTIC gpu_type` (None or `any`: the job named none).
     """
+    if declared and declared.lower() != "any":
+        gres = sorted({gpu_name(t) for t in gres_types.values() if t})
+        differ = f" (Slurm's GRES types: {', '.join(gres)})" if gres and gres != [declared] else ""
+        return JobTypes({n: NodeType(t, declared) for n, t in gres_types.items()},
+                        f"the job's #ELASTIC gpu_type={declared}: one type, equal batches{differ}")
     names = {node: gpu_name(t) for node, t in gres_types.items()}
     types = sorted({g for g in names.values() if g})
 

@@ -51,3 +51,18 @@ def test_worker_speed_reads_what_the_launcher_passed():
     for bad in ("fast", "0", "-1", "inf"):
         with pytest.raises(ValueError, match=SPEED_ENV):
             worker_speed({SPEED_ENV: bad})
+
+
+@pytest.mark.parametrize("declared", ["cpu", "H100"])
+def test_a_job_that_names_its_type_is_one_type_whatever_the_gres_says(declared):
+    log = []
+    types = decide_speeds({"node1": "h100", "node3": "a100"}, asked(log), declared)
+    assert not log and not types.mixed   # not asked: one type, equal batches
+    assert {t.gpu for t in types.nodes.values()} == {declared} and {t.speed for t in types.nodes.values()} == {1.0}
+    assert f"gpu_type={declared}" in types.source and "A100, H100" in types.source
+    assert types.nodes["node3"].gres_type == "a100"   # Slurm's label kept beside
+
+
+def test_gpu_type_any_still_reads_the_nodes_types():
+    log = []
+    assert decide_speeds({"node1": "h100", "node3": "a100"}, asked(log), "any").mixed and sorted(log) == ["A100", "H100"]
