@@ -339,10 +339,11 @@ def bracket_rows(model: str, res: dict, plain: dict) -> list[str]:
         if not p or s["ratio"] is None:
             continue
         g = res["goodput"]
+        goodput = f"; goodput against it {g['ratio']:.3f}" if g else ""
         rows.append(f"| {model} (bracketed) | {world} | {p['mean_s'] * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} | "
                     f"{s['ratio']:.3f} | - | - | plain DDP before / after ours "
                     f"{p.get('before_mean_s', float('nan')) * 1e3:.2f} / {p.get('after_mean_s', float('nan')) * 1e3:.2f}"
-                    f" ms; goodput against it {g['ratio']:.3f} |" if g else " |")
+                    f" ms{goodput} |")
     return rows
 
 
