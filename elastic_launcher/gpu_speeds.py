@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Optional, Sequence
 
+from elastic_launcher.launch_config import UNKNOWN_GPU
 from predictor.mixed import type_speeds
 
 SPEED_ENV, GPU_TYPE_ENV = "ELASTIC_SPEED", "ELASTIC_GPU_TYPE"
@@ -79,9 +80,9 @@ def decide_speeds(gres_types: Mapping[str, Optional[str]],
     Args:
         gres_types: node -> its GRES type (None: untyped).
         compute_s: GPU type -> (compute seconds per step at the job's per-GPU batch, or None; why not).
-        declared: the job's `#ELASTIC gpu_type` (None or `any`: the job named none).
+        declared: the job's `#ELASTIC gpu_type` (None, `any` or launch_config's `unknown`: the job named none).
     """
-    if declared and declared.lower() != "any":
+    if declared and declared.lower() not in ("any", UNKNOWN_GPU):
         gres = sorted({gpu_name(t) for t in gres_types.values() if t})
         differ = f" (Slurm's GRES types: {', '.join(gres)})" if gres and gres != [declared] else ""
         return JobTypes({n: NodeType(t, declared) for n, t in gres_types.items()},

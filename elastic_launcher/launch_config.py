@@ -16,6 +16,7 @@ from slurm_plugin.directives import parse_script
 
 HELPER_COMMENT_PREFIX = "elastic-helper:"
 HELPER_NAME_PREFIX = "elastic-helper-"
+UNKNOWN_GPU = "unknown"  # the job named no GPU type (predictor/jobcheck.py fills it from Slurm)
 
 
 def helper_comment(main_job_id: str) -> str:
@@ -51,7 +52,7 @@ class Directives:
     min_efficiency: float = 0.7
     objective: str = "throughput"
     elastic: bool = True
-    gpu_type: str = "unknown"
+    gpu_type: str = UNKNOWN_GPU
     raw_lines: tuple[str, ...] = ()
 
     @classmethod

@@ -63,6 +63,8 @@ def test_a_job_that_names_its_type_is_one_type_whatever_the_gres_says(declared):
     assert types.nodes["node3"].gres_type == "a100"   # Slurm's label kept beside
 
 
-def test_gpu_type_any_still_reads_the_nodes_types():
+@pytest.mark.parametrize("declared", ["any", "unknown", None])
+def test_a_job_that_names_no_type_reads_the_nodes_types(declared):
     log = []
-    assert decide_speeds({"node1": "h100", "node3": "a100"}, asked(log), "any").mixed and sorted(log) == ["A100", "H100"]
+    assert decide_speeds({"node1": "h100", "node3": "a100"}, asked(log), declared).mixed
+    assert sorted(log) == ["A100", "H100"]
