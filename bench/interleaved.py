@@ -79,6 +79,20 @@ class _Group:
         raise e
 
 
+def _train(model, batch, loss_fn, opt, watch=None) -> list[float]:
+    """Forward (``watch(loss)`` after it), backward, optimizer step: the clock at the end of each."""
+    loss = loss_fn(model, batch)
+    if watch is not None:
+        watch(loss)
+    t = [time.perf_counter()]
+    loss.backward()
+    t.append(time.perf_counter())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t.append(time.perf_counter())
+    return t
+
+
 class _Plain:
     """A DDP wrapper stepped on one fixed batch."""
 
@@ -86,17 +100,9 @@ class _Plain:
         self.ddp, self.opt, self.batch, self.loss_fn = ddp, opt, batch, loss_fn
 
     def step(self) -> list[float]:
-        t = [time.perf_counter()]
-        t.append(t[0])  # no loader
-        loss = self.loss_fn(self.ddp, self.batch)
-        t.append(time.perf_counter())
-        loss.backward()
-        t.append(time.perf_counter())
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
-        t.append(t[-1])  # no commit
-        return t
+        t0 = time.perf_counter()
+        ends = _train(self.ddp, self.batch, self.loss_fn, self.opt)
+        return [t0, t0, *ends, ends[-1]]  # no loader, no commit
 
 
 class _Trainer:
@@ -138,14 +144,7 @@ class _Trainer:
             next(self.it)
         self._pending = False
         t.append(time.perf_counter())
-        loss = self.loss_fn(et.model, self.batch)
-        et.watch_loss(loss)
-        t.append(time.perf_counter())
-        loss.backward()
-        t.append(time.perf_counter())
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
+        t += _train(et.model, self.batch, self.loss_fn, self.opt, et.watch_loss)
         et.commit()
         t.append(time.perf_counter())
         return t

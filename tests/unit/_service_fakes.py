@@ -57,6 +57,24 @@ COLLECTIVE = {"kind": "collective", "op": "allreduce", "link": "nvlink", "world"
               "seconds": 0.00037, "gpu": "H200"}
 
 
+class ModelsOverFake:
+    """The slice of the service's model holder the planner uses, over FakePredictor with PROFILE registered;
+    subclasses give `known(name, gpu)` and `predict(profile, gpu, batch, candidates, job_id=None)`."""
+
+    version = "g1"
+
+    def __init__(self) -> None:
+        from predictor.profiles import Profile
+        self.fake = FakePredictor().fit({}, [])
+        self.profiles = {"resnet50": Profile.from_dict(PROFILE)}
+
+    def predictor(self):
+        return self.fake
+
+    def profile(self, name):
+        return self.profiles.get(name)
+
+
 class FittedModels:
     """The slice of service.ModelCache the planner uses, over a real fitted engine Predictor (no service)."""
 

@@ -7,8 +7,7 @@ from elastic_launcher.batch_policy import split_batch
 from predictor import planner
 from predictor.cluster import Cluster
 from predictor.mixed import balanced, constraint, type_speeds
-from predictor.profiles import Profile
-from tests.unit._service_fakes import PROFILE, FakePredictor
+from tests.unit._service_fakes import ModelsOverFake
 
 STEP = {"H100": 0.030, "A100": 0.054}   # compute seconds at per-GPU batch 64 (A100 1.8x slower)
 
@@ -51,22 +50,13 @@ def test_constraint_asks_for_counts_of_each_feature():
 
 
 # ---------------------------------------------------------------- the planner
-class TypeModels:
+class TypeModels(ModelsOverFake):
     """resnet50 on H100 and A100: compute 64 samples in STEP[gpu] seconds (linear in batch), sync `sync_s`
     on more than one GPU."""
 
-    version = "g1"
-
     def __init__(self, sync_s: float = 0.002):
+        super().__init__()
         self.sync_s = sync_s
-        self.fake = FakePredictor().fit({}, [])
-        self.profiles = {"resnet50": Profile.from_dict(PROFILE)}
-
-    def predictor(self):
-        return self.fake
-
-    def profile(self, name):
-        return self.profiles.get(name)
 
     def known(self, name, gpu):
         return name == "resnet50" and gpu in STEP

@@ -7,8 +7,7 @@ import pytest
 
 from predictor import planner
 from predictor.cluster import Cluster
-from predictor.profiles import Profile
-from tests.unit._service_fakes import PROFILE, FakePredictor
+from tests.unit._service_fakes import ModelsOverFake
 
 
 def _cluster(a100_cost: float = 2.0) -> Cluster:
@@ -18,23 +17,14 @@ def _cluster(a100_cost: float = 2.0) -> Cluster:
         {**part, "name": "a100", "nodes": "node[3-4]", "gpu": "A100", "gpu_hour_cost": a100_cost}]})
 
 
-class TypedModels:
+class TypedModels(ModelsOverFake):
     """resnet50 measured on `known` types; A100 computes `speedup` times faster; an unmeasured type is answered
     with `unmeasured_basis` (the engine's cross-type basis, or `profile` when it cannot)."""
 
-    version = "g1"
-
     def __init__(self, known=("V100", "A100"), speedup: float = 2.0,
                  unmeasured_basis: str = "cross-type from V100 (3 models on both)"):
+        super().__init__()
         self.known_types, self.speedup, self.unmeasured_basis = set(known), speedup, unmeasured_basis
-        self.fake = FakePredictor().fit({}, [])
-        self.profiles = {"resnet50": Profile.from_dict(PROFILE)}
-
-    def predictor(self):
-        return self.fake
-
-    def profile(self, name):
-        return self.profiles.get(name)
 
     def known(self, name, gpu):
         return name == "resnet50" and gpu in self.known_types
