@@ -143,8 +143,11 @@ class PredictorClient:
         """The predicted compute seconds per step of `profile` on one `gpu` at `per_gpu_batch` (POST /v1/predict),
         or None and why: no service, no answer, or no history of the model on that type (measured or cross-type).
         """
+        # asked once, at the job's start (not on a submission's path): retried like observations, so one slow
+        # answer (a service worker loading its model) neither costs the job its speeds nor opens the breaker
         reply = self._post("/v1/predict", {"profile": profile, "gpu": gpu, "per_gpu_batch": per_gpu_batch,
-                                           "candidates": [{"layout": [1], "intra_link": intra_link}]})
+                                           "candidates": [{"layout": [1], "intra_link": intra_link}]},
+                           retries=self.retries)
         if reply is None:
             return None, "no predictor URL configured" if self.url is None else (self.last_error or "no answer")
         try:

@@ -165,3 +165,36 @@ def test_predictor_client_posts_observations_with_the_token_and_fails_soft():
     down = PredictorClient("http://127.0.0.1:9", "s3cret", timeout_s=1)
     assert down.observe([rec]) is False and "/v1/observations" in down.last_error
     assert down.observe([rec]) is False  # breaker open: no second wait
+
+
+class _ColdThenWarm(http.server.BaseHTTPRequestHandler):
+    """/v1/predict: 503 on the first request (a service worker still loading its model), then an answer."""
+    calls = 0
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _ColdThenWarm.calls += 1
+        cold = _ColdThenWarm.calls == 1
+        self.send_response(503 if cold else 200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "loading"}' if cold else
+                         b'{"known": true, "predictions": [{"compute_s": 0.03, "iter_s": 0.03, "basis": "measured"}]}')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_compute_time_is_retried_so_one_slow_answer_neither_loses_the_speeds_nor_opens_the_breaker():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ColdThenWarm)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = PredictorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", timeout_s=2, retry_delay_s=0.01)
+        assert client.compute_s("resnet50", "H100", 64, "nvlink") == (0.03, "predicted")
+        assert client.compute_s("resnet50", "A100", 64, "nvlink") == (0.03, "predicted")  # breaker still closed
+        assert _ColdThenWarm.calls == 3
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
