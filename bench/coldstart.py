@@ -21,6 +21,14 @@ predicted from a fit of their own. It uses what a submit-time prediction cannot 
 very host state, in the very launch, it is predicted for (and, from `local_s`, with DDP's forward-side hooks
 in it). What B leaves is the model's error with the launch-to-launch host drift taken out; A - B is the drift.
 
+Where the error is (this data): B is barely better than A, so the drift between launches is not most of it;
+the rows' own windows spread (noise line) and DDP's host cost at host-bound batch sizes (resnet50 at 2 GPUs
+on NVLink: 1.3-1.6x its compute under `no_sync()` with 0.5 ms of all-reduce) are, and on sockets at 2 GPUs
+bert and gpt2 take their compute plus the sweeps' all-reduce time (no overlap), while at 4 GPUs and for
+vit_b_16 the compute hides (the tcp table at the end); no term of the model tells these apart from a
+profile and 1-GPU steps. The collector now measures the 1-GPU step inside each launch, interleaved with the
+multi-GPU windows (`solo_s`), which B then uses.
+
 The noise line below the table: the same model and batch on one GPU measured twice in the same launch set (its
 1-GPU step, and its compute under `no_sync()` in each multi-GPU launch) differ by this much; no model that reads
 the 1-GPU step can be closer than that on rows where compute dominates.
@@ -61,7 +69,8 @@ def load(data: Path) -> tuple[dict[str, Profile], list[dict], list[dict]]:
                 steps.append({"kind": "step", "profile": r["profile"], "gpu": r["gpu"], "layout": r["layout"],
                               "intra_link": r["intra_link"] if sum(r["layout"]) > 1 else ONE_GPU_LINK,
                               "inter_link": None, "per_gpu_batch": r["per_gpu_batch"], "iter_s": r["iter_s"],
-                              "local_s": r.get("local_s"), "solo_s": r.get("solo_s"), "launch": f.stem})
+                              "local_s": r.get("local_s"), "solo_s": r.get("solo_s"), "launch": f.stem,
+                              "windows": r.get("windows") or []})
     return profiles, coll, steps
 
 
@@ -177,8 +186,11 @@ def main() -> None:
                       f"{np.median([r['iter_s'] / (t_s + r['local_s']) for r in rows]):.2f}"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     nz, n = noise(steps)
+    spread = [max(r["windows"]) / min(r["windows"]) - 1 for r in steps if sum(r["layout"]) > 1 and r["windows"]]
     lines += ["", f"Noise: the 1-GPU step against the same model and batch's compute under `no_sync()` in the "
-                  f"multi-GPU launches differs by {nz:.1f}% on average ({n} pairs)."]
+                  f"multi-GPU launches differs by {nz:.1f}% on average ({n} pairs); within one row, its timing "
+                  f"windows (seconds apart) spread by {np.mean(spread) * 100:.1f}% on average (max / min - 1, "
+                  f"{len(spread)} rows)."]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
