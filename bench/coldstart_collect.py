@@ -15,12 +15,19 @@ JSON line per measurement, in the record shapes of docs/design.md plus bench fie
   iter_s is the median over windows of the mean step (forward, backward with DDP's overlapped all-reduce,
   optimizer) with one device sync per window, not per step; local_s the same under `no_sync()` (no
   communication: this moment's compute, at W > 1 only);
+  at W > 1 also the model's 1-GPU step measured inside the same launch, just before and between its W-GPU
+  windows: `solo_s` (median of `solo_windows`), the mean step of a plain copy of the model (no DDP) on rank 0
+  alone while the other ranks wait at a barrier of a side gloo group (no NCCL traffic, their GPUs idle). The
+  windows are taken in rounds, `rounds` of them: solo, W-GPU, no_sync() (`solo_windows[i]`, `windows[i]`,
+  `local_windows[i]` are round i, `round_t[i]` its start, seconds after the record's first round), so host
+  drift between the 1-GPU and the W-GPU measurement shows in the record instead of in the comparison;
 - {"kind": "links", ...}: the label the launcher's own detection gives (elastic_launcher.links on this host's
   facts and NCCL's debug output) beside the transports NCCL's debug output names.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -109,39 +116,77 @@ def sweep(device, world: int, link: str, budget_s: float, emit) -> None:
         del t
 
 
-def measure_model(name: str, batches, device, world: int, link: str, gpu: str, args, emit) -> None:
+def solo_copy(name: str, device, batches, rank: int):
+    """Rank 0's plain (no DDP) copy of the model for the in-launch 1-GPU step; None on the other ranks."""
+    if rank != 0:
+        return None
+    torch.manual_seed(0)
+    model, opt, _, make_batch, loss_fn = build(name, device, batch=max(batches))
+    return model, opt, make_batch, loss_fn
+
+
+def stepper(model, opt, batch, loss_fn, no_sync=None):
+    """run(n): n training steps of `model` on `batch` (under `no_sync()` of a DDP model when given)."""
+    def run(n):
+        ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
+        with ctx:
+            for _ in range(n):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model, batch).backward()
+                opt.step()
+    return run
+
+
+def solo_window(run_solo, device, est_s: float, args, side) -> float | None:
+    """One 1-GPU window on rank 0 while every other rank waits at the side group's barrier (None elsewhere)."""
+    out = None
+    if run_solo is not None:
+        out = windows(run_solo, device, est_s, args.window_s, 1)[0]
+    if side is not None:
+        dist.barrier(group=side)
+    return out
+
+
+def measure_model(name: str, batches, device, world: int, link: str, gpu: str, args, emit, side=None) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     model, opt, _, make_batch, loss_fn = build(name, device, batch=max(batches))
     profile = profile_from_module(model, name, bucket_cap_mb=25.0)
     emit({"kind": "profile", **profile.to_dict(), "source": f"module ({gpu})"})
     net = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
+    solo = solo_copy(name, device, batches, rank) if world > 1 else None
     for b in batches:
         batch = make_batch(b)
-
-        def step(m=net):
-            opt.zero_grad(set_to_none=True)
-            loss_fn(m, batch).backward()
-            opt.step()
-
-        def run_steps(n):
-            for _ in range(n):
-                step()
-
-        def run_local(n):
-            with net.no_sync():
-                for _ in range(n):
-                    opt.zero_grad(set_to_none=True)
-                    loss_fn(net, batch).backward()
-                    opt.step()
+        run_steps = stepper(net, opt, batch, loss_fn)
+        run_local = stepper(net, opt, batch, loss_fn, net.no_sync) if world > 1 else None
+        run_solo = None
+        if solo is not None:
+            s_model, s_opt, s_make, s_loss = solo
+            run_solo = stepper(s_model, s_opt, s_make(b), s_loss)
         try:
             sync(device)
             t0 = time.perf_counter()
             run_steps(args.warmup)
             sync(device)
             est = agree((time.perf_counter() - t0) / args.warmup, device)
-            ws = windows(run_steps, device, est, args.window_s, args.windows)
-            local = windows(run_local, device, est, args.window_s, 1) if world > 1 else None
+            if world == 1:
+                ws = windows(run_steps, device, est, args.window_s, args.windows)
+                extra = {"local_s": None}
+            else:
+                if run_solo is not None:
+                    run_solo(args.warmup)
+                sync(device)
+                ws, solo_ws, local_ws, round_t = [], [], [], []
+                start = time.perf_counter()
+                for _ in range(args.windows):  # rounds: 1-GPU, W-GPU, no_sync(), so drift hits all three alike
+                    round_t.append(time.perf_counter() - start)
+                    solo_ws.append(solo_window(run_solo, device, est, args, side))
+                    ws += windows(run_steps, device, est, args.window_s, 1)
+                    local_ws += windows(run_local, device, est, args.window_s, 1)
+                extra = {"local_s": statistics.median(local_ws), "local_windows": local_ws,
+                         "solo_s": statistics.median(solo_ws) if run_solo is not None else None,
+                         "solo_windows": solo_ws, "rounds": args.windows, "round_t": round_t}
         except torch.OutOfMemoryError:
             emit({"kind": "skipped", "profile": name, "per_gpu_batch": b, "why": "out of memory"})
             del batch
@@ -149,9 +194,9 @@ def measure_model(name: str, batches, device, world: int, link: str, gpu: str, a
             break
         emit({"kind": "step", "profile": name, "gpu": gpu, "layout": [world], "intra_link": link,
               "inter_link": None, "per_gpu_batch": b, "iter_s": statistics.median(ws), "windows": ws,
-              "local_s": local[0] if local else None, "warmup_s": est})
-        del batch
-    del net, model, opt
+              "warmup_s": est, **extra})
+        del batch, run_steps, run_local, run_solo
+    del net, model, opt, solo
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -193,7 +238,8 @@ def main() -> None:
             out.write(json.dumps(rec) + "\n")
             out.flush()
             if rec["kind"] in ("step", "links", "skipped"):
-                print(json.dumps({k: v for k, v in rec.items() if k not in ("windows", "t")}), flush=True)
+                print(json.dumps({k: v for k, v in rec.items() if not k.endswith("windows") and k not in ("t", "round_t")}),
+                      flush=True)
 
     link = "none"
     if world > 1:
@@ -212,11 +258,13 @@ def main() -> None:
         emit({"kind": "links", "intra": links.intra, "source": links.source,
               "nccl_via": sorted(nccl_transports(debug)), "nvlink": facts.nvlink, "env": facts.env})
         sweep(device, world, link, args.sweep_budget_s, emit)
+    # the other ranks wait for rank 0's 1-GPU windows here: a CPU barrier, no NCCL kernel spinning on a GPU
+    side = dist.new_group(backend="gloo") if world > 1 else None
     emit({"kind": "env", "torch": torch.__version__, "gpu": gpu,
           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None})
     for name in names:
         measure_model(name, table.get(name) or MODELS.get(name) or CPU_MODELS[name], device, world, link, gpu,
-                      args, emit)
+                      args, emit, side)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -40,3 +40,27 @@ def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
         held = (set(profiles) - train_multi).pop()
         assert any(o.get("profile") == held and sum(o["layout"]) == 1 for o in obs)  # its 1-GPU rows stay
     assert all(t > 0 for _, t in out)
+
+
+def test_same_launch_protocol_sees_only_the_launchs_compute_of_the_held_out_model(data, monkeypatch):
+    profiles, coll, steps = data
+    seen = []
+    real_fit = coldstart.Predictor.fit
+
+    def spy(self, profs, obs):
+        seen.append(obs)
+        return real_fit(self, profs, obs)
+    monkeypatch.setattr(coldstart.Predictor, "fit", spy)
+    out = coldstart.cold_start(profiles, coll, steps, {}, same_launch=True)
+    assert len(out) == sum(1 for r in steps if sum(r["layout"]) > 1)
+    launches = {(r["profile"], r["launch"]) for r in steps if sum(r["layout"]) > 1}
+    assert len(seen) == len(launches)  # one fit per (held-out model, launch)
+    for obs in seen:
+        train_multi = {o["profile"] for o in obs if o.get("kind") == "step" and sum(o["layout"]) > 1}
+        held = (set(profiles) - train_multi).pop()
+        own = [o for o in obs if o.get("kind") == "step" and o["profile"] == held]
+        assert own and all(sum(o["layout"]) == 1 for o in own)
+        assert len({o["launch"] for o in own}) == 1 and not own[0]["launch"].startswith("w1_")  # that launch's
+        source = {(r["launch"], r["per_gpu_batch"]): r for r in steps if r["profile"] == held}
+        for o in own:  # its compute in that launch, never the launch's step time
+            assert o["iter_s"] == source[(o["launch"], o["per_gpu_batch"])]["local_s"]
