@@ -168,10 +168,8 @@ def main() -> None:
                   "not a submit-time prediction, not held to the target)", "", "MAPE of throughput:", ""]
     lines += table(same)
     fitted = Predictor().fit(profiles, coll + steps).net_.get("sync", {})
-    lines += ["", "Per sync link, fitted on every row (all models): overlap offset g_L / per-step overhead o_L / "
-                  "per-tensor overhead h_L: "
-              + "; ".join(f"{k} {g:+.2f} / {o * 1e3:.2f} ms / {h * 1e6:.1f} us"
-                          for k, (g, o, h) in sorted(fitted.items())) + "."]
+    lines += ["", "Per sync link, fitted on every row (all models): overlap offset g_L / per-step overhead o_L: "
+              + "; ".join(f"{k} {g:+.2f} / {o * 1e3:.2f} ms" for k, (g, o) in sorted(fitted.items())) + "."]
     lines += ["", "Where the tcp error is: measured step over the sweeps' all-reduce time of the model's buckets "
                   "(1.0 = compute fully hidden) and over compute + that time (1.0 = no overlap at all), median over "
                   "batches, per model at 2 / 4 GPUs:", "", "| model | sync only @2 | serial @2 | sync only @4 | "

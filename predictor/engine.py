@@ -27,7 +27,7 @@ MIN_LOG_STD = 0.03
 BASES_CACHE_BYTES = 32 * 1024 * 1024  # budget of the per-fit sync-time cache (`Predictor._bases`), per process
 MIN_CROSS_MODELS = 2  # models measured on both types before a cross-type answer is given
 CROSS_BATCHES = 8  # batch sizes per model a cross-type fit takes (spread over those it was measured at)
-BASES_ENTRY_BYTES = 512  # one entry: a key of fixed size (no layout in it) and four floats, dict slot included
+BASES_ENTRY_BYTES = 512  # one entry: a key of fixed size (no layout in it) and a pair of floats, dict slot included
 
 
 class Predictor:
@@ -126,14 +126,13 @@ class Predictor:
         `sync_bases` depends on the layout only through its largest node and its node count, so those are the
         key: an entry's size does not grow with the layout, and layouts of one shape share an entry.
         """
-        key = (profile.name, profile.buckets_bytes, len(profile.tensors), max(layout), len(layout), intra, inter)
+        key = (profile.name, profile.buckets_bytes, max(layout), len(layout), intra, inter)
         cache = self.__dict__.get("_base_cache")
         if cache is None:       # unpickled: the cache is not stored with the model
             cache = self.__dict__.setdefault("_base_cache", ByteBudgetLRU(BASES_CACHE_BYTES))
         hit = cache.get(key)
         if hit is None:
-            hit = sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout), intra, inter,
-                             len(profile.tensors))
+            hit = sync_bases(self.links_, np.asarray(profile.buckets_bytes, dtype=float), list(layout), intra, inter)
             cache.put(key, hit, BASES_ENTRY_BYTES)
         return hit
 
@@ -265,11 +264,8 @@ class Predictor:
                 link_std = max(link_std, self.links_.link_log_std(link))
         s_i = self.net_.get("intra", {}).get(intra, 0.0)
         s_e, w = self.net_.get("inter", {}).get(inter or "", (0.0, (0.0,) * N_PHI))
-        # (overlap offset, overhead, per-tensor overhead); a model stored before the per-tensor term has two
-        dgamma, overhead, per_tensor = (*self.net_.get("sync", {}).get(sync_link_key(layout, intra, inter), ()),
-                                        0.0, 0.0, 0.0)[:3]
-        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or ""), dgamma, overhead,
-                         per_tensor), link_std
+        dgamma, overhead = self.net_.get("sync", {}).get(sync_link_key(layout, intra, inter), (0.0, 0.0))
+        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or ""), dgamma, overhead), link_std
 
     def link_stats(self) -> list[dict]:
         """Per link: alpha_s, bandwidth_Bps (as steps see it), n collectives, n_steps, log_rmse (collective fit

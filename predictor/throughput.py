@@ -7,11 +7,8 @@ inter link E). With K = max_i k_i and G = sum_i k_i:
     intra sync  T_I = sum_buckets LM_I(allreduce, K, bucket)         reduce-scatter/all-gather inside a node
     inter sync  T_E = sum_buckets LM_E(allreduce, n, bucket)         ring across the n nodes' NICs
     sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout) + u_E[shape]))
-    step        T   = (T_c^gamma + ((1-q) T_s)^gamma)^(1/gamma) + q T_s + o_L + h_L N_t
-                    gamma=1: no overlap, large: full overlap; gamma = gamma_(P,g) + g_L; o_L, h_L per sync link L
-                    (the inter link across nodes, else the intra link); q the last bucket's share of the sync
-                    on one node (it starts when backward ends, so never overlaps; 0 across nodes); N_t the
-                    profile's gradient tensors
+    step        T   = (T_c^gamma + T_s^gamma)^(1/gamma) + o_L        gamma=1: no overlap, large: full overlap
+                    gamma = gamma_(P,g) + g_L, o_L per sync link L (the inter link across nodes, else the intra link)
     throughput  X   = G * b / T
 
 LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link). Hierarchical: a layout on
@@ -24,10 +21,8 @@ phi(layout) are the learned topology corrections of the inter link (only for n >
     w_E = w_link + dw_(P,g): the link's weights plus a per-job refinement from its own rows (not for log n,
     whose extrapolation to node counts a job has not run on rests on the link's pooled rows).
 s_L scales a link's collective model to what steps see; S (per P, g) scales the profile's gradient bytes.
-g_L, o_L and h_L are the sync link's overlap offset, per-step overhead (seconds a synchronised step costs beyond
-compute and sync: DDP's wait for the last bucket stops the host from queueing ahead) and per-tensor overhead
-(DDP's autograd hook and bucket copy per gradient tensor: host time, which shows where steps are host-bound and
-the link is fast; fitted 0 where the link's sync hides it), all learnt from every
+g_L and o_L are the sync link's overlap offset and per-step overhead (seconds a synchronised step costs beyond
+compute and sync: DDP's wait for the last bucket stops the host from queueing ahead), both learnt from every
 (P, g) that ran on L, so a (P, g) seen only on one GPU (the submit-time cold start, bench/coldstart.py) gets its
 links' overlap and overhead, and the median gamma of the pairs that ran on several GPUs.
 u_E[shape] is the inter link's own correction for one layout shape (GPUs per node, sorted: `1133` and `1313` are
@@ -61,11 +56,6 @@ GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10"
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
 DEFAULT_FLOPS = 20e12
 OVERHEAD_MAX_MS = 50.0  # bound of a sync link's per-step overhead (fitted in ms; bench/coldstart.md lists the fitted values)
-PER_TENSOR_UNIT_S = 1e-5  # a sync link's per-tensor host overhead is fitted in units of 10 us ...
-PER_TENSOR_MAX = 100.0  # ... up to 1 ms per gradient tensor
-# columns of the per-row `bases` array (sync_bases): unscaled intra and inter sync seconds, the last bucket's share
-# of them, the profile's gradient tensors
-BASES_COLUMNS = ("t_intra", "t_inter", "tail_share", "n_tensors")
 FLOPS_EFFICIENCY = 0.35
 
 
@@ -89,7 +79,6 @@ class NetParams(NamedTuple):
     shape: dict | None = None  # {layout class (sorted GPUs per node): u}, learnt per shape on the inter link
     dgamma: float = 0.0  # the sync link's overlap offset, added to the (profile, GPU)'s gamma
     overhead_s: float = 0.0  # the sync link's seconds per synchronised step beyond compute and sync
-    tensor_s: float = 0.0  # ... and seconds per gradient tensor per synchronised step (DDP's host work)
 
 
 def sync_link_key(layout, intra: str, inter: str | None) -> str:
@@ -124,37 +113,20 @@ def _predict_sync(log_bytes_scale, log_intra, log_inter, w, t_intra, t_inter, ph
     return np.exp(log_bytes_scale) * (np.exp(log_intra) * t_intra + np.exp(log_inter) * t_inter * corr)
 
 
-def _predict_step(t_compute, t_sync, gamma, overhead=0.0, tail=0.0):
-    """(T_c^g + ((1-q) T_s)^g)^(1/g) + q T_s + o: gamma's overlap of compute with all but the last bucket's sync,
-    the last bucket's share q of the sync after it (DDP can start that all-reduce only when backward has produced
-    the first layers' gradients, i.e. at its end: in GPT-2 and BERT that bucket is the embedding, a third of the
-    bytes; q = 0 across nodes, where the inter link's learnt topology corrections stand for how its sync lands
-    on the step, and where a tail term worsened the public multi-node extrapolation, bench/results/coldstart.md),
-    plus a synchronised step's overhead o (0 on one GPU): DDP waits for the last bucket before the
-    optimizer, so the host stops queueing the next step's kernels, and its hooks and bucket copies cost the host
-    time per gradient tensor; what that costs a step depends on the link (measured: bench/results/coldstart.md)."""
+def _predict_step(t_compute, t_sync, gamma, overhead=0.0):
+    """(T_c^g + T_s^g)^(1/g) + o: gamma's overlap of compute and sync, plus a synchronised step's overhead o (0
+    on one GPU): DDP waits for the last bucket before the optimizer, so the host stops queueing the next step's
+    kernels; what that costs a step depends on the link (measured: bench/results/coldstart.md), not on bytes."""
     t_sync = np.maximum(t_sync, 1e-12)
-    t_over = np.maximum(t_sync * (1.0 - tail), 1e-12)
-    return (t_compute**gamma + t_over**gamma) ** (1.0 / gamma) + t_sync * tail + overhead
+    return (t_compute**gamma + t_sync**gamma) ** (1.0 / gamma) + overhead
 
 
-def sync_bases(link_model, buckets, layout, intra: str, inter: str | None,
-               n_tensors: int = 0) -> tuple[float, float, float, float]:
-    """One row of `bases` (BASES_COLUMNS): (T_I, T_E) the unscaled intra- and inter-node all-reduce seconds of the
-    buckets (in reduction order) on this layout, q the share of T_I the last bucket takes on one node (0 across
-    nodes), and the profile's gradient tensor count, as given."""
+def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tuple[float, float]:
+    """(T_I, T_E): unscaled intra- and inter-node all-reduce seconds of the buckets on this layout."""
     k_max, n = max(layout), len(layout)
-    ti = link_model.time(intra, "allreduce", k_max, buckets) if k_max > 1 else np.zeros(len(buckets))
-    te = link_model.time(inter or intra, "allreduce", n, buckets) if n > 1 else np.zeros(len(buckets))
-    t_i, t_e = float(np.sum(ti)), float(np.sum(te))
-    q = float(ti[-1] / t_i) if n == 1 and t_i > 0 else 0.0  # on one node only (see _predict_step)
-    return t_i, t_e, q, float(n_tensors)
-
-
-def _bases_extra(bases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(tail share, tensor count) columns of `bases`; zeros where a caller passes only (T_I, T_E)."""
-    zero = np.zeros(len(bases))
-    return (bases[:, 2] if bases.shape[1] > 2 else zero), (bases[:, 3] if bases.shape[1] > 3 else zero)
+    t_i = float(np.sum(link_model.time(intra, "allreduce", k_max, buckets))) if k_max > 1 else 0.0
+    t_e = float(np.sum(link_model.time(inter or intra, "allreduce", n, buckets))) if n > 1 else 0.0
+    return t_i, t_e
 
 
 def job_weights(rows: list[dict], cap: int) -> np.ndarray:
@@ -197,7 +169,6 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     ii = np.array([intras.index(r["intra_link"]) for r in rows])
     ei = np.array([inters.index(r.get("inter_link") or "") for r in rows])
     t_i, t_e = bases[:, 0], bases[:, 1]
-    tail, ntens = _bases_extra(bases)
     shape = [layout_class(r["layout"]) for r in rows]
     shapes = sorted({(ei[k], shape[k]) for k in range(len(rows)) if nn[k] > 1})
     si = np.array([shapes.index((ei[k], shape[k])) if nn[k] > 1 else -1 for k in range(len(rows))])
@@ -248,9 +219,8 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
         if link.startswith("intra:") and len({pi[k] for k in np.flatnonzero(li == q)}) >= 2:
             add(("gL", q), 0.0, -5.0, 8.0)
             add(("oL", q), 0.0, 0.0, OVERHEAD_MAX_MS)
-            add(("hL", q), 0.0, 0.0, PER_TENSOR_MAX)
         else:
-            fixed[("gL", q)], fixed[("oL", q)], fixed[("hL", q)] = 0.0, 0.0, 0.0
+            fixed[("gL", q)], fixed[("oL", q)] = 0.0, 0.0
     for f in range(len(intras)):
         if ((ii == f) & (t_i > 0)).any():
             add(("sI", f), 0.0, -8.0, 8.0)
@@ -275,10 +245,9 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     has_sync = np.isfinite(sync) & (G > 1)
     ly = np.log(y)
     ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2, "u": shape_l2,
-             "gL": link_gamma_l2, "oL": overhead_l2, "hL": overhead_l2}
+             "gL": link_gamma_l2, "oL": overhead_l2}
     ctx = {"pairs": pairs, "intras": intras, "inters": inters, "shapes": shapes, "slinks": slinks, "pi": pi,
-           "ii": ii, "ei": ei, "si": si, "li": li, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e,
-           "tail": tail, "ntens": ntens, "y": y, "ly": ly, "sync": sync,
+           "ii": ii, "ei": ei, "si": si, "li": li, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly, "sync": sync,
            "w_rows": job_weights(rows, job_rows_cap),
            "has_sync": has_sync, "sync_weight": sync_weight, "f_scale": f_scale, "max_nfev": max_nfev}
     x, ok, cost, unpack, model = _solve(ctx, names, x0, lo, hi, fixed, ridge)
@@ -290,7 +259,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             del fixed[n]
         x, ok, cost, unpack, model = _solve(ctx, u_free, [0.0] * len(u_free), [-3.0] * len(u_free),
                                             [3.0] * len(u_free), fixed, ridge)
-    c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, HL = unpack(x)
+    c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL = unpack(x)
     _, _, t = model(x)
     err = np.log(t) - ly
     warm = np.array([bool((G[pi == j] > 1).any()) for j in range(len(pairs))])
@@ -301,8 +270,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
            "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l},
            "shape": {l: {cls: float(U[q]) for q, (f2, cls) in enumerate(shapes) if f2 == f and U[q] != 0.0}
                      for f, l in enumerate(inters) if l},
-           "sync": {l: (float(GL[q]), float(OL[q]) * 1e-3, float(HL[q]) * PER_TENSOR_UNIT_S)
-                    for q, l in enumerate(slinks)}}
+           "sync": {l: (float(GL[q]), float(OL[q]) * 1e-3) for q, l in enumerate(slinks)}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
     return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": cost}
 
@@ -342,16 +310,15 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
         U = np.array([get(("u", q)) for q in range(len(shapes))] + [0.0])  # U[-1]: one-node rows
         GL = np.array([get(("gL", q)) for q in range(n_links)] + [0.0])  # [-1]: one-GPU rows
         OL = np.array([get(("oL", q)) for q in range(n_links)] + [0.0])
-        HL = np.array([get(("hL", q)) for q in range(n_links)] + [0.0])
-        return c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, HL
+        return c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL
 
     pen_w = np.array([ridge.get(n[0], 0.0) for n in names])
 
     def model(x):
-        c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, HL = unpack(x)
+        c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL = unpack(x)
         tc = _predict_compute(c0[pi], c1[pi], b, E[pi])
         ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi, U[si]) * (G > 1)
-        return tc, ts, _predict_step(tc, ts, np.maximum(g[pi] + GL[li], 1.0), (OL[li] * 1e-3 + HL[li] * PER_TENSOR_UNIT_S * ctx["ntens"]) * (G > 1), ctx["tail"])
+        return tc, ts, _predict_step(tc, ts, np.maximum(g[pi] + GL[li], 1.0), OL[li] * 1e-3 * (G > 1))
 
     def resid(x):
         tc, ts, t = model(x)
@@ -376,7 +343,7 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
 def _sparsity(names, pi, ii, ei, si, li, has_sync) -> np.ndarray:
     """Which parameters each residual depends on (rows: step residuals, sync residuals, penalties)."""
     owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei, "u": si,
-             "gL": li, "oL": li, "hL": li}
+             "gL": li, "oL": li}
     dep = np.zeros((len(pi), len(names)), dtype=bool)
     for k, n in enumerate(names):
         dep[:, k] = owner[n[0]] == n[1]
@@ -420,9 +387,7 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     u = np.array([(net.shape or {}).get(layout_class(l), 0.0) if len(l) > 1 else 0.0 for l in layouts])
     ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, w, bases[:, 0], bases[:, 1], phi,
                        u) * (G > 1)
-    tail, ntens = _bases_extra(bases)
-    t = _predict_step(tc, ts, max(perf.gamma + net.dgamma, 1.0), (net.overhead_s + net.tensor_s * ntens) * (G > 1),
-                      tail)
+    t = _predict_step(tc, ts, max(perf.gamma + net.dgamma, 1.0), net.overhead_s * (G > 1))
     return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
 
 

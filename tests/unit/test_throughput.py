@@ -147,27 +147,25 @@ def _per_link_rows(seed, cold="m0"):
     GPU only (the submit-time case)."""
     rng = np.random.default_rng(seed)
     lm = empty_link_model()
-    truth_net = {"nvlink": NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 4.0, 3e-3, 2e-5),
+    truth_net = {"nvlink": NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 4.0, 3e-3),
                  "tcp": NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.5, 1e-3)}
     rows, bases, truth = [], [], {}
     for m in range(4):
         name = f"m{m}"
         perf = PerfParams(c0=2e-3, c1=float(rng.uniform(2e-4, 8e-4)), gamma=1.5, log_bytes_scale=0.0)
         buckets = np.full(4 + 3 * m, 25e6)
-        buckets[-1] = 25e6 * (1 + m % 3)  # last buckets of several sizes (an embedding's bucket is large)
-        n_tensors = 60 + 50 * m
         for link, net in truth_net.items():
             for g in (1, 2, 4):
                 if g > 1 and name == cold:
                     continue
-                base = sync_bases(lm, buckets, [g], link, None, n_tensors)
+                base = sync_bases(lm, buckets, [g], link, None)
                 for b in (16, 32, 64):
                     t = predict_rows(perf, net, b, [[g]], np.array([base]))["iter_s"][0]
                     rows.append({"profile": name, "gpu": "H200", "layout": [g], "intra_link": link,
                                  "inter_link": None, "per_gpu_batch": b,
                                  "iter_s": float(t * np.exp(0.01 * rng.standard_normal()))})
                     bases.append(base)
-        truth[name] = (perf, buckets, n_tensors)
+        truth[name] = (perf, buckets)
     return rows, np.array(bases), truth, truth_net, lm
 
 
@@ -178,10 +176,10 @@ def test_a_model_seen_on_one_gpu_inherits_its_links_overlap_and_overhead(seed):
     assert fit["converged"]
     perf = fit["perf"][("m0", "H200")]
     for link, net in truth_net.items():
-        dgamma, overhead, per_tensor = fit["net"]["sync"][f"intra:{link}"]
-        fitted = NetParams(fit["net"]["intra"][link], 0.0, (0.0,) * N_PHI, None, dgamma, overhead, per_tensor)
+        dgamma, overhead = fit["net"]["sync"][f"intra:{link}"]
+        fitted = NetParams(fit["net"]["intra"][link], 0.0, (0.0,) * N_PHI, None, dgamma, overhead)
         for g in (2, 4):
-            base = np.array([sync_bases(lm, truth["m0"][1], [g], link, None, truth["m0"][2])])
+            base = np.array([sync_bases(lm, truth["m0"][1], [g], link, None)])
             want = predict_rows(truth["m0"][0], net, 32, [[g]], base)["iter_s"][0]
             got = predict_rows(perf, fitted, 32, [[g]], base)["iter_s"][0]
             assert got == pytest.approx(want, rel=0.05), (link, g)
@@ -201,38 +199,3 @@ def test_the_defaults_are_the_services_configuration():
     shared = {k for k in defaults if k in service}
     assert {"sync_weight", "w_l2", "dw_l2", "shape_l2", "gamma_prior", "f_scale", "job_rows_cap"} <= shared
     assert {k: defaults[k] for k in shared} == {k: service[k] for k in shared}
-
-
-def test_last_bucket_share_of_the_sync():
-    lm = empty_link_model()
-    buckets = np.array([25e6, 25e6, 25e6, 100e6])
-    t_i, t_e, q, n_t = sync_bases(lm, buckets, [4], "nvlink", None, 150)
-    per = lm.time("nvlink", "allreduce", 4, buckets)
-    assert t_e == 0.0 and n_t == 150 and q == pytest.approx(per[-1] / per.sum())
-    assert sync_bases(lm, np.full(5, 25e6), [2], "nvlink", None)[2] == pytest.approx(1 / 5)  # equal buckets
-    assert sync_bases(lm, buckets, [1], "nvlink", None)[2] == 0.0  # one GPU: no sync, no tail
-    t_i, t_e, q, _ = sync_bases(lm, buckets, [2, 2], "nvlink", "ib")
-    assert t_i > 0 and t_e > 0 and q == 0.0  # across nodes the inter link's learnt corrections carry it
-
-
-def test_the_last_buckets_sync_never_overlaps_compute():
-    perf = PerfParams(c0=5e-3, c1=1e-3, gamma=3.0, log_bytes_scale=0.0)
-    net = NetParams(0.0, 0.0, (0.0,) * N_PHI)
-    t_sync = 0.02
-    steps = [predict_rows(perf, net, 32, [[4]], np.array([[t_sync, 0.0, q, 100]]))["iter_s"][0]
-             for q in (0.0, 0.25, 0.5, 1.0)]
-    assert steps == sorted(steps) and steps[0] < steps[-1]  # the same bytes, more of them in the last bucket
-    tc = perf.c0 + perf.c1 * 32
-    assert steps[-1] == pytest.approx(tc + t_sync)  # all in the last bucket: compute, then sync
-    # q = 0 is the plain overlap model; a two-column bases array (older callers) means q = 0 and no tensors
-    assert steps[0] == pytest.approx((tc**3 + t_sync**3) ** (1 / 3))
-    assert predict_rows(perf, net, 32, [[4]], np.array([[t_sync, 0.0]]))["iter_s"][0] == pytest.approx(steps[0])
-
-
-def test_per_tensor_overhead_grows_with_tensors_and_spares_one_gpu():
-    perf = PerfParams(c0=5e-3, c1=1e-3, gamma=1.5, log_bytes_scale=0.0)
-    net = NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.0, 1e-3, 3e-5)
-    multi = [predict_rows(perf, net, 32, [[2]], np.array([[0.01, 0.0, 0.2, n]]))["iter_s"][0] for n in (0, 100, 200)]
-    assert multi[1] - multi[0] == pytest.approx(100 * 3e-5) and multi[2] - multi[1] == pytest.approx(100 * 3e-5)
-    one = predict_rows(perf, net, 32, [[1]], np.array([[0.0, 0.0, 0.0, 200]]))["iter_s"][0]
-    assert one == pytest.approx(perf.c0 + perf.c1 * 32)
