@@ -238,8 +238,8 @@ def main() -> None:
             out.write(json.dumps(rec) + "\n")
             out.flush()
             if rec["kind"] in ("step", "links", "skipped"):
-                print(json.dumps({k: v for k, v in rec.items() if not k.endswith("windows") and k not in ("t", "round_t")}),
-                      flush=True)
+                brief = {k: v for k, v in rec.items() if not k.endswith("windows") and k not in ("t", "round_t")}
+                print(json.dumps(brief), flush=True)
 
     link = "none"
     if world > 1:

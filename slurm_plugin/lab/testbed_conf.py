@@ -14,8 +14,8 @@ Two labs need port bases at least `PORT_SPAN` apart. The recipe was verified on 
 
 GPU types: each leaf's nodes carry typed GRES (`Gres=gpu:h100:4` on node[1-2], `gpu:a100:4` on node[3-4],
 `GPU_TYPES`) and the node feature of that type (`Features=h100`: a mixed-type job asks for counts of each
-type's nodes with `--constraint=[h100*1&a100*1]`), and each type has its own partition (`h100`, `a100`) beside the default partition `debug`, which
-still holds every node: an untyped request (`--gres=gpu:4`, `--gpus=8`) matches any type, so jobs that name no
+type's nodes with `--constraint=[h100*1&a100*1]`), and each type has its own partition (`h100`, `a100`) beside
+the default partition `debug`, which still holds every node: an untyped request (`--gres=gpu:4`, `--gpus=8`) matches any type, so jobs that name no
 type run as before. `TestbedConfig(gpu_types=())` writes the untyped lab (one `Name=gpu File=...` line per device
 and no NodeName, the last one /dev/tty0: the spelling Slurm's own testsuite expects).
 """
