@@ -23,8 +23,8 @@ def test_committed_data_has_every_transport_and_size(data):
         assert {(1, coldstart.ONE_GPU_LINK)} | {(w, l) for w in (2, 4) for l in ("nvlink", "shm", "tcp")} <= sizes
 
 
-def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
-    profiles, coll, steps = data
+def _spy_fits(monkeypatch) -> list:
+    """The observations of every Predictor.fit the bench makes, in order."""
     seen = []
     real_fit = coldstart.Predictor.fit
 
@@ -32,6 +32,12 @@ def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
         seen.append(obs)
         return real_fit(self, profs, obs)
     monkeypatch.setattr(coldstart.Predictor, "fit", spy)
+    return seen
+
+
+def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
+    profiles, coll, steps = data
+    seen = _spy_fits(monkeypatch)
     out = coldstart.cold_start(profiles, coll, steps, {})
     assert len(out) == sum(1 for r in steps if sum(r["layout"]) > 1)
     for obs in seen:
@@ -44,13 +50,7 @@ def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
 
 def test_same_launch_protocol_sees_only_the_launchs_compute_of_the_held_out_model(data, monkeypatch):
     profiles, coll, steps = data
-    seen = []
-    real_fit = coldstart.Predictor.fit
-
-    def spy(self, profs, obs):
-        seen.append(obs)
-        return real_fit(self, profs, obs)
-    monkeypatch.setattr(coldstart.Predictor, "fit", spy)
+    seen = _spy_fits(monkeypatch)
     out = coldstart.cold_start(profiles, coll, steps, {}, same_launch=True)
     assert len(out) == sum(1 for r in steps if sum(r["layout"]) > 1)
     launches = {(r["profile"], r["launch"]) for r in steps if sum(r["layout"]) > 1}
