@@ -380,8 +380,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=20, help="--bracket: plain DDP steps before timing")
     ap.add_argument("--sizes", default="", help="worker: plain-steady sizes")
     ap.add_argument("--preheat-s", type=float, default=-1.0,
-                    help="steady: seconds of plain DDP steps at the largest size before the first timing "
-                         "(default 45 on cuda, 0 on cpu)")
+                    help="--bracket: seconds of plain DDP steps at the largest size before its first timing "
+                         "(default 45 on cuda, 0 on cpu; the interleaved blocks warm up with a round left out)")
     args = ap.parse_args()
     if args.role != "controller":
         {"ours": worker_ours, "plain": worker_plain, "restart": worker_restart,
@@ -424,9 +424,11 @@ def main() -> None:
                                             rounds=args.rounds, steps=args.block_steps)
                 inter = interleaved.ratios(blocks, "trainer", interleaved.PLAIN)
                 print(json.dumps({"model": model, "interleaved": inter}), flush=True)
-                c = Controller(args)
-                before = steady_goodput.run_plain_steady(c, sizes, args.preheat_s) if args.bracket else {}
-                c.close()
+                before = {}
+                if args.bracket:
+                    c = Controller(args)
+                    before = steady_goodput.run_plain_steady(c, sizes, args.preheat_s)
+                    c.close()
                 c = Controller(args)
                 ours_sched = steady_goodput.run_ours_schedule(c, schedule)
                 after = {}
