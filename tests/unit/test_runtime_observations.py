@@ -2,6 +2,7 @@
 observation and progress channel; the controller's predictor client (token, fail soft)."""
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -149,19 +150,26 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_predictor_client_posts_observations_with_the_token_and_fails_soft():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+@contextlib.contextmanager
+def _serving(handler):
+    """An HTTP server on a free local port answering with `handler`; yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        rec = step_record("tiny", "cpu", [1, 1], Links("shm", "socket"), 4, 0.15)
-        client = PredictorClient(f"http://127.0.0.1:{server.server_address[1]}", "s3cret", timeout_s=2)
-        assert client.observe([rec])
-        assert _Recorder.seen[-1] == ("/v1/observations", "Bearer s3cret", [rec])
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def test_predictor_client_posts_observations_with_the_token_and_fails_soft():
+    rec = step_record("tiny", "cpu", [1, 1], Links("shm", "socket"), 4, 0.15)
+    with _serving(_Recorder) as url:
+        client = PredictorClient(url, "s3cret", timeout_s=2)
+        assert client.observe([rec])
+        assert _Recorder.seen[-1] == ("/v1/observations", "Bearer s3cret", [rec])
     down = PredictorClient("http://127.0.0.1:9", "s3cret", timeout_s=1)
     assert down.observe([rec]) is False and "/v1/observations" in down.last_error
     assert down.observe([rec]) is False  # breaker open: no second wait
@@ -186,15 +194,9 @@ class _ColdThenWarm(http.server.BaseHTTPRequestHandler):
 
 
 def test_compute_time_is_retried_so_one_slow_answer_neither_loses_the_speeds_nor_opens_the_breaker():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ColdThenWarm)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        client = PredictorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", timeout_s=2, retry_delay_s=0.01)
+    _ColdThenWarm.calls = 0
+    with _serving(_ColdThenWarm) as url:
+        client = PredictorClient(url, "t", timeout_s=2, retry_delay_s=0.01)
         assert client.compute_s("resnet50", "H100", 64, "nvlink") == (0.03, "predicted")
         assert client.compute_s("resnet50", "A100", 64, "nvlink") == (0.03, "predicted")  # breaker still closed
         assert _ColdThenWarm.calls == 3
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
