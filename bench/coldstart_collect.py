@@ -13,8 +13,8 @@ JSON line per measurement, in the record shapes of docs/design.md plus bench fie
   back-to-back all-reduces of one fp32 tensor, two windows per size;
 - {"kind": "step", "profile", "gpu", "layout": [W], "intra_link", "per_gpu_batch", "iter_s", "windows", "local_s"}:
   iter_s is the median over windows of the mean step (forward, backward with DDP's overlapped all-reduce,
-  optimizer) with one device sync per window, not per step; local_s the same under `no_sync()` (no
-  communication: this moment's compute, at W > 1 only);
+  optimizer) with one device sync per window, not per step; with `--no-sync-windows`, local_s the same under `no_sync()`
+  (no communication: this moment's compute, at W > 1 only);
   at W > 1 also the model's 1-GPU step measured inside the same launch, just before and between its W-GPU
   windows: `solo_s` (median of `solo_windows`), the mean step of a plain copy of the model (no DDP) on rank 0
   alone while the other ranks wait at a barrier of a side gloo group (no NCCL traffic, their GPUs idle). The
@@ -45,13 +45,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from elastic_launcher.links import HostFacts, links_for, nccl_transports  # noqa: E402
-from gpu_common import build, sync  # noqa: E402
+from gpu_common import build, pin_cpus, sync  # noqa: E402
 from predictor.profiles import profile_from_module  # noqa: E402
 
-# model -> per-GPU batch sizes measured (smallest first); the order is the order of measurement
+# model -> per-GPU batch sizes measured (smallest first); the order is the order of measurement. Each ladder
+# runs from host-bound (the step is the host's Python and kernel launches: on the lent H200s, ResNet-18 at 64 and
+# BERT at 16 take the same time as at half the batch) to GPU-bound batches a user of an H200 would run.
+# Session 7's data (bench/data/coldstart/session7/) used the lower half of each ladder only.
 MODELS = {
-    "resnet18": (32, 64, 128), "resnet50": (32, 64, 128), "vit_b_16": (16, 32, 64), "gpt2": (2, 4, 8),
-    "bert": (8, 16, 32),
+    "resnet18": (64, 128, 256, 512), "resnet50": (64, 128, 256, 512), "vit_b_16": (32, 64, 128, 256),
+    "gpt2": (4, 8, 16, 32), "bert": (16, 32, 64, 128),
 }
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
@@ -159,7 +162,7 @@ def measure_model(name: str, batches, device, world: int, link: str, gpu: str, a
     for b in batches:
         batch = make_batch(b)
         run_steps = stepper(net, opt, batch, loss_fn)
-        run_local = stepper(net, opt, batch, loss_fn, net.no_sync) if world > 1 else None
+        run_local = stepper(net, opt, batch, loss_fn, net.no_sync) if world > 1 and args.local else None
         run_solo = None
         if solo is not None:
             s_model, s_opt, s_make, s_loss = solo
@@ -183,8 +186,9 @@ def measure_model(name: str, batches, device, world: int, link: str, gpu: str, a
                     round_t.append(time.perf_counter() - start)
                     solo_ws.append(solo_window(run_solo, device, est, args, side))
                     ws += windows(run_steps, device, est, args.window_s, 1)
-                    local_ws += windows(run_local, device, est, args.window_s, 1)
-                extra = {"local_s": statistics.median(local_ws), "local_windows": local_ws,
+                    if run_local is not None:
+                        local_ws += windows(run_local, device, est, args.window_s, 1)
+                extra = {"local_s": statistics.median(local_ws) if local_ws else None, "local_windows": local_ws,
                          "solo_s": statistics.median(solo_ws) if run_solo is not None else None,
                          "solo_windows": solo_ws, "rounds": args.windows, "round_t": round_t}
         except torch.OutOfMemoryError:
@@ -211,12 +215,15 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=0.5, help="target length of one timing window")
     ap.add_argument("--sweep-budget-s", type=float, default=20.0)
     ap.add_argument("--transport", default="auto", help="what the launch set up (nvlink|shm|socket), recorded")
+    ap.add_argument("--no-sync-windows", dest="local", action="store_true",
+                    help="also time each W-GPU row under no_sync() (local_s; a third of the launch's time)")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
+        pin_cpus(local, torch.cuda.device_count())  # each rank its share of the CPUs, as Slurm's task affinity
         torch.cuda.set_device(local)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
