@@ -97,7 +97,8 @@ class Predictor:
         if steps:
             bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
                               for o in steps])
-            fit = fit_throughput(steps, bases, sync_weight=self.sync_weight, w_l2=self.w_l2, dw_l2=self.dw_l2,
+            tensors = np.array([len(profiles[o["profile"]].tensors) for o in steps], dtype=float)
+            fit = fit_throughput(steps, bases, tensors, sync_weight=self.sync_weight, w_l2=self.w_l2, dw_l2=self.dw_l2,
                                  shape_l2=self.shape_l2, job_rows_cap=self.job_rows_cap,
                                  gamma_prior=self.gamma_prior, f_scale=self.f_scale)
         else:
@@ -174,7 +175,7 @@ class Predictor:
         for c in cands:
             net, link_std = self._net(c["layout"], c["intra_link"], c["inter_link"])
             bases = np.array([self._bases(profile, c["layout"], c["intra_link"], c["inter_link"])])
-            r = predict_rows(perf, net, float(per_gpu_batch), [c["layout"]], bases)
+            r = predict_rows(perf, net, float(per_gpu_batch), [c["layout"]], bases, len(profile.tensors))
             share = float(r["comm_s"][0] / max(r["iter_s"][0], 1e-12)) if sum(c["layout"]) > 1 else 0.0
             std = math.sqrt(log_std**2 + (share * link_std) ** 2)
             pred = {"layout": list(c["layout"]), "samples_per_s": float(r["samples_per_s"][0]),
@@ -264,8 +265,10 @@ class Predictor:
                 link_std = max(link_std, self.links_.link_log_std(link))
         s_i = self.net_.get("intra", {}).get(intra, 0.0)
         s_e, w = self.net_.get("inter", {}).get(inter or "", (0.0, (0.0,) * N_PHI))
-        dgamma, overhead = self.net_.get("sync", {}).get(sync_link_key(layout, intra, inter), (0.0, 0.0))
-        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or ""), dgamma, overhead), link_std
+        dgamma, overhead, per_tensor = self.net_.get("sync", {}).get(sync_link_key(layout, intra, inter),
+                                                                     (0.0, 0.0, 0.0))
+        return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or ""), dgamma, overhead,
+                         per_tensor), link_std
 
     def link_stats(self) -> list[dict]:
         """Per link: alpha_s, bandwidth_Bps (as steps see it), n collectives, n_steps, log_rmse (collective fit

@@ -7,9 +7,17 @@ inter link E). With K = max_i k_i and G = sum_i k_i:
     intra sync  T_I = sum_buckets LM_I(allreduce, K, bucket)         reduce-scatter/all-gather inside a node
     inter sync  T_E = sum_buckets LM_E(allreduce, n, bucket)         ring across the n nodes' NICs
     sync        T_s = S * (e^{s_I} T_I + e^{s_E} T_E * exp(w_E . phi(layout) + u_E[shape]))
-    step        T   = (T_c^gamma + T_s^gamma)^(1/gamma) + o_L        gamma=1: no overlap, large: full overlap
+    device      T_d = (T_c^gamma + T_s^gamma)^(1/gamma) + o_L        gamma=1: no overlap, large: full overlap
                     gamma = gamma_(P,g) + g_L, o_L per sync link L (the inter link across nodes, else the intra link)
+    host        T_h = H + h_L * n_tensors (the h_L term at G > 1 only)
+    step        T   = (T_d^k + T_h^k)^(1/k), k = HOST_K               the slower of device and host, smoothed
     throughput  X   = G * b / T
+
+The host term is the step of a host-bound job (small batch on a fast GPU): the device waits on the Python
+and kernel launches of one step. H (per P, g) is the floor the 1-GPU steps flatten onto at small batches; DDP adds
+host work per gradient tensor (an autograd hook, a copy into its bucket) at h_L seconds each, learnt per sync link
+from every (P, g) that ran on it, so a profile seen only on one GPU gets its own floor plus its tensors' cost. Both
+are 0 where the rows cannot show them (H without 1-GPU rows at >= 3 batch sizes), and then T = T_d.
 
 LM_L is the per-link collective model (linkmodel.LinkModel, alpha-beta per link). Hierarchical: a layout on
 one node pays only T_I; across nodes the NIC ring is the bottleneck and K GPUs per node share it.
@@ -55,6 +63,8 @@ POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all 
 GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
              "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
 DEFAULT_FLOPS = 20e12
+HOST_K = 10.0  # sharpness of the device/host max (at equal times the step is 2^(1/k) = 7% above both: jitter)
+HOST_PER_TENSOR_MAX_US = 2000.0  # bound of h_L (fitted in microseconds a gradient tensor)
 OVERHEAD_MAX_MS = 50.0  # bound of a sync link's per-step overhead (fitted in ms; bench/coldstart.md lists the fitted values)
 FLOPS_EFFICIENCY = 0.35
 
@@ -68,6 +78,7 @@ class PerfParams(NamedTuple):
     log_bytes_scale: float  # log S, correction of the profile's gradient bytes (0 = as profiled)
     dw: tuple = (0.0,) * N_PHI  # this job's refinement of its inter link's topology weights
     e: float = 1.0  # batch exponent of compute: GPU efficiency changing with batch (1 = linear)
+    host_s: float = 0.0  # H: seconds of host work a step takes on one GPU (the host-bound floor; 0 = none seen)
 
 
 class NetParams(NamedTuple):
@@ -79,6 +90,7 @@ class NetParams(NamedTuple):
     shape: dict | None = None  # {layout class (sorted GPUs per node): u}, learnt per shape on the inter link
     dgamma: float = 0.0  # the sync link's overlap offset, added to the (profile, GPU)'s gamma
     overhead_s: float = 0.0  # the sync link's seconds per synchronised step beyond compute and sync
+    host_per_tensor_s: float = 0.0  # h_L: the sync link's host seconds per gradient tensor in a synchronised step
 
 
 def sync_link_key(layout, intra: str, inter: str | None) -> str:
@@ -121,6 +133,13 @@ def _predict_step(t_compute, t_sync, gamma, overhead=0.0):
     return (t_compute**gamma + t_sync**gamma) ** (1.0 / gamma) + overhead
 
 
+def _host_bound(t_device, t_host):
+    """The step when the host's work t_host may outlast the device's t_device: their smooth max (k = HOST_K);
+    t_device exactly where t_host is 0."""
+    t_host = np.maximum(t_host, 0.0)
+    return (t_device**HOST_K + t_host**HOST_K) ** (1.0 / HOST_K)
+
+
 def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tuple[float, float]:
     """(T_I, T_E): unscaled intra- and inter-node all-reduce seconds of the buckets on this layout."""
     k_max, n = max(layout), len(layout)
@@ -139,7 +158,8 @@ def job_weights(rows: list[dict], cap: int) -> np.ndarray:
     return np.array([1.0 if r.get("job_id") is None else min(1.0, cap / counts[r["job_id"]]) for r in rows])
 
 
-def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 0.5, w_l2: float = 1.0,
+def fit_throughput(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None = None, *,
+                   sync_weight: float = 0.5, w_l2: float = 1.0,
                    dw_l2: float = 0.3, shape_l2: float = 1.0,
                    scale_l2: float = 0.05, bytes_l2: float = 0.5, f_scale: float = 0.05,
                    gamma_prior: float = 1.5, max_nfev: int = 400, job_rows_cap: int = 20,
@@ -149,6 +169,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     Args:
         rows: step observations (design.md shape, optional `sync_s`).
         bases: array (len(rows), 2) of (T_I, T_E) from `sync_bases`.
+        tensors: per row, the profile's number of gradient tensors (for the host term; None: 0, no h_L).
         job_rows_cap: one job's rows together weigh at most this many rows (`job_weights`): a job that posts
             hundreds of rows, honest or not, moves everyone's fit no more than one that posted this many.
     Returns:
@@ -162,6 +183,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     nn = np.array([len(r["layout"]) for r in rows])
     phi = np.array([layout_features(r["layout"]) for r in rows])
     sync = np.array([float(r.get("sync_s") or np.nan) for r in rows])
+    nt = np.zeros(len(rows)) if tensors is None else np.asarray(tensors, dtype=float)
     pairs = sorted({(r["profile"], r["gpu"]) for r in rows})
     intras = sorted({r["intra_link"] for r in rows})
     inters = sorted({r.get("inter_link") or "" for r in rows})
@@ -202,6 +224,10 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             add(("e", j), 1.0, 0.5, 1.8)
         else:
             fixed[("e", j)] = 1.0
+        if len(set(b[single])) >= 3:  # a host floor shows only against the growth of >= 2 larger batches
+            add(("H", j), math.log(0.9 * y[single].min()), math.log(1e-6), math.log(2.0 * y[single].max()))
+        else:
+            fixed[("H", j)] = None  # no host floor: T = T_d
         if (m & (G > 1)).any():
             add(("g", j), gamma_prior, 1.0, 10.0)
             add(("S", j), 0.0, -3.0, 3.0)
@@ -221,6 +247,12 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             add(("oL", q), 0.0, 0.0, OVERHEAD_MAX_MS)
         else:
             fixed[("gL", q)], fixed[("oL", q)] = 0.0, 0.0
+        # host seconds per gradient tensor: learnt where >= 2 pairs with a host floor ran on the link
+        floors = {pi[k] for k in np.flatnonzero(li == q) if ("H", pi[k]) in names}
+        if tensors is not None and link.startswith("intra:") and len(floors) >= 2:
+            add(("hL", q), 1.0, 0.0, HOST_PER_TENSOR_MAX_US)
+        else:
+            fixed[("hL", q)] = 0.0
     for f in range(len(intras)):
         if ((ii == f) & (t_i > 0)).any():
             add(("sI", f), 0.0, -8.0, 8.0)
@@ -247,7 +279,8 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
     ridge = {"w": w_l2, "dw": dw_l2, "sI": scale_l2, "sE": scale_l2, "S": bytes_l2, "u": shape_l2,
              "gL": link_gamma_l2, "oL": overhead_l2}
     ctx = {"pairs": pairs, "intras": intras, "inters": inters, "shapes": shapes, "slinks": slinks, "pi": pi,
-           "ii": ii, "ei": ei, "si": si, "li": li, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly, "sync": sync,
+           "ii": ii, "ei": ei, "si": si, "li": li, "b": b, "G": G, "phi": phi, "t_i": t_i, "t_e": t_e, "y": y, "ly": ly,
+           "sync": sync, "nt": nt,
            "w_rows": job_weights(rows, job_rows_cap),
            "has_sync": has_sync, "sync_weight": sync_weight, "f_scale": f_scale, "max_nfev": max_nfev}
     x, ok, cost, unpack, model = _solve(ctx, names, x0, lo, hi, fixed, ridge)
@@ -259,18 +292,18 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, *, sync_weight: float = 
             del fixed[n]
         x, ok, cost, unpack, model = _solve(ctx, u_free, [0.0] * len(u_free), [-3.0] * len(u_free),
                                             [3.0] * len(u_free), fixed, ridge)
-    c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL = unpack(x)
+    c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, H, HL = unpack(x)
     _, _, t = model(x)
     err = np.log(t) - ly
     warm = np.array([bool((G[pi == j] > 1).any()) for j in range(len(pairs))])
     g_cold = float(np.median(g[warm])) if warm.any() else gamma_prior  # the typical pair's, not a prior's
     perf = {pr: PerfParams(float(c0[j]), float(c1[j]), float(g[j] if warm[j] else g_cold), float(S[j]),
-                          tuple(map(float, DW[j])), float(E[j])) for j, pr in enumerate(pairs)}
+                          tuple(map(float, DW[j])), float(E[j]), float(H[j])) for j, pr in enumerate(pairs)}
     net = {"intra": {l: float(sI[f]) for f, l in enumerate(intras)},
            "inter": {l: (float(sE[f]), tuple(float(v) for v in W[f])) for f, l in enumerate(inters) if l},
            "shape": {l: {cls: float(U[q]) for q, (f2, cls) in enumerate(shapes) if f2 == f and U[q] != 0.0}
                      for f, l in enumerate(inters) if l},
-           "sync": {l: (float(GL[q]), float(OL[q]) * 1e-3) for q, l in enumerate(slinks)}}
+           "sync": {l: (float(GL[q]), float(OL[q]) * 1e-3, float(HL[q]) * 1e-6) for q, l in enumerate(slinks)}}
     rmse = {pr: float(np.sqrt(np.mean(err[pi == j] ** 2))) for j, pr in enumerate(pairs)}
     return {"perf": perf, "net": net, "log_rmse": rmse, "converged": ok, "cost": cost}
 
@@ -282,6 +315,7 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
     pi, ii, ei, si, b, G, phi = ctx["pi"], ctx["ii"], ctx["ei"], ctx["si"], ctx["b"], ctx["G"], ctx["phi"]
     li, n_links = ctx["li"], len(ctx["slinks"])
     t_i, t_e, y, ly, sync, has_sync = ctx["t_i"], ctx["t_e"], ctx["y"], ctx["ly"], ctx["sync"], ctx["has_sync"]
+    nt = ctx["nt"]
     sync_weight, f_scale, max_nfev = ctx["sync_weight"], ctx["f_scale"], ctx["max_nfev"]
     w_rows = ctx["w_rows"]
     n_eff = float(np.sum(w_rows))  # rows the penalties are scaled to: len(y) when no job is capped
@@ -310,15 +344,18 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
         U = np.array([get(("u", q)) for q in range(len(shapes))] + [0.0])  # U[-1]: one-node rows
         GL = np.array([get(("gL", q)) for q in range(n_links)] + [0.0])  # [-1]: one-GPU rows
         OL = np.array([get(("oL", q)) for q in range(n_links)] + [0.0])
-        return c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL
+        H = np.array([0.0 if get(("H", j)) is None else math.exp(get(("H", j))) for j in range(len(pairs))])
+        HL = np.array([get(("hL", q)) for q in range(n_links)] + [0.0])
+        return c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, H, HL
 
     pen_w = np.array([ridge.get(n[0], 0.0) for n in names])
 
     def model(x):
-        c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL = unpack(x)
+        c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, H, HL = unpack(x)
         tc = _predict_compute(c0[pi], c1[pi], b, E[pi])
         ts = _predict_sync(S[pi], sI[ii], sE[ei], W[ei] + DW[pi], t_i, t_e, phi, U[si]) * (G > 1)
-        return tc, ts, _predict_step(tc, ts, np.maximum(g[pi] + GL[li], 1.0), OL[li] * 1e-3 * (G > 1))
+        td = _predict_step(tc, ts, np.maximum(g[pi] + GL[li], 1.0), OL[li] * 1e-3 * (G > 1))
+        return tc, ts, _host_bound(td, H[pi] + HL[li] * 1e-6 * nt * (G > 1))
 
     def resid(x):
         tc, ts, t = model(x)
@@ -342,8 +379,8 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
 
 def _sparsity(names, pi, ii, ei, si, li, has_sync) -> np.ndarray:
     """Which parameters each residual depends on (rows: step residuals, sync residuals, penalties)."""
-    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "sI": ii, "sE": ei, "w": ei, "u": si,
-             "gL": li, "oL": li}
+    owner = {"c0": pi, "c1": pi, "e": pi, "g": pi, "S": pi, "dw": pi, "H": pi, "sI": ii, "sE": ei, "w": ei, "u": si,
+             "gL": li, "oL": li, "hL": li}
     dep = np.zeros((len(pi), len(names)), dtype=bool)
     for k, n in enumerate(names):
         dep[:, k] = owner[n[0]] == n[1]
@@ -378,8 +415,9 @@ def _grouped_jacobian(fun, dep: np.ndarray, hi: np.ndarray):
     return jac
 
 
-def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.ndarray) -> dict:
-    """compute_s, comm_s (sync), iter_s and samples_per_s for each layout (vectorised, pure)."""
+def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.ndarray, tensors: int = 0) -> dict:
+    """compute_s, comm_s (sync), iter_s and samples_per_s for each layout (vectorised, pure); `tensors`: the
+    profile's gradient tensors (the host term's DDP cost)."""
     G = np.array([sum(l) for l in layouts], dtype=float)
     phi = np.array([layout_features(l) for l in layouts])
     tc = _predict_compute(perf.c0, perf.c1, b, perf.e) * np.ones(len(layouts))
@@ -388,6 +426,7 @@ def predict_rows(perf: PerfParams, net: NetParams, b: float, layouts, bases: np.
     ts = _predict_sync(perf.log_bytes_scale, net.log_intra, net.log_inter, w, bases[:, 0], bases[:, 1], phi,
                        u) * (G > 1)
     t = _predict_step(tc, ts, max(perf.gamma + net.dgamma, 1.0), net.overhead_s * (G > 1))
+    t = _host_bound(t, perf.host_s + net.host_per_tensor_s * tensors * (G > 1))
     return {"compute_s": tc, "comm_s": ts, "iter_s": t, "samples_per_s": G * b / t}
 
 

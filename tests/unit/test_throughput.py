@@ -176,7 +176,7 @@ def test_a_model_seen_on_one_gpu_inherits_its_links_overlap_and_overhead(seed):
     assert fit["converged"]
     perf = fit["perf"][("m0", "H200")]
     for link, net in truth_net.items():
-        dgamma, overhead = fit["net"]["sync"][f"intra:{link}"]
+        dgamma, overhead, _ = fit["net"]["sync"][f"intra:{link}"]
         fitted = NetParams(fit["net"]["intra"][link], 0.0, (0.0,) * N_PHI, None, dgamma, overhead)
         for g in (2, 4):
             base = np.array([sync_bases(lm, truth["m0"][1], [g], link, None)])
@@ -186,6 +186,69 @@ def test_a_model_seen_on_one_gpu_inherits_its_links_overlap_and_overhead(seed):
     # the overhead is the link's: a one-GPU row pays none of it
     one = predict_rows(perf, NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.0, 5e-3), 32, [[1]], np.zeros((1, 2)))
     assert one["iter_s"][0] == pytest.approx(perf.c0 + perf.c1 * 32)
+
+
+def _host_bound_rows(seed, cold="m0"):
+    """Four models on one node (NVLink) whose small batches are host-bound: a host floor H each, and DDP's host
+    cost per gradient tensor h at 2 and 4 GPUs; `cold` ran on one GPU only."""
+    rng = np.random.default_rng(seed)
+    lm = empty_link_model()
+    net = NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.0, 0.0, 80e-6)
+    rows, bases, tensors, truth = [], [], [], {}
+    for m in range(4):
+        name, n_t = f"m{m}", 60 + 50 * m
+        perf = PerfParams(c0=1e-3, c1=float(rng.uniform(1e-4, 3e-4)), gamma=2.0, log_bytes_scale=0.0,
+                          host_s=float(rng.uniform(10e-3, 30e-3)))
+        buckets = np.full(3 + m, 25e6)
+        for g in (1, 2, 4):
+            if g > 1 and name == cold:
+                continue
+            base = sync_bases(lm, buckets, [g], "nvlink", None)
+            for b in (32, 64, 128, 256, 512):
+                t = predict_rows(perf, net, b, [[g]], np.array([base]), n_t)["iter_s"][0]
+                rows.append({"profile": name, "gpu": "H200", "layout": [g], "intra_link": "nvlink",
+                             "inter_link": None, "per_gpu_batch": b,
+                             "iter_s": float(t * np.exp(0.01 * rng.standard_normal()))})
+                bases.append(base)
+                tensors.append(n_t)
+        truth[name] = (perf, buckets, n_t)
+    return rows, np.array(bases), np.array(tensors, float), truth, net, lm
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_host_bound_model_seen_on_one_gpu_gets_its_floor_plus_ddps_cost_per_tensor(seed):
+    rows, bases, tensors, truth, net, lm = _host_bound_rows(seed)
+    perf_t, buckets, n_t = truth["m0"]
+
+    def predicted(fit):
+        gL, oL, hL = fit["net"]["sync"]["intra:nvlink"]
+        fitted = NetParams(fit["net"]["intra"]["nvlink"], 0.0, (0.0,) * N_PHI, None, gL, oL, hL)
+        out = []
+        for g in (2, 4):
+            base = np.array([sync_bases(lm, buckets, [g], "nvlink", None)])
+            want = predict_rows(perf_t, net, 32, [[g]], base, n_t)["iter_s"][0]
+            out.append(predict_rows(fit["perf"][("m0", "H200")], fitted, 32, [[g]], base, n_t)["iter_s"][0] / want)
+        return np.array(out)
+    fit = fit_throughput(rows, bases, tensors)
+    assert fit["converged"]
+    assert fit["net"]["sync"]["intra:nvlink"][2] == pytest.approx(80e-6, rel=0.25)
+    assert np.allclose(predicted(fit), 1.0, atol=0.06)
+    # without the tensors the same rows cannot tell a DDP step at batch 32 from the 1-GPU floor: far too fast
+    assert np.all(predicted(fit_throughput(rows, bases)) < 0.9)
+
+
+def test_the_host_term_is_the_slower_of_device_and_host_and_nothing_without_a_floor():
+    net = NetParams(0.0, 0.0, (0.0,) * N_PHI, None, 0.5, 1e-3, 50e-6)
+    base = np.array([[4e-3, 0.0]])
+    device = predict_rows(PerfParams(2e-3, 1e-4, 2.0, 0.0), NetParams(*net[:6]), 64, [[2]], base, 100)["iter_s"][0]
+    assert predict_rows(PerfParams(2e-3, 1e-4, 2.0, 0.0), net, 64, [[2]], base, 0)["iter_s"][0] == device
+    for host in (1e-3, 10e-3, 30e-3):
+        perf = PerfParams(2e-3, 1e-4, 2.0, 0.0, host_s=host)
+        t2 = predict_rows(perf, net, 64, [[2]], base, 100)["iter_s"][0]
+        t1 = predict_rows(perf, net, 64, [[1]], base, 100)["iter_s"][0]
+        slower = max(device, host + 100 * 50e-6)
+        assert slower <= t2 <= slower * 2 ** 0.1 + 1e-12
+        assert max(2e-3 + 64e-4, host) <= t1 <= max(2e-3 + 64e-4, host) * 2 ** 0.1  # no per-tensor cost on one GPU
 
 
 def test_the_defaults_are_the_services_configuration():
