@@ -84,14 +84,15 @@ def settle_decision(decision: Decision, nodes: int, handback: Optional[Decision]
     Args:
         decision: ``AutoscalePolicy.decide``'s answer.
         nodes: the job's nodes now.
-        handback: ``yield_to_pending``'s shrink for a job that waits for this one's nodes, if any (wins).
+        handback: ``yield_to_pending``'s shrink for a job that waits for this one's nodes, if any (wins over the
+            policy and over the operator's size).
         pending: jobs of the partition pending for nodes (no grow while one waits).
         operator_cap: the size the operator asked for last, if any (caps a grow; stands against a planner shrink).
         advice: what /v1/plan said (a planner shrink below the operator's size is refused).
     """
-    if handback is not None:  # another job waits for nodes this one holds above its minimum
-        decision = handback
-    elif decision.action == "grow" and pending:  # the free nodes are what a pending job waits to add up
+    if handback is not None:  # another job waits for nodes this one holds above its minimum: it wins, also over
+        return handback       # the operator's size (which stands against the planner, not against other users)
+    if decision.action == "grow" and pending:  # the free nodes are what a pending job waits to add up
         decision = Decision("keep", nodes, f"no grow while job {pending[0].job_id} waits for nodes "
                             f"({decision.reason})", decision.efficiency)
     cap = operator_cap

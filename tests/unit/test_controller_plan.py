@@ -221,6 +221,21 @@ def test_the_operators_cap_bounds_a_grow_and_a_pending_job_wins():
     assert settle_decision(grow, 2, handback, pending, None, heuristic) is handback
 
 
+def test_a_pending_jobs_handback_is_not_held_at_the_operators_size():
+    """The operator asked for 3 nodes and the planner says 1: the planner's shrink is refused, but a pending job
+    that waits for a node this job holds gets it (the demo's grow, then another user's job)."""
+    from elastic_launcher.autoscale import PlanAdvice
+    from elastic_launcher.steering import settle_decision
+    planner = PlanAdvice(1, "planner", "plan says 1")
+    plan_shrink = controller_module.Decision("shrink", 1, "plan says 1 nodes, fewer than 3")
+    held = settle_decision(plan_shrink, 3, None, [], 3, planner)
+    assert (held.action, held.target_nodes) == ("keep", 3) and "operator's 3 nodes" in held.reason
+    pending = [controller_module.PendingJob(5, 2, "Resources")]
+    handback = controller_module.Decision("shrink", 2, "handing 1 node back for pending job 5")
+    out = settle_decision(plan_shrink, 3, handback, pending, 3, planner)
+    assert (out.action, out.target_nodes, out.reason) == ("shrink", 2, handback.reason)
+
+
 def test_the_linear_throughput_seam_scales_the_first_measurement():
     from elastic_launcher.steering import MeasuredThroughput
     from elastic_launcher.testing import LinearThroughput
