@@ -98,8 +98,8 @@ class Predictor:
             bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
                               for o in steps])
             tensors = np.array([len(profiles[o["profile"]].tensors) for o in steps], dtype=float)
-            fit = fit_throughput(steps, bases, tensors, sync_weight=self.sync_weight, w_l2=self.w_l2, dw_l2=self.dw_l2,
-                                 shape_l2=self.shape_l2, job_rows_cap=self.job_rows_cap,
+            fit = fit_throughput(steps, bases, tensors, sync_weight=self.sync_weight, w_l2=self.w_l2,
+                                 dw_l2=self.dw_l2, shape_l2=self.shape_l2, job_rows_cap=self.job_rows_cap,
                                  gamma_prior=self.gamma_prior, f_scale=self.f_scale)
         else:
             fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
