@@ -21,7 +21,7 @@ predicted from a fit of their own. It uses what a submit-time prediction cannot 
 very host state, in the very launch, it is predicted for (and, from `local_s`, with DDP's forward-side hooks
 in it). What B leaves is the model's error with the launch-to-launch host drift taken out; A - B is the drift.
 
-Protocol A is run twice: with the 1-GPU launch the data set names (w1_none.jsonl) and with a repeat of it an hour's
+Protocol A is run twice: with the 1-GPU launch the data set names (w1_none.jsonl) and with a repeat of it 16
 minutes later (repeat/w1_none.jsonl, same commit, same machine); the two give the range quoted.
 
 What the model needed (predictor/throughput.py, "host term"): at small batches on an H200 the step is the host's
@@ -115,10 +115,13 @@ def mape(pairs) -> float:
     return float(np.mean([abs(m / p - 1.0) for m, p in pairs]) * 100) if pairs else float("nan")
 
 
+def err(results) -> float:
+    """MAPE of throughput over (row, predicted step) pairs: |X_pred / X_meas - 1| = |t_meas / t_pred - 1|."""
+    return mape([(r["iter_s"], t) for r, t in results])
+
+
 def table(results) -> list[str]:
     """MAPE of throughput per transport x GPU count, per model, and overall (measured over predicted)."""
-    def err(rows):  # throughput error = |X_pred / X_meas - 1| = |t_meas / t_pred - 1|
-        return mape([(r["iter_s"], t) for r, t in rows])
     links = sorted({r["intra_link"] for r, _ in results})
     models = sorted({r["profile"] for r, _ in results})
     lines = ["| model | " + " | ".join(f"{l} @2 | {l} @4" for l in links) + " | all |",
@@ -161,7 +164,6 @@ def with_one_gpu_rows(steps, one_gpu) -> list[dict]:
 
 def per_transport(results) -> str:
     """`all X% (nvlink Y, shm Z, tcp W)` of throughput."""
-    err = lambda rows: mape([(r["iter_s"], t) for r, t in rows])  # noqa: E731
     links = sorted({r["intra_link"] for r, _ in results})
     return f"{err(results):.1f}% (" + ", ".join(
         f"{l} {err([x for x in results if x[0]['intra_link'] == l]):.1f}" for l in links) + ")"
