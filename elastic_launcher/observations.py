@@ -52,7 +52,7 @@ def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links
         if kind == "collective":
             world = int(rec.get("world", 0))
             layout, lk = layouts.get(world), links.get(world)
-            if layout is None or lk is None:
+            if layout is None or lk is None or world < 2:  # one process used no link (an older worker's record)
                 continue
             out.append({**rec, "link": lk.bottleneck(layout), "link_source": lk.source, "nodes": len(layout),
                         "gpu": gpu})

@@ -63,12 +63,14 @@ class Telemetry:
     _steps: dict = field(default_factory=dict)
 
     def record_collective(self, world: int, nbytes: int, seconds: float) -> None:
+        if world < 2:  # one process: the all-reduce used no link, so it is no link's timing
+            return
         xs = self._coll.setdefault((world, nbytes), [])
         if len(xs) < self.max_samples:
             xs.append(seconds)
 
     def record_cuda_collective(self, world: int, nbytes: int, start, end) -> None:
-        if len(self._events) < self.max_samples * 16:
+        if world >= 2 and len(self._events) < self.max_samples * 16:
             self._events.append((world, nbytes, start, end))
 
     def record_step(self, layout: Sequence[int], per_gpu_batch: int, seconds: float) -> None:
@@ -142,7 +144,7 @@ def elastic_allreduce_hook(state: HookState, bucket):  # no return annotation: D
         buf.mul_(state.scale)
     nbytes = buf.numel() * buf.element_size()
     state.buckets[bucket.index()] = nbytes
-    tel = state.telemetry if state.timed else None
+    tel = state.telemetry if state.timed and world > 1 else None  # one process: no link to time
     cuda = buf.is_cuda
     t0 = time.perf_counter()
     ev0 = None

@@ -110,8 +110,11 @@ def validate_collective(record: Any, where: str) -> dict:
     _fields(record, _COLLECTIVE, where)
     if record["op"] not in OPS:
         raise ValidationError(f"{where}.op", f"expected one of {'|'.join(OPS)}, got {record['op']!r}")
-    out = {"kind": "collective", "op": record["op"], "link": _str(record, "link", where),
-           "world": _int(record, "world", where, 1, MAX_WORLD),
+    world = _int(record, "world", where, 1, MAX_WORLD)
+    if world == 1:  # an all-reduce of one process moves nothing over any link: not a link's timing
+        raise ValidationError(f"{where}.world", "a collective of 1 process uses no link; post collectives of 2 or "
+                                                "more processes")
+    out = {"kind": "collective", "op": record["op"], "link": _str(record, "link", where), "world": world,
            "bytes": _int(record, "bytes", where, 0, MAX_BYTES),
            "seconds": _seconds(record, "seconds", where)}
     if "gpu" in record:

@@ -29,6 +29,7 @@ def test_design_examples_are_valid():
     (COLLECTIVE, "bytes", 2**60, "outside"),
     (COLLECTIVE, "world", 0, "outside"),
     (COLLECTIVE, "world", True, "integer"),
+    (COLLECTIVE, "world", 1, "uses no link"),
     (COLLECTIVE, "world", 2.5, "integer"),
     (COLLECTIVE, "op", "allsmash", "expected one of"),
     (COLLECTIVE, "link", "", "expected a name"),

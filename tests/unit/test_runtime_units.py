@@ -347,7 +347,7 @@ def test_trainer_world_of_one_rolls_back_local_errors_to_the_last_commit_point_t
         assert et.step == 4 and et.committed_step == 4 and et.sampler.pos == 16
         assert all(torch.equal(a, b) for a, b in zip(before, et.module.parameters()))
         obs = et.observations()
-        assert {r["kind"] for r in obs} == {"collective", "step"}
+        assert {r["kind"] for r in obs} == {"step"}  # a world of one times no collective: it used no link
         # after a rollback the next step is a commit point again: two more failures in a row end it
         assert _one_step(et, it, ValueError("again")) and et.step == 4
         with pytest.raises(TooManyFailures, match="3 failed commits in a row"):
