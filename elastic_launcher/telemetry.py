@@ -70,7 +70,7 @@ class Telemetry:
             xs.append(seconds)
 
     def record_cuda_collective(self, world: int, nbytes: int, start, end) -> None:
-        if world >= 2 and len(self._events) < self.max_samples * 16:
+        if len(self._events) < self.max_samples * 16:
             self._events.append((world, nbytes, start, end))
 
     def record_step(self, layout: Sequence[int], per_gpu_batch: int, seconds: float) -> None:
