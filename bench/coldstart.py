@@ -27,9 +27,9 @@ minutes later (repeat/w1_none.jsonl, same commit, same machine); the two give th
 What the model needed (predictor/throughput.py, "host term"): at small batches on an H200 the step is the host's
 (Python and kernel launches), and DDP adds host work per gradient tensor, so a model whose 1-GPU step has
 flattened onto its host floor H takes H + h_L * n_tensors at 2 and 4 GPUs (ResNet-50 at batch 64: 19 ms alone,
-35-39 ms under DDP), while at GPU-bound batches the same model is within 2% of compute + exposed sync. h_L is
-learnt per link from the other models (the fitted values are printed below). Without that term this data gives
-8.3% (nvlink 9.3, shm 9.1, tcp 6.5), with 65-75% on ResNet-50's host-bound rows.
+35-39 ms under DDP), while its GPU-bound batches (256, 512) on NVLink and shared memory were within 3% without
+the term. h_L is learnt per link from the other models (the fitted values are printed below). Without that term
+this data gives 8.3% (nvlink 9.3, shm 9.1, tcp 6.5), with 65-75% on ResNet-50's host-bound rows.
 
 The noise line at the end: the 1-GPU step of the same model and batch measured in the two 1-GPU launches, and in
 the multi-GPU launches (`solo_s`); no model that reads the 1-GPU step can be closer than that where the step is

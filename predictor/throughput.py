@@ -230,7 +230,7 @@ def fit_throughput(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | No
         if len(set(b[single])) >= 3:  # a host floor shows only against the growth of >= 2 larger batches
             add(("H", j), math.log(0.9 * y[single].min()), math.log(1e-6), math.log(2.0 * y[single].max()))
         else:
-            fixed[("H", j)] = None  # no host floor: T = T_d
+            fixed[("H", j)] = -math.inf  # log H: no host floor, T = T_d
         if (m & (G > 1)).any():
             add(("g", j), gamma_prior, 1.0, 10.0)
             add(("S", j), 0.0, -3.0, 3.0)
@@ -347,7 +347,7 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
         U = np.array([get(("u", q)) for q in range(len(shapes))] + [0.0])  # U[-1]: one-node rows
         GL = np.array([get(("gL", q)) for q in range(n_links)] + [0.0])  # [-1]: one-GPU rows
         OL = np.array([get(("oL", q)) for q in range(n_links)] + [0.0])
-        H = np.array([0.0 if get(("H", j)) is None else math.exp(get(("H", j))) for j in range(len(pairs))])
+        H = np.exp([get(("H", j)) for j in range(len(pairs))])
         HL = np.array([get(("hL", q)) for q in range(n_links)] + [0.0])
         return c0, c1, g, S, sI, sE, W, DW, E, U, GL, OL, H, HL
 

@@ -258,7 +258,7 @@ class Demo:
             try:
                 reply = self.predictor.post("/v1/predict", body)
             except DemoError as exc:
-                if "HTTP 503" not in str(exc) or time.monotonic() > deadline:
+                if exc.http_status != 503 or time.monotonic() > deadline:  # 503: that version not fitted yet
                     raise DemoError(f"the predictor did not fit the history within 60 s: {exc}\n"
                                     f"{tail(self.predictor.log_file)}") from None
                 time.sleep(0.5)

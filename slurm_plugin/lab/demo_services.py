@@ -34,7 +34,12 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class DemoError(RuntimeError):
-    """A part of the demo could not start or did not behave; the message says which and shows its log."""
+    """A part of the demo could not start or did not behave; the message says which and shows its log.
+    `http_status`: the predictor's HTTP status when that is what failed, else None."""
+
+    def __init__(self, message: str, http_status: int | None = None) -> None:
+        super().__init__(message)
+        self.http_status = http_status
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -187,7 +192,7 @@ class PredictorService:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
-            raise DemoError(f"{method} {path}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+            raise DemoError(f"{method} {path}: HTTP {exc.code}: {exc.read()[:500]!r}", exc.code) from None
 
     def get(self, path: str):
         return self._call("GET", path)
