@@ -121,6 +121,11 @@ class NextEpoch:
         ready = self._ready
         return ready[0] if ready is not None else 0
 
+    def prepared(self) -> Optional[tuple[int, ProcessGroupWrapper]]:
+        """(plan id, group) of the next epoch this worker is ready to switch to and stays in; None otherwise."""
+        ready = self._ready
+        return ready if ready is not None and ready[1] is not None else None
+
     def leaving(self) -> bool:
         """The prepared next plan leaves this worker out."""
         ready = self._ready
@@ -279,9 +284,13 @@ class EpochExecutor:
             self.membership.publish_current(plan)
         return Epoch(plan, group, ddp, hook, batches)
 
-    def _repartition(self, plan: Plan, world: int) -> list[int]:
+    def batches_for(self, plan: Plan, world: int) -> list[int]:
+        """Every rank's local batch in ``plan`` (reads the members' speeds; changes nothing)."""
         speeds = [float(self.store.get(keys.speed(m))) for m in plan.members]
-        batches = self.policy.split(world, speeds if len(set(speeds)) > 1 else None)
+        return self.policy.split(world, speeds if len(set(speeds)) > 1 else None)
+
+    def _repartition(self, plan: Plan, world: int) -> list[int]:
+        batches = self.batches_for(plan, world)
         g = sum(batches)
         c = self.state.counters
         if not c.get("ref_global"):

@@ -11,7 +11,7 @@ reported separately so accounting stays exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -57,49 +57,58 @@ class ElasticSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.pos = 0
-        self._perm_epoch = -1
-        self._perm = torch.arange(0)
+        self._perms: dict[int, torch.Tensor] = {}  # epoch -> permutation: the current one and the next
 
-    def _order(self) -> torch.Tensor:
-        if self._perm_epoch != self.epoch:
+    def _order(self, epoch: int) -> torch.Tensor:
+        perm = self._perms.get(epoch)
+        if perm is None:
             if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._perm = torch.randperm(self.size, generator=g)
+                perm = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
             else:
-                self._perm = torch.arange(self.size)
-            self._perm_epoch = self.epoch
-        return self._perm
+                perm = torch.arange(self.size)
+            for old in [e for e in self._perms if e < epoch - 1 or e > epoch + 1]:
+                del self._perms[old]  # a loader looks one epoch ahead at most; a rollback one back
+            self._perms[epoch] = perm
+        return perm
 
     def prefetch(self) -> None:
         """Computes the current epoch's permutation now (off the critical path of a join)."""
-        self._order()
+        self._order(self.epoch)
 
-    def plan_step(self, batches: Sequence[int]) -> list[int]:
-        """Per-rank counts for the next step given the nominal per-rank ``batches`` (shrunk at epoch end)."""
+    def plan_step(self, batches: Sequence[int], pos: Optional[int] = None) -> list[int]:
+        """Per-rank counts of the step at ``pos`` (default: the current position) given the nominal per-rank
+        ``batches`` (shrunk at epoch end)."""
         g = sum(batches)
-        left = self.size - self.pos
+        left = self.size - (self.pos if pos is None else pos)
         if left >= g:
             return list(batches)
         if left >= len(batches):
             return split_batch(left, [float(b) for b in batches])
         return [1] * left + [0] * (len(batches) - left)
 
-    def slice_for(self, rank: int, batches: Sequence[int]) -> Slice:
-        """The slice of rank ``rank`` for the next step (does not advance)."""
-        counts = self.plan_step(batches)
-        order = self._order()
-        start = self.pos + sum(counts[:rank])
+    def slice_at(self, epoch: int, pos: int, rank: int, batches: Sequence[int]) -> Slice:
+        """The slice of rank ``rank`` for the step at position ``(epoch, pos)`` (a pure function of its arguments
+        and the seed: the loader computes future slices with it)."""
+        counts = self.plan_step(batches, pos)
+        order = self._order(epoch)
+        start = pos + sum(counts[:rank])
         idx = order[start:start + counts[rank]].tolist()
         total = sum(counts)
-        pad = [] if idx else [int(order[self.pos + total - 1])]
+        pad = [] if idx else [int(order[pos + total - 1])]
         return Slice(idx, pad, total)
+
+    def after(self, epoch: int, pos: int, batches: Sequence[int]) -> tuple[int, int]:
+        """The position after the step at ``(epoch, pos)`` planned with ``batches`` (wraps to the next epoch)."""
+        pos += sum(self.plan_step(batches, pos))
+        return (epoch + 1, 0) if pos >= self.size else (epoch, pos)
+
+    def slice_for(self, rank: int, batches: Sequence[int]) -> Slice:
+        """The slice of rank ``rank`` for the next step (does not advance)."""
+        return self.slice_at(self.epoch, self.pos, rank, batches)
 
     def advance(self, batches: Sequence[int]) -> None:
         """Moves past the step planned with ``batches``; wraps to the next epoch at the end."""
-        self.pos += sum(self.plan_step(batches))
-        if self.pos >= self.size:
-            self.epoch += 1
-            self.pos = 0
+        self.epoch, self.pos = self.after(self.epoch, self.pos, batches)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "size": self.size, "seed": self.seed}

@@ -4,7 +4,7 @@ Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what t
 
     et = ElasticTrainer(model, optimizer, store_addr=addr, worker_id=wid, policy=BatchPolicy(per_gpu_batch=64),
                         warm_up=one_local_step)  # optional: first-use costs paid before joining, state put back
-    for x, y in et.loader(dataset):
+    for x, y in et.loader(dataset, num_workers=4, pin_memory=True):  # torch's DataLoader options
         loss = loss_fn(et.model(x), y)       # et.model is the current DDP wrapper: re-read it every step
         et.watch_loss(loss)                  # optional: a non-finite loss rolls back at the next commit point
         loss.backward()
@@ -39,7 +39,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import default_collate
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
@@ -48,6 +47,7 @@ from elastic_launcher.epoch_decisions import CommitAction, CommitOutcome, Phase,
 from elastic_launcher.epochs import Epoch, EpochExecutor, ExecutorSettings, NextEpoch, PeerFailureRelay, SwitchLog
 from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
 from elastic_launcher.links import HostFacts
+from elastic_launcher.loading import Basis, Pipeline
 from elastic_launcher.membership import Membership, Plan
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
                                             drain_reaper)
@@ -185,6 +185,8 @@ class ElasticTrainer:
         self.membership.start()
         self.phase = Phase.JOINING
         self.sampler: Optional[ElasticSampler] = None
+        self._pipeline: Optional[Pipeline] = None  # the DataLoader of the last loader() call
+        self._forecast: Optional[tuple[int, Basis]] = None  # (plan id, Basis) of the prepared next epoch
         # the current epoch (what EpochExecutor hands back), flat: the step reads these
         self.plan: Plan
         self.group: ProcessGroupWrapper
@@ -272,37 +274,89 @@ class ElasticTrainer:
         return self.telemetry.drain() if self.telemetry is not None else []
 
     # ---- data -----------------------------------------------------------------------------------------------
-    def loader(self, dataset, collate_fn: Callable = default_collate, max_steps: Optional[int] = None,
-               epochs: Optional[int] = None) -> Iterator:
+    def loader(self, dataset, collate_fn: Optional[Callable] = None, max_steps: Optional[int] = None,
+               epochs: Optional[int] = None, **options) -> Iterator:
         """Yields this rank's batches until ``max_steps`` global steps / ``epochs`` epochs, or until it leaves.
 
-        The slice of each batch is computed when it is yielded, from the global sampler position, so a resize
-        or rollback at a commit point repartitions the rest of the epoch exactly.
+        Batches are loaded by torch's ``DataLoader`` (:mod:`elastic_launcher.loading`), which takes ``options``
+        as given: ``num_workers`` (default 0: loading in this process), ``pin_memory``, ``prefetch_factor``,
+        ``persistent_workers`` (the workers then also outlive this call, for the next ``loader`` call on the same
+        dataset), ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ...; ``collate_fn`` likewise
+        (default: ``default_collate``). The worker processes load the steps ahead as the sampler projects them
+        and live through resizes; batches in flight that a commit point invalidates (a rollback, a recovery, a
+        switch) are dropped and read again. What a batch holds is decided when it is yielded, from the global
+        sampler position, so a resize or rollback at a commit point repartitions the rest of the epoch exactly.
+
+        Raises:
+            ValueError: an option the elastic sampler decides (``batch_size``, ``shuffle``, ``sampler``,
+                ``batch_sampler``, ``drop_last``, ``in_order``).
         """
         if self.sampler is None:
             self.sampler = ElasticSampler(len(dataset), seed=self.config.seed)
             self.sampler.prefetch()
             self.state.sampler = self.sampler
+        pipe = self._pipeline_for(dataset, collate_fn, options)
         if self.phase is Phase.JOINING:
             self._adopt(*self._executor.join(self.plan, self.group, self._step_fn))
         left = Phase.LEFT
-        while self.phase is not left:
-            if (max_steps is not None and self.step >= max_steps) or \
-                    (epochs is not None and self.sampler.epoch >= epochs):
-                if self.committed_step < self.step:
-                    self._end_commit_point()  # may roll back or recover: the loop then trains those steps again
-                    continue
-                return
-            sl = self.sampler.slice_for(self.rank, self.batches)
-            self.batch_indices = sl.indices
-            if self._hook is not None:
-                self._hook.scale = sl.weight
-            items = [dataset[i] for i in (sl.indices or sl.padding)]
-            batch = collate_fn(items)
-            self._batch_t = time.perf_counter()
-            if self._hook is not None:
-                self._hook.first_sync_t = None
-            yield batch
+        try:
+            while self.phase is not left:
+                if (max_steps is not None and self.step >= max_steps) or \
+                        (epochs is not None and self.sampler.epoch >= epochs):
+                    if self.committed_step < self.step:
+                        self._end_commit_point()  # may roll back or recover: the loop then trains those steps again
+                        continue
+                    return
+                self._follow_next_epoch(pipe)
+                sl = self.sampler.slice_for(self.rank, self.batches)
+                self.batch_indices = sl.indices
+                if self._hook is not None:
+                    self._hook.scale = sl.weight
+                batch = pipe.get(self.step, self.sampler.epoch, self.sampler.pos, self._load_basis(self.step))
+                self._batch_t = time.perf_counter()
+                if self._hook is not None:
+                    self._hook.first_sync_t = None
+                yield batch
+        finally:
+            if not pipe.persistent:
+                pipe.close()
+
+    @property
+    def loading(self) -> Optional[Pipeline]:
+        """The data loader of the last :meth:`loader` call (its ``dropped`` and ``resets`` counts), if any."""
+        return self._pipeline
+
+    def _pipeline_for(self, dataset, collate_fn: Optional[Callable], options: dict) -> Pipeline:
+        old = self._pipeline
+        if old is not None and old.persistent and old.dataset is dataset:
+            return old
+        if old is not None:
+            old.close()
+        self._pipeline = Pipeline(dataset, self.sampler, self._load_basis, collate_fn, options)
+        return self._pipeline
+
+    def _load_basis(self, step: int) -> Basis:
+        """What the batch taken at step count ``step`` is loaded for: the prepared next epoch's rank and batches
+        from the next commit point on (where the switch is expected), else the current epoch's."""
+        nxt = self._forecast
+        if nxt is not None and step >= self.schedule.next_at:
+            return nxt[1]
+        return Basis(self.rank, tuple(self.batches))
+
+    def _follow_next_epoch(self, pipe: Pipeline) -> None:
+        """Keeps the loader's projection in step with the prepared next epoch (no store access but once per
+        epoch, to read its members' speeds)."""
+        prepared = self._next_epoch.prepared()
+        pid = prepared[0] if prepared is not None else None
+        if pid == (self._forecast[0] if self._forecast is not None else None):
+            return
+        self._forecast = None
+        plan = self.membership.next_plan()
+        if prepared is None or plan is None or plan.id != pid:
+            return
+        group = prepared[1]
+        self._forecast = (pid, Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size()))))
+        pipe.rewind(self.step, self.sampler.epoch, self.sampler.pos, self.schedule.next_at)
 
     # ---- commit ---------------------------------------------------------------------------------------------
     def commit(self, compute_s: Optional[float] = None) -> bool:
@@ -502,6 +556,8 @@ class ElasticTrainer:
             except Exception as e:  # noqa: BLE001 - the store may be gone (the controller ended)
                 logger.debug("last observations not published: %s", e)
         self._next_epoch.drop()
+        if self._pipeline is not None:
+            self._pipeline.close()
         self.ddp = None
         self.group.abort()
         if not drain_reaper(timeout):

@@ -98,7 +98,7 @@ def _check_accounting(samples_dir: Path, steps: int) -> int:
         world = worlds.pop()
         batches = policy.split(world)
         counts = sampler.plan_step(batches)
-        order = sampler._order()
+        order = sampler._order(sampler.epoch)
         expected = order[sampler.pos:sampler.pos + sum(counts)]
         seen = [i for r in rows for i in r["idx"]]
         if len(rows) == world:

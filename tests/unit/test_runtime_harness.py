@@ -30,6 +30,20 @@ def make_dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+class LoaderTagged(torch.utils.data.Dataset):
+    """The harness's items, each with the pid of the process that loaded it (a DataLoader worker, or the trainer)."""
+
+    def __init__(self, base: torch.utils.data.Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return x, y, os.getpid()
+
+
 def make_model() -> torch.nn.Module:
     torch.manual_seed(os.getpid())  # different on every rank: the initial broadcast must align them
     return torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -79,8 +93,17 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     steps = CommittedSteps()  # steps trained since the last commit point: a rollback takes them back
     try:
         stop_at = None  # all ranks reach the target world at the same step, so they stop together
-        for x, y in et.loader(ds):
+        source = LoaderTagged(ds) if opts.get("loader") else ds
+        injected = False
+        for batch in et.loader(source, **opts.get("loader", {})):
+            x, y = batch[0], batch[1]
             step, epoch, idx = et.step, et.epoch, list(et.batch_indices)
+            entry = {"wid": wid, "step": step, "epoch": epoch, "idx": idx}
+            if len(batch) > 2:
+                entry.update(pid=os.getpid(), loaders=sorted(set(batch[2].tolist())))
+            if opts.get("error_at") == (wid, step) and not injected:
+                injected = True
+                et.report_error(RuntimeError(f"injected at step {step}"))  # rolls back at the next commit point
             loss = torch.nn.functional.mse_loss(et.model(x), y)
             loss.backward()
             opt.step()
@@ -88,7 +111,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
             if stop_at is None and wid in opts.get("skew", {}):  # out of phase with its peers until the resize
                 time.sleep(opts["skew"][wid])
             alive = et.commit()
-            steps.add(step, {"wid": wid, "step": step, "epoch": epoch, "idx": idx})
+            steps.add(step, entry)
             for e in steps.ready(et.step, et.committed_step):  # committed; a leaver's last step counts too
                 log.write(json.dumps(e) + "\n")
             if not alive:
@@ -109,7 +132,9 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
                  "switches": et.switches, "sampler": et.sampler.state_dict(), "lr": opt.param_groups[0]["lr"],
                  "obs": et.observations() if et.telemetry else [], "committed_step": et.committed_step,
                  "commit_interval": et.schedule.interval,
-                 "warm_up_s": et.warm_up_s})
+                 "warm_up_s": et.warm_up_s,
+                 "loading": ({"dropped": et.loading.dropped, "resets": et.loading.resets}
+                             if et.loading is not None else None)})
     finally:
         log.close()
         et.close()
@@ -132,7 +157,9 @@ class Cluster:
 
     def spawn(self, wids) -> None:
         for w in wids:
-            p = self.ctx.Process(target=worker, args=(w, self.port, self.opts, self.out), daemon=True)
+            # a daemonic process may not start DataLoader workers
+            p = self.ctx.Process(target=worker, args=(w, self.port, self.opts, self.out),
+                                 daemon=not self.opts.get("loader", {}).get("num_workers"))
             p.start()
             self.procs[w] = p
 

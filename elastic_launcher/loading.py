@@ -1,0 +1,167 @@
+"""The trainer's data loading: torch's ``DataLoader`` (worker processes, prefetch, pinned memory), fed the steps
+ahead of the elastic sampler.
+
+The sampler's state is global (``epoch, pos``) and a step's slice depends on the rank and every rank's batch
+(:meth:`ElasticSampler.slice_at`), which change only at commit points. So the loader is handed a *projection*:
+an endless batch sampler (:class:`StepsAhead`) that walks the sampler forward from a cursor, one step at a time,
+with the (rank, batches) the trainer expects for that step (:class:`Basis`, from a callable the trainer gives:
+the current epoch's, or the prepared next epoch's after the commit point where the switch is expected). Every
+index list it hands to the ``DataLoader`` is remembered with its key ``(epoch, pos, rank, batches)``, in the order
+the ``DataLoader`` delivers them (``in_order``).
+
+:meth:`Pipeline.get` asks for the batch of an exact key. Batches ahead of it are dropped (their key was projected
+under a basis that a commit point did not confirm: a rollback, a recovery, a switch that came later or not at
+all); if the key is not among those in flight, the cursor is reset to it first, so the next index lists the
+``DataLoader`` asks for are the right ones. The worker processes keep running across all of this: nothing is
+respawned on a resize, only the batches in flight are read again. A projection the trainer learns is wrong
+before the loader reaches it (a next epoch became ready) is corrected with :meth:`Pipeline.rewind`, which keeps
+what is still valid in flight.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from elastic_launcher.sampler import ElasticSampler
+
+__all__ = ["Basis", "StepsAhead", "Pipeline", "OWNED_OPTIONS"]
+
+# DataLoader options the elastic sampler decides: a user's value would break the exact accounting
+OWNED_OPTIONS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "in_order")
+
+Key = tuple  # (epoch, pos, rank, batches): a step's slice for one rank
+
+
+@dataclass(frozen=True)
+class Basis:
+    """What a step is loaded with: this worker's rank and every rank's batch."""
+
+    rank: int
+    batches: tuple[int, ...]
+
+
+class StepsAhead:
+    """The ``DataLoader``'s batch sampler: the index lists of the steps ahead, without end.
+
+    Args:
+        sampler: the trainer's elastic sampler (read for its permutation and size, never advanced here).
+        basis: ``basis(step) -> Basis`` for the batch the trainer takes when its step count is ``step``.
+
+    Attributes:
+        pending: keys of the index lists handed out and not yet taken back by :meth:`take`, oldest first.
+    """
+
+    def __init__(self, sampler: ElasticSampler, basis: Callable[[int], Basis]) -> None:
+        self._sampler = sampler
+        self._basis = basis
+        self._cursor: tuple[int, int, int] = (0, 0, 0)  # (step, epoch, pos) of the next index list
+        self.pending: deque = deque()
+
+    def reset(self, step: int, epoch: int, pos: int) -> None:
+        """The next index list is the one of ``step`` at ``(epoch, pos)``."""
+        self._cursor = (step, epoch, pos)
+
+    @property
+    def next_step(self) -> int:
+        return self._cursor[0]
+
+    def key(self, epoch: int, pos: int, basis: Basis) -> Key:
+        return (epoch, pos, basis.rank, basis.batches)
+
+    def walk(self, step: int, epoch: int, pos: int, to_step: int) -> tuple[int, int]:
+        """The position of ``to_step`` reached from ``step`` at ``(epoch, pos)`` under the bases."""
+        for t in range(step, to_step):
+            epoch, pos = self._sampler.after(epoch, pos, self._basis(t).batches)
+        return epoch, pos
+
+    def __iter__(self) -> "StepsAhead":
+        return self
+
+    def __next__(self) -> list[int]:
+        step, epoch, pos = self._cursor
+        basis = self._basis(step)
+        sl = self._sampler.slice_at(epoch, pos, basis.rank, basis.batches)
+        self.pending.append(self.key(epoch, pos, basis))
+        self._cursor = (step + 1, *self._sampler.after(epoch, pos, basis.batches))
+        return sl.indices or sl.padding
+
+    def take(self) -> Key:
+        """The key of the batch the ``DataLoader`` just delivered (the oldest handed out)."""
+        return self.pending.popleft()
+
+
+class Pipeline:
+    """One ``DataLoader`` over the dataset, its worker processes alive until :meth:`close`.
+
+    Args:
+        dataset: map-style dataset.
+        sampler: the elastic sampler.
+        basis: see :class:`StepsAhead`.
+        collate_fn: as ``DataLoader``'s.
+        options: further ``DataLoader`` options (``num_workers``, ``pin_memory``, ``prefetch_factor``,
+            ``persistent_workers``, ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ...).
+
+    Raises:
+        ValueError: an option the elastic sampler owns (``OWNED_OPTIONS``).
+
+    Attributes:
+        dropped: batches loaded and then dropped (projected under a basis a commit point did not confirm).
+        resets: times the projection was reset to a key not in flight (the batch then waits for its load).
+    """
+
+    def __init__(self, dataset, sampler: ElasticSampler, basis: Callable[[int], Basis],
+                 collate_fn: Optional[Callable], options: dict[str, Any]) -> None:
+        owned = sorted(set(options) & set(OWNED_OPTIONS))
+        if owned:
+            raise ValueError(f"loader option(s) {', '.join(owned)}: the elastic sampler decides these "
+                             "(every sample once per epoch across resizes); leave them out")
+        self.dataset = dataset
+        self.persistent = bool(options.get("persistent_workers", False))
+        self.ahead = StepsAhead(sampler, basis)
+        kw = dict(options)
+        if collate_fn is not None:
+            kw["collate_fn"] = collate_fn
+        self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.ahead, **kw)
+        self._it: Optional[Any] = None
+        self.dropped = 0
+        self.resets = 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.loader.num_workers
+
+    def get(self, step: int, epoch: int, pos: int, basis: Basis) -> Any:
+        """The batch of ``step`` at ``(epoch, pos)`` under ``basis``: the collated items of
+        ``sampler.slice_at(epoch, pos, basis.rank, basis.batches)`` (its indices, or its padding)."""
+        want = self.ahead.key(epoch, pos, basis)
+        if self._it is None:
+            self.ahead.reset(step, epoch, pos)
+            self._it = iter(self.loader)  # starts the workers and fills the prefetch queue from the cursor
+        while True:
+            if want not in self.ahead.pending:
+                self.ahead.reset(step, epoch, pos)
+                self.resets += 1
+            batch = next(self._it)
+            if self.ahead.take() == want:
+                return batch
+            self.dropped += 1
+
+    def rewind(self, step: int, epoch: int, pos: int, from_step: int) -> None:
+        """The bases of the steps from ``from_step`` on changed: index lists handed out for them are stale. The
+        cursor goes back to ``from_step`` (walked from the trainer's ``step`` at ``(epoch, pos)``); what is in
+        flight before it stays valid, what is in flight after it is dropped when it arrives."""
+        from_step = max(from_step, step)
+        if self._it is not None and self.ahead.next_step > from_step:
+            self.ahead.reset(from_step, *self.ahead.walk(step, epoch, pos, from_step))
+
+    def close(self) -> None:
+        """Stops the worker processes (idempotent)."""
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.ahead.pending.clear()
+
