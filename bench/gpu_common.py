@@ -105,6 +105,33 @@ class Synthetic(torch.utils.data.Dataset):
         return i
 
 
+class LoadedItems(torch.utils.data.Dataset):
+    """A sample of ``make_batch``'s on the CPU, built in ``item_ms`` of CPU time (a JPEG decode and resize is
+    3-6 ms): what a DataLoader worker hands over for an image or token dataset."""
+
+    def __init__(self, make_batch, item_ms: float, n: int = 1_000_000) -> None:
+        self.sample = tuple(t[0].detach().cpu().contiguous() for t in make_batch(1))
+        self.item_ms, self.n = item_ms, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        end = time.thread_time() + self.item_ms / 1000
+        while time.thread_time() < end:
+            pass
+        return tuple(t.clone() for t in self.sample)
+
+
+def to_device(batch, device: torch.device):
+    """A collated CPU batch on ``device`` (images channels-last, as ``build`` makes them)."""
+    out = []
+    for t in batch:
+        t = t.to(device, non_blocking=True)
+        out.append(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t)
+    return tuple(out)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # workers (separate interpreters)
 # ---------------------------------------------------------------------------------------------------------------

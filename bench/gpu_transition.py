@@ -41,8 +41,8 @@ import torch.distributed as dist  # noqa: E402
 
 import interleaved  # noqa: E402
 import steady_goodput  # noqa: E402
-from gpu_common import (ROOT, STORE_TIMEOUT, Controller, Synthetic, build, client, device_of,  # noqa: E402
-                        local_warmup, sync)
+from gpu_common import (ROOT, STORE_TIMEOUT, Controller, LoadedItems, Synthetic, build, client, device_of,  # noqa: E402
+                        local_warmup, sync, to_device)
 
 WARM_STEPS = 12      # steps before a resize is requested
 AFTER_STEPS = 8      # steps at a size before the next request
@@ -67,7 +67,13 @@ def worker_ours(args) -> None:
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
                         warm_up=local_step if args.newcomer and not args.compute_warmup else None)
     times, last, stop_at, phases = [], None, None, []
-    for batch in et.loader(Synthetic(100_000), collate_fn=lambda items: make_batch(len(items))):
+    if args.loader_workers:  # items built on the CPU by DataLoader workers (item_ms each), pinned, copied over
+        batches = et.loader(LoadedItems(make_batch, args.item_ms), num_workers=args.loader_workers,
+                            pin_memory=dev.type == "cuda", persistent_workers=True, prefetch_factor=4)
+        batches = (to_device(batch, dev) for batch in batches)
+    else:
+        batches = et.loader(Synthetic(100_000), collate_fn=lambda items: make_batch(len(items)))
+    for batch in batches:
         ph = [time.perf_counter()]
         loss = loss_fn(et.model, batch)
         if args.phases:
@@ -97,7 +103,9 @@ def worker_ours(args) -> None:
             stop_at = int(bench.get("stop_at"))
         if stop_at is not None and et.step >= stop_at:
             break
-    bench.set(f"res/{args.wid}", json.dumps({"times": times, "switches": et.switches, "phases": phases}))
+    loading = et.loading
+    bench.set(f"res/{args.wid}", json.dumps({"times": times, "switches": et.switches, "phases": phases,
+                                             "dropped": loading.dropped, "resets": loading.resets}))
     et.close()
 
 
@@ -223,7 +231,8 @@ def worker_restart(args) -> None:
 
 def run_ours(c: Controller, compute_warmup: bool = False) -> dict:
     from elastic_launcher.membership import Coordinator
-    extra = (("--compute-warmup",) if compute_warmup else ()) + (("--phases",) if c.args.phases else ())
+    extra = (("--compute-warmup",) if compute_warmup else ()) + (("--phases",) if c.args.phases else ()) + \
+        ("--loader-workers", str(c.args.loader_workers), "--item-ms", str(c.args.item_ms))
     coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
     S, L = c.args.small, c.args.large
     keep = [f"w{i}" for i in range(S)]
@@ -248,6 +257,9 @@ def run_ours(c: Controller, compute_warmup: bool = False) -> dict:
     res = json.loads(c.bench.get("res/w0"))
     news = [json.loads(c.bench.get(f"res/w{i}")) for i in range(S, nxt)]
     out["newcomers"] = [sw for r in news for sw in r["switches"]]
+    out["loading"] = {"w0": (res["dropped"], res["resets"]), "newcomers": [(r["dropped"], r["resets"]) for r in news]}
+    print(f"# loader ({c.args.loader_workers} workers, {c.args.item_ms} ms an item): batches dropped / projection "
+          f"resets: w0 {out['loading']['w0']}, newcomers {out['loading']['newcomers']}", flush=True)
     if c.args.phases:
         out["phases"] = {"w0": res["phases"], "newcomers": [r["phases"] for r in news]}
     steady = [t for w, t in res["times"] if w == S]
@@ -363,6 +375,10 @@ def main() -> None:
     ap.add_argument("--ckpt-out", default="")
     ap.add_argument("--compute-warmup", action="store_true",
                     help="worker: newcomers warm up forward/backward only, not through ElasticTrainer(warm_up=)")
+    ap.add_argument("--loader-workers", type=int, default=0,
+                    help="ours: load batches with this many DataLoader workers (items built on the CPU, pinned)")
+    ap.add_argument("--item-ms", type=float, default=0.0,
+                    help="--loader-workers: CPU time to build one item (a JPEG decode is 3-6 ms)")
     ap.add_argument("--phases", action="store_true",
                     help="ours: time forward/backward/optimizer/commit of every step (device synced between them)")
     ap.add_argument("--mode", default="all", choices=("all", "steady", "pauses"),

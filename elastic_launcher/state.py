@@ -14,6 +14,8 @@ Contract: every rank registers a model and optimizer of the same architecture an
 """
 from __future__ import annotations
 
+import copy
+
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ class Snapshot:
     sched: Optional[dict]
     sampler: Optional[dict]
     counters: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)
 
 
 def _clone_tree(x: Any) -> Any:
@@ -118,10 +121,13 @@ class TrainingState:
         scheduler: an LR scheduler or None.
         sampler: an object with ``state_dict``/``load_state_dict`` (the elastic sampler) or None.
         device: where large tensors live (collectives run there).
+        extras: name -> object with ``state_dict``/``load_state_dict`` whose state is small and plain (e.g. a
+            ``torch.amp.GradScaler``: every rank must scale by the same factor); travels pickled.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
-                 sampler=None, device: Optional[torch.device] = None) -> None:
+                 sampler=None, device: Optional[torch.device] = None, extras: Optional[dict] = None) -> None:
+        self.extras: dict = dict(extras or {})
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -144,7 +150,7 @@ class TrainingState:
         (model, optim, sched), self._snap_leaves = _copy_tree(tree, self._snap_leaves)
         self._snap = Snapshot(model, optim, sched,
                               dict(self.sampler.state_dict()) if self.sampler is not None else None,
-                              dict(self.counters))
+                              dict(self.counters), self._extras_state())
         return self._snap
 
     def capture(self) -> Snapshot:
@@ -155,7 +161,16 @@ class TrainingState:
             sched=_clone_tree(self.scheduler.state_dict()) if self.scheduler is not None else None,
             sampler=dict(self.sampler.state_dict()) if self.sampler is not None else None,
             counters=dict(self.counters),
+            extras=self._extras_state(),
         )
+
+    def _extras_state(self) -> dict:
+        return {name: copy.deepcopy(obj.state_dict()) for name, obj in self.extras.items()}
+
+    def _load_extras(self, states: dict) -> None:
+        for name, obj in self.extras.items():
+            if name in states:
+                obj.load_state_dict(copy.deepcopy(states[name]))
 
     @property
     def last_snapshot(self) -> Optional[Snapshot]:
@@ -177,6 +192,7 @@ class TrainingState:
             self.scheduler.load_state_dict(snap.sched)
         if self.sampler is not None and snap.sampler is not None:
             self.sampler.load_state_dict(snap.sampler)
+        self._load_extras(snap.extras)
         self.counters = dict(snap.counters)
 
     # ---- broadcast ------------------------------------------------------------------------------------------
@@ -216,6 +232,7 @@ class TrainingState:
             "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "counters": dict(self.counters),
+            "extras": self._extras_state(),
         }
         buf = io.BytesIO()
         pickle.dump(skel, buf)
@@ -279,6 +296,7 @@ class TrainingState:
             self.scheduler.load_state_dict(skel["sched"])
         if self.sampler is not None and skel["sampler"] is not None:
             self.sampler.load_state_dict(skel["sampler"])
+        self._load_extras(skel.get("extras", {}))
         self.counters = dict(skel["counters"])
 
     def broadcast_buffers(self, group: ProcessGroupWrapper, src: int = 0) -> None:

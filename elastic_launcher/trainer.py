@@ -137,7 +137,10 @@ class ElasticTrainer:
             updating it). Running before the announcement keeps it off the survivors' critical path, and a step
             that raises fails the constructor before anyone counts on this worker. Model, optimizer and scheduler
             state are put back and every gradient of the model is cleared; what else the step changes (random
-            number streams, a GradScaler's scale, buffers outside ``state_dict``) stays changed.
+            number streams, buffers outside ``state_dict``) stays changed.
+        extra_state: name -> object with ``state_dict``/``load_state_dict`` and small plain state that every rank
+            must hold alike, e.g. ``{"scaler": torch.amp.GradScaler()}`` for fp16: it is rolled back with the
+            model, put back after ``warm_up`` and sent to newcomers.
 
     The constructor (warms up,) announces the worker, waits for a plan that includes it and builds that plan's
     group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
@@ -150,7 +153,8 @@ class ElasticTrainer:
                  worker_id: str, policy: BatchPolicy, scheduler=None, device: Optional[torch.device] = None,
                  config: TrainerConfig = TrainerConfig(), telemetry: Optional[Telemetry] = None,
                  speed: float = 1.0, fault=None, progress=None,
-                 warm_up: Optional[Callable[[torch.nn.Module], Any]] = None) -> None:
+                 warm_up: Optional[Callable[[torch.nn.Module], Any]] = None,
+                 extra_state: Optional[dict] = None) -> None:
         self.module = model
         self.optimizer = optimizer
         self.config = config
@@ -159,7 +163,7 @@ class ElasticTrainer:
         self.progress = progress
         self.addr = StoreAddr.parse(store_addr) if isinstance(store_addr, str) else store_addr
         self.device = device or next(model.parameters()).device
-        self.state = TrainingState(model, optimizer, scheduler, None, self.device)
+        self.state = TrainingState(model, optimizer, scheduler, None, self.device, extra_state)
         self.state.counters.update(lr_factor=1.0, ref_global=0)
         self._store = connect_store(self.addr.with_prefix(keys.state_channel(self.addr.prefix)),
                                     config.connect_timeout)

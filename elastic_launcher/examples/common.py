@@ -11,8 +11,10 @@ Entry point rule: `WorkerEnv.from_environ` is the only place these scripts read 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -33,12 +35,15 @@ from elastic_launcher.workers import ProgressReporter, worker_identity
 
 @dataclasses.dataclass(frozen=True)
 class WorkerEnv:
-    """What elastic-launch tells one worker: its id, the job's store, its node and GPU slot."""
+    """What elastic-launch tells one worker: its id, the job's store, its node and GPU slot, and how many CPUs
+    Slurm gave it (``SLURM_CPUS_PER_TASK``; else the CPUs this process may run on, shared by the node's
+    ``ELASTIC_SLOTS`` workers when they span the whole machine)."""
 
     wid: str
     store: str
     node: str
     local_id: int
+    cpus: int = 1
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "WorkerEnv":
@@ -48,7 +53,12 @@ class WorkerEnv:
         except KeyError as exc:
             raise SystemExit(f"missing {exc.args[0]}: run this script under elastic-launch "
                              "(see sbatch_templates/ and docs/user-guide.md)") from None
-        return cls(wid, store, environ.get("ELASTIC_NODE", "?"), int(environ["SLURM_LOCALID"]))
+        cpus = len(os.sched_getaffinity(0))
+        if environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+            cpus = int(environ["SLURM_CPUS_PER_TASK"])
+        elif cpus >= (os.cpu_count() or cpus):  # not bound per task: the node's workers share its CPUs
+            cpus //= max(1, int(environ.get("ELASTIC_SLOTS", "1") or 1))
+        return cls(wid, store, environ.get("ELASTIC_NODE", "?"), int(environ["SLURM_LOCALID"]), max(1, cpus))
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batch: int, lr: float) -> None:
@@ -63,6 +73,13 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="auto: the GPU of this slot when CUDA is available, else the CPU")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (CPU runs)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="DataLoader worker processes per training process (default: on a GPU, the CPUs "
+                             "Slurm gave the task but one, at most 8; on the CPU 0, loading in the training "
+                             "process, whose threads have the CPUs)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                        help="torch.autocast precision (fp16 with a gradient scaler); auto: bf16 on GPUs that "
+                             "support it, else fp32")
     parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints a line every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--observations", type=Path, default=None,
@@ -102,7 +119,64 @@ def _to(batch, device: torch.device):
     return batch
 
 
-def _local_step(model, optimizer, dataset, loss_of: Callable, batch: int, device: torch.device):
+def default_workers(env: WorkerEnv, device: torch.device) -> int:
+    """DataLoader workers when ``--workers`` is not given: on a GPU the task's CPUs but one (the training
+    process's own), at most 8; on the CPU none (the training threads use the CPUs)."""
+    return 0 if device.type != "cuda" else max(1, min(8, env.cpus - 1))
+
+
+def pick_precision(choice: str, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype of ``--precision`` (None: fp32, no autocast).
+
+    Raises:
+        SystemExit: bf16 or fp16 asked for on a device that cannot run it.
+    """
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    if choice == "fp32":
+        return None
+    if device.type != "cuda" and choice == "fp16":
+        raise SystemExit("--precision fp16 needs a GPU (use bf16 or fp32 on the CPU)")
+    if device.type == "cuda" and choice == "bf16" and not torch.cuda.is_bf16_supported():
+        raise SystemExit(f"--precision bf16: {torch.cuda.get_device_name(device)} does not support bfloat16")
+    return torch.bfloat16 if choice == "bf16" else torch.float16
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One training step's arithmetic: autocast to ``dtype`` (None: fp32), and for fp16 a gradient scaler (its
+    state travels with the trainer's, so every rank scales alike)."""
+
+    device_type: str
+    dtype: Optional[torch.dtype]
+    scaler: Optional[torch.amp.GradScaler]
+
+    @classmethod
+    def of(cls, dtype: Optional[torch.dtype], device: torch.device) -> "Precision":
+        scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
+        return cls(device.type, dtype, scaler)
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer) -> None:
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def extra_state(self) -> dict:
+        return {"scaler": self.scaler} if self.scaler is not None else {}
+
+
+def _local_step(model, optimizer, dataset, loss_of: Callable, batch: int, device: torch.device,
+                precision: Precision):
     """The warm-up step for ``ElasticTrainer(warm_up=)`` on a GPU (CUDA loads each kernel on its first use; the
     trainer runs it before joining and puts the state back); None on a CPU, where there is nothing to load."""
     if device.type != "cuda":
@@ -110,9 +184,9 @@ def _local_step(model, optimizer, dataset, loss_of: Callable, batch: int, device
     sample = _to(default_collate([dataset[i] for i in range(min(len(dataset), batch))]), device)
 
     def step(m: torch.nn.Module) -> None:
-        loss_of(m, sample).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with precision.autocast():
+            loss = loss_of(m, sample)
+        precision.backward_and_step(loss, optimizer)
     return step
 
 
@@ -135,6 +209,13 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     device = pick_device(args.device, env.local_id)
     model = model.to(device)
     optimizer = make_optimizer(model.parameters())
+    precision = Precision.of(pick_precision(args.precision, device), device)
+    workers = args.workers if args.workers is not None else default_workers(env, device)
+    loading = {"num_workers": workers, "pin_memory": device.type == "cuda"}
+    if workers:
+        loading.update(persistent_workers=True, prefetch_factor=4)
+    print(f"{env.wid}: {device}, precision {args.precision} ({precision.dtype or torch.float32}), "
+          f"{workers} DataLoader worker(s) per process", flush=True)
     telemetry = Telemetry(profile=profile, gpu=gpu_type(device),
                           intra_link="nvlink" if device.type == "cuda" else "shm")
     policy = BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling=args.lr_scaling,
@@ -144,20 +225,20 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
-                        warm_up=_local_step(model, optimizer, dataset, loss_of, args.per_gpu_batch, device))
+                        warm_up=_local_step(model, optimizer, dataset, loss_of, args.per_gpu_batch, device, precision),
+                        extra_state=precision.extra_state())
     loss = torch.tensor(float("nan"))
     window = (time.perf_counter(), 0)
     rank = None  # the group is gone after close(): remember the last rank
     try:
-        for batch in et.loader(dataset, max_steps=args.steps):
+        for batch in et.loader(dataset, max_steps=args.steps, **loading):
             # no host synchronisation in the step: the runtime reports progress at its commit points, and a
             # non-finite loss is voted on there (watch_loss keeps the check on the device)
             batch = _to(batch, device)
-            loss = loss_of(et.model, batch)
+            with precision.autocast():
+                loss = loss_of(et.model, batch)
             et.watch_loss(loss)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            precision.backward_and_step(loss, optimizer)
             went_on = et.commit()
             if not et.left:
                 rank = et.rank

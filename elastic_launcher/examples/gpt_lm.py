@@ -39,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def build_model_and_data(args: argparse.Namespace):
+    """The model and the dataset the options name."""
     size = models.GPT_SIZES[args.size]
     if args.context:
         size = dataclasses.replace(size, context=args.context)
@@ -50,7 +49,13 @@ def main(argv=None) -> int:
         dataset = data.TextBytes(args.data, size.context)
     else:
         dataset = data.SyntheticSequences(args.dataset_size, size.context, size.vocab, seed=args.seed)
-    model = models.GPT(size)
+    return models.GPT(size), dataset
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model, dataset = build_model_and_data(args)
     return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1),
                         dataset, loss_of, profile=args.profile, environ=os.environ)
 

@@ -1,0 +1,155 @@
+"""What a user compares (issue 23): their own torchrun script (A) against the template's script under the launcher
+(B), on the same model, data, batch, precision, optimizer and DataLoader worker count.
+
+A: ``bench/torchrun_plain.py`` under ``torch.distributed.run`` (DDP defaults, DistributedSampler, DataLoader).
+B: ``python -m elastic_launcher.examples.<task>``, the command the template runs, under the launcher's fixed-size
+   start without Slurm: this process hosts the job's store, posts the first plan (``Coordinator.start``) and
+   starts one process per GPU with the environment ``elastic-launch`` gives a step's tasks (``worker_env``,
+   ``SLURM_LOCALID``); the script picks its own DataLoader worker count (``--workers`` left to the template).
+Each run is a fresh process set; rounds alternate A, B then B, A. Samples/s is the harmonic mean of rank 0's
+progress windows after the first ``--skip`` windows (equal steps each, so it is total samples over total time).
+
+    python bench/vs_torchrun.py --data synthetic,jpeg,tokens --precision bf16,fp32 --gpus 1,2 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RATE = re.compile(r"^step (\d+)/\d+ .* ([0-9.]+) samples/s", re.M)
+WORKERS = re.compile(r"(\d+) DataLoader worker")
+TASK = {"synthetic": "resnet50", "jpeg": "resnet50", "tokens": "gpt-lm"}
+STEPS = {"resnet50": (120, 20), "gpt-lm": (60, 10)}  # (steps, log every)
+
+
+def write_jpegs(root: Path, n: int = 3000, classes: int = 10) -> Path:
+    """``n`` JPEG photos-like images of 500x375 in ``classes`` folders (smooth gradients plus noise, quality 90)."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:375, 0:500]
+    bases = [(np.sin(xx / rng.uniform(20, 80)) + np.cos(yy / rng.uniform(20, 80)))[..., None] * 60 + 128
+             for _ in range(classes)]
+    noise = rng.normal(0, 20, (375, 500, 3))
+    for i in range(n):
+        d = root / f"c{i % classes}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = (bases[i % classes] + np.roll(noise, 7 * i, axis=1)).clip(0, 255).astype(np.uint8)
+        Image.fromarray(img).save(d / f"{i}.jpg", quality=90)
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def harmonic_rate(out: str, skip: int) -> tuple[float, int]:
+    rates = [float(r) for _, r in RATE.findall(out)][skip:]
+    if not rates:
+        raise RuntimeError(f"no progress windows after the first {skip}:\n{out[-3000:]}")
+    return len(rates) / sum(1 / r for r in rates), len(rates)
+
+
+def task_args(task: str, data: str, jpeg_dir: Path, precision: str) -> list[str]:
+    steps, every = STEPS[task]
+    args = ["--steps", str(steps), "--log-every", str(every), "--precision", precision]
+    if data == "jpeg":
+        args += ["--data", str(jpeg_dir)]
+    return args
+
+
+def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpeg_dir: Path) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)]
+    cmd += task_args(task, data, jpeg_dir, precision)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, check=True).stdout
+
+
+def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path) -> str:
+    import torch.distributed as dist
+    from elastic_launcher.membership import Coordinator
+    from elastic_launcher.workers import worker_env, worker_id
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=120))
+    group = f"jbench-localhost-g{int(time.time())}"
+    Coordinator(dist.PrefixStore("job", server)).start([worker_id(group, s) for s in range(gpus)])
+    module = {"resnet50": "resnet50", "gpt-lm": "gpt_lm"}[task]
+    cmd = [sys.executable, "-m", f"elastic_launcher.examples.{module}"] + task_args(task, data, jpeg_dir, precision)
+    procs = []
+    for slot in range(gpus):
+        env = dict(os.environ, SLURM_LOCALID=str(slot),
+                   **worker_env(f"127.0.0.1:{server.port}/job", "bench", "localhost", group, gpus))
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("template run failed:\n" + "\n".join(o[-3000:] for o in outs))
+    del server
+    return outs[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="synthetic,jpeg,tokens")
+    ap.add_argument("--precision", default="bf16,fp32")
+    ap.add_argument("--gpus", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip", type=int, default=2, help="progress windows to leave out at the start")
+    ap.add_argument("--jpeg-dir", type=Path, default=None)
+    a = ap.parse_args()
+    import torch
+    from elastic_launcher.examples.common import WorkerEnv, default_workers
+    jpeg_dir = a.jpeg_dir or Path(tempfile.mkdtemp(prefix="vs_torchrun_jpeg_"))
+    datas = a.data.split(",")
+    if "jpeg" in datas and not any(jpeg_dir.rglob("*.jpg")):
+        t = time.perf_counter()
+        write_jpegs(jpeg_dir)
+        print(f"# wrote 3000 JPEGs (500x375) to {jpeg_dir} in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"# {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
+          f"{len(os.sched_getaffinity(0))} CPUs", flush=True)
+    rows = []
+    for data in datas:
+        task = TASK[data]
+        for precision in a.precision.split(","):
+            for gpus in [int(g) for g in a.gpus.split(",")]:
+                env = WorkerEnv("w", "", "localhost", 0, max(1, len(os.sched_getaffinity(0)) // gpus))
+                workers = default_workers(env, torch.device("cuda"))
+                res = {"A": [], "B": []}
+                for r in range(a.rounds):
+                    for side in ("AB" if r % 2 == 0 else "BA"):
+                        t0 = time.perf_counter()
+                        out = run_plain(task, data, gpus, precision, workers, jpeg_dir) if side == "A" else \
+                            run_template(task, data, gpus, precision, jpeg_dir)
+                        rate, n = harmonic_rate(out, a.skip)
+                        used = WORKERS.findall(out)
+                        res[side].append(rate)
+                        print(f"{data:9s} {precision} gpus={gpus} round {r} {side}: {rate:8.1f} samples/s "
+                              f"({n} windows, {time.perf_counter() - t0:.0f} s"
+                              f"{', template workers ' + used[0] if used else ''})", flush=True)
+                ratios = [b / x for b, x in zip(res["B"], res["A"])]
+                rows.append((data, precision, gpus, workers, res, ratios))
+    print("\n| data | precision | GPUs | loader workers | A: torchrun script, samples/s | B: template under the "
+          "launcher | B/A per round | B/A (median) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for data, precision, gpus, workers, res, ratios in rows:
+        print(f"| {data} | {precision} | {gpus} | {workers} | {', '.join(f'{x:.0f}' for x in res['A'])} | "
+              f"{', '.join(f'{x:.0f}' for x in res['B'])} | {', '.join(f'{x:.3f}' for x in ratios)} | "
+              f"**{statistics.median(ratios):.3f}** |")
+
+
+if __name__ == "__main__":
+    main()
