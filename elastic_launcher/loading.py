@@ -16,6 +16,12 @@ all); if the key is not among those in flight, the cursor is reset to it first, 
 respawned on a resize, only the batches in flight are read again. A projection the trainer learns is wrong
 before the loader reaches it (a next epoch became ready) is corrected with :meth:`Pipeline.rewind`, which keeps
 what is still valid in flight.
+
+A ``DataLoader`` cannot take back work it has queued to its workers, and on a loader-bound job the batches in
+flight are seconds of work, which the batch of the new epoch would wait behind. So every index list travels as
+a :class:`Work` (its sequence number and step), and the dataset is wrapped (:class:`Cancellable`) to check, before
+each item, a cancellation mark in shared memory: work that a rewind or reset made stale is skipped, item by item,
+and arrives as :data:`STALE`, which the trainer drops like any other unconfirmed batch.
 """
 from __future__ import annotations
 
@@ -33,6 +39,83 @@ __all__ = ["Basis", "StepsAhead", "Pipeline", "OWNED_OPTIONS"]
 OWNED_OPTIONS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "in_order")
 
 Key = tuple  # (epoch, pos, rank, batches): a step's slice for one rank
+
+
+class _Stale:
+    """What a cancelled :class:`Work` arrives as: one object in every process (unpickled as the same one)."""
+
+    def __reduce__(self):
+        return (_stale, ())
+
+    def __repr__(self) -> str:
+        return "STALE"
+
+
+def _stale() -> "_Stale":
+    return STALE
+
+
+STALE = _Stale()
+
+
+@dataclass(frozen=True)
+class Work:
+    """One index list handed to the ``DataLoader``: ``indices`` of the step ``step``, the ``seq``-th list handed out."""
+
+    seq: int
+    step: int
+    indices: list
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+
+class Cancellable(torch.utils.data.Dataset):
+    """The user's dataset as the ``DataLoader`` workers see it: a :class:`Work` marked stale in ``mark`` (a shared
+    ``[cancel_seq, cancel_step]``: work handed out before ``cancel_seq`` for a step at or after ``cancel_step``)
+    loads nothing more. Other attributes are the dataset's (``get_worker_info().dataset.x`` still works)."""
+
+    def __init__(self, dataset, mark: torch.Tensor) -> None:
+        self.dataset = dataset
+        self.mark = mark
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+    def __getattr__(self, name: str):
+        if name in ("dataset", "mark"):  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def _stale(self, work: Work) -> bool:
+        cancel_seq, cancel_step = self.mark.tolist()
+        return work.seq < cancel_seq and work.step >= cancel_step
+
+    def __getitems__(self, work: Work):
+        if not isinstance(work, Work):
+            return [self.dataset[i] for i in work]
+        items = []
+        for i in work.indices:
+            if self._stale(work):
+                return STALE
+            items.append(self.dataset[i])
+        return items
+
+
+@dataclass(frozen=True)
+class CollateUnlessStale:
+    """The user's ``collate_fn``, passing :data:`STALE` through."""
+
+    collate: Callable
+
+    def __call__(self, items):
+        return STALE if items is STALE else self.collate(items)
 
 
 @dataclass(frozen=True)
@@ -59,6 +142,7 @@ class StepsAhead:
         self._basis = basis
         self._cursor: tuple[int, int, int] = (0, 0, 0)  # (step, epoch, pos) of the next index list
         self.pending: deque = deque()
+        self.seq = 0  # index lists handed out so far
 
     def reset(self, step: int, epoch: int, pos: int) -> None:
         """The next index list is the one of ``step`` at ``(epoch, pos)``."""
@@ -80,13 +164,14 @@ class StepsAhead:
     def __iter__(self) -> "StepsAhead":
         return self
 
-    def __next__(self) -> list[int]:
+    def __next__(self) -> Work:
         step, epoch, pos = self._cursor
         basis = self._basis(step)
         sl = self._sampler.slice_at(epoch, pos, basis.rank, basis.batches)
         self.pending.append(self.key(epoch, pos, basis))
         self._cursor = (step + 1, *self._sampler.after(epoch, pos, basis.batches))
-        return sl.indices or sl.padding
+        self.seq += 1
+        return Work(self.seq - 1, step, sl.indices or sl.padding)
 
     def take(self) -> Key:
         """The key of the batch the ``DataLoader`` just delivered (the oldest handed out)."""
@@ -121,10 +206,10 @@ class Pipeline:
         self.dataset = dataset
         self.persistent = bool(options.get("persistent_workers", False))
         self.ahead = StepsAhead(sampler, basis)
+        self._mark = torch.zeros(2, dtype=torch.int64).share_memory_()  # Cancellable's [cancel_seq, cancel_step]
         kw = dict(options)
-        if collate_fn is not None:
-            kw["collate_fn"] = collate_fn
-        self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.ahead, **kw)
+        kw["collate_fn"] = CollateUnlessStale(collate_fn or torch.utils.data.default_collate)
+        self.loader = torch.utils.data.DataLoader(Cancellable(dataset, self._mark), batch_sampler=self.ahead, **kw)
         self._it: Optional[Any] = None
         self.dropped = 0
         self.resets = 0
@@ -133,21 +218,30 @@ class Pipeline:
     def num_workers(self) -> int:
         return self.loader.num_workers
 
+    def start(self, step: int, epoch: int, pos: int) -> None:
+        """Starts the workers now, loading from ``step`` at ``(epoch, pos)`` (a guess: :meth:`get` checks it)."""
+        if self._it is None:
+            self.ahead.reset(step, epoch, pos)
+            self._it = iter(self.loader)
+
     def get(self, step: int, epoch: int, pos: int, basis: Basis) -> Any:
         """The batch of ``step`` at ``(epoch, pos)`` under ``basis``: the collated items of
         ``sampler.slice_at(epoch, pos, basis.rank, basis.batches)`` (its indices, or its padding)."""
         want = self.ahead.key(epoch, pos, basis)
-        if self._it is None:
-            self.ahead.reset(step, epoch, pos)
-            self._it = iter(self.loader)  # starts the workers and fills the prefetch queue from the cursor
+        self.start(step, epoch, pos)  # the first call starts the workers and fills the prefetch queue
         while True:
             if want not in self.ahead.pending:
+                self._cancel(0)  # nothing in flight is of use
                 self.ahead.reset(step, epoch, pos)
                 self.resets += 1
             batch = next(self._it)
-            if self.ahead.take() == want:
+            if self.ahead.take() == want and batch is not STALE:
                 return batch
             self.dropped += 1
+
+    def _cancel(self, from_step: int) -> None:
+        """Work handed out so far for ``from_step`` and later loads nothing more."""
+        self._mark.copy_(torch.tensor([self.ahead.seq, from_step]))
 
     def rewind(self, step: int, epoch: int, pos: int, from_step: int) -> None:
         """The bases of the steps from ``from_step`` on changed: index lists handed out for them are stale. The
@@ -155,6 +249,7 @@ class Pipeline:
         flight before it stays valid, what is in flight after it is dropped when it arrives."""
         from_step = max(from_step, step)
         if self._it is not None and self.ahead.next_step > from_step:
+            self._cancel(from_step)
             self.ahead.reset(from_step, *self.ahead.walk(step, epoch, pos, from_step))
 
     def close(self) -> None:

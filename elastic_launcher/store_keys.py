@@ -192,5 +192,11 @@ def state(epoch: int) -> str:
     return f"state/{epoch}"
 
 
+def loader_start(epoch: int) -> str:
+    """Where ``epoch`` is expected to start (``{"step", "epoch", "pos"}``), written by the current epoch's rank 0
+    before it votes for the switch: newcomers' loaders read ahead from there while they wait for the state."""
+    return f"loader-start/{epoch}"
+
+
 # ---- wrapper example channel (relative to wrap_channel(epoch)) -------------------------------------------------
 WRAP_MASTER = "master"

@@ -30,6 +30,7 @@ pure functions (:mod:`elastic_launcher.epoch_decisions`) and executed apart (:mo
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -191,6 +192,7 @@ class ElasticTrainer:
         self.sampler: Optional[ElasticSampler] = None
         self._pipeline: Optional[Pipeline] = None  # the DataLoader of the last loader() call
         self._forecast: Optional[tuple[int, Basis]] = None  # (plan id, Basis) of the prepared next epoch
+        self._acked = 0  # the ready plan id the loader has seen (_follow_next_epoch); the vote waits for it
         # the current epoch (what EpochExecutor hands back), flat: the step reads these
         self.plan: Plan
         self.group: ProcessGroupWrapper
@@ -301,6 +303,7 @@ class ElasticTrainer:
             self.state.sampler = self.sampler
         pipe = self._pipeline_for(dataset, collate_fn, options)
         if self.phase is Phase.JOINING:
+            self._load_ahead_of_join(pipe)
             self._adopt(*self._executor.join(self.plan, self.group, self._step_fn))
         left = Phase.LEFT
         try:
@@ -341,26 +344,52 @@ class ElasticTrainer:
 
     def _load_basis(self, step: int) -> Basis:
         """What the batch taken at step count ``step`` is loaded for: the prepared next epoch's rank and batches
-        from the next commit point on (where the switch is expected), else the current epoch's."""
+        from the next commit point on (where the switch is expected) or, joining, the epoch being joined; else the
+        current epoch's. ``Pipeline.get`` is always asked with this function's answer, so a reset of the loader's
+        projection hands out exactly the batch asked for next."""
         nxt = self._forecast
-        if nxt is not None and step >= self.schedule.next_at:
+        if nxt is not None and (self.phase is Phase.JOINING or step >= self.schedule.next_at):
             return nxt[1]
         return Basis(self.rank, tuple(self.batches))
 
     def _follow_next_epoch(self, pipe: Pipeline) -> None:
         """Keeps the loader's projection in step with the prepared next epoch (no store access but once per
-        epoch, to read its members' speeds)."""
+        epoch): its rank and batches from the next commit point on; rank 0 publishes where the next epoch is
+        expected to start (for the newcomers' loaders) before this worker votes ready (``_acked``)."""
+        ready = self._next_epoch.ready_id()
+        if ready == self._acked:
+            return
+        self._forecast, self._acked = None, ready
         prepared = self._next_epoch.prepared()
-        pid = prepared[0] if prepared is not None else None
-        if pid == (self._forecast[0] if self._forecast is not None else None):
-            return
-        self._forecast = None
         plan = self.membership.next_plan()
-        if prepared is None or plan is None or plan.id != pid:
-            return
+        if prepared is None or plan is None or plan.id != prepared[0]:
+            return  # none ready, or this worker leaves
         group = prepared[1]
-        self._forecast = (pid, Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size()))))
-        pipe.rewind(self.step, self.sampler.epoch, self.sampler.pos, self.schedule.next_at)
+        self._forecast = (ready, Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size()))))
+        at = self.schedule.next_at
+        pipe.rewind(self.step, self.sampler.epoch, self.sampler.pos, at)
+        if self.rank == 0 and any(m not in self.plan.members for m in plan.members):
+            epoch, pos = pipe.ahead.walk(self.step, self.sampler.epoch, self.sampler.pos, max(at, self.step))
+            self._store.set(keys.loader_start(ready), json.dumps({"step": max(at, self.step), "epoch": epoch,
+                                                                  "pos": pos}))
+
+    def _load_ahead_of_join(self, pipe: Pipeline) -> None:
+        """Starts the loader before the state arrives, where the epoch is expected to start: the beginning for the
+        first epoch, else what the current epoch's rank 0 published (:meth:`_follow_next_epoch`); the first
+        batches are then loaded while the survivors train on. A wrong guess costs a reload, nothing else."""
+        if self.plan.kind == "initial":
+            start = {"step": self.step, "epoch": self.sampler.epoch, "pos": self.sampler.pos}
+        else:
+            key = keys.loader_start(self.plan.id)
+            try:
+                self._store.wait([key], self.config.rendezvous_timeout)
+                start = json.loads(self._store.get(key))
+            except Exception as e:  # noqa: BLE001 - the state broadcast decides; this was only a head start
+                logger.info("no loader start for epoch %d: %s", self.plan.id, e)
+                return
+        batches = self._executor.batches_for(self.plan, self.group.size())
+        self._forecast = (self.plan.id, Basis(self.group.rank(), tuple(batches)))
+        pipe.start(start["step"], start["epoch"], start["pos"])
 
     # ---- commit ---------------------------------------------------------------------------------------------
     def commit(self, compute_s: Optional[float] = None) -> bool:
@@ -463,7 +492,8 @@ class ElasticTrainer:
 
     def _vote(self) -> bool:
         """A commit point: vote, ``decide_commit``, apply. Returns False once this worker left."""
-        tally = self._tally(self._next_epoch.ready_id())
+        ready = self._next_epoch.ready_id()
+        tally = self._tally(ready if ready == self._acked else 0)  # the loader has seen the next epoch first
         action = decide_commit(tally, self.group.errored(), self._local_error, self._next_epoch.leaving(),
                                self.failures, self.config.max_retries)
         if action.outcome in _COMMITTING:
@@ -532,6 +562,7 @@ class ElasticTrainer:
         self.plan, self.group, self.ddp, self._hook, self.batches = (epoch.plan, epoch.group, epoch.ddp, epoch.hook,
                                                                      epoch.batches)
         self.phase = Phase.TRAINING
+        self._forecast = None  # the loader now loads for this epoch
         self.epoch_start_step = self.step
         self._local_error = self._nonfinite = None
         self.state.snapshot()

@@ -3,11 +3,12 @@ exact through resizes and rollbacks (gloo, spawned workers, each with DataLoader
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 
 import pytest
 import torch
 
-from elastic_launcher.loading import Basis, Pipeline, StepsAhead
+from elastic_launcher.loading import STALE, Basis, Cancellable, Pipeline, StepsAhead, Work
 from elastic_launcher.sampler import ElasticSampler
 from tests.unit.test_runtime_harness import Cluster, check_accounting, port_closed, read_logs
 
@@ -95,10 +96,21 @@ def test_steps_ahead_walks_the_sampler_without_moving_it():
     s = ElasticSampler(20, seed=1)
     ahead = StepsAhead(s, lambda step: Basis(1, (4, 4)) if step < 2 else Basis(0, (6,)))
     ahead.reset(0, 0, 0)
-    lists = [next(ahead) for _ in range(5)]
+    lists = [next(ahead).indices for _ in range(5)]
     assert (s.epoch, s.pos) == (0, 0)
     assert lists[0] == s.slice_at(0, 0, 1, (4, 4)).indices
     assert lists[2] == s.slice_at(0, 16, 0, (6,)).indices and len(lists[2]) == 4  # the epoch's last 4
     assert lists[3] == s.slice_at(1, 0, 0, (6,)).indices  # the next epoch's permutation
     assert [k[:2] for k in ahead.pending] == [(0, 0), (0, 8), (0, 16), (1, 0), (1, 6)]
     assert ahead.walk(0, 0, 0, 3) == (1, 0)
+
+
+def test_cancelled_work_loads_nothing_more():
+    mark = torch.zeros(2, dtype=torch.int64)
+    data = Cancellable(_Items(), mark)
+    assert data.__getitems__(Work(4, 7, [1, 2])) == [1, 2]
+    mark.copy_(torch.tensor([5, 7]))  # work handed out before #5 for step 7 on is stale
+    assert data.__getitems__(Work(4, 7, [1, 2])) is STALE
+    assert data.__getitems__(Work(4, 6, [1, 2])) == [1, 2]  # an earlier step stays valid
+    assert data.__getitems__(Work(5, 9, [3])) == [3]  # handed out after the cancellation
+    assert pickle.loads(pickle.dumps(STALE)) is STALE
