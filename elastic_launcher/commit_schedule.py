@@ -108,14 +108,16 @@ class CommitSchedule:
             target = max(target, self.cost_s / self.overhead_budget)
         return max(1, min(math.ceil(target / step - 1e-6), ramp))  # 1e-6: 0.5 / 0.05 is 10, not 11
 
-    def committed(self, step: int, proposals_sum: int, n: int, t: float) -> None:
-        """The vote at ``step`` succeeded and ended at ``t``; ``proposals_sum`` is the agreed SUM over ``n`` ranks."""
+    def committed(self, step: int, proposals_sum: int, n: int, t: float, at_least: int = 1) -> None:
+        """The vote at ``step`` succeeded and ended at ``t``; ``proposals_sum`` is the agreed SUM over ``n`` ranks;
+        ``at_least``: the agreed smallest interval to the next commit point (a loader's lead before a switch)."""
         if self._measurable and self._commit_t is not None and len(self._in_interval) >= _MIN_STEPS_FOR_COST:
             k = len(self._in_interval) + 1
             cost = max(0.0, (t - self._commit_t) - k * statistics.median(self._in_interval))
             self.cost_s = cost if self.cost_s is None else 0.5 * self.cost_s + 0.5 * cost
             self.history.append((step, k, cost))
-        self.interval = max(1, min(self.max_every, -(-int(proposals_sum) // max(n, 1))))
+        lead = at_least if self.every is None else 1  # a fixed interval stays fixed
+        self.interval = min(self.max_every, max(1, lead, -(-int(proposals_sum) // max(n, 1))))
         self.next_at = step + self.interval
         self._in_interval = []
         self._last_t = self._commit_t = t

@@ -7,6 +7,8 @@ Transitions of one worker (:class:`Phase`)::
     JOINING --join (state from the plan's first survivor)--> TRAINING
     TRAINING, at a commit point: decide_commit(vote) ->
         COMMIT    the step becomes the rollback point                           -> TRAINING
+        ARM       every rank is ready, but a rank's loader needs time to read the next epoch's batches: commit,
+                  and switch at the next commit point (the interval to it is at least that loader's depth)
         SWITCH    commit, then move to the next epoch's prepared group           -> TRAINING (next epoch)
         LEAVE     commit, then leave (this worker is not in the next plan)       -> LEFT
         ROLLBACK  a rank saw a local error: restore the last commit point        -> TRAINING
@@ -39,7 +41,9 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class VoteTally:
-    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1, proposal].
+    """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1, proposal,
+    lead, leading]: ``lead`` is the steps a rank's loader needs to read the next epoch's batches before a switch
+    (its depth), ``leading`` 1 where that is not yet armed for this commit point.
 
     Attributes:
         counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
@@ -48,6 +52,8 @@ class VoteTally:
         local_ok: no rank reported a local error (non-finite loss, ...): else everyone rolls back.
         ready: every rank is ready to switch to the same next epoch (``ready`` > 0).
         proposals: the sum of the ranks' proposed commit intervals (``CommitSchedule.committed`` reads it).
+        lead: steps the switch must be announced ahead (the mean over the ranks that need it), 0 when every rank
+            is armed for this commit point or needs none.
     """
 
     counted: bool
@@ -55,18 +61,21 @@ class VoteTally:
     local_ok: bool
     ready: bool
     proposals: int = 0
+    lead: int = 0
 
     @classmethod
     def read(cls, v, n: int, ready: int) -> "VoteTally":
-        total, coll, local, count, proposals = (int(x) for x in v)
+        total, coll, local, count, proposals, lead, leading = [int(x) for x in v] + [0] * (7 - len(v))
         counted = count == n
-        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready, proposals)
+        return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready, proposals,
+                   -(-lead // leading) if leading else 0)
 
 
 class CommitOutcome(enum.Enum):
     """What a commit point does (see the module docstring's diagram)."""
 
     COMMIT = "commit"
+    ARM = "arm"
     SWITCH = "switch"
     LEAVE = "leave"
     ROLLBACK = "rollback"
@@ -106,6 +115,8 @@ def decide_commit(tally: Optional[VoteTally], collective_error: Optional[BaseExc
     elif not tally.local_ok:
         outcome = CommitOutcome.ROLLBACK
         error = local_error or FloatingPointError("a rank saw a non-finite loss (watch_loss)")
+    elif tally.ready and tally.lead:
+        return CommitAction(CommitOutcome.ARM, 0)
     elif tally.ready:
         return CommitAction(CommitOutcome.LEAVE if leaving else CommitOutcome.SWITCH, 0)
     else:

@@ -218,6 +218,11 @@ class Pipeline:
     def num_workers(self) -> int:
         return self.loader.num_workers
 
+    @property
+    def depth(self) -> int:
+        """Batches in flight at most: one asked for now arrives after these (0 when loading in this process)."""
+        return self.loader.num_workers * (self.loader.prefetch_factor or 0)
+
     def start(self, step: int, epoch: int, pos: int) -> None:
         """Starts the workers now, loading from ``step`` at ``(epoch, pos)`` (a guess: :meth:`get` checks it)."""
         if self._it is None:
@@ -229,11 +234,15 @@ class Pipeline:
         ``sampler.slice_at(epoch, pos, basis.rank, basis.batches)`` (its indices, or its padding)."""
         want = self.ahead.key(epoch, pos, basis)
         self.start(step, epoch, pos)  # the first call starts the workers and fills the prefetch queue
+        reset = False
         while True:
             if want not in self.ahead.pending:
+                if reset:  # the projection, reset to this step, did not hand out this key
+                    raise RuntimeError(f"loader: the basis of step {step} asked for is not the projection's")
                 self._cancel(0)  # nothing in flight is of use
                 self.ahead.reset(step, epoch, pos)
                 self.resets += 1
+                reset = True
             batch = next(self._it)
             if self.ahead.take() == want and batch is not STALE:
                 return batch

@@ -192,7 +192,7 @@ class ElasticTrainer:
         self.sampler: Optional[ElasticSampler] = None
         self._pipeline: Optional[Pipeline] = None  # the DataLoader of the last loader() call
         self._forecast: Optional[tuple[int, Basis]] = None  # (plan id, Basis) of the prepared next epoch
-        self._acked = 0  # the ready plan id the loader has seen (_follow_next_epoch); the vote waits for it
+        self._switch_at: Optional[int] = None  # the commit point an ARM set for the switch
         # the current epoch (what EpochExecutor hands back), flat: the step reads these
         self.plan: Plan
         self.group: ProcessGroupWrapper
@@ -314,7 +314,6 @@ class ElasticTrainer:
                         self._end_commit_point()  # may roll back or recover: the loop then trains those steps again
                         continue
                     return
-                self._follow_next_epoch(pipe)
                 sl = self.sampler.slice_for(self.rank, self.batches)
                 self.batch_indices = sl.indices
                 if self._hook is not None:
@@ -343,39 +342,49 @@ class ElasticTrainer:
         return self._pipeline
 
     def _load_basis(self, step: int) -> Basis:
-        """What the batch taken at step count ``step`` is loaded for: the prepared next epoch's rank and batches
-        from the next commit point on (where the switch is expected) or, joining, the epoch being joined; else the
-        current epoch's. ``Pipeline.get`` is always asked with this function's answer, so a reset of the loader's
-        projection hands out exactly the batch asked for next."""
+        """What the batch taken at step count ``step`` is loaded for: the next epoch's rank and batches from the
+        commit point its switch was armed for (ARM) or, joining, the epoch being joined; else the current epoch's.
+        ``Pipeline.get`` is always asked with this function's answer, so a reset of the loader's projection hands
+        out exactly the batch asked for next."""
         nxt = self._forecast
-        if nxt is not None and (self.phase is Phase.JOINING or step >= self.schedule.next_at):
+        if nxt is not None and (self.phase is Phase.JOINING or
+                                (self._switch_at is not None and step >= self._switch_at)):
             return nxt[1]
         return Basis(self.rank, tuple(self.batches))
 
-    def _follow_next_epoch(self, pipe: Pipeline) -> None:
-        """Keeps the loader's projection in step with the prepared next epoch (no store access but once per
-        epoch): its rank and batches from the next commit point on; rank 0 publishes where the next epoch is
-        expected to start (for the newcomers' loaders) before this worker votes ready (``_acked``)."""
-        ready = self._next_epoch.ready_id()
-        if ready == self._acked:
-            return
-        self._forecast, self._acked = None, ready
-        prepared = self._next_epoch.prepared()
+    def _lead(self) -> int:
+        """Steps this worker's loader needs between the announcement of a switch and the switch: what it has in
+        flight (a batch asked for now arrives after those), 0 when it loads in this process or leaves."""
+        if self._pipeline is None or self._next_epoch.leaving():
+            return 0
+        return self._pipeline.depth
+
+    def _arm(self) -> None:
+        """ARM: every rank is ready and the switch is at the next commit point (``schedule.next_at``): the loader
+        reads the next epoch's batches from there on, and rank 0 says where that epoch starts (newcomers' loaders
+        read ahead from there while they wait for the state)."""
+        self._switch_at = self.schedule.next_at
+        prepared, plan = self._next_epoch.prepared(), self.membership.next_plan()
+        if prepared is not None and plan is not None and plan.id == prepared[0]:
+            group = prepared[1]
+            self._forecast = (plan.id, Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size()))))
+            if self._pipeline is not None:
+                self._pipeline.rewind(self.step, self.sampler.epoch, self.sampler.pos, self._switch_at)
+        self._publish_start(self._switch_at)
+
+    def _publish_start(self, at: int) -> None:
+        """Rank 0 writes where the next epoch starts when it brings newcomers (``keys.loader_start``)."""
         plan = self.membership.next_plan()
-        if prepared is None or plan is None or plan.id != prepared[0]:
-            return  # none ready, or this worker leaves
-        group = prepared[1]
-        self._forecast = (ready, Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size()))))
-        at = self.schedule.next_at
-        pipe.rewind(self.step, self.sampler.epoch, self.sampler.pos, at)
-        if self.rank == 0 and any(m not in self.plan.members for m in plan.members):
-            epoch, pos = pipe.ahead.walk(self.step, self.sampler.epoch, self.sampler.pos, max(at, self.step))
-            self._store.set(keys.loader_start(ready), json.dumps({"step": max(at, self.step), "epoch": epoch,
-                                                                  "pos": pos}))
+        if self.rank != 0 or plan is None or all(m in self.plan.members for m in plan.members):
+            return
+        epoch, pos = self.sampler.epoch, self.sampler.pos
+        if self._pipeline is not None:
+            epoch, pos = self._pipeline.ahead.walk(self.step, epoch, pos, at)
+        self._store.set(keys.loader_start(plan.id), json.dumps({"step": at, "epoch": epoch, "pos": pos}))
 
     def _load_ahead_of_join(self, pipe: Pipeline) -> None:
         """Starts the loader before the state arrives, where the epoch is expected to start: the beginning for the
-        first epoch, else what the current epoch's rank 0 published (:meth:`_follow_next_epoch`); the first
+        first epoch, else what the current epoch's rank 0 published (:meth:`_publish_start`); the first
         batches are then loaded while the survivors train on. A wrong guess costs a reload, nothing else."""
         if self.plan.kind == "initial":
             start = {"step": self.step, "epoch": self.sampler.epoch, "pos": self.sampler.pos}
@@ -470,11 +479,14 @@ class ElasticTrainer:
         ok_coll = 0 if self.group.errored() is not None else 1
         ok_local = 0 if self._local_error is not None else 1
         n = self.group.size()
-        # SUM of [ready, ok_coll, ok_local, 1, proposal]: the 4th entry counts the ranks that took part (a dead
-        # rank cannot be counted, so a vote an aborted communicator hands back, untouched or half reduced, reads
-        # as failed); the 5th gives every rank the same next commit interval
-        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal()], dtype=torch.int64,
-                         device=self.device)
+        # SUM of [ready, ok_coll, ok_local, 1, proposal, lead, leading]: the 4th entry counts the ranks that took
+        # part (a dead rank cannot be counted, so a vote an aborted communicator hands back, untouched or half
+        # reduced, reads as failed); the 5th gives every rank the same next commit interval; the last two say
+        # whether a switch must be armed first, and how far ahead (VoteTally.lead)
+        lead = self._lead() if ready else 0
+        leading = 1 if lead and self._switch_at != self.step else 0  # not armed for this commit point yet
+        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal(), lead * leading, leading],
+                         dtype=torch.int64, device=self.device)
         nonfinite, self._nonfinite = self._nonfinite, None
         if nonfinite is not None:  # watch_loss: a non-finite loss since the last commit point is a local error
             v[2] -= nonfinite.to(device=self.device, dtype=torch.int64)
@@ -492,8 +504,7 @@ class ElasticTrainer:
 
     def _vote(self) -> bool:
         """A commit point: vote, ``decide_commit``, apply. Returns False once this worker left."""
-        ready = self._next_epoch.ready_id()
-        tally = self._tally(ready if ready == self._acked else 0)  # the loader has seen the next epoch first
+        tally = self._tally(self._next_epoch.ready_id())
         action = decide_commit(tally, self.group.errored(), self._local_error, self._next_epoch.leaving(),
                                self.failures, self.config.max_retries)
         if action.outcome in _COMMITTING:
@@ -519,6 +530,9 @@ class ElasticTrainer:
         if outcome is CommitOutcome.RECOVER:
             self._recover(action.error)
             return True
+        switch_at, self._switch_at = self._switch_at, None  # an armed switch holds for one commit point only
+        if switch_at is not None and outcome is not CommitOutcome.SWITCH:
+            self._forecast = None
         if outcome is CommitOutcome.ROLLBACK:
             self.state.restore()
             self._local_error = self._nonfinite = None
@@ -531,9 +545,14 @@ class ElasticTrainer:
             self.membership.report_switched(self.plan, rec)
         self.state.snapshot()
         self.committed_step = self.step
-        self.schedule.committed(self.step, tally.proposals, self.group.size(), time.perf_counter())
+        self.schedule.committed(self.step, tally.proposals, self.group.size(), time.perf_counter(), tally.lead)
+        if outcome is CommitOutcome.ARM:
+            self._arm()
+            return True
         if outcome is CommitOutcome.COMMIT:
             return True
+        if outcome is CommitOutcome.SWITCH and switch_at is None:
+            self._publish_start(self.step)  # no loader needed a lead: newcomers learn the start now
         pid, new_group = self._next_epoch.take()
         old_plan, old_group = self.plan, self.group
         self.ddp = None  # the old reducer (freed later by the cyclic GC; the old group stays retired)
@@ -562,7 +581,7 @@ class ElasticTrainer:
         self.plan, self.group, self.ddp, self._hook, self.batches = (epoch.plan, epoch.group, epoch.ddp, epoch.hook,
                                                                      epoch.batches)
         self.phase = Phase.TRAINING
-        self._forecast = None  # the loader now loads for this epoch
+        self._forecast = self._switch_at = None  # the loader now loads for this epoch
         self.epoch_start_step = self.step
         self._local_error = self._nonfinite = None
         self.state.snapshot()
@@ -606,4 +625,4 @@ class ElasticTrainer:
         self.close()
 
 
-_COMMITTING = (CommitOutcome.COMMIT, CommitOutcome.SWITCH, CommitOutcome.LEAVE)
+_COMMITTING = (CommitOutcome.COMMIT, CommitOutcome.ARM, CommitOutcome.SWITCH, CommitOutcome.LEAVE)

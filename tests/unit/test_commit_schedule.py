@@ -91,3 +91,14 @@ def test_committed_steps_releases_covered_records_and_drops_rolled_back_ones():
     assert c.ready(2, 2) == ["b1'"]
     c.add(2, "b2'")
     assert c.rest() == ["b2'"] and c.rest() == []
+
+
+def test_an_armed_switch_gets_at_least_the_loaders_lead_unless_the_interval_is_fixed():
+    auto = CommitSchedule(None, 0.5, 0.01, 256)
+    auto.committed(10, 2 * 3, 2, 1.0, at_least=32)
+    assert (auto.interval, auto.next_at) == (32, 42)
+    auto.committed(42, 2 * 3, 2, 2.0, at_least=1000)
+    assert auto.interval == 256  # never past max_every
+    fixed = CommitSchedule(5, 0.5, 0.01, 256)
+    fixed.committed(10, 2 * 5, 2, 1.0, at_least=32)
+    assert fixed.interval == 5

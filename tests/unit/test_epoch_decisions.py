@@ -24,6 +24,19 @@ def test_everyone_ready_switches_or_leaves(leaving, outcome):
     assert decide_commit(READY, None, None, leaving, 0, 3).outcome is outcome
 
 
+@pytest.mark.parametrize("leaving", [False, True])
+def test_everyone_ready_arms_first_when_a_loader_needs_a_lead(leaving):
+    # a rank whose loader has batches in flight is not armed for this commit point: everyone commits and switches
+    # (or leaves) at the next one, which every rank read from the same vote
+    armed_later = VoteTally.read([18, 2, 2, 2, 10, 32, 1], 2, 9)
+    assert (armed_later.ready, armed_later.lead) == (True, 32)
+    assert decide_commit(armed_later, None, None, leaving, 0, 3).outcome is CommitOutcome.ARM
+    armed = VoteTally.read([18, 2, 2, 2, 10, 0, 0], 2, 9)
+    assert decide_commit(armed, None, None, leaving, 0, 3).outcome is \
+        (CommitOutcome.LEAVE if leaving else CommitOutcome.SWITCH)
+    assert VoteTally.read([18, 4, 4, 4, 10, 16 + 32, 2], 4, 9).lead == 24  # the mean over the ranks that lead
+
+
 def test_a_local_error_rolls_back_even_when_everyone_is_ready():
     err = ValueError("bad batch")
     action = decide_commit(LOCAL_ERROR, None, err, leaving=False, failures=0, max_retries=3)

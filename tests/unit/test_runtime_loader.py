@@ -58,6 +58,8 @@ def test_loader_workers_exact_across_2_3_1_and_a_rollback(tmp_path):
         assert mine and mine[0]["pid"] not in loaders, f"{wid}: a batch was loaded in the training process"
         assert len(loaders) == LOADER["num_workers"], f"{wid}: loaded by {sorted(loaders)} (respawned?)"
     assert res["w0"]["sampler"]["epoch"] >= 1  # the run crossed an epoch boundary
+    # the loader was right about both switches (armed a commit point ahead); only the rollback reset it
+    assert res["w0"]["loading"]["resets"] == 1, res["w0"]["loading"]
 
 
 def test_the_loader_refuses_options_the_sampler_owns():
