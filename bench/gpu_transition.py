@@ -389,9 +389,9 @@ def main() -> None:
     ap.add_argument("--schedule", default="", help="steady: sizes, comma-separated (default 1,S,L,S,L,S)")
     ap.add_argument("--rounds", type=int, default=8, help="steady: interleaved rounds (bench/interleaved.py)")
     ap.add_argument("--block-steps", type=int, default=40, help="steady: timed steps of a block in a round")
-    ap.add_argument("--bracket", action="store_true",
-                    help="steady: also plain DDP measured before and after ours' schedule run, as up to session 7 "
-                         "(the drift of the host between the runs shows)")
+    ap.add_argument("--bracket", action=argparse.BooleanOptionalAction, default=True,
+                    help="steady: plain DDP measured right before and after ours' schedule run, goodput's ideal "
+                         "(the drift of the host between the two shows); --no-bracket: no goodput")
     ap.add_argument("--steps", type=int, default=250, help="--bracket: plain DDP timed steps at each size")
     ap.add_argument("--warm", type=int, default=20, help="--bracket: plain DDP steps before timing")
     ap.add_argument("--sizes", default="", help="worker: plain-steady sizes")
@@ -422,6 +422,7 @@ def main() -> None:
     results: dict = {}
     phase_lines: list[str] = []
     steady_rows: list[str] = []
+    bench_bugs: list[str] = []
     goodput_lines: list[str] = []
     schedule = [int(x) for x in args.schedule.split(",")] if args.schedule else \
         ([1] if S > 1 else []) + [S, L, S, L, S]
@@ -436,10 +437,11 @@ def main() -> None:
                 # the steady ratio: plain DDP and ours in interleaved blocks in one process set (the host of this
                 # host-bound step drifts by 20% within a minute: plain DDP measured before and after ours, as up
                 # to session 7, put that drift into the ratio)
-                blocks, _ = interleaved.run(model, sizes, [interleaved.PLAIN, "trainer"], args.device,
+                blocks, _ = interleaved.run(model, sizes, ["ddp", "ddp-default", "trainer"], args.device,
                                             rounds=args.rounds, steps=args.block_steps)
-                inter = interleaved.ratios(blocks, "trainer", interleaved.PLAIN)
-                print(json.dumps({"model": model, "interleaved": inter}), flush=True)
+                inter = interleaved.ratios(blocks, "trainer", "ddp")  # like for like: the trainer's DDP settings
+                inter_default = interleaved.ratios(blocks, "trainer", "ddp-default")
+                print(json.dumps({"model": model, "interleaved": inter, "vs_ddp_default": inter_default}), flush=True)
                 before = {}
                 if args.bracket:
                     c = Controller(args)
@@ -452,15 +454,16 @@ def main() -> None:
                     c.close()
                     c = Controller(args)
                     after = steady_goodput.run_plain_steady(c, sizes)
-                own = steady_goodput.analyse(ours_sched, {}, ours_sched["b"], schedule)
-                steady = steady_goodput.analyse(ours_sched, steady_goodput.matched_plain(own, inter),
-                                                ours_sched["b"], schedule)
-                steady_rows += steady_goodput.table(model, inter, steady)
-                bracketed = steady_goodput.analyse(ours_sched, steady_goodput.bracket(before, after),
-                                                   ours_sched["b"], schedule) if args.bracket else None
-                if bracketed is not None:
-                    steady_rows += steady_goodput.bracket_rows(model, bracketed, steady_goodput.bracket(before, after))
-                print(json.dumps({"model": model, "result": steady, "bracketed": bracketed}), flush=True)
+                measured = steady_goodput.bracket(before, after) if args.bracket else {}
+                steady = steady_goodput.analyse(ours_sched, measured, ours_sched["b"], schedule)
+                steady_rows += steady_goodput.table(model, inter, steady, inter_default)
+                if measured:
+                    steady_rows += steady_goodput.bracket_rows(model, steady, measured)
+                g = steady["goodput"]
+                if g is not None and (g["ratio"] > 1.0 or g["gpu_time_ratio"] > 1.0):
+                    bench_bugs.append(f"{model}: goodput {g['ratio']:.3f} / GPU-time {g['gpu_time_ratio']:.3f} "
+                                      "above 1.0: a bug in the bench until shown otherwise")
+                print(json.dumps({"model": model, "result": steady}), flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on
                 steady_rows.append(f"| {model} | - | - | - | failed: {type(e).__name__}: {str(e)[:160]} | | | |")
             finally:
@@ -529,6 +532,9 @@ def main() -> None:
             with open(args.out, "w") as f:
                 f.write("\n".join(report) + "\n")
     print("\n".join(report) + "\n", flush=True)
+    if bench_bugs:
+        print("\n".join(["BENCH FAILED:"] + bench_bugs), flush=True)
+        sys.exit(1)
 
 
 def phase_table(rows: list[str]) -> list[str]:

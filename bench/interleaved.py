@@ -2,7 +2,8 @@
 variant at every size built once in the same processes and run in short interleaved blocks (round-robin, the order
 rotated each round), so a host that drifts by several ms a minute (bench/results/gpu_transition.md, sessions 6-8:
 ResNet-50's host-bound step moved 20% between blocks a minute apart) moves every variant alike. This is where
-``bench/gpu_transition.py`` takes its steady ratio from (``--sizes 1,2,4 --variants ddp-default,trainer``).
+``bench/gpu_transition.py`` takes its steady ratio from (variants ``ddp,ddp-default,trainer``: against ``ddp``
+first, like for like, and ``ddp-default`` beside it).
 
 Variants (``--variants``, comma-separated; all wrap the same module, whose idle wrappers' reducers do nothing):
 
@@ -51,7 +52,6 @@ from gpu_common import Synthetic, build, pin_cpus, sync  # noqa: E402
 BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
     else "broadcast_buffers"  # as the trainer wraps (elastic_launcher/epochs.py)
 ALL = "ddp,ddp-default,ddp+pyhook,ddp+elastic,trainer"
-PLAIN = "ddp-default"  # plain DDP as a torchrun script runs it: the baseline of the steady ratio
 PHASES = ("next", "forward", "backward", "optimizer", "commit")
 
 

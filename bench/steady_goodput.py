@@ -14,10 +14,11 @@ ours    ElasticTrainer as the templates build it (default TrainerConfig, so the 
         (helper jobs start while the job trains), leavers exit at the commit point that shrinks.
 
 Since session 8 the steady ratio comes from ``bench/interleaved.py`` (plain DDP and ours in interleaved blocks in
-one process set: on 4x H200 the host-bound ResNet-50 step moved by 20% between blocks a minute apart, so plain DDP
-measured before and after ours put the host's drift into the ratio); ``--bracket`` still runs plain as above.
-Goodput's ideal takes plain DDP's step at size n as ours' steady step at n in the schedule run over the interleaved
-ratio at n (``matched_plain``): plain measured beside ours, carried to the schedule run's minutes.
+one process set: on 4x H200 the host-bound ResNet-50 step moved by 20% between blocks a minute apart), against
+``ddp`` (DDP with the trainer's own settings: no buffer broadcast in every forward) first and ``ddp-default``
+beside it. Goodput's ideal is *measured* in the same run: plain DDP at each size right before and right after
+ours' schedule run (``bracket``), never derived from the steady ratio; a goodput above 1.0 is a bench bug and
+fails the run (bench/gpu_transition.py exits 1).
 
 Steady (ours): per size, windows between commit points (the vote synchronises the device there, so a window is
 exact device time), from ``SEG_WARM`` steps after entering the size to the last commit point before the step
@@ -26,7 +27,10 @@ that switches away or before newcomers are started on the same host (their start
 inside them. Goodput: from the first step after the 1 -> S switch to the end, samples trained over the ideal,
 where ideal = sum over sizes n of (time spent at n) x (plain DDP's samples/s at n). Every second counts: a
 step's period (end of its commit to the end of the next) goes to the size it ran at, so the resize pauses, the
-commit points and the first steps at a new size are all in the denominator.
+commit points and the first steps at a new size are all in the denominator. GPU-time goodput charges the GPUs
+held instead of those trained on: from the moment a grow's newcomers are started (their helper job holds its
+GPUs while they start and warm up) to the switch, a step's period counts the newcomers' GPUs too, each at plain
+DDP's per-GPU rate at the size the job runs at.
 """
 from __future__ import annotations
 
@@ -290,9 +294,14 @@ def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
         world = recs[m][0]
         t_at[world] = t_at.get(world, 0.0) + recs[m][1] - recs[m - 1][1]
         samples += world * b
+    held = _gpus_held(recs, started)
     if t_at and all(w in plain for w in t_at):
         ideal = sum(t * w * b / plain[w]["mean_s"] for w, t in t_at.items())
+        # every GPU held could have trained at plain DDP's per-GPU rate at the size the job runs at
+        ideal_held = sum((recs[m][1] - recs[m - 1][1]) * held[m] * b / plain[recs[m][0]]["mean_s"]
+                         for m in range(g0 + 1, len(recs)))
         out["goodput"] = {"samples": samples, "ideal": ideal, "ratio": samples / ideal,
+                          "gpu_time_ideal": ideal_held, "gpu_time_ratio": samples / ideal_held,
                           "seconds": {w: round(t, 2) for w, t in sorted(t_at.items())},
                           "steps": len(recs) - g0 - 1}
     sw = [s for s in ours["switches"] if s["kind"] == "resize"]
@@ -301,20 +310,28 @@ def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
     return out
 
 
+def _gpus_held(recs: list, started: list[float]) -> list[int]:
+    """Per step, the GPUs the job holds: its world, or the next size from when that grow's newcomers were started
+    (``started``: their start times) until the switch."""
+    held = [r[0] for r in recs]
+    for ts in started:
+        k = next((i for i in range(1, len(recs)) if recs[i][0] > recs[i - 1][0] and recs[i][1] > ts), None)
+        if k is None:
+            continue
+        for m in range(k - 1, -1, -1):
+            if recs[m][1] <= ts:  # this step's period ended before the newcomers started
+                break
+            held[m] = max(held[m], recs[k][0])
+    return held
+
+
 def _ms(xs) -> str:
     return "/".join(f"{x:.3f}" for x in xs) if xs else "-"
 
 
-def matched_plain(own: dict, inter: dict) -> dict:
-    """Plain DDP's step at each size on the schedule run's host: ours' steady step there (``analyse`` with no
-    baseline) over the interleaved ratio at that size (``interleaved.ratios``). Goodput's ideal uses it: plain DDP
-    measured beside ours (interleaved), carried to the minutes of the schedule run by ours' own steady step."""
-    return {w: {"mean_s": s["mean_s"] / inter[w]["ratio"], "median_s": s["median_s"] / inter[w]["ratio"]}
-            for w, s in own["steady"].items() if w in inter}
-
-
-def table(model: str, inter: dict, res: dict) -> list[str]:
-    """Rows of the steady table for one model: the interleaved ratio per size, and the schedule run's figures."""
+def table(model: str, inter: dict, res: dict, inter_default: dict) -> list[str]:
+    """Rows of the steady table for one model: the interleaved ratio per size against ``ddp`` (``inter``) and
+    ``ddp-default`` (``inter_default``), and the schedule run's figures."""
     rows = []
     h, cost = res["host_us"], res["commit_cost_s"]
     cost_ms = "-" if cost is None else f"{cost * 1e3:.1f}"
@@ -325,14 +342,16 @@ def table(model: str, inter: dict, res: dict) -> list[str]:
         rr = i["round_ratios"]
         s = res["steady"].get(world)
         sched = f"{s['mean_s'] * 1e3:.2f} ({s['steps']} steps)" if s else "-"
+        d = inter_default.get(world)
+        vs_default = f"{d['ratio']:.3f} (ddp-default {d['plain_mean_s'] * 1e3:.2f} ms)" if d else "-"
         rows.append(f"| {model} | {world} | {i['plain_mean_s'] * 1e3:.2f} | {i['mean_s'] * 1e3:.2f} | "
                     f"**{i['ratio']:.3f}** | {statistics.median(rr):.3f} ({min(rr):.3f}-{max(rr):.3f}), {len(rr)} | "
-                    f"{sched} | {notes} |")
+                    f"{vs_default} | {sched} | {notes} |")
     return rows
 
 
 def bracket_rows(model: str, res: dict, plain: dict) -> list[str]:
-    """``--bracket`` rows: ours' schedule run against plain DDP measured before and after it."""
+    """Rows of ours' schedule run against plain DDP measured right before and after it (goodput's ideal)."""
     rows = []
     for world, s in res["steady"].items():
         p = plain.get(world)
@@ -340,8 +359,8 @@ def bracket_rows(model: str, res: dict, plain: dict) -> list[str]:
             continue
         g = res["goodput"]
         goodput = f"; goodput against it {g['ratio']:.3f}" if g else ""
-        rows.append(f"| {model} (bracketed) | {world} | {p['mean_s'] * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} | "
-                    f"{s['ratio']:.3f} | - | - | plain DDP before / after ours "
+        rows.append(f"| {model} (schedule run) | {world} | {p['mean_s'] * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} | "
+                    f"{s['ratio']:.3f} | - | - | - | plain DDP (defaults) before / after ours "
                     f"{p.get('before_mean_s', float('nan')) * 1e3:.2f} / {p.get('after_mean_s', float('nan')) * 1e3:.2f}"
                     f" ms{goodput} |")
     return rows
@@ -363,15 +382,17 @@ def goodput_line(model: str, res: dict, schedule: list[int], S: int, L: int, reb
                f"{statistics.median(rs) / statistics.median(shrinks):.1f}x shorter (medians)")
     return (f"- {model}: goodput **{g['ratio']:.3f}** of ideal over {g['steps']} steps of "
             f"{'->'.join(map(str, schedule[1:]))} ({g['samples']} samples against {g['ideal']:.0f}, the ideal from "
-            f"plain DDP's step at each size = ours' steady step in this run / the interleaved ratio; seconds at each "
-            f"size {g['seconds']}); grow {S}->{L} pauses {_ms(grows)} s, shrink {L}->{S} {_ms(shrinks)} s{reb}")
+            f"plain DDP's step at each size measured right before and after in this run; seconds at each size "
+            f"{g['seconds']}); GPU-time goodput **{g['gpu_time_ratio']:.3f}** (GPUs held from the newcomers' start); "
+            f"grow {S}->{L} pauses {_ms(grows)} s, shrink {L}->{S} {_ms(shrinks)} s{reb}")
 
 
 def header(schedule: list[int], seg: int, rounds: int, block: int) -> list[str]:
-    return ["", f"Steady step (bench/interleaved.py): plain DDP (its defaults, as torchrun runs it) and ElasticTrainer "
+    return ["", f"Steady step (bench/interleaved.py): DDP with the trainer's settings (ddp), DDP's defaults (ddp-default) and ElasticTrainer "
             f"(auto commit schedule, Telemetry) at each size in one process set, {rounds} rounds of interleaved "
             f"blocks of {block} steps after a warm-up round; ms a step = window / steps (device-synchronised ends), "
             "pooled over the rounds; ratio = ours / plain. Then ours alone through the resize schedule "
             f"{'->'.join(map(str, schedule))}, {seg} steps a size (its steady step at each size beside).",
-            "", "| model | GPUs | plain DDP ms | ElasticTrainer ms | ratio | per-round ratio, median (range), rounds | "
-            "ours in the schedule run, ms | notes |", "|---|---|---|---|---|---|---|---|"]
+            "", "| model | GPUs | DDP ms (ddp: the trainer's settings) | ElasticTrainer ms | ratio to ddp | "
+            "per-round ratio, median (range), rounds | ratio to ddp-default | ours in the schedule run, ms | notes |",
+            "|---|---|---|---|---|---|---|---|---|"]

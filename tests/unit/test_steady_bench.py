@@ -36,19 +36,31 @@ def _sched(world_by_step: list[int], period: float, commit_every: int = 5) -> di
     return {"recs": recs, "switches": [], "b": 8, "commit_interval": commit_every, "commit_cost_s": 0.0}
 
 
-def test_goodput_against_matched_plain_is_the_steady_ratio_inverted_when_nothing_pauses():
-    # 60 steps at 1 GPU (0.1 s) then 60 at 2 (0.05 s a step), no pause: ours is exactly steady throughout
+def test_goodput_against_measured_plain_with_no_pause_is_the_steady_ratio_inverted():
+    # 60 steps at 1 GPU (0.1 s) then 60 at 2 (0.05 s a step), no pause; plain DDP measured at 0.08 / 0.04 s
     ours = _sched([1] * 60 + [2] * 60, 0.1)
-    own = steady_goodput.analyse(ours, {}, ours["b"], [1, 2])
-    assert own["steady"][2]["mean_s"] == pytest.approx(0.05)
-    inter = {1: {"ratio": 1.25}, 2: {"ratio": 1.25}}   # ours 25% slower than plain DDP in the interleaved blocks
-    plain = steady_goodput.matched_plain(own, inter)
-    assert plain[2]["mean_s"] == pytest.approx(0.04)
+    plain = {1: {"mean_s": 0.08, "median_s": 0.08}, 2: {"mean_s": 0.04, "median_s": 0.04}}
     res = steady_goodput.analyse(ours, plain, ours["b"], [1, 2])
     assert res["steady"][2]["ratio"] == pytest.approx(1.25)
     assert res["goodput"]["ratio"] == pytest.approx(1 / 1.25, rel=1e-3)
+    assert res["goodput"]["gpu_time_ratio"] == pytest.approx(res["goodput"]["ratio"])  # no newcomer started
 
 
-def test_a_size_without_an_interleaved_ratio_gets_no_baseline():
-    own = {"steady": {1: {"mean_s": 0.1, "median_s": 0.1}, 4: {"mean_s": 0.2, "median_s": 0.2}}}
-    assert set(steady_goodput.matched_plain(own, {1: {"ratio": 1.0}})) == {1}
+def test_gpu_time_goodput_charges_the_newcomers_gpus_from_their_start():
+    ours = _sched([1] * 30 + [2] * 60 + [4] * 30, 0.1)
+    t_grow = ours["recs"][89][1]  # the 2 -> 4 switch ends step 90
+    ours["newcomers_started"] = [ours["recs"][79][1]]  # 10 steps before it, the helper's GPUs are held
+    plain = {n: {"mean_s": 0.05, "median_s": 0.05} for n in (1, 2, 4)}
+    res = steady_goodput.analyse(ours, plain, ours["b"], [1, 2, 4])
+    g = res["goodput"]
+    assert g["gpu_time_ideal"] > g["ideal"] and g["gpu_time_ratio"] < g["ratio"]
+    held = steady_goodput._gpus_held(ours["recs"], ours["newcomers_started"])
+    assert held[80:90] == [4] * 10 and held[79] == 2 and held[90] == 4 and t_grow > 0
+    # the extra ideal is exactly those 10 periods at 4 GPUs' rate instead of 2's
+    extra = sum(ours["recs"][m][1] - ours["recs"][m - 1][1] for m in range(80, 90)) * (4 - 2) * 8 / 0.05
+    assert g["gpu_time_ideal"] - g["ideal"] == pytest.approx(extra)
+
+
+def test_no_measured_plain_no_goodput():
+    ours = _sched([1] * 60 + [2] * 60, 0.1)
+    assert steady_goodput.analyse(ours, {}, ours["b"], [1, 2])["goodput"] is None
