@@ -34,8 +34,11 @@ TASK = {"synthetic": "resnet50", "jpeg": "resnet50", "tokens": "gpt-lm"}
 STEPS = {"resnet50": (120, 20), "gpt-lm": (60, 10)}  # (steps, log every)
 
 
-def write_jpegs(root: Path, n: int = 3000, classes: int = 10) -> Path:
-    """``n`` JPEG photos-like images of 500x375 in ``classes`` folders (smooth gradients plus noise, quality 90)."""
+def write_jpegs(root: Path, n: int = 3000, classes: int = 10, total: int = 0) -> Path:
+    """``n`` JPEG photo-like images of 500x375 in ``classes`` folders (smooth gradients plus noise, quality 90),
+    then hard links to them up to ``total`` files: every file is decoded as its own, and an epoch is long enough
+    that no epoch boundary falls inside a run (a plain DataLoader restarts its prefetch at each epoch, the elastic
+    sampler's projection runs across; with 3000 images at 2x64 an epoch is 23 steps and that alone made B 1.5x A)."""
     import numpy as np
     from PIL import Image
     rng = np.random.default_rng(0)
@@ -48,6 +51,10 @@ def write_jpegs(root: Path, n: int = 3000, classes: int = 10) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         img = (bases[i % classes] + np.roll(noise, 7 * i, axis=1)).clip(0, 255).astype(np.uint8)
         Image.fromarray(img).save(d / f"{i}.jpg", quality=90)
+    for i in range(n, total):
+        src = i % n
+        d = root / f"c{src % classes}"  # the copy keeps its source's class
+        os.link(d / f"{src}.jpg", d / f"{i}.jpg")
     return root
 
 
@@ -115,10 +122,13 @@ def main() -> None:
     from elastic_launcher.examples.common import WorkerEnv, default_workers
     jpeg_dir = a.jpeg_dir or Path(tempfile.mkdtemp(prefix="vs_torchrun_jpeg_"))
     datas = a.data.split(",")
-    if "jpeg" in datas and not any(jpeg_dir.rglob("*.jpg")):
+    gpus_max = max(int(g) for g in a.gpus.split(","))
+    total = int(1.1 * STEPS["resnet50"][0] * 64 * gpus_max)  # no epoch boundary inside a run (write_jpegs)
+    if "jpeg" in datas and sum(1 for _ in jpeg_dir.rglob("*.jpg")) < total:
         t = time.perf_counter()
-        write_jpegs(jpeg_dir)
-        print(f"# wrote 3000 JPEGs (500x375) to {jpeg_dir} in {time.perf_counter() - t:.0f} s", flush=True)
+        write_jpegs(jpeg_dir, total=total)
+        print(f"# wrote 3000 JPEGs (500x375) and hard links to {total} files in {jpeg_dir} in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
     print(f"# {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
           f"{len(os.sched_getaffinity(0))} CPUs", flush=True)
     rows = []
