@@ -4,6 +4,10 @@
 #                                             rebuild pauses), output in $OUT/bench.log and $OUT/gpu_transition.md
 #   bash bench/gpu_suite.sh ab [ARGS...]      bench/interleaved.py (interleaved A/B of the step), $OUT/ab.log
 #   bash bench/gpu_suite.sh tests             tests/gpu (NCCL grow, shrink, SIGKILL recovery, communicator shrink)
+#   bash bench/gpu_suite.sh vs-torchrun [ARGS...]  bench/vs_torchrun.py (default: every dataset, bf16 and fp32, 1 and 2
+#                                             GPUs, 3 rounds), $OUT/vs_torchrun.log
+#   bash bench/gpu_suite.sh loader-pauses     gpu_transition.py pauses of ResNet-50 with 8 loader workers at 4 ms an
+#                                             item and with a fixed batch, $OUT/pause_loader.log, $OUT/pause_fixed.log
 #   bash bench/gpu_suite.sh coldstart [W...]  bench/coldstart_collect.py at each world size W (default 1 2 4), W > 1
 #                                             once per NCCL transport (nvlink, shm, socket); $OUT/coldstart/*.jsonl
 set -uo pipefail
@@ -47,9 +51,20 @@ case $what in
                     | grep -v 'socket.cpp\|TCPStore.cpp\|^W[0-9]' | tee -a "$OUT/coldstart.log"
             done
         done ;;
+    vs-torchrun)
+        args=("$@")
+        ((${#args[@]})) || args=(--data synthetic,jpeg,tokens --precision bf16,fp32 --gpus 1,2 --rounds 3)
+        python3 bench/vs_torchrun.py "${args[@]}" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/vs_torchrun.log" ;;
+    loader-pauses)
+        (cd bench && python3 gpu_transition.py --models resnet50 --paths ours --mode pauses --loader-workers 8 \
+            --item-ms 4 --cycles 3 --out "$OUT/pause_loader.md" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' \
+            | tee "$OUT/pause_loader.log"
+         python3 gpu_transition.py --models resnet50 --paths ours --mode pauses --cycles 3 \
+            --out "$OUT/pause_fixed.md" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/pause_fixed.log") ;;
     ab)
         python3 bench/interleaved.py "$@" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
     tests)
         python3 -m pytest -m gpu -q -s tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | tests | coldstart [W...]" >&2; exit 2 ;;
+    *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | vs-torchrun [ARGS...] | loader-pauses | tests | coldstart [W...]" >&2
+       exit 2 ;;
 esac

@@ -181,7 +181,8 @@ class LaunchConfig:
         return self.workers_per_node or max(1, self.allocation.gpus_per_node)
 
     def to_json(self) -> str:
-        """A JSON summary (for the records log and the helper agent)."""
+        """A JSON summary (for the records log, which the job's `.out` file and `records.jsonl` show): secrets are
+        left out (``predictor_token`` says only whether one is set)."""
         def convert(value: Any) -> Any:
             if isinstance(value, timedelta):
                 return value.total_seconds()
@@ -190,6 +191,7 @@ class LaunchConfig:
             return value
         data = dataclasses.asdict(self)
         flat = {key: convert(val) for key, val in data.items() if key not in ("allocation", "directives")}
+        flat["predictor_token"] = "(set)" if self.predictor_token else None
         flat["allocation"] = {k: convert(v) for k, v in data["allocation"].items() if k != "env"}
         flat["directives"] = data["directives"]
         return json.dumps(flat, default=str, sort_keys=True)

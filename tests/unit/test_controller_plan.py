@@ -251,3 +251,16 @@ def test_failed_nodes_are_the_ended_then_the_evicted_each_once():
     assert decide_failures(["node2", "gone"], ["node4"], ["node3", "node2"], nodes) == \
         [("node2", False), ("node4", False), ("node3", True)]
     assert decide_failures([], [], [], nodes) == []
+
+
+def test_the_predictor_token_is_never_written_to_the_records_or_the_log(tmp_path, caplog):
+    # #24.15: the launch config went into records.jsonl and the job's .out file (both world-readable) whole
+    alloc = Allocation(job_id="42", nodes=("node1",), batch_host="node1", gpus_per_node=1, partition="debug")
+    config = LaunchConfig(command=("python", "train.py"), allocation=alloc, directives=Directives.from_script(SCRIPT),
+                          run_dir=tmp_path, predictor_token="s3cret-token")
+    summary = json.loads(config.to_json())
+    assert summary["predictor_token"] == "(set)" and "s3cret-token" not in config.to_json()
+    with caplog.at_level("DEBUG"):
+        Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
+    written = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
+    assert "s3cret-token" not in written + caplog.text
