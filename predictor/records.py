@@ -23,6 +23,8 @@ LINK_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}\Z")        # link classes and GPU
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "sendrecv")
 MAX_BATCH = 4096                                          # records in one POST
 MAX_SECONDS = 3600.0                                      # one collective or one step taking an hour is absurd
+MIN_STEP_SECONDS = 1e-5                                   # a training step under 10 us is no measurement (#24.14)
+MIN_COLLECTIVE_SECONDS = 1e-7                             # nor a collective under 0.1 us
 MAX_BYTES = 1 << 44                                       # 16 TiB in one collective is absurd
 MAX_WORLD = 65536
 MAX_GPUS_PER_NODE = 64
@@ -49,7 +51,7 @@ def _int(record: dict, key: str, where: str, low: int, high: int) -> int:
     return value
 
 
-def _seconds(record: dict, key: str, where: str, high: float = MAX_SECONDS) -> float:
+def _seconds(record: dict, key: str, where: str, high: float = MAX_SECONDS, low: float = 0.0) -> float:
     value = record[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValidationError(f"{where}.{key}", f"expected a number of seconds, got {value!r}")
@@ -60,6 +62,8 @@ def _seconds(record: dict, key: str, where: str, high: float = MAX_SECONDS) -> f
         raise ValidationError(f"{where}.{key}", f"must be positive, got {value}")
     if value > high:
         raise ValidationError(f"{where}.{key}", f"{value} s is implausible (more than {high:g} s)")
+    if value < low:
+        raise ValidationError(f"{where}.{key}", f"{value:g} s is implausible (less than {low:g} s)")
     return value
 
 
@@ -116,7 +120,7 @@ def validate_collective(record: Any, where: str) -> dict:
                                                 "more processes")
     out = {"kind": "collective", "op": record["op"], "link": _str(record, "link", where), "world": world,
            "bytes": _int(record, "bytes", where, 0, MAX_BYTES),
-           "seconds": _seconds(record, "seconds", where)}
+           "seconds": _seconds(record, "seconds", where, low=MIN_COLLECTIVE_SECONDS)}
     if "gpu" in record:
         out["gpu"] = _str(record, "gpu", where)
     if "nodes" in record:
@@ -167,7 +171,7 @@ def validate_step(record: Any, where: str) -> dict:
     out = {"kind": "step", "profile": _str(record, "profile", where, NAME_RE), "gpu": _str(record, "gpu", where),
            "layout": layout, "intra_link": _str(record, "intra_link", where),
            "per_gpu_batch": _int(record, "per_gpu_batch", where, 1, 65536),
-           "iter_s": _seconds(record, "iter_s", where)}
+           "iter_s": _seconds(record, "iter_s", where, low=MIN_STEP_SECONDS)}
     if "inter_link" in record:
         out["inter_link"] = _str(record, "inter_link", where)
     elif len(layout) > 1:

@@ -36,6 +36,8 @@ def test_design_examples_are_valid():
     (COLLECTIVE, "link", "nv link", "expected a name"),
     (COLLECTIVE, "colour", "blue", "unknown field"),
     (STEP, "iter_s", float("nan"), "finite"),
+    (STEP, "iter_s", 1e-300, "less than 1e-05 s"),  # #24.14: it headed the outlier table
+    (COLLECTIVE, "seconds", 1e-12, "less than 1e-07 s"),
     (STEP, "per_gpu_batch", 0, "outside"),
     (STEP, "layout", [], "non-empty"),
     (STEP, "profile", "res net", "expected a name"),
