@@ -1,7 +1,8 @@
 """GET /metrics: Prometheus text exposition format 0.0.4, written by hand (no client library needed).
 
 Series (all prefixed `elastic_predictor_`):
-    http_requests_total{method, endpoint, code}          counter; endpoint is the URL rule
+    http_requests_total{method, endpoint, code}          counter; endpoint is the URL rule ("unmatched"), method
+                                                         one of METHODS or "other": every label from a known set
                                                          (`/v1/decisions/<decision_id>`), `unmatched` for unknown
                                                          paths (bounded cardinality)
     http_request_duration_seconds{endpoint}              histogram (buckets below), time inside Flask
@@ -194,6 +195,9 @@ def registry() -> Registry:
     return current_app.extensions[_EXT]
 
 
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})  # the method label's values
+
+
 @bp.before_app_request
 def _start_timer() -> None:
     g.elastic_metrics_t0 = time.perf_counter()
@@ -204,7 +208,8 @@ def _count(response):
     t0 = g.pop("elastic_metrics_t0", None)
     endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
     reg = registry()
-    reg.observe(request.method, endpoint, response.status_code, time.perf_counter() - t0 if t0 else 0.0)
+    method = request.method if request.method in METHODS else "other"  # a label never takes a client's words
+    reg.observe(method, endpoint, response.status_code, time.perf_counter() - t0 if t0 else 0.0)
     if endpoint == "/v1/plan" and request.method == "POST":
         source = g.pop("elastic_plan_source", None) or _source_of_raw_body()
         if response.status_code == 200:

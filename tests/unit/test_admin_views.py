@@ -274,6 +274,20 @@ def test_metrics_count_requests_latency_decisions_and_fit_errors(app):
     assert again['elastic_predictor_http_requests_total{method="GET",endpoint="/metrics",code="200"}'] == 1
 
 
+def test_random_method_names_add_no_series(app):
+    # #24.7: 120,000 requests with random method names made 100,042 series that survived restarts
+    client = app.test_client()
+    _metrics(client)
+    before = _metrics(client)  # the scrape's own series exist now
+    for i in range(300):
+        assert client.open("/healthz", method=f"X{i:04d}").status_code in (404, 405)
+    after = _metrics(client)
+    new = [k for k in after if k not in before]
+    assert len(new) <= 20 and len([k for k in new if "http_requests_total" in k]) == 1, new  # the bound: 20
+    counted = [k for k in new if "http_requests_total" in k]
+    assert 'method="other"' in counted[0] and after[counted[0]] == 300
+
+
 def test_metrics_label_values_are_escaped():
     from predictor.api.metrics import _labels
 
