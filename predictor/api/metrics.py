@@ -113,26 +113,41 @@ class Registry:
             return
         with self._flush_lock:   # the writer thread and a scrape share the temporary file
             self._dirty.clear()
-            requests_, latency, decisions = self.snapshot()
-            body = {"requests": [[*k, n] for k, n in requests_.items()], "latency": latency,
-                    "decisions": [[*k, n] for k, n in decisions.items()]}
+            body = self._body(self.snapshot())
             self.spool.mkdir(parents=True, exist_ok=True)
             tmp = self._file.with_suffix(".tmp")
             tmp.write_text(json.dumps(body))
             os.replace(tmp, self._file)
 
+    @staticmethod
+    def _body(snapshot: tuple[dict, dict, dict]) -> dict:
+        """A spool file's content: ``snapshot()`` as JSON-ready lists."""
+        requests_, latency, decisions = snapshot
+        return {"requests": [[*k, n] for k, n in requests_.items()], "latency": latency,
+                "decisions": [[*k, n] for k, n in decisions.items()]}
+
     def totals(self) -> tuple[dict, dict, dict]:
         """The counts of every process in the spool (this one's as of now)."""
-        requests_, latency, decisions = self.snapshot()
+        own = self.snapshot()
         if self._file is None:
-            return requests_, latency, decisions
-        self.flush()
+            return own
+        try:
+            self.flush()
+            stale = None
+        except OSError:  # a full or read-only disk (#24.10): this process's file is stale, its memory is not
+            stale = self._file
         requests_, latency, decisions = defaultdict(int), {}, defaultdict(int)
-        for path in self.spool.glob("*.json"):
+        bodies = []
+        if stale is not None:
+            bodies.append(self._body(own))
+        for path in self.spool.glob("*.json") if self.spool.is_dir() else ():
+            if path == stale:
+                continue
             try:
-                body = json.loads(path.read_text())
+                bodies.append(json.loads(path.read_text()))
             except (OSError, ValueError):   # a file being replaced right now: its next version counts
                 continue
+        for body in bodies:
             for *key, n in body["requests"]:
                 requests_[tuple(key)] += n
             for *key, n in body["decisions"]:

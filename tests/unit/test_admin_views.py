@@ -8,6 +8,7 @@ import io
 import json
 import re
 import time
+from pathlib import Path
 from html import unescape
 from urllib.parse import urljoin
 
@@ -286,6 +287,22 @@ def test_random_method_names_add_no_series(app):
     assert len(new) <= 20 and len([k for k in new if "http_requests_total" in k]) == 1, new  # the bound: 20
     counted = [k for k in new if "http_requests_total" in k]
     assert 'method="other"' in counted[0] and after[counted[0]] == 300
+
+
+def test_metrics_on_a_full_disk_count_this_process_from_memory(tmp_path, monkeypatch):
+    # #24.10: GET /metrics answered 500 when the spool could not be written
+    from predictor.api.metrics import Registry
+
+    reg = Registry(spool=tmp_path / "spool")
+    reg.observe("GET", "/healthz", 200, 0.001)
+    reg.flush()
+    reg.observe("GET", "/healthz", 200, 0.001)
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    requests_, latency, _ = reg.totals()
+    assert requests_[("GET", "/healthz", "200")] == 2 and latency["/healthz"][-1] == 2
 
 
 def test_metrics_label_values_are_escaped():
