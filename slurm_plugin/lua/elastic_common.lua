@@ -43,6 +43,11 @@ local INFINITE = 4294967295
 M.now = socket.gettime
 
 -- ---------------------------------------------------------------- config
+-- A /v1/plan reply is read only up to this size (a 9 MB table cost 375-616 ms of Lua in slurmctld), and a
+-- prediction table is cached only with at most this many entries (every uniform layout of a partition).
+M.MAX_REPLY_BYTES = 512 * 1024
+M.MAX_TABLE_ENTRIES = 4096
+
 local DEFAULTS = {
   predictor_url = "http://127.0.0.1:8080",
   budget_ms = 100,
@@ -304,11 +309,16 @@ function M.post_json(url, body, budget_s)
     if n then length = tonumber(n) end
   end
   if not left() then return fail("timeout") end
+  if length and length > M.MAX_REPLY_BYTES then
+    return fail(string.format("reply of %d bytes, more than %d", length, M.MAX_REPLY_BYTES))
+  end
   local text, err4, partial
   if length then
     text, err4, partial = sock:receive(length)
-  else
-    text, err4, partial = sock:receive("*a")
+  else  -- no length: read at most one byte past the limit
+    text, err4, partial = sock:receive(M.MAX_REPLY_BYTES + 1)
+    if not text and err4 == "closed" then text = partial end
+    if text and #text > M.MAX_REPLY_BYTES then return fail("reply larger than " .. M.MAX_REPLY_BYTES .. " bytes") end
   end
   if not text then return fail(err4 == "closed" and "truncated body" or err4) end
   sock:close()
@@ -639,6 +649,37 @@ local function validate(reply)
   return nil
 end
 
+local function is_number(v, lo, hi)
+  return type(v) == "number" and v == v and v >= lo and v <= hi
+end
+
+-- A prediction table the hook may decide later requests from: the partition's shape as counts, and every entry
+-- a uniform layout that fits it (nodes <= the partition's, 1..gpus_per_node GPUs on each), with a finite rate.
+-- Anything else (a hostile or broken service: [0,4], [2.5,2.5], 8 GPUs on 4-GPU nodes, more nodes than the
+-- partition) is not cached, so no decision is ever made from it. Returns nil, or what is wrong.
+function M.table_problem(tbl)
+  if type(tbl) ~= "table" or type(tbl.entries) ~= "table" then return "no entries" end
+  if not (is_count(tbl.nodes, 1) and is_count(tbl.gpus_per_node, 1) and is_count(tbl.total_gpus, 1)
+          and is_count(tbl.per_gpu_batch, 1) and is_count(tbl.one_leaf_nodes or 0, 0)) then
+    return "partition shape"
+  end
+  if not (is_number(tbl.min_efficiency, 0, 1) and is_number(tbl.gpu_hour_cost, 0, 1e9)
+          and is_number(tbl.node_hour_cost, 0, 1e9)) then
+    return "policy numbers"
+  end
+  if #tbl.entries == 0 or #tbl.entries > M.MAX_TABLE_ENTRIES then return "entry count " .. #tbl.entries end
+  for i, e in ipairs(tbl.entries) do
+    local layout = type(e) == "table" and e.layout
+    if type(layout) ~= "table" or #layout < 1 or #layout > tbl.nodes or not is_number(e.samples_per_s, 0, 1e12) then
+      return "entry " .. i
+    end
+    for _, n in ipairs(layout) do
+      if not is_count(n, 1) or n > tbl.gpus_per_node or n ~= layout[1] then return "entry " .. i .. " layout" end
+    end
+  end
+  return nil
+end
+
 -- A cached reply, applied like a fresh one; the copy's reason says it was reused.
 local function reuse(reply)
   local copy = {}
@@ -664,7 +705,7 @@ local function from_table(cache, tkey, d, request, now)
   local hit = tkey and cache.get(tkey, now)
   if not hit then return nil end
   local out = M.last_step(hit.table, d, M.requested(request.job or {}))
-  if not out.judged then return nil end
+  if not out.judged or validate(out) then return nil end  -- a decision applied is a valid one, from any source
   out.kind, out.decision_id, out.cached = out.action, hit.decision_id, true
   out.reason = (out.reason:sub(1, 8) == "elastic:" and "" or "elastic: ") .. out.reason .. " (cached predictions)"
   return out
@@ -725,8 +766,8 @@ function M.plan(cfg, breaker, request, cache, d)
       if cache then
         cache.put(key, reply, reply.cache_ttl_s, now)
         local tbl = reply.table
-        if tkey and type(tbl) == "table" and type(tbl.entries) == "table" and tbl.model == d.model
-           and tbl.per_gpu_batch == d.per_gpu_batch then
+        if tkey and type(tbl) == "table" and tbl.model == d.model and tbl.per_gpu_batch == d.per_gpu_batch
+           and not M.table_problem(tbl) then
           cache.put(tkey, { table = tbl, decision_id = reply.decision_id }, reply.cache_ttl_s, now)
         end
         reply.table = nil

@@ -83,7 +83,9 @@ class Predictor:
                "table": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "table": json.loads(
                    (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]},
                "table-short": {**REWRITE, "decision_id": "d-49", "cache_ttl_s": 0.3, "table": json.loads(
-                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]}}
+                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]},
+               # #24.5: more than the hook reads of a reply
+               "huge": {**REWRITE, "padding": "x" * (600 * 1024)}}
 
     def __init__(self):
         self.requests: list[dict] = []

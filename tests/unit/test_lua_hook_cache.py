@@ -166,3 +166,49 @@ def test_a_table_expires_with_its_ttl_and_its_uses_are_reported(tmp_path, predic
     run_hook(install(tmp_path, predictor.url), cases)
     assert names(predictor) == ["mode-table-short", "mode-table"]
     assert predictor.requests[1]["body"]["reused"] == {"d-49": 1}
+
+
+# #24.5: what a hostile or impersonated service put in a table. Before, the hook applied decisions from these: [0,4]
+# dropped the job's GPUs, [2.5,2.5] asked for 2.5 GPUs, [8,8] put 8 GPUs on 4-GPU nodes, [1]*8 asked for 8 nodes
+# of a 4-node partition.
+HOSTILE = {"zero": [0, 4], "fraction": [2.5, 2.5], "too-many-gpus": [8, 8], "too-many-nodes": [1] * 8,
+           "negative": [8, -4]}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_table_that_does_not_fit_its_partition_decides_nothing(tmp_path, predictor, case):
+    hostile = {**TABLE, "entries": [{"layout": HOSTILE[case], "samples_per_s": 1e9}] + TABLE["entries"]}
+    Predictor.REPLIES[f"table-{case}"] = {**Predictor.REPLIES["table"], "table": hostile}
+    try:
+        results = run_hook(install(tmp_path, predictor.url),
+                           [{"job_desc": job(mode=f"table-{case}", directives=batch16("#ELASTIC gpus=2-8"))},
+                            {"job_desc": job(mode="rewrite", directives=batch16("#ELASTIC gpus=1-16"), time_limit=7)}])
+    finally:
+        del Predictor.REPLIES[f"table-{case}"]
+    assert names(predictor) == [f"mode-table-{case}", "mode-rewrite"]  # the second was asked, not decided from it
+    got = results[1]["job_desc"]
+    assert got["min_nodes"] == Predictor.REPLIES["rewrite"]["nodes"]
+
+
+def test_table_problems_are_named_by_the_lua_check():
+    import json
+    import subprocess
+
+    from tests.unit.test_lua_hook import LUA_DIR
+    tables = {"ok": TABLE, **{k: {**TABLE, "entries": [{"layout": v, "samples_per_s": 1.0}]} for k, v in HOSTILE.items()},
+              "big": {**TABLE, "entries": [TABLE["entries"][0]] * 4097}, "no-shape": {**TABLE, "nodes": 0}}
+    code = (f"package.path = {json.dumps(str(LUA_DIR) + '/?.lua;')} .. package.path\n"
+            "local cjson = require('cjson')\nlocal M = require('elastic_common')\n"
+            f"local tables = cjson.decode([==[{json.dumps(tables)}]==])\n"
+            "for name, t in pairs(tables) do print(name .. '=' .. tostring(M.table_problem(t))) end\n")
+    out = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60, check=True).stdout
+    problems = dict(line.split("=", 1) for line in out.splitlines())
+    assert problems.pop("ok") == "nil"
+    assert all(p != "nil" for p in problems.values()), problems
+
+
+def test_a_reply_larger_than_the_hook_reads_is_skipped(tmp_path, predictor):
+    results = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="huge")}])
+    msg = kinds(results[0], "user_msg")[0]
+    assert msg.startswith("elastic: prediction skipped (reply of ") and "more than 524288" in msg
+    assert results[0]["job_desc"]["min_nodes"] == 1  # submitted as written
