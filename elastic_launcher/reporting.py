@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -96,11 +97,14 @@ class PredictorClient:
             log.warning("cannot sign observations with munge (%s); posting them %s", why,
                         "with the bearer token" if self.token else "without a credential (no token set)")
 
-    def _send(self, path: str, data: bytes, signed: bool, retries: int):
-        """One POST with retries; returns the decoded reply or raises `_Refused` with the last error."""
+    def _send(self, path: str, data: bytes, signed: bool, retries: int, key: Optional[str] = None):
+        """One POST with retries; returns the decoded reply or raises `_Refused` with the last error. ``key``:
+        the write's Idempotency-Key, the same on every attempt (a retry after a lost answer stores nothing twice)."""
         attempt = 0
         while True:
             headers = {"Content-Type": "application/json", **(self._credential(data) if signed else self._bearer())}
+            if key is not None:
+                headers["Idempotency-Key"] = key
             error = None
             try:
                 reply = requests.post(self.url + path, data=data, headers=headers, timeout=self.timeout_s)
@@ -121,12 +125,12 @@ class PredictorClient:
                 raise _Refused(error)
             time.sleep(self.retry_delay_s)
 
-    def _post(self, path: str, body, signed: bool = False, retries: int = 0) -> Optional[dict]:
+    def _post(self, path: str, body, signed: bool = False, retries: int = 0, key: Optional[str] = None) -> Optional[dict]:
         if self.url is None or time.monotonic() < self._open_until:
             return None
         try:
             data = json.dumps(body, allow_nan=False).encode()
-            return self._send(path, data, signed, retries)
+            return self._send(path, data, signed, retries, key)
         except _Refused as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - posting never raises into the job (garbage reply, bad body...)
@@ -137,7 +141,8 @@ class PredictorClient:
         return None
 
     def observe(self, records: list[dict]) -> bool:
-        return bool(records) and self._post("/v1/observations", records, signed=True, retries=self.retries) is not None
+        return bool(records) and self._post("/v1/observations", records, signed=True, retries=self.retries,
+                                            key=uuid.uuid4().hex) is not None
 
     def compute_s(self, profile: str, gpu: str, per_gpu_batch: int, intra_link: str) -> tuple[Optional[float], str]:
         """The predicted compute seconds per step of `profile` on one `gpu` at `per_gpu_batch` (POST /v1/predict),

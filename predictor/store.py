@@ -71,6 +71,17 @@ def _m0004_decision_bytes(db: sqlite_utils.Database) -> None:
                "length(CAST(request AS BLOB)) + length(CAST(response AS BLOB))), 0) FROM decisions")
 
 
+def _m0005_write_keys(db: sqlite_utils.Database) -> None:
+    # idempotency keys of observation writes (#24.13): a retried POST with the same key stores nothing again
+    db.table("write_keys").create({"caller": str, "key": str, "first_id": int, "last_id": int, "generation": int,
+                                   "created_at_s": float}, pk=("caller", "key"),
+                                  not_null={"first_id", "last_id", "generation", "created_at_s"})
+    db.table("write_keys").create_index(["created_at_s"])
+
+
+WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
+
+
 def encode(document: Any) -> str:
     """Compact JSON text, byte for byte what Flask's `jsonify` sends; NaN and Infinity raise ValueError."""
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
@@ -83,6 +94,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0002_link_fits_and_generation", _m0002_link_fits_and_generation),
     ("0003_models", _m0003_models),
     ("0004_decision_bytes", _m0004_decision_bytes),
+    ("0005_write_keys", _m0005_write_keys),
 ]
 
 
@@ -160,6 +172,7 @@ class FitFailure(NamedTuple):
 class WrittenObservations(NamedTuple):
     ids: list[int]
     generation: int       # the store generation right after the write: a model of this version includes it
+    replayed: bool = False  # the write key was seen before: nothing was stored now, these are the first write's
 
 
 class Store:
@@ -347,15 +360,26 @@ class Store:
         """Store validated records in one transaction (all or nothing); returns their ids."""
         return self.write_observations(records).ids
 
-    def write_observations(self, records: Iterable[dict]) -> WrittenObservations:
+    def write_observations(self, records: Iterable[dict], key: tuple[str, str] | None = None) -> WrittenObservations:
         """Store validated records in one transaction (all or nothing); returns their ids and the generation
-        the write produced (read inside the same transaction, so another writer cannot move it in between)."""
+        the write produced (read inside the same transaction, so another writer cannot move it in between).
+
+        Args:
+            key: ``(caller, idempotency key)``: a write with a key stored before (within ``WRITE_KEY_TTL_S``)
+                stores nothing and returns the first write's answer, ``replayed`` set.
+        """
         now = time.time()
         rows = [{"kind": r["kind"], "profile": r.get("profile"), "gpu": r.get("gpu"), "link": r.get("link"),
                  "body": json.dumps(r, allow_nan=False), "created_at_s": now} for r in records]
         db = self.db
         ids = []
         with self._write():
+            if key is not None:
+                db.execute("DELETE FROM write_keys WHERE created_at_s < ?", [now - WRITE_KEY_TTL_S])
+                seen = db.execute("SELECT first_id, last_id, generation FROM write_keys WHERE caller = ? AND key = ?",
+                                  list(key)).fetchone()
+                if seen is not None:
+                    return WrittenObservations(list(range(seen[0], seen[1] + 1)), seen[2], True)
             for row in rows:
                 cursor = db.execute(
                     "INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) VALUES (?, ?, ?, ?, ?, ?)",
@@ -363,6 +387,9 @@ class Store:
                 ids.append(cursor.lastrowid)
             self._bump()
             generation = self.generation()
+            if key is not None:
+                db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s) "
+                           "VALUES (?, ?, ?, ?, ?, ?)", [*key, ids[0], ids[-1], generation, now])
         return WrittenObservations(ids, generation)
 
     def observations(self, kind: str | None = None, limit: int | None = None) -> list[dict]:

@@ -5,16 +5,22 @@ must be the signed job's (403 `job_id_mismatch`), and records without one get it
 also fit what Slurm says about that job (predictor.jobcheck: GPU type, layout within its allocation, time within
 its run window; 403 `record_mismatch` naming the field), or nothing of the request is stored.
 The answer's `model_version_pending` is the store generation the write produced: the first model version that
-includes the records (a client passes it as `min_model_version` to /v1/predict or /v1/plan).
+includes the records (a client passes it as `min_model_version` to /v1/predict or /v1/plan). A POST with an
+`Idempotency-Key` header that its caller used before stores nothing and answers as the first did (`replayed`).
 This blueprint also installs the app-wide auth hooks (read check, AuthError answers).
 """
 from __future__ import annotations
 
-from flask import Blueprint
+import re
+
+from flask import Blueprint, request
 
 from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
 from predictor.jobcheck import check_records
-from predictor.records import validate_batch
+from predictor.records import ValidationError, validate_batch
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 
 bp = Blueprint("observations", __name__, url_prefix="/v1/observations")
 install_auth_hooks(bp)
@@ -34,13 +40,25 @@ def create():
                                 "observations[{}].job_id".format(i), "job_id_mismatch")
         check_records(records, who.job, svc.cluster, now=authenticator().clock())
         records = [dict(r, job_id=r.get("job_id", who.job_id)) for r in records]
-    written = svc.store.write_observations(records)
-    svc.models.notify()
+    written = svc.store.write_observations(records, _write_key(who))
+    if not written.replayed:
+        svc.models.notify()
     ids = written.ids
     # A model of this version or newer includes these records: ask /v1/predict or /v1/plan for it with
     # `min_model_version` to read your own writes.
     return {"stored": len(ids), "first_id": ids[0], "last_id": ids[-1],
-            "model_version_pending": written.generation}, 201
+            "model_version_pending": written.generation, "replayed": written.replayed}, 201
+
+
+def _write_key(who) -> tuple[str, str] | None:
+    """``(caller, Idempotency-Key)``: a retried POST with the same key stores nothing again (#24.13). Keys are
+    per caller (a job's, a token's, or anonymous), so one caller's keys never answer another's writes."""
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return None
+    if not KEY_RE.match(key):
+        raise ValidationError(IDEMPOTENCY_HEADER, "expected 1-128 characters of A-Z a-z 0-9 _ . : -")
+    return f"{who.kind}:{who.job_id if who.job_id is not None else ''}", key
 
 
 @bp.get("")

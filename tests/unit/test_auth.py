@@ -389,6 +389,30 @@ def test_each_retry_is_signed_afresh_over_the_same_bytes(scripted, monkeypatch):
         assert "Authorization" not in headers
 
 
+def test_every_attempt_of_one_write_carries_one_idempotency_key(scripted, monkeypatch):
+    # #24.13: a retry after a lost answer was stored twice (9 of 13,896 posts under SIGKILL)
+    Scripted.answers = [(503, b'{"reason": "slurm_unavailable"}'), (502, b"bad gateway")]
+    client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=2)
+    assert client.observe([COLLECTIVE]) and client.observe([COLLECTIVE])
+    keys = [headers["Idempotency-Key"] for headers, _ in Scripted.seen]
+    assert len(keys) == 4 and len(set(keys[:3])) == 1 and keys[3] != keys[0]
+
+
+def test_a_write_retried_with_its_key_is_stored_once(client):
+    store = client.application.extensions["elastic_predictor"].store
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    headers = {**auth, "Idempotency-Key": "job7-batch-1"}
+    first = client.post("/v1/observations", json=[COLLECTIVE, COLLECTIVE], headers=headers)
+    again = client.post("/v1/observations", json=[COLLECTIVE, COLLECTIVE], headers=headers)
+    assert first.status_code == again.status_code == 201
+    assert again.get_json() == {**first.get_json(), "replayed": True} and first.get_json()["replayed"] is False
+    assert store.observation_counts()["collective"] == 2
+    other = client.post("/v1/observations", json=[COLLECTIVE], headers={**auth, "Idempotency-Key": "job7-batch-2"})
+    assert other.get_json()["replayed"] is False and store.observation_counts()["collective"] == 3
+    bad = client.post("/v1/observations", json=[COLLECTIVE], headers={**auth, "Idempotency-Key": "a b"})
+    assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
+
+
 def test_a_refusal_is_not_retried_and_opens_the_breaker(scripted, monkeypatch):
     Scripted.answers = [(403, b'{"reason": "digest_mismatch"}')]
     client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=3)
