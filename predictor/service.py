@@ -539,9 +539,9 @@ class ModelCache:
             ModelVersionUnavailable: no such model within the wait, no write has produced that generation
                 yet, or its fit failed.
         """
+        if min_generation is None:  # the newest stored model, whichever worker fitted it (one index lookup)
+            return ModelView(self, self.load_newest())
         model = self._model
-        if min_generation is None:
-            return ModelView(self, model if model is not None else self.load_newest())
         if model is not None and model.generation >= min_generation:
             return ModelView(self, model)
         started = time.monotonic()

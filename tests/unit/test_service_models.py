@@ -123,6 +123,22 @@ def test_a_worker_started_after_a_fit_answers_at_once_from_the_stored_model(tmp_
     assert factory.calls == fits + 1 and second.fits == 1
 
 
+def test_a_plain_view_answers_from_the_newest_stored_model_at_once(tmp_path, workers):
+    # a worker whose poll has not run yet answered the hook's /v1/plan from its older model: the demo's sbatch
+    # line said "no step history" right after the calibration's model was fitted and read through another worker
+    db = str(tmp_path / "shared.db")
+    _seed(db)
+    factory = CountingFactory()
+    fitter = _worker(db, factory).start()
+    other = _worker(db, factory)          # not started: no poll thread, only what each request reads
+    workers += [fitter, other]
+    assert fitter.wait_fresh(WAIT)
+    before = other.view().generation
+    written = fitter.store.write_observations([COLLECTIVE])
+    assert fitter.view(written.generation, WAIT).generation == written.generation > before
+    assert other.view().generation == written.generation   # no wait, no poll: the request itself looked
+
+
 def test_the_fit_lock_passes_on_when_its_holder_dies(tmp_path):
     path = fit_lock_path(str(tmp_path / "p.db"))
     script = ("import sys, time; from predictor.fitlock import FitLock; "
