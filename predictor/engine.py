@@ -46,7 +46,8 @@ class Predictor:
             profile, GPU, per-GPU batch, layout shape and links) is predicted at the median of its newest
             this-many step rows (`basis: measured`): the model generalises to what was not run, the job's own
             measurement wins where there is one, and newer evidence over older (rows in stored order).
-        job_rows_cap: one job's step rows weigh at most this many rows in the fit (throughput.job_weights).
+        job_rows_cap: one user's step rows (all their jobs'; an unsigned job's alone) weigh at most this many rows
+            in the fit (throughput.job_weights).
     """
 
     def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,

@@ -4,9 +4,9 @@ For each step row the fitted model predicts the step time of the row's own layou
 (as for anyone else's plan: not from that job's own measurements), and the row's log residual is
 `r = log(observed iter_s / predicted iter_s)`. The residuals are centred on their median and scaled by their
 MAD (1.4826 x the median absolute deviation, at least `MIN_SIGMA` so a near-perfect fit does not flag a few
-percent); a row is an outlier when `|r - median| > K x sigma`. Median and MAD weigh each job's rows together as
-at most `JOB_ROWS_CAP` rows (`predictor.throughput.job_weights`, the fit's per-job cap), so one job that posts
-hundreds of made-up rows cannot move the centre and make everyone else the outlier.
+percent); a row is an outlier when `|r - median| > K x sigma`. Median and MAD weigh each user's rows (each unsigned
+job's) together as at most `JOB_ROWS_CAP` rows (`predictor.throughput.job_weights`, the fit's cap), so one user
+who posts hundreds of made-up rows cannot move the centre and make everyone else the outlier.
 
 A job is listed when more than `MOSTLY` of its rows are outliers, with its median deviation. What the admin
 sees: the deviation as observed / predicted - 1 (+300%: four times slower than the model says).

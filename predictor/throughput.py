@@ -151,14 +151,24 @@ def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tu
     return t_i, t_e
 
 
+def _owner(row: dict):
+    """Whose influence a row counts against: the user who signed it (`uid`, set by the service for job
+    credentials), else its job, else nobody (rows an admin or tool imported)."""
+    if row.get("uid") is not None:
+        return ("uid", row["uid"])
+    return ("job", row["job_id"]) if row.get("job_id") is not None else None
+
+
 def job_weights(rows: list[dict], cap: int) -> np.ndarray:
-    """Per row: 1, or cap / n for the n rows of a job (`job_id`) with more than `cap`, so that no one job
-    weighs more than `cap` rows in the fit, however many it posted (rows naming no job weigh 1)."""
+    """Per row: 1, or cap / n for the n rows of one owner with more than `cap`, so that no one user (all their
+    jobs together, #24.1) and no one unsigned job weighs more than `cap` rows in the fit, however many it posted
+    (rows naming no job weigh 1)."""
+    owners = [_owner(r) for r in rows]
     counts: dict = {}
-    for r in rows:
-        if r.get("job_id") is not None:
-            counts[r["job_id"]] = counts.get(r["job_id"], 0) + 1
-    return np.array([1.0 if r.get("job_id") is None else min(1.0, cap / counts[r["job_id"]]) for r in rows])
+    for o in owners:
+        if o is not None:
+            counts[o] = counts.get(o, 0) + 1
+    return np.array([1.0 if o is None else min(1.0, cap / counts[o]) for o in owners])
 
 
 def fit_throughput(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None = None, *,

@@ -39,7 +39,8 @@ def create():
                                      f"{record['job_id']!r}, the credential signs job {who.job_id}",
                                 "observations[{}].job_id".format(i), "job_id_mismatch")
         check_records(records, who.job, svc.cluster, now=authenticator().clock())
-        records = [dict(r, job_id=r.get("job_id", who.job_id)) for r in records]
+        # the signer's uid goes with every row: the fit bounds one user's influence over all their jobs (#24.1)
+        records = [dict(r, job_id=r.get("job_id", who.job_id), uid=who.uid) for r in records]
     written = svc.store.write_observations(records, _write_key(who))
     if not written.replayed:
         svc.models.notify()

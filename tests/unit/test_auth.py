@@ -366,6 +366,7 @@ def test_launcher_signs_the_bytes_it_sends_and_the_service_accepts_them(app, ser
     assert client.observe(records), client.last_error
     stored = app.extensions["elastic_predictor"].store.observations()
     assert [r["job_id"] for r in stored] == [7, 7] and stored[-1]["seconds"] == 1 / 3
+    assert [r["uid"] for r in stored] == [1000, 1000]  # the signer's: one user's jobs share one cap (#24.1)
     assert len(signer.signed) == 1 and json.loads(signer.signed[0]) == records
 
 

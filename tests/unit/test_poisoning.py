@@ -70,3 +70,23 @@ def test_job_weights_cap_a_job_and_leave_unnamed_rows_whole():
     rows = [{"job_id": 1}] * 40 + [{"job_id": 2}] * 5 + [{}] * 3
     w = job_weights(rows, 20)
     assert w[:40].sum() == pytest.approx(20) and w[40:45].tolist() == [1.0] * 5 and w[45:].tolist() == [1.0] * 3
+
+
+def test_one_users_jobs_together_weigh_one_cap():
+    # #24.1: three jobs of one user (20 rows each, under the per-job cap) weighed 60 rows and moved another
+    # user's plan from 4x4 to 1x4; rows carry the signer's uid and the cap is per user
+    rows = [{"job_id": j, "uid": 1000} for j in (1, 2, 3) for _ in range(20)] + [{"job_id": 4, "uid": 1001}] * 20
+    w = job_weights(rows, 20)
+    assert w[:60].sum() == pytest.approx(20) and w[60:].sum() == pytest.approx(20)
+
+
+def test_three_jobs_of_one_user_move_others_by_at_most_ten_percent_and_change_no_plan():
+    attack = [dict(_row(lay, 5 * _t(lay), job), uid=666) for job in (997, 998, 999)
+              for lay in ([4, 4], [4, 4, 4, 4]) for _ in range(10)]
+    honest = [dict(r, uid=1000 + r["job_id"]) for r in _history()]
+    clean = Predictor().fit(PROFILES, honest)
+    poisoned = Predictor().fit(PROFILES, honest + attack)
+    before = clean.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    after = poisoned.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    moved = max(abs(a["samples_per_s"] / b["samples_per_s"] - 1) for a, b in zip(after, before))
+    assert moved <= 0.10 and _plan(clean)["layout"] == _plan(poisoned)["layout"], moved

@@ -43,6 +43,7 @@ def test_design_examples_are_valid():
     (STEP, "profile", "res net", "expected a name"),
     (STEP, "sync_s", 1.0, "iter_s"),
     (STEP, "kind", "stepp", "expected 'collective' or 'step'"),
+    (STEP, "uid", 0, "unknown field"),  # the service sets it from the credential; a client cannot
 ])
 def test_bad_values_name_the_field(base, key, value, message):
     record = dict(base, **{key: value})
