@@ -116,3 +116,15 @@ def test_cancelled_work_loads_nothing_more():
     assert data.__getitems__(Work(4, 6, [1, 2])) == [1, 2]  # an earlier step stays valid
     assert data.__getitems__(Work(5, 9, [3])) == [3]  # handed out after the cancellation
     assert pickle.loads(pickle.dumps(STALE)) is STALE
+
+
+def test_a_dataset_that_fetches_batches_gets_its_indices_at_once():
+    class Batched(_Items):
+        def __getitems__(self, indices):
+            return [("batched", i) for i in indices]
+
+    mark = torch.zeros(2, dtype=torch.int64)
+    data = Cancellable(Batched(), mark)
+    assert data.__getitems__(Work(0, 3, [5, 6])) == [("batched", 5), ("batched", 6)]
+    mark.copy_(torch.tensor([1, 0]))
+    assert data.__getitems__(Work(0, 3, [5, 6])) is STALE
