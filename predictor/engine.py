@@ -18,7 +18,7 @@ from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, empty_link_model
 from predictor.lru import ByteBudgetLRU
 from predictor.profiles import Profile
-from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, predict_rows,
+from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, predict_rows, row_owner,
                                   profile_compute_params, sync_bases, sync_link_key)
 
 PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a profile
@@ -28,6 +28,25 @@ BASES_CACHE_BYTES = 32 * 1024 * 1024  # budget of the per-fit sync-time cache (`
 MIN_CROSS_MODELS = 2  # models measured on both types before a cross-type answer is given
 CROSS_BATCHES = 8  # batch sizes per model a cross-type fit takes (spread over those it was measured at)
 BASES_ENTRY_BYTES = 512  # one entry: a key of fixed size (no layout in it) and a pair of floats, dict slot included
+
+
+def capped_collectives(rows: list[dict], cap: int) -> list[dict]:
+    """The collective rows the link fit uses: of one owner's (`throughput.row_owner`: its user, else its job) rows
+    of one point (link, op, world, size within a factor of 2), the newest `cap` (rows in stored order); rows of no
+    owner all count. 20,480 rows from one job halved a link's fitted bandwidth (#24.11); a job's repeated
+    timings of one point say no more than a few of them."""
+    seen: dict = {}
+    keep = [False] * len(rows)
+    for i in range(len(rows) - 1, -1, -1):
+        r = rows[i]
+        owner = row_owner(r)
+        if owner is None:
+            keep[i] = True
+            continue
+        point = (owner, r["link"], r.get("op", "allreduce"), r["world"], int(r["bytes"]).bit_length())
+        seen[point] = seen.get(point, 0) + 1
+        keep[i] = seen[point] <= cap
+    return [r for r, k in zip(rows, keep) if k]
 
 
 class Predictor:
@@ -46,13 +65,15 @@ class Predictor:
             profile, GPU, per-GPU batch, layout shape and links) is predicted at the median of its newest
             this-many step rows (`basis: measured`): the model generalises to what was not run, the job's own
             measurement wins where there is one, and newer evidence over older (rows in stored order).
+        link_rows_cap: one owner's collective rows of one point (link, op, world, size within a factor of 2)
+            count at most this many times in the link fit, the newest (`capped_collectives`).
         job_rows_cap: one user's step rows (all their jobs'; an unsigned job's alone) weigh at most this many rows
             in the fit (throughput.job_weights).
     """
 
     def __init__(self, *, bucket_cap_mb: float = 25.0, link_prior_weight: float = 2.0, sync_weight: float = 0.5,
                  w_l2: float = 1.0, dw_l2: float = 0.3, shape_l2: float = 1.0, gamma_prior: float = 1.5,
-                 f_scale: float = 0.05, recent_rows: int = 5, job_rows_cap: int = 20):
+                 f_scale: float = 0.05, recent_rows: int = 5, job_rows_cap: int = 20, link_rows_cap: int = 4):
         self.bucket_cap_mb = bucket_cap_mb
         self.link_prior_weight = link_prior_weight
         self.sync_weight = sync_weight
@@ -63,6 +84,7 @@ class Predictor:
         self.f_scale = f_scale
         self.recent_rows = recent_rows
         self.job_rows_cap = job_rows_cap
+        self.link_rows_cap = link_rows_cap
 
     # ------------------------------------------------------------------ fit
     def fit(self, profiles: dict[str, Profile], observations: list[dict]) -> "Predictor":
@@ -83,6 +105,7 @@ class Predictor:
                 self.skipped_ += 1
                 continue
             steps.append(o)
+        coll = capped_collectives(coll, self.link_rows_cap)
         if coll:
             X = [(o["link"], o.get("op", "allreduce"), o["world"], o["bytes"]) for o in coll]
             self.links_ = LinkModel(prior_weight=self.link_prior_weight).fit(X, [o["seconds"] for o in coll])

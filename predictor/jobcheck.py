@@ -11,6 +11,9 @@ A munge credential binds a request to one job and its owner; this binds each rec
                node size in the cluster model, else all its GPUs) on each, at most its GPUs in all.
     world      a collective record's ranks are at most the job's GPUs (its CPUs for a job without GPUs);
     nodes      and its nodes at most the job's nodes.
+    links      a record's links (`link`, `intra_link`, `inter_link`) are ones the job could have crossed: its
+               partition's intra- and inter-node links in the cluster model, or a transport any host falls back
+               to (`shm`, `socket`, `loopback`); a job without GPUs only the latter (#24.11).
     timestamp_s  within the job's run window: from its start to its end (now while it runs), `SLACK` either side
                (clock skew between hosts, a window measured just before the end).
 
@@ -107,6 +110,30 @@ def _check_collective(record: dict, where: str, job) -> None:
                                                f"{job.max_nodes}")
 
 
+FALLBACK_LINKS = ("shm", "socket", "loopback")  # what any host's NCCL or gloo may fall back to
+
+
+def _allowed_links(job, cluster: Cluster) -> tuple[str, ...] | None:
+    """The links a job could have crossed; None when its partition is not in the cluster model (not checked)."""
+    if not job.max_gpus:
+        return FALLBACK_LINKS
+    try:
+        part = cluster.partition(job.partition) if job.partition else None
+    except NotFoundError:
+        part = None
+    return None if part is None else (part.intra_link, part.inter_link) + FALLBACK_LINKS
+
+
+def _check_links(record: dict, where: str, job, allowed: tuple[str, ...] | None) -> None:
+    if allowed is None:
+        return
+    for key in ("link", "intra_link", "inter_link"):
+        link = record.get(key)
+        if link is not None and link not in allowed:
+            raise RecordMismatch(f"{where}.{key}", f"link {link!r}: job {job.job_id} could only have crossed "
+                                                   f"{', '.join(allowed)}")
+
+
 def _check_time(record: dict, where: str, job, now: float, slack: timedelta) -> None:
     if "timestamp_s" not in record:
         return
@@ -134,9 +161,11 @@ def check_records(records: Sequence[dict], job, cluster: Cluster, now: float, fi
     Raises:
         RecordMismatch: the first record that does not fit, naming e.g. `observations[3].layout`.
     """
+    allowed = _allowed_links(job, cluster)
     for index, record in enumerate(records):
         where = f"{field}[{index}]"
         _check_gpu(record, where, job, cluster)
+        _check_links(record, where, job, allowed)
         if record["kind"] == "step":
             _check_layout(record["layout"], where, job, cluster)
         else:

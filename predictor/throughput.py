@@ -151,7 +151,7 @@ def sync_bases(link_model, buckets, layout, intra: str, inter: str | None) -> tu
     return t_i, t_e
 
 
-def _owner(row: dict):
+def row_owner(row: dict):
     """Whose influence a row counts against: the user who signed it (`uid`, set by the service for job
     credentials), else its job, else nobody (rows an admin or tool imported)."""
     if row.get("uid") is not None:
@@ -163,7 +163,7 @@ def job_weights(rows: list[dict], cap: int) -> np.ndarray:
     """Per row: 1, or cap / n for the n rows of one owner with more than `cap`, so that no one user (all their
     jobs together, #24.1) and no one unsigned job weighs more than `cap` rows in the fit, however many it posted
     (rows naming no job weigh 1)."""
-    owners = [_owner(r) for r in rows]
+    owners = [row_owner(r) for r in rows]
     counts: dict = {}
     for o in owners:
         if o is not None:

@@ -38,6 +38,8 @@ def post(client, records, job=7):
     (dict(COLLECTIVE, world=16), "world", "16 ranks"),
     (dict(COLLECTIVE, nodes=3), "nodes", "3 nodes"),
     (dict(COLLECTIVE, gpu="A100"), "gpu", "runs on 'H200'"),
+    (dict(COLLECTIVE, link="nvswitch"), "link", "could only have crossed nvlink, ib, shm"),  # #24.11
+    (dict(STEP, inter_link="roce"), "inter_link", "link 'roce'"),
     (dict(STEP, timestamp_s=NOW - 3 * 86400), "timestamp_s", "outside job 7's run window"),
     (dict(STEP, timestamp_s=NOW + 3600), "timestamp_s", "outside job 7's run window"),
 ])
@@ -115,3 +117,17 @@ def test_a_record_of_unknown_gpu_is_stored_under_the_jobs_gpu_type(app, jobs):
     r = post(app.test_client(), [dict(GOOD_STEP, gpu="unknown")])
     assert r.status_code == 201, r.json
     assert app.extensions["elastic_predictor"].store.observations()[-1]["gpu"] == "H200"
+
+
+def test_a_job_without_gpus_posts_no_gpu_link(app, jobs):
+    # #24.11: a CPU-only job posted ib and nvlink collectives
+    from predictor.cluster import Cluster
+    from predictor.jobcheck import RecordMismatch, check_records
+
+    cpu_job = type("Job", (), {"job_id": 9, "max_gpus": 0, "max_cpus": 8, "max_nodes": 2, "partition": "debug",
+                               "gpu_type": None, "started_at_s": NOW - 60, "ended_at_s": None})()
+    record = {k: v for k, v in COLLECTIVE.items() if k != "gpu"}
+    check_records([dict(record, link="socket", world=4)], cpu_job, Cluster.default(), now=NOW)
+    for link in ("ib", "nvlink"):
+        with pytest.raises(RecordMismatch, match=f"link '{link}'"):
+            check_records([dict(record, link=link, world=4)], cpu_job, Cluster.default(), now=NOW)

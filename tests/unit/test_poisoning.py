@@ -90,3 +90,21 @@ def test_three_jobs_of_one_user_move_others_by_at_most_ten_percent_and_change_no
     after = poisoned.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
     moved = max(abs(a["samples_per_s"] / b["samples_per_s"] - 1) for a, b in zip(after, before))
     assert moved <= 0.10 and _plan(clean)["layout"] == _plan(poisoned)["layout"], moved
+
+
+def _coll(nbytes: int, seconds: float, job: int, uid: int) -> dict:
+    return {"kind": "collective", "op": "allreduce", "link": "ib", "world": 8, "nodes": 2, "bytes": nbytes,
+            "seconds": seconds, "job_id": job, "uid": uid}
+
+
+@pytest.mark.parametrize("cap, bounded", [(4, True), (10 ** 9, False)])
+def test_one_job_flooding_one_link_barely_moves_its_fit(cap, bounded):
+    # #24.11: 20,480 rows from one job halved the ib bandwidth /admin showed
+    sizes = [2 ** k for k in range(16, 28, 2)]
+    honest = [_coll(b, 2e-5 + b / 20e9, job, 1000 + job) for job in range(1, 6) for b in sizes for _ in range(3)]
+    attack = [_coll(b, 2 * (2e-5 + b / 20e9), 666, 666) for b in sizes for _ in range(20480 // len(sizes))]
+    clean = Predictor(link_rows_cap=cap).fit(PROFILES, _history() + honest)
+    poisoned = Predictor(link_rows_cap=cap).fit(PROFILES, _history() + honest + attack)
+    t = [m.links_.time("ib", "allreduce", 8, [2 ** 26])[0] for m in (clean, poisoned)]
+    moved = t[1] / t[0] - 1
+    assert (moved <= 0.10) if bounded else (moved > 0.5), moved
