@@ -79,6 +79,15 @@ def _m0005_write_keys(db: sqlite_utils.Database) -> None:
     db.table("write_keys").create_index(["created_at_s"])
 
 
+def _m0006_decision_clients(db: sqlite_utils.Database) -> None:
+    # who asked for each decision (#24.9): one client's decisions are pruned within its share of the budget
+    db.execute("ALTER TABLE decisions ADD COLUMN client TEXT NOT NULL DEFAULT ''")
+    db.execute("CREATE INDEX decisions_by_client ON decisions (client, id)")
+    db.execute("CREATE TABLE decision_clients (client TEXT PRIMARY KEY, rows INTEGER NOT NULL, bytes INTEGER NOT NULL)")
+    db.execute("INSERT INTO decision_clients SELECT client, COUNT(*), COALESCE(SUM(length(CAST(request AS BLOB)) + "
+               "length(CAST(response AS BLOB))), 0) FROM decisions GROUP BY client")
+
+
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
 
 
@@ -95,6 +104,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0003_models", _m0003_models),
     ("0004_decision_bytes", _m0004_decision_bytes),
     ("0005_write_keys", _m0005_write_keys),
+    ("0006_decision_clients", _m0006_decision_clients),
 ]
 
 
@@ -109,7 +119,10 @@ class DecisionRetention:
     """How many /v1/plan decisions the store keeps; the oldest go first, pruned by the writes themselves.
 
     A decision is deleted once it is not among the newest `max_rows`, or older than `max_age`, or the
-    decisions hold more than `max_bytes` of request and response text. A write that finds a bound passed
+    decisions hold more than `max_bytes` of request and response text. One client (the address a request came
+    from) may hold more than `client_share` of the rows or bytes only while the bounds are not reached: when a
+    size bound is, the client holding the largest part above its share loses its own oldest first, so a flood
+    from one client never evicts another's decisions (the hook's, #24.9). Age prunes the oldest of anyone. A write that finds a bound passed
     deletes down to a slack below it (at most `batch_rows` rows, `batch_bytes` bytes or `max_age / 16` of
     age), so one write in many pays for a prune and none deletes more than a batch.
 
@@ -119,6 +132,7 @@ class DecisionRetention:
         max_bytes: request and response text kept at most, in bytes.
         batch_rows: most rows one write deletes, and the row slack a prune leaves below `max_rows`.
         batch_bytes: the byte slack a prune leaves below `max_bytes`.
+        client_share: the part of `max_rows` and `max_bytes` one client's decisions may hold.
     """
 
     max_rows: int = 100_000
@@ -126,12 +140,15 @@ class DecisionRetention:
     max_bytes: int = 512 * 1024 * 1024
     batch_rows: int = 256
     batch_bytes: int = 8 * 1024 * 1024
+    client_share: float = 0.25
 
     def __post_init__(self):
         if self.max_rows < 1 or self.max_bytes < 1 or self.batch_rows < 1 or self.batch_bytes < 1:
             raise ValueError("decision retention bounds must be >= 1")
         if self.max_age <= timedelta(0):
             raise ValueError("decision retention max_age must be > 0")
+        if not 0 < self.client_share <= 1:
+            raise ValueError("decision retention client_share must be in (0, 1]")
 
     @property
     def row_target(self) -> int:
@@ -415,12 +432,13 @@ class Store:
         return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
 
     # --- decisions ------------------------------------------------------------------------------
-    def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None) -> dict:
+    def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None,
+                     client: str = "") -> dict:
         """Store a plan decision; returns the response with `decision_id` (`d-<n>`) filled in."""
-        return json.loads(self.add_decision_text(encode(request), response, source, model_version))
+        return json.loads(self.add_decision_text(encode(request), response, source, model_version, client))
 
     def add_decision_text(self, request_text: str, response: dict, source: str | None,
-                          model_version: str | None) -> str:
+                          model_version: str | None, client: str = "") -> str:
         """Store a plan decision whose request is already JSON text; returns the stored response text.
 
         The hot path of /v1/plan: the response is encoded once (compact, as Flask sends JSON), the
@@ -438,38 +456,71 @@ class Store:
             number = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM decisions").fetchone()[0]
             full = f'{{"decision_id":"d-{number}",' + tail
             conn.execute("INSERT INTO decisions (id, created_at_s, source, action, model, reason, model_version,"
-                         " request, response) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         " request, response, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (number, now, source, response["action"], response.get("model"),
-                          response["reason"], model_version, request_text, full))
+                          response["reason"], model_version, request_text, full, client))
             added = len(request_text.encode("utf-8", "surrogatepass")) + len(full.encode("utf-8", "surrogatepass"))
             conn.execute("UPDATE meta SET value = value + ? WHERE key = 'decision_bytes'", (added,))
+            conn.execute("INSERT INTO decision_clients (client, rows, bytes) VALUES (?, 1, ?) ON CONFLICT(client) "
+                         "DO UPDATE SET rows = rows + 1, bytes = bytes + excluded.bytes", (client, added))
             if self.decision_retention is not None:
                 self._prune_decisions(conn, number, now, self.decision_retention)
         return full
 
     @staticmethod
-    def _prune_decisions(conn: sqlite3.Connection, newest: int, now: float, keep: DecisionRetention) -> int:
+    def _forget(conn: sqlite3.Connection, deleted: list[tuple[str, int]]) -> None:
+        """Counters after deleting decisions given as (client, bytes)."""
+        by_client: dict[str, list[int]] = {}
+        for who, size in deleted:
+            entry = by_client.setdefault(who, [0, 0])
+            entry[0] += 1
+            entry[1] += size
+        for who, (rows, size) in by_client.items():
+            conn.execute("UPDATE decision_clients SET rows = MAX(0, rows - ?), bytes = MAX(0, bytes - ?) "
+                         "WHERE client = ?", (rows, size, who))
+        conn.execute("DELETE FROM decision_clients WHERE rows = 0")
+        conn.execute("UPDATE meta SET value = MAX(0, value - ?) WHERE key = 'decision_bytes'",
+                     (sum(size for _, size in deleted),))
+
+    @classmethod
+    def _prune_decisions(cls, conn: sqlite3.Connection, newest: int, now: float, keep: DecisionRetention) -> int:
         """Inside a decision's write: when a bound of `keep` is passed, delete the oldest decisions down to its
         targets (one batch at most, never the decision just written); returns the rows deleted."""
         oldest = conn.execute("SELECT id, created_at_s FROM decisions ORDER BY id LIMIT 1").fetchone()
         held = conn.execute("SELECT value FROM meta WHERE key = 'decision_bytes'").fetchone()
         held = held[0] if held else 0
-        rows = newest - oldest[0] + 1         # ids are contiguous (MAX + 1, oldest deleted first): an upper bound
-        if rows <= keep.max_rows and held <= keep.max_bytes and oldest[1] >= now - keep.max_age.total_seconds():
+        rows = conn.execute("SELECT COALESCE(SUM(rows), 0) FROM decision_clients").fetchone()[0]
+        too_old = oldest[1] < now - keep.max_age.total_seconds()
+        if rows <= keep.max_rows and held <= keep.max_bytes and not too_old:
             return 0
+        victim = None if too_old else cls._over_share(conn, keep)  # a size bound: the largest client over its share
+        only = " AND client = ?" if victim is not None else ""
+        params = (newest, victim, keep.batch_rows) if victim is not None else (newest, keep.batch_rows)
         cutoff = now - keep.age_target.total_seconds()
-        last, freed, deleted = None, 0, 0
-        for oid, created, size in conn.execute(
-                "SELECT id, created_at_s, length(CAST(request AS BLOB)) + length(CAST(response AS BLOB)) "
-                "FROM decisions WHERE id < ? ORDER BY id LIMIT ?", (newest, keep.batch_rows)):
-            if rows - deleted <= keep.row_target and held - freed <= keep.byte_target and created >= cutoff:
+        last, freed = None, 0
+        deleted: list[tuple[str, int]] = []
+        for oid, created, size, who in conn.execute(
+                "SELECT id, created_at_s, length(CAST(request AS BLOB)) + length(CAST(response AS BLOB)), client "
+                f"FROM decisions WHERE id < ?{only} ORDER BY id LIMIT ?", params):
+            if rows - len(deleted) <= keep.row_target and held - freed <= keep.byte_target and created >= cutoff:
                 break
-            last, freed, deleted = oid, freed + size, deleted + 1
+            last, freed = oid, freed + size
+            deleted.append((who, size))
         if last is None:
             return 0
-        conn.execute("DELETE FROM decisions WHERE id <= ?", (last,))
-        conn.execute("UPDATE meta SET value = MAX(0, value - ?) WHERE key = 'decision_bytes'", (freed,))
-        return deleted
+        conn.execute(f"DELETE FROM decisions WHERE id <= ?{only}", (last, victim) if victim is not None else (last,))
+        cls._forget(conn, deleted)
+        return len(deleted)
+
+    @staticmethod
+    def _over_share(conn: sqlite3.Connection, keep: DecisionRetention) -> str | None:
+        """The client holding the largest part of the budget (rows or bytes), if more than its share."""
+        best, part = None, keep.client_share
+        for who, rows, size in conn.execute("SELECT client, rows, bytes FROM decision_clients"):
+            held = max(rows / keep.max_rows, size / keep.max_bytes)
+            if held > part:
+                best, part = who, held
+        return best
 
     def decision_bytes(self) -> int:
         """Bytes of request and response text the stored decisions hold (what `DecisionRetention.max_bytes`

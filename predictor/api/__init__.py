@@ -50,6 +50,12 @@ def services() -> Services:
     return current_app.extensions["elastic_predictor"]
 
 
+def client_address() -> str:
+    """Where the request came from: the address the project's front end (predictor/server.py) put in
+    X-Forwarded-For (it drops any the client sent), else the socket's peer."""
+    return (request.headers.get("X-Forwarded-For") or request.remote_addr or "")[:64]
+
+
 def json_body() -> Any:
     """The request's JSON document.
 

@@ -15,7 +15,7 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from predictor import planner
-from predictor.api import json_body, metrics, services
+from predictor.api import client_address, json_body, metrics, services
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
@@ -203,6 +203,6 @@ def plan():
     ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None else 0
     response["cache_ttl_s"] = round(ttl, 3)
     text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
-                                       models.version)
+                                       models.version, client_address())
     metrics.note_plan(action=response["action"])
     return Response(text + "\n", mimetype="application/json")    # stored and sent: the same bytes as jsonify

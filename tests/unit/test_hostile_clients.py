@@ -327,3 +327,25 @@ def test_a_store_without_retention_keeps_every_decision_and_counts_their_bytes(t
     (n, total), = store.db.execute("SELECT COUNT(*), SUM(length(request) + length(response)) FROM decisions")
     assert n == 30 and store.decision_bytes() == total
     store.close()
+
+
+def test_one_clients_flood_evicts_only_its_own_decisions(tmp_path):
+    # #24.9: four anonymous threads filled the decision budget in 30 s and deleted every earlier decision, the
+    # hook's included; one client now holds at most its share, and a flood prunes its own oldest first
+    keep = DecisionRetention(max_rows=100, max_age=timedelta(days=1), batch_rows=10, client_share=0.25)
+    store = Store(str(tmp_path / "d.db"), decision_retention=keep)
+    store.migrate()
+    hook = [store.add_decision({"i": i}, {"action": "keep", "reason": "r"}, "job_submit", None,
+                               client="10.0.0.1")["decision_id"] for i in range(20)]
+    for i in range(500):
+        store.add_decision({"flood": i}, {"action": "keep", "reason": "r"}, "job_submit", None, client="10.9.9.9")
+    kept = {row[0]: row[1] for row in store.db.execute("SELECT client, COUNT(*) FROM decisions GROUP BY client")}
+    assert kept["10.0.0.1"] == 20 and kept["10.9.9.9"] <= 80
+    for d in hook:
+        store.get_decision(d)  # raises NotFoundError once pruned
+    counted = dict(store.db.execute("SELECT client, rows FROM decision_clients").fetchall())
+    assert counted == kept
+    (total,) = store.db.execute("SELECT SUM(length(CAST(request AS BLOB)) + length(CAST(response AS BLOB))) "
+                                "FROM decisions").fetchone()
+    assert store.decision_bytes() == total
+    store.close()
