@@ -88,6 +88,14 @@ def _m0006_decision_clients(db: sqlite_utils.Database) -> None:
                "length(CAST(response AS BLOB))), 0) FROM decisions GROUP BY client")
 
 
+def _m0007_profile_owners(db: sqlite_utils.Database) -> None:
+    # who made each profile (a job's uid; NULL for the tool and admin tokens) and its size: per-user quotas (#24.6)
+    db.execute("ALTER TABLE profiles ADD COLUMN owner INTEGER")
+    db.execute("ALTER TABLE profiles ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
+    db.execute("UPDATE profiles SET bytes = length(CAST(body AS BLOB))")
+    db.execute("CREATE INDEX profiles_by_owner ON profiles (owner)")
+
+
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
 
 
@@ -105,6 +113,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0004_decision_bytes", _m0004_decision_bytes),
     ("0005_write_keys", _m0005_write_keys),
     ("0006_decision_clients", _m0006_decision_clients),
+    ("0007_profile_owners", _m0007_profile_owners),
 ]
 
 
@@ -184,6 +193,10 @@ class FitFailure(NamedTuple):
     version: int
     error: str
     failed_at_s: float
+
+
+class QuotaExceeded(Exception):
+    """A write that would take its owner past a quota (nothing was written)."""
 
 
 class WrittenObservations(NamedTuple):
@@ -341,15 +354,33 @@ class Store:
         self.db.execute("UPDATE meta SET value = value + 1 WHERE key = 'generation'")
 
     # --- profiles -------------------------------------------------------------------------------
-    def put_profile(self, name: str, body: dict) -> bool:
-        """Insert or replace a profile; True when it was new."""
+    def put_profile(self, name: str, body: dict, owner: int | None = None,
+                    quota: tuple[int, int] | None = None) -> bool:
+        """Insert or replace a profile; True when it was new.
+
+        Args:
+            owner: the uid of the job that makes it (None: a token); a replaced profile keeps its first owner.
+            quota: ``(profiles, bytes)`` the owner may hold at most, checked in the same transaction.
+
+        Raises:
+            QuotaExceeded: a new profile would take the owner past ``quota``.
+        """
         now = time.time()
+        text = json.dumps(body, allow_nan=False)
         db = self.db
         with self._write():
-            row = db.execute("SELECT created_at_s FROM profiles WHERE name = ?", [name]).fetchone()
-            created = row[0] if row else now
-            db.table("profiles").upsert({"name": name, "body": json.dumps(body, allow_nan=False),
-                                         "created_at_s": created, "updated_at_s": now}, pk="name")
+            row = db.execute("SELECT created_at_s, owner FROM profiles WHERE name = ?", [name]).fetchone()
+            if row is None and owner is not None and quota is not None:
+                count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM profiles WHERE owner = ?",
+                                         [owner]).fetchone()
+                if count + 1 > quota[0] or held + len(text) > quota[1]:
+                    raise QuotaExceeded(f"uid {owner} holds {count} profiles of {held} bytes; a new one of "
+                                        f"{len(text)} bytes passes the quota of {quota[0]} profiles, {quota[1]} bytes")
+            created, first_owner = (row[0], row[1]) if row else (now, owner)
+            db.execute("INSERT INTO profiles (name, body, created_at_s, updated_at_s, owner, bytes) "
+                       "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body, "
+                       "updated_at_s = excluded.updated_at_s, bytes = excluded.bytes",
+                       [name, text, created, now, first_owner, len(text)])
             self._bump()
         return row is None
 

@@ -9,9 +9,13 @@ from predictor.api import AuthError, authenticator, caller, json_body, services,
 from predictor.errors import ValidationError
 from predictor.profiles import Profile
 from predictor.records import NAME_RE
+from predictor.store import QuotaExceeded
 
 bp = Blueprint("profiles", __name__, url_prefix="/v1/profiles")
 MAX_EXTRA_FIELD_BYTES = 16 * 1024  # a field beyond the profile's own (#14.7: a 3.9 MB junk field was stored)
+# what one user's jobs may register in all (#24.6: 100 profiles of 3.85 MB from one job took the database to
+# 385 MB and every profile listing to 760 ms); tokens are not bound
+JOB_PROFILE_QUOTA = (32, 16 * 1024 * 1024)
 
 
 def summary(profile: Profile) -> dict:
@@ -19,16 +23,19 @@ def summary(profile: Profile) -> dict:
             "grad_bytes": profile.grad_bytes, "buckets": len(profile.buckets_bytes), "source": profile.source}
 
 
-def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
+def register(store, body, may_replace: bool = True, owner: int | None = None) -> tuple[Profile, bool]:
     """Validate and store a profile body; returns (profile, created).
 
     Args:
         may_replace: False (a job credential, or the tool token while an admin token is configured): an existing
             profile may only be re-posted unchanged.
+        owner: the uid of the job registering it (None: a token): a new profile counts against that user's
+            `JOB_PROFILE_QUOTA`.
 
     Raises:
         ValidationError: naming the bad field (`name`, `tensors[3].numel`).
-        AuthError: 403 `admin_required` when replacing is not allowed and the body differs.
+        AuthError: 403 `admin_required` when replacing is not allowed and the body differs; 403
+            `profile_quota` when a new profile would take its owner past the quota.
     """
     if isinstance(body, dict) and isinstance(body.get("name"), str) and not NAME_RE.match(body["name"]):
         raise ValidationError("name", f"must match {NAME_RE.pattern} (the `model=` directive grammar)")
@@ -51,7 +58,12 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
         raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
                              "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN; the tool token while none is set)", "name",
                         "admin_required")
-    created = store.put_profile(profile.name, stored)
+    if owner is None:  # a token (or the importer's parse): not bound to a user
+        return profile, store.put_profile(profile.name, stored)
+    try:
+        created = store.put_profile(profile.name, stored, owner, JOB_PROFILE_QUOTA)
+    except QuotaExceeded as exc:
+        raise AuthError(403, f"name: {exc}; ask an admin to register it", "name", "profile_quota") from None
     return profile, created
 
 
@@ -59,7 +71,9 @@ def register(store, body, may_replace: bool = True) -> tuple[Profile, bool]:
 @write_access
 def create():
     svc = services()
-    profile, created = register(svc.store, json_body(), may_replace=authenticator().administers(caller()))
+    who = caller()
+    profile, created = register(svc.store, json_body(), may_replace=authenticator().administers(who),
+                                owner=who.uid if who.kind == "job" else None)
     svc.models.notify()
     return summary(profile), 201 if created else 200
 

@@ -156,6 +156,26 @@ def test_job_may_add_but_not_replace_a_profile(client):
                                                               "Content-Type": "application/json"}).status_code == 200
 
 
+def test_one_users_jobs_register_profiles_within_a_quota(client, monkeypatch):
+    # #24.6: one job registered 100 profiles of 3.85 MB (385 MB of database, listings at 760 ms)
+    from predictor.api import profiles
+    monkeypatch.setattr(profiles, "JOB_PROFILE_QUOTA", (2, 10 ** 6))
+
+    def named(name):
+        return json.dumps(dict(PROFILE, name=name)).encode()
+    for name, job in (("m-1", 7), ("m-2", 8)):   # two jobs of uid 1000 (the fake Slurm's owner of both)
+        assert client.post("/v1/profiles", data=named(name), headers=sign(named(name), 7)).status_code == 201
+    r = client.post("/v1/profiles", data=named("m-3"), headers=sign(named("m-3"), 7))
+    assert (r.status_code, r.json["reason"], r.json["field"]) == (403, "profile_quota", "name")
+    assert "uid 1000 holds 2 profiles" in r.json["error"]
+    assert client.post("/v1/profiles", data=named("m-1"), headers=sign(named("m-1"), 7)).status_code == 200
+    tool = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    assert client.post("/v1/profiles", data=named("m-3"), headers=tool).status_code == 201   # tokens are not bound
+    owners = dict(client.application.extensions["elastic_predictor"].store.db.execute(
+        "SELECT name, owner FROM profiles").fetchall())
+    assert owners["m-1"] == owners["m-2"] == 1000 and owners["m-3"] is None
+
+
 def test_tool_token_may_not_replace_a_profile_while_an_admin_token_is_set(client):
     # issue #14.1: the tool token replaced a 199-tensor profile with a 1-tensor one (200) despite the admin token
     tool = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
