@@ -56,6 +56,7 @@ MAX_VERSION_WAIT = timedelta(seconds=20)      # a request waits at most this lon
                                               # blocked longer than that would hit
 DEFAULT_VERSION_WAIT = timedelta(seconds=10)  # when `min_model_version` comes without `wait_ms`
 WAIT_STEP = timedelta(milliseconds=50)        # how often a waiting request looks at the store
+LOAD_WAIT = timedelta(seconds=5)              # a request waits this long at most for another thread's load
 _PROBLEMS = ("fit", "load", "read", "refresh")  # what ModelCache.last_error reports first
 
 
@@ -453,8 +454,9 @@ class ModelCache:
         """Swap in the newest stored model when it is newer than the one in use; returns the model in use.
 
         Cheap when nothing changed (one index lookup). Never raises: a store or unpickling error is reported
-        (`last_error`) and the current model stays. While another thread of this process is loading, returns
-        at once (that thread swaps the model in and wakes the waiters).
+        (`last_error`) and the current model stays. While another thread of this process is loading a newer
+        model, waits for it (at most `LOAD_WAIT`): an answer never comes from a model older than one already
+        stored, so once any worker's answer reflects a write, no later answer goes back (#24.16).
         """
         try:
             head = self.store.newest_model_head()
@@ -462,7 +464,11 @@ class ModelCache:
         except Exception as exc:  # noqa: BLE001 - keep answering from what is loaded
             self._report("read", f"reading the stored model failed: {type(exc).__name__}: {exc}")
             return self._model
-        if head is None or head == self._seen or not self._load_lock.acquire(blocking=False):
+        if head is None or head == self._seen:
+            return self._model
+        if not self._load_lock.acquire(blocking=False):
+            if self._load_lock.acquire(timeout=LOAD_WAIT.total_seconds()):  # the other thread's load is done
+                self._load_lock.release()
             return self._model
         try:
             current = self._model

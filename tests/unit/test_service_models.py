@@ -139,6 +139,34 @@ def test_a_plain_view_answers_from_the_newest_stored_model_at_once(tmp_path, wor
     assert other.view().generation == written.generation   # no wait, no poll: the request itself looked
 
 
+def test_a_request_waits_for_a_load_in_progress_rather_than_answer_from_an_older_model(tmp_path, workers):
+    # #24.16: after a write was reflected, 2 of the next 300 answers were stale: a request that found another
+    # thread loading the newer model answered from the old one
+    from predictor.service import FittedModel
+
+    db = str(tmp_path / "shared.db")
+    _seed(db)
+    factory = CountingFactory()
+    fitter = _worker(db, factory).start()
+    other = _worker(db, factory)
+    workers += [fitter, other]
+    assert fitter.wait_fresh(WAIT)
+    old = other.view().generation
+    written = fitter.store.write_observations([COLLECTIVE])
+    assert fitter.view(written.generation, WAIT).generation == written.generation
+
+    other._load_lock.acquire()          # another request thread of `other` is loading the new model right now
+
+    def finish_loading():
+        time.sleep(0.3)
+        other._swap(FittedModel.from_stored(other.store.newest_model()))
+        other._load_lock.release()
+    loader = threading.Thread(target=finish_loading)
+    loader.start()
+    assert other.view().generation == written.generation > old   # not the old model while the load ran
+    loader.join()
+
+
 def test_the_fit_lock_passes_on_when_its_holder_dies(tmp_path):
     path = fit_lock_path(str(tmp_path / "p.db"))
     script = ("import sys, time; from predictor.fitlock import FitLock; "
