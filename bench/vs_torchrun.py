@@ -120,6 +120,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     from elastic_launcher.examples.common import WorkerEnv, default_workers
+    from elastic_launcher.workers import worker_env
     jpeg_dir = a.jpeg_dir or Path(tempfile.mkdtemp(prefix="vs_torchrun_jpeg_"))
     datas = a.data.split(",")
     gpus_max = max(int(g) for g in a.gpus.split(","))
@@ -136,7 +137,8 @@ def main() -> None:
         task = TASK[data]
         for precision in a.precision.split(","):
             for gpus in [int(g) for g in a.gpus.split(",")]:
-                env = WorkerEnv("w", "", "localhost", 0, max(1, len(os.sched_getaffinity(0)) // gpus))
+                # the count the template picks for itself (B), given to the plain script (A) too
+                env = WorkerEnv.from_environ({**worker_env("", "bench", "localhost", "g", gpus), "SLURM_LOCALID": "0"})
                 workers = default_workers(env, torch.device("cuda"))
                 res = {"A": [], "B": []}
                 for r in range(a.rounds):

@@ -98,12 +98,9 @@ class Cancellable(torch.utils.data.Dataset):
         return work.seq < cancel_seq and work.step >= cancel_step
 
     def __getitems__(self, work: Work):
-        indices = work.indices if isinstance(work, Work) else list(work)
         batched = getattr(self.dataset, "__getitems__", None)
         if batched is not None:  # the dataset fetches a batch at once: checked before, not item by item
-            return STALE if isinstance(work, Work) and self._stale(work) else batched(indices)
-        if not isinstance(work, Work):
-            return [self.dataset[i] for i in indices]
+            return STALE if self._stale(work) else batched(list(work.indices))
         items = []
         for i in work.indices:
             if self._stale(work):
@@ -217,10 +214,6 @@ class Pipeline:
         self._it: Optional[Any] = None
         self.dropped = 0
         self.resets = 0
-
-    @property
-    def num_workers(self) -> int:
-        return self.loader.num_workers
 
     @property
     def depth(self) -> int:

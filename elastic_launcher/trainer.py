@@ -191,7 +191,7 @@ class ElasticTrainer:
         self.phase = Phase.JOINING
         self.sampler: Optional[ElasticSampler] = None
         self._pipeline: Optional[Pipeline] = None  # the DataLoader of the last loader() call
-        self._forecast: Optional[tuple[int, Basis]] = None  # (plan id, Basis) of the prepared next epoch
+        self._forecast: Optional[Basis] = None  # the next epoch's (armed, or being joined) rank and batches
         self._switch_at: Optional[int] = None  # the commit point an ARM set for the switch
         # the current epoch (what EpochExecutor hands back), flat: the step reads these
         self.plan: Plan
@@ -349,7 +349,7 @@ class ElasticTrainer:
         nxt = self._forecast
         if nxt is not None and (self.phase is Phase.JOINING or
                                 (self._switch_at is not None and step >= self._switch_at)):
-            return nxt[1]
+            return nxt
         return Basis(self.rank, tuple(self.batches))
 
     def _lead(self) -> int:
@@ -367,7 +367,7 @@ class ElasticTrainer:
         prepared, plan = self._next_epoch.prepared(), self.membership.next_plan()
         if prepared is not None and plan is not None and plan.id == prepared[0]:
             group = prepared[1]
-            self._forecast = (plan.id, Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size()))))
+            self._forecast = Basis(group.rank(), tuple(self._executor.batches_for(plan, group.size())))
             if self._pipeline is not None:
                 self._pipeline.rewind(self.step, self.sampler.epoch, self.sampler.pos, self._switch_at)
         self._publish_start(self._switch_at)
@@ -397,7 +397,7 @@ class ElasticTrainer:
                 logger.info("no loader start for epoch %d: %s", self.plan.id, e)
                 return
         batches = self._executor.batches_for(self.plan, self.group.size())
-        self._forecast = (self.plan.id, Basis(self.group.rank(), tuple(batches)))
+        self._forecast = Basis(self.group.rank(), tuple(batches))
         pipe.start(start["step"], start["epoch"], start["pos"])
 
     # ---- commit ---------------------------------------------------------------------------------------------

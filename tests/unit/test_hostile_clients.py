@@ -345,6 +345,8 @@ def test_one_clients_flood_evicts_only_its_own_decisions(tmp_path):
         store.get_decision(d)  # raises NotFoundError once pruned
     counted = dict(store.db.execute("SELECT client, rows FROM decision_clients").fetchall())
     assert counted == kept
+    (rows,) = store.db.execute("SELECT value FROM meta WHERE key = 'decision_rows'").fetchone()
+    assert rows == sum(kept.values())
     (total,) = store.db.execute("SELECT SUM(length(CAST(request AS BLOB)) + length(CAST(response AS BLOB))) "
                                 "FROM decisions").fetchone()
     assert store.decision_bytes() == total
