@@ -20,7 +20,6 @@ def test_rate_is_total_samples_over_total_time_after_the_warm_windows():
 
 
 def test_the_jpeg_folder_reaches_its_size_with_links_that_keep_their_class(tmp_path):
-    pytest.importorskip("PIL")
     vs_torchrun.write_jpegs(tmp_path, n=20, classes=4, total=50)
     files = sorted(tmp_path.rglob("*.jpg"))
     assert len(files) == 50 and len({f.stat().st_ino for f in files}) == 20
