@@ -117,7 +117,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip", type=int, default=2, help="progress windows to leave out at the start")
     ap.add_argument("--jpeg-dir", type=Path, default=None)
+    ap.add_argument("--steps", default="", help="steps of a run per task, e.g. gpt-lm=200,resnet50=120 (logged "
+                    "every sixth; default " + ",".join(f"{t}={s}" for t, (s, _) in STEPS.items()) + ")")
+    ap.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES of both sides' processes (default: as set); "
+                    "on a 4-GPU host, two benches on disjoint GPUs run side by side")
     a = ap.parse_args()
+    for item in filter(None, a.steps.split(",")):
+        task, _, n = item.partition("=")
+        if task not in STEPS or not n.isdigit() or int(n) < 6 * (a.skip + 1):
+            raise SystemExit(f"--steps {item!r}: want TASK=N with TASK in {sorted(STEPS)} and N >= {6 * (a.skip + 1)}")
+        STEPS[task] = (int(n), int(n) // 6)
+    if a.devices:
+        os.environ["CUDA_VISIBLE_DEVICES"] = a.devices  # inherited by both sides' processes
     import torch
     from elastic_launcher.examples.common import WorkerEnv, default_workers
     from elastic_launcher.workers import worker_env
@@ -130,8 +141,9 @@ def main() -> None:
         write_jpegs(jpeg_dir, total=total)
         print(f"# wrote 3000 JPEGs (500x375) and hard links to {total} files in {jpeg_dir} in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
-    print(f"# {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
-          f"{len(os.sched_getaffinity(0))} CPUs", flush=True)
+    print(f"# {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
+          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}), torch {torch.__version__}, "
+          f"{len(os.sched_getaffinity(0))} CPUs, steps {STEPS}", flush=True)
     rows = []
     for data in datas:
         task = TASK[data]
