@@ -31,7 +31,7 @@ case $what in
         args=("$@")
         ((${#args[@]})) || args=(--models resnet50,gpt2 --mode all --paths plain)
         python3 bench/gpu_transition.py "${args[@]}" --out "$OUT/gpu_transition.md" 2>&1 \
-            | grep -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/bench.log" ;;
+            | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/bench.log" ;;
     coldstart)
         mkdir -p "$OUT/coldstart"
         sizes=("$@")
@@ -48,21 +48,21 @@ case $what in
                 echo "=== coldstart W=$w transport=$tr $(date -u +%T)"
                 env "${env[@]}" timeout 420 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
                     bench/coldstart_collect.py --transport "$tr" --out "$OUT/coldstart/w${w}_${tr}.jsonl" 2>&1 \
-                    | grep -v 'socket.cpp\|TCPStore.cpp\|^W[0-9]' | tee -a "$OUT/coldstart.log"
+                    | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp\|^W[0-9]' | tee -a "$OUT/coldstart.log"
             done
         done ;;
     vs-torchrun)
         args=("$@")
         ((${#args[@]})) || args=(--data synthetic,jpeg,tokens --precision bf16,fp32 --gpus 1,2 --rounds 3)
-        python3 bench/vs_torchrun.py "${args[@]}" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/vs_torchrun.log" ;;
+        python3 bench/vs_torchrun.py "${args[@]}" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/vs_torchrun.log" ;;
     loader-pauses)
         (cd bench && python3 gpu_transition.py --models resnet50 --paths ours --mode pauses --loader-workers 8 \
-            --item-ms 4 --cycles 3 --out "$OUT/pause_loader.md" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' \
+            --item-ms 4 --cycles 3 --out "$OUT/pause_loader.md" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' \
             | tee "$OUT/pause_loader.log"
          python3 gpu_transition.py --models resnet50 --paths ours --mode pauses --cycles 3 \
-            --out "$OUT/pause_fixed.md" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/pause_fixed.log") ;;
+            --out "$OUT/pause_fixed.md" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/pause_fixed.log") ;;
     ab)
-        python3 bench/interleaved.py "$@" 2>&1 | grep -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
+        python3 bench/interleaved.py "$@" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
     tests)
         python3 -m pytest -m gpu -q -s tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
     *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | vs-torchrun [ARGS...] | loader-pauses | tests | coldstart [W...]" >&2

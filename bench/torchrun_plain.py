@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elastic_launcher.examples import gpt_lm, models, resnet50  # noqa: E402
+from elastic_launcher.examples.common import StepProfiler  # noqa: E402
 
 
 def build(args):
@@ -48,6 +49,7 @@ def main() -> int:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--torch-profile", type=Path, default=None, help="as the template's --torch-profile (local rank 0)")
     args = p.parse_args()
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -67,6 +69,7 @@ def main() -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.precision]
     scaler = torch.amp.GradScaler("cuda") if dtype is torch.float16 else None
     amp = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    profiler = StepProfiler(args.torch_profile if local == 0 else None, f"plain-{rank}")
     step, epoch, window = 0, 0, (time.perf_counter(), 0)
     while step < args.steps:
         sampler.set_epoch(epoch)
@@ -83,6 +86,7 @@ def main() -> int:
                 scaler.update()
             opt.zero_grad(set_to_none=True)
             step += 1
+            profiler.step()
             if rank == 0 and (step % args.log_every == 0 or step == args.steps):
                 t, done = time.perf_counter(), step * batch * world
                 rate = (done - window[1]) / max(t - window[0], 1e-9)
@@ -92,6 +96,7 @@ def main() -> int:
             if step >= args.steps:
                 break
         epoch += 1
+    profiler.close()
     dist.destroy_process_group()
     return 0
 

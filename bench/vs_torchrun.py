@@ -24,6 +24,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,22 +72,29 @@ def harmonic_rate(out: str, skip: int) -> tuple[float, int]:
     return len(rates) / sum(1 / r for r in rates), len(rates)
 
 
-def task_args(task: str, data: str, jpeg_dir: Path, precision: str) -> list[str]:
+def task_args(task: str, data: str, jpeg_dir: Path, precision: str, profile: Optional[Path] = None) -> list[str]:
     steps, every = STEPS[task]
     args = ["--steps", str(steps), "--log-every", str(every), "--precision", precision]
+    if profile is not None:
+        args += ["--torch-profile", str(profile)]
     if data == "jpeg":
         args += ["--data", str(jpeg_dir)]
     return args
 
 
-def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpeg_dir: Path) -> str:
+def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpeg_dir: Path,
+              profile: Optional[Path] = None) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)]
-    cmd += task_args(task, data, jpeg_dir, precision)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, check=True).stdout
+    cmd += task_args(task, data, jpeg_dir, precision, profile)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"plain run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return done.stdout
 
 
-def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path) -> str:
+def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path,
+                 profile: Optional[Path] = None) -> str:
     import torch.distributed as dist
     from elastic_launcher.membership import Coordinator
     from elastic_launcher.workers import worker_env, worker_id
@@ -95,7 +103,8 @@ def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path
     group = f"jbench-localhost-g{int(time.time())}"
     Coordinator(dist.PrefixStore("job", server)).start([worker_id(group, s) for s in range(gpus)])
     module = {"resnet50": "resnet50", "gpt-lm": "gpt_lm"}[task]
-    cmd = [sys.executable, "-m", f"elastic_launcher.examples.{module}"] + task_args(task, data, jpeg_dir, precision)
+    cmd = [sys.executable, "-m", f"elastic_launcher.examples.{module}"] + task_args(task, data, jpeg_dir, precision,
+                                                                                     profile)
     procs = []
     for slot in range(gpus):
         env = dict(os.environ, SLURM_LOCALID=str(slot),
@@ -119,6 +128,8 @@ def main() -> None:
     ap.add_argument("--jpeg-dir", type=Path, default=None)
     ap.add_argument("--steps", default="", help="steps of a run per task, e.g. gpt-lm=200,resnet50=120 (logged "
                     "every sixth; default " + ",".join(f"{t}={s}" for t, (s, _) in STEPS.items()) + ")")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="both sides profile steps 100-110 of every run (the scripts' --torch-profile), under DIR/<run>/")
     ap.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES of both sides' processes (default: as set); "
                     "on a 4-GPU host, two benches on disjoint GPUs run side by side")
     a = ap.parse_args()
@@ -156,8 +167,9 @@ def main() -> None:
                 for r in range(a.rounds):
                     for side in ("AB" if r % 2 == 0 else "BA"):
                         t0 = time.perf_counter()
-                        out = run_plain(task, data, gpus, precision, workers, jpeg_dir) if side == "A" else \
-                            run_template(task, data, gpus, precision, jpeg_dir)
+                        prof = a.profile / f"{data}-{precision}-g{gpus}-r{r}-{side}" if a.profile else None
+                        out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof) if side == "A" else \
+                            run_template(task, data, gpus, precision, jpeg_dir, prof)
                         rate, n = harmonic_rate(out, a.skip)
                         used = WORKERS.findall(out)
                         res[side].append(rate)

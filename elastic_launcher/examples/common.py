@@ -82,9 +82,62 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
                              "support it, else fp32")
     parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints a line every N steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-profile", type=Path, default=None, metavar="DIR",
+                        help="the first GPU slot of each node profiles steps %d-%d with torch.profiler and writes "
+                             "DIR/profile_<worker>.txt (operators by GPU and by CPU time)" % PROFILE_STEPS)
     parser.add_argument("--observations", type=Path, default=None,
                         help="rank 0 appends its predictor observation records (JSON lines) here as the runtime "
                              "hands them over; import them with `elastic-predictor import`")
+
+
+PROFILE_STEPS = (100, 110)  # --profile: the steps profiled (after the commit schedule's ramp and the loader's fill)
+
+
+class StepProfiler:
+    """``--torch-profile``: ``torch.profiler`` over the steps ``PROFILE_STEPS`` of one process, written as a text
+    report (operators by self GPU time and by self CPU time, and the wall time of the profiled steps).
+
+    Call :meth:`step` once per training step; :meth:`close` writes the report (once, when the steps were reached).
+    """
+
+    def __init__(self, out: Optional[Path], name: str) -> None:
+        self.out = out / f"profile_{name}.txt" if out is not None else None
+        self.steps = 0
+        self._prof = None
+        self._t0 = 0.0
+        if self.out is not None:
+            from torch.profiler import ProfilerActivity, profile, schedule
+            first, last = PROFILE_STEPS
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=acts, schedule=schedule(wait=first - 1, warmup=1, active=last - first))
+            self._prof.start()
+
+    def step(self) -> None:
+        if self._prof is None:
+            return
+        self.steps += 1
+        if self.steps == PROFILE_STEPS[0]:
+            self._t0 = time.perf_counter()
+        self._prof.step()
+        if self.steps == PROFILE_STEPS[1]:
+            self.close()
+
+    def close(self) -> None:
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        prof.stop()
+        if self.steps < PROFILE_STEPS[1]:
+            return
+        first, last = PROFILE_STEPS
+        avg = prof.key_averages()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.out, "w", encoding="utf-8") as f:
+            f.write(f"steps {first}-{last}: {(time.perf_counter() - self._t0) / (last - first) * 1e3:.2f} ms a step "
+                    "(wall, profiler on)\n\n")
+            if torch.cuda.is_available():
+                f.write(avg.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n")
+            f.write(avg.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
 
 
 def pick_device(choice: str, local_id: int) -> torch.device:
@@ -228,6 +281,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                         warm_up=_local_step(model, optimizer, dataset, loss_of, args.per_gpu_batch, device, precision),
                         extra_state=precision.extra_state())
     loss = torch.tensor(float("nan"))
+    profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)
     rank = None  # the group is gone after close(): remember the last rank
     try:
@@ -240,6 +294,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
             et.watch_loss(loss)
             precision.backward_and_step(loss, optimizer)
             went_on = et.commit()
+            profiler.step()
             if not et.left:
                 rank = et.rank
                 samples = et.sampler.epoch * len(dataset) + et.sampler.pos
@@ -255,6 +310,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         print(f"{env.wid}: {exc}", file=sys.stderr)
         return 3
     finally:
+        profiler.close()
         et.close()
     if et.left:
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
