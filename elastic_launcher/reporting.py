@@ -56,7 +56,7 @@ class PredictorClient:
 
     Args:
         url: the service's base URL; None: every call returns None.
-        token: bearer token (ELASTIC_PREDICTOR_TOKEN); sent with /v1/plan and with unsigned observations.
+        token: bearer token (ELASTIC_PREDICTOR_TOKEN); sent with /v1/predict and with unsigned posts.
         timeout_s: limit of one HTTP request, and of one `munge` run.
         job_id: the Slurm job the observations belong to; None: no munge signing.
         munge_socket: munged's socket; None: munge's default.
@@ -165,7 +165,9 @@ class PredictorClient:
         return (seconds, "predicted") if seconds > 0 else (None, f"compute_s {seconds!r}")
 
     def plan(self, body: dict) -> Optional[dict]:
-        reply = self._post("/v1/plan", body)
+        """POST /v1/plan, signed for the job like observations: only a plan request the job itself signed is
+        answered from the job's own step times for the layouts it ran (#24.12)."""
+        reply = self._post("/v1/plan", body, signed=True)
         return reply if isinstance(reply, dict) and reply.get("action") in ("keep", "rewrite") else None
 
 

@@ -66,6 +66,9 @@ class PlanRequest:
     current: dict | None
     lines: tuple[str, ...] = ()        # the `#ELASTIC` lines as parsed (validated, bounded)
     reused: dict = dataclasses.field(default_factory=dict)   # decision id -> submissions that reused it
+    # the job whose own step measurements may answer for the layouts it ran: set by the API only when the caller
+    # proved it is that job (its munge credential) or holds the admin token (#24.12); None: the fit alone answers
+    own_job: int | None = None
 
     def record(self) -> dict:
         """The request as a decision stores it: source, the directive lines, the validated job fields, current
@@ -321,7 +324,7 @@ def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min
         return _keep("no per_gpu_batch directive: cannot predict throughput", model=model)
     requested = _requested_now(request)
     # a running job (the launcher) asking about itself: its own measurements answer for the layouts it ran
-    asking = request.job.get("job_id") if request.current is not None else None
+    asking = request.own_job if request.current is not None else None
     if d.get("batch_policy") != "keep_global":
         # The predictions for every layout of the partition at this (model, GPU, per-GPU batch): the request's
         # bounds are applied by `last_step`, which job_submit.lua also runs on this table (tests/vectors/policy.json)

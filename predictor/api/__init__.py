@@ -84,6 +84,22 @@ def caller() -> Caller:
     return g.get("elastic_caller") or Caller("anonymous")
 
 
+def identified() -> Caller:
+    """Who the current request proves to be, where the route does not require it: the caller the read check
+    accepted, else the credential the request carries if it holds (a munge credential signing this body, a bearer
+    token), else anonymous. A credential that does not hold makes the request anonymous, never refused."""
+    who = g.get("elastic_caller")
+    if who is not None:
+        return who
+    if request.headers.get(MUNGE_HEADER) or request.headers.get("Authorization"):
+        try:
+            who = authenticator().check_write(request.headers, request.get_data(cache=True))
+        except AuthError:
+            who = None
+    g.elastic_caller = who or Caller("anonymous")
+    return g.elastic_caller
+
+
 def write_access(view):
     """Decorator: a tool/admin bearer token or a munge-signed job credential (predictor.auth)."""
 

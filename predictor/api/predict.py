@@ -7,6 +7,7 @@ predictor.service.MAX_VERSION_WAIT, 20,000); otherwise 503 with Retry-After nami
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from datetime import timedelta
@@ -15,7 +16,7 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from predictor import planner
-from predictor.api import client_address, json_body, metrics, services
+from predictor.api import authenticator, client_address, identified, json_body, metrics, services
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
@@ -187,12 +188,22 @@ def predict():
             "predictions": [_clean(p) for p in predictions]}
 
 
+def _is_job(who, job_id: int) -> bool:
+    """Whether ``who`` may see job ``job_id``'s own step times in a plan: the job itself (its munge credential), the
+    admin token, or anyone on a service that takes no credentials at all. A tool token does not: every job's
+    launcher may carry it (#24.12)."""
+    return (who.kind == "job" and who.job_id == job_id) or who.kind == "admin" or authenticator().writes_open
+
+
 @bp.post("/plan")
 def plan():
     svc = services()
     body = json_body()
     metrics.note_plan(body)
     plan_request = planner.parse_request(body)
+    asking = plan_request.job.get("job_id")
+    if plan_request.current is not None and asking is not None and _is_job(identified(), asking):
+        plan_request = dataclasses.replace(plan_request, own_job=asking)
     models = svc.models.view(*version_wait(None))
     response = planner.plan(plan_request, svc.cluster, models, svc.config.default_min_efficiency,
                             svc.config.max_plan_candidates, svc.config.db_path)

@@ -45,7 +45,8 @@ class FakePredictor:
             comm = 0.0 if gpus == 1 else self.comm_per_doubling_s * math.log2(gpus) + self.inter_node_s * (nodes - 1)
             iter_s = compute + comm
             out.append({"layout": cand["layout"], "samples_per_s": gpus * per_gpu_batch / iter_s, "iter_s": iter_s,
-                        "compute_s": compute, "comm_s": comm, "uncertainty": 0.1, "basis": "fake"})
+                        "compute_s": compute, "comm_s": comm, "uncertainty": 0.1,
+                        "basis": "fake" if job_id is None else f"measured by job {job_id}"})
         return out
 
 

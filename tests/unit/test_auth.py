@@ -485,13 +485,14 @@ def test_without_a_job_id_the_launcher_sends_the_bearer_token(scripted, monkeypa
     assert signer.signed == [] and Scripted.seen[0][0]["Authorization"] == f"Bearer {TOKEN}"
 
 
-def test_plan_is_asked_once_with_the_bearer_token_and_never_signed(scripted, monkeypatch):
+def test_plan_is_asked_once_and_signed_for_the_job(scripted, monkeypatch):
+    # signed since #24.12: only the job itself is answered from its own step times
     Scripted.answers = [(503, b'{"reason": "busy"}')]
     signer = FakeSigner()
     client = launcher(scripted, monkeypatch, signer, job_id=7, retries=3)
     assert client.plan({"source": "launcher", "directives": []}) is None
-    assert len(Scripted.seen) == 1 and signer.signed == []
-    assert Scripted.seen[0][0]["Authorization"] == f"Bearer {TOKEN}"
+    assert len(Scripted.seen) == 1 and len(signer.signed) == 1
+    assert MUNGE_HEADER in Scripted.seen[0][0]
 
 
 def test_a_header_that_is_no_munge_credential_never_runs_unmunge(monkeypatch):
@@ -533,3 +534,48 @@ def test_slurm_is_asked_about_a_job_once_per_ttl_found_or_not_found():
     with pytest.raises(JobNotFoundError):
         cache.job_owner(404)
     assert calls == [7, 404, 7, 404]
+
+
+def _launcher_plan(job_id: int) -> bytes:
+    return json.dumps({"source": "launcher", "directives": ["#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=64"],
+                       "job": {"job_id": job_id, "partition": "debug"},
+                       "current": {"layout": [2, 2], "per_gpu_batch": 64}}).encode()
+
+
+def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypatch):
+    # #24.12: /v1/plan answered any job's measured step times to whoever named its job id, under READ_AUTH too
+    from tests.unit._service_fakes import seeded_app
+    app = seeded_app(tmp_path)
+    try:
+        app.extensions["elastic_predictor_auth"] = Authenticator(
+            token=TOKEN, admin_token=ADMIN, munge=True, unmunger=FakeUnmunger(), jobs=FakeJobs(), clock=lambda: NOW)
+        client = app.test_client()
+        seen = []
+        from predictor.service import ModelView
+        real = ModelView.predict
+
+        def spy(self, *args, job_id=None, **kwargs):
+            seen.append(job_id)
+            return real(self, *args, job_id=job_id, **kwargs)
+
+        monkeypatch.setattr(ModelView, "predict", spy)
+        body = _launcher_plan(7)
+        headers = {"Content-Type": "application/json"}
+        for given, expected in [(headers, None),                                        # anonymous
+                                ({**headers, "Authorization": f"Bearer {TOKEN}"}, None),  # any job's tool token
+                                (sign(body, 8, uid=1001), None),                      # another user's job
+                                (sign(body, 7, uid=1000), 7),                         # the job itself
+                                ({**headers, "Authorization": f"Bearer {ADMIN}"}, 7),
+                                ({**headers, MUNGE_HEADER: "not a credential"}, None)]:
+            seen.clear()
+            reply = client.post("/v1/plan", data=body, headers=given)
+            assert reply.status_code == 200, reply.get_json()
+            assert seen and set(seen) == {expected}, (given, seen)
+        # read_auth on: the reader's own credential, not the job id it names, decides
+        app.extensions["elastic_predictor_auth"].read_auth = True
+        seen.clear()
+        assert client.post("/v1/plan", data=body, headers={**headers, "Authorization": f"Bearer {TOKEN}"}
+                           ).status_code == 200 and set(seen) == {None}
+    finally:
+        app.extensions["elastic_predictor"].models.stop()
+        app.extensions["elastic_predictor"].store.close()
