@@ -18,15 +18,19 @@ Every refusal is an `AuthError` with a status (401: no usable credential; 403: a
 understood and refused), the header it concerns and a short `reason` code:
     missing_credential, bad_token, munge_disabled, bad_credential, digest_mismatch, bad_payload,
     job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable,
-    record_mismatch (a signed record that does not fit its job's Slurm facts: predictor.jobcheck).
+    record_mismatch (a signed record that does not fit its job's Slurm facts: predictor.jobcheck),
+    lookup_rate (429: the signer's uid asked about more unknown jobs than `LookupBudget` allows),
+    slurm_busy (503: this process's Slurm lookups are all taken; the caller retries).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
 import re
 import subprocess
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +45,10 @@ _CREDENTIAL_RE = re.compile(r"^MUNGE:[A-Za-z0-9+/]{16,16384}={0,2}:\Z")
 OWNER_TTL = timedelta(seconds=1)        # a job's owner and state, as Slurm said them, reused this long
 MISSING_TTL = timedelta(seconds=10)     # ... and that Slurm does not know a job id
 OWNER_ENTRIES = 4096
+LOOKUP_RATE = 2.0                       # Slurm lookups (jobs not in the cache) per signer uid and second ...
+LOOKUP_BURST = 10                       # ... after a burst of this many
+LOOKUP_CONCURRENT = 2                   # Slurm lookups running at once in one service process
+LOOKUP_WAIT = timedelta(milliseconds=500)  # how long a lookup waits for one of those before 503 slurm_busy
 
 
 class AuthError(Exception):
@@ -145,6 +153,54 @@ class JobOwners(Protocol):
     def job_owner(self, job_id: int): ...
 
 
+class LookupBudget:
+    """What one user's credentials may cost in Slurm lookups (#24.4: valid credentials for made-up job ids, minted
+    at ~220/s, each cost a squeue and a sacct run of ~0.3 s and held a request thread, so the hook's `/v1/plan`
+    waited behind them): a token bucket per uid (`rate` a second after `burst`), and at most `concurrent` lookups
+    at once in this process, waited for at most `wait`. Only lookups of jobs not in `OwnerCache` count.
+
+    Raises (from :meth:`slot`): AuthError 429 ``lookup_rate`` (this uid's bucket is empty; others are not
+    affected), AuthError 503 ``slurm_busy`` (every slot is taken).
+    """
+
+    def __init__(self, rate: float = LOOKUP_RATE, burst: int = LOOKUP_BURST, concurrent: int = LOOKUP_CONCURRENT,
+                 wait: timedelta = LOOKUP_WAIT, entries: int = OWNER_ENTRIES,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.wait, self.entries, self.clock = rate, burst, wait, entries, clock
+        self._slots = threading.BoundedSemaphore(concurrent)
+        self._lock = threading.Lock()
+        self._buckets: dict[int, tuple[float, float]] = {}  # uid -> (tokens, when)
+
+    def _take(self, uid: int) -> float:
+        """Takes a token of ``uid``'s bucket; returns 0, or the seconds until one is there (nothing taken)."""
+        now = self.clock()
+        with self._lock:
+            tokens, when = self._buckets.get(uid, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - when) * self.rate)
+            if tokens < 1.0:
+                self._buckets[uid] = (tokens, now)
+                return (1.0 - tokens) / self.rate
+            if uid not in self._buckets and len(self._buckets) >= self.entries:
+                for old in sorted(self._buckets, key=lambda u: self._buckets[u][1])[: self.entries // 4]:
+                    del self._buckets[old]   # the longest idle buckets are full again by now
+            self._buckets[uid] = (tokens - 1.0, now)
+            return 0.0
+
+    @contextlib.contextmanager
+    def slot(self, uid: int | None, job_id: int):
+        wait = self._take(uid) if uid is not None else 0.0
+        if wait:
+            raise AuthError(429, f"{MUNGE_HEADER}: uid {uid} asked about more jobs Slurm had to be asked for than "
+                                 f"{self.rate:g}/s (after {self.burst}); retry in {wait:.1f} s", MUNGE_HEADER,
+                            "lookup_rate")
+        if not self._slots.acquire(timeout=self.wait.total_seconds()):
+            raise AuthError(503, f"cannot check job {job_id} now: Slurm lookups busy", MUNGE_HEADER, "slurm_busy")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
 class OwnerCache:
     """Slurm's answer about a job's owner, kept per job id (`ttl` when found, `missing_ttl` when Slurm does not
     know it), at most `entries`.
@@ -156,16 +212,18 @@ class OwnerCache:
 
     def __init__(self, jobs: Callable[[], JobOwners], ttl: timedelta = OWNER_TTL,
                  missing_ttl: timedelta = MISSING_TTL, entries: int = OWNER_ENTRIES,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, budget: LookupBudget | None = None):
         self._jobs = jobs
+        self.budget = budget or LookupBudget(clock=clock)
         self.ttl = ttl
         self.missing_ttl = missing_ttl
         self.entries = entries
         self.clock = clock
         self._seen: dict[int, tuple[float, object, Exception | None]] = {}  # job -> (when, owner, not found)
 
-    def job_owner(self, job_id: int):
-        """Raises what the lookup raised (JobNotFoundError is remembered too; SlurmError is not)."""
+    def job_owner(self, job_id: int, uid: int | None = None):
+        """Raises what the lookup raised (JobNotFoundError is remembered too; SlurmError is not), and the
+        `LookupBudget`'s AuthError when ``uid`` (the credential's) may not make Slurm look the job up now."""
         from slurm_plugin.errors import JobNotFoundError   # noqa: PLC0415
 
         now = self.clock()
@@ -174,10 +232,11 @@ class OwnerCache:
             if hit[2] is not None:
                 raise hit[2]
             return hit[1]
-        try:
-            owner, missing = self._jobs().job_owner(job_id), None
-        except JobNotFoundError as exc:
-            owner, missing = None, exc
+        with self.budget.slot(uid, job_id):
+            try:
+                owner, missing = self._jobs().job_owner(job_id), None
+            except JobNotFoundError as exc:
+                owner, missing = None, exc
         if len(self._seen) >= self.entries:
             for old in sorted(self._seen, key=lambda j: self._seen[j][0])[: self.entries // 4]:
                 del self._seen[old]
@@ -345,7 +404,7 @@ class Authenticator:
         from slurm_plugin.errors import JobNotFoundError, SlurmError   # noqa: PLC0415
 
         try:
-            owner = self.owners.job_owner(job_id)
+            owner = self.owners.job_owner(job_id, uid)
         except JobNotFoundError:
             raise AuthError(403, f"{MUNGE_HEADER}: job not found: Slurm does not know job {job_id}",
                             MUNGE_HEADER, "job_not_found") from None

@@ -127,8 +127,8 @@ def _auth_error(exc: AuthError):
     if exc.status == 401:
         response.headers["WWW-Authenticate"] = ('Bearer realm="elastic-predictor"' if exc.field == "Authorization"
                                                 else f'Munge header="{MUNGE_HEADER}"')
-    if exc.status == 503:
-        response.headers["Retry-After"] = "2"
+    if exc.status in (429, 503):
+        response.headers["Retry-After"] = "2" if exc.status == 503 else "1"
     return response, exc.status
 
 

@@ -536,6 +536,64 @@ def test_slurm_is_asked_about_a_job_once_per_ttl_found_or_not_found():
     assert calls == [7, 404, 7, 404]
 
 
+def test_one_users_credentials_for_made_up_jobs_are_limited_and_others_still_get_in(tmp_path):
+    # #24.4: valid credentials for made-up job ids (~220/s) each cost a squeue + sacct of ~0.3 s; the Slurm
+    # lookups one uid may cause are bounded (429 lookup_rate, Retry-After), another user's job is not affected
+    from predictor.auth import LookupBudget
+    lookups = []
+
+    class CountingJobs(FakeJobs):
+        def job_owner(self, job_id):
+            lookups.append(job_id)
+            return super().job_owner(job_id)
+
+    app = make_app(tmp_path, token=TOKEN, admin_token=ADMIN, munge_auth=True)
+    try:
+        auth = app.extensions["elastic_predictor_auth"]
+        auth._jobs = CountingJobs()
+        auth.owners.budget = LookupBudget(rate=1.0, burst=10, clock=lambda: 0.0)  # time stands still
+        client = app.test_client()
+        body = body_of([COLLECTIVE])
+        answers = [client.post("/v1/observations", data=body, headers=sign(body, 100_000 + i, uid=666))
+                   for i in range(100)]
+        codes = [r.status_code for r in answers]
+        assert codes.count(403) == 10 and codes.count(429) == 90, codes    # 10 looked up (not found), 90 limited
+        assert len(lookups) == 10
+        limited = next(r for r in answers if r.status_code == 429)
+        assert limited.json["reason"] == "lookup_rate" and limited.headers["Retry-After"] == "1"
+        ok = client.post("/v1/observations", data=body, headers=sign(body, 8, uid=1001))  # another user's job
+        assert ok.status_code == 201, ok.json
+    finally:
+        app.extensions["elastic_predictor"].store.close()
+
+
+def test_slurm_lookups_at_once_are_bounded_and_the_excess_told_to_retry():
+    import threading as th
+
+    from predictor.auth import LookupBudget, OwnerCache
+    release, started = th.Event(), []
+
+    class SlowJobs:
+        def job_owner(self, job_id):
+            started.append(job_id)
+            release.wait(10)
+            return ("owner", job_id)
+
+    cache = OwnerCache(lambda: SlowJobs(), budget=LookupBudget(concurrent=2, wait=timedelta(milliseconds=50)))
+    threads = [th.Thread(target=cache.job_owner, args=(j, 1000 + j)) for j in (1, 2)]
+    for t in threads:
+        t.start()
+    while len(started) < 2:
+        th.Event().wait(0.01)
+    with pytest.raises(AuthError) as err:
+        cache.job_owner(3, 1003)
+    assert err.value.status == 503 and err.value.reason == "slurm_busy" and started == [1, 2]
+    release.set()
+    for t in threads:
+        t.join()
+    assert cache.job_owner(3, 1003) == ("owner", 3)
+
+
 def _launcher_plan(job_id: int) -> bytes:
     return json.dumps({"source": "launcher", "directives": ["#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=64"],
                        "job": {"job_id": job_id, "partition": "debug"},
