@@ -18,7 +18,7 @@ from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, empty_link_model
 from predictor.lru import ByteBudgetLRU
 from predictor.profiles import Profile
-from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_throughput, predict_rows, row_owner,
+from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_bounded, predict_rows, row_owner,
                                   profile_compute_params, sync_bases, sync_link_key)
 
 PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a profile
@@ -122,15 +122,18 @@ class Predictor:
             bases = np.array([self._bases(profiles[o["profile"]], o["layout"], o["intra_link"], o.get("inter_link"))
                               for o in steps])
             tensors = np.array([len(profiles[o["profile"]].tensors) for o in steps], dtype=float)
-            fit = fit_throughput(steps, bases, tensors, sync_weight=self.sync_weight, w_l2=self.w_l2,
-                                 dw_l2=self.dw_l2, shape_l2=self.shape_l2, job_rows_cap=self.job_rows_cap,
-                                 gamma_prior=self.gamma_prior, f_scale=self.f_scale)
+            fit = fit_bounded(steps, bases, tensors, sync_weight=self.sync_weight, w_l2=self.w_l2,
+                              dw_l2=self.dw_l2, shape_l2=self.shape_l2, job_rows_cap=self.job_rows_cap,
+                              gamma_prior=self.gamma_prior, f_scale=self.f_scale)
         else:
-            fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0}
+            fit = {"perf": {}, "net": {}, "log_rmse": {}, "converged": True, "cost": 0.0, "unfitted": []}
+        self.unfitted_ = fit["unfitted"]   # pairs the fit's time budget left for the next fit (fit_bounded)
         self.perf_, self.net_, self.log_rmse_ = fit["perf"], fit["net"], fit["log_rmse"]
         self.n_rows_, self.batches_ = {}, {}
         for o in steps:
             key = (o["profile"], o["gpu"])
+            if key not in self.perf_:
+                continue
             self.n_rows_[key] = self.n_rows_.get(key, 0) + 1
             self.batches_.setdefault(key, set()).add(float(o["per_gpu_batch"]))
         self._cross_cache = {}

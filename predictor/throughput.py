@@ -52,12 +52,16 @@ calibrated by the other profiles fitted on that GPU.
 """
 from __future__ import annotations
 
+import logging
 import math
-from typing import NamedTuple
+import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
+
+log = logging.getLogger(__name__)
 
 N_PHI = 8
 POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all jobs), never on one job alone
@@ -169,6 +173,66 @@ def job_weights(rows: list[dict], cap: int) -> np.ndarray:
         if o is not None:
             counts[o] = counts.get(o, 0) + 1
     return np.array([1.0 if o is None else min(1.0, cap / counts[o]) for o in owners])
+
+
+JOINT_PAIRS_PER_OWNER = 4   # (profile, GPU) pairs one owner brings into the joint fit; the rest are fitted alone
+SOLO_SECONDS = 2.0          # the time all pairs fitted alone may take together in one fit; the rest wait
+
+
+def pair_owners(rows: list[dict]) -> dict:
+    """Per (profile, GPU) pair, the owner (``row_owner``) of most of its rows; None when most are unowned
+    (an admin's or a tool's import)."""
+    votes: dict = {}
+    for r in rows:
+        tally = votes.setdefault((r["profile"], r["gpu"]), {})
+        o = row_owner(r)
+        tally[o] = tally.get(o, 0) + 1
+    return {pr: max(t, key=lambda o: (t[o], o is None)) for pr, t in votes.items()}
+
+
+def fit_bounded(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None = None, *,
+                pairs_per_owner: int = JOINT_PAIRS_PER_OWNER, solo_seconds: float = SOLO_SECONDS,
+                clock: Callable[[], float] = time.monotonic, **options) -> dict:
+    """``fit_throughput`` whose cost one owner cannot blow up (#24.2: 300 profiles of one job took the joint fit
+    from 0.2 s to 278 s and then to `LinAlgError`, and the model stayed stale for everyone).
+
+    The joint fit (every pair's parameters with the links' shared ones) takes each owner's ``pairs_per_owner``
+    pairs with the most rows, and every pair whose rows are mostly unowned; so its size grows with the number of
+    owners, not with what one of them posts. Each other pair is then fitted alone on its own rows (its
+    parameters kept, its links' taken from the joint fit), one owner's pairs after another's in turn, for at most
+    ``solo_seconds`` in all: pairs not reached are left out of this model (``unfitted``; the planner keeps their
+    jobs as they are) and come in with the next fit.
+
+    Returns: ``fit_throughput``'s dict, with ``unfitted``: the pairs left out.
+    """
+    owners = pair_owners(rows)
+    by_owner: dict = {}
+    for pr in sorted(owners):
+        by_owner.setdefault(owners[pr], []).append(pr)
+    counts: dict = {}
+    for r in rows:
+        counts[(r["profile"], r["gpu"])] = counts.get((r["profile"], r["gpu"]), 0) + 1
+    joint, queues = set(), []
+    for owner, prs in by_owner.items():
+        prs = sorted(prs, key=lambda pr: (-counts[pr], pr))
+        keep = prs if owner is None else prs[:pairs_per_owner]
+        joint.update(keep)
+        if len(prs) > len(keep):
+            queues.append(prs[len(keep):])
+    pick = [k for k, r in enumerate(rows) if (r["profile"], r["gpu"]) in joint]
+    fit = fit_throughput([rows[k] for k in pick], bases[pick], None if tensors is None else tensors[pick],
+                         **options)
+    fit["unfitted"] = []
+    deadline = clock() + solo_seconds
+    for pr in (q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)):
+        if clock() > deadline:
+            fit["unfitted"].append(pr)
+            continue
+        own = [k for k, r in enumerate(rows) if (r["profile"], r["gpu"]) == pr]
+        alone = fit_throughput([rows[k] for k in own], bases[own], None if tensors is None else tensors[own],
+                               **options)
+        fit["perf"][pr], fit["log_rmse"][pr] = alone["perf"][pr], alone["log_rmse"][pr]
+    return fit
 
 
 def fit_throughput(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None = None, *,
@@ -381,11 +445,17 @@ def _solve(ctx: dict, names, x0, lo, hi, fixed, ridge):
         return np.concatenate(r)
 
     x0a = np.clip(np.array(x0, dtype=float), np.array(lo) + 1e-9, np.array(hi) - 1e-9)
-    with threadpool_limits(1):  # small dense problems: BLAS threads only contend on a shared machine
-        res = least_squares(resid, x0a, bounds=(lo, hi), loss=weighted_soft_l1, f_scale=f_scale, max_nfev=max_nfev,
-                            x_scale=1.0, ftol=1e-6, xtol=1e-6,
-                            jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, si, li, has_sync),
-                                                    np.array(hi)))
+    try:
+        with threadpool_limits(1):  # small dense problems: BLAS threads only contend on a shared machine
+            res = least_squares(resid, x0a, bounds=(lo, hi), loss=weighted_soft_l1, f_scale=f_scale,
+                                max_nfev=max_nfev, x_scale=1.0, ftol=1e-6, xtol=1e-6,
+                                jac=_grouped_jacobian(resid, _sparsity(names, pi, ii, ei, si, li, has_sync),
+                                                        np.array(hi)))
+    except (np.linalg.LinAlgError, ValueError, FloatingPointError) as exc:
+        # a numerical failure (#24.2: `SVD did not converge` on a history one job flooded) is a fit that did not
+        # converge, answered from the start values, never an exception that stops every later refit
+        log.warning("step fit did not converge: %s: %s", type(exc).__name__, exc)
+        return x0a, False, math.inf, unpack, model
     ok = bool(res.success) and bool(np.all(np.isfinite(res.x)))
     return (res.x if ok else x0a), ok, float(res.cost), unpack, model
 

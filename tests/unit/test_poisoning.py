@@ -108,3 +108,59 @@ def test_one_job_flooding_one_link_barely_moves_its_fit(cap, bounded):
     t = [m.links_.time("ib", "allreduce", 8, [2 ** 26])[0] for m in (clean, poisoned)]
     moved = t[1] / t[0] - 1
     assert (moved <= 0.10) if bounded else (moved > 0.5), moved
+
+
+def _many_profiles(n: int, uid: int = 666):
+    """`n` profiles of one user, 4 made-up step rows each (#24.2's reproduction, scaled)."""
+    profiles = {f"junk{i}": Profile.from_dict({**PROFILE, "name": f"junk{i}"}) for i in range(n)}
+    rows = [dict(_row(lay, 0.05 * (1 + i % 7) * _t(lay), 5000 + i), profile=f"junk{i}", uid=uid)
+            for i in range(n) for lay in ([1], [2], [4], [4, 4])]
+    return profiles, rows
+
+
+def test_one_users_many_profiles_do_not_grow_the_joint_fit_nor_move_others(monkeypatch):
+    # #24.2: a job's 300 profiles (4 rows each) took the joint fit from 0.2 s to 278 s, then LinAlgError
+    from predictor import throughput
+    sizes = []
+    real = throughput._solve
+
+    def spy(ctx, names, *args):
+        sizes.append(len(names))
+        return real(ctx, names, *args)
+
+    monkeypatch.setattr(throughput, "_solve", spy)
+    honest = [dict(r, uid=1000 + r["job_id"]) for r in _history()]
+    clean = Predictor().fit(PROFILES, honest)
+    joint_clean = max(sizes)
+    extra, junk = _many_profiles(40)
+    sizes.clear()
+    flooded = Predictor().fit({**PROFILES, **extra}, honest + junk)
+    assert max(sizes) <= joint_clean + 4 * 12, (joint_clean, sizes[:3])  # one owner adds <= 4 pairs' parameters
+    before = clean.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    after = flooded.predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+    assert max(abs(a["samples_per_s"] / b["samples_per_s"] - 1) for a, b in zip(after, before)) <= 0.10
+    assert all(flooded.known(f"junk{i}", PART.gpu) for i in range(40))     # each fitted alone, within the time
+
+
+def test_pairs_the_time_budget_does_not_reach_wait_for_the_next_fit():
+    from predictor.throughput import fit_bounded
+    extra, junk = _many_profiles(12)
+    honest = [dict(r, uid=1000 + r["job_id"]) for r in _history()]
+    rows = honest + junk
+    ticks = iter(range(10 ** 6))
+    fit = fit_bounded(rows, np.zeros((len(rows), 2)), pairs_per_owner=4, solo_seconds=3.0,
+                      clock=lambda: float(next(ticks)))     # one "second" per pair fitted alone
+    left = set(fit["unfitted"])
+    assert len(left) == 12 - 4 - 3 and not left & set(fit["perf"])      # 4 joint, 3 alone (checked at t = 1, 2, 3)
+    assert ("resnet50", PART.gpu) in fit["perf"]
+
+
+def test_a_numerical_failure_is_a_fit_that_did_not_converge(monkeypatch):
+    from predictor import throughput
+
+    def broken(*args, **kwargs):
+        raise np.linalg.LinAlgError("SVD did not converge")
+
+    monkeypatch.setattr(throughput, "least_squares", broken)
+    model = Predictor().fit(PROFILES, _history())        # raised before: the fitter then kept no model at all
+    assert model.converged_ is False and model.known("resnet50", PART.gpu)
