@@ -200,8 +200,9 @@ def fit_bounded(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None 
     pairs with the most rows, and every pair whose rows are mostly unowned; so its size grows with the number of
     owners, not with what one of them posts. Each other pair is then fitted alone on its own rows (its
     parameters kept, its links' taken from the joint fit), one owner's pairs after another's in turn, for at most
-    ``solo_seconds`` in all: pairs not reached are left out of this model (``unfitted``; the planner keeps their
-    jobs as they are) and come in with the next fit.
+    ``solo_seconds`` in all, starting at a turn set by the number of rows: pairs not reached are left out of this
+    model (``unfitted``; the planner keeps their jobs as they are) and come in with a later fit, which starts
+    elsewhere once new rows came.
 
     Returns: ``fit_throughput``'s dict, with ``unfitted``: the pairs left out.
     """
@@ -223,8 +224,12 @@ def fit_bounded(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None 
     fit = fit_throughput([rows[k] for k in pick], bases[pick], None if tensors is None else tensors[pick],
                          **options)
     fit["unfitted"] = []
+    solo = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    if solo:   # each fit starts where the data's size says, so the pairs one fit left out come in with a later one
+        turn = len(rows) % len(solo)
+        solo = solo[turn:] + solo[:turn]
     deadline = clock() + solo_seconds
-    for pr in (q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)):
+    for pr in solo:
         if clock() > deadline:
             fit["unfitted"].append(pr)
             continue

@@ -153,6 +153,10 @@ def test_pairs_the_time_budget_does_not_reach_wait_for_the_next_fit():
     left = set(fit["unfitted"])
     assert len(left) == 12 - 4 - 3 and not left & set(fit["perf"])      # 4 joint, 3 alone (checked at t = 1, 2, 3)
     assert ("resnet50", PART.gpu) in fit["perf"]
+    ticks = iter(range(10 ** 6))
+    later = fit_bounded(rows + honest[:1], np.zeros((len(rows) + 1, 2)), pairs_per_owner=4, solo_seconds=3.0,
+                        clock=lambda: float(next(ticks)))
+    assert len(later["unfitted"]) == 5 and set(later["unfitted"]) != left   # a later fit starts elsewhere
 
 
 def test_a_numerical_failure_is_a_fit_that_did_not_converge(monkeypatch):
