@@ -158,12 +158,22 @@ def auth_policy(config: Config) -> list[str]:
 @click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
 @click.option("--from-slurm", "from_slurm", default=None, metavar="GPU:INTRA:INTER",
               help="build the cluster model from sinfo/scontrol, with the GPU type and link names given, e.g. H200:nvlink:ib")
-@click.option("--server", "server_mode", default="buffered", show_default=True, type=click.Choice(["buffered", "gunicorn"]),
-              help="buffered: a front end reads each request whole (limits, deadline) before gunicorn sees it; "
-                   "gunicorn: gunicorn alone on the port (a half-sent request holds a worker)")
+@click.option("--server", "server_mode", default="buffered", show_default=True,
+              type=click.Choice(["nginx", "buffered", "gunicorn"]),
+              help="nginx: nginx reads each request whole and caps connections per client address (production; "
+                   "needs nginx-light libnginx-mod-stream); buffered: the built-in asyncio front end does the reading, "
+                   "one cap for all clients; gunicorn: gunicorn alone on the port (a half-sent request holds a worker)")
 @click.option("--read-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
-              help="buffered: seconds a client has to send a whole request (else 408 and close)")
-def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout):
+              help="buffered: seconds a client has to send a whole request (else 408 and close); nginx: for the "
+                   "head, between two reads of the body, and for an idle keep-alive connection")
+@click.option("--max-connections", default=2048, show_default=True, type=click.IntRange(16, 1_000_000),
+              help="nginx: client connections at once, all addresses")
+@click.option("--per-address", default=256, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="nginx: client connections at once from one address, idle ones included (more are closed)")
+@click.option("--per-address-requests", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="nginx: requests in progress from one address (more: 429)")
+def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout,
+          max_connections, per_address, per_address_requests):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
@@ -189,6 +199,21 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     if server_mode == "gunicorn":
         gunicorn_application(load, bind=f"{host}:{port}", workers=workers, threads=threads, timeout=timeout).run()
         return
+    if server_mode == "nginx":
+        from predictor.front_nginx import NginxLimits, NginxMissing, run_nginx  # noqa: PLC0415
+
+        nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
+                                   upstream_timeout=timeout + 5, max_connections=max_connections,
+                                   per_address=min(per_address, max_connections),
+                                   per_address_requests=per_address_requests)
+        try:
+            status = run_nginx(load, host=host, port=port, workers=workers, threads=threads, timeout=timeout,
+                               limits=nginx_limits, log=lambda line: click.echo(line, err=True))
+        except NginxMissing as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+        sys.exit(status)
     limits = Limits(max_body=config.max_body_bytes, read_timeout=read_timeout, upstream_timeout=timeout + 5)
     try:
         status = run_buffered(load, host=host, port=port, workers=workers, threads=threads, timeout=timeout,

@@ -1,0 +1,264 @@
+"""`elastic-predictor serve --server nginx`: gunicorn behind nginx, the production front end (issue #24, items 3,
+8 and 17).
+
+nginx reads each request whole before gunicorn sees it (bodies above 16 KiB go to a temp file, not memory), caps
+connections per client address and in total, and replaces X-Forwarded-For; the rendered configuration is
+predictor/deploy/nginx.conf.in (its comments say which directive does what). This module renders it into a
+private runtime folder, starts gunicorn on a unix socket there, then nginx in the foreground, and supervises
+both: SIGTERM/SIGINT stop nginx gracefully (requests in flight finish), then gunicorn; SIGHUP, SIGTTIN, SIGTTOU,
+SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and `serve` exits with its status.
+Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
+nginx is not installed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from predictor.server import _die_with_parent, gunicorn_application
+
+TEMPLATE = Path(__file__).resolve().parent / "deploy" / "nginx.conf.in"
+FOLDER_PREFIX = "elastic-predictor-nginx-"
+PACKAGES = "nginx-light libnginx-mod-stream"        # Debian 12; nginx-full has the stream module built in
+NGINX_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
+SEND_TIMEOUT_S = 30
+# What one client connection can hold in nginx's memory at most, from the template's buffer sizes: the stream
+# layer's two 4 KiB proxy buffers; the http layer's 1 KiB head buffer, 4 x 8 KiB large header buffers, 16 KiB
+# body buffer, 8 KiB + 4 x 8 KiB answer buffers; about 8 KiB of pools.
+CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8) * 1024
+WORKER_BASE_BYTES = 8 * 1024 * 1024                # a worker's own memory, measured 3-6 MB, and its connection array
+
+
+class NginxMissing(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class NginxLimits:
+    max_body: int = 4 * 1024 * 1024    # ELASTIC_PREDICTOR_MAX_BODY
+    read_timeout: float = 10.0         # the whole head; between two reads of the body; an idle keep-alive
+    upstream_timeout: float = 35.0     # gunicorn's answer
+    max_connections: int = 2048        # client connections at once, all addresses
+    per_address: int = 256             # client connections at once from one address (idle ones too)
+    per_address_requests: int = 64     # requests in progress from one address; more: 429
+    worker_processes: int = 2
+
+    @property
+    def worker_connections(self) -> int:
+        # a client connection takes up to 4 of a worker's connections (client, stream -> http over the unix
+        # socket twice, http -> gunicorn), and one worker may get all of them
+        return 4 * self.max_connections + 64
+
+    def memory_bound(self) -> int:
+        """nginx's memory at most: every connection holding all its buffers, plus each worker's own."""
+        return self.max_connections * CONNECTION_BYTES + (self.worker_processes + 1) * WORKER_BASE_BYTES
+
+    def disk_bound(self) -> int:
+        """Temp files of request bodies at most (answers larger than their buffers spill there too)."""
+        return self.max_connections * self.max_body
+
+
+def find_nginx() -> tuple[str, str]:
+    """(nginx executable, `load_module` line for the stream module or "" when built in); raises NginxMissing."""
+    exe = shutil.which("nginx", path=NGINX_SEARCH_PATH)
+    if exe is None:
+        raise NginxMissing(f"nginx is not installed: apt-get install -y {PACKAGES} (or use --server buffered)")
+    info = subprocess.run([exe, "-V"], capture_output=True, text=True, timeout=10).stderr
+    if re.search(r"--with-stream(\s|$)", info):
+        return exe, ""
+    modules = re.search(r"--modules-path=(\S+)", info)
+    module = Path(modules.group(1) if modules else "modules") / "ngx_stream_module.so"
+    if "--with-stream=dynamic" not in info or not module.is_file():
+        raise NginxMissing(f"nginx has no stream module: apt-get install -y {PACKAGES} (or use --server buffered)")
+    return exe, f"load_module {module};"
+
+
+def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_module: str, user: str | None) -> str:
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
+              "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
+              "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 5,
+              "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
+              "MAX_CONNECTIONS": limits.max_connections, "STREAM_TIMEOUT": int(limits.upstream_timeout) + 30,
+              "RUNTIME": runtime, "PER_ADDRESS_REQUESTS": limits.per_address_requests, "MAX_BODY": limits.max_body,
+              "READ_TIMEOUT": f"{round(limits.read_timeout * 1000)}ms", "SEND_TIMEOUT": SEND_TIMEOUT_S,
+              "UPSTREAM_TIMEOUT": int(limits.upstream_timeout)}
+    return re.sub(r"@([A-Z_]+)@", lambda m: str(values[m.group(1)]), TEMPLATE.read_text())
+
+
+def worker_user() -> pwd.struct_passwd | None:
+    """The unprivileged user nginx's workers run as when `serve` runs as root (None: not root)."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("www-data", "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    return None
+
+
+def _prune_stale(parent: str, owners: set[int], older_than_s: float = 60.0) -> None:
+    """Runtime folders of earlier `serve`s killed with SIGKILL: no nginx.pid process alive any more."""
+    for folder in glob.glob(os.path.join(parent, FOLDER_PREFIX + "*")):
+        try:
+            info = os.lstat(folder)
+            if info.st_uid not in owners or time.time() - info.st_mtime < older_than_s:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(os.path.join(folder, "gunicorn.sock"))
+            continue                                  # alive
+        except (FileNotFoundError, ConnectionRefusedError):
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _port_free(host: str, port: int) -> None:
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)                            # OSError: in use, or not an address of this host
+
+
+def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: int, timeout: int,
+              limits: NginxLimits, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> int:
+    """Serve `load()` (built in each gunicorn worker) behind nginx; returns the exit status. Raises NginxMissing,
+    or OSError when host:port cannot be bound."""
+    exe, load_module = find_nginx()
+    _port_free(host, port)
+    user = worker_user()
+    runtime = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
+    _prune_stale(os.path.dirname(runtime), {os.getuid()} | ({user.pw_uid} if user else set()))
+    if user:                                        # nginx's workers reach the sockets and write the temp files
+        os.chown(runtime, user.pw_uid, user.pw_gid)
+    conf = os.path.join(runtime, "nginx.conf")
+    Path(conf).write_text(render(limits, host=host, port=port, runtime=runtime, load_module=load_module,
+                                 user=f"{user.pw_name} {_group(user)}" if user else None))
+    children: dict[str, int] = {}
+    try:
+        children["gunicorn"] = _fork_gunicorn(load, f"unix:{runtime}/gunicorn.sock", workers, threads, timeout)
+        if not _wait_socket(os.path.join(runtime, "gunicorn.sock"), children["gunicorn"], 120.0):
+            log("serve: gunicorn did not start (see above)")
+            return 1
+        nginx = subprocess.Popen([exe, "-e", "stderr", "-p", runtime, "-c", conf, "-g",
+                                  f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
+                                 preexec_fn=_die_with_parent)      # noqa: PLW1509 - no threads yet
+        children["nginx"] = nginx.pid
+        log(f"front end: nginx on {host}:{port} ({conf}): requests read whole (body <= {limits.max_body} bytes; "
+            f"head within {limits.read_timeout:g} s), at most {limits.per_address} connections per address and "
+            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address; "
+            f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
+            f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
+        return _supervise(children, limits, log)
+    finally:
+        for pid in children.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _group(user: pwd.struct_passwd) -> str:
+    import grp  # noqa: PLC0415
+
+    try:
+        return grp.getgrgid(user.pw_gid).gr_name
+    except KeyError:
+        return str(user.pw_gid)
+
+
+def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeout: int) -> int:
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        _die_with_parent()
+        if os.getppid() == parent:
+            gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout).run()
+            status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback  # noqa: PLC0415
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _wait_socket(path: str, pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG) != (0, 0):
+            return False
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(path)
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def _supervise(children: dict[str, int], limits: NginxLimits, log: Callable[[str], None]) -> int:
+    """Wait for signals and children; returns the exit status. Empties `children` of those reaped."""
+    stopping: list[int] = []
+
+    def stop(signum, _frame) -> None:
+        if not stopping:
+            stopping.append(signum)
+            _signal(children.get("nginx"), signal.SIGQUIT)   # graceful: stop accepting, finish what is in flight
+
+    def forward(signum, _frame) -> None:
+        _signal(children.get("gunicorn"), signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, stop)
+    for signum in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, forward)
+    status = 0
+    while children:
+        pid, raw = os.waitpid(-1, 0)
+        name = next((n for n, p in children.items() if p == pid), None)
+        if name is None:
+            continue
+        del children[name]
+        code = os.waitstatus_to_exitcode(raw)
+        code = 128 - code if code < 0 else code
+        if name == "nginx":
+            _signal(children.get("gunicorn"), signal.SIGTERM)   # gunicorn finishes what it has, then exits
+        else:
+            _signal(children.get("nginx"), signal.SIGQUIT if code == 0 else signal.SIGTERM)
+        if not stopping and not status:
+            log(f"front end: {name} exited with status {code}; stopping")
+            status = code or 1
+    return status
+
+
+def _signal(pid: int | None, signum: int) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,255 @@
+"""`elastic-predictor serve --server nginx` (issue #24, items 3, 8 and 17): nginx in front of gunicorn caps
+connections per client address, holds bounded memory while bodies trickle in, and replaces X-Forwarded-For.
+
+The served tests start the real thing (nginx + gunicorn, predictor/front_nginx.py) on a free port. Against the
+asyncio front end (`--server buffered`) the first two fail: its one connection cap (1000) is shared by all
+addresses, so a client holding 1000 idle connections gets every other address 503; and it buffers bodies in
+memory, so 120 connections each sending 4 MiB less one byte take its process past 480 MB. Against `--server
+gunicorn` the third fails: gunicorn alone passes on the client's own X-Forwarded-For.
+Like the Chromium test, they fail (never skip) where nginx is missing: .ci/setup installs it.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import resource
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from predictor import front_nginx
+from predictor.front_nginx import CONNECTION_BYTES, NginxLimits, NginxMissing
+from tests.unit.test_cli import history, runner  # noqa: F401 - the same database fixture as the CLI tests
+
+OTHER = "127.0.0.2"          # a second client address: Linux routes all of 127.0.0.0/8 to loopback
+PROBES = 40
+PROBE_TIMEOUT_S = 5.0        # generous: the assertions count answers, they do not time them
+PLAN = b'{"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=64"]}'
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _require_nginx() -> None:
+    try:
+        front_nginx.find_nginx()
+    except NginxMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@contextmanager
+def _serve(db: str, tmp_path: Path, *args: str, server: str = "nginx"):
+    """`serve --server SERVER` on a free loopback port: yields (port, process) once /healthz answers."""
+    if server == "nginx":
+        _require_nginx()
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
+                                 "127.0.0.1", "--port", str(port), "--db", db, "--workers", "2", *args],
+                                env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok"), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while _get(port, "/healthz", timeout=2)[0] != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, f"serve did not come up:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield port, proc
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(30) == 0, log.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
+
+
+def _get(port: int, path: str, source: str = "127.0.0.1", timeout: float = PROBE_TIMEOUT_S,
+         method: str = "GET", body: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
+    """(status, body), or (0, b"") when there was no answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    except (OSError, http.client.HTTPException):
+        return 0, b""
+    finally:
+        conn.close()
+
+
+def _probe(port: int) -> list[tuple[int, float]]:
+    """PROBES fresh-connection GET /healthz from the other address: (status, seconds) each."""
+    out = []
+    for _ in range(PROBES):
+        started = time.monotonic()
+        status, _ = _get(port, "/healthz", source=OTHER)
+        out.append((status, time.monotonic() - started))
+    return out
+
+
+def _front_pids(serve_pid: int) -> list[int]:
+    """nginx's processes under `serve`, or `serve` itself when the front end is in it (--server buffered)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+        except (ValueError, OSError):
+            continue
+    tree, todo = [], [serve_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(parents.get(pid, []))
+    nginx = [p for p in tree if _comm(p) == "nginx"]
+    return nginx or [serve_pid]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _enough_files(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+
+
+# --- item 3: one address's idle connections ------------------------------------------------------------------
+@pytest.mark.slow  # nginx + gunicorn, 1000 connections
+def test_1000_idle_connections_from_one_address_leave_other_addresses_answered(history, tmp_path):
+    _enough_files(4096)
+    held: list[socket.socket] = []
+    with _serve(history, tmp_path) as (port, _proc):
+        try:
+            for _ in range(1000):         # connected and silent, as an idle keep-alive client or a slowloris
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))
+                held.append(sock)
+            time.sleep(1.0)               # nginx has accepted (and refused beyond the per-address cap) them all
+            probes = _probe(port)
+            answered = sum(status == 200 for status, _ in probes)
+            fast = sum(status == 200 and seconds <= 0.1 for status, seconds in probes)
+            print(f"1000 idle from 127.0.0.1: {answered} of {PROBES} /healthz from {OTHER} answered 200, "
+                  f"{fast} within 100 ms; worst {max(s for _, s in probes) * 1000:.0f} ms")
+            assert answered >= 36, probes
+            # the same address is capped, not served without bound: its own next connection is closed unanswered
+            assert _get(port, "/healthz")[0] == 0
+        finally:
+            for sock in held:
+                sock.close()
+        deadline = time.monotonic() + 10  # and once it lets go, it is served again
+        while _get(port, "/healthz")[0] != 200:
+            assert time.monotonic() < deadline, "127.0.0.1 not served again after closing its connections"
+            time.sleep(0.1)
+
+
+# --- item 8: memory while bodies trickle in ------------------------------------------------------------------
+@pytest.mark.slow  # nginx + gunicorn, 480 MB sent over loopback
+def test_bodies_held_one_byte_short_keep_front_memory_bounded(history, tmp_path):
+    stalled, body = 120, 4 * 1024 * 1024
+    limits = NginxLimits(max_connections=256, per_address=256)
+    bound = limits.memory_bound()
+    assert bound < stalled * body / 4           # the bound says something: far below the bodies held
+    socks: list[socket.socket] = []
+    with _serve(history, tmp_path, "--read-timeout", "3", "--max-connections", "256") as (port, proc):
+        try:
+            chunk = b"x" * (body - 1)
+            for _ in range(stalled):
+                sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+                sock.sendall(b"POST /v1/observations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % body)
+                sock.sendall(chunk)
+                socks.append(sock)
+            time.sleep(0.5)
+            rss = sum(_rss_bytes(pid) for pid in _front_pids(proc.pid))
+            print(f"{stalled} bodies of {body} bytes held one byte short: front end RSS {rss / 2**20:.0f} MiB "
+                  f"(bound {bound / 2**20:.0f} MiB: {limits.max_connections} x {CONNECTION_BYTES // 1024} KiB "
+                  f"+ workers)")
+            assert rss < bound, f"front end holds {rss / 2**20:.0f} MiB, over its bound {bound / 2**20:.0f} MiB"
+            probes = _probe(port)         # others are served meanwhile, without a 5xx
+            assert sum(status == 200 for status, _ in probes) >= 36 and all(s < 500 for s, _ in probes), probes
+            # the stalled requests end: a close or a 4xx after the read timeout, never a 5xx or an app answer
+            for sock in socks:
+                sock.settimeout(20)
+                try:
+                    answer = sock.recv(65536)
+                except (ConnectionResetError, TimeoutError):
+                    answer = b""
+                assert answer == b"" or answer.startswith(b"HTTP/1.1 4"), answer[:200]
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+# --- X-Forwarded-For ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # nginx + gunicorn
+def test_x_forwarded_for_from_the_client_is_replaced_by_its_address(history, tmp_path):
+    with _serve(history, tmp_path) as (port, _proc):
+        status, answer = _get(port, "/v1/plan", source=OTHER, method="POST", body=PLAN,
+                              headers={"Content-Type": "application/json", "X-Forwarded-For": "203.0.113.9",
+                                       "X-Real-IP": "203.0.113.9"})
+        assert status == 200, answer
+    with sqlite3.connect(history) as db:
+        clients = [row[0] for row in db.execute("SELECT client FROM decisions")]
+    assert clients == [OTHER]
+
+
+# --- fast: the configuration itself --------------------------------------------------------------------------
+def test_missing_nginx_is_one_line_naming_the_packages(monkeypatch):
+    monkeypatch.setattr(front_nginx.shutil, "which", lambda *_a, **_k: None)
+    with pytest.raises(NginxMissing) as err:
+        front_nginx.find_nginx()
+    assert "\n" not in str(err.value) and "apt-get install -y nginx-light libnginx-mod-stream" in str(err.value)
+
+
+def test_rendered_configuration_carries_the_limits(tmp_path):
+    limits = NginxLimits(max_body=1234567, read_timeout=2.5, upstream_timeout=40, max_connections=300,
+                         per_address=7, per_address_requests=5)
+    text = front_nginx.render(limits, host="::1", port=8470, runtime=str(tmp_path), load_module="", user=None)
+    for line in ("listen [::1]:8470 backlog=4096;", "limit_conn stream_addr 7;", "limit_conn stream_all 300;",
+                 "limit_conn http_addr 5;", "client_max_body_size 1234567;", "client_header_timeout 2500ms;",
+                 "client_body_timeout 2500ms;", "proxy_read_timeout 40s;", "proxy_request_buffering on;",
+                 "proxy_set_header X-Forwarded-For $remote_addr;", f"server unix:{tmp_path}/gunicorn.sock",
+                 f"client_body_temp_path {tmp_path}/client_body;", f"worker_connections {4 * 300 + 64};"):
+        assert line in text, line
+    assert not re.search(r"@[A-Z_]+@", text)
+    assert "user " not in text.split("events", 1)[0].replace("# ", "")
+
+
+def test_configuration_passes_nginx_t(tmp_path):
+    _require_nginx()
+    exe, load_module = front_nginx.find_nginx()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(front_nginx.render(NginxLimits(), host="127.0.0.1", port=_free_port(), runtime=str(tmp_path),
+                                       load_module=load_module, user=None))
+    done = subprocess.run([exe, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf), "-g",
+                           f"pid {tmp_path}/nginx.pid; error_log stderr warn;"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
