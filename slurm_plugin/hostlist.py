@@ -18,10 +18,11 @@ class HostlistError(ValueError):
 
 
 def split_top(expr: str) -> list[str]:
-    """Split on commas outside brackets: `a[1-2],b3` -> [`a[1-2]`, `b3`] (empty parts dropped)."""
+    """Split on commas outside brackets and parentheses: `a[1-2],b3` -> [`a[1-2]`, `b3`],
+    `gpu:2(IDX:0,2),nic:1` -> [`gpu:2(IDX:0,2)`, `nic:1`] (empty parts dropped)."""
     parts, depth, cur = [], 0, ""
     for ch in expr:
-        depth += (ch == "[") - (ch == "]")
+        depth += (ch in "[(") - (ch in "])")
         if ch == "," and depth == 0:
             parts.append(cur)
             cur = ""

@@ -440,21 +440,79 @@ end
 -- the planner's docstring is the definition. Returns the decision, with judged = false where the service's
 -- answer is a keep it could not judge from predictions (the hook then asks the service).
 
--- GPU count in a TRES string as planner.gpus_in_tres reads it ("gres:gpu:4", "gres/gpu:a100:2", "gpu=4").
-local function tres_gpus(list)
-  for entry in tostring(list or ""):gmatch("[^,]+") do
-    local rest = entry:match("^gres[:/]gpu(.*)$") or entry:match("^gpu(.*)$")
-    local n = rest and (rest:match("^[:=](%d+)$") or rest:match("^:[%w_.%-]+[:=](%d+)$"))
-    if n then return tonumber(n) end
+-- ---------------------------------------------------------------- TRES / GRES strings
+-- The one reader of GPU entries in a comma-separated TRES/GRES list here, as slurm_plugin.client.gpu_tres reads
+-- them (both checked against tests/vectors/tres.json): `[gres:|gres/]gpu[:type][:count|=count]`, count 1 when
+-- absent, a `(IDX:..)` suffix ignored. Returns the gpu entries ({type, count, kv}) and the other entries.
+local function valid_type(t) return t ~= "" and t:match("^[%w_.%-]+$") ~= nil end
+
+local function gpu_item(item)
+  local body = item:gsub("%(.*$", ""):match("^%s*(.-)%s*$")
+  body = body:match("^gres[:/](.*)$") or body
+  local rest = body:match("^gpu(.*)$")
+  if rest == nil or not (rest == "" or rest:match("^[:=]")) then return nil end
+  if rest == "" then return { count = 1 } end
+  local n = rest:match("^=(%d+)$")
+  if n then return { count = tonumber(n), kv = true } end
+  local head, sep, count = rest:sub(2):match("^([^=]*)(=)(.*)$")
+  if not sep then head, sep, count = rest:sub(2):match("^([^:]*)(:)(.*)$") end
+  if sep then
+    if valid_type(head) and count:match("^%d+$") then return { type = head, count = tonumber(count), kv = sep == "=" } end
+    return nil
   end
+  head = rest:sub(2)
+  if head:match("^%d+$") then return { count = tonumber(head) } end
+  if valid_type(head) and not head:match("^%d") then return { type = head, count = 1 } end
   return nil
 end
+
+local function tres_entries(list)
+  local gpus, others, depth, cur = {}, {}, 0, ""
+  local function flush()
+    local item = cur:match("^%s*(.-)%s*$")
+    if item ~= "" then
+      local e = gpu_item(item)
+      if e then gpus[#gpus + 1] = e else others[#others + 1] = item end
+    end
+    cur = ""
+  end
+  for ch in tostring(list or ""):gmatch(".") do
+    if ch == "," and depth == 0 then flush() else
+      if ch == "[" or ch == "(" then depth = depth + 1 elseif ch == "]" or ch == ")" then depth = depth - 1 end
+      cur = cur .. ch
+    end
+  end
+  flush()
+  return gpus, others
+end
+
+-- (GPU count or nil, GPU type or nil) of a TRES/GRES list: entries add up, except that in the accounting
+-- form an untyped `gres/gpu=N` is the total of the typed `gres/gpu:T=N` beside it; the type is the one type
+-- of the typed entries when no untyped request entry stands beside them.
+local function gpu_tres(list)
+  local gpus = tres_entries(list)
+  if #gpus == 0 then return nil, nil end
+  local has_total, untyped, types, ntypes, count = false, false, {}, 0, 0
+  for _, e in ipairs(gpus) do
+    if e.type == nil and e.kv then has_total = true end
+    if e.type == nil and not e.kv then untyped = true end
+    if e.type ~= nil and not types[e.type] then types[e.type], ntypes = true, ntypes + 1 end
+  end
+  for _, e in ipairs(gpus) do
+    if not (has_total and e.kv and e.type ~= nil) then count = count + e.count end
+  end
+  local gpu_type = (ntypes == 1 and not untyped) and next(types) or nil
+  return count, gpu_type
+end
+M.gpu_tres = gpu_tres
+
+local function gpu_count(list) return (gpu_tres(list)) end
 
 -- planner.requested_shape: what the job asked (nodes, per_node, total; each nil when unknown) and its switch.
 function M.requested(job)
   local nodes = job.min_nodes
   if nodes == 0 then nodes = nil end
-  local per_node, total = tres_gpus(job.tres_per_node), tres_gpus(job.tres_per_job)
+  local per_node, total = gpu_count(job.tres_per_node), gpu_count(job.tres_per_job)
   if total == nil and per_node ~= nil then total = per_node * (nodes or 1) end
   return { nodes = nodes, per_node = per_node, total = total, switch = job.req_switch }
 end
@@ -796,26 +854,13 @@ function M.planned(comment)
   return type(comment) == "string" and comment:find("elastic:decision=", 1, true) ~= nil
 end
 
--- Replace (or add) the gpu entry of a comma-separated TRES list, keeping a GPU type ("gres:gpu:h100:4");
--- count nil removes the gpu entry. `gpu` (optional, a moved job's new GPU type): a type other than it is
--- dropped, since the new partition's nodes do not have it; an untyped request matches any type.
-local function gpu_entry(entry)
-  local rest = entry:match("^gres[:/]gpu(.*)$")
-  if not rest then return nil end
-  if rest == "" then return { count = 1 } end
-  local gtype, count = rest:match("^:([^:]+):(%d+)$")
-  if gtype then return { type = gtype, count = tonumber(count) } end
-  if rest:match("^:%d+$") then return { count = tonumber(rest:sub(2)) } end
-  if rest:match("^:[^:]+$") then return { type = rest:sub(2), count = 1 } end
-  return nil
-end
-
+-- Replace (or add) the gpu entries of a comma-separated TRES list by one canonical entry after the others,
+-- `gres:gpu[:type]:count`, keeping the request's one GPU type (`gpu_tres`); count nil removes the gpu entries.
+-- `gpu` (optional, a moved job's new GPU type): a type other than it is dropped, since the new partition's
+-- nodes do not have it; an untyped request matches any type.
 local function set_gpu_tres(list, count, gpu)
-  local out, gpu_type = {}, nil
-  for entry in tostring(list or ""):gmatch("[^,]+") do
-    local e = gpu_entry(entry)
-    if e then gpu_type = e.type else out[#out + 1] = entry end
-  end
+  local _, out = tres_entries(list)
+  local _, gpu_type = gpu_tres(list)
   if gpu_type and gpu and gpu_type:lower() ~= tostring(gpu):lower() then gpu_type = nil end
   if count then
     out[#out + 1] = "gres:gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count
@@ -823,14 +868,6 @@ local function set_gpu_tres(list, count, gpu)
   return table.concat(out, ",")
 end
 M.set_gpu_tres = set_gpu_tres
-
-local function gpu_count(list)
-  for entry in tostring(list or ""):gmatch("[^,]+") do
-    local gpu = gpu_entry(entry)
-    if gpu then return gpu.count end
-  end
-  return nil
-end
 
 -- The partition a comparison of partitions (several named, or gpu_type=any; the reply lists `alternatives`)
 -- moves the job to, nil when it stays where it is. A single partition's answer never moves the job: the
@@ -915,12 +952,16 @@ local function option(options, name)
   return tostring(v)
 end
 
-local function as_tres(value)
+-- An sbatch GPU option as a TRES list: --gres `[gres:]name[:type][:count],...` entry by entry, --gpus and
+-- --gpus-per-node `[type:]count` as the gpu entry.
+local function option_tres(name, value)
   if value == nil then return nil end
-  if value:match("^gres[:/]") then return value end
-  if value:match("^%d+$") then return "gres:gpu:" .. value end
-  return "gres:" .. value
+  if name ~= "gres" then return "gres:gpu:" .. value end
+  local out = {}
+  for entry in value:gmatch("[^,]+") do out[#out + 1] = entry:match("^gres[:/]") and entry or ("gres:" .. entry) end
+  return table.concat(out, ",")
 end
+M.option_tres = option_tres
 
 function M.job_from_options(options, time_str2mins)
   local nodes = option(options, "nodes")
@@ -939,8 +980,9 @@ function M.job_from_options(options, time_str2mins)
   return {
     user = os.getenv("USER"), partition = option(options, "partition"), name = option(options, "job-name"),
     min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = positive(option(options, "ntasks-per-node")),
-    tres_per_node = as_tres(option(options, "gpus-per-node") or option(options, "gres")),
-    tres_per_job = as_tres(option(options, "gpus")),
+    tres_per_node = option(options, "gpus-per-node") and option_tres("gpus-per-node", option(options, "gpus-per-node"))
+      or option_tres("gres", option(options, "gres")),
+    tres_per_job = option_tres("gpus", option(options, "gpus")),
     time_limit_min = time and time_str2mins and positive(num(time_str2mins(time))) or nil,
     req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
   }
@@ -961,7 +1003,7 @@ function M.apply_cli_options(options, reply)
   if reply.constraint then options["constraint"] = reply.constraint end
   local gres = option(options, "gres")
   if gres then
-    options["gres"] = (set_gpu_tres(as_tres(gres), per_node, partition and (reply.gpu or "") or nil):gsub("gres:", ""))
+    options["gres"] = (set_gpu_tres(option_tres("gres", gres), per_node, partition and (reply.gpu or "") or nil):gsub("gres:", ""))
   end
   if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
   if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
