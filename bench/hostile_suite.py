@@ -8,16 +8,23 @@ It runs the three benches as libraries, each in its quick form unless `--full`:
   5 s each (20 s with --full), and, on a second served instance, the malformed bodies of item 7 (`MALFORMED`);
 - bench/slow_clients.py on the default (buffered) server: K = 0 and 200 connections of each slow variant
   (--full: K = 0, 2, 8, 200);
-- bench/poisoning.py: one job's 200 made-up rows with the fit's per-job cap (20) and without it.
+- bench/poisoning.py: one job's 200 made-up rows with the fit's per-job cap (20) and without it;
+- one address holding `IDLE_HELD` idle connections (issue #24, item 3), against `serve --server nginx` and the
+  buffered front end: how many of `IDLE_PROBES` GET /healthz from another address (127.0.0.2, each on a fresh
+  connection) are answered 200, and their p99 (`--idle-servers` picks the fronts; nginx needs nginx installed).
 The per-bench tables stay in their own results files; this prints the summary and the raw rows it came from.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import http.client
 import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,7 +80,68 @@ def malformed(work: Path) -> dict:
         service.stop()
 
 
-def run(full: bool) -> dict:
+IDLE_HELD, IDLE_PROBES, IDLE_PROBE_TIMEOUT_S = 1000, 40, 5.0
+OTHER_ADDRESS = "127.0.0.2"    # Linux routes all of 127.0.0.0/8 to loopback
+
+
+def idle_flood(work: Path, server: str) -> dict:
+    """127.0.0.1 holds IDLE_HELD connected, silent connections to `serve --server SERVER` (2 workers) while
+    OTHER_ADDRESS sends IDLE_PROBES GET /healthz, each on a fresh connection, one after another."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
+    with open(work / f"idle-{server}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
+                                 "127.0.0.1", "--port", str(port), "--db", str(work / f"idle-{server}.db")],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    held: list[socket.socket] = []
+    probes: list[tuple[int, float]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while _healthz(port, "127.0.0.1")[0] != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve --server {server} did not come up (see {work}/idle-{server}.log)")
+            time.sleep(0.2)
+        for _ in range(IDLE_HELD):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+            held.append(sock)
+        time.sleep(1.0)
+        probes = [_healthz(port, OTHER_ADDRESS) for _ in range(IDLE_PROBES)]
+    finally:
+        for sock in held:
+            sock.close()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return {"server": server, "held": IDLE_HELD, "probes": IDLE_PROBES,
+            "answered": sum(status == 200 for status, _ in probes),
+            "within_100ms": sum(status == 200 and seconds <= 0.1 for status, seconds in probes),
+            "statuses": dict(collections.Counter(status for status, _ in probes)),
+            "p99_ms": hostile_clients.p99_ms([seconds for _, seconds in probes])}
+
+
+def _healthz(port: int, source: str) -> tuple[int, float]:
+    """(status, seconds) of one GET /healthz from `source`; status 0: no answer within IDLE_PROBE_TIMEOUT_S."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=IDLE_PROBE_TIMEOUT_S, source_address=(source, 0))
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        response.read()
+        return response.status, time.monotonic() - started
+    except (OSError, http.client.HTTPException):
+        return 0, time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered")) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
     try:
         rows = hostile_clients.run(ROOT, 2, 20.0 if full else 5.0, work)
@@ -83,10 +151,19 @@ def run(full: bool) -> dict:
         ks = slow_clients.KS if full else (0, 200)
         slow, _ = slow_clients.bench_server("buffered", db, 2, 2.0, 40.0, ks, slow_clients.VARIANTS, 0,
                                             subprocess.DEVNULL)
+        idle = [idle_flood(work, server) for server in idle_servers]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     poison = {cap: poisoning.impact(cap) for cap in (20, 10 ** 9)}
-    return {"hostile": rows, "slow": slow, "poison": poison}
+    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle}
+
+
+def idle_row(idle: list[dict]) -> str:
+    fronts = "; ".join(f"`--server {r['server']}`: {r['answered']} of {r['probes']} answered 200 "
+                       f"({r['within_100ms']} within 100 ms; p99 {r['p99_ms']:.0f} ms over all; statuses {r['statuses']})"
+                       for r in idle)
+    return (f"| one address holds {IDLE_HELD} idle connections; GET /healthz from another | "
+            f"{fronts or 'not run'} |")
 
 
 def summary(res: dict) -> str:
@@ -121,7 +198,7 @@ def summary(res: dict) -> str:
            f"{' / '.join(f'{m:+.1%}' for m in capped['moved'])} at 1 / 2 / 4 nodes; plan {capped['before']} -> "
            f"{capped['after']} ({'changed' if capped['before'] != capped['after'] else 'unchanged'}) |",
            f"| poisoning impact without the cap | {' / '.join(f'{m:+.1%}' for m in uncapped['moved'])}; plan "
-           f"{uncapped['before']} -> {uncapped['after']} |"]
+           f"{uncapped['before']} -> {uncapped['after']} |", idle_row(res.get("idle", []))]
     return "\n".join(out)
 
 
@@ -129,16 +206,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the benches' full forms (longer plot attacks, all K)")
     ap.add_argument("--output", default=None, help="also write the summary and raw rows (markdown) here")
+    ap.add_argument("--idle-servers", default="nginx,buffered",
+                    help="fronts the idle-connection attack runs against, comma-separated ('' for none)")
+    ap.add_argument("--only-idle", action="store_true", help="run only the idle-connection attack, print its rows")
     args = ap.parse_args(argv)
+    idle_servers = tuple(s for s in args.idle_servers.split(",") if s)
+    if args.only_idle:
+        work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
+        try:
+            idle = [idle_flood(work, server) for server in idle_servers]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(idle_row(idle), *(json.dumps(r) for r in idle), sep="\n")
+        return 0
     started, load = time.time(), os.getloadavg()[0]
-    res = run(args.full)
+    res = run(args.full, idle_servers)
     header = (f"Hostile-client suite ({'full' if args.full else 'quick'}), {len(os.sched_getaffinity(0))} usable "
               f"cores shared with other users (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after), "
               f"Python {platform.python_version()}, {date.today().isoformat()}, {time.time() - started:.0f} s.")
     raw = ["", "Raw: hostile clients (bench/hostile_clients.py's table)", "", hostile_clients.table(res["hostile"]),
            "", "Raw: slow connections on the buffered server (bench/slow_clients.py's rows)", "",
            *(json.dumps(r) for r in res["slow"]), "", "Raw: poisoning (bench/poisoning.py's impact)", "",
-           json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]})]
+           json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]}),
+           "", "Raw: idle connections from one address", "", *(json.dumps(r) for r in res["idle"])]
     text = header + "\n\n" + summary(res) + "\n" + "\n".join(raw) + "\n"
     print(text)
     if args.output:
