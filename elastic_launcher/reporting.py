@@ -52,7 +52,9 @@ class PredictorClient:
     after `retry_delay_s`; a 4xx answer is not (the same body would be refused again), nor is /v1/plan (the
     controller decides without it). Never raises: when the service is unset, unreachable or
     answers garbage, `plan` returns None and the controller falls back to its own measured-efficiency
-    heuristic; the breaker then skips the service for `cooldown_s`.
+    heuristic; the breaker then skips the service for `cooldown_s`. A refusal (4xx) is not the service being
+    down and opens no breaker; a 401/403 on a signed write means this job may not write: logged once with how to
+    fix it, observations are no longer posted, plans are still asked for (#26.4).
 
     Args:
         url: the service's base URL; None: every call returns None.
@@ -77,6 +79,7 @@ class PredictorClient:
         self._munge_refused: Optional[str] = None   # the service said it takes no munge credentials
         self._fallback_logged = False
         self.last_error: Optional[str] = None
+        self.writes_refused: Optional[str] = None   # why the service refused this job's writes (401/403), if it did
 
     def _bearer(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -119,7 +122,7 @@ class PredictorClient:
                     self._fall_back("the service accepts no munge credentials")
                     continue                       # at once with the bearer token; not counted as a retry
                 if reply.status_code < 500:
-                    raise _Refused(error)
+                    raise _Refused(error, reply.status_code)
             attempt += 1
             if attempt > retries:
                 raise _Refused(error)
@@ -133,6 +136,13 @@ class PredictorClient:
             return self._send(path, data, signed, retries, key)
         except _Refused as exc:
             error = str(exc)
+            if exc.status is not None:      # the service is up and answered: refused, not unavailable
+                self.last_error = f"{path}: {error}"
+                if exc.status in (401, 403) and signed:
+                    self._refuse_writes(path, error)
+                else:
+                    log.warning("predictor %s refused %s (%s)", self.url, path, error)
+                return None
         except Exception as exc:  # noqa: BLE001 - posting never raises into the job (garbage reply, bad body...)
             error = f"{type(exc).__name__}: {exc}"
         self.last_error = f"{path}: {error}"
@@ -140,9 +150,22 @@ class PredictorClient:
         log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, error)
         return None
 
+    def _refuse_writes(self, path: str, error: str) -> None:
+        """A 401/403 on a write: this job may not write (#26.4). Logged once with how to fix it; the job stops
+        posting observations but keeps asking for plans, which need no credential."""
+        if self.writes_refused is None:
+            log.warning("predictor %s: this job is not allowed to write %s (%s). To fix: run the service with "
+                        "ELASTIC_PREDICTOR_MUNGE=1 where the job's munged is reachable, or give the job "
+                        "ELASTIC_PREDICTOR_TOKEN (the site's tool token). Plans are still asked for and followed.",
+                        self.url, path, error)
+        self.writes_refused = error
+
     def observe(self, records: list[dict]) -> bool:
-        return bool(records) and self._post("/v1/observations", records, signed=True, retries=self.retries,
-                                            key=uuid.uuid4().hex) is not None
+        """POST records; False when not stored (also, without a try, once the service refused this job's writes)."""
+        if not records or self.writes_refused is not None:
+            return False
+        return self._post("/v1/observations", records, signed=True, retries=self.retries,
+                          key=uuid.uuid4().hex) is not None
 
     def compute_s(self, profile: str, gpu: str, per_gpu_batch: int, intra_link: str) -> tuple[Optional[float], str]:
         """The predicted compute seconds per step of `profile` on one `gpu` at `per_gpu_batch` (POST /v1/predict),
@@ -172,7 +195,12 @@ class PredictorClient:
 
 
 class _Refused(Exception):
-    """A post that failed after its retries (message: the last error)."""
+    """A post that failed after its retries (message: the last error; ``status``: the HTTP status of a 4xx
+    refusal, None when the service did not answer or answered 5xx)."""
+
+    def __init__(self, error: str, status: Optional[int] = None) -> None:
+        super().__init__(error)
+        self.status = status
 
 
 def _reason(reply) -> Optional[str]:

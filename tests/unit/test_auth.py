@@ -434,12 +434,29 @@ def test_a_write_retried_with_its_key_is_stored_once(client):
     assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
 
 
-def test_a_refusal_is_not_retried_and_opens_the_breaker(scripted, monkeypatch):
+def test_a_refusal_is_not_retried_and_stops_the_jobs_writes(scripted, monkeypatch):
     Scripted.answers = [(403, b'{"reason": "digest_mismatch"}')]
     client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=3)
     assert client.observe([COLLECTIVE]) is False and "HTTP 403" in client.last_error
     assert client.observe([COLLECTIVE]) is False
     assert len(Scripted.seen) == 1
+
+
+def test_a_refused_write_is_logged_once_and_plans_are_still_asked_and_followed(scripted, monkeypatch, caplog):
+    # #26.4: a 401 on observations opened the breaker for every call, so the launcher grew by its own rule
+    # ("heuristic (service unreachable)") against the submit-time plan
+    plan = {"action": "keep", "reason": "fine", "nodes": 2}
+    Scripted.answers = [(401, b'{"reason": "missing_credential"}'), (200, json.dumps(plan).encode()),
+                        (400, b'{"error": "bad directive"}'), (200, json.dumps(plan).encode())]
+    client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7)
+    with caplog.at_level("WARNING"):
+        assert client.observe([COLLECTIVE]) is False and client.writes_refused
+        assert client.observe([COLLECTIVE]) is False                      # not posted again
+        assert client.plan({"source": "launcher", "directives": []}) == plan
+        assert client.plan({"source": "launcher", "directives": []}) is None   # a refused plan: no breaker ...
+        assert client.plan({"source": "launcher", "directives": []}) == plan   # ... the next one is asked
+    assert len(Scripted.seen) == 4
+    assert sum("not allowed to write" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_munge_error_falls_back_to_the_bearer_token_and_is_logged_once(scripted, monkeypatch, caplog):
