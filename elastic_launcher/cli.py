@@ -153,7 +153,8 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
     config = LaunchConfig(
         command=tuple(command), allocation=allocation, directives=_directives(script, directive_items),
         workers_per_node=workers_per_node, predictor_url=predictor_url,
-        predictor_token=os.environ.get("ELASTIC_PREDICTOR_TOKEN"), intra_link=intra_link, inter_link=inter_link,
+        predictor_token=os.environ.get("ELASTIC_PREDICTOR_TOKEN"),
+        munge_socket=os.environ.get("ELASTIC_MUNGE_SOCKET") or None, intra_link=intra_link, inter_link=inter_link,
         run_dir=run_dir or submit_dir / f"elastic-{allocation.job_id}",
         store_host=socket.gethostname() if os.environ.get("ELASTIC_STORE_HOST") is None
         else os.environ["ELASTIC_STORE_HOST"],

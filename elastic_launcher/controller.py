@@ -78,7 +78,8 @@ class Controller:
         self.stragglers = StragglerDetector(config.straggler_ratio, config.straggler_windows,
                                             protected=frozenset({self.fleet.alloc.batch_host}))
         self.predictor = PredictorClient(config.predictor_url, config.predictor_token,
-                                         config.http_timeout.total_seconds(), job_id=int(self.job_id))
+                                         config.http_timeout.total_seconds(), job_id=int(self.job_id),
+                                         munge_socket=config.munge_socket)
         self.operator_cap: Optional[int] = None
         self._last_keep: Optional[str] = None
         self._plan_cache: tuple[Optional[int], float, Optional[PlanAdvice]] = (None, 0.0, None)  # (nodes asked

@@ -115,6 +115,8 @@ class LaunchConfig:
         workers_per_node: workers started per node (default: one per GPU slot).
         predictor_url: base URL of the predictor service; None: heuristic only.
         predictor_token: bearer token for POST /v1/observations.
+        munge_socket: munged's socket the job signs its posts with (`ELASTIC_MUNGE_SOCKET`; None: munge's own
+            default, e.g. `/run/munge/munge.socket.2`); the test lab exports its own.
         intra_link / inter_link: override the link labels of the observation records (within a node / between
             nodes, as the predictor names them, e.g. `nvlink` / `ib`); None: detected from what each worker
             reports about its host (`links.links_for`: `loopback` for gloo on one host, as on the testbed).
@@ -145,6 +147,7 @@ class LaunchConfig:
     workers_per_node: Optional[int] = None
     predictor_url: Optional[str] = None
     predictor_token: Optional[str] = None
+    munge_socket: Optional[str] = None
     intra_link: Optional[str] = None
     inter_link: Optional[str] = None
     run_dir: Path = Path(".")

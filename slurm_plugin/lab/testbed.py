@@ -101,8 +101,9 @@ class Testbed:
 
     # -- public API ------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        """What a shell needs to use this lab's cluster."""
-        return {"SLURM_CONF": str(self.config.slurm_conf)}
+        """What a shell needs to use this lab's cluster (and what a job submitted from it needs to sign its posts
+        to the predictor with the lab's munged: sbatch passes the environment on)."""
+        return {"SLURM_CONF": str(self.config.slurm_conf), "ELASTIC_MUNGE_SOCKET": str(self.config.munge_socket)}
 
     def daemons(self) -> list[Daemon]:
         """The lab's daemons in start order."""

@@ -264,3 +264,17 @@ def test_the_predictor_token_is_never_written_to_the_records_or_the_log(tmp_path
         Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
     written = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
     assert "s3cret-token" not in written + caplog.text
+
+
+def test_a_job_signs_with_the_munge_socket_its_environment_names(tmp_path):
+    # #26.4: the test lab's munged is not at munge's default socket; a template job there could not sign, got 401
+    from slurm_plugin.lab.testbed import Testbed
+    from slurm_plugin.lab.testbed_conf import TestbedConfig
+    bed = Testbed(TestbedConfig(lab=tmp_path / "lab", port_base=17000))
+    socket = bed.env()["ELASTIC_MUNGE_SOCKET"]      # what `eval "$(elastic-slurm testbed env)"` exports
+    assert socket == str(bed.config.munge_socket)
+    alloc = Allocation(job_id="42", nodes=("node1",), batch_host="node1", gpus_per_node=1, partition="debug")
+    config = LaunchConfig(command=("python", "train.py"), allocation=alloc, directives=Directives.from_script(SCRIPT),
+                          run_dir=tmp_path, munge_socket=socket)
+    ctl = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
+    assert ctl.predictor.munge_socket == socket and ctl.predictor.job_id == 42
