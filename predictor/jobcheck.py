@@ -16,6 +16,9 @@ A munge credential binds a request to one job and its owner; this binds each rec
                to (`shm`, `socket`, `loopback`); a job without GPUs only the latter (#24.11).
     timestamp_s  within the job's run window: from its start to its end (now while it runs), `SLACK` either side
                (clock skew between hosts, a window measured just before the end).
+    iter_s     the job's step rows, each at least one step of `iter_s`, claim in all (over every post) at most
+               the seconds it ran, `SLACK` added (`run_seconds`; the store keeps the sum, #24.1: a job of one
+               second posted 20 rows of 0.5 s steps).
 
 `check_records` is pure: it raises `RecordMismatch` (403, naming `observations[i].<field>`) on the first record
 that does not fit, so nothing of that request is stored. Tool and admin tokens are not bound to a job: their
@@ -144,6 +147,15 @@ def _check_time(record: dict, where: str, job, now: float, slack: timedelta) -> 
         window = f"{start:.0f}..{end:.0f}" if start is not None else "none (not started)"
         raise RecordMismatch(f"{where}.timestamp_s", f"{when:.0f} is outside job {job.job_id}'s run window "
                                                      f"{window} (+-{pad:.0f} s)")
+
+
+def run_seconds(job, now: float, slack: timedelta = SLACK) -> float:
+    """How many seconds of steps a job's rows may claim: from its start to its end (now while it runs), plus
+    ``slack``; 0 for a job that has not started."""
+    if job.started_at_s is None:
+        return 0.0
+    end = job.ended_at_s if job.ended_at_s is not None else now
+    return max(0.0, end - job.started_at_s) + slack.total_seconds()
 
 
 def check_records(records: Sequence[dict], job, cluster: Cluster, now: float, field: str = "observations",

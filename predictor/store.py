@@ -98,6 +98,12 @@ def _m0007_profile_owners(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX profiles_by_owner ON profiles (owner)")
 
 
+def _m0008_job_claims(db: sqlite_utils.Database) -> None:
+    # the step seconds each signed job's rows claim (#24.1): a job's rows together cannot claim more steps than
+    # it ran for
+    db.execute("CREATE TABLE job_claims (job_id INTEGER PRIMARY KEY, step_s REAL NOT NULL)")
+
+
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
 
 
@@ -116,6 +122,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0005_write_keys", _m0005_write_keys),
     ("0006_decision_clients", _m0006_decision_clients),
     ("0007_profile_owners", _m0007_profile_owners),
+    ("0008_job_claims", _m0008_job_claims),
 ]
 
 
@@ -199,6 +206,16 @@ class FitFailure(NamedTuple):
 
 class QuotaExceeded(Exception):
     """A write that would take its owner past a quota (nothing was written)."""
+
+
+class ClaimExceeded(Exception):
+    """A signed job's step rows would claim more seconds of steps than the job ran (``Store.write_observations``'s
+    ``claim``); nothing of the write was stored."""
+
+    def __init__(self, job_id: int, claimed_s: float, new_s: float, allowed_s: float):
+        super().__init__(f"job {job_id}'s step rows would claim {claimed_s + new_s:.1f} s of steps (this post "
+                         f"{new_s:.1f} s), it ran for {allowed_s:.1f} s: each row is at least one step")
+        self.job_id, self.claimed_s, self.new_s, self.allowed_s = job_id, claimed_s, new_s, allowed_s
 
 
 class WrittenObservations(NamedTuple):
@@ -410,17 +427,25 @@ class Store:
         """Store validated records in one transaction (all or nothing); returns their ids."""
         return self.write_observations(records).ids
 
-    def write_observations(self, records: Iterable[dict], key: tuple[str, str] | None = None) -> WrittenObservations:
+    def write_observations(self, records: Iterable[dict], key: tuple[str, str] | None = None,
+                           claim: tuple[int, float] | None = None) -> WrittenObservations:
         """Store validated records in one transaction (all or nothing); returns their ids and the generation
         the write produced (read inside the same transaction, so another writer cannot move it in between).
 
         Args:
             key: ``(caller, idempotency key)``: a write with a key stored before (within ``WRITE_KEY_TTL_S``)
                 stores nothing and returns the first write's answer, ``replayed`` set.
+            claim: ``(job id, seconds it ran)`` for a signed job's write: its step rows (each at least one step of
+                ``iter_s``), with all it stored before, may claim at most that many seconds of steps.
+
+        Raises:
+            ClaimExceeded: the claim would pass the job's run time (nothing stored).
         """
         now = time.time()
+        records = list(records)
         rows = [{"kind": r["kind"], "profile": r.get("profile"), "gpu": r.get("gpu"), "link": r.get("link"),
                  "body": json.dumps(r, allow_nan=False), "created_at_s": now} for r in records]
+        new_s = sum(float(r["iter_s"]) for r in records if r["kind"] == "step")
         db = self.db
         ids = []
         with self._write():
@@ -430,6 +455,14 @@ class Store:
                                   list(key)).fetchone()
                 if seen is not None:
                     return WrittenObservations(list(range(seen[0], seen[1] + 1)), seen[2], True)
+            if claim is not None and new_s > 0:
+                job_id, allowed_s = claim
+                found = db.execute("SELECT step_s FROM job_claims WHERE job_id = ?", [job_id]).fetchone()
+                claimed_s = found[0] if found is not None else 0.0
+                if claimed_s + new_s > allowed_s:
+                    raise ClaimExceeded(job_id, claimed_s, new_s, allowed_s)
+                db.execute("INSERT INTO job_claims (job_id, step_s) VALUES (?, ?) ON CONFLICT (job_id) DO UPDATE "
+                           "SET step_s = step_s + excluded.step_s", [job_id, new_s])
             for row in rows:
                 cursor = db.execute(
                     "INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) VALUES (?, ?, ?, ?, ?, ?)",

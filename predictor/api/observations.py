@@ -16,8 +16,9 @@ import re
 from flask import Blueprint, request
 
 from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
-from predictor.jobcheck import check_records
+from predictor.jobcheck import RecordMismatch, check_records, run_seconds
 from predictor.records import ValidationError, validate_batch
+from predictor.store import ClaimExceeded
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
@@ -41,7 +42,11 @@ def create():
         check_records(records, who.job, svc.cluster, now=authenticator().clock())
         # the signer's uid goes with every row: the fit bounds one user's influence over all their jobs (#24.1)
         records = [dict(r, job_id=r.get("job_id", who.job_id), uid=who.uid) for r in records]
-    written = svc.store.write_observations(records, _write_key(who))
+    claim = (who.job_id, run_seconds(who.job, authenticator().clock())) if who.kind == "job" else None
+    try:
+        written = svc.store.write_observations(records, _write_key(who), claim)
+    except ClaimExceeded as exc:
+        raise RecordMismatch("observations", str(exc)) from None
     if not written.replayed:
         svc.models.notify()
     ids = written.ids

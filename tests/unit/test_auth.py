@@ -654,3 +654,31 @@ def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypat
     finally:
         app.extensions["elastic_predictor"].models.stop()
         app.extensions["elastic_predictor"].store.close()
+
+
+def test_a_jobs_step_rows_claim_at_most_the_seconds_it_ran(tmp_path):
+    # #24.1: three one-second jobs each posted 20 rows of 0.5 s steps after they ended; a job's rows (each at
+    # least one step of its iter_s) now claim at most its run time (+ jobcheck.SLACK) over all its posts
+    from predictor.jobcheck import SLACK
+    short = facts(12, 1000, "COMPLETED", NOW - 60, started_at_s=NOW - 61)      # ran for one second
+    FakeJobs.jobs[12] = short
+    app = make_app(tmp_path, token=TOKEN, admin_token=ADMIN, munge_auth=True)
+    try:
+        client = app.test_client()
+        allowed = 1 + SLACK.total_seconds()
+        per_row = 0.5
+        row = dict(STEP, layout=[2, 2], iter_s=per_row)
+        fits = int(allowed // per_row)
+        body = body_of([row] * fits)
+        assert client.post("/v1/observations", data=body, headers=sign(body, 12)).status_code == 201
+        body = body_of([row])
+        refused = client.post("/v1/observations", data=body, headers=sign(body, 12))
+        assert refused.status_code == 403 and refused.json["reason"] == "record_mismatch", refused.json
+        assert "ran for" in refused.json["error"]
+        stored = app.extensions["elastic_predictor"].store.observations(kind="step")
+        assert len(stored) == fits
+        body = body_of([dict(row, iter_s=10.0)] * 100)   # a long-running job is not limited by a short one's claim
+        assert client.post("/v1/observations", data=body, headers=sign(body, 7)).status_code == 201
+    finally:
+        del FakeJobs.jobs[12]
+        app.extensions["elastic_predictor"].store.close()
