@@ -8,7 +8,8 @@ percent); a row is an outlier when `|r - median| > K x sigma`. Median and MAD we
 job's) together as at most `JOB_ROWS_CAP` rows (`predictor.throughput.job_weights`, the fit's cap), so one user
 who posts hundreds of made-up rows cannot move the centre and make everyone else the outlier.
 
-A job is listed when more than `MOSTLY` of its rows are outliers, with its median deviation. What the admin
+A job is listed when more than `MOSTLY` of its rows are outliers, with its median deviation and the uid that signed
+its rows (a munge-signed job's; none for a token's), so several jobs of one user show as that user's. What the admin
 sees: the deviation as observed / predicted - 1 (+300%: four times slower than the model says).
 
 Bounded work: the newest `MAX_ROWS` step rows, one `predict` call per (profile, GPU, per-GPU batch) over its
@@ -36,7 +37,7 @@ SHOWN = 50            # outlier rows listed (largest deviations first)
 OUTLIER_COLUMNS = [("id", "row", "d"), ("job_id", "job", ""), ("profile", "profile", ""), ("gpu", "gpu", ""),
                    ("layout", "layout", ""), ("observed_s", "step s", ".4f"), ("predicted_s", "predicted s", ".4f"),
                    ("deviation", "deviation", "+.0%"), ("score", "|r|/sigma", ".1f")]
-JOB_COLUMNS = [("job_id", "job", ""), ("rows", "rows", "d"), ("outliers", "outliers", "d"),
+JOB_COLUMNS = [("job_id", "job", ""), ("uid", "user (uid)", ""), ("rows", "rows", "d"), ("outliers", "outliers", "d"),
                ("share", "outlier share", ".0%"), ("deviation", "median deviation", "+.0%")]
 
 
@@ -109,8 +110,11 @@ def outlier_report(store, predictor) -> Report:
     score = np.abs(resid - centre) / sigma
     flagged = []
     per_job: dict = defaultdict(lambda: [0, 0, []])     # job -> [rows, outliers, residuals]
+    signer: dict = {}                                    # job -> the uid that signed its rows (#24.1), if any
     for row, (_, pred), r, z in zip(rows, pairs, resid, score):
         job = per_job[row.get("job_id")]
+        if row.get("uid") is not None:
+            signer[row.get("job_id")] = row["uid"]
         job[0] += 1
         job[2].append(r)
         if z > K:
@@ -119,7 +123,7 @@ def outlier_report(store, predictor) -> Report:
                             "gpu": row["gpu"], "layout": layout_name(row["layout"]), "observed_s": row["iter_s"],
                             "predicted_s": pred, "deviation": math.expm1(r), "score": float(z)})
     flagged.sort(key=lambda f: -f["score"])
-    jobs = [{"job_id": job_id, "rows": n, "outliers": bad, "share": bad / n,
+    jobs = [{"job_id": job_id, "uid": signer.get(job_id), "rows": n, "outliers": bad, "share": bad / n,
              "deviation": math.expm1(float(np.median(rs)))}
             for job_id, (n, bad, rs) in per_job.items() if job_id is not None and bad / n > MOSTLY]
     jobs.sort(key=lambda j: (-j["outliers"], str(j["job_id"])))

@@ -469,8 +469,8 @@ def test_admin_page_lists_the_outlier_job_with_its_deviation(seeded_db, tmp_path
         application.extensions["elastic_predictor"].store.close()
     section = page[page.index("Outliers: jobs"):page.index("Outlier rows")]
     cells = [unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", section)]
-    assert cells[:3] == ["666", "30", "30"] and cells[4].startswith("+") and cells[4].endswith("%")
-    assert int(cells[4][1:-1]) > 200
+    assert cells[0] == "666" and cells[2:4] == ["30", "30"] and cells[5].startswith("+") and cells[5].endswith("%")
+    assert int(cells[5][1:-1]) > 200
     assert not any(f">{job}<" in section for job in range(1, 7))
 
 
@@ -485,3 +485,22 @@ def test_outliers_compare_rows_of_one_layout_with_and_without_an_inter_link(seed
     report = outliers.outlier_report(store, Predictor().fit(profiles, store.observations()))
     store.close()
     assert report.checked > 0 and [j["job_id"] for j in report.jobs] == [666]
+
+
+def test_three_jobs_of_one_user_are_the_outliers_not_the_honest_jobs(seeded_db, tmp_path):
+    # #24.1: three jobs of one user, 20 made-up rows each (under the per-job cap), moved another user's plan, and
+    # the report then listed the honest jobs' rows; with the per-user weight it lists the attacker's, with its uid
+    from predictor import outliers
+    db = tmp_path / "three.db"
+    db.write_bytes(seeded_db.read_bytes())
+    store = Store(str(db))
+    honest = [r for r in seed_records() if r["kind"] == "step" and r["profile"] == "resnet50"]
+    made_up = [dict(r, iter_s=r["iter_s"] * 5, job_id=job, uid=666) for job in (997, 998, 999)
+               for r in (honest * 20)[:20]]
+    store.write_observations([dict(r, job_id=job, uid=1000 + job) for job in range(1, 5) for r in honest] + made_up)
+    profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
+    report = outliers.outlier_report(store, Predictor().fit(profiles, store.observations()))
+    store.close()
+    assert sorted(j["job_id"] for j in report.jobs) == [997, 998, 999]
+    assert {j["uid"] for j in report.jobs} == {666}
+    assert {r["job_id"] for r in report.rows} <= {997, 998, 999}
