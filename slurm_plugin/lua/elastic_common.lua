@@ -40,6 +40,8 @@ local NO_VAL = 4294967294
 local NO_VAL16 = 65534
 local INFINITE = 4294967295
 
+-- The hook's clock for the breaker and the decision cache (seconds): tests replace it with one they step
+-- (tests/unit/test_lua_hook.py), so no test waits on, or races, real time. HTTP budgets stay on socket.gettime.
 M.now = socket.gettime
 
 -- ---------------------------------------------------------------- config
@@ -773,7 +775,7 @@ end
 -- table the policy's last step can decide it from (`d`: the parsed directives). Never raises; every failure
 -- becomes kind = "skip".
 function M.plan(cfg, breaker, request, cache, d)
-  local now = socket.gettime()
+  local now = M.now()
   local key = cache and M.cache_key(request)
   local hit = cache and cache.get(key, now)
   if hit then
@@ -833,8 +835,8 @@ function M.plan(cfg, breaker, request, cache, d)
       return reply
     end
   end
-  breaker.failure(socket.gettime(), why == "timeout")
-  local _, retry = breaker.is_open(socket.gettime())
+  breaker.failure(M.now(), why == "timeout")
+  local _, retry = breaker.is_open(M.now())
   if retry > 0 then why = why .. string.format("; not asking again for %d s", math.ceil(retry)) end
   return { kind = "skip", why = why }
 end

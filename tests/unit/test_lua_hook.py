@@ -2,7 +2,9 @@
 
 Each test installs the hook into a temporary directory (as `elastic-slurm install-plugin` lays it out),
 then runs a sequence of submissions through `slurm_job_submit` in ONE lua5.1 process, so module state
-(the circuit breaker) lives as long as it does in slurmctld. The server's behaviour for a request is
+(the circuit breaker) lives as long as it does in slurmctld. The hook's clock (breaker, cache) is the driver's,
+stepped by a case's `advance` seconds, and the HTTP budget is generous where a test is not about timeouts:
+the tests hold on a loaded host (issue #26.7). The server's behaviour for a request is
 chosen by the job name in the request body (`mode-500`, `mode-sleep`, ...), and it counts requests.
 """
 from __future__ import annotations
@@ -52,11 +54,19 @@ slurm = {
   log_info = function(fmt, ...) table.insert(msgs, {"log_info", string.format(fmt, ...)}) end,
   log_error = function(fmt, ...) table.insert(msgs, {"log_error", string.format(fmt, ...)}) end,
 }
+-- the hook's clock (elastic_common's M.now: breaker, cache) is this one, stepped by a case's `advance` seconds
+local clock = 1000000.0
+local real_dofile = dofile
+function dofile(path)
+  local m = real_dofile(path)
+  if path:match("elastic_common%.lua$") and type(m) == "table" then m.now = function() return clock end end
+  return m
+end
 local init_rc = dofile(DIR .. "/job_submit.lua")
 local init_msgs = msgs
 local out = {}
 for i, case in ipairs(cjson.decode(CASES)) do
-  if case.sleep then socket.sleep(case.sleep) end
+  clock = clock + (case.advance or 0)
   msgs = {}
   local t0 = socket.gettime()
   local rc = slurm_job_submit(case.job_desc, {}, case.uid or 1001)
@@ -153,7 +163,7 @@ def predictor():
     server.close()
 
 
-def install(tmp_path, url, budget_ms=100, failures=3, open_s=30):
+def install(tmp_path, url, budget_ms=5000, failures=3, open_s=30):
     for name in ("elastic_common.lua", "job_submit.lua"):
         shutil.copy(LUA_DIR / name, tmp_path / name)
     (tmp_path / "elastic.conf").write_text(
@@ -381,17 +391,20 @@ def test_service_down_accepts_unchanged(tmp_path):
 
 
 def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
-    conf = install(tmp_path, predictor.url, failures=2, open_s=0.5)
+    """The hook's clock is stepped, not waited on: 30 s of breaker in no time, exact on a loaded host."""
+    conf = install(tmp_path, predictor.url, failures=2, open_s=30)
     cases = [{"job_desc": job(mode="500")}, {"job_desc": job(mode="500")},   # 2 failures: opens
              {"job_desc": job(mode="rewrite")},                                # skipped, not sent
-             {"job_desc": job(mode="rewrite"), "sleep": 0.6}]                  # closed again: sent
+             {"job_desc": job(mode="rewrite"), "advance": 29.9},               # still open: not sent
+             {"job_desc": job(mode="rewrite"), "advance": 0.2}]                # 30.1 s on: closed again, sent
     results = run_hook(conf, cases)
-    assert [r["rc"] for r in results] == [0, 0, 0, 0]
-    assert "not asking again for 1 s" in kinds(results[1], "user_msg")[0]
-    assert "predictor unavailable" in kinds(results[2], "user_msg")[0]
-    assert results[2]["job_desc"]["min_nodes"] == 1
+    assert [r["rc"] for r in results] == [0, 0, 0, 0, 0]
+    assert "not asking again for 30 s" in kinds(results[1], "user_msg")[0]
+    assert "predictor unavailable, retry in 30 s" in kinds(results[2], "user_msg")[0]
+    assert "predictor unavailable, retry in 1 s" in kinds(results[3], "user_msg")[0]
+    assert results[2]["job_desc"]["min_nodes"] == 1 and results[3]["job_desc"]["min_nodes"] == 1
     assert [r["body"]["job"]["name"] for r in predictor.requests] == ["mode-500", "mode-500", "mode-rewrite"]
-    assert results[3]["job_desc"]["min_nodes"] == 2
+    assert results[4]["job_desc"]["min_nodes"] == 2
 
 
 @pytest.mark.parametrize("mode", ["sleep", "drip"])

@@ -54,7 +54,7 @@ def test_any_decision_relevant_field_misses(tmp_path, predictor, field, value):
 def test_ttl_expires_and_zero_or_absent_ttl_disables(tmp_path, predictor):
     conf = install(tmp_path, predictor.url)
     cases = [{"job_desc": job(mode="cached-short")}, {"job_desc": job(mode="cached-short")},           # hit
-             {"job_desc": job(mode="cached-short"), "sleep": 0.4},                                      # expired
+             {"job_desc": job(mode="cached-short"), "advance": 0.4},                                    # expired
              {"job_desc": job(mode="cached-zero", time_limit=5)}, {"job_desc": job(mode="cached-zero", time_limit=5)},
              {"job_desc": job(mode="rewrite", time_limit=6)}, {"job_desc": job(mode="rewrite", time_limit=6)}]
     results = run_hook(conf, cases)
@@ -162,7 +162,7 @@ def test_a_table_answers_only_its_partition_model_gpu_and_batch(tmp_path, predic
 def test_a_table_expires_with_its_ttl_and_its_uses_are_reported(tmp_path, predictor):
     cases = [{"job_desc": job(mode="table-short", directives=batch16("#ELASTIC gpus=2-8"))},
              {"job_desc": job(mode="500", directives=batch16("#ELASTIC gpus=1-4"))},              # from the table
-             {"job_desc": job(mode="table", directives=batch16("#ELASTIC gpus=1-3")), "sleep": 0.4}]  # expired
+             {"job_desc": job(mode="table", directives=batch16("#ELASTIC gpus=1-3")), "advance": 0.4}]  # expired
     run_hook(install(tmp_path, predictor.url), cases)
     assert names(predictor) == ["mode-table-short", "mode-table"]
     assert predictor.requests[1]["body"]["reused"] == {"d-49": 1}
