@@ -97,6 +97,7 @@ class Controller:
         self._stop_beat = threading.Event()
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
+        self._device_gpus: set[str] = set()  # the GPU types the workers' own devices reported (HostFacts.gpu)
         self.types = JobTypes({}, "not read yet")  # each node's GPU type and speed, read at start (gpu_speeds.py)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class Controller:
         layout = self._current_layout() or [self.slots] * m.nodes
         d = self.config.directives
         links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
-        own = step_record(d.model or "unknown", d.gpu_type, layout, links, d.per_gpu_batch, m.step_s)
+        own = step_record(d.model or "unknown", self._gpu_label(), layout, links, d.per_gpu_batch, m.step_s)
         # a mixed job's step time is no one type's: not posted as a step observation of any type
         self._post_observations([] if self.types.mixed else [own])
         if not self.config.directives.elastic:
@@ -346,6 +347,17 @@ class Controller:
             self._links[plan.world_size] = self._links_of(layout, plan.members, node_of)
         return layout
 
+    def _gpu_label(self) -> str:
+        """The GPU type the job's rows carry, labelled at the source (#26.2): the type its workers' own devices
+        reported when they agree, else the one GRES type Slurm gives its nodes, else `#ELASTIC gpu_type` (default
+        `unknown`, which the service resolves for a signed job from Slurm)."""
+        if len(self._device_gpus) == 1:
+            return next(iter(self._device_gpus))
+        typed = {t.gpu for t in self.types.nodes.values() if t.gpu}
+        if len(typed) == 1 and not self.types.mixed:
+            return next(iter(typed))
+        return self.config.directives.gpu_type
+
     def _links_of(self, layout: list[int], members, node_of) -> Links:
         """The links of the current epoch: the flags when given, else from one worker's host facts per node."""
         c = self.config
@@ -362,6 +374,7 @@ class Controller:
                     facts.append(HostFacts.from_json(self.server.get(key)))
             except Exception as exc:  # noqa: BLE001 - a store hiccup or an old worker: fewer facts
                 log.debug("no host facts of %s: %s", wid, exc)
+        self._device_gpus.update(f.gpu for f in facts if f.gpu)
         found = links_for(layout, facts)
         if c.intra_link or c.inter_link:  # one flag: it wins for its side
             return Links(c.intra_link or found.intra, c.inter_link or found.inter, f"flag and {found.source}")
@@ -372,7 +385,7 @@ class Controller:
         d = self.config.directives
         wids = {w for slot in self.fleet.nodes.values() for w in slot.wids}
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
-                                d.model or "unknown", d.gpu_type, steps=False)
+                                d.model or "unknown", self._gpu_label(), steps=False)
         records = [dict(r, job_id=int(self.job_id)) for r in records]  # the job's own rows answer its own plans
         for start in range(0, len(records), OBSERVATIONS_PER_POST):
             if not self.predictor.observe(records[start:start + OBSERVATIONS_PER_POST]):

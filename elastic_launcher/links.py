@@ -72,6 +72,8 @@ class HostFacts:
         nvlink: NVML says the worker's GPU has an active NVLink (None: unknown, e.g. no NVML or no GPU).
         net: ``ib`` or ``roce`` from the first active InfiniBand port, None when there is none.
         nccl_via: transports NCCL reported using (``p2p``, ``shm``, ``ib``, ``tcp``), from its debug output.
+        gpu: the type of the worker's own device as the driver names it (``H100`` from ``NVIDIA H100 80GB HBM3``:
+            :func:`gpu_type_of`), None without a GPU. The job's rows carry it (#26.2).
     """
 
     backend: str
@@ -81,15 +83,19 @@ class HostFacts:
     nvlink: Optional[bool] = None
     net: Optional[str] = None
     nccl_via: tuple = ()
+    gpu: Optional[str] = None
 
     @classmethod
-    def probe(cls, backend: str, gpu_index: Optional[int] = None, nccl_debug_text: str = "") -> "HostFacts":
-        """The facts of this process's host (reads /proc, /sys, NVML when present; never raises)."""
+    def probe(cls, backend: str, gpu_index: Optional[int] = None, nccl_debug_text: str = "",
+              gpu_name: Optional[str] = None) -> "HostFacts":
+        """The facts of this process's host (reads /proc, /sys, NVML when present; never raises). ``gpu_name``:
+        the driver's name of the worker's device (``torch.cuda.get_device_name``), None without a GPU."""
         return cls(backend=backend, boot_id=_boot_id(), host=socket.gethostname(),
                    env={k: os.environ[k] for k in _NCCL_ENV if k in os.environ},
                    nvlink=_nvlink_active(gpu_index) if backend == "nccl" else None,
                    net=_ib_link_layer(Path("/sys/class/infiniband")) if backend == "nccl" else None,
-                   nccl_via=tuple(sorted(nccl_transports(nccl_debug_text))))
+                   nccl_via=tuple(sorted(nccl_transports(nccl_debug_text))),
+                   gpu=gpu_type_of(gpu_name) if gpu_name else None)
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "nccl_via": list(self.nccl_via)}, sort_keys=True)
@@ -102,7 +108,15 @@ class HostFacts:
             raise ValueError(f"not host facts: {str(text)[:120]!r}")
         return cls(backend=d["backend"], boot_id=d["boot_id"], host=str(d.get("host", "")),
                    env=dict(d.get("env") or {}), nvlink=d.get("nvlink"), net=d.get("net"),
-                   nccl_via=tuple(d.get("nccl_via") or ()))
+                   nccl_via=tuple(d.get("nccl_via") or ()),
+                   gpu=d["gpu"] if isinstance(d.get("gpu"), str) and d["gpu"] else None)
+
+
+def gpu_type_of(device_name: str) -> str:
+    """The short GPU type of a driver's device name, as the predictor names types: ``H100`` from
+    ``NVIDIA H100 80GB HBM3``, ``A100`` from ``NVIDIA A100-SXM4-80GB``; else the name with ``_`` for spaces."""
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", device_name)
+    return match.group(1) if match else device_name.replace(" ", "_")
 
 
 def nccl_transports(text: str) -> set[str]:

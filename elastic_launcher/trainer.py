@@ -173,7 +173,8 @@ class ElasticTrainer:
         publish_host = getattr(progress, "publish_host", None)
         if publish_host is not None:  # the launcher labels this worker's records with the links it really uses
             gpu = self.device.index if self.device.type == "cuda" else None
-            publish_host(HostFacts.probe(config.backend, gpu).to_json())
+            name = torch.cuda.get_device_name(self.device) if gpu is not None else None
+            publish_host(HostFacts.probe(config.backend, gpu, gpu_name=name).to_json())
         watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
         self._relay = PeerFailureRelay()
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,

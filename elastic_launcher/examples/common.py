@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from datetime import timedelta
@@ -27,6 +26,7 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup
+from elastic_launcher.links import gpu_type_of
 from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
@@ -156,12 +156,10 @@ def pick_device(choice: str, local_id: int) -> torch.device:
 
 
 def gpu_type(device: torch.device) -> str:
-    """Short GPU type for observations (`H100` from `NVIDIA H100 80GB HBM3`), `cpu` on the CPU."""
+    """Short GPU type for observations (`H100` from `NVIDIA H100 80GB HBM3`: links.gpu_type_of), `cpu` on the CPU."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device)
-    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name)
-    return match.group(1) if match else name.replace(" ", "_")
+    return gpu_type_of(torch.cuda.get_device_name(device))
 
 
 def _to(batch, device: torch.device):

@@ -278,3 +278,20 @@ def test_a_job_signs_with_the_munge_socket_its_environment_names(tmp_path):
                           run_dir=tmp_path, munge_socket=socket)
     ctl = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
     assert ctl.predictor.munge_socket == socket and ctl.predictor.job_id == 42
+
+
+def test_rows_are_labelled_with_the_devices_type_then_slurms_then_the_directive(tmp_path):
+    # #26.2: the worker knows its device, the controller reads the GRES type from Slurm, yet rows carried the
+    # directive's value (default `unknown`)
+    from elastic_launcher.gpu_speeds import JobTypes, NodeType
+    alloc = Allocation(job_id="42", nodes=("node1", "node2"), batch_host="node1", gpus_per_node=1, partition="debug")
+    config = LaunchConfig(command=("python", "train.py"), allocation=alloc, directives=Directives.from_script(SCRIPT),
+                          run_dir=tmp_path)
+    ctl = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
+    assert ctl._gpu_label() == config.directives.gpu_type                       # nothing known: the directive
+    ctl.types = JobTypes({"node1": NodeType("h200", "H200"), "node2": NodeType("h200", "H200")}, "test")
+    assert ctl._gpu_label() == "H200"                                           # Slurm's one GRES type
+    ctl._device_gpus.add("H100")
+    assert ctl._gpu_label() == "H100"                                           # what the devices say
+    ctl._device_gpus.add("A100")
+    assert ctl._gpu_label() == "H200"                                           # devices disagree: Slurm's

@@ -99,3 +99,13 @@ def test_the_launcher_finds_the_hooks_predictor_in_elastic_conf(tmp_path):
     (tmp_path / "elastic.conf").write_text(conf.conf_text())
     assert site_predictor_url({"SLURM_CONF": str(tmp_path / "slurm.conf")}) == "http://10.0.0.5:8080"
     assert site_predictor_url({"SLURM_CONF": str(tmp_path / "nowhere" / "slurm.conf")}) is None
+
+
+def test_a_workers_device_type_travels_in_its_host_facts():
+    # #26.2: rows carried the directive's GPU type (default unknown) though the worker knows its device
+    from elastic_launcher.links import HostFacts, gpu_type_of
+    assert gpu_type_of("NVIDIA H100 80GB HBM3") == "H100" and gpu_type_of("NVIDIA A100-SXM4-80GB") == "A100"
+    assert gpu_type_of("NVIDIA H200") == "H200" and gpu_type_of("Some GPU") == "Some_GPU"
+    facts = HostFacts.probe("gloo", None, gpu_name="NVIDIA H200")
+    assert HostFacts.from_json(facts.to_json()).gpu == "H200"
+    assert HostFacts.from_json(HostFacts.probe("gloo").to_json()).gpu is None
