@@ -175,6 +175,7 @@ class Controller:
     def _start_initial(self) -> None:
         self.types = self._gpu_types()
         self.pool.node_env = {node: self.types.env(node) for node in self.types.nodes}
+        self.pool.job_env = self.config.directives.worker_env()
         self.records.write("gpu_types", **self.types.to_record())
         for node in self.fleet.alloc.nodes:
             step = self.pool.start(node, self.slots, self.fleet.alloc.env, owner_job=self.job_id)

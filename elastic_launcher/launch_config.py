@@ -42,6 +42,7 @@ class Directives:
         elastic: False: never resize at run time (`elastic=off`).
         gpu_type: GPU type reported in observations.
         raw_lines: the directive lines verbatim, as /v1/plan wants them.
+        given: the keys the script's lines set (the others are the launcher's defaults).
     """
 
     model: Optional[str] = None
@@ -54,6 +55,18 @@ class Directives:
     elastic: bool = True
     gpu_type: str = UNKNOWN_GPU
     raw_lines: tuple[str, ...] = ()
+    given: frozenset = frozenset()
+
+    def worker_env(self) -> dict[str, str]:
+        """What the workers get of the directives (#26.2: one owner for the batch a job runs with): the per-GPU
+        batch and the global batch cap the script's lines set; the training script takes them as its defaults and
+        refuses a different value of its own (`examples.common.WorkerEnv`)."""
+        out = {}
+        if "per_gpu_batch" in self.given:
+            out["ELASTIC_PER_GPU_BATCH"] = str(self.per_gpu_batch)
+        if "max_global_batch" in self.given:
+            out["ELASTIC_MAX_GLOBAL_BATCH"] = str(self.max_global_batch)
+        return out
 
     @classmethod
     def from_script(cls, script: str) -> "Directives":
@@ -69,7 +82,7 @@ class Directives:
     @classmethod
     def from_mapping(cls, parsed: Mapping[str, Any], raw_lines: tuple[str, ...] = ()) -> "Directives":
         gpus = parsed.get("gpus") or {}
-        kwargs: dict[str, Any] = {"raw_lines": tuple(raw_lines)}
+        kwargs: dict[str, Any] = {"raw_lines": tuple(raw_lines), "given": frozenset(parsed)}
         for key in ("model", "per_gpu_batch", "max_global_batch", "min_efficiency", "objective", "gpu_type"):
             if key in parsed:
                 kwargs[key] = parsed[key]

@@ -109,6 +109,7 @@ class WorkerPool:
         self.steps: dict[str, WorkerStep] = {}
         # node -> extra variables of its workers (gpu_speeds.JobTypes.env: ELASTIC_GPU_TYPE, ELASTIC_SPEED)
         self.node_env: dict[str, dict[str, str]] = {}
+        self.job_env: dict[str, str] = {}  # every worker's (launch_config.Directives.worker_env)
         self._generation = 0
 
     def start(self, node: str, slots: int, alloc_env: Mapping[str, str], owner_job: str) -> WorkerStep:
@@ -124,6 +125,7 @@ class WorkerPool:
         group = f"j{owner_job}-{node}-g{self._generation}"
         env = dict(alloc_env)
         env.update(worker_env(self.store_addr, self.job_id, node, group, slots))
+        env.update(self.job_env)
         env.update(self.node_env.get(node, {}))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         proc = self.start_step(env, node, slots, self.command, self.log_dir / f"worker-{group}.log")

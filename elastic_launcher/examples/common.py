@@ -26,6 +26,7 @@ from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.errors import LeftGroup
+from elastic_launcher.gpu_speeds import worker_speed
 from elastic_launcher.links import gpu_type_of
 from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.telemetry import Telemetry
@@ -44,6 +45,9 @@ class WorkerEnv:
     node: str
     local_id: int
     cpus: int = 1
+    speed: float = 1.0                       # ELASTIC_SPEED: this node's GPUs' relative speed (mixed types)
+    per_gpu_batch: Optional[int] = None      # ELASTIC_PER_GPU_BATCH: the #ELASTIC per_gpu_batch, if the job set it
+    max_global_batch: Optional[int] = None   # ELASTIC_MAX_GLOBAL_BATCH: likewise
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "WorkerEnv":
@@ -58,15 +62,48 @@ class WorkerEnv:
             cpus = int(environ["SLURM_CPUS_PER_TASK"])
         elif cpus >= (os.cpu_count() or cpus):  # not bound per task: the node's workers share its CPUs
             cpus //= max(1, int(environ.get("ELASTIC_SLOTS", "1") or 1))
-        return cls(wid, store, environ.get("ELASTIC_NODE", "?"), int(environ["SLURM_LOCALID"]), max(1, cpus))
+        def number(key: str, kind):
+            text = environ.get(key)
+            try:
+                return kind(text) if text else None
+            except ValueError:
+                raise SystemExit(f"{key}={text!r}: expected a number (elastic-launch sets it)") from None
+
+        try:
+            speed = worker_speed(environ)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        return cls(wid, store, environ.get("ELASTIC_NODE", "?"), int(environ["SLURM_LOCALID"]), max(1, cpus),
+                   speed=speed, per_gpu_batch=number("ELASTIC_PER_GPU_BATCH", int),
+                   max_global_batch=number("ELASTIC_MAX_GLOBAL_BATCH", int))
+
+    def agreed(self, option: str, given: Optional[int], directive: Optional[int], default: Optional[int]):
+        """The value a job runs with for ``option``: the script's own (``given``), else the directive's, else the
+        script's ``default``; one owner (#26.2), so a value of the script's that differs from the directive's is
+        refused, not run with rows labelled otherwise.
+
+        Raises:
+            SystemExit: ``given`` and ``directive`` both set and different.
+        """
+        if given is not None and directive is not None and given != directive:
+            name = option.lstrip("-").replace("-", "_")
+            raise SystemExit(f"{option} {given} disagrees with the job's `#ELASTIC {name}={directive}`: the "
+                             f"launcher plans and labels the job's history with the directive's; drop {option} "
+                             "or make them equal")
+        return next((v for v in (given, directive, default) if v is not None), None)
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batch: int, lr: float) -> None:
     """Options every example takes (their defaults come from the script)."""
     parser.add_argument("--steps", type=int, default=steps, help="global steps to train (default %(default)s)")
-    parser.add_argument("--per-gpu-batch", type=int, default=per_gpu_batch,
-                        help="samples per worker and step; keep equal to #ELASTIC per_gpu_batch")
-    parser.add_argument("--max-global-batch", type=int, default=None, help="cap on the global batch when growing")
+    parser.add_argument("--per-gpu-batch", type=int, default=None,
+                        help=f"samples per worker and step (default: the job's #ELASTIC per_gpu_batch under "
+                             f"elastic-launch, else {per_gpu_batch}); a different value than the directive's is "
+                             "refused")
+    parser.add_argument("--max-global-batch", type=int, default=None,
+                        help="cap on the global batch when growing (default: the job's #ELASTIC max_global_batch, "
+                             "else none)")
+    parser.set_defaults(script_per_gpu_batch=per_gpu_batch)
     parser.add_argument("--lr", type=float, default=lr, help="learning rate at the first size")
     parser.add_argument("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
                         help="how the LR follows the global batch across resizes")
@@ -255,6 +292,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         environ: the process environment (read here once).
     """
     env = WorkerEnv.from_environ(environ)
+    batch = env.agreed("--per-gpu-batch", args.per_gpu_batch, env.per_gpu_batch, args.script_per_gpu_batch)
+    cap = env.agreed("--max-global-batch", args.max_global_batch, env.max_global_batch, None)
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, args.threads))
     device = pick_device(args.device, env.local_id)
@@ -269,15 +308,15 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
           f"{workers} DataLoader worker(s) per process", flush=True)
     telemetry = Telemetry(profile=profile, gpu=gpu_type(device),
                           intra_link="nvlink" if device.type == "cuda" else "shm")
-    policy = BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling=args.lr_scaling,
-                         **({"max_global_batch": args.max_global_batch} if args.max_global_batch else {}))
+    policy = BatchPolicy(per_gpu_batch=batch, lr_scaling=args.lr_scaling,
+                         **({"max_global_batch": cap} if cap else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
     reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
-                        warm_up=_local_step(model, optimizer, dataset, loss_of, args.per_gpu_batch, device, precision),
-                        extra_state=precision.extra_state())
+                        warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision),
+                        extra_state=precision.extra_state(), speed=env.speed)
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)

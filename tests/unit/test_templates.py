@@ -285,3 +285,22 @@ def test_two_workers_train_under_a_local_coordinator(tmp_path):
     assert "done:" not in outputs[1]                                       # rank 0 alone reports
     records = (tmp_path / "obs.jsonl").read_text().splitlines()
     assert any('"kind": "step"' in r and '"profile": "gpt2"' in r for r in records)
+
+
+def test_the_script_takes_the_directives_batch_and_refuses_a_different_one():
+    # #26.2: workers trained with --per-gpu-batch while the controller labelled rows with #ELASTIC per_gpu_batch,
+    # unchecked; the launcher now hands the directive to the workers and the script refuses a different value
+    from elastic_launcher.examples.common import WorkerEnv
+    from elastic_launcher.launch_config import Directives
+    d = Directives.from_script("#!/bin/bash\n#ELASTIC model=resnet50 per_gpu_batch=48 gpus=1-4\n")
+    environ = {"ELASTIC_GROUP": "g", "ELASTIC_STORE_ADDR": "h:1/job", "SLURM_LOCALID": "0", "ELASTIC_SPEED": "0.5",
+               **d.worker_env()}
+    env = WorkerEnv.from_environ(environ)
+    assert (env.per_gpu_batch, env.max_global_batch, env.speed) == (48, None, 0.5)
+    assert env.agreed("--per-gpu-batch", None, env.per_gpu_batch, 64) == 48       # the directive's by default
+    assert env.agreed("--per-gpu-batch", 48, env.per_gpu_batch, 64) == 48
+    with pytest.raises(SystemExit, match=r"--per-gpu-batch 64 disagrees with the job's `#ELASTIC per_gpu_batch=48`"):
+        env.agreed("--per-gpu-batch", 64, env.per_gpu_batch, 64)
+    plain = WorkerEnv.from_environ({k: v for k, v in environ.items() if k != "ELASTIC_PER_GPU_BATCH"})
+    assert plain.agreed("--per-gpu-batch", None, plain.per_gpu_batch, 64) == 64  # no directive: the script's
+    assert Directives.from_script("#!/bin/bash\n#ELASTIC model=resnet50\n").worker_env() == {}
