@@ -17,6 +17,7 @@ import glob
 import os
 import pwd
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -140,6 +142,7 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
     exe, load_module = find_nginx()
     _port_free(host, port)
     user = worker_user()
+    limits = _fit_open_files(limits, user is not None, log)
     runtime = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
     _prune_stale(os.path.dirname(runtime), {os.getuid()} | ({user.pw_uid} if user else set()))
     if user:                                        # nginx's workers reach the sockets and write the temp files
@@ -173,6 +176,16 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def _fit_open_files(limits: NginxLimits, root: bool, log: Callable[[str], None]) -> NginxLimits:
+    """Fewer connections where nginx, not run as root, cannot raise its open-file limit to fit them."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if root or hard == resource.RLIM_INFINITY or hard >= limits.worker_connections + 256:
+        return limits
+    fits = max(16, (hard - 256 - 64) // 4)
+    log(f"front end: open-file limit {hard}: at most {fits} client connections")
+    return dataclasses.replace(limits, max_connections=fits, per_address=min(limits.per_address, fits))
+
+
 def _group(user: pwd.struct_passwd) -> str:
     import grp  # noqa: PLC0415
 
@@ -183,28 +196,33 @@ def _group(user: pwd.struct_passwd) -> str:
 
 
 def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeout: int) -> int:
+    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one; its pid."""
+    application = gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout)
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid:
-        return pid
-    status = 1
-    try:
-        _die_with_parent()
-        if os.getppid() == parent:
-            gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout).run()
-            status = 0
-    except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001
-        import traceback  # noqa: PLC0415
+    if pid == 0:
+        os._exit(_gunicorn_child(application, parent))
+    return pid
 
+
+def _gunicorn_child(application, parent: int) -> int:
+    """Run gunicorn in the forked child; its exit status (gunicorn ends by SystemExit)."""
+    _die_with_parent()
+    if os.getppid() != parent:                    # the parent died before PR_SET_PDEATHSIG took hold
+        return 1
+    try:
+        application.run()
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - whatever it is, print it: os._exit follows
         traceback.print_exc()
+        return 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(status)
 
 
 def _wait_socket(path: str, pid: int, timeout_s: float) -> bool:
