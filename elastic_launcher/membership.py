@@ -20,9 +20,11 @@ commit point, after which the controller may release their nodes (``left/<wid>``
 Worker side (:class:`Membership`): a heartbeat/poll thread beats ``hb/<wid>`` and watches ``next/<current>`` so
 that commit points read a local variable, not the store. A newcomer calls :meth:`Membership.wait_for_plan`.
 After a collective failure, survivors call :meth:`Membership.recover`: the first one to arrive becomes leader,
-waits until every member of the failed epoch has either announced itself alive or has a heartbeat older than
-``heartbeat_timeout``, and posts a recovery plan with the survivors in their old order. A recovery supersedes a
-planned resize of the same epoch; its newcomers time out and the controller re-requests the resize.
+waits until every member of the failed epoch has either announced itself alive or has a heartbeat unchanged for
+``heartbeat_timeout`` (by the leader's own monotonic clock), and posts a recovery plan with the survivors in their
+old order. A leader that falls silent before posting is replaced by the first survivor to see it, and the plan is
+posted by compare-and-set, so any survivor finishes a recovery a dead one began. A recovery supersedes a planned
+resize of the same epoch; its newcomers time out and the controller re-requests the resize.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.errors import InvalidPlan, RendezvousTimeout, ResizeConflict
-from elastic_launcher.peer_watch import PeerWatch
+from elastic_launcher.peer_watch import BeatClock, PeerWatch
 
 logger = logging.getLogger("elastic_launcher.membership")
 
@@ -133,7 +135,8 @@ class Coordinator:
     Args:
         store: a client or the server of the job's TCPStore.
         timeout: default bound for the blocking calls (``wait_switched``).
-        heartbeat_timeout: a worker whose heartbeat is older than this is reported dead by :meth:`alive`.
+        heartbeat_timeout: a worker whose heartbeat has not changed for this long (by this process's clock) is
+            reported dead by :meth:`alive`.
     """
 
     def __init__(self, store: dist.Store, timeout: timedelta = timedelta(seconds=120),
@@ -141,6 +144,7 @@ class Coordinator:
         self._k = _Keys(store, timeout)
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
+        self.beats = BeatClock()
 
     def start(self, members: Sequence[str]) -> Plan:
         """Posts the first plan; its members then start training together."""
@@ -200,11 +204,14 @@ class Coordinator:
         return sorted({w for w in self._k.get(keys.JOINED_LIST).split(",") if w})
 
     def alive(self, wids: Sequence[str]) -> dict[str, bool]:
-        """For each worker id, whether its heartbeat is younger than ``heartbeat_timeout``."""
-        now, out = time.time(), {}
+        """For each worker id, whether it has a heartbeat that changed within ``heartbeat_timeout`` by this
+        process's monotonic clock (a worker first asked about now counts as just beaten; #27: no comparison with
+        the timestamps other hosts wrote)."""
+        out = {}
         for w in wids:
-            out[w] = self._k.has(keys.beat(w)) and now - float(self._k.get(keys.beat(w))) < \
-                self.heartbeat_timeout.total_seconds()
+            key = keys.beat(w)
+            out[w] = self._k.has(key) and \
+                self.beats.silent_for(w, self._k.get(key)) < self.heartbeat_timeout.total_seconds()
         return out
 
     def has_left(self, wid: str) -> bool:
@@ -220,7 +227,9 @@ class Membership:
         wid: this worker's id (unique in the job, no '/').
         timeout: bound for waiting on a plan / recovery decision.
         heartbeat_interval: period of heartbeats and of polling ``next/<current>``.
-        heartbeat_timeout: a peer silent for longer is considered dead during recovery.
+        heartbeat_timeout: a peer silent for longer is considered dead during recovery (its beat unchanged for
+            that long by this host's monotonic clock: `peer_watch.BeatClock`).
+        wall_clock: the time a beat writes (tests give one set off by some seconds).
         on_peer_failure: if given, the heartbeat thread also watches the peers of the watched epoch and calls
             ``on_peer_failure(epoch, reason)`` once per epoch when one of them has not beaten for
             ``heartbeat_timeout`` (measured on this host's clock, from when its beat last changed, so clock
@@ -232,9 +241,12 @@ class Membership:
                  timeout: timedelta = timedelta(seconds=120),
                  heartbeat_interval: timedelta = timedelta(seconds=0.2),
                  heartbeat_timeout: timedelta = timedelta(seconds=5),
-                 on_peer_failure: Optional[Callable[[int, str], None]] = None) -> None:
+                 on_peer_failure: Optional[Callable[[int, str], None]] = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         _validate([wid])
         self.wid = wid
+        self.wall_clock = wall_clock  # what a beat says (for people reading the store); liveness never reads it
+        self.beats = BeatClock()  # when each peer's beat last changed here: the peer watch's and recovery's
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -251,7 +263,7 @@ class Membership:
     # ---- background heartbeat and poll ----------------------------------------------------------------------
     def start(self) -> None:
         """Starts the heartbeat/poll thread (idempotent)."""
-        self._k.store.set(keys.beat(self.wid), repr(time.time()))
+        self._k.store.set(keys.beat(self.wid), repr(self.wall_clock()))
         if self._thread is None:
             self._k.store.set(keys.joined(self.wid), repr(time.time()))
             self._k.store.append(keys.JOINED_LIST, f"{self.wid},")
@@ -260,10 +272,10 @@ class Membership:
 
     def _loop(self) -> None:
         k = _Keys(self._factory(), self.timeout)
-        peers = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds())
+        peers = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds(), self.beats)
         while not self._stop.wait(self.heartbeat_interval.total_seconds()):
             try:
-                k.store.set(keys.beat(self.wid), repr(time.time()))
+                k.store.set(keys.beat(self.wid), repr(self.wall_clock()))
                 ep, members = self._watch_epoch, self._watch_members
                 if ep is not None and self._next is None and k.has(keys.next_plan(ep)):
                     plan = k.plan(int(k.get(keys.next_plan(ep))))
@@ -352,37 +364,70 @@ class Membership:
     def recover(self, failed: Plan, timeout: Optional[timedelta] = None) -> Plan:
         """Agrees with the other survivors of ``failed`` on the recovery plan (survivors in old order).
 
+        The first survivor to arrive leads: it waits until every member has either arrived or been silent for
+        ``heartbeat_timeout``, and posts the plan. The others wait for it; when the leader itself falls silent for
+        ``heartbeat_timeout`` before a plan is posted (it died after winning), the first of them to see it takes
+        the lead over from it (compare-and-set on the leader key) and decides without it (#27). The plan is
+        posted by compare-and-set too, so a leader thought dead that posts after all cannot post a second one:
+        every survivor adopts the one posted first. Liveness is this host's monotonic clock since a member's
+        beat last changed (`BeatClock`), never a comparison with timestamps other hosts wrote.
+
         Preconditions: the caller's group for ``failed`` is broken or aborted.
 
         Raises:
             RendezvousTimeout: the decision did not come within ``timeout``.
         """
         t = timeout or self.timeout
+        deadline = time.monotonic() + t.total_seconds()
+        lead_key, plan_key = keys.recover_leader(failed.id), keys.recover_plan(failed.id)
         self._k.store.set(keys.recover_alive(failed.id, self.wid), "1")
-        leader = self._k.store.compare_set(keys.recover_leader(failed.id), "", self.wid).decode()
-        if leader == self.wid:
-            deadline = time.monotonic() + t.total_seconds()
-            while True:
-                state = {}
-                for m in failed.members:
-                    if self._k.has(keys.recover_alive(failed.id, m)):
-                        state[m] = True
-                    elif not self._k.has(keys.beat(m)) or \
-                            time.time() - float(self._k.get(keys.beat(m))) > self.heartbeat_timeout.total_seconds():
-                        state[m] = False
-                if len(state) == len(failed.members):
-                    break
-                if time.monotonic() > deadline:
-                    raise RendezvousTimeout(f"recovery of epoch {failed.id}: members {failed.members} undecided")
-                time.sleep(self.heartbeat_interval.total_seconds() / 2)
-            survivors = [m for m in failed.members if state[m]]
-            plan = self._k.post(survivors, failed.id, "recovery")
-            self._k.store.set(keys.recover_plan(failed.id), str(plan.id))
-            logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
-                           [m for m in failed.members if not state[m]], plan.id)
-            return plan
-        pid = int(self._k.wait_get(keys.recover_plan(failed.id), t, f"recovery plan of epoch {failed.id}"))
-        return self._k.plan(pid)
+        leader = self._k.store.compare_set(lead_key, "", self.wid).decode()
+        dead: set[str] = set()
+        while leader != self.wid:
+            if self._k.has(plan_key):
+                return self._k.plan(int(self._k.get(plan_key)))
+            if self._silent(leader) > self.heartbeat_timeout.total_seconds():
+                logger.warning("recovery of epoch %d: leader %s fell silent; taking over", failed.id, leader)
+                dead.add(leader)
+                leader = self._k.store.compare_set(lead_key, leader, self.wid).decode()
+                continue
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"recovery plan of epoch {failed.id}: none within {t.total_seconds():g} s "
+                                        f"(leader {leader})")
+            time.sleep(self.heartbeat_interval.total_seconds() / 2)
+        return self._lead_recovery(failed, dead, deadline)
+
+    def _silent(self, wid: str) -> float:
+        """Seconds ``wid``'s beat has not changed, by this host's clock (no beat at all: since first asked)."""
+        key = keys.beat(wid)
+        return self.beats.silent_for(wid, self._k.store.get(key) if self._k.has(key) else None)
+
+    def _lead_recovery(self, failed: Plan, dead: set[str], deadline: float) -> Plan:
+        """The leader's part: who of ``failed``'s members survive (``dead``: known dead already), then the plan."""
+        state = {m: False for m in dead}
+        limit = self.heartbeat_timeout.total_seconds()
+        while True:
+            for m in failed.members:
+                if m in state:
+                    continue
+                silent = self._silent(m) if m != self.wid else 0.0
+                if silent > limit:
+                    state[m] = False
+                elif self._k.has(keys.recover_alive(failed.id, m)):
+                    state[m] = True
+            if len(state) == len(failed.members):
+                break
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(f"recovery of epoch {failed.id}: members "
+                                        f"{[m for m in failed.members if m not in state]} undecided")
+            time.sleep(self.heartbeat_interval.total_seconds() / 2)
+        survivors = [m for m in failed.members if state[m]]
+        posted = self._k.post(survivors, failed.id, "recovery")
+        pid = int(self._k.store.compare_set(keys.recover_plan(failed.id), "", str(posted.id)).decode())
+        plan = posted if pid == posted.id else self._k.plan(pid)
+        logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
+                       [m for m in failed.members if m not in plan.members], plan.id)
+        return plan
 
     def plan_superseded(self, plan: Plan) -> bool:
         """True if ``plan`` (a resize) lost to a recovery of its base epoch."""

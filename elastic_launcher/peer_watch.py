@@ -5,10 +5,42 @@ It reads the epoch's keys through the membership's key helper (``has``, ``store`
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from elastic_launcher import store_keys as keys
+
+
+class BeatClock:
+    """How long each worker's beat has not changed, by this process's monotonic clock (#27: never by comparing
+    timestamps other hosts wrote, so a peer whose wall clock is off is neither dead nor alive by that). A worker
+    first seen now counts as having just beaten. Safe to share between threads.
+
+    Args:
+        clock: this process's monotonic clock (tests pass their own).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (last beat value, when it changed here)
+        self._lock = threading.Lock()
+
+    def silent_for(self, wid: str, beat: Optional[bytes]) -> float:
+        """Seconds since ``wid``'s beat value last changed (``beat``: its value now; None: it has none, then since
+        it was first asked about)."""
+        now = self.clock()
+        with self._lock:
+            last = self._seen.get(wid)
+            if last is None or last[0] != beat:
+                self._seen[wid] = (beat, now)
+                return 0.0
+            return now - last[1]
+
+    def forget(self, wids) -> None:
+        with self._lock:
+            for wid in wids:
+                self._seen.pop(wid, None)
 
 
 class PeerWatch:
@@ -18,33 +50,30 @@ class PeerWatch:
     comparing timestamps written on other hosts. Reports once per epoch.
     """
 
-    def __init__(self, wid: str, timeout: float) -> None:
+    def __init__(self, wid: str, timeout: float, beats: Optional[BeatClock] = None) -> None:
         self.wid, self.timeout = wid, timeout
         self.epoch: Optional[int] = None
-        self.seen: dict[str, tuple[bytes, float]] = {}  # peer -> (last beat value, when it changed here)
+        self.beats = beats or BeatClock()  # shared with the membership's recovery (Membership.beats)
         self.reported = False
 
     def check(self, k, epoch: int, members: Sequence[str]) -> Optional[str]:
         """A reason to declare the epoch broken, once; else None."""
         if epoch != self.epoch:
-            self.epoch, self.seen, self.reported = epoch, {}, False
+            self.epoch, self.reported = epoch, False
         if self.reported:
             return None
         reason = None
         if k.has(keys.recover_leader(epoch)):
             reason = f"a recovery of epoch {epoch} has begun"
         else:
-            now = time.monotonic()
             peers = [m for m in members if m != self.wid]
             beats_at = [keys.beat(m) for m in peers]
             if peers and k.store.check(beats_at):
                 beats = k.store.multi_get(beats_at) if hasattr(k.store, "multi_get") else [k.store.get(x) for x in beats_at]
                 for m, beat in zip(peers, beats):
-                    last = self.seen.get(m)
-                    if last is None or last[0] != beat:
-                        self.seen[m] = (beat, now)
-                    elif now - last[1] > self.timeout and not k.has(keys.left(m)):
-                        reason = f"worker {m} has not beaten for {now - last[1]:.1f} s"
+                    silent = self.beats.silent_for(m, beat)
+                    if silent > self.timeout and not k.has(keys.left(m)):
+                        reason = f"worker {m} has not beaten for {silent:.1f} s"
                         break
         self.reported = reason is not None
         return reason
