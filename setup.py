@@ -15,7 +15,7 @@ setup(
         "slurm_plugin": ["lua/*.lua"],
         # the measured public data predictor/datasets.py reads (each folder's SOURCE.md: origin, license)
         "predictor": ["*.yaml", "*.json", "data/*.md", "data/*.txt", "data/*/SOURCE.md", "data/*/*/*.csv",
-                      "data/*/*/*/*.csv", "data/*/*.json.gz"],
+                      "data/*/*/*/*.csv", "data/*/*.json.gz", "deploy/*.in"],
     },
     include_package_data=True,
     # The templates are read from the checkout in an editable install, from here otherwise.

@@ -19,8 +19,9 @@ client would (column `reopened`), except `unread` and `pipelined`. Then, per ser
 flat-out (8 client threads) and paced (200/s) runs, and the paced /v1/plan probes while observations are posted
 once a second (the fitter worker refits on new data, at most every 5 s: what a fit does to the other requests).
 
-Server options: `buffered` (`elastic-predictor serve`'s default: the front end of predictor/server.py in front of
-gunicorn sync workers), `gunicorn-sync` and `gunicorn-gthread` (`serve --server gunicorn`, threads 1 / 4: the
+Server options: `nginx` (`elastic-predictor serve`'s default where nginx is installed: predictor/front_nginx.py),
+`buffered` (`serve --server buffered`: the front end of predictor/server.py in front of gunicorn sync workers),
+`gunicorn-sync` and `gunicorn-gthread` (`serve --server gunicorn`, threads 1 / 4: the
 previous default and its threaded mode), `gunicorn-gevent` (gunicorn's gevent worker, monkey-patched) and
 `waitress` (one process, 8 threads, connection_limit 1000): the last two are started by this script
 (`--serve-as`), they are not options of `serve` nor dependencies of the package (`pip install gevent waitress`
@@ -65,7 +66,8 @@ PLAN = {"source": "job_submit", "job": {"min_nodes": 1, "tres_per_node": "gres:g
 SELF = [sys.executable, str(Path(__file__).resolve()), "--serve-as"]
 SERVERS = {
     # name: (launcher or None for `elastic-predictor serve`, extra options, threads)
-    "buffered": (None, (), 1),
+    "buffered": (None, ("--server", "buffered"), 1),
+    "nginx": (None, ("--server", "nginx"), 1),
     "gunicorn-sync": (None, ("--server", "gunicorn"), 1),
     "gunicorn-gthread": (None, ("--server", "gunicorn"), 4),
     "gunicorn-gevent": ([*SELF, "gevent"], (), 1),

@@ -158,11 +158,12 @@ def auth_policy(config: Config) -> list[str]:
 @click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
 @click.option("--from-slurm", "from_slurm", default=None, metavar="GPU:INTRA:INTER",
               help="build the cluster model from sinfo/scontrol, with the GPU type and link names given, e.g. H200:nvlink:ib")
-@click.option("--server", "server_mode", default="buffered", show_default=True,
+@click.option("--server", "server_mode", default=None,
               type=click.Choice(["nginx", "buffered", "gunicorn"]),
               help="nginx: nginx reads each request whole and caps connections per client address (production; "
                    "needs nginx-light libnginx-mod-stream); buffered: the built-in asyncio front end does the reading, "
-                   "one cap for all clients; gunicorn: gunicorn alone on the port (a half-sent request holds a worker)")
+                   "one cap for all clients; gunicorn: gunicorn alone on the port (a half-sent request holds a worker). "
+                   "Default: nginx where it is installed with its stream module, else buffered (said at start)")
 @click.option("--read-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="buffered: seconds a client has to send a whole request (else 408 and close); nginx: for the "
                    "head, between two reads of the body, and for an idle keep-alive connection")
@@ -190,6 +191,14 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
         config = config.replace(cluster=_slurm_cluster(from_slurm))
     for line in auth_policy(config):
         click.echo(line, err=True)
+    if server_mode is None:
+        from predictor.front_nginx import nginx_missing  # noqa: PLC0415
+
+        missing = nginx_missing()
+        server_mode = "buffered" if missing else "nginx"
+        if missing:
+            click.echo(f"front end: buffered (the built-in one; {missing}: nginx, the production front end, caps "
+                       "connections per client address)", err=True)
 
     _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
 

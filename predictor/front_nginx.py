@@ -87,6 +87,15 @@ def find_nginx() -> tuple[str, str]:
     return exe, f"load_module {module};"
 
 
+def nginx_missing() -> str | None:
+    """Why this host cannot run the nginx front end (no nginx, no stream module), or None when it can."""
+    try:
+        find_nginx()
+    except (NginxMissing, OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    return None
+
+
 def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_module: str, user: str | None) -> str:
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",

@@ -1,7 +1,7 @@
 """Slow and idle clients (issue #14, item 3): `elastic-predictor serve` keeps answering while half-sent requests
 are held, and the buffering front end (predictor/server.py) reads, limits and forwards requests correctly.
 
-The first test starts the real server (front end + gunicorn, as `serve` runs it by default). Under the previous
+The first test starts the real server (front end + gunicorn, as `serve --server buffered` runs it). Under the previous
 default (`serve --server gunicorn`, sync workers) it fails: the 16 held connections occupy both workers, and
 /healthz is not answered within the 5 s hang guard (it took ~31 s, until gunicorn killed the workers). The other
 tests run the front end alone in a thread, in front of a fake upstream that echoes what it received.
@@ -43,7 +43,8 @@ def test_serve_answers_healthz_and_plan_while_16_half_sent_requests_are_held(his
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), "--db", history, "--workers", "2", "--read-timeout", "3"],
+                                 str(port), "--db", history, "--workers", "2", "--read-timeout", "3",
+                                 "--server", "buffered"],  # this front end's own answers (408); nginx: test_front_nginx
                                 env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok"), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     held: list[socket.socket] = []
