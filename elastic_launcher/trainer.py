@@ -108,6 +108,31 @@ class TrainerConfig:
     seed: int = 0
     observations_every: int = 50
 
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the field of a value the trainer cannot run with (#27: none was checked)."""
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"TrainerConfig.{field}={getattr(self, field)!r}: {why}")
+
+        if self.backend not in ("gloo", "nccl"):
+            raise bad("backend", "expected gloo or nccl")
+        for field in ("timeout", "connect_timeout", "rendezvous_timeout", "heartbeat_interval", "heartbeat_timeout",
+                      "commit_period"):
+            value = getattr(self, field)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise bad(field, "expected a positive timedelta")
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise bad("heartbeat_timeout", f"must exceed two heartbeat intervals ({self.heartbeat_interval}): a "
+                                           "live peer would be declared dead between two beats")
+        if self.commit_every is not None and self.commit_every < 1:
+            raise bad("commit_every", "expected None (auto) or an integer >= 1")
+        if not 0 < self.commit_overhead < 1:
+            raise bad("commit_overhead", "expected a fraction in (0, 1)")
+        for field, low in (("max_commit_every", 1), ("max_retries", 0), ("observations_every", 1)):
+            if getattr(self, field) < low:
+                raise bad(field, f"expected an integer >= {low}")
+        if not self.bucket_cap_mb > 0:
+            raise bad("bucket_cap_mb", "expected a positive size in MB")
+
 
 class ElasticTrainer:
     """Elastic data-parallel training inside the current process.

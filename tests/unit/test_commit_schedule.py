@@ -1,6 +1,8 @@
 """CommitSchedule: every rank computes the same commit points from the agreed vote, whatever it measured."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -102,3 +104,16 @@ def test_an_armed_switch_gets_at_least_the_loaders_lead_unless_the_interval_is_f
     fixed = CommitSchedule(5, 0.5, 0.01, 256)
     fixed.committed(10, 2 * 5, 2, 1.0, at_least=32)
     assert fixed.interval == 5
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("backend", "mpi", "gloo or nccl"), ("timeout", timedelta(0), "positive timedelta"),
+    ("rendezvous_timeout", 5, "positive timedelta"), ("heartbeat_timeout", timedelta(seconds=0.3), "two heartbeat"),
+    ("commit_every", 0, ">= 1"), ("commit_overhead", 1.5, "fraction"), ("max_retries", -1, ">= 0"),
+    ("bucket_cap_mb", 0, "positive size")])
+def test_trainer_config_refuses_what_it_cannot_run_with(field, value, words):
+    # #27: TrainerConfig validated none of its timeouts
+    from elastic_launcher.trainer import TrainerConfig
+    with pytest.raises(ValueError, match=rf"TrainerConfig\.{field}=.*{words}"):
+        TrainerConfig(**{field: value})
+    TrainerConfig()   # the defaults hold
