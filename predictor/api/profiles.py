@@ -60,11 +60,32 @@ def register(store, body, may_replace: bool = True, owner: int | None = None) ->
                         "admin_required")
     if owner is None:  # a token (or the importer's parse): not bound to a user
         return profile, store.put_profile(profile.name, stored)
+    _check_well_known(store, profile)
     try:
         created = store.put_profile(profile.name, stored, owner, JOB_PROFILE_QUOTA)
     except QuotaExceeded as exc:
         raise AuthError(403, f"name: {exc}; ask an admin to register it", "name", "profile_quota") from None
     return profile, created
+
+
+def _check_well_known(store, profile: Profile) -> None:
+    """A job may register a well-known model's name (the built-in architectures of predictor.profiles, e.g.
+    `resnet50`, `gpt2`) only with that model's shape: the same tensor count and parameters as the built-in one
+    (#24.6: a job registered `llama-70b` with 2 tensors, and everyone's jobs of that name were planned from it).
+
+    Raises:
+        AuthError: 403 `reserved_name`.
+    """
+    from predictor.profiles import BUILTIN, _canonical, profile_from_spec  # noqa: PLC0415 - only for jobs
+
+    if _canonical(profile.name) not in BUILTIN or store.has_profile(profile.name):
+        return                  # a name of its own, or one already registered (re-posting it is checked above)
+    known = profile_from_spec(profile.name)
+    if (len(profile.tensors), profile.n_params) != (len(known.tensors), known.n_params):
+        raise AuthError(403, f"name: {profile.name!r} is a well-known model ({len(known.tensors)} tensors, "
+                             f"{known.n_params} parameters); this profile has {len(profile.tensors)} tensors and "
+                             f"{profile.n_params}: name it after your own model, or ask an admin to register it",
+                        "name", "reserved_name")
 
 
 @bp.post("")

@@ -146,14 +146,28 @@ def test_record_of_another_job_refused(client):
 
 
 def test_job_may_add_but_not_replace_a_profile(client):
-    body = json.dumps(PROFILE).encode()
+    body = json.dumps(dict(PROFILE, name="my-resnet")).encode()
     assert client.post("/v1/profiles", data=body, headers=sign(body, 7)).status_code == 201
     assert client.post("/v1/profiles", data=body, headers=sign(body, 7)).status_code == 200   # unchanged
-    changed = json.dumps(dict(PROFILE, source="poisoned")).encode()
+    changed = json.dumps(dict(PROFILE, name="my-resnet", source="poisoned")).encode()
     r = client.post("/v1/profiles", data=changed, headers=sign(changed, 7))
     assert (r.status_code, r.json["reason"]) == (403, "admin_required")
     assert client.post("/v1/profiles", data=changed, headers={"Authorization": f"Bearer {ADMIN}",
                                                               "Content-Type": "application/json"}).status_code == 200
+
+
+def test_a_job_registers_a_well_known_name_only_with_its_shape(client):
+    # #24.6: a job registered `llama-70b` with 2 tensors; every job of that model was then planned from it
+    from predictor.profiles import profile_from_spec
+    squat = json.dumps(dict(PROFILE, name="gpt2")).encode()
+    r = client.post("/v1/profiles", data=squat, headers=sign(squat, 7))
+    assert (r.status_code, r.json["reason"], r.json["field"]) == (403, "reserved_name", "name"), r.json
+    assert "well-known" in r.json["error"]
+    true = json.dumps(profile_from_spec("gpt2").to_dict()).encode()
+    assert client.post("/v1/profiles", data=true, headers=sign(true, 7)).status_code == 201
+    tool = json.dumps(dict(PROFILE, name="vgg16")).encode()            # tokens are trusted (admin-guide)
+    assert client.post("/v1/profiles", data=tool, headers={"Authorization": f"Bearer {TOKEN}",
+                                                           "Content-Type": "application/json"}).status_code == 201
 
 
 def test_one_users_jobs_register_profiles_within_a_quota(client, monkeypatch):
