@@ -41,62 +41,78 @@ class _Reports:
         return self.calls
 
 
+class _Stepped:
+    """Watcher `a` (0.3 s timeout) over an epoch of a and `peers`, whose beats the test writes, on a clock the test
+    steps (#26.7: no real-time window; a host too loaded to run the watcher's thread for a while only delays it):
+    a peer's beat changes with every step it beats in, and the watcher's clock moves only with the steps, so a
+    beating peer is never silent for longer than one step however rarely the watcher runs."""
+
+    def __init__(self, store, peers, reports, start: float = 0.0):
+        from elastic_launcher.peer_watch import BeatClock
+        self.store, self.peers, self.reports, self.now, self.n, self.start = store, peers, reports, 0.0, 0, start
+        self.plan = Coordinator(store).start(["a", *peers])
+        self.beat(peers)
+        self.a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
+        self.a.beats = BeatClock(clock=lambda: self.now)
+        self.a.start()
+        self.a.watch(self.plan)
+
+    def beat(self, peers) -> None:
+        self.n += 1
+        for p in peers:
+            self.store.set(f"elastic/hb/{p}", repr(self.start + self.n))
+
+    def steps(self, n: int, beating, until_reports: int | None = None) -> None:
+        """``n`` steps of 0.1 s with ``beating`` beating in each (stops early once ``until_reports`` came)."""
+        for _ in range(n):
+            if until_reports is not None and len(self.reports.calls) >= until_reports:
+                return
+            self.beat(beating)
+            self.now += 0.1
+            time.sleep(0.03)   # the watcher's turn (it checks every 0.02 s; missing some changes nothing)
+
+
 def test_a_peer_that_stops_beating_is_reported_once_per_epoch(store):
     reports = _Reports()
-    plan, a, b, c = _three(store, reports)
+    w = _Stepped(store, ["b", "c"], reports)
     try:
-        time.sleep(0.8)
+        w.steps(10, ["b", "c"])
         assert reports.calls == []  # everyone beats
-        c.stop()
-        (epoch, reason), = reports.wait(1)  # within wait's 5 s; the delay: bench/unit_timings.py
-        assert epoch == plan.id and reason.startswith("worker c has not beaten for")
-        b.stop()
-        time.sleep(0.8)
+        w.steps(200, ["b"], until_reports=1)        # c stops: reported once 0.3 s of steps passed without its beat
+        (epoch, reason), = reports.wait(1)
+        assert epoch == w.plan.id and reason.startswith("worker c has not beaten for")
+        w.steps(10, [])                             # b stops too
         assert len(reports.calls) == 1  # the epoch is failed already
     finally:
-        a.stop(), b.stop(), c.stop()
+        w.a.stop()
 
 
 def test_a_leaver_is_not_reported_and_a_recovery_begun_elsewhere_is(store):
     reports = _Reports()
-    plan, a, b, c = _three(store, reports)
+    w = _Stepped(store, ["b", "c"], reports)
     try:
-        c.mark_left()
-        c.stop()
-        time.sleep(1.0)
+        store.set("elastic/left/c", "1")            # c left at a commit point, then stopped beating
+        w.steps(20, ["b"])
         assert reports.calls == []
-        store.set(f"elastic/recover/{plan.id}/leader", "b")  # b's vote failed: it leads the recovery
+        store.set(f"elastic/recover/{w.plan.id}/leader", "b")  # b's vote failed: it leads the recovery
         (epoch, reason), = reports.wait(1)
-        assert (epoch, reason) == (plan.id, f"a recovery of epoch {plan.id} has begun")
+        assert (epoch, reason) == (w.plan.id, f"a recovery of epoch {w.plan.id} has begun")
     finally:
-        a.stop(), b.stop(), c.stop()
+        w.a.stop()
 
 
 def test_beats_are_judged_by_this_hosts_clock_not_the_peers(store):
     """A peer whose clock is an hour behind still beats: its value changes, so it is alive."""
-    plan = Coordinator(store).start(["a", "b"])
     reports = _Reports()
-    a = _member(store, "a", heartbeat_timeout=timedelta(seconds=0.3), on_peer_failure=reports)
-    a.start()
-    stop = threading.Event()
-
-    def skewed_beats():
-        while not stop.wait(0.05):
-            store.set("elastic/hb/b", repr(time.time() - 3600))
-
-    beater = threading.Thread(target=skewed_beats)
-    beater.start()
+    w = _Stepped(store, ["b"], reports, start=time.time() - 3600)
     try:
-        a.watch(plan)
-        time.sleep(1.0)
+        w.steps(20, ["b"])
         assert reports.calls == []
-        stop.set()
-        beater.join()
+        w.steps(200, [], until_reports=1)
         (epoch, reason), = reports.wait(1)
-        assert epoch == plan.id and "worker b" in reason
+        assert epoch == w.plan.id and "worker b" in reason
     finally:
-        stop.set()
-        a.stop()
+        w.a.stop()
 
 
 def test_watching_a_new_epoch_rearms_the_report(store):
