@@ -11,7 +11,8 @@ place of its values, so what comes out is the same script with other numbers:
 
 `--gpus MIN-MAX` sets the directive and sizes the written request to MIN GPUs (what runs without the hook;
 with it, the planner rewrites the request). `--cpu-test` renders the small variant for the CPU testbed:
-2 nodes x 1 slot, a tiny model, 20 steps on the CPU. The `#ELASTIC model=` directive and the script's
+2 nodes x 1 slot (fewer or more nodes where `--gpus` bounds ask: the written request always lies within
+them), a tiny model, 20 steps on the CPU. The `#ELASTIC model=` directive and the script's
 `--profile` (the name its measurements are posted under) always name the model that really trains: the
 tiny one's profile name with `--cpu-test` (`CPU_PROFILES`), the `--model` value when one is given. Every
 rendering is checked: its directives must parse (slurm_plugin.directives) and its command must hold
@@ -262,19 +263,20 @@ def render(template: Template, params: Params) -> str:
     launcher_opts = dict(params.launcher_options)
     wrapped = params.command
     if params.cpu_test:
-        sbatch = {"job-name": f"{template.name}-cpu-test", "nodes": "2", "gpus-per-node": "1", "time": "00:10:00",
-                  **sbatch}
+        sbatch = {"job-name": f"{template.name}-cpu-test", "time": "00:10:00", **sbatch}
         directives = {"gpus": "1-2", **template.cpu_directives, **directives}
         script = {**template.cpu_test, **script}
         launcher_opts = {"--workers-per-node": "1", **launcher_opts}
         if template.name == "wrap-train-py" and wrapped is None:
             wrapped = list(_CPU_WRAPPED)
-    if params.gpus is not None:
-        low, high = _gpu_bounds(params.gpus)
-        directives["gpus"] = params.gpus
-        per_node = params.gpus_per_node or _current_gpus_per_node(block)
-        per_node = min(per_node, low)
-        sbatch.setdefault("nodes", str(math.ceil(low / per_node)))
+    if params.gpus is not None or params.cpu_test:
+        low, high = _gpu_bounds(params.gpus or directives["gpus"])
+        directives["gpus"] = params.gpus or directives["gpus"]
+        if params.cpu_test and params.gpus_per_node is None:   # one slot a node, 2 nodes where the bounds allow
+            nodes, per_node = min(max(2, low), high), 1
+        else:
+            nodes, per_node = _request(low, high, params.gpus_per_node, _current_gpus_per_node(block))
+        sbatch.setdefault("nodes", str(nodes))
         sbatch.setdefault("gpus-per-node", str(per_node))
     elif params.gpus_per_node is not None:
         sbatch.setdefault("gpus-per-node", str(params.gpus_per_node))
@@ -301,10 +303,48 @@ def render(template: Template, params: Params) -> str:
         inner[1] = params.python
     text = "\n".join(block + _format_command(launcher, worker + inner)) + "\n"
     try:
-        parse_script(text)
+        bounds = parse_script(text).get("gpus")
     except DirectiveError as exc:
         raise TemplateError(f"the rendered script has a bad directive: {exc}") from None
+    _check_request(block, bounds)
     return text
+
+
+def _request(low: int, high: int, asked: int | None, template_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a written request for MIN = `low` GPUs that stays within [low, high].
+
+    `asked` is the user's --gpus-per-node (kept, or refused when no node count fits the bounds); without it the
+    template's value is lowered to the largest one that fits (a divisor of MIN at worst).
+
+    Raises:
+        TemplateError: `asked` GPUs per node cannot make a request within the bounds.
+    """
+    per_node = min(asked or template_per_node, low)
+    while per_node > 1 and math.ceil(low / per_node) * per_node > high and asked is None:
+        per_node -= 1
+    nodes = math.ceil(low / per_node)
+    if nodes * per_node > high:
+        raise TemplateError(f"--gpus {low}-{high} with --gpus-per-node {per_node}: {_count(nodes, 'node')} x "
+                            f"{per_node} = {nodes * per_node} GPUs, above the maximum {high} (pick a per-node count that "
+                            f"divides {low}, or raise the maximum)")
+    return nodes, per_node
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _check_request(block: list[str], bounds: dict | None) -> None:
+    """Raises TemplateError when the written #SBATCH request (nodes x gpus-per-node) is outside `gpus` bounds."""
+    values = {m.group(1): m.group(2) for m in map(_SBATCH.match, block) if m}
+    nodes, per_node = values.get("nodes") or "", values.get("gpus-per-node") or ""
+    if not bounds or not nodes.isdigit() or not per_node.isdigit():
+        return
+    total = int(nodes) * int(per_node)
+    if not bounds["min"] <= total <= bounds["max"]:
+        raise TemplateError(f"the written request ({_count(int(nodes), 'node')} x {_count(int(per_node), 'GPU')} = "
+                            f"{total}) is outside "
+                            f"#ELASTIC gpus={bounds['min']}-{bounds['max']}; change --gpus or --gpus-per-node")
 
 
 def _own_model(template: Template) -> str | None:
@@ -391,7 +431,9 @@ def _pairs(values: tuple[str, ...], what: str) -> dict:
 @click.option("--command", "wrapped", help="wrap-train-py: your command, e.g. \"python train.py --epochs 3\".")
 @click.option("--set", "script_set", multiple=True, metavar="OPT=VALUE",
               help="Another option of the training script, e.g. --set lr=0.05 for --lr 0.05 (repeatable).")
-@click.option("--cpu-test", is_flag=True, help="The small CPU variant for the testbed (2 nodes x 1, tiny model).")
+@click.option("--cpu-test", is_flag=True,
+              help="The small CPU variant for the testbed (2 nodes x 1, or the node count within --gpus nearest 2; "
+                   "tiny model).")
 @click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=TEMPLATE_DIR,
               help="Template directory (default: the installed sbatch_templates/).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout).")
