@@ -268,7 +268,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
         # At submit, the job would run below the user's own minimum: reject it, naming the line.
         number, line = line_of(list(enumerate(request.lines, start=1)), "gpus")
         raise DirectiveProblem(f"directives[{number - 1}]", line, f"line {number}: gpus: minimum {low} "
-                               f"exceeds the {part.total_gpus} GPUs of partition {part.name}: {line!r}")
+                               f"exceeds the {counted(part.total_gpus, 'GPU')} of partition {part.name}: {line!r}")
     parts = [p for p in parts if not low or low <= p.total_gpus]
     try:
         models.predictor()
@@ -464,6 +464,15 @@ def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
             "basis": str(pred.get("basis", ""))}
 
 
+def _below(value: float, bound: float) -> str:
+    """`value < bound` as a reason prints it, never contradicting itself: the bound as `%g` (all 17 digits where
+    that rounds), the value with 2 decimals or as many more as it takes to read below the printed bound
+    (`0.6996 < 0.7`, never `0.70 < 0.7`). elastic_common.lua's `below` prints the same."""
+    shown = f"{bound:g}" if float(f"{bound:g}") == bound else f"{bound:.17g}"
+    text = next((t for t in (f"{value:.{n}f}" for n in range(2, 18)) if float(t) < bound), f"{value:.17g}")
+    return f"{text} < {shown}"
+
+
 def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_note: str) -> dict:
     min_eff = d.get("min_efficiency", table["min_efficiency"])
     by_gpus: dict[int, list[dict]] = {}
@@ -489,7 +498,7 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
     stop_note = limit_note
     if rejected:
         worst = max(rejected, key=lambda e: e["efficiency"])
-        stop_note = f"{layout_name(worst['layout'])} efficiency {worst['efficiency']:.2f} < {min_eff:g}"
+        stop_note = f"{layout_name(worst['layout'])} efficiency {_below(worst['efficiency'], min_eff)}"
     pool = [e for e in entries if e["gpus"] in feasible and e["samples_per_s"] > 0] or [best[counts[0]]]
     objective = d.get("objective", "throughput")
     gpu_cost, node_cost = table["gpu_hour_cost"], table["node_hour_cost"]

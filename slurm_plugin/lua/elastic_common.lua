@@ -519,8 +519,26 @@ function M.requested(job)
   return { nodes = nodes, per_node = per_node, total = total, switch = job.req_switch }
 end
 
+-- "0.6996 < 0.7", never "0.70 < 0.7": the value with 2 decimals or as many more as it takes to read below the
+-- printed bound (predictor.planner._below).
+local function below(value, bound)
+  local shown = string.format("%g", bound)
+  if tonumber(shown) ~= bound then shown = string.format("%.17g", bound) end
+  for n = 2, 17 do
+    local text = string.format("%." .. n .. "f", value)
+    local shown_value = tonumber(text)
+    if shown_value and shown_value < bound then return text .. " < " .. shown end
+  end
+  return string.format("%.17g", value) .. " < " .. shown
+end
+
 local function counted(n, word)  -- "1 GPU", "2 GPUs" (predictor.records.counted)
   return string.format("%d %s%s", n, word, n == 1 and "" or "s")
+end
+
+local function per_task_split(per_node, tasks)   -- the reason --gpus-per-task refuses a layout
+  return string.format("%s per node %s not split over %s (--gpus-per-task)", counted(per_node, "GPU"),
+                       per_node == 1 and "does" or "do", tasks and counted(tasks, "task") or "the tasks")
 end
 
 local function layout_name(layout)
@@ -604,8 +622,7 @@ function M.last_step(tbl, d, requested)
   if #rejected > 0 then
     local worst = rejected[1]
     for _, e in ipairs(rejected) do if e.efficiency > worst.efficiency then worst = e end end
-    stop_note = string.format("%s efficiency %.2f < %s", layout_name(worst.layout), worst.efficiency,
-                              string.format("%g", min_eff))
+    stop_note = string.format("%s efficiency %s", layout_name(worst.layout), below(worst.efficiency, min_eff))
   end
   local pool = {}
   for _, e in ipairs(entries) do
@@ -889,7 +906,7 @@ function M.rewrite_fields(job_desc, reply)
   local per_task = gpu_count(job_desc.tres_per_task)
   if per_task then
     if not tasks or per_node % tasks ~= 0 or per_node == 0 then
-      return nil, string.format("%d GPUs per node do not split over %s tasks (--gpus-per-task)", per_node, tostring(tasks))
+      return nil, per_task_split(per_node, tasks)
     end
     f.tres_per_task = set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
     env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
@@ -997,7 +1014,7 @@ function M.apply_cli_options(options, reply)
   local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
   local per_task = option(options, "gpus-per-task")
   if per_task and (not tasks or per_node == 0 or per_node % tasks ~= 0) then
-    return nil, string.format("%d GPUs per node do not split over %s tasks (--gpus-per-task)", per_node, tostring(tasks))
+    return nil, per_task_split(per_node, tasks)
   end
   options["nodes"] = tostring(nodes)
   local partition = M.moved_to(option(options, "partition"), reply)

@@ -38,3 +38,59 @@ def test_request_never_overshoots_the_maximum_with_gpus_per_node():
         templates.render(tpl, templates.Params(gpus="3-3", gpus_per_node=2))
     with pytest.raises(templates.TemplateError, match=r"1 node x 32 GPUs = 32\) is outside #ELASTIC gpus=2-16"):
         templates.render(templates.get("resnet50"), templates.Params(gpus_per_node=32))
+
+
+# --- reasons never contradict their own rounding; plurals -------------------------------------------------
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+
+from predictor import planner  # noqa: E402
+
+ROOT = pathlib.Path(__file__).parents[2]
+LUA_DIR = ROOT / "slurm_plugin" / "lua"
+
+
+def _lua(code: str) -> str:
+    proc = subprocess.run(["lua5.1", "-"], input=f"local M = dofile({json.dumps(str(LUA_DIR / 'elastic_common.lua'))})"
+                          "\nlocal cjson = require('cjson')\n" + code, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _reads_true(text: str) -> bool:
+    value, bound = (float(x) for x in re.fullmatch(r"(\S+) < (\S+)", text).groups())
+    return value < bound
+
+
+@pytest.mark.parametrize("value, bound, expect", [
+    (0.6996, 0.7, "0.6996 < 0.7"), (0.8994, 0.9, "0.899 < 0.9"), (0.5, 0.7, "0.50 < 0.7"),
+    (0.69999, 0.7, "0.69999 < 0.7"), (0.1234, 0.12345678, "0.12 < 0.12345678"),
+    (0.70000004, 0.70000005, "0.70 < 0.70000004999999998")])
+def test_below_prints_enough_digits_to_read_true(value, bound, expect):
+    assert planner._below(value, bound) == expect and _reads_true(expect)
+
+
+def test_every_policy_vector_reason_reads_true():
+    vectors = json.loads((ROOT / "tests" / "vectors" / "policy.json").read_text())["vectors"]
+    found = 0
+    for v in vectors:
+        for m in re.finditer(r"efficiency (\S+ < [0-9.]+)", v["expect"]["reason"]):
+            found += 1
+            assert _reads_true(m.group(1)), v["expect"]["reason"]
+    assert found > 10
+
+
+def test_per_task_split_reason_counts_its_nouns():
+    out = json.loads(_lua("""
+local got = {}
+for i, case in ipairs({{1, 2}, {2, 3}, {2}}) do
+  local _, why = M.apply_cli_options({["gpus-per-task"] = "1"}, {nodes = 1, gpus_per_node = case[1],
+                                                                 tasks_per_node = case[2]})
+  got[i] = why
+end
+io.write(cjson.encode(got))"""))
+    assert out == ["1 GPU per node does not split over 2 tasks (--gpus-per-task)",
+                   "2 GPUs per node do not split over 3 tasks (--gpus-per-task)",
+                   "2 GPUs per node do not split over the tasks (--gpus-per-task)"]
