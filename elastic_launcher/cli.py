@@ -110,7 +110,8 @@ def _seconds(value: float) -> timedelta:
               help="Records and logs (default: $SLURM_SUBMIT_DIR/elastic-<job>).")
 @click.option("--registry", type=click.Path(file_okay=False, path_type=Path),
               help="Where the controller publishes its address for `ctl` (env ELASTIC_LAUNCH_REGISTRY).")
-@click.option("--grow-step-nodes", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--grow-step-nodes", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Nodes added per grow step (one helper job each).")
 @click.option("--measure-steps", default=8, show_default=True, type=click.IntRange(1, 10000),
               help="Committed steps per throughput measurement.")
 @click.option("--warmup-steps", default=2, show_default=True, type=click.IntRange(0, 10000),
@@ -121,14 +122,19 @@ def _seconds(value: float) -> timedelta:
 @click.option("--test-throughput", type=click.Choice(["linear"]),
               help="Test seam (CPU testbeds only, never for production): take throughput as linear in workers "
                    "(elastic_launcher.testing.LinearThroughput) so grow can be exercised where nothing scales.")
-@click.option("--straggler-ratio", default=1.5, show_default=True, type=float)
-@click.option("--straggler-windows", default=3, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--rendezvous-timeout", default=120.0, show_default=True, type=float, help="Seconds.")
+@click.option("--straggler-ratio", default=1.5, show_default=True, type=float,
+              help="A node whose mean step time is this many times the median is slow.")
+@click.option("--straggler-windows", default=3, show_default=True, type=click.IntRange(1, 1000),
+              help="Consecutive slow measurement windows before a slow node is shrunk away.")
+@click.option("--rendezvous-timeout", default=120.0, show_default=True, type=float,
+              help="Seconds started workers get to join and form a new membership.")
 @click.option("--leave-timeout", default=20.0, show_default=True, type=float,
               help="Seconds leaving workers get to leave at a commit point before their steps are stopped.")
-@click.option("--helper-start-timeout", default=60.0, show_default=True, type=float, help="Seconds.")
-@click.option("--helper-orphan-timeout", default=30.0, show_default=True, type=float, help="Seconds.")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("--helper-start-timeout", default=60.0, show_default=True, type=float,
+              help="Seconds a submitted grow helper job gets to start running before it is cancelled.")
+@click.option("--helper-orphan-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a helper agent that cannot see the controller's heartbeat waits before it exits.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(script, directive_items, workers_per_node, predictor_url, intra_link, inter_link, run_dir,
            registry, grow_step_nodes, measure_steps, warmup_steps, no_autoscale, no_yield, test_throughput,
@@ -140,6 +146,11 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
     Example (last line of an sbatch script):
 
         elastic-launch --script "$0" --workers-per-node 1 -- python train.py --steps 200
+
+    \b
+    Subcommands (each has --help):
+      elastic-launch ctl JOBID --nodes N | --status   resize a running elastic job, or show its state
+      elastic-launch agent ...                        batch step of a grow helper job (internal)
     """
     from elastic_launcher.controller import Controller
     from elastic_launcher.steering import MeasuredThroughput
@@ -192,7 +203,9 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
 @click.argument("job_id")
 @click.option("--nodes", type=click.IntRange(1, 4096), help="Resize the job to this many nodes.")
 @click.option("--status", is_flag=True, help="Print the controller's current state.")
-@click.option("--registry", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--registry", type=click.Path(file_okay=False, path_type=Path),
+              help="Where controllers publish their addresses (env ELASTIC_LAUNCH_REGISTRY; default: "
+                   "~/.elastic-launch/jobs).")
 @click.option("--timeout", default=30.0, show_default=True, type=float,
               help="Seconds to wait for the controller to answer.")
 def ctl(job_id, nodes, status, registry, timeout):
@@ -241,11 +254,13 @@ def _controller_address(path: Path) -> tuple[str, int]:
 
 
 @click.command()
-@click.option("--main-job", required=True)
+@click.option("--main-job", required=True, help="Job id of the elastic job this helper grows.")
 @click.option("--store", "store_addr", required=True, help="host:port of the main job's store.")
-@click.option("--workers-per-node", required=True, type=click.IntRange(1, 64))
-@click.option("--orphan-timeout", default=30.0, show_default=True, type=float)
-@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."))
+@click.option("--workers-per-node", required=True, type=click.IntRange(1, 64), help="Workers per node.")
+@click.option("--orphan-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds without the controller's heartbeat (or the store) before the helper exits.")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              help="Directory of the workers' logs (default: the current one).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, command):
     """Batch step of a grow helper job (submitted by the controller; not for users)."""

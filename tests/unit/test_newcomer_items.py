@@ -1,6 +1,7 @@
 """Issue #26 item 6 (newcomer items): each test fails before its fix."""
 from __future__ import annotations
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -94,3 +95,25 @@ io.write(cjson.encode(got))"""))
     assert out == ["1 GPU per node does not split over 2 tasks (--gpus-per-task)",
                    "2 GPUs per node do not split over 3 tasks (--gpus-per-task)",
                    "2 GPUs per node do not split over the tasks (--gpus-per-task)"]
+
+
+# --- elastic-launch --help: subcommands listed, every option explained ------------------------------------
+@pytest.mark.parametrize("command", ["launch", "ctl", "agent"])
+def test_every_elastic_launch_option_has_help(command):
+    from elastic_launcher import cli
+
+    cmd = getattr(cli, command)
+    bare = [p.opts for p in cmd.params if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert bare == []
+    assert (cmd.help or "").strip()
+
+
+def test_elastic_launch_help_lists_its_subcommands(capsys):
+    from elastic_launcher import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for sub in cli.SUBCOMMANDS:
+        assert f"elastic-launch {sub} " in text, text
