@@ -188,7 +188,7 @@ def add_to_slurm_conf(slurm_conf: Path, lines: list[str]) -> bool:
 @click.command("install-plugin")
 @click.option("--conf-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory of slurm.conf (job_submit.lua must sit beside it).")
-@click.option("--predictor-url", required=True, help="Base URL of the predictor, e.g. http://10.0.0.5:8080.")
+@click.option("--predictor-url", required=True, help="Base URL of the predictor, e.g. http://10.0.0.5:8470.")
 @click.option("--budget-ms", type=click.IntRange(1, 10000), default=100, show_default=True,
               help="Hard limit on one /v1/plan call, connect to last byte.")
 @click.option("--breaker-failures", type=click.IntRange(1, 1000), default=3, show_default=True,
@@ -203,7 +203,7 @@ def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_f
                    breaker_open_s: float, cli_filter: bool, cache_entries: int, apply: bool) -> None:
     """Install the job_submit (and cli_filter) Lua hooks and print the slurm.conf lines.
 
-    Example: elastic-slurm install-plugin --conf-dir /etc/slurm --predictor-url http://10.0.0.5:8080 --apply
+    Example: elastic-slurm install-plugin --conf-dir /etc/slurm --predictor-url http://10.0.0.5:8470 --apply
     """
     try:
         config = PluginConfig(conf_dir.absolute(), predictor_url, timedelta(milliseconds=budget_ms),

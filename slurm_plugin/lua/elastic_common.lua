@@ -51,7 +51,7 @@ M.MAX_REPLY_BYTES = 512 * 1024
 M.MAX_TABLE_ENTRIES = 4096
 
 local DEFAULTS = {
-  predictor_url = "http://127.0.0.1:8080",
+  predictor_url = "http://127.0.0.1:8470",   -- elastic-predictor serve's default --port
   budget_ms = 100,
   breaker_failures = 3,
   breaker_open_s = 30,

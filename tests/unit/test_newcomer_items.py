@@ -117,3 +117,20 @@ def test_elastic_launch_help_lists_its_subcommands(capsys):
     text = capsys.readouterr().out
     for sub in cli.SUBCOMMANDS:
         assert f"elastic-launch {sub} " in text, text
+
+
+# --- one default port across docs and code ----------------------------------------------------------------
+def test_one_default_port_across_docs_and_code():
+    from predictor.cli import main as predictor_cli
+    from slurm_plugin import installer
+
+    port = next(p.default for p in predictor_cli.commands["serve"].params if p.name == "port")
+    hook_default = json.loads(_lua("local cfg = M.read_config(nil); io.write(cjson.encode(cfg))"))["predictor_url"]
+    assert hook_default == f"http://127.0.0.1:{port}"
+    texts = {str(path): path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                                                      *sorted((ROOT / "slurm_plugin").rglob("*.py")),
+                                                      *sorted((ROOT / "slurm_plugin").rglob("*.lua"))]}
+    texts["install-plugin --help"] = CliRunner().invoke(installer.install_plugin, ["--help"]).output
+    urls = {(where, m.group(0)) for where, text in texts.items()
+            for m in re.finditer(r"https?://[A-Za-z0-9.\[\]:-]+:(\d+)", text) if m.group(1) != str(port)}
+    assert urls == set()
