@@ -41,7 +41,7 @@ from slurm_plugin.lab import demo_calibrate as cal
 from slurm_plugin.lab.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
 from slurm_plugin.lab.demo_services import DemoError, PredictorService, install_hook, tail
 from slurm_plugin.lab.testbed import Testbed
-from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig
+from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig, recorded_port_base
 
 DEFAULT_DEMO_LAB = Path("/var/tmp/elastic-slurm-demo")
 DEFAULT_DEMO_PORT_BASE = 17000   # the CI lab uses 16800; PORT_SPAN ports each
@@ -399,11 +399,13 @@ def _num(value, digits: int) -> str:
 
 
 @click.command("demo")
-@click.option("--lab", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DEMO_LAB,
-              show_default=True, help="Lab directory of the demo's own cluster (under /var/tmp: daemons run as "
-                                      "munge and mysql).")
-@click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), default=DEFAULT_DEMO_PORT_BASE,
-              show_default=True, help=f"First of the {PORT_SPAN} ports of the lab (the predictor takes the last).")
+@click.option("--lab", type=click.Path(file_okay=False, path_type=Path), envvar="ELASTIC_SLURM_LAB",
+              default=DEFAULT_DEMO_LAB, show_default=True,
+              help="Lab directory of the demo's own cluster (env ELASTIC_SLURM_LAB, as for `testbed`; under "
+                   "/var/tmp: daemons run as munge and mysql).")
+@click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), envvar="ELASTIC_SLURM_PORT_BASE",
+              help=f"First of the {PORT_SPAN} ports of the lab, the predictor takes the last (env "
+                   f"ELASTIC_SLURM_PORT_BASE; default: the one the lab last used, else {DEFAULT_DEMO_PORT_BASE}).")
 @click.option("--steps", type=click.IntRange(200, 100000), default=3000, show_default=True,
               help="Training steps of the demo job (enough for a grow and a shrink).")
 @click.option("--calibration-steps", type=click.IntRange(12, 1000), default=30, show_default=True,
@@ -413,7 +415,7 @@ def _num(value, digits: int) -> str:
                    "busy cores with the cluster).")
 @click.option("--keep", is_flag=True, help="Leave the cluster, the predictor and the job's files running to look "
                                            "around (prints how), instead of stopping them.")
-def demo_command(lab: Path, port_base: int, steps: int, calibration_steps: int, budget_ms: int, keep: bool) -> None:
+def demo_command(lab: Path, port_base: int | None, steps: int, calibration_steps: int, budget_ms: int, keep: bool) -> None:
     """Run the whole thing locally: cluster, predictor, hook, a real elastic job that grows and shrinks.
 
     Needs root and the packages of `sudo bash .ci/setup`. Takes 2-4 minutes on 2 cores. One demo at a time
@@ -424,7 +426,9 @@ def demo_command(lab: Path, port_base: int, steps: int, calibration_steps: int, 
 
     Example: elastic-slurm demo --lab /var/tmp/elastic-slurm-demo --port-base 17000 --keep
     """
-    run = Demo(lab.absolute(), port_base, steps, calibration_steps, timedelta(milliseconds=budget_ms))
+    lab = lab.absolute()
+    port_base = port_base or recorded_port_base(lab) or DEFAULT_DEMO_PORT_BASE
+    run = Demo(lab, port_base, steps, calibration_steps, timedelta(milliseconds=budget_ms))
     try:
         lock = LabLock(run.bed.config.lab).acquire(port_base)
     except DemoBusy as exc:

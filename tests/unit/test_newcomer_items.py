@@ -134,3 +134,30 @@ def test_one_default_port_across_docs_and_code():
     urls = {(where, m.group(0)) for where, text in texts.items()
             for m in re.finditer(r"https?://[A-Za-z0-9.\[\]:-]+:(\d+)", text) if m.group(1) != str(port)}
     assert urls == set()
+
+
+# --- demo honours ELASTIC_SLURM_LAB (and the lab's port base) ---------------------------------------------
+def test_demo_honours_elastic_slurm_lab(tmp_path, monkeypatch):
+    from slurm_plugin.lab import demo
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_demo(lab, port_base, *args):
+        seen.append((lab, port_base))
+        raise Stop
+
+    monkeypatch.setattr(demo, "Demo", fake_demo)
+    lab = tmp_path / "lab"
+    (lab / "etc").mkdir(parents=True)
+    (lab / "etc" / "port_base").write_text("18200\n")
+    runner = CliRunner()
+    for env, args, expect in [({"ELASTIC_SLURM_LAB": str(lab)}, [], (lab, 18200)),
+                              ({"ELASTIC_SLURM_LAB": str(lab), "ELASTIC_SLURM_PORT_BASE": "18400"}, [], (lab, 18400)),
+                              ({"ELASTIC_SLURM_LAB": str(lab)}, ["--lab", str(tmp_path / "b")],
+                               (tmp_path / "b", demo.DEFAULT_DEMO_PORT_BASE))]:
+        result = runner.invoke(demo.demo_command, args, env=env)
+        assert isinstance(result.exception, Stop), result.output
+        assert seen.pop() == expect
