@@ -1,7 +1,9 @@
 """What admins read: rows for models, links and decisions, and a table renderer that fits a terminal.
 
-The row builders are shared by the CLI (`elastic-predictor models`, `links`; `decisions` lives in cli.py)
-and the /admin page (predictor/api/web.py), so both show the same numbers:
+The row builders are shared by the CLI (`elastic-predictor models`, `links`: predictor/admin_cli.py;
+`decisions` lives in cli.py) and the /admin page (predictor/api/web.py), so both show the same numbers. This
+module is pure: it imports neither the CLI nor the web app (tests/unit/test_import_layers.py checks that no
+circle of imports forms inside predictor):
 
 - `model_rows(store, predictor)`: one row per (profile, GPU type) seen in step history, plus registered
   profiles never observed: parameters, gradient bytes, step records, layouts seen, fit error (log RMSE of
@@ -23,9 +25,7 @@ import math
 import shutil
 from collections import Counter, defaultdict
 
-import click
-
-from predictor.errors import NotFoundError, ValidationError
+from predictor.errors import ValidationError
 from predictor.records import layout_name
 
 Column = tuple[str, str, str]  # (row key, header, format spec; "" for text)
@@ -189,144 +189,3 @@ def alternative_rows(full: dict) -> list[dict]:
 
 def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-# --- CLI (registered on `elastic-predictor` by predictor/cli.py) ---------------------------------------------
-def _open(db: str | None, needed_for: str):
-    """The existing database (a read command refuses a missing file instead of creating an empty one)."""
-    from predictor.cli import _config, _open_store, require_db  # noqa: PLC0415
-
-    path = _config(db).db_path
-    require_db(path, db, needed_for)
-    return _open_store(path)
-
-
-def _fit(store, skip: bool):
-    """A Predictor fitted on the store, or None (skip, or nothing to fit)."""
-    if skip:
-        return None
-    from predictor.engine import Predictor  # noqa: PLC0415
-    from predictor.profiles import Profile  # noqa: PLC0415
-
-    profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
-    try:
-        return Predictor().fit(profiles, store.observations())
-    except (ValidationError, RuntimeError, ValueError) as exc:
-        raise click.ClickException(f"cannot fit the model on {store.path}: {exc}") from None
-
-
-_DB = click.option("--db", default=None, help="SQLite database (default $ELASTIC_PREDICTOR_DB or predictor.db)")
-_NO_FIT = click.option("--no-fit", is_flag=True, help="do not fit (faster; fit columns from the last service fit)")
-_WIDTH = click.option("--width", type=click.IntRange(40, 1000), default=None, help="line width (default: terminal)")
-
-
-def _with_fitted_store(db: str | None, fit: bool, build, needed_for: str):
-    """`build(store, predictor or None)` on the database, closed afterwards; library errors become click's."""
-    store = _open(db, needed_for)
-    try:
-        return build(store, _fit(store, not fit))
-    except NotFoundError as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        store.close()
-
-
-def _echo_table(rows: list[dict], columns: list[Column], width: int | None, empty: str) -> None:
-    if not rows:
-        raise click.ClickException(empty)
-    click.echo(render_table(rows, columns, width))
-
-
-def _write_png(out: str, png: bytes) -> None:
-    with open(out, "wb") as fh:
-        fh.write(png)
-    click.echo(f"wrote {out} ({len(png)} bytes)")
-
-
-@click.command("models")
-@_DB
-@_NO_FIT
-@_WIDTH
-def models_cmd(db, no_fit, width):
-    """Table of models: each profile and GPU type with its history, layouts seen and fit error.
-
-    Example: elastic-predictor models --db predictor.db
-    """
-    _echo_table(_with_fitted_store(db, not no_fit, model_rows, "no profiles and no step history to show"),
-                MODEL_COLUMNS, width,
-                "no profiles and no step history in the database yet")
-
-
-@click.command("links")
-@_DB
-@_NO_FIT
-@_WIDTH
-def links_cmd(db, no_fit, width):
-    """Table of link classes: collective records, fitted latency and bandwidth, fit error.
-
-    Example: elastic-predictor links --db predictor.db
-    """
-    _echo_table(_with_fitted_store(db, not no_fit, link_rows, "no collective history to show"), LINK_COLUMNS, width,
-                "no collective history and no link fits in the database yet")
-
-
-class _SubcommandFirst(click.Group):
-    """A group whose commands take the options: an option given to the group itself (`plot --db X`) is an
-    error that names the subcommands, instead of click's bare "No such option"."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.NoSuchOption as exc:
-            names = " | ".join(sorted(self.commands))
-            raise click.UsageError(f"{exc.format_message().rstrip('.')}: `{ctx.command_path}` needs a subcommand first "
-                                   f"({names}), then its options, e.g. "
-                                   f"`{ctx.command_path} scaling --db predictor.db --out scaling.png`", ctx) from None
-
-
-@click.group("plot", cls=_SubcommandFirst)
-def plot_group():
-    """Write the admin plots as PNG files (the /admin page serves the same): `plot scaling` or `plot links`,
-    then the options (--db, --out).
-    """
-
-
-_OUT = click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write")
-
-
-@plot_group.command("scaling")
-@_DB
-@click.option("--profile", default=None, help="only this profile (default: every profile with history)")
-@click.option("--gpu", default=None, help="only this GPU type")
-@_OUT
-def plot_scaling(db, profile, gpu, out):
-    """Predicted vs observed throughput against GPU count, per model and layout family.
-
-    Example: elastic-predictor plot scaling --db predictor.db --profile resnet50 --out scaling.png
-    """
-    from predictor import plots  # noqa: PLC0415
-
-    _write_png(out, _with_fitted_store(db, True, lambda s, p: plots.scaling_png(s, p, profile=profile, gpu=gpu),
-                                       "nothing to plot"))
-
-
-@plot_group.command("links")
-@_DB
-@_OUT
-def plot_links(db, out):
-    """Per-link bandwidth against message size: observed collectives and the fitted model.
-
-    Example: elastic-predictor plot links --db predictor.db --out links.png
-    """
-    from predictor import plots  # noqa: PLC0415
-
-    _write_png(out, _with_fitted_store(db, True, plots.links_png, "nothing to plot"))
-
-
-COMMANDS = (models_cmd, links_cmd, plot_group)
-
-
-def register(group: click.Group) -> None:
-    """Add the admin commands to the `elastic-predictor` group."""
-    for command in COMMANDS:
-        group.add_command(command)

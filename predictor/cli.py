@@ -6,88 +6,21 @@ down; library errors become `click.ClickException` here.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import click
 
+from predictor.admin_cli import COMMANDS as _ADMIN_COMMANDS
+from predictor.cli_support import load_config as _config  # also imported from here by bench/slow_clients.py
+from predictor.cli_support import open_store as _open_store  # and by tests/unit/test_api.py
+from predictor.cli_support import require_db
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
 from predictor.records import layout_name
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _config(db: str | None, cluster: str | None = None) -> Config:
-    """The config from the environment and the options; a bad cluster file is an error naming it."""
-    from predictor.cluster import Cluster  # noqa: PLC0415
-    from predictor.config import ENV_CLUSTER  # noqa: PLC0415
-
-    try:
-        model = Cluster.from_file(cluster) if cluster else None
-    except ValidationError as exc:
-        raise click.ClickException(_in_file(cluster, exc)) from None
-    try:
-        return Config.from_env(os.environ, db_path=db, cluster=model)
-    except ValidationError as exc:
-        if not exc.field.startswith("ELASTIC_PREDICTOR_") and os.environ.get(ENV_CLUSTER):
-            raise click.ClickException(_in_file(f"{os.environ[ENV_CLUSTER]} (${ENV_CLUSTER})", exc)) from None
-        raise click.ClickException(str(exc)) from None
-
-
-def _in_file(name: str, exc: ValidationError) -> str:
-    """`FILE: FIELD: message` (the cluster loader's own read errors already name the file)."""
-    return str(exc) if exc.field == "cluster" else f"{name}: {exc}"
-
-
-def require_db(db_path: str, db_option: str | None, needed_for: str) -> None:
-    """Refuse a read command on a database file that does not exist (opening it would create an empty one).
-
-    Args:
-        db_path: the resolved path (`Config.db_path`).
-        db_option: the command's `--db` value (None: it came from the environment or the default).
-        needed_for: what the command reads, for the message (e.g. "no history to fit").
-
-    Raises:
-        click.ClickException: naming the path, where it came from, and what creates a database.
-    """
-    from predictor.config import ENV_DB  # noqa: PLC0415
-
-    if db_path == ":memory:" or os.path.isfile(db_path):
-        return
-    origin = ("--db" if db_option else f"${ENV_DB}" if os.environ.get(ENV_DB)
-              else f"the default: neither --db nor ${ENV_DB} is set")
-    where = os.path.abspath(db_path)
-    problem = f"{where} is not a file" if os.path.exists(db_path) else f"no database at {where}"
-    raise click.ClickException(f"{problem} ({origin}): {needed_for}; check the path "
-                               "(`elastic-predictor import` and `serve` create a database)")
-
-
-def _open_store(db_path: str, writable: bool = False):
-    """The store at `db_path`, migrated (and, with `writable`, checked by a real write).
-
-    Raises:
-        click.ClickException: the file cannot be opened or migrated (missing folder, not a database...), or
-            with `writable`, cannot be written (read-only file or mount, full disk).
-    """
-    import sqlite3  # noqa: PLC0415
-
-    from predictor.store import Store  # noqa: PLC0415
-
-    store = Store(db_path)
-    try:
-        store.migrate()
-    except sqlite3.Error as exc:
-        store.close()
-        raise click.ClickException(f"cannot open database {db_path}: {exc}") from None
-    if writable and (problem := store.write_problem()) is not None:
-        store.close()
-        raise click.ClickException(f"database {db_path} cannot be written ({problem}): the service would answer "
-                                   "every write with an error; check the file's permissions, its file system "
-                                   "(read-only mount?) and free disk space")
-    return store
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -517,8 +450,7 @@ def decisions(db, limit):
     click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),
                              ("model", "model", "s"), ("reason", "reason", "s")]))
 
-from predictor.admin_tables import COMMANDS as _ADMIN_COMMANDS  # noqa: E402  (issue 7: models, links, plot)
-for _command in _ADMIN_COMMANDS:
+for _command in _ADMIN_COMMANDS:    # issue 7: models, links, plot (predictor/admin_cli.py)
     main.add_command(_command)
 
 

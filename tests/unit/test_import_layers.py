@@ -7,6 +7,12 @@ inside a function, is an edge between the layers of the two modules:
       <- predictor <- elastic_launcher <- slurm_plugin.lab (demo, testbed) <- slurm_plugin.cli (`elastic-slurm`)
 
 The layer graph must have no cycle; a failure names each cycle with the import lines that close it.
+
+Inside each package the same imports (function-level ones included: `# noqa: PLC0415` hides nothing here)
+make a graph of modules, which must have no cycle either: a module-level import and a function-level one
+close a circle just the same, it only shows later, at run time. And the runtime (`elastic_launcher`) does not
+import the service (`predictor`), except the few known imports listed, with their reason, in
+RUNTIME_IMPORTS_OF_THE_SERVICE until they move to a contracts layer below both (issue #26.1).
 """
 from __future__ import annotations
 
@@ -18,6 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("slurm_plugin", "predictor", "elastic_launcher")
 ENTRY_POINT = "slurm_plugin.cli"      # the `elastic-slurm` console script: above the lab, imported by nothing
 LAB = "slurm_plugin.lab"
+RUNTIME = "elastic_launcher"
+SERVICE = "predictor"
+
+# The runtime's imports of the service that are known and allowed for now, as (importing module, imported
+# module). Issue #26.1: `split_batch`, `type_speeds` and the munge signing move to a contracts layer below
+# the launcher and the predictor; then each entry goes, and the list is empty. Add nothing here.
+RUNTIME_IMPORTS_OF_THE_SERVICE = {
+    ("elastic_launcher.batch_policy", "predictor.mixed"),    # split_batch: the per-rank batch split
+    ("elastic_launcher.gpu_speeds", "predictor.mixed"),      # type_speeds: relative speeds of GPU types
+    ("elastic_launcher.reporting", "predictor.auth"),        # munge_sign, MUNGE_HEADER, MungeError
+}
 
 
 def layer(module: str) -> str | None:
@@ -62,6 +79,108 @@ def import_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
                 for target in targets - {None, source}:
                     edges[(source, target)].append(f"{path.relative_to(root)}:{node.lineno}")
     return dict(edges)
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Every module of our packages, by dotted name (packages by their `__init__`)."""
+    return {_module_name(path, root): path
+            for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
+
+
+def _targets(name: str, importer: str, known: dict[str, Path]) -> set[str]:
+    """The modules of ours that importing `name` runs: the longest known prefix of the dotted name (`from a
+    import b` is `a.b` when that is a module, else `a`) and the packages above it, except the importer's own
+    packages (always initialised before it)."""
+    parts = name.split(".")
+    while parts and ".".join(parts) not in known:
+        parts.pop()
+    found = set()
+    for end in range(len(parts), 0, -1):
+        target = ".".join(parts[:end])
+        if target in known and target != importer and not importer.startswith(target + "."):
+            found.add(target)
+    return found
+
+
+def module_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
+    """(importing module, imported module) -> the import lines (`path:line`), for every import between two
+    modules of ours, at module level or inside a function."""
+    known = _modules(root)
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            targets: set[str] = set()
+            for name in _imported(node, module, path.name == "__init__.py"):
+                targets |= _targets(name, module, known)
+            for target in sorted(targets):
+                edges[(module, target)].append(f"{path.relative_to(root)}:{node.lineno}")
+    return dict(edges)
+
+
+def _package_graph(edges) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        if a.split(".")[0] == b.split(".")[0]:
+            graph[a].add(b)
+    return graph
+
+
+def package_circles(edges) -> list[list[str]]:
+    """The circles of modules inside one package: each strongly connected set of two or more modules (Tarjan),
+    sorted."""
+    graph = _package_graph(edges)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:   # recursion depth is bounded by the module count (a few hundred)
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                component.append(stack.pop())
+                if component[-1] == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return sorted(components)
+
+
+def package_cycles(edges) -> list[list[str]]:
+    """For each circle, its shortest cycle through its smallest module (breadth first, inside the circle)."""
+    graph = _package_graph(edges)
+    found = []
+    for component in package_circles(edges):
+        start = component[0]
+        parents: dict[str, str | None] = {start: None}
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            if start in graph[node]:   # no self-loops: _targets leaves the importer out
+                break
+            for nxt in sorted(graph[node] & set(component)):
+                if nxt not in parents:
+                    parents[nxt] = node
+                    queue.append(nxt)
+        path: list[str] = []
+        while node is not None:
+            path.append(node)
+            node = parents[node]
+        found.append(path[::-1])
+    return found
 
 
 def cycles(edges) -> list[list[str]]:
@@ -114,3 +233,49 @@ def test_cycle_finder_sees_a_cycle(tmp_path):
     assert edges == {("predictor", "elastic_launcher"): ["predictor/a.py:2"],
                      ("elastic_launcher", "predictor"): ["elastic_launcher/b.py:1"]}
     assert cycles(edges) == [["elastic_launcher", "predictor"]]
+
+
+def test_no_cycle_inside_a_package():
+    """No circle of modules inside predictor, elastic_launcher or slurm_plugin, function-level imports included."""
+    edges = module_edges()
+    problems = []
+    for circle, cycle in zip(package_circles(edges), package_cycles(edges)):
+        hops = list(zip(cycle, cycle[1:] + cycle[:1]))
+        where = "; ".join(f"{a} -> {b} at {', '.join(edges[(a, b)][:3])}" for a, b in hops)
+        problems.append(f"circle of {len(circle)} modules ({', '.join(circle)}), e.g. "
+                        f"cycle {' -> '.join(cycle + cycle[:1])} ({where})")
+    assert not problems, "\n".join(problems)
+
+
+def test_runtime_does_not_import_the_service():
+    """elastic_launcher imports nothing of predictor beyond the listed, known imports (issue #26.1 moves them)."""
+    edges = module_edges()
+    runtime_to_service = {(a, b): lines for (a, b), lines in edges.items()
+                          if layer(a) == RUNTIME and layer(b) == SERVICE and b != SERVICE}
+    new = {pair: lines for pair, lines in runtime_to_service.items() if pair not in RUNTIME_IMPORTS_OF_THE_SERVICE}
+    assert not new, f"the runtime imports the service: {new}"
+    gone = RUNTIME_IMPORTS_OF_THE_SERVICE - set(runtime_to_service)
+    assert not gone, f"no longer imported, take them off RUNTIME_IMPORTS_OF_THE_SERVICE: {sorted(gone)}"
+
+
+def test_package_cycle_finder_sees_function_level_imports(tmp_path):
+    """The check itself: a circle closed by an import inside a function, through a subpackage, is found."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "predictor" / "sub").mkdir()
+    (tmp_path / "predictor" / "sub" / "__init__.py").write_text("from predictor import base\n")
+    (tmp_path / "predictor" / "sub" / "view.py").write_text("from predictor.sub import base\n")
+    (tmp_path / "predictor" / "tables.py").write_text("def f():\n    from predictor.cli import g  # noqa\n")
+    (tmp_path / "predictor" / "cli.py").write_text("import os\nfrom predictor.sub.view import x\n")
+    (tmp_path / "predictor" / "base.py").write_text("from . import tables\n")
+    (tmp_path / "elastic_launcher" / "a.py").write_text("from . import b\n")
+    (tmp_path / "elastic_launcher" / "b.py").write_text("import predictor\n")
+    edges = module_edges(tmp_path)
+    assert edges[("predictor.tables", "predictor.cli")] == ["predictor/tables.py:2"]
+    assert ("predictor.cli", "predictor.sub") in edges          # importing sub.view runs sub/__init__ first
+    assert ("predictor.sub.view", "predictor.sub") not in edges  # its own package: initialised before it
+    assert package_circles(edges) == [["predictor.base", "predictor.cli", "predictor.sub", "predictor.tables"]]
+    assert package_cycles(edges) == [["predictor.base", "predictor.tables", "predictor.cli", "predictor.sub"]]
+    (tmp_path / "predictor" / "tables.py").write_text("def f():\n    import predictor.base\n")
+    assert package_cycles(module_edges(tmp_path)) == [["predictor.base", "predictor.tables"]]
