@@ -415,11 +415,12 @@ def _num(value, digits: int) -> str:
                    "busy cores with the cluster).")
 @click.option("--keep", is_flag=True, help="Leave the cluster, the predictor and the job's files running to look "
                                            "around (prints how), instead of stopping them.")
-def demo_command(lab: Path, port_base: int | None, steps: int, calibration_steps: int, budget_ms: int, keep: bool) -> None:
+def demo_command(lab: Path, port_base: int | None, steps: int, calibration_steps: int, budget_ms: int,
+                 keep: bool) -> None:
     """Run the whole thing locally: cluster, predictor, hook, a real elastic job that grows and shrinks.
 
-    Needs root and the packages of `sudo bash .ci/setup`. Takes 2-4 minutes on 2 cores. One demo at a time
-    per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
+    Run it as root, with the packages `bash .ci/setup` installs. Takes 2-4 minutes on 2 cores. One demo at a
+    time per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
     "$(elastic-slurm testbed env --lab LAB)"; squeue; elastic-predictor decisions --db
     LAB/predictor/predictor.db; elastic-predictor predict ... --cluster LAB/predictor/cluster.json; the
     /admin page of the printed URL; then stop it all with elastic-slurm testbed down --lab LAB.

@@ -161,3 +161,47 @@ def test_demo_honours_elastic_slurm_lab(tmp_path, monkeypatch):
         result = runner.invoke(demo.demo_command, args, env=env)
         assert isinstance(result.exception, Stop), result.output
         assert seen.pop() == expect
+
+
+# --- no `sudo` in help texts (the commands are run as root) -----------------------------------------------
+def _helps(command, prefix):
+    yield prefix, CliRunner().invoke(command, ["--help"], prog_name=prefix).output
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _helps(sub, f"{prefix} {name}")
+
+
+def test_no_sudo_in_help_texts():
+    from elastic_launcher import cli as launch_cli
+    from predictor.cli import main as predictor_cli
+
+    helps = [*_helps(slurm_cli, "elastic-slurm"), *_helps(predictor_cli, "elastic-predictor"),
+             *(pair for cmd in (launch_cli.launch, launch_cli.ctl, launch_cli.agent)
+               for pair in _helps(cmd, f"elastic-launch {cmd.name}"))]
+    assert len(helps) > 20
+    assert [name for name, text in helps if "sudo" in text] == []
+    assert "sudo" not in (ROOT / ".ci" / "setup").read_text()
+
+
+# --- .ci/setup in a second checkout says which checkout the install points at -----------------------------
+def _which(checkout: pathlib.Path) -> str:
+    import sys
+
+    proc = subprocess.run(["bash", str(checkout / ".ci" / "setup"), "--which"], capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_ci_setup_says_which_checkout_the_install_points_at(tmp_path):
+    import slurm_plugin
+
+    installed = pathlib.Path(slurm_plugin.__file__).resolve().parents[1]
+    second = tmp_path / "second"
+    (second / ".ci").mkdir(parents=True)
+    (second / ".ci" / "setup").write_text((ROOT / ".ci" / "setup").read_text())
+    said = _which(second)
+    if "is not installed" in said:
+        pytest.skip("elastic-slurm is not installed for this interpreter (run from a source tree)")
+    assert "WARNING" in said and f"another checkout, {installed}," in said and str(second.resolve()) in said
+    if installed == ROOT.resolve():
+        assert _which(ROOT) == f"setup: elastic-slurm (pip install -e) runs from this checkout, {installed}\n"
