@@ -6,12 +6,14 @@ Run: `python bench/hostile_suite.py [--full] [--output bench/results/hostile_sui
 It runs the three benches as libraries, each in its quick form unless `--full`:
 - bench/hostile_clients.py (plots, /v1/predict memory, /v1/plan disk) against `elastic-predictor serve`, plot attacks
   5 s each (20 s with --full), and, on a second served instance, the malformed bodies of item 7 (`MALFORMED`);
-- bench/slow_clients.py on the default (buffered) server: K = 0 and 200 connections of each slow variant
+- bench/slow_clients.py on the buffered server: K = 0 and 200 connections of each slow variant
   (--full: K = 0, 2, 8, 200);
 - bench/poisoning.py: one job's 200 made-up rows with the fit's per-job cap (20) and without it;
 - one address holding `IDLE_HELD` idle connections (issue #24, item 3), against `serve --server nginx` and the
   buffered front end: how many of `IDLE_PROBES` GET /healthz from another address (127.0.0.2, each on a fresh
   connection) are answered 200, and their p99 (`--idle-servers` picks the fronts; nginx needs nginx installed).
+- bench/hostile_round2.py (issue #24, items 7, 2, 12, 14) against `serve`'s default front end: 100 profiles of one
+  job (300 with --full).
 The per-bench tables stay in their own results files; this prints the summary and the raw rows it came from.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import hostile_clients  # noqa: E402
+import hostile_round2  # noqa: E402
 import poisoning  # noqa: E402
 import slow_clients  # noqa: E402
 
@@ -152,10 +155,12 @@ def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered")) -> di
         slow, _ = slow_clients.bench_server("buffered", db, 2, 2.0, 40.0, ks, slow_clients.VARIANTS, 0,
                                             subprocess.DEVNULL)
         idle = [idle_flood(work, server) for server in idle_servers]
+        (work / "round2").mkdir()
+        round2 = hostile_round2.run(ROOT, 300 if full else 100, work / "round2")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     poison = {cap: poisoning.impact(cap) for cap in (20, 10 ** 9)}
-    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle}
+    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle, "round2": round2}
 
 
 def idle_row(idle: list[dict]) -> str:
@@ -184,7 +189,11 @@ def summary(res: dict) -> str:
            f"({', '.join(slow_clients.VARIANTS)} x K = {', '.join(str(r) for r in sorted({r['k'] for r in held}))}), "
            "1 poisoning attack (200 rows) |",
            f"| 5xx or no answer | {errors} of {requests} requests (besides them {busy} answers 429 'too many plots' "
-           "with Retry-After: the renderer's full queue, backpressure on the asking client) |",
+           "with Retry-After: the renderer's full queue, backpressure on the asking client)"
+           + (f"; {rows[-1]['tally'].server_errors} of them the malformed bodies' own (nginx, `serve`'s default "
+              "front end, answers a 50 MB chunked body 413 at its limit and its stream layer resets the connection "
+              "while the client still sends: the sender sees a reset, no one else anything)"
+              if rows[-1]["tally"].server_errors else "") + " |",
            f"| worker memory growth | at most {rss['rss'][1] - rss['rss'][0]:+.0f} MB in one attack ({rss['attack']}: "
            f"{rss['rss'][0]:.0f} -> {rss['rss'][1]:.0f} MB); {rows[0]['rss'][0]:.0f} -> {rows[-2]['rss'][1]:.0f} MB "
            "over the hostile-client run |",
@@ -199,6 +208,9 @@ def summary(res: dict) -> str:
            f"{capped['after']} ({'changed' if capped['before'] != capped['after'] else 'unchanged'}) |",
            f"| poisoning impact without the cap | {' / '.join(f'{m:+.1%}' for m in uncapped['moved'])}; plan "
            f"{uncapped['before']} -> {uncapped['after']} |", idle_row(res.get("idle", []))]
+    out += [f"| {r['attack']} (#24, `serve`'s default front end) | legitimate /v1/plan p99 {r['plan_p99'][0]:.1f} ms; "
+            f"{r['tally'].server_errors} 5xx of {r['tally'].total}; worker {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} MB, "
+            f"DB {r['db'][0]:.1f} -> {r['db'][1]:.1f} MB; {' '.join(r['check'].split())} |" for r in res.get("round2", [])]
     return "\n".join(out)
 
 
@@ -228,7 +240,8 @@ def main(argv=None) -> int:
            "", "Raw: slow connections on the buffered server (bench/slow_clients.py's rows)", "",
            *(json.dumps(r) for r in res["slow"]), "", "Raw: poisoning (bench/poisoning.py's impact)", "",
            json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]}),
-           "", "Raw: idle connections from one address", "", *(json.dumps(r) for r in res["idle"])]
+           "", "Raw: idle connections from one address", "", *(json.dumps(r) for r in res["idle"]),
+           "", "Raw: round 2 (bench/hostile_round2.py's table)", "", hostile_round2.table(res["round2"])]
     text = header + "\n\n" + summary(res) + "\n" + "\n".join(raw) + "\n"
     print(text)
     if args.output:
