@@ -69,7 +69,7 @@ function slurm_cli_pre_submit(options, pack_offset)
   local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s, state_file(cfg))
   local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options, slurm.time_str2mins)))
   if outcome.kind == "reject" then
-    slurm.log_error("%s", elastic.reject_message(outcome.message, "cli_filter"))
+    slurm.log_error("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "cli_filter"))
     return slurm.ERROR
   elseif outcome.kind == "skip" then
     slurm.log_info("%s", elastic.skip_message(outcome))

@@ -13,6 +13,7 @@
    M.new_breaker(k, open_s, path) circuit breaker; persisted to `path` when given (cli_filter)
    M.new_cache(max_entries)       decision cache (job_submit keeps one for the life of its Lua state)
    M.plan(cfg, breaker, request, cache)  {kind = "rewrite"|"keep"|"reject"|"skip", ...}
+   M.reject_text(outcome, lines)  a rejection's text, its line numbered as in the script
    M.apply_job_desc / M.apply_cli_options  apply a rewrite reply mechanically
 
  Every failure of the service is returned as kind = "skip" with a reason: the callers fail open.
@@ -680,6 +681,16 @@ local function str(v)
   return v
 end
 
+-- The text of a service's rejection as the user reads it: the service numbers the #ELASTIC lines it was sent
+-- (field `directives[i]`, message `line i+1: ...`); the script's line number replaces that one, as the hook's
+-- own directive errors, the launcher and `elastic-predictor plan` count lines. `lines`: M.directive_lines'.
+function M.reject_text(outcome, lines)
+  local index = type(outcome.field) == "string" and tonumber(outcome.field:match("^directives%[(%d+)%]$"))
+  local entry = index and lines[index + 1]
+  if not entry then return outcome.message end
+  return "line " .. entry.no .. ": " .. (outcome.message:gsub("^line %d+: ", "", 1))
+end
+
 function M.request(source, lines, job)
   local raw = {}
   for i, entry in ipairs(lines) do raw[i] = entry.line end
@@ -828,7 +839,8 @@ function M.plan(cfg, breaker, request, cache, d)
     breaker.success()
     local err = cjson.decode(text)
     local message = type(err) == "table" and type(err.error) == "string" and err.error or one_line(text, 300)
-    return { kind = "reject", message = one_line(message, 600) }
+    return { kind = "reject", message = one_line(message, 600),
+             field = type(err) == "table" and type(err.field) == "string" and err.field or nil }
   elseif status ~= 200 then
     why = "HTTP " .. status
   else

@@ -41,7 +41,7 @@ local function submit(job_desc, submit_uid)
                               cache, directives)
   local ms = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
-    slurm.log_user("%s", elastic.reject_message(outcome.message, "job_submit"))
+    slurm.log_user("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind == "skip" then
     slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped (%.1f ms): %s", tostring(submit_uid), ms, outcome.why)

@@ -228,7 +228,7 @@ def test_service_422_rejects_with_its_message(hook, predictor, sbatch):
     hook(predictor.url)
     result = sbatch(script(), "-H", "-J", "mode-422")
     assert result.rc != 0
-    assert "sbatch: error: elastic: line 2: unknown model 'nosuch'" in result.stderr
+    assert "sbatch: error: elastic: line 3: unknown model 'nosuch'" in result.stderr
 
 
 @pytest.mark.parametrize("mode, why", [("stopped", "connection refused"), ("500", "HTTP 500"),

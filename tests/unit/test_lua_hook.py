@@ -134,7 +134,11 @@ class Predictor:
         elif mode == "keep":
             send(200, json.dumps({"decision_id": "d-43", "action": "keep", "reason": "elastic: unknown model x; kept"}).encode())
         elif mode == "422":
-            send(422, json.dumps({"error": "line 2: unknown model 'nosuch'", "field": "directives[0]"}).encode())
+            send(422, json.dumps({"error": "line 1: unknown model 'nosuch'", "field": "directives[0]"}).encode())
+        elif mode == "422-second":   # as predictor/planner.py words it: the service counts the lines it was sent
+            send(422, json.dumps({"error": "line 2: gpus: minimum 64 exceeds the 16 GPUs of partition debug: "
+                                           "'#ELASTIC gpus=64-128'", "field": "directives[1]",
+                                  "line": "#ELASTIC gpus=64-128"}).encode())
         elif mode == "500":
             send(500, b"<html>Internal Server Error</html>")
         elif mode == "garbage":
@@ -366,8 +370,22 @@ def test_malformed_directive_is_rejected_without_asking_the_service(tmp_path):
 def test_service_422_rejects_with_its_message(tmp_path, predictor):
     [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="422")}])
     assert result["rc"] == REJECT_CODE
-    assert kinds(result, "log_user") == ["elastic: line 2: unknown model 'nosuch'; job rejected: Slurm's next line "
+    assert kinds(result, "log_user") == ["elastic: line 3: unknown model 'nosuch'; job rejected: Slurm's next line "
                                          "(\"Invalid generic resource (gres) specification\") is this rejection"]
+
+
+def test_service_422_names_the_script_line_as_the_hooks_own_errors_do(tmp_path, predictor):
+    """The service numbers the #ELASTIC lines it was sent; the user reads the script's (issue #26.6)."""
+    directives = ("#ELASTIC model=resnet50", "#SBATCH --time=10", "# a comment", "#ELASTIC gpus=64-128")
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="422-second",
+                                                                            directives=directives)}])
+    assert result["rc"] == REJECT_CODE
+    assert kinds(result, "log_user") == [
+        "elastic: line 6: gpus: minimum 64 exceeds the 16 GPUs of partition debug: '#ELASTIC gpus=64-128'; job "
+        "rejected: Slurm's next line (\"Invalid generic resource (gres) specification\") is this rejection"]
+    from slurm_plugin.directives import directive_lines
+
+    assert directive_lines(script(*directives))[1] == (6, "#ELASTIC gpus=64-128")   # the Python parser's count
 
 
 @pytest.mark.parametrize("mode, why", [("500", "HTTP 500"), ("garbage", "unreadable reply"),
