@@ -47,7 +47,7 @@ class PluginConfig:
         predictor_url: base URL of the predictor (`http://HOST:PORT`); the hooks POST `<url>/v1/plan`.
             Use an IP address or a name in /etc/hosts: name resolution is outside the time budget.
         budget: hard limit on one /v1/plan call (connect + send + receive), default 100 ms.
-        breaker_failures: failures in a row that open the circuit breaker (one timeout opens it at once).
+        breaker_failures: failures in a row (timeouts included) that open the circuit breaker.
         breaker_open: how long an open breaker skips the call.
         cli_filter: also install cli_filter.lua (the same request from sbatch's side).
         cache_entries: size of job_submit.lua's decision cache (reuse of a /v1/plan decision for identical

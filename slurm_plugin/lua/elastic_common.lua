@@ -329,10 +329,11 @@ function M.post_json(url, body, budget_s)
 end
 
 -- ---------------------------------------------------------------- circuit breaker
--- After `k` failures in a row the breaker opens for `open_s` seconds: calls are skipped. A timeout opens it
--- at once (`failure(now, true)`): a hung service costs a whole budget per call, and slurmctld runs the
--- calls one at a time, so a hung service costs one budget in all, not k. The next call after `open_s` is a
--- trial; a failure reopens it at once, a success closes it.
+-- After `k` failures in a row (a timeout is one failure, like any other) the breaker opens for `open_s`
+-- seconds: calls are skipped. One slow answer on a loaded host (170 ms against a 100 ms budget) is not a hung
+-- service and must not turn the next `open_s` of submissions away unplanned (issue #26.3); a hung service
+-- times out every call, so it opens the breaker after k budgets (slurmctld runs the calls one at a time).
+-- The next call after `open_s` is a trial; a failure reopens it at once, a success closes it.
 function M.new_breaker(k, open_s, path)
   local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
               failures = 0, open_until = 0, path = path }
@@ -359,9 +360,9 @@ function M.new_breaker(k, open_s, path)
   function b.success()
     if b.failures ~= 0 or b.open_until ~= 0 then b.failures, b.open_until = 0, 0; save() end
   end
-  function b.failure(now, open_now)
+  function b.failure(now)
     b.failures = b.failures + 1
-    if open_now or b.failures >= b.k then b.open_until = now + b.open_s end
+    if b.failures >= b.k then b.open_until = now + b.open_s end
     save()
   end
   load()
@@ -864,7 +865,7 @@ function M.plan(cfg, breaker, request, cache, d)
       return reply
     end
   end
-  breaker.failure(M.now(), why == "timeout")
+  breaker.failure(M.now())
   local _, retry = breaker.is_open(M.now())
   if retry > 0 then why = why .. string.format("; not asking again for %d s", math.ceil(retry)) end
   return { kind = "skip", why = why }

@@ -426,18 +426,39 @@ def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
 
 
 @pytest.mark.parametrize("mode", ["sleep", "drip"])
-def test_a_timeout_opens_the_breaker_at_once(tmp_path, predictor, mode):
-    """A hung service (accepts, never answers) costs slurmctld one budget in all, not K of them (issue 14.10):
-    the next submissions are skipped without a call, each with its one-line reason."""
+def test_one_slow_answer_keeps_the_breaker_closed(tmp_path, predictor, mode):
+    """Issue #26.3: one answer past the budget on a loaded host is not a hung service: the submissions after it
+    still ask the service (before, it opened the breaker for 30 s and they went in unplanned)."""
     conf = install(tmp_path, predictor.url, budget_ms=100, failures=3, open_s=30)
-    results = run_hook(conf, [{"job_desc": job(mode=mode)}, {"job_desc": job(mode=mode)},
-                              {"job_desc": job(mode="rewrite")}])
-    assert [r["rc"] for r in results] == [0, 0, 0]
-    assert [r["body"]["job"]["name"] for r in predictor.requests] == [f"mode-{mode}"]
-    first = kinds(results[0], "user_msg")[0]
-    assert "timeout; not asking again for 30 s" in first
-    for later in results[1:]:
-        assert kinds(later, "user_msg") == ["elastic: prediction skipped (predictor unavailable, retry in 30 s); "
+    modes = [mode, "rewrite", mode, mode, "rewrite", "rewrite"]     # never 3 timeouts in a row
+    results = run_hook(conf, [{"job_desc": job(mode=m), "advance": 1} for m in modes])
+    assert [r["body"]["job"]["name"] for r in predictor.requests] == [f"mode-{m}" for m in modes]
+    for m, result in zip(modes, results):
+        [msg] = kinds(result, "user_msg")
+        if m == mode:
+            assert msg == "elastic: prediction skipped (timeout); job submitted as written"
+        else:
+            assert result["job_desc"]["min_nodes"] == 2 and msg == REWRITE["reason"]
+
+
+@pytest.mark.parametrize("mode", ["sleep", "drip"])
+def test_k_timeouts_in_a_row_open_the_breaker(tmp_path, predictor, mode):
+    """A hung service (accepts, never answers) times out every call: K of them in a row open the breaker, and
+    the submissions behind them are skipped without a call, each with its one-line reason; the trial after
+    open_s that times out again reopens it at once."""
+    conf = install(tmp_path, predictor.url, budget_ms=100, failures=3, open_s=30)
+    cases = [{"job_desc": job(mode=mode)} for _ in range(3)] + [
+        {"job_desc": job(mode="rewrite"), "advance": 1},                  # open: skipped, not sent
+        {"job_desc": job(mode=mode), "advance": 29.5},                    # 30.5 s on: a trial, times out
+        {"job_desc": job(mode="rewrite"), "advance": 1}]                  # reopened at once: not sent
+    results = run_hook(conf, cases)
+    assert [r["rc"] for r in results] == [0] * 6
+    assert [r["body"]["job"]["name"] for r in predictor.requests] == [f"mode-{mode}"] * 4
+    msgs = [kinds(r, "user_msg")[0] for r in results]
+    assert msgs[:2] == ["elastic: prediction skipped (timeout); job submitted as written"] * 2
+    assert "timeout; not asking again for 30 s" in msgs[2] and "timeout; not asking again for 30 s" in msgs[4]
+    for later in (results[3], results[5]):
+        assert kinds(later, "user_msg") == ["elastic: prediction skipped (predictor unavailable, retry in 29 s); "
                                             "job submitted as written"]
         assert later["job_desc"]["min_nodes"] == 1
 
