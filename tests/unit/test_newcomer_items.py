@@ -1,10 +1,16 @@
 """Issue #26 item 6 (newcomer items): each test fails before its fix."""
 from __future__ import annotations
 
+import json
+import pathlib
+import re
+import subprocess
+
 import click
 import pytest
 from click.testing import CliRunner
 
+from predictor import planner
 from slurm_plugin import templates
 from slurm_plugin.cli import main as slurm_cli
 from slurm_plugin.directives import parse_script
@@ -42,13 +48,6 @@ def test_request_never_overshoots_the_maximum_with_gpus_per_node():
 
 
 # --- reasons never contradict their own rounding; plurals -------------------------------------------------
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-
-from predictor import planner  # noqa: E402
-
 ROOT = pathlib.Path(__file__).parents[2]
 LUA_DIR = ROOT / "slurm_plugin" / "lua"
 
