@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -363,11 +364,16 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     body = {"source": "cli", "directives": [line for _, line in lines], "job": job}
     try:
         request = planner.parse_request(body)
-    except (ValidationError, planner.DirectiveProblem) as exc:
+    except planner.DirectiveProblem as exc:
+        raise click.ClickException(_directive_problem(script.name, lines, exc)) from None
+    except ValidationError as exc:
         raise click.ClickException(f"{script.name}: {exc}") from None
     cache = _fitted_cache(config, db, "no history to plan with")
-    decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency, config.max_plan_candidates,
-                            cache.store.path)
+    try:   # a directive the cluster cannot meet (gpus above every partition) is refused, as the service answers 422
+        decision = planner.plan(request, config.cluster, cache, config.default_min_efficiency,
+                                config.max_plan_candidates, cache.store.path)
+    except planner.DirectiveProblem as exc:
+        raise click.ClickException(_directive_problem(script.name, lines, exc)) from None
     decision = cache.store.add_decision(body, decision, "cli", cache.version)
     click.echo(f"{decision['decision_id']} {decision['action']}: {decision['reason']}")
     if decision["curve"]:
@@ -376,6 +382,15 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
         click.echo(_table(decision["curve"], [("gpus", "gpus", "d"), ("shape", "nodes x gpus", "s"),
                                               ("samples_per_s", "samples/s", ".1f"), ("efficiency", "efficiency", ".2f"),
                                               ("global_batch", "global batch", "d")]))
+
+
+def _directive_problem(name: str, lines: list[tuple[int, str]], exc) -> str:
+    """`FILE:LINE: message` for a directive the planner refused (`planner.DirectiveProblem`): its field
+    `directives[i]` is the i-th `#ELASTIC` line, numbered here as in the file (the planner counts directives)."""
+    match = re.fullmatch(r"directives\[(\d+)\]", exc.field)
+    if not match or int(match.group(1)) >= len(lines):
+        return f"{name}: {exc}"
+    return f"{name}:{lines[int(match.group(1))][0]}: {re.sub(r'^line [0-9]+: ', '', exc.message)}"
 
 
 @main.command()
@@ -396,8 +411,12 @@ def evaluate(db, datasets, write, fit_errors):
         _run_accuracy_bench(db, datasets, write)
     if datasets or write:
         raise click.UsageError("--datasets and --write are options of the benchmark, not of --fit-errors")
-    cache = _fitted_cache(_config(db), db)
+    config = _config(db)
+    require_db(config.db_path, db, "no history to fit")
+    click.echo(f"evaluate: fitting the model on {config.db_path} ...", err=True)
+    cache = _fitted_cache(config, db)
     predictor = cache.predictor()
+    click.echo(f"evaluate: fitted ({len(predictor.log_rmse_)} step model(s)); the fit errors follow", err=True)
     rows = [{"key": f"{name} on {gpu}", "log_rmse": err} for (name, gpu), err in sorted(predictor.log_rmse_.items())]
     click.echo(_table(rows, [("key", "step model", "s"), ("log_rmse", "log RMSE", ".3f")]))
     click.echo(_table(predictor.link_stats(), [("link", "link", "s"), ("n", "collectives", "d"),
@@ -430,7 +449,49 @@ def _run_accuracy_bench(db: str | None, datasets: str | None, write: bool) -> No
             "runs from) has none: run `elastic-predictor evaluate` in a clone installed with `pip install -e .`, "
             "or use --fit-errors for the fit errors on a database")
     argv = [sys.executable, str(script)] + ([] if write else ["--no-write"]) + ["--datasets", ",".join(names)]
-    raise SystemExit(subprocess.call(argv, cwd=str(REPO_ROOT)))
+    raise SystemExit(_run_with_progress(argv, names))
+
+
+PROGRESS_EVERY_S = 15.0    # `evaluate`: how often it says the benchmark still runs
+
+
+def _run_with_progress(argv: list[str], names: list[str]) -> int:
+    """Run the benchmark with its stdout untouched; on stderr say which dataset runs, each one done (the bench's
+    own `NAME: done at N s` lines, passed on), every PROGRESS_EVERY_S that it still runs, and the end."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    def say(line: str) -> None:
+        click.echo(f"evaluate: {line}", err=True)
+
+    started = time.monotonic()
+    running = {"index": 0}
+    say(f"running bench/accuracy.py on {len(names)} dataset(s) ({', '.join(names)}); the table comes at the end")
+    say(f"[1/{len(names)}] {names[0]}")
+    proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), stderr=subprocess.PIPE, text=True, errors="replace")
+
+    def relay() -> None:   # the bench's own stderr, line by line, plus which dataset comes next
+        for line in proc.stderr:
+            click.echo(line, err=True, nl=False)
+            index = running["index"]
+            if index < len(names) and line.startswith(f"{names[index]}: done"):
+                running["index"] = index + 1
+                if index + 1 < len(names):
+                    say(f"[{index + 2}/{len(names)}] {names[index + 1]}")
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    while True:
+        try:
+            status = proc.wait(timeout=PROGRESS_EVERY_S)
+            break
+        except subprocess.TimeoutExpired:
+            index = running["index"]
+            what = names[index] if index < len(names) else "the table"
+            say(f"still running: {what} ({time.monotonic() - started:.0f} s so far)")
+    reader.join()
+    say(f"{'finished' if status == 0 else f'failed (exit status {status})'} after {time.monotonic() - started:.0f} s")
+    return status
 
 
 @main.command()
