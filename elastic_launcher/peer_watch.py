@@ -37,11 +37,6 @@ class BeatClock:
                 return 0.0
             return now - last[1]
 
-    def forget(self, wids) -> None:
-        with self._lock:
-            for wid in wids:
-                self._seen.pop(wid, None)
-
 
 class PeerWatch:
     """The heartbeat thread's view of its peers' beats: who has not beaten for ``timeout`` seconds.

@@ -210,19 +210,22 @@ def fit_bounded(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None 
     by_owner: dict = {}
     for pr in sorted(owners):
         by_owner.setdefault(owners[pr], []).append(pr)
-    counts: dict = {}
-    for r in rows:
-        counts[(r["profile"], r["gpu"])] = counts.get((r["profile"], r["gpu"]), 0) + 1
+    index: dict = {}   # pair -> its rows' indices, read once
+    for k, r in enumerate(rows):
+        index.setdefault((r["profile"], r["gpu"]), []).append(k)
+
+    def fit_on(pick: list[int]) -> dict:
+        return fit_throughput([rows[k] for k in pick], bases[pick], None if tensors is None else tensors[pick],
+                              **options)
+
     joint, queues = set(), []
     for owner, prs in by_owner.items():
-        prs = sorted(prs, key=lambda pr: (-counts[pr], pr))
+        prs = sorted(prs, key=lambda pr: (-len(index[pr]), pr))
         keep = prs if owner is None else prs[:pairs_per_owner]
         joint.update(keep)
         if len(prs) > len(keep):
             queues.append(prs[len(keep):])
-    pick = [k for k, r in enumerate(rows) if (r["profile"], r["gpu"]) in joint]
-    fit = fit_throughput([rows[k] for k in pick], bases[pick], None if tensors is None else tensors[pick],
-                         **options)
+    fit = fit_on(sorted(k for pr in joint for k in index[pr]))
     fit["unfitted"] = []
     solo = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
     if solo:   # each fit starts where the data's size says, so the pairs one fit left out come in with a later one
@@ -233,9 +236,7 @@ def fit_bounded(rows: list[dict], bases: np.ndarray, tensors: np.ndarray | None 
         if clock() > deadline:
             fit["unfitted"].append(pr)
             continue
-        own = [k for k, r in enumerate(rows) if (r["profile"], r["gpu"]) == pr]
-        alone = fit_throughput([rows[k] for k in own], bases[own], None if tensors is None else tensors[own],
-                               **options)
+        alone = fit_on(index[pr])
         fit["perf"][pr], fit["log_rmse"][pr] = alone["perf"][pr], alone["log_rmse"][pr]
     return fit
 
