@@ -56,6 +56,13 @@ MODELS = {
     "resnet18": (64, 128, 256, 512), "resnet50": (64, 128, 256, 512), "vit_b_16": (32, 64, 128, 256),
     "gpt2": (4, 8, 16, 32), "bert": (16, 32, 64, 128),
 }
+# The held-out set (issue 25, `--set fresh`): models and batch ladders never used while the throughput model was
+# developed, collected after its freeze (predictor.throughput.MODEL_VERSION) and scored by bench/heldout.py.
+FRESH = {
+    "resnet101": (48, 96, 192, 384), "regnet_y_1_6gf": (48, 96, 192, 384),
+    "shufflenet_v2_x1_0": (96, 192, 384, 768), "swin_t": (24, 48, 96, 192),
+    "opt125m": (6, 12, 24, 48), "t5_small": (12, 24, 48, 96),
+}
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
 
@@ -153,7 +160,11 @@ def solo_window(run_solo, device, est_s: float, args, side) -> float | None:
 def measure_model(name: str, batches, device, world: int, link: str, gpu: str, args, emit, side=None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
-    model, opt, _, make_batch, loss_fn = build(name, device, batch=max(batches))
+    try:
+        model, opt, _, make_batch, loss_fn = build(name, device, batch=max(batches))
+    except (ImportError, AttributeError, TypeError) as exc:  # the machine's torchvision/transformers lack it: same on every rank
+        emit({"kind": "skipped", "profile": name, "why": f"cannot build: {exc}"})
+        return
     profile = profile_from_module(model, name, bucket_cap_mb=25.0)
     emit({"kind": "profile", **profile.to_dict(), "source": f"module ({gpu})"})
     net = torch.nn.parallel.DistributedDataParallel(
@@ -208,7 +219,10 @@ def measure_model(name: str, batches, device, world: int, link: str, gpu: str, a
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON lines file (rank 0 appends)")
-    ap.add_argument("--models", default=None, help=f"comma list (default: {','.join(MODELS)}; on CPU mlp,tiny)")
+    ap.add_argument("--models", default=None, help=f"comma list (default: the set's; on CPU mlp,tiny)")
+    ap.add_argument("--set", dest="model_set", choices=("dev", "fresh"), default="dev",
+                    help=f"dev: the models the throughput model was developed on ({','.join(MODELS)}); fresh: the "
+                         f"held-out set ({','.join(FRESH)})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (DDP rebuilds its buckets once)")
     ap.add_argument("--windows", type=int, default=3)
@@ -231,11 +245,12 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    table = MODELS if device.type == "cuda" else CPU_MODELS
+    table = (FRESH if args.model_set == "fresh" else MODELS) if device.type == "cuda" else CPU_MODELS
     names = args.models.split(",") if args.models else list(table)
-    unknown = [n for n in names if n not in MODELS and n not in CPU_MODELS]
+    known = {**MODELS, **FRESH, **CPU_MODELS}
+    unknown = [n for n in names if n not in known]
     if unknown:
-        ap.error(f"--models: unknown {unknown}; known: {sorted(MODELS) + sorted(CPU_MODELS)}")
+        ap.error(f"--models: unknown {unknown}; known: {sorted(known)}")
     gpu = gpu_name(device)
     out = open(args.out, "a") if rank == 0 else None
 
@@ -267,11 +282,12 @@ def main() -> None:
         sweep(device, world, link, args.sweep_budget_s, emit)
     # the other ranks wait for rank 0's 1-GPU windows here: a CPU barrier, no NCCL kernel spinning on a GPU
     side = dist.new_group(backend="gloo") if world > 1 else None
-    emit({"kind": "env", "torch": torch.__version__, "gpu": gpu,
+    from predictor.throughput import MODEL_VERSION
+    emit({"kind": "env", "torch": torch.__version__, "gpu": gpu, "set": args.model_set,
+          "model_version_at_collection": MODEL_VERSION,
           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None})
     for name in names:
-        measure_model(name, table.get(name) or MODELS.get(name) or CPU_MODELS[name], device, world, link, gpu,
-                      args, emit, side)
+        measure_model(name, table.get(name) or known[name], device, world, link, gpu, args, emit, side)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

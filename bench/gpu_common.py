@@ -22,7 +22,13 @@ STORE_TIMEOUT = timedelta(seconds=100)
 # models
 # ---------------------------------------------------------------------------------------------------------------
 DEFAULT_BATCH = {"resnet18": 64, "resnet50": 64, "vit_b_16": 32, "gpt2": 8, "bert": 16, "mlp": 32, "tiny": 16}
+# models of the held-out collections (issue 25): never used while the throughput model was developed
+FRESH_BATCH = {"resnet101": 48, "regnet_y_1_6gf": 48, "shufflenet_v2_x1_0": 96, "swin_t": 24, "opt125m": 6,
+               "t5_small": 12}
+DEFAULT_BATCH.update(FRESH_BATCH)
 MODELS = tuple(DEFAULT_BATCH)
+CNNS = ("resnet18", "resnet50", "resnet101", "regnet_y_1_6gf", "shufflenet_v2_x1_0")  # channels_last, SGD
+VISION = CNNS + ("vit_b_16", "swin_t")
 
 
 def build(name: str, device: torch.device, batch: int | None = None):
@@ -34,11 +40,11 @@ def build(name: str, device: torch.device, batch: int | None = None):
         raise ValueError(f"unknown bench model {name!r}; known: {', '.join(MODELS)}")
     b = batch or DEFAULT_BATCH[name]
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    if name in ("resnet18", "resnet50", "vit_b_16"):
+    if name in VISION:
         import torchvision
         model = getattr(torchvision.models, name)().to(device)
         x = torch.randn(b, 3, 224, 224, device=device)
-        if name.startswith("resnet"):
+        if name in CNNS:
             model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         else:
@@ -49,12 +55,16 @@ def build(name: str, device: torch.device, batch: int | None = None):
         def loss_fn(m, batch):
             with torch.autocast(**amp):
                 return ce(m(batch[0]), batch[1])
-    elif name in ("gpt2", "bert"):
+    elif name in ("gpt2", "bert", "opt125m", "t5_small"):
         import transformers
         if name == "gpt2":
             model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
-        else:
+        elif name == "bert":
             model, seq, vocab = transformers.BertForMaskedLM(transformers.BertConfig()).to(device), 512, 30522
+        elif name == "opt125m":  # OPTConfig's defaults are OPT-125m's shape (12 layers, 768 wide)
+            model, seq, vocab = transformers.OPTForCausalLM(transformers.OPTConfig()).to(device), 512, 50272
+        else:  # T5Config's defaults are t5-small's shape; labels of the same length feed the decoder
+            model, seq, vocab = transformers.T5ForConditionalGeneration(transformers.T5Config()).to(device), 256, 32128
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         x = torch.randint(0, vocab, (b, seq), device=device)
         y = x

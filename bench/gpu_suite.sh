@@ -8,8 +8,9 @@
 #                                             GPUs, 3 rounds), $OUT/vs_torchrun.log
 #   bash bench/gpu_suite.sh loader-pauses     gpu_transition.py pauses of ResNet-50 with 8 loader workers at 4 ms an
 #                                             item and with a fixed batch, $OUT/pause_loader.log, $OUT/pause_fixed.log
-#   bash bench/gpu_suite.sh coldstart [W...]  bench/coldstart_collect.py at each world size W (default 1 2 4), W > 1
-#                                             once per NCCL transport (nvlink, shm, socket); $OUT/coldstart/*.jsonl
+#   bash bench/gpu_suite.sh coldstart [--set=fresh] [W...]  bench/coldstart_collect.py at each world size W
+#                                             (default 1 2 4), W > 1 once per NCCL transport (nvlink, shm, socket);
+#                                             $OUT/coldstart/*.jsonl; --set=fresh: the held-out models (issue 25)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -34,6 +35,8 @@ case $what in
             | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/bench.log" ;;
     coldstart)
         mkdir -p "$OUT/coldstart"
+        set_args=()
+        if [[ ${1:-} == --set=* ]]; then set_args=(--set "${1#--set=}"); shift; fi
         sizes=("$@")
         ((${#sizes[@]})) || sizes=(1 2 4)
         for w in "${sizes[@]}"; do
@@ -47,7 +50,7 @@ case $what in
                 esac
                 echo "=== coldstart W=$w transport=$tr $(date -u +%T)"
                 env "${env[@]}" timeout 420 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
-                    bench/coldstart_collect.py --transport "$tr" --out "$OUT/coldstart/w${w}_${tr}.jsonl" 2>&1 \
+                    bench/coldstart_collect.py "${set_args[@]}" --transport "$tr" --out "$OUT/coldstart/w${w}_${tr}.jsonl" 2>&1 \
                     | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp\|^W[0-9]' | tee -a "$OUT/coldstart.log"
             done
         done ;;

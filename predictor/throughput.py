@@ -63,6 +63,10 @@ from threadpoolctl import threadpool_limits
 
 log = logging.getLogger(__name__)
 
+# The model's release: its equations and every constant here and in predictor/engine.py. Bump it with any change
+# that can move a prediction; a held-out score counts only on data collected after the version it names was frozen
+# (bench/heldout.py prints it beside every figure, bench/coldstart_collect.py records it in each collection).
+MODEL_VERSION = "tm-2026.11.27-1"  # frozen at d77c086 (session 11), before the held-out collection of session 12
 N_PHI = 8
 POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all jobs), never on one job alone
 # Peak dense training FLOP/s per GPU type (tf32/bf16 class), times FLOPS_EFFICIENCY; only for never-observed
