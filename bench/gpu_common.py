@@ -64,7 +64,8 @@ def build(name: str, device: torch.device, batch: int | None = None):
         elif name == "opt125m":  # OPTConfig's defaults are OPT-125m's shape (12 layers, 768 wide)
             model, seq, vocab = transformers.OPTForCausalLM(transformers.OPTConfig()).to(device), 512, 50272
         else:  # T5Config's defaults are t5-small's shape; labels of the same length feed the decoder
-            model, seq, vocab = transformers.T5ForConditionalGeneration(transformers.T5Config()).to(device), 256, 32128
+            model, seq, vocab = transformers.T5ForConditionalGeneration(
+                transformers.T5Config(decoder_start_token_id=0, pad_token_id=0)).to(device), 256, 32128
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         x = torch.randint(0, vocab, (b, seq), device=device)
         y = x
