@@ -125,7 +125,7 @@ class _Trainer:
         tel = Telemetry(gpu="x", intra_link="nvlink" if cuda else "shm") if change.get("telemetry") != "0" else None
         self.et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/{job}", worker_id=members[rank],
                                  policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev,
-                                 config=TrainerConfig(backend="nccl" if cuda else "gloo"), telemetry=tel)
+                                 config=TrainerConfig(backend="nccl" if cuda else "gloo"), telemetry=tel).join()
         self.it = self.et.loader(Synthetic(10 ** 7), collate_fn=lambda items: None)
         register = DDP.register_comm_hook
         if change.get("hook") == "builtin":

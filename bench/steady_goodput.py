@@ -133,7 +133,7 @@ def worker_ours_sched(args) -> None:
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
                         telemetry=tel, progress=progress,
-                        warm_up=(lambda m: _step(m, opt, batch, loss_fn)) if args.newcomer else None)
+                        warm_up=(lambda m: _step(m, opt, batch, loss_fn)) if args.newcomer else None).join()
     # (world the step ran at, end of its commit, step after it, a commit point, host s in commit, host s in the
     # step's forward/backward/optimizer calls)
     recs = []

@@ -4,7 +4,9 @@ applies them.
 
 Transitions of one worker (:class:`Phase`)::
 
-    JOINING --join (state from the plan's first survivor)--> TRAINING
+    CREATED --ElasticTrainer.join() (connect, warm up, announce, wait for a plan, build its group)--> JOINING
+    CREATED --join() raised (nothing left running: no heartbeat, no group)--> FAILED
+    JOINING --the loader's first batch (state from the plan's first survivor)--> TRAINING
     TRAINING, at a commit point: decide_commit(vote) ->
         COMMIT    the step becomes the rollback point                           -> TRAINING
         ARM       every rank is ready, but a rank's loader needs time to read the next epoch's batches: commit,
@@ -32,11 +34,14 @@ __all__ = ["Phase", "VoteTally", "CommitOutcome", "CommitAction", "decide_commit
 
 
 class Phase(enum.Enum):
-    """Where a worker is: JOINING (constructed, state not received yet), TRAINING, LEFT (for good)."""
+    """Where a worker is: CREATED (configured, ``join()`` not called yet), JOINING (``join()`` under way, or done
+    and the state not received yet), TRAINING, LEFT (for good), FAILED (``join()`` raised; build a new trainer)."""
 
+    CREATED = "created"
     JOINING = "joining"
     TRAINING = "training"
     LEFT = "left"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)

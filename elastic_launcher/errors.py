@@ -65,5 +65,18 @@ class TooManyFailures(ElasticError):
     """Steps failed ``max_retries`` times in a row; the count is in the message."""
 
 
+class TrainerPhaseError(ElasticError):
+    """An :class:`~elastic_launcher.trainer.ElasticTrainer` call its phase does not allow: the training API
+    (``loader``, ``commit``, ``model``, ``rank``, ...) before ``join()`` returned, or ``join()`` a second time.
+
+    Attributes:
+        phase: the trainer's phase at the call (an ``epoch_decisions.Phase``).
+    """
+
+    def __init__(self, message: str, phase) -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
 class LeftGroup(ElasticError):
     """This worker was removed from the group by a resize; it must exit cleanly."""

@@ -3,7 +3,7 @@
 Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what the launcher passes)::
 
     et = ElasticTrainer(model, optimizer, store_addr=addr, worker_id=wid, policy=BatchPolicy(per_gpu_batch=64),
-                        warm_up=one_local_step)  # optional: first-use costs paid before joining, state put back
+                        warm_up=one_local_step).join()  # warm_up optional: first-use costs paid before joining
     for x, y in et.loader(dataset, num_workers=4, pin_memory=True):  # torch's DataLoader options
         loss = loss_fn(et.model(x), y)       # et.model is the current DDP wrapper: re-read it every step
         et.watch_loss(loss)                  # optional: a non-finite loss rolls back at the next commit point
@@ -11,6 +11,10 @@ Typical use (the entry point builds ``store_addr`` and ``worker_id`` from what t
         optimizer.step(); optimizer.zero_grad()
         et.commit()                          # once per batch; membership changes happen here
     et.close()
+
+The constructor only stores and checks its arguments (no store, no thread, no group): a trainer can be built and
+inspected (``config``, ``phase``) without a job. :meth:`ElasticTrainer.join` connects, warms up, announces the
+worker, waits for a plan that includes it and builds that plan's group; the training API needs it first.
 
 Contracts the script must keep: do not hold on to ``et.model``, rank or world size across steps (they change at
 commit points); call :meth:`ElasticTrainer.commit` exactly once per batch the loader yields; the loss is the
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,7 +52,8 @@ from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.commit_schedule import CommitSchedule
 from elastic_launcher.epoch_decisions import CommitAction, CommitOutcome, Phase, VoteTally, decide_commit
 from elastic_launcher.epochs import Epoch, EpochExecutor, ExecutorSettings, NextEpoch, PeerFailureRelay, SwitchLog
-from elastic_launcher.errors import LeftGroup, ProcessGroupError, TooManyFailures
+from elastic_launcher.errors import (LeftGroup, ProcessGroupError, StoreAddressError, TooManyFailures,
+                                     TrainerPhaseError)
 from elastic_launcher.links import HostFacts
 from elastic_launcher.loading import Basis, Pipeline
 from elastic_launcher.membership import Membership, Plan
@@ -134,6 +141,77 @@ class TrainerConfig:
             raise bad("bucket_cap_mb", "expected a positive size in MB")
 
 
+def _check_args(model, optimizer, store_addr, worker_id, policy, scheduler, device, config, telemetry, speed, fault,
+                progress, warm_up, extra_state) -> None:
+    """The checks of :class:`ElasticTrainer`'s constructor: ``TypeError`` for a wrong kind of object, ``ValueError``
+    (``StoreAddressError`` for ``store_addr``) for an unusable value; each message names the argument."""
+    def bad(arg: str, why: str, value: Any = None, kind=ValueError) -> Exception:
+        shown = f"={value!r}" if value is not None and not isinstance(value, torch.nn.Module) else ""
+        return kind(f"ElasticTrainer({arg}{shown}): {why}")
+
+    def has_methods(obj, *names: str) -> bool:
+        return all(callable(getattr(obj, n, None)) for n in names)
+
+    if not isinstance(model, torch.nn.Module):
+        raise bad("model", f"expected a torch.nn.Module, got {type(model).__name__}", kind=TypeError)
+    if not has_methods(optimizer, "step", "zero_grad", "state_dict", "load_state_dict"):
+        raise bad("optimizer", f"expected a torch.optim.Optimizer (step, zero_grad, state_dict, load_state_dict), "
+                               f"got {type(optimizer).__name__}", kind=TypeError)
+    if isinstance(store_addr, str):
+        try:
+            StoreAddr.parse(store_addr)
+        except StoreAddressError as e:
+            raise StoreAddressError(f"ElasticTrainer(store_addr={store_addr!r}): expected host:port/prefix "
+                                    f"(e.g. 127.0.0.1:29500/job)") from e
+    elif not isinstance(store_addr, StoreAddr):
+        raise bad("store_addr", f"expected a StoreAddr or a 'host:port/prefix' string, got "
+                                f"{type(store_addr).__name__}", kind=TypeError)
+    if not isinstance(worker_id, str) or not worker_id or "/" in worker_id or "," in worker_id:
+        raise bad("worker_id", "expected a non-empty string without '/' or ','", worker_id,
+                  kind=ValueError if isinstance(worker_id, str) else TypeError)
+    if not isinstance(policy, BatchPolicy):
+        raise bad("policy", f"expected a BatchPolicy, got {type(policy).__name__}", kind=TypeError)
+    if scheduler is not None and not has_methods(scheduler, "state_dict", "load_state_dict"):
+        raise bad("scheduler", f"expected None or an LR scheduler (state_dict, load_state_dict), got "
+                               f"{type(scheduler).__name__}", kind=TypeError)
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise bad("device", f"not a torch device: {e}", device) from e
+    elif next(iter(model.parameters()), None) is None:
+        raise bad("model", "the model has no parameters (and no device= was given)")
+    if not isinstance(config, TrainerConfig):
+        raise bad("config", f"expected a TrainerConfig, got {type(config).__name__}", kind=TypeError)
+    if telemetry is not None and not isinstance(telemetry, Telemetry):
+        raise bad("telemetry", f"expected None or a Telemetry, got {type(telemetry).__name__}", kind=TypeError)
+    if isinstance(speed, bool) or not isinstance(speed, numbers.Real):
+        raise bad("speed", f"expected a positive number, got {type(speed).__name__}", speed, kind=TypeError)
+    if not (math.isfinite(speed) and speed > 0):
+        raise bad("speed", "expected a finite number > 0 (relative samples/s of this worker)", speed)
+    if fault is not None and not has_methods(fault, "maybe_fail"):
+        raise bad("fault", f"expected None or an object with a callable maybe_fail(rank, step), got "
+                           f"{type(fault).__name__}", kind=TypeError)
+    if progress is not None:
+        if not has_methods(progress, "report"):
+            raise bad("progress", f"expected None or an object with a callable report(epoch, step, samples, "
+                                  f"compute_s, steps=...), got {type(progress).__name__}", kind=TypeError)
+        for hook in ("publish", "publish_host"):
+            if getattr(progress, hook, None) is not None and not has_methods(progress, hook):
+                raise bad("progress", f"its {hook} is not callable", kind=TypeError)
+    if warm_up is not None and not callable(warm_up):
+        raise bad("warm_up", f"expected None or a callable warm_up(model), got {type(warm_up).__name__}",
+                  kind=TypeError)
+    if extra_state is not None:
+        if not isinstance(extra_state, dict):
+            raise bad("extra_state", f"expected None or a dict name -> object, got {type(extra_state).__name__}",
+                      kind=TypeError)
+        for name, obj in extra_state.items():
+            if not isinstance(name, str) or not has_methods(obj, "state_dict", "load_state_dict"):
+                raise bad("extra_state", f"entry {name!r}: expected a str name -> an object with state_dict and "
+                                         f"load_state_dict, got {type(obj).__name__}", kind=TypeError)
+
+
 class ElasticTrainer:
     """Elastic data-parallel training inside the current process.
 
@@ -147,7 +225,7 @@ class ElasticTrainer:
         device: device of the model (default: the first parameter's).
         config: timeouts and knobs.
         telemetry: timing collector (optional).
-        speed: relative samples/s of this worker, for heterogeneous splits (see ``BatchPolicy``).
+        speed: relative samples/s of this worker (a finite number > 0), for heterogeneous splits (see ``BatchPolicy``).
         fault: test seam with ``maybe_fail(rank, step)`` (see :mod:`elastic_launcher.testing`).
         progress: optional hook called after every committed step with
             ``report(epoch, step, samples, compute_s)`` (e.g. ``workers.ProgressReporter``, which elastic-launch
@@ -155,24 +233,28 @@ class ElasticTrainer:
             records go there every ``observations_every`` committed steps and at ``close``.
         warm_up: optional ``warm_up(model)`` running one local training step on a representative batch with the
             bare model given (no collectives): forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``.
-            The constructor runs it ``WARM_UP_STEPS`` times before this worker announces itself (so before it
-            joins a plan's rendezvous), then puts model and optimizer state back (``warm_up_s`` says how long it took). CUDA loads a kernel the
-            first time it runs: a newcomer whose first optimizer step is its first ever pays for that inside the
+            :meth:`join` runs it ``WARM_UP_STEPS`` times before this worker announces itself (so before it
+            joins a plan's rendezvous), then puts model and optimizer state back (``warm_up_s`` says how long it
+            took). CUDA loads a kernel the first time it runs: a newcomer whose first optimizer step is its first ever pays for that inside the
             first step at the new size, and every rank waits (ResNet-50 on 2x H100: 30 ms against 2.4 ms steady;
             bench/results/gpu_transition.md). Two steps take both optimizer paths (creating its state, then
             updating it). Running before the announcement keeps it off the survivors' critical path, and a step
-            that raises fails the constructor before anyone counts on this worker. Model, optimizer and scheduler
+            that raises fails :meth:`join` before anyone counts on this worker. Model, optimizer and scheduler
             state are put back and every gradient of the model is cleared; what else the step changes (random
             number streams, buffers outside ``state_dict``) stays changed.
         extra_state: name -> object with ``state_dict``/``load_state_dict`` and small plain state that every rank
             must hold alike, e.g. ``{"scaler": torch.amp.GradScaler()}`` for fp16: it is rolled back with the
             model, put back after ``warm_up`` and sent to newcomers.
 
-    The constructor (warms up,) announces the worker, waits for a plan that includes it and builds that plan's
-    group (the slow part: newcomers do it while the survivors keep training). State is synchronised when the
-    loader starts. Epoch changes are decided by the pure ``decide_*`` functions of
-    :mod:`elastic_launcher.epoch_decisions` and applied by :class:`~elastic_launcher.epochs.EpochExecutor`; this
-    class adopts what the executor hands back.
+    The constructor stores the arguments and checks them (``ValueError`` / ``TypeError`` naming the argument); it
+    connects to nothing and starts nothing, and the trainer is in phase ``CREATED``. :meth:`join` connects to the
+    store, (warms up,) announces the worker, waits for a plan that includes it and builds that plan's group (the
+    slow part: newcomers do it while the survivors keep training); it returns the trainer, so
+    ``et = ElasticTrainer(...).join()``. State is synchronised when the loader starts. Calling the training API
+    (``loader``, ``commit``, ``model``, ``rank``, ``world_size``, ``watch_loss``, ``report_error``) before
+    ``join()`` returned raises :class:`~elastic_launcher.errors.TrainerPhaseError`. Epoch changes are decided by
+    the pure ``decide_*`` functions of :mod:`elastic_launcher.epoch_decisions` and applied by
+    :class:`~elastic_launcher.epochs.EpochExecutor`; this class adopts what the executor hands back.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,
@@ -181,47 +263,39 @@ class ElasticTrainer:
                  speed: float = 1.0, fault=None, progress=None,
                  warm_up: Optional[Callable[[torch.nn.Module], Any]] = None,
                  extra_state: Optional[dict] = None) -> None:
+        _check_args(model, optimizer, store_addr, worker_id, policy, scheduler, device, config, telemetry, speed,
+                    fault, progress, warm_up, extra_state)
         self.module = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.policy = policy
         self.config = config
         self.telemetry = telemetry
         self.wid = worker_id
+        self.speed = float(speed)
+        self.fault = fault
         self.progress = progress
+        self._warm_up_fn = warm_up
         self.addr = StoreAddr.parse(store_addr) if isinstance(store_addr, str) else store_addr
-        self.device = device or next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.state = TrainingState(model, optimizer, scheduler, None, self.device, extra_state)
         self.state.counters.update(lr_factor=1.0, ref_global=0)
-        self._store = connect_store(self.addr.with_prefix(keys.state_channel(self.addr.prefix)),
-                                    config.connect_timeout)
-        # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
-        self.warm_up_s = self._warm_up(warm_up) if warm_up is not None else 0.0
-        publish_host = getattr(progress, "publish_host", None)
-        if publish_host is not None:  # the launcher labels this worker's records with the links it really uses
-            gpu = self.device.index if self.device.type == "cuda" else None
-            name = torch.cuda.get_device_name(self.device) if gpu is not None else None
-            publish_host(HostFacts.probe(config.backend, gpu, gpu_name=name).to_json())
-        watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
+        self.phase = Phase.CREATED
+        self.warm_up_s = 0.0
+        # built by join(): the store connections, the heartbeat thread (membership) and the executor
+        self._store: Optional[dist.Store] = None
+        self.membership: Optional[Membership] = None
         self._relay = PeerFailureRelay()
-        self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), worker_id,
-                                     config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
-                                     on_peer_failure=self._relay if watchdog else None)
-        self._executor = EpochExecutor(
-            ExecutorSettings(config.backend, config.timeout, config.connect_timeout, config.rendezvous_timeout,
-                             config.bucket_cap_mb),
-            wid=worker_id, addr=self.addr, store=self._store, membership=self.membership, state=self.state,
-            module=model, optimizer=optimizer, scheduler=scheduler, policy=policy, device=self.device,
-            telemetry=telemetry, fault=fault, relay=self._relay)
-        self._next_epoch = NextEpoch(self.membership, worker_id, self._executor.new_group)
+        self._executor: Optional[EpochExecutor] = None
+        self._next_epoch: Optional[NextEpoch] = None
         self._switch_log = SwitchLog(worker_id, self.device)
-        self.membership.start()
-        self.phase = Phase.JOINING
         self.sampler: Optional[ElasticSampler] = None
         self._pipeline: Optional[Pipeline] = None  # the DataLoader of the last loader() call
         self._forecast: Optional[Basis] = None  # the next epoch's (armed, or being joined) rank and batches
         self._switch_at: Optional[int] = None  # the commit point an ARM set for the switch
-        # the current epoch (what EpochExecutor hands back), flat: the step reads these
-        self.plan: Plan
-        self.group: ProcessGroupWrapper
+        # the current epoch (what EpochExecutor hands back), flat: the step reads these; None until join() returned
+        self.plan: Optional[Plan] = None
+        self.group: Optional[ProcessGroupWrapper] = None
         self.ddp: Optional[DDP] = None
         self._hook: Optional[HookState] = None
         self.batches: list[int] = []
@@ -236,27 +310,104 @@ class ElasticTrainer:
         self.committed_step = 0  # the step of the last commit point (the rollback point)
         self.epoch_start_step = 0  # the step the current epoch began at (the same on every rank of its plan)
         self._uncommitted = (0, 0.0)  # (steps, compute seconds) since the last commit point, for the progress hook
+
+    # ---- joining --------------------------------------------------------------------------------------------
+    def join(self) -> "ElasticTrainer":
+        """Joins the job: connects to the store, runs ``warm_up`` (if given), publishes the host's links and this
+        worker's speed, announces the worker (starts the heartbeat thread), waits for a plan that includes it and
+        builds that plan's group. Returns the trainer (phase ``JOINING``: the loader receives the state).
+
+        Raises:
+            TrainerPhaseError: ``join()`` was called before (it returned, is under way, or failed).
+            ProcessGroupError: the store cannot be reached within ``connect_timeout``, or the group not built.
+            RendezvousTimeout: no plan that includes this worker within ``rendezvous_timeout``.
+            Whatever ``warm_up`` raises.
+
+        A join that raises leaves nothing running (no heartbeat thread, no group) and the trainer in phase
+        ``FAILED``: build a new one to try again (the worker may have been announced already).
+        """
+        if self.phase is not Phase.CREATED:
+            raise TrainerPhaseError(f"ElasticTrainer.join(): worker {self.wid} is {self.phase.value}; join() is "
+                                    "called once, on a new trainer" +
+                                    ("" if self.phase is not Phase.FAILED else " (the last join failed: build a "
+                                     "new ElasticTrainer)"), self.phase)
+        self.phase = Phase.JOINING
         try:
-            self._store.set(keys.speed(worker_id), repr(float(speed)))
-            self.plan = self.membership.wait_for_plan()
-            self.group = self._executor.new_group(self.plan)
+            self._join()
         except BaseException:
-            self.membership.stop()  # no plan or no group: leave no heartbeat behind
+            self.phase = Phase.FAILED
+            if self.membership is not None:
+                self.membership.stop()  # no plan or no group: leave no heartbeat behind
             raise
+        return self
+
+    def _join(self) -> None:
+        config, wid = self.config, self.wid
+        self._store = connect_store(self.addr.with_prefix(keys.state_channel(self.addr.prefix)),
+                                    config.connect_timeout)
+        # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
+        if self._warm_up_fn is not None:
+            self.warm_up_s = self._warm_up(self._warm_up_fn)
+        publish_host = getattr(self.progress, "publish_host", None)
+        if publish_host is not None:  # the launcher labels this worker's records with the links it really uses
+            gpu = self.device.index if self.device.type == "cuda" else None
+            name = torch.cuda.get_device_name(self.device) if gpu is not None else None
+            publish_host(HostFacts.probe(config.backend, gpu, gpu_name=name).to_json())
+        watchdog = config.peer_watchdog if config.peer_watchdog is not None else config.backend == "nccl"
+        self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), wid,
+                                     config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
+                                     on_peer_failure=self._relay if watchdog else None)
+        self._executor = EpochExecutor(
+            ExecutorSettings(config.backend, config.timeout, config.connect_timeout, config.rendezvous_timeout,
+                             config.bucket_cap_mb),
+            wid=wid, addr=self.addr, store=self._store, membership=self.membership, state=self.state,
+            module=self.module, optimizer=self.optimizer, scheduler=self.scheduler, policy=self.policy,
+            device=self.device, telemetry=self.telemetry, fault=self.fault, relay=self._relay)
+        self._next_epoch = NextEpoch(self.membership, wid, self._executor.new_group)
+        self._store.set(keys.speed(wid), repr(self.speed))  # read by every member of a plan that includes it
+        self.membership.start()  # announced: from here on a failure must stop the heartbeat
+        plan = self.membership.wait_for_plan()
+        self.group = self._executor.new_group(plan)
+        self.plan = plan
+
+    def _not_joined(self, what: str) -> TrainerPhaseError:
+        why = {Phase.CREATED: "call join() first: et = ElasticTrainer(...).join()",
+               Phase.JOINING: "join() has not returned yet",
+               Phase.FAILED: "its join() failed: build a new ElasticTrainer"}.get(self.phase, "it has not joined")
+        return TrainerPhaseError(f"ElasticTrainer.{what}: worker {self.wid} is {self.phase.value}; {why}",
+                                 self.phase)
 
     # ---- public accessors -----------------------------------------------------------------------------------
     @property
     def model(self) -> torch.nn.Module:
-        """The DDP wrapper of the current epoch (re-read every step)."""
-        return self.ddp if self.ddp is not None else self.module
+        """The DDP wrapper of the current epoch (re-read every step); the bare module between ``join()`` and the
+        loader's first batch.
+
+        Raises:
+            TrainerPhaseError: before ``join()`` returned (:attr:`module` is the bare module at any time).
+        """
+        ddp = self.ddp
+        if ddp is not None:
+            return ddp
+        if self.group is None:
+            raise self._not_joined("model")
+        return self.module
 
     @property
     def rank(self) -> int:
-        return self.group.rank()
+        """This worker's rank in the current epoch (raises TrainerPhaseError before ``join()`` returned)."""
+        group = self.group
+        if group is None:
+            raise self._not_joined("rank")
+        return group.rank()
 
     @property
     def world_size(self) -> int:
-        return self.group.size()
+        """The current epoch's size (raises TrainerPhaseError before ``join()`` returned)."""
+        group = self.group
+        if group is None:
+            raise self._not_joined("world_size")
+        return group.size()
 
     @property
     def step(self) -> int:
@@ -293,11 +444,15 @@ class ElasticTrainer:
 
     def report_error(self, e: BaseException) -> None:
         """Marks this step as failed locally; the next commit point rolls everyone back to the one before."""
+        if self.group is None:
+            raise self._not_joined("report_error()")
         self._local_error = self._local_error or e
 
     def watch_loss(self, loss: torch.Tensor) -> None:
         """A non-finite ``loss`` fails the step like :meth:`report_error`, without a host synchronisation: the flag
         stays on the device and the next commit point's vote reads it."""
+        if self.group is None:
+            raise self._not_joined("watch_loss()")
         bad = ~torch.isfinite(loss.detach()).all()
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
@@ -322,7 +477,14 @@ class ElasticTrainer:
         Raises:
             ValueError: an option the elastic sampler decides (``batch_size``, ``shuffle``, ``sampler``,
                 ``batch_sampler``, ``drop_last``, ``in_order``).
+            TrainerPhaseError: before ``join()`` returned.
         """
+        if self.group is None:
+            raise self._not_joined("loader()")
+        return self._batches(dataset, collate_fn, max_steps, epochs, options)
+
+    def _batches(self, dataset, collate_fn: Optional[Callable], max_steps: Optional[int], epochs: Optional[int],
+                 options: dict) -> Iterator:
         if self.sampler is None:
             self.sampler = ElasticSampler(len(dataset), seed=self.config.seed)
             self.sampler.prefetch()
@@ -441,8 +603,11 @@ class ElasticTrainer:
 
         Raises:
             TooManyFailures: ``max_retries`` failed commits in a row.
+            TrainerPhaseError: before ``join()`` returned.
         """
         now = time.perf_counter()
+        if self.group is None:
+            raise self._not_joined("commit()")
         if compute_s is None:
             first = self._hook.first_sync_t if self._hook is not None else None
             compute_s = (first if first is not None and first >= self._batch_t else now) - self._batch_t
@@ -621,12 +786,16 @@ class ElasticTrainer:
     # ---- shutdown -------------------------------------------------------------------------------------------
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for NCCL aborts.
+        Before ``join()`` (or after a failed one) there is nothing to release.
 
         Old gloo groups are left to the process exit (``process_group.abandon_retired``): their teardown can
         block until the collective timeout. A process that goes on for long after training can call
         ``process_group.release_retired`` instead.
         """
-        self.membership.stop()
+        if self.membership is not None:
+            self.membership.stop()
+        if self.group is None:  # never joined: no group, no pipeline, nothing published
+            return
         publish = getattr(self.progress, "publish", None)
         if publish is not None and self.telemetry is not None:
             try:

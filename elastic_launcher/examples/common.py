@@ -316,7 +316,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
                         warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision),
-                        extra_state=precision.extra_state(), speed=env.speed)
+                        extra_state=precision.extra_state(), speed=env.speed).join()
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     reporter = ProgressReporter(connect_store(StoreAddr.parse(store_text), timedelta(seconds=30)), wid, node)
     et = ElasticTrainer(model, optimizer, store_addr=store_text, worker_id=wid,
                         policy=BatchPolicy(per_gpu_batch=args.per_gpu_batch, lr_scaling="none"), config=config,
-                        telemetry=Telemetry(profile="tiny"), progress=reporter, speed=worker_speed(env))
+                        telemetry=Telemetry(profile="tiny"), progress=reporter, speed=worker_speed(env)).join()
     if args.resume is not None:  # baseline only: what a restarted job does before its first step
         ckpt = torch.load(args.resume, weights_only=False)
         model.load_state_dict(ckpt["model"])

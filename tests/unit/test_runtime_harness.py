@@ -85,7 +85,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
             time.sleep(opts["warm_up_s"])
     et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{port}/job", worker_id=wid,
                         policy=BatchPolicy(per_gpu_batch=4, lr_scaling="sqrt"), scheduler=sched, config=cfg,
-                        fault=fault, warm_up=warm)
+                        fault=fault, warm_up=warm).join()
     log = open(os.path.join(opts["logdir"], f"{wid}.jsonl"), "a", buffering=1)
     full_x, full_y = ds.tensors
     losses = []

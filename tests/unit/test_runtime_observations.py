@@ -112,7 +112,7 @@ def test_trainer_reports_progress_and_publishes_observations(store):
                         rendezvous_timeout=timedelta(seconds=5), observations_every=2)
     et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
                         policy=BatchPolicy(per_gpu_batch=4), config=cfg, telemetry=Telemetry(profile="mlp"),
-                        progress=rep)
+                        progress=rep).join()
     ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
     try:
         it = et.loader(ds)

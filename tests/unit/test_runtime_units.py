@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_launcher.batch_policy import BatchPolicy, split_batch
+from elastic_launcher.epoch_decisions import Phase
 from elastic_launcher.errors import (InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
                                      StateMismatch, StoreAddressError, TooManyFailures)
 from elastic_launcher.membership import Coordinator, Membership, Plan
@@ -362,8 +363,9 @@ def _trainer(store, model_opt=None, commit_every=None, **kw):
     m, o = model_opt or _model_opt()
     cfg = TrainerConfig(timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=5),
                         rendezvous_timeout=timedelta(seconds=5), max_retries=2, commit_every=commit_every)
-    return ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
-                          policy=BatchPolicy(per_gpu_batch=4), config=cfg, telemetry=Telemetry(profile="mlp"), **kw)
+    et = ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
+                        policy=BatchPolicy(per_gpu_batch=4), config=cfg, telemetry=Telemetry(profile="mlp"), **kw)
+    return et.join()
 
 
 def _one_step(et, it, error=None) -> bool:
@@ -433,7 +435,7 @@ def test_warm_up_runs_local_steps_then_puts_the_state_back(store):
         et.close()
 
 
-def test_a_failing_warm_up_step_fails_the_constructor_before_the_worker_announces_itself(store):
+def test_a_failing_warm_up_step_fails_join_before_the_worker_announces_itself(store):
     import threading
     coord = Coordinator(dist.PrefixStore("job", store))
     coord.start(["solo"])
@@ -453,14 +455,16 @@ def test_a_failing_warm_up_step_fails_the_constructor_before_the_worker_announce
     assert not [t for t in threading.enumerate() if t.name == "elastic-hb-solo"]
 
 
-def test_a_constructor_that_gets_no_plan_leaves_no_heartbeat(store):
+def test_a_join_that_gets_no_plan_leaves_no_heartbeat(store):
     import threading
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
     m, o = _model_opt()  # no coordinator posts a plan
     cfg = TrainerConfig(connect_timeout=timedelta(seconds=5), rendezvous_timeout=timedelta(seconds=0.5))
+    et = ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="lonely",
+                        policy=BatchPolicy(per_gpu_batch=4), config=cfg)
     with pytest.raises(RendezvousTimeout):
-        ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="lonely",
-                       policy=BatchPolicy(per_gpu_batch=4), config=cfg)
+        et.join()  # announced (its heartbeat ran), then no plan came
+    assert et.phase is Phase.FAILED and et.group is None
     assert not [t for t in threading.enumerate() if t.name == "elastic-hb-lonely"]
 
 
