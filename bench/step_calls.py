@@ -50,7 +50,9 @@ def count_calls() -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     et = ElasticTrainer(model, opt, store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
                         policy=BatchPolicy(per_gpu_batch=4), telemetry=Telemetry(profile="mlp"),
-                        config=TrainerConfig(commit_every=10 ** 6, max_commit_every=10 ** 6)).join()
+                        config=TrainerConfig(commit_every=10 ** 6, max_commit_every=10 ** 6))
+    if hasattr(et, "join"):  # #27.3: the constructor no longer joins (an --against checkout before it does)
+        et.join()
     data = torch.utils.data.TensorDataset(torch.randn(4096, 4), torch.randn(4096, 1))
     counts = {p: collections.Counter() for p in PARTS}
     part = [PARTS[0]]
