@@ -286,7 +286,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     results = [(p, _plan_on(p, request, models, profile, default_min_efficiency, max_candidates,
                             cross_type=p not in known)) for p in parts]
     out = compare_partitions(results, request, cluster.default_partition)
-    out.pop("table", None)  # a table is one partition's: the hook's cache must not answer a comparison from it
+    out.pop("bands", None)  # one partition's decisions: the hook's cache must not answer a comparison from them
     return _with_mixed(out, [p for p in parts if p in known], cluster, request, models, profile,
                        default_min_efficiency)
 
@@ -327,7 +327,7 @@ def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min
     asking = request.own_job if request.current is not None else None
     if d.get("batch_policy") != "keep_global":
         # The predictions for every layout of the partition at this (model, GPU, per-GPU batch): the request's
-        # bounds are applied by `last_step`, which job_submit.lua also runs on this table (tests/vectors/policy.json)
+        # bounds are applied by `last_step` (tests/vectors/policy.json)
         cands = [part.candidate(layout) for gpus in range(1, part.total_gpus + 1) for layout in part.layouts(gpus)]
         full = len(cands) <= max_candidates
         if not full:                          # a large partition: only the request's bounds (no table sent)
@@ -344,9 +344,8 @@ def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min
                 return _not_cross_type(model, part)
             out = last_step(table, d, requested)
             out.setdefault("model", model)
-            if full and out["predicted"] is not None:
-                out["table"] = {**table, "entries": [{"layout": e["layout"], "samples_per_s": e["samples_per_s"]}
-                                                     for e in table["entries"]]}
+            if request.source == "job_submit" and "min_efficiency" in d and out["predicted"] is not None:
+                out["bands"] = min_efficiency_bands(table, d, requested)
             out["model_version"] = models.version
             return out
         else:
@@ -408,11 +407,41 @@ def _table_of(part: Partition, default_min_efficiency: float) -> dict:
             "node_hour_cost": part.node_hour_cost, "min_efficiency": default_min_efficiency}
 
 
-def last_step(table: dict, d: dict, requested: dict) -> dict:
+BOUND = "{min_efficiency}"   # where a band's reason shows the request's own min_efficiency (docs/plan-contract.md)
+MAX_BANDS = 64
+
+
+def min_efficiency_bands(table: dict, d: dict, requested: dict) -> list[dict]:
+    """This request's decision for every other `min_efficiency` in [0, 1], precomputed for the job_submit hook's
+    cache (docs/plan-contract.md, "Decision bands"): `last_step` is constant on intervals `above < v <= upto`
+    (its comparisons and the digits its reason prints change only at the efficiencies it compares), so a sweep
+    from 0 finds each interval from the comparisons of one decision. Adjacent equal decisions are merged; the
+    reason shows the bound as BOUND, which the hook replaces by the request's value. Empty when more than
+    MAX_BANDS would be needed."""
+    bands: list[dict] = []
+    v = 0.0
+    while v <= 1.0:
+        span = [-1.0, 1.0]
+        out = last_step(table, {**d, "min_efficiency": v}, requested, span=span, shown=BOUND)
+        if out["predicted"] is None:
+            return []
+        band = {"above": span[0], "upto": span[1],
+                **{k: out[k] for k in ("action", "nodes", "gpus_per_node", "tasks_per_node", "switches", "reason")}}
+        if bands and {**bands[-1], "above": 0, "upto": 0} == {**band, "above": 0, "upto": 0}:
+            bands[-1]["upto"] = span[1]
+        elif len(bands) == MAX_BANDS:
+            return []
+        else:
+            bands.append(band)
+        v = math.nextafter(span[1], 2.0)
+    return bands
+
+
+def last_step(table: dict, d: dict, requested: dict, span: list | None = None, shown: str | None = None) -> dict:
     """The policy's last step: the request's bounds applied to a prediction table, then `_choose`.
 
-    It reads nothing but its arguments, so job_submit.lua runs the same step on a table it cached from an
-    earlier reply (`M.last_step` in elastic_common.lua); both are checked against tests/vectors/policy.json.
+    It reads nothing but its arguments (checked against tests/vectors/policy.json); `min_efficiency_bands`
+    runs it for every other `min_efficiency` of a request.
 
     Args:
         table: the partition (`partition`, `total_gpus`, `one_leaf_nodes`, `gpu_hour_cost`, `node_hour_cost`),
@@ -421,9 +450,10 @@ def last_step(table: dict, d: dict, requested: dict) -> dict:
         d: the parsed directives (`gpus`, `max_global_batch`, `min_efficiency`, `objective` are read).
         requested: what the job asked: `nodes`, `per_node`, `total` (each None when unknown) and `switch`
             (the job's req_switch, or "placed" for a running job).
+        span: when given, `[lo, hi]` narrowed to the `min_efficiency` values `lo < v <= hi` that give this
+            same decision and reason; shown: the text of the bound in the reason (default: its value).
 
-    Returns the response without `decision_id`; a keep whose `predicted` is None when no size can be judged
-    (job_submit.lua asks the service instead of answering those).
+    Returns the response without `decision_id`; a keep whose `predicted` is None when no size can be judged.
     """
     model, batch, total = table.get("model"), table["per_gpu_batch"], table["total_gpus"]
     low, high = _bounds(d, requested, total)
@@ -446,7 +476,7 @@ def last_step(table: dict, d: dict, requested: dict) -> dict:
         e.setdefault("nodes", len(e["layout"]))
         e.setdefault("per_gpu_batch", batch)
         e.setdefault("global_batch", batch * e["gpus"])
-    return _choose(entries, d, table, requested, limit_note)
+    return _choose(entries, d, table, requested, limit_note, span, shown)
 
 
 def _finite(value: Any) -> float | None:
@@ -464,17 +494,29 @@ def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
             "basis": str(pred.get("basis", ""))}
 
 
-def _below(value: float, bound: float) -> str:
-    """`value < bound` as a reason prints it, never contradicting itself: the bound as `%g` (all 17 digits where
-    that rounds), the value with 2 decimals or as many more as it takes to read below the printed bound
-    (`0.6996 < 0.7`, never `0.70 < 0.7`). elastic_common.lua's `below` prints the same."""
-    shown = f"{bound:g}" if float(f"{bound:g}") == bound else f"{bound:.17g}"
-    text = next((t for t in (f"{value:.{n}f}" for n in range(2, 18)) if float(t) < bound), f"{value:.17g}")
-    return f"{text} < {shown}"
+def shown_bound(bound: float) -> str:
+    """A bound as reasons print it: `%g`, all 17 digits where that rounds (elastic_common.lua prints the same)."""
+    return f"{bound:g}" if float(f"{bound:g}") == bound else f"{bound:.17g}"
 
 
-def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_note: str) -> dict:
+def _below(value: float, bound: float, span: list | None = None, shown: str | None = None) -> str:
+    """`value < bound` as a reason prints it, never contradicting itself: the value with 2 decimals or as many
+    more as it takes to read below the printed bound (`0.6996 < 0.7`, never `0.70 < 0.7`). `span` is narrowed to
+    the bounds that print the same digits."""
+    text, span = f"{value:.17g}", span if span is not None else [-math.inf, math.inf]
+    for n in range(2, 18):
+        t = f"{value:.{n}f}"
+        if float(t) < bound:
+            text, span[0] = t, max(span[0], float(t))
+            break
+        span[1] = min(span[1], float(t))
+    return f"{text} < {shown or shown_bound(bound)}"
+
+
+def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_note: str,
+            span: list | None = None, shown: str | None = None) -> dict:
     min_eff = d.get("min_efficiency", table["min_efficiency"])
+    span = span if span is not None else [-math.inf, math.inf]
     by_gpus: dict[int, list[dict]] = {}
     for e in entries:
         by_gpus.setdefault(e["gpus"], []).append(e)
@@ -493,12 +535,14 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
         if best[gpus]["efficiency"] >= min_eff:
             feasible.add(gpus)
             anchor, rejected = gpus, []
+            span[1] = min(span[1], best[gpus]["efficiency"])
         else:
             rejected.append(best[gpus])
+            span[0] = max(span[0], best[gpus]["efficiency"])
     stop_note = limit_note
     if rejected:
         worst = max(rejected, key=lambda e: e["efficiency"])
-        stop_note = f"{layout_name(worst['layout'])} efficiency {_below(worst['efficiency'], min_eff)}"
+        stop_note = f"{layout_name(worst['layout'])} efficiency {_below(worst['efficiency'], min_eff, span, shown)}"
     pool = [e for e in entries if e["gpus"] in feasible and e["samples_per_s"] > 0] or [best[counts[0]]]
     objective = d.get("objective", "throughput")
     gpu_cost, node_cost = table["gpu_hour_cost"], table["node_hour_cost"]

@@ -1,22 +1,11 @@
 --[[
- elastic_common.lua: the code job_submit.lua and cli_filter.lua share (elastic-slurm).
+ elastic_common.lua: what job_submit.lua and cli_filter.lua share (elastic-slurm, docs/hook.md).
 
- Loaded with dofile() from the directory of the calling script, so no package.path setup is needed.
- It holds no global state: everything is returned in the module table M.
-
-   M.read_config(path)            key = value file written by `elastic-slurm install-plugin`; returns
-                                  cfg and, when a line was unusable, a message naming file, line and key
-   M.directive_lines(script)      the #ELASTIC lines of the directive block (docs/directives.md)
-   M.parse_lines(lines)           typed values, or nil + {line_no, line, reason, message}
-   M.is_helper(name, comment, dependency)  launcher helper jobs and expand: allocations
-   M.post_json(url, body, budget_s)  HTTP/1.0 POST under one total deadline
-   M.new_breaker(k, open_s, path) circuit breaker; persisted to `path` when given (cli_filter)
-   M.new_cache(max_entries)       decision cache (job_submit keeps one for the life of its Lua state)
-   M.plan(cfg, breaker, request, cache)  {kind = "rewrite"|"keep"|"reject"|"skip", ...}
-   M.reject_text(outcome, lines)  a rejection's text, its line numbered as in the script
-   M.apply_job_desc / M.apply_cli_options  apply a rewrite reply mechanically
-
- Every failure of the service is returned as kind = "skip" with a reason: the callers fail open.
+ Transport and apply: the service decides (POST /v1/plan); this parses the #ELASTIC lines (to reject bad
+ ones while the service is down), calls it under one budget with a breaker, caches its decisions (and those
+ it precomputed for other min_efficiency values), and validates and applies a decision from any source.
+ It never computes one. Every failure is kind = "skip": the callers fail open. Loaded with dofile() from
+ the calling script's directory; no global state (all in the returned table M).
 ]]
 local M = {}
 
@@ -26,12 +15,10 @@ local cjson = require("cjson.safe")
 M.PREFIX = "#ELASTIC"
 M.HELPER_MARKER = "elastic-helper"
 M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES: "Invalid generic resource (gres) specification"
--- What Slurm 22.05 prints after our rejection line (it always adds its own, last): job_submit's code's text,
--- and cli_filter's fixed line. Our line names it, so the user knows it is a consequence, not a --gres problem.
+-- Slurm 22.05 always prints its own line after our rejection; ours names it as a consequence, not a --gres problem.
 M.SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
                         cli_filter = "cli_filter plugin terminated with error" }
 
--- The one line a rejected submission shows for `message` (a directive error or the service's 422).
 function M.reject_message(message, source)
   return string.format('elastic: %s; job rejected: Slurm\'s next line ("%s") is this rejection', message,
                        M.SLURM_REJECT_LINE[source])
@@ -41,15 +28,13 @@ local NO_VAL = 4294967294
 local NO_VAL16 = 65534
 local INFINITE = 4294967295
 
--- The hook's clock for the breaker and the decision cache (seconds): tests replace it with one they step
--- (tests/unit/test_lua_hook.py), so no test waits on, or races, real time. HTTP budgets stay on socket.gettime.
+-- The clock of the breaker and the cache (seconds); tests step their own. HTTP budgets use socket.gettime.
 M.now = socket.gettime
 
 -- ---------------------------------------------------------------- config
--- A /v1/plan reply is read only up to this size (a 9 MB table cost 375-616 ms of Lua in slurmctld), and a
--- prediction table is cached only with at most this many entries (every uniform layout of a partition).
+-- A reply is read only up to this size (#24.5: a 9 MB reply cost 375-616 ms of Lua in slurmctld).
 M.MAX_REPLY_BYTES = 512 * 1024
-M.MAX_TABLE_ENTRIES = 4096
+M.MAX_BANDS = 64
 
 local DEFAULTS = {
   predictor_url = "http://127.0.0.1:8470",   -- elastic-predictor serve's default --port
@@ -99,7 +84,7 @@ local function py_repr(s)
   end)
   return quote .. out .. quote
 end
-M.py_repr = py_repr
+
 
 -- Lines of the directive block only: stops at the first line that is neither blank nor a comment, so a
 -- large script costs no more than its header. Line ends: \n, \r\n or \r (as Python's splitlines).
@@ -240,12 +225,6 @@ function M.parse_lines(lines)
   return result
 end
 
-function M.parse_script(script)
-  local lines = M.directive_lines(script)
-  if #lines == 0 then return nil end
-  return M.parse_lines(lines)
-end
-
 -- True for jobs the hook must never touch: launcher helpers and expand: allocations.
 function M.is_helper(name, comment, dependency, marker)
   marker = marker or M.HELPER_MARKER
@@ -370,19 +349,21 @@ function M.new_breaker(k, open_s, path)
 end
 
 -- ---------------------------------------------------------------- decision cache
--- A /v1/plan reply is kept for the `cache_ttl_s` the service sent with it (absent or 0: not kept), keyed
--- by exactly the request fields the plan depends on. Only replies are kept, never failures (the breaker
--- handles those). When full, it is emptied (no LRU bookkeeping on the hot path). Reuses are counted per
--- decision id and sent with the next real request as `reused` (docs/plan-contract.md).
+-- A reply is kept for the `cache_ttl_s` it came with (absent or 0: not kept), keyed by exactly the request
+-- fields a decision depends on; failures never (the breaker handles those). A reply's `bands` (its decision for
+-- every other min_efficiency, docs/plan-contract.md) are kept under the key with that value masked. When full,
+-- the cache is emptied (no LRU on the hot path). Reuses are counted per decision id and sent as `reused`.
 local KEY_FIELDS = { "user", "partition", "min_nodes", "max_nodes", "ntasks_per_node", "tres_per_node",
                      "tres_per_job", "time_limit_min", "req_switch", "account", "qos" }
 local MAX_TTL_S = 3600
 
--- Canonical: every part length-prefixed (no separator can be forged by a directive line), a fixed field
--- order, nil distinct from any value. The job name and uid are left out: the plan does not read them.
-function M.cache_key(request)
-  local parts = { request.source or "", tostring(#request.directives) }
-  for _, line in ipairs(request.directives) do parts[#parts + 1] = line end
+-- Every part length-prefixed (a directive line cannot forge a separator), nil distinct from any value; the job
+-- name and uid are left out. `masked`: each min_efficiency=<v> token reads min_efficiency=* (the bands' key).
+function M.cache_key(request, masked)
+  local parts = { (masked and "bands " or "") .. (request.source or ""), tostring(#request.directives) }
+  for _, line in ipairs(request.directives) do
+    parts[#parts + 1] = masked and line:gsub("(%s)min_efficiency=%S+", "%1min_efficiency=*") or line
+  end
   local job = request.job or {}
   for _, field in ipairs(KEY_FIELDS) do
     local v = job[field]
@@ -414,13 +395,12 @@ function M.new_cache(max_entries)
   end
   function c.note_reuse(decision_id)
     if c.reused[decision_id] == nil then
-      -- bounded (the service takes up to 4096 ids): more distinct ids than that go uncounted
-      if c.reused_ids >= math.min(c.max, 4096) then return end
+      if c.reused_ids >= math.min(c.max, 4096) then return end  -- the service takes up to 4096 ids
       c.reused_ids = c.reused_ids + 1
     end
     c.reused[decision_id] = (c.reused[decision_id] or 0) + 1
   end
-  -- The counts to send with the next request (nil when none); `restore` puts them back after a failure.
+  -- The counts for the next request (nil when none); `restore` puts them back after a failure.
   function c.take_reused()
     if c.reused_ids == 0 then return nil end
     local taken = c.reused
@@ -428,21 +408,13 @@ function M.new_cache(max_entries)
     return taken
   end
   function c.restore(taken)
-    if taken == nil then return end
-    for id, n in pairs(taken) do
+    for id, n in pairs(taken or {}) do
       if c.reused[id] == nil then c.reused_ids = c.reused_ids + 1 end
       c.reused[id] = (c.reused[id] or 0) + n
     end
   end
   return c
 end
-
--- ---------------------------------------------------------------- the policy's last step
--- predictor/planner.py's `last_step`, for prediction tables the service sent (`table` in a /v1/plan reply):
--- the request's GPU bounds applied to the predictions of every layout of a partition at one (model, GPU type,
--- per-GPU batch), then the efficiency walk and the objective. Both are checked against tests/vectors/policy.json;
--- the planner's docstring is the definition. Returns the decision, with judged = false where the service's
--- answer is a keep it could not judge from predictions (the hook then asks the service).
 
 -- ---------------------------------------------------------------- TRES / GRES strings
 -- The one reader of GPU entries in a comma-separated TRES/GRES list here, as slurm_plugin.client.gpu_tres reads
@@ -512,28 +484,6 @@ M.gpu_tres = gpu_tres
 
 local function gpu_count(list) return (gpu_tres(list)) end
 
--- planner.requested_shape: what the job asked (nodes, per_node, total; each nil when unknown) and its switch.
-function M.requested(job)
-  local nodes = job.min_nodes
-  if nodes == 0 then nodes = nil end
-  local per_node, total = gpu_count(job.tres_per_node), gpu_count(job.tres_per_job)
-  if total == nil and per_node ~= nil then total = per_node * (nodes or 1) end
-  return { nodes = nodes, per_node = per_node, total = total, switch = job.req_switch }
-end
-
--- "0.6996 < 0.7", never "0.70 < 0.7": the value with 2 decimals or as many more as it takes to read below the
--- printed bound (predictor.planner._below).
-local function below(value, bound)
-  local shown = string.format("%g", bound)
-  if tonumber(shown) ~= bound then shown = string.format("%.17g", bound) end
-  for n = 2, 17 do
-    local text = string.format("%." .. n .. "f", value)
-    local shown_value = tonumber(text)
-    if shown_value and shown_value < bound then return text .. " < " .. shown end
-  end
-  return string.format("%.17g", value) .. " < " .. shown
-end
-
 local function counted(n, word)  -- "1 GPU", "2 GPUs" (predictor.records.counted)
   return string.format("%d %s%s", n, word, n == 1 and "" or "s")
 end
@@ -543,133 +493,6 @@ local function per_task_split(per_node, tasks)   -- the reason --gpus-per-task r
                        per_node == 1 and "does" or "do", tasks and counted(tasks, "task") or "the tasks")
 end
 
-local function layout_name(layout)
-  local first, same = layout[1], true
-  for _, n in ipairs(layout) do if n ~= first then same = false end end
-  if same then return #layout .. "x" .. first end
-  return table.concat(layout, "+")
-end
-
-local function efficiency(t_k, t_next, k, k_next)
-  if t_k <= 0 then return 0.0 end
-  return tonumber(string.format("%.4f", (t_next - t_k) / ((k_next - k) * t_k / k)))
-end
-
--- max over `pool` of score within `tolerance` of the top, ties by (samples/s, -gpus), first of equals
-local function argbest(pool, score, tolerance)
-  local top = -math.huge
-  for _, e in ipairs(pool) do top = math.max(top, score(e)) end
-  local margin, best = math.abs(top) * tolerance, nil
-  for _, e in ipairs(pool) do
-    if score(e) >= top - margin and (best == nil or e.samples_per_s > best.samples_per_s
-        or (e.samples_per_s == best.samples_per_s and -e.gpus > -best.gpus)) then
-      best = e
-    end
-  end
-  return best
-end
-
-local function unjudged(reason) return { action = "keep", reason = reason, judged = false } end
-
-function M.last_step(tbl, d, requested)
-  local batch, total = tbl.per_gpu_batch, tbl.total_gpus
-  local low, high, wanted
-  if d.gpus then low, wanted = d.gpus.min, d.gpus.max
-  elseif requested.total then low, wanted = requested.total, requested.total
-  else low, wanted = 1, total end
-  high = math.min(wanted, total)
-  if low > total then
-    return unjudged(string.format("the request's %s exceed partition %s's %s", counted(low, "GPU"), tbl.partition, counted(total, "GPU")))
-  end
-  local limit_note = high == wanted and ("gpus max " .. wanted) or string.format("partition %s has %s", tbl.partition, counted(total, "GPU"))
-  local cap = d.max_global_batch
-  if cap ~= nil and math.floor(cap / batch) < high then
-    high = math.floor(cap / batch)
-    limit_note = string.format("max_global_batch %d caps at %s", cap, counted(high, "GPU"))
-    if high < low then return unjudged("max_global_batch below gpus min") end
-  end
-  local entries, by_gpus, counts = {}, {}, {}
-  for _, src in ipairs(tbl.entries) do
-    local gpus = 0
-    for _, n in ipairs(src.layout) do gpus = gpus + n end
-    if gpus >= low and gpus <= high then
-      local e = { layout = src.layout, gpus = gpus, nodes = #src.layout, samples_per_s = tonumber(src.samples_per_s) or 0 }
-      entries[#entries + 1] = e
-      if not by_gpus[gpus] then by_gpus[gpus] = {}; counts[#counts + 1] = gpus end
-      table.insert(by_gpus[gpus], e)
-    end
-  end
-  if #entries == 0 then return unjudged("no layout fits") end
-  table.sort(counts)
-  local best = {}
-  for _, gpus in ipairs(counts) do
-    for _, e in ipairs(by_gpus[gpus]) do
-      if best[gpus] == nil or e.samples_per_s > best[gpus].samples_per_s then best[gpus] = e end
-    end
-  end
-  local min_eff = d.min_efficiency or tbl.min_efficiency
-  local anchor, feasible, rejected, top_feasible = counts[1], { [counts[1]] = true }, {}, counts[1]
-  for _, e in ipairs(by_gpus[anchor]) do e.efficiency = 1.0 end
-  for i = 2, #counts do
-    local gpus = counts[i]
-    local t_anchor = best[anchor].samples_per_s
-    for _, e in ipairs(by_gpus[gpus]) do e.efficiency = efficiency(t_anchor, e.samples_per_s, anchor, gpus) end
-    if best[gpus].efficiency >= min_eff then
-      feasible[gpus], anchor, rejected, top_feasible = true, gpus, {}, gpus
-    else
-      rejected[#rejected + 1] = best[gpus]
-    end
-  end
-  local stop_note = limit_note
-  if #rejected > 0 then
-    local worst = rejected[1]
-    for _, e in ipairs(rejected) do if e.efficiency > worst.efficiency then worst = e end end
-    stop_note = string.format("%s efficiency %s", layout_name(worst.layout), below(worst.efficiency, min_eff))
-  end
-  local pool = {}
-  for _, e in ipairs(entries) do
-    if feasible[e.gpus] and e.samples_per_s > 0 then pool[#pool + 1] = e end
-  end
-  if #pool == 0 then pool = { best[counts[1]] } end
-  local objective = d.objective or "throughput"
-  local gpu_cost, node_cost = tbl.gpu_hour_cost, tbl.node_hour_cost
-  local chosen
-  if #pool == 1 then         -- also: no layout predicted above 0 samples/s (a cost per sample would divide by 0)
-    chosen = pool[1]
-  elseif objective == "efficiency" or (objective == "cost" and gpu_cost + node_cost == 0) then
-    chosen = argbest(pool, function(e) return e.samples_per_s / e.gpus end, 0.01)
-  elseif objective == "cost" then
-    chosen = argbest(pool, function(e) return -(e.gpus * gpu_cost + e.nodes * node_cost) / e.samples_per_s end, 0.01)
-  else
-    local top = -math.huge
-    for _, e in ipairs(pool) do top = math.max(top, e.samples_per_s) end
-    for _, e in ipairs(pool) do
-      if e.samples_per_s >= top * 0.995 and (chosen == nil or e.gpus < chosen.gpus
-          or (e.gpus == chosen.gpus and e.nodes < chosen.nodes)) then
-        chosen = e
-      end
-    end
-  end
-  local nodes, per_node = chosen.nodes, chosen.layout[1]
-  local switches = (nodes > 1 and nodes <= tbl.one_leaf_nodes) and 1 or nil
-  local base
-  for _, e in ipairs(entries) do
-    if base == nil and e.nodes == requested.nodes and e.layout[1] == requested.per_node then base = e end
-  end
-  base = base or best[counts[1]]
-  local ratio = base.samples_per_s > 0 and string.format("%.1f", chosen.samples_per_s / base.samples_per_s) or "nan"
-  local reason = string.format("elastic: %s x %s (%s) predicted %.0f samples/s, %sx of %s", counted(nodes, "node"),
-                               counted(per_node, "GPU"), layout_name(chosen.layout), chosen.samples_per_s,
-                               ratio, layout_name(base.layout))
-  if objective ~= "throughput" then reason = reason .. " (objective " .. objective .. ")" end
-  if chosen.gpus == top_feasible or objective == "throughput" then reason = reason .. "; " .. stop_note end
-  if switches then reason = reason .. "; one leaf switch" end
-  local same_switch = requested.switch == "placed" or requested.switch == switches
-  local same = (requested.nodes or 1) == nodes and requested.per_node == per_node and same_switch
-  return { action = same and "keep" or "rewrite", reason = (same and "request already matches the plan; " or "") .. reason,
-           nodes = nodes, gpus_per_node = per_node, tasks_per_node = per_node, switches = switches,
-           layout = chosen.layout, judged = true }
-end
 
 -- ---------------------------------------------------------------- request / reply
 local function num(v, unset)
@@ -738,84 +561,63 @@ local function validate(reply)
   return nil
 end
 
-local function is_number(v, lo, hi)
-  return type(v) == "number" and v == v and v >= lo and v <= hi
+
+-- A decision's reason as the user reads it: one line, led by "elastic:".
+local function reason_of(text, fallback)
+  local r = one_line(type(text) == "string" and text or fallback, 400)
+  return r:sub(1, 8) == "elastic:" and r or "elastic: " .. r
 end
 
--- A prediction table the hook may decide later requests from: the partition's shape as counts, and every entry
--- a uniform layout that fits it (nodes <= the partition's, 1..gpus_per_node GPUs on each), with a finite rate.
--- Anything else (a hostile or broken service: [0,4], [2.5,2.5], 8 GPUs on 4-GPU nodes, more nodes than the
--- partition) is not cached, so no decision is ever made from it. Returns nil, or what is wrong.
-function M.table_problem(tbl)
-  if type(tbl) ~= "table" or type(tbl.entries) ~= "table" then return "no entries" end
-  if not (is_count(tbl.nodes, 1) and is_count(tbl.gpus_per_node, 1) and is_count(tbl.total_gpus, 1)
-          and is_count(tbl.per_gpu_batch, 1) and is_count(tbl.one_leaf_nodes or 0, 0)) then
-    return "partition shape"
-  end
-  if not (is_number(tbl.min_efficiency, 0, 1) and is_number(tbl.gpu_hour_cost, 0, 1e9)
-          and is_number(tbl.node_hour_cost, 0, 1e9)) then
-    return "policy numbers"
-  end
-  if #tbl.entries == 0 or #tbl.entries > M.MAX_TABLE_ENTRIES then return "entry count " .. #tbl.entries end
-  for i, e in ipairs(tbl.entries) do
-    local layout = type(e) == "table" and e.layout
-    if type(layout) ~= "table" or #layout < 1 or #layout > tbl.nodes or not is_number(e.samples_per_s, 0, 1e12) then
-      return "entry " .. i
+-- A bound as the service prints it in a reason (predictor.planner.shown_bound).
+local function shown(v)
+  local s = string.format("%g", v)
+  return tonumber(s) == v and s or string.format("%.17g", v)
+end
+
+-- A reply's `bands` when each is an interval with a reason (nil otherwise); a band's decision is validated
+-- when it is applied, like a fresh reply.
+local function bands_of(reply)
+  local bands = reply.bands
+  if type(bands) ~= "table" or #bands == 0 or #bands > M.MAX_BANDS then return nil end
+  for _, b in ipairs(bands) do
+    if type(b) ~= "table" or type(b.above) ~= "number" or type(b.upto) ~= "number" or type(b.reason) ~= "string" then
+      return nil
     end
-    for _, n in ipairs(layout) do
-      if not is_count(n, 1) or n > tbl.gpus_per_node or n ~= layout[1] then return "entry " .. i .. " layout" end
+  end
+  return bands
+end
+
+-- The cached decision for `request`: an identical request's, else the band of its min_efficiency (`d`: the
+-- parsed directives). A copy: its reason says it was reused.
+local function cached(cache, request, d, now)
+  local out, hit = {}, cache.get(M.cache_key(request), now)
+  if hit then
+    for k, v in pairs(hit) do out[k] = v end
+    out.cached, out.reason = true, hit.reason .. " (cached)"
+    return out
+  end
+  local v = d and d.min_efficiency
+  hit = v and cache.get(M.cache_key(request, true), now)
+  for _, band in ipairs(hit and hit.bands or {}) do
+    if band.above < v and v <= band.upto then
+      for k, value in pairs(band) do out[k] = value end
+      if validate(out) then return nil end  -- a decision applied is a valid one, from any source
+      out.kind, out.decision_id, out.cached = out.action, hit.decision_id, true
+      out.reason = reason_of((band.reason:gsub("{min_efficiency}", shown(v)))) .. " (cached predictions)"
+      return out
     end
   end
   return nil
 end
 
--- A cached reply, applied like a fresh one; the copy's reason says it was reused.
-local function reuse(reply)
-  local copy = {}
-  for k, v in pairs(reply) do copy[k] = v end
-  copy.cached, copy.reason = true, reply.reason .. " (cached)"
-  return copy
-end
-
--- The cache key of the prediction table a request can be decided from (nil: none can, ask the service):
--- the table depends on the partition, model, GPU type and per-GPU batch only. keep_global varies the per-GPU
--- batch with the GPU count, which one table does not hold.
-function M.table_key(request, d)
-  if d == nil or d.model == nil or d.per_gpu_batch == nil or d.batch_policy == "keep_global" then return nil end
-  local job = request.job or {}
-  local parts = { "table", request.source or "", job.partition or "\0", d.model, d.gpu_type or "\0",
-                  tostring(d.per_gpu_batch) }
-  for i, part in ipairs(parts) do parts[i] = #part .. ":" .. part end
-  return table.concat(parts)
-end
-
--- A decision from a cached prediction table (nil when none fits or the step leaves it to the service).
-local function from_table(cache, tkey, d, request, now)
-  local hit = tkey and cache.get(tkey, now)
-  if not hit then return nil end
-  local out = M.last_step(hit.table, d, M.requested(request.job or {}))
-  if not out.judged or validate(out) then return nil end  -- a decision applied is a valid one, from any source
-  out.kind, out.decision_id, out.cached = out.action, hit.decision_id, true
-  out.reason = (out.reason:sub(1, 8) == "elastic:" and "" or "elastic: ") .. out.reason .. " (cached predictions)"
-  return out
-end
-
--- Ask the service, or `cache` (optional) when it holds an unexpired reply for this request, or a prediction
--- table the policy's last step can decide it from (`d`: the parsed directives). Never raises; every failure
--- becomes kind = "skip".
+-- Ask the service, unless `cache` (optional) holds a decision for this request. Never raises; every failure
+-- is kind = "skip".
 function M.plan(cfg, breaker, request, cache, d)
   local now = M.now()
-  local key = cache and M.cache_key(request)
-  local hit = cache and cache.get(key, now)
+  local hit = cache and cached(cache, request, d, now)
   if hit then
     cache.note_reuse(hit.decision_id)
-    return reuse(hit)
-  end
-  local tkey = cache and M.table_key(request, d)
-  local derived = tkey and from_table(cache, tkey, d, request, now)
-  if derived then
-    cache.note_reuse(derived.decision_id)
-    return derived
+    return hit
   end
   local open, left = breaker.is_open(now)
   if open then
@@ -830,8 +632,7 @@ function M.plan(cfg, breaker, request, cache, d)
     return { kind = "skip", why = "cannot encode request: " .. tostring(encode_err) }
   end
   local status, text = M.post_json(cfg.predictor_url .. "/v1/plan", body, (tonumber(cfg.budget_ms) or 100) / 1000)
-  -- Reuse counts are delivered with a 200 (stored with the decision); a 400 drops them (they would be
-  -- refused again); after anything else (no answer, 422, 5xx, ...) they go with the next request.
+  -- Reuse counts are delivered with a 200, dropped by a 400 (refused again otherwise), kept after anything else.
   if cache and status ~= 200 and status ~= 400 then cache.restore(reused) end
   local why
   if not status then
@@ -849,18 +650,15 @@ function M.plan(cfg, breaker, request, cache, d)
     why = reply == nil and ("unreadable reply: " .. tostring(err)) or validate(reply)
     if not why then
       breaker.success()
-      reply.kind = reply.action
-      reply.reason = one_line(type(reply.reason) == "string" and reply.reason or reply.action, 400)
-      if reply.reason:sub(1, 8) ~= "elastic:" then reply.reason = "elastic: " .. reply.reason end
+      reply.kind, reply.reason = reply.action, reason_of(reply.reason, reply.action)
       if reply.decision_id ~= nil then reply.decision_id = one_line(reply.decision_id, 64):gsub("%s", "_") end
+      local bands = d and d.min_efficiency ~= nil and bands_of(reply)
+      reply.bands = nil
       if cache then
-        cache.put(key, reply, reply.cache_ttl_s, now)
-        local tbl = reply.table
-        if tkey and type(tbl) == "table" and tbl.model == d.model and tbl.per_gpu_batch == d.per_gpu_batch
-           and not M.table_problem(tbl) then
-          cache.put(tkey, { table = tbl, decision_id = reply.decision_id }, reply.cache_ttl_s, now)
+        cache.put(M.cache_key(request), reply, reply.cache_ttl_s, now)
+        if bands then
+          cache.put(M.cache_key(request, true), { bands = bands, decision_id = reply.decision_id }, reply.cache_ttl_s, now)
         end
-        reply.table = nil
       end
       return reply
     end

@@ -3,10 +3,9 @@
 
  Jobs without #ELASTIC lines, launcher helper jobs and expand: allocations pass untouched and silently.
  A malformed #ELASTIC line is rejected here, even when the predictor is down. Otherwise the raw lines and
- the job's request go to POST /v1/plan within a hard total budget; a rewrite is applied mechanically.
- A decision is reused for identical requests within the cache_ttl_s the service sent with it, and the
- prediction table sent with it decides other requests of the same partition, model, GPU type and per-GPU
- batch locally (the policy's last step, elastic_common.lua M.last_step; docs/hook.md "Prediction tables").
+ the job's request go to POST /v1/plan within a hard total budget; the service decides, the hook validates
+ and applies. A decision is reused for identical requests within the cache_ttl_s the service sent with it,
+ and the decisions it precomputed for other min_efficiency values answer those (docs/hook.md "Decision bands").
  Any failure of the service (down, slow, 5xx, garbage, circuit open) accepts the job as written.
  Installed with elastic_common.lua and elastic.conf beside it by `elastic-slurm install-plugin`.
 ]]

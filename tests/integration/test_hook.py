@@ -365,7 +365,7 @@ def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatc
     assert stored["action"] == "rewrite" and stored["source"] == "job_submit"
     assert stored["response"]["layout"] == [4, 4] and stored["request"]["directives"] == REAL.splitlines()
     real_predictor.stop()
-    # another per-GPU batch: neither the decision nor the prediction table cached by the first answers it
+    # another per-GPU batch: no decision cached by the first answers it
     down = sbatch(script(directives=REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")), "-H")
     # the latency of a submission against a stopped service: bench/hook_latency.py (down)
     assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
@@ -378,7 +378,7 @@ def _decision_of(bed, result) -> str:
 
 @pytest.fixture
 def caching_predictor(tmp_path):
-    """elastic-predictor serve whose decisions (and prediction tables) the hook may reuse for 120 s."""
+    """elastic-predictor serve whose decisions (and decision bands) the hook may reuse for 120 s."""
     server = RealPredictor(tmp_path, env={"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "120"})
     yield server
     server.stop()
@@ -409,7 +409,7 @@ def test_identical_submissions_reuse_the_decision_without_a_call(hook, sbatch, b
     assert _decision_of(bed, second) == decision and _decision_count(server) == before
     job = show_job(bed, second.job_id)
     assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
-    other_batch = REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")      # no cached table either
+    other_batch = REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")      # another request
     third = sbatch(script(directives=other_batch), "-H", "-t", "9")       # a new request: asked
     assert third.rc == 0 and "(cached)" not in third.stderr
     assert server.decision(_decision_of(bed, third))["request"]["reused"] == {decision: 1}
@@ -419,20 +419,24 @@ def test_identical_submissions_reuse_the_decision_without_a_call(hook, sbatch, b
     assert _decision_of(bed, fourth) == decision
 
 
-def test_distinct_requests_are_decided_from_the_cached_prediction_table(hook, sbatch, bed, caching_predictor):
-    """Issue 14.10: other bounds for the same model, GPU and per-GPU batch are decided in slurmctld from the
-    table the first reply brought, without a call, and the decision is the one the service gives."""
+def test_other_min_efficiency_is_decided_from_the_cached_bands(hook, sbatch, bed, caching_predictor):
+    """Issue 14.10 / 26.3: a request that differs only in its min_efficiency is answered in slurmctld from the
+    decisions the first reply precomputed (`bands`), without a call; the decision is the one the service gives."""
     import requests
 
     server = caching_predictor
-    decision, before = _first_real(hook, server, sbatch, bed)
-    narrower = REAL.replace("gpus=2-8", "gpus=1-4")
-    second = sbatch(script(directives=narrower), "-H", "-t", "9")
+    first_lines = REAL + "#ELASTIC min_efficiency=0.5\n"
+    hook(server.url)
+    first = sbatch(script(directives=first_lines), "-H")
+    assert first.rc == 0 and first.stderr.startswith("sbatch: elastic: "), first.stderr
+    decision, before = _decision_of(bed, first), _decision_count(server)
+    other = REAL + "#ELASTIC min_efficiency=0.97\n"
+    second = sbatch(script(directives=other), "-H")
     assert second.rc == 0 and second.stderr.rstrip().endswith("(cached predictions)"), second.stderr
     assert _decision_of(bed, second) == decision and _decision_count(server) == before
     job = show_job(bed, second.job_id)
-    body = {"source": "job_submit", "directives": narrower.splitlines(),
-            "job": {"min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4", "time_limit_min": 9}}
+    body = {"source": "job_submit", "directives": other.splitlines(),
+            "job": {"min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4"}}
     asked = requests.post(f"{server.url}/v1/plan", json=body, timeout=5).json()
     shown = asked["reason"] if asked["reason"].startswith("elastic:") else f"elastic: {asked['reason']}"
     assert second.stderr.strip() == f"sbatch: {shown} (cached predictions)"

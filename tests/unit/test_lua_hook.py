@@ -42,6 +42,11 @@ MIXED = {**MOVED, "decision_id": "d-51", "partition": "debug", "gpu": "H100+A100
          "reason": "elastic: mixed 2x4 H100 + 2x4 A100 on partition debug predicted 25090 samples/s"}
 NO_VAL = 4294967294
 NO_VAL16 = 65534
+TABLE = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]
+BANDS_LINES = ("#ELASTIC model=resnet50 per_gpu_batch=16", "#ELASTIC gpus=2-8 min_efficiency=0.5")
+BANDS_JOB = {"min_nodes": 1, "tres_per_job": "gres:gpu:4"}    # as job() below asks
+BANDS = planner.min_efficiency_bands(TABLE, planner.parse_request({"directives": list(BANDS_LINES)}).directives,
+                                     planner.requested(BANDS_JOB))
 
 DRIVER = r"""
 local cjson = require("cjson")
@@ -89,11 +94,11 @@ class Predictor:
                "cached-zero": {**REWRITE, "decision_id": "d-46", "cache_ttl_s": 0},
                "cached-keep": {"decision_id": "d-47", "action": "keep", "reason": "elastic: request already "
                                "matches the plan", "cache_ttl_s": 30},
-               # with a prediction table (the first of tests/vectors/policy.json: resnet50, per_gpu_batch 16)
-               "table": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "table": json.loads(
-                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]},
-               "table-short": {**REWRITE, "decision_id": "d-49", "cache_ttl_s": 0.3, "table": json.loads(
-                   (pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]},
+               # with decision bands (the first table of tests/vectors/policy.json: resnet50, per_gpu_batch 16)
+               "bands": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "bands": BANDS},
+               "bands-short": {**REWRITE, "decision_id": "d-49", "cache_ttl_s": 0.3, "bands": BANDS},
+               # an older service's prediction table: the hook ignores it (bench/hostile_round3.py item 5)
+               "table": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "table": TABLE},
                # #24.5: more than the hook reads of a reply
                "huge": {**REWRITE, "padding": "x" * (600 * 1024)}}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from predictor import planner
-from tests.unit.test_lua_hook import Predictor, install, job, kinds, run_hook
+from tests.unit.test_lua_hook import BANDS, BANDS_JOB, BANDS_LINES, TABLE, Predictor, install, job, kinds, run_hook
 
 CACHED = Predictor.REPLIES["cached"]
 
@@ -119,92 +119,71 @@ def test_reuse_counts_survive_a_422(tmp_path, predictor):
     assert [r["body"].get("reused") for r in predictor.requests] == [None, {"d-44": 1}, {"d-44": 1}]
 
 
-TABLE = Predictor.REPLIES["table"]["table"]
+def bands_job(mode, efficiency="0.5", bounds="gpus=2-8", **fields):
+    return job(mode=mode, directives=(BANDS_LINES[0], f"#ELASTIC {bounds} min_efficiency={efficiency}"), **fields)
 
 
-def batch16(*extra):
-    return ("#ELASTIC model=resnet50 per_gpu_batch=16",) + extra
-
-
-@pytest.mark.parametrize("bounds", ["gpus=1-16 min_efficiency=0.2", "gpus=2-8 min_efficiency=0.71", "gpus=4",
-                                    "gpus=1-12 objective=efficiency", "gpus=3-7 max_global_batch=80"])
-def test_a_cached_prediction_table_decides_other_bounds_without_a_call(tmp_path, predictor, bounds):
-    """Issue 14.10: distinct requests (the decision cache cannot answer) of the same partition, model, GPU type
-    and per-GPU batch are decided in the hook from the table the service sent, by the policy's last step."""
-    first = job(mode="table", directives=batch16("#ELASTIC gpus=2-8"))
-    second = job(mode="500", directives=batch16(f"#ELASTIC {bounds}"), time_limit=7)
-    results = run_hook(install(tmp_path, predictor.url), [{"job_desc": first}, {"job_desc": second}])
-    assert names(predictor) == ["mode-table"]
-    expect = planner.last_step(TABLE, planner.parse_request({"directives": list(batch16(f"#ELASTIC {bounds}"))})
-                               .directives, planner.requested({"min_nodes": 1, "tres_per_job": "gres:gpu:4"}))
+@pytest.mark.parametrize("efficiency", ["0.2", "0.71", "0.5000017", "0.95", "0", "1"])
+def test_bands_decide_other_min_efficiency_without_a_call(tmp_path, predictor, efficiency):
+    """Issue 14.10 / 26.3: requests that differ only in min_efficiency (the decision cache cannot answer) are
+    answered from the decisions the service precomputed for every min_efficiency (`bands`): the hook looks one
+    up, validates and applies it; the decision and reason are what the service gives for that request."""
+    results = run_hook(install(tmp_path, predictor.url), [{"job_desc": bands_job("bands")},
+                                                          {"job_desc": bands_job("500", efficiency)}])
+    assert names(predictor) == ["mode-bands"]
+    d = planner.parse_request({"directives": [BANDS_LINES[0], f"#ELASTIC gpus=2-8 min_efficiency={efficiency}"]})
+    expect = planner.last_step(TABLE, d.directives, planner.requested(BANDS_JOB))
     got = results[1]["job_desc"]
     assert got["min_nodes"] == got["max_nodes"] == expect["nodes"]
+    assert got["tres_per_node"] == f"gres:gpu:{expect['gpus_per_node']}" and got.get("req_switch") == expect["switches"]
     assert got["comment"] == "my run elastic:decision=d-48"
-    shown = expect["reason"] if expect["reason"].startswith("elastic:") else "elastic: " + expect["reason"]
-    assert kinds(results[1], "user_msg") == [shown + " (cached predictions)"]
-    assert got.get("req_switch") == expect["switches"]
+    assert kinds(results[1], "user_msg") == [expect["reason"] + " (cached predictions)"]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("directives", batch16("#ELASTIC gpus=2-8 gpu_type=H100")),
-    ("directives", ("#ELASTIC model=resnet50 per_gpu_batch=32 gpus=2-8",)),
-    ("directives", ("#ELASTIC model=vgg16 per_gpu_batch=16 gpus=2-8",)),
-    ("directives", batch16("#ELASTIC gpus=2-8 batch_policy=keep_global")),
-    ("directives", batch16("#ELASTIC gpus=32-64")),          # above the partition: the service rejects it
-    ("partition", "gpu")])
-def test_a_table_answers_only_its_partition_model_gpu_and_batch(tmp_path, predictor, field, value):
-    second = job(mode="table", directives=value) if field == "directives" else job(mode="table", **{field: value})
-    run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="table", directives=batch16("#ELASTIC gpus=2-8"))},
-                                                 {"job_desc": second}])
-    assert names(predictor) == ["mode-table", "mode-table"]
+@pytest.mark.parametrize("second", [
+    {"bounds": "gpus=2-16"}, {"bounds": "gpus=2-8 objective=cost"}, {"bounds": "gpus=2-8 batch_policy=keep_global"},
+    {"time_limit": 7}, {"partition": "gpu"}, {"user_name": "bob"}, {"efficiency": None}])
+def test_bands_answer_only_their_own_request(tmp_path, predictor, second):
+    fields = dict(second)
+    if fields.get("efficiency", "") is None:      # no min_efficiency line at all: its own request
+        other = job(mode="bands", directives=(BANDS_LINES[0], "#ELASTIC gpus=2-8"))
+    else:
+        other = bands_job("bands", fields.pop("efficiency", "0.3"), fields.pop("bounds", "gpus=2-8"), **fields)
+    run_hook(install(tmp_path, predictor.url), [{"job_desc": bands_job("bands")}, {"job_desc": other}])
+    assert names(predictor) == ["mode-bands", "mode-bands"]
 
 
-def test_a_table_expires_with_its_ttl_and_its_uses_are_reported(tmp_path, predictor):
-    cases = [{"job_desc": job(mode="table-short", directives=batch16("#ELASTIC gpus=2-8"))},
-             {"job_desc": job(mode="500", directives=batch16("#ELASTIC gpus=1-4"))},              # from the table
-             {"job_desc": job(mode="table", directives=batch16("#ELASTIC gpus=1-3")), "advance": 0.4}]  # expired
+def test_bands_expire_with_their_ttl_and_their_uses_are_reported(tmp_path, predictor):
+    cases = [{"job_desc": bands_job("bands-short")},
+             {"job_desc": bands_job("500", "0.3")},                          # from the bands
+             {"job_desc": bands_job("bands", "0.4"), "advance": 0.4}]       # expired
     run_hook(install(tmp_path, predictor.url), cases)
-    assert names(predictor) == ["mode-table-short", "mode-table"]
+    assert names(predictor) == ["mode-bands-short", "mode-bands"]
     assert predictor.requests[1]["body"]["reused"] == {"d-49": 1}
 
 
-# #24.5: what a hostile or impersonated service put in a table. Before, the hook applied decisions from these: [0,4]
-# dropped the job's GPUs, [2.5,2.5] asked for 2.5 GPUs, [8,8] put 8 GPUs on 4-GPU nodes, [1]*8 asked for 8 nodes
-# of a 4-node partition.
-HOSTILE = {"zero": [0, 4], "fraction": [2.5, 2.5], "too-many-gpus": [8, 8], "too-many-nodes": [1] * 8,
-           "negative": [8, -4]}
+def test_an_older_services_prediction_table_decides_nothing(tmp_path, predictor):
+    run_hook(install(tmp_path, predictor.url), [{"job_desc": bands_job("table")}, {"job_desc": bands_job("rewrite", "0.3")}])
+    assert names(predictor) == ["mode-table", "mode-rewrite"]
+
+
+# #24.5 / #26.3: what a hostile or broken service put in bands is validated before it is applied, like a fresh reply
+HOSTILE = {"zero-nodes": {"nodes": 0}, "fraction": {"gpus_per_node": 2.5}, "action": {"action": "grow"},
+           "switches": {"switches": -1}, "partition": {"partition": "a;b"}, "interval": {"above": "0"},
+           "reason": {"reason": None}}
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_a_table_that_does_not_fit_its_partition_decides_nothing(tmp_path, predictor, case):
-    hostile = {**TABLE, "entries": [{"layout": HOSTILE[case], "samples_per_s": 1e9}] + TABLE["entries"]}
-    Predictor.REPLIES[f"table-{case}"] = {**Predictor.REPLIES["table"], "table": hostile}
+def test_a_hostile_band_is_never_applied(tmp_path, predictor, case):
+    hostile = [{**band, **HOSTILE[case]} for band in BANDS]
+    Predictor.REPLIES[f"bands-{case}"] = {**Predictor.REPLIES["bands"], "bands": hostile}
     try:
-        results = run_hook(install(tmp_path, predictor.url),
-                           [{"job_desc": job(mode=f"table-{case}", directives=batch16("#ELASTIC gpus=2-8"))},
-                            {"job_desc": job(mode="rewrite", directives=batch16("#ELASTIC gpus=1-16"), time_limit=7)}])
+        results = run_hook(install(tmp_path, predictor.url), [{"job_desc": bands_job(f"bands-{case}")},
+                                                              {"job_desc": bands_job("rewrite", "0.3")}])
     finally:
-        del Predictor.REPLIES[f"table-{case}"]
-    assert names(predictor) == [f"mode-table-{case}", "mode-rewrite"]  # the second was asked, not decided from it
-    got = results[1]["job_desc"]
-    assert got["min_nodes"] == Predictor.REPLIES["rewrite"]["nodes"]
-
-
-def test_table_problems_are_named_by_the_lua_check():
-    import json
-    import subprocess
-
-    from tests.unit.test_lua_hook import LUA_DIR
-    tables = {"ok": TABLE, **{k: {**TABLE, "entries": [{"layout": v, "samples_per_s": 1.0}]} for k, v in HOSTILE.items()},
-              "big": {**TABLE, "entries": [TABLE["entries"][0]] * 4097}, "no-shape": {**TABLE, "nodes": 0}}
-    code = (f"package.path = {json.dumps(str(LUA_DIR) + '/?.lua;')} .. package.path\n"
-            "local cjson = require('cjson')\nlocal M = require('elastic_common')\n"
-            f"local tables = cjson.decode([==[{json.dumps(tables)}]==])\n"
-            "for name, t in pairs(tables) do print(name .. '=' .. tostring(M.table_problem(t))) end\n")
-    out = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60, check=True).stdout
-    problems = dict(line.split("=", 1) for line in out.splitlines())
-    assert problems.pop("ok") == "nil"
-    assert all(p != "nil" for p in problems.values()), problems
+        del Predictor.REPLIES[f"bands-{case}"]
+    assert names(predictor) == [f"mode-bands-{case}", "mode-rewrite"]   # asked, not decided from the band
+    assert results[1]["job_desc"]["min_nodes"] == Predictor.REPLIES["rewrite"]["nodes"]
 
 
 def test_a_reply_larger_than_the_hook_reads_is_skipped(tmp_path, predictor):

@@ -1,10 +1,11 @@
-"""The policy's last step (predictor.planner.last_step) against tests/vectors/policy.json, which
-tests/unit/test_lua_policy.py runs through job_submit.lua's copy (elastic_common.lua `M.last_step`).
+"""The policy's last step (predictor.planner.last_step) against tests/vectors/policy.json, and the decision
+bands the service precomputes from it for the job_submit hook's cache (planner.min_efficiency_bands: the hook
+looks them up, it runs no policy; issue 26.3).
 
-Each vector: a prediction table as /v1/plan sends it (`table`), the `#ELASTIC` lines and the job fields of a
-request, and what the step decides (`expect`: action, nodes, gpus_per_node, tasks_per_node, switches, layout,
-reason; `judged` false for a keep the hook leaves to the service). Regenerate after a deliberate policy
-change with `python -m tests.unit.test_policy_vectors` and review the diff.
+Each vector: a prediction table (`table`: the partition and the predictions of its every uniform layout), the
+`#ELASTIC` lines and the job fields of a request, and what the step decides (`expect`: action, nodes,
+gpus_per_node, tasks_per_node, switches, layout, reason; `judged` false for a keep made without predictions).
+Regenerate after a deliberate policy change with `python -m tests.unit.test_policy_vectors` and review the diff.
 """
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def _tables() -> list[dict]:
     """Tables from the planner itself (the fake predictor of the unit tests, several curve shapes)."""
     from tests.unit.test_planner import Models
 
-    tables = []
+    tables, part = [], Cluster.default().partition()
+    cands = [part.candidate(layout) for gpus in range(1, part.total_gpus + 1) for layout in part.layouts(gpus)]
     for batch, fake in itertools.product((16, 64, 512), ({}, {"inter_node_s": 0.0005}, {"comm_per_doubling_s": 0.05},
                                                           {"compute_per_sample_s": 0.02, "inter_node_s": 0.2})):
-        body = {"source": "job_submit", "directives": [f"#ELASTIC model=resnet50 per_gpu_batch={batch}"], "job": {}}
-        out = planner.plan(planner.parse_request(body), Cluster.default(), Models(**fake), 0.5)
-        tables.append(out["table"])
+        preds = Models(**fake).predict(None, part.gpu, batch, cands)
+        tables.append({**planner._table_of(part, 0.5), "model": "resnet50", "per_gpu_batch": batch,
+                       "entries": [{"layout": c["layout"], "samples_per_s": planner._entry(c["layout"], p, batch)
+                                    ["samples_per_s"]} for c, p in zip(cands, preds)]})
     flat = {**tables[1], "one_leaf_nodes": 0, "node_hour_cost": 3.0, "min_efficiency": 0.3}
     ties = {**tables[0], "entries": [{**e, "samples_per_s": 1000.0 * (1 + (sum(e["layout"]) > 2))}
                                      for e in tables[0]["entries"]]}
@@ -94,14 +97,47 @@ def test_vectors_cover_every_outcome():
         assert part in reasons, part
 
 
-def test_the_service_answers_what_last_step_decides_on_its_own_table():
+EFFICIENCIES = (0.0, 0.05, 0.2, 0.3, 0.4999, 0.5, 0.5000017, 0.512345, 0.6, 0.7, 0.71, 0.75, 0.8, 0.85, 0.9, 0.95,
+                0.99, 0.9999, 1.0)
+
+
+@pytest.mark.parametrize("vector", [v for v in VECTORS if v["expect"]["judged"]], ids=lambda v: v["name"])
+def test_bands_give_what_last_step_decides_for_every_min_efficiency(vector):
+    """What replaced job_submit.lua's copy of the policy (issue 26.3): the hook applies the band holding a
+    request's min_efficiency, with BOUND replaced by its value; that is the service's own decision."""
+    table = SHARED["tables"][vector["table"]]
+    d = parse_lines(list(enumerate(vector["directives"], start=1)))
+    requested = planner.requested(planner._job(vector["job"]))
+    bands = planner.min_efficiency_bands(table, d, requested)
+    assert bands and bands[0]["above"] < 0 and bands[-1]["upto"] == 1.0
+    assert all(a["upto"] == b["above"] for a, b in zip(bands, bands[1:]))
+    for v in EFFICIENCIES:
+        [band] = [b for b in bands if b["above"] < v <= b["upto"]]
+        out = planner.last_step(table, {**d, "min_efficiency": v}, requested)
+        assert {k: band[k] for k in FIELDS if k not in ("layout", "reason")} == \
+               {k: out[k] for k in FIELDS if k not in ("layout", "reason")}
+        assert band["reason"].replace(planner.BOUND, planner.shown_bound(v)) == out["reason"], v
+
+
+def test_the_service_sends_bands_only_to_the_hook_and_only_for_a_min_efficiency():
     from tests.unit.test_planner import Models
 
-    body = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=2-8 per_gpu_batch=64"],
-            "job": {"min_nodes": 1, "tres_per_job": "gres:gpu:4"}}
-    out = planner.plan(planner.parse_request(body), Cluster.default(), Models(), 0.5)
-    again = decide({"directives": body["directives"], "job": body["job"]}, out["table"])
-    assert {k: out[k] for k in again if k != "judged"} == {k: v for k, v in again.items() if k != "judged"}
+    job = {"min_nodes": 1, "tres_per_job": "gres:gpu:4"}
+    lines = ["#ELASTIC model=resnet50 gpus=2-8 per_gpu_batch=64 min_efficiency=0.6"]
+
+    def reply(source, directives):
+        body = {"source": source, "directives": directives, "job": job}
+        return planner.plan(planner.parse_request(body), Cluster.default(), Models(), 0.5)
+
+    out = reply("job_submit", lines)
+    [band] = [b for b in out["bands"] if b["above"] < 0.6 <= b["upto"]]
+    assert (band["action"], band["nodes"], band["gpus_per_node"], band["switches"]) == \
+           (out["action"], out["nodes"], out["gpus_per_node"], out["switches"])
+    assert band["reason"].replace(planner.BOUND, "0.6") == out["reason"]
+    assert "bands" not in reply("cli_filter", lines) and "bands" not in reply("launcher", lines)
+    assert "bands" not in reply("job_submit", [lines[0].replace(" min_efficiency=0.6", "")])
+    assert "bands" not in reply("job_submit", [lines[0] + " batch_policy=keep_global"])
+    assert "table" not in out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """GPU counts in TRES/GRES strings, one reader a language, both against tests/vectors/tres.json (hand-written).
 
 Python: slurm_plugin.client (gpus_in_tres, gres_gpu_type, requested_shape). Lua (apt's lua5.1):
-slurm_plugin/lua/elastic_common.lua (M.gpu_tres, M.requested, M.set_gpu_tres, M.rewrite_fields,
+slurm_plugin/lua/elastic_common.lua (M.gpu_tres, M.set_gpu_tres, M.rewrite_fields,
 M.option_tres). A property test generates TRES strings and checks that both read them alike and that what
 the hook writes back reads as the count it meant, with one gpu entry and the other entries kept.
 """
@@ -30,10 +30,6 @@ local function v(x) if x == cjson.null then return nil end return x end
 local function nul(x) if x == nil then return cjson.null end return x end
 local run = {
   parse = function(c) local n, t = M.gpu_tres(v(c.tres)); return { gpus = nul(n), type = nul(t) } end,
-  shape = function(c)
-    local r = M.requested(c.job)
-    return { nodes = nul(r.nodes), per_node = nul(r.per_node), total = nul(r.total) }
-  end,
   rewrite = function(c) return { got = M.set_gpu_tres(v(c.tres), v(c.gpus), v(c.gpu)) } end,
   job_desc = function(c)
     local f, _, changed = M.rewrite_fields(c.job_desc, c.reply)
@@ -66,7 +62,7 @@ def lua(cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def lua_results():
-    return lua({k: v for k, v in VECTORS.items() if isinstance(v, list)})
+    return lua({k: v for k, v in VECTORS.items() if isinstance(v, list) and k != "shape"})
 
 
 def ids(section):
@@ -87,11 +83,11 @@ def test_parse_lua(lua_results, i):
 
 
 @pytest.mark.parametrize("i", range(len(VECTORS["shape"])), ids=ids("shape"))
-def test_requested_shape_python_and_lua(lua_results, i):
+def test_requested_shape(i):
+    """Python only: the service reads the job's shape; the hook decides nothing from it (issue 26.3)."""
     case = VECTORS["shape"][i]
     expect = {"nodes": case["nodes"], "per_node": case["per_node"], "total": case["total"]}
-    assert dict(zip(("nodes", "per_node", "total"), requested_shape(case["job"]))) == expect, "python"
-    assert lua_results["shape"][i] == expect, "lua"
+    assert dict(zip(("nodes", "per_node", "total"), requested_shape(case["job"]))) == expect
 
 
 @pytest.mark.parametrize("i", range(len(VECTORS["rewrite"])), ids=ids("rewrite"))
