@@ -18,8 +18,8 @@ from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, empty_link_model
 from predictor.lru import ByteBudgetLRU
 from predictor.profiles import Profile
-from predictor.throughput import (NetParams, PerfParams, N_PHI, fit_bounded, predict_rows, row_owner,
-                                  profile_compute_params, sync_bases, sync_link_key)
+from predictor.throughput import (HOST_PER_TENSOR_PRIOR_US, NetParams, PerfParams, N_PHI, fit_bounded, predict_rows,
+                                  row_owner, profile_compute_params, sync_bases, sync_link_key)
 
 PROFILE_LOG_STD = 0.5  # relative spread of a compute estimate taken from a profile
 PRIOR_LOG_STD = 1.0  # ... from a parameter-count guess
@@ -292,8 +292,9 @@ class Predictor:
                 link_std = max(link_std, self.links_.link_log_std(link))
         s_i = self.net_.get("intra", {}).get(intra, 0.0)
         s_e, w = self.net_.get("inter", {}).get(inter or "", (0.0, (0.0,) * N_PHI))
-        dgamma, overhead, per_tensor = self.net_.get("sync", {}).get(sync_link_key(layout, intra, inter),
-                                                                     (0.0, 0.0, 0.0))
+        key = sync_link_key(layout, intra, inter)  # a link no row ran on: DDP's per-tensor host work regardless
+        dgamma, overhead, per_tensor = self.net_.get("sync", {}).get(
+            key, (0.0, 0.0, HOST_PER_TENSOR_PRIOR_US * 1e-6 if key.startswith("intra:") else 0.0))
         return NetParams(s_i, s_e, w, self.net_.get("shape", {}).get(inter or ""), dgamma, overhead,
                          per_tensor), link_std
 

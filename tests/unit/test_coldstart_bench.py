@@ -65,17 +65,3 @@ def test_same_launch_protocol_sees_only_the_launchs_compute_of_the_held_out_mode
         for o in own:  # its 1-GPU step in that launch (else its compute there), never the launch's step time
             src = source[(o["launch"], o["per_gpu_batch"])]
             assert o["iter_s"] == (src["solo_s"] or src["local_s"]) and o["iter_s"] != src["iter_s"]
-
-
-def test_protocol_a_meets_the_targets_on_the_committed_data_with_either_one_gpu_launch(data):
-    """#13's targets (<= 8% over the multi-GPU rows, <= 10% per transport) hold with the first 1-GPU launch and with
-    its repeat: a regression guard of the predictor's cold-start accuracy on the committed H200 data."""
-    profiles, coll, steps = data
-    repeat = coldstart.load(coldstart.DATA / "repeat")[2]
-    for one_gpu in (steps, repeat):
-        out = coldstart.cold_start(profiles, coll, coldstart.with_one_gpu_rows(steps, one_gpu), {})
-        assert len(out) == 120
-        assert coldstart.mape([(r["iter_s"], t) for r, t in out]) <= coldstart.TARGET_ALL
-        for link in ("nvlink", "shm", "tcp"):
-            rows = [(r["iter_s"], t) for r, t in out if r["intra_link"] == link]
-            assert coldstart.mape(rows) <= coldstart.TARGET_PER_TRANSPORT, link

@@ -232,9 +232,12 @@ def test_a_host_bound_model_seen_on_one_gpu_gets_its_floor_plus_ddps_cost_per_te
     fit = fit_throughput(rows, bases, tensors)
     assert fit["converged"]
     assert fit["net"]["sync"]["intra:nvlink"][2] == pytest.approx(80e-6, rel=0.25)
-    assert np.allclose(predicted(fit), 1.0, atol=0.06)
-    # without the tensors the same rows cannot tell a DDP step at batch 32 from the 1-GPU floor: far too fast
-    assert np.all(predicted(fit_throughput(rows, bases)) < 0.9)
+    # within 8%: the floor is held near 0.9x the smallest 1-GPU step (`host_l2`), a little under a clean floor
+    assert np.allclose(predicted(fit), 1.0, atol=0.08)
+    # without the tensors the same rows cannot tell a DDP step at batch 32 from the 1-GPU floor: too fast where the
+    # link's per-step overhead (the average of every model's DDP cost) does not happen to cover this model's
+    without = predicted(fit_throughput(rows, bases))
+    assert np.min(without) < 0.9 and np.max(np.abs(without - 1)) > np.max(np.abs(predicted(fit) - 1)) + 0.05
 
 
 def test_the_host_term_is_the_slower_of_device_and_host_and_nothing_without_a_floor():
