@@ -104,6 +104,34 @@ def _m0008_job_claims(db: sqlite_utils.Database) -> None:
     db.execute("CREATE TABLE job_claims (job_id INTEGER PRIMARY KEY, step_s REAL NOT NULL)")
 
 
+def _m0009_profile_summaries(db: sqlite_utils.Database) -> None:
+    # what a listing shows of each profile, apart from its body (#24.6: listing 4 profiles of 3.9 MB parsed all their
+    # tensor lists, 743 ms a request): a row of its own, so a listing never reads a body's overflow pages
+    db.execute("CREATE TABLE profile_summaries (name TEXT PRIMARY KEY, owner INTEGER, bytes INTEGER NOT NULL, "
+               "created_at_s REAL NOT NULL, updated_at_s REAL NOT NULL, summary TEXT NOT NULL)")
+    db.execute("CREATE INDEX profile_summaries_by_owner ON profile_summaries (owner)")
+    for name, body, created, updated, owner, size in db.execute(
+            "SELECT name, body, created_at_s, updated_at_s, owner, bytes FROM profiles").fetchall():
+        db.execute("INSERT INTO profile_summaries (name, owner, bytes, created_at_s, updated_at_s, summary) "
+                   "VALUES (?, ?, ?, ?, ?, ?)", [name, owner, size, created, updated,
+                                                 json.dumps(profile_summary(json.loads(body)))])
+
+
+def profile_summary(body: dict) -> dict:
+    """What a listing shows of a stored profile body: tensor and bucket counts, parameters, gradient bytes, source
+    (bodies are validated before they are stored; one that is not parses to zeros)."""
+    tensors = body.get("tensors") if isinstance(body, dict) else None
+    buckets = body.get("buckets_bytes") if isinstance(body, dict) else None
+    tensors = tensors if isinstance(tensors, list) else []
+    buckets = buckets if isinstance(buckets, list) else []
+    number = (int, float)
+    return {"tensors": len(tensors),
+            "params": int(sum(t.get("numel", 0) for t in tensors if isinstance(t, dict)
+                              and isinstance(t.get("numel"), number))),
+            "grad_bytes": int(sum(b for b in buckets if isinstance(b, number))), "buckets": len(buckets),
+            "source": str(body.get("source", "api")) if isinstance(body, dict) else "api"}
+
+
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
 
 
@@ -123,7 +151,9 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0006_decision_clients", _m0006_decision_clients),
     ("0007_profile_owners", _m0007_profile_owners),
     ("0008_job_claims", _m0008_job_claims),
+    ("0009_profile_summaries", _m0009_profile_summaries),
 ]
+WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
 
 
 def register_hint(name: str, db: str) -> str:
@@ -255,6 +285,7 @@ class Store:
                 db.enable_wal()
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA foreign_keys=ON")
+            db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._local.db = db
             with self._lock:
                 self._all.append(conn)
@@ -378,30 +409,59 @@ class Store:
         """Insert or replace a profile; True when it was new.
 
         Args:
-            owner: the uid of the job that makes it (None: a token); a replaced profile keeps its first owner.
+            owner: who makes it: the uid of a job, None for a token (the site's). A new profile is its maker's;
+                a replaced one becomes its replacer's (an admin replacing a user's profile makes it the site's).
+                Who may replace whose is the API's decision (predictor.api.profiles.register).
             quota: ``(profiles, bytes)`` the owner may hold at most, checked in the same transaction.
 
         Raises:
-            QuotaExceeded: a new profile would take the owner past ``quota``.
+            QuotaExceeded: the write would take the owner past ``quota``.
         """
         now = time.time()
         text = json.dumps(body, allow_nan=False)
+        summary = json.dumps(profile_summary(body))
         db = self.db
         with self._write():
-            row = db.execute("SELECT created_at_s, owner FROM profiles WHERE name = ?", [name]).fetchone()
-            if row is None and owner is not None and quota is not None:
-                count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM profiles WHERE owner = ?",
-                                         [owner]).fetchone()
+            row = db.execute("SELECT created_at_s, owner, bytes FROM profile_summaries WHERE name = ?",
+                             [name]).fetchone()
+            if owner is not None and quota is not None:
+                count, held = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM profile_summaries "
+                                         "WHERE owner = ? AND name != ?", [owner, name]).fetchone()
                 if count + 1 > quota[0] or held + len(text) > quota[1]:
                     raise QuotaExceeded(f"uid {owner} holds {count} profiles of {held} bytes; a new one of "
                                         f"{len(text)} bytes passes the quota of {quota[0]} profiles, {quota[1]} bytes")
-            created, first_owner = (row[0], row[1]) if row else (now, owner)
+            created = row[0] if row else now
             db.execute("INSERT INTO profiles (name, body, created_at_s, updated_at_s, owner, bytes) "
                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body, "
-                       "updated_at_s = excluded.updated_at_s, bytes = excluded.bytes",
-                       [name, text, created, now, first_owner, len(text)])
+                       "updated_at_s = excluded.updated_at_s, owner = excluded.owner, bytes = excluded.bytes",
+                       [name, text, created, now, owner, len(text)])
+            db.execute("INSERT INTO profile_summaries (name, owner, bytes, created_at_s, updated_at_s, summary) "
+                       "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET owner = excluded.owner, "
+                       "bytes = excluded.bytes, updated_at_s = excluded.updated_at_s, summary = excluded.summary",
+                       [name, owner, len(text), created, now, summary])
             self._bump()
         return row is None
+
+    def profile_owner(self, name: str) -> tuple[bool, int | None]:
+        """``(exists, owner)``: whether a profile of that name is stored, and its owner's uid (None: the site's,
+        registered with a token or imported)."""
+        row = self.db.execute("SELECT owner FROM profile_summaries WHERE name = ?", [name]).fetchone()
+        return (False, None) if row is None else (True, row[0])
+
+    def profile_summaries(self, limit: int | None = None, after: str | None = None) -> list[dict]:
+        """Profiles by name without their bodies: ``{"name", "owner", "bytes", "created_at_s", "updated_at_s",
+        "tensors", "params", "grad_bytes", "buckets", "source"}``; ``after`` pages on from a name."""
+        sql = "SELECT name, owner, bytes, created_at_s, updated_at_s, summary FROM profile_summaries"
+        params: list[Any] = []
+        if after is not None:
+            sql += " WHERE name > ?"
+            params.append(after)
+        sql += " ORDER BY name"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [{"name": n, "owner": o, "bytes": b, "created_at_s": c, "updated_at_s": u, **json.loads(summary)}
+                for n, o, b, c, u, summary in self.db.execute(sql, params)]
 
     def get_profile(self, name: str) -> dict:
         """The stored profile body.

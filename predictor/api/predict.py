@@ -17,6 +17,7 @@ from flask import Blueprint, Response, request
 
 from predictor import planner
 from predictor.api import authenticator, client_address, identified, json_body, metrics, services
+from predictor.api.profiles import readable_by
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
@@ -113,14 +114,67 @@ def version_wait(body: dict | None) -> tuple[int | None, timedelta]:
     return _min_model_version(raw["min_model_version"]), wait
 
 
-def lookup_profile(svc, name: str, models: ModelView | None = None) -> Profile:
+def lookup_profile(svc, name: str, models: ModelView | None = None, reader: tuple[int | None, bool] | None = None
+                   ) -> Profile:
     """The profile the model was fitted with, else the stored one (registered since the last fit).
 
+    Args:
+        reader: ``(uid, trusted)`` of who asks (`_reader`): a profile a user's job registered is found only for
+            that user (predictor.api.profiles.readable_by); None: anyone's.
+
     Raises:
-        NotFoundError: unknown profile (404 with a hint).
+        NotFoundError: unknown profile, or another user's (404 with a hint).
     """
+    if reader is not None:
+        _check_readable(svc, name, reader)
     profile = (models or svc.models).profile(name)
     return profile if profile is not None else Profile.from_dict(svc.store.get_profile(name))
+
+
+def _check_readable(svc, name: str, reader: tuple[int | None, bool]) -> bool:
+    """Whether ``name`` is a user's profile that ``reader`` may use (True), the site's or unknown (False).
+
+    Raises:
+        NotFoundError: another user's profile (#24.6: it never decides this reader's plans or predictions).
+    """
+    exists, owner = svc.store.profile_owner(name)
+    if not exists or owner is None:
+        return False
+    if not readable_by(owner, *reader):
+        raise NotFoundError("profile", name, f"profile {name!r} was registered by a job of uid {owner}: only that "
+                                             "user's jobs (and the tool and admin tokens) use it; register your own "
+                                             "under another name, or ask an admin to register it for the site")
+    return True
+
+
+def _reader(uid: int | None = None) -> tuple[int | None, bool]:
+    """``(uid, trusted)`` of the current request: a job credential's uid, else ``uid`` (what a plan request names);
+    trusted when it holds a token or the service takes no credentials."""
+    who = identified()
+    if who.kind == "job":
+        uid = who.uid
+    return uid, who.kind in ("tool", "admin") or authenticator().writes_open
+
+
+class _OwnedProfiles:
+    """A `ModelView` for one plan whose `profile(name)` gives a user's profile only to that user (the planner's
+    unknown-model answer for anyone else); `user_owned` tells whether the plan came from a user's profile (the
+    hook must not reuse such a decision for another user: its cache key has no uid)."""
+
+    def __init__(self, svc, models: ModelView, uid: int | None):
+        self._svc, self._models, self._uid = svc, models, uid
+        self.user_owned = False
+
+    def __getattr__(self, name):
+        return getattr(self._models, name)
+
+    def profile(self, name: str):
+        try:
+            if _check_readable(self._svc, name, _reader(self._uid)):
+                self.user_owned = True
+        except NotFoundError:
+            return None
+        return self._models.profile(name)
 
 
 def enumerate_candidates(cluster, gpu: str, partition: str | None, max_gpus: int | None) -> list[dict]:
@@ -181,7 +235,7 @@ def predict():
         candidates = enumerate_candidates(svc.cluster, gpu, partition, max_gpus)
     min_version, wait = version_wait(body)
     models = svc.models.view(min_version, wait)
-    profile = lookup_profile(svc, name, models)
+    profile = lookup_profile(svc, name, models, _reader())
     predictions = models.predict(profile, gpu, batch, candidates)
     return {"profile": name, "gpu": gpu, "per_gpu_batch": batch, "model_version": models.version,
             "model_generation": models.generation, "known": models.known(name, gpu),
@@ -205,13 +259,16 @@ def plan():
     if plan_request.current is not None and asking is not None and _is_job(identified(), asking):
         plan_request = dataclasses.replace(plan_request, own_job=asking)
     models = svc.models.view(*version_wait(None))
-    response = planner.plan(plan_request, svc.cluster, models, svc.config.default_min_efficiency,
+    scoped = _OwnedProfiles(svc, models, plan_request.job.get("uid"))
+    response = planner.plan(plan_request, svc.cluster, scoped, svc.config.default_min_efficiency,
                             svc.config.max_plan_candidates, svc.config.db_path)
     response.setdefault("model_version", models.version)     # keeps name the model in use too
     response["model_generation"] = models.generation
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a
     # model, profile or history is not reused, since it changes as soon as the admin or a job supplies it.
-    ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None else 0
+    # Nor one made from a user's own profile (#24.6): another user's identical request must not get it.
+    ttl = svc.config.plan_cache_ttl.total_seconds() \
+        if response.get("predicted") is not None and not scoped.user_owned else 0
     response["cache_ttl_s"] = round(ttl, 3)
     text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
                                        models.version, client_address())

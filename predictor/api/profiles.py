@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from flask import Blueprint
+from flask import Blueprint, request
 
 from predictor.api import AuthError, authenticator, caller, json_body, services, write_access
 from predictor.errors import ValidationError
@@ -18,24 +18,38 @@ MAX_EXTRA_FIELD_BYTES = 16 * 1024  # a field beyond the profile's own (#14.7: a 
 JOB_PROFILE_QUOTA = (32, 16 * 1024 * 1024)
 
 
+LIST_LIMIT = 100          # profiles a listing returns by default (?limit=, at most LIST_MAX)
+LIST_MAX = 1000
+
+
 def summary(profile: Profile) -> dict:
     return {"name": profile.name, "tensors": len(profile.tensors), "params": profile.n_params,
             "grad_bytes": profile.grad_bytes, "buckets": len(profile.buckets_bytes), "source": profile.source}
 
 
+def _owner_text(owner: int | None) -> str:
+    return "the site's (registered with a token)" if owner is None else f"uid {owner}'s"
+
+
 def register(store, body, may_replace: bool = True, owner: int | None = None) -> tuple[Profile, bool]:
     """Validate and store a profile body; returns (profile, created).
 
+    A name is owned by who registered it (#24.6): a job's user (its uid), or the site (a token, the importer).
+    Anyone may re-post a profile unchanged (nothing is written); only an admin (`may_replace`) replaces one, and
+    an admin's (or a token's) write makes the profile the site's. A user's profile serves only that user's plans
+    and predictions (`readable_by`).
+
     Args:
-        may_replace: False (a job credential, or the tool token while an admin token is configured): an existing
-            profile may only be re-posted unchanged.
-        owner: the uid of the job registering it (None: a token): a new profile counts against that user's
-            `JOB_PROFILE_QUOTA`.
+        may_replace: True for an admin (the admin token; the tool token while none is set): replaces anyone's.
+        owner: the uid of the job registering it (None: a token): a new or replaced profile counts against that
+            user's `JOB_PROFILE_QUOTA`.
 
     Raises:
         ValidationError: naming the bad field (`name`, `tensors[3].numel`).
-        AuthError: 403 `admin_required` when replacing is not allowed and the body differs; 403
-            `profile_quota` when a new profile would take its owner past the quota.
+        AuthError: 403 `name_owned` when a job's body differs from another owner's (a user's or the site's)
+            profile of that name, `admin_required` when it differs from its own user's or a token that does not
+            administer would replace one; 403 `profile_quota` when a new profile would take its owner past the
+            quota; 403 `reserved_name` (`_check_well_known`).
     """
     if isinstance(body, dict) and isinstance(body.get("name"), str) and not NAME_RE.match(body["name"]):
         raise ValidationError("name", f"must match {NAME_RE.pattern} (the `model=` directive grammar)")
@@ -54,11 +68,20 @@ def register(store, body, may_replace: bool = True, owner: int | None = None) ->
                 raise ValidationError(key, f"an extra profile field is kept as given, up to {MAX_EXTRA_FIELD_BYTES} "
                                            "bytes of JSON")
         stored.update(extra)
-    if not may_replace and store.has_profile(profile.name) and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
+    # an admin replaces anyone's (and the importer's parse, a stand-in store, has no owners)
+    exists, current_owner = (False, None) if may_replace else store.profile_owner(profile.name)
+    if exists and not may_replace and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
+        if owner is not None and current_owner != owner:
+            used = "" if current_owner is None else ", and your jobs' plans do not use it"
+            raise AuthError(403, f"name: profile {profile.name!r} is {_owner_text(current_owner)}: only an admin may "
+                                 f"replace it{used}; name your profile after your own model (e.g. with your user "
+                                 "name), or ask an admin to register it for the site", "name", "name_owned")
         raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
                              "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN; the tool token while none is set)", "name",
                         "admin_required")
-    if owner is None:  # a token (or the importer's parse): not bound to a user
+    if exists and not may_replace:
+        return profile, False                     # re-posted unchanged: nothing is written, the owner stays
+    if owner is None:  # a token (or the importer's parse): the site's, not bound to a user
         return profile, store.put_profile(profile.name, stored)
     _check_well_known(store, profile)
     try:
@@ -66,6 +89,18 @@ def register(store, body, may_replace: bool = True, owner: int | None = None) ->
     except QuotaExceeded as exc:
         raise AuthError(403, f"name: {exc}; ask an admin to register it", "name", "profile_quota") from None
     return profile, created
+
+
+def readable_by(owner: int | None, reader: int | None, trusted: bool) -> bool:
+    """Whether a profile of ``owner`` (None: the site's) is used for a plan or prediction asked for ``reader``
+    (a job's uid, or the uid a plan request names), #24.6: a user's profile serves that user's jobs only, so a name
+    one user registered first never decides another user's plans. ``trusted``: the caller holds a token or the
+    service takes no credentials (it sees every profile when it names no uid)."""
+    if owner is None:
+        return True
+    if reader is not None:
+        return reader == owner
+    return trusted
 
 
 def _check_well_known(store, profile: Profile) -> None:
@@ -101,13 +136,24 @@ def create():
 
 @bp.get("")
 def index():
-    rows = services().store.list_profiles()
-    items = []
-    for row in rows:
-        item = summary(Profile.from_dict(row["body"]))
-        item.update(created_at_s=row["created_at_s"], updated_at_s=row["updated_at_s"])
-        items.append(item)
-    return {"profiles": items}
+    """Summaries, by name, a page at a time (#24.6: no body is read): `?limit=` (default `LIST_LIMIT`, at most
+    `LIST_MAX`) and `?after=<name>` (the `next` of the previous page; null on the last)."""
+    limit = _limit(request.args.get("limit"))
+    after = request.args.get("after")
+    if after is not None and (len(after) > 200 or not after):
+        raise ValidationError("after", "expected the `next` name of the previous page")
+    rows = services().store.profile_summaries(limit + 1, after)
+    items = [{k: row[k] for k in ("name", "tensors", "params", "grad_bytes", "buckets", "source", "owner", "bytes",
+                                  "created_at_s", "updated_at_s")} for row in rows[:limit]]
+    return {"profiles": items, "next": items[-1]["name"] if len(rows) > limit else None}
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return LIST_LIMIT
+    if not raw.isdigit() or not 1 <= int(raw) <= LIST_MAX:
+        raise ValidationError("limit", f"expected an integer in 1..{LIST_MAX}")
+    return int(raw)
 
 
 @bp.get("/<path:name>")
