@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import http.client
 import json
@@ -473,13 +474,25 @@ def item5_hostile_tables(work: Path):
     return run
 
 
+def table_mb(db: Path) -> dict:
+    """MB each table (with its indexes) of ``db`` holds, by SQLite's dbstat (empty where it is not compiled in)."""
+    import sqlite3  # noqa: PLC0415
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as con:
+            rows = con.execute("SELECT s.name, m.tbl_name, SUM(s.pgsize) FROM dbstat s JOIN sqlite_master m "
+                               "ON m.name = s.name GROUP BY m.tbl_name").fetchall()
+    except sqlite3.Error:
+        return {}
+    return {table: size / 2**20 for _, table, size in rows}
+
+
 def item6_profiles(service: hc.Service, lab: Lab, count: int):
     """One job's `count` profiles of 3.85 MB, a squat on `llama-70b`, then three anonymous readers."""
     def run(tally):
         job = lab.sbatch("-N1", "--gres=gpu:4", "-t", "10", "--chdir=/tmp", "-o", "/dev/null", "--wrap", "sleep 600",
                          user=ATTACKER)
         lab.wait_state(job, ("RUNNING",), 60)
-        db0 = hc.db_mb(service.db)
+        db0, tables0 = hc.db_mb(service.db), table_mb(service.db)
         t0 = time.perf_counter()
         _, listing = request(service.port, "GET", "/v1/profiles")
         list_ms0 = (time.perf_counter() - t0) * 1000
@@ -497,7 +510,20 @@ def item6_profiles(service: hc.Service, lab: Lab, count: int):
                                                              {"name": "b", "numel": 1, "dtype": "float32"}]}).encode()
         status, answer = send(service.port, tally, "POST", "/v1/profiles", squat, lab.sign(squat, job))
         squat_result = f"{status} {json.loads(answer or b'{}').get('reason', '')}".strip()
-        db1 = hc.db_mb(service.db)
+        # whose plans the squat decides: another user's (target: none, the unknown-model keep) and the attacker's own
+        squat_plans = {}
+        fresh_s, _ = wait_fresh(service.port, 60)   # the fitted model has the squat (a plan reads fitted profiles)
+        for who, uid in (("another user", 4242), (ATTACKER, pwd.getpwnam(ATTACKER).pw_uid)):
+            plan_body = {"source": "job_submit", "directives": ["#ELASTIC model=llama-70b gpus=4-16 per_gpu_batch=64"],
+                         "job": {"partition": "debug", "user": "victim" if uid == 4242 else ATTACKER, "uid": uid}}
+            status, answer = request(service.port, "POST", "/v1/plan", json.dumps(plan_body).encode())
+            reply = json.loads(answer or b"{}")
+            squat_plans[who] = ("unknown model" in str(reply.get("reason")), reply.get("cache_ttl_s"))
+        db1, tables1 = hc.db_mb(service.db), table_mb(service.db)
+        grown = {t: tables1[t] - tables0.get(t, 0.0) for t in tables1 if tables1[t] - tables0.get(t, 0.0) >= 0.05}
+        wal_mb = (Path(f"{service.db}-wal").stat().st_size / 2**20) if Path(f"{service.db}-wal").exists() else 0.0
+        # the victim's /v1/plan decisions (20/s all through the item) are not the attacker's
+        attack_growth = db1 - db0 - grown.get("decisions", 0.0)
         stop, read_ms = threading.Event(), collections.defaultdict(list)
 
         def reader(path):
@@ -516,13 +542,22 @@ def item6_profiles(service: hc.Service, lab: Lab, count: int):
         lab.cancel(job)
         accepted = sum(n for k, n in reasons.items() if k.startswith("20"))
         bound_mb = 16 * 1.048576
-        passed = (db1 - db0 <= bound_mb + 2 and squat_result.startswith("403")
-                  and all(k.startswith(("20", "403 profile_quota")) for k in reasons))
+        list_p50, admin_p50 = quantile_ms(read_ms['/v1/profiles'], .5), quantile_ms(read_ms['/admin'], .5)
+        other_unknown = squat_plans["another user"][0]
+        # the squat may stand as the attacker's own name (201) or be refused (403): it must decide no one else's plan
+        passed = (attack_growth <= bound_mb + 2 and (squat_result.startswith("403") or other_unknown)
+                  and all(k.startswith(("20", "403 profile_quota")) for k in reasons)
+                  and list_p50 <= P99_TARGET_MS and admin_p50 <= P99_TARGET_MS)
+        plans = "; ".join(f"{who}'s plan of llama-70b: {'unknown model (not from the squat)' if unknown else 'from it'}"
+                          f", cache_ttl_s {ttl}" for who, (unknown, ttl) in squat_plans.items())
         return (f"job {job} of {ATTACKER}: {sum(reasons.values())} profiles of {size_mb:.2f} MB: {dict(reasons)} "
-                f"({accepted} stored); DB {db0:.1f} -> {db1:.1f} MB (bound: 32 profiles, 16 MiB a user); squat on "
-                f"'llama-70b' with 2 tensors: {squat_result} (target 403 reserved_name); 3 anonymous readers for 10 s: "
-                f"GET /v1/profiles p50 {quantile_ms(read_ms['/v1/profiles'], .5):.0f} ms (one before the attack "
-                f"{list_ms0:.0f} ms), GET /admin p50 {quantile_ms(read_ms['/admin'], .5):.0f} ms"), passed
+                f"({accepted} stored); DB {db0:.1f} -> {db1:.1f} MB, {attack_growth:.1f} MB without the victim's decisions "
+                f"(bound: 32 profiles, 16 MiB a user, + 2 MB; grown by table: "
+                f"{', '.join(f'{t} {mb:.1f}' for t, mb in sorted(grown.items(), key=lambda kv: -kv[1]))}; "
+                f"WAL {wal_mb:.1f} MB); squat on "
+                f"'llama-70b' with 2 tensors: {squat_result} ({plans}; target: 403, or no other user's plan from "
+                f"it; asked {fresh_s:.1f} s after, once the model had it); 3 anonymous readers for 10 s: GET /v1/profiles p50 {list_p50:.0f} ms (one before the attack "
+                f"{list_ms0:.0f} ms), GET /admin p50 {admin_p50:.0f} ms (target <= {P99_TARGET_MS:g} ms each)"), passed
     return run
 
 
@@ -797,7 +832,11 @@ exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1
         if records.exists():
             said = next((f"launch config says predictor_token={json.loads(line).get('predictor_token')!r}"
                          for line in records.read_text().splitlines() if '"predictor_token"' in line), "")
-        passed = not found and records.exists() and (job_dir / "job.out").exists()
+        out_file = job_dir / "job.out"
+        if state != "COMPLETED" and out_file.exists():   # why the job failed, in the row itself
+            tail = out_file.read_text(errors="replace").strip().splitlines()[-3:]
+            said += f"; job.out ends: {' / '.join(line[:200] for line in tail) or '(empty)'}"
+        passed = not found and records.exists() and out_file.exists()
         return (f"launcher job {job} ({state}) with the token exported: the token appears in {found or 'no file'} "
                 f"of its run dir and .out (target: none; modes {modes}); {said}"), passed
     return run
@@ -929,6 +968,8 @@ def main(argv=None) -> int:
     ap.add_argument("--credentials", type=int, default=600, help="item 4's credentials")
     ap.add_argument("--profiles", type=int, default=100, help="item 6's profiles")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--keep-work", action="store_true",
+                    help="keep the work directory (service logs, item 15's launcher job dir and job.out) and print it")
     args = ap.parse_args(argv)
     items = tuple(int(x) for x in args.items.split(",") if x)
     started, load = time.time(), os.getloadavg()[0]
@@ -937,7 +978,10 @@ def main(argv=None) -> int:
         rows = run_all(args.root.resolve(), items, args.lab, work, args)
     finally:
         subprocess.run(["umount", str(work / "full")], capture_output=True, check=False)
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep_work:
+            print(f"work directory kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     header = (f"{len(os.sched_getaffinity(0))} usable cores shared with other work (load average {load:.2f} before, "
               f"{os.getloadavg()[0]:.2f} after), Python {platform.python_version()}, {date.today().isoformat()}, "
               f"{time.time() - started:.0f} s; victim: POST /v1/plan at {PLAN_RATE:g}/s from {VICTIM_ADDRESS}, "
