@@ -10,10 +10,10 @@ the same run (phases run round-robin, so the drift of a shared host spreads over
     on           hook installed, jobs carry #ELASTIC lines, `elastic-predictor serve` answers (rewrite); every
                  submission is the same request, so after the first one the hook's decision cache answers
     on-distinct  the same, but every submission differs in a decision-relevant field (its own
-                 `#ELASTIC min_efficiency=` value): the decision cache never hits; the first submission's
-                 prediction table (same partition, model, GPU type, per-GPU batch) decides the rest in the hook
-    on-distinct-batch  every submission has its own `per_gpu_batch`: neither cache can answer, every
-                 submission asks the service (the cost the table saves)
+                 `#ELASTIC min_efficiency=` value): the decision cache never hits; the decision bands of the
+                 first reply (its decision for every other min_efficiency) answer the rest in the hook
+    on-distinct-batch  every submission has its own `per_gpu_batch`: no cached decision answers, every
+                 submission asks the service (the cost the bands save)
     on-static    the same against a static /v1/plan in its own process, which sends no cache_ttl_s (never
                  cached): the hook's own cost of a round trip, without the service's
     on-plain     hook installed, jobs without #ELASTIC lines (must cost nothing)
