@@ -58,14 +58,18 @@ def profile_record(root: Path) -> dict:
     return dict(json.loads(out.stdout), kind="profile")
 
 
-def seed(root: Path, db: Path) -> None:
+def seed(root: Path, db: Path, steps: list[dict] | None = None) -> None:
+    """Imports ResNet-50's profile, ``steps`` (default: five layouts of it) and all-reduce sweeps into ``db``."""
     lines = [profile_record(root)]
-    for layout in ([1], [2], [4], [2, 2], [4, 4]):
-        step = {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": layout, "intra_link": "nvlink",
-                "per_gpu_batch": 64, "iter_s": 0.03 * (1 + 0.05 * len(layout) + 0.01 * sum(layout))}
-        if len(layout) > 1:
-            step["inter_link"] = "ib"
-        lines.append(step)
+    if steps is None:
+        steps = []
+        for layout in ([1], [2], [4], [2, 2], [4, 4]):
+            step = {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": layout, "intra_link": "nvlink",
+                    "per_gpu_batch": 64, "iter_s": 0.03 * (1 + 0.05 * len(layout) + 0.01 * sum(layout))}
+            if len(layout) > 1:
+                step["inter_link"] = "ib"
+            steps.append(step)
+    lines += steps
     for link, bandwidth in (("nvlink", 3e11), ("ib", 2.5e10)):
         for world in (2, 4, 8):
             for size in (1 << 20, 1 << 24, 1 << 27):
@@ -101,14 +105,16 @@ def _rss_mb(pid: int) -> float:
 
 
 class Service:
-    """`elastic-predictor serve` from a checkout, on a free loopback port, in its own process group."""
+    """`elastic-predictor serve` from a checkout, on a free loopback port, in its own process group; ``extra_env``
+    is added to its environment (an admin token, munge on)."""
 
-    def __init__(self, root: Path, db: Path, workers: int, log: Path):
+    def __init__(self, root: Path, db: Path, workers: int, log: Path, extra_env: dict | None = None):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
-        env.update(ELASTIC_PREDICTOR_TOKEN=TOKEN, ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES=str(16 * 1024 * 1024))
+        env.update(ELASTIC_PREDICTOR_TOKEN=TOKEN, ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES=str(16 * 1024 * 1024),
+                   **(extra_env or {}))
         self.log = open(log, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1",
                                       "--port", str(self.port), "--db", str(db), "--workers", str(workers)],
@@ -157,8 +163,10 @@ class Service:
 
 
 def request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-            timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+            timeout: float = REQUEST_TIMEOUT_S, source: str | None = None) -> tuple[int, bytes]:
+    """One request on a fresh connection (``source``: the local address to send from, e.g. 127.0.0.2)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout,
+                                      source_address=(source, 0) if source else None)
     try:
         conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()

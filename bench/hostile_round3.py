@@ -64,14 +64,7 @@ ALL_ITEMS = (1, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16)
 # --- clients ------------------------------------------------------------------------------------------------------
 def request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
             source: str | None = None, timeout: float = 90.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout,
-                                      source_address=(source, 0) if source else None)
-    try:
-        conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+    return hc.request(port, method, path, body, headers, timeout, source)
 
 
 def send(port: int, tally: hc.Tally, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -182,24 +175,7 @@ def wait_fresh(port: int, timeout_s: float = 120.0) -> tuple[float, dict]:
     return float("inf"), health
 
 
-class Service(hc.Service):
-    """hostile_clients.Service (round 2's service: `serve`'s default front end, the tool token, decisions budget
-    16 MiB) with ``extra_env`` added to its environment (an admin token; munge on)."""
-
-    def __init__(self, root: Path, db: Path, workers: int, log: Path, extra_env: dict | None = None):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
-        env.update(ELASTIC_PREDICTOR_TOKEN=hc.TOKEN, ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES=str(16 * 1024 * 1024),
-                   **(extra_env or {}))
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--db", str(db), "--workers", str(workers)],
-                                     cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.workers = workers
-        self.db = db
+Service = hc.Service  # round 2's service: `serve`'s default front end, the tool token, decisions budget 16 MiB
 
 
 def tree_pids(root_pid: int) -> list[int]:
@@ -307,16 +283,7 @@ class Lab:
 # --- seeding: eight honest jobs' history (tests/unit/test_poisoning.py) ---------------------------------------------
 def seed_history(root: Path, db: Path) -> None:
     from tests.unit.test_poisoning import _history  # noqa: PLC0415
-    lines = [hc.profile_record(root)] + _history()
-    for link, bandwidth in (("nvlink", 3e11), ("ib", 2.5e10)):
-        for world in (2, 4, 8):
-            for size in (1 << 20, 1 << 24, 1 << 27):
-                lines.append({"kind": "collective", "op": "allreduce", "link": link, "world": world, "bytes": size,
-                              "seconds": 2e-5 + 2 * (world - 1) / world * size / bandwidth})
-    jsonl = db.with_suffix(".jsonl")
-    jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    subprocess.run([sys.executable, "-m", "predictor.cli", "import", "--db", str(db), str(jsonl)], cwd=root,
-                   check=True, stdout=subprocess.DEVNULL)
+    hc.seed(root, db, _history())
 
 
 VICTIM_PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64"],

@@ -451,15 +451,8 @@ class Store:
     def profile_summaries(self, limit: int | None = None, after: str | None = None) -> list[dict]:
         """Profiles by name without their bodies: ``{"name", "owner", "bytes", "created_at_s", "updated_at_s",
         "tensors", "params", "grad_bytes", "buckets", "source"}``; ``after`` pages on from a name."""
-        sql = "SELECT name, owner, bytes, created_at_s, updated_at_s, summary FROM profile_summaries"
-        params: list[Any] = []
-        if after is not None:
-            sql += " WHERE name > ?"
-            params.append(after)
-        sql += " ORDER BY name"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
+        sql, params = _select("SELECT name, owner, bytes, created_at_s, updated_at_s, summary FROM profile_summaries",
+                              ("name > ?", after), "name", limit)
         return [{"name": n, "owner": o, "bytes": b, "created_at_s": c, "updated_at_s": u, **json.loads(summary)}
                 for n, o, b, c, u, summary in self.db.execute(sql, params)]
 
@@ -537,15 +530,7 @@ class Store:
 
     def observations(self, kind: str | None = None, limit: int | None = None) -> list[dict]:
         """Stored records (oldest first), optionally of one kind, each with its `id`."""
-        sql = "SELECT id, body FROM observations"
-        params: list[Any] = []
-        if kind is not None:
-            sql += " WHERE kind = ?"
-            params.append(kind)
-        sql += " ORDER BY id"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
+        sql, params = _select("SELECT id, body FROM observations", ("kind = ?", kind), "id", limit)
         return [dict(json.loads(body), id=oid) for oid, body in self.db.execute(sql, params)]
 
     def step_pairs(self) -> set[tuple[str, str]]:
@@ -747,3 +732,16 @@ class Store:
     def link_fits(self) -> list[dict]:
         rows = self.db.execute("SELECT model_version, stats, fitted_at_s FROM link_fits ORDER BY id").fetchall()
         return [{"model_version": v, "fitted_at_s": t, **json.loads(s)} for v, s, t in rows]
+
+
+def _select(sql: str, where: tuple[str, Any], order: str, limit: int | None) -> tuple[str, list[Any]]:
+    """``sql`` with ``WHERE where[0]`` when its value ``where[1]`` is not None, ordered, and limited."""
+    params: list[Any] = []
+    if where[1] is not None:
+        sql += f" WHERE {where[0]}"
+        params.append(where[1])
+    sql += f" ORDER BY {order}"
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(limit)
+    return sql, params

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import heldout  # noqa: E402
 from predictor import throughput  # noqa: E402
+from tests.unit.test_coldstart_bench import _spy_fits  # noqa: E402  (bench/coldstart.py's Predictor: the same class)
 
 FROZEN = ROOT / "bench" / "results" / "heldout_frozen_tm-2026.11.27-1.json"
 TOLERANCE = 0.2  # MAPE points a later release may lose on any collection, protocol, transport or regime: none
@@ -26,17 +27,6 @@ ACCEPTED = {("bench/data/coldstart", "leave one model out", "transport tcp"): 7.
 @pytest.fixture(scope="module")
 def fresh():
     return heldout.load(heldout.HELDOUT / "session12")
-
-
-def _spy_fits(monkeypatch) -> list:
-    seen = []
-    real_fit = heldout.Predictor.fit
-
-    def spy(self, profs, obs):
-        seen.append(obs)
-        return real_fit(self, profs, obs)
-    monkeypatch.setattr(heldout.Predictor, "fit", spy)
-    return seen
 
 
 def _cut(data, models=2):

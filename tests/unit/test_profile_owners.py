@@ -12,24 +12,12 @@ import pytest
 
 from predictor.store import WAL_SIZE_LIMIT, Store
 from tests.unit._service_fakes import PROFILE, STEP
-from tests.unit.test_auth import ADMIN, TOKEN, make_app, sign
+from tests.unit.test_auth import ADMIN, TOKEN, app, client, make_app, sign  # noqa: F401  (fixtures)
 
 SQUAT = {"name": "llama-70b", "tensors": [{"name": "a", "numel": 1, "dtype": "float32"},
                                           {"name": "b", "numel": 1, "dtype": "float32"}]}
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
 TOOL_H = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-
-
-@pytest.fixture
-def app(tmp_path):
-    app = make_app(tmp_path, token=TOKEN, admin_token=ADMIN, munge_auth=True)
-    yield app
-    app.extensions["elastic_predictor"].store.close()
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
 
 
 def post_signed(client, body: dict, job: int, uid: int):
