@@ -12,7 +12,7 @@ import pytest
 
 from predictor.store import WAL_SIZE_LIMIT, Store
 from tests.unit._service_fakes import PROFILE, STEP
-from tests.unit.test_auth import ADMIN, TOKEN, app, client, make_app, sign  # noqa: F401  (fixtures)
+from tests.unit.test_auth import ADMIN, TOKEN, app, client, sign  # noqa: F401  (app, client: fixtures)
 
 SQUAT = {"name": "llama-70b", "tensors": [{"name": "a", "numel": 1, "dtype": "float32"},
                                           {"name": "b", "numel": 1, "dtype": "float32"}]}
