@@ -13,7 +13,8 @@ import click
 from slurm_plugin.errors import TestbedError
 from slurm_plugin.lab.demo import LabLock, busy_message, demo_command, stop_lab_services
 from slurm_plugin.lab.testbed import Testbed
-from slurm_plugin.lab.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig, recorded_port_base
+from slurm_plugin.lab.testbed_conf import (DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig, recorded_gpus,
+                                           recorded_port_base)
 
 @click.group("testbed")
 def testbed_group() -> None:
@@ -27,10 +28,12 @@ def _lab_options(func):
                   help=f"First of the {PORT_SPAN} TCP ports the lab uses (env ELASTIC_SLURM_PORT_BASE; default: "
                        f"the one the lab last used, else {DEFAULT_PORT_BASE}).")
     @functools.wraps(func)
-    def wrapper(lab: Path, port_base: int | None, **kwargs):
+    def wrapper(lab: Path, port_base: int | None, gpus: str | None = None, **kwargs):
         lab = lab.absolute()
         base = port_base or recorded_port_base(lab) or DEFAULT_PORT_BASE
-        return func(Testbed(TestbedConfig(lab=lab, port_base=base)), **kwargs)
+        untyped = (gpus or recorded_gpus(lab) or "typed") == "untyped"
+        config = TestbedConfig(lab=lab, port_base=base, **({"gpu_types": ()} if untyped else {}))
+        return func(Testbed(config), **kwargs)
 
     return wrapper
 
@@ -40,11 +43,15 @@ def _timings(timings: dict[str, float]) -> str:
 
 
 @testbed_group.command()
+@click.option("--gpus", type=click.Choice(["typed", "untyped"]),
+              help="typed: GRES gpu:h100 / gpu:a100 and a partition per type (the default); untyped: plain "
+                   "`Gres=gpu:4` on every node and only the `debug` partition (what SchedMD's test_gpu_options.py "
+                   "needs). Default: what the lab last used, else typed.")
 @_lab_options
 def up(bed: Testbed) -> None:
     """Start the cluster (idempotent) and wait until all nodes are idle.
 
-    Example: elastic-slurm testbed up --lab /var/tmp/my-lab --port-base 16900
+    Example: elastic-slurm testbed up --lab /var/tmp/my-lab --port-base 16900 [--gpus untyped]
     """
     try:
         timings = bed.up()
@@ -54,7 +61,7 @@ def up(bed: Testbed) -> None:
             hint = f"\n(stop what did start with: elastic-slurm testbed down --lab {bed.config.lab})"
         raise click.ClickException(f"{exc}{hint}") from exc
     click.echo(f"testbed up: {bed.config.nodes} nodes idle, lab {bed.config.lab}, "
-               f"port base {bed.config.port_base}")
+               f"port base {bed.config.port_base}, {'typed' if bed.config.gpu_types else 'untyped'} GPUs")
     click.echo(f"timings: {_timings(timings)}")
 
 

@@ -367,6 +367,7 @@ class Testbed:
             (lab / sub).mkdir(parents=True, exist_ok=True)
         lab.chmod(0o755)
         (cfg.etc / "port_base").write_text(f"{cfg.port_base}\n")
+        (cfg.etc / "gpus").write_text("typed\n" if cfg.gpu_types else "untyped\n")
         for path in cfg.gpu_files():
             if path.parent == lab / "dev" and not path.is_char_device():
                 path.unlink(missing_ok=True)

@@ -154,6 +154,16 @@ class TestbedConfig:
         return files
 
 
+def recorded_gpus(lab: Path) -> str | None:
+    """`typed` or `untyped`: the GPUs `up` last gave `lab` (None for a lab never started, or started before this
+    was recorded: typed)."""
+    try:
+        value = (lab / "etc" / "gpus").read_text().strip()
+    except OSError:
+        return None
+    return value if value in ("typed", "untyped") else None
+
+
 def recorded_port_base(lab: Path) -> int | None:
     """The port base `up` last used for `lab` (None for a lab never started).
 

@@ -1,0 +1,39 @@
+"""`elastic-slurm testbed up --gpus untyped` (#26.3): the lab's GPUs as plain GRES, remembered for later commands."""
+from click.testing import CliRunner
+
+from slurm_plugin.lab import cli as lab_cli
+from slurm_plugin.lab import testbed_conf
+from slurm_plugin.lab.testbed import Testbed
+
+
+def _run(monkeypatch, args, lab):
+    seen = []
+
+    def fake_up(self):
+        seen.append(self.config)
+        (self.config.lab / "etc").mkdir(parents=True, exist_ok=True)
+        (self.config.etc / "gpus").write_text("typed\n" if self.config.gpu_types else "untyped\n")  # as up() does
+        return {}
+    monkeypatch.setattr(Testbed, "up", fake_up)
+    monkeypatch.setattr(Testbed, "status", lambda self: [])
+    result = CliRunner().invoke(lab_cli.testbed_group, ["up", "--lab", str(lab), "--port-base", "17000", *args])
+    assert result.exit_code == 0, result.output
+    return seen[-1], result.output
+
+
+def test_untyped_lab_has_plain_gres_and_only_the_debug_partition(monkeypatch, tmp_path):
+    cfg, out = _run(monkeypatch, ["--gpus", "untyped"], tmp_path / "lab")
+    assert cfg.gpu_types == () and "untyped GPUs" in out
+    conf = testbed_conf.slurm_conf(cfg, [])
+    assert "Gres=gpu:4 " in conf and "gpu:h100" not in conf and "PartitionName=h100" not in conf
+    assert all(line.startswith("Name=gpu File=") for line in testbed_conf.gres_conf(cfg).splitlines())
+
+
+def test_the_lab_keeps_the_gpus_it_was_started_with_until_told_otherwise(monkeypatch, tmp_path):
+    lab = tmp_path / "lab"
+    assert _run(monkeypatch, [], lab)[0].gpu_types  # typed by default
+    _run(monkeypatch, ["--gpus", "untyped"], lab)
+    assert testbed_conf.recorded_gpus(lab) == "untyped"
+    assert _run(monkeypatch, [], lab)[0].gpu_types == ()  # a later `up` (and status, down, env) reads it
+    assert _run(monkeypatch, ["--gpus", "typed"], lab)[0].gpu_types
+
