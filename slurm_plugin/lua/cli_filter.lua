@@ -5,6 +5,7 @@
  can bypass it with their own SLURM_CONF, so it is a convenience: enforcement stays in job_submit.lua.
  The batch script is read from the path sbatch was given (scripts on stdin are not seen). The circuit
  breaker state lives in a small per-user file (each sbatch is a new process). See docs/hook.md.
+ Its helpers are global functions, as in Slurm's example scripts (the unit tests call them).
 ]]
 local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
 local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
@@ -34,7 +35,8 @@ local function script_of(options)
   return text
 end
 
--- One breaker file per user and predictor URL, in $XDG_RUNTIME_DIR (private) when set, else cli_state_dir.
+-- One breaker file per user and predictor URL, in $XDG_RUNTIME_DIR (private) when set, else cli_state_dir:
+-- "<failures> <open_until>". `write`: save the breaker `b` there, else load it.
 local function state_file(config)
   local f = io.open("/proc/self/status", "r")
   local status = f and f:read("*a") or ""
@@ -43,6 +45,91 @@ local function state_file(config)
   local url = tostring(config.predictor_url):gsub("^http://", ""):gsub("[^%w_.-]", "_")
   local dir = os.getenv("XDG_RUNTIME_DIR") or config.cli_state_dir
   return dir .. "/elastic-slurm-breaker." .. uid .. "." .. url
+end
+
+local function breaker_file(b, path, write)
+  local f = io.open(write and path .. ".tmp" or path, write and "w" or "r")
+  if not f then return end
+  if write then
+    f:write(string.format("%d %.3f\n", b.failures, b.open_until))
+    f:close()
+    os.rename(path .. ".tmp", path)
+    return
+  end
+  local failures, open_until = (f:read("*a") or ""):match("^(%d+) ([%d.]+)")
+  f:close()
+  b.failures, b.open_until = tonumber(failures) or 0, tonumber(open_until) or 0
+end
+
+local function option(options, name)
+  local v = options[name]
+  if v == nil or v == "" or v == "unset" then return nil end
+  return tostring(v)
+end
+
+-- An sbatch GPU option as a TRES list: --gres `[gres:]name[:type][:count],...` entry by entry, --gpus and
+-- --gpus-per-node `[type:]count` as the gpu entry.
+function option_tres(name, value)
+  if value == nil then return nil end
+  if name ~= "gres" then return "gres:gpu:" .. value end
+  local out = {}
+  for entry in value:gmatch("[^,]+") do out[#out + 1] = entry:match("^gres[:/]") and entry or ("gres:" .. entry) end
+  return table.concat(out, ",")
+end
+
+function job_from_options(options, time_str2mins)
+  local nodes = option(options, "nodes")
+  local min_nodes, max_nodes
+  if nodes then
+    local lo, hi = nodes:match("^(%d+)%-?(%d*)$")
+    min_nodes, max_nodes = tonumber(lo), tonumber(hi) or tonumber(lo)
+  end
+  local function positive(v)
+    v = tonumber(v)
+    if v and v >= 0 then return v end
+    return nil
+  end
+  local time = option(options, "time")
+  local switch = option(options, "switches")
+  return {
+    user = os.getenv("USER"), partition = option(options, "partition"), name = option(options, "job-name"),
+    min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = positive(option(options, "ntasks-per-node")),
+    tres_per_node = option(options, "gpus-per-node") and option_tres("gpus-per-node", option(options, "gpus-per-node"))
+      or option_tres("gres", option(options, "gres")),
+    tres_per_job = option_tres("gpus", option(options, "gpus")),
+    time_limit_min = time and time_str2mins and positive(elastic.num(time_str2mins(time))) or nil,
+    req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
+  }
+end
+
+-- Apply a rewrite reply to sbatch's options, by long option name. An option cannot be unset from Lua (an
+-- empty --gres becomes "gres:", which sbatch rejects), so each GPU option the user gave is set to its
+-- consistent value instead: --gpus to the total, --gres / --gpus-per-node to the per-node count.
+function apply_cli_options(options, reply)
+  local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
+  local per_task = option(options, "gpus-per-task")
+  if per_task and (not tasks or per_node == 0 or per_node % tasks ~= 0) then
+    return nil, elastic.per_task_split(per_node, tasks)
+  end
+  options["nodes"] = tostring(nodes)
+  local partition = elastic.moved_to(option(options, "partition"), reply)
+  if partition then options["partition"] = partition end
+  if reply.constraint then options["constraint"] = reply.constraint end
+  local gres = option(options, "gres")
+  if gres then
+    options["gres"] = (elastic.set_gpu_tres(option_tres("gres", gres), per_node, partition and (reply.gpu or "") or nil)
+                       :gsub("gres:", ""))
+  end
+  if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
+  if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
+  if per_task then options["gpus-per-task"] = tostring(per_node / tasks) end
+  if tasks then
+    options["ntasks-per-node"] = tostring(tasks)
+    if option(options, "ntasks") then options["ntasks"] = tostring(nodes * tasks) end
+  end
+  if reply.switches then options["switches"] = tostring(reply.switches) end
+  if reply.decision_id ~= nil then options["comment"] = elastic.comment_with(option(options, "comment"), reply.decision_id) end
+  return true
 end
 
 function slurm_cli_setup_defaults(options, early_pass)
@@ -66,8 +153,12 @@ function slurm_cli_pre_submit(options, pack_offset)
     options["no-kill"] = "set"
     slurm.log_verbose("elastic: --no-kill set: a node failure shrinks the job instead of ending it")
   end
-  local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s, state_file(cfg))
-  local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, elastic.job_from_options(options, slurm.time_str2mins)))
+  local path = state_file(cfg)
+  local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s)
+  breaker_file(breaker, path)
+  local before = breaker.failures .. " " .. breaker.open_until
+  local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, job_from_options(options, slurm.time_str2mins)))
+  if breaker.failures .. " " .. breaker.open_until ~= before then breaker_file(breaker, path, true) end
   if outcome.kind == "reject" then
     slurm.log_error("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "cli_filter"))
     return slurm.ERROR
@@ -76,7 +167,7 @@ function slurm_cli_pre_submit(options, pack_offset)
     return slurm.SUCCESS
   end
   if outcome.kind == "rewrite" then
-    local applied, why = elastic.apply_cli_options(options, outcome)
+    local applied, why = apply_cli_options(options, outcome)
     if not applied then
       slurm.log_info("%s", elastic.skip_message({ why = "plan not applied: " .. why }))
       return slurm.SUCCESS

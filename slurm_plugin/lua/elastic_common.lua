@@ -313,38 +313,15 @@ end
 -- service and must not turn the next `open_s` of submissions away unplanned (issue #26.3); a hung service
 -- times out every call, so it opens the breaker after k budgets (slurmctld runs the calls one at a time).
 -- The next call after `open_s` is a trial; a failure reopens it at once, a success closes it.
-function M.new_breaker(k, open_s, path)
+function M.new_breaker(k, open_s)
   local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
-              failures = 0, open_until = 0, path = path }
-  local function load()
-    local f = b.path and io.open(b.path, "r")
-    if not f then return end
-    local failures, open_until = (f:read("*a") or ""):match("^(%d+) ([%d.]+)")
-    f:close()
-    b.failures, b.open_until = tonumber(failures) or 0, tonumber(open_until) or 0
-  end
-  local function save()
-    if not b.path then return end
-    local tmp = b.path .. ".tmp"
-    local f = io.open(tmp, "w")
-    if not f then return end
-    f:write(string.format("%d %.3f\n", b.failures, b.open_until))
-    f:close()
-    os.rename(tmp, b.path)
-  end
-  function b.is_open(now)
-    load()
-    return b.open_until > now, b.open_until - now
-  end
-  function b.success()
-    if b.failures ~= 0 or b.open_until ~= 0 then b.failures, b.open_until = 0, 0; save() end
-  end
+              failures = 0, open_until = 0 }
+  function b.is_open(now) return b.open_until > now, b.open_until - now end
+  function b.success() b.failures, b.open_until = 0, 0 end
   function b.failure(now)
     b.failures = b.failures + 1
     if b.failures >= b.k then b.open_until = now + b.open_s end
-    save()
   end
-  load()
   return b
 end
 
@@ -488,17 +465,18 @@ local function counted(n, word)  -- "1 GPU", "2 GPUs" (predictor.records.counted
   return string.format("%d %s%s", n, word, n == 1 and "" or "s")
 end
 
-local function per_task_split(per_node, tasks)   -- the reason --gpus-per-task refuses a layout
+function M.per_task_split(per_node, tasks)   -- the reason --gpus-per-task refuses a layout
   return string.format("%s per node %s not split over %s (--gpus-per-task)", counted(per_node, "GPU"),
                        per_node == 1 and "does" or "do", tasks and counted(tasks, "task") or "the tasks")
 end
 
 
 -- ---------------------------------------------------------------- request / reply
-local function num(v, unset)
+local function num(v, unset)   -- nil for Slurm's unset sentinels
   if type(v) ~= "number" or v == unset or v == NO_VAL or v == INFINITE then return nil end
   return v
 end
+M.num = num
 
 local function str(v)
   if type(v) ~= "string" or v == "" then return nil end
@@ -717,7 +695,7 @@ function M.rewrite_fields(job_desc, reply)
   local per_task = gpu_count(job_desc.tres_per_task)
   if per_task then
     if not tasks or per_node % tasks ~= 0 or per_node == 0 then
-      return nil, per_task_split(per_node, tasks)
+      return nil, M.per_task_split(per_node, tasks)
     end
     f.tres_per_task = set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
     env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
@@ -773,78 +751,6 @@ function M.apply_job_desc(job_desc, reply)
     end
   end
   return changed
-end
-
--- ---------------------------------------------------------------- cli_filter side
-local function option(options, name)
-  local v = options[name]
-  if v == nil or v == "" or v == "unset" then return nil end
-  return tostring(v)
-end
-
--- An sbatch GPU option as a TRES list: --gres `[gres:]name[:type][:count],...` entry by entry, --gpus and
--- --gpus-per-node `[type:]count` as the gpu entry.
-local function option_tres(name, value)
-  if value == nil then return nil end
-  if name ~= "gres" then return "gres:gpu:" .. value end
-  local out = {}
-  for entry in value:gmatch("[^,]+") do out[#out + 1] = entry:match("^gres[:/]") and entry or ("gres:" .. entry) end
-  return table.concat(out, ",")
-end
-M.option_tres = option_tres
-
-function M.job_from_options(options, time_str2mins)
-  local nodes = option(options, "nodes")
-  local min_nodes, max_nodes
-  if nodes then
-    local lo, hi = nodes:match("^(%d+)%-?(%d*)$")
-    min_nodes, max_nodes = tonumber(lo), tonumber(hi) or tonumber(lo)
-  end
-  local function positive(v)
-    v = tonumber(v)
-    if v and v >= 0 then return v end
-    return nil
-  end
-  local time = option(options, "time")
-  local switch = option(options, "switches")
-  return {
-    user = os.getenv("USER"), partition = option(options, "partition"), name = option(options, "job-name"),
-    min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = positive(option(options, "ntasks-per-node")),
-    tres_per_node = option(options, "gpus-per-node") and option_tres("gpus-per-node", option(options, "gpus-per-node"))
-      or option_tres("gres", option(options, "gres")),
-    tres_per_job = option_tres("gpus", option(options, "gpus")),
-    time_limit_min = time and time_str2mins and positive(num(time_str2mins(time))) or nil,
-    req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
-  }
-end
-
--- Apply a rewrite reply to sbatch's options (cli_filter), by long option name. An option cannot be
--- unset from Lua (an empty --gres becomes "gres:", which sbatch rejects), so each GPU option the user gave
--- is set to its consistent value instead: --gpus to the total, --gres / --gpus-per-node to the per-node count.
-function M.apply_cli_options(options, reply)
-  local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
-  local per_task = option(options, "gpus-per-task")
-  if per_task and (not tasks or per_node == 0 or per_node % tasks ~= 0) then
-    return nil, per_task_split(per_node, tasks)
-  end
-  options["nodes"] = tostring(nodes)
-  local partition = M.moved_to(option(options, "partition"), reply)
-  if partition then options["partition"] = partition end
-  if reply.constraint then options["constraint"] = reply.constraint end
-  local gres = option(options, "gres")
-  if gres then
-    options["gres"] = (set_gpu_tres(option_tres("gres", gres), per_node, partition and (reply.gpu or "") or nil):gsub("gres:", ""))
-  end
-  if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
-  if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
-  if per_task then options["gpus-per-task"] = tostring(per_node / tasks) end
-  if tasks then
-    options["ntasks-per-node"] = tostring(tasks)
-    if option(options, "ntasks") then options["ntasks"] = tostring(nodes * tasks) end
-  end
-  if reply.switches then options["switches"] = tostring(reply.switches) end
-  if reply.decision_id ~= nil then options["comment"] = M.comment_with(option(options, "comment"), reply.decision_id) end
-  return true
 end
 
 return M

@@ -543,14 +543,14 @@ def test_installer_rejects_bad_options(tmp_path, url, budget_ms):
 
 
 def test_cli_filter_moves_the_options_to_the_chosen_partition(tmp_path):
-    """cli_filter's side of a comparison (elastic_common.apply_cli_options): --partition and a typed --gres."""
+    """cli_filter's side of a comparison (cli_filter.lua's apply_cli_options): --partition and a typed --gres."""
     cases = [[{"partition": "h100,a100", "gres": "gpu:h100:4", "nodes": "1"}, MOVED],
              [{"partition": "h100", "gres": "gpu:h100:4", "nodes": "1"}, {**MOVED, "alternatives": None}]]
-    code = (f"local M = dofile({json.dumps(str(LUA_DIR / 'elastic_common.lua'))})\n"
+    code = (f"slurm = {{}}\ndofile({json.dumps(str(LUA_DIR / 'cli_filter.lua'))})\n"
             "local cjson = require('cjson')\nlocal out = {}\n"
             f"for i, case in ipairs(cjson.decode([==[{json.dumps(cases)}]==])) do\n"
             "  if case[2].alternatives == cjson.null then case[2].alternatives = nil end\n"
-            "  M.apply_cli_options(case[1], case[2]); out[i] = case[1]\nend\nio.write(cjson.encode(out))\n")
+            "  apply_cli_options(case[1], case[2]); out[i] = case[1]\nend\nio.write(cjson.encode(out))\n")
     proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     moved, kept = json.loads(proc.stdout)

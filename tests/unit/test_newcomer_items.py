@@ -83,11 +83,11 @@ def test_every_policy_vector_reason_reads_true():
 
 
 def test_per_task_split_reason_counts_its_nouns():
-    out = json.loads(_lua("""
+    out = json.loads(_lua(f"slurm = {{}}\ndofile({json.dumps(str(LUA_DIR / 'cli_filter.lua'))})\n" + """
 local got = {}
 for i, case in ipairs({{1, 2}, {2, 3}, {2}}) do
-  local _, why = M.apply_cli_options({["gpus-per-task"] = "1"}, {nodes = 1, gpus_per_node = case[1],
-                                                                 tasks_per_node = case[2]})
+  local _, why = apply_cli_options({["gpus-per-task"] = "1"}, {nodes = 1, gpus_per_node = case[1],
+                                                               tasks_per_node = case[2]})
   got[i] = why
 end
 io.write(cjson.encode(got))"""))

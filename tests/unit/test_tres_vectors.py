@@ -1,8 +1,8 @@
 """GPU counts in TRES/GRES strings, one reader a language, both against tests/vectors/tres.json (hand-written).
 
 Python: slurm_plugin.client (gpus_in_tres, gres_gpu_type, requested_shape). Lua (apt's lua5.1):
-slurm_plugin/lua/elastic_common.lua (M.gpu_tres, M.set_gpu_tres, M.rewrite_fields,
-M.option_tres). A property test generates TRES strings and checks that both read them alike and that what
+slurm_plugin/lua/elastic_common.lua (M.gpu_tres, M.set_gpu_tres, M.rewrite_fields) and cli_filter.lua
+(option_tres). A property test generates TRES strings and checks that both read them alike and that what
 the hook writes back reads as the count it meant, with one gpu entry and the other entries kept.
 """
 from __future__ import annotations
@@ -25,6 +25,8 @@ VECTORS = json.loads((ROOT / "tests" / "vectors" / "tres.json").read_text())
 DRIVER = r"""
 local cjson = require("cjson")
 local M = dofile(arg[1] .. "/elastic_common.lua")
+slurm = {}
+dofile(arg[1] .. "/cli_filter.lua")
 local cases = cjson.decode(CASES)
 local function v(x) if x == cjson.null then return nil end return x end
 local function nul(x) if x == nil then return cjson.null end return x end
@@ -35,7 +37,7 @@ local run = {
     local f, _, changed = M.rewrite_fields(c.job_desc, c.reply)
     return { fields = f, changed = changed }
   end,
-  option = function(c) return { got = nul(M.option_tres(c.option, v(c.value))) } end,
+  option = function(c) return { got = nul(option_tres(c.option, v(c.value))) } end,
 }
 local out = {}
 for section, list in pairs(cases) do
@@ -51,7 +53,7 @@ io.write(cjson.encode(out))
 
 
 def lua(cases: dict) -> dict:
-    """Run `cases` (sections of tres.json) through elastic_common.lua in one lua5.1 process."""
+    """Run `cases` (sections of tres.json) through elastic_common.lua and cli_filter.lua in one lua5.1 process."""
     text = json.dumps(cases)
     assert "]==]" not in text
     code = f"arg = {{[1] = {json.dumps(str(LUA_DIR))}}}\nlocal CASES = [==[{text}]==]\n" + DRIVER
