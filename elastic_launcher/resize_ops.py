@@ -1,0 +1,253 @@
+"""A resize as a sequence of explicit states, advanced one controller tick at a time (#27.2; no I/O, no waits).
+
+:func:`advance` takes a :class:`ResizeOp`, what the controller observed this tick (:class:`Observation`: the
+helper job's Slurm state, whether the newcomers joined, whether the new epoch switched, failures, a cancel) and
+the time of an injected monotonic clock; it moves the op at most one state and returns the :class:`Action`\\ s to
+execute (``resize.Resizer.tick`` executes them). Deadlines are absolute times of that clock, set on entering a
+waiting state from :class:`ResizeLimits`.
+
+Grow (a helper job brings nodes)::
+
+    REQUESTED --submit the helper--> SUBMITTED --helper RUNNING, its nodes known--> ALLOCATED
+    ALLOCATED --every newcomer node's workers joined; post the plan with them--> JOINED
+    JOINED --the plan's first step (switch record)--> SWITCHED (done)
+
+Shrink (leavers chosen before the op starts)::
+
+    REQUESTED --post the plan without the leavers--> JOINED --first step--> SWITCHED
+    SWITCHED --the leavers left (or leave_s passed); release their nodes--> RELEASED (done)
+
+Any waiting state --its deadline passed, the helper ended, a node of the op failed, the plan was superseded by a
+recovery epoch--> FAILED, with the helper cancelled (grow) and the failure recorded. A cancel (operator request,
+the main job ending) fails an op that has not posted its plan yet (REQUESTED, SUBMITTED, ALLOCATED) in the same
+tick; once the plan is posted (JOINED and later) the op runs to its end and the caller queues what comes next.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ResizeState", "ResizeKind", "ResizeLimits", "ResizeOp", "Observation", "ActionKind", "Action",
+           "advance", "fail", "POST_ATTEMPTS", "HELPER_ALIVE"]
+
+POST_ATTEMPTS = 3  # posting a plan that loses the race to a recovery is retried this often, one try a tick
+HELPER_ALIVE = ("PENDING", "CONFIGURING", "RUNNING")  # a helper job in another state ended (or is ending)
+UNKNOWN = "UNKNOWN"  # Slurm could not be asked: never read as "ended"
+
+
+class ResizeState(enum.Enum):
+    REQUESTED = "requested"  # decided, nothing done yet
+    SUBMITTED = "submitted"  # grow: the helper job is queued in Slurm
+    ALLOCATED = "allocated"  # grow: the helper runs, its nodes are known; its workers are joining
+    JOINED = "joined"        # the new membership is posted (grow: after the newcomers joined)
+    SWITCHED = "switched"    # the new epoch completed its first step (a grow is done)
+    RELEASED = "released"    # shrink: the leavers' nodes went back to Slurm (done)
+    FAILED = "failed"        # ended without the new size (helper cancelled, failure recorded)
+
+
+class ResizeKind(enum.Enum):
+    GROW = "grow"
+    SHRINK = "shrink"
+
+
+@dataclass(frozen=True)
+class ResizeLimits:
+    """How long each waiting state may last (seconds): `helper_start_s` SUBMITTED, `join_s` ALLOCATED,
+    `switch_s` JOINED, `leave_s` a shrink's SWITCHED (then the leavers' nodes are released anyway)."""
+
+    helper_start_s: float = 60.0
+    join_s: float = 120.0
+    switch_s: float = 120.0
+    leave_s: float = 20.0
+
+    @classmethod
+    def from_config(cls, config) -> "ResizeLimits":
+        return cls(config.helper_start_timeout.total_seconds(), config.rendezvous_timeout.total_seconds(),
+                   config.rendezvous_timeout.total_seconds(), config.leave_timeout.total_seconds())
+
+
+@dataclass(frozen=True)
+class ResizeOp:
+    """One grow or shrink in flight.
+
+    Attributes:
+        kind: grow or shrink.
+        target: the node count asked for (a grow adds up to `target - nodes now`, as free nodes allow).
+        action / reason: what the records call it (grow, shrink, revert, straggler, replace) and why.
+        state: where it is; `deadline`: when the current state fails (None: not a waiting state).
+        exclude: nodes a grow's helper must not get; prefer: nodes a shrink removes first.
+        nodes: a grow's helper nodes once ALLOCATED; a shrink's leavers (chosen before it starts).
+        helper: a grow's helper job id once submitted.
+        plan_id: the posted plan (None until posted, or after a post lost a race); post_attempts: posts tried.
+        started / allocated: clock times (the records' wall_s, allocate_s); from_nodes: the size it started at.
+        error: why it FAILED; cancelled: failed by a cancel; counts: a failure that counts toward max_failures;
+        skipped: nothing to do (no free nodes, already at the target); left: a shrink's leavers left cleanly.
+    """
+
+    kind: ResizeKind
+    target: int
+    action: str
+    reason: str
+    state: ResizeState = ResizeState.REQUESTED
+    deadline: Optional[float] = None
+    exclude: tuple[str, ...] = ()
+    prefer: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    helper: Optional[str] = None
+    plan_id: Optional[int] = None
+    post_attempts: int = 0
+    started: Optional[float] = None
+    allocated: Optional[float] = None
+    from_nodes: int = 0
+    error: Optional[str] = None
+    cancelled: bool = False
+    counts: bool = False
+    skipped: bool = False
+    left: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.state is ResizeState.FAILED or self.state is (
+            ResizeState.SWITCHED if self.kind is ResizeKind.GROW else ResizeState.RELEASED)
+
+    @property
+    def cancellable(self) -> bool:
+        """Nothing posted yet: a cancel ends it in the tick it comes."""
+        return self.state in (ResizeState.REQUESTED, ResizeState.SUBMITTED, ResizeState.ALLOCATED)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the controller saw this tick, for the op in flight.
+
+    Attributes:
+        helper_state: the helper job's Slurm state ("UNKNOWN": Slurm could not be asked; "GONE": not listed).
+        helper_nodes: its nodes once it runs.
+        joined: every newcomer node has its workers announced in the rendezvous.
+        switched: the op's plan reported its first step.
+        superseded: a later epoch (a failure recovery) replaced the op's plan before it switched.
+        left: a shrink's leavers all left at the commit point.
+        failed_nodes: nodes of the op whose workers failed (the helper agent's status).
+        cancel: why the op is to stop now (an operator request, the main job ending), if it is.
+    """
+
+    helper_state: Optional[str] = None
+    helper_nodes: tuple[str, ...] = ()
+    joined: bool = False
+    switched: bool = False
+    superseded: bool = False
+    left: bool = False
+    failed_nodes: tuple[str, ...] = ()
+    cancel: Optional[str] = None
+
+
+class ActionKind(enum.Enum):
+    SUBMIT_HELPER = "submit_helper"  # submit a helper job for the op's grow (the executor sets op.helper)
+    ADOPT_NODES = "adopt_nodes"      # the helper's nodes become joining nodes (their workers' id prefixes)
+    POST_PLAN = "post_plan"          # post the plan with the newcomers / without the leavers (sets op.plan_id)
+    CANCEL_HELPER = "cancel_helper"  # end the op's helper job now (stop key and scancel, no wait)
+    RELEASE_NODES = "release_nodes"  # give a shrink's leavers back to Slurm
+    FINISH = "finish"                # the new size holds: nodes become members, transition recorded, window reset
+    ABORT = "abort"                  # the op failed: its nodes are forgotten, the failure recorded
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    nodes: tuple[str, ...] = ()
+
+
+def _to(op: ResizeOp, state: ResizeState, now: float, wait_s: Optional[float] = None, **changes) -> ResizeOp:
+    return dataclasses.replace(op, state=state, deadline=None if wait_s is None else now + wait_s, **changes)
+
+
+def fail(op: ResizeOp, now: float, error: str, *, cancelled: bool = False, counts: bool = False,
+         skipped: bool = False) -> tuple[ResizeOp, list[Action]]:
+    """`op` FAILED with `error`: its helper (if any) is cancelled, the failure recorded."""
+    failed = _to(op, ResizeState.FAILED, now, error=error, cancelled=cancelled, counts=counts, skipped=skipped)
+    actions = [Action(ActionKind.CANCEL_HELPER)] if op.helper is not None else []
+    return failed, actions + [Action(ActionKind.ABORT, op.nodes)]
+
+
+def _expired(op: ResizeOp, now: float) -> bool:
+    return op.deadline is not None and now >= op.deadline
+
+
+def _helper_ended(state: Optional[str]) -> bool:
+    return state is not None and state != UNKNOWN and state not in HELPER_ALIVE
+
+
+def advance(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) -> tuple[ResizeOp, list[Action]]:
+    """Move `op` at most one state on what was observed at `now`; return it and the actions to execute."""
+    if op.done:
+        return op, []
+    if obs.cancel is not None and op.cancellable:
+        return fail(op, now, f"cancelled: {obs.cancel}", cancelled=True)
+    if op.started is None:
+        op = dataclasses.replace(op, started=now)
+    if op.state is ResizeState.JOINED:
+        return _joined(op, obs, now, limits)
+    if op.kind is ResizeKind.SHRINK:
+        return _shrink(op, obs, now, limits)
+    return _grow(op, obs, now, limits)
+
+
+def _grow(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) -> tuple[ResizeOp, list[Action]]:
+    s = op.state
+    if s is ResizeState.REQUESTED:
+        return _to(op, ResizeState.SUBMITTED, now, limits.helper_start_s), [Action(ActionKind.SUBMIT_HELPER)]
+    if s is ResizeState.SUBMITTED:
+        if obs.helper_state == "RUNNING" and obs.helper_nodes:
+            nodes = tuple(obs.helper_nodes)
+            return (_to(op, ResizeState.ALLOCATED, now, limits.join_s, nodes=nodes, allocated=now),
+                    [Action(ActionKind.ADOPT_NODES, nodes)])
+        if _helper_ended(obs.helper_state):
+            return fail(op, now, f"helper {op.helper} ended ({obs.helper_state}) before it ran")
+        if _expired(op, now):
+            return fail(op, now, f"helper {op.helper} did not start within {limits.helper_start_s:g} s")
+        return op, []
+    # ALLOCATED
+    if obs.failed_nodes:
+        return fail(op, now, f"workers failed on {','.join(obs.failed_nodes)} before joining", counts=True)
+    if _helper_ended(obs.helper_state):
+        return fail(op, now, f"helper {op.helper} ended ({obs.helper_state}) while its workers joined", counts=True)
+    if obs.joined:
+        return _to(op, ResizeState.JOINED, now, limits.switch_s), [Action(ActionKind.POST_PLAN, op.nodes)]
+    if _expired(op, now):
+        return fail(op, now, f"workers did not join within {limits.join_s:g} s on {','.join(op.nodes)}",
+                    counts=True)
+    return op, []
+
+
+def _shrink(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) -> tuple[ResizeOp, list[Action]]:
+    if op.state is ResizeState.REQUESTED:
+        if not op.nodes:
+            return fail(op, now, "no node to remove", skipped=True)
+        return _to(op, ResizeState.JOINED, now, limits.switch_s), [Action(ActionKind.POST_PLAN, op.nodes)]
+    # SWITCHED: the leavers leave at the commit point, then their nodes are released
+    if obs.left or _expired(op, now):
+        return (_to(op, ResizeState.RELEASED, now, left=obs.left),
+                [Action(ActionKind.RELEASE_NODES, op.nodes), Action(ActionKind.FINISH, op.nodes)])
+    return op, []
+
+
+def _joined(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) -> tuple[ResizeOp, list[Action]]:
+    """The plan is posted (or its post lost a race and is retried): wait for its first step."""
+    if op.plan_id is None:
+        if op.post_attempts >= POST_ATTEMPTS:
+            return fail(op, now, f"posting the plan lost {op.post_attempts} races to recoveries", counts=True)
+        return op, [Action(ActionKind.POST_PLAN, op.nodes)]
+    if obs.switched:
+        if op.kind is ResizeKind.GROW:
+            return _to(op, ResizeState.SWITCHED, now), [Action(ActionKind.FINISH, op.nodes)]
+        return _to(op, ResizeState.SWITCHED, now, limits.leave_s), []
+    if obs.superseded:
+        return fail(op, now, f"epoch {op.plan_id} was superseded by a recovery before its first step", counts=True)
+    if op.kind is ResizeKind.GROW and obs.failed_nodes:
+        return fail(op, now, f"workers failed on {','.join(obs.failed_nodes)} before the switch", counts=True)
+    if _expired(op, now):
+        return fail(op, now, f"epoch {op.plan_id} reported no first step within {limits.switch_s:g} s",
+                    counts=True)
+    return op, []
