@@ -251,19 +251,23 @@ class Demo:
                       f"({self.calibration_steps} steps, {run.wall_s:.1f} s); posted {kinds['step']} step + "
                       f"{kinds['collective']} collective observation(s) -> {json.dumps(stored)[:80]}")
         # read your writes: the curve (and the plan sbatch gets next) comes from a model that holds both runs
-        body = {"profile": cal.PROFILE, "gpu": cal.GPU, "per_gpu_batch": int(cal.SCRIPT_OPTIONS["--per-gpu-batch"]),
-                "min_model_version": stored["model_version_pending"], "wait_ms": 8000}
-        deadline, reply = time.monotonic() + 60, None
-        while reply is None:
-            try:
-                reply = self.predictor.post("/v1/predict", body)
-            except DemoError as exc:
-                if exc.http_status != 503 or time.monotonic() > deadline:  # 503: that version not fitted yet
-                    raise DemoError(f"the predictor did not fit the history within 60 s: {exc}\n"
-                                    f"{tail(self.predictor.log_file)}") from None
-                time.sleep(0.5)
+        reply = self.predicted(stored["model_version_pending"], timeout_s=60)
         curve = "  ".join(f"{len(p['layout'])}x1: {p['samples_per_s']:.0f}" for p in reply["predictions"])
         self.echo(f"   fitted (model version {reply.get('model_version')}); predicted samples/s: {curve}")
+
+    def predicted(self, min_version, timeout_s: float) -> dict:
+        """`/v1/predict` for the demo's model from a model version >= ``min_version`` (an integer, or `g<N>`)."""
+        body = {"profile": cal.PROFILE, "gpu": cal.GPU, "per_gpu_batch": int(cal.SCRIPT_OPTIONS["--per-gpu-batch"]),
+                "min_model_version": min_version, "wait_ms": 8000}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.predictor.post("/v1/predict", body)
+            except DemoError as exc:
+                if exc.http_status != 503 or time.monotonic() > deadline:  # 503: that version not fitted yet
+                    raise DemoError(f"the predictor did not fit the history within {timeout_s:.0f} s: {exc}\n"
+                                    f"{tail(self.predictor.log_file)}") from None
+                time.sleep(0.5)
 
     def submit(self) -> None:
         from slurm_plugin import templates  # noqa: PLC0415
@@ -328,6 +332,14 @@ class Demo:
         start = next((r for r in w.transitions(("start",))), {})
         reason = next((ln.split("elastic:", 1)[1].strip() for ln in self.sbatch_lines if "elastic:" in ln), "")
         predicted = {len(c["layout"]): c.get("samples_per_s") for c in response.get("curve", []) if "layout" in c}
+        # the model after the job: a version newer than the submit-time one (it holds the job's own rows)
+        after, after_version = {}, None
+        version = str(response.get("model_version") or "")
+        if version[1:].isdigit():
+            with contextlib.suppress(DemoError):
+                reply = self.predicted(int(version[1:]) + 1, timeout_s=30)
+                after_version = reply.get("model_version")
+                after = {len(p["layout"]): p.get("samples_per_s") for p in reply["predictions"]}
         by_size: dict[int, list[float]] = {}
         for r in w.records:
             if r["kind"] == "measurement":
@@ -340,11 +352,14 @@ class Demo:
             final = json.loads(out_lines[-1])
         e = self.echo
         e(f"   chosen layout: {start.get('to_nodes')} node(s) x 1 worker   (sbatch: elastic: {reason})")
-        e(f"   samples/s  {'nodes':>5}  {'calibrated':>10}  {'predicted':>10}  {'measured (median, windows)':>27}")
+        e(f"   samples/s  {'nodes':>5}  {'calibrated':>10}  {'predicted':>10}  {'after job':>10}  "
+          f"{'measured (median, windows)':>27}")
         for n in sorted(set(predicted) | set(measured) | set(calibrated)):
-            p, m, c = predicted.get(n), measured.get(n), calibrated.get(n)
+            p, m, c, a = predicted.get(n), measured.get(n), calibrated.get(n), after.get(n)
             windows = f"{m:.1f} ({len(by_size[n])})" if m is not None else "-"
-            e(f"   {'':9}  {n:>5}  {_num(c, 1):>10}  {_num(p, 1):>10}  {windows:>27}")
+            e(f"   {'':9}  {n:>5}  {_num(c, 1):>10}  {_num(p, 1):>10}  {_num(a, 1):>10}  {windows:>27}")
+        e(f"   predicted: at submit time (model {version or '?'}); after job: the model that holds this job's own "
+          f"rows ({after_version or 'none fitted within 30 s'})")
         e(f"   {'transition':<12} {'nodes':>8} {'idle_s':>7} {'pause_s':>8} {'wall_s':>7}  how")
         for t in w.transitions():
             how = "" if t["action"] == "start" else \
@@ -362,7 +377,8 @@ class Demo:
         total = time.monotonic() - self.t0
         e("   phases: " + "  ".join(f"{name.split(' ', 1)[0]} {s:.1f}s" for name, s in self.phases.items())
           + f"  total {total:.1f}s")
-        return {"job_id": self.job_id, "reason": reason, "predicted": predicted, "measured": measured,
+        return {"job_id": self.job_id, "reason": reason, "predicted": predicted, "predicted_after": after,
+                "after_model_version": after_version, "measured": measured,
                 "calibrated": calibrated,
                 "transitions": w.transitions(), "outcome": outcome, "state": w.state, "wall_s": total}
 

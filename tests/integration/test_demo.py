@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,6 +121,11 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     # the summary
     summary = out[out.index("== 6/6 summary"):]
     assert "chosen layout:" in summary and "calibrated" in summary and "predicted" in summary
+    # #26.6: the model after the job (it holds the job's own rows) beside the submit-time one, named by version
+    assert "after job" in summary and "none fitted within 30 s" not in summary, summary
+    submit_v = re.search(r"at submit time \(model (g\d+)\)", summary).group(1)
+    after_v = re.search(r"this job's own rows \((g\d+)\)", summary).group(1)
+    assert int(after_v[1:]) > int(submit_v[1:]), summary
     assert "grow" in summary and ("revert" in summary or "shrink" in summary) and "idle_s" in summary
     assert "COMPLETED, launcher outcome completed" in summary, summary
     assert "stopped: jobs cancelled, predictor stopped, testbed down" in out
