@@ -192,9 +192,12 @@ class CrossTypeModel:
         return float(nll), g
 
     # ------------------------------------------------------------------ predict
-    def predict(self, X, return_std: bool = False):
+    def predict(self, X, return_std: bool = False, prior=None):
         """log(step_T / step_S) per row of X (n, 5); with return_std also its standard deviation (noise
-        included: the spread of a new measurement)."""
+        included: the spread of a new measurement). `prior` (n,), optional: a centre per row for a model outside
+        the history (predictor/roofline.py's shape-based ratio, fitted on the training rows only); NaN or None
+        where a row has none, which then gets the pooled centre. A model of the history is answered by the GP as
+        without it."""
         self._check_fitted()
         X = np.asarray(X, dtype=float)
         if X.ndim != 2 or X.shape[1] != len(FEATURES):
@@ -214,7 +217,11 @@ class CrossTypeModel:
         # same_model_tol of its model features) from the pooled centre, with the spread the training models' own
         # leave-one-model-out measured, blended by the distance to the nearest model
         seen = np.exp(-0.5 * (self._nearest_model(X) / self.same_model_tol) ** 2)
-        mean = self.mean_ + seen * (mean - self.mean_)
+        centre = np.full(len(X), self.mean_)
+        if prior is not None:
+            prior = np.broadcast_to(np.asarray(prior, dtype=float).reshape(-1), (len(X),))
+            centre = np.where(np.isfinite(prior), prior, centre)
+        mean = centre + seen * (mean - centre)
         sd = np.sqrt(np.maximum(var, self._noise_var(self.theta_)))
         sd = np.sqrt(seen * sd**2 + (1 - seen) * np.maximum(sd, self.new_model_std_) ** 2)
         if return_std:

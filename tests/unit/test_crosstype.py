@@ -136,3 +136,71 @@ def test_cross_type_survives_pickling(cross):
     pred, profiles = cross
     again = pickle.loads(pickle.dumps(pred))
     assert again.predict(profiles["vgg16"], "A100", 32, CAND) == pred.predict(profiles["vgg16"], "A100", 32, CAND)
+
+
+# ---- #25.3: the roofline prior of a model never seen on the target type (predictor/roofline.py)
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from predictor.roofline import GPUPeaks, RooflinePrior, Shape, load_gavel_shapes, load_peaks  # noqa: E402
+
+
+def test_the_vendored_tables_name_every_type_and_gavel_model():
+    peaks = load_peaks()
+    for gpu in ("K80", "P100", "V100", "T4", "A10", "A100", "A800", "H100", "H200"):
+        p = peaks[gpu]
+        assert p.fp32_flops > 1e12 and p.mem_bw > 1e11 and p.link_bw > 1e9 and p.source
+    assert set(load_gavel_shapes()) == {"ResNet-18", "ResNet-50", "Transformer", "LM", "Recommendation", "A3C",
+                                        "CycleGAN"}
+
+
+def test_a_model_with_no_shape_keeps_todays_answer():
+    X, y = _rows(np.random.default_rng(4))
+    model = CrossTypeModel().fit(X, y)
+    new = features([3e7, 1e6], [None, None], [32, 8], [1, 1], [0.1, 0.01])
+    prior = RooflinePrior("K80", "V100").predict([None, None], [32, 8])
+    assert np.isnan(prior).all()
+    m0, sd0 = model.predict(new, return_std=True)
+    m1, sd1 = model.predict(new, return_std=True, prior=prior)
+    assert np.array_equal(m0, m1) and np.array_equal(sd0, sd1)
+    m2 = model.predict(new, prior=[-1.0, np.nan])  # a shape for the first row only: only it moves
+    assert m2[0] == pytest.approx(-1.0, abs=1e-6) and m2[1] == m0[1]
+    seen = model.predict(X[:3], prior=[5.0] * 3)  # a model of the history: the GP's answer, prior or not
+    assert np.allclose(seen, model.predict(X[:3]), atol=1e-9)
+
+
+def test_the_prior_is_monotone_in_peak_flops_for_a_compute_bound_model():
+    shape = Shape(flops_per_sample=1e12, bytes_per_sample=1e3, bytes_per_step=0.0, ops_per_step=10)
+    src = GPUPeaks("S", 10e12, None, None, 1e12, 32e9, "test")
+    ratios = []
+    for tflops in (5, 10, 20, 40, 80):
+        dst = GPUPeaks("T", tflops * 1e12, None, None, 1e12, 32e9, "test")
+        ratios.append(RooflinePrior("S", "T", {"S": src, "T": dst}).predict([shape], [64])[0])
+    assert np.all(np.diff(ratios) < 0)  # more FLOP/s on T: a shorter step there
+    assert ratios[1] == pytest.approx(0.0, abs=1e-3)  # equal peaks, no host share: ratio 1
+
+
+def test_each_fold_fits_the_prior_without_its_held_out_model(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import crosstype as bench
+    from predictor.datasets import load_gavel
+
+    rows = [r for r in load_gavel() if r["model"] in ("A3C", "CycleGAN", "Recommendation", "LM")
+            and r["gpus"] == 1 and r["batch"] in (4, 1, 512, 2048, 10, 40)]
+    current, seen_fits = {}, []
+    real_fit, real_prior = RooflinePrior.fit, bench.roofline_prior
+
+    def spy_fit(self, shapes, batch, y, model, gpus=1):
+        seen_fits.append((current["held"], set(model)))
+        return real_fit(self, shapes, batch, y, model, gpus)
+
+    def spy_prior(info, train, key, *a):
+        current["held"] = info[key]["model"]
+        return real_prior(info, train, key, *a)
+
+    monkeypatch.setattr(RooflinePrior, "fit", spy_fit)
+    monkeypatch.setattr(bench, "roofline_prior", spy_prior)
+    out = bench.run(rows, lambda key, k: k[0].split(" (")[0] == key[0].split(" (")[0])
+    assert out["pairs"] == len(seen_fits) > 0
+    for held, models in seen_fits:
+        assert held not in models and models
