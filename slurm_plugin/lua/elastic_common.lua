@@ -2,46 +2,40 @@
  elastic_common.lua: what job_submit.lua and cli_filter.lua share (elastic-slurm, docs/hook.md).
 
  Transport and apply: the service decides (POST /v1/plan); this parses the #ELASTIC lines (to reject bad
- ones while the service is down), calls it under one budget with a breaker, caches its decisions (and those
- it precomputed for other min_efficiency values), and validates and applies a decision from any source.
- It never computes one. Every failure is kind = "skip": the callers fail open. Loaded with dofile() from
- the calling script's directory; no global state (all in the returned table M).
+ ones while the service is down), calls it under one budget with a breaker, caches its decisions (and its
+ bands), and validates and applies a decision from any source. Every failure is kind = "skip": the callers
+ fail open. Loaded with dofile() from the calling script's directory; all state in the returned table M.
 ]]
 local M = {}
 
 local socket = require("socket")
 local cjson = require("cjson.safe")
 
-M.PREFIX = "#ELASTIC"
-M.HELPER_MARKER = "elastic-helper"
+local PREFIX, HELPER_MARKER = "#ELASTIC", "elastic-helper"
+local NO_VAL, NO_VAL16, INFINITE = 4294967294, 65534, 4294967295
 M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES: "Invalid generic resource (gres) specification"
 -- Slurm 22.05 always prints its own line after our rejection; ours names it as a consequence, not a --gres problem.
-M.SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
-                        cli_filter = "cli_filter plugin terminated with error" }
+local SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
+                            cli_filter = "cli_filter plugin terminated with error" }
 
 function M.reject_message(message, source)
   return string.format('elastic: %s; job rejected: Slurm\'s next line ("%s") is this rejection', message,
-                       M.SLURM_REJECT_LINE[source])
+                       SLURM_REJECT_LINE[source])
 end
-
-local NO_VAL = 4294967294
-local NO_VAL16 = 65534
-local INFINITE = 4294967295
 
 -- The clock of the breaker and the cache (seconds); tests step their own. HTTP budgets use socket.gettime.
 M.now = socket.gettime
 
 -- ---------------------------------------------------------------- config
 -- A reply is read only up to this size (#24.5: a 9 MB reply cost 375-616 ms of Lua in slurmctld).
-M.MAX_REPLY_BYTES = 512 * 1024
-M.MAX_BANDS = 64
+local MAX_REPLY_BYTES, MAX_BANDS = 512 * 1024, 64
 
 local DEFAULTS = {
   predictor_url = "http://127.0.0.1:8470",   -- elastic-predictor serve's default --port
   budget_ms = 100,
   breaker_failures = 3,
   breaker_open_s = 30,
-  helper_marker = M.HELPER_MARKER,
+  helper_marker = HELPER_MARKER,
   cli_state_dir = "/tmp",
   cache_entries = 1024,
 }
@@ -85,7 +79,6 @@ local function py_repr(s)
   return quote .. out .. quote
 end
 
-
 -- Lines of the directive block only: stops at the first line that is neither blank nor a comment, so a
 -- large script costs no more than its header. Line ends: \n, \r\n or \r (as Python's splitlines).
 function M.directive_lines(script)
@@ -104,8 +97,8 @@ function M.directive_lines(script)
     number = number + 1
     pos = e + 1
     if line:find("%S") and line:sub(1, 1) ~= "#" then break end
-    local head = line:sub(1, #M.PREFIX + 1)
-    if line == M.PREFIX or head == M.PREFIX .. " " or head == M.PREFIX .. "\t" then
+    local head = line:sub(1, #PREFIX + 1)
+    if line == PREFIX or head == PREFIX .. " " or head == PREFIX .. "\t" then
       found[#found + 1] = { no = number, line = line }
     end
   end
@@ -191,7 +184,7 @@ function M.parse_lines(lines)
   for _, entry in ipairs(lines) do
     local number, line = entry.no, entry.line
     local tokens = {}
-    for token in line:sub(#M.PREFIX + 1):gmatch("%S+") do tokens[#tokens + 1] = token end
+    for token in line:sub(#PREFIX + 1):gmatch("%S+") do tokens[#tokens + 1] = token end
     if #tokens == 0 or tokens[1]:sub(1, 1) == "#" then
       return directive_error(number, line, "no key=value after #ELASTIC")
     end
@@ -227,7 +220,7 @@ end
 
 -- True for jobs the hook must never touch: launcher helpers and expand: allocations.
 function M.is_helper(name, comment, dependency, marker)
-  marker = marker or M.HELPER_MARKER
+  marker = marker or HELPER_MARKER
   if type(dependency) == "string" and dependency:find("expand:", 1, true) then return true end
   if type(name) == "string" and name:sub(1, #marker) == marker then return true end
   if type(comment) == "string" and comment:sub(1, #marker + 1) == marker .. ":" then return true end
@@ -235,72 +228,60 @@ function M.is_helper(name, comment, dependency, marker)
 end
 
 -- ---------------------------------------------------------------- HTTP
-local function parse_url(url)
-  local host, port, path = tostring(url):match("^http://([^/:]+):?(%d*)(/?.*)$")
-  if not host then return nil end
-  path = path:gsub("/+$", "")
-  return host, tonumber(port) or 80, path
-end
-
--- Name resolution is not bounded by a socket timeout: resolve each host once per Lua state (slurmctld
--- keeps it until the script is reloaded) and connect to the address afterwards.
+-- Name resolution is not bounded by a socket timeout: each host is resolved once per Lua state (slurmctld
+-- keeps it until the script is reloaded) and the address is connected to afterwards.
 local resolved = {}
-local function address(host)
-  if host:match("^%d+%.%d+%.%d+%.%d+$") then return host end
-  if not resolved[host] then resolved[host] = socket.dns.toip(host) end
-  return resolved[host]
-end
 
 -- POST `body` to `url`; every step (connect, send, each receive) gets only what is left of `budget_s`.
 -- Returns status, body_text; or nil, error string ("timeout", "connection refused", ...).
 function M.post_json(url, body, budget_s)
   local deadline = socket.gettime() + budget_s
-  local host, port, path = parse_url(url)
+  local host, port, path = tostring(url):match("^http://([^/:]+):?(%d*)(/?.*)$")
   if not host then return nil, "bad predictor_url " .. tostring(url) end
+  port, path = tonumber(port) or 80, path:gsub("/+$", "")
   local sock = socket.tcp()
   if not sock then return nil, "no socket" end
-  local function left()
-    local r = deadline - socket.gettime()
-    if r <= 0 then return nil end
-    sock:settimeout(r, "t")
-    return r
-  end
   local function fail(err) sock:close(); return nil, err end
-  local ip = address(host)
+  local function left()   -- false when the budget is spent, else the socket's timeout is what is left of it
+    local r = deadline - socket.gettime()
+    if r > 0 then sock:settimeout(r, "t") end
+    return r > 0
+  end
+  local function step(method, arg, arg2)   -- sock:method(...) within what is left of the budget
+    if not left() then return nil, "timeout" end
+    return sock[method](sock, arg, arg2)
+  end
+  local ip = host:match("^%d+%.%d+%.%d+%.%d+$")
+  if not ip then resolved[host] = resolved[host] or socket.dns.toip(host); ip = resolved[host] end
   if not ip then return fail("cannot resolve " .. host) end
-  if not left() then return fail("timeout") end
-  local ok, err = sock:connect(ip, port)
+  local ok, err = step("connect", ip, port)
   if not ok then return fail(err) end
-  local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port ..
-    "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
-  if not left() then return fail("timeout") end
-  ok, err = sock:send(request)
+  ok, err = step("send", "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port ..
+    "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body)
   if not ok then return fail(err) end
-  if not left() then return fail("timeout") end
-  local status_line, err2 = sock:receive("*l")
+  local status_line, err2 = step("receive", "*l")
   if not status_line then return fail(err2) end
   local status = tonumber(status_line:match("^HTTP/%d%.%d (%d%d%d)"))
   if not status then return fail("bad status line") end
   local length
   while true do
-    if not left() then return fail("timeout") end
-    local header, err3 = sock:receive("*l")
+    local header, err3 = step("receive", "*l")
     if not header then return fail(err3) end
     if header == "" then break end
     local n = header:lower():match("^content%-length:%s*(%d+)")
     if n then length = tonumber(n) end
   end
   if not left() then return fail("timeout") end
-  if length and length > M.MAX_REPLY_BYTES then
-    return fail(string.format("reply of %d bytes, more than %d", length, M.MAX_REPLY_BYTES))
+  if length and length > MAX_REPLY_BYTES then
+    return fail(string.format("reply of %d bytes, more than %d", length, MAX_REPLY_BYTES))
   end
   local text, err4, partial
   if length then
     text, err4, partial = sock:receive(length)
   else  -- no length: read at most one byte past the limit
-    text, err4, partial = sock:receive(M.MAX_REPLY_BYTES + 1)
+    text, err4, partial = sock:receive(MAX_REPLY_BYTES + 1)
     if not text and err4 == "closed" then text = partial end
-    if text and #text > M.MAX_REPLY_BYTES then return fail("reply larger than " .. M.MAX_REPLY_BYTES .. " bytes") end
+    if text and #text > MAX_REPLY_BYTES then return fail("reply larger than " .. MAX_REPLY_BYTES .. " bytes") end
   end
   if not text then return fail(err4 == "closed" and "truncated body" or err4) end
   sock:close()
@@ -470,7 +451,6 @@ function M.per_task_split(per_node, tasks)   -- the reason --gpus-per-task refus
                        per_node == 1 and "does" or "do", tasks and counted(tasks, "task") or "the tasks")
 end
 
-
 -- ---------------------------------------------------------------- request / reply
 local function num(v, unset)   -- nil for Slurm's unset sentinels
   if type(v) ~= "number" or v == unset or v == NO_VAL or v == INFINITE then return nil end
@@ -539,7 +519,6 @@ local function validate(reply)
   return nil
 end
 
-
 -- A decision's reason as the user reads it: one line, led by "elastic:".
 local function reason_of(text, fallback)
   local r = one_line(type(text) == "string" and text or fallback, 400)
@@ -556,7 +535,7 @@ end
 -- when it is applied, like a fresh reply.
 local function bands_of(reply)
   local bands = reply.bands
-  if type(bands) ~= "table" or #bands == 0 or #bands > M.MAX_BANDS then return nil end
+  if type(bands) ~= "table" or #bands == 0 or #bands > MAX_BANDS then return nil end
   for _, b in ipairs(bands) do
     if type(b) ~= "table" or type(b.above) ~= "number" or type(b.upto) ~= "number" or type(b.reason) ~= "string" then
       return nil
@@ -715,10 +694,8 @@ function M.rewrite_fields(job_desc, reply)
       if num(job_desc.min_cpus) then f.min_cpus = f.num_tasks * cpus_per_task end
     end
   elseif num(job_desc.min_cpus) then
-    -- No task count: sbatch derived min_cpus from its own node count (nodes x cpus_per_task; no option sets
-    -- it directly). Left stale, a 2-node request rewritten to 1 node x 1 task keeps min_cpus = 2 while
-    -- ntasks_per_node = 1 allows 1 CPU per node: "Requested node configuration is not available".
-    -- Derive it again as sbatch would for `-N <nodes> [--ntasks-per-node=<tasks>]`.
+    -- No task count: sbatch derived min_cpus from its node count; left stale (2 nodes -> 1 node x 1 task keeps
+    -- 2) it is "Requested node configuration is not available". Derived again as sbatch would.
     f.min_cpus = nodes * (tasks or 1) * cpus_per_task
   end
   if reply.switches then f.req_switch = reply.switches end
@@ -734,10 +711,9 @@ function M.rewrite_fields(job_desc, reply)
   return f, env, changed
 end
 
--- Apply a rewrite reply to a job_desc (job_submit). Returns true when the GPU request changed, or nil and
--- why nothing was changed. Environment variables are always set for SLURM_GPUS / SLURM_GPUS_PER_NODE when
--- the GPU request changed (sbatch exported the old values; srun in the job would ask for them), the others
--- only when sbatch exported them. An environment variable cannot be unset from job_submit.lua.
+-- Apply a rewrite reply to a job_desc. Returns true when the GPU request changed, or nil and why nothing was
+-- changed. SLURM_GPUS / SLURM_GPUS_PER_NODE are always set (srun in the job would ask for sbatch's old
+-- values), the other variables only when sbatch exported them (job_submit.lua cannot unset one).
 function M.apply_job_desc(job_desc, reply)
   local fields, env, changed = M.rewrite_fields(job_desc, reply)
   if not fields then return nil, env end
