@@ -17,7 +17,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -34,6 +34,7 @@ from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
 from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
+from elastic_launcher.resize_ops import ResizeKind
 from elastic_launcher.steering import (JobPhase, MeasuredThroughput, RequestKind, ThroughputModel, decide_failures,
                                        decide_request, settle_decision)
 from elastic_launcher.stragglers import StragglerDetector
@@ -58,15 +59,24 @@ class Controller:
         start_step: starts an srun step (slurm_plugin.client.start_step or a fake).
         throughput: what a measurement window's samples/s is taken to be (steering.ThroughputModel); the
             default is the measurement. Tests and CPU testbeds inject ``testing.LinearThroughput``.
+        clock / sleep: the monotonic clock the resize deadlines are read on, and the wait between ticks (tests
+            inject fakes).
+
+    The loop is one :meth:`_tick` per `poll_interval`; a resize is a `resize_ops.ResizeOp` the resizer moves one
+    state a tick, so failures, operator requests and measurements are handled while it is in flight; `phase`
+    (steering.JobPhase) says what the loop may start.
     """
 
     def __init__(self, config: LaunchConfig, registry: Path, slurm, start_step,
-                 throughput: ThroughputModel = MeasuredThroughput()):
+                 throughput: ThroughputModel = MeasuredThroughput(), clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.config = config
         self.registry = Path(registry)
         self.slurm = slurm
         self.start_step = start_step
         self.throughput = throughput
+        self.clock = clock
+        self.sleep = sleep
         self.job_id = str(config.allocation.job_id)
         self.slots = config.slots_per_node
         self.fleet = Fleet(self.job_id, config.allocation, self.slots)
@@ -122,7 +132,7 @@ class Controller:
         self.resizer = Resizer(cfg, self.fleet, coord=self.coord, pool=self.pool, slurm=self.slurm, kv=self.kv,
                                records=self.records, stragglers=self.stragglers, window=self.window,
                                store_addr=self.store_addr, progress=self._progress, finished=self._finished,
-                               free_nodes=self._free_nodes)
+                               free_nodes=self._free_nodes, clock=self.clock)
         self._publish()
         beat = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
         beat.start()
@@ -132,7 +142,7 @@ class Controller:
         outcome = "failed"
         try:
             self._start_initial()
-            self.phase = JobPhase.STEERING
+            self.phase = JobPhase.RUNNING
             outcome = self._loop()
             return self._summary(outcome)
         finally:
@@ -192,15 +202,25 @@ class Controller:
     # -- the loop ------------------------------------------------------------------------------------
     def _loop(self) -> str:
         while True:
-            self._write_status()
-            finished = self._finished()
+            finished = self._tick()
             if finished:
                 return finished
-            self._handle_failures()
-            for seq, request in self.inbox.poll():
-                self._handle_request(seq, request)
-            self._measure_and_decide()
-            time.sleep(self.config.poll_interval.total_seconds())
+            self.sleep(self.config.poll_interval.total_seconds())
+
+    def _tick(self) -> Optional[str]:
+        """One round: status, failures, operator requests, the resize in flight (one state), the measurement.
+        Returns the outcome once every main-job worker ended. Waits for nothing a resize waits for."""
+        self._write_status()
+        finished = self._finished()
+        if finished:
+            return finished
+        self._handle_failures()
+        for seq, request in self.inbox.poll():
+            self._handle_request(seq, request)
+        self.resizer.tick()
+        self.phase = JobPhase.RESIZING if self.resizer.busy else JobPhase.RUNNING
+        self._measure_and_decide()
+        return None
 
     def _main_steps(self):
         return [s for s in self.pool.steps.values() if s.owner_job == self.job_id]
@@ -227,11 +247,20 @@ class Controller:
             helper_failed += [n for n in nodes if steps.get(n) not in (None, 0)]
         members = set(self.coord.current().members)
         evicted = [n for n, slot in self.fleet.nodes.items() if slot.wids and not set(slot.wids) & members]
-        for node, was_evicted in decide_failures(ended, helper_failed, evicted, set(self.fleet.nodes)):
+        ours = set(self.fleet.nodes) - self.resizer.op_nodes()  # the resize in flight handles its own nodes
+        failed = decide_failures(ended, helper_failed, evicted, ours)
+        if not failed:
+            return
+        back, self.phase = self.phase, JobPhase.RECOVERING
+        for node, was_evicted in failed:
             if node in self.fleet.nodes:  # an earlier node's handling may have changed the fleet
                 self.resizer.node_failed(node, evicted=was_evicted)
+        self.phase = back
 
     def _handle_request(self, seq: int, request: dict) -> None:
+        """Answer an operator's request in this tick. While a resize is in flight (RESIZING), one that posted no
+        plan yet is cancelled when it goes the other way or to the size asked (its helper released), and the
+        request's resize is queued behind what remains."""
         have = len(self.fleet.nodes)
         action = decide_request(request.get("nodes"), have, self.policy.min_nodes())
         if action.kind is RequestKind.REJECT:
@@ -239,16 +268,26 @@ class Controller:
             return
         target = action.target
         self.operator_cap = target
-        self.inbox.reply(seq, True, action.message, target_nodes=target)
+        op = self.resizer.active
+        message = action.message
+        if op is not None:
+            grows = op.kind is ResizeKind.GROW
+            if op.cancellable and (target <= have if grows else target >= have):
+                self.resizer.cancel_pending(f"operator asked for {target} nodes")
+                message += f"; the {op.action} in flight ({op.state.value}) is cancelled"
+            else:
+                self.resizer.cancel_pending(f"operator asked for {target} nodes")  # drops only the queued
+                message += f"; after the {op.action} in flight ({op.state.value})"
+        self.inbox.reply(seq, True, message, target_nodes=target)
         if action.kind is RequestKind.ALREADY:
             return
         self.records.write("decision", source="operator", action="grow" if target > have else "shrink",
                            from_nodes=have, target_nodes=target, reason=f"elastic-launch ctl {self.job_id} "
                            f"--nodes {target}")
         if target < have:
-            self.resizer.shrink_to(target, action="shrink", reason="operator request")
+            self.resizer.request_shrink(target, action="shrink", reason="operator request")
         else:
-            self.resizer.grow(target - have, action="grow", reason="operator request")
+            self.resizer.request_grow(target, action="grow", reason="operator request")
 
     # -- measurement and autoscaling --------------------------------------------------------------------
     def _progress(self, wids) -> dict[str, dict]:
@@ -293,6 +332,11 @@ class Controller:
         return m, {node: sum(v) / len(v) for node, v in per_node.items()}
 
     def _measure_and_decide(self) -> None:
+        """Record a complete measurement window and post the observations; in RUNNING only, decide on it
+        (stragglers, the policy) and queue the resize. While a resize has posted a plan that has not ended, the
+        fleet is not the epoch's: nothing is measured (the window restarts after it)."""
+        if not self.resizer.settled:
+            return
         result = self._measure()
         if result is None:
             return
@@ -310,7 +354,7 @@ class Controller:
         own = step_record(d.model or "unknown", self._gpu_label(), layout, links, d.per_gpu_batch, m.step_s)
         # a mixed job's step time is no one type's: not posted as a step observation of any type
         self._post_observations([] if self.types.mixed else [own])
-        if not self.config.directives.elastic:
+        if not self.config.directives.elastic or self.phase is not JobPhase.RUNNING:
             return
         slow = self.stragglers.observe(compute_by_node)
         if slow:  # stragglers are handled like failures, also with --no-autoscale
@@ -334,9 +378,9 @@ class Controller:
                            plan_note=advice.note, free_nodes=len(free),
                            predictor=self.predictor.url is not None and self.predictor.last_error is None)
         if decision.action == "grow":
-            self.resizer.grow(decision.target_nodes - m.nodes, action="grow", reason=decision.reason)
+            self.resizer.request_grow(decision.target_nodes, action="grow", reason=decision.reason)
         elif decision.action in ("revert", "shrink") and decision.target_nodes < m.nodes:
-            self.resizer.shrink_to(decision.target_nodes, action=decision.action, reason=decision.reason)
+            self.resizer.request_shrink(decision.target_nodes, action=decision.action, reason=decision.reason)
 
     def _current_layout(self) -> Optional[list[int]]:
         """GPUs per node of the current epoch, remembered by world size with its links for the workers' records."""
@@ -448,13 +492,14 @@ class Controller:
         self.records.write("decision", source="stragglers", action="shrink", nodes=slow,
                            from_nodes=len(self.fleet.nodes), target_nodes=len(self.fleet.nodes) - len(slow),
                            reason=f"persistently slower: {({n: round(compute_by_node[n], 4) for n in slow})}")
-        self.resizer.shrink_to(len(self.fleet.nodes) - len(slow), action="straggler", reason="straggler", prefer=slow)
+        left = len(self.fleet.nodes) - len(slow)
+        self.resizer.request_shrink(left, action="straggler", reason="straggler", prefer=slow)
         for node in slow:
             self.stragglers.forget(node)
         free = [n for n in self._free_nodes() if n not in slow]
-        if free:
-            self.resizer.grow(min(len(slow), len(free)), action="replace", reason=f"replace {','.join(slow)}",
-                       exclude=slow)
+        if free:  # queued behind the shrink: the replacement starts once the stragglers are released
+            self.resizer.request_grow(left + min(len(slow), len(free)), action="replace",
+                                      reason=f"replace {','.join(slow)}", exclude=slow)
 
     # -- reporting and cleanup --------------------------------------------------------------------------
     def _write_status(self) -> None:
@@ -463,9 +508,17 @@ class Controller:
         last = self.policy.history_[-1] if self.policy.history_ else None
         self.kv.set(keys.STATUS, json.dumps({
             "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.fleet.nodes),
-            "helpers": self.fleet.helpers, "operator_cap": self.operator_cap,
+            "helpers": self.fleet.helpers, "operator_cap": self.operator_cap, "phase": self.phase.value,
+            "resize": self._resize_status(),
             "samples_per_s": None if last is None else round(last.samples_per_s, 3),
             "progress": {w: [p["epoch"], p["step"]] for w, p in self._progress(self._known_wids()).items()}}))
+
+    def _resize_status(self) -> Optional[dict]:
+        op = self.resizer.active if self.resizer is not None else None
+        if op is None:
+            return None
+        return {"action": op.action, "kind": op.kind.value, "state": op.state.value, "target_nodes": op.target,
+                "helper": op.helper, "nodes": list(op.nodes), "queued": len(self.resizer.ops) - 1}
 
     def _known_wids(self) -> list[str]:
         return [w for slot in self.fleet.nodes.values() for w in slot.wids]

@@ -7,16 +7,20 @@ Shrink order (Slurm SIGKILLs tasks on released nodes): the leaving ranks leave a
 nodes by ending the helper job (stop key + scancel), main-job nodes with `client.shrink`, whose refreshed
 Slurm environment replaces the one the controller launches with. Grow: a helper job is submitted; once
 it runs, its agent starts workers that join the rendezvous, and the controller posts the plan with them.
+Both are :class:`~elastic_launcher.resize_ops.ResizeOp`\\ s that :meth:`Resizer.tick` moves one state per
+controller tick (#27.2): nothing here waits for a helper to start, workers to join or an epoch to switch.
 
-Slurm faults: every Slurm change here (shrink, helper lookup, scancel) goes through
+Slurm faults: every Slurm change here (shrink, scancel) goes through
 `slurm_plugin.client.retry_transient`, so a slurmctld that restarts (each command then fails after its own
-timeout) is retried with backoff for up to `SLURM_RETRY`; a submit that fails skips that grow. A release
+timeout) is retried with backoff for up to `SLURM_RETRY`; a submit that fails fails that grow; a grow's helper
+state is asked once a tick and is UNKNOWN (not "ended") while slurmctld does not answer. A release
 that still fails after that is logged (`slurm_shrink_failed`): the workers are gone already, the node
 stays allocated, idle, until the job ends. "Unreachable" is never read as "job gone".
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -28,9 +32,12 @@ from typing import Callable, Optional, Sequence
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.errors import ElasticError, RendezvousTimeout, ResizeConflict
+from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import Allocation, LaunchConfig, helper_comment, helper_name
 from elastic_launcher.membership import Coordinator, Plan
 from elastic_launcher.reporting import RecordLog
+from elastic_launcher.resize_ops import (Action, ActionKind, Observation, ResizeKind, ResizeLimits, ResizeOp,
+                                         ResizeState, advance, fail)
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import WorkerPool, transition_idle_s
 from slurm_plugin.client import retry_transient
@@ -135,6 +142,8 @@ class Fleet:
         slots: workers per node.
         nodes: node -> NodeSlot of every node the job trains on.
         helpers: helper job id -> its nodes.
+        joining: node -> NodeSlot of a grow's helper nodes whose workers are joining (not members yet: they
+            become `nodes` when the grow posts its plan).
         failures_in_a_row: failed resizes and worker losses since the last good measurement.
     """
 
@@ -143,6 +152,7 @@ class Fleet:
     slots: int
     nodes: dict[str, NodeSlot] = dataclasses.field(default_factory=dict)
     helpers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    joining: dict[str, NodeSlot] = dataclasses.field(default_factory=dict)
     failures_in_a_row: int = 0
 
 
@@ -164,12 +174,17 @@ class Resizer:
         progress: `progress(wids) -> {wid: progress record}` from the store.
         finished: `finished() -> None | outcome` once every main-job worker ended.
         free_nodes: `free_nodes() -> [node]` idle in Slurm and not the job's.
+        clock: the monotonic clock the ops' deadlines are read on (tests inject a fake one).
+
+    Grows and shrinks are :class:`~elastic_launcher.resize_ops.ResizeOp`\\ s: `request_grow` / `request_shrink`
+    queue one, and every controller tick calls :meth:`tick`, which observes the op in flight, moves it one state
+    (`resize_ops.advance`) and executes the actions; it never waits for Slurm or the workers.
     """
 
     def __init__(self, config: LaunchConfig, fleet: Fleet, *, coord: Coordinator, pool: WorkerPool, slurm,
                  kv, records: RecordLog, stragglers: StragglerDetector, window: MeasureWindow, store_addr: str,
                  progress: Callable[[Sequence[str]], dict], finished: Callable[[], Optional[str]],
-                 free_nodes: Callable[[], list[str]]) -> None:
+                 free_nodes: Callable[[], list[str]], clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.fleet = fleet
         self.coord = coord
@@ -183,27 +198,42 @@ class Resizer:
         self._progress = progress
         self._finished = finished
         self._free_nodes = free_nodes
+        self.clock = clock
+        self.limits = ResizeLimits.from_config(config)
+        self.ops: list[ResizeOp] = []  # the resize in flight first, then those queued behind it
+        self.last: Optional[ResizeOp] = None  # the last op that ended (SWITCHED, RELEASED or FAILED)
+        self._cancel: Optional[str] = None  # why the op in flight is to stop at the next tick
+        self._plans: dict[int, Plan] = {}  # plans the ops posted, by id
+        self._release_s: Optional[float] = None  # the last RELEASE_NODES' seconds, for its op's record
 
     @property
     def job_id(self) -> str:
         return self.fleet.job_id
 
+    def switch_stats(self, plan: Plan) -> Optional[dict]:
+        """`plan`'s switch record (`elastic/switched/<id>`, written by the epoch's rank 0 for every kind of epoch)
+        plus `idle_s` / `step_s` (the extra time the survivors' step took across the transition, from rank 0's
+        progress reports) once rank 0 reported a step in it; None before (no wait)."""
+        head = self._progress(plan.members[:1]).get(plan.members[0]) or {}
+        stats = self.coord.switched(plan)
+        if not stats or head.get("epoch") != plan.id:
+            return None
+        idle, step = transition_idle_s(head.get("recent", []), plan.id)
+        return {**stats, "idle_s": None if idle is None else round(idle, 3),
+                "step_s": None if step is None else round(step, 3)}
+
     def wait_switched(self, plan: Plan) -> dict:
-        """Wait for `plan`'s first committed step; return the runtime's switch record (`elastic/switched/<id>`,
-        written by the epoch's rank 0 for every kind of epoch) plus `idle_s`: the extra time the survivors'
-        step took across the transition (from rank 0's progress reports).
+        """Wait for :meth:`switch_stats` of `plan` (the job's start and a failed node's recovery or rejoin; the
+        ops of :meth:`tick` poll it instead).
 
         Raises:
             RendezvousTimeout: not within `rendezvous_timeout`, or the workers all ended meanwhile.
         """
-        head: dict = {}
         stats: dict = {}
 
         def first_step() -> bool:
-            head.update(self._progress(plan.members[:1]).get(plan.members[0]) or {})
-            if not stats:
-                stats.update(self.coord.switched(plan) or {})
-            return bool(stats) and head.get("epoch") == plan.id
+            stats.update(self.switch_stats(plan) or {})
+            return bool(stats)
 
         def superseded() -> bool:
             return self.coord.current().id > plan.id
@@ -213,10 +243,20 @@ class Resizer:
             raise RendezvousTimeout(f"job {self.job_id}: epoch {plan.id} ({plan.world_size} workers) reported no "
                                     f"first step within {self.config.rendezvous_timeout.total_seconds():g} s "
                                     f"or the workers ended")
-        idle, step = transition_idle_s(head.get("recent", []), plan.id)
-        stats["idle_s"] = None if idle is None else round(idle, 3)
-        stats["step_s"] = None if step is None else round(step, 3)
         return stats
+
+    def _missing(self, nodes: Sequence[str], slots: dict[str, NodeSlot]) -> list[str]:
+        """The nodes of `nodes` short of joined workers ("node (have/slots)"); sets the wids of the others."""
+        joined = self.coord.joined()
+        missing = []
+        for node in nodes:
+            slot = slots[node]
+            mine = sorted((w for w in joined if w.startswith(slot.prefix)), key=lambda w: int(w.rsplit("-", 1)[1]))
+            if len(mine) >= self.fleet.slots:
+                slot.wids = tuple(mine[: self.fleet.slots])
+            else:
+                missing.append(f"{node} ({len(mine)}/{self.fleet.slots})")
+        return missing
 
     def wait_joined(self, nodes: Sequence[str]) -> list[str]:
         """Wait until every node has `slots` joined workers; set their wids; return them in node order.
@@ -227,15 +267,7 @@ class Resizer:
         missing: list[str] = []
 
         def ready() -> bool:
-            joined = self.coord.joined()
-            missing.clear()
-            for node in nodes:
-                slot = self.fleet.nodes[node]
-                mine = sorted((w for w in joined if w.startswith(slot.prefix)), key=lambda w: int(w.rsplit("-", 1)[1]))
-                if len(mine) >= self.fleet.slots:
-                    slot.wids = tuple(mine[: self.fleet.slots])
-                else:
-                    missing.append(f"{node} ({len(mine)}/{self.fleet.slots})")
+            missing[:] = self._missing(nodes, self.fleet.nodes)
             return not missing
 
         if not wait_until(ready, self.config.rendezvous_timeout, interval=0.1):
@@ -319,35 +351,6 @@ class Resizer:
             return plan, stats, time.monotonic() - t0
         raise AssertionError("unreachable")
 
-    def shrink_to(self, target: int, action: str, reason: str, prefer: Sequence[str] = ()) -> None:
-        owners = {n: s.owner for n, s in self.fleet.nodes.items()}
-        leavers = choose_leavers(list(self.fleet.nodes), owners, self.job_id, self.fleet.alloc.batch_host,
-                                 len(self.fleet.nodes) - target, prefer)
-        before = len(self.fleet.nodes)
-        for node in leavers:
-            if node in self.pool.steps:
-                self.pool.steps[node].leaving = True
-        try:
-            plan, stats, wall = self._resize_members(remove=leavers)
-        except (RendezvousTimeout, ResizeConflict) as exc:
-            self.records.write("transition_failed", action=action, from_nodes=before, target_nodes=target,
-                               error=str(exc))
-            self.fleet.failures_in_a_row += 1
-            return
-        left = wait_until(lambda: all(self.coord.has_left(w) for n in leavers for w in self.fleet.nodes[n].wids),
-                          self.config.leave_timeout)
-        if not left:
-            stuck = [w for n in leavers for w in self.fleet.nodes[n].wids if not self.coord.has_left(w)]
-            log.warning("workers %s did not leave within %g s; their steps are stopped", stuck,
-                        self.config.leave_timeout.total_seconds())
-        released = self._release(leavers, reason=reason)
-        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before,
-                           to_nodes=len(self.fleet.nodes),
-                           world=plan.world_size, nodes_out=leavers, reason=reason, wall_s=round(wall, 3),
-                           pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), left_cleanly=left,
-                           release_s=released, stats=stats)
-        self.window.reset()
-
     def _release(self, nodes: Sequence[str], reason: str) -> float:
         """Give nodes whose workers are gone back to Slurm; return the seconds it took.
 
@@ -430,65 +433,229 @@ class Resizer:
             log.error("job %s: could not cancel helper %s: %s (its agent ends on its own after the orphan "
                       "timeout)", self.job_id, helper, exc)
 
-    def grow(self, add: int, action: str, reason: str, exclude: Sequence[str] = ()) -> bool:
-        """Grow by up to `add` nodes with one helper job; False when nothing was added."""
+    # -- resizes as ops, one state a tick (resize_ops.py) ----------------------------------------------
+    def request_grow(self, target: int, action: str, reason: str, exclude: Sequence[str] = ()) -> ResizeOp:
+        """Queue a grow to `target` nodes (one helper job for up to `target - nodes` free nodes)."""
+        op = ResizeOp(ResizeKind.GROW, target, action, reason, exclude=tuple(exclude))
+        self.ops.append(op)
+        return op
+
+    def request_shrink(self, target: int, action: str, reason: str, prefer: Sequence[str] = ()) -> ResizeOp:
+        """Queue a shrink to `target` nodes (the leavers are chosen when it starts, `prefer` first)."""
+        op = ResizeOp(ResizeKind.SHRINK, target, action, reason, prefer=tuple(prefer))
+        self.ops.append(op)
+        return op
+
+    @property
+    def active(self) -> Optional[ResizeOp]:
+        """The op in flight (or the next to start), None when no resize is pending."""
+        return self.ops[0] if self.ops else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.ops)
+
+    @property
+    def settled(self) -> bool:
+        """The fleet's nodes are the current epoch's: no op has posted a plan that has not ended yet."""
+        op = self.active
+        return op is None or op.cancellable
+
+    def op_nodes(self) -> set[str]:
+        """Nodes the op in flight is adding or removing (their failures are the op's, not the failure handler's)."""
+        op = self.active
+        return set(op.nodes) if op is not None else set()
+
+    def cancel_pending(self, reason: str) -> list[ResizeOp]:
+        """Cancel the op in flight at the next tick if it has posted nothing yet (`ResizeOp.cancellable`), and
+        drop the queued ones; return what was dropped or will be cancelled."""
+        head, queued = (self.ops[:1], self.ops[1:])
+        self.ops = head
+        for op in queued:
+            self.records.write("transition_skipped", action=op.action, reason=f"cancelled: {reason}")
+        if head and head[0].cancellable:
+            self._cancel = reason
+            return head + queued
+        return queued
+
+    def tick(self) -> Optional[ResizeOp]:
+        """Observe the op in flight, move it one state, execute the actions; return it (None: no op).
+        Never waits for Slurm or the workers (a Slurm command has its own timeout; an unreachable slurmctld
+        is retried only by a release or a cancel)."""
+        if not self.ops:
+            return None
+        op, now = self.ops[0], self.clock()
+        if op.state is ResizeState.REQUESTED:
+            op = self._prepare(op)
+        cancel, self._cancel = self._cancel, None
+        op, actions = advance(op, self.observe(op, cancel), now, self.limits)
+        op = self._execute(op, actions, now)
+        if op.done:
+            self.ops.pop(0)
+            self.last = op
+        else:
+            self.ops[0] = op
+        return op
+
+    def _prepare(self, op: ResizeOp) -> ResizeOp:
+        """A starting op's size to start from and, for a shrink, its leavers."""
+        have = len(self.fleet.nodes)
+        op = dataclasses.replace(op, from_nodes=have)
+        if op.kind is ResizeKind.SHRINK and not op.nodes and op.target < have:
+            owners = {n: s.owner for n, s in self.fleet.nodes.items()}
+            try:
+                leavers = choose_leavers(list(self.fleet.nodes), owners, self.job_id, self.fleet.alloc.batch_host,
+                                         have - op.target, op.prefer)
+            except ValueError as exc:
+                log.warning("job %s: %s", self.job_id, exc)
+                return op
+            op = dataclasses.replace(op, nodes=tuple(leavers))
+        return op
+
+    def observe(self, op: ResizeOp, cancel: Optional[str] = None) -> Observation:
+        """What the op in flight needs to know this tick (one Slurm query at most, a few store reads)."""
+        seen: dict = {"cancel": cancel}
+        if op.helper is not None and op.state in (ResizeState.SUBMITTED, ResizeState.ALLOCATED):
+            seen["helper_state"], seen["helper_nodes"] = self._helper_job(op.helper)
+        if op.helper is not None and op.state in (ResizeState.ALLOCATED, ResizeState.JOINED):
+            steps = self.helper_status(op.helper).get("steps", {})
+            seen["failed_nodes"] = tuple(n for n in op.nodes if steps.get(n) not in (None, 0))
+        if op.state is ResizeState.ALLOCATED:
+            seen["joined"] = not self._missing(op.nodes, self.fleet.joining)
+        if op.state is ResizeState.JOINED and op.plan_id in self._plans:
+            seen["switched"] = self.switch_stats(self._plans[op.plan_id]) is not None
+            seen["superseded"] = not seen["switched"] and self.coord.current().id > op.plan_id
+        if op.kind is ResizeKind.SHRINK and op.state is ResizeState.SWITCHED:
+            seen["left"] = all(self.coord.has_left(w) for n in op.nodes for w in self._slot(n).wids)
+        return Observation(**seen)
+
+    def helper_status(self, helper: str) -> dict:
+        """The helper agent's status record (`launcher/helper/<id>/status`: its steps' exit codes), {} if none."""
+        text = read_key(self.kv, keys.helper_status(helper))
+        return json.loads(text) if text else {}
+
+    def _helper_job(self, helper: str) -> tuple[str, tuple[str, ...]]:
+        """(Slurm state, nodes) of a helper: "GONE" when Slurm no longer lists it, "UNKNOWN" when it cannot say."""
+        try:
+            job = self.slurm.job(int(helper))
+        except JobNotFoundError:
+            return "GONE", ()
+        except Exception as exc:  # noqa: BLE001 - slurmctld slow or restarting: asked again next tick
+            log.warning("job %s: state of helper %s unknown: %s", self.job_id, helper, exc)
+            return "UNKNOWN", ()
+        return job.state, tuple(job.nodes)
+
+    def _slot(self, node: str) -> NodeSlot:
+        return self.fleet.nodes.get(node) or self.fleet.joining[node]
+
+    def _execute(self, op: ResizeOp, actions: Sequence[Action], now: float) -> ResizeOp:
+        for act in actions:
+            kind = act.kind
+            if kind is ActionKind.SUBMIT_HELPER:
+                op = self._submit(op, now)
+            elif kind is ActionKind.ADOPT_NODES:
+                self.fleet.helpers[op.helper] = list(act.nodes)
+                for node in act.nodes:
+                    self.fleet.joining[node] = NodeSlot(node, op.helper, f"j{op.helper}-{node}-")
+            elif kind is ActionKind.POST_PLAN:
+                op = self._post(op)
+            elif kind is ActionKind.CANCEL_HELPER:
+                self._cancel_helper(op.helper, op.error or "resize failed")
+            elif kind is ActionKind.RELEASE_NODES:
+                self._release_s = self._release(list(act.nodes), reason=op.reason)
+            elif kind is ActionKind.FINISH:
+                self._finish(op, now)
+            elif kind is ActionKind.ABORT:
+                self._abort(op)
+        return op
+
+    def _submit(self, op: ResizeOp, now: float) -> ResizeOp:
         cfg = self.config
-        free = [n for n in self._free_nodes() if n not in exclude]
-        count = min(add, len(free))
-        before = len(self.fleet.nodes)
+        free = [n for n in self._free_nodes() if n not in op.exclude]
+        count = min(op.target - len(self.fleet.nodes), len(free))
         if count < 1:
-            self.records.write("transition_skipped", action=action, reason="no free nodes")
-            return False
+            why = "no free nodes" if op.target > len(self.fleet.nodes) else f"already on {len(self.fleet.nodes)} nodes"
+            failed, more = fail(op, now, why, skipped=True)
+            return self._execute(failed, more, now)
         script = helper_script(self.job_id, count, self.fleet.alloc.gpus_per_node, self.fleet.alloc.partition,
-                               [*self.fleet.nodes, *exclude], self.store_addr, self.fleet.slots,
+                               [*self.fleet.nodes, *op.exclude], self.store_addr, self.fleet.slots,
                                cfg.helper_orphan_timeout, cfg.run_dir, cfg.command, Path(os.getcwd()))
-        t0 = time.monotonic()
         try:
             helper = str(self.slurm.submit(script))
         except SlurmError as exc:  # not retried: the decision is re-taken at the next measurement
             log.warning("job %s: helper submission failed: %s", self.job_id, exc)
-            self.records.write("transition_failed", action=action, error=f"helper submission failed: {exc}")
-            return False
+            failed, more = fail(op, now, f"helper submission failed: {exc}")
+            return self._execute(failed, more, now)
         self.fleet.helpers[helper] = []
-        self.records.write("helper_submitted", helper=helper, nodes=count, reason=reason)
-        running = wait_until(lambda: self._job_state(helper) == "RUNNING", cfg.helper_start_timeout, interval=0.2)
-        if not running:
-            self.cancel(helper)
-            self.fleet.helpers.pop(helper, None)
-            self.records.write("transition_failed", action=action, error=f"helper {helper} did not start "
-                               f"within {cfg.helper_start_timeout.total_seconds():g} s")
-            return False
-        try:
-            nodes = list(retry_transient(lambda: self.slurm.job(int(helper)).nodes,
-                                         f"job {self.job_id}: nodes of helper {helper}", SLURM_RETRY))
-        except (SlurmError, JobNotFoundError) as exc:
-            self._end_helper(helper, f"its nodes are unknown: {exc}")
-            self.records.write("transition_failed", action=action, error=f"helper {helper}: {exc}")
-            return False
-        self.fleet.helpers[helper] = nodes
-        for node in nodes:
-            self.fleet.nodes[node] = NodeSlot(node, helper, f"j{helper}-{node}-")
-        allocated_s = time.monotonic() - t0
-        try:
-            self.wait_joined(nodes)
-            plan, stats, wall = self._resize_members(add=nodes)
-        except (RendezvousTimeout, ResizeConflict) as exc:
-            for node in nodes:
-                self.fleet.nodes.pop(node, None)
-            self._end_helper(helper, f"grow failed: {exc}")
-            self.records.write("transition_failed", action=action, error=str(exc))
-            self.fleet.failures_in_a_row += 1
-            return False
-        self.records.write("transition", action=action, epoch=plan.id, from_nodes=before,
-                           to_nodes=len(self.fleet.nodes),
-                           world=plan.world_size, nodes_in=nodes, helper=helper, reason=reason,
-                           allocate_s=round(allocated_s, 3), wall_s=round(wall, 3), pause_s=stats.get("pause_s"),
-                           idle_s=stats.get("idle_s"), stats=stats)
-        self.window.reset()
-        return True
+        self.records.write("helper_submitted", helper=helper, nodes=count, reason=op.reason)
+        return dataclasses.replace(op, helper=helper)
 
-    def _job_state(self, job: str) -> str:
+    def _post(self, op: ResizeOp) -> ResizeOp:
+        """Post the plan with the newcomers (grow) or without the leavers (shrink) on the current epoch; a post
+        that loses the race to a recovery leaves `plan_id` None (tried again next tick)."""
+        base = self.coord.current()
+        if op.kind is ResizeKind.GROW:
+            members = list(base.members) + [w for n in op.nodes for w in self._slot(n).wids
+                                            if w not in base.members]
+        else:
+            for node in op.nodes:
+                if node in self.pool.steps:
+                    self.pool.steps[node].leaving = True
+            leaving = {w for n in op.nodes for w in self.fleet.nodes[n].wids}
+            members = [w for w in base.members if w not in leaving]
+        tries = op.post_attempts + 1
         try:
-            return self.slurm.job(int(job)).state
-        except Exception:
-            return "UNKNOWN"
+            plan = self.coord.request_resize(members, base)
+        except ResizeConflict as exc:
+            log.warning("resize lost a race (%s); posting again on the new epoch", exc)
+            return dataclasses.replace(op, plan_id=None, post_attempts=tries)
+        self._plans[plan.id] = plan
+        if op.kind is ResizeKind.GROW:  # members now: the fleet's nodes are the posted epoch's
+            for node in op.nodes:
+                self.fleet.nodes[node] = self.fleet.joining.pop(node)
+        return dataclasses.replace(op, plan_id=plan.id, post_attempts=tries)
+
+    def _cancel_helper(self, helper: Optional[str], reason: str) -> None:
+        """End a failed grow's helper now: the stop key for its agent, and scancel without waiting (its workers
+        were never members, or the recovery already left them out)."""
+        if helper is None:
+            return
+        try:
+            self.kv.set(keys.helper_stop(helper), reason)
+        except Exception as exc:  # noqa: BLE001 - scancel follows anyway
+            log.warning("cannot signal helper %s: %s", helper, exc)
+        self.cancel(helper)
+        self.fleet.helpers.pop(helper, None)
+        self.records.write("helper_ended", helper=helper, reason=reason, cancelled=True)
+
+    def _finish(self, op: ResizeOp, now: float) -> None:
+        plan = self._plans.get(op.plan_id) or self.coord.current()
+        stats = self.switch_stats(plan) or {}
+        extra = dict(nodes_in=list(op.nodes), helper=op.helper,
+                     allocate_s=None if op.allocated is None else round(op.allocated - op.started, 3)) \
+            if op.kind is ResizeKind.GROW else dict(nodes_out=list(op.nodes), left_cleanly=op.left,
+                                                     release_s=self._release_s)
+        self.records.write("transition", action=op.action, epoch=plan.id, from_nodes=op.from_nodes,
+                           to_nodes=len(self.fleet.nodes), world=plan.world_size, reason=op.reason,
+                           wall_s=round(now - op.started, 3), pause_s=stats.get("pause_s"),
+                           idle_s=stats.get("idle_s"), stats=stats, **extra)
+        self.window.reset()
+
+    def _abort(self, op: ResizeOp) -> None:
+        if op.kind is ResizeKind.GROW:
+            for node in op.nodes:
+                self.fleet.joining.pop(node, None)
+                self.fleet.nodes.pop(node, None)
+            if op.plan_id is not None:  # its epoch lost the newcomers: measure afresh
+                self.window.reset()
+        else:
+            for node in op.nodes:
+                if node in self.pool.steps:
+                    self.pool.steps[node].leaving = False
+        if op.skipped:
+            self.records.write("transition_skipped", action=op.action, reason=op.error)
+        else:
+            self.records.write("transition_failed", action=op.action, from_nodes=op.from_nodes,
+                               target_nodes=op.target, state=op.failed_in.value, cancelled=op.cancelled, error=op.error)
+        if op.counts:
+            self.fleet.failures_in_a_row += 1

@@ -84,6 +84,7 @@ class ResizeOp:
         started / allocated: clock times (the records' wall_s, allocate_s); from_nodes: the size it started at.
         error: why it FAILED; cancelled: failed by a cancel; counts: a failure that counts toward max_failures;
         skipped: nothing to do (no free nodes, already at the target); left: a shrink's leavers left cleanly.
+        failed_in: the state a FAILED op was in when it failed.
     """
 
     kind: ResizeKind
@@ -106,6 +107,7 @@ class ResizeOp:
     counts: bool = False
     skipped: bool = False
     left: bool = False
+    failed_in: Optional[ResizeState] = None
 
     @property
     def done(self) -> bool:
@@ -166,7 +168,8 @@ def _to(op: ResizeOp, state: ResizeState, now: float, wait_s: Optional[float] = 
 def fail(op: ResizeOp, now: float, error: str, *, cancelled: bool = False, counts: bool = False,
          skipped: bool = False) -> tuple[ResizeOp, list[Action]]:
     """`op` FAILED with `error`: its helper (if any) is cancelled, the failure recorded."""
-    failed = _to(op, ResizeState.FAILED, now, error=error, cancelled=cancelled, counts=counts, skipped=skipped)
+    failed = _to(op, ResizeState.FAILED, now, error=error, cancelled=cancelled, counts=counts, skipped=skipped,
+                 failed_in=op.state)
     actions = [Action(ActionKind.CANCEL_HELPER)] if op.helper is not None else []
     return failed, actions + [Action(ActionKind.ABORT, op.nodes)]
 

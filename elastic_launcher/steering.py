@@ -2,14 +2,19 @@
 survey lead to. :class:`~elastic_launcher.controller.Controller` gathers the facts, calls these and has the
 :class:`~elastic_launcher.resize.Resizer` execute the result.
 
-Transitions of a job (:class:`JobPhase`)::
+Transitions of a job (:class:`JobPhase`; the loop reads it to know what it may start)::
 
-    STARTING --initial plan's first step--> STEERING --every main-job worker ended--> ENDED (completed | failed)
-    STEERING, each round:
-        failures       -> decide_failures, then Resizer.node_failed each (release or restart the node) -> STEERING
-        operator asks  -> decide_request: REJECT | ALREADY | RESIZE (grow/shrink) -> STEERING
-        a measurement  -> AutoscalePolicy.decide, then settle_decision (pending jobs, the operator's cap):
-                          keep | grow | shrink | revert                          -> STEERING
+    STARTING --initial plan's first step--> RUNNING --every main-job worker ended--> ENDED (completed | failed)
+    each tick (never waiting for a resize: controller.Controller._tick):
+        failures       -> decide_failures, then Resizer.node_failed each (release or restart the node): RECOVERING
+                          while it is handled; a node the resize in flight adds or removes is that op's
+        operator asks  -> decide_request: REJECT | ALREADY | RESIZE, answered in this tick; while RESIZING, an op
+                          that posted nothing yet is cancelled (its helper released) and the request queued
+        the resize     -> Resizer.tick: the op in flight moves one state (resize_ops.advance): RESIZING until
+                          it is SWITCHED, RELEASED or FAILED, then RUNNING
+        a measurement  -> recorded and posted in RUNNING and RESIZING (while the fleet is the epoch's); only in
+                          RUNNING: AutoscalePolicy.decide, then settle_decision (pending jobs, the operator's
+                          cap): keep | grow | shrink | revert -> a queued op (RESIZING)
 """
 from __future__ import annotations
 
@@ -24,8 +29,12 @@ __all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decid
 
 
 class JobPhase(enum.Enum):
-    STARTING = "starting"
-    STEERING = "steering"
+    """Where the controller is (see the module docstring): the loop decides from it what else it may start."""
+
+    STARTING = "starting"      # initial workers joining; the first plan not switched yet
+    RUNNING = "running"        # steady: measurements may lead to a resize
+    RESIZING = "resizing"      # a resize op in flight: failures, requests and measurements still handled
+    RECOVERING = "recovering"  # a failed node being handled (Resizer.node_failed)
     ENDED = "ended"
 
 

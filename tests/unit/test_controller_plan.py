@@ -10,6 +10,7 @@ from elastic_launcher.autoscale import Measurement
 from elastic_launcher.controller import Controller
 from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
 from elastic_launcher.reporting import RecordLog
+from elastic_launcher.steering import JobPhase
 
 SCRIPT = ("#!/bin/bash\n#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=16 max_global_batch=64 min_efficiency=0.7\n"
           "python train.py\n")
@@ -46,19 +47,22 @@ def make_controller(tmp_path, predictor, script=SCRIPT, nodes=2, free=("node3", 
     c._free_nodes = lambda: list(free)
     c._pending_jobs = lambda: []
     c.resizer = FakeResizer(c.resizes, nodes)
+    c.phase = JobPhase.RUNNING  # decisions are taken in RUNNING only
     return c
 
 
 class FakeResizer:
-    """Stands in for resize.Resizer: records the transitions the controller asks for."""
+    """Stands in for resize.Resizer: records the transitions the controller asks for (no op in flight)."""
+
+    busy, settled = False, True
 
     def __init__(self, resizes: list, nodes: int):
         self.resizes, self.nodes = resizes, nodes
 
-    def grow(self, count, action, reason, **kw):
-        self.resizes.append(("grow", self.nodes + count))
+    def request_grow(self, target, action, reason, **kw):
+        self.resizes.append(("grow", target))
 
-    def shrink_to(self, target, action, reason, **kw):
+    def request_shrink(self, target, action, reason, **kw):
         self.resizes.append((action, target))
 
 

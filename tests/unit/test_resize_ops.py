@@ -73,7 +73,7 @@ def test_each_deadline_fails_the_grow_and_releases_the_helper(make, deadline, wo
     failed, acts = advance(op, Observation(helper_state="RUNNING"), deadline, LIMITS)
     assert failed.state is S.FAILED and failed.done and words in failed.error
     assert kinds(acts) == [ActionKind.CANCEL_HELPER, ActionKind.ABORT]
-    assert failed.counts is (op.state is not S.SUBMITTED) and not failed.cancelled
+    assert failed.counts is (op.state is not S.SUBMITTED) and not failed.cancelled and failed.failed_in is op.state
 
 
 @pytest.mark.parametrize("state", ["FAILED", "CANCELLED", "GONE", "COMPLETED"])

@@ -1,0 +1,421 @@
+"""Resizer.tick and Controller._tick with fake Slurm, store, membership and a fake clock (#27.2): a grow or a
+shrink moves one state a tick and never waits; deadlines, failures and operator requests during a grow end it
+with its helper released. No real time, no Slurm, no workers."""
+import json
+import time
+
+import pytest
+
+from elastic_launcher import resize as resize_module
+from elastic_launcher import resize_ops
+from elastic_launcher import store_keys as keys
+from elastic_launcher.controller import Controller
+from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
+from elastic_launcher.membership import Plan
+from elastic_launcher.reporting import RecordLog
+from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer
+from elastic_launcher.resize_ops import ResizeKind, ResizeState
+from elastic_launcher.steering import JobPhase
+from elastic_launcher.stragglers import StragglerDetector
+from slurm_plugin.errors import JobNotFoundError
+
+S = ResizeState
+SCRIPT = "#!/bin/bash\n#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=16 max_global_batch=64\npython train.py\n"
+
+
+class Clock:
+    """A monotonic clock that moves only when told (or when the controller 'sleeps')."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, seconds):
+        self.t += seconds
+
+
+class FakeSlurm:
+    """Jobs by id: state and nodes; submit queues a PENDING helper; cancel ends it."""
+
+    def __init__(self, free=("node3", "node4")):
+        self.free = list(free)
+        self.jobs: dict[int, dict] = {}
+        self.submitted: list[str] = []
+        self.cancelled: list[int] = []
+        self.next_id = 100
+
+    def submit(self, script):
+        self.next_id += 1
+        self.submitted.append(script)
+        self.jobs[self.next_id] = {"state": "PENDING", "nodes": ()}
+        return self.next_id
+
+    def start(self, job, nodes):
+        self.jobs[job] = {"state": "RUNNING", "nodes": tuple(nodes)}
+
+    def job(self, job_id):
+        if job_id not in self.jobs:
+            raise JobNotFoundError(job_id)
+        j = self.jobs[job_id]
+        return type("Job", (), {"state": j["state"], "nodes": j["nodes"]})()
+
+    def cancel(self, job_id):
+        self.cancelled.append(job_id)
+        if job_id in self.jobs:
+            self.jobs[job_id]["state"] = "CANCELLED"
+
+
+class FakeKV(dict):
+    def set(self, key, value):
+        self[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, ks):
+        return all(k in self for k in ks)
+
+    def get(self, key):
+        return dict.__getitem__(self, key)
+
+
+class FakeCoord:
+    """Membership: the current plan, who joined, posted plans, switch records, who left."""
+
+    def __init__(self, members):
+        self.plan = Plan(1, tuple(members))
+        self.joined_ids: list[str] = []
+        self.posted: list[Plan] = []
+        self.switched_ids: set[int] = set()
+        self.left: set[str] = set()
+
+    def current(self):
+        return self.plan
+
+    def joined(self):
+        return sorted(self.joined_ids)
+
+    def request_resize(self, members, base=None):
+        plan = Plan(self.plan.id + 1 + len(self.posted), tuple(members), self.plan.id, "resize")
+        self.posted.append(plan)
+        return plan
+
+    def switch(self, plan):
+        self.switched_ids.add(plan.id)
+        self.plan = plan
+
+    def switched(self, plan):
+        return {"epoch": plan.id, "pause_s": 0.05} if plan.id in self.switched_ids else None
+
+    def has_left(self, wid):
+        return wid in self.left
+
+
+class FakeStep:
+    def __init__(self, node, owner):
+        self.node, self.owner_job, self.leaving, self.code = node, owner, False, None
+
+    def alive(self):
+        return self.code is None
+
+    def returncode(self):
+        return self.code
+
+
+class FakePool:
+    def __init__(self, nodes, owner="42"):
+        self.steps = {n: FakeStep(n, owner) for n in nodes}
+
+    def forget(self, node):
+        return self.steps.pop(node, None)
+
+
+def make_config(tmp_path, nodes=2):
+    alloc = Allocation(job_id="42", nodes=tuple(f"node{i + 1}" for i in range(nodes)), batch_host="node1",
+                       gpus_per_node=1, partition="debug")
+    return LaunchConfig(command=("python", "train.py"), allocation=alloc, directives=Directives.from_script(SCRIPT),
+                        run_dir=tmp_path, grow_step_nodes=2)
+
+
+def wids(node, owner="42", slots=1):
+    return tuple(f"j{owner}-{node}-g0-{i}" for i in range(slots))
+
+
+def make_resizer(tmp_path, clock, slurm=None, nodes=2):
+    config = make_config(tmp_path, nodes)
+    fleet = Fleet("42", config.allocation, 1)
+    for n in config.allocation.nodes:
+        fleet.nodes[n] = NodeSlot(n, "42", f"j42-{n}-g0-", wids(n))
+    coord = FakeCoord([w for n in config.allocation.nodes for w in wids(n)])
+    slurm = slurm or FakeSlurm()
+    progress = {}  # wid -> progress record (the epoch rank 0 is in)
+    r = Resizer(config, fleet, coord=coord, pool=FakePool(config.allocation.nodes), slurm=slurm, kv=FakeKV(),
+                records=RecordLog(tmp_path / "records.jsonl"), stragglers=StragglerDetector(1.5, 3),
+                window=MeasureWindow(), store_addr="127.0.0.1:1",
+                progress=lambda ws: {w: progress[w] for w in ws if w in progress}, finished=lambda: None,
+                free_nodes=lambda: [n for n in slurm.free if n not in fleet.nodes], clock=clock)
+    r.progress_records = progress
+    return r
+
+
+def switch(r, plan):
+    """The workers of `plan` took their first step in it."""
+    r.coord.switch(plan)
+    r.progress_records[plan.members[0]] = {"epoch": plan.id, "recent": []}
+
+
+def records(r, kind):
+    return [x for x in r.records.items if x["kind"] == kind]
+
+
+def test_a_grow_moves_one_state_a_tick_and_never_waits(tmp_path, monkeypatch):
+    clock = Clock()
+    r = make_resizer(tmp_path, clock)
+    monkeypatch.setattr(resize_module, "wait_until", lambda *a, **k: pytest.fail("a tick waited"))
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("a tick slept"))
+    r.request_grow(4, "grow", "test")
+    assert r.tick().state is S.SUBMITTED and len(r.slurm.submitted) == 1
+    helper = r.active.helper
+    assert r.fleet.helpers == {helper: []} and "#SBATCH --nodes=2" in r.slurm.submitted[0]
+    clock.t += 5
+    assert r.tick().state is S.SUBMITTED                      # still queued: the tick returns at once
+    r.slurm.start(int(helper), ["node3", "node4"])
+    assert r.tick().state is S.ALLOCATED and set(r.fleet.joining) == {"node3", "node4"}
+    assert set(r.fleet.nodes) == {"node1", "node2"}          # not members yet: no failure handling, no measuring
+    r.coord.joined_ids = [*wids("node3", helper), *wids("node4", helper)]
+    r.fleet.joining["node3"].prefix = f"j{helper}-node3-g0-"
+    r.fleet.joining["node4"].prefix = f"j{helper}-node4-g0-"
+    op = r.tick()
+    assert op.state is S.JOINED and op.plan_id == r.coord.posted[0].id and not r.fleet.joining
+    assert r.coord.posted[0].members[-2:] == (*wids("node3", helper), *wids("node4", helper))
+    assert set(r.fleet.nodes) == {"node1", "node2", "node3", "node4"} and not r.settled
+    assert r.tick().state is S.JOINED
+    switch(r, r.coord.posted[0])
+    clock.t += 2
+    op = r.tick()
+    assert op.state is S.SWITCHED and not r.busy and r.last is op
+    (t,) = records(r, "transition")
+    assert (t["action"], t["from_nodes"], t["to_nodes"], t["helper"], t["wall_s"], t["pause_s"]) == \
+        ("grow", 2, 4, helper, 7.0, 0.05)
+    assert t["allocate_s"] == 5.0 and r.window.epoch is None
+
+
+@pytest.mark.parametrize("stage, limit", [("submitted", 60.0), ("allocated", 120.0), ("joined", 120.0)])
+def test_each_deadline_fails_the_grow_and_cancels_the_helper(tmp_path, stage, limit):
+    clock = Clock()
+    r = make_resizer(tmp_path, clock)
+    r.request_grow(3, "grow", "test")
+    r.tick()
+    helper = r.active.helper
+    if stage != "submitted":
+        r.slurm.start(int(helper), ["node3"])
+        r.tick()
+    if stage == "joined":
+        r.fleet.joining["node3"].wids = ()
+        r.coord.joined_ids = list(wids("node3", helper))
+        r.fleet.joining["node3"].prefix = f"j{helper}-node3-g0-"
+        assert r.tick().state is S.JOINED
+    t0 = clock.t
+    ticks = 0
+    while r.busy:
+        clock.t += 1.0
+        ticks += 1
+        r.tick()
+    assert ticks == int(limit)                     # polled every tick until the deadline, not a wait
+    assert clock.t - t0 == limit and r.last.state is S.FAILED
+    assert r.slurm.cancelled == [int(helper)] and r.fleet.helpers == {} and not r.fleet.joining
+    assert set(r.fleet.nodes) == {"node1", "node2"}
+    (f,) = records(r, "transition_failed")
+    assert f["state"] == stage and not f["cancelled"]
+    assert keys.helper_stop(helper) in r.kv
+    assert r.fleet.failures_in_a_row == (0 if stage == "submitted" else 1)
+
+
+def test_a_helper_that_fails_while_queued_or_whose_workers_fail_ends_the_grow_at_once(tmp_path):
+    clock = Clock()
+    r = make_resizer(tmp_path, clock)
+    r.request_grow(3, "grow", "test")
+    r.tick()
+    r.slurm.jobs[int(r.active.helper)]["state"] = "FAILED"
+    assert r.tick().state is S.FAILED
+    r.request_grow(3, "grow", "again")
+    r.tick()
+    helper = r.active.helper
+    r.slurm.start(int(helper), ["node3"])
+    r.tick()
+    r.kv.set(keys.helper_status(helper), json.dumps({"steps": {"node3": 1}}))
+    op = r.tick()
+    assert op.state is S.FAILED and "node3" in op.error and clock.t == 1000.0   # no deadline waited for
+    assert r.slurm.cancelled[-1] == int(helper) and not r.fleet.joining
+
+
+def test_no_free_nodes_skips_the_grow_and_a_failed_submit_fails_it(tmp_path):
+    r = make_resizer(tmp_path, Clock(), slurm=FakeSlurm(free=()))
+    r.request_grow(3, "grow", "test")
+    assert r.tick().skipped and records(r, "transition_skipped")[0]["reason"] == "no free nodes"
+    from slurm_plugin.errors import SlurmError
+
+    def refuse(script):
+        raise SlurmError(["sbatch"], 1, "sbatch: refused")
+    r.slurm.free, r.slurm.submit = ["node3"], refuse
+    r.request_grow(3, "grow", "test")
+    op = r.tick()
+    assert op.state is S.FAILED and "refused" in op.error and r.fleet.helpers == {}
+
+
+def test_a_shrink_of_a_helper_node_posts_switches_and_releases_once_left(tmp_path, monkeypatch):
+    clock = Clock()
+    r = make_resizer(tmp_path, clock, nodes=3)
+    r.fleet.nodes["node3"] = NodeSlot("node3", "77", "j77-node3-", ("j77-node3-0",))
+    r.fleet.nodes.pop("node2")  # node1 (batch host), node3 (helper 77's)
+    r.fleet.helpers["77"] = ["node3"]
+    r.slurm.start(77, ["node3"])
+    r.coord.plan = Plan(1, ("j42-node1-g0-0", "j77-node3-0"))
+    ended = []
+    monkeypatch.setattr(Resizer, "_end_helper", lambda self, h, reason: (ended.append(h), self.fleet.helpers.pop(h)))
+    r.request_shrink(1, "shrink", "test")
+    op = r.tick()
+    assert (op.state, op.nodes) == (S.JOINED, ("node3",)) and r.coord.posted[0].members == ("j42-node1-g0-0",)
+    switch(r, r.coord.posted[0])
+    assert r.tick().state is S.SWITCHED and "node3" in r.fleet.nodes
+    assert r.tick().state is S.SWITCHED                 # waits (ticks) for the leaver, up to leave_timeout
+    r.coord.left.add("j77-node3-0")
+    op = r.tick()
+    assert op.state is S.RELEASED and ended == ["77"] and set(r.fleet.nodes) == {"node1"}
+    (t,) = records(r, "transition")
+    assert (t["action"], t["from_nodes"], t["to_nodes"], t["nodes_out"], t["left_cleanly"]) == \
+        ("shrink", 2, 1, ["node3"], True)
+
+
+def test_a_post_that_loses_a_race_is_posted_again_next_tick(tmp_path):
+    from elastic_launcher.errors import ResizeConflict
+    r = make_resizer(tmp_path, Clock(), nodes=2)
+    real = r.coord.request_resize
+    tries = []
+
+    def racy(members, base=None):
+        tries.append(members)
+        if len(tries) == 1:
+            raise ResizeConflict(1, 2)
+        return real(members, base)
+    r.coord.request_resize = racy
+    r.request_shrink(1, "shrink", "test")
+    op = r.tick()
+    assert op.state is S.JOINED and op.plan_id is None and r.pool.steps["node2"].leaving
+    op = r.tick()
+    assert op.plan_id is not None and len(tries) == 2
+
+
+# -- the controller loop -----------------------------------------------------------------------------
+
+
+class FakeInbox:
+    def __init__(self):
+        self.requests, self.replies = [], {}
+
+    def poll(self):
+        out, self.requests = self.requests, []
+        return out
+
+    def reply(self, seq, ok, message, **extra):
+        self.replies[seq] = {"ok": ok, "message": message, **extra}
+
+
+def make_controller(tmp_path, clock):
+    config = make_config(tmp_path)
+    c = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None, clock=clock,
+                   sleep=clock.sleep)
+    r = make_resizer(tmp_path, clock)
+    c.fleet, c.slurm, c.coord, c.kv, c.pool, c.window = r.fleet, r.slurm, r.coord, r.kv, r.pool, r.window
+    c.records, c.resizer, c.inbox = r.records, r, FakeInbox()
+    c._write_status = lambda: None
+    c._measure = lambda: None
+    c.phase = JobPhase.RUNNING
+    return c
+
+
+def test_the_loop_ticks_while_a_grow_waits_in_the_queue_and_cancels_it_at_the_deadline(tmp_path, monkeypatch):
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    calls = []
+    real = resize_ops.advance
+
+    def spy(op, obs, now, limits):
+        calls.append((now, op.state))
+        return real(op, obs, now, limits)
+    monkeypatch.setattr(resize_module, "advance", spy)
+    c.resizer.request_grow(3, "grow", "test")
+    phases = []
+    for _ in range(400):  # 400 ticks at poll_interval 0.2 s: 80 s of fake time
+        assert c._tick() is None
+        phases.append(c.phase)
+        c.sleep(c.config.poll_interval.total_seconds())
+    nows = [now for now, _ in calls]
+    assert len(calls) > 300 and all(b - a == pytest.approx(0.2) for a, b in zip(nows, nows[1:]))  # once a tick
+    assert c.resizer.last.state is S.FAILED and "did not start within 60 s" in c.resizer.last.error
+    assert phases[0] is JobPhase.RESIZING and phases[-1] is JobPhase.RUNNING
+    assert c.slurm.cancelled == [101] and c.fleet.helpers == {}
+
+
+def test_an_operator_shrink_during_a_queued_grow_is_answered_and_the_grow_cancelled_in_the_same_tick(tmp_path):
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c.resizer.request_grow(3, "grow", "autoscale")
+    c._tick()
+    assert c.resizer.active.state is S.SUBMITTED and c.phase is JobPhase.RESIZING
+    c.inbox.requests = [(1, {"nodes": 1})]
+    c._tick()
+    reply = c.inbox.replies[1]
+    assert reply["ok"] and reply["target_nodes"] == 1 and "grow in flight (submitted) is cancelled" in reply["message"]
+    assert c.slurm.cancelled == [101] and c.fleet.helpers == {}
+    (f,) = [x for x in c.records.items if x["kind"] == "transition_failed"]
+    assert f["cancelled"] and "operator asked for 1 nodes" in f["error"]
+    assert c.resizer.active.kind is ResizeKind.SHRINK and c.operator_cap == 1
+    c._tick()
+    assert c.resizer.active.state is S.JOINED and c.resizer.active.nodes == ("node2",)
+
+
+def test_an_operator_request_after_the_plan_is_posted_is_queued_behind_the_grow(tmp_path):
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    r = c.resizer
+    r.request_grow(3, "grow", "autoscale")
+    c._tick()
+    helper = r.active.helper
+    r.slurm.start(int(helper), ["node3"])
+    c._tick()
+    r.coord.joined_ids = list(wids("node3", helper))
+    r.fleet.joining["node3"].prefix = f"j{helper}-node3-g0-"
+    c._tick()
+    assert r.active.state is S.JOINED
+    c.inbox.requests = [(1, {"nodes": 2})]
+    c._tick()
+    assert "after the grow in flight (joined)" in c.inbox.replies[1]["message"]
+    assert [op.kind for op in r.ops] == [ResizeKind.GROW, ResizeKind.SHRINK] and r.slurm.cancelled == []
+
+
+def test_a_main_node_failure_while_a_grow_is_queued_is_handled_in_that_tick(tmp_path, monkeypatch):
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c.resizer.request_grow(3, "grow", "autoscale")
+    c._tick()
+    failed = []
+    monkeypatch.setattr(c.resizer, "node_failed", lambda node, evicted=False: (failed.append((node, c.phase)),
+                                                                                c.fleet.nodes.pop(node)))
+    c.pool.steps["node2"].code = 1
+    c._tick()
+    assert failed == [("node2", JobPhase.RECOVERING)] and c.phase is JobPhase.RESIZING
+    assert c.resizer.active.state is S.SUBMITTED     # the grow goes on
+
+
+def test_no_autoscale_decision_while_resizing_but_the_measurement_is_recorded(tmp_path):
+    from elastic_launcher.autoscale import Measurement
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c._measure = lambda: (Measurement(nodes=2, workers=2, samples_per_s=200.0, step_s=0.1), {})
+    c._post_observations = lambda own: None
+    c._current_layout = lambda: [1, 1]
+    c._ask_plan = lambda m, layout: pytest.fail("a decision was taken while resizing")
+    c.resizer.request_grow(3, "grow", "autoscale")
+    c._tick()
+    assert c.phase is JobPhase.RESIZING
+    assert [x["kind"] for x in c.records.items].count("measurement") == 1
