@@ -83,9 +83,17 @@ KEYS: dict[str, Callable[[str], Any]] = {
 }
 
 
+# The first lines of the script `sbatch --wrap` writes (Slurm 22.05, checked with `scontrol write batch_script`):
+# sbatch reads no #SBATCH line in it, so the hook reads no #ELASTIC line either (#26.3).
+WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
+
+
 def directive_lines(script: str) -> list[tuple[int, str]]:
-    """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers)."""
-    found = []
+    """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers); none in the script
+    of `sbatch --wrap` (WRAP_HEADER)."""
+    found: list[tuple[int, str]] = []
+    if script.startswith(WRAP_HEADER):
+        return found
     lines = _LINE_END_RE.split(script)
     if lines[-1] == "":
         lines.pop()    # a line end after the last line starts no new line

@@ -81,9 +81,11 @@ end
 
 -- Lines of the directive block only: stops at the first line that is neither blank nor a comment, so a
 -- large script costs no more than its header. Line ends: \n, \r\n or \r (as Python's splitlines).
+-- None in the script `sbatch --wrap` writes: sbatch reads no #SBATCH line there (directives.py WRAP_HEADER).
+local WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 function M.directive_lines(script)
   local found = {}
-  if type(script) ~= "string" then return found end
+  if type(script) ~= "string" or script:sub(1, #WRAP_HEADER) == WRAP_HEADER then return found end
   local pos, number, size = 1, 0, #script
   while pos <= size do
     local s, e = script:find("[\r\n]", pos)

@@ -201,6 +201,21 @@ def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch,
     assert predictor.requests == []
 
 
+def test_wrap_text_is_read_for_no_directive_as_sbatch_reads_no_sbatch_line(hook, predictor, bed, tmp_path):
+    """#26.3: `sbatch --wrap` ignores #SBATCH lines in its text; the hook ignores #ELASTIC lines there alike."""
+    hook(predictor.url)
+    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    proc = subprocess.run(["sbatch", "--parsable", "-H", "-J", "mode-rewrite", f"--output={tmp_path}/%j.out",
+                           "--wrap", "#ELASTIC model=resnet50 gpus=2-8\n#SBATCH -N 3\ntrue"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    try:
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert show_job(bed, int(proc.stdout.split(";")[0]))["NumNodes"] in ("1", "1-1")  # sbatch: no #SBATCH either
+        assert predictor.requests == []
+    finally:
+        subprocess.run(["scancel", proc.stdout.split(";")[0].strip()], env=env, capture_output=True, timeout=30)
+
+
 @pytest.mark.parametrize("plugin", [False, True], ids=["without-plugin", "with-plugin"])
 def test_test_only_works(hook, predictor, sbatch, bed, plugin):
     hook(predictor.url, job_submit=plugin)
