@@ -1,0 +1,76 @@
+"""#27.2 on the Slurm testbed: a grow whose helper job is held in Slurm's queue does not block the controller.
+
+node4 is drained (Slurm still calls it idle, so the launcher sees a free node and submits a helper for it, which
+stays PENDING). Meanwhile one node's workers are SIGKILLed: the failure is handled within the workers' heartbeat
+timeout + 5 s; then an operator shrink is answered at once, cancels the grow (its helper is scancelled) and runs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.integration.test_launcher_e2e import _batch_script, _ctl, _job_processes, _records, _transition
+
+HEARTBEAT_S = 4.0  # train_tiny.py's TrainerConfig.heartbeat_timeout
+
+
+def _scontrol(testbed, *args):
+    env = {**os.environ, "SLURM_CONF": str(testbed.config.slurm_conf)}
+    subprocess.run(["scontrol", *args], env=env, check=True, capture_output=True, timeout=20)
+
+
+def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slurm, testbed, idle_nodes, wait_until,
+                                                                            submit, tmp_path):
+    work = Path(tmp_path)
+    registry, run = work / "registry", work / "run"
+    job_id = submit(_batch_script(work, registry, 100000, extra_launch="--no-autoscale",
+                                  sbatch="--nodes=3 --nodelist=node1,node2,node3"))
+    wait_until(lambda: _transition(run, "start"), 120, "the job's first step on 3 nodes")
+    _scontrol(testbed, "update", "NodeName=node4", "State=DRAIN", "Reason=test_launcher_nonblocking")
+    try:
+        assert _ctl(registry, job_id, "--nodes", "4")["ok"]
+        helper = wait_until(lambda: next((r["helper"] for r in _records(run) if r["kind"] == "helper_submitted"),
+                                         None), 30, "the grow's helper job")
+        time.sleep(2)
+        assert slurm.job(int(helper)).state == "PENDING"
+        status = _ctl(registry, job_id, "--status")
+        assert status["phase"] == "resizing" and status["resize"]["state"] == "submitted", status
+
+        # 1. a node failure while the grow waits: handled, not after the grow's helper_start_timeout
+        victims = wait_until(lambda: _job_processes(job_id, "node3"), 10, "node3's worker processes")
+        killed = time.time()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        failure = wait_until(lambda: next((r for r in _records(run) if r["kind"] == "failure"), None), 30,
+                             "the controller to see node3 fail")
+        assert failure["node"] == "node3"
+        assert failure["t"] - killed <= HEARTBEAT_S + 5, f"failure handled {failure['t'] - killed:.1f} s after"
+        recovered = wait_until(lambda: _transition(run, "failure"), 60, "the recovery from node3's failure")
+        assert recovered["to_nodes"] == 2
+        assert slurm.job(int(helper)).state == "PENDING"   # the grow still waits, in its own state
+
+        # 2. an operator shrink during the grow: answered at once, the grow cancelled, its helper released
+        asked = time.time()
+        reply = _ctl(registry, job_id, "--nodes", "1")
+        assert reply["ok"] and "the grow in flight (submitted) is cancelled" in reply["message"], reply
+        answered = time.time() - asked
+        assert answered < 10
+        wait_until(lambda: slurm.job(int(helper)).state not in ("PENDING", "CONFIGURING", "RUNNING"), 30,
+                   "the held helper to be cancelled")
+        shrink = wait_until(lambda: _transition(run, "shrink"), 90, "the operator shrink to 1 node")
+        assert (shrink["from_nodes"], shrink["to_nodes"]) == (2, 1)
+        failed = [r for r in _records(run) if r["kind"] == "transition_failed"]
+        assert len(failed) == 1 and failed[0]["cancelled"] and failed[0]["state"] == "submitted"
+        assert any(r["kind"] == "helper_ended" and r["helper"] == helper and r["cancelled"] for r in _records(run))
+        assert _ctl(registry, job_id, "--status")["phase"] == "running"
+        print(f"failure recorded {failure['t'] - killed:.1f} s after the kill; ctl --nodes 1 answered in "
+              f"{answered:.2f} s (ctl process included)")
+    finally:
+        _scontrol(testbed, "update", "NodeName=node4", "State=RESUME")
+    slurm.cancel(job_id)
+    wait_until(lambda: not _job_processes(job_id), 60, "no worker process of the job")
+    assert not [j for j in slurm.jobs() if j.name == f"elastic-helper-{job_id}"
+                and j.state in ("PENDING", "RUNNING", "COMPLETING")]
