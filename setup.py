@@ -14,7 +14,7 @@ setup(
     package_data={
         "slurm_plugin": ["lua/*.lua"],
         # the measured public data predictor/datasets.py reads (each folder's SOURCE.md: origin, license)
-        "predictor": ["*.yaml", "*.json", "data/*.md", "data/*.txt", "data/*/SOURCE.md", "data/*/*/*.csv",
+        "predictor": ["*.yaml", "*.json", "data/*.md", "data/*.txt", "data/*/SOURCE.md", "data/*/*.csv", "data/*/*/*.csv",
                       "data/*/*/*/*.csv", "data/*/*.json.gz", "deploy/*.in"],
     },
     include_package_data=True,
