@@ -91,11 +91,17 @@ def cold_start(profiles, coll, steps, model_kwargs: dict, same_launch: bool = Fa
                   [(others + compute_in_launch([r for r in test if r["launch"] == l]),
                     [r for r in test if r["launch"] == l]) for l in sorted({r["launch"] for r in test})])
         for train, rows in groups:
-            pred = Predictor(**model_kwargs).fit(profiles, coll + train)
-            for r in rows:
-                p = pred.predict(profiles[m], r["gpu"], r["per_gpu_batch"],
-                                 [{"layout": r["layout"], "intra_link": r["intra_link"], "inter_link": None}])[0]
-                out.append((r, p["iter_s"]))
+            out += predicted(Predictor(**model_kwargs).fit(profiles, coll + train), profiles, rows)
+    return out
+
+
+def predicted(pred: Predictor, profiles, rows) -> list[tuple[dict, float]]:
+    """(row, predicted step seconds) of each measured step row, at its own layout and links."""
+    out = []
+    for r in rows:
+        p = pred.predict(profiles[r["profile"]], r["gpu"], r["per_gpu_batch"],
+                         [{"layout": r["layout"], "intra_link": r["intra_link"], "inter_link": None}])[0]
+        out.append((r, p["iter_s"]))
     return out
 
 

@@ -21,14 +21,13 @@ predictor.engine.Predictor with the service's defaults, the way the service fits
 - **leave one model out** (bench/coldstart.py's protocol A, secondary): m's multi-GPU rows held out, other models'
   rows from every launch kept.
 Rows are reported apart by regime, from the model's own 1-GPU steps: a batch is **host-bound** where doubling it
-costs the 1-GPU step less than 1.5x (the step is the host's Python and kernel launches, not the GPU's work), else
+costs the 1-GPU step less than 1.5x (predictor.throughput.host_bound_between, the rule the model's host floor uses; the step is the host's Python and kernel launches, not the GPU's work), else
 **GPU-bound** (for the largest batch of a ladder, the doubling that reached it).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -36,16 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coldstart  # noqa: E402
-from coldstart import err, load  # noqa: E402
+from coldstart import err, load, predicted  # noqa: E402
 from predictor.engine import Predictor  # noqa: E402
-from predictor.throughput import MODEL_VERSION  # noqa: E402
+from predictor.throughput import MODEL_VERSION, host_bound_between  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HELDOUT = HERE / "data" / "heldout"
 DEV = [HERE / "data" / "coldstart", HERE / "data" / "coldstart" / "session7"]
 RESULTS = HERE / "results"
-HOST_BOUND_GROWTH = 1.5  # 1-GPU step growth per batch doubling below which the batch is host-bound
-TARGETS = {"strict": {"all": 8.0, "transport": 10.0, "host-bound": 10.0}, "cold cluster": {"all": 10.0}}
 
 
 def collected_under(data: Path) -> str | None:
@@ -81,17 +78,7 @@ def regimes(steps) -> dict[tuple[str, int], str]:
                 out[(m, b)] = "GPU-bound"
                 continue
             (b0, t0), (b1, t1) = sorted([ladder[i], ladder[j]])
-            growth = (t1 / t0) ** (math.log(2) / math.log(b1 / b0))  # per doubling
-            out[(m, b)] = "host-bound" if growth < HOST_BOUND_GROWTH else "GPU-bound"
-    return out
-
-
-def _predict(pred: Predictor, profiles, rows) -> list[tuple[dict, float]]:
-    out = []
-    for r in rows:
-        p = pred.predict(profiles[r["profile"]], r["gpu"], r["per_gpu_batch"],
-                         [{"layout": r["layout"], "intra_link": r["intra_link"], "inter_link": None}])[0]
-        out.append((r, p["iter_s"]))
+            out[(m, b)] = "host-bound" if host_bound_between(b0, t0, b1, t1) else "GPU-bound"
     return out
 
 
@@ -104,14 +91,14 @@ def strict(profiles, coll, steps) -> list[tuple[dict, float]]:
         for launch in sorted({r["launch"] for r in multi if r["profile"] == m}):
             train = own_one + [r for r in steps if r["profile"] != m and r["launch"] != launch]
             rows = [r for r in multi if r["profile"] == m and r["launch"] == launch]
-            out += _predict(Predictor().fit(profiles, coll + train), profiles, rows)
+            out += predicted(Predictor().fit(profiles, coll + train), profiles, rows)
     return out
 
 
 def cold_cluster(profiles, coll, steps) -> list[tuple[dict, float]]:
     """No multi-GPU step history: sweeps and 1-GPU steps only."""
     pred = Predictor().fit(profiles, coll + [r for r in steps if sum(r["layout"]) == 1])
-    return _predict(pred, profiles, [r for r in steps if sum(r["layout"]) > 1])
+    return predicted(pred, profiles, [r for r in steps if sum(r["layout"]) > 1])
 
 
 def leave_one_model_out(profiles, coll, steps) -> list[tuple[dict, float]]:

@@ -152,14 +152,16 @@ def _predict_step(t_compute, t_sync, gamma, overhead=0.0):
     return (t_compute**gamma + t_sync**gamma) ** (1.0 / gamma) + overhead
 
 
-def _starts_host_bound(batches, steps) -> bool:
-    """The 1-GPU ladder's two smallest batches show a host-bound start: the step grows less than
-    HOST_BOUND_GROWTH per doubling of the batch (a GPU-bound step about doubles)."""
-    ladder = sorted({float(bb): float(t) for bb, t in zip(batches, steps)}.items())
-    if len(ladder) < 2:
-        return False
-    (b0, t0), (b1, t1) = ladder[0], ladder[1]
+def host_bound_between(b0: float, t0: float, b1: float, t1: float) -> bool:
+    """Going from batch b0 (step t0) to b1 > b0 (step t1) on one GPU, the step grows less than HOST_BOUND_GROWTH
+    per doubling of the batch: the host's work, not the GPU's (a GPU-bound step about doubles)."""
     return (t1 / t0) ** (math.log(2.0) / math.log(b1 / b0)) < HOST_BOUND_GROWTH
+
+
+def _starts_host_bound(batches, steps) -> bool:
+    """The 1-GPU ladder's two smallest batches show a host-bound start (`host_bound_between`)."""
+    ladder = sorted({float(bb): float(t) for bb, t in zip(batches, steps)}.items())
+    return len(ladder) >= 2 and host_bound_between(*ladder[0], *ladder[1])
 
 
 def _host_bound(t_device, t_host):
