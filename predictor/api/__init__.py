@@ -1,7 +1,7 @@
 """HTTP API v1 blueprints (one module per resource) and the helpers they share.
 
 Shared helpers: `services()` (the objects `create_app` built), `json_body()` (parses the request body or
-raises a 400 naming `body`), `write_access` / `admin_access` (the checks of predictor.auth on a view),
+raises a 400 naming `body`), `int_arg()` (an integer query parameter in bounds, else a 400 naming it), `write_access` / `admin_access` (the checks of predictor.auth on a view),
 `caller()` (who the current request was accepted from) and `install_auth_hooks(bp)`, which a blueprint
 calls to register, app-wide, the read check (ELASTIC_PREDICTOR_READ_AUTH) and the JSON answer for an
 `AuthError` (`{"error", "field", "reason"}`, plus `WWW-Authenticate` on 401).
@@ -23,6 +23,21 @@ from predictor.errors import ValidationError
 from predictor.plotcache import PlotRenderer
 from predictor.service import ModelCache
 from predictor.store import Store
+
+
+def int_arg(name: str, default: int | None, low: int, high: int) -> int | None:
+    """The query parameter `name` as an integer in low..high (`default` when absent).
+
+    Raises:
+        ValidationError: anything else, named (non-ASCII digits such as '\u00b2' and overlong digit strings too,
+            which `int()` refuses).
+    """
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19) or not low <= int(raw) <= high:
+        raise ValidationError(name, f"expected an integer in {low}..{high}, got {raw[:40]!r}")
+    return int(raw)
 
 
 @dataclasses.dataclass(frozen=True)

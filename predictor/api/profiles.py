@@ -5,7 +5,7 @@ import json
 
 from flask import Blueprint, request
 
-from predictor.api import AuthError, authenticator, caller, json_body, services, write_access
+from predictor.api import AuthError, authenticator, caller, int_arg, json_body, services, write_access
 from predictor.errors import ValidationError
 from predictor.profiles import Profile
 from predictor.records import NAME_RE
@@ -138,7 +138,7 @@ def create():
 def index():
     """Summaries, by name, a page at a time (#24.6: no body is read): `?limit=` (default `LIST_LIMIT`, at most
     `LIST_MAX`) and `?after=<name>` (the `next` of the previous page; null on the last)."""
-    limit = _limit(request.args.get("limit"))
+    limit = int_arg("limit", LIST_LIMIT, 1, LIST_MAX)
     after = request.args.get("after")
     if after is not None and (len(after) > 200 or not after):
         raise ValidationError("after", "expected the `next` name of the previous page")
@@ -146,14 +146,6 @@ def index():
     items = [{k: row[k] for k in ("name", "tensors", "params", "grad_bytes", "buckets", "source", "owner", "bytes",
                                   "created_at_s", "updated_at_s")} for row in rows[:limit]]
     return {"profiles": items, "next": items[-1]["name"] if len(rows) > limit else None}
-
-
-def _limit(raw: str | None) -> int:
-    if raw is None:
-        return LIST_LIMIT
-    if not raw.isdigit() or not 1 <= int(raw) <= LIST_MAX:
-        raise ValidationError("limit", f"expected an integer in 1..{LIST_MAX}")
-    return int(raw)
 
 
 @bp.get("/<path:name>")

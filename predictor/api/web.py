@@ -21,7 +21,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 from markupsafe import Markup, escape
 
 from predictor import admin_tables, outliers
-from predictor.api import services
+from predictor.api import int_arg, services
 from predictor.errors import NotFoundError, ValidationError
 from predictor.plotcache import RETRY_AFTER_S, PlotKey
 from predictor.records import LINK_RE, NAME_RE
@@ -68,17 +68,10 @@ def _html_table(rows: list[dict], columns: list, row_class=None, links=None) -> 
     return Markup(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 
 
-def _limit() -> int:
-    raw = request.args.get("limit", "50")
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1000:  # '³'.isdigit(), int('³') fails
-        raise ValidationError("limit", f"expected an integer in 1..1000, got {raw!r}")
-    return int(raw)
-
-
 @bp.get("")
 def index():
     svc = services()
-    limit = _limit()
+    limit = int_arg("limit", 50, 1, 1000)
     predictor = _predictor(svc)
     status = svc.models.status()
     counts = svc.store.observation_counts()

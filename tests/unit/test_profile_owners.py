@@ -142,3 +142,10 @@ def test_a_fitted_model_keeps_no_tensor_names(client, app):
     for fitted in (models.current.profiles["long-names"], FittedModel.from_stored(stored).profiles["long-names"]):
         assert [(t.numel, t.dtype) for t in fitted.tensors] == [(t.numel, t.dtype) for t in original.tensors]
         assert (fitted.n_params, fitted.grad_bytes) == (original.n_params, original.grad_bytes)
+
+
+@pytest.mark.parametrize("path", ["/v1/profiles", "/v1/decisions", "/admin"])
+@pytest.mark.parametrize("raw", ["%C2%B2", "9" * 5000, "0", "-1", "x"])
+def test_a_bad_limit_is_a_400_naming_it_never_a_500(client, path, raw):
+    response = client.get(f"{path}?limit={raw}", headers=TOOL_H)
+    assert response.status_code == 400 and response.get_json()["field"] == "limit"
