@@ -276,7 +276,7 @@ class Controller:
                 self.resizer.cancel_pending(f"operator asked for {target} nodes")
                 message += f"; the {op.action} in flight ({op.state.value}) is cancelled"
             else:
-                self.resizer.cancel_pending(f"operator asked for {target} nodes")  # drops only the queued
+                self.resizer.cancel_pending(f"operator asked for {target} nodes", keep_active=True)  # the queued
                 message += f"; after the {op.action} in flight ({op.state.value})"
         self.inbox.reply(seq, True, message, target_nodes=target)
         if action.kind is RequestKind.ALREADY:

@@ -466,14 +466,14 @@ class Resizer:
         op = self.active
         return set(op.nodes) if op is not None else set()
 
-    def cancel_pending(self, reason: str) -> list[ResizeOp]:
-        """Cancel the op in flight at the next tick if it has posted nothing yet (`ResizeOp.cancellable`), and
-        drop the queued ones; return what was dropped or will be cancelled."""
+    def cancel_pending(self, reason: str, keep_active: bool = False) -> list[ResizeOp]:
+        """Drop the queued ops and, unless `keep_active`, cancel the op in flight at the next tick if it has posted
+        nothing yet (`ResizeOp.cancellable`); return what was dropped or will be cancelled."""
         head, queued = (self.ops[:1], self.ops[1:])
         self.ops = head
         for op in queued:
             self.records.write("transition_skipped", action=op.action, reason=f"cancelled: {reason}")
-        if head and head[0].cancellable:
+        if head and head[0].cancellable and not keep_active:
             self._cancel = reason
             return head + queued
         return queued

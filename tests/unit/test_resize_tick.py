@@ -374,6 +374,20 @@ def test_an_operator_shrink_during_a_queued_grow_is_answered_and_the_grow_cancel
     assert c.resizer.active.state is S.JOINED and c.resizer.active.nodes == ("node2",)
 
 
+def test_an_operator_grow_beyond_a_submitted_grow_keeps_it_and_queues_behind_it(tmp_path):
+    """Review: a request in the grow's own direction said "after the grow in flight" but cancelled it."""
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c.resizer.request_grow(3, "grow", "autoscale")
+    c._tick()
+    assert c.resizer.active.state is S.SUBMITTED
+    c.inbox.requests = [(1, {"nodes": 4})]
+    c._tick()
+    assert "after the grow in flight (submitted)" in c.inbox.replies[1]["message"]
+    assert c.slurm.cancelled == [] and not [x for x in c.records.items if x["kind"] == "transition_failed"]
+    assert c.resizer.active.state is S.SUBMITTED and c.resizer.active.helper == "101"
+
+
 def test_an_operator_request_after_the_plan_is_posted_is_queued_behind_the_grow(tmp_path):
     clock = Clock()
     c = make_controller(tmp_path, clock)
