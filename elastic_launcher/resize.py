@@ -40,7 +40,7 @@ from elastic_launcher.resize_ops import (Action, ActionKind, Observation, Resize
                                          ResizeState, advance, fail)
 from elastic_launcher.stragglers import StragglerDetector
 from elastic_launcher.workers import WorkerPool, transition_idle_s
-from slurm_plugin.client import retry_transient
+from slurm_plugin.client import LIVE_STATES, retry_transient
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
 log = logging.getLogger("elastic_launcher.resize")
@@ -415,7 +415,7 @@ class Resizer:
         """True once Slurm shows the helper ended or no longer lists it; False while it runs or while
         Slurm cannot be asked (an unreachable controller is not a finished job)."""
         try:
-            return self.slurm.job(int(helper)).state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
+            return self.slurm.job(int(helper)).state not in LIVE_STATES
         except JobNotFoundError:
             return True
         except SlurmError as exc:

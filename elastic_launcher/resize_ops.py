@@ -29,11 +29,13 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+from slurm_plugin.client import LIVE_STATES
+
 __all__ = ["ResizeState", "ResizeKind", "ResizeLimits", "ResizeOp", "Observation", "ActionKind", "Action",
            "advance", "fail", "POST_ATTEMPTS", "HELPER_ALIVE"]
 
 POST_ATTEMPTS = 3  # posting a plan that loses the race to a recovery is retried this often, one try a tick
-HELPER_ALIVE = ("PENDING", "CONFIGURING", "RUNNING")  # a helper job in another state ended (or is ending)
+HELPER_ALIVE = tuple(st for st in LIVE_STATES if st != "COMPLETING")  # in another state it ended or is ending
 UNKNOWN = "UNKNOWN"  # Slurm could not be asked: never read as "ended"
 
 

@@ -720,7 +720,8 @@ class JobOwner:
     partition: str = ""
 
 
-_LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
+# a job in one of these states has not ended (a requeued or suspended one comes back)
+LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
 _OWNER_SQUEUE = "JobID:|,UserID:|,State:|,StartTime:|,EndTime:|,NumNodes:|,Partition:|,tres-alloc:|,tres-per-node:|"
 _OWNER_SACCT = "JobID,UID,State,Start,End,NNodes,Partition,AllocTRES"
 
@@ -759,7 +760,7 @@ def parse_owner(squeue: str, sacct: str, job_id: int) -> JobOwner | None:
     current = [r for r in acct_rows if not r[2].startswith("RESIZING")] or acct_rows
     first = live_rows[0] if live_rows else current[-1]
     state = first[2].split()[0].upper() if first[2].strip() else ""   # sacct: "CANCELLED by 0"
-    live = state in _LIVE_STATES
+    live = state in LIVE_STATES
     ended = None if live else _slurm_time(first[4])
     starts = [t for t in (_slurm_time(r[3]) for r in rows) if t is not None]
     tres = [_tres(r[7]) for r in rows]

@@ -15,6 +15,7 @@ from pathlib import Path
 from tests.integration.test_launcher_e2e import _batch_script, _ctl, _job_processes, _records, _transition
 
 HEARTBEAT_S = 4.0  # train_tiny.py's TrainerConfig.heartbeat_timeout
+HELPER_START_S = 600  # the grow's deadline: far beyond what a loaded host needs for the steps below
 
 
 def _scontrol(testbed, *args):
@@ -26,7 +27,7 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
                                                                             submit, tmp_path):
     work = Path(tmp_path)
     registry, run = work / "registry", work / "run"
-    job_id = submit(_batch_script(work, registry, 100000, extra_launch="--no-autoscale",
+    job_id = submit(_batch_script(work, registry, 100000, extra_launch=f"--no-autoscale --helper-start-timeout {HELPER_START_S}",
                                   sbatch="--nodes=3 --nodelist=node1,node2,node3"))
     wait_until(lambda: _transition(run, "start"), 120, "the job's first step on 3 nodes")
     _scontrol(testbed, "update", "NodeName=node4", "State=DRAIN", "Reason=test_launcher_nonblocking")
@@ -47,7 +48,8 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         failure = wait_until(lambda: next((r for r in _records(run) if r["kind"] == "failure"), None), 30,
                              "the controller to see node3 fail")
         assert failure["node"] == "node3"
-        assert failure["t"] - killed <= HEARTBEAT_S + 5, f"failure handled {failure['t'] - killed:.1f} s after"
+        # handled while the grow waits, not at its deadline (no tighter window: the host may be busy)
+        assert failure["t"] - killed < HELPER_START_S, f"failure handled {failure['t'] - killed:.1f} s after"
         recovered = wait_until(lambda: _transition(run, "failure"), 60, "the recovery from node3's failure")
         assert recovered["to_nodes"] == 2
         assert slurm.job(int(helper)).state == "PENDING"   # the grow still waits, in its own state
@@ -57,7 +59,7 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         reply = _ctl(registry, job_id, "--nodes", "1")
         assert reply["ok"] and "the grow in flight (submitted) is cancelled" in reply["message"], reply
         answered = time.time() - asked
-        assert answered < 10
+        assert answered < HELPER_START_S   # before the grow's deadline (the reply says it was still submitted)
         wait_until(lambda: slurm.job(int(helper)).state not in ("PENDING", "CONFIGURING", "RUNNING"), 30,
                    "the held helper to be cancelled")
         shrink = wait_until(lambda: _transition(run, "shrink"), 90, "the operator shrink to 1 node")
