@@ -278,7 +278,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     if profile is None:
         return _keep(f"unknown model {model!r}: {register_hint(model, db_path)}", model=model)
     if len(parts) == 1:
-        return _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates)
+        return _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates, bands=True)
     known = [p for p in parts if models.known(model, p.gpu)]
     if not known:
         return _keep(f"no step history for {model} on {', '.join(sorted({p.gpu for p in parts}))}: predictions "
@@ -286,7 +286,6 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     results = [(p, _plan_on(p, request, models, profile, default_min_efficiency, max_candidates,
                             cross_type=p not in known)) for p in parts]
     out = compare_partitions(results, request, cluster.default_partition)
-    out.pop("bands", None)  # one partition's decisions: the hook's cache must not answer a comparison from them
     return _with_mixed(out, [p for p in parts if p in known], cluster, request, models, profile,
                        default_min_efficiency)
 
@@ -312,7 +311,7 @@ def _with_mixed(out: dict, known: list[Partition], cluster: Cluster, request: Pl
 
 
 def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min_efficiency: float,
-             max_candidates: int, cross_type: bool = False) -> dict:
+             max_candidates: int, cross_type: bool = False, bands: bool = False) -> dict:
     """The plan on one partition. `cross_type`: the model has no history on this partition's GPU type; its
     predictions there count only where the predictor answers them cross-type (from the model's measurements on
     another type), never from the profile alone."""
@@ -344,7 +343,8 @@ def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min
                 return _not_cross_type(model, part)
             out = last_step(table, d, requested)
             out.setdefault("model", model)
-            if request.source == "job_submit" and "min_efficiency" in d and out["predicted"] is not None:
+            # bands only for a plan on one partition (the hook's cache must not answer a comparison from them)
+            if bands and request.source == "job_submit" and "min_efficiency" in d and out["predicted"] is not None:
                 out["bands"] = min_efficiency_bands(table, d, requested)
             out["model_version"] = models.version
             return out
@@ -409,6 +409,7 @@ def _table_of(part: Partition, default_min_efficiency: float) -> dict:
 
 BOUND = "{min_efficiency}"   # where a band's reason shows the request's own min_efficiency (docs/plan-contract.md)
 MAX_BANDS = 64
+MAX_BAND_STEPS = 48  # `last_step` runs a sweep may take (0.5-1.5 ms each): past it the request gets no bands
 
 
 def min_efficiency_bands(table: dict, d: dict, requested: dict) -> list[dict]:
@@ -417,10 +418,14 @@ def min_efficiency_bands(table: dict, d: dict, requested: dict) -> list[dict]:
     (its comparisons and the digits its reason prints change only at the efficiencies it compares), so a sweep
     from 0 finds each interval from the comparisons of one decision. Adjacent equal decisions are merged; the
     reason shows the bound as BOUND, which the hook replaces by the request's value. Empty when more than
-    MAX_BANDS would be needed."""
+    MAX_BANDS would be needed, or more than MAX_BAND_STEPS decisions to find them (bands save the hook later
+    calls; they must not cost this one its budget)."""
     bands: list[dict] = []
-    v = 0.0
+    v, steps = 0.0, 0
     while v <= 1.0:
+        steps += 1
+        if steps > MAX_BAND_STEPS:
+            return []
         span = [-1.0, 1.0]
         out = last_step(table, {**d, "min_efficiency": v}, requested, span=span, shown=BOUND)
         if out["predicted"] is None:

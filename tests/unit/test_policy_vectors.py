@@ -145,3 +145,21 @@ if __name__ == "__main__":
     PATH.write_text('{"tables": [\n' + ",\n".join(json.dumps(t) for t in shared["tables"]) + '\n],\n"vectors": [\n'
                     + ",\n".join(json.dumps(v) for v in shared["vectors"]) + "\n]}\n")
     print(f"wrote {PATH}")
+
+
+def test_a_sweep_that_needs_more_than_max_band_steps_decisions_sends_no_bands(monkeypatch):
+    """Review: the sweep's cost was bounded by the bands kept, not by the decisions it ran (229 ms on a 1-512
+    GPU range); past MAX_BAND_STEPS `last_step` runs it gives up (the hook then asks the service each time)."""
+    vector = next(v for v in VECTORS if v["expect"]["judged"])
+    table = SHARED["tables"][vector["table"]]
+    d = parse_lines(list(enumerate(vector["directives"], start=1)))
+    requested = planner.requested(planner._job(vector["job"]))
+    calls = []
+    real = planner.last_step
+    monkeypatch.setattr(planner, "last_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert planner.min_efficiency_bands(table, d, requested)
+    needed = len(calls)
+    assert needed >= 2
+    calls.clear()
+    monkeypatch.setattr(planner, "MAX_BAND_STEPS", needed - 1)
+    assert planner.min_efficiency_bands(table, d, requested) == [] and len(calls) == needed - 1
