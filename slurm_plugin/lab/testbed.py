@@ -169,6 +169,11 @@ class Testbed:
         if recorded not in (None, self.config.port_base) and any(s.running for s in self.status()):
             raise TestbedError("testbed", f"lab {self.config.lab} is running with port base {recorded}, not "
                                           f"{self.config.port_base}; pass --port-base {recorded} or stop it first")
+        gpus = "typed" if self.config.gpu_types else "untyped"
+        was = testbed_conf.recorded_gpus(self.config.lab)
+        if was not in (None, gpus) and any(s.running for s in self.status()):  # running slurmds keep their GRES
+            raise TestbedError("testbed", f"lab {self.config.lab} is running with {was} GPUs, not {gpus}; pass "
+                                          f"--gpus {was} or stop it first (testbed down)")
         ctld_running = self._pid(self._daemon("slurmctld")) is not None
         if self._prepare() and ctld_running:
             self.reconfigure()

@@ -37,3 +37,20 @@ def test_the_lab_keeps_the_gpus_it_was_started_with_until_told_otherwise(monkeyp
     assert _run(monkeypatch, [], lab)[0].gpu_types == ()  # a later `up` (and status, down, env) reads it
     assert _run(monkeypatch, ["--gpus", "typed"], lab)[0].gpu_types
 
+
+
+def test_switching_gpus_on_a_running_lab_is_refused_naming_the_option(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import pytest
+
+    from slurm_plugin.errors import TestbedError
+    from slurm_plugin.lab.testbed_conf import TestbedConfig
+    lab = tmp_path / "lab"
+    (lab / "etc").mkdir(parents=True)
+    (lab / "etc" / "gpus").write_text("typed\n")
+    bed = Testbed(TestbedConfig(lab=lab, port_base=17000, gpu_types=()))
+    monkeypatch.setattr(Testbed, "status", lambda self: [SimpleNamespace(running=True)])
+    monkeypatch.setattr(Testbed, "_prepare", lambda self: pytest.fail("must refuse before writing the configs"))
+    with pytest.raises(TestbedError, match="running with typed GPUs, not untyped; pass --gpus typed"):
+        bed.up()
