@@ -63,6 +63,13 @@ FRESH = {
     "shufflenet_v2_x1_0": (96, 192, 384, 768), "swin_t": (24, 48, 96, 192),
     "opt125m": (6, 12, 24, 48), "t5_small": (12, 24, 48, 96),
 }
+# The second held-out set (`--set fresh2`), collected after tm-2026.11.27-2 (the release developed on `fresh`)
+FRESH2 = {
+    "densenet121": (48, 96, 192, 384), "mobilenet_v3_large": (96, 192, 384, 768),
+    "efficientnet_b0": (64, 128, 256, 512), "convnext_tiny": (32, 64, 128, 256),
+    "distilbert": (12, 24, 48, 96), "albert_base": (8, 16, 32, 64),
+}
+SETS = {"dev": MODELS, "fresh": FRESH, "fresh2": FRESH2}
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
 
@@ -220,9 +227,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON lines file (rank 0 appends)")
     ap.add_argument("--models", default=None, help=f"comma list (default: the set's; on CPU mlp,tiny)")
-    ap.add_argument("--set", dest="model_set", choices=("dev", "fresh"), default="dev",
+    ap.add_argument("--set", dest="model_set", choices=tuple(SETS), default="dev",
                     help=f"dev: the models the throughput model was developed on ({','.join(MODELS)}); fresh: the "
-                         f"held-out set ({','.join(FRESH)})")
+                         f"held-out set of session 12 ({','.join(FRESH)}); fresh2: session 13's ({','.join(FRESH2)})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (DDP rebuilds its buckets once)")
     ap.add_argument("--windows", type=int, default=3)
@@ -245,9 +252,9 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    table = (FRESH if args.model_set == "fresh" else MODELS) if device.type == "cuda" else CPU_MODELS
+    table = SETS[args.model_set] if device.type == "cuda" else CPU_MODELS
     names = args.models.split(",") if args.models else list(table)
-    known = {**MODELS, **FRESH, **CPU_MODELS}
+    known = {**MODELS, **FRESH, **FRESH2, **CPU_MODELS}
     unknown = [n for n in names if n not in known]
     if unknown:
         ap.error(f"--models: unknown {unknown}; known: {sorted(known)}")

@@ -25,10 +25,15 @@ DEFAULT_BATCH = {"resnet18": 64, "resnet50": 64, "vit_b_16": 32, "gpt2": 8, "ber
 # models of the held-out collections (issue 25): never used while the throughput model was developed
 FRESH_BATCH = {"resnet101": 48, "regnet_y_1_6gf": 48, "shufflenet_v2_x1_0": 96, "swin_t": 24, "opt125m": 6,
                "t5_small": 12}
+# the second held-out set (session 13), collected after tm-2026.11.27-2 was frozen
+FRESH2_BATCH = {"densenet121": 48, "mobilenet_v3_large": 96, "efficientnet_b0": 64, "convnext_tiny": 32,
+                "distilbert": 12, "albert_base": 8}
 DEFAULT_BATCH.update(FRESH_BATCH)
+DEFAULT_BATCH.update(FRESH2_BATCH)
 MODELS = tuple(DEFAULT_BATCH)
-CNNS = ("resnet18", "resnet50", "resnet101", "regnet_y_1_6gf", "shufflenet_v2_x1_0")  # channels_last, SGD
-VISION = CNNS + ("vit_b_16", "swin_t")
+CNNS = ("resnet18", "resnet50", "resnet101", "regnet_y_1_6gf", "shufflenet_v2_x1_0", "densenet121",
+        "mobilenet_v3_large", "efficientnet_b0")  # channels_last, SGD
+VISION = CNNS + ("vit_b_16", "swin_t", "convnext_tiny")  # the others: AdamW
 
 
 def build(name: str, device: torch.device, batch: int | None = None):
@@ -55,7 +60,7 @@ def build(name: str, device: torch.device, batch: int | None = None):
         def loss_fn(m, batch):
             with torch.autocast(**amp):
                 return ce(m(batch[0]), batch[1])
-    elif name in ("gpt2", "bert", "opt125m", "t5_small"):
+    elif name in ("gpt2", "bert", "opt125m", "t5_small", "distilbert", "albert_base"):
         import transformers
         if name == "gpt2":
             model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
@@ -63,6 +68,11 @@ def build(name: str, device: torch.device, batch: int | None = None):
             model, seq, vocab = transformers.BertForMaskedLM(transformers.BertConfig()).to(device), 512, 30522
         elif name == "opt125m":  # OPTConfig's defaults are OPT-125m's shape (12 layers, 768 wide)
             model, seq, vocab = transformers.OPTForCausalLM(transformers.OPTConfig()).to(device), 512, 50272
+        elif name == "distilbert":  # DistilBertConfig's defaults are distilbert-base's shape (6 layers, 768 wide)
+            model, seq, vocab = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig()).to(device), 512, 30522
+        elif name == "albert_base":  # albert-base-v2's shape (AlbertConfig's defaults are xxlarge): 12 shared layers
+            cfg = transformers.AlbertConfig(hidden_size=768, num_attention_heads=12, intermediate_size=3072)
+            model, seq, vocab = transformers.AlbertForMaskedLM(cfg).to(device), 512, 30000
         else:  # T5Config's defaults are t5-small's shape; labels of the same length feed the decoder
             model, seq, vocab = transformers.T5ForConditionalGeneration(
                 transformers.T5Config(decoder_start_token_id=0, pad_token_id=0)).to(device), 256, 32128

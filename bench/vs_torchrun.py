@@ -173,9 +173,11 @@ def main() -> None:
                         rate, n = harmonic_rate(out, a.skip)
                         used = WORKERS.findall(out)
                         res[side].append(rate)
+                        windows = " ".join(f"{float(x):.0f}" for _, x in RATE.findall(out))
                         print(f"{data:9s} {precision} gpus={gpus} round {r} {side}: {rate:8.1f} samples/s "
                               f"({n} windows, {time.perf_counter() - t0:.0f} s"
-                              f"{', template workers ' + used[0] if used else ''})", flush=True)
+                              f"{', template workers ' + used[0] if used else ''}; every window: {windows})",
+                              flush=True)
                 ratios = [b / x for b, x in zip(res["B"], res["A"])]
                 rows.append((data, precision, gpus, workers, res, ratios))
     print("\n| data | precision | GPUs | loader workers | A: torchrun script, samples/s | B: template under the "
