@@ -107,8 +107,11 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: client connections at once from one address, idle ones included (more are closed)")
 @click.option("--per-address-requests", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
               help="nginx: requests in progress from one address (more: 429)")
+@click.option("--credential-workers", default=1, show_default=True, type=click.IntRange(0, 64),
+              help="nginx with ELASTIC_PREDICTOR_MUNGE=1: worker processes of the gunicorn that answers requests "
+                   "carrying a munge credential, apart from --workers (0: none, they share --workers)")
 def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout,
-          max_connections, per_address, per_address_requests):
+          max_connections, per_address, per_address_requests, credential_workers):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
@@ -151,7 +154,8 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
                                    per_address_requests=per_address_requests)
         try:
             status = run_nginx(load, host=host, port=port, workers=workers, threads=threads, timeout=timeout,
-                               limits=nginx_limits, log=lambda line: click.echo(line, err=True))
+                               limits=nginx_limits, log=lambda line: click.echo(line, err=True),
+                               credential_workers=credential_workers if config.munge_auth else 0)
         except NginxMissing as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:

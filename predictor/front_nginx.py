@@ -9,6 +9,12 @@ both: SIGTERM/SIGINT stop nginx gracefully (requests in flight finish), then gun
 SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and `serve` exits with its status.
 Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
 nginx is not installed.
+
+The credential pool (#24.4): with `credential_workers` > 0 (munge on), a second gunicorn on
+`gunicorn-credentials.sock` (gthread, `CREDENTIAL_THREADS` threads a worker, its processes at nice
+`CREDENTIAL_NICE`) answers every request that carries `X-Elastic-Munge`; nginx routes by that header. unmunge
+and the Slurm lookups a credential costs then never hold a worker of the main pool, which answers the hook's
+`/v1/plan` (sent without a credential), and lose the CPU to it on a busy host.
 """
 from __future__ import annotations
 
@@ -41,6 +47,9 @@ SEND_TIMEOUT_S = 30
 # body buffer, 8 KiB + 4 x 8 KiB answer buffers; about 8 KiB of pools.
 CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8) * 1024
 WORKER_BASE_BYTES = 8 * 1024 * 1024                # a worker's own memory, measured 3-6 MB, and its connection array
+CREDENTIAL_SOCKET = "gunicorn-credentials.sock"
+CREDENTIAL_THREADS = 4      # a credential pool worker's threads: its unmunge and Slurm runs wait side by side
+CREDENTIAL_NICE = 10        # the credential pool's processes (and the unmunge, squeue, sacct they run) yield the CPU
 
 
 class NginxMissing(RuntimeError):
@@ -96,9 +105,12 @@ def nginx_missing() -> str | None:
     return None
 
 
-def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_module: str, user: str | None) -> str:
+def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_module: str, user: str | None,
+           credential_pool: bool = False) -> str:
+    """The nginx configuration; `credential_pool`: requests with `X-Elastic-Munge` go to `CREDENTIAL_SOCKET`."""
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
+              "CREDENTIAL_UPSTREAM": "gunicorn_credentials" if credential_pool else "gunicorn",
               "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
               "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 5,
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
@@ -145,9 +157,11 @@ def _port_free(host: str, port: int) -> None:
 
 
 def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: int, timeout: int,
-              limits: NginxLimits, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> int:
-    """Serve `load()` (built in each gunicorn worker) behind nginx; returns the exit status. Raises NginxMissing,
-    or OSError when host:port cannot be bound."""
+              limits: NginxLimits, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+              credential_workers: int = 0) -> int:
+    """Serve `load()` (built in each gunicorn worker) behind nginx; returns the exit status. With
+    `credential_workers` > 0, requests carrying a munge credential get a gunicorn of their own (the module
+    docstring). Raises NginxMissing, or OSError when host:port cannot be bound."""
     exe, load_module = find_nginx()
     _port_free(host, port)
     user = worker_user()
@@ -158,13 +172,20 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
         os.chown(runtime, user.pw_uid, user.pw_gid)
     conf = os.path.join(runtime, "nginx.conf")
     Path(conf).write_text(render(limits, host=host, port=port, runtime=runtime, load_module=load_module,
-                                 user=f"{user.pw_name} {_group(user)}" if user else None))
+                                 user=f"{user.pw_name} {_group(user)}" if user else None,
+                                 credential_pool=credential_workers > 0))
     children: dict[str, int] = {}
     try:
-        children["gunicorn"] = _fork_gunicorn(load, f"unix:{runtime}/gunicorn.sock", workers, threads, timeout)
-        if not _wait_socket(os.path.join(runtime, "gunicorn.sock"), children["gunicorn"], 120.0):
-            log("serve: gunicorn did not start (see above)")
-            return 1
+        pools = [("gunicorn", "gunicorn.sock", workers, threads, 0)]
+        if credential_workers > 0:
+            pools.append(("gunicorn-credentials", CREDENTIAL_SOCKET, credential_workers, CREDENTIAL_THREADS,
+                          CREDENTIAL_NICE))
+        for name, sock, count, per_worker, nice in pools:
+            children[name] = _fork_gunicorn(load, f"unix:{runtime}/{sock}", count, per_worker, timeout, nice)
+        for name, sock, *_ in pools:
+            if not _wait_socket(os.path.join(runtime, sock), children[name], 120.0):
+                log(f"serve: {name} did not start (see above)")
+                return 1
         nginx = subprocess.Popen([exe, "-e", "stderr", "-p", runtime, "-c", conf, "-g",
                                   f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
                                  preexec_fn=_die_with_parent)      # noqa: PLW1509 - no threads yet
@@ -174,6 +195,10 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
             f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address; "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
+        if credential_workers > 0:
+            log(f"front end: requests with a munge credential go to their own gunicorn ({credential_workers} "
+                f"worker(s) x {CREDENTIAL_THREADS} threads, nice {CREDENTIAL_NICE}) on unix:{runtime}/"
+                f"{CREDENTIAL_SOCKET}: credential checks never hold a worker of /v1/plan")
         return _supervise(children, limits, log)
     finally:
         for pid in children.values():
@@ -204,14 +229,17 @@ def _group(user: pwd.struct_passwd) -> str:
         return str(user.pw_gid)
 
 
-def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeout: int) -> int:
-    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one; its pid."""
+def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeout: int, nice: int = 0) -> int:
+    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one, its processes
+    at `nice` above ours; its pid."""
     application = gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout)
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        if nice:
+            os.nice(nice)
         os._exit(_gunicorn_child(application, parent))
     return pid
 
@@ -258,7 +286,8 @@ def _supervise(children: dict[str, int], limits: NginxLimits, log: Callable[[str
             _signal(children.get("nginx"), signal.SIGQUIT)   # graceful: stop accepting, finish what is in flight
 
     def forward(signum, _frame) -> None:
-        _signal(children.get("gunicorn"), signum)
+        for name in [n for n in children if n.startswith("gunicorn")]:
+            _signal(children.get(name), signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, stop)
@@ -274,7 +303,8 @@ def _supervise(children: dict[str, int], limits: NginxLimits, log: Callable[[str
         code = os.waitstatus_to_exitcode(raw)
         code = 128 - code if code < 0 else code
         if name == "nginx":
-            _signal(children.get("gunicorn"), signal.SIGTERM)   # gunicorn finishes what it has, then exits
+            for other in [n for n in children if n.startswith("gunicorn")]:
+                _signal(children.get(other), signal.SIGTERM)   # gunicorn finishes what it has, then exits
         else:
             _signal(children.get("nginx"), signal.SIGQUIT if code == 0 else signal.SIGTERM)
         if not stopping and not status:

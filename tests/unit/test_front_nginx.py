@@ -48,7 +48,7 @@ def _require_nginx() -> None:
 
 
 @contextmanager
-def _serve(db: str, tmp_path: Path, *args: str, server: str = "nginx"):
+def _serve(db: str, tmp_path: Path, *args: str, server: str = "nginx", env: dict | None = None):
     """`serve --server SERVER` on a free loopback port: yields (port, process) once /healthz answers."""
     if server == "nginx":
         _require_nginx()
@@ -57,7 +57,7 @@ def _serve(db: str, tmp_path: Path, *args: str, server: str = "nginx"):
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
                                  "127.0.0.1", "--port", str(port), "--db", db, "--workers", "2", *args],
-                                env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok"), stdout=out,
+                                env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok", **(env or {})), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -222,6 +222,52 @@ def test_x_forwarded_for_from_the_client_is_replaced_by_its_address(history, tmp
 
 
 # --- fast: the configuration itself --------------------------------------------------------------------------
+FAKE_UNMUNGE = """#!/bin/sh
+# a munged that never answers: marks that a check began, then waits for the test's release file
+touch "{folder}/started.$$"
+while [ ! -e "{folder}/release" ]; do sleep 0.05; done
+echo "unmunge: Error: Invalid credential format" >&2
+exit 1
+"""
+
+
+def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
+    """#24.4: requests carrying a munge credential go to a gunicorn of their own, so while every one of their
+    checks hangs (a fake unmunge that waits for the test), the hook's /v1/plan is answered. Before, the checks ran
+    in the same two sync workers and the plan waited for one of them to end."""
+    folder = tmp_path / "munge"
+    folder.mkdir()
+    fake = folder / "unmunge"
+    fake.write_text(FAKE_UNMUNGE.format(folder=folder))
+    fake.chmod(0o755)
+    body = b'[{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [1], "per_gpu_batch": 64, "iter_s": 0.1}]'
+    credential = {"X-Elastic-Munge": "MUNGE:" + "A" * 64 + ":", "Content-Type": "application/json"}
+    env = {"ELASTIC_PREDICTOR_MUNGE": "1", "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+    answered: list[int] = []
+    with _serve(history, tmp_path, env=env) as (port, _proc):
+        import threading  # noqa: PLC0415
+
+        posts = [threading.Thread(target=lambda: answered.append(
+            _get(port, "/v1/observations", method="POST", body=body, headers=credential, timeout=60)[0]))
+            for _ in range(4)]
+        try:
+            for post in posts:
+                post.start()
+            deadline = time.monotonic() + 30
+            while len(list(folder.glob("started.*"))) < 2:   # both of the main pool's workers, were they used
+                assert time.monotonic() < deadline, "the credential checks did not start"
+                time.sleep(0.05)
+            status, _ = _get(port, "/v1/plan", method="POST", body=PLAN, timeout=60)
+            still_checking = not answered
+        finally:
+            (folder / "release").touch()
+            for post in posts:
+                post.join(60)
+    assert status == 200
+    assert still_checking, f"/v1/plan waited until credential checks ended ({answered})"
+    assert sorted(answered) == [401] * 4     # the released checks end as unmunge said: a bad credential
+
+
 def test_missing_nginx_is_one_line_naming_the_packages(monkeypatch):
     monkeypatch.setattr(front_nginx.shutil, "which", lambda *_a, **_k: None)
     with pytest.raises(NginxMissing) as err:
