@@ -146,7 +146,7 @@ def served(testbed, tmp_path):
                     refit_debounce=timedelta(0), refit_min_interval=timedelta(0))
     app = create_app(config, predictor_factory=FakePredictor, start_refit=False)
     server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)  # shutdown() waits a poll
     thread.start()
     yield app, f"http://127.0.0.1:{server.server_port}"
     server.shutdown()

@@ -343,7 +343,7 @@ def serve_app():
 
     def start(flask_app) -> str:
         server = make_server("127.0.0.1", 0, flask_app, threaded=True)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)  # shutdown() waits a poll
         thread.start()
         servers.append((server, thread))
         return f"http://127.0.0.1:{server.server_port}"
@@ -378,7 +378,7 @@ class Scripted(http.server.BaseHTTPRequestHandler):
 def scripted():
     Scripted.answers, Scripted.seen = [], []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)  # shutdown() waits a poll
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()

@@ -154,7 +154,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 def _serving(handler):
     """An HTTP server on a free local port answering with `handler`; yields its URL."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)  # shutdown() waits a poll
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
