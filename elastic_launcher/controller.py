@@ -26,25 +26,27 @@ from elastic_launcher.autoscale import (NO_DIRECTIVES, UNREACHABLE, AutoscalePol
                                         PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
 from elastic_launcher.control import ControlInbox, launcher_store
-from elastic_launcher.helper_agent import read_key
+from elastic_launcher.errors import RendezvousTimeout
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
 from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
+from elastic_launcher.membership import Plan
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
 from elastic_launcher.resize_ops import ResizeKind
 from elastic_launcher.steering import (JobPhase, MeasuredThroughput, RequestKind, ThroughputModel, decide_failures,
                                        decide_request, settle_decision)
 from elastic_launcher.stragglers import StragglerDetector
-from elastic_launcher.workers import WorkerPool
+from elastic_launcher.workers import WorkerPool, step_prefix
 
 # AutoscalePolicy & co. are re-exported: they lived here before autoscale.py.
 __all__ = ["Controller", "AutoscalePolicy", "Decision", "Measurement", "scaling_efficiency", "PredictorClient",
            "RecordLog"]
 
 PLAN_INTERVAL_S = 15.0  # at one size, /v1/plan is asked at most this often (seconds)
+HELPER_EXIT_S = 3.0  # at the controller's exit, a helper gets this long to end after its stop key, then scancel
 OBSERVATIONS_PER_POST = 1000  # records in one POST /v1/observations (the service takes up to 4096)
 log = logging.getLogger("elastic_launcher.controller")
 
@@ -62,8 +64,9 @@ class Controller:
         clock / sleep: the monotonic clock the resize deadlines are read on, and the wait between ticks (tests
             inject fakes).
 
-    The loop is one :meth:`_tick` per `poll_interval`; a resize is a `resize_ops.ResizeOp` the resizer moves one
-    state a tick, so failures, operator requests and measurements are handled while it is in flight; `phase`
+    The loop is one :meth:`_tick` per `poll_interval`, from the start on: the initial rendezvous, a resize
+    (`resize_ops.ResizeOp`) and a failed node's recovery (`resize_ops.RecoveryOp`) each move one state a tick, so
+    failures, operator requests and measurements are handled while any of them is in flight; `phase`
     (steering.JobPhase) says what the loop may start.
     """
 
@@ -105,6 +108,9 @@ class Controller:
         self.pool: Optional[WorkerPool] = None
         self.resizer: Optional[Resizer] = None
         self._stop_beat = threading.Event()
+        self._start_plan: Optional[Plan] = None  # STARTING: the first plan once every node's workers joined
+        self._start_deadline = 0.0  # STARTING: when the current start stage (join, first step) fails
+        self._start_t0 = 0.0  # STARTING: when the first plan was posted
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
         self._device_gpus: set[str] = set()  # the GPU types the workers' own devices reported (HostFacts.gpu)
@@ -131,8 +137,8 @@ class Controller:
                                stop_timeout=cfg.leave_timeout)
         self.resizer = Resizer(cfg, self.fleet, coord=self.coord, pool=self.pool, slurm=self.slurm, kv=self.kv,
                                records=self.records, stragglers=self.stragglers, window=self.window,
-                               store_addr=self.store_addr, progress=self._progress, finished=self._finished,
-                               free_nodes=self._free_nodes, clock=self.clock)
+                               store_addr=self.store_addr, progress=self._progress, free_nodes=self._free_nodes,
+                               clock=self.clock)
         self._publish()
         beat = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
         beat.start()
@@ -142,7 +148,6 @@ class Controller:
         outcome = "failed"
         try:
             self._start_initial()
-            self.phase = JobPhase.RUNNING
             outcome = self._loop()
             return self._summary(outcome)
         finally:
@@ -189,15 +194,39 @@ class Controller:
         self.records.write("gpu_types", **self.types.to_record())
         for node in self.fleet.alloc.nodes:
             step = self.pool.start(node, self.slots, self.fleet.alloc.env, owner_job=self.job_id)
-            self.fleet.nodes[node] = NodeSlot(node, self.job_id, step.group + "-")
-        wids = self.resizer.wait_joined(list(self.fleet.alloc.nodes))
-        plan = self.coord.start(wids)
-        t0 = time.monotonic()
-        stats = self.resizer.wait_switched(plan)
+            self.fleet.nodes[node] = NodeSlot(node, self.job_id, step_prefix(step.group))
+        self.phase = JobPhase.STARTING
+        self._start_deadline = self.clock() + self.config.rendezvous_timeout.total_seconds()
+
+    def _tick_start(self) -> None:
+        """STARTING, one stage a tick: every node's workers joined -> the first plan posted -> its first step ->
+        RUNNING. Raises RendezvousTimeout when a stage passes `rendezvous_timeout` or a worker step fails first."""
+        now, limit = self.clock(), self.config.rendezvous_timeout.total_seconds()
+        failed = [f"{s.node} (exit {s.returncode()})" for s in self._main_steps() if not s.alive()]
+        if failed:
+            raise RendezvousTimeout(f"job {self.job_id}: workers ended before the job started: {', '.join(failed)}")
+        if self._start_plan is None:
+            nodes = list(self.fleet.alloc.nodes)
+            missing = self.resizer.missing(nodes, self.fleet.nodes)
+            if not missing:
+                self._start_plan = self.coord.start([w for n in nodes for w in self.fleet.nodes[n].wids])
+                self._start_t0, self._start_deadline = now, now + limit
+            elif now >= self._start_deadline:
+                raise RendezvousTimeout(f"job {self.job_id}: workers did not join within {limit:g} s on "
+                                        f"{', '.join(missing)}")
+            return
+        plan = self._start_plan
+        stats = self.resizer.switch_stats(plan)
+        if stats is None:
+            if now >= self._start_deadline:
+                raise RendezvousTimeout(f"job {self.job_id}: epoch {plan.id} ({plan.world_size} workers) reported "
+                                        f"no first step within {limit:g} s")
+            return
         self.records.write("transition", action="start", epoch=plan.id, from_nodes=0,
                            to_nodes=len(self.fleet.nodes), world=plan.world_size,
-                           first_step_s=round(time.monotonic() - t0, 3), stats=stats)
+                           first_step_s=round(now - self._start_t0, 3), stats=stats)
         self.window.reset()
+        self.phase = JobPhase.RUNNING
 
     # -- the loop ------------------------------------------------------------------------------------
     def _loop(self) -> str:
@@ -208,19 +237,28 @@ class Controller:
             self.sleep(self.config.poll_interval.total_seconds())
 
     def _tick(self) -> Optional[str]:
-        """One round: status, failures, operator requests, the resize in flight (one state), the measurement.
-        Returns the outcome once every main-job worker ended. Waits for nothing a resize waits for."""
+        """One round: status, failures, operator requests, the recoveries and the resize in flight (one state
+        each), the measurement; in STARTING: requests and the start's stage. Returns the outcome once every
+        main-job worker ended. Waits for nothing a start, a recovery or a resize waits for."""
         self._write_status()
         finished = self._finished()
         if finished:
             return finished
+        if self.phase is JobPhase.STARTING:  # no epoch yet: requests are queued, nothing else to steer
+            self._handle_requests()
+            self._tick_start()
+            return None
         self._handle_failures()
-        for seq, request in self.inbox.poll():
-            self._handle_request(seq, request)
+        self._handle_requests()
         self.resizer.tick()
-        self.phase = JobPhase.RESIZING if self.resizer.busy else JobPhase.RUNNING
+        self.phase = JobPhase.RECOVERING if self.resizer.recovering else \
+            JobPhase.RESIZING if self.resizer.busy else JobPhase.RUNNING
         self._measure_and_decide()
         return None
+
+    def _handle_requests(self) -> None:
+        for seq, request in self.inbox.poll():
+            self._handle_request(seq, request)
 
     def _main_steps(self):
         return [s for s in self.pool.steps.values() if s.owner_job == self.job_id]
@@ -233,35 +271,28 @@ class Controller:
         codes = [s.returncode() for s in steps]
         return "completed" if all(c == 0 for c in codes) else "failed"
 
-    def _helper_status(self, helper: str) -> dict:
-        text = read_key(self.kv, keys.helper_status(helper))
-        return json.loads(text) if text else {}
-
     def _handle_failures(self) -> None:
         """A node failed when its step ended non-zero while it is a member, or when a recovery epoch left
         all its workers out although their step still runs (hung workers the survivors declared dead)."""
         ended = [s.node for s in self._main_steps() if not s.alive() and s.returncode() != 0 and not s.leaving]
         helper_failed = []
         for helper, nodes in list(self.fleet.helpers.items()):
-            steps = self._helper_status(helper).get("steps", {})
+            steps = self.resizer.helper_status(helper).get("steps", {})
             helper_failed += [n for n in nodes if steps.get(n) not in (None, 0)]
         members = set(self.coord.current().members)
         evicted = [n for n, slot in self.fleet.nodes.items() if slot.wids and not set(slot.wids) & members]
-        ours = set(self.fleet.nodes) - self.resizer.op_nodes()  # the resize in flight handles its own nodes
+        ours = set(self.fleet.nodes) - self.resizer.handled_nodes()  # an op or a recovery handles its own nodes
         failed = decide_failures(ended, helper_failed, evicted, ours)
-        if not failed:
-            return
-        back, self.phase = self.phase, JobPhase.RECOVERING
-        for node, was_evicted in failed:
-            if node in self.fleet.nodes:  # an earlier node's handling may have changed the fleet
-                self.resizer.node_failed(node, evicted=was_evicted)
-        self.phase = back
+        for node, was_evicted in failed:  # each returns at once: the resizer follows its recovery tick by tick
+            self.resizer.node_failed(node, evicted=was_evicted)
+        if failed:
+            self.phase = JobPhase.RECOVERING
 
     def _handle_request(self, seq: int, request: dict) -> None:
         """Answer an operator's request in this tick. While a resize is in flight (RESIZING), one that posted no
         plan yet is cancelled when it goes the other way or to the size asked (its helper released), and the
         request's resize is queued behind what remains."""
-        have = len(self.fleet.nodes)
+        have = len(self.fleet.nodes) - len(self.resizer.recoveries)  # failed nodes are on their way out
         action = decide_request(request.get("nodes"), have, self.policy.min_nodes())
         if action.kind is RequestKind.REJECT:
             self.inbox.reply(seq, False, action.message)
@@ -444,7 +475,7 @@ class Controller:
         d = self.config.directives
         if not d.raw_lines:
             return PlanAdvice(None, NO_DIRECTIVES, "no #ELASTIC lines: nothing for /v1/plan to size")
-        now = time.monotonic()
+        now = self.clock()
         asked_at, when, cached = self._plan_cache
         if cached is not None and asked_at == m.nodes and now - when < PLAN_INTERVAL_S:
             return cached
@@ -503,11 +534,13 @@ class Controller:
 
     # -- reporting and cleanup --------------------------------------------------------------------------
     def _write_status(self) -> None:
-        self._current_layout()
-        plan = self.coord.current()
+        plan = None if self.phase is JobPhase.STARTING else self.coord.current()  # no epoch before the first plan
+        if plan is not None:
+            self._current_layout()
         last = self.policy.history_[-1] if self.policy.history_ else None
         self.kv.set(keys.STATUS, json.dumps({
-            "job": self.job_id, "epoch": plan.id, "world": plan.world_size, "nodes": sorted(self.fleet.nodes),
+            "job": self.job_id, "epoch": plan and plan.id, "world": plan.world_size if plan else 0,
+            "nodes": sorted(self.fleet.nodes), "recovering": [r.node for r in self.resizer.recoveries],
             "helpers": self.fleet.helpers, "operator_cap": self.operator_cap, "phase": self.phase.value,
             "resize": self._resize_status(),
             "samples_per_s": None if last is None else round(last.samples_per_s, 3),
@@ -540,19 +573,10 @@ class Controller:
             self._post_observations([])  # what the workers handed over at their close
         except Exception as exc:
             log.warning("last observations not posted: %s", exc)
-        helpers = list(self.fleet.helpers)
-        for helper in helpers:  # ask first (their workers are gone), then make sure: Slurm's KillWait is short
-            try:
-                self.kv.set(keys.helper_stop(helper), f"main job {outcome}")
-            except Exception as exc:
-                log.warning("cannot signal helper %s: %s", helper, exc)
-        wait_until(lambda: all(self.resizer.helper_gone(h) for h in helpers), timedelta(seconds=3), interval=0.2)
-        for helper in helpers:
-            cancelled = not self.resizer.helper_gone(helper)
-            if cancelled:
-                self.resizer.cancel(helper)
-            self.fleet.helpers.pop(helper, None)
-            self.records.write("helper_ended", helper=helper, reason=f"main job {outcome}", cancelled=cancelled)
+        releaser = self.resizer.releaser  # every helper ends the one way: stop key, 3 s, then scancel
+        for helper in list(self.fleet.helpers):
+            releaser.end_helper(helper, f"main job {outcome}", grace_s=HELPER_EXIT_S)
+        wait_until(lambda: releaser.reap(self.clock()) == 0, timedelta(seconds=HELPER_EXIT_S + 2), interval=0.2)
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
             self.records.write("end", outcome=outcome, nodes=len(self.fleet.nodes))

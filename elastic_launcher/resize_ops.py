@@ -15,28 +15,47 @@ Grow (a helper job brings nodes)::
 Shrink (leavers chosen before the op starts)::
 
     REQUESTED --post the plan without the leavers--> JOINED --first step--> SWITCHED
-    SWITCHED --the leavers left (or leave_s passed); release their nodes--> RELEASED (done)
+    SWITCHED --the leavers left (or leave_s passed); start releasing their nodes--> RELEASING
+    RELEASING --their steps ended and the nodes went back to Slurm (a ReleaseOp)--> RELEASED (done)
 
 Any waiting state --its deadline passed, the helper ended, a node of the op failed, the plan was superseded by a
 recovery epoch--> FAILED, with the helper cancelled (grow) and the failure recorded. A cancel (operator request,
 the main job ending) fails an op that has not posted its plan yet (REQUESTED, SUBMITTED, ALLOCATED) in the same
 tick; once the plan is posted (JOINED and later) the op runs to its end and the caller queues what comes next.
+While a failed node is recovered (``Observation.hold``) an op posts nothing and submits nothing: the epoch it
+would build on is about to change; its deadlines and a cancel still apply.
+
+Releasing nodes (:class:`ReleaseOp`, :func:`advance_release`; a shrink's leavers, a failed node)::
+
+    EXITING --the nodes' worker steps ended--> RELEASED (GIVE_BACK: Slurm shrink / helper ended)
+    EXITING --exit_s passed: SIGTERM--> TERMINATING --leave_s passed: SIGKILL--> KILLING --ended or leave_s--> RELEASED
+
+Recovering a failed node (:class:`RecoveryOp`, :func:`advance_recovery`; the survivors recover by themselves, the
+controller follows them)::
+
+    DETECTED --a recovery epoch without the node's workers is current--> EVICTED
+    DETECTED --join_s passed (no recovery epoch)--> RELEASING (recovered: False)
+    EVICTED --that epoch's first step, or switch_s passed--> RELEASING (RELEASE_NODES for the node)
+    RELEASING --the node's step ended, the node given back (or, the batch host, restarted)--> DONE (FINISH)
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from slurm_plugin.client import LIVE_STATES
 
 __all__ = ["ResizeState", "ResizeKind", "ResizeLimits", "ResizeOp", "Observation", "ActionKind", "Action",
-           "advance", "fail", "POST_ATTEMPTS", "HELPER_ALIVE"]
+           "advance", "fail", "POST_ATTEMPTS", "HELPER_ALIVE", "ReleaseState", "ReleaseOp", "advance_release",
+           "RecoveryState", "RecoveryOp", "RecoveryObservation", "advance_recovery", "EXIT_GRACE_S"]
 
 POST_ATTEMPTS = 3  # posting a plan that loses the race to a recovery is retried this often, one try a tick
 HELPER_ALIVE = tuple(st for st in LIVE_STATES if st != "COMPLETING")  # in another state it ended or is ending
 UNKNOWN = "UNKNOWN"  # Slurm could not be asked: never read as "ended"
+EXIT_GRACE_S = 5.0  # a released node's workers get this long to exit by themselves before their step is signalled
 
 
 class ResizeState(enum.Enum):
@@ -45,6 +64,7 @@ class ResizeState(enum.Enum):
     ALLOCATED = "allocated"  # grow: the helper runs, its nodes are known; its workers are joining
     JOINED = "joined"        # the new membership is posted (grow: after the newcomers joined)
     SWITCHED = "switched"    # the new epoch completed its first step (a grow is done)
+    RELEASING = "releasing"  # shrink: the leavers' steps are ending; then their nodes go back to Slurm
     RELEASED = "released"    # shrink: the leavers' nodes went back to Slurm (done)
     FAILED = "failed"        # ended without the new size (helper cancelled, failure recorded)
 
@@ -56,13 +76,26 @@ class ResizeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ResizeLimits:
-    """How long each waiting state may last (seconds): `helper_start_s` SUBMITTED, `join_s` ALLOCATED,
-    `switch_s` JOINED, `leave_s` a shrink's SWITCHED (then the leavers' nodes are released anyway)."""
+    """How long each waiting state may last (seconds): `helper_start_s` SUBMITTED, `join_s` ALLOCATED (and a
+    recovery's DETECTED), `switch_s` JOINED (and a recovery's EVICTED), `leave_s` a shrink's SWITCHED (then the
+    leavers' nodes are released anyway) and each signal stage of a release, `exit_s` a release's EXITING.
+
+    Raises:
+        ValueError: a limit that is not a finite number > 0, naming it.
+    """
 
     helper_start_s: float = 60.0
     join_s: float = 120.0
     switch_s: float = 120.0
     leave_s: float = 20.0
+    exit_s: float = EXIT_GRACE_S
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"ResizeLimits.{field.name} must be a finite number of seconds > 0, got {value!r}")
 
     @classmethod
     def from_config(cls, config) -> "ResizeLimits":
@@ -121,6 +154,11 @@ class ResizeOp:
         """Nothing posted yet: a cancel ends it in the tick it comes."""
         return self.state in (ResizeState.REQUESTED, ResizeState.SUBMITTED, ResizeState.ALLOCATED)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.target, bool) or not isinstance(self.target, int) or self.target < 1:
+            raise ValueError(f"a {self.kind.value} to {self.target!r} nodes: the target must be an integer >= 1 "
+                             f"(a job keeps at least its batch host)")
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -135,6 +173,8 @@ class Observation:
         left: a shrink's leavers all left at the commit point.
         failed_nodes: nodes of the op whose workers failed (the helper agent's status).
         cancel: why the op is to stop now (an operator request, the main job ending), if it is.
+        hold: a failed node is being recovered: post and submit nothing this tick.
+        released: a shrink's release (its ReleaseOp) ended.
     """
 
     helper_state: Optional[str] = None
@@ -145,6 +185,8 @@ class Observation:
     left: bool = False
     failed_nodes: tuple[str, ...] = ()
     cancel: Optional[str] = None
+    hold: bool = False
+    released: bool = False
 
 
 class ActionKind(enum.Enum):
@@ -152,9 +194,12 @@ class ActionKind(enum.Enum):
     ADOPT_NODES = "adopt_nodes"      # the helper's nodes become joining nodes (their workers' id prefixes)
     POST_PLAN = "post_plan"          # post the plan with the newcomers / without the leavers (sets op.plan_id)
     CANCEL_HELPER = "cancel_helper"  # end the op's helper job now (stop key and scancel, no wait)
-    RELEASE_NODES = "release_nodes"  # give a shrink's leavers back to Slurm
+    RELEASE_NODES = "release_nodes"  # start releasing nodes (a ReleaseOp: their steps end, then back to Slurm)
     FINISH = "finish"                # the new size holds: nodes become members, transition recorded, window reset
     ABORT = "abort"                  # the op failed: its nodes are forgotten, the failure recorded
+    TERMINATE = "terminate"          # release: SIGTERM to the nodes' steps still running (no wait)
+    KILL = "kill"                    # release: SIGKILL to them (no wait)
+    GIVE_BACK = "give_back"          # release: the steps ended; Slurm shrink (main job) / end or shrink the helper
 
 
 @dataclass(frozen=True)
@@ -192,6 +237,10 @@ def advance(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) ->
         return fail(op, now, f"cancelled: {obs.cancel}", cancelled=True)
     if op.started is None:
         op = dataclasses.replace(op, started=now)
+    if obs.hold and (op.state is ResizeState.REQUESTED or op.state is ResizeState.ALLOCATED and obs.joined
+                     or op.state is ResizeState.JOINED and op.plan_id is None):
+        return (fail(op, now, _deadline_error(op, limits), counts=op.state is not ResizeState.REQUESTED)
+                if _expired(op, now) else (op, []))
     if op.state is ResizeState.JOINED:
         return _joined(op, obs, now, limits)
     if op.kind is ResizeKind.SHRINK:
@@ -231,11 +280,20 @@ def _shrink(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) ->
         if not op.nodes:
             return fail(op, now, "no node to remove", skipped=True)
         return _to(op, ResizeState.JOINED, now, limits.switch_s), [Action(ActionKind.POST_PLAN, op.nodes)]
+    if op.state is ResizeState.RELEASING:  # their steps end (ReleaseOp, no deadline here: it has its own)
+        if obs.released:
+            return _to(op, ResizeState.RELEASED, now), [Action(ActionKind.FINISH, op.nodes)]
+        return op, []
     # SWITCHED: the leavers leave at the commit point, then their nodes are released
     if obs.left or _expired(op, now):
-        return (_to(op, ResizeState.RELEASED, now, left=obs.left),
-                [Action(ActionKind.RELEASE_NODES, op.nodes), Action(ActionKind.FINISH, op.nodes)])
+        return _to(op, ResizeState.RELEASING, now, left=obs.left), [Action(ActionKind.RELEASE_NODES, op.nodes)]
     return op, []
+
+
+def _deadline_error(op: ResizeOp, limits: ResizeLimits) -> str:
+    """Why a held op failed at its deadline (a recovery kept it from moving on)."""
+    waited = {ResizeState.ALLOCATED: limits.join_s, ResizeState.JOINED: limits.switch_s}.get(op.state)
+    return f"held in {op.state.value} by a node's recovery" + (f" past its {waited:g} s" if waited else "")
 
 
 def _joined(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) -> tuple[ResizeOp, list[Action]]:
@@ -255,4 +313,128 @@ def _joined(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) ->
     if _expired(op, now):
         return fail(op, now, f"epoch {op.plan_id} reported no first step within {limits.switch_s:g} s",
                     counts=True)
+    return op, []
+
+
+# -- releasing nodes ----------------------------------------------------------------------------------------
+class ReleaseState(enum.Enum):
+    EXITING = "exiting"          # the nodes' workers left or failed: their steps end by themselves (exit_s)
+    TERMINATING = "terminating"  # SIGTERM sent to the steps still running (leave_s)
+    KILLING = "killing"          # SIGKILL sent (leave_s)
+    RELEASED = "released"        # the steps ended (or were given up on); nodes given back
+
+
+@dataclass(frozen=True)
+class ReleaseOp:
+    """Nodes on their way back to Slurm: their worker steps end first (Slurm SIGKILLs the tasks of a released
+    node), then GIVE_BACK. `give_back` False: the batch host, which Slurm cannot drop (its step is ended so that
+    fresh workers can start there). `deadline`: when the current state escalates."""
+
+    nodes: tuple[str, ...]
+    reason: str
+    state: ReleaseState = ReleaseState.EXITING
+    deadline: Optional[float] = None
+    give_back: bool = True
+    started: Optional[float] = None
+
+    @property
+    def done(self) -> bool:
+        return self.state is ReleaseState.RELEASED
+
+
+def advance_release(op: ReleaseOp, running: tuple[str, ...], now: float,
+                    limits: ResizeLimits) -> tuple[ReleaseOp, list[Action]]:
+    """Move a release on: `running` are its nodes whose step still runs."""
+    if op.done:
+        return op, []
+    if op.started is None:
+        op = dataclasses.replace(op, started=now, deadline=now + limits.exit_s)
+    if not running or op.state is ReleaseState.KILLING and _expired(op, now):
+        actions = [Action(ActionKind.GIVE_BACK, op.nodes)] if op.give_back else []
+        return dataclasses.replace(op, state=ReleaseState.RELEASED, deadline=None), actions
+    if not _expired(op, now):
+        return op, []
+    if op.state is ReleaseState.EXITING:
+        return (dataclasses.replace(op, state=ReleaseState.TERMINATING, deadline=now + limits.leave_s),
+                [Action(ActionKind.TERMINATE, running)])
+    return (dataclasses.replace(op, state=ReleaseState.KILLING, deadline=now + limits.leave_s),
+            [Action(ActionKind.KILL, running)])
+
+
+# -- recovering a failed node ---------------------------------------------------------------------------------
+class RecoveryState(enum.Enum):
+    DETECTED = "detected"    # failure recorded; the survivors' recovery epoch without the node's workers awaited
+    EVICTED = "evicted"      # that epoch is current; its first step awaited
+    RELEASING = "releasing"  # the node's step ending (ReleaseOp); then given back, or restarted (batch host)
+    DONE = "done"            # transition recorded
+
+
+@dataclass(frozen=True)
+class RecoveryOp:
+    """One failed node's handling (the survivors recover by themselves; the controller follows and releases).
+
+    Attributes:
+        node: the failed node; workers: its workers' ids; evicted: its workers still ran but a recovery epoch
+            left them out (else their step ended non-zero).
+        state / deadline: where it is and when the current state gives up waiting.
+        plan_id: the recovery epoch once the node's workers are out of the membership.
+        recovered: the survivors' recovery epoch came (False: the deadline passed first).
+        started: clock time of the failure's detection (the record's wall_s).
+    """
+
+    node: str
+    workers: tuple[str, ...]
+    evicted: bool = False
+    state: RecoveryState = RecoveryState.DETECTED
+    deadline: Optional[float] = None
+    plan_id: Optional[int] = None
+    recovered: bool = False
+    started: Optional[float] = None
+
+    @property
+    def done(self) -> bool:
+        return self.state is RecoveryState.DONE
+
+    @property
+    def settled(self) -> bool:
+        """The membership no longer waits on this failure (the recovery epoch switched, or was given up on)."""
+        return self.state in (RecoveryState.RELEASING, RecoveryState.DONE)
+
+
+@dataclass(frozen=True)
+class RecoveryObservation:
+    """What a recovery needs to know this tick.
+
+    Attributes:
+        in_membership: some of the node's workers are in the current epoch.
+        epoch: the current epoch's id.
+        switched: the current epoch reported its first step.
+        released: the node's ReleaseOp ended.
+    """
+
+    in_membership: bool = True
+    epoch: int = 0
+    switched: bool = False
+    released: bool = False
+
+
+def advance_recovery(op: RecoveryOp, obs: RecoveryObservation, now: float,
+                     limits: ResizeLimits) -> tuple[RecoveryOp, list[Action]]:
+    """Move a failed node's recovery at most one state on what was observed at `now`."""
+    if op.started is None:
+        op = dataclasses.replace(op, started=now, deadline=now + limits.join_s)
+    release = [Action(ActionKind.RELEASE_NODES, (op.node,))]
+    if op.state is RecoveryState.DETECTED:
+        if not obs.in_membership:
+            return dataclasses.replace(op, state=RecoveryState.EVICTED, plan_id=obs.epoch, recovered=True,
+                                       deadline=now + limits.switch_s), []
+        if _expired(op, now):  # no recovery epoch came: release the node anyway (the job may be ending)
+            return dataclasses.replace(op, state=RecoveryState.RELEASING, deadline=None), release
+        return op, []
+    if op.state is RecoveryState.EVICTED:
+        if obs.switched or _expired(op, now):
+            return dataclasses.replace(op, state=RecoveryState.RELEASING, plan_id=obs.epoch, deadline=None), release
+        return op, []
+    if op.state is RecoveryState.RELEASING and obs.released:
+        return dataclasses.replace(op, state=RecoveryState.DONE), [Action(ActionKind.FINISH, (op.node,))]
     return op, []

@@ -41,9 +41,36 @@ def worker_env(store_addr: str, job_id: str, node: str, group: str, slots: int) 
     }
 
 
+# The worker-id rule, owned here alone: a node's step in an allocation is `j<owner job>-<node>-g<n>`
+# (step_group) and its workers are `<group>-<slot>` (worker_id), so every worker of a node in an allocation starts
+# with node_prefix(owner, node) and its slot is worker_slot(wid).
+def step_group(owner_job: str, node: str, generation: int) -> str:
+    """Id of the `generation`-th step started by one pool, on `node` inside allocation `owner_job`."""
+    return f"{node_prefix(owner_job, node)}g{generation}"
+
+
+def node_prefix(owner_job: str, node: str) -> str:
+    """What the id of every worker on `node` inside allocation `owner_job` starts with (whichever pool started it)."""
+    return f"j{owner_job}-{node}-"
+
+
+def step_prefix(group: str) -> str:
+    """What the id of every worker of step `group` starts with."""
+    return f"{group}-"
+
+
 def worker_id(group: str, slot: int) -> str:
     """Id of the worker in `slot` (SLURM_LOCALID) of step `group`; unique in the job, no '/'."""
-    return f"{group}-{slot}"
+    return f"{step_prefix(group)}{slot}"
+
+
+def worker_slot(wid: str) -> int:
+    """The slot (SLURM_LOCALID) of a worker id built by :func:`worker_id`.
+
+    Raises:
+        ValueError: `wid` does not end in `-<slot>`.
+    """
+    return int(wid.rsplit("-", 1)[1])
 
 
 def worker_identity(environ: Mapping[str, str]) -> tuple[str, str]:
@@ -122,7 +149,7 @@ class WorkerPool:
         if node in self.steps and self.steps[node].alive():
             raise ValueError(f"WorkerPool.start: node {node} already runs step {self.steps[node].group}")
         self._generation += 1
-        group = f"j{owner_job}-{node}-g{self._generation}"
+        group = step_group(owner_job, node, self._generation)
         env = dict(alloc_env)
         env.update(worker_env(self.store_addr, self.job_id, node, group, slots))
         env.update(self.job_env)
@@ -153,6 +180,12 @@ class WorkerPool:
             if pending:
                 time.sleep(0.05)
         return [n for n in pending if self.steps[n].alive()]
+
+    def signal_step(self, node: str, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to a node's step (srun forwards it to the tasks) without waiting; nothing when it ended."""
+        step = self.steps.get(node)
+        if step is not None and step.alive():
+            step.proc.send_signal(sig)
 
     def stop(self, node: str, timeout: Optional[timedelta] = None) -> Optional[int]:
         """End a node's step: SIGTERM to srun (forwarded to the tasks), SIGKILL after the timeout.

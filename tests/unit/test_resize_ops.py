@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
-from elastic_launcher.resize_ops import (POST_ATTEMPTS, Action, ActionKind, Observation, ResizeKind, ResizeLimits,
-                                         ResizeOp, ResizeState, advance)
+from elastic_launcher.resize_ops import (POST_ATTEMPTS, Action, ActionKind, Observation, RecoveryObservation,
+                                         RecoveryOp, RecoveryState, ReleaseOp, ReleaseState, ResizeKind, ResizeLimits,
+                                         ResizeOp, ResizeState, advance, advance_recovery, advance_release)
 
 S = ResizeState
 LIMITS = ResizeLimits(helper_start_s=60, join_s=120, switch_s=100, leave_s=20)
@@ -128,15 +129,18 @@ def test_a_shrink_posts_switches_then_releases_once_the_leavers_left():
     op, acts = advance(op, Observation(switched=True), 1.0, LIMITS)
     assert op.state is S.SWITCHED and not op.done and acts == [] and op.deadline == 21.0
     assert advance(op, NONE, 2.0, LIMITS) == (op, [])
-    done, acts = advance(op, Observation(left=True), 2.0, LIMITS)
-    assert done.state is S.RELEASED and done.done and done.left
-    assert kinds(acts) == [ActionKind.RELEASE_NODES, ActionKind.FINISH] and acts[0].nodes == ("node2",)
+    releasing, acts = advance(op, Observation(left=True), 2.0, LIMITS)
+    assert releasing.state is S.RELEASING and not releasing.done and releasing.left
+    assert acts == [Action(ActionKind.RELEASE_NODES, ("node2",))]
+    assert advance(releasing, NONE, 3.0, LIMITS) == (releasing, [])     # its ReleaseOp runs, tick by tick
+    done, acts = advance(releasing, Observation(released=True), 4.0, LIMITS)
+    assert done.state is S.RELEASED and done.done and kinds(acts) == [ActionKind.FINISH]
 
 
 def test_a_shrink_whose_leavers_do_not_leave_is_released_at_the_deadline():
     op = dataclasses.replace(shrink_op(), state=S.SWITCHED, deadline=21.0, plan_id=6, started=0.0)
     done, acts = advance(op, NONE, 21.0, LIMITS)
-    assert done.state is S.RELEASED and not done.left and kinds(acts)[0] is ActionKind.RELEASE_NODES
+    assert done.state is S.RELEASING and not done.left and kinds(acts) == [ActionKind.RELEASE_NODES]
 
 
 def test_a_shrink_without_leavers_is_skipped_and_a_superseded_one_fails():
@@ -154,3 +158,80 @@ def test_the_limits_come_from_the_launch_config():
     cfg = type("Cfg", (), {"helper_start_timeout": timedelta(seconds=7), "rendezvous_timeout": timedelta(seconds=9),
                            "leave_timeout": timedelta(seconds=3)})()
     assert ResizeLimits.from_config(cfg) == ResizeLimits(7.0, 9.0, 9.0, 3.0)
+
+
+# -- review defects (#27.2): each failed before its fix --------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("helper_start_s", 0), ("join_s", -1.0), ("switch_s", float("nan")),
+                                          ("leave_s", float("inf")), ("exit_s", "5"), ("join_s", True)])
+def test_limits_reject_a_wait_that_is_not_a_positive_finite_number_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"ResizeLimits.{field} must be a finite number of seconds > 0"):
+        ResizeLimits(**{field: value})
+
+
+@pytest.mark.parametrize("target", [0, -2, 1.5, None, True])
+def test_an_op_to_no_nodes_or_a_non_integer_is_refused(target):
+    with pytest.raises(ValueError, match="the target must be an integer >= 1"):
+        ResizeOp(ResizeKind.SHRINK, target, "shrink", "test")
+
+
+# -- a recovery holds the ops (RECOVERING) ----------------------------------------------------------------------
+def test_a_recovery_holds_every_post_and_submit_but_not_a_cancel_nor_a_deadline():
+    held = Observation(hold=True)
+    op, acts = advance(grow_op(), held, 0.0, LIMITS)
+    assert op.state is S.REQUESTED and acts == []                     # no helper submitted on a changing fleet
+    op, acts = advance(shrink_op(), held, 0.0, LIMITS)
+    assert op.state is S.REQUESTED and acts == []                     # no plan posted on an epoch in recovery
+    op = allocated()
+    assert advance(op, Observation(helper_state="RUNNING", joined=True, hold=True), 5.0, LIMITS) == (op, [])
+    assert advance(op, Observation(helper_state="RUNNING", joined=True, hold=True, cancel="operator"), 5.0,
+                   LIMITS)[0].cancelled
+    failed, acts = advance(op, Observation(helper_state="RUNNING", joined=True, hold=True), 121.0, LIMITS)
+    assert failed.state is S.FAILED and "held in allocated" in failed.error and ActionKind.CANCEL_HELPER in kinds(acts)
+    lost = dataclasses.replace(joined(), plan_id=None, post_attempts=1)
+    assert advance(lost, held, 3.0, LIMITS) == (lost, [])             # the re-post waits for the recovery
+    posted = joined()
+    assert advance(posted, Observation(switched=True, hold=True), 3.0, LIMITS)[0].state is S.SWITCHED
+
+
+# -- releasing nodes ------------------------------------------------------------------------------------------
+def test_a_release_gives_the_nodes_back_once_their_steps_ended():
+    op, acts = advance_release(ReleaseOp(("node2",), "test"), ("node2",), 10.0, LIMITS)
+    assert op.state is ReleaseState.EXITING and op.deadline == 10.0 + LIMITS.exit_s and acts == []
+    done, acts = advance_release(op, (), 11.0, LIMITS)
+    assert done.done and acts == [Action(ActionKind.GIVE_BACK, ("node2",))]
+    host, acts = advance_release(ReleaseOp(("node1",), "restart", give_back=False), (), 11.0, LIMITS)
+    assert host.done and acts == []                                   # the batch host is never given back
+
+
+def test_a_step_that_does_not_end_is_terminated_then_killed_one_stage_a_deadline():
+    op, _ = advance_release(ReleaseOp(("node2", "node3"), "test"), ("node2", "node3"), 0.0, LIMITS)
+    assert advance_release(op, ("node2",), 4.99, LIMITS) == (op, [])
+    op, acts = advance_release(op, ("node2",), 5.0, LIMITS)
+    assert op.state is ReleaseState.TERMINATING and acts == [Action(ActionKind.TERMINATE, ("node2",))]
+    op, acts = advance_release(op, ("node2",), 25.0, LIMITS)
+    assert op.state is ReleaseState.KILLING and acts == [Action(ActionKind.KILL, ("node2",))]
+    done, acts = advance_release(op, ("node2",), 45.0, LIMITS)       # given up on: released anyway
+    assert done.done and kinds(acts) == [ActionKind.GIVE_BACK]
+
+
+# -- recovering a failed node ---------------------------------------------------------------------------------
+def test_a_recovery_follows_the_survivors_epoch_then_releases_the_node():
+    op, acts = advance_recovery(RecoveryOp("node3", ("w3",)), RecoveryObservation(True, 4), 0.0, LIMITS)
+    assert op.state is RecoveryState.DETECTED and op.deadline == 120.0 and acts == [] and not op.settled
+    op, acts = advance_recovery(op, RecoveryObservation(False, 5), 1.0, LIMITS)
+    assert (op.state, op.plan_id, op.recovered, op.deadline) == (RecoveryState.EVICTED, 5, True, 101.0)
+    assert advance_recovery(op, RecoveryObservation(False, 5), 2.0, LIMITS) == (op, [])
+    op, acts = advance_recovery(op, RecoveryObservation(False, 5, switched=True), 3.0, LIMITS)
+    assert op.state is RecoveryState.RELEASING and op.settled and acts == [Action(ActionKind.RELEASE_NODES, ("node3",))]
+    assert advance_recovery(op, RecoveryObservation(False, 5, True), 4.0, LIMITS) == (op, [])
+    done, acts = advance_recovery(op, RecoveryObservation(False, 5, True, released=True), 5.0, LIMITS)
+    assert done.done and kinds(acts) == [ActionKind.FINISH]
+
+
+def test_a_recovery_that_never_comes_or_never_switches_releases_the_node_at_the_deadline():
+    op, _ = advance_recovery(RecoveryOp("node3", ("w3",)), RecoveryObservation(True, 4), 0.0, LIMITS)
+    given_up, acts = advance_recovery(op, RecoveryObservation(True, 4), 120.0, LIMITS)
+    assert given_up.state is RecoveryState.RELEASING and not given_up.recovered and kinds(acts) == [ActionKind.RELEASE_NODES]
+    op, _ = advance_recovery(op, RecoveryObservation(False, 5), 1.0, LIMITS)
+    late, acts = advance_recovery(op, RecoveryObservation(False, 5), 101.0, LIMITS)
+    assert late.state is RecoveryState.RELEASING and late.recovered and kinds(acts) == [ActionKind.RELEASE_NODES]

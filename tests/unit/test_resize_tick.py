@@ -66,6 +66,11 @@ class FakeSlurm:
         if job_id in self.jobs:
             self.jobs[job_id]["state"] = "CANCELLED"
 
+    def shrink(self, job_id, keep):
+        self.shrunk = getattr(self, "shrunk", []) + [(job_id, list(keep))]
+        job = type("Job", (), {"nodelist": ",".join(keep), "nodes": list(keep)})()
+        return type("Result", (), {"job": job, "apply": lambda self, env: dict(env)})()
+
 
 class FakeKV(dict):
     def set(self, key, value):
@@ -124,9 +129,24 @@ class FakeStep:
 class FakePool:
     def __init__(self, nodes, owner="42"):
         self.steps = {n: FakeStep(n, owner) for n in nodes}
+        self.signals: list[tuple[str, int]] = []
+        self.started: list[str] = []
 
     def forget(self, node):
         return self.steps.pop(node, None)
+
+    def signal_step(self, node, sig):
+        """A signal ends the step (unless the test says it ignores them: `step.stubborn`)."""
+        self.signals.append((node, sig))
+        step = self.steps.get(node)
+        if step is not None and step.alive() and not getattr(step, "stubborn", False):
+            step.code = -sig
+
+    def start(self, node, slots, env, owner_job):
+        self.started.append(node)
+        group = f"j{owner_job}-{node}-g{len(self.started)}"
+        self.steps[node] = FakeStep(node, owner_job)
+        return type("Step", (), {"group": group})()
 
 
 def make_config(tmp_path, nodes=2):
@@ -151,7 +171,7 @@ def make_resizer(tmp_path, clock, slurm=None, nodes=2):
     r = Resizer(config, fleet, coord=coord, pool=FakePool(config.allocation.nodes), slurm=slurm, kv=FakeKV(),
                 records=RecordLog(tmp_path / "records.jsonl"), stragglers=StragglerDetector(1.5, 3),
                 window=MeasureWindow(), store_addr="127.0.0.1:1",
-                progress=lambda ws: {w: progress[w] for w in ws if w in progress}, finished=lambda: None,
+                progress=lambda ws: {w: progress[w] for w in ws if w in progress},
                 free_nodes=lambda: [n for n in slurm.free if n not in fleet.nodes], clock=clock)
     r.progress_records = progress
     return r
@@ -270,8 +290,8 @@ def test_a_shrink_of_a_helper_node_posts_switches_and_releases_once_left(tmp_pat
     r.fleet.helpers["77"] = ["node3"]
     r.slurm.start(77, ["node3"])
     r.coord.plan = Plan(1, ("j42-node1-g0-0", "j77-node3-0"))
-    ended = []
-    monkeypatch.setattr(Resizer, "_end_helper", lambda self, h, reason: (ended.append(h), self.fleet.helpers.pop(h)))
+    r.pool.forget("node2"), r.pool.forget("node3")  # a helper node's step is its agent's, not the controller's
+    monkeypatch.setattr(resize_module, "wait_until", lambda *a, **k: pytest.fail("a tick waited"))
     r.request_shrink(1, "shrink", "test")
     op = r.tick()
     assert (op.state, op.nodes) == (S.JOINED, ("node3",)) and r.coord.posted[0].members == ("j42-node1-g0-0",)
@@ -280,10 +300,18 @@ def test_a_shrink_of_a_helper_node_posts_switches_and_releases_once_left(tmp_pat
     assert r.tick().state is S.SWITCHED                 # waits (ticks) for the leaver, up to leave_timeout
     r.coord.left.add("j77-node3-0")
     op = r.tick()
-    assert op.state is S.RELEASED and ended == ["77"] and set(r.fleet.nodes) == {"node1"}
+    assert op.state is S.RELEASING and set(r.fleet.nodes) == {"node1"} and r.fleet.helpers == {}
+    assert r.kv[keys.helper_stop("77")] == b"test" and r.slurm.cancelled == []   # asked; its grace runs
+    op = r.tick()
+    assert op.state is S.RELEASED and not r.busy
     (t,) = records(r, "transition")
     assert (t["action"], t["from_nodes"], t["to_nodes"], t["nodes_out"], t["left_cleanly"]) == \
         ("shrink", 2, 1, ["node3"], True)
+    assert not records(r, "helper_ended")
+    r.slurm.jobs[77]["state"] = "COMPLETED"                   # the agent ended the helper by itself
+    r.tick()
+    (e,) = records(r, "helper_ended")
+    assert (e["helper"], e["cancelled"]) == ("77", False) and r.slurm.cancelled == []
 
 
 def test_a_post_that_loses_a_race_is_posted_again_next_tick(tmp_path):
@@ -320,11 +348,11 @@ class FakeInbox:
         self.replies[seq] = {"ok": ok, "message": message, **extra}
 
 
-def make_controller(tmp_path, clock):
-    config = make_config(tmp_path)
+def make_controller(tmp_path, clock, nodes=2):
+    config = make_config(tmp_path, nodes)
     c = Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None, clock=clock,
                    sleep=clock.sleep)
-    r = make_resizer(tmp_path, clock)
+    r = make_resizer(tmp_path, clock, nodes=nodes)
     c.fleet, c.slurm, c.coord, c.kv, c.pool, c.window = r.fleet, r.slurm, r.coord, r.kv, r.pool, r.window
     c.records, c.resizer, c.inbox = r.records, r, FakeInbox()
     c._write_status = lambda: None
@@ -407,18 +435,141 @@ def test_an_operator_request_after_the_plan_is_posted_is_queued_behind_the_grow(
     assert [op.kind for op in r.ops] == [ResizeKind.GROW, ResizeKind.SHRINK] and r.slurm.cancelled == []
 
 
-def test_a_main_node_failure_while_a_grow_is_queued_is_handled_in_that_tick(tmp_path, monkeypatch):
+def recover(c, node, epoch_id=None):
+    """The survivors' recovery epoch without `node`'s workers becomes current and takes its first step."""
+    plan = Plan(epoch_id or c.coord.plan.id + 10, tuple(w for w in c.coord.plan.members
+                                                        if w not in c.fleet.nodes[node].wids), c.coord.plan.id)
+    switch(c.resizer, plan)
+    return plan
+
+
+def test_a_main_node_failure_while_a_grow_is_queued_is_followed_tick_by_tick_without_waiting(tmp_path, monkeypatch):
+    """#27.2: the failure was handled by a blocking Resizer.node_failed (up to rendezvous_timeout for the recovery
+    epoch, EXIT_GRACE for the step) and RECOVERING was set and reset inside it, read by nobody."""
     clock = Clock()
     c = make_controller(tmp_path, clock)
+    monkeypatch.setattr(resize_module, "wait_until", lambda *a, **k: pytest.fail("a tick waited"))
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("a tick slept"))
     c.resizer.request_grow(3, "grow", "autoscale")
     c._tick()
-    failed = []
-    monkeypatch.setattr(c.resizer, "node_failed", lambda node, evicted=False: (failed.append((node, c.phase)),
-                                                                                c.fleet.nodes.pop(node)))
+    assert c.resizer.active.state is S.SUBMITTED
     c.pool.steps["node2"].code = 1
     c._tick()
-    assert failed == [("node2", JobPhase.RECOVERING)] and c.phase is JobPhase.RESIZING
-    assert c.resizer.active.state is S.SUBMITTED     # the grow goes on
+    (f,) = [x for x in c.records.items if x["kind"] == "failure"]
+    assert f["node"] == "node2" and c.phase is JobPhase.RECOVERING and c.resizer.active.state is S.SUBMITTED
+    for _ in range(3):  # no recovery epoch yet: the phase holds, nothing is measured or posted, nothing waits
+        clock.t += 1
+        c._tick()
+        assert c.phase is JobPhase.RECOVERING and not c.resizer.settled and c.coord.posted == []
+    assert [x["kind"] for x in c.records.items].count("failure") == 1          # not handled twice
+    recover(c, "node2")
+    c._tick()                                                   # EVICTED: the recovery epoch is current
+    c._tick()                                                   # switched: the node's release starts and ends
+    c._tick()                                                   # released: transition recorded
+    (t,) = [x for x in c.records.items if x["kind"] == "transition"]
+    assert (t["action"], t["node"], t["from_nodes"], t["to_nodes"], t["recovered"]) == ("failure", "node2", 2, 1, True)
+    assert t["wall_s"] == 3.0 and c.slurm.shrunk == [(42, ["node1"])] and set(c.fleet.nodes) == {"node1"}
+    assert c.phase is JobPhase.RESIZING and c.resizer.active.state is S.SUBMITTED      # the grow goes on
+
+
+def test_a_queued_shrink_posts_nothing_while_a_failed_node_recovers(tmp_path):
+    """RECOVERING is read: an op posts no plan on an epoch the survivors are replacing."""
+    clock = Clock()
+    c = make_controller(tmp_path, clock, nodes=3)
+    c.pool.steps["node3"].code = 1
+    c._tick()
+    c.inbox.requests = [(1, {"nodes": 1})]
+    c._tick()
+    assert c.inbox.replies[1]["message"] == "resizing from 2 to 1 nodes"   # the failed node is not counted
+    assert c.phase is JobPhase.RECOVERING and c.resizer.active.state is S.REQUESTED and c.coord.posted == []
+    recover(c, "node3")
+    for _ in range(3):
+        c._tick()
+    assert not c.resizer.recovering and c.resizer.active.state is S.JOINED
+    assert c.coord.posted[-1].members == wids("node1") and c.resizer.active.nodes == ("node2",)
+
+
+def test_a_hung_node_left_out_by_the_survivors_is_terminated_then_killed_on_deadlines(tmp_path):
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c.pool.steps["node2"].stubborn = True
+    c.coord.plan = Plan(5, wids("node1"), 1)                   # the survivors declared node2's workers dead
+    c._tick()
+    (f,) = [x for x in c.records.items if x["kind"] == "failure"]
+    assert f["cause"] == "left out of the membership while running" and c.phase is JobPhase.RECOVERING
+    switch(c.resizer, c.coord.plan)
+    c._tick()
+    c._tick()
+    assert c.pool.signals == [] and "node2" in c.fleet.nodes                  # exit_s (5 s) not passed yet
+    clock.t += 5
+    c._tick()
+    assert c.pool.signals == [("node2", 15)]
+    clock.t += 20
+    c._tick()
+    assert c.pool.signals[-1] == ("node2", 9)
+    clock.t += 20
+    c._tick()
+    c._tick()
+    assert "node2" not in c.fleet.nodes and c.phase is JobPhase.RUNNING
+    assert [x["action"] for x in c.records.items if x["kind"] == "transition"] == ["failure"]
+
+
+def test_a_failed_batch_host_is_restarted_and_rejoins_without_a_wait(tmp_path, monkeypatch):
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    monkeypatch.setattr(resize_module, "wait_until", lambda *a, **k: pytest.fail("a tick waited"))
+    c.pool.steps["node1"].code = 1
+    c._tick()
+    recover(c, "node1")
+    for _ in range(3):
+        c._tick()
+    assert c.pool.started == ["node1"] and "node1" in c.fleet.joining and c.phase is JobPhase.RECOVERING
+    assert not getattr(c.slurm, "shrunk", None)                  # the batch host is never given back
+    new = [f"j42-node1-g1-0"]
+    c.coord.joined_ids = new
+    c._tick()
+    assert c.coord.posted[-1].members == (*wids("node2"), *new)
+    switch(c.resizer, c.coord.posted[-1])
+    c._tick()
+    assert c.phase is JobPhase.RUNNING and set(c.fleet.nodes) == {"node1", "node2"}
+    assert [x["action"] for x in c.records.items if x["kind"] == "transition"] == ["failure", "rejoin"]
+
+
+def test_startup_is_ticked_requests_are_answered_while_the_workers_join(tmp_path, monkeypatch):
+    """#27.2: the start waited (wait_joined, wait_switched) before the loop's first tick."""
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    monkeypatch.setattr(resize_module, "wait_until", lambda *a, **k: pytest.fail("a tick waited"))
+    c.phase = JobPhase.STARTING
+    c._start_deadline = clock.t + 120
+    c.coord.plan = None
+    for node in ("node1", "node2"):
+        c.fleet.nodes[node].wids = ()
+    c.coord.start = lambda members: setattr(c.coord, "plan", Plan(1, tuple(members))) or c.coord.plan
+    c.inbox.requests = [(1, {"nodes": 1})]
+    c._tick()
+    assert c.inbox.replies[1]["ok"] and c.phase is JobPhase.STARTING and c.coord.plan is None
+    c.coord.joined_ids = [*wids("node1"), *wids("node2")]
+    c._tick()
+    assert c.coord.plan.members == (*wids("node1"), *wids("node2")) and c.phase is JobPhase.STARTING
+    switch(c.resizer, c.coord.plan)
+    c._tick()
+    assert c.phase is JobPhase.RUNNING and [x["action"] for x in c.records.items if x["kind"] == "transition"] == ["start"]
+    c._tick()
+    assert c.resizer.active.kind is ResizeKind.SHRINK            # the request queued during the start runs now
+
+
+def test_startup_fails_at_its_deadline_naming_the_nodes_short_of_workers(tmp_path):
+    from elastic_launcher.errors import RendezvousTimeout
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c.phase, c._start_deadline, c.coord.plan = JobPhase.STARTING, clock.t + 120, None
+    c.coord.joined_ids = list(wids("node1"))
+    c.fleet.nodes["node2"].wids = ()
+    c._tick()
+    clock.t += 120
+    with pytest.raises(RendezvousTimeout, match=r"node2 \(0/1\)"):
+        c._tick()
 
 
 def test_no_autoscale_decision_while_resizing_but_the_measurement_is_recorded(tmp_path):
