@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epoch_decisions import PrepareKind, RecoveryKind, decide_prepare, decide_recovery, source_rank
-from elastic_launcher.errors import LeftGroup, PeerFailure, ProcessGroupError
+from elastic_launcher.errors import LeftGroup, PeerFailure, ProcessGroupError, RendezvousTimeout
 from elastic_launcher.membership import Membership, Plan
 from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr
 from elastic_launcher.state import TrainingState
@@ -281,7 +281,7 @@ class EpochExecutor:
         self.relay.watch(plan.id, group)
         self.membership.watch(plan)
         if group.rank() == 0:
-            self.membership.publish_current(plan)
+            self.membership.note_switched(plan)  # the record notes it from the heartbeat thread
         return Epoch(plan, group, ddp, hook, batches)
 
     def batches_for(self, plan: Plan, world: int) -> list[int]:
@@ -351,36 +351,105 @@ class EpochExecutor:
     def recover(self, failed: Plan, old_group: ProcessGroupWrapper, err: Optional[BaseException],
                 try_shrink: bool, lost: int, interval: int, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
         """Agrees on the survivors of ``failed``, rebuilds (``decide_recovery``), rolls back to the last commit
-        point and resyncs from rank 0.
+        point and resyncs from rank 0. A survivor that dies before the new group trains (its build or the state
+        broadcast cannot finish: its beat stops, or another survivor gave up on that plan) makes the survivors'
+        plan the failed one: the survivors recover from it in turn, within ``rendezvous_timeout`` in all.
 
         Raises:
             LeftGroup: this worker was declared dead.
+            RendezvousTimeout: no group of survivors within ``rendezvous_timeout``.
         """
         t0 = time.perf_counter()
-        plan = self.membership.recover(failed)
-        action = decide_recovery(failed, plan, self.wid, try_shrink)
-        if action.kind is RecoveryKind.LEAVE:
-            old_group.abort()
-            raise LeftGroup(f"worker {self.wid} was declared dead in recovery of epoch {failed.id}")
-        new = None
-        if action.kind is RecoveryKind.SHRINK:
+        deadline = time.monotonic() + self.settings.rendezvous_timeout.total_seconds()
+        first, tried = failed, []
+        while True:
             try:
-                new = old_group.shrink(list(action.dead_ranks), abort=True)
-            except ProcessGroupError as e:
-                logger.info("shrink unavailable, rebuilding: %s", e)
-        old_group.abort()
-        if new is None:
-            new = self.new_group(plan)
-        self.state.restore()
-        self._broadcast_state(new, 0, plan)
+                plan = self.membership.recover(failed, self._left(deadline, failed))
+            except LeftGroup:
+                if old_group is not None:
+                    old_group.abort()
+                raise
+            action = decide_recovery(failed, plan, self.wid, try_shrink and old_group is not None)
+            if action.kind is RecoveryKind.LEAVE:
+                if old_group is not None:
+                    old_group.abort()
+                raise LeftGroup(f"worker {self.wid} was declared dead in recovery of epoch {failed.id}")
+            new = None
+            if action.kind is RecoveryKind.SHRINK:
+                try:
+                    new = old_group.shrink(list(action.dead_ranks), abort=True)
+                except ProcessGroupError as e:
+                    logger.info("shrink unavailable, rebuilding: %s", e)
+            if old_group is not None:
+                old_group.abort()
+                old_group = None
+            if new is None:
+                new = self._build_watched(plan, deadline)
+            if new is not None and self._resync(new, plan):
+                break
+            tried.append(plan.id)
+            failed = plan  # a survivor died before the recovered epoch trained: recover from that epoch
         epoch = self.enter(plan, new, step_fn)
         t1 = time.perf_counter()
-        rec = {"epoch": plan.id, "prev": failed.id, "kind": "recovery", "old_world": failed.world_size,
+        rec = {"epoch": plan.id, "prev": first.id, "kind": "recovery", "old_world": first.world_size,
                "world": plan.world_size, "step": step_fn(), "lost_steps": lost, "commit_interval": interval,
-               "recover_s": t1 - t0, "error": str(err)[:200]}
+               "recover_s": t1 - t0, "error": str(err)[:200], "abandoned": tried}
         events.warning("recovery %s", json.dumps(rec), extra={"wid": self.wid, "step": step_fn()})
         # completed (pause_s, switches, elastic/switched/<id> from rank 0) at the first commit of the new epoch
         return epoch, {**rec, "t_decide": t0, "t_entered": t1}
+
+    def _left(self, deadline: float, failed: Plan) -> timedelta:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousTimeout(f"worker {self.wid}: no group of survivors within "
+                                    f"{self.settings.rendezvous_timeout.total_seconds():g} s (at epoch {failed.id})")
+        return timedelta(seconds=left)
+
+    def _resync(self, group: ProcessGroupWrapper, plan: Plan) -> bool:
+        """Rolls back to the last commit point and takes rank 0's state on ``group``; False when a peer failed."""
+        self.state.restore()
+        try:
+            self._broadcast_state(group, 0, plan)
+        except Exception as e:  # noqa: BLE001 - a survivor died since the decision: recover from this plan
+            logger.warning("recovery epoch %d: state broadcast failed: %s", plan.id, e)
+            group.abort()
+            return False
+        return True
+
+    def _build_watched(self, plan: Plan, deadline: float) -> Optional[ProcessGroupWrapper]:
+        """Builds ``plan``'s group on a thread while watching its members; None when a member's beat stopped for
+        ``heartbeat_timeout`` (it died after the decision: the build would wait ``connect_timeout`` for it), another
+        survivor gave up on the plan, the build failed, or ``deadline`` passed. A build given up on ends on its
+        own thread, and a group it completes after that is aborted."""
+        box: dict = {}
+        abandoned = threading.Event()
+
+        def run() -> None:
+            try:
+                g = self.new_group(plan)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                box["error"] = e
+                return
+            if abandoned.is_set():
+                g.abort()
+            box["group"] = g
+
+        t = threading.Thread(target=run, name=f"elastic-recover-{plan.id}", daemon=True)
+        t.start()
+        poll = self.membership.heartbeat_interval.total_seconds() / 2
+        while True:
+            t.join(poll)
+            if not t.is_alive():
+                break
+            silent = self.membership.silent_members(plan)
+            if silent or self.membership.recovery_begun(plan) or time.monotonic() > deadline:
+                abandoned.set()
+                logger.warning("recovery epoch %d: group build given up (silent: %s)", plan.id, silent)
+                return None
+        if "error" in box:
+            logger.warning("recovery epoch %d: group build failed: %s", plan.id, box["error"])
+            return None
+        return box["group"]
 
 
 def _hook_with_fault(state: HookState, bucket):  # no return annotation (see elastic_allreduce_hook)

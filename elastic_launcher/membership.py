@@ -1,29 +1,29 @@
 """Membership protocol: who is in which epoch, over one TCPStore hosted by the controller.
 
-The controller (``elastic-launch``) hosts a ``TCPStore`` server that outlives every worker. Workers and the
-controller exchange small keys under the ``elastic/`` prefix. An *epoch* is one membership: a :class:`Plan`
-with a unique integer id and the ordered list of worker ids (the order is the rank order). Process groups of an
-epoch use the store prefix ``epoch/<id>``, so every membership change gets a fresh prefix.
+The controller (``elastic-launch``) hosts a ``TCPStore`` server that outlives every worker. Who trains in which
+epoch is one versioned document, the membership record (:mod:`elastic_launcher.rendezvous_state`: the plan being
+trained, the one it followed, a pending resize, a recovery under way), changed only by compare-and-set on its
+version. An *epoch* is one :class:`Plan`: a unique integer id and the ordered list of worker ids (the order is the
+rank order). Process groups of an epoch use the store prefix ``epoch/<id>``, so every membership change gets a
+fresh prefix. Reports beside the record (``hb/<wid>``, ``joined``, ``switched/<id>``, ``left/<wid>``) are written by
+one party each and change no membership (:mod:`elastic_launcher.store_keys`).
 
-The keys (who writes and reads each, and its value) are the runtime channel of
-:mod:`elastic_launcher.store_keys`: ``plan/<id>``, ``current``, ``next/<id>``, ``recover/<id>/...``, ``hb/<wid>``,
-``joined``, ``switched/<id>``, ``left/<wid>``.
-
-Controller side (:class:`Coordinator`): ``start(members)`` posts the first plan; ``request_resize(members)``
-posts the successor of the current epoch (grow: newcomers appended after the survivors; shrink: leavers
+Controller side (:class:`Coordinator`): ``start(members)`` writes the first plan; ``request_resize(members)``
+writes the pending successor of the current epoch (grow: newcomers appended after the survivors; shrink: leavers
 omitted); ``wait_switched(plan)`` blocks until the new epoch has completed its first step; ``joined()`` and
 ``alive()`` tell which workers are ready / beating. Newcomers must be started (srun / helper job) with their
 worker id before or after ``request_resize``; they prepare (imports, model build, communicator) and the
 survivors switch at the first commit point at which everyone of the plan is ready. Leavers exit at that same
 commit point, after which the controller may release their nodes (``left/<wid>`` is set just before exit).
 
-Worker side (:class:`Membership`): a heartbeat/poll thread beats ``hb/<wid>`` and watches ``next/<current>`` so
-that commit points read a local variable, not the store. A newcomer calls :meth:`Membership.wait_for_plan`.
-After a collective failure, survivors call :meth:`Membership.recover`: the first one to arrive becomes leader,
-waits until every member of the failed epoch has either announced itself alive or has a heartbeat unchanged for
-``heartbeat_timeout`` (by the leader's own monotonic clock), and posts a recovery plan with the survivors in their
-old order. A leader that falls silent before posting is replaced by the first survivor to see it, and the plan is
-posted by compare-and-set, so any survivor finishes a recovery a dead one began. A recovery supersedes a planned
+Worker side (:class:`Membership`): a heartbeat/poll thread beats ``hb/<wid>``, reads the record (a pending
+successor of the watched epoch, a recovery of it begun elsewhere) so that commit points read a local variable, not
+the store, and notes a switch in the record for the new epoch's rank 0 (off the training thread). A newcomer
+calls :meth:`Membership.wait_for_plan`. After a collective failure, survivors call :meth:`Membership.recover`:
+each re-decides on the latest record (``rendezvous_state.decide_recovery_step``: arrive, wait, decide, adopt)
+until the survivors' plan is written, so any survivor finishes a recovery or a switch a dead one began; there is
+no leader. A member counts as alive when it arrived and its beat changed after that, as dead when its beat has not
+changed for ``heartbeat_timeout``, both by the observer's own monotonic clock. A recovery supersedes a pending
 resize of the same epoch; its newcomers time out and the controller re-requests the resize.
 """
 from __future__ import annotations
@@ -32,75 +32,28 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
-from elastic_launcher.errors import InvalidPlan, RendezvousTimeout, ResizeConflict
+from elastic_launcher.errors import InvalidPlan, LeftGroup, RendezvousTimeout
 from elastic_launcher.peer_watch import BeatClock, PeerWatch
+from elastic_launcher.rendezvous_state import (Liveness, MembershipRecord, Plan, RecordStore, RecoveryStepKind,
+                                               decide_recovery_step, validate_members)
 
 logger = logging.getLogger("elastic_launcher.membership")
 
 __all__ = ["Plan", "Coordinator", "Membership"]
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One membership epoch.
-
-    Attributes:
-        id: unique epoch id (also the process-group store prefix ``epoch/<id>``).
-        members: worker ids in rank order.
-        prev: id of the epoch this one follows (0 for the first).
-        kind: ``initial``, ``resize`` or ``recovery``.
-    """
-
-    id: int
-    members: tuple[str, ...]
-    prev: int = 0
-    kind: str = "initial"
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    @property
-    def group_prefix(self) -> str:
-        return keys.epoch_group(self.id)
-
-    def rank_of(self, wid: str) -> int:
-        """Rank of ``wid`` in this plan, -1 if not a member."""
-        return self.members.index(wid) if wid in self.members else -1
-
-    def to_json(self) -> str:
-        return json.dumps({"id": self.id, "members": list(self.members), "prev": self.prev, "kind": self.kind})
-
-    @classmethod
-    def from_json(cls, text: "str | bytes") -> "Plan":
-        d = json.loads(text)
-        return cls(int(d["id"]), tuple(d["members"]), int(d["prev"]), d["kind"])
-
-
-def _validate(members: Sequence[str]) -> tuple[str, ...]:
-    members = tuple(members)
-    if not members:
-        raise InvalidPlan("a plan needs at least one member")
-    if len(set(members)) != len(members):
-        raise InvalidPlan(f"duplicate worker ids in plan {list(members)}")
-    for m in members:
-        if not m or "/" in m:
-            raise InvalidPlan(f"worker id {m!r} is empty or contains '/'")
-    return members
-
-
 class _Keys:
-    """Store access shared by both sides (all keys under ``elastic/``)."""
+    """The reports beside the record (all keys under ``elastic/``) and the record itself."""
 
     def __init__(self, store: dist.Store, timeout: timedelta) -> None:
         self.store = dist.PrefixStore(keys.RUNTIME, store)
+        self.record = RecordStore(store, timeout)
         self.timeout = timeout
 
     def has(self, key: str) -> bool:
@@ -116,17 +69,17 @@ class _Keys:
             raise RendezvousTimeout(f"waited {timeout.total_seconds():.1f}s for {what} (store key {key})") from e
         return self.get(key)
 
-    def plan(self, pid: int) -> Plan:
-        return Plan.from_json(self.get(keys.plan(pid)))
+    def latest(self, timeout: timedelta, what: str) -> MembershipRecord:
+        """The record once it holds a plan (waits up to ``timeout`` for the first one).
 
-    def post(self, members: Sequence[str], prev: int, kind: str) -> Plan:
-        pid = self.store.add(keys.SEQ, 1)
-        plan = Plan(pid, _validate(members), prev, kind)
-        self.store.set(keys.plan(pid), plan.to_json())
-        return plan
-
-    def current(self) -> Optional[Plan]:
-        return self.plan(int(self.get(keys.CURRENT))) if self.has(keys.CURRENT) else None
+        Raises:
+            RendezvousTimeout: no plan within ``timeout``.
+        """
+        rec, _ = self.record.get()
+        if rec.epoch is None:
+            self.wait_get(keys.STATE, timeout, what)
+            rec, _ = self.record.get()
+        return rec
 
 
 class Coordinator:
@@ -147,38 +100,38 @@ class Coordinator:
         self.beats = BeatClock()
 
     def start(self, members: Sequence[str]) -> Plan:
-        """Posts the first plan; its members then start training together."""
-        plan = self._k.post(members, 0, "initial")
-        self._k.store.set(keys.CURRENT, str(plan.id))
-        return plan
-
-    def current(self) -> Plan:
-        """The epoch the workers train in now (updated at each switch).
+        """Writes the first plan; its members then start training together.
 
         Raises:
-            RendezvousTimeout: :meth:`start` was never called.
+            InvalidPlan: bad members, or the job has a plan already.
         """
-        return self._k.plan(int(self._k.wait_get(keys.CURRENT, self.timeout, "first plan")))
+        return self._k.record.update(lambda r: r.started(members)).epoch
+
+    def record(self) -> MembershipRecord:
+        """The membership record as it is now (no wait; an empty record before :meth:`start`)."""
+        return self._k.record.get()[0]
+
+    def current(self) -> Plan:
+        """The epoch the workers train in now (moves at each switch and recovery).
+
+        Raises:
+            RendezvousTimeout: :meth:`start` was not called within ``timeout``.
+        """
+        return self._k.latest(self.timeout, "the first plan").epoch
 
     def request_resize(self, members: Sequence[str], base: Optional[Plan] = None) -> Plan:
-        """Posts the successor of ``base`` (default: the current epoch) with ``members`` in rank order.
+        """Writes the pending successor of ``base`` (default: the current epoch) with ``members`` in rank order.
 
         Survivors should come first in their current order so that rank 0 (the state source) survives.
         Takes effect at the first commit point after every member of the new plan is ready.
 
         Raises:
-            InvalidPlan: empty or duplicate members.
-            ResizeConflict: ``base`` already has a successor (another resize, or a failure recovery).
+            InvalidPlan: empty or duplicate members, or none of ``base``'s kept.
+            ResizeConflict: ``base`` is not the epoch any more or already has a successor (another resize, or a
+                failure recovery under way).
         """
         base = base or self.current()
-        if not any(m in base.members for m in members):
-            raise InvalidPlan(f"plan {list(members)} keeps no member of epoch {base.id}; state would be lost")
-        plan = self._k.post(members, base.id, "resize")
-        won = self._k.store.compare_set(keys.next_plan(base.id), "", str(plan.id)).decode()
-        if won != str(plan.id):
-            raise ResizeConflict(base.id, int(won))
-        if self._k.has(keys.recover_plan(base.id)):
-            raise ResizeConflict(base.id, int(self._k.get(keys.recover_plan(base.id))))
+        plan = self._k.record.update(lambda r: r.resized(members, base.id)).pending
         logger.info("resize requested: epoch %d %s -> %d %s", base.id, list(base.members), plan.id,
                     list(plan.members))
         return plan
@@ -219,22 +172,25 @@ class Coordinator:
         return self._k.has(keys.left(wid))
 
 
+
 class Membership:
-    """Worker-side view: heartbeat, polling for the next plan, newcomer wait, failure recovery.
+    """Worker-side view: heartbeat, polling the record, newcomer wait, switch notes, failure recovery.
 
     Args:
         store_factory: returns a fresh client of the job's store (one per thread).
         wid: this worker's id (unique in the job, no '/').
         timeout: bound for waiting on a plan / recovery decision.
-        heartbeat_interval: period of heartbeats and of polling ``next/<current>``.
-        heartbeat_timeout: a peer silent for longer is considered dead during recovery (its beat unchanged for
-            that long by this host's monotonic clock: `peer_watch.BeatClock`).
-        wall_clock: the time a beat writes (tests give one set off by some seconds).
+        heartbeat_interval: period of heartbeats and of reading the record.
+        heartbeat_timeout: a peer whose beat has not changed for this long (by this host's monotonic clock:
+            `peer_watch.BeatClock`) is dead to the peer watch and to a recovery.
+        wall_clock: the time a beat writes (for people reading the store; tests give one set off by some seconds).
         on_peer_failure: if given, the heartbeat thread also watches the peers of the watched epoch and calls
             ``on_peer_failure(epoch, reason)`` once per epoch when one of them has not beaten for
-            ``heartbeat_timeout`` (measured on this host's clock, from when its beat last changed, so clock
-            skew between nodes does not matter) or when a recovery of that epoch has begun. It runs on the
-            heartbeat thread and must not block.
+            ``heartbeat_timeout`` (on this host's clock, from when its beat last changed, so clock skew between
+            nodes does not matter) or when a recovery of that epoch has begun. It runs on the heartbeat thread and
+            must not block.
+        on_recovery_opened: test seam (``FaultPlan.fail_on_recovery_open``): called with the failed epoch's id
+            right after this worker's arrival opened a recovery.
     """
 
     def __init__(self, store_factory: Callable[[], dist.Store], wid: str,
@@ -242,8 +198,9 @@ class Membership:
                  heartbeat_interval: timedelta = timedelta(seconds=0.2),
                  heartbeat_timeout: timedelta = timedelta(seconds=5),
                  on_peer_failure: Optional[Callable[[int, str], None]] = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
-        _validate([wid])
+                 wall_clock: Callable[[], float] = time.time,
+                 on_recovery_opened: Optional[Callable[[int], None]] = None) -> None:
+        validate_members([wid])
         self.wid = wid
         self.wall_clock = wall_clock  # what a beat says (for people reading the store); liveness never reads it
         self.beats = BeatClock()  # when each peer's beat last changed here: the peer watch's and recovery's
@@ -251,13 +208,17 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.on_peer_failure = on_peer_failure
+        self.on_recovery_opened = on_recovery_opened
         self._factory = store_factory
         self._k = _Keys(store_factory(), timeout)
         self._watch_epoch: Optional[int] = None
         self._watch_members: tuple[str, ...] = ()
         self._next: Optional[Plan] = None
+        self._switch_note: Optional[int] = None  # a switch this rank 0 made, for the heartbeat thread to note
+        self._arrival_beats: dict[tuple[int, str], Optional[bytes]] = {}  # (failed, m) -> m's beat when seen arrived
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     # ---- background heartbeat and poll ----------------------------------------------------------------------
@@ -272,28 +233,42 @@ class Membership:
 
     def _loop(self) -> None:
         k = _Keys(self._factory(), self.timeout)
-        peers = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds(), self.beats)
-        while not self._stop.wait(self.heartbeat_interval.total_seconds()):
+        peers: Optional[PeerWatch] = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds(), self.beats)
+        while not self._stop.is_set():
+            self._wake.wait(self.heartbeat_interval.total_seconds())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 k.store.set(keys.beat(self.wid), repr(self.wall_clock()))
                 ep, members = self._watch_epoch, self._watch_members
-                if ep is not None and self._next is None and k.has(keys.next_plan(ep)):
-                    plan = k.plan(int(k.get(keys.next_plan(ep))))
-                    with self._lock:
-                        if self._watch_epoch == ep:
-                            self._next = plan
+                note = self._switch_note
+                if note is not None:
+                    k.record.update(lambda r: r.switched(note))
+                    self._switch_note = None if self._switch_note == note else self._switch_note
+                rec, _ = k.record.get()
+                self._see(rec, ep)
             except Exception as e:  # noqa: BLE001 - store gone: the controller ended; stop beating
                 logger.debug("heartbeat thread stops: %s", e)
                 return
             if self.on_peer_failure is not None and ep is not None and peers is not None:
                 try:
-                    reason = peers.check(k, ep, members)
+                    reason = peers.check(k, ep, members, _recovering(rec, ep))
                 except Exception as e:  # noqa: BLE001 - the watch is a help; it never stops the beat
                     logger.warning("worker %s: peer watch off: %s", self.wid, e)
                     peers = None
                     continue
                 if reason is not None:
                     self._report_peer_failure(ep, reason)
+
+    def _see(self, rec: MembershipRecord, ep: Optional[int]) -> None:
+        """Keeps the pending successor of the watched epoch ``ep`` for :meth:`next_plan`."""
+        nxt = rec.pending
+        if ep is None or self._next is not None or nxt is None or nxt.prev != ep:
+            return
+        with self._lock:
+            if self._watch_epoch == ep:
+                self._next = nxt
 
     def _report_peer_failure(self, epoch: int, reason: str) -> None:
         logger.warning("worker %s: epoch %d: %s", self.wid, epoch, reason)
@@ -308,50 +283,54 @@ class Membership:
             self._watch_epoch, self._watch_members, self._next = plan.id, tuple(plan.members), None
 
     def next_plan(self) -> Optional[Plan]:
-        """The posted successor of the watched epoch, if any (no store access)."""
+        """The pending successor of the watched epoch, if any (no store access)."""
         return self._next
 
     def stop(self) -> None:
         """Stops the heartbeat thread and waits for it."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
 
     # ---- plans ------------------------------------------------------------------------------------------------
     def wait_for_plan(self, timeout: Optional[timedelta] = None) -> Plan:
-        """Blocks until a plan that includes this worker is posted (initial or as a newcomer); returns it.
-
-        Follows ``current`` then the chain of ``next/`` keys.
+        """Blocks until the record holds a plan that includes this worker (initial, pending or recovered);
+        returns it.
 
         Raises:
             RendezvousTimeout: no such plan within ``timeout``.
         """
         t = timeout or self.timeout
         deadline = time.monotonic() + t.total_seconds()
-        pid = int(self._k.wait_get(keys.CURRENT, t, "the first plan"))
+        rec = self._k.latest(t, "the first plan")
         while True:
-            plan = self._k.plan(pid)
-            if self.wid in plan.members:
+            plan = rec.plan_for(self.wid)
+            if plan is not None:
                 return plan
-            key = keys.next_plan(pid)
-            if self._k.has(key):
-                pid = int(self._k.get(key))
-                continue
-            if self._k.has(keys.recover_plan(pid)):
-                pid = int(self._k.get(keys.recover_plan(pid)))
-                continue
             if time.monotonic() > deadline:
                 raise RendezvousTimeout(f"worker {self.wid}: no plan includes it after {t.total_seconds():.0f}s")
             time.sleep(self.heartbeat_interval.total_seconds() / 2)
+            rec, _ = self._k.record.get()
 
     def plan(self, pid: int) -> Plan:
-        """Reads plan ``pid`` from the store."""
-        return self._k.plan(pid)
+        """Plan ``pid`` as the record holds it (the epoch, the one it followed, or the pending one).
 
-    def publish_current(self, plan: Plan) -> None:
-        """Marks ``plan`` as the epoch being trained (called by its rank 0 at the switch)."""
-        self._k.store.set(keys.CURRENT, str(plan.id))
+        Raises:
+            InvalidPlan: the record no longer holds it (two transitions later).
+        """
+        plan = self._k.record.get()[0].plan(pid)
+        if plan is None:
+            raise InvalidPlan(f"plan {pid} is no longer in the membership record")
+        return plan
+
+    def note_switched(self, plan: Plan) -> None:
+        """Marks ``plan`` as the epoch being trained (called by its rank 0 on entering it). The heartbeat thread
+        writes it to the record at once, off the training thread; a survivor recovering from ``plan`` writes it
+        too (``MembershipRecord.arrived``), so a rank 0 that dies first leaves nothing unfinished."""
+        self._switch_note = plan.id
+        self._wake.set()
 
     def report_switched(self, plan: Plan, stats: dict) -> None:
         """Writes the switch stats record the controller waits for (rank 0 of ``plan``)."""
@@ -364,71 +343,86 @@ class Membership:
     def recover(self, failed: Plan, timeout: Optional[timedelta] = None) -> Plan:
         """Agrees with the other survivors of ``failed`` on the recovery plan (survivors in old order).
 
-        The first survivor to arrive leads: it waits until every member has either arrived or been silent for
-        ``heartbeat_timeout``, and posts the plan. The others wait for it; when the leader itself falls silent for
-        ``heartbeat_timeout`` before a plan is posted (it died after winning), the first of them to see it takes
-        the lead over from it (compare-and-set on the leader key) and decides without it (#27). The plan is
-        posted by compare-and-set too, so a leader thought dead that posts after all cannot post a second one:
-        every survivor adopts the one posted first. Liveness is this host's monotonic clock since a member's
-        beat last changed (`BeatClock`), never a comparison with timestamps other hosts wrote.
+        Re-decides on the latest record after every read and every write (``decide_recovery_step``): arrive,
+        wait until every member is alive (arrived, its beat changed since) or dead (beat unchanged for
+        ``heartbeat_timeout``), write the survivors' plan, or adopt the one another survivor wrote first. Any
+        survivor can take any step, so one that dies midway delays the others by its ``heartbeat_timeout`` at most.
 
         Preconditions: the caller's group for ``failed`` is broken or aborted.
 
         Raises:
-            RendezvousTimeout: the decision did not come within ``timeout``.
+            LeftGroup: the record moved on without this worker (it was declared dead).
+            RendezvousTimeout: no decision within ``timeout``.
         """
         t = timeout or self.timeout
         deadline = time.monotonic() + t.total_seconds()
-        lead_key, plan_key = keys.recover_leader(failed.id), keys.recover_plan(failed.id)
-        self._k.store.set(keys.recover_alive(failed.id, self.wid), "1")
-        leader = self._k.store.compare_set(lead_key, "", self.wid).decode()
-        dead: set[str] = set()
-        while leader != self.wid:
-            if self._k.has(plan_key):
-                return self._k.plan(int(self._k.get(plan_key)))
-            if self._silent(leader) > self.heartbeat_timeout.total_seconds():
-                logger.warning("recovery of epoch %d: leader %s fell silent; taking over", failed.id, leader)
-                dead.add(leader)
-                leader = self._k.store.compare_set(lead_key, leader, self.wid).decode()
-                continue
-            if time.monotonic() > deadline:
-                raise RendezvousTimeout(f"recovery plan of epoch {failed.id}: none within {t.total_seconds():g} s "
-                                        f"(leader {leader})")
-            time.sleep(self.heartbeat_interval.total_seconds() / 2)
-        return self._lead_recovery(failed, dead, deadline)
-
-    def _silent(self, wid: str) -> float:
-        """Seconds ``wid``'s beat has not changed, by this host's clock (no beat at all: since first asked)."""
-        key = keys.beat(wid)
-        return self.beats.silent_for(wid, self._k.store.get(key) if self._k.has(key) else None)
-
-    def _lead_recovery(self, failed: Plan, dead: set[str], deadline: float) -> Plan:
-        """The leader's part: who of ``failed``'s members survive (``dead``: known dead already), then the plan."""
-        state = {m: False for m in dead}
-        limit = self.heartbeat_timeout.total_seconds()
+        rec, token = self._k.record.get()
         while True:
-            for m in failed.members:
-                if m in state:
-                    continue
-                silent = self._silent(m) if m != self.wid else 0.0
-                if silent > limit:
-                    state[m] = False
-                elif self._k.has(keys.recover_alive(failed.id, m)):
-                    state[m] = True
-            if len(state) == len(failed.members):
-                break
-            if time.monotonic() > deadline:
-                raise RendezvousTimeout(f"recovery of epoch {failed.id}: members "
-                                        f"{[m for m in failed.members if m not in state]} undecided")
-            time.sleep(self.heartbeat_interval.total_seconds() / 2)
-        survivors = [m for m in failed.members if state[m]]
-        posted = self._k.post(survivors, failed.id, "recovery")
-        pid = int(self._k.store.compare_set(keys.recover_plan(failed.id), "", str(posted.id)).decode())
-        plan = posted if pid == posted.id else self._k.plan(pid)
-        logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
-                       [m for m in failed.members if m not in plan.members], plan.id)
-        return plan
+            step = decide_recovery_step(rec, failed, self.wid, self._judge(rec, failed))
+            if step.kind is RecoveryStepKind.ADOPT:
+                logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
+                               [m for m in failed.members if m not in step.plan.members], step.plan.id)
+                return step.plan
+            if step.kind is RecoveryStepKind.OUT:
+                raise LeftGroup(f"worker {self.wid}: epoch {failed.id} was recovered without it "
+                                f"(now epoch {step.plan.id} of {list(step.plan.members)})")
+            if step.kind is RecoveryStepKind.WAIT:
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeout(f"recovery of epoch {failed.id}: members {list(step.waiting_for)} "
+                                            f"neither alive nor dead after {t.total_seconds():g} s")
+                time.sleep(self.heartbeat_interval.total_seconds() / 4)
+                rec, token = self._k.record.get()
+                continue
+            rec, token, won = self._k.record.set(step.record, token)
+            if won and step.kind is RecoveryStepKind.ARRIVE:
+                self._wake.set()  # beat now: the others count this survivor once its beat changes after arriving
+                if rec.recovery.arrived == (self.wid,) and self.on_recovery_opened is not None:
+                    self.on_recovery_opened(failed.id)
+
+    def _judge(self, rec: MembershipRecord, failed: Plan) -> dict[str, Liveness]:
+        """This observer's view of ``failed``'s other members (by its own clock since their beats changed)."""
+        others = [m for m in failed.members if m != self.wid]
+        arrived = rec.recovery.arrived if rec.recovery is not None and rec.recovery.failed == failed.id else ()
+        limit = self.heartbeat_timeout.total_seconds()
+        seen = {}
+        for m, beat in zip(others, self._beats(others)):
+            if self.beats.silent_for(m, beat) > limit:
+                seen[m] = Liveness.DEAD
+            elif m in arrived:
+                first = self._arrival_beats.setdefault((failed.id, m), beat)
+                seen[m] = Liveness.ALIVE if beat != first else Liveness.UNKNOWN
+            else:
+                seen[m] = Liveness.UNKNOWN
+        return seen
+
+    def silent_members(self, plan: Plan) -> list[str]:
+        """``plan``'s members other than this worker whose beat has not changed for ``heartbeat_timeout`` by this
+        host's clock (a recovery's group build gives up on them)."""
+        others = [m for m in plan.members if m != self.wid]
+        limit = self.heartbeat_timeout.total_seconds()
+        return [m for m, beat in zip(others, self._beats(others)) if self.beats.silent_for(m, beat) > limit]
+
+    def _beats(self, wids: Sequence[str]) -> list[Optional[bytes]]:
+        """The beat values of ``wids`` now (None for one that never beat): one round trip when all have one."""
+        at = [keys.beat(m) for m in wids]
+        if at and self._k.store.check(at):
+            return list(self._k.store.multi_get(at))
+        return [self._k.store.get(x) if self._k.has(x) else None for x in at]
+
+    def recovery_begun(self, plan: Plan) -> bool:
+        """True once a recovery of ``plan`` began or ended (a survivor gave up on it)."""
+        return _recovering(self._k.record.get()[0], plan.id)
 
     def plan_superseded(self, plan: Plan) -> bool:
-        """True if ``plan`` (a resize) lost to a recovery of its base epoch."""
-        return self._k.has(keys.recover_plan(plan.prev))
+        """True if ``plan`` (a resize) will never be switched to: it is neither pending nor trained."""
+        rec = self._k.record.get()[0]
+        return all(p is None or p.id != plan.id for p in (rec.pending, rec.epoch, rec.prev))
+
+
+def _recovering(rec: Optional[MembershipRecord], epoch: int) -> bool:
+    """True when the record shows a recovery of ``epoch`` under way or decided."""
+    if rec is None:
+        return False
+    if rec.recovery is not None and rec.recovery.failed == epoch:
+        return True
+    return rec.epoch is not None and rec.epoch.kind == "recovery" and rec.epoch.prev == epoch

@@ -1,7 +1,8 @@
 """The peer watch of a worker's heartbeat thread (see ``membership.Membership``, ``on_peer_failure``).
 
-It reads the epoch's keys through the membership's key helper (``has``, ``store``): ``hb/<wid>`` (beats),
-``left/<wid>`` (left at a commit point) and ``recover/<epoch>/leader`` (a recovery has begun).
+It reads the epoch's keys through the membership's key helper (``has``, ``store``): ``hb/<wid>`` (beats) and
+``left/<wid>`` (left at a commit point); whether a recovery of the epoch has begun comes from the membership
+record the heartbeat thread read in the same beat.
 """
 from __future__ import annotations
 
@@ -51,14 +52,15 @@ class PeerWatch:
         self.beats = beats or BeatClock()  # shared with the membership's recovery (Membership.beats)
         self.reported = False
 
-    def check(self, k, epoch: int, members: Sequence[str]) -> Optional[str]:
-        """A reason to declare the epoch broken, once; else None."""
+    def check(self, k, epoch: int, members: Sequence[str], recovering: bool = False) -> Optional[str]:
+        """A reason to declare the epoch broken, once; else None (``recovering``: the record shows a recovery of
+        ``epoch`` begun by another rank)."""
         if epoch != self.epoch:
             self.epoch, self.reported = epoch, False
         if self.reported:
             return None
         reason = None
-        if k.has(keys.recover_leader(epoch)):
+        if recovering:
             reason = f"a recovery of epoch {epoch} has begun"
         else:
             peers = [m for m in members if m != self.wid]

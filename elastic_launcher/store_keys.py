@@ -11,25 +11,20 @@ on a string-literal key at a store call anywhere else in ``elastic_launcher/``).
 gives none, so ``<p>`` is empty and the trainer's channels start with ``/`` (``/elastic-state/speed/<wid>``).
 The runtime and launcher channels are then at the top of the store, where the controller reads them.
 
-Runtime channel, ``elastic/`` (:data:`RUNTIME`; ``membership.py``, ``peer_watch.py``):
+Runtime channel, ``elastic/`` (:data:`RUNTIME`; ``membership.py``, ``rendezvous_state.py``, ``peer_watch.py``).
+Membership is the one record ``state``, changed only by compare-and-set on its version; the other keys are reports,
+each written by one party:
 
 ========================== ================================== ============================= ======================
 key                        written by                         read by                       value
 ========================== ================================== ============================= ======================
-``seq``                    whoever posts a plan (``add``)     -                             counter: plan ids
-``plan/<id>``              controller (initial, resize);      workers, controller           JSON ``{"id",
-                           recovery leader (recovery)                                       "members", "prev",
-                                                                                            "kind"}``
-``current``                controller (first plan); rank 0    controller, newcomers         plan id being trained
-                           of each plan at its switch
-``next/<id>``              controller, once (``compare_set``) workers' heartbeat threads,   id of epoch ``id``'s
-                                                              newcomers                     planned successor
-``recover/<id>/alive/<w>`` each survivor of epoch ``id``      the recovery leader           ``"1"``
-``recover/<id>/leader``    first survivor (``compare_set``)   survivors, peer watch         leader's worker id
-``recover/<id>/plan``      the recovery leader                survivors, newcomers,         recovery plan id
-                                                              controller (resize conflict)
-``hb/<wid>``               the worker's heartbeat thread      controller, recovery leader,  ``time.time()``
-                                                              peers' watch
+``state``                  controller (first plan, resize);   workers' heartbeat threads,   JSON membership record
+                           a switched epoch's rank 0; every   newcomers, controller         (``rendezvous_state``:
+                           survivor of a recovery; all by                                   version, seq, epoch,
+                           ``compare_set`` on the version                                   prev, pending,
+                                                                                            recovery)
+``hb/<wid>``               the worker's heartbeat thread      controller, recovering        ``time.time()``
+                                                              survivors, peers' watch
 ``joined/<wid>``           the worker, once at start          -                             ``time.time()``
 ``joined``                 each worker, once (``append``)     controller                    ``"<wid>,<wid>,..."``
 ``switched/<id>``          rank 0 of plan ``id`` after its    controller                    JSON switch stats
@@ -105,29 +100,8 @@ def wrap_channel(epoch: int) -> str:
 
 
 # ---- runtime channel (relative to RUNTIME) ---------------------------------------------------------------------
-SEQ = "seq"
-CURRENT = "current"
+STATE = "state"
 JOINED_LIST = "joined"
-
-
-def plan(epoch: int) -> str:
-    return f"plan/{epoch}"
-
-
-def next_plan(epoch: int) -> str:
-    return f"next/{epoch}"
-
-
-def recover_alive(epoch: int, wid: str) -> str:
-    return f"recover/{epoch}/alive/{wid}"
-
-
-def recover_leader(epoch: int) -> str:
-    return f"recover/{epoch}/leader"
-
-
-def recover_plan(epoch: int) -> str:
-    return f"recover/{epoch}/plan"
 
 
 def beat(wid: str) -> str:

@@ -3,7 +3,9 @@
 ``FaultPlan().fail_at(rank, step)`` makes the worker that has rank ``rank`` at global step ``step`` kill itself
 with SIGKILL in the middle of that step's backward pass (inside the communication hook, before the first
 bucket's allreduce), or raise :class:`InjectedFault` when ``mode="raise"``. Pass it as
-``ElasticTrainer(..., fault=plan)``.
+``ElasticTrainer(..., fault=plan)``. ``fail_at(rank, step, after_s=0.1)`` kills it that long after the step's
+backward began instead (on a timer, wherever the worker is by then). ``fail_on_recovery_open()`` kills the worker
+right after its arrival opened a recovery (the survivor that once led it; #27.1).
 
 :class:`FakeProcessGroupWrapper` is a one-rank stand-in with the wrapper's interface: collectives complete at
 once, ``fail_next()`` makes the next collective raise (to test error recording and votes without peers).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from datetime import timedelta
 from typing import Optional
 
@@ -41,12 +44,32 @@ class FaultPlan:
             raise ValueError(f"fault mode {mode!r} is not kill or raise")
         self.mode = mode
         self._at: set[tuple[int, int]] = set()
+        self._after: dict[tuple[int, int], float] = {}
+        self._on_open = False
         self.fired = 0
 
-    def fail_at(self, rank: int, step: int) -> "FaultPlan":
-        """Adds a failure of rank ``rank`` at global step ``step``; returns self for chaining."""
+    def fail_at(self, rank: int, step: int, after_s: float = 0.0) -> "FaultPlan":
+        """Adds a failure of rank ``rank`` at global step ``step`` (``after_s`` later: kill mode only, on a timer);
+        returns self for chaining."""
+        if after_s and self.mode != "kill":
+            raise ValueError("a delayed fault kills: use mode='kill'")
         self._at.add((rank, step))
+        if after_s:
+            self._after[(rank, step)] = after_s
         return self
+
+    def fail_on_recovery_open(self) -> "FaultPlan":
+        """Kills this worker right after its arrival opened a recovery; returns self for chaining."""
+        if self.mode != "kill":
+            raise ValueError("fail_on_recovery_open kills: use mode='kill'")
+        self._on_open = True
+        return self
+
+    def on_recovery_opened(self, epoch: int) -> None:
+        """The membership's seam (``Membership(on_recovery_opened=...)``)."""
+        if self._on_open:
+            self.fired += 1
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def maybe_fail(self, rank: int, step: int) -> None:
         """Fails if (rank, step) is planned; each pair fires once."""
@@ -54,6 +77,10 @@ class FaultPlan:
             return
         self._at.discard((rank, step))
         self.fired += 1
+        after = self._after.pop((rank, step), 0.0)
+        if after:
+            threading.Timer(after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return
         if self.mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFault(f"injected fault at rank {rank} step {step}")

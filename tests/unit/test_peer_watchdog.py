@@ -12,6 +12,7 @@ import torch
 from elastic_launcher.errors import PeerFailure
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.process_group import ProcessGroupWrapper
+from elastic_launcher.rendezvous_state import RecordStore
 from elastic_launcher.epochs import PeerFailureRelay
 from tests.unit.test_runtime_units import _member, store  # noqa: F401 - store is a fixture
 
@@ -94,7 +95,7 @@ def test_a_leaver_is_not_reported_and_a_recovery_begun_elsewhere_is(store):
         store.set("elastic/left/c", "1")            # c left at a commit point, then stopped beating
         w.steps(20, ["b"])
         assert reports.calls == []
-        store.set(f"elastic/recover/{w.plan.id}/leader", "b")  # b's vote failed: it leads the recovery
+        RecordStore(store).update(lambda r: r.arrived(w.plan.id, "b"))  # b's vote failed: it opens the recovery
         (epoch, reason), = reports.wait(1)
         assert (epoch, reason) == (w.plan.id, f"a recovery of epoch {w.plan.id} has begun")
     finally:

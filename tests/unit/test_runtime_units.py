@@ -16,6 +16,7 @@ from elastic_launcher.epoch_decisions import Phase
 from elastic_launcher.errors import (InvalidPlan, NotConfiguredError, RendezvousTimeout, ResizeConflict,
                                      StateMismatch, StoreAddressError, TooManyFailures)
 from elastic_launcher.membership import Coordinator, Membership, Plan
+from elastic_launcher.rendezvous_state import RecordStore
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, drain_reaper, release_retired,
                                             retired_groups)
 from elastic_launcher.sampler import ElasticSampler
@@ -164,15 +165,15 @@ def test_recovery_declares_silent_member_dead(store):
         a.stop(), b.stop()
 
 
-def test_a_recovery_leader_that_dies_after_winning_is_replaced(store):
+def test_a_survivor_that_dies_right_after_opening_the_recovery_holds_nobody_up(store):
     # #27: the survivor that won recover/<id>/leader decided alone; if it died then, every other survivor waited
-    # the whole rendezvous timeout for its plan and failed
+    # the whole rendezvous timeout for its plan and failed. #27.1: there is no leader; whoever opened the recovery
+    # in the record and died is judged like any member: it arrived, but its beat never changed after that
     import threading
     coord = Coordinator(store)
     failed = coord.start(["a", "b", "c", "d"])
-    store.set("elastic/hb/a", repr(time.time()))                  # a beat, announced itself, won, and died
-    store.set(f"elastic/recover/{failed.id}/alive/a", "1")
-    store.compare_set(f"elastic/recover/{failed.id}/leader", "", "a")
+    store.set("elastic/hb/a", repr(time.time()))                  # a beat, opened the recovery, and died
+    RecordStore(store).update(lambda r: r.arrived(failed.id, "a"))
     hb = timedelta(seconds=0.3)
     b, c, d = (_member(store, w, heartbeat_timeout=hb) for w in "bcd")
     for m in (b, c, d):
@@ -186,7 +187,9 @@ def test_a_recovery_leader_that_dies_after_winning_is_replaced(store):
         for t in threads:
             t.join(10)
         assert plans["b"].members == ("b", "c", "d") and plans["b"].kind == "recovery"
-        assert plans["c"] == plans["d"] == plans["b"]                 # one plan, whoever took the lead over
+        assert plans["c"] == plans["d"] == plans["b"]                 # one plan, whoever wrote it
+        rec = coord.record()
+        assert rec.epoch == plans["b"] and rec.prev == failed and rec.recovery is None
     finally:
         for m in (b, c, d):
             m.stop()

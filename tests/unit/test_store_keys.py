@@ -149,10 +149,8 @@ def test_the_scan_passes_builders_and_dicts(source):
 def test_builders_spell_the_layout_byte_for_byte():
     # the strings workers and controllers of running jobs exchange; a change here breaks mixed versions
     assert (keys.RUNTIME, keys.LAUNCHER) == ("elastic", "launcher")
-    assert (keys.SEQ, keys.CURRENT, keys.JOINED_LIST) == ("seq", "current", "joined")
-    assert [keys.plan(3), keys.next_plan(3), keys.switched(3)] == ["plan/3", "next/3", "switched/3"]
-    assert [keys.recover_alive(3, "g-0"), keys.recover_leader(3), keys.recover_plan(3)] == \
-        ["recover/3/alive/g-0", "recover/3/leader", "recover/3/plan"]
+    # #27.1: membership is one record (``state``); seq/plan/current/next/recover keys of earlier versions are gone
+    assert (keys.STATE, keys.JOINED_LIST, keys.switched(3)) == ("state", "joined", "switched/3")
     assert [keys.beat("g-0"), keys.joined("g-0"), keys.left("g-0")] == ["hb/g-0", "joined/g-0", "left/g-0"]
     assert (keys.CONTROLLER_BEAT, keys.STATUS, keys.CTL_SEQ) == ("heartbeat", "status", "ctl/seq")
     assert [keys.ctl_request(7), keys.ctl_reply(7)] == ["ctl/req/7", "ctl/reply/7"]
@@ -184,7 +182,7 @@ def test_the_two_sides_meet_on_the_full_keys(server):
             plan.id, 4, 64, 0.5)
         launcher_store("127.0.0.1", server.port, timedelta(seconds=10)).set(keys.STATUS, "{}")
         assert coord.joined() == ["w-0"] and coord.switched(plan) == {"pause_s": 0.1}
-        for full in ("elastic/seq", "elastic/plan/1", "elastic/current", "elastic/hb/w-0", "elastic/joined",
+        for full in ("elastic/state", "elastic/hb/w-0", "elastic/joined",
                      "elastic/joined/w-0", "elastic/switched/1", "launcher/progress/w-0", "launcher/status"):
             assert server.check([full]), full
     finally:
