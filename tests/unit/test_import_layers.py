@@ -17,6 +17,7 @@ RUNTIME_IMPORTS_OF_THE_SERVICE until they move to a contracts layer below both (
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -202,8 +203,19 @@ def cycles(edges) -> list[list[str]]:
     return [list(c) for c in sorted(found)]
 
 
+@functools.lru_cache(maxsize=1)
+def repo_import_edges() -> dict[tuple[str, str], list[str]]:
+    """import_edges of this checkout, parsed once for every test here (read only)."""
+    return import_edges(ROOT)
+
+
+@functools.lru_cache(maxsize=1)
+def repo_module_edges() -> dict[tuple[str, str], list[str]]:
+    return module_edges(ROOT)
+
+
 def test_layers_import_in_one_direction():
-    edges = import_edges()
+    edges = repo_import_edges()
     problems = []
     for cycle in cycles(edges):
         hops = list(zip(cycle, cycle[1:] + cycle[:1]))
@@ -214,7 +226,7 @@ def test_layers_import_in_one_direction():
 
 def test_entry_point_and_lab_sit_on_top():
     """Nothing below the lab imports it, and nothing imports the console entry point."""
-    edges = import_edges()
+    edges = repo_import_edges()
     into_lab = {a: lines for (a, b), lines in edges.items() if b == LAB and a != ENTRY_POINT}
     assert not into_lab, f"{LAB} imported from below: {into_lab}"
     into_cli = {a: lines for (a, b), lines in edges.items() if b == ENTRY_POINT}
@@ -237,7 +249,7 @@ def test_cycle_finder_sees_a_cycle(tmp_path):
 
 def test_no_cycle_inside_a_package():
     """No circle of modules inside predictor, elastic_launcher or slurm_plugin, function-level imports included."""
-    edges = module_edges()
+    edges = repo_module_edges()
     problems = []
     for circle, cycle in zip(package_circles(edges), package_cycles(edges)):
         hops = list(zip(cycle, cycle[1:] + cycle[:1]))
@@ -249,7 +261,7 @@ def test_no_cycle_inside_a_package():
 
 def test_runtime_does_not_import_the_service():
     """elastic_launcher imports nothing of predictor beyond the listed, known imports (issue #26.1 moves them)."""
-    edges = module_edges()
+    edges = repo_module_edges()
     runtime_to_service = {(a, b): lines for (a, b), lines in edges.items()
                           if layer(a) == RUNTIME and layer(b) == SERVICE and b != SERVICE}
     new = {pair: lines for pair, lines in runtime_to_service.items() if pair not in RUNTIME_IMPORTS_OF_THE_SERVICE}
