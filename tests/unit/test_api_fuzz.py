@@ -111,6 +111,7 @@ def _stored(client):
             [p["name"] for p in client.get("/v1/profiles").get_json()["profiles"]])
 
 
+@pytest.mark.slow  # 150 examples
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(POSTS), body=JSON)
 def test_arbitrary_json_gets_json_4xx_and_loses_nothing(app, path, body):
