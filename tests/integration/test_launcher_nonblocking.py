@@ -1,8 +1,9 @@
 """#27.2 on the Slurm testbed: a grow whose helper job is held in Slurm's queue does not block the controller.
 
 node4 is drained (Slurm still calls it idle, so the launcher sees a free node and submits a helper for it, which
-stays PENDING). Meanwhile one node's workers are SIGKILLed: the failure is handled within the workers' heartbeat
-timeout + 5 s; then an operator shrink is answered at once, cancels the grow (its helper is scancelled) and runs.
+stays PENDING). Meanwhile one node's workers are SIGKILLed: the failure is handled (recorded, the survivors' epoch
+followed, the node given back to Slurm) within the workers' heartbeat timeout + 5 s (issue #27's bound); then an
+operator shrink is answered at once, cancels the grow (its helper is scancelled) and runs; nothing is left behind.
 """
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         assert _ctl(registry, job_id, "--nodes", "4")["ok"]
         helper = wait_until(lambda: next((r["helper"] for r in _records(run) if r["kind"] == "helper_submitted"),
                                          None), 30, "the grow's helper job")
-        time.sleep(2)
-        assert slurm.job(int(helper)).state == "PENDING"
-        status = _ctl(registry, job_id, "--status")
+        status = wait_until(lambda: (lambda st: st if st.get("resize") else None)(_ctl(registry, job_id, "--status")),
+                            30, "the grow in the controller's status")
         assert status["phase"] == "resizing" and status["resize"]["state"] == "submitted", status
+        assert slurm.job(int(helper)).state == "PENDING"
 
         # 1. a node failure while the grow waits: handled, not after the grow's helper_start_timeout
         victims = wait_until(lambda: _job_processes(job_id, "node3"), 10, "node3's worker processes")
@@ -48,10 +49,10 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         failure = wait_until(lambda: next((r for r in _records(run) if r["kind"] == "failure"), None), 30,
                              "the controller to see node3 fail")
         assert failure["node"] == "node3"
-        # handled while the grow waits, not at its deadline (no tighter window: the host may be busy)
-        assert failure["t"] - killed < HELPER_START_S, f"failure handled {failure['t'] - killed:.1f} s after"
         recovered = wait_until(lambda: _transition(run, "failure"), 60, "the recovery from node3's failure")
-        assert recovered["to_nodes"] == 2
+        assert recovered["to_nodes"] == 2 and recovered["recovered"]
+        handled = recovered["t"] - killed  # recorded once node3 is back in Slurm's hands
+        assert handled <= HEARTBEAT_S + 5, f"node3's failure handled {handled:.1f} s after the kill"
         assert slurm.job(int(helper)).state == "PENDING"   # the grow still waits, in its own state
 
         # 2. an operator shrink during the grow: answered at once, the grow cancelled, its helper released
@@ -68,8 +69,8 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         assert len(failed) == 1 and failed[0]["cancelled"] and failed[0]["state"] == "submitted"
         assert any(r["kind"] == "helper_ended" and r["helper"] == helper and r["cancelled"] for r in _records(run))
         assert _ctl(registry, job_id, "--status")["phase"] == "running"
-        print(f"failure recorded {failure['t'] - killed:.1f} s after the kill; ctl --nodes 1 answered in "
-              f"{answered:.2f} s (ctl process included)")
+        print(f"failure recorded {failure['t'] - killed:.1f} s and handled {handled:.1f} s after the kill; "
+              f"ctl --nodes 1 answered in {answered:.2f} s (ctl process included)")
     finally:
         _scontrol(testbed, "update", "NodeName=node4", "State=RESUME")
     slurm.cancel(job_id)
