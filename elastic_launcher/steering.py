@@ -4,10 +4,12 @@ survey lead to. :class:`~elastic_launcher.controller.Controller` gathers the fac
 
 Transitions of a job (:class:`JobPhase`; the loop reads it to know what it may start)::
 
-    STARTING --initial plan's first step--> RUNNING --every main-job worker ended--> ENDED (completed | failed)
-    each tick (never waiting for a resize: controller.Controller._tick):
-        failures       -> decide_failures, then Resizer.node_failed each (release or restart the node): RECOVERING
-                          while it is handled; a node the resize in flight adds or removes is that op's
+    STARTING --initial plan's first step (one start stage a tick)--> RUNNING
+    any --every main-job worker ended--> ENDED (completed | failed)
+    each tick (never waiting for a start, a recovery or a resize: controller.Controller._tick):
+        failures       -> decide_failures, then Resizer.node_failed each (a resize_ops.RecoveryOp followed tick by
+                          tick: release or restart the node): RECOVERING until every recovery and rejoin ended,
+                          ops post and submit nothing meanwhile; a node an op or a recovery handles is theirs
         operator asks  -> decide_request: REJECT | ALREADY | RESIZE, answered in this tick; while RESIZING, an op
                           that posted nothing yet is cancelled (its helper released) and the request queued
         the resize     -> Resizer.tick: the op in flight moves one state (resize_ops.advance): RESIZING until
@@ -31,10 +33,10 @@ __all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decid
 class JobPhase(enum.Enum):
     """Where the controller is (see the module docstring): the loop decides from it what else it may start."""
 
-    STARTING = "starting"      # initial workers joining; the first plan not switched yet
+    STARTING = "starting"      # initial workers joining; the first plan not switched yet (ticked)
     RUNNING = "running"        # steady: measurements may lead to a resize
     RESIZING = "resizing"      # a resize op in flight: failures, requests and measurements still handled
-    RECOVERING = "recovering"  # a failed node being handled (Resizer.node_failed)
+    RECOVERING = "recovering"  # a failed node's recovery or a batch host's rejoin in flight: ops hold, no measuring
     ENDED = "ended"
 
 
