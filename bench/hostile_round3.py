@@ -260,7 +260,7 @@ class Lab:
             time.sleep(0.5)
 
     def sign(self, body: bytes, job: int, user: str | None = ATTACKER) -> dict:
-        from predictor.auth import MUNGE_HEADER, munge_payload  # noqa: PLC0415
+        from slurm_plugin.contracts.signing import MUNGE_HEADER, munge_payload  # noqa: PLC0415
         argv = ["munge", "-s", munge_payload(body, job), f"--socket={self.socket}"]
         if user:
             argv = ["runuser", "-u", user, "--", *argv]
@@ -269,7 +269,7 @@ class Lab:
 
     def mint(self, body: bytes, jobs: list[int], user: str = ATTACKER) -> list[dict]:
         """Credentials for ``jobs`` (signing ``body``), minted by one shell of ``user`` (as fast as munge goes)."""
-        from predictor.auth import MUNGE_HEADER, munge_payload  # noqa: PLC0415
+        from slurm_plugin.contracts.signing import MUNGE_HEADER, munge_payload  # noqa: PLC0415
         script = "".join(f"munge -s '{munge_payload(body, job)}' --socket={self.socket}\n" for job in jobs)
         out = subprocess.run(["runuser", "-u", user, "--", "sh"], input=script, capture_output=True, text=True,
                              timeout=600, check=True).stdout

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-# One split rule for the runtime and the planner's balanced prediction of mixed GPU types (predictor/mixed.py,
-# which owns it: the predictor may not import the launcher, docs/design.md "Import order").
-from predictor.mixed import split_batch
+# One split rule for the runtime and the planner's balanced prediction of mixed GPU types (predictor/mixed.py): the
+# contracts layer below both owns it (docs/design.md "Import order").
+from slurm_plugin.contracts.batch import split_batch
 
 __all__ = ["BatchPolicy", "split_batch"]
 

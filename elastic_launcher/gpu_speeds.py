@@ -11,7 +11,7 @@ job to that type's nodes; where a lab's GRES labels are fiction (the testbed's C
 
 Speeds: when the job's nodes have more than one type, the predictor's compute seconds of the job's model on each
 type at its per-GPU batch (POST /v1/predict, the one-GPU layout) give each type's relative speed, by the rule the
-planner's balanced prediction uses (predictor.mixed.type_speeds: the fastest type 1.0). With one type, an
+planner's balanced prediction uses (slurm_plugin.contracts.batch.type_speeds: the fastest type 1.0). With one type, an
 unlabelled node, or no answer from the predictor, every node gets 1.0 (equal batches) and `source` says why.
 
 Workers learn their node's values from `worker_env` (`ELASTIC_GPU_TYPE`, `ELASTIC_SPEED`); a training entry point
@@ -23,7 +23,7 @@ import dataclasses
 from typing import Callable, Mapping, Optional, Sequence
 
 from elastic_launcher.launch_config import UNKNOWN_GPU
-from predictor.mixed import type_speeds
+from slurm_plugin.contracts.batch import type_speeds
 
 SPEED_ENV, GPU_TYPE_ENV = "ELASTIC_SPEED", "ELASTIC_GPU_TYPE"
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import requests
 
-from predictor.auth import MUNGE_HEADER, MungeError, munge_sign
+from slurm_plugin.contracts.signing import MUNGE_HEADER, MungeError, munge_sign
 
 log = logging.getLogger("elastic_launcher.controller")
 records_log = logging.getLogger("elastic_launcher.records")
@@ -42,7 +42,7 @@ class RecordLog:
 class PredictorClient:
     """POST /v1/observations, /v1/plan and /v1/predict with a per-request timeout and a circuit breaker.
 
-    Observations are signed for the job (`predictor.auth.munge_sign`, header `X-Elastic-Munge`) when `job_id`
+    Observations are signed for the job (`slurm_plugin.contracts.signing.munge_sign`, header `X-Elastic-Munge`) when `job_id`
     is given: the body is serialised once and exactly those bytes are signed and sent; each attempt signs
     afresh (a munge credential is accepted once and expires). Without a credential from munge (`MungeError`:
     munge missing, munged down) or when the service answers 401 `munge_disabled`, the post goes with the

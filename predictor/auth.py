@@ -9,7 +9,7 @@ Three kinds of caller:
               job signs its own observations and new profiles with the site's munge; no new secret.
 
 A job's credential is `munge -s "elastic-predictor/1 job=<id> sha256=<hex digest of the body>"`
-(`munge_sign` builds it). The service decodes it with `unmunge` (which also refuses a replayed or
+(`slurm_plugin.contracts.signing.munge_sign` builds it). The service decodes it with `unmunge` (which also refuses a replayed or
 expired credential), checks that the digest matches the body it received, then asks Slurm
 (`slurm_plugin.client.CommandBackend.job_owner`) that the job exists, is running or ended less than
 `job_recent` ago, and runs as the uid munge vouches for.
@@ -36,10 +36,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
-MUNGE_HEADER = "X-Elastic-Munge"
-PAYLOAD_PREFIX = "elastic-predictor/1"
+from slurm_plugin.contracts.signing import DEFAULT_TIMEOUT, MUNGE_HEADER, PAYLOAD_PREFIX
+
 _PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256=([0-9a-f]{{64}})\Z")
-DEFAULT_TIMEOUT = timedelta(seconds=5)
 # what munge's encoder writes: "MUNGE:" + base64 + ":" (a header of any other shape never costs an unmunge run)
 _CREDENTIAL_RE = re.compile(r"^MUNGE:[A-Za-z0-9+/]{16,16384}={0,2}:\Z")
 OWNER_TTL = timedelta(seconds=1)        # a job's owner and state, as Slurm said them, reused this long
@@ -59,41 +58,6 @@ class AuthError(Exception):
         self.field = field
         self.reason = reason
         super().__init__(message)
-
-
-class MungeError(Exception):
-    """`munge` could not sign (daemon down, bad socket)."""
-
-
-# --- client side (the launcher) -----------------------------------------------------------------------
-def munge_payload(body: bytes, job_id: int) -> str:
-    """The text a job signs: binds the job id and the SHA-256 of the exact body bytes it sends."""
-    return f"{PAYLOAD_PREFIX} job={int(job_id)} sha256={hashlib.sha256(body).hexdigest()}"
-
-
-def munge_sign(body: bytes, job_id: int, socket: str | Path | None = None,
-               timeout: timedelta = DEFAULT_TIMEOUT) -> dict[str, str]:
-    """Sign `body` for job `job_id` with the local munged; returns the header to send with it.
-
-    Send exactly these `body` bytes (`data=body`, not a re-serialised `json=`), e.g.
-    `requests.post(url, data=body, headers={"Content-Type": "application/json", **munge_sign(body, job)})`.
-
-    Args:
-        socket: munged's socket (`munge --socket`); None uses munge's default.
-
-    Raises:
-        MungeError: munge is missing, timed out or failed (its message included).
-    """
-    argv = ["munge", "-s", munge_payload(body, job_id)]
-    if socket:
-        argv.append(f"--socket={socket}")
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout.total_seconds(), check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise MungeError(f"cannot run munge: {exc}") from exc
-    if proc.returncode != 0 or not proc.stdout.startswith("MUNGE:"):
-        raise MungeError(f"munge failed (rc {proc.returncode}): {proc.stderr.strip()}")
-    return {MUNGE_HEADER: proc.stdout.strip()}
 
 
 # --- service side -------------------------------------------------------------------------------------
@@ -360,7 +324,7 @@ class Authenticator:
         if self.token or self.admin_token:
             ways.append("`Authorization: Bearer <token>`")
         if self.munge:
-            ways.append(f"`{MUNGE_HEADER}: <munge credential>` (predictor.auth.munge_sign)")
+            ways.append(f"`{MUNGE_HEADER}: <munge credential>` (slurm_plugin.contracts.signing.munge_sign)")
         return " or ".join(ways) or "none configured"
 
     def _bearer(self, header: str, admin_only: bool) -> Caller:

@@ -6,9 +6,9 @@ proportional to the local batch (p_t = T_c,t(b) / b seconds per sample), so a ra
 
     v_t = 1 / p_t                     samples/s; relative speed s_t = v_t / max_u v_u (the fastest type 1.0)
 
-The runtime splits B over the ranks in proportion to their speeds with `split_batch` below (it lives here so
-that the runtime's elastic_launcher.batch_policy imports it from the predictor: one rule, rounding included), so with b_i samples on
-rank i of type t(i) the balanced step and throughput are
+The runtime splits B over the ranks in proportion to their speeds with `split_batch` (slurm_plugin.contracts.batch,
+below both: the runtime's elastic_launcher.batch_policy trains with the same rule, rounding included), so with b_i
+samples on rank i of type t(i) the balanced step and throughput are
 
     T_bal = max_i b_i * p_t(i) + T_s          X_bal = B / T_bal
     T_eq  = b * max_t p_t + T_s               X_eq  = B / T_eq      (equal batches: the slowest type sets the pace)
@@ -21,35 +21,11 @@ objective (predictor/planner.py `mixed_candidates`); Hare (Jia et al.) found mix
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Mapping, Sequence
 
 import numpy as np
 
-
-def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
-    """Splits ``global_batch`` over ranks proportionally to ``speeds`` (samples/s), each rank >= 1.
-
-    Raises:
-        ValueError: no ranks, a non-positive speed, or fewer samples than ranks.
-    """
-    n = len(speeds)
-    if n == 0:
-        raise ValueError("split_batch needs at least one rank")
-    if any(not s > 0 for s in speeds):
-        raise ValueError(f"speeds must be positive, got {list(speeds)}")
-    if global_batch < n:
-        raise ValueError(f"global batch {global_batch} is smaller than the {n} ranks")
-    total = float(sum(speeds))
-    spare = global_batch - n  # one sample each first, the rest proportionally
-    exact = [spare * s / total for s in speeds]
-    out = [1 + int(math.floor(e)) for e in exact]
-    left = global_batch - sum(out)
-    # equal remainders (speeds a rounding error apart give the same quotient): the faster rank first
-    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), -speeds[i], i))
-    for i in order[:left]:
-        out[i] += 1
-    return out
+from slurm_plugin.contracts.batch import split_batch, type_speeds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,21 +59,6 @@ class MixedPrediction:
                 "batches": list(self.batches), "compute_s": self.compute_s, "sync_s": self.sync_s,
                 "iter_s": self.iter_s, "samples_per_s": self.samples_per_s,
                 "equal_samples_per_s": self.equal_samples_per_s}
-
-
-def type_speeds(compute_s: Mapping[str, float]) -> dict[str, float]:
-    """Relative speed of each GPU type from its compute seconds at one per-GPU batch (the fastest type 1.0).
-
-    Raises:
-        ValueError: no types, or a compute time that is not a positive finite number (naming the type).
-    """
-    if not compute_s:
-        raise ValueError("type_speeds needs the compute time of at least one GPU type")
-    for gpu, seconds in compute_s.items():
-        if not (isinstance(seconds, (int, float)) and np.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"compute time of GPU type {gpu!r} must be a positive number of seconds, got {seconds!r}")
-    fastest = min(compute_s.values())
-    return {gpu: fastest / seconds for gpu, seconds in compute_s.items()}
 
 
 def balanced(layout: Sequence[int], types: Sequence[str], compute_s: Mapping[str, float], per_gpu_batch: int,

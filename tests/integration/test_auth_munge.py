@@ -22,7 +22,7 @@ from werkzeug.serving import make_server
 
 from elastic_launcher import reporting
 from predictor.app import create_app
-from predictor.auth import MUNGE_HEADER, munge_payload, munge_sign
+from slurm_plugin.contracts.signing import MUNGE_HEADER, munge_payload, munge_sign
 from predictor.config import Config
 from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
 

@@ -14,7 +14,8 @@ from datetime import timedelta
 import pytest
 
 from predictor.app import create_app
-from predictor.auth import MUNGE_HEADER, AuthError, Authenticator, MungeIdentity, munge_payload
+from predictor.auth import AuthError, Authenticator, MungeIdentity
+from slurm_plugin.contracts.signing import MUNGE_HEADER, munge_payload
 from predictor.config import Config
 from slurm_plugin.client import JobOwner
 from slurm_plugin.errors import JobNotFoundError
@@ -474,7 +475,7 @@ def test_a_refused_write_is_logged_once_and_plans_are_still_asked_and_followed(s
 
 
 def test_munge_error_falls_back_to_the_bearer_token_and_is_logged_once(scripted, monkeypatch, caplog):
-    from predictor.auth import MungeError
+    from slurm_plugin.contracts.signing import MungeError
 
     client = launcher(scripted, monkeypatch, FakeSigner(error=MungeError("cannot run munge: no such file")), job_id=7)
     assert client.observe([COLLECTIVE]) and client.observe([STEP])

@@ -11,8 +11,7 @@ The layer graph must have no cycle; a failure names each cycle with the import l
 Inside each package the same imports (function-level ones included: `# noqa: PLC0415` hides nothing here)
 make a graph of modules, which must have no cycle either: a module-level import and a function-level one
 close a circle just the same, it only shows later, at run time. And the runtime (`elastic_launcher`) does not
-import the service (`predictor`), except the few known imports listed, with their reason, in
-RUNTIME_IMPORTS_OF_THE_SERVICE until they move to a contracts layer below both (issue #26.1).
+import the service (`predictor`) at all: what both need is in slurm_plugin.contracts, below both (issue #26.1).
 """
 from __future__ import annotations
 
@@ -27,15 +26,6 @@ ENTRY_POINT = "slurm_plugin.cli"      # the `elastic-slurm` console script: abov
 LAB = "slurm_plugin.lab"
 RUNTIME = "elastic_launcher"
 SERVICE = "predictor"
-
-# The runtime's imports of the service that are known and allowed for now, as (importing module, imported
-# module). Issue #26.1: `split_batch`, `type_speeds` and the munge signing move to a contracts layer below
-# the launcher and the predictor; then each entry goes, and the list is empty. Add nothing here.
-RUNTIME_IMPORTS_OF_THE_SERVICE = {
-    ("elastic_launcher.batch_policy", "predictor.mixed"),    # split_batch: the per-rank batch split
-    ("elastic_launcher.gpu_speeds", "predictor.mixed"),      # type_speeds: relative speeds of GPU types
-    ("elastic_launcher.reporting", "predictor.auth"),        # munge_sign, MUNGE_HEADER, MungeError
-}
 
 
 def layer(module: str) -> str | None:
@@ -260,14 +250,11 @@ def test_no_cycle_inside_a_package():
 
 
 def test_runtime_does_not_import_the_service():
-    """elastic_launcher imports nothing of predictor beyond the listed, known imports (issue #26.1 moves them)."""
+    """elastic_launcher imports nothing of predictor, at module level or inside a function: what both need is in
+    slurm_plugin.contracts (issue #26.1)."""
     edges = repo_module_edges()
-    runtime_to_service = {(a, b): lines for (a, b), lines in edges.items()
-                          if layer(a) == RUNTIME and layer(b) == SERVICE and b != SERVICE}
-    new = {pair: lines for pair, lines in runtime_to_service.items() if pair not in RUNTIME_IMPORTS_OF_THE_SERVICE}
-    assert not new, f"the runtime imports the service: {new}"
-    gone = RUNTIME_IMPORTS_OF_THE_SERVICE - set(runtime_to_service)
-    assert not gone, f"no longer imported, take them off RUNTIME_IMPORTS_OF_THE_SERVICE: {sorted(gone)}"
+    runtime_to_service = {(a, b): lines for (a, b), lines in edges.items() if layer(a) == RUNTIME and layer(b) == SERVICE}
+    assert not runtime_to_service, f"the runtime imports the service: {runtime_to_service}"
 
 
 def test_package_cycle_finder_sees_function_level_imports(tmp_path):

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_launcher.batch_policy import split_batch
+from slurm_plugin.contracts.batch import split_batch
 from predictor import planner
 from predictor.cluster import Cluster
-from predictor.mixed import balanced, constraint, type_speeds
+from predictor.mixed import balanced, constraint
+from slurm_plugin.contracts.batch import type_speeds
 from tests.unit._service_fakes import ModelsOverFake
 
 STEP = {"H100": 0.030, "A100": 0.054}   # compute seconds at per-GPU batch 64 (A100 1.8x slower)
