@@ -158,8 +158,8 @@ def _reader(uid: int | None = None) -> tuple[int | None, bool]:
 
 class _OwnedProfiles:
     """A `ModelView` for one plan whose `profile(name)` gives a user's profile only to that user (the planner's
-    unknown-model answer for anyone else); `user_owned` tells whether the plan came from a user's profile (the
-    hook must not reuse such a decision for another user: its cache key has no uid)."""
+    unknown-model answer for anyone else); `user_owned` tells whether the plan came from a user's profile (a
+    decision for that uid only: the hook keeps one under a cache key holding the uid it sent)."""
 
     def __init__(self, svc, models: ModelView, uid: int | None):
         self._svc, self._models, self._uid = svc, models, uid
@@ -266,9 +266,9 @@ def plan():
     response["model_generation"] = models.generation
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a
     # model, profile or history is not reused, since it changes as soon as the admin or a job supplies it.
-    # Nor one made from a user's own profile (#24.6): another user's identical request must not get it.
-    ttl = svc.config.plan_cache_ttl.total_seconds() \
-        if response.get("predicted") is not None and not scoped.user_owned else 0
+    # One made from a user's own profile (#24.6) only for the uid it names: the hook's cache key holds that uid.
+    ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None and (
+        not scoped.user_owned or plan_request.job.get("uid") is not None) else 0
     response["cache_ttl_s"] = round(ttl, 3)
     text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
                                        models.version, client_address())

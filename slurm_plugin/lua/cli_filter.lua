@@ -35,16 +35,20 @@ local function script_of(options)
   return text
 end
 
--- One breaker file per user and predictor URL, in $XDG_RUNTIME_DIR (private) when set, else cli_state_dir:
--- "<failures> <open_until>". `write`: save the breaker `b` there, else load it.
-local function state_file(config)
+-- The submitting user's uid (sbatch runs as that user), nil when /proc does not say.
+local function my_uid()
   local f = io.open("/proc/self/status", "r")
   local status = f and f:read("*a") or ""
   if f then f:close() end
-  local uid = status:match("\nUid:%s+(%d+)") or tostring(os.getenv("USER"))
+  return tonumber(status:match("\nUid:%s+(%d+)"))
+end
+
+-- One breaker file per user and predictor URL, in $XDG_RUNTIME_DIR (private) when set, else cli_state_dir:
+-- "<failures> <open_until>". `write`: save the breaker `b` there, else load it.
+local function state_file(config, uid)
   local url = tostring(config.predictor_url):gsub("^http://", ""):gsub("[^%w_.-]", "_")
   local dir = os.getenv("XDG_RUNTIME_DIR") or config.cli_state_dir
-  return dir .. "/elastic-slurm-breaker." .. uid .. "." .. url
+  return dir .. "/elastic-slurm-breaker." .. (uid or tostring(os.getenv("USER"))) .. "." .. url
 end
 
 local function breaker_file(b, path, write)
@@ -77,7 +81,7 @@ function option_tres(name, value)
   return table.concat(out, ",")
 end
 
-function job_from_options(options, time_str2mins)
+function job_from_options(options, time_str2mins, uid)
   local nodes = option(options, "nodes")
   local min_nodes, max_nodes
   if nodes then
@@ -92,7 +96,7 @@ function job_from_options(options, time_str2mins)
   local time = option(options, "time")
   local switch = option(options, "switches")
   return {
-    user = os.getenv("USER"), partition = option(options, "partition"), name = option(options, "job-name"),
+    user = os.getenv("USER"), uid = uid, partition = option(options, "partition"), name = option(options, "job-name"),
     min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = positive(option(options, "ntasks-per-node")),
     tres_per_node = option(options, "gpus-per-node") and option_tres("gpus-per-node", option(options, "gpus-per-node"))
       or option_tres("gres", option(options, "gres")),
@@ -139,37 +143,34 @@ end
 function slurm_cli_pre_submit(options, pack_offset)
   if not loaded then return slurm.SUCCESS end
   local lines = elastic.directive_lines(script_of(options))
-  if #lines == 0 or elastic.is_helper(options["job-name"], options.comment, options.dependency, cfg.helper_marker) then
+  if #lines == 0 or elastic.untouched(options["job-name"], options.comment, options.dependency, cfg.helper_marker) then
     return slurm.SUCCESS
-  end
-  local _, err = elastic.parse_lines(lines)
-  if err then
-    slurm.log_error("%s", elastic.reject_message(err.message, "cli_filter"))
-    return slurm.ERROR
   end
   -- An elastic job survives a node's death (the launcher drops the node): without --no-kill slurmctld
   -- cancels the whole job. job_submit/lua 22.05 cannot set it (no kill_on_node_fail field); sbatch can.
+  -- (A malformed #ELASTIC line is the service's 422, which rejects the job: the option goes with it.)
   if options["no-kill"] ~= "set" then
     options["no-kill"] = "set"
     slurm.log_verbose("elastic: --no-kill set: a node failure shrinks the job instead of ending it")
   end
-  local path = state_file(cfg)
+  local uid = my_uid()
+  local path = state_file(cfg, uid)
   local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s)
   breaker_file(breaker, path)
   local before = breaker.failures .. " " .. breaker.open_until
-  local outcome = elastic.plan(cfg, breaker, elastic.request("cli_filter", lines, job_from_options(options, slurm.time_str2mins)))
+  local outcome = elastic.plan(cfg, breaker, "cli_filter", lines, job_from_options(options, slurm.time_str2mins, uid))
   if breaker.failures .. " " .. breaker.open_until ~= before then breaker_file(breaker, path, true) end
   if outcome.kind == "reject" then
     slurm.log_error("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "cli_filter"))
     return slurm.ERROR
   elseif outcome.kind == "skip" then
-    slurm.log_info("%s", elastic.skip_message(outcome))
+    slurm.log_info("%s", elastic.skip_message(outcome.why))
     return slurm.SUCCESS
   end
   if outcome.kind == "rewrite" then
     local applied, why = apply_cli_options(options, outcome)
     if not applied then
-      slurm.log_info("%s", elastic.skip_message({ why = "plan not applied: " .. why }))
+      slurm.log_info("%s", elastic.skip_message("plan not applied: " .. why))
       return slurm.SUCCESS
     end
   end

@@ -4,6 +4,8 @@ Uses the fixtures of test_hook.py (fake predictor chosen by job name, installer,
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.integration.test_hook import bed, hook, predictor, sbatch, script, show_job  # noqa: F401
@@ -25,8 +27,10 @@ def test_cli_filter_gives_the_same_rewrite_as_job_submit(hook, predictor, sbatch
     # an option cannot be unset from cli_filter: --gpus is kept consistent (2 x 2) instead of cleared
     assert by_cli_filter["TresPerJob"] == "gres:gpu:4"
     assert [r["body"]["source"] for r in predictor.requests] == ["job_submit", "cli_filter"]
+    # the submitting uid, as job_submit sends it (#26: a user's own profile plans only that user's jobs)
     assert predictor.requests[1]["body"]["job"] == {"name": "mode-rewrite", "min_nodes": 1, "max_nodes": 1,
-                                                    "tres_per_job": "gres:gpu:4"}
+                                                    "tres_per_job": "gres:gpu:4", "uid": os.getuid()}
+    assert predictor.requests[0]["body"]["job"]["uid"] == os.getuid()
 
 
 def test_job_submit_does_not_plan_again_after_cli_filter(hook, predictor, sbatch, bed):
@@ -37,8 +41,8 @@ def test_job_submit_does_not_plan_again_after_cli_filter(hook, predictor, sbatch
     assert show_job(bed, result.job_id)["Comment"] == "orig elastic:decision=d-42"
 
 
-def test_cli_filter_rejects_malformed_directive(hook, sbatch):
-    hook("http://127.0.0.1:9", job_submit=False, cli_filter=True)
+def test_cli_filter_rejects_malformed_directive(hook, predictor, sbatch):
+    hook(predictor.url, job_submit=False, cli_filter=True)     # the service's 422 (the fake parses as it does)
     result = sbatch(script(directives="#ELASTIC model=resnet50 colour=blue\n"), "-H")
     assert result.rc != 0
     assert "sbatch: error: lua: elastic: line 3: unknown key 'colour'" in result.stderr

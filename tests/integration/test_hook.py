@@ -225,8 +225,10 @@ def test_test_only_works(hook, predictor, sbatch, bed, plugin):
         assert re.search(r"sbatch: Job \d+ to start at", result.stderr), result.stderr
 
 
-def test_malformed_directive_rejected_quoting_the_line_even_with_service_down(hook, sbatch):
-    hook("http://127.0.0.1:9")
+def test_malformed_directive_is_the_services_rejection_quoting_the_script_line(hook, predictor, sbatch, bed):
+    """The service parses the lines (the fake as the service does: its 422); with it down the job goes in as
+    written (#26.3: the hook parses no directive)."""
+    hook(predictor.url)
     bad = "#ELASTIC model=resnet50 gpus=8-2\n"
     result = sbatch(script(directives=bad), "-H")
     assert result.rc != 0
@@ -237,6 +239,10 @@ def test_malformed_directive_rejected_quoting_the_line_even_with_service_down(ho
     assert ours.endswith("'#ELASTIC model=resnet50 gpus=8-2'; job rejected: Slurm's next line (\"Invalid generic "
                          "resource (gres) specification\") is this rejection")
     assert slurms == "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification"
+    hook("http://127.0.0.1:9")
+    down = sbatch(script(directives=bad), "-H")
+    assert down.rc == 0 and "sbatch: elastic: prediction skipped (connection refused)" in down.stderr
+    assert show_job(bed, down.job_id)["TresPerJob"] == "gres:gpu:4"
 
 
 def test_service_422_rejects_with_its_message(hook, predictor, sbatch):

@@ -59,12 +59,17 @@ slurm = {
   log_info = function(fmt, ...) table.insert(msgs, {"log_info", string.format(fmt, ...)}) end,
   log_error = function(fmt, ...) table.insert(msgs, {"log_error", string.format(fmt, ...)}) end,
 }
--- the hook's clock (elastic_common's M.now: breaker, cache) is this one, stepped by a case's `advance` seconds
-local clock = 1000000.0
+-- the hook's clock (elastic_common's M.now: breaker, cache) is this one, stepped by a case's `advance` seconds;
+-- M.cache_key's calls are counted (`key_builds` of each case)
+local clock, key_builds = 1000000.0, 0
 local real_dofile = dofile
 function dofile(path)
   local m = real_dofile(path)
-  if path:match("elastic_common%.lua$") and type(m) == "table" then m.now = function() return clock end end
+  if path:match("elastic_common%.lua$") and type(m) == "table" then
+    m.now = function() return clock end
+    local cache_key = m.cache_key
+    m.cache_key = function(...) key_builds = key_builds + 1; return cache_key(...) end
+  end
   return m
 end
 local init_rc = dofile(DIR .. "/job_submit.lua")
@@ -72,17 +77,18 @@ local init_msgs = msgs
 local out = {}
 for i, case in ipairs(cjson.decode(CASES)) do
   clock = clock + (case.advance or 0)
-  msgs = {}
+  msgs, key_builds = {}, 0
   local t0 = socket.gettime()
   local rc = slurm_job_submit(case.job_desc, {}, case.uid or 1001)
-  out[i] = { rc = rc, elapsed = socket.gettime() - t0, job_desc = case.job_desc, msgs = msgs }
+  out[i] = { rc = rc, elapsed = socket.gettime() - t0, job_desc = case.job_desc, msgs = msgs, key_builds = key_builds }
 end
 io.write(cjson.encode({ init_rc = init_rc, init_msgs = init_msgs, results = out }))
 """
 
 
 class Predictor:
-    """A fake /v1/plan: the job name picks the behaviour; `requests` keeps every body received."""
+    """A fake /v1/plan: a malformed `#ELASTIC` line is its 422, as the service's (predictor.planner.parse_request:
+    the hook parses no directive); else the job name picks the behaviour. `requests` keeps every body received."""
 
     REPLIES = {"rewrite": REWRITE, "moved": MOVED, "badpartition": {**MOVED, "partition": "a100,h100"},
                "mixed": MIXED, "badconstraint": {**MIXED, "constraint": "h100*2|a100"},
@@ -115,6 +121,10 @@ class Predictor:
                 outer.requests.append({"path": self.path, "body": body})
                 mode = (body.get("job", {}).get("name") or "mode-rewrite")[len("mode-"):]
                 try:
+                    planner.parse_request(body)
+                except planner.DirectiveProblem as exc:
+                    mode = json.dumps({"error": exc.message, "field": exc.field, "line": exc.line})
+                try:
                     outer.respond(self, mode)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
@@ -134,7 +144,9 @@ class Predictor:
             handler.end_headers()
             handler.wfile.write(payload)
 
-        if mode in Predictor.REPLIES:
+        if mode.startswith("{"):     # the service's 422 for a malformed #ELASTIC line
+            send(422, mode.encode())
+        elif mode in Predictor.REPLIES:
             send(200, json.dumps(Predictor.REPLIES[mode]).encode())
         elif mode == "keep":
             send(200, json.dumps({"decision_id": "d-43", "action": "keep", "reason": "elastic: unknown model x; kept"}).encode())
@@ -361,15 +373,24 @@ def test_keep_records_decision_and_changes_nothing_else(tmp_path, predictor):
     assert kinds(result, "user_msg") == ["elastic: unknown model x; kept"]
 
 
-def test_malformed_directive_is_rejected_without_asking_the_service(tmp_path):
+def test_malformed_directive_is_the_services_422_quoting_the_script_line(tmp_path, predictor):
+    """The hook parses no directive (#26.3): the service's 422 rejects the job, naming the script's line."""
     desc = job(directives=("#ELASTIC model=resnet50", "#ELASTIC gpus=8-2"))
-    [result] = run_hook(install(tmp_path, "http://127.0.0.1:9"), [{"job_desc": desc}])
-    assert result["rc"] == REJECT_CODE
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == REJECT_CODE and result["job_desc"] == desc
     # Slurm prints its own line last ("Batch job submission failed: <the code's text>"): ours says it is this
     assert kinds(result, "log_user") == ["elastic: line 4: gpus: minimum 8 is above maximum 2: '#ELASTIC gpus=8-2'; "
                                          "job rejected: Slurm's next line (\"Invalid generic resource (gres) "
                                          "specification\") is this rejection"]
     assert kinds(result, "user_msg") == []
+
+
+def test_malformed_directive_with_the_service_down_is_submitted_as_written(tmp_path):
+    """Without the service nobody parses the lines: the job goes in as written, like any other (fail open)."""
+    desc = job(directives=("#ELASTIC model=resnet50", "#ELASTIC gpus=8-2"))
+    [result] = run_hook(install(tmp_path, "http://127.0.0.1:9"), [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc
+    assert kinds(result, "user_msg") == ["elastic: prediction skipped (connection refused); job submitted as written"]
 
 
 def test_service_422_rejects_with_its_message(tmp_path, predictor):

@@ -51,6 +51,27 @@ def test_any_decision_relevant_field_misses(tmp_path, predictor, field, value):
     assert names(predictor) == ["mode-cached", "mode-cached"]
 
 
+def test_the_key_is_built_once_a_submission(tmp_path, predictor):
+    """#26: the key was built for the lookup and again to keep the reply (twice more with bands)."""
+    cases = [{"job_desc": job(mode="cached")}, {"job_desc": job(mode="cached")},              # kept, then hit
+             {"job_desc": bands_job("bands")}, {"job_desc": bands_job("500", "0.3")}]       # bands kept, then used
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    assert names(predictor) == ["mode-cached", "mode-bands"]
+    assert [r["key_builds"] for r in results] == [1, 1, 1, 1]
+
+
+def test_the_submitting_uid_is_in_the_key(tmp_path, predictor):
+    """A user's own profile plans only that user's jobs (#24.6), so a decision kept for one uid never answers
+    another's identical request (the service then gives such decisions the normal cache_ttl_s)."""
+    cases = [{"job_desc": job(mode="cached"), "uid": 1001}, {"job_desc": job(mode="cached"), "uid": 1002},
+             {"job_desc": job(mode="500"), "uid": 1001},                                  # 1001's again: kept
+             {"job_desc": bands_job("bands"), "uid": 1001}, {"job_desc": bands_job("bands", "0.3"), "uid": 1002}]
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    assert names(predictor) == ["mode-cached", "mode-cached", "mode-bands", "mode-bands"]
+    assert results[2]["job_desc"]["comment"] == "my run elastic:decision=d-44"
+    assert [r["body"]["job"]["uid"] for r in predictor.requests] == [1001, 1002, 1001, 1002]
+
+
 def test_ttl_expires_and_zero_or_absent_ttl_disables(tmp_path, predictor):
     conf = install(tmp_path, predictor.url)
     cases = [{"job_desc": job(mode="cached-short")}, {"job_desc": job(mode="cached-short")},           # hit

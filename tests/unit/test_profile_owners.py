@@ -63,7 +63,7 @@ def test_a_users_profile_plans_only_that_users_jobs(client, app):
     app.extensions["elastic_predictor"].models.refit()
     owner = plan_for(client, 1000)
     assert "unknown model" not in owner["reason"], owner
-    assert owner["cache_ttl_s"] == 0            # the hook's cache has no uid: another user must not reuse it
+    assert owner["cache_ttl_s"] == 30           # the hook keeps it under a key holding the uid (#26)
     other = plan_for(client, 1001)
     assert other["action"] == "keep" and "unknown model 'llama-70b'" in other["reason"], other
 
