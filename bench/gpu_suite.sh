@@ -8,7 +8,10 @@
 #                                             GPUs, 3 rounds), $OUT/vs_torchrun.log
 #   bash bench/gpu_suite.sh loader-pauses     gpu_transition.py pauses of ResNet-50 with 8 loader workers at 4 ms an
 #                                             item and with a fixed batch, $OUT/pause_loader.log, $OUT/pause_fixed.log
-#   bash bench/gpu_suite.sh coldstart [--set=fresh] [W...]  bench/coldstart_collect.py at each world size W
+#   bash bench/gpu_suite.sh goodput-loader [ARGS...]  gpu_transition.py --mode steady with 8 DataLoader workers at
+#                                             4 ms an item on both sides (goodput's measured ideal and ours),
+#                                             ResNet-50, 300 steps a size (#23), $OUT/goodput_loader.{md,log}
+#   bash bench/gpu_suite.sh coldstart [--set=fresh|fresh2] [W...]  bench/coldstart_collect.py at each world size W
 #                                             (default 1 2 4), W > 1 once per NCCL transport (nvlink, shm, socket);
 #                                             $OUT/coldstart/*.jsonl; --set=fresh: the held-out models (issue 25)
 set -uo pipefail
@@ -64,10 +67,15 @@ case $what in
             | tee "$OUT/pause_loader.log"
          python3 gpu_transition.py --models resnet50 --paths ours --mode pauses --cycles 3 \
             --out "$OUT/pause_fixed.md" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/pause_fixed.log") ;;
+    goodput-loader)
+        args=("$@")
+        ((${#args[@]})) || args=(--models resnet50 --mode steady --paths plain --loader-workers 8 --item-ms 4 --seg-steps 300)
+        (cd bench && python3 gpu_transition.py "${args[@]}" --out "$OUT/goodput_loader.md" 2>&1 \
+            | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/goodput_loader.log") ;;
     ab)
         python3 bench/interleaved.py "$@" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
     tests)
         python3 -m pytest -m gpu -q -s tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | vs-torchrun [ARGS...] | loader-pauses | tests | coldstart [W...]" >&2
+    *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | vs-torchrun [ARGS...] | loader-pauses | goodput-loader [ARGS...] | tests | coldstart [W...]" >&2
        exit 2 ;;
 esac

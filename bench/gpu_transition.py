@@ -376,7 +376,8 @@ def main() -> None:
     ap.add_argument("--compute-warmup", action="store_true",
                     help="worker: newcomers warm up forward/backward only, not through ElasticTrainer(warm_up=)")
     ap.add_argument("--loader-workers", type=int, default=0,
-                    help="ours: load batches with this many DataLoader workers (items built on the CPU, pinned)")
+                    help="load batches with this many DataLoader workers (items built on the CPU, pinned): ours in "
+                         "--mode pauses; both plain DDP (goodput's ideal) and ours in --mode steady")
     ap.add_argument("--item-ms", type=float, default=0.0,
                     help="--loader-workers: CPU time to build one item (a JPEG decode is 3-6 ms)")
     ap.add_argument("--phases", action="store_true",

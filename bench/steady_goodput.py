@@ -1,7 +1,8 @@
 """Steady step and goodput over a resize schedule: ElasticTrainer against plain DDP, same run, same machine.
 
 plain   one process per GPU (``--role plain-steady``); for each size n: ``init_process_group`` over the first n,
-        ``DDP(model)`` with its defaults (buffers broadcast every forward, 25 MB buckets, built-in allreduce),
+        ``DDP(model)`` with the trainer's settings (no buffer broadcast in every forward, which the trainer skips:
+        like for like, bench/interleaved.py's ``ddp``; 25 MB buckets, built-in allreduce),
         ``--warm`` steps, a device sync, ``--steps`` timed steps with no sync between them (as a torchrun
         script runs), a device sync. Step time = window / steps (``mean``); ``median`` of the host periods.
         Run before ours (after ``--preheat-s`` seconds of plain steps at the largest size, so the GPUs are at
@@ -12,6 +13,12 @@ ours    ElasticTrainer as the templates build it (default TrainerConfig, so the 
         schedule ``--schedule`` (default 1,S,L,S,L,S), ``--seg-steps`` steps per size: the controller asks for
         each resize once rank 0 reports the segment's end, newcomers are started a third of a segment earlier
         (helper jobs start while the job trains), leavers exit at the commit point that shrinks.
+
+With ``--loader-workers W`` (and ``--item-ms``: CPU time to build one item) both sides load their batches with
+torch's DataLoader, the same options (W workers, pinned memory, persistent workers): plain DDP over a
+DistributedSampler as a torchrun script does, ours through ``ElasticTrainer.loader``; so the ideal carries the
+loader's cost too and the goodput is the runtime's, loader included (issue #23). Without it both step one fixed
+batch.
 
 Since session 8 the steady ratio comes from ``bench/interleaved.py`` (plain DDP and ours in interleaved blocks in
 one process set: on 4x H200 the host-bound ResNet-50 step moved by 20% between blocks a minute apart), against
@@ -43,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
-from gpu_common import STORE_TIMEOUT, Controller, Synthetic, build, client, device_of, sync
+from interleaved import BUFFERS
+from gpu_common import STORE_TIMEOUT, Controller, LoadedItems, Synthetic, build, client, device_of, sync, to_device
 
 SEG_WARM = 10  # steps after entering a size that the steady figures leave out
 
@@ -52,6 +60,30 @@ def _step(model, opt, batch, loss_fn) -> None:
     loss_fn(model, batch).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def loader_options(args, dev) -> dict:
+    """``--loader-workers``: the DataLoader options both sides use (a torchrun script's and the template's)."""
+    return dict(num_workers=args.loader_workers, pin_memory=dev.type == "cuda", persistent_workers=True)
+
+
+def loader_extra(args) -> tuple:
+    return ("--loader-workers", str(args.loader_workers), "--item-ms", str(args.item_ms))
+
+
+def _plain_batches(args, dev, make_batch, n: int, me: int):
+    """Plain DDP's batches at size ``n``: with ``--loader-workers``, a DataLoader over a DistributedSampler as a
+    torchrun script builds it (items of ``--item-ms`` CPU time each), else the one fixed batch forever."""
+    if not args.loader_workers:
+        batch = make_batch(args.batch)
+        while True:
+            yield batch
+    data = LoadedItems(make_batch, args.item_ms)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=n, rank=me, shuffle=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, sampler=sampler, **loader_options(args, dev))
+    while True:
+        for batch in loader:
+            yield to_device(batch, dev)
 
 
 def _barrier(bench, key: str, n: int, timeout: float = 300) -> None:
@@ -68,11 +100,12 @@ def worker_plain_steady(args) -> None:
     dev = device_of(args)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     model, opt, b, make_batch, loss_fn = build(args.model, dev)
-    batch = make_batch(b)
+    args.batch = b
     bench = client(args, "bench")
     me = int(args.wid[1:])
     sizes = [int(x) for x in args.sizes.split(",")]
     ids = dict(device_ids=[args.gpu]) if dev.type == "cuda" else {}
+    ids[BUFFERS] = False  # the trainer's setting: the ideal pays no buffer broadcast the trainer skips
     if args.preheat_s > 0:  # bring the GPUs to the clocks and temperature they train at before any timing
         n = max(sizes)
         if me < n:
@@ -81,6 +114,7 @@ def worker_plain_steady(args) -> None:
             ddp = DDP(model, **ids)
             go = torch.ones(1, device=dev)
             t_end = time.perf_counter() + args.preheat_s
+            batch = make_batch(b)  # the fixed batch: heat, not loading
             while go.item() > 0:  # rank 0's clock decides; every rank steps the same number of times
                 for _ in range(20):
                     _step(ddp, opt, batch, loss_fn)
@@ -94,13 +128,14 @@ def worker_plain_steady(args) -> None:
             dist.init_process_group(backend, store=client(args, f"steady/pg/{n}"), rank=me, world_size=n,
                                     timeout=timedelta(seconds=120))
             ddp = DDP(model, **ids)
+            batches = _plain_batches(args, dev, make_batch, n, me)
             for _ in range(args.warm):
-                _step(ddp, opt, batch, loss_fn)
+                _step(ddp, opt, next(batches), loss_fn)
             sync(dev)
             periods, calls = [], []
             t0 = last = time.perf_counter()
             for _ in range(args.steps):
-                _step(ddp, opt, batch, loss_fn)
+                _step(ddp, opt, next(batches), loss_fn)
                 now = time.perf_counter()
                 periods.append(now - last)
                 calls.append(now - last)
@@ -111,6 +146,7 @@ def worker_plain_steady(args) -> None:
                 bench.set(f"steady/res/{n}", json.dumps({"mean_s": (t1 - t0) / args.steps, "steps": args.steps,
                                                           "median_s": statistics.median(periods),
                                                           "step_calls_us": 1e6 * statistics.median(calls)}))
+            batches.close()  # the DataLoader's workers go with it
             del ddp
             dist.destroy_process_group()
         _barrier(bench, f"steady/done/{n}", max(sizes))
@@ -138,10 +174,15 @@ def worker_ours_sched(args) -> None:
     # step's forward/backward/optimizer calls)
     recs = []
     stop_at = None
-    for _ in et.loader(Synthetic(10 ** 6), collate_fn=lambda items: None):
+    if args.loader_workers:  # the same DataLoader options as the plain side's
+        batches = (to_device(x, dev) for x in et.loader(LoadedItems(make_batch, args.item_ms),
+                                                         **loader_options(args, dev)))
+    else:
+        batches = (batch for _ in et.loader(Synthetic(10 ** 6), collate_fn=lambda items: None))
+    for step_batch in batches:
         world = et.world_size
         t0 = time.perf_counter()
-        _step(et.model, opt, batch, loss_fn)
+        _step(et.model, opt, step_batch, loss_fn)
         t1 = time.perf_counter()
         alive = et.commit()
         t2 = time.perf_counter()
@@ -179,7 +220,7 @@ def _wait_progress(c: Controller, wid: str, step: int, timeout: float = 300) -> 
 def run_plain_steady(c: Controller, sizes: list[int], preheat_s: float = 0.0) -> dict:
     """Plain DDP's steady step at each size (after ``preheat_s`` seconds of plain steps at the largest)."""
     extra = ("--sizes", ",".join(map(str, sizes)), "--steps", str(c.args.steps), "--warm", str(c.args.warm),
-             "--preheat-s", str(preheat_s))
+             "--preheat-s", str(preheat_s)) + loader_extra(c.args)
     ps = [c.spawn("plain-steady", f"s{i}", i, extra=extra) for i in range(max(sizes))]
     c.reap(ps, timeout=600)
     return {n: json.loads(c.bench.get(f"steady/res/{n}")) for n in sizes}
@@ -203,7 +244,7 @@ def bracket(before: dict, after: dict) -> dict:
 def run_ours_schedule(c: Controller, schedule: list[int]) -> dict:
     from elastic_launcher.membership import Coordinator
     seg = c.args.seg_steps
-    extra = ()
+    extra = loader_extra(c.args)
     coord = Coordinator(dist.PrefixStore("job", c.server), timeout=STORE_TIMEOUT)
     members = [f"w{i}" for i in range(schedule[0])]
     gpus = {w: i for i, w in enumerate(members)}
@@ -360,7 +401,7 @@ def bracket_rows(model: str, res: dict, plain: dict) -> list[str]:
         g = res["goodput"]
         goodput = f"; goodput against it {g['ratio']:.3f}" if g else ""
         rows.append(f"| {model} (schedule run) | {world} | {p['mean_s'] * 1e3:.2f} | {s['mean_s'] * 1e3:.2f} | "
-                    f"{s['ratio']:.3f} | - | - | - | plain DDP (defaults) before / after ours "
+                    f"{s['ratio']:.3f} | - | - | - | plain DDP (the trainer's settings) before / after ours "
                     f"{p.get('before_mean_s', float('nan')) * 1e3:.2f} / {p.get('after_mean_s', float('nan')) * 1e3:.2f}"
                     f" ms{goodput} |")
     return rows
