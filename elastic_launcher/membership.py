@@ -189,8 +189,9 @@ class Membership:
             ``heartbeat_timeout`` (on this host's clock, from when its beat last changed, so clock skew between
             nodes does not matter) or when a recovery of that epoch has begun. It runs on the heartbeat thread and
             must not block.
-        on_recovery_opened: test seam (``FaultPlan.fail_on_recovery_open``): called with the failed epoch's id
-            right after this worker's arrival opened a recovery.
+        on_recovery: test seam (``FaultPlan.fail_in_recovery``): called as ``on_recovery("opened", failed_id)``
+            right after this worker's arrival opened a recovery, and ``on_recovery("adopted", plan_id)`` once it
+            has the survivors' plan (before it builds the plan's group).
     """
 
     def __init__(self, store_factory: Callable[[], dist.Store], wid: str,
@@ -199,7 +200,7 @@ class Membership:
                  heartbeat_timeout: timedelta = timedelta(seconds=5),
                  on_peer_failure: Optional[Callable[[int, str], None]] = None,
                  wall_clock: Callable[[], float] = time.time,
-                 on_recovery_opened: Optional[Callable[[int], None]] = None) -> None:
+                 on_recovery: Optional[Callable[[str, int], None]] = None) -> None:
         validate_members([wid])
         self.wid = wid
         self.wall_clock = wall_clock  # what a beat says (for people reading the store); liveness never reads it
@@ -208,7 +209,7 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.on_peer_failure = on_peer_failure
-        self.on_recovery_opened = on_recovery_opened
+        self.on_recovery = on_recovery
         self._factory = store_factory
         self._k = _Keys(store_factory(), timeout)
         self._watch_epoch: Optional[int] = None
@@ -362,6 +363,8 @@ class Membership:
             if step.kind is RecoveryStepKind.ADOPT:
                 logger.warning("recovery of epoch %d: dead %s, new epoch %d", failed.id,
                                [m for m in failed.members if m not in step.plan.members], step.plan.id)
+                if self.on_recovery is not None:
+                    self.on_recovery("adopted", step.plan.id)
                 return step.plan
             if step.kind is RecoveryStepKind.OUT:
                 raise LeftGroup(f"worker {self.wid}: epoch {failed.id} was recovered without it "
@@ -376,8 +379,8 @@ class Membership:
             rec, token, won = self._k.record.set(step.record, token)
             if won and step.kind is RecoveryStepKind.ARRIVE:
                 self._wake.set()  # beat now: the others count this survivor once its beat changes after arriving
-                if rec.recovery.arrived == (self.wid,) and self.on_recovery_opened is not None:
-                    self.on_recovery_opened(failed.id)
+                if rec.recovery.arrived == (self.wid,) and self.on_recovery is not None:
+                    self.on_recovery("opened", failed.id)
 
     def _judge(self, rec: MembershipRecord, failed: Plan) -> dict[str, Liveness]:
         """This observer's view of ``failed``'s other members (by its own clock since their beats changed)."""

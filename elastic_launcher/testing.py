@@ -4,8 +4,9 @@
 with SIGKILL in the middle of that step's backward pass (inside the communication hook, before the first
 bucket's allreduce), or raise :class:`InjectedFault` when ``mode="raise"``. Pass it as
 ``ElasticTrainer(..., fault=plan)``. ``fail_at(rank, step, after_s=0.1)`` kills it that long after the step's
-backward began instead (on a timer, wherever the worker is by then). ``fail_on_recovery_open()`` kills the worker
-right after its arrival opened a recovery (the survivor that once led it; #27.1).
+backward began instead (on a timer, wherever the worker is by then). ``fail_in_recovery("opened")`` kills the worker
+right after its arrival opened a recovery (the survivor that once led it; #27.1), ``fail_in_recovery("adopted")``
+right after it learnt the survivors' plan, before it builds that plan's group.
 
 :class:`FakeProcessGroupWrapper` is a one-rank stand-in with the wrapper's interface: collectives complete at
 once, ``fail_next()`` makes the next collective raise (to test error recording and votes without peers).
@@ -45,7 +46,7 @@ class FaultPlan:
         self.mode = mode
         self._at: set[tuple[int, int]] = set()
         self._after: dict[tuple[int, int], float] = {}
-        self._on_open = False
+        self._in_recovery: set[str] = set()
         self.fired = 0
 
     def fail_at(self, rank: int, step: int, after_s: float = 0.0) -> "FaultPlan":
@@ -58,16 +59,17 @@ class FaultPlan:
             self._after[(rank, step)] = after_s
         return self
 
-    def fail_on_recovery_open(self) -> "FaultPlan":
-        """Kills this worker right after its arrival opened a recovery; returns self for chaining."""
-        if self.mode != "kill":
-            raise ValueError("fail_on_recovery_open kills: use mode='kill'")
-        self._on_open = True
+    def fail_in_recovery(self, event: str) -> "FaultPlan":
+        """Kills this worker at a recovery step: ``opened`` (its arrival opened the recovery) or ``adopted`` (it has
+        the survivors' plan, before building its group); returns self for chaining."""
+        if event not in ("opened", "adopted") or self.mode != "kill":
+            raise ValueError(f"fail_in_recovery({event!r}) in mode {self.mode!r}: expected opened or adopted, kill")
+        self._in_recovery.add(event)
         return self
 
-    def on_recovery_opened(self, epoch: int) -> None:
-        """The membership's seam (``Membership(on_recovery_opened=...)``)."""
-        if self._on_open:
+    def on_recovery(self, event: str, epoch: int) -> None:
+        """The membership's seam (``Membership(on_recovery=...)``)."""
+        if event in self._in_recovery:
             self.fired += 1
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -357,7 +357,7 @@ class ElasticTrainer:
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), wid,
                                      config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
                                      on_peer_failure=self._relay if watchdog else None,
-                                     on_recovery_opened=getattr(self.fault, "on_recovery_opened", None))
+                                     on_recovery=getattr(self.fault, "on_recovery", None))
         self._executor = EpochExecutor(
             ExecutorSettings(config.backend, config.timeout, config.connect_timeout, config.rendezvous_timeout,
                              config.bucket_cap_mb),

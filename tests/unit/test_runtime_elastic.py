@@ -159,3 +159,62 @@ def test_sigkill_loses_at_most_commit_every_steps(tmp_path):
     # commit points at steps 1, 6, 11, ...: the failure in the 9th batch rolls back to step 6
     rec, _ = _sigkill_w2_at_step_8(tmp_path, commit_every=5)
     assert rec["step"] == 6 and 3 <= rec["lost_steps"] <= 5 and rec["commit_interval"] == 5
+
+
+# ---- #27.1: recoveries that lose survivors on the way ----------------------------------------------------------
+HEARTBEAT_TIMEOUT_S = 2.0  # the harness's TrainerConfig.heartbeat_timeout
+
+
+def _lose_ranks(tmp_path, faults: dict, **opts) -> tuple[list, dict, dict]:
+    """4 workers, ``faults`` by worker (see the harness); trains on until 2 remain. Returns (every recovery record
+    of the survivors, results, exit codes) after checking what every recovery must give."""
+    cl = Cluster(str(tmp_path), target_world=2, faults=faults, **opts)
+    try:
+        cl.coord.start(ALL4)
+        cl.spawn(ALL4)
+        res = cl.results(2)
+        record = cl.coord.record()
+    finally:
+        codes = _finish(cl)
+    assert sorted(codes.values()) == [-9, -9, 0, 0], codes
+    assert all(r["world"] == 2 and not r["left"] for r in res.values())
+    assert record.epoch.members == tuple(sorted(res)) and record.recovery is None and record.pending is None
+    _assert_same_params(res)
+    any_r = next(iter(res.values()))
+    check_accounting(read_logs(str(tmp_path)), any_r["sampler"])  # nothing lost, nothing twice
+    recs = [s for r in res.values() for s in r["switches"] if s["kind"] == "recovery"]
+    assert recs and all(s["world"] == 2 and s["old_world"] in (3, 4) for s in recs)
+    assert _loss_at(any_r, any_r["step"]) < _loss_at(any_r, 1)
+    return recs, res, codes
+
+
+def test_the_survivor_that_opens_the_recovery_dies_and_the_others_finish_it(tmp_path):
+    # w3 dies in step 8's backward; whichever survivor opens the recovery in the record dies right after its
+    # write won (once the leader). The other two finish it within heartbeat timeout + 5 s and train on.
+    # On gloo a survivor that is no ring neighbour of w3 learns of the failure only from its collective timeout
+    # (its neighbours left the collective without closing their connections; NCCL's peer watchdog wakes it at
+    # once): 4 s here, so the bound measures the recovery, not that wait.
+    faults = {"w3": [("at", 3, 8, 0.0)], **{w: [("recovery", "opened")] for w in ALL4[:3]}}
+    recs, res, codes = _lose_ranks(tmp_path, faults, timeout_s=4)
+    assert codes["w3"] == -9
+    for s in recs:
+        assert s["recover_s"] < HEARTBEAT_TIMEOUT_S + 5, s
+
+
+def test_two_ranks_killed_100_ms_apart_leave_two_that_lose_nothing(tmp_path):
+    # w2 dies in step 8's backward, w3 100 ms later (by then inside the recovery: it may have arrived and beaten,
+    # so the survivors may decide on 3 and find w3 gone while building that group: they recover from it in turn)
+    faults = {"w2": [("at", 2, 8, 0.0)], "w3": [("at", 3, 8, 0.1)]}
+    recs, res, codes = _lose_ranks(tmp_path, faults)
+    assert codes["w2"] == codes["w3"] == -9 and set(res) == {"w0", "w1"}
+
+
+def test_a_survivor_that_dies_before_the_recovered_group_is_built_is_recovered_from(tmp_path):
+    # w3 dies in step 8's backward; w0 dies right after it learnt the survivors' plan (w0, w1, w2): w1 and w2
+    # give up building that group once w0's beat stopped (not after connect_timeout) and recover from it
+    faults = {"w3": [("at", 3, 8, 0.0)], "w0": [("recovery", "adopted")]}
+    recs, res, codes = _lose_ranks(tmp_path, faults, timeout_s=4)
+    assert set(res) == {"w1", "w2"}
+    for s in recs:
+        assert s["old_world"] == 4 and len(s["abandoned"]) == 1, s
+        assert s["recover_s"] < 4 + 2 * HEARTBEAT_TIMEOUT_S + 5, s  # collective timeout, then w0's silence
