@@ -299,11 +299,14 @@ class RecordStore:
     def __init__(self, store: dist.Store, timeout: timedelta = timedelta(seconds=60)) -> None:
         self.store = dist.PrefixStore(keys.RUNTIME, store)
         self.timeout = timeout
+        self._exists = False  # the record is never deleted: once seen, one round trip a read
 
     def get(self) -> tuple[MembershipRecord, bytes]:
         """The latest record and its token (an empty record and token before the first write)."""
-        if not self.store.check([keys.STATE]):
-            return MembershipRecord(), b""
+        if not self._exists:
+            if not self.store.check([keys.STATE]):
+                return MembershipRecord(), b""
+            self._exists = True
         raw = self.store.get(keys.STATE)
         return MembershipRecord.from_json(raw), raw
 
