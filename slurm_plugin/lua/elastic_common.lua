@@ -1,22 +1,13 @@
---[[
- elastic_common.lua: what job_submit.lua and cli_filter.lua share (elastic-slurm, docs/hook.md): transport,
- validate, apply. The service parses the #ELASTIC lines and decides (POST /v1/plan; a bad line is its 422). This
- finds the lines, calls the service under one budget with a breaker, keeps its decisions and decision bands (a
- lookup, no policy), and validates and applies a decision. Every failure is kind = "skip": the callers fail open.
-]]
+-- elastic_common.lua (docs/hook.md): job_submit.lua's and cli_filter.lua's transport, validation and apply. The service
+-- parses the #ELASTIC lines and decides (POST /v1/plan); the hook keeps its decisions and bands (a lookup, no policy).
 local M = {}
-local socket = require("socket")
-local cjson = require("cjson.safe")
-
-local NO_VAL, NO_VAL16, INFINITE = 4294967294, 65534, 4294967295
--- A reply is read only up to MAX_REPLY_BYTES (#24.5: a 9 MB reply cost 375-616 ms of Lua in slurmctld).
-local MAX_REPLY_BYTES, MAX_BANDS, MAX_TTL_S = 512 * 1024, 64, 3600
-M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES: "Invalid generic resource (gres) specification"
--- Slurm 22.05 always prints its own line after our rejection; ours names it as a consequence, not a --gres problem.
+local socket, cjson = require("socket"), require("cjson.safe")
+local NO_VAL, NO_VAL16 = 4294967294, 65534   -- Slurm's "unset" (NO_VAL and above: INFINITE)
+local MAX_REPLY_BYTES, MAX_BANDS, MAX_TTL_S = 512 * 1024, 64, 3600   -- a 9 MB reply cost 375-616 ms of Lua (#24.5)
+M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES; Slurm prints its text after ours, which names it as this rejection
 local SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
                             cli_filter = "cli_filter plugin terminated with error" }
 M.now = socket.gettime   -- the clock of the breaker and the cache (tests step their own); budgets use socket's
-
 local DEFAULTS = { predictor_url = "http://127.0.0.1:8470", budget_ms = 100, breaker_failures = 3,
                    breaker_open_s = 30, helper_marker = "elastic-helper", cli_state_dir = "/tmp", cache_entries = 1024 }
 
@@ -41,10 +32,8 @@ function M.read_config(path)
   return cfg, problems[1] and table.concat(problems, "; ") or nil
 end
 
--- ---------------------------------------------------------------- which jobs
--- The #ELASTIC lines ({no, line}) of the directive block, which ends at the first line neither blank nor a comment
--- (a large script costs no more than its header); line ends \n, \r\n, \r. None in the script `sbatch --wrap`
--- writes, where sbatch reads no #SBATCH line (as slurm_plugin/directives.py, checked against its vectors).
+-- The #ELASTIC lines ({no, line}) of the directive block (up to the first line neither blank nor a comment), as
+-- slurm_plugin/directives.py reads them; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
 local WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 function M.directive_lines(script)
   local found, pos, number = {}, 1, 0
@@ -62,16 +51,13 @@ end
 
 -- Jobs never touched: launcher helpers, expand: allocations, jobs cli_filter planned (a decision id in the comment).
 function M.untouched(name, comment, dependency, marker)
-  marker = marker or DEFAULTS.helper_marker
-  return (type(dependency) == "string" and dependency:find("expand:", 1, true) ~= nil)
-    or (type(name) == "string" and name:sub(1, #marker) == marker)
-    or (type(comment) == "string" and (comment:sub(1, #marker + 1) == marker .. ":"
-                                       or comment:find("elastic:decision=", 1, true) ~= nil))
+  return type(dependency) == "string" and dependency:find("expand:", 1, true) ~= nil
+    or type(name) == "string" and name:sub(1, #marker) == marker
+    or type(comment) == "string" and (comment:sub(1, #marker + 1) == marker .. ":"
+                                      or comment:find("elastic:decision=", 1, true) ~= nil)
 end
 
--- ---------------------------------------------------------------- HTTP
 local resolved = {}   -- a name lookup has no socket timeout: once per host and Lua state, outside the budget
-
 -- POST `body` to `url`; each step (connect, send, every receive) gets only what is left of one budget, so a server
 -- that drips a byte at a time cannot stretch it. Returns status, body; or nil, why ("timeout", ...).
 function M.post_json(url, body, budget_s)
@@ -104,52 +90,40 @@ function M.post_json(url, body, budget_s)
     if not header then return fail(err) end
     length = tonumber(header:lower():match("^content%-length:%s*(%d+)")) or length
   until header == ""
-  if length and length > MAX_REPLY_BYTES then
-    return fail(string.format("reply of %d bytes, more than %d", length, MAX_REPLY_BYTES))
-  end
-  local text, partial
-  text, err, partial = step("receive", length or MAX_REPLY_BYTES + 1)   -- no length: one byte past the limit
-  if not length and err == "closed" then text = partial end
+  local long = (length or 0) > MAX_REPLY_BYTES and ("reply of %d bytes, more than %d"):format(length, MAX_REPLY_BYTES)
+  if long then return fail(long) end
+  local text, closed, partial = step("receive", length or MAX_REPLY_BYTES + 1)   -- no length: one byte past the limit
+  if not length and closed == "closed" then text = partial end
   if text and #text > MAX_REPLY_BYTES then return fail("reply larger than " .. MAX_REPLY_BYTES .. " bytes") end
-  if not text then return fail(err == "closed" and "truncated body" or err) end
+  if not text then return fail(closed == "closed" and "truncated body" or closed) end
   sock:close()
   return status, text
 end
 
--- ---------------------------------------------------------------- circuit breaker
--- After `k` failures in a row calls are skipped for `open_s`. A timeout is one failure: a hung service times out
--- every call and opens it after k budgets (slurmctld makes the calls one at a time); one slow answer on a loaded
--- host does not (#26.3). The next call after `open_s` is a trial: a failure reopens it, a success closes it.
+-- After `k` failures in a row (a timeout is one: a hung service opens it after k budgets, one slow answer does not,
+-- #26.3) calls are skipped for `open_s`; the next call is a trial: a failure reopens it, a success closes it.
 function M.new_breaker(k, open_s)
   local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
               failures = 0, open_until = 0 }
   function b.is_open(now) return b.open_until > now, b.open_until - now end
   function b.success() b.failures, b.open_until = 0, 0 end
-  function b.failure(now)
-    b.failures = b.failures + 1
-    b.open_until = b.failures >= b.k and now + b.open_s or b.open_until
-  end
+  function b.failure(now) b.failures = b.failures + 1; if b.failures >= b.k then b.open_until = now + b.open_s end end
   return b
 end
 
--- ---------------------------------------------------------------- decision cache
 -- The request fields a decision depends on; `uid`: a user's own profile plans only that user's jobs (#24.6).
 local KEY_FIELDS = { "uid", "user", "partition", "min_nodes", "max_nodes", "ntasks_per_node", "tres_per_node",
                      "tres_per_job", "time_limit_min", "req_switch", "account", "qos" }
-
--- The request's keys, built once a submission: parts length-prefixed (a line cannot forge a separator), nil
--- distinct from any value, the job name left out. Returns the exact key and, when the request has exactly one
--- min_efficiency=<v> token with v a decimal in [0, 1] (as directives.py reads it), the bands' key (that token read
--- as min_efficiency=*) and v: the service accepts such a request whenever it accepted the one that brought bands.
+-- The request's cache keys, built once a submission (parts length-prefixed, nil distinct from any value): the exact
+-- key and, when exactly one min_efficiency=<v> token has v a decimal in [0, 1] as directives.py reads it, the bands'
+-- key (that token as min_efficiency=*) and v: the service accepts it whenever it accepted the request of the bands.
 function M.cache_key(request)
   local job, values, n = request.job or {}, {}, #request.directives
   local exact, masked = { request.source or "", tostring(n) }, { "bands " .. (request.source or ""), tostring(n) }
   for i, line in ipairs(request.directives) do
     exact[i + 2] = line
-    masked[i + 2] = line:gsub("(%s)min_efficiency=(%S+)", function(space, v)
-      values[#values + 1] = v
-      return space .. "min_efficiency=*"
-    end)
+    for v in line:gmatch("%smin_efficiency=(%S+)") do values[#values + 1] = v end
+    masked[i + 2] = line:gsub("(%s)min_efficiency=%S+", "%1min_efficiency=*")
   end
   for _, field in ipairs(KEY_FIELDS) do
     local v = job[field]
@@ -157,10 +131,9 @@ function M.cache_key(request)
     exact[#exact + 1], masked[#masked + 1] = v, v
   end
   for i = 1, #exact do exact[i], masked[i] = #exact[i] .. ":" .. exact[i], #masked[i] .. ":" .. masked[i] end
-  local v = #values == 1 and values[1]
-  v = v and (v:match("^%d+$") or v:match("^%d+%.%d+$") or v:match("^%.%d+$")) and tonumber(v)
-  if not v or v > 1 then return table.concat(exact) end
-  return table.concat(exact), table.concat(masked), v
+  local v = #values == 1 and (values[1]:match("^%d+$") or values[1]:match("^%d+%.%d+$") or values[1]:match("^%.%d+$"))
+  v = v and tonumber(v) <= 1 and tonumber(v)
+  return table.concat(exact), v and table.concat(masked) or nil, v or nil
 end
 
 -- Entries live for the `cache_ttl_s` they came with (absent or 0: not kept); a full cache is emptied (no LRU on the
@@ -175,10 +148,8 @@ function M.new_cache(max_entries)
   function c.put(key, reply, ttl_s, now)
     ttl_s = tonumber(ttl_s)
     if c.max < 1 or not ttl_s or ttl_s <= 0 or reply.decision_id == nil then return end
-    if c.entries[key] == nil then
-      if c.size >= c.max then c.entries, c.size = {}, 0 end
-      c.size = c.size + 1
-    end
+    if c.entries[key] == nil and c.size >= c.max then c.entries, c.size = {}, 0 end
+    c.size = c.size + (c.entries[key] == nil and 1 or 0)
     c.entries[key] = { reply = reply, expires = now + math.min(ttl_s, MAX_TTL_S) }
   end
   function c.note_reuse(id)
@@ -188,12 +159,9 @@ function M.new_cache(max_entries)
   return c
 end
 
--- ---------------------------------------------------------------- TRES / GRES strings
--- The one reader of GPU entries in a comma-separated TRES/GRES list here, as slurm_plugin.client.gpu_tres reads
--- them (both checked against tests/vectors/tres.json): `[gres:|gres/]gpu[:type][:count|=count]`, count 1 when
--- absent, a `(IDX:..)` suffix ignored. Returns the gpu entries ({type, count, kv}) and the other entries.
+-- The one TRES/GRES reader here, as slurm_plugin.client.gpu_tres (tests/vectors/tres.json): gpu entries ({type, count,
+-- kv}) `[gres:|gres/]gpu[:type][:count|=count]` (count 1 when absent, `(IDX:..)` ignored) and the other entries.
 local function valid_type(t) return t ~= "" and t:match("^[%w_.%-]+$") ~= nil end
-
 local function gpu_item(item)
   local body = item:gsub("%(.*$", ""):match("^%s*(.-)%s*$")
   local rest = (body:match("^gres[:/](.*)$") or body):match("^gpu(.*)$")
@@ -203,11 +171,11 @@ local function gpu_item(item)
   rest = rest:sub(2)
   local head, sep, count = rest:match("^([^=]*)(=)(.*)$")
   if not sep then head, sep, count = rest:match("^([^:]*)(:)(.*)$") end
-  if sep then return valid_type(head) and count:match("^%d+$") and { type = head, count = tonumber(count), kv = sep == "=" } or nil end
+  local ok = sep and valid_type(head) and count:match("^%d+$")
+  if sep then return ok and { type = head, count = tonumber(count), kv = sep == "=" } or nil end
   if rest:match("^%d+$") then return { count = tonumber(rest) } end
   return valid_type(rest) and not rest:match("^%d") and { type = rest, count = 1 } or nil
 end
-
 local function tres_entries(list)
   local gpus, others, depth, cur = {}, {}, 0, ""
   local function flush()
@@ -226,9 +194,8 @@ local function tres_entries(list)
   return gpus, others
 end
 
--- (GPU count or nil, GPU type or nil) of a TRES/GRES list: entries add up, except that in the accounting form an
--- untyped `gres/gpu=N` is the total of the typed `gres/gpu:T=N` beside it; the type is the one type of the typed
--- entries when no untyped request entry stands beside them.
+-- (GPU count, GPU type) of a TRES/GRES list or nil: entries add up, but an accounting `gres/gpu=N` is the total of the
+-- `gres/gpu:T=N` beside it; the type is the typed entries' one type when no untyped request entry stands beside them.
 function M.gpu_tres(list)
   local gpus = tres_entries(list)
   if #gpus == 0 then return nil, nil end
@@ -242,9 +209,7 @@ function M.gpu_tres(list)
   end
   return count, (ntypes == 1 and not untyped) and next(types) or nil
 end
-
 local function gpu_count(list) return (M.gpu_tres(list)) end
-
 -- The list with its gpu entries replaced by one `gres:gpu[:type]:count` after the others (count nil: removed),
 -- keeping the request's one GPU type unless `gpu` (a moved job's new type) differs: the new nodes lack it.
 function M.set_gpu_tres(list, count, gpu)
@@ -255,27 +220,21 @@ function M.set_gpu_tres(list, count, gpu)
   return table.concat(out, ",")
 end
 
--- ---------------------------------------------------------------- the request, the decision
-local function num(v, unset)   -- nil for Slurm's unset sentinels
-  if type(v) ~= "number" or v == unset or v == NO_VAL or v == INFINITE then return nil end
-  return v
-end
+local function num(v, unset) return type(v) == "number" and v < NO_VAL and v ~= unset and v or nil end  -- unset: nil
 M.num = num
 local function str(v) return type(v) == "string" and v ~= "" and v or nil end
 local function one_line(s, max)
   s = tostring(s):gsub("[%c]+", " ")
   return #s > max and s:sub(1, max - 3) .. "..." or s
 end
-
 function M.job_from_desc(d, submit_uid)
   return { user = str(d.user_name), uid = num(submit_uid), partition = str(d.partition), name = str(d.name),
            min_nodes = num(d.min_nodes), max_nodes = num(d.max_nodes), tres_per_node = str(d.tres_per_node),
-           ntasks_per_node = num(d.ntasks_per_node, NO_VAL16), tres_per_job = str(d.tres_per_job),
-           time_limit_min = num(d.time_limit), req_switch = num(d.req_switch), account = str(d.account),
-           qos = str(d.qos) }
+           ntasks_per_node = num(d.ntasks_per_node, NO_VAL16), tres_per_job = str(d.tres_per_job), qos = str(d.qos),
+           time_limit_min = num(d.time_limit), req_switch = num(d.req_switch), account = str(d.account) }
 end
-
 local function is_count(v, lo) return type(v) == "number" and v == math.floor(v) and v >= lo and v < 1e6 end
+local function named(v, max, pat) return v == nil or type(v) == "string" and #v <= max and v:match(pat) ~= nil end
 
 -- Why a decision (a fresh reply or a kept band) cannot be applied; nil when it can.
 local function invalid(r)
@@ -287,36 +246,26 @@ local function invalid(r)
   if not is_count(r.gpus_per_node, 0) then return "bad gpus_per_node " .. tostring(r.gpus_per_node) end
   if r.tasks_per_node ~= nil and not is_count(r.tasks_per_node, 1) then return "bad tasks_per_node" end
   if r.switches ~= nil and not is_count(r.switches, 1) then return "bad switches" end
-  local p, c = r.partition, r.constraint
-  if p ~= nil and (type(p) ~= "string" or #p > 64 or not p:match("^[%w_.:+-]+$")) then
-    return "bad partition " .. tostring(p)
-  end
-  if c ~= nil and (type(c) ~= "string" or #c > 256 or not c:match("^%[[%w_-]+%*%d+[%w_*&-]*%]$")) then
-    return "bad constraint " .. tostring(c)
-  end
+  if not named(r.partition, 64, "^[%w_.:+-]+$") then return "bad partition " .. tostring(r.partition) end
+  local c = r.constraint
+  if not named(c, 256, "^%[[%w_-]+%*%d+[%w_*&-]*%]$") then return "bad constraint " .. tostring(c) end
 end
-
 local function reason_of(text, fallback)   -- one line, led by "elastic:"
   local r = one_line(type(text) == "string" and text or fallback, 400)
   return r:sub(1, 8) == "elastic:" and r or "elastic: " .. r
 end
-
-local function shown(v)   -- a bound as the service prints it in a reason (predictor.planner.shown_bound)
-  local s = string.format("%g", v)
-  return tonumber(s) == v and s or string.format("%.17g", v)
-end
-
 -- The band (an interval with a reason) of `kept` bands that holds min_efficiency `v`, as a decision validated like
--- a fresh reply, its reason with `v` filled in; nil when none does or it is not valid.
+-- a fresh reply, its reason with `v` as the service prints bounds (planner.shown_bound); nil when none is valid.
 local function band_decision(kept, v)
   for _, b in ipairs(kept and kept.bands or {}) do
     if type(b) == "table" and type(b.above) == "number" and type(b.upto) == "number" and type(b.reason) == "string"
        and b.above < v and v <= b.upto then
-      local out = {}
+      local out, shown = {}, string.format("%g", v)
       for k, value in pairs(b) do out[k] = value end
       if invalid(out) then return nil end
+      shown = tonumber(shown) == v and shown or string.format("%.17g", v)
       out.kind, out.decision_id, out.cached = out.action, kept.decision_id, true
-      out.reason = reason_of((b.reason:gsub("{min_efficiency}", shown(v)))) .. " (cached predictions)"
+      out.reason = reason_of((b.reason:gsub("{min_efficiency}", shown))) .. " (cached predictions)"
       return out
     end
   end
@@ -333,7 +282,7 @@ function M.plan(cfg, breaker, source, lines, job, cache)
     if hit then cache.note_reuse(hit.decision_id); return hit end
   end
   local open, left = breaker.is_open(now)
-  if open then return { kind = "skip", why = string.format("predictor unavailable, retry in %d s", math.ceil(left)) } end
+  if open then return { kind = "skip", why = ("predictor unavailable, retry in %d s"):format(math.ceil(left)) } end
   request.reused = cache and cache.ids > 0 and cache.reused or nil
   local body, why = cjson.encode(request)
   if not body then return { kind = "skip", why = "cannot encode request: " .. tostring(why) } end
@@ -373,44 +322,32 @@ function M.plan(cfg, breaker, source, lines, job, cache)
   return reply
 end
 
--- ---------------------------------------------------------------- messages
-function M.reject_message(message, source)
+function M.reject_message(message, source)   -- Slurm's next line is this rejection, not a --gres problem
   return string.format('elastic: %s; job rejected: Slurm\'s next line ("%s") is this rejection', message,
                        SLURM_REJECT_LINE[source])
 end
-
--- A 422 as the user reads it: the service numbers the #ELASTIC lines it was sent (field `directives[i]`, message
--- `line i+1: ...`); the script's line number (`lines`: M.directive_lines') replaces that one.
+-- A 422 as the user reads it: the script's line number in place of the service's (it counts the lines it was sent).
 function M.reject_text(outcome, lines)
   local index = type(outcome.field) == "string" and tonumber(outcome.field:match("^directives%[(%d+)%]$"))
   local entry = index and lines[index + 1]
   if not entry then return outcome.message end
   return "line " .. entry.no .. ": " .. (outcome.message:gsub("^line %d+: ", "", 1))
 end
-
 function M.skip_message(why) return "elastic: prediction skipped (" .. why .. "); job submitted as written" end
-
-function M.comment_with(comment, decision_id)
-  local tag = "elastic:decision=" .. tostring(decision_id)
-  return type(comment) == "string" and comment ~= "" and comment .. " " .. tag or tag
+function M.comment_with(comment, decision_id)   -- the user's comment, then the decision's id
+  return (type(comment) == "string" and comment ~= "" and comment .. " " or "") .. "elastic:decision=" .. decision_id
 end
-
 local function counted(n, word) return string.format("%d %s%s", n, word, n == 1 and "" or "s") end
 function M.per_task_split(per_node, tasks)   -- the reason --gpus-per-task refuses a layout
   return string.format("%s per node %s not split over %s (--gpus-per-task)", counted(per_node, "GPU"),
                        per_node == 1 and "does" or "do", tasks and counted(tasks, "task") or "the tasks")
 end
 
--- ---------------------------------------------------------------- apply
--- The partition a comparison of partitions (the reply lists `alternatives`) moves the job to, nil when it stays:
--- a single partition's answer never moves the job (the cluster model may name the default partition otherwise).
-function M.moved_to(asked, reply)
-  if reply.alternatives == nil or reply.partition == nil or reply.partition == asked then return nil end
-  return reply.partition
-end
-
--- The new job_desc values and batch environment for a rewrite, all computed before anything is assigned, and
--- whether the GPU request changed; or nil and why the reply cannot be applied consistently.
+-- The partition a comparison of partitions (the reply lists `alternatives`) moves the job to; nil when it stays,
+-- and always for a single partition's answer (the cluster model may name the default partition otherwise than Slurm).
+function M.moved_to(asked, r) return r.alternatives ~= nil and r.partition ~= asked and r.partition or nil end
+-- A rewrite's job_desc values and environment, computed before any is assigned, and whether the GPU request changed;
+-- or nil and why it cannot be applied consistently.
 function M.rewrite_fields(job_desc, reply)
   local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
   local f, env = { min_nodes = nodes, max_nodes = nodes, req_switch = reply.switches, features = reply.constraint }, {}
@@ -433,8 +370,7 @@ function M.rewrite_fields(job_desc, reply)
       if num(job_desc.min_cpus) then f.min_cpus = f.num_tasks * cpus_per_task end
     end
   elseif num(job_desc.min_cpus) then
-    -- sbatch derived min_cpus from its node count; left stale (2 nodes -> 1 node x 1 task keeps 2) slurmctld
-    -- refuses the job ("Requested node configuration is not available"): derived again as sbatch would
+    -- sbatch derived it from its node count; stale, slurmctld may refuse the job ("Requested node configuration...")
     f.min_cpus = nodes * (tasks or 1) * cpus_per_task
   end
   if reply.decision_id ~= nil then f.comment = M.comment_with(job_desc.comment, reply.decision_id) end
@@ -444,15 +380,11 @@ function M.rewrite_fields(job_desc, reply)
   return f, env, changed
 end
 
--- Apply a decision to a job_desc (a keep: its id in the comment). Returns true, or nil and why nothing changed.
--- SLURM_GPUS and SLURM_GPUS_PER_NODE are set when the GPU request changed (srun in the job would ask for sbatch's
--- old values), the other variables only when sbatch exported them (job_submit.lua cannot unset one).
+-- Apply a decision to a job_desc (a keep: its id in the comment); true, or nil and why nothing changed. SLURM_GPUS
+-- and _PER_NODE follow a changed GPU request (srun in the job reads them), others only where sbatch set them.
 function M.apply_job_desc(job_desc, decision)
-  if decision.kind == "keep" then
-    if decision.decision_id ~= nil then job_desc.comment = M.comment_with(job_desc.comment, decision.decision_id) end
-    return true
-  end
-  local fields, env = M.rewrite_fields(job_desc, decision)
+  local fields, env = { comment = decision.decision_id and M.comment_with(job_desc.comment, decision.decision_id) }, {}
+  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision) end
   if not fields then return nil, env end
   for key, value in pairs(fields) do job_desc[key] = value end
   local target = job_desc.script ~= nil and job_desc.environment or nil

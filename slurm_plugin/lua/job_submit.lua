@@ -1,16 +1,12 @@
---[[
- job_submit.lua (elastic-slurm): right-size GPU jobs that carry #ELASTIC directives (docs/hook.md). Jobs without
- #ELASTIC lines, launcher helpers and expand: allocations pass untouched and silently. The raw lines and the job's
- request go to POST /v1/plan within one budget (elastic_common.lua); the service decides and the hook validates and
- applies, or reuses a decision it kept. A bad line is the service's 422: rejected. Any failure submits as written.
-]]
+-- job_submit.lua (elastic-slurm): right-size GPU jobs that carry #ELASTIC lines (docs/hook.md). Others, launcher
+-- helpers and expand: allocations pass untouched and silently. The service decides (elastic_common.lua asks it within
+-- one budget, or reuses a decision it kept); the hook validates and applies it. Any failure submits as written.
 local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
 local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
-local cfg, breaker, cache, problem
+local cfg, breaker, cache, problem   -- breaker and cache: as long as slurmctld's Lua state (until a reload)
 if loaded then
   cfg, problem = elastic.read_config(dir .. "elastic.conf")
   if problem then slurm.log_error("slurm_job_submit: elastic: %s", problem) end
-  -- as long as slurmctld's Lua state (until the script is reloaded)
   breaker, cache = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s), elastic.new_cache(cfg.cache_entries)
 else
   slurm.log_error("slurm_job_submit: elastic: cannot load %s: %s", dir .. "elastic_common.lua", tostring(elastic))
@@ -23,22 +19,22 @@ local function submit(job_desc, uid)
   end
   local started = elastic.now()
   local outcome = elastic.plan(cfg, breaker, "job_submit", lines, elastic.job_from_desc(job_desc, uid), cache)
-  local ms = (elastic.now() - started) * 1000
+  local ms, applied, why = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
     slurm.log_user("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
+  elseif outcome.kind ~= "skip" then
+    applied, why = elastic.apply_job_desc(job_desc, outcome)
   end
-  local applied, why
-  if outcome.kind ~= "skip" then applied, why = elastic.apply_job_desc(job_desc, outcome) end
-  if not applied then
+  if applied then
+    slurm.log_info("slurm_job_submit: elastic: uid %s: %s%s (%.1f ms) %s", tostring(uid), outcome.kind,
+                   outcome.cached and ", cached" or "", ms, outcome.reason)
+    slurm.user_msg(outcome.reason)
+  else
     why = outcome.why or ("plan not applied: " .. why)
     slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped (%.1f ms): %s", tostring(uid), ms, why)
     slurm.user_msg(elastic.skip_message(why))
-    return slurm.SUCCESS
   end
-  slurm.log_info("slurm_job_submit: elastic: uid %s: %s%s (%.1f ms) %s", tostring(uid), outcome.kind,
-                 outcome.cached and ", cached" or "", ms, outcome.reason)
-  slurm.user_msg(outcome.reason)
   return slurm.SUCCESS
 end
 
@@ -51,9 +47,6 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   return slurm.SUCCESS
 end
 
-function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
-  return slurm.SUCCESS
-end
-
-slurm.log_info("job_submit.lua: elastic-slurm hook initialized (%s)", loaded and tostring(cfg.predictor_url) or "disabled")
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid) return slurm.SUCCESS end
+slurm.log_info("job_submit.lua: elastic-slurm hook initialized (%s)", loaded and cfg.predictor_url or "disabled")
 return slurm.SUCCESS
