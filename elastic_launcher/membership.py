@@ -354,6 +354,8 @@ class Membership:
         Raises:
             LeftGroup: the record moved on without this worker (it was declared dead).
             RendezvousTimeout: no decision within ``timeout``.
+            InvalidPlan: the record never made ``failed`` its epoch (a resize a recovery superseded; its members
+                cannot have switched to it, since a switch is voted in the old epoch's collective).
         """
         t = timeout or self.timeout
         deadline = time.monotonic() + t.total_seconds()
