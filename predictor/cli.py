@@ -107,11 +107,12 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: client connections at once from one address, idle ones included (more are closed)")
 @click.option("--per-address-requests", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
               help="nginx: requests in progress from one address (more: 429)")
-@click.option("--credential-workers", default=1, show_default=True, type=click.IntRange(0, 64),
-              help="nginx with ELASTIC_PREDICTOR_MUNGE=1: worker processes of the gunicorn that answers requests "
-                   "carrying a munge credential, apart from --workers (0: none, they share --workers)")
+@click.option("--side-workers", default=1, show_default=True, type=click.IntRange(0, 64),
+              help="nginx: worker processes of a second gunicorn (4 threads each, nice 10) that answers every "
+                   "request but the hook's (POST /v1/plan without a munge credential, /healthz), which --workers "
+                   "answer (0: one gunicorn for all)")
 def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout,
-          max_connections, per_address, per_address_requests, credential_workers):
+          max_connections, per_address, per_address_requests, side_workers):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
@@ -152,10 +153,15 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
                                    upstream_timeout=timeout + 5, max_connections=max_connections,
                                    per_address=min(per_address, max_connections),
                                    per_address_requests=per_address_requests)
+        plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
+
+        def load_plan_pool():
+            return create_app(plan_config)   # it answers only /v1/plan and /healthz: fits and drawings are the side's
+
         try:
-            status = run_nginx(load, host=host, port=port, workers=workers, threads=threads, timeout=timeout,
-                               limits=nginx_limits, log=lambda line: click.echo(line, err=True),
-                               credential_workers=credential_workers if config.munge_auth else 0)
+            status = run_nginx(load_plan_pool, host=host, port=port, workers=workers, threads=threads,
+                               timeout=timeout, limits=nginx_limits, log=lambda line: click.echo(line, err=True),
+                               side_workers=side_workers, side_load=load)
         except NginxMissing as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:

@@ -95,6 +95,8 @@ class Config:
         plot_prerender: draw the admin page's default plots in the background for every new model version
             before anyone asks (on for `serve` through `from_env`; off in `Config()`, so embedding code and
             tests start no drawing they did not ask for).
+        fits: this process may fit the model (take the fit lock); False: it only loads the models others fit
+            (the plan pool behind nginx, predictor.front_nginx: fits run in the side pool).
     """
 
     db_path: str = "predictor.db"
@@ -120,6 +122,7 @@ class Config:
     decisions_max_age: timedelta = timedelta(days=90)
     decisions_max_bytes: int = 512 * 1024 * 1024
     plot_prerender: bool = False
+    fits: bool = True
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:

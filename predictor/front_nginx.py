@@ -10,11 +10,13 @@ SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and 
 Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
 nginx is not installed.
 
-The credential pool (#24.4): with `credential_workers` > 0 (munge on), a second gunicorn on
-`gunicorn-credentials.sock` (gthread, `CREDENTIAL_THREADS` threads a worker, its processes at nice
-`CREDENTIAL_NICE`) answers every request that carries `X-Elastic-Munge`; nginx routes by that header. unmunge
-and the Slurm lookups a credential costs then never hold a worker of the main pool, which answers the hook's
-`/v1/plan` (sent without a credential), and lose the CPU to it on a busy host.
+Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
+answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge`, and GET /healthz; a second
+one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`)
+answers everything else: writes, requests carrying a munge credential (unmunge and the Slurm lookups it costs),
+`/v1/predict`, profiles, decisions, `/admin`, `/metrics`. nginx routes by method, path and that header. So no
+credential check, write flood or admin page holds a worker the hook's plan needs, and on a busy host the side
+pool (and the unmunge, squeue and sacct it runs) yields the CPU to it.
 """
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ SEND_TIMEOUT_S = 30
 # body buffer, 8 KiB + 4 x 8 KiB answer buffers; about 8 KiB of pools.
 CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8) * 1024
 WORKER_BASE_BYTES = 8 * 1024 * 1024                # a worker's own memory, measured 3-6 MB, and its connection array
-CREDENTIAL_SOCKET = "gunicorn-credentials.sock"
-CREDENTIAL_THREADS = 4      # a credential pool worker's threads: its unmunge and Slurm runs wait side by side
-CREDENTIAL_NICE = 10        # the credential pool's processes (and the unmunge, squeue, sacct they run) yield the CPU
+SIDE_SOCKET = "gunicorn-side.sock"
+SIDE_THREADS = 4            # a side pool worker's threads: its unmunge and Slurm runs wait side by side
+SIDE_NICE = 10              # the side pool's processes (and the unmunge, squeue, sacct they run) yield the CPU
 
 
 class NginxMissing(RuntimeError):
@@ -106,11 +108,11 @@ def nginx_missing() -> str | None:
 
 
 def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_module: str, user: str | None,
-           credential_pool: bool = False) -> str:
-    """The nginx configuration; `credential_pool`: requests with `X-Elastic-Munge` go to `CREDENTIAL_SOCKET`."""
+           side_pool: bool = False) -> str:
+    """The nginx configuration; `side_pool`: all but the hook's requests go to `SIDE_SOCKET` (module docstring)."""
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
-              "CREDENTIAL_UPSTREAM": "gunicorn_credentials" if credential_pool else "gunicorn",
+              "SIDE_UPSTREAM": "gunicorn_side" if side_pool else "gunicorn",
               "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
               "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 5,
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
@@ -158,10 +160,10 @@ def _port_free(host: str, port: int) -> None:
 
 def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: int, timeout: int,
               limits: NginxLimits, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-              credential_workers: int = 0) -> int:
-    """Serve `load()` (built in each gunicorn worker) behind nginx; returns the exit status. With
-    `credential_workers` > 0, requests carrying a munge credential get a gunicorn of their own (the module
-    docstring). Raises NginxMissing, or OSError when host:port cannot be bound."""
+              side_workers: int = 0, side_load: Callable | None = None) -> int:
+    """Serve `load()` (built in each gunicorn worker) behind nginx; returns the exit status. With `side_workers`
+    > 0, all but the hook's requests go to a second gunicorn of that many workers running `side_load()` (default
+    `load`; the module docstring). Raises NginxMissing, or OSError when host:port cannot be bound."""
     exe, load_module = find_nginx()
     _port_free(host, port)
     user = worker_user()
@@ -173,15 +175,14 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
     conf = os.path.join(runtime, "nginx.conf")
     Path(conf).write_text(render(limits, host=host, port=port, runtime=runtime, load_module=load_module,
                                  user=f"{user.pw_name} {_group(user)}" if user else None,
-                                 credential_pool=credential_workers > 0))
+                                 side_pool=side_workers > 0))
     children: dict[str, int] = {}
     try:
-        pools = [("gunicorn", "gunicorn.sock", workers, threads, 0)]
-        if credential_workers > 0:
-            pools.append(("gunicorn-credentials", CREDENTIAL_SOCKET, credential_workers, CREDENTIAL_THREADS,
-                          CREDENTIAL_NICE))
-        for name, sock, count, per_worker, nice in pools:
-            children[name] = _fork_gunicorn(load, f"unix:{runtime}/{sock}", count, per_worker, timeout, nice)
+        pools = [("gunicorn", "gunicorn.sock", load, workers, threads, 0)]
+        if side_workers > 0:
+            pools.append(("gunicorn-side", SIDE_SOCKET, side_load or load, side_workers, SIDE_THREADS, SIDE_NICE))
+        for name, sock, app, count, per_worker, nice in pools:
+            children[name] = _fork_gunicorn(app, f"unix:{runtime}/{sock}", count, per_worker, timeout, nice)
         for name, sock, *_ in pools:
             if not _wait_socket(os.path.join(runtime, sock), children[name], 120.0):
                 log(f"serve: {name} did not start (see above)")
@@ -195,10 +196,10 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
             f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address; "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
-        if credential_workers > 0:
-            log(f"front end: requests with a munge credential go to their own gunicorn ({credential_workers} "
-                f"worker(s) x {CREDENTIAL_THREADS} threads, nice {CREDENTIAL_NICE}) on unix:{runtime}/"
-                f"{CREDENTIAL_SOCKET}: credential checks never hold a worker of /v1/plan")
+        if side_workers > 0:
+            log(f"front end: the plan pool ({workers} worker(s)) answers POST /v1/plan without a munge credential "
+                f"and /healthz; every other request goes to the side pool ({side_workers} worker(s) x "
+                f"{SIDE_THREADS} threads, nice {SIDE_NICE}) on unix:{runtime}/{SIDE_SOCKET}")
         return _supervise(children, limits, log)
     finally:
         for pid in children.values():

@@ -327,14 +327,18 @@ class ModelCache:
         check: how often, at least, to look for a newer stored model (and try for the fit lock).
         keep_models: stored models kept (the newest).
         lock: the fit lock; default `<db>.fitlock` beside the store's database.
+        fitter: False: the refit thread never takes the fit lock, it only loads what other processes fit (the
+            plan pool behind nginx, so no fit shares a process with the hook's /v1/plan).
     """
 
     def __init__(self, store: Store, predictor_factory: Callable[[], Any] = default_predictor_factory,
                  debounce: timedelta = timedelta(seconds=1), poll: timedelta = timedelta(seconds=2),
                  cache_size: int = 4096, min_interval: timedelta = timedelta(0),
                  cache_bytes: int = DEFAULT_PREDICTION_CACHE_BYTES,
-                 check: timedelta = timedelta(milliseconds=100), keep_models: int = 3, lock: FitLock | None = None):
+                 check: timedelta = timedelta(milliseconds=100), keep_models: int = 3, lock: FitLock | None = None,
+                 fitter: bool = True):
         self.store = store
+        self.fitter = fitter
         self.predictor_factory = predictor_factory
         self.debounce = debounce
         self.poll = poll
@@ -398,7 +402,7 @@ class ModelCache:
     def _tick(self) -> None:
         """Load a newer stored model; then, as the fitter, fit when the data moved past the model."""
         self.load_newest()
-        if self.election.try_acquire() and self._fit_due():
+        if self.fitter and self.election.try_acquire() and self._fit_due():
             try:
                 self._fit_and_publish()
             except Exception:  # noqa: BLE001 - reported (here and in the store) by _fit_and_publish

@@ -232,9 +232,10 @@ exit 1
 
 
 def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
-    """#24.4: requests carrying a munge credential go to a gunicorn of their own, so while every one of their
-    checks hangs (a fake unmunge that waits for the test), the hook's /v1/plan is answered. Before, the checks ran
-    in the same two sync workers and the plan waited for one of them to end."""
+    """#24.4: requests carrying a munge credential go to the side pool, a gunicorn apart from the one that answers
+    the hook, so while every one of their checks hangs (a fake unmunge that waits for the test), the hook's
+    /v1/plan is answered. Before, the checks ran in the same two sync workers and the plan waited for one of them
+    to end."""
     folder = tmp_path / "munge"
     folder.mkdir()
     fake = folder / "unmunge"
@@ -268,6 +269,30 @@ def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
     assert sorted(answered) == [401] * 4     # the released checks end as unmunge said: a bad credential
 
 
+def test_fits_run_in_the_side_pool_never_beside_the_hooks_plans(history, tmp_path):
+    """#24.11: a write's refit ran in a thread of whichever worker held the fit lock, one of the two that answer the
+    hook's /v1/plan, and took the GIL from its plans. Now the plan pool (which answers /healthz too) never fits:
+    the side pool does, and the plan pool loads its model."""
+    import json  # noqa: PLC0415
+
+    rows = json.dumps([{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2], "per_gpu_batch": 64,
+                        "intra_link": "nvlink", "iter_s": 0.0331}]).encode()
+    with _serve(history, tmp_path) as (port, _proc):
+        status, answer = _get(port, "/v1/observations", method="POST", body=rows,
+                              headers={"Authorization": "Bearer tok", "Content-Type": "application/json"})
+        assert status == 201, answer
+        pending = json.loads(answer)["model_version_pending"]
+        deadline = time.monotonic() + 120
+        while True:
+            status, answer = _get(port, "/healthz")
+            if status == 200 and (json.loads(answer)["model_generation"] or 0) >= pending:
+                break
+            assert time.monotonic() < deadline, f"no model of generation {pending}: {answer[:300]!r}"
+            time.sleep(0.1)
+        health = [json.loads(_get(port, "/healthz")[1]) for _ in range(12)]
+    assert [(h["fitter"], h["fits"]) for h in health] == [(False, 0)] * 12, health
+
+
 def test_missing_nginx_is_one_line_naming_the_packages(monkeypatch):
     monkeypatch.setattr(front_nginx.shutil, "which", lambda *_a, **_k: None)
     with pytest.raises(NginxMissing) as err:
@@ -289,12 +314,29 @@ def test_rendered_configuration_carries_the_limits(tmp_path):
     assert "user " not in text.split("events", 1)[0].replace("# ", "")
 
 
+def test_only_the_hooks_requests_reach_the_plan_pool(tmp_path):
+    """With the side pool, nginx sends POST /v1/plan without a munge credential and /healthz to gunicorn.sock and
+    everything else to the side pool's socket; without it, everything to gunicorn.sock."""
+    side = front_nginx.render(NginxLimits(), host="127.0.0.1", port=8470, runtime=str(tmp_path), load_module="",
+                              user=None, side_pool=True)
+    pool = re.search(r'map "\$http_x_elastic_munge\|\$request_method \$uri" \$app_pool \{(.*?)\}', side, re.S)
+    assert pool, side
+    routes = dict(line.split("#")[0].strip().rstrip(";").rsplit(None, 1) for line in pool.group(1).splitlines()
+                  if line.split("#")[0].strip())
+    assert routes == {"default": "gunicorn_side", '"|POST /v1/plan"': "gunicorn", '"|GET /healthz"': "gunicorn",
+                      '"|HEAD /healthz"': "gunicorn"}
+    assert f"server unix:{tmp_path}/{front_nginx.SIDE_SOCKET}" in side and "proxy_pass http://$app_pool;" in side
+    alone = front_nginx.render(NginxLimits(), host="127.0.0.1", port=8470, runtime=str(tmp_path), load_module="",
+                               user=None)
+    assert "default             gunicorn;" in alone
+
+
 def test_configuration_passes_nginx_t(tmp_path):
     _require_nginx()
     exe, load_module = front_nginx.find_nginx()
     conf = tmp_path / "nginx.conf"
     conf.write_text(front_nginx.render(NginxLimits(), host="127.0.0.1", port=_free_port(), runtime=str(tmp_path),
-                                       load_module=load_module, user=None))
+                                       load_module=load_module, user=None, side_pool=True))
     done = subprocess.run([exe, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf), "-g",
                            f"pid {tmp_path}/nginx.pid; error_log stderr warn;"], capture_output=True, text=True,
                           timeout=30)
