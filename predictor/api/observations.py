@@ -16,6 +16,7 @@ import re
 from flask import Blueprint, request
 
 from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
+from predictor.api.profiles import own_name
 from predictor.jobcheck import RecordMismatch, check_records, run_seconds
 from predictor.records import ValidationError, validate_batch
 from predictor.store import ClaimExceeded
@@ -42,6 +43,11 @@ def create():
         check_records(records, who.job, svc.cluster, now=authenticator().clock())
         # the signer's uid goes with every row: the fit bounds one user's influence over all their jobs (#24.1)
         records = [dict(r, job_id=r.get("job_id", who.job_id), uid=who.uid) for r in records]
+        # a step row of a name this user has its own profile of (another user holds the name) is that profile's
+        names = {r["profile"] for r in records if r.get("profile")}
+        own = {name: own_name(svc.store, name, who.uid) for name in names}
+        records = [dict(r, profile=own[r["profile"]]) if r.get("profile") in own and own[r["profile"]] != r["profile"]
+                   else r for r in records]
     claim = (who.job_id, run_seconds(who.job, authenticator().clock())) if who.kind == "job" else None
     try:
         written = svc.store.write_observations(records, _write_key(who), claim)

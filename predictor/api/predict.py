@@ -17,7 +17,7 @@ from flask import Blueprint, Response, request
 
 from predictor import planner
 from predictor.api import authenticator, client_address, identified, json_body, metrics, services
-from predictor.api.profiles import readable_by
+from predictor.api.profiles import own_name, readable_by
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
 from predictor.records import LINK_RE, NAME_RE, validate_layout
@@ -126,7 +126,10 @@ def lookup_profile(svc, name: str, models: ModelView | None = None, reader: tupl
         NotFoundError: unknown profile, or another user's (404 with a hint).
     """
     if reader is not None:
-        _check_readable(svc, name, reader)
+        own = own_name(svc.store, name, reader[0])
+        if own == name:
+            _check_readable(svc, name, reader)
+        name = own
     profile = (models or svc.models).profile(name)
     return profile if profile is not None else Profile.from_dict(svc.store.get_profile(name))
 
@@ -169,12 +172,14 @@ class _OwnedProfiles:
         return getattr(self._models, name)
 
     def profile(self, name: str):
+        reader = _reader(self._uid)
+        own = own_name(self._svc.store, name, reader[0])
         try:
-            if _check_readable(self._svc, name, _reader(self._uid)):
+            if own != name or _check_readable(self._svc, name, reader):
                 self.user_owned = True
         except NotFoundError:
             return None
-        return self._models.profile(name)
+        return self._models.profile(own)
 
 
 def enumerate_candidates(cluster, gpu: str, partition: str | None, max_gpus: int | None) -> list[dict]:

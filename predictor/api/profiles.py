@@ -27,6 +27,21 @@ def summary(profile: Profile) -> dict:
             "grad_bytes": profile.grad_bytes, "buckets": len(profile.buckets_bytes), "source": profile.source}
 
 
+def scoped_name(name: str, uid: int) -> str:
+    """Where a user's own profile of `name` is stored when another user holds the name (#24: a squat must not
+    block it): `<name>@u<uid>`. '@' is outside the `model=` grammar (NAME_RE), so no request can name it, nor
+    register or post rows under it; the service maps `name` to it for that user's jobs only."""
+    return f"{name}@u{int(uid)}"
+
+
+def own_name(store, name: str, uid: int | None) -> str:
+    """The stored name `name` means for a job of `uid`: its own scoped profile when it has one, else `name`."""
+    if uid is None:
+        return name
+    scoped = scoped_name(name, uid)
+    return scoped if store.profile_owner(scoped)[0] else name
+
+
 def _owner_text(owner: int | None) -> str:
     return "the site's (registered with a token)" if owner is None else f"uid {owner}'s"
 
@@ -37,7 +52,9 @@ def register(store, body, may_replace: bool = True, owner: int | None = None) ->
     A name is owned by who registered it (#24.6): a job's user (its uid), or the site (a token, the importer).
     Anyone may re-post a profile unchanged (nothing is written); only an admin (`may_replace`) replaces one, and
     an admin's (or a token's) write makes the profile the site's. A user's profile serves only that user's plans
-    and predictions (`readable_by`).
+    and predictions (`readable_by`). A name another user holds does not block a job: its user gets a profile of
+    that name of its own, stored as `scoped_name(name, uid)`, which that user's plans, predictions and step rows
+    use (`own_name`).
 
     Args:
         may_replace: True for an admin (the admin token; the tool token while none is set): replaces anyone's.
@@ -46,8 +63,8 @@ def register(store, body, may_replace: bool = True, owner: int | None = None) ->
 
     Raises:
         ValidationError: naming the bad field (`name`, `tensors[3].numel`).
-        AuthError: 403 `name_owned` when a job's body differs from another owner's (a user's or the site's)
-            profile of that name, `admin_required` when it differs from its own user's or a token that does not
+        AuthError: 403 `name_owned` when a job's body differs from the site's profile of that name,
+            `admin_required` when it differs from its own user's or a token that does not
             administer would replace one; 403 `profile_quota` when a new profile would take its owner past the
             quota; 403 `reserved_name` (`_check_well_known`).
     """
@@ -70,11 +87,15 @@ def register(store, body, may_replace: bool = True, owner: int | None = None) ->
         stored.update(extra)
     # an admin replaces anyone's (and the importer's parse, a stand-in store, has no owners)
     exists, current_owner = (False, None) if may_replace else store.profile_owner(profile.name)
+    if exists and not may_replace and owner is not None and current_owner not in (None, owner):
+        # another user holds the name: this user's own profile of that name, beside it (#24: no squat blocks it)
+        stored["name"] = scoped_name(profile.name, owner)
+        profile = Profile.from_dict(stored)
+        exists, current_owner = store.profile_owner(profile.name)
     if exists and not may_replace and store.get_profile(profile.name) != json.loads(json.dumps(stored)):
         if owner is not None and current_owner != owner:
-            used = "" if current_owner is None else ", and your jobs' plans do not use it"
             raise AuthError(403, f"name: profile {profile.name!r} is {_owner_text(current_owner)}: only an admin may "
-                                 f"replace it{used}; name your profile after your own model (e.g. with your user "
+                                 f"replace it; name your profile after your own model (e.g. with your user "
                                  "name), or ask an admin to register it for the site", "name", "name_owned")
         raise AuthError(403, f"profile {profile.name!r} exists with a different body; replacing it needs the "
                              "admin token (ELASTIC_PREDICTOR_ADMIN_TOKEN; the tool token while none is set)", "name",

@@ -37,15 +37,41 @@ def test_another_user_cannot_replace_a_users_profile_and_an_admin_can(client, ap
     store = app.extensions["elastic_predictor"].store
     assert post_signed(client, SQUAT, 7, 1000).status_code == 201
     other = dict(SQUAT, tensors=SQUAT["tensors"] * 3)
-    r = post_signed(client, other, 8, 1001)
-    assert (r.status_code, r.json["reason"], r.json["field"]) == (403, "name_owned", "name"), r.json
-    assert "uid 1000's" in r.json["error"]
-    assert post_signed(client, SQUAT, 8, 1001).status_code == 200          # the same body: nothing written
+    r = post_signed(client, other, 8, 1001)           # uid 1001 gets its own (below), uid 1000's stays
+    assert r.status_code == 201 and r.json["name"] == "llama-70b@u1001", r.json
+    assert post_signed(client, other, 8, 1001).status_code == 200          # the same body: nothing written
+    r = post_signed(client, SQUAT, 8, 1001)                                # its own: only an admin replaces it
+    assert (r.status_code, r.json["reason"]) == (403, "admin_required"), r.json
     assert store.profile_owner("llama-70b") == (True, 1000)
     assert len(store.get_profile("llama-70b")["tensors"]) == 2
     assert client.post("/v1/profiles", data=json.dumps(other), headers=ADMIN_H).status_code == 200
     assert store.profile_owner("llama-70b") == (True, None)                # the admin's: the site's now
     assert len(store.get_profile("llama-70b")["tensors"]) == 6
+
+
+def test_a_squat_does_not_block_the_name_for_another_user(client, app):
+    """#24: a user who registered `llama-70b` first (2 tensors) kept every other user's jobs from registering it
+    until an admin did (403 name_owned); their plans of it stayed the unknown-model keep. Now another user's job
+    gets its own `llama-70b`, which plans, predicts and takes step rows for that user's jobs only."""
+    store = app.extensions["elastic_predictor"].store
+    assert post_signed(client, SQUAT, 7, 1000).status_code == 201
+    real = dict(SQUAT, tensors=[{"name": f"l{i}", "numel": 4_000_000, "dtype": "bfloat16"} for i in range(40)])
+    r = post_signed(client, real, 8, 1001)
+    assert r.status_code == 201, r.json
+    assert store.profile_owner("llama-70b@u1001") == (True, 1001) and store.profile_owner("llama-70b") == (True, 1000)
+    steps = [dict(STEP, profile="llama-70b", layout=layout) for layout in ([1], [2], [4], [4, 4])]
+    data = json.dumps(steps).encode()
+    assert client.post("/v1/observations", data=data, headers=sign(data, 8, 1001)).status_code == 201
+    rows = [o for o in store.observations() if o.get("uid") == 1001]
+    assert rows and {o["profile"] for o in rows} == {"llama-70b@u1001"}    # the user's rows: its own profile's
+    app.extensions["elastic_predictor"].models.refit()
+    mine = plan_for(client, 1001)
+    assert "unknown model" not in mine["reason"] and mine["cache_ttl_s"] == 0, mine
+    assert "unknown model" not in plan_for(client, 1000)["reason"]          # the squatter's own, still
+    assert "unknown model 'llama-70b'" in plan_for(client, 1002)["reason"]  # a third user: neither
+    query = json.dumps({"profile": "llama-70b", "gpu": "H200", "per_gpu_batch": 8, "max_gpus": 2}).encode()
+    r = client.post("/v1/predict", data=query, headers=sign(query, 8, 1001))
+    assert r.status_code == 200, r.json
 
 
 def test_a_site_profile_is_refused_to_a_job_as_owned(client):
