@@ -14,6 +14,13 @@ It runs the three benches as libraries, each in its quick form unless `--full`:
   connection) are answered 200, and their p99 (`--idle-servers` picks the fronts; nginx needs nginx installed).
 - bench/hostile_round2.py (issue #24, items 7, 2, 12, 14) against `serve`'s default front end: 100 profiles of one
   job (300 with --full).
+- bench/hostile_round3.py (issue #24, items 1, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16) with a victim POSTing /v1/plan at
+  20/s from another address: all of them when the Slurm testbed is up in `--lab` (default $ELASTIC_SLURM_LAB, else
+  /var/tmp/elastic-slurm-dev: items 1, 4, 6, 11, 15 need its munged and jobs), else the others and a row naming
+  the ones left out (`--round3-items` picks, '' for none). Its table has the issue's columns: the victim's
+  /v1/plan p99 during each attack (target <= 100 ms), the victim's 5xx, the attacker's answers, the item's own
+  check (memory and disk growth with their bound, others' plan and predictions moved, staleness, where the item
+  measures them) and its verdict.
 The per-bench tables stay in their own results files; this prints the summary and the raw rows it came from.
 """
 from __future__ import annotations
@@ -39,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import hostile_clients  # noqa: E402
 import hostile_round2  # noqa: E402
+import hostile_round3  # noqa: E402
 import poisoning  # noqa: E402
 import slow_clients  # noqa: E402
 
@@ -144,7 +152,30 @@ def _healthz(port: int, source: str) -> tuple[int, float]:
         conn.close()
 
 
-def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered")) -> dict:
+ROUND3_LAB_ITEMS = (1, 4, 6, 11, 15)   # need the Slurm testbed (munged, jobs)
+
+
+def round3(work: Path, items: tuple[int, ...], lab: Path, full: bool, root: Path = ROOT) -> dict:
+    """bench/hostile_round3.py's `items` against the service of checkout `root`; those that need the testbed
+    only when it is up in `lab`."""
+    left_out: tuple[int, ...] = ()
+    if any(i in ROUND3_LAB_ITEMS for i in items):
+        try:
+            if not (lab / "etc" / "slurm.conf").is_file():     # no testbed there: no Slurm command waits on it
+                raise RuntimeError(f"no testbed in {lab} (elastic-slurm testbed up --lab {lab})")
+            hostile_round3.Lab(lab)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            left_out = tuple(i for i in items if i in ROUND3_LAB_ITEMS)
+            items = tuple(i for i in items if i not in ROUND3_LAB_ITEMS)
+            left_out_why = str(exc)
+    args = argparse.Namespace(flood_s=30.0 if full else 10.0, posts=400, credentials=600, profiles=100,
+                              keep_work=False)
+    rows = hostile_round3.run_all(root, items, lab, work, args) if items else []
+    return {"rows": rows, "left_out": left_out, "why": left_out_why if left_out else ""}
+
+
+def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered"), round3_items: tuple[int, ...] = (),
+        lab: Path = hostile_round3.DEFAULT_LAB) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
     try:
         rows = hostile_clients.run(ROOT, 2, 20.0 if full else 5.0, work)
@@ -157,10 +188,32 @@ def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered")) -> di
         idle = [idle_flood(work, server) for server in idle_servers]
         (work / "round2").mkdir()
         round2 = hostile_round2.run(ROOT, 300 if full else 100, work / "round2")
+        (work / "round3").mkdir()
+        rounds3 = round3(work / "round3", round3_items, lab, full)
     finally:
+        subprocess.run(["umount", str(work / "round3" / "full")], capture_output=True, check=False)
         shutil.rmtree(work, ignore_errors=True)
     poison = {cap: poisoning.impact(cap) for cap in (20, 10 ** 9)}
-    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle, "round2": round2}
+    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle, "round2": round2, "round3": rounds3}
+
+
+def round3_table(res: dict) -> str:
+    """Round 3 in the issue's columns (#24, "Done when")."""
+    out = ["| #24 item | attack | victim /v1/plan p99 during (target <= 100 ms) | victim 5xx or no answer | "
+           "attacker's answers | check (memory, disk, others moved, staleness: where the item measures them) | "
+           "verdict |", "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        during = r["during"]
+        p99 = "-" if during is None else f"{during['p99']:.1f} ms ({'yes' if r['latency_ok'] else 'no'}; p50 " \
+                                         f"{during['p50']:.1f}, before p99 {r['before']['p99']:.1f})"
+        errors = "-" if during is None else \
+            f"{during['errors']} of {during['n']}" + (f" ({during['codes']})" if during["errors"] else "")
+        out.append(f"| {r['item']} | {r['attack']} | {p99} | {errors} | {r['attacker']} | {r['check']} | "
+                   f"**{r['verdict']}** |")
+    if res["left_out"]:
+        out.append(f"| {', '.join(map(str, res['left_out']))} | not run: they need the Slurm testbed ({res['why']}) | "
+                   "- | - | - | - | - |")
+    return "\n".join(out)
 
 
 def idle_row(idle: list[dict]) -> str:
@@ -221,8 +274,35 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-servers", default="nginx,buffered",
                     help="fronts the idle-connection attack runs against, comma-separated ('' for none)")
     ap.add_argument("--only-idle", action="store_true", help="run only the idle-connection attack, print its rows")
+    ap.add_argument("--round3-items", default=",".join(map(str, hostile_round3.ALL_ITEMS)),
+                    help="bench/hostile_round3.py's items to run ('' for none; 1, 4, 6, 11, 15 need the testbed)")
+    ap.add_argument("--lab", type=Path, default=Path(os.environ.get("ELASTIC_SLURM_LAB", hostile_round3.DEFAULT_LAB)),
+                    help="the Slurm testbed round 3's job items use")
+    ap.add_argument("--only-round3", action="store_true", help="run only round 3, print its table")
+    ap.add_argument("--root", type=Path, default=ROOT,
+                    help="with --only-round3: the checkout whose service is attacked (an older commit's export)")
     args = ap.parse_args(argv)
     idle_servers = tuple(s for s in args.idle_servers.split(",") if s)
+    round3_items = tuple(int(x) for x in args.round3_items.split(",") if x)
+    if args.only_round3:
+        started, load = time.time(), os.getloadavg()[0]
+        work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
+        try:
+            res3 = round3(work, round3_items, args.lab, args.full, args.root.resolve())
+        finally:
+            subprocess.run(["umount", str(work / "full")], capture_output=True, check=False)
+            shutil.rmtree(work, ignore_errors=True)
+        text = (f"Hostile-client suite, round 3 only, {len(os.sched_getaffinity(0))} usable cores shared with other "
+                f"users (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after), Python "
+                f"{platform.python_version()}, {date.today().isoformat()}, {time.time() - started:.0f} s; victim: POST "
+                f"/v1/plan at {hostile_round3.PLAN_RATE:g}/s from {hostile_round3.VICTIM_ADDRESS}.\n\n"
+                + round3_table(res3) + "\n")
+        print(text)
+        if args.output:
+            command = "python bench/hostile_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
+            Path(args.output).write_text(f"# Hostile-client suite, round 3 (issue #24)\n\nCommand: `{command.strip()}`"
+                                         f"\n\n{text}")
+        return 0 if all(r["verdict"] != "FAIL" for r in res3["rows"]) else 1
     if args.only_idle:
         work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
         try:
@@ -232,7 +312,7 @@ def main(argv=None) -> int:
         print(idle_row(idle), *(json.dumps(r) for r in idle), sep="\n")
         return 0
     started, load = time.time(), os.getloadavg()[0]
-    res = run(args.full, idle_servers)
+    res = run(args.full, idle_servers, round3_items, args.lab)
     header = (f"Hostile-client suite ({'full' if args.full else 'quick'}), {len(os.sched_getaffinity(0))} usable "
               f"cores shared with other users (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after), "
               f"Python {platform.python_version()}, {date.today().isoformat()}, {time.time() - started:.0f} s.")
@@ -242,7 +322,9 @@ def main(argv=None) -> int:
            json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]}),
            "", "Raw: idle connections from one address", "", *(json.dumps(r) for r in res["idle"]),
            "", "Raw: round 2 (bench/hostile_round2.py's table)", "", hostile_round2.table(res["round2"])]
-    text = header + "\n\n" + summary(res) + "\n" + "\n".join(raw) + "\n"
+    text = (header + "\n\n" + summary(res) + "\n\nRound 3 (bench/hostile_round3.py; victim: POST /v1/plan at "
+            f"{hostile_round3.PLAN_RATE:g}/s from {hostile_round3.VICTIM_ADDRESS})\n\n" + round3_table(res["round3"])
+            + "\n" + "\n".join(raw) + "\n")
     print(text)
     if args.output:
         command = "python bench/hostile_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
