@@ -194,6 +194,7 @@ def test_link_series_uses_bus_bandwidth(fitted):
     assert all(b2 >= b1 * 0.999 for (_, b1), (_, b2) in zip(curve, curve[1:]))  # bandwidth never falls with size
 
 
+@pytest.mark.slow  # matplotlib drawings or worker processes: seconds
 def test_pngs_are_real_pictures(fitted):
     store, predictor = fitted
     for data in (plots.scaling_png(store, predictor), plots.links_png(store, predictor)):
@@ -209,6 +210,7 @@ def test_plots_of_an_empty_store_explain_themselves(tmp_path):
     store.close()
 
 
+@pytest.mark.slow  # matplotlib drawings or worker processes: seconds
 def test_cli_plot_writes_pngs(seeded_db, tmp_path):
     runner = CliRunner()
     for kind, extra in (("scaling", ["--profile", "gpt2"]), ("links", [])):
@@ -408,6 +410,7 @@ def test_admin_before_the_first_fit(seeded_db, tmp_path):
     application.extensions["elastic_predictor"].store.close()
 
 
+@pytest.mark.slow  # matplotlib drawings or worker processes: seconds
 def test_metrics_sum_every_worker_of_the_service(seeded_db, tmp_path):
     """Two apps on one database stand for two gunicorn workers: either one's scrape shows both's requests."""
     db = tmp_path / "shared.db"

@@ -68,6 +68,7 @@ def _many_gpus(n: int) -> list[dict]:
     return [dict(STEP, gpu=f"G{i}", layout=[1 + i % 4], intra_link="nvlink") for i in range(n)]
 
 
+@pytest.mark.slow  # matplotlib drawings or worker processes: seconds
 def test_a_plot_of_many_gpu_names_is_drawn_off_the_request_and_bounded(app, monkeypatch):
     """Issue #14.4: after one POST of step records on 60 GPU names, the plot request answers without drawing
     (the first drawing is the background thread's), and what the figure draws is bounded."""
