@@ -139,6 +139,9 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
                        "connections per client address)", err=True)
 
     _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
+    # the engine (numpy, scipy, sklearn: ~0.8 s of CPU to import) is imported once here, before gunicorn forks, so
+    # a worker that gunicorn starts again (after a crash or a SIGKILL) does not take that CPU from the others
+    import predictor.engine  # noqa: F401, PLC0415
 
     def load():
         return create_app(config)         # per worker: its own connections and refit thread

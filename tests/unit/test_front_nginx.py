@@ -293,6 +293,25 @@ def test_fits_run_in_the_side_pool_never_beside_the_hooks_plans(history, tmp_pat
     assert [(h["fitter"], h["fits"]) for h in health] == [(False, 0)] * 12, health
 
 
+def test_gunicorn_forks_its_workers_with_the_engine_already_imported(history, tmp_path):
+    """#24.13: each worker gunicorn starts again after a SIGKILL imported the engine (numpy, scipy, sklearn: ~0.8 s
+    of CPU on a core the hook's plans need); now `serve` imports it before forking, so every gunicorn process, the
+    arbiters included, maps sklearn's compiled modules from the start."""
+    with _serve(history, tmp_path) as (_port, proc):
+        parents: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents.setdefault(int(fields[1]), []).append(int(entry.name))
+            except (ValueError, OSError):
+                continue
+        arbiters = [pid for pid in parents.get(proc.pid, []) if _comm(pid) != "nginx"]
+        assert len(arbiters) == 2, arbiters                     # the plan pool's gunicorn and the side pool's
+        for pid in arbiters:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "/sklearn/" in maps, f"gunicorn {pid} forks its workers without the engine imported"
+
+
 def test_missing_nginx_is_one_line_naming_the_packages(monkeypatch):
     monkeypatch.setattr(front_nginx.shutil, "which", lambda *_a, **_k: None)
     with pytest.raises(NginxMissing) as err:
