@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from datetime import timedelta
@@ -574,9 +575,11 @@ class Controller:
         except Exception as exc:
             log.warning("last observations not posted: %s", exc)
         releaser = self.resizer.releaser  # every helper ends the one way: stop key, 3 s, then scancel
-        for helper in list(self.fleet.helpers):
+        for helper in [*self.fleet.helpers, *releaser.ending]:  # those in a release's grace too: it outlasts us
             releaser.end_helper(helper, f"main job {outcome}", grace_s=HELPER_EXIT_S)
-        wait_until(lambda: releaser.reap(self.clock()) == 0, timedelta(seconds=HELPER_EXIT_S + 2), interval=0.2)
+        if not wait_until(lambda: releaser.reap(self.clock()) == 0, timedelta(seconds=HELPER_EXIT_S + 2),
+                          interval=0.2):
+            releaser.reap(math.inf)  # whatever still runs is scancelled now
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
             self.records.write("end", outcome=outcome, nodes=len(self.fleet.nodes))

@@ -158,14 +158,18 @@ class Releaser:
     # -- helper jobs: the one way to end one -----------------------------------------------------------------
     def end_helper(self, helper: str, reason: str, grace_s: float = 0.0) -> None:
         """End `helper`: its stop key now, scancel once `grace_s` passed and Slurm still lists it alive (0: now).
-        It leaves the fleet at once; `helper_ended` is recorded when it is gone or cancelled."""
-        try:
-            self.kv.set(keys.helper_stop(helper), reason)
-        except Exception as exc:  # noqa: BLE001 - the store closes at exit; scancel follows anyway
-            log.warning("cannot signal helper %s: %s", helper, exc)
+        It leaves the fleet at once; `helper_ended` is recorded when it is gone or cancelled. A helper already ending
+        keeps its reason and takes the earlier of the two deadlines (the controller's exit shortens a release's)."""
+        end = self.ending.get(helper)
+        if end is None:
+            try:
+                self.kv.set(keys.helper_stop(helper), reason)
+            except Exception as exc:  # noqa: BLE001 - the store closes at exit; scancel follows anyway
+                log.warning("cannot signal helper %s: %s", helper, exc)
         self.fleet.helpers.pop(helper, None)
-        if helper not in self.ending:
-            self.ending[helper] = HelperEnd(helper, reason, self.clock() + grace_s)
+        deadline = self.clock() + grace_s
+        if end is None or deadline < end.deadline:
+            self.ending[helper] = HelperEnd(helper, reason if end is None else end.reason, deadline)
         self.reap(self.clock(), only=helper)
 
     def reap(self, now: float, only: Optional[str] = None) -> int:

@@ -584,3 +584,25 @@ def test_no_autoscale_decision_while_resizing_but_the_measurement_is_recorded(tm
     c._tick()
     assert c.phase is JobPhase.RESIZING
     assert [x["kind"] for x in c.records.items].count("measurement") == 1
+
+
+def test_at_exit_a_helper_still_in_its_release_grace_is_cancelled_within_the_exit_wait(tmp_path, monkeypatch):
+    """A shrink gave helper 77 back with leave_s (20 s) of grace; the job ends 1 s later. The exit ends every helper
+    within HELPER_EXIT_S: before, only the fleet's helpers were, so 77 (out of the fleet, still in its grace) was
+    never scancelled (left to its agent and the orphan timeout)."""
+    from elastic_launcher import controller as controller_module
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    c.slurm.start(77, ["node3"])
+    c.resizer.releaser.end_helper("77", "shrink", c.resizer.limits.leave_s)
+    assert c.slurm.cancelled == [] and "77" in c.resizer.releaser.ending
+    clock.t += 1
+
+    def fake_wait(predicate, timeout, interval=0.1):  # the exit's wait, on the fake clock
+        clock.t += timeout.total_seconds()
+        return predicate()
+    monkeypatch.setattr(controller_module, "wait_until", fake_wait)
+    c._cleanup("completed")
+    assert c.slurm.cancelled == [77] and not c.resizer.releaser.ending
+    (e,) = records(c.resizer, "helper_ended")
+    assert (e["helper"], e["cancelled"]) == ("77", True)
