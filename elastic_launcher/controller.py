@@ -293,7 +293,7 @@ class Controller:
         """Answer an operator's request in this tick. While a resize is in flight (RESIZING), one that posted no
         plan yet is cancelled when it goes the other way or to the size asked (its helper released), and the
         request's resize is queued behind what remains."""
-        have = len(self.fleet.nodes) - len(self.resizer.recoveries)  # failed nodes are on their way out
+        have = len(set(self.fleet.nodes) - {r.node for r in self.resizer.recoveries})  # failed ones are going
         action = decide_request(request.get("nodes"), have, self.policy.min_nodes())
         if action.kind is RequestKind.REJECT:
             self.inbox.reply(seq, False, action.message)

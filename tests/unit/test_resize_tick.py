@@ -606,3 +606,19 @@ def test_at_exit_a_helper_still_in_its_release_grace_is_cancelled_within_the_exi
     assert c.slurm.cancelled == [77] and not c.resizer.releaser.ending
     (e,) = records(c.resizer, "helper_ended")
     assert (e["helper"], e["cancelled"]) == ("77", True)
+
+
+def test_an_operator_request_counts_a_released_failed_node_once(tmp_path):
+    """node3 failed and its release ended in the tick that started it (its step had ended), so it left the fleet while
+    its RecoveryOp waits one more tick to finish: a request in that tick counted it out twice (3 - 1 - 1 = 1 node)."""
+    clock = Clock()
+    c = make_controller(tmp_path, clock, nodes=3)
+    c.pool.steps["node3"].code = 1
+    c._tick()
+    recover(c, "node3")
+    c._tick()                                                   # EVICTED
+    c._tick()                                                   # switched: the release starts and ends at once
+    assert "node3" not in c.fleet.nodes and [r.node for r in c.resizer.recoveries] == ["node3"]
+    c.inbox.requests = [(1, {"nodes": 2})]
+    c._tick()
+    assert c.inbox.replies[1]["message"] == "already on 2 nodes"
