@@ -265,3 +265,22 @@ def test_the_defaults_are_the_services_configuration():
     shared = {k for k in defaults if k in service}
     assert {"sync_weight", "w_l2", "dw_l2", "shape_l2", "gamma_prior", "f_scale", "job_rows_cap"} <= shared
     assert {k: defaults[k] for k in shared} == {k: service[k] for k in shared}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_link_seen_at_one_gpu_count_per_node_keeps_its_scale_near_the_sweep(seed):
+    """Rows of one K cannot tell a bytes scale from a per-step cost: a per-step excess at 2 GPUs (5 ms on the
+    small batches, as ALBERT's on session 13's shared memory) moves s_I less than the ordinary ridge lets it; rows
+    at 2 and 4 GPUs are fitted under the ordinary ridge whatever `scale_one_world_l2` is."""
+    rows, bases, _, _, _ = _per_link_rows(seed)
+    one_k = [k for k, r in enumerate(rows) if max(r["layout"]) <= 2]
+    bent = [dict(rows[k], iter_s=rows[k]["iter_s"] + (5e-3 if max(rows[k]["layout"]) == 2
+                                                     and rows[k]["per_gpu_batch"] == 16 else 0.0)) for k in one_k]
+
+    def s_i(rs, bs, **kw):
+        fit = fit_throughput(rs, bs, **kw)
+        assert fit["converged"]
+        return np.array([fit["net"]["intra"][link] for link in ("nvlink", "tcp")])
+    held, ordinary = s_i(bent, bases[one_k]), s_i(bent, bases[one_k], scale_one_world_l2=0.05)
+    assert np.all(np.abs(held) <= np.abs(ordinary) + 1e-9) and np.any(np.abs(held) < np.abs(ordinary) - 0.01)
+    assert np.allclose(s_i(rows, bases), s_i(rows, bases, scale_one_world_l2=100.0))
