@@ -41,7 +41,8 @@ from elastic_launcher import store_keys as keys
 from elastic_launcher.errors import InvalidPlan, LeftGroup, RendezvousTimeout
 from elastic_launcher.peer_watch import BeatClock, PeerWatch
 from elastic_launcher.rendezvous_state import (Liveness, MembershipRecord, Plan, RecordStore, RecoveryStepKind,
-                                               decide_recovery_step, validate_members)
+                                               decide_recovery_step, recovery_members, resolve_failed,
+                                               validate_members)
 
 logger = logging.getLogger("elastic_launcher.membership")
 
@@ -214,6 +215,7 @@ class Membership:
         self._k = _Keys(store_factory(), timeout)
         self._watch_epoch: Optional[int] = None
         self._watch_members: tuple[str, ...] = ()
+        self._watch_prev = 0  # the watched epoch's predecessor (a recovery of it may supersede a split switch)
         self._next: Optional[Plan] = None
         self._switch_note: Optional[int] = None  # a switch this rank 0 made, for the heartbeat thread to note
         self._arrival_beats: dict[tuple[int, str], Optional[bytes]] = {}  # (failed, m) -> m's beat when seen arrived
@@ -242,7 +244,7 @@ class Membership:
                 return
             try:
                 k.store.set(keys.beat(self.wid), repr(self.wall_clock()))
-                ep, members = self._watch_epoch, self._watch_members
+                ep, members, prev = self._watch_epoch, self._watch_members, self._watch_prev
                 note = self._switch_note
                 if note is not None:
                     k.record.update(lambda r: r.switched(note))
@@ -254,7 +256,7 @@ class Membership:
                 return
             if self.on_peer_failure is not None and ep is not None and peers is not None:
                 try:
-                    reason = peers.check(k, ep, members, _recovering(rec, ep))
+                    reason = peers.check(k, ep, members, _recovering(rec, ep, prev))
                 except Exception as e:  # noqa: BLE001 - the watch is a help; it never stops the beat
                     logger.warning("worker %s: peer watch off: %s", self.wid, e)
                     peers = None
@@ -282,6 +284,7 @@ class Membership:
         """Sets the epoch whose successor the poll thread looks for (call after each switch)."""
         with self._lock:
             self._watch_epoch, self._watch_members, self._next = plan.id, tuple(plan.members), None
+            self._watch_prev = plan.prev
 
     def next_plan(self) -> Optional[Plan]:
         """The pending successor of the watched epoch, if any (no store access)."""
@@ -344,6 +347,10 @@ class Membership:
     def recover(self, failed: Plan, timeout: Optional[timedelta] = None) -> Plan:
         """Agrees with the other survivors of ``failed`` on the recovery plan (survivors in old order).
 
+        ``failed`` may be the epoch this worker trained in or the resize it had switched to: when a switch split
+        the survivors (some switched, some did not), both recover together whichever of the two the record holds
+        (``rendezvous_state.resolve_failed``), among the members of both plans.
+
         Re-decides on the latest record after every read and every write (``decide_recovery_step``): arrive,
         wait until every member is alive (arrived, its beat changed since) or dead (beat unchanged for
         ``heartbeat_timeout``), write the survivors' plan, or adopt the one another survivor wrote first. Any
@@ -352,10 +359,10 @@ class Membership:
         Preconditions: the caller's group for ``failed`` is broken or aborted.
 
         Raises:
-            LeftGroup: the record moved on without this worker (it was declared dead).
+            LeftGroup: the record moved on without this worker (it was declared dead), or a switch split the
+                survivors and this worker is a newcomer of the resize (it never trained) or a leaver of it.
             RendezvousTimeout: no decision within ``timeout``.
-            InvalidPlan: the record never made ``failed`` its epoch (a resize a recovery superseded; its members
-                cannot have switched to it, since a switch is voted in the old epoch's collective).
+            InvalidPlan: the record holds neither ``failed`` nor a plan it recovers with (never a survivor's plan).
         """
         t = timeout or self.timeout
         deadline = time.monotonic() + t.total_seconds()
@@ -370,7 +377,8 @@ class Membership:
                 return step.plan
             if step.kind is RecoveryStepKind.OUT:
                 raise LeftGroup(f"worker {self.wid}: epoch {failed.id} was recovered without it "
-                                f"(now epoch {step.plan.id} of {list(step.plan.members)})")
+                                f"(epoch {step.plan.id} of {list(step.plan.members)}; "
+                                f"judged: {list(recovery_members(rec, resolve_failed(rec, failed)[0]))})")
             if step.kind is RecoveryStepKind.WAIT:
                 if time.monotonic() > deadline:
                     raise RendezvousTimeout(f"recovery of epoch {failed.id}: members {list(step.waiting_for)} "
@@ -385,8 +393,10 @@ class Membership:
                     self.on_recovery("opened", failed.id)
 
     def _judge(self, rec: MembershipRecord, failed: Plan) -> dict[str, Liveness]:
-        """This observer's view of ``failed``'s other members (by its own clock since their beats changed)."""
-        others = [m for m in failed.members if m != self.wid]
+        """This observer's view of the other members the recovery of ``failed`` judges (by its own clock since
+        their beats changed)."""
+        failed, split = resolve_failed(rec, failed)
+        others = [m for m in split or recovery_members(rec, failed) if m != self.wid]
         arrived = rec.recovery.arrived if rec.recovery is not None and rec.recovery.failed == failed.id else ()
         limit = self.heartbeat_timeout.total_seconds()
         seen = {}
@@ -416,7 +426,7 @@ class Membership:
 
     def recovery_begun(self, plan: Plan) -> bool:
         """True once a recovery of ``plan`` began or ended (a survivor gave up on it)."""
-        return _recovering(self._k.record.get()[0], plan.id)
+        return _recovering(self._k.record.get()[0], plan.id, plan.prev)
 
     def plan_superseded(self, plan: Plan) -> bool:
         """True if ``plan`` (a resize) will never be switched to: it is neither pending nor trained."""
@@ -424,10 +434,14 @@ class Membership:
         return all(p is None or p.id != plan.id for p in (rec.pending, rec.epoch, rec.prev))
 
 
-def _recovering(rec: Optional[MembershipRecord], epoch: int) -> bool:
-    """True when the record shows a recovery of ``epoch`` under way or decided."""
+def _recovering(rec: Optional[MembershipRecord], epoch: int, prev: int = 0) -> bool:
+    """True when the record shows a recovery of ``epoch`` under way or decided; or, ``epoch`` being no longer in
+    the record, one of ``prev``, the epoch it followed (a survivor of ``prev`` that missed the switch to ``epoch``
+    began it: the same recovery, ``rendezvous_state.resolve_failed``)."""
     if rec is None:
         return False
     if rec.recovery is not None and rec.recovery.failed == epoch:
         return True
-    return rec.epoch is not None and rec.epoch.kind == "recovery" and rec.epoch.prev == epoch
+    if rec.epoch is not None and rec.epoch.kind == "recovery" and rec.epoch.prev == epoch:
+        return True
+    return bool(prev) and rec.plan(epoch) is None and _recovering(rec, prev)

@@ -46,7 +46,7 @@ from elastic_launcher import store_keys as keys
 from elastic_launcher.errors import InvalidPlan, RendezvousTimeout, ResizeConflict
 
 __all__ = ["Plan", "Recovery", "MembershipRecord", "RecordStore", "Liveness", "RecoveryStepKind", "RecoveryStep",
-           "decide_recovery_step", "validate_members"]
+           "decide_recovery_step", "resolve_failed", "recovery_members", "validate_members"]
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,14 @@ class Recovery:
     Attributes:
         failed: the id of the failed plan (the record's ``epoch``).
         arrived: the survivors that said they are alive, in arrival order.
+        members: the members judged, when a switch between ``failed`` and its resize split the survivors (some
+            switched, some recovered from the old plan): the members of both plans, in the resize's order. Empty:
+            the failed plan's members (:func:`recovery_members`).
     """
 
     failed: int
     arrived: tuple[str, ...] = ()
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ class MembershipRecord:
     # ---- serialisation ------------------------------------------------------------------------------------------
     def to_json(self) -> str:
         rec = None if self.recovery is None else {"failed": self.recovery.failed,
-                                                   "arrived": list(self.recovery.arrived)}
+                                                   "arrived": list(self.recovery.arrived),
+                                                   "members": list(self.recovery.members)}
         return json.dumps({"version": self.version, "seq": self.seq,
                            **{k: None if p is None else p.to_dict()
                               for k, p in (("epoch", self.epoch), ("prev", self.prev), ("pending", self.pending))},
@@ -148,7 +153,8 @@ class MembershipRecord:
         d = json.loads(text)
         r = d.get("recovery")
         return cls(int(d["version"]), int(d["seq"]), Plan.from_dict(d["epoch"]), Plan.from_dict(d["prev"]),
-                   Plan.from_dict(d["pending"]), None if r is None else Recovery(int(r["failed"]), tuple(r["arrived"])))
+                   Plan.from_dict(d["pending"]),
+                   None if r is None else Recovery(int(r["failed"]), tuple(r["arrived"]), tuple(r.get("members", ()))))
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def plan(self, pid: int) -> Optional[Plan]:
@@ -211,9 +217,10 @@ class MembershipRecord:
             return self
         return self._next(epoch=self.pending, prev=self.epoch, pending=None)
 
-    def arrived(self, failed: int, wid: str) -> "MembershipRecord":
+    def arrived(self, failed: int, wid: str, members: Sequence[str] = ()) -> "MembershipRecord":
         """``wid`` survived epoch ``failed`` (a recovery opens on the first arrival; a switch to ``failed`` that the
-        record has not noted is noted first: a member of it is recovering from it).
+        record has not noted is noted first: a member of it is recovering from it). ``members``: this survivor
+        proves a split switch (:func:`resolve_failed`): only these are judged from now on.
 
         Raises:
             InvalidPlan: ``failed`` is neither the epoch nor its pending plan.
@@ -222,9 +229,11 @@ class MembershipRecord:
         if rec.epoch is None or rec.epoch.id != failed:
             raise InvalidPlan(f"epoch {failed} is not the record's epoch ({None if rec.epoch is None else rec.epoch.id})")
         r = rec.recovery or Recovery(failed)
-        if wid in r.arrived:
+        members = tuple(members) or r.members
+        if wid in r.arrived and members == r.members:
             return rec
-        return rec._next(pending=None, recovery=Recovery(failed, r.arrived + (wid,)))
+        arrived = r.arrived if wid in r.arrived else r.arrived + (wid,)
+        return rec._next(pending=None, recovery=Recovery(failed, arrived, members))
 
     def recovered(self, failed: int, survivors: Sequence[str]) -> "MembershipRecord":
         """``epoch`` = the plan of ``survivors`` (in the failed plan's order), recovery closed."""
@@ -258,31 +267,74 @@ class RecoveryStep:
     waiting_for: tuple[str, ...] = field(default=())
 
 
+def resolve_failed(rec: MembershipRecord, failed: Plan) -> tuple[Plan, tuple[str, ...]]:
+    """The plan whose recovery a survivor of ``failed`` takes part in, as ``rec`` holds it, and the members judged
+    when this survivor proves a split switch (else ``()``).
+
+    A switch to a resize P of epoch E is voted in E's collective, and the vote's allreduce or the buffer broadcast
+    after it can finish on some ranks and fail on others: some survivors train in P (and fail there: P's first
+    collective needs the others), some recover from E. Both are one recovery, of whichever of E and P the record
+    holds: the record switched to P (its rank 0 noted it, or a P survivor arrived first): a survivor of E recovers
+    P; the record fell back to E (an E survivor arrived first and dropped the pending P): a survivor of P recovers
+    E. Such a survivor proves that P never committed a step (its first collective needed it), so the recovery
+    judges only the members of both plans: E's committed state is theirs; P's newcomers never trained (they leave
+    and join again as newcomers); E's leavers leave as the resize said::
+
+        failed is the record's epoch, or its pending plan ------------------------> failed
+        record switched from failed to its resize P (P or a recovery of P) ------> P, split
+        failed is a resize whose base E the record holds (E or a recovery of E) -> E, split
+        otherwise ----------------------------------------------------------------> failed
+    """
+    held = {p.id: p for p in (rec.prev, rec.epoch, rec.pending) if p is not None}
+    if rec.epoch is not None and failed.id in (rec.epoch.id, rec.pending.id if rec.pending else -1):
+        return held[failed.id], ()
+    for p in held.values():  # the record switched from failed to its resize
+        if p.kind == "resize" and p.prev == failed.id and p.id != (rec.pending.id if rec.pending else -1):
+            return p, tuple(m for m in p.members if m in failed.members)
+    base = held.get(failed.prev) if failed.kind == "resize" else None
+    if base is not None and (rec.pending is None or rec.pending.id != failed.id):  # the record fell back to base
+        return base, tuple(m for m in failed.members if m in base.members)
+    return failed, ()
+
+
+def recovery_members(rec: MembershipRecord, failed: Plan) -> tuple[str, ...]:
+    """The members of ``failed`` (as :func:`resolve_failed` gives it) that its recovery judges."""
+    r = rec.recovery
+    return r.members if r is not None and r.failed == failed.id and r.members else failed.members
+
+
 def decide_recovery_step(rec: MembershipRecord, failed: Plan, wid: str,
                          seen: Mapping[str, Liveness]) -> RecoveryStep:
     """The next step of survivor ``wid`` recovering from ``failed``, on the latest record ``rec``.
 
-    ``seen`` is this observer's judgement of the failed plan's other members (:class:`Liveness`); a member absent
-    from it is UNKNOWN. Any survivor may take any step, so the recovery finishes whoever dies on the way::
+    ``failed`` is first resolved to the plan the record recovers in its place (:func:`resolve_failed`: a switch
+    that split the survivors is one recovery). ``seen`` is this observer's judgement of the members (:class:`Liveness`);
+    a member absent from it is UNKNOWN. Any survivor may take any step, so the recovery finishes whoever dies on
+    the way::
 
         record's epoch moved past failed --(its prev is failed, wid a member)--> ADOPT
-                                        \\-(otherwise)-----------------------> OUT
-        wid not arrived ------------------------------------------------------> ARRIVE
+                                        \-(otherwise)-----------------------> OUT
+        wid not among the members judged (a split: a newcomer or a leaver) ---> OUT
+        wid not arrived, or it proves a split the record does not know yet ---> ARRIVE
         every other member ALIVE (and arrived) or DEAD -----------------------> DECIDE
         otherwise ------------------------------------------------------------> WAIT
     """
+    failed, split = resolve_failed(rec, failed)
     epoch = rec.epoch
     if epoch is not None and epoch.id > failed.id and (rec.pending is None or rec.pending.id != failed.id):
         if epoch.prev == failed.id and epoch.kind == "recovery" and wid in epoch.members:
             return RecoveryStep(RecoveryStepKind.ADOPT, plan=epoch)
         return RecoveryStep(RecoveryStepKind.OUT, plan=epoch)
+    members = split or recovery_members(rec, failed)
+    if wid not in members:
+        return RecoveryStep(RecoveryStepKind.OUT, plan=failed)
     r = rec.recovery
-    if r is None or r.failed != failed.id or wid not in r.arrived:
-        return RecoveryStep(RecoveryStepKind.ARRIVE, record=rec.arrived(failed.id, wid))
-    undecided = tuple(m for m in failed.members if m != wid and seen.get(m, Liveness.UNKNOWN) is Liveness.UNKNOWN)
+    if r is None or r.failed != failed.id or wid not in r.arrived or (split and r.members != split):
+        return RecoveryStep(RecoveryStepKind.ARRIVE, record=rec.arrived(failed.id, wid, split))
+    undecided = tuple(m for m in members if m != wid and seen.get(m, Liveness.UNKNOWN) is Liveness.UNKNOWN)
     if undecided:
         return RecoveryStep(RecoveryStepKind.WAIT, waiting_for=undecided)
-    survivors = [m for m in failed.members
+    survivors = [m for m in members
                  if m == wid or (m in r.arrived and seen.get(m) is Liveness.ALIVE)]
     return RecoveryStep(RecoveryStepKind.DECIDE, record=rec.recovered(failed.id, survivors))
 

@@ -189,3 +189,82 @@ def test_a_peer_30_s_off_is_neither_dead_nor_alive_by_its_wall_clock(store, offs
     finally:
         for h in hosts.values():
             h.m.stop()
+
+
+# ---- a switch that split the survivors (#27.1 review): one recovery of whichever of E and P the record holds -----
+def _split(grow: bool) -> tuple[MembershipRecord, Plan, Plan]:
+    """Epoch E and its pending resize P (grow: a, b, c -> + d; shrink: a, b, c, d -> a, b)."""
+    rec = _started("a", "b", "c") if grow else _started("a", "b", "c", "d")
+    rec = rec.resized(["a", "b", "c", "d"] if grow else ["a", "b"], rec.epoch.id)
+    return rec, rec.epoch, rec.pending
+
+
+def _run_steps(rec: MembershipRecord, calls) -> tuple[MembershipRecord, dict]:
+    """Applies each (wid, plan it recovers from, seen) in turn; returns the record and each worker's step kinds."""
+    kinds: dict = {}
+    for wid, failed, seen in calls:
+        step = decide_recovery_step(rec, failed, wid, seen)
+        kinds.setdefault(wid, []).append(step.kind)
+        if step.record is not None:
+            rec = step.record
+    return rec, kinds
+
+
+@pytest.mark.parametrize("switch_noted_first", [True, False], ids=["switch-recorded-first", "old-epoch-first"])
+def test_a_switch_that_split_the_survivors_is_one_recovery(switch_noted_first):
+    # E = a, b, c; P = E + newcomer d. c dies during the switch's buffer broadcast: a (rank 0, the state source)
+    # switched to P, b recovers from E. Before the fix: (a) b got OUT and raised LeftGroup; (b) a's arrival at P
+    # raised InvalidPlan (P was dropped by b's arrival).
+    rec, E, P = _split(grow=True)
+    if switch_noted_first:
+        rec = rec.switched(P.id)  # a's heartbeat thread noted the switch
+        order = [("b", E), ("a", P)]
+    else:
+        order = [("b", E), ("a", P)]
+    rec, kinds = _run_steps(rec, [(w, f, {}) for w, f in order])
+    assert kinds == {"b": [RecoveryStepKind.ARRIVE], "a": [RecoveryStepKind.ARRIVE]}
+    assert set(rec.recovery.arrived) == {"a", "b"} and rec.recovery.members == ("a", "b", "c")
+    # d (a newcomer that never trained) is out of it; c is still to be judged
+    assert decide_recovery_step(rec, P, "d", {}).kind is RecoveryStepKind.OUT
+    assert decide_recovery_step(rec, P, "a", {"b": A}).waiting_for == ("c",)
+    # either survivor decides, on either plan it recovers from: the same survivors, the one with E's state first
+    for wid, failed, seen in (("a", P, {"b": A, "c": D}), ("b", E, {"a": A, "c": D})):
+        step = decide_recovery_step(rec, failed, wid, seen)
+        assert step.kind is RecoveryStepKind.DECIDE and step.record.epoch.members == ("a", "b")
+    done = decide_recovery_step(rec, P, "a", {"b": A, "c": D, "d": A}).record
+    assert done.recovery is None and done.pending is None
+    for wid, failed in (("a", P), ("b", E)):
+        step = decide_recovery_step(done, failed, wid, {})
+        assert step.kind is RecoveryStepKind.ADOPT and step.plan == done.epoch, (wid, step)
+    assert decide_recovery_step(done, P, "d", {}).kind is RecoveryStepKind.OUT
+    assert MembershipRecord.from_json(rec.to_json()) == rec
+
+
+@pytest.mark.parametrize("first", ["E", "P"])
+def test_a_split_switch_recorded_either_way_gives_the_same_survivors(first):
+    # the E survivor arrives first (the record falls back to E), or the P survivor does (it notes the switch)
+    rec, E, P = _split(grow=True)
+    calls = [("b", E, {}), ("a", P, {})] if first == "E" else [("a", P, {}), ("b", E, {})]
+    rec, kinds = _run_steps(rec, calls)
+    assert all(k == [RecoveryStepKind.ARRIVE] for k in kinds.values()), kinds
+    assert rec.recovery.failed == (E.id if first == "E" else P.id) and rec.recovery.members == ("a", "b", "c")
+    done = decide_recovery_step(rec, E, "b", {"a": A, "c": D}).record
+    assert done.epoch.members == ("a", "b") and done.epoch.prev == rec.recovery.failed
+
+
+@pytest.mark.parametrize("switch_noted_first", [True, False], ids=["switch-recorded-first", "old-epoch-first"])
+def test_a_leaver_that_missed_a_voted_shrink_leaves_and_the_new_plan_recovers_without_it(switch_noted_first):
+    # E = a, b, c, d; P = a, b. d died during the broadcast; c (a leaver) recovers from E.
+    rec, E, P = _split(grow=False)
+    if switch_noted_first:  # P trains on: the leaver leaves, nothing else changes
+        rec = rec.switched(P.id)
+        step = decide_recovery_step(rec, E, "c", {})
+        assert step.kind is RecoveryStepKind.OUT and step.plan == P
+        return
+    rec, _ = _run_steps(rec, [("c", E, {})])  # c arrived first: P dropped from the record
+    rec, kinds = _run_steps(rec, [("a", P, {}), ("b", P, {})])  # a, b switched; their group is failed (see docs)
+    assert kinds == {"a": [RecoveryStepKind.ARRIVE], "b": [RecoveryStepKind.ARRIVE]}
+    assert rec.recovery.members == ("a", "b")
+    assert decide_recovery_step(rec, E, "c", {}).kind is RecoveryStepKind.OUT
+    done = decide_recovery_step(rec, P, "a", {"b": A}).record
+    assert done.epoch.members == ("a", "b") and decide_recovery_step(done, P, "b", {}).kind is RecoveryStepKind.ADOPT
