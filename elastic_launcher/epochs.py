@@ -310,6 +310,9 @@ class EpochExecutor:
         """First entry into ``plan``: receive the state from its first survivor (rank 0 initially). Returns the
         epoch and its pending switch record (completed at the first commit point)."""
         t0 = time.perf_counter()
+        on_switch = getattr(self.fault, "on_switch", None)
+        if on_switch is not None and plan.kind != "initial":
+            on_switch("join")  # test seam: a newcomer dies during the switch's state broadcast
         self._broadcast_state(group, self._source(plan), plan)
         t1 = time.perf_counter()
         if self.state.sampler is not None:
@@ -406,15 +409,30 @@ class EpochExecutor:
         return timedelta(seconds=left)
 
     def _resync(self, group: ProcessGroupWrapper, plan: Plan) -> bool:
-        """Rolls back to the last commit point and takes rank 0's state on ``group``; False when a peer failed."""
+        """Rolls back to the last commit point and takes the state of the survivor with the newest one on ``group``
+        (:meth:`_newest_commit`); False when a peer failed."""
         self.state.restore()
         try:
-            self._broadcast_state(group, 0, plan)
+            self._broadcast_state(group, self._newest_commit(group), plan)
         except Exception as e:  # noqa: BLE001 - a survivor died since the decision: recover from this plan
             logger.warning("recovery epoch %d: state broadcast failed: %s", plan.id, e)
             group.abort()
             return False
         return True
+
+    def _newest_commit(self, group: ProcessGroupWrapper) -> int:
+        """The lowest rank of ``group`` whose last commit point is the newest (one allreduce; call after restore).
+
+        Survivors can hold different commit points: a vote that some ranks read and others did not (its allreduce,
+        or the buffer broadcast after it, failed on some) committed on the ones that read it. It was agreed (every
+        rank voted in it), so it is the state: the sampler position of the last agreed commit, and steps the
+        others had not committed yet count once, not twice.
+        """
+        steps = torch.zeros(group.size(), dtype=torch.int64, device=self.device)
+        steps[group.rank()] = int(self.state.counters.get("step", 0))
+        group.allreduce([steps]).wait()
+        steps = steps.cpu()
+        return int((steps == steps.max()).nonzero()[0])
 
     def _build_watched(self, plan: Plan, deadline: float) -> Optional[ProcessGroupWrapper]:
         """Builds ``plan``'s group on a thread while watching its members; None when a member's beat stopped for

@@ -22,9 +22,13 @@ Transitions (each a pure method returning the next record; :class:`RecordStore` 
 - ``switched(plan_id)``: ``epoch`` = ``pending`` (rank 0 of the new plan, from its heartbeat thread, after the
   vote that switched; a survivor recovering from that plan does it too, so a dead rank 0 cannot leave the record
   behind).
-- ``arrived(failed, wid)``: a survivor of ``failed`` says it is alive; the first arrival opens ``recovery`` and
-  drops a ``pending`` resize of ``failed`` (superseded).
+- ``arrived(failed, wid, members)``: a survivor of ``failed`` says it is alive; the first arrival opens ``recovery``
+  and drops a ``pending`` resize of ``failed`` (superseded); ``members`` (a survivor proving a split switch, see
+  :func:`resolve_failed`) restricts the members judged to those of both plans.
 - ``recovered(failed, survivors)``: ``epoch`` = the survivors' plan, ``recovery`` closed.
+
+A switch voted in the old epoch may reach some ranks only; the survivors then recover from the old epoch and from
+the new plan, and both are one recovery of whichever the record holds (:func:`resolve_failed`).
 
 Which transition a survivor makes is decided by :func:`decide_recovery_step` on the latest record, never on a
 remembered one: a survivor that dies after any step leaves a record that every other survivor can carry on from,

@@ -6,7 +6,11 @@ bucket's allreduce), or raise :class:`InjectedFault` when ``mode="raise"``. Pass
 ``ElasticTrainer(..., fault=plan)``. ``fail_at(rank, step, after_s=0.1)`` kills it that long after the step's
 backward began instead (on a timer, wherever the worker is by then). ``fail_in_recovery("opened")`` kills the worker
 right after its arrival opened a recovery (the survivor that once led it; #27.1), ``fail_in_recovery("adopted")``
-right after it learnt the survivors' plan, before it builds that plan's group.
+right after it learnt the survivors' plan, before it builds that plan's group. ``fail_in_switch("vote")`` makes the
+worker read the vote of the first commit point that switches to a resize as failed (as when its allreduce, or the
+buffer broadcast after it, failed while its peers' finished): it recovers from the old epoch while they switch, so
+the survivors split between the two plans. ``fail_in_switch("join")`` kills a newcomer as it starts receiving the
+switch's state broadcast.
 
 :class:`FakeProcessGroupWrapper` is a one-rank stand-in with the wrapper's interface: collectives complete at
 once, ``fail_next()`` makes the next collective raise (to test error recording and votes without peers).
@@ -47,6 +51,7 @@ class FaultPlan:
         self._at: set[tuple[int, int]] = set()
         self._after: dict[tuple[int, int], float] = {}
         self._in_recovery: set[str] = set()
+        self._in_switch: set[str] = set()
         self.fired = 0
 
     def fail_at(self, rank: int, step: int, after_s: float = 0.0) -> "FaultPlan":
@@ -66,6 +71,25 @@ class FaultPlan:
             raise ValueError(f"fail_in_recovery({event!r}) in mode {self.mode!r}: expected opened or adopted, kill")
         self._in_recovery.add(event)
         return self
+
+    def fail_in_switch(self, event: str) -> "FaultPlan":
+        """At the first switch to a resize: ``vote`` (this worker reads the vote as failed and recovers from the old
+        epoch, once) or ``join`` (kill mode: a newcomer dies as the state broadcast begins); returns self."""
+        if event not in ("vote", "join") or (event == "join" and self.mode != "kill"):
+            raise ValueError(f"fail_in_switch({event!r}) in mode {self.mode!r}: expected vote, or join in kill mode")
+        self._in_switch.add(event)
+        return self
+
+    def on_switch(self, event: str) -> bool:
+        """The trainer's seam at a switch (``vote``: True = read the vote as failed) and the executor's (``join``);
+        each event fires once."""
+        if event not in self._in_switch:
+            return False
+        self._in_switch.discard(event)
+        self.fired += 1
+        if event == "join":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return True
 
     def on_recovery(self, event: str, epoch: int) -> None:
         """The membership's seam (``Membership(on_recovery=...)``)."""

@@ -52,8 +52,8 @@ from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.commit_schedule import CommitSchedule
 from elastic_launcher.epoch_decisions import CommitAction, CommitOutcome, Phase, VoteTally, decide_commit
 from elastic_launcher.epochs import Epoch, EpochExecutor, ExecutorSettings, NextEpoch, PeerFailureRelay, SwitchLog
-from elastic_launcher.errors import (LeftGroup, ProcessGroupError, StoreAddressError, TooManyFailures,
-                                     TrainerPhaseError)
+from elastic_launcher.errors import (LeftGroup, ProcessGroupError, StateMismatch, StoreAddressError,
+                                     TooManyFailures, TrainerPhaseError)
 from elastic_launcher.links import HostFacts
 from elastic_launcher.loading import Basis, Pipeline
 from elastic_launcher.membership import Membership, Plan
@@ -699,12 +699,25 @@ class ElasticTrainer:
         tally = self._tally(self._next_epoch.ready_id())
         action = decide_commit(tally, self.group.errored(), self._local_error, self._next_epoch.leaving(),
                                self.failures, self.config.max_retries)
+        on_switch = getattr(self.fault, "on_switch", None)
+        if action.outcome is CommitOutcome.SWITCH and on_switch is not None and on_switch("vote"):
+            e = ProcessGroupError(f"switch vote at step {self.step} read as failed (FaultPlan.fail_in_switch)")
+            self.group.report_error(e)  # test seam: this rank missed the vote its peers read, and recovers
+            action = decide_commit(None, e, self._local_error, False, self.failures, self.config.max_retries)
         if action.outcome in _COMMITTING:
             try:
                 self.state.broadcast_buffers(self.group, 0)
             except Exception as e:  # noqa: BLE001
                 self.group.report_error(e)
-                action = decide_commit(None, e, self._local_error, False, self.failures, self.config.max_retries)
+                # A switch or a leave the counted vote decided stands: a peer died after the vote, and every rank
+                # that read the vote switches (or leaves) too. Recovering from the old epoch instead would split
+                # the survivors between the two plans (the record joins such a split into one recovery anyway:
+                # rendezvous_state.resolve_failed); the new plan's first collective fails if the dead peer is in it.
+                if action.outcome not in (CommitOutcome.SWITCH, CommitOutcome.LEAVE):
+                    action = decide_commit(None, e, self._local_error, False, self.failures, self.config.max_retries)
+                else:
+                    logger.warning("buffer broadcast after the %s vote failed (%s): %s anyway",
+                                   action.outcome.value, e, action.outcome.value)
         return self._apply(action, tally)
 
     def _apply(self, action: CommitAction, tally: Optional[VoteTally]) -> bool:
@@ -752,17 +765,36 @@ class ElasticTrainer:
             self.phase = Phase.LEFT
             self._executor.leave(old_plan, old_group, pid, self.step)
             return False
-        self._adopt(*self._executor.switch(old_plan, old_group, new_group, t, self._step_fn))
+        nxt = self.membership.next_plan()
+        try:
+            adopted = self._executor.switch(old_plan, old_group, new_group, t, self._step_fn)
+        except RuntimeError as e:  # a gloo/NCCL error, ProcessGroupError or RendezvousTimeout (not a bug's)
+            if nxt is None or isinstance(e, (StateMismatch, TrainerPhaseError)):
+                raise
+            # a peer of the new plan failed during the switch's state broadcast: this worker is in the new plan
+            # (the old group is aborted), whose state is the commit just made; recover from it
+            logger.warning("switch to epoch %d failed: %s; recovering from it", nxt.id, e)
+            self.plan, self.group = nxt, new_group
+            self._recover(e, split=True)
+            return True
+        self._adopt(*adopted)
         return True
 
-    def _recover(self, err: Optional[BaseException]) -> None:
-        """A collective failed: the executor agrees on survivors, rebuilds, rolls back and resyncs."""
+    def _recover(self, err: Optional[BaseException], split: bool = False) -> None:
+        """A collective failed: the executor agrees on survivors, rebuilds, rolls back and resyncs.
+
+        ``split``: a switch may have split the survivors between the old plan and the new one (this worker was
+        ready to switch, or it switched and has not committed in the new plan yet, or its switch failed): they
+        hold different groups, so none tries a communicator shrink; the record joins them into one recovery.
+        """
         lost, interval = self.step - self.committed_step, self.schedule.interval
+        split = split or self._next_epoch.ready_id() != 0 or \
+            (self.plan.kind == "resize" and self.committed_step == self.epoch_start_step)
         self._next_epoch.drop()
         self.ddp = None
         try:
-            adopted = self._executor.recover(self.plan, self.group, err, self.config.try_shrink, lost, interval,
-                                             self._step_fn)
+            adopted = self._executor.recover(self.plan, self.group, err, self.config.try_shrink and not split, lost,
+                                             interval, self._step_fn)
         except LeftGroup:
             self.phase = Phase.LEFT
             raise

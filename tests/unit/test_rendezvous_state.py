@@ -268,3 +268,34 @@ def test_a_leaver_that_missed_a_voted_shrink_leaves_and_the_new_plan_recovers_wi
     assert decide_recovery_step(rec, E, "c", {}).kind is RecoveryStepKind.OUT
     done = decide_recovery_step(rec, P, "a", {"b": A}).record
     assert done.epoch.members == ("a", "b") and decide_recovery_step(done, P, "b", {}).kind is RecoveryStepKind.ADOPT
+
+
+@pytest.mark.parametrize("switch_noted_first", [True, False], ids=["switch-recorded-first", "old-epoch-first"])
+def test_survivors_split_by_a_switch_recover_together_on_a_real_store(store, switch_noted_first):
+    # Membership.recover end to end: a recovers from P (it switched), b from E (it missed the vote); c died (its beat
+    # never changes); d, P's newcomer, beats on but is never waited for: it is no member of both plans.
+    now = [0.0]
+    coord = Coordinator(store)
+    E = coord.start(["a", "b", "c"])
+    P = coord.request_resize(["a", "b", "c", "d"], E)
+    store.set("elastic/hb/c", "0.0")
+    if switch_noted_first:
+        RecordStore(store).update(lambda r: r.switched(P.id))
+    hosts = {w: _Host(store, w, now) for w in ("a", "b", "d")}
+    for h in hosts.values():
+        h.m.start()
+    try:
+        threads = [hosts["b"].recover(E), hosts["a"].recover(P)]
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            now[0] += 0.25  # c's silence grows; a, b, d beat on
+            time.sleep(0.05)
+        plans = {w: hosts[w].result.get("plan") for w in ("a", "b")}
+        assert plans["a"] is not None and plans["a"] == plans["b"] and plans["a"].members == ("a", "b"), \
+            {w: h.result for w, h in hosts.items()}
+        t = hosts["d"].recover(P)
+        t.join(10)
+        assert isinstance(hosts["d"].result.get("left"), LeftGroup)  # the newcomer never trained: it leaves
+    finally:
+        for h in hosts.values():
+            h.m.stop()

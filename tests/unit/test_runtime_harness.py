@@ -70,14 +70,18 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     fault = None
     if opts.get("fail_at") and opts["fail_at"][0] == wid:
         fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
-    for kind, *args in opts.get("faults", {}).get(wid, ()):  # ("at", rank, step, after_s), ("recovery", event)
+    # ("at", rank, step, after_s), ("recovery", event), ("switch", event)
+    for kind, *args in opts.get("faults", {}).get(wid, ()):
         fault = fault or FaultPlan()
         if kind == "at":
             fault.fail_at(args[0], args[1], after_s=args[2])
+        elif kind == "switch":
+            fault.fail_in_switch(args[0])
         else:
             fault.fail_in_recovery(args[0])
-    cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=opts.get("timeout_s", 20)), connect_timeout=timedelta(seconds=40),
-                        rendezvous_timeout=timedelta(seconds=60), heartbeat_interval=timedelta(seconds=0.1),
+    cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=opts.get("timeout_s", 20)),
+                        connect_timeout=timedelta(seconds=opts.get("connect_timeout_s", 40)),
+                        rendezvous_timeout=timedelta(seconds=opts.get("rendezvous_timeout_s", 60)), heartbeat_interval=timedelta(seconds=0.1),
                         heartbeat_timeout=timedelta(seconds=2), peer_watchdog=opts.get("peer_watchdog"),
                         commit_every=opts.get("commit_every"))
     warm = None
