@@ -39,7 +39,8 @@ setup(
         # a set that works together (schemathesis 4.32.5 with pytest 9.0.3, hypothesis 6.155.2, pytest-timeout
         # 2.4.0): schemathesis' pytest plugin fails under pytest 9.2, and tests/unit/test_api_fuzz.py uses the 4.x API
         "test": ["pytest>=8.4,<9.2", "pytest-timeout>=2.3,<3", "hypothesis>=6.130.12,<7", "schemathesis>=4.32,<5",
-                 "pillow>=10"],  # bench/vs_torchrun.py writes JPEGs (tests/unit/test_vs_torchrun_bench.py)
+                 "pillow>=10",  # bench/vs_torchrun.py writes JPEGs (tests/unit/test_vs_torchrun_bench.py)
+                 "pytest-xdist>=3.5,<4"],  # the fast tier runs on 2 processes (README: `-n 2`)
         "pyslurm": ["pyslurm"],
     },
     entry_points={

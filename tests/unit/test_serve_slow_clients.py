@@ -12,12 +12,15 @@ import asyncio
 import http.client
 import json
 import os
+import shutil
 import socket
 import socketserver
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -284,9 +287,19 @@ def test_front_end_drops_a_client_that_does_not_read_its_answers(front):
     assert received < 20 * 400_000
 
 
-def test_socket_folders_of_killed_servers_are_pruned_and_live_ones_kept(tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A folder with a short path: a unix socket's path holds at most 107 bytes, and pytest's tmp_path under
+    pytest-xdist (`/tmp/pytest-of-root/pytest-N/popen-gw0/test_.../`) is longer than that with a socket in it."""
+    folder = tempfile.mkdtemp(prefix="sk", dir="/tmp")
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_socket_folders_of_killed_servers_are_pruned_and_live_ones_kept(short_tmp):
     from predictor.server import FOLDER_PREFIX, prune_stale_folders
 
+    tmp_path = short_tmp
     dead, live, young = (tmp_path / f"{FOLDER_PREFIX}{name}" for name in ("dead", "live", "young"))
     for folder in (dead, live, young):
         folder.mkdir()
