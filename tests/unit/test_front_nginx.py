@@ -99,8 +99,8 @@ def _probe(port: int) -> list[tuple[int, float]]:
     return out
 
 
-def _front_pids(serve_pid: int) -> list[int]:
-    """nginx's processes under `serve`, or `serve` itself when the front end is in it (--server buffered)."""
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc (pid -> child pids)."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         try:
@@ -108,6 +108,12 @@ def _front_pids(serve_pid: int) -> list[int]:
             parents.setdefault(int(fields[1]), []).append(int(entry.name))
         except (ValueError, OSError):
             continue
+    return parents
+
+
+def _front_pids(serve_pid: int) -> list[int]:
+    """nginx's processes under `serve`, or `serve` itself when the front end is in it (--server buffered)."""
+    parents = _children()
     tree, todo = [], [serve_pid]
     while todo:
         pid = todo.pop()
@@ -298,13 +304,7 @@ def test_gunicorn_forks_its_workers_with_the_engine_already_imported(history, tm
     of CPU on a core the hook's plans need); now `serve` imports it before forking, so every gunicorn process, the
     arbiters included, maps sklearn's compiled modules from the start."""
     with _serve(history, tmp_path) as (_port, proc):
-        parents: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                parents.setdefault(int(fields[1]), []).append(int(entry.name))
-            except (ValueError, OSError):
-                continue
+        parents = _children()
         arbiters = [pid for pid in parents.get(proc.pid, []) if _comm(pid) != "nginx"]
         assert len(arbiters) == 2, arbiters                     # the plan pool's gunicorn and the side pool's
         for pid in arbiters:
