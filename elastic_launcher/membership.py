@@ -430,11 +430,6 @@ class Membership:
         """True once a recovery of ``plan`` began or ended (a survivor gave up on it)."""
         return _recovering(self._k.record.get()[0], plan.id, plan.prev)
 
-    def plan_superseded(self, plan: Plan) -> bool:
-        """True if ``plan`` (a resize) will never be switched to: it is neither pending nor trained."""
-        rec = self._k.record.get()[0]
-        return all(p is None or p.id != plan.id for p in (rec.pending, rec.epoch, rec.prev))
-
 
 def _recovering(rec: Optional[MembershipRecord], epoch: int, prev: int = 0) -> bool:
     """True when the record shows a recovery of ``epoch`` under way or decided; or, ``epoch`` being no longer in
