@@ -386,11 +386,14 @@ class EpochExecutor:
             if old_group is not None:
                 old_group.abort()
                 old_group = None
+            why = ""
             if new is None:
-                new = self._build_watched(plan, deadline)
-            if new is not None and self._resync(new, plan):
+                new, why = self._build_watched(plan, deadline)
+            if new is not None:
+                why = "" if self._resync(new, plan) else "state broadcast failed"
+            if not why:
                 break
-            tried.append(plan.id)
+            tried.append({"epoch": plan.id, "why": why})
             failed = plan  # a survivor died before the recovered epoch trained: recover from that epoch
         epoch = self.enter(plan, new, step_fn)
         t1 = time.perf_counter()
@@ -434,13 +437,13 @@ class EpochExecutor:
         steps = steps.cpu()
         return int((steps == steps.max()).nonzero()[0])
 
-    def _build_watched(self, plan: Plan, deadline: float) -> Optional[ProcessGroupWrapper]:
-        """Builds ``plan``'s group on a thread while watching its members; None when a member's beat stopped for
-        ``heartbeat_timeout`` (it died after the decision: the build would wait ``connect_timeout`` for it), another
-        survivor gave up on the plan, the build failed, or ``deadline`` passed. A build given up on ends on its
-        own thread, and a group it completes after that is aborted."""
+    def _build_watched(self, plan: Plan, deadline: float) -> tuple[Optional[ProcessGroupWrapper], str]:
+        """Builds ``plan``'s group on a thread while watching its members. Returns (group, "") or (None, why): a
+        member's beat stopped for ``heartbeat_timeout`` (it died after the decision: the build would wait
+        ``connect_timeout`` for it), another survivor gave up on the plan, the build failed, or ``deadline`` passed.
+        A build given up on ends on its own thread, and a group it completes after that is aborted."""
         box: dict = {}
-        abandoned = threading.Event()
+        lock = threading.Lock()  # the build's check-and-store against the give-up: no group left un-aborted
 
         def run() -> None:
             try:
@@ -448,9 +451,11 @@ class EpochExecutor:
             except BaseException as e:  # noqa: BLE001 - reported below
                 box["error"] = e
                 return
-            if abandoned.is_set():
-                g.abort()
-            box["group"] = g
+            with lock:
+                if box.get("abandoned"):
+                    g.abort()
+                else:
+                    box["group"] = g
 
         t = threading.Thread(target=run, name=f"elastic-recover-{plan.id}", daemon=True)
         t.start()
@@ -460,14 +465,20 @@ class EpochExecutor:
             if not t.is_alive():
                 break
             silent = self.membership.silent_members(plan)
-            if silent or self.membership.recovery_begun(plan) or time.monotonic() > deadline:
-                abandoned.set()
-                logger.warning("recovery epoch %d: group build given up (silent: %s)", plan.id, silent)
-                return None
+            why = (f"silent: {', '.join(silent)}" if silent else "given up by another survivor"
+                   if self.membership.recovery_begun(plan) else "deadline" if time.monotonic() > deadline else "")
+            if why:
+                with lock:
+                    box["abandoned"] = True
+                    late = box.pop("group", None)  # finished between the join and here
+                if late is not None:
+                    late.abort()
+                logger.warning("recovery epoch %d: group build given up (%s)", plan.id, why)
+                return None, why
         if "error" in box:
             logger.warning("recovery epoch %d: group build failed: %s", plan.id, box["error"])
-            return None
-        return box["group"]
+            return None, f"build failed: {str(box['error'])[:100]}"
+        return box["group"], ""
 
 
 def _hook_with_fault(state: HookState, bucket):  # no return annotation (see elastic_allreduce_hook)

@@ -163,8 +163,9 @@ def test_sigkill_loses_at_most_commit_every_steps(tmp_path):
 
 # ---- #27.1: recoveries that lose survivors on the way ----------------------------------------------------------
 HEARTBEAT_TIMEOUT_S = 2.0  # the harness's TrainerConfig.heartbeat_timeout
-# Wall-clock bounds across processes fail on a busy host. These tests make the wait they rule out long (60 s) and
-# assert the recovery took well under half of it: it provably did not wait for it, however slow the host.
+# Wall-clock bounds across processes fail on a busy host. These tests make the waits they rule out long (60 s) and
+# assert no time: a recovery that waited for the rendezvous timeout fails (RendezvousTimeout), and a group build
+# given up on says why in the recovery record (`abandoned`: a silent member, not the deadline).
 LONG_WAIT_S = 60
 
 
@@ -202,8 +203,9 @@ def test_the_survivor_that_opens_the_recovery_dies_and_the_others_finish_it(tmp_
     faults = {"w3": [("at", 3, 8, 0.0)], **{w: [("recovery", "opened")] for w in ALL4[:3]}}
     recs, res, codes = _lose_ranks(tmp_path, faults, timeout_s=4, rendezvous_timeout_s=LONG_WAIT_S)
     assert codes["w3"] == -9
-    for s in recs:
-        assert s["recover_s"] < LONG_WAIT_S / 2, s
+    # a plan given up on (if any) was given up because a member fell silent, never waited out to a timeout
+    assert all(a["why"].startswith("silent: ") or a["why"] == "given up by another survivor"
+               for s in recs for a in s["abandoned"]), recs
 
 
 def test_two_ranks_killed_100_ms_apart_leave_two_that_lose_nothing(tmp_path):
@@ -222,8 +224,8 @@ def test_a_survivor_that_dies_before_the_recovered_group_is_built_is_recovered_f
                                    rendezvous_timeout_s=LONG_WAIT_S + 30)
     assert set(res) == {"w1", "w2"}
     for s in recs:
-        assert s["old_world"] == 4 and len(s["abandoned"]) == 1, s
-        assert s["recover_s"] < LONG_WAIT_S / 2, s  # collective timeout, then w0's silence: seconds
+        # the build of w0's plan was given up because w0's beat stopped, not at connect_timeout or the deadline
+        assert s["old_world"] == 4 and [a["why"] for a in s["abandoned"]] == ["silent: w0"], s
 
 
 def test_a_switch_that_splits_the_survivors_loses_no_healthy_worker(tmp_path):
@@ -254,5 +256,5 @@ def test_a_switch_that_splits_the_survivors_loses_no_healthy_worker(tmp_path):
     assert _loss_at(r0, r0["step"]) < _loss_at(r0, 1)
     check_accounting(read_logs(str(tmp_path)), r0["sampler"])  # nothing lost, nothing twice
     recs = {w: [s for s in r["switches"] if s["kind"] == "recovery"] for w, r in res.items()}
-    assert all(len(v) == 1 and v[0]["recover_s"] < LONG_WAIT_S / 2 for v in recs.values()), recs
+    assert all(len(v) == 1 for v in recs.values()), recs  # one recovery each, within the rendezvous timeout
     print("split switch recover_s:", {w: round(v[0]["recover_s"], 2) for w, v in recs.items()})
