@@ -71,16 +71,16 @@ def loader_extra(args) -> tuple:
     return ("--loader-workers", str(args.loader_workers), "--item-ms", str(args.item_ms))
 
 
-def _plain_batches(args, dev, make_batch, n: int, me: int):
+def _plain_batches(args, dev, make_batch, b: int, n: int, me: int):
     """Plain DDP's batches at size ``n``: with ``--loader-workers``, a DataLoader over a DistributedSampler as a
     torchrun script builds it (items of ``--item-ms`` CPU time each), else the one fixed batch forever."""
     if not args.loader_workers:
-        batch = make_batch(args.batch)
+        batch = make_batch(b)
         while True:
             yield batch
     data = LoadedItems(make_batch, args.item_ms)
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=n, rank=me, shuffle=False)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, sampler=sampler, **loader_options(args, dev))
+    loader = torch.utils.data.DataLoader(data, batch_size=b, sampler=sampler, **loader_options(args, dev))
     while True:
         for batch in loader:
             yield to_device(batch, dev)
@@ -100,7 +100,6 @@ def worker_plain_steady(args) -> None:
     dev = device_of(args)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     model, opt, b, make_batch, loss_fn = build(args.model, dev)
-    args.batch = b
     bench = client(args, "bench")
     me = int(args.wid[1:])
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -128,7 +127,7 @@ def worker_plain_steady(args) -> None:
             dist.init_process_group(backend, store=client(args, f"steady/pg/{n}"), rank=me, world_size=n,
                                     timeout=timedelta(seconds=120))
             ddp = DDP(model, **ids)
-            batches = _plain_batches(args, dev, make_batch, n, me)
+            batches = _plain_batches(args, dev, make_batch, b, n, me)
             for _ in range(args.warm):
                 _step(ddp, opt, next(batches), loss_fn)
             sync(dev)
