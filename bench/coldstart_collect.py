@@ -69,7 +69,13 @@ FRESH2 = {
     "efficientnet_b0": (64, 128, 256, 512), "convnext_tiny": (32, 64, 128, 256),
     "distilbert": (12, 24, 48, 96), "albert_base": (8, 16, 32, 64),
 }
-SETS = {"dev": MODELS, "fresh": FRESH, "fresh2": FRESH2}
+# The third (`--set fresh3`), collected after tm-2026.11.28-1 (the release developed on `fresh2`)
+FRESH3 = {
+    "resnext50_32x4d": (48, 96, 192, 384), "wide_resnet50_2": (32, 64, 128, 256),
+    "mobilenet_v2": (96, 192, 384, 768), "vit_b_32": (64, 128, 256, 512),
+    "bart_base": (8, 16, 32, 64), "electra_small": (16, 32, 64, 128),
+}
+SETS = {"dev": MODELS, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3}
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
 
@@ -229,7 +235,8 @@ def main() -> None:
     ap.add_argument("--models", default=None, help=f"comma list (default: the set's; on CPU mlp,tiny)")
     ap.add_argument("--set", dest="model_set", choices=tuple(SETS), default="dev",
                     help=f"dev: the models the throughput model was developed on ({','.join(MODELS)}); fresh: the "
-                         f"held-out set of session 12 ({','.join(FRESH)}); fresh2: session 13's ({','.join(FRESH2)})")
+                         f"held-out set of session 12 ({','.join(FRESH)}); fresh2: session 13's ({','.join(FRESH2)}); "
+                         f"fresh3: session 14's ({','.join(FRESH3)})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (DDP rebuilds its buckets once)")
     ap.add_argument("--windows", type=int, default=3)

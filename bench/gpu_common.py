@@ -28,12 +28,16 @@ FRESH_BATCH = {"resnet101": 48, "regnet_y_1_6gf": 48, "shufflenet_v2_x1_0": 96, 
 # the second held-out set (session 13), collected after tm-2026.11.27-2 was frozen
 FRESH2_BATCH = {"densenet121": 48, "mobilenet_v3_large": 96, "efficientnet_b0": 64, "convnext_tiny": 32,
                 "distilbert": 12, "albert_base": 8}
+# the third (session 14), collected after tm-2026.11.28-1 was frozen
+FRESH3_BATCH = {"resnext50_32x4d": 48, "wide_resnet50_2": 32, "mobilenet_v2": 96, "vit_b_32": 64, "bart_base": 8,
+                "electra_small": 16}
 DEFAULT_BATCH.update(FRESH_BATCH)
 DEFAULT_BATCH.update(FRESH2_BATCH)
+DEFAULT_BATCH.update(FRESH3_BATCH)
 MODELS = tuple(DEFAULT_BATCH)
 CNNS = ("resnet18", "resnet50", "resnet101", "regnet_y_1_6gf", "shufflenet_v2_x1_0", "densenet121",
-        "mobilenet_v3_large", "efficientnet_b0")  # channels_last, SGD
-VISION = CNNS + ("vit_b_16", "swin_t", "convnext_tiny")  # the others: AdamW
+        "mobilenet_v3_large", "efficientnet_b0", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2")  # channels_last, SGD
+VISION = CNNS + ("vit_b_16", "swin_t", "convnext_tiny", "vit_b_32")  # the others: AdamW
 
 
 def build(name: str, device: torch.device, batch: int | None = None):
@@ -60,7 +64,7 @@ def build(name: str, device: torch.device, batch: int | None = None):
         def loss_fn(m, batch):
             with torch.autocast(**amp):
                 return ce(m(batch[0]), batch[1])
-    elif name in ("gpt2", "bert", "opt125m", "t5_small", "distilbert", "albert_base"):
+    elif name in ("gpt2", "bert", "opt125m", "t5_small", "distilbert", "albert_base", "bart_base", "electra_small"):
         import transformers
         if name == "gpt2":
             model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
@@ -73,6 +77,12 @@ def build(name: str, device: torch.device, batch: int | None = None):
         elif name == "albert_base":  # albert-base-v2's shape (AlbertConfig's defaults are xxlarge): 12 shared layers
             cfg = transformers.AlbertConfig(hidden_size=768, num_attention_heads=12, intermediate_size=3072)
             model, seq, vocab = transformers.AlbertForMaskedLM(cfg).to(device), 512, 30000
+        elif name == "bart_base":  # bart-base's shape (BartConfig's defaults are bart-large): 6+6 layers, 768 wide
+            cfg = transformers.BartConfig(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                                          decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072)
+            model, seq, vocab = transformers.BartForConditionalGeneration(cfg).to(device), 512, 50265
+        elif name == "electra_small":  # ElectraConfig's defaults are ELECTRA-small's (12 layers, 256 wide)
+            model, seq, vocab = transformers.ElectraForMaskedLM(transformers.ElectraConfig()).to(device), 512, 30522
         else:  # T5Config's defaults are t5-small's shape; labels of the same length feed the decoder
             model, seq, vocab = transformers.T5ForConditionalGeneration(
                 transformers.T5Config(decoder_start_token_id=0, pad_token_id=0)).to(device), 256, 32128

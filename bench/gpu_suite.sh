@@ -11,9 +11,10 @@
 #   bash bench/gpu_suite.sh goodput-loader [ARGS...]  gpu_transition.py --mode steady with 8 DataLoader workers at
 #                                             4 ms an item on both sides (goodput's measured ideal and ours),
 #                                             ResNet-50, 300 steps a size (#23), $OUT/goodput_loader.{md,log}
-#   bash bench/gpu_suite.sh coldstart [--set=fresh|fresh2] [W...]  bench/coldstart_collect.py at each world size W
+#   bash bench/gpu_suite.sh coldstart [--set=fresh|fresh2|fresh3] [W...]  bench/coldstart_collect.py at each world size W
 #                                             (default 1 2 4), W > 1 once per NCCL transport (nvlink, shm, socket);
-#                                             $OUT/coldstart/*.jsonl; --set=fresh: the held-out models (issue 25)
+#                                             $OUT/coldstart/*.jsonl; --set=fresh: the held-out models (issue 25);
+#                                             TRANSPORTS="shm socket" limits W > 1 to those transports
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -43,7 +44,7 @@ case $what in
         sizes=("$@")
         ((${#sizes[@]})) || sizes=(1 2 4)
         for w in "${sizes[@]}"; do
-            transports=(nvlink shm socket)
+            read -r -a transports <<<"${TRANSPORTS:-nvlink shm socket}"
             ((w > 1)) || transports=(none)
             for tr in "${transports[@]}"; do
                 env=(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET "NCCL_DEBUG_FILE=$OUT/coldstart/nccl_w${w}_${tr}_%h_%p.log")
