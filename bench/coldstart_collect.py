@@ -261,7 +261,7 @@ def main() -> None:
         device = torch.device("cpu")
     table = SETS[args.model_set] if device.type == "cuda" else CPU_MODELS
     names = args.models.split(",") if args.models else list(table)
-    known = {**MODELS, **FRESH, **FRESH2, **CPU_MODELS}
+    known = {k: v for s in SETS.values() for k, v in s.items()} | CPU_MODELS
     unknown = [n for n in names if n not in known]
     if unknown:
         ap.error(f"--models: unknown {unknown}; known: {sorted(known)}")

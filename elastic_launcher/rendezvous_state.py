@@ -309,7 +309,7 @@ def recovery_members(rec: MembershipRecord, failed: Plan) -> tuple[str, ...]:
 
 def decide_recovery_step(rec: MembershipRecord, failed: Plan, wid: str,
                          seen: Mapping[str, Liveness]) -> RecoveryStep:
-    """The next step of survivor ``wid`` recovering from ``failed``, on the latest record ``rec``.
+    r"""The next step of survivor ``wid`` recovering from ``failed``, on the latest record ``rec``.
 
     ``failed`` is first resolved to the plan the record recovers in its place (:func:`resolve_failed`: a switch
     that split the survivors is one recovery). ``seen`` is this observer's judgement of the members (:class:`Liveness`);
