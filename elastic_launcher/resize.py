@@ -351,7 +351,11 @@ class Resizer:
             seen["joined"] = not self.missing(op.nodes, self.fleet.joining)
         if op.state is ResizeState.JOINED and op.plan_id in self._plans:
             seen["switched"] = self.switch_stats(self._plans[op.plan_id]) is not None
-            seen["superseded"] = not seen["switched"] and self.coord.current().id > op.plan_id
+            current = self.coord.current()
+            seen["superseded"] = not seen["switched"] and current.id > op.plan_id
+            if seen["superseded"] and op.kind is ResizeKind.GROW:
+                newcomers = [w for n in op.nodes for w in self._slot(n).wids]
+                seen["carried"] = bool(newcomers) and set(newcomers) <= set(current.members)
         if op.kind is ResizeKind.SHRINK and op.state is ResizeState.SWITCHED:
             seen["left"] = all(self.coord.has_left(w) for n in op.nodes for w in self._slot(n).wids)
         if op.kind is ResizeKind.SHRINK and op.state is ResizeState.RELEASING:

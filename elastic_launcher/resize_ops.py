@@ -170,6 +170,8 @@ class Observation:
         joined: every newcomer node has its workers announced in the rendezvous.
         switched: the op's plan reported its first step.
         superseded: a later epoch (a failure recovery) replaced the op's plan before it switched.
+        carried: (a superseded grow) every newcomer's workers are members of the epoch that replaced the plan: the
+            recovery took the newcomers with it, so the grow holds.
         left: a shrink's leavers all left at the commit point.
         failed_nodes: nodes of the op whose workers failed (the helper agent's status).
         cancel: why the op is to stop now (an operator request, the main job ending), if it is.
@@ -182,6 +184,7 @@ class Observation:
     joined: bool = False
     switched: bool = False
     superseded: bool = False
+    carried: bool = False
     left: bool = False
     failed_nodes: tuple[str, ...] = ()
     cancel: Optional[str] = None
@@ -306,6 +309,10 @@ def _joined(op: ResizeOp, obs: Observation, now: float, limits: ResizeLimits) ->
         if op.kind is ResizeKind.GROW:
             return _to(op, ResizeState.SWITCHED, now), [Action(ActionKind.FINISH, op.nodes)]
         return _to(op, ResizeState.SWITCHED, now, limits.leave_s), []
+    if obs.superseded and obs.carried and op.kind is ResizeKind.GROW:
+        # the plan switched (or split) and a recovery replaced it before its first step was reported, keeping the
+        # newcomers: they train in the recovery's epoch, so cancelling the helper would kill live members
+        return _to(op, ResizeState.SWITCHED, now), [Action(ActionKind.FINISH, op.nodes)]
     if obs.superseded:
         return fail(op, now, f"epoch {op.plan_id} was superseded by a recovery before its first step", counts=True)
     if op.kind is ResizeKind.GROW and obs.failed_nodes:

@@ -98,6 +98,17 @@ def test_a_recovery_that_supersedes_the_posted_plan_fails_the_grow():
     assert kinds(acts) == [ActionKind.CANCEL_HELPER, ActionKind.ABORT]
 
 
+def test_a_recovery_that_carried_the_newcomers_into_its_epoch_finishes_the_grow_instead():
+    """Review finding of session 13: a grow switched, then recovered before its first step was reported, was failed
+    and its helper cancelled, killing newcomers that train in the recovery's epoch."""
+    held, acts = advance(joined(), Observation(superseded=True, carried=True), 3.0, LIMITS)
+    assert held.state is S.SWITCHED and held.error is None
+    assert kinds(acts) == [ActionKind.FINISH] and ActionKind.CANCEL_HELPER not in kinds(acts)
+    shrink, _ = advance(dataclasses.replace(joined(), kind=ResizeKind.SHRINK), Observation(superseded=True,
+                                                                                          carried=True), 3.0, LIMITS)
+    assert shrink.state is S.FAILED  # a shrink has no newcomers to carry
+
+
 @pytest.mark.parametrize("make", [lambda: grow_op(), submitted, allocated])
 def test_a_cancel_before_the_plan_is_posted_fails_the_grow_in_the_same_tick(make):
     op = make()

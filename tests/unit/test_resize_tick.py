@@ -219,6 +219,44 @@ def test_a_grow_moves_one_state_a_tick_and_never_waits(tmp_path, monkeypatch):
     assert t["allocate_s"] == 5.0 and r.window.epoch is None
 
 
+def _posted_grow(r, clock):
+    r.request_grow(4, "grow", "test")
+    r.tick()
+    helper = r.active.helper
+    r.slurm.start(int(helper), ["node3", "node4"])
+    r.tick()
+    r.coord.joined_ids = [*wids("node3", helper), *wids("node4", helper)]
+    r.fleet.joining["node3"].prefix = f"j{helper}-node3-g0-"
+    r.fleet.joining["node4"].prefix = f"j{helper}-node4-g0-"
+    assert r.tick().state is S.JOINED
+    return helper, r.coord.posted[0]
+
+
+@pytest.mark.parametrize("keeps_newcomers", [True, False], ids=["carried", "dropped"])
+def test_a_recovery_that_replaces_a_posted_grow_keeps_newcomers_it_carried(tmp_path, keeps_newcomers):
+    """The grow's plan switched and a recovery (node2 died) replaced it before its first step was reported: when the
+    recovery's epoch holds the newcomers, the grow finishes (its helper is not cancelled, which would kill members
+    that train); when it dropped them, the grow fails and the helper goes."""
+    clock = Clock()
+    r = make_resizer(tmp_path, clock)
+    helper, posted = _posted_grow(r, clock)
+    r.coord.switch(posted)                                     # switched; no first step reported in it
+    survivors = [w for w in posted.members if not w.startswith("j42-node2")]
+    if not keeps_newcomers:
+        survivors = [w for w in survivors if w.startswith("j42-")]
+    recovered = Plan(posted.id + 1, tuple(survivors), posted.id, "recovery")
+    r.coord.plan = recovered
+    clock.t += 1
+    op = r.tick()
+    if keeps_newcomers:
+        assert op.state is S.SWITCHED and r.slurm.cancelled == [] and keys.helper_stop(helper) not in r.kv
+        assert {"node3", "node4"} <= set(r.fleet.nodes)
+        (t,) = records(r, "transition")
+        assert t["helper"] == helper and t["nodes_in"] == ["node3", "node4"]
+    else:
+        assert op.state is S.FAILED and "superseded" in op.error and r.slurm.cancelled == [int(helper)]
+
+
 @pytest.mark.parametrize("stage, limit", [("submitted", 60.0), ("allocated", 120.0), ("joined", 120.0)])
 def test_each_deadline_fails_the_grow_and_cancels_the_helper(tmp_path, stage, limit):
     clock = Clock()
