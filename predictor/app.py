@@ -133,7 +133,7 @@ def create_app(config: Config | None = None, *, predictor_factory: Callable | No
     models = ModelCache(store, predictor_factory or default_predictor_factory, debounce=config.refit_debounce,
                         poll=config.refit_poll, cache_size=config.prediction_cache_size,
                         cache_bytes=config.prediction_cache_bytes, min_interval=config.refit_min_interval,
-                        fitter=config.fits)
+                        fitter=config.fits, max_share=config.refit_max_share)
     plots = PlotRenderer(store, models, prerender=config.plot_prerender)
     app.extensions["elastic_predictor"] = Services(config=config, store=store, models=models, plots=plots)
     for module in (health, profiles, observations, predict, decisions, links, metrics, web):

@@ -73,8 +73,12 @@ class Config:
         max_body_bytes: requests with a larger body get 413.
         refit_debounce: how long new observations are coalesced before the background refit.
         refit_poll: how often each worker checks the store for data written by other workers.
-        refit_min_interval: least time between the end of one fit and the start of the next, so a steady
-            stream of observations cannot keep a worker fitting all the time.
+        refit_min_interval: least time between the end of one fit and the start of the next.
+        refit_max_share: at most this share of the fitter's time goes to fits: after a fit of f seconds the next
+            starts at least f * (1 - share) / share later, so a steady stream of observations cannot keep a
+            worker fitting all the time, while a write right after a fit waits about one fit, not a fixed pause
+            (#24.16: a write is reflected within max(debounce, the fit in progress + its pause) + its own fit;
+            predictor.service.ModelCache.next_fit_at).
         prediction_cache_size: entries in the per-model-version prediction cache.
         prediction_cache_bytes: budget of that cache in estimated bytes (candidates x layout length), per worker.
         default_min_efficiency: scaling-efficiency threshold when the directives give none.
@@ -105,7 +109,8 @@ class Config:
     max_body_bytes: int = 4 * 1024 * 1024
     refit_debounce: timedelta = timedelta(seconds=1)
     refit_poll: timedelta = timedelta(seconds=2)
-    refit_min_interval: timedelta = timedelta(seconds=5)
+    refit_min_interval: timedelta = timedelta(seconds=1)
+    refit_max_share: float = 0.5
     prediction_cache_size: int = 4096
     default_min_efficiency: float = 0.5
     max_plan_candidates: int = MAX_CANDIDATES
@@ -133,6 +138,8 @@ class Config:
             raise ValidationError("prediction_cache_size", "must be >= 0")
         if self.refit_debounce < timedelta(0) or self.refit_min_interval < timedelta(0) or self.refit_poll <= timedelta(0):
             raise ValidationError("refit_debounce", "debounce and min interval must be >= 0, poll > 0")
+        if not 0.0 < self.refit_max_share <= 1.0:
+            raise ValidationError("refit_max_share", "must lie in (0, 1]")
         if self.job_recent < timedelta(0) or self.auth_timeout <= timedelta(0):
             raise ValidationError("job_recent", "job_recent must be >= 0 and auth_timeout > 0")
         if not timedelta(0) <= self.plan_cache_ttl <= timedelta(hours=1):

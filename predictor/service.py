@@ -6,7 +6,8 @@ processes share one model per data version:
 - **One fitter.** The worker that holds the fit lock (predictor.fitlock: a non-blocking `flock` on
   `<db>.fitlock`) is the only one that fits. Its refit thread fits when the store's `generation` counter has
   moved past the model's (a write by this process: `notify()`, then a debounce so a burst of POSTs costs one
-  fit; a write by another worker: seen within `min(poll, check)`), and stores the fitted model in the store's
+  fit; a write by another worker: seen within `min(poll, check)`), paced so fits take at most `max_share` of
+  its time (`next_fit_at`), and stores the fitted model in the store's
   `models` table (a pickle, version = the generation fitted on, newest few kept). A failed fit keeps the
   previous model, is recorded in `fit_failures` and reported by every worker's `status()`. When the fitter
   dies the kernel drops its lock and another worker's thread takes it on its next try.
@@ -323,7 +324,11 @@ class ModelCache:
         poll: how often, at least, to look for writes by other processes.
         cache_size: prediction cache entries (LRU).
         cache_bytes: prediction cache budget in estimated bytes (`prediction_entry_bytes`).
-        min_interval: least time between two fits of the background thread.
+        min_interval: least time between the end of one fit of the background thread and the start of the next.
+        max_share: at most this share of the time goes to the background thread's fits: after a fit of f
+            seconds the next starts at least f * (1 - max_share) / max_share later (and `min_interval`), so a
+            flood of writes cannot keep it fitting, while a write that comes right after a fit waits about one
+            more fit, not a fixed pause (#24.2, #24.16; `pause_after`).
         check: how often, at least, to look for a newer stored model (and try for the fit lock).
         keep_models: stored models kept (the newest).
         lock: the fit lock; default `<db>.fitlock` beside the store's database.
@@ -336,13 +341,18 @@ class ModelCache:
                  cache_size: int = 4096, min_interval: timedelta = timedelta(0),
                  cache_bytes: int = DEFAULT_PREDICTION_CACHE_BYTES,
                  check: timedelta = timedelta(milliseconds=100), keep_models: int = 3, lock: FitLock | None = None,
-                 fitter: bool = True):
+                 fitter: bool = True, max_share: float = 0.5):
+        if not 0.0 < max_share <= 1.0:
+            raise ValueError(f"max_share must lie in (0, 1], got {max_share}")
         self.store = store
         self.fitter = fitter
         self.predictor_factory = predictor_factory
         self.debounce = debounce
         self.poll = poll
         self.min_interval = min_interval
+        self.max_share = max_share
+        self._not_before = 0.0                    # time.monotonic() before which the next fit does not start
+        self._pending_since: float | None = None  # when this process stored data not yet being fitted (notify)
         self.check = check
         self.keep_models = keep_models
         self.election = lock or FitLock(fit_lock_path(store.path))
@@ -381,8 +391,22 @@ class ModelCache:
         self.election.release()
 
     def notify(self) -> None:
-        """New data was stored by this process: look again after the debounce."""
+        """New data was stored by this process: fit it once the debounce has gathered the burst it belongs to
+        (counted from the first write not yet being fitted) and the pacing allows (`next_fit_at`)."""
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
         self._wake.set()
+
+    def pause_after(self, fit_s: float) -> float:
+        """Seconds from the end of a fit that took `fit_s` to the earliest start of the next one."""
+        return max(self.min_interval.total_seconds(), fit_s * (1.0 - self.max_share) / self.max_share)
+
+    def next_fit_at(self) -> float:
+        """time.monotonic() at which the fitter may start its next fit: the pause after the last fit and the
+        debounce of this process's first write since the last fit began, whichever ends later. A write is
+        so reflected within max(debounce, the fit in progress + its pause) + its own fit + `check` (#24.16)."""
+        pending = self._pending_since
+        return max(self._not_before, -float("inf") if pending is None else pending + self.debounce.total_seconds())
 
     def _run(self) -> None:
         interval = min(self.poll, self.check).total_seconds()
@@ -394,20 +418,24 @@ class ModelCache:
                 self._report("refresh", f"{type(exc).__name__}: {exc}")
                 log.exception("model refresh failed")
                 self._stop.wait(self.poll.total_seconds())
-            if self._wake.wait(interval):
+            if self._wake.wait(interval):    # a write by this process: look at once (the pacing still holds)
                 self._wake.clear()
-                if self.election.held:       # the fitter coalesces a burst of POSTs; the others only load
-                    self._stop.wait(self.debounce.total_seconds())
 
     def _tick(self) -> None:
-        """Load a newer stored model; then, as the fitter, fit when the data moved past the model."""
+        """Load a newer stored model; then, as the fitter, fit when the data moved past the model and the pacing
+        allows (`next_fit_at`: the debounce, and the pause after the last fit that bounds the fits' share)."""
         self.load_newest()
-        if self.fitter and self.election.try_acquire() and self._fit_due():
+        if not (self.fitter and self.election.try_acquire()) or time.monotonic() < self.next_fit_at():
+            return
+        if self._fit_due():
+            self._pending_since = None           # what is stored from here on waits for the next fit
+            started = time.monotonic()
             try:
                 self._fit_and_publish()
             except Exception:  # noqa: BLE001 - reported (here and in the store) by _fit_and_publish
                 log.exception("fit failed")
-            self._stop.wait(self.min_interval.total_seconds())
+            ended = time.monotonic()
+            self._not_before = ended + self.pause_after(ended - started)
 
     def _fit_due(self) -> bool:
         generation = self.store.generation()
