@@ -486,6 +486,13 @@ def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
     ]
 
 
+def most_gpus_per_node(nodes: Sequence[Node], partitions: Sequence[Partition]) -> dict[str, int]:
+    """The most GPUs one node of each partition has (0: none), as Slurm reports its nodes' GRES: the bound
+    job_submit.lua holds every decision's GPUs per node to (elastic.conf's `max_gpus_per_node`, #24.5)."""
+    gpus = {n.name: n.gpus for n in nodes}
+    return {p.name: max((gpus.get(n, 0) for n in p.nodes), default=0) for p in partitions}
+
+
 def parse_partitions(text: str) -> list[Partition]:
     """`scontrol show partition -o` (one partition per line, values without spaces)."""
     out = []

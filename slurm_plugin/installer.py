@@ -52,6 +52,10 @@ class PluginConfig:
         cli_filter: also install cli_filter.lua (the same request from sbatch's side).
         cache_entries: size of job_submit.lua's decision cache (reuse of a /v1/plan decision for identical
             requests within the `cache_ttl_s` the service sends); 0 turns it off on this side.
+        max_gpus_per_node: partition -> the most GPUs one of its nodes has. job_submit.lua drops any decision
+            above it (and any above the partition's node count, which Slurm hands the hook), so a hostile service
+            cannot make Slurm refuse a job (#24.5). None: `install` reads it from Slurm
+            (`slurm_plugin.client.most_gpus_per_node`); give it where Slurm is not running yet.
     """
 
     conf_dir: Path
@@ -61,6 +65,7 @@ class PluginConfig:
     breaker_open: timedelta = timedelta(seconds=30)
     cli_filter: bool = False
     cache_entries: int = 1024
+    max_gpus_per_node: Optional[Mapping[str, int]] = None
 
     def __post_init__(self):
         parts = urlsplit(self.predictor_url)
@@ -74,6 +79,9 @@ class PluginConfig:
             raise InstallError("breaker_open must not be negative")
         if not 0 <= self.cache_entries <= 1_000_000:
             raise InstallError(f"cache_entries must be 0..1000000, got {self.cache_entries}")
+        for name, count in (self.max_gpus_per_node or {}).items():
+            if not re.fullmatch(r"[^\s,=]+", str(name)) or not isinstance(count, int) or count < 0:
+                raise InstallError(f"max_gpus_per_node: expected PARTITION=COUNT (COUNT >= 0), got {name}={count}")
 
     def conf_text(self) -> str:
         budget_ms = self.budget.total_seconds() * 1000
@@ -84,7 +92,8 @@ class PluginConfig:
             f"breaker_failures = {self.breaker_failures}\n"
             f"breaker_open_s = {self.breaker_open.total_seconds():g}\n"
             f"cache_entries = {self.cache_entries}\n"
-        )
+        ) + ("" if self.max_gpus_per_node is None else "max_gpus_per_node = " + ",".join(
+            f"{name}={count}" for name, count in sorted(self.max_gpus_per_node.items())) + "\n")
 
     def slurm_conf_lines(self) -> list[str]:
         lines = ["JobSubmitPlugins=lua"]
@@ -141,6 +150,22 @@ def _stamp_next_second(path: Path) -> None:
     os.utime(path, (target, target))
 
 
+def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
+    """`max_gpus_per_node` as the Slurm of `slurm_conf` reports it (`sinfo --json`, `scontrol show partition`).
+
+    :raises InstallError: Slurm does not answer; names the option that gives the value instead.
+    """
+    from slurm_plugin.client import CommandBackend, most_gpus_per_node  # noqa: PLC0415
+    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+
+    backend = CommandBackend(slurm_conf=slurm_conf)
+    try:
+        return most_gpus_per_node(backend.nodes(), backend.partitions())
+    except (SlurmError, OSError) as exc:
+        raise InstallError(f"cannot read each partition's GPUs per node from Slurm ({exc}); start slurmctld or "
+                           "pass --max-gpus-per-node PARTITION=COUNT,...") from exc
+
+
 def install(config: PluginConfig, lua: str = "lua5.1") -> list[Path]:
     """Write the hook files into `config.conf_dir`; return the paths written, job_submit.lua last.
 
@@ -149,6 +174,8 @@ def install(config: PluginConfig, lua: str = "lua5.1") -> list[Path]:
     if not config.conf_dir.is_dir():
         raise InstallError(f"--conf-dir {config.conf_dir} is not a directory")
     check_lua(lua)
+    if config.max_gpus_per_node is None:
+        config = dataclasses.replace(config, max_gpus_per_node=slurm_gpus_per_node(config.conf_dir / "slurm.conf"))
     written = []
     files = [("elastic_common.lua", (LUA_DIR / "elastic_common.lua").read_text()),
              ("elastic.conf", config.conf_text())]
@@ -198,16 +225,23 @@ def add_to_slurm_conf(slurm_conf: Path, lines: list[str]) -> bool:
 @click.option("--cli-filter", is_flag=True, help="Also install cli_filter.lua (CliFilterPlugins=lua).")
 @click.option("--cache-entries", type=click.IntRange(0, 1_000_000), default=1024, show_default=True,
               help="Decisions job_submit.lua keeps for identical requests (the service sets how long); 0: none.")
+@click.option("--max-gpus-per-node", default=None, metavar="PARTITION=COUNT,...",
+              help="The most GPUs one node of each partition has; the hook drops decisions above it. "
+                   "Default: read from Slurm (sinfo) now; re-run install-plugin after changing nodes' GRES.")
 @click.option("--apply", is_flag=True, help="Add the lines to DIR/slurm.conf and run `scontrol reconfigure`.")
 def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_failures: int,
-                   breaker_open_s: float, cli_filter: bool, cache_entries: int, apply: bool) -> None:
+                   breaker_open_s: float, cli_filter: bool, cache_entries: int, max_gpus_per_node: Optional[str],
+                   apply: bool) -> None:
     """Install the job_submit (and cli_filter) Lua hooks and print the slurm.conf lines.
 
     Example: elastic-slurm install-plugin --conf-dir /etc/slurm --predictor-url http://10.0.0.5:8470 --apply
     """
     try:
+        given = None if max_gpus_per_node is None else dict(
+            (name, int(count) if count.isdigit() else -1) for name, _, count in
+            (item.strip().partition("=") for item in max_gpus_per_node.split(",") if item.strip()))
         config = PluginConfig(conf_dir.absolute(), predictor_url, timedelta(milliseconds=budget_ms),
-                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter, cache_entries)
+                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter, cache_entries, given)
         versions = check_lua()
         written = install(config)
     except InstallError as exc:

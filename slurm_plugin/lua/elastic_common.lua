@@ -8,8 +8,9 @@ M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES; Slurm prints its text after ours, w
 local SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
                             cli_filter = "cli_filter plugin terminated with error" }
 M.now = socket.gettime   -- the clock of the breaker and the cache (tests step their own); budgets use socket's
-local DEFAULTS = { predictor_url = "http://127.0.0.1:8470", budget_ms = 100, breaker_failures = 3,
-                   breaker_open_s = 30, helper_marker = "elastic-helper", cli_state_dir = "/tmp", cache_entries = 1024 }
+local DEFAULTS = { predictor_url = "http://127.0.0.1:8470", budget_ms = 100, breaker_failures = 3, breaker_open_s = 30,
+                   helper_marker = "elastic-helper", cli_state_dir = "/tmp", cache_entries = 1024,
+                   max_gpus_per_node = "" }   -- debug=4,a100=8 (installer); cfg.gpus: {debug = 4, a100 = 8}
 
 -- elastic.conf (key = value); a numeric key whose value is not a number keeps its default and is reported.
 function M.read_config(path)
@@ -29,6 +30,8 @@ function M.read_config(path)
     end
   end
   f:close()
+  cfg.gpus = {}
+  for name, n in cfg.max_gpus_per_node:gmatch("([^%s,=]+)=(%d+)") do cfg.gpus[name] = tonumber(n) end
   return cfg, problems[1] and table.concat(problems, "; ") or nil
 end
 
@@ -48,7 +51,6 @@ function M.directive_lines(script)
   end
   return found
 end
-
 -- Jobs never touched: launcher helpers, expand: allocations, jobs cli_filter planned (a decision id in the comment).
 function M.untouched(name, comment, dependency, marker)
   return type(dependency) == "string" and dependency:find("expand:", 1, true) ~= nil
@@ -76,11 +78,10 @@ function M.post_json(url, body, budget_s)
   end
   local function fail(why) sock:close(); return nil, why end
   port, path = tonumber(port) or 80, path:gsub("/+$", "")
+  local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port
+    .. "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
   local ok, err = step("connect", ip, port)
-  if ok then
-    ok, err = step("send", "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port
-      .. "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body)
-  end
+  if ok then ok, err = step("send", request) end
   if ok then ok, err = step("receive", "*l") end
   if not ok then return fail(err) end
   local status, length, header = tonumber(ok:match("^HTTP/%d%.%d (%d%d%d)"))
@@ -99,18 +100,15 @@ function M.post_json(url, body, budget_s)
   sock:close()
   return status, text
 end
-
 -- After `k` failures in a row (a timeout is one: a hung service opens it after k budgets, one slow answer does not,
 -- #26.3) calls are skipped for `open_s`; the next call is a trial: a failure reopens it, a success closes it.
 function M.new_breaker(k, open_s)
-  local b = { k = tonumber(k) or DEFAULTS.breaker_failures, open_s = tonumber(open_s) or DEFAULTS.breaker_open_s,
-              failures = 0, open_until = 0 }
+  local b = { k = k, open_s = open_s, failures = 0, open_until = 0 }   -- read_config's numbers
   function b.is_open(now) return b.open_until > now, b.open_until - now end
   function b.success() b.failures, b.open_until = 0, 0 end
   function b.failure(now) b.failures = b.failures + 1; if b.failures >= b.k then b.open_until = now + b.open_s end end
   return b
 end
-
 -- The request fields a decision depends on; `uid`: a user's own profile plans only that user's jobs (#24.6).
 local KEY_FIELDS = { "uid", "user", "partition", "min_nodes", "max_nodes", "ntasks_per_node", "tres_per_node",
                      "tres_per_job", "time_limit_min", "req_switch", "account", "qos" }
@@ -135,7 +133,6 @@ function M.cache_key(request)
   v = v and tonumber(v) <= 1 and tonumber(v)
   return table.concat(exact), v and table.concat(masked) or nil, v or nil
 end
-
 -- Entries live for the `cache_ttl_s` they came with (absent or 0: not kept); a full cache is emptied (no LRU on the
 -- hot path). Reuses are counted per decision id (up to the 4096 ids the service takes) and sent as `reused`.
 function M.new_cache(max_entries)
@@ -179,10 +176,9 @@ end
 local function tres_entries(list)
   local gpus, others, depth, cur = {}, {}, 0, ""
   local function flush()
-    local item = cur:match("^%s*(.-)%s*$")
+    local item = cur:match("^%s*(.-)%s*$"); cur = ""
     local e = item ~= "" and gpu_item(item)
     if e then gpus[#gpus + 1] = e elseif item ~= "" then others[#others + 1] = item end
-    cur = ""
   end
   for ch in tostring(list or ""):gmatch(".") do
     if ch == "," and depth == 0 then flush() else
@@ -193,7 +189,6 @@ local function tres_entries(list)
   flush()
   return gpus, others
 end
-
 -- (GPU count, GPU type) of a TRES/GRES list or nil: entries add up, but an accounting `gres/gpu=N` is the total of the
 -- `gres/gpu:T=N` beside it; the type is the typed entries' one type when no untyped request entry stands beside them.
 function M.gpu_tres(list)
@@ -204,9 +199,7 @@ function M.gpu_tres(list)
     if e.type == nil then has_total, untyped = has_total or e.kv, untyped or not e.kv
     elseif not types[e.type] then types[e.type], ntypes = true, ntypes + 1 end
   end
-  for _, e in ipairs(gpus) do
-    if not (has_total and e.kv and e.type ~= nil) then count = count + e.count end
-  end
+  for _, e in ipairs(gpus) do count = count + ((has_total and e.kv and e.type) and 0 or e.count) end
   return count, (ntypes == 1 and not untyped) and next(types) or nil
 end
 local function gpu_count(list) return (M.gpu_tres(list)) end
@@ -223,10 +216,7 @@ end
 local function num(v, unset) return type(v) == "number" and v < NO_VAL and v ~= unset and v or nil end  -- unset: nil
 M.num = num
 local function str(v) return type(v) == "string" and v ~= "" and v or nil end
-local function one_line(s, max)
-  s = tostring(s):gsub("[%c]+", " ")
-  return #s > max and s:sub(1, max - 3) .. "..." or s
-end
+local function one_line(s, n) s = tostring(s):gsub("[%c]+", " "); return #s > n and s:sub(1, n - 3) .. "..." or s end
 function M.job_from_desc(d, submit_uid)
   return { user = str(d.user_name), uid = num(submit_uid), partition = str(d.partition), name = str(d.name),
            min_nodes = num(d.min_nodes), max_nodes = num(d.max_nodes), tres_per_node = str(d.tres_per_node),
@@ -271,15 +261,16 @@ local function band_decision(kept, v)
   end
 end
 
--- Ask the service about `lines` (M.directive_lines') and `job`, unless `cache` (optional) holds a decision for the
--- request. Never raises: a 422 is kind = "reject" (the service's message and field), every failure kind = "skip".
-function M.plan(cfg, breaker, source, lines, job, cache)
+-- Ask the service about `lines` (M.directive_lines') and `job`, unless `cache` (optional) holds a decision for it that
+-- fits `parts` (part_list; nil: unchecked). Never raises: a 422 is kind = "reject", any failure (misfit too) "skip".
+function M.plan(cfg, breaker, source, lines, job, cache, parts)
+  local function outside(r) return parts and M.outside(r, job.partition, parts, cfg.gpus) end
   local request, now, key, masked, v = { source = source, directives = {}, job = job }, M.now()
   for i, entry in ipairs(lines) do request.directives[i] = entry.line end
   if cache then
     key, masked, v = M.cache_key(request)
     local hit = cache.get(key, now) or masked and band_decision(cache.get(masked, now), v)
-    if hit then cache.note_reuse(hit.decision_id); return hit end
+    if hit and not outside(hit) then cache.note_reuse(hit.decision_id); return hit end
   end
   local open, left = breaker.is_open(now)
   if open then return { kind = "skip", why = ("predictor unavailable, retry in %d s"):format(math.ceil(left)) } end
@@ -292,13 +283,12 @@ function M.plan(cfg, breaker, source, lines, job, cache)
   local reply
   if status == 422 then
     breaker.success()
-    local err = cjson.decode(text)
-    err = type(err) == "table" and err or {}
+    local err = cjson.decode(text); err = type(err) == "table" and err or {}
     return { kind = "reject", field = type(err.field) == "string" and err.field or nil,
              message = one_line(type(err.error) == "string" and err.error or one_line(text, 300), 600) }
   elseif status == 200 then
     reply, why = cjson.decode(text)
-    why = reply == nil and ("unreadable reply: " .. tostring(why)) or invalid(reply)
+    why = reply == nil and ("unreadable reply: " .. tostring(why)) or invalid(reply) or outside(reply)
   else
     why = status and ("HTTP " .. status) or tostring(text)
   end
@@ -329,23 +319,34 @@ end
 -- A 422 as the user reads it: the script's line number in place of the service's (it counts the lines it was sent).
 function M.reject_text(outcome, lines)
   local index = type(outcome.field) == "string" and tonumber(outcome.field:match("^directives%[(%d+)%]$"))
-  local entry = index and lines[index + 1]
-  if not entry then return outcome.message end
-  return "line " .. entry.no .. ": " .. (outcome.message:gsub("^line %d+: ", "", 1))
+  local entry, m = index and lines[index + 1], outcome.message
+  return entry and "line " .. entry.no .. ": " .. m:gsub("^line %d+: ", "", 1) or m
 end
 function M.skip_message(why) return "elastic: prediction skipped (" .. why .. "); job submitted as written" end
-function M.comment_with(comment, decision_id)   -- the user's comment, then the decision's id
-  return (type(comment) == "string" and comment ~= "" and comment .. " " or "") .. "elastic:decision=" .. decision_id
-end
+function M.comment_with(c, id)   -- the user's comment, then the decision's id
+  return (type(c) == "string" and c ~= "" and c .. " " or "") .. "elastic:decision=" .. id end
 local function counted(n, word) return string.format("%d %s%s", n, word, n == 1 and "" or "s") end
 function M.per_task_split(per_node, tasks)   -- the reason --gpus-per-task refuses a layout
   return string.format("%s per node %s not split over %s (--gpus-per-task)", counted(per_node, "GPU"),
                        per_node == 1 and "does" or "do", tasks and counted(tasks, "task") or "the tasks")
 end
-
 -- The partition a comparison of partitions (the reply lists `alternatives`) moves the job to; nil when it stays,
 -- and always for a single partition's answer (the cluster model may name the default partition otherwise than Slurm).
 function M.moved_to(asked, r) return r.alternatives ~= nil and r.partition ~= asked and r.partition or nil end
+-- Why rewrite `r` fits none of the partitions it may run in (#24.5; nil when it fits one): `parts` is job_submit's
+-- part_list (Slurm's node counts), `gpus` elastic.conf's max_gpus_per_node (the installer's reading of Slurm's nodes).
+function M.outside(r, asked, parts, gpus)
+  local names, why = r.action == "rewrite" and (M.moved_to(asked, r) or asked or "")
+  for name, p in pairs(names == "" and parts or {}) do names = p.flag_default == 1 and name or names end
+  for name in (names or ""):gmatch("[^,]+") do
+    local p, most = parts[name], gpus[name]
+    local room = p and math.min(tonumber(p.total_nodes) or 0, tonumber(p.max_nodes) or NO_VAL) or 0
+    if r.nodes <= room and r.gpus_per_node <= (most or -1) then return nil end
+    why = ("%s x %s, partition %s takes at most %s x %s"):format(counted(r.nodes, "node"), counted(r.gpus_per_node,
+      "GPU"), name, counted(room, "node"), most and counted(most, "GPU") or "? GPUs (not in elastic.conf)")
+  end
+  return why and "decision outside its partition: " .. why
+end
 -- A rewrite's job_desc values and environment, computed before any is assigned, and whether the GPU request changed;
 -- or nil and why it cannot be applied consistently.
 function M.rewrite_fields(job_desc, reply)

@@ -1,6 +1,5 @@
--- job_submit.lua (elastic-slurm): right-size GPU jobs that carry #ELASTIC lines (docs/hook.md). Others, launcher
--- helpers and expand: allocations pass untouched and silently. The service decides (elastic_common.lua asks it within
--- one budget, or reuses a decision it kept); the hook validates and applies it. Any failure submits as written.
+-- job_submit.lua (elastic-slurm, docs/hook.md): right-size GPU jobs with #ELASTIC lines; others pass silently.
+-- The service decides (asked within one budget, or a kept decision); the hook checks, applies; failures submit as is.
 local dir = (debug.getinfo(1, "S").source:match("^@(.*/)") or "./")
 local loaded, elastic = pcall(dofile, dir .. "elastic_common.lua")
 local cfg, breaker, cache, problem   -- breaker and cache: as long as slurmctld's Lua state (until a reload)
@@ -12,13 +11,13 @@ else
   slurm.log_error("slurm_job_submit: elastic: cannot load %s: %s", dir .. "elastic_common.lua", tostring(elastic))
 end
 
-local function submit(job_desc, uid)
+local function submit(job_desc, uid, parts)
   local lines = elastic.directive_lines(job_desc.script)
   if #lines == 0 or elastic.untouched(job_desc.name, job_desc.comment, job_desc.dependency, cfg.helper_marker) then
     return slurm.SUCCESS
   end
   local started = elastic.now()
-  local outcome = elastic.plan(cfg, breaker, "job_submit", lines, elastic.job_from_desc(job_desc, uid), cache)
+  local outcome = elastic.plan(cfg, breaker, "job_submit", lines, elastic.job_from_desc(job_desc, uid), cache, parts)
   local ms, applied, why = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
     slurm.log_user("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "job_submit"))
@@ -40,7 +39,7 @@ end
 
 function slurm_job_submit(job_desc, part_list, submit_uid)
   if not loaded or job_desc.script == nil then return slurm.SUCCESS end
-  local ok, rc = pcall(submit, job_desc, submit_uid)
+  local ok, rc = pcall(submit, job_desc, submit_uid, part_list)
   if ok then return rc end
   slurm.log_error("slurm_job_submit: elastic: uid %s: hook error: %s", tostring(submit_uid), tostring(rc))
   slurm.user_msg("elastic: prediction skipped (hook error, see slurmctld log); job submitted as written")

@@ -42,6 +42,12 @@ MIXED = {**MOVED, "decision_id": "d-51", "partition": "debug", "gpu": "H100+A100
          "reason": "elastic: mixed 2x4 H100 + 2x4 A100 on partition debug predicted 25090 samples/s"}
 NO_VAL = 4294967294
 NO_VAL16 = 65534
+INFINITE = 4294967295
+# job_submit's part_list as slurmctld 22.05 hands it to the hook on the testbed (read there with a probe hook):
+# keyed by name, Slurm's node counts; and the GPUs a node the installer reads from Slurm for elastic.conf (#24.5)
+PARTS = {name: {"name": name, "total_nodes": nodes, "max_nodes": INFINITE, "min_nodes": 0, "flag_default": default}
+         for name, nodes, default in (("debug", 4, 1), ("h100", 2, 0), ("a100", 2, 0))}
+MAX_GPUS_PER_NODE = {"debug": 4, "h100": 4, "a100": 4}
 TABLE = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "policy.json").read_text())["tables"][0]
 BANDS_LINES = ("#ELASTIC model=resnet50 per_gpu_batch=16", "#ELASTIC gpus=2-8 min_efficiency=0.5")
 BANDS_JOB = {"min_nodes": 1, "tres_per_job": "gres:gpu:4"}    # as job() below asks
@@ -79,7 +85,7 @@ for i, case in ipairs(cjson.decode(CASES)) do
   clock = clock + (case.advance or 0)
   msgs, key_builds = {}, 0
   local t0 = socket.gettime()
-  local rc = slurm_job_submit(case.job_desc, {}, case.uid or 1001)
+  local rc = slurm_job_submit(case.job_desc, case.part_list or cjson.decode(PARTS), case.uid or 1001)
   out[i] = { rc = rc, elapsed = socket.gettime() - t0, job_desc = case.job_desc, msgs = msgs, key_builds = key_builds }
 end
 io.write(cjson.encode({ init_rc = init_rc, init_msgs = init_msgs, results = out }))
@@ -184,17 +190,19 @@ def predictor():
     server.close()
 
 
-def install(tmp_path, url, budget_ms=5000, failures=3, open_s=30):
+def install(tmp_path, url, budget_ms=5000, failures=3, open_s=30, gpus=MAX_GPUS_PER_NODE):
     for name in ("elastic_common.lua", "job_submit.lua"):
         shutil.copy(LUA_DIR / name, tmp_path / name)
     (tmp_path / "elastic.conf").write_text(
-        f"predictor_url = {url}\nbudget_ms = {budget_ms}\nbreaker_failures = {failures}\nbreaker_open_s = {open_s}\n")
+        f"predictor_url = {url}\nbudget_ms = {budget_ms}\nbreaker_failures = {failures}\nbreaker_open_s = {open_s}\n"
+        + ("" if gpus is None else "max_gpus_per_node = " + ",".join(f"{k}={v}" for k, v in gpus.items()) + "\n"))
     return tmp_path
 
 
 def run_hook(conf_dir, cases, init_msgs=None):
     """The results of `cases`; `init_msgs`, a list, receives what the hook logged while loading."""
-    code = f"DIR = {json.dumps(str(conf_dir))}\nCASES = [==[{json.dumps(cases)}]==]\n" + DRIVER
+    code = (f"DIR = {json.dumps(str(conf_dir))}\nCASES = [==[{json.dumps(cases)}]==]\n"
+            f"PARTS = [==[{json.dumps(PARTS)}]==]\n" + DRIVER)
     proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -209,7 +217,7 @@ def test_an_unusable_config_line_is_logged_with_file_line_and_key_and_the_defaul
     (conf / "elastic.conf").write_text((conf / "elastic.conf").read_text() + "budget_ms = fast\n")
     logged = []
     result = run_hook(conf, [{"job_desc": job("rewrite")}], init_msgs=logged)[0]
-    assert [m for m in logged if m[0] == "log_error"] == [["log_error", f"slurm_job_submit: elastic: {conf}/elastic.conf:5: budget_ms: expected a "
+    assert [m for m in logged if m[0] == "log_error"] == [["log_error", f"slurm_job_submit: elastic: {conf}/elastic.conf:6: budget_ms: expected a "
                                     f"number, got \"fast\"; default 100 used"]]
     assert result["rc"] == 0 and result["job_desc"]["min_nodes"] == 2          # still works, on the default
     clean = []
@@ -532,12 +540,12 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
     (tmp_path / "job_submit.lua").write_text("-- old\n")
     loaded_at = time.time()  # as if slurmctld loaded the old script just now
     written = install(PluginConfig(tmp_path, "http://127.0.0.1:8470/", timedelta(milliseconds=80), 5,
-                                   timedelta(seconds=12), cli_filter=True))
+                                   timedelta(seconds=12), cli_filter=True, max_gpus_per_node={"debug": 4, "a100": 8}))
     assert [p.name for p in written] == ["elastic_common.lua", "elastic.conf", "cli_filter.lua", "job_submit.lua"]
     assert (tmp_path / "job_submit.lua").stat().st_mtime > int(loaded_at)  # slurmctld compares whole seconds
     assert (tmp_path / "elastic.conf").read_text().splitlines()[1:] == [
         "predictor_url = http://127.0.0.1:8470", "budget_ms = 80", "breaker_failures = 5", "breaker_open_s = 12",
-        "cache_entries = 1024"]
+        "cache_entries = 1024", "max_gpus_per_node = a100=8,debug=4"]
     # the installed hook reads that config and works from its own directory
     [result] = run_hook(tmp_path, [{"job_desc": job()}])
     assert "connection refused" in kinds(result, "user_msg")[0]

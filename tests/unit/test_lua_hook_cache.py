@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from predictor import planner
-from tests.unit.test_lua_hook import BANDS, BANDS_JOB, BANDS_LINES, TABLE, Predictor, install, job, kinds, run_hook
+from tests.unit.test_lua_hook import (BANDS, BANDS_JOB, BANDS_LINES, MAX_GPUS_PER_NODE, TABLE, Predictor, install, job,
+                                     kinds, run_hook)
 
 CACHED = Predictor.REPLIES["cached"]
 
@@ -125,7 +126,8 @@ def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
     from slurm_plugin.installer import PluginConfig
     from slurm_plugin.installer import install as install_plugin
 
-    install_plugin(PluginConfig(tmp_path, predictor.url, timedelta(milliseconds=100), cache_entries=entries))
+    install_plugin(PluginConfig(tmp_path, predictor.url, timedelta(milliseconds=100), cache_entries=entries,
+                                max_gpus_per_node=MAX_GPUS_PER_NODE))
     cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 2 entries: 3rd empties it
     run_hook(tmp_path, cases)
     assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked
