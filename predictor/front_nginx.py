@@ -10,6 +10,10 @@ SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and 
 Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
 nginx is not installed.
 
+One address has at most `per_address_plans` POST /v1/plan without a munge credential in progress (#24.9: the
+hook's kind of request, open to anyone; the hook in slurmctld asks one at a time), so a flood of them from one
+address never holds every worker of the pool that answers the hook; more are 429.
+
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
 answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge`, and GET /healthz; a second
 one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`)
@@ -66,6 +70,7 @@ class NginxLimits:
     max_connections: int = 2048        # client connections at once, all addresses
     per_address: int = 256             # client connections at once from one address (idle ones too)
     per_address_requests: int = 64     # requests in progress from one address; more: 429
+    per_address_plans: int = 1         # of them POST /v1/plan without a munge credential; more: 429 (#24.9)
     worker_processes: int = 2
 
     @property
@@ -118,6 +123,7 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
               "MAX_CONNECTIONS": limits.max_connections, "STREAM_TIMEOUT": int(limits.upstream_timeout) + 30,
               "RUNTIME": runtime, "PER_ADDRESS_REQUESTS": limits.per_address_requests, "MAX_BODY": limits.max_body,
+              "PER_ADDRESS_PLANS": limits.per_address_plans,
               "READ_TIMEOUT": f"{round(limits.read_timeout * 1000)}ms", "SEND_TIMEOUT": SEND_TIMEOUT_S,
               "UPSTREAM_TIMEOUT": int(limits.upstream_timeout)}
     return re.sub(r"@([A-Z_]+)@", lambda m: str(values[m.group(1)]), TEMPLATE.read_text())
@@ -193,7 +199,8 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
         children["nginx"] = nginx.pid
         log(f"front end: nginx on {host}:{port} ({conf}): requests read whole (body <= {limits.max_body} bytes; "
             f"head within {limits.read_timeout:g} s), at most {limits.per_address} connections per address and "
-            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address; "
+            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address "
+            f"(of them {limits.per_address_plans} POST /v1/plan without a munge credential); "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
         if side_workers > 0:

@@ -227,6 +227,36 @@ def test_x_forwarded_for_from_the_client_is_replaced_by_its_address(history, tmp
     assert clients == [OTHER]
 
 
+def test_one_address_holds_at_most_one_anonymous_plan_in_progress(history, tmp_path):
+    """#24.9: four threads of the largest valid anonymous /v1/plan bodies from one address held both workers that
+    answer the hook and queued behind them (the hook's p99 110-229 ms). Now one address has at most
+    --per-address-plans (default --workers - 1: 1) POST /v1/plan without a credential in progress; more are 429
+    at once, while another address, the same address's /healthz and one plan after another are answered. Here
+    the held plan is one whose body has not all arrived (nginx counts it from its head on)."""
+    with _serve(history, tmp_path) as (port, _proc):
+        assert [_get(port, "/v1/plan", method="POST", body=PLAN)[0] for _ in range(5)] == [200] * 5  # one at a time
+        held = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            held.sendall(b"POST /v1/plan HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(PLAN) + PLAN[:10])
+            deadline = time.monotonic() + 10    # until nginx has read the held head: no answer depends on speed
+            while True:
+                status, answer = _get(port, "/v1/plan", method="POST", body=PLAN,
+                                      headers={"Content-Type": "application/json"})
+                if status != 200 or time.monotonic() > deadline:
+                    break
+            other, _ = _get(port, "/v1/plan", source=OTHER, method="POST", body=PLAN,
+                            headers={"Content-Type": "application/json"})
+            health, _ = _get(port, "/healthz")
+            held.sendall(PLAN[10:])
+            first = held.recv(65536)
+        finally:
+            held.close()
+    assert status == 429 and b"POST /v1/plan without a credential" in answer, (status, answer)
+    assert (other, health) == (200, 200)
+    assert first.startswith(b"HTTP/1.1 200"), first[:200]
+
+
 # --- fast: the configuration itself --------------------------------------------------------------------------
 FAKE_UNMUNGE = """#!/bin/sh
 # a munged that never answers: marks that a check began, then waits for the test's release file
@@ -324,7 +354,7 @@ def test_rendered_configuration_carries_the_limits(tmp_path):
                          per_address=7, per_address_requests=5)
     text = front_nginx.render(limits, host="::1", port=8470, runtime=str(tmp_path), load_module="", user=None)
     for line in ("listen [::1]:8470 backlog=4096;", "limit_conn stream_addr 7;", "limit_conn stream_all 300;",
-                 "limit_conn http_addr 5;", "client_max_body_size 1234567;", "client_header_timeout 2500ms;",
+                 "limit_conn http_addr 5;", "limit_conn plan_addr 1;", "client_max_body_size 1234567;", "client_header_timeout 2500ms;",
                  "client_body_timeout 2500ms;", "proxy_read_timeout 40s;", "proxy_request_buffering on;",
                  "proxy_set_header X-Forwarded-For $remote_addr;", f"server unix:{tmp_path}/gunicorn.sock",
                  f"client_body_temp_path {tmp_path}/client_body;", f"worker_connections {4 * 300 + 64};"):
