@@ -158,12 +158,14 @@ def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
     from slurm_plugin.client import CommandBackend, most_gpus_per_node  # noqa: PLC0415
     from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
+    how = "start slurmctld or pass --max-gpus-per-node PARTITION=COUNT,..."
+    if not slurm_conf.is_file():   # sinfo without a config waits on DNS for a minute
+        raise InstallError(f"cannot read each partition's GPUs per node: no {slurm_conf}; {how}")
     backend = CommandBackend(slurm_conf=slurm_conf)
     try:
         return most_gpus_per_node(backend.nodes(), backend.partitions())
     except (SlurmError, OSError) as exc:
-        raise InstallError(f"cannot read each partition's GPUs per node from Slurm ({exc}); start slurmctld or "
-                           "pass --max-gpus-per-node PARTITION=COUNT,...") from exc
+        raise InstallError(f"cannot read each partition's GPUs per node from Slurm ({exc}); {how}") from exc
 
 
 def install(config: PluginConfig, lua: str = "lua5.1") -> list[Path]:

@@ -111,6 +111,12 @@ class Predictor:
                "bands-short": {**REWRITE, "decision_id": "d-49", "cache_ttl_s": 0.3, "bands": BANDS},
                # an older service's prediction table: the hook ignores it (bench/hostile_round3.py item 5)
                "table": {**REWRITE, "decision_id": "d-48", "cache_ttl_s": 30, "table": TABLE},
+               # #24.5: decisions the testbed's partitions cannot run (debug: 4 nodes x 4 GPUs; h100, a100: 2 x 4)
+               "gpus8": {**REWRITE, "decision_id": "d-60", "nodes": 1, "gpus_per_node": 8, "tasks_per_node": 8,
+                         "switches": None, "reason": "elastic: 1 node x 8 GPUs (1x8)"},
+               "nodes8": {**REWRITE, "decision_id": "d-61", "nodes": 8, "gpus_per_node": 1, "tasks_per_node": 1,
+                          "switches": None, "reason": "elastic: 8 nodes x 1 GPU (8x1)"},
+               "moved4": {**MOVED, "nodes": 4, "gpus_per_node": 1, "tasks_per_node": 1, "switches": None},
                # #24.5: more than the hook reads of a reply
                "huge": {**REWRITE, "padding": "x" * (600 * 1024)}}
 
@@ -373,6 +379,53 @@ def test_a_malformed_partition_in_the_reply_fails_open(tmp_path, predictor):
                                          "written"]
 
 
+OUTSIDE = "elastic: prediction skipped (decision outside its partition: "
+
+
+@pytest.mark.parametrize("mode, partition, why", [
+    ("gpus8", "debug", "1 node x 8 GPUs, partition debug takes at most 4 nodes x 4 GPUs"),
+    ("nodes8", "debug", "8 nodes x 1 GPU, partition debug takes at most 4 nodes x 4 GPUs"),
+    ("nodes8", None, "8 nodes x 1 GPU, partition debug takes at most 4 nodes x 4 GPUs"),   # the default partition
+    ("rewrite", "secret", "2 nodes x 2 GPUs, partition secret takes at most 0 nodes x ? GPUs (not in elastic.conf)"),
+    ("moved4", "h100,a100", "4 nodes x 1 GPU, partition a100 takes at most 2 nodes x 4 GPUs")])   # where it moves
+def test_a_decision_beyond_its_partition_is_dropped_and_the_job_submitted_as_written(tmp_path, predictor, mode,
+                                                                                     partition, why):
+    """#24.5: Slurm would refuse it (a service failure blocking a submission); node counts are part_list's,
+    GPUs a node elastic.conf's max_gpus_per_node; a partition the job may not use (not in part_list) fits nothing."""
+    desc = job(mode=mode, partition=partition)
+    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    assert result["rc"] == 0 and result["job_desc"] == desc
+    assert kinds(result, "user_msg") == [OUTSIDE + why + "); job submitted as written"]
+
+
+def test_the_bounds_are_slurms_and_the_installers(tmp_path, predictor):
+    """A partition list fits when one partition fits; the node bound is part_list's (max_nodes too), the GPU
+    bound elastic.conf's: without its line every rewrite is dropped (an older install), a keep still applies."""
+    parts = {**PARTS, "debug": {**PARTS["debug"], "max_nodes": 1}}
+    cases = [{"job_desc": job(mode="nodes8", partition="h100,debug"), "part_list": {
+                 **PARTS, "debug": {**PARTS["debug"], "total_nodes": 8}}},   # debug fits, h100 does not
+             {"job_desc": job(mode="rewrite"), "part_list": parts}]           # debug's MaxNodes=1
+    fits, capped = run_hook(install(tmp_path, predictor.url, gpus={"debug": 4}), cases)
+    assert fits["job_desc"]["min_nodes"] == 8 and kinds(fits, "user_msg") == [Predictor.REPLIES["nodes8"]["reason"]]
+    assert kinds(capped, "user_msg") == [OUTSIDE + "2 nodes x 2 GPUs, partition debug takes at most 1 node x 4 GPUs); "
+                                         "job submitted as written"]
+    (tmp_path / "old").mkdir()
+    dropped, kept = run_hook(install(tmp_path / "old", predictor.url, gpus=None),
+                             [{"job_desc": job(mode="rewrite")}, {"job_desc": job(mode="keep")}])
+    assert dropped["job_desc"]["min_nodes"] == 1 and "? GPUs (not in elastic.conf)" in kinds(dropped, "user_msg")[0]
+    assert kept["job_desc"]["comment"] == "my run elastic:decision=d-43"
+
+
+def test_a_cached_decision_that_no_longer_fits_asks_the_service(tmp_path, predictor):
+    """The cache holds what fitted when it was stored; a later submission checks it against the partition as it is
+    then (one node left in debug): not applied, the service asked again, its answer checked too."""
+    shrunk = {**PARTS, "debug": {**PARTS["debug"], "total_nodes": 1}}
+    first, second = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="cached")},
+                                                                {"job_desc": job(mode="cached"), "part_list": shrunk}])
+    assert first["job_desc"]["min_nodes"] == 2 and second["job_desc"]["min_nodes"] == 1
+    assert len(predictor.requests) == 2 and kinds(second, "user_msg")[0].startswith(OUTSIDE + "2 nodes x 2 GPUs")
+
+
 def test_keep_records_decision_and_changes_nothing_else(tmp_path, predictor):
     desc = job(mode="keep")
     [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
@@ -549,6 +602,27 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
     # the installed hook reads that config and works from its own directory
     [result] = run_hook(tmp_path, [{"job_desc": job()}])
     assert "connection refused" in kinds(result, "user_msg")[0]
+
+
+def test_the_gpu_bound_is_slurms_own_count_or_the_admins(tmp_path):
+    """#24.5: one owner: Slurm's node GRES (client.most_gpus_per_node), read by the installer; or the admin's
+    --max-gpus-per-node where Slurm does not answer, which is then named."""
+    from click.testing import CliRunner
+
+    from slurm_plugin.client import Node, Partition, most_gpus_per_node
+    from slurm_plugin.installer import InstallError, PluginConfig, install, install_plugin
+
+    nodes = [Node("n1", "idle", 4, 0, None, ("p",)), Node("n2", "idle", 8, 0, None, ("p",)),
+             Node("c1", "idle", 0, 0, None, ("cpu",))]
+    parts = [Partition("p", ("n1", "n2"), True, "UP"), Partition("cpu", ("c1",), False, "UP")]
+    assert most_gpus_per_node(nodes, parts) == {"p": 8, "cpu": 0}
+    with pytest.raises(InstallError, match="--max-gpus-per-node"):   # no slurm.conf here, no Slurm
+        install(PluginConfig(tmp_path, "http://127.0.0.1:8470"))
+    args = ["--conf-dir", str(tmp_path), "--predictor-url", "http://127.0.0.1:8470", "--max-gpus-per-node"]
+    assert CliRunner().invoke(install_plugin, [*args, "debug=4, a100=8"]).exit_code == 0
+    assert "max_gpus_per_node = a100=8,debug=4" in (tmp_path / "elastic.conf").read_text().splitlines()
+    refused = CliRunner().invoke(install_plugin, [*args, "debug=four"])
+    assert refused.exit_code != 0 and "PARTITION=COUNT" in refused.output
 
 
 def test_installer_merges_slurm_conf_lines(tmp_path):

@@ -193,7 +193,9 @@ def test_an_older_services_prediction_table_decides_nothing(tmp_path, predictor)
 # #24.5 / #26.3: what a hostile or broken service put in bands is validated before it is applied, like a fresh reply
 HOSTILE = {"zero-nodes": {"nodes": 0}, "fraction": {"gpus_per_node": 2.5}, "action": {"action": "grow"},
            "switches": {"switches": -1}, "partition": {"partition": "a;b"}, "interval": {"above": "0"},
-           "reason": {"reason": None}}
+           "reason": {"reason": None},
+           # beyond the partition (the testbed's debug: 4 nodes x 4 GPUs): Slurm would refuse the job
+           "gpus-beyond-node": {"gpus_per_node": 8}, "nodes-beyond-partition": {"nodes": 8}}
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
