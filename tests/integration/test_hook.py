@@ -265,6 +265,27 @@ def test_service_failure_accepts_job_unchanged_within_budget(hook, predictor, sb
     assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
 
 
+@pytest.mark.parametrize("mode, why", [
+    ("gpus8", "1 node x 8 GPUs, partition debug takes at most 4 nodes x 4 GPUs"),
+    ("nodes8", "8 nodes x 1 GPU, partition debug takes at most 4 nodes x 4 GPUs")])
+def test_a_decision_slurm_would_refuse_is_dropped_and_the_job_goes_in_as_written(hook, predictor, sbatch, bed, mode,
+                                                                                 why):
+    """#24.5: a hostile or broken service's decision beyond the partition (the testbed's debug: 4 nodes x 4 GPUs)
+    blocked the job the hook rewrote: Slurm refused 1x8 ("Requested node configuration is not available") and left
+    8x1 pending for ever (PartitionNodeLimit; refused under EnforcePartLimits). The node bound is what slurmctld
+    hands the hook (part_list), the GPU bound what the installer read from Slurm. Not held (-H): a held job's
+    GRES is not checked at submission."""
+    hook(predictor.url)
+    [bound] = [ln for ln in (bed.config.etc / "elastic.conf").read_text().splitlines() if "max_gpus_per_node" in ln]
+    assert "debug=4" in bound.split("=", 1)[1].strip().split(",")   # read from Slurm by the installer
+    result = sbatch(script(), "-J", f"mode-{mode}")
+    assert result.rc == 0, result.stderr
+    assert result.stderr.strip() == (f"sbatch: elastic: prediction skipped (decision outside its partition: {why}); "
+                                     "job submitted as written")
+    job = show_job(bed, result.job_id)
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
+
+
 def test_breaker_opens_after_k_failures_and_closes_after_t(hook, predictor, sbatch, bed):
     hook(predictor.url, failures=2, open_s=3)
     first = [sbatch(script(), "-H", "-J", "mode-500") for _ in range(2)]
