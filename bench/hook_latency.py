@@ -181,11 +181,13 @@ local socket = require("socket")
 slurm = { SUCCESS = 0, ERROR = -1, user_msg = function() end, log_user = function() end,
           log_info = function() end, log_error = function() end }
 dofile(DIR .. "/job_submit.lua")
+-- part_list as slurmctld hands it (the testbed's default partition; #24.5 checks every decision against it)
+local PARTS = { debug = { name = "debug", total_nodes = 4, max_nodes = 4294967295, min_nodes = 0, flag_default = 1 } }
 local t0 = socket.gettime()
 for i = 1, N do
   local desc = { script = SCRIPT, name = "bench", min_nodes = 1, max_nodes = 1, tres_per_job = "gres:gpu:4",
                  environment = { SLURM_GPUS = "4" }, time_limit = DISTINCT and i or nil }
-  slurm_job_submit(desc, {}, 0)
+  slurm_job_submit(desc, PARTS, 0)
 end
 io.write(string.format("%.6f", (socket.gettime() - t0) / N))
 """
@@ -211,7 +213,8 @@ def micro(work: Path, url_static: str, url_down: str, url_real: str, calls: int 
         for lua in ("elastic_common.lua", "job_submit.lua"):
             (conf / lua).write_text((LUA_DIR / lua).read_text())
         (conf / "elastic.conf").write_text(f"predictor_url = {url}\nbudget_ms = 100\n"
-                                           f"breaker_failures = {failures}\nbreaker_open_s = 300\n")
+                                           f"breaker_failures = {failures}\nbreaker_open_s = 300\n"
+                                           "max_gpus_per_node = debug=4\n")
         code = (f"DIR = {json.dumps(str(conf))}\nN = {calls}\nDISTINCT = {str(distinct).lower()}\n"
                 f"SCRIPT = [==[\n{script}]==]\n" + MICRO_DRIVER)
         proc = subprocess.run(["lua5.1", "-"], input=code, capture_output=True, text=True, timeout=300, check=True)

@@ -336,7 +336,7 @@ function M.moved_to(asked, r) return r.alternatives ~= nil and r.partition ~= as
 -- Why rewrite `r` fits none of the partitions it may run in (#24.5; nil when it fits one): `parts` is job_submit's
 -- part_list (Slurm's node counts), `gpus` elastic.conf's max_gpus_per_node (the installer's reading of Slurm's nodes).
 function M.outside(r, asked, parts, gpus)
-  local names, why = r.action == "rewrite" and (M.moved_to(asked, r) or asked or "")
+  local names, why = r.action == "rewrite" and (M.moved_to(asked, r) or asked or ""), "no partition to run in"
   for name, p in pairs(names == "" and parts or {}) do names = p.flag_default == 1 and name or names end
   for name in (names or ""):gmatch("[^,]+") do
     local p, most = parts[name], gpus[name]
@@ -345,7 +345,7 @@ function M.outside(r, asked, parts, gpus)
     why = ("%s x %s, partition %s takes at most %s x %s"):format(counted(r.nodes, "node"), counted(r.gpus_per_node,
       "GPU"), name, counted(room, "node"), most and counted(most, "GPU") or "? GPUs (not in elastic.conf)")
   end
-  return why and "decision outside its partition: " .. why
+  return names and "decision outside its partition: " .. why or nil
 end
 -- A rewrite's job_desc values and environment, computed before any is assigned, and whether the GPU request changed;
 -- or nil and why it cannot be applied consistently.

@@ -387,13 +387,15 @@ OUTSIDE = "elastic: prediction skipped (decision outside its partition: "
     ("nodes8", "debug", "8 nodes x 1 GPU, partition debug takes at most 4 nodes x 4 GPUs"),
     ("nodes8", None, "8 nodes x 1 GPU, partition debug takes at most 4 nodes x 4 GPUs"),   # the default partition
     ("rewrite", "secret", "2 nodes x 2 GPUs, partition secret takes at most 0 nodes x ? GPUs (not in elastic.conf)"),
-    ("moved4", "h100,a100", "4 nodes x 1 GPU, partition a100 takes at most 2 nodes x 4 GPUs")])   # where it moves
+    ("moved4", "h100,a100", "4 nodes x 1 GPU, partition a100 takes at most 2 nodes x 4 GPUs"),   # where it moves
+    ("rewrite", "", "no partition to run in")])   # none named, no default one the user may use
 def test_a_decision_beyond_its_partition_is_dropped_and_the_job_submitted_as_written(tmp_path, predictor, mode,
                                                                                      partition, why):
     """#24.5: Slurm would refuse it (a service failure blocking a submission); node counts are part_list's,
     GPUs a node elastic.conf's max_gpus_per_node; a partition the job may not use (not in part_list) fits nothing."""
-    desc = job(mode=mode, partition=partition)
-    [result] = run_hook(install(tmp_path, predictor.url), [{"job_desc": desc}])
+    desc = job(mode=mode, partition=partition or None)
+    case = {"job_desc": desc, **({"part_list": {"h100": PARTS["h100"]}} if partition == "" else {})}
+    [result] = run_hook(install(tmp_path, predictor.url), [case])
     assert result["rc"] == 0 and result["job_desc"] == desc
     assert kinds(result, "user_msg") == [OUTSIDE + why + "); job submitted as written"]
 
