@@ -5,19 +5,24 @@ Vendored figures (predictor/data/roofline/, SOURCE.md names the datasheet or the
 (training FLOPs per sample, bytes written per sample and per step, ATen ops per step of Gavel's seven models,
 counted by bench/gavel_shapes.py from torch.nn definitions written there).
 
-One training step of a model on GPU type X at per-GPU batch b is taken as
+One training step of a model on GPU type X at per-GPU batch b on g GPUs is taken as
 
-    t_X = h * ops + kappa_X * max(F b / P_X, (A b + M0) / W_X)
+    t_X = h * ops + max(kc_X * F b / P_X, km_X * (A b + M0) / W_X) + 2 (g - 1) / g * Gb / L_X
 
-F FLOPs and A bytes per sample, M0 bytes per step, ops kernel launches per step, P_X peak FLOP/s and W_X memory
-bandwidth of X: the device part is the roofline (compute- or memory-bound, whichever is longer) scaled by how far
-from peak X runs (kappa_X), the host part launches at h seconds each, the same on every type. The prior of
-y = log(t_T / t_S) is log t_T - log t_S. A ratio is blind to a common scale, so kappa_S = 1 and two constants
-remain per direction S -> T: log h (seconds per op, relative to the source's device time) and log kappa_T.
+F FLOPs and A bytes per sample, M0 bytes per step, ops kernel launches per step, Gb gradient bytes, P_X peak
+FLOP/s, W_X memory bandwidth and L_X interconnect bandwidth of X: the device part is the roofline (compute- or
+memory-bound, whichever is longer), each side scaled by how far from its peak X runs (kc_X for FLOP/s, km_X for
+bandwidth: a type may reach a larger share of its peak FLOP/s than of its bandwidth, or the reverse), then the ring
+all-reduce of the gradients at the datasheet interconnect figure (not scaled: the link is not the device); the
+host part launches at h seconds each, the same on every type. The prior of y = log(t_T / t_S) is
+log t_T - log t_S. A ratio is blind to a common scale, so kc_S = km_S = 1 and three constants remain per
+direction S -> T: log h (seconds per op, relative to the source's device time), log kc_T and log km_T.
 `RooflinePrior.fit` fits them on the training rows only (least squares on y, each model one vote however many
-rows it has, a weak pull to h = 10 us and kappa_T = 1 so a fold of few models stays near the pure roofline); a
+rows it has, a weak pull to h = 10 us and kc_T = km_T = 1 so a fold of few models stays near the pure roofline); a
 model never seen on T is then answered by `predict` from its shape alone. With no shape (None) a row has no
 prior (NaN) and the caller keeps its own answer.
+Until tm-2026.11.28-2 one kappa_T scaled the whole device part, all-reduce included (bench/crosstype.py,
+leave-one-model-out on Gavel, seen: 35.9%; this form 34.2%: most of it from leaving the link unscaled).
 """
 from __future__ import annotations
 
@@ -79,26 +84,28 @@ def load_gavel_shapes(path: Path = DATA / "gavel_model_shapes.csv") -> dict[str,
 
 
 def roofline_terms(shapes, batch, peaks: GPUPeaks, gpus=1) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: (device seconds at peak on this type: max(compute, memory) plus the ring all-reduce of the
-    gradients over the server's interconnect, 2 (g - 1) / g bytes / link, ops per step); NaN where no shape."""
+    """Per row: (seconds at peak on this type as columns (compute F b / P, memory (A b + M0) / W, ring all-reduce
+    2 (g - 1) / g Gb / L over the server's interconnect), shape (n, 3); ops per step, shape (n,)); NaN where a row
+    has no shape. Vectorised over rows."""
     n = len(shapes)
-    dev, ops = [], []
-    for s, b, g in zip(shapes, np.broadcast_to(np.asarray(batch, dtype=float), (n,)),
-                       np.broadcast_to(np.asarray(gpus, dtype=float), (n,))):
-        if s is None:
-            dev.append(np.nan), ops.append(np.nan)
-            continue
-        dev.append(max(s.flops_per_sample * b / peaks.fp32_flops,
-                       (s.bytes_per_sample * b + s.bytes_per_step) / peaks.mem_bw)
-                   + 2 * (g - 1) / g * s.grad_bytes / peaks.link_bw)
-        ops.append(s.ops_per_step)
-    return np.array(dev), np.array(ops)
+    b = np.broadcast_to(np.asarray(batch, dtype=float), (n,))
+    g = np.broadcast_to(np.asarray(gpus, dtype=float), (n,))
+    nan = math.nan
+    cols = np.array([(s.flops_per_sample, s.bytes_per_sample, s.bytes_per_step, s.grad_bytes, s.ops_per_step)
+                     if s is not None else (nan,) * 5 for s in shapes], dtype=float).reshape(n, 5)
+    F, A, M0, Gb, ops = cols.T
+    dev = np.stack([F * b / peaks.fp32_flops, (A * b + M0) / peaks.mem_bw,
+                    2 * (g - 1) / g * Gb / peaks.link_bw], axis=1)
+    return dev, ops
 
 
 def log_ratio(theta, dev_s, dev_t, ops) -> np.ndarray:
-    """log(t_T / t_S) of the step model (module docstring) at theta = (log h, log kappa_T)."""
-    h, k = math.exp(theta[0]), math.exp(theta[1])
-    return np.log(h * ops + k * dev_t) - np.log(h * ops + dev_s)
+    """log(t_T / t_S) of the step model (module docstring) at theta = (log h, log kc_T, log km_T); dev_s, dev_t the
+    (n, 3) `roofline_terms` of the rows on S and T."""
+    h, kc, km = math.exp(theta[0]), math.exp(theta[1]), math.exp(theta[2])
+    t_s = h * ops + np.maximum(dev_s[:, 0], dev_s[:, 1]) + dev_s[:, 2]
+    t_t = h * ops + np.maximum(kc * dev_t[:, 0], km * dev_t[:, 1]) + dev_t[:, 2]
+    return np.log(t_t) - np.log(t_s)
 
 
 class RooflinePrior:
@@ -112,7 +119,7 @@ class RooflinePrior:
     def __init__(self, src: str, dst: str, peaks: dict[str, GPUPeaks] | None = None):
         peaks = load_peaks() if peaks is None else peaks
         self.src, self.dst = peaks[src.upper()], peaks[dst.upper()]
-        self.theta_ = np.array([math.log(H_PRIOR_S), 0.0])
+        self.theta_ = np.array([math.log(H_PRIOR_S), 0.0, 0.0])
         self.models_: tuple = ()
 
     def terms(self, shapes, batch, gpus=1):
@@ -121,12 +128,12 @@ class RooflinePrior:
         return dev_s, dev_t, ops
 
     def fit(self, shapes, batch, y, model, gpus=1) -> "RooflinePrior":
-        """Fit (log h, log kappa_T) on training rows: `shapes` (Shape or None per row), per-GPU `batch`, y the
+        """Fit (log h, log kc_T, log km_T) on training rows: `shapes` (Shape or None per row), per-GPU `batch`, y the
         measured log(step_T / step_S), `model` the row's model name (each model one vote). Rows without a shape
         are ignored; with none the constants stay at their starting values (pure roofline, h = H_PRIOR_S)."""
         dev_s, dev_t, ops = self.terms(shapes, batch, gpus)
         y, model = np.asarray(y, dtype=float), np.asarray(model, dtype=object)
-        ok = np.isfinite(dev_s)
+        ok = np.isfinite(dev_s).all(axis=1)
         self.models_ = tuple(sorted(set(model[ok])))
         if not ok.any():
             return self
@@ -147,6 +154,6 @@ class RooflinePrior:
         """The prior log(step_T / step_S) per row; NaN where a row has no shape."""
         dev_s, dev_t, ops = self.terms(shapes, batch, gpus)
         out = np.full(len(dev_s), np.nan)
-        ok = np.isfinite(dev_s)
+        ok = np.isfinite(dev_s).all(axis=1)
         out[ok] = log_ratio(self.theta_, dev_s[ok], dev_t[ok], ops[ok])
         return out

@@ -1,4 +1,5 @@
 """Cross-type prediction (predictor/crosstype.py) and its use by the engine for pairs never measured."""
+import math
 import pickle
 
 import numpy as np
@@ -204,3 +205,26 @@ def test_each_fold_fits_the_prior_without_its_held_out_model(monkeypatch):
     assert out["pairs"] == len(seen_fits) > 0
     for held, models in seen_fits:
         assert held not in models and models
+
+
+def test_compute_and_memory_efficiency_act_on_their_own_side_and_the_link_on_neither():
+    """tm-2026.11.28-2's form: kc_T scales only a compute-bound step, km_T only a memory-bound one, and the ring
+    all-reduce stays at the datasheet link figure whatever either is (vectorised over rows)."""
+    from predictor.roofline import log_ratio, roofline_terms
+    src = GPUPeaks("S", 10e12, None, None, 1e12, 32e9, "test")
+    dst = GPUPeaks("T", 20e12, None, None, 2e12, 64e9, "test")
+    compute = Shape(flops_per_sample=1e12, bytes_per_sample=1.0)
+    memory = Shape(flops_per_sample=1.0, bytes_per_sample=1e11)
+    link = Shape(flops_per_sample=1.0, bytes_per_sample=1.0, grad_bytes=1e12)
+    shapes, batch, gpus = [compute, memory, link], [8, 8, 8], [1, 1, 8]
+    ds, ops = roofline_terms(shapes, batch, src, gpus)
+    dt, _ = roofline_terms(shapes, batch, dst, gpus)
+    assert ds.shape == (3, 3) and ops.shape == (3,)
+    h0 = math.log(1e-12)
+    base = log_ratio([h0, 0.0, 0.0], ds, dt, ops)
+    assert np.allclose(base, math.log(0.5), atol=1e-6)  # every peak doubled: half the step
+    slow_c = log_ratio([h0, math.log(3.0), 0.0], ds, dt, ops)
+    slow_m = log_ratio([h0, 0.0, math.log(3.0)], ds, dt, ops)
+    assert slow_c[0] == pytest.approx(math.log(1.5), abs=1e-6) and slow_c[1] == pytest.approx(base[1], abs=1e-6)
+    assert slow_m[1] == pytest.approx(math.log(1.5), abs=1e-6) and slow_m[0] == pytest.approx(base[0], abs=1e-6)
+    assert slow_c[2] == pytest.approx(base[2], abs=1e-4) and slow_m[2] == pytest.approx(base[2], abs=1e-4)
