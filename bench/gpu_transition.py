@@ -65,11 +65,16 @@ def worker_ours(args) -> None:
                         heartbeat_interval=timedelta(seconds=0.05))
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
-                        warm_up=local_step if args.newcomer and not args.compute_warmup else None).join()
-    times, last, stop_at, phases = [], None, None, []
+                        warm_up=local_step if args.newcomer and not args.compute_warmup else None)
     if args.loader_workers:  # items built on the CPU by DataLoader workers (item_ms each), pinned, copied over
-        batches = et.loader(LoadedItems(make_batch, args.item_ms), num_workers=args.loader_workers,
-                            pin_memory=dev.type == "cuda", persistent_workers=True, prefetch_factor=4)
+        data = LoadedItems(make_batch, args.item_ms)
+        options = dict(num_workers=args.loader_workers, pin_memory=dev.type == "cuda", persistent_workers=True,
+                       prefetch_factor=4)
+        et.prepare_loader(data, **options)  # workers started and a batch loaded before the worker announces itself
+    et.join()
+    times, last, stop_at, phases = [], None, None, []
+    if args.loader_workers:
+        batches = et.loader(data, **options)
         batches = (to_device(batch, dev) for batch in batches)
     else:
         batches = et.loader(Synthetic(100_000), collate_fn=lambda items: make_batch(len(items)))

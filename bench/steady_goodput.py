@@ -168,14 +168,17 @@ def worker_ours_sched(args) -> None:
     et = ElasticTrainer(model, opt, store_addr=f"{args.host}:{args.port}/job", worker_id=args.wid,
                         policy=BatchPolicy(per_gpu_batch=b, lr_scaling="none"), device=dev, config=cfg,
                         telemetry=tel, progress=progress,
-                        warm_up=(lambda m: _step(m, opt, batch, loss_fn)) if args.newcomer else None).join()
+                        warm_up=(lambda m: _step(m, opt, batch, loss_fn)) if args.newcomer else None)
+    if args.loader_workers:  # the loader's workers start and load a batch before the worker announces itself
+        data, options = LoadedItems(make_batch, args.item_ms), loader_options(args, dev)
+        et.prepare_loader(data, **options)
+    et.join()
     # (world the step ran at, end of its commit, step after it, a commit point, host s in commit, host s in the
     # step's forward/backward/optimizer calls)
     recs = []
     stop_at = None
     if args.loader_workers:  # the same DataLoader options as the plain side's
-        batches = (to_device(x, dev) for x in et.loader(LoadedItems(make_batch, args.item_ms),
-                                                         **loader_options(args, dev)))
+        batches = (to_device(x, dev) for x in et.loader(data, **options))
     else:
         batches = (batch for _ in et.loader(Synthetic(10 ** 6), collate_fn=lambda items: None))
     for step_batch in batches:

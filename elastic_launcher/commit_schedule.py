@@ -41,6 +41,8 @@ class CommitSchedule:
         period_s: auto mode: training time between commit points to aim at.
         overhead_budget: auto mode: a commit point may cost at most this fraction of the time between two.
         max_every: upper bound on the steps between commit points (bounds what a failure loses).
+        hurry_budget: auto mode, while a next epoch is prepared (``proposal(hurry=True)``): the overhead allowed
+            then (newcomers wait for the commit point that finds everyone ready, their GPUs idle).
 
     Attributes:
         next_at: global step count at which the next commit point is (the commit after that step's batch).
@@ -50,7 +52,7 @@ class CommitSchedule:
     """
 
     def __init__(self, every: Optional[int] = None, period_s: float = 0.5, overhead_budget: float = 0.01,
-                 max_every: int = 256) -> None:
+                 max_every: int = 256, hurry_budget: float = 0.1) -> None:
         if every is not None and every < 1:
             raise ValueError(f"commit_every {every} < 1")
         if max_every < 1 or period_s <= 0 or not 0 < overhead_budget < 1:
@@ -59,6 +61,7 @@ class CommitSchedule:
         self.every = every
         self.period_s = period_s
         self.overhead_budget = overhead_budget
+        self.hurry_budget = max(hurry_budget, overhead_budget)
         self.max_every = max(max_every, every or 1)
         self.next_at = 1
         self.interval = 1
@@ -95,8 +98,10 @@ class CommitSchedule:
         """Median period of this epoch's plain steps, None before two were seen."""
         return statistics.median(self._periods) if len(self._periods) >= 2 else None
 
-    def proposal(self) -> int:
-        """This rank's proposal for the interval after the commit point being voted on."""
+    def proposal(self, hurry: bool = False) -> int:
+        """This rank's proposal for the interval after the commit point being voted on. ``hurry``: a next epoch is
+        being prepared (a newcomer is starting, its GPUs held idle until the commit point that finds everyone
+        ready): commit points may then cost up to ``hurry_budget`` of the time between two."""
         if self.every is not None:
             return self.every
         ramp = min(2 * self.interval, self.max_every)
@@ -105,19 +110,23 @@ class CommitSchedule:
             return ramp
         target = self.period_s
         if self.cost_s is not None:
-            target = max(target, self.cost_s / self.overhead_budget)
+            target = max(target, self.cost_s / (self.hurry_budget if hurry else self.overhead_budget))
         return max(1, min(math.ceil(target / step - 1e-6), ramp))  # 1e-6: 0.5 / 0.05 is 10, not 11
 
     def committed(self, step: int, proposals_sum: int, n: int, t: float, at_least: int = 1) -> None:
         """The vote at ``step`` succeeded and ended at ``t``; ``proposals_sum`` is the agreed SUM over ``n`` ranks;
-        ``at_least``: the agreed smallest interval to the next commit point (a loader's lead before a switch)."""
+        ``at_least``: at an armed switch (ARM), the loaders' agreed lead: in auto mode the switch is exactly that
+        many steps ahead (the proposals are for steady training; a newcomer waiting for the switch holds its GPUs
+        idle), never more than ``max_every``; a fixed interval stays fixed."""
         if self._measurable and self._commit_t is not None and len(self._in_interval) >= _MIN_STEPS_FOR_COST:
             k = len(self._in_interval) + 1
             cost = max(0.0, (t - self._commit_t) - k * statistics.median(self._in_interval))
             self.cost_s = cost if self.cost_s is None else 0.5 * self.cost_s + 0.5 * cost
             self.history.append((step, k, cost))
-        lead = at_least if self.every is None else 1  # a fixed interval stays fixed
-        self.interval = min(self.max_every, max(1, lead, -(-int(proposals_sum) // max(n, 1))))
+        if self.every is None and at_least > 1:  # an armed switch: as soon as the loaders have their lead
+            self.interval = min(self.max_every, at_least)
+        else:
+            self.interval = min(self.max_every, max(1, -(-int(proposals_sum) // max(n, 1))))
         self.next_at = step + self.interval
         self._in_interval = []
         self._last_t = self._commit_t = t

@@ -25,6 +25,7 @@ and arrives as :data:`STALE`, which the trainer drops like any other unconfirmed
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -153,6 +154,9 @@ class StepsAhead:
     def next_step(self) -> int:
         return self._cursor[0]
 
+    def basis_of(self, step: int) -> Basis:
+        return self._basis(step)
+
     def key(self, epoch: int, pos: int, basis: Basis) -> Key:
         return (epoch, pos, basis.rank, basis.batches)
 
@@ -205,6 +209,7 @@ class Pipeline:
             raise ValueError(f"loader option(s) {', '.join(owned)}: the elastic sampler decides these "
                              "(every sample once per epoch across resizes); leave them out")
         self.dataset = dataset
+        self.arguments = (collate_fn, dict(options))  # as given (ElasticTrainer.prepare_loader compares them)
         self.persistent = bool(options.get("persistent_workers", False))
         self.ahead = StepsAhead(sampler, basis)
         self._mark = torch.zeros(2, dtype=torch.int64).share_memory_()  # Cancellable's [cancel_seq, cancel_step]
@@ -214,6 +219,8 @@ class Pipeline:
         self._it: Optional[Any] = None
         self.dropped = 0
         self.resets = 0
+        self.warmed = 0  # batches loaded by warm()
+        self._held: Optional[tuple] = None  # (key, batch) warm() loaded, not handed out yet
 
     @property
     def depth(self) -> int:
@@ -221,16 +228,52 @@ class Pipeline:
         return self.loader.num_workers * (self.loader.prefetch_factor or 0)
 
     def start(self, step: int, epoch: int, pos: int) -> None:
-        """Starts the workers now, loading from ``step`` at ``(epoch, pos)`` (a guess: :meth:`get` checks it)."""
+        """Starts the workers now, loading from ``step`` at ``(epoch, pos)`` (a guess: :meth:`get` checks it).
+        Workers already running (:meth:`warm`) are redirected there: what they have in flight is cancelled and
+        taken off the queue (it arrives at once, stale), so the ``DataLoader`` asks for the new steps now."""
         if self._it is None:
             self.ahead.reset(step, epoch, pos)
             self._it = iter(self.loader)
+            return
+        want = self.ahead.key(epoch, pos, self.ahead.basis_of(step))
+        if self._held is not None and self._held[0] == want:
+            return  # warm() loaded this very batch, and the next ones are in flight
+        if self._held is not None:
+            self._held = None
+            self.dropped += 1
+        if self.ahead.pending and self.ahead.pending[0] == want:
+            return  # already loading from there
+        self._cancel(0)
+        self.ahead.reset(step, epoch, pos)
+        for _ in range(len(self.ahead.pending)):  # each one taken off lets the DataLoader ask for a new step
+            next(self._it)
+            self.ahead.take()
+            self.dropped += 1
+
+    def warm(self, step: int, epoch: int, pos: int) -> float:
+        """Starts the workers (their processes, ``worker_init_fn``, the pin-memory thread) and waits for one batch
+        loaded from ``step`` at ``(epoch, pos)`` under the basis then in force, kept for :meth:`get` (dropped if
+        another key is asked for); the next batches stay in flight. Returns the seconds it took. For a worker that
+        does not know its place yet (a newcomer before it announces itself): :meth:`start` then redirects them."""
+        t0 = time.perf_counter()
+        self.start(step, epoch, pos)
+        if self.loader.num_workers and self._held is None:
+            batch = next(self._it)
+            self._held = (self.ahead.take(), batch)
+            self.warmed += 1
+        return time.perf_counter() - t0
 
     def get(self, step: int, epoch: int, pos: int, basis: Basis) -> Any:
         """The batch of ``step`` at ``(epoch, pos)`` under ``basis``: the collated items of
         ``sampler.slice_at(epoch, pos, basis.rank, basis.batches)`` (its indices, or its padding)."""
         want = self.ahead.key(epoch, pos, basis)
-        self.start(step, epoch, pos)  # the first call starts the workers and fills the prefetch queue
+        if self._it is None:  # the first call starts the workers and fills the prefetch queue
+            self.start(step, epoch, pos)
+        held, self._held = self._held, None
+        if held is not None:
+            if held[0] == want and held[1] is not STALE:
+                return held[1]
+            self.dropped += 1
         reset = False
         while True:
             if want not in self.ahead.pending:
@@ -261,6 +304,7 @@ class Pipeline:
     def close(self) -> None:
         """Stops the worker processes (idempotent)."""
         it, self._it = self._it, None
+        self._held = None
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()

@@ -282,6 +282,8 @@ class ElasticTrainer:
         self.state.counters.update(lr_factor=1.0, ref_global=0)
         self.phase = Phase.CREATED
         self.warm_up_s = 0.0
+        self.loader_warm_s = 0.0  # join(): waiting for the prepared loader's first batch after warm_up
+        self._prepared = False  # prepare_loader() was called: the pipeline's workers start in join()
         # built by join(): the store connections, the heartbeat thread (membership) and the executor
         self._store: Optional[dist.Store] = None
         self.membership: Optional[Membership] = None
@@ -336,6 +338,8 @@ class ElasticTrainer:
             self._join()
         except BaseException:
             self.phase = Phase.FAILED
+            if self._pipeline is not None:  # prepare_loader()'s workers
+                self._pipeline.close()
             if self.membership is not None:
                 self.membership.stop()  # no plan or no group: leave no heartbeat behind
             raise
@@ -346,8 +350,14 @@ class ElasticTrainer:
         self._store = connect_store(self.addr.with_prefix(keys.state_channel(self.addr.prefix)),
                                     config.connect_timeout)
         # before the worker announces itself: the launcher counts an announced worker as ready to join a plan
+        pipe = self._pipeline if self._prepared else None
+        if pipe is not None:  # prepare_loader(): the workers start (processes, pin-memory thread) during warm_up
+            self._forecast = Basis(0, tuple(self.policy.split(1)))  # a guess: redirected once the plan is known
+            pipe.start(0, self.sampler.epoch, self.sampler.pos)
         if self._warm_up_fn is not None:
             self.warm_up_s = self._warm_up(self._warm_up_fn)
+        if pipe is not None:
+            self.loader_warm_s = pipe.warm(0, self.sampler.epoch, self.sampler.pos)  # a batch has come through
         publish_host = getattr(self.progress, "publish_host", None)
         if publish_host is not None:  # the launcher labels this worker's records with the links it really uses
             gpu = self.device.index if self.device.type == "cuda" else None
@@ -366,10 +376,14 @@ class ElasticTrainer:
             device=self.device, telemetry=self.telemetry, fault=self.fault, relay=self._relay)
         self._next_epoch = NextEpoch(self.membership, wid, self._executor.new_group)
         self._store.set(keys.speed(wid), repr(self.speed))  # read by every member of a plan that includes it
+        t_announce = time.perf_counter()
         self.membership.start()  # announced: from here on a failure must stop the heartbeat
         plan = self.membership.wait_for_plan()
+        t_plan = time.perf_counter()
         self.group = self._executor.new_group(plan)
         self.plan = plan
+        self._join_times = {"loader_warm_s": self.loader_warm_s, "plan_wait_s": t_plan - t_announce, "group_s": time.perf_counter() - t_plan,
+                            "t_joined": time.perf_counter()}
 
     def _not_joined(self, what: str) -> TrainerPhaseError:
         why = {Phase.CREATED: "call join() first: et = ElasticTrainer(...).join()",
@@ -484,16 +498,47 @@ class ElasticTrainer:
             raise self._not_joined("loader()")
         return self._batches(dataset, collate_fn, max_steps, epochs, options)
 
-    def _batches(self, dataset, collate_fn: Optional[Callable], max_steps: Optional[int], epochs: Optional[int],
-                 options: dict) -> Iterator:
+    def prepare_loader(self, dataset, collate_fn: Optional[Callable] = None, **options) -> "ElasticTrainer":
+        """Before :meth:`join`: the ``DataLoader`` that :meth:`loader` will use on ``dataset`` (same arguments).
+        ``join()`` starts its worker processes (and pin-memory thread) before ``warm_up`` and waits for a first
+        batch after it, all before the worker announces itself, so a grow never waits for a newcomer's loader to
+        start; once the plan is known the running workers are redirected to the batches this worker will train on.
+        ``loader(dataset, ...)`` with the same dataset object, ``collate_fn`` and options then reuses it (other
+        arguments build a new one). Returns the trainer: ``ElasticTrainer(...).prepare_loader(ds, num_workers=8)
+        .join()``.
+
+        Raises:
+            ValueError: an option the elastic sampler decides (see :meth:`loader`).
+            TrainerPhaseError: ``join()`` was called already.
+        """
+        if self.phase is not Phase.CREATED:
+            raise TrainerPhaseError(f"ElasticTrainer.prepare_loader(): worker {self.wid} is {self.phase.value}; "
+                                    "call it before join()", self.phase)
+        self._ensure_sampler(dataset)
+        self._pipeline_for(dataset, collate_fn, options)
+        self._prepared = True
+        return self
+
+    def _ensure_sampler(self, dataset) -> None:
         if self.sampler is None:
             self.sampler = ElasticSampler(len(dataset), seed=self.config.seed)
             self.sampler.prefetch()
             self.state.sampler = self.sampler
+
+    def _batches(self, dataset, collate_fn: Optional[Callable], max_steps: Optional[int], epochs: Optional[int],
+                 options: dict) -> Iterator:
+        self._ensure_sampler(dataset)
         pipe = self._pipeline_for(dataset, collate_fn, options)
         if self.phase is Phase.JOINING:
-            self._load_ahead_of_join(pipe)
-            self._adopt(*self._executor.join(self.plan, self.group, self._step_fn))
+            times = dict(getattr(self, "_join_times", {}))
+            t_joined = times.pop("t_joined", None)
+            t0 = time.perf_counter()
+            times["to_loader_s"] = t0 - t_joined if t_joined is not None else None
+            times.update(self._load_ahead_of_join(pipe))
+            times["load_ahead_s"] = time.perf_counter() - t0
+            epoch, rec = self._executor.join(self.plan, self.group, self._step_fn)
+            rec["join_s"] = times
+            self._adopt(epoch, rec)
         left = Phase.LEFT
         try:
             while self.phase is not left:
@@ -507,7 +552,11 @@ class ElasticTrainer:
                 self.batch_indices = sl.indices
                 if self._hook is not None:
                     self._hook.scale = sl.weight
+                t_get = time.perf_counter()
                 batch = pipe.get(self.step, self.sampler.epoch, self.sampler.pos, self._load_basis(self.step))
+                pending = self._switch_log.pending
+                if pending is not None and "batch_wait_s" not in pending:
+                    pending["batch_wait_s"] = time.perf_counter() - t_get  # the new epoch's first batch
                 self._batch_t = time.perf_counter()
                 if self._hook is not None:
                     self._hook.first_sync_t = None
@@ -522,8 +571,9 @@ class ElasticTrainer:
         return self._pipeline
 
     def _pipeline_for(self, dataset, collate_fn: Optional[Callable], options: dict) -> Pipeline:
-        old = self._pipeline
-        if old is not None and old.persistent and old.dataset is dataset:
+        old, prepared, self._prepared = self._pipeline, self._prepared, False
+        if old is not None and old.dataset is dataset and \
+                (old.persistent or (prepared and old.arguments == (collate_fn, options))):
             return old
         if old is not None:
             old.close()
@@ -571,10 +621,11 @@ class ElasticTrainer:
             epoch, pos = self._pipeline.ahead.walk(self.step, epoch, pos, at)
         self._store.set(keys.loader_start(plan.id), json.dumps({"step": at, "epoch": epoch, "pos": pos}))
 
-    def _load_ahead_of_join(self, pipe: Pipeline) -> None:
+    def _load_ahead_of_join(self, pipe: Pipeline) -> dict:
         """Starts the loader before the state arrives, where the epoch is expected to start: the beginning for the
         first epoch, else what the current epoch's rank 0 published (:meth:`_publish_start`); the first
         batches are then loaded while the survivors train on. A wrong guess costs a reload, nothing else."""
+        t0 = time.perf_counter()
         if self.plan.kind == "initial":
             start = {"step": self.step, "epoch": self.sampler.epoch, "pos": self.sampler.pos}
         else:
@@ -584,10 +635,12 @@ class ElasticTrainer:
                 start = json.loads(self._store.get(key))
             except Exception as e:  # noqa: BLE001 - the state broadcast decides; this was only a head start
                 logger.info("no loader start for epoch %d: %s", self.plan.id, e)
-                return
+                return {"start_wait_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
         batches = self._executor.batches_for(self.plan, self.group.size())
         self._forecast = Basis(self.group.rank(), tuple(batches))
         pipe.start(start["step"], start["epoch"], start["pos"])
+        return {"start_wait_s": t1 - t0, "loader_start_s": time.perf_counter() - t1}
 
     # ---- commit ---------------------------------------------------------------------------------------------
     def commit(self, compute_s: Optional[float] = None) -> bool:
@@ -677,7 +730,8 @@ class ElasticTrainer:
         # whether a switch must be armed first, and how far ahead (VoteTally.lead)
         lead = self._lead() if ready else 0
         leading = 1 if lead and self._switch_at != self.step else 0  # not armed for this commit point yet
-        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal(), lead * leading, leading],
+        hurry = self.membership.next_plan() is not None  # a resize is being prepared: newcomers wait on us
+        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal(hurry), lead * leading, leading],
                          dtype=torch.int64, device=self.device)
         nonfinite, self._nonfinite = self._nonfinite, None
         if nonfinite is not None:  # watch_loss: a non-finite loss since the last commit point is a local error
@@ -750,7 +804,8 @@ class ElasticTrainer:
             self.membership.report_switched(self.plan, rec)
         self.state.snapshot()
         self.committed_step = self.step
-        self.schedule.committed(self.step, tally.proposals, self.group.size(), time.perf_counter(), tally.lead)
+        self.schedule.committed(self.step, tally.proposals, self.group.size(), time.perf_counter(),
+                                tally.lead if outcome is CommitOutcome.ARM else 1)
         if outcome is CommitOutcome.ARM:
             self._arm()
             return True

@@ -106,6 +106,23 @@ def test_an_armed_switch_gets_at_least_the_loaders_lead_unless_the_interval_is_f
     assert fixed.interval == 5
 
 
+def test_an_armed_switch_comes_after_the_lead_not_after_the_steady_interval():
+    # newcomers wait for the switch with their GPUs idle: the proposals (200 steps) are for steady training
+    auto = CommitSchedule(None, 0.5, 0.01, 256)
+    auto.committed(10, 2 * 200, 2, 1.0, at_least=32)
+    assert (auto.interval, auto.next_at) == (32, 42)
+    auto.committed(42, 2 * 200, 2, 2.0)
+    assert auto.interval == 200
+
+
+def test_a_prepared_resize_hurries_the_commit_points_within_the_hurry_budget():
+    s = CommitSchedule(None, 0.5, 0.01, 256)
+    s.interval, s.cost_s = 128, 0.2  # a 0.2 s commit point: 20 s between two at a 1% budget
+    s._periods.extend([0.05] * 10)
+    assert s.proposal() == 256  # 20 s / 0.05 s, capped by the ramp (2 x 128)
+    assert s.proposal(hurry=True) == 40  # 0.2 s / 10% = 2 s: newcomers wait at most that for the ready vote
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("backend", "mpi", "gloo or nccl"), ("timeout", timedelta(0), "positive timedelta"),
     ("rendezvous_timeout", 5, "positive timedelta"), ("heartbeat_timeout", timedelta(seconds=0.3), "two heartbeat"),

@@ -128,3 +128,61 @@ def test_a_dataset_that_fetches_batches_gets_its_indices_at_once():
     assert data.__getitems__(Work(0, 3, [5, 6])) == [("batched", 5), ("batched", 6)]
     mark.copy_(torch.tensor([1, 0]))
     assert data.__getitems__(Work(0, 3, [5, 6])) is STALE
+
+
+def test_a_newcomer_has_its_loader_workers_and_a_batch_before_it_announces_itself(monkeypatch):
+    # ElasticTrainer.prepare_loader(): join() starts the DataLoader's worker processes during warm_up and waits for
+    # a batch to come through them before the worker announces itself (Membership.start), so a grow never waits for
+    # a newcomer's loader to start. The announcement is stopped here; a join that fails stops the workers.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.membership import Membership
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    m = torch.nn.Linear(4, 1)
+    warmed_up = []
+    et = ElasticTrainer(m, torch.optim.SGD(m.parameters(), lr=0.01), store_addr=f"127.0.0.1:{server.port}/job",
+                        worker_id="w9", policy=BatchPolicy(per_gpu_batch=4),
+                        config=TrainerConfig(connect_timeout=timedelta(seconds=10)),
+                        warm_up=lambda model: warmed_up.append(et.loading._it is not None))
+    ds = _Items()
+    assert et.prepare_loader(ds, **LOADER) is et
+    seen = {}
+
+    def announce(self):
+        pipe = et.loading
+        seen.update(iterator=pipe._it is not None, warmed=pipe.warmed, held=pipe._held is not None,
+                    pending=len(pipe.ahead.pending),
+                    alive=[w.is_alive() for w in pipe._it._workers] if pipe._it is not None else [])
+        raise RuntimeError("stopped at the announcement")
+
+    monkeypatch.setattr(Membership, "start", announce)
+    with pytest.raises(RuntimeError, match="stopped at the announcement"):
+        et.join()
+    assert warmed_up == [True, True]  # the workers were started before warm_up
+    assert seen["iterator"] and seen["alive"] == [True, True]
+    assert seen["warmed"] == 1 and seen["held"]  # a batch came through a worker before the announcement
+    assert seen["pending"] == LOADER["num_workers"] * LOADER["prefetch_factor"]  # and the next ones are in flight
+    assert et.loading._it is None  # the failed join stopped them
+    del server
+
+
+def test_workers_warmed_at_a_guess_are_redirected_to_the_steps_asked_for():
+    # a newcomer's loader is warmed before it knows its rank and place; start() then redirects the running
+    # workers: every batch is exactly the sampler's slice, loaded by the same worker processes
+    s = ElasticSampler(len(_Items()), seed=5)
+    basis = {"b": Basis(0, (4,))}
+    pipe = Pipeline(_Items(), s, lambda step: basis["b"], None, dict(LOADER))
+    pipe.warm(0, 0, 0)
+    workers = [w.pid for w in pipe._it._workers]
+    basis["b"] = Basis(1, (3, 3))
+    s.load_state_dict({"epoch": 0, "pos": 12, "size": 50, "seed": 5})
+    pipe.start(7, 0, 12)
+    assert pipe.ahead.pending[0] == (0, 12, 1, (3, 3))  # the new steps are asked for already
+    _steps(pipe, s, lambda step: basis["b"], 10, start=7)
+    assert [w.pid for w in pipe._it._workers] == workers and pipe.resets == 0
+    pipe.close()
