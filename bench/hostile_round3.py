@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import http.client
 import json
+import multiprocessing
 import os
 import platform
 import pwd
@@ -411,14 +412,13 @@ def item5_hostile_tables(work: Path):
                 conf = work / f"hook-{mode}"
                 conf.mkdir()
                 first = {"job_desc": bands_job(mode)}
-                t0 = time.perf_counter()
-                run_hook(install(conf, server.url), [first])
-                first_ms = (time.perf_counter() - t0) * 1000
+                # each submission's time inside slurm_job_submit (the driver's clock), not a lua5.1 process's wall
+                # time: process start-up under host load is no part of the hook's cost
+                first_ms = run_hook(install(conf, server.url), [first])[0]["elapsed"] * 1000
                 (conf / "again").mkdir()
                 server.requests.clear()
-                t0 = time.perf_counter()
                 results = run_hook(install(conf / "again", server.url), [first, {"job_desc": bands_job("rewrite", "0.3")}])
-                hook_ms = (time.perf_counter() - t0) * 1000 - first_ms   # the later submission's share
+                hook_ms = results[1]["elapsed"] * 1000   # the later submission's own
                 asked = [r["body"]["job"]["name"] for r in server.requests]
                 second = results[1]["job_desc"]
                 from_band = asked == [f"mode-{mode}"]
@@ -570,6 +570,28 @@ def item8_front_memory(service: hc.Service, connections: int = 240, body_bytes: 
     return run
 
 
+def _plan_flood(port: int, flood_s: float, threads: int, out) -> None:
+    """Item 9's attacker (in a child process): `threads` threads post the largest valid /v1/plan bodies, without a
+    credential, for `flood_s` seconds; puts {status: count} on `out`."""
+    tally = hc.Tally()
+    stop, counter, lock = threading.Event(), iter(range(10 ** 9)), threading.Lock()
+
+    def flood():
+        while not stop.is_set():
+            with lock:
+                i = next(counter)
+            send(port, tally, "POST", "/v1/plan", hc.largest_plan(i))
+
+    workers = [threading.Thread(target=flood) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    time.sleep(flood_s)
+    stop.set()
+    for t in workers:
+        t.join()
+    out.put(dict(tally.codes))
+
+
 def item9_decisions(service: hc.Service, flood_s: float):
     """The hook's decisions (from VICTIM_ADDRESS), then four anonymous threads posting the largest valid
     /v1/plan bodies for ``flood_s`` seconds."""
@@ -580,21 +602,18 @@ def item9_decisions(service: hc.Service, flood_s: float):
             status, answer = request(service.port, "POST", "/v1/plan", body, source=VICTIM_ADDRESS)
             ids.append(json.loads(answer).get("decision_id"))
         db0 = hc.db_mb(service.db)
-        stop, counter, lock = threading.Event(), iter(range(10 ** 9)), threading.Lock()
-
-        def flood():
-            while not stop.is_set():
-                with lock:
-                    i = next(counter)
-                send(service.port, tally, "POST", "/v1/plan", hc.largest_plan(i))
-
-        threads = [threading.Thread(target=flood) for _ in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(flood_s)
-        stop.set()
-        for t in threads:
-            t.join()
+        # the four threads run in a process of their own: building and sending 166 KB bodies in the victim's
+        # process took its GIL, so the victim's clock counted the attacker's Python as the service's latency
+        # (more so once the service answers the flood's plans faster, or refuses them)
+        queue = multiprocessing.get_context("fork").SimpleQueue()
+        flooder = multiprocessing.get_context("fork").Process(target=_plan_flood,
+                                                               args=(service.port, flood_s, 4, queue))
+        flooder.start()
+        codes = queue.get()
+        flooder.join()
+        for code, n in codes.items():
+            for _ in range(n):
+                tally.add(code)
         kept = sum(request(service.port, "GET", f"/v1/decisions/{d}")[0] == 200 for d in ids if d)
         db1 = hc.db_mb(service.db)
         _, answer = request(service.port, "GET", "/v1/decisions?limit=1000")
