@@ -108,8 +108,9 @@ def auth_policy(config: Config) -> list[str]:
 @click.option("--per-address-requests", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
               help="nginx: requests in progress from one address (more: 429)")
 @click.option("--per-address-plans", default=None, type=click.IntRange(1, 1_000_000),
-              help="nginx: of them POST /v1/plan without a munge credential, the hook's kind (more: 429); "
-                   "default --workers - 1, at least 1, so one address never holds every worker answering the hook")
+              help="nginx: POST /v1/plan without a munge credential (the hook's kind) from one address answered "
+                   "by the plan pool at once; its others go to the side pool. Default --workers - 1, at least 1: "
+                   "one address never holds every worker answering the hook")
 @click.option("--side-workers", default=1, show_default=True, type=click.IntRange(0, 64),
               help="nginx: worker processes of a second gunicorn (4 threads each, nice 10) that answers every "
                    "request but the hook's (POST /v1/plan without a munge credential, /healthz), which --workers "

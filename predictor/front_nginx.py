@@ -10,9 +10,11 @@ SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and 
 Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
 nginx is not installed.
 
-One address has at most `per_address_plans` POST /v1/plan without a munge credential in progress (#24.9: the
-hook's kind of request, open to anyone; the hook in slurmctld asks one at a time), so a flood of them from one
-address never holds every worker of the pool that answers the hook; more are 429.
+One address has at most `per_address_plans` POST /v1/plan without a munge credential in progress in the plan pool
+(#24.9: the hook's kind of request, open to anyone; the hook in slurmctld asks one at a time), so a flood of them
+from one address never holds every worker of the pool that answers the hook; its others are answered by the side
+pool (`X-Elastic-Plan-Pool: side`), not refused: clients behind one address (a login node's cli_filters) still get
+their plans.
 
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
 answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge`, and GET /healthz; a second
@@ -70,7 +72,7 @@ class NginxLimits:
     max_connections: int = 2048        # client connections at once, all addresses
     per_address: int = 256             # client connections at once from one address (idle ones too)
     per_address_requests: int = 64     # requests in progress from one address; more: 429
-    per_address_plans: int = 1         # of them POST /v1/plan without a munge credential; more: 429 (#24.9)
+    per_address_plans: int = 1         # POST /v1/plan without a munge credential in the plan pool; more: side pool
     worker_processes: int = 2
 
     @property
@@ -200,7 +202,8 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
         log(f"front end: nginx on {host}:{port} ({conf}): requests read whole (body <= {limits.max_body} bytes; "
             f"head within {limits.read_timeout:g} s), at most {limits.per_address} connections per address and "
             f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address "
-            f"(of them {limits.per_address_plans} POST /v1/plan without a munge credential); "
+            f"(at most {limits.per_address_plans} POST /v1/plan without a munge credential in the plan pool, "
+            f"its others in the side pool); "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
         if side_workers > 0:
