@@ -18,6 +18,7 @@ from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, empty_link_model
 from predictor.lru import ByteBudgetLRU
 from predictor.profiles import Profile
+from predictor.roofline import RooflinePrior, profile_shape
 from predictor.throughput import (HOST_PER_TENSOR_PRIOR_US, NetParams, PerfParams, N_PHI, fit_bounded, predict_rows,
                                   row_owner, profile_compute_params, sync_bases, sync_link_key)
 
@@ -238,7 +239,10 @@ class Predictor:
         """For a profile never measured on `gpu` but measured on other types: its fitted parameters on the source
         type whose cross-type answer is surest, compute scaled by the predicted ratio at this batch; None where
         the pair was measured, the profile never was, or no source type shares MIN_CROSS_MODELS models with
-        `gpu`. Uncertainty: the cross-type model's spread and the source pair's own, together."""
+        `gpu`. The profile is a model outside the cross-type history of (source, gpu) (it was never measured on
+        `gpu`), so its ratio is centred on the roofline prior from its shape (predictor/roofline.py, fitted on the
+        history's profiles that have FLOPs, both types in the vendored peak table) where there is one, else on the
+        pooled centre. Uncertainty: the cross-type model's spread and the source pair's own, together."""
         if (profile.name, gpu) in self.perf_:
             return None
         best = None
@@ -248,19 +252,25 @@ class Predictor:
             fitted = self._cross_model(src, gpu)
             if fitted is None:
                 continue
-            model, n_models = fitted
+            model, n_models, roof = fitted
             t_src = _compute_s(ps, b)
-            m, sd = model.predict(features(profile.n_params, profile.flops_per_sample, b, 1, t_src), return_std=True)
+            shape = profile_shape(profile)
+            prior = roof.predict([shape], [b]) if roof is not None and shape is not None else None
+            m, sd = model.predict(features(profile.n_params, profile.flops_per_sample, b, 1, t_src), return_std=True,
+                                  prior=prior)
             std = math.sqrt(float(sd[0]) ** 2 + self._perf(profile, src)[2] ** 2)
             if best is None or std < best[2]:
                 ratio = math.exp(float(m[0]))
+                how = "; roofline" if prior is not None and np.isfinite(prior).all() else ""
                 best = (ps._replace(c0=ps.c0 * ratio, c1=ps.c1 * ratio),
-                        f"cross-type from {src} ({n_models} models on both)", std)
+                        f"cross-type from {src} ({n_models} models on both{how})", std)
         return best
 
-    def _cross_model(self, src: str, dst: str) -> tuple[CrossTypeModel, int] | None:
-        """The cross-type model src -> dst and how many profiles it learnt from: fitted on the single-GPU compute
-        time of every profile fitted on both types, at the batches it was measured at (cached per fit)."""
+    def _cross_model(self, src: str, dst: str) -> tuple[CrossTypeModel, int, RooflinePrior | None] | None:
+        """The cross-type model src -> dst, how many profiles it learnt from and the roofline prior fitted on
+        them (None where fewer than MIN_CROSS_MODELS of them have FLOPs or a type is not in the peak table):
+        fitted on the single-GPU compute time of every profile fitted on both types, at the batches it was
+        measured at (cached per fit)."""
         cache = self.__dict__.setdefault("_cross_cache", {})
         key = (src, dst)
         if key not in cache:
@@ -274,14 +284,26 @@ class Predictor:
                 for b in (batches[int(i)] for i in pick):
                     t_s, t_d = _compute_s(self.perf_[(n, src)], b), _compute_s(self.perf_[(n, dst)], b)
                     p = self.profiles_[n]
-                    rows.append((p.n_params, p.flops_per_sample, b, t_s, math.log(t_d / t_s)))
+                    rows.append((p.n_params, p.flops_per_sample, b, t_s, math.log(t_d / t_s), n))
             if len(names) < MIN_CROSS_MODELS:
                 cache[key] = None
             else:
-                n_params, flops, bs, t_src, y = zip(*rows)
+                n_params, flops, bs, t_src, y, who = zip(*rows)
                 X = features(n_params, list(flops), bs, [1] * len(rows), t_src)
-                cache[key] = (CrossTypeModel().fit(X, np.array(y)), len(names))
+                cache[key] = (CrossTypeModel().fit(X, np.array(y)), len(names),
+                              self._roofline(src, dst, bs, np.array(y), who))
         return cache[key]
+
+    def _roofline(self, src: str, dst: str, batch, y: np.ndarray, who) -> RooflinePrior | None:
+        """The roofline prior src -> dst fitted on the cross-type rows (each profile one vote); None where fewer
+        than MIN_CROSS_MODELS of their profiles have a shape or a type has no vendored peaks."""
+        shapes = [profile_shape(self.profiles_[n]) for n in who]
+        if len({n for n, s in zip(who, shapes) if s is not None}) < MIN_CROSS_MODELS:
+            return None
+        try:
+            return RooflinePrior(src, dst).fit(shapes, batch, y, list(who))
+        except KeyError:  # a GPU type the peak table does not name
+            return None
 
     def _net(self, layout, intra: str, inter: str | None) -> tuple[NetParams, float]:
         """Link scales, topology corrections, overlap offset and overhead of the candidate's links (0 = the link

@@ -27,6 +27,7 @@ leave-one-model-out on Gavel, seen: 35.9%; this form 34.2%: most of it from leav
 from __future__ import annotations
 
 import csv
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,11 @@ from scipy.optimize import least_squares
 DATA = Path(__file__).resolve().parent / "data" / "roofline"
 H_PRIOR_S = 10e-6  # host seconds per launched op the fit is pulled to (a CUDA launch plus framework dispatch)
 PULL = 0.3  # weight of that pull (log units) against the per-model residuals
+# kernels a parameter tensor costs one step where the profile counts no ops (a service profile has its tensors, not
+# its kernels): the forward op, the two of its backward (input and weight gradients) and the optimizer update.
+# A priori; on Gavel's models, with their counted ops replaced by this count and no activation bytes,
+# leave-one-model-out scored 35.2 / 35.3 / 35.8% at 3 / 5 / 10 per tensor (seen), against 34.2% with the counts.
+OPS_PER_TENSOR = 4
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,13 @@ class GPUPeaks:
     mem_bw: float  # bytes/s
     link_bw: float  # bytes/s between GPUs of one server (NVLink or PCIe, datasheet figure)
     source: str
+
+    @property
+    def train_flops(self) -> float:
+        """The dense peak an FP32 training step runs at by default: TF32 tensor cores where the type has them
+        (cuDNN runs FP32 convolutions in TF32 by default from Ampere on), else the FP32 figure. The one figure
+        predictor/throughput.py's GPU_FLOPS takes per type."""
+        return self.tf32_flops or self.fp32_flops
 
 
 @dataclass(frozen=True)
@@ -65,14 +78,20 @@ def _f(v):
     return float(v) if v not in ("", None) else None
 
 
-def load_peaks(path: Path = DATA / "gpu_peaks.csv") -> dict[str, GPUPeaks]:
-    """GPU type (upper case, as `variant` rows name it: V100, V100-PCIE, ...) -> its peaks."""
+@functools.lru_cache(maxsize=4)
+def _read_peaks(path: Path) -> tuple:
     with open(path, encoding="utf-8", newline="") as f:
-        return {r["gpu"].upper(): GPUPeaks(r["gpu"].upper(), float(r["fp32_tflops"]) * 1e12,
-                                           _f(r["tf32_tensor_tflops"]) and _f(r["tf32_tensor_tflops"]) * 1e12,
-                                           _f(r["fp16_tensor_tflops"]) and _f(r["fp16_tensor_tflops"]) * 1e12,
-                                           float(r["mem_bw_gbps"]) * 1e9, float(r["interconnect_gbps"]) * 1e9,
-                                           r["source"]) for r in csv.DictReader(f)}
+        return tuple(csv.DictReader(f))
+
+
+def load_peaks(path: Path = DATA / "gpu_peaks.csv") -> dict[str, GPUPeaks]:
+    """GPU type (upper case, as `variant` rows name it: V100, V100-PCIE, ...) -> its peaks. The one owner of the
+    GPU figures (predictor/data/roofline/SOURCE.md names the datasheet of each); read once per path."""
+    return {r["gpu"].upper(): GPUPeaks(r["gpu"].upper(), float(r["fp32_tflops"]) * 1e12,
+                                       _f(r["tf32_tensor_tflops"]) and _f(r["tf32_tensor_tflops"]) * 1e12,
+                                       _f(r["fp16_tensor_tflops"]) and _f(r["fp16_tensor_tflops"]) * 1e12,
+                                       float(r["mem_bw_gbps"]) * 1e9, float(r["interconnect_gbps"]) * 1e9,
+                                       r["source"]) for r in _read_peaks(Path(path))}
 
 
 def load_gavel_shapes(path: Path = DATA / "gavel_model_shapes.csv") -> dict[str, Shape]:
@@ -81,6 +100,18 @@ def load_gavel_shapes(path: Path = DATA / "gavel_model_shapes.csv") -> dict[str,
         return {r["model"]: Shape(float(r["train_flops_per_sample"]), float(r["act_bytes_per_sample"]),
                                   float(r["step_bytes_fixed"]) + 4 * float(r["param_bytes"]),
                                   float(r["ops_per_step"]), float(r["param_bytes"])) for r in csv.DictReader(f)}
+
+
+def profile_shape(profile) -> Shape | None:
+    """What a service profile (predictor/profiles.py) knows, as a Shape: training FLOPs per sample, its parameter
+    bytes (the gradient buckets; the update reads and writes about 4x them a step), its tensor count times
+    OPS_PER_TENSOR launches, no activation bytes (a profile has none, so the memory side sees the batch-free bytes
+    only). None without FLOPs per sample: no prior."""
+    flops = getattr(profile, "flops_per_sample", None)
+    if not flops or not flops > 0:
+        return None
+    param_bytes = float(profile.grad_bytes) or 4.0 * float(profile.n_params)
+    return Shape(float(flops), 0.0, 4.0 * param_bytes, float(OPS_PER_TENSOR * len(profile.tensors)), param_bytes)
 
 
 def roofline_terms(shapes, batch, peaks: GPUPeaks, gpus=1) -> tuple[np.ndarray, np.ndarray]:

@@ -70,19 +70,27 @@ import numpy as np
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
+from predictor.roofline import load_peaks
+
 log = logging.getLogger(__name__)
 
 # The model's release: its equations and every constant here and in predictor/engine.py. Bump it with any change
 # that can move a prediction; a held-out score counts only on data collected after the version it names was frozen
 # (bench/heldout.py prints it beside every figure, bench/coldstart_collect.py records it in each collection).
-# -2: host priors (session 12), frozen, scored on heldout/session13; -1: frozen at d77c086, scored on heldout/session12
-MODEL_VERSION = "tm-2026.11.28-1"  # s_I of a link seen at one K only held to the sweep (developed on session 13)
+# -2 (28th): GPU_FLOPS read from the vendored datasheet table (one owner, each figure sourced; K80 4.1 -> 4.37, A10
+#   31 -> 62.5, H100/H800/H200 400 -> 494.5, L40 90 -> 90.5, B200 900 -> 1125 TFLOP/s), and the engine's cross-type
+#   answer for a model never seen on the target type centred on predictor/roofline.py's shape-based ratio;
+#   developed on Gavel (bench/crosstype.py) and checked on every committed collection (bench/heldout.py), all seen.
+# -1 (28th): s_I of a link seen at one K only held to the sweep (developed on session 13).
+# -2 (27th): host priors (session 12), frozen, scored on heldout/session13; -1 (27th): frozen at d77c086, scored on
+#   heldout/session12
+MODEL_VERSION = "tm-2026.11.28-2"
 N_PHI = 8
 POOLED_ONLY = (3,)  # log n: extrapolation in node count rests on the link (all jobs), never on one job alone
-# Peak dense training FLOP/s per GPU type (tf32/bf16 class), times FLOPS_EFFICIENCY; only for never-observed
-# (profile, GPU) pairs, and then calibrated by the pairs fitted on that GPU.
-GPU_FLOPS = {"k80": 4.1e12, "p100": 9.3e12, "v100": 15.7e12, "t4": 8.1e12, "a10": 31e12, "a100": 156e12,
-             "a800": 156e12, "l40": 90e12, "h100": 400e12, "h800": 400e12, "h200": 400e12, "b200": 900e12}
+# Peak dense training FLOP/s per GPU type, times FLOPS_EFFICIENCY; only for never-observed (profile, GPU) pairs, and
+# then calibrated by the pairs fitted on that GPU. Read from predictor/data/roofline/gpu_peaks.csv (its SOURCE.md
+# names each figure's datasheet): GPUPeaks.train_flops, TF32 tensor where the type has it, else FP32.
+GPU_FLOPS = {gpu.lower(): p.train_flops for gpu, p in load_peaks().items()}
 DEFAULT_FLOPS = 20e12
 HOST_K = 10.0  # sharpness of the device/host max (at equal times the step is 2^(1/k) = 7% above both: jitter)
 HOST_PER_TENSOR_MAX_US = 2000.0  # bound of h_L (fitted in microseconds a gradient tensor)

@@ -110,7 +110,7 @@ def test_a_pair_never_measured_is_answered_cross_type(cross):
     assert not pred.known("vgg16", "A100")
     out = pred.predict(profiles["vgg16"], "A100", 32, CAND)[0]
     v100 = pred.predict(profiles["vgg16"], "V100", 32, CAND)[0]
-    assert out["basis"] == "cross-type from V100 (3 models on both)"
+    assert out["basis"] == "cross-type from V100 (3 models on both; roofline)"  # centred on its shape's ratio
     assert out["uncertainty"] > v100["uncertainty"]
     truth = v100["iter_s"] / SPEEDUP["vgg16"]
     assert abs(np.log(out["iter_s"] / truth)) < 2 * out["uncertainty"]
@@ -228,3 +228,43 @@ def test_compute_and_memory_efficiency_act_on_their_own_side_and_the_link_on_nei
     assert slow_c[0] == pytest.approx(math.log(1.5), abs=1e-6) and slow_c[1] == pytest.approx(base[1], abs=1e-6)
     assert slow_m[1] == pytest.approx(math.log(1.5), abs=1e-6) and slow_m[0] == pytest.approx(base[0], abs=1e-6)
     assert slow_c[2] == pytest.approx(base[2], abs=1e-4) and slow_m[2] == pytest.approx(base[2], abs=1e-4)
+
+
+def test_a_profile_without_flops_keeps_the_pooled_centre(cross, monkeypatch):
+    """tm-2026.11.28-2: the engine centres a model new to the target type on the roofline prior from its profile
+    (FLOPs, parameter bytes, tensor count); a profile with no FLOPs has no shape and is answered as before."""
+    import dataclasses
+
+    from predictor import engine
+    pred, profiles = cross
+    bare = dataclasses.replace(profiles["vgg16"], flops_per_sample=None)
+    out = pred.predict(bare, "A100", 32, CAND)[0]
+    assert out["basis"] == "cross-type from V100 (3 models on both)"
+    monkeypatch.setattr(engine.Predictor, "_roofline", lambda self, *a: None)  # no prior at all: the old answer
+    again = Predictor().fit(profiles, _history(list(profiles), skip={("vgg16", "A100")}))
+    old = again.predict(profiles["vgg16"], "A100", 32, CAND)[0]
+    assert old["basis"] == "cross-type from V100 (3 models on both)"
+    assert out["iter_s"] == pytest.approx(old["iter_s"], rel=1e-9)
+    with_prior = pred.predict(profiles["vgg16"], "A100", 32, CAND)[0]
+    assert with_prior["iter_s"] != pytest.approx(old["iter_s"], rel=1e-6)  # the shape moved the answer
+
+
+def test_profile_shape_reads_what_a_profile_knows():
+    from predictor.roofline import OPS_PER_TENSOR, profile_shape
+    p = profile_from_spec("resnet50")
+    s = profile_shape(p)
+    assert s.flops_per_sample == p.flops_per_sample and s.grad_bytes == p.grad_bytes
+    assert s.ops_per_step == OPS_PER_TENSOR * len(p.tensors) and s.bytes_per_step == 4 * p.grad_bytes
+    import dataclasses
+    assert profile_shape(dataclasses.replace(p, flops_per_sample=None)) is None
+
+
+def test_gpu_flops_has_one_owner():
+    """throughput.GPU_FLOPS is the vendored datasheet table's figure per type, nothing of its own."""
+    from predictor import throughput
+    peaks = load_peaks()
+    assert throughput.GPU_FLOPS == {g.lower(): p.train_flops for g, p in peaks.items()}
+    assert peaks["A100"].train_flops == peaks["A100"].tf32_flops and peaks["V100"].train_flops == peaks["V100"].fp32_flops
+    for gpu in ("K80", "P100", "V100", "T4", "A10", "A100", "A800", "L40", "H100", "H800", "H200", "B200"):
+        assert peaks[gpu].source in (Path(__file__).resolve().parents[2] / "predictor" / "data" / "roofline"
+                                     / "SOURCE.md").read_text(encoding="utf-8")
