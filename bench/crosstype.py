@@ -40,7 +40,7 @@ from the model's shape can follow. So the 25% target is out of reach of a shape-
 The engine (tm-2026.11.28-2, predictor/engine.py `_cross_type`) centres a profile never measured on the target
 type on this prior, built from what a service profile knows (predictor.roofline.profile_shape: FLOPs per sample,
 parameter bytes, tensor count x OPS_PER_TENSOR launches, no activation bytes); `--profile-shapes` scores that
-case here (printed only).
+case here (printed only; seen, tm-2026.11.28-2: 10.5% / 17.8% / 35.3% for the three protocols below).
 Tried for a new model and not kept (seen, leave-one-model-out): a per-(direction, GPU count) offset of the
 roofline's residuals over the training models, each one vote, 36.7-39.6%; the roofline as the GP's mean function
 for every row (residual GP) 38.4% (and 19.1% with (model, batch) held out, against 18.1%); splitting the measured
