@@ -284,6 +284,7 @@ class ElasticTrainer:
         self.warm_up_s = 0.0
         self.loader_warm_s = 0.0  # join(): waiting for the prepared loader's first batch after warm_up
         self._prepared = False  # prepare_loader() was called: the pipeline's workers start in join()
+        self._join_times: dict = {}  # join()'s phases, for the join record (join_s)
         # built by join(): the store connections, the heartbeat thread (membership) and the executor
         self._store: Optional[dist.Store] = None
         self.membership: Optional[Membership] = None
@@ -382,8 +383,8 @@ class ElasticTrainer:
         t_plan = time.perf_counter()
         self.group = self._executor.new_group(plan)
         self.plan = plan
-        self._join_times = {"loader_warm_s": self.loader_warm_s, "plan_wait_s": t_plan - t_announce, "group_s": time.perf_counter() - t_plan,
-                            "t_joined": time.perf_counter()}
+        self._join_times = {"loader_warm_s": self.loader_warm_s, "plan_wait_s": t_plan - t_announce,
+                            "group_s": time.perf_counter() - t_plan, "t_joined": time.perf_counter()}
 
     def _not_joined(self, what: str) -> TrainerPhaseError:
         why = {Phase.CREATED: "call join() first: et = ElasticTrainer(...).join()",
@@ -530,7 +531,7 @@ class ElasticTrainer:
         self._ensure_sampler(dataset)
         pipe = self._pipeline_for(dataset, collate_fn, options)
         if self.phase is Phase.JOINING:
-            times = dict(getattr(self, "_join_times", {}))
+            times = dict(self._join_times)
             t_joined = times.pop("t_joined", None)
             t0 = time.perf_counter()
             times["to_loader_s"] = t0 - t_joined if t_joined is not None else None

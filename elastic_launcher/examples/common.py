@@ -316,7 +316,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
                         warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision),
-                        extra_state=precision.extra_state(), speed=env.speed).join()
+                        extra_state=precision.extra_state(), speed=env.speed)
+    et.prepare_loader(dataset, **loading).join()  # loader workers start and load a batch before announcing
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)
