@@ -11,9 +11,9 @@ Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/serve
 nginx is not installed.
 
 One address has at most `per_address_plans` POST /v1/plan without a munge credential in progress in the plan pool
-(#24.9: the hook's kind of request, open to anyone; the hook in slurmctld asks one at a time), so a flood of them
-from one address never holds every worker of the pool that answers the hook; its others are answered by the side
-pool (`X-Elastic-Plan-Pool: side`), not refused: clients behind one address (a login node's cli_filters) still get
+(#24.9: the hook's kind of request, open to anyone; the hook in slurmctld asks one at a time; `serve` sets it to
+the plan pool's workers), so a flood of them from one address never queues ahead of another address's plans (one
+waits at most for one of the flood's plans in progress to end); its others are answered by the side pool (`X-Elastic-Plan-Pool: side`), not refused: clients behind one address (a login node's cli_filters) still get
 their plans.
 
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
@@ -72,7 +72,7 @@ class NginxLimits:
     max_connections: int = 2048        # client connections at once, all addresses
     per_address: int = 256             # client connections at once from one address (idle ones too)
     per_address_requests: int = 64     # requests in progress from one address; more: 429
-    per_address_plans: int = 1         # POST /v1/plan without a munge credential in the plan pool; more: side pool
+    per_address_plans: int = 2         # POST /v1/plan without a munge credential in the plan pool; more: side pool
     worker_processes: int = 2
 
     @property
