@@ -107,16 +107,12 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: client connections at once from one address, idle ones included (more are closed)")
 @click.option("--per-address-requests", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
               help="nginx: requests in progress from one address (more: 429)")
-@click.option("--per-address-plans", default=None, type=click.IntRange(1, 1_000_000),
-              help="nginx: POST /v1/plan without a munge credential (the hook's kind) from one address answered "
-                   "by the plan pool at once; its others go to the side pool. Default --workers: one address never "
-                   "queues plans ahead of another's, and a client overlapping itself stays in the plan pool")
 @click.option("--side-workers", default=1, show_default=True, type=click.IntRange(0, 64),
               help="nginx: worker processes of a second gunicorn (4 threads each, nice 10) that answers every "
                    "request but the hook's (POST /v1/plan without a munge credential, /healthz), which --workers "
                    "answer (0: one gunicorn for all)")
 def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout,
-          max_connections, per_address, per_address_requests, per_address_plans, side_workers):
+          max_connections, per_address, per_address_requests, side_workers):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
@@ -159,8 +155,7 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
         nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
                                    upstream_timeout=timeout + 5, max_connections=max_connections,
                                    per_address=min(per_address, max_connections),
-                                   per_address_requests=per_address_requests,
-                                   per_address_plans=per_address_plans or workers)
+                                   per_address_requests=per_address_requests)
         plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
 
         def load_plan_pool():

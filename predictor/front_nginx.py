@@ -10,15 +10,10 @@ SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and 
 Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
 nginx is not installed.
 
-One address has at most `per_address_plans` POST /v1/plan without a munge credential in progress in the plan pool
-(#24.9: the hook's kind of request, open to anyone; the hook in slurmctld asks one at a time; `serve` sets it to
-the plan pool's workers), so a flood of them from one address never queues ahead of another address's plans (one
-waits at most for one of the flood's plans in progress to end); its others are answered by the side pool (`X-Elastic-Plan-Pool: side`), not refused: clients behind one address (a login node's cli_filters) still get
-their plans.
-
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
-answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge`, and GET /healthz; a second
-one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`)
+answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge` and under 10,000 bytes
+(#24.9: the hook's are a few hundred bytes; the largest valid plans, 166 KB, cost a plan worker 25 ms each), and
+GET /healthz; a second one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`)
 answers everything else: writes, requests carrying a munge credential (unmunge and the Slurm lookups it costs),
 `/v1/predict`, profiles, decisions, `/admin`, `/metrics`. nginx routes by method, path and that header. So no
 credential check, write flood or admin page holds a worker the hook's plan needs, and on a busy host the side
@@ -72,7 +67,6 @@ class NginxLimits:
     max_connections: int = 2048        # client connections at once, all addresses
     per_address: int = 256             # client connections at once from one address (idle ones too)
     per_address_requests: int = 64     # requests in progress from one address; more: 429
-    per_address_plans: int = 2         # POST /v1/plan without a munge credential in the plan pool; more: side pool
     worker_processes: int = 2
 
     @property
@@ -125,7 +119,6 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
               "MAX_CONNECTIONS": limits.max_connections, "STREAM_TIMEOUT": int(limits.upstream_timeout) + 30,
               "RUNTIME": runtime, "PER_ADDRESS_REQUESTS": limits.per_address_requests, "MAX_BODY": limits.max_body,
-              "PER_ADDRESS_PLANS": limits.per_address_plans,
               "READ_TIMEOUT": f"{round(limits.read_timeout * 1000)}ms", "SEND_TIMEOUT": SEND_TIMEOUT_S,
               "UPSTREAM_TIMEOUT": int(limits.upstream_timeout)}
     return re.sub(r"@([A-Z_]+)@", lambda m: str(values[m.group(1)]), TEMPLATE.read_text())
@@ -201,13 +194,12 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
         children["nginx"] = nginx.pid
         log(f"front end: nginx on {host}:{port} ({conf}): requests read whole (body <= {limits.max_body} bytes; "
             f"head within {limits.read_timeout:g} s), at most {limits.per_address} connections per address and "
-            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address "
-            f"(at most {limits.per_address_plans} POST /v1/plan without a munge credential in the plan pool, "
-            f"its others in the side pool); "
+            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address; "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
         if side_workers > 0:
             log(f"front end: the plan pool ({workers} worker(s)) answers POST /v1/plan without a munge credential "
+                f"(under 10,000 bytes) "
                 f"and /healthz; every other request goes to the side pool ({side_workers} worker(s) x "
                 f"{SIDE_THREADS} threads, nice {SIDE_NICE}) on unix:{runtime}/{SIDE_SOCKET}")
         return _supervise(children, limits, log)
