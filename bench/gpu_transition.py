@@ -34,6 +34,8 @@ import sys
 import time
 from datetime import timedelta
 
+T_PROC = time.perf_counter()  # this process's start (before torch's import): a newcomer's start-up phases
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: elastic_launcher
 
 import torch  # noqa: E402
@@ -526,6 +528,7 @@ def main() -> None:
         if steady is not None:
             goodput_lines.append(steady_goodput.goodput_line(model, steady, schedule, S, L,
                                                              results.get((model, "plain"), {})))
+            goodput_lines.append(steady_goodput.startup_line(model, steady.get("startups", [])))
         for path in ("ours", "ours-compute"):
             if "phases" in results.get((model, path), {}):
                 phase_lines += phase_rows(model, path, results[(model, path)]["phases"], S, L)

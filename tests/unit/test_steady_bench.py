@@ -64,3 +64,29 @@ def test_gpu_time_goodput_charges_the_newcomers_gpus_from_their_start():
 def test_no_measured_plain_no_goodput():
     ours = _sched([1] * 60 + [2] * 60, 0.1)
     assert steady_goodput.analyse(ours, {}, ours["b"], [1, 2])["goodput"] is None
+
+
+def test_the_ideal_is_the_faster_plain_run_so_a_drift_between_them_cannot_lift_goodput():
+    # ours steps at exactly the speed of plain DDP's faster run; the slower run (the host drifted) must not count
+    ours = _sched([1] * 60 + [2] * 60, 0.1)  # 0.1 s at 1 GPU, 0.05 s at 2
+    before = {1: {"mean_s": 0.1, "median_s": 0.1, "steps": 9}, 2: {"mean_s": 0.055, "median_s": 0.055, "steps": 9}}
+    after = {1: {"mean_s": 0.11, "median_s": 0.11, "steps": 9},
+             2: {"mean_s": 0.05, "median_s": 0.05, "steps": 9}}
+    plain = steady_goodput.bracket(before, after)
+    assert plain[2]["best_s"] == pytest.approx(0.05) and plain[2]["mean_s"] == pytest.approx(0.0525)
+    g = steady_goodput.analyse(ours, plain, ours["b"], [1, 2])["goodput"]
+    assert g["ratio"] == pytest.approx(1.0, rel=1e-3)  # not above: the mean of the two would say 1.05
+    assert g["ratio_vs_mean"] == pytest.approx(0.0525 / 0.05, rel=1e-3)
+
+
+def test_a_newcomers_startup_is_split_into_phases_from_its_spawn():
+    res = {"startup": {"t_proc": 10.5, "t_fn": 13.0, "t_built": 14.0, "t_join": 14.1, "t_joined": 20.1,
+                       "t_first_batch": 20.2, "warm_up_s": 1.5, "loader_warm_s": 0.3},
+           "switches": [{"kind": "join", "join_s": {"plan_wait_s": 3.0, "group_s": 0.9}}],
+           "recs": [(2, 20.4, 1, False, 0.0, 0.0)]}
+    s = steady_goodput._startup(10.0, res)
+    assert s["interpreter_s"] == pytest.approx(0.5) and s["imports_s"] == pytest.approx(3.0)
+    assert s["build_s"] == pytest.approx(1.0) and s["join_s"] == pytest.approx(6.0)
+    assert s["plan_wait_s"] == 3.0 and s["spawn_to_first_step_end_s"] == pytest.approx(10.4)
+    line = steady_goodput.startup_line("resnet50", [[s]])
+    assert "spawn -> first step 10.40 s" in line and "plan wait 3.00" in line
