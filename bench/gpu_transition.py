@@ -464,6 +464,9 @@ def main() -> None:
                     after = steady_goodput.run_plain_steady(c, sizes)
                 measured = steady_goodput.bracket(before, after) if args.bracket else {}
                 steady = steady_goodput.analyse(ours_sched, measured, ours_sched["b"], schedule)
+                if args.out:  # the raw schedule run (rank 0's steps, the newcomers' start-ups) and plain's runs
+                    with open(f"{os.path.splitext(args.out)[0]}_{model}_sched.json", "w") as f:
+                        json.dump({"ours": ours_sched, "plain_before": before, "plain_after": after}, f)
                 steady_rows += steady_goodput.table(model, inter, steady, inter_default)
                 if measured:
                     steady_rows += steady_goodput.bracket_rows(model, steady, measured)

@@ -12,7 +12,9 @@ ours    ElasticTrainer as the templates build it (default TrainerConfig, so the 
         a ProgressReporter on the job store; newcomers warm up through ``warm_up=``), one run through the size
         schedule ``--schedule`` (default 1,S,L,S,L,S), ``--seg-steps`` steps per size: the controller asks for
         each resize once rank 0 reports the segment's end, newcomers are started a third of a segment earlier
-        (helper jobs start while the job trains), leavers exit at the commit point that shrinks.
+        (helper jobs start while the job trains) and a grow's plan is posted once they announced themselves, as
+        the launcher's Resizer does (ALLOCATED -> JOINED), not before (survivors hurry their commit points while a
+        plan waits for its newcomers); leavers exit at the commit point that shrinks.
 
 With ``--loader-workers W`` (and ``--item-ms``: CPU time to build one item) both sides load their batches with
 torch's DataLoader, the same options (W workers, pinned memory, persistent workers): plain DDP over a
@@ -282,6 +284,7 @@ def run_ours_schedule(c: Controller, schedule: list[int]) -> dict:
                 gpus[w] = g
                 procs[w] = c.spawn("ours-sched", w, g, newcomer=True, extra=extra)
             _wait_progress(c, "w0", end)
+            _wait_joined(coord, news)  # as the launcher's Resizer: the plan is posted once the newcomers joined
             members = members + news
         else:
             _wait_progress(c, "w0", end)
@@ -300,6 +303,15 @@ def run_ours_schedule(c: Controller, schedule: list[int]) -> dict:
     c.reap(list(procs.values()), timeout=600)
     startups = [[_startup(t0, json.loads(c.bench.get(f"res/{w}"))) for w in news] for t0, news in grows]
     return {**json.loads(c.bench.get("res/w0")), "newcomers_started": busy, "startups": startups}
+
+
+def _wait_joined(coord, news: list[str], timeout: float = 300) -> None:
+    """Until every newcomer announced itself (its warm-up and loader's first batch done, waiting for a plan)."""
+    deadline = time.monotonic() + timeout
+    while not set(news) <= set(coord.joined()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"newcomers {news} did not announce themselves within {timeout} s")
+        time.sleep(0.02)
 
 
 def _startup(spawned: float, res: dict) -> dict:
