@@ -27,7 +27,7 @@ from elastic_launcher.batch_policy import BatchPolicy
 from elastic_launcher.epoch_decisions import PrepareKind, RecoveryKind, decide_prepare, decide_recovery, source_rank
 from elastic_launcher.errors import LeftGroup, PeerFailure, ProcessGroupError, RendezvousTimeout
 from elastic_launcher.membership import Membership, Plan
-from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr
+from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, give_up_build
 from elastic_launcher.state import TrainingState
 from elastic_launcher.telemetry import HookState, Telemetry, elastic_allreduce_hook
 
@@ -473,6 +473,7 @@ class EpochExecutor:
                     late = box.pop("group", None)  # finished between the join and here
                 if late is not None:
                     late.abort()
+                give_up_build(t)  # the worker's close() waits for it (bounded) before the process exits
                 logger.warning("recovery epoch %d: group build given up (%s)", plan.id, why)
                 return None, why
         if "error" in box:

@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from elastic_launcher.errors import NotConfiguredError, ProcessGroupError, StoreAddressError
-from elastic_launcher.teardown import (abandon_retired, abort_nccl, drain_reaper, release_retired, retire,
-                                       retired_groups)
+from elastic_launcher.teardown import (abandon_retired, abort_nccl, drain_given_up_builds, drain_reaper,
+                                       give_up_build, release_retired, retire, retired_groups)
 
 logger = logging.getLogger("elastic_launcher.process_group")
 
 __all__ = ["StoreAddr", "ProcessGroupWrapper", "connect_store", "drain_reaper", "release_retired",
-           "abandon_retired", "retired_groups"]
+           "abandon_retired", "retired_groups", "give_up_build", "drain_given_up_builds"]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Optional
 
 logger = logging.getLogger("elastic_launcher.process_group")
 
-__all__ = ["retire", "abort_nccl", "drain_reaper", "release_retired", "abandon_retired", "retired_groups"]
+__all__ = ["retire", "abort_nccl", "drain_reaper", "release_retired", "abandon_retired", "retired_groups",
+           "give_up_build", "drain_given_up_builds"]
 
 
 class _Reaper:
@@ -145,3 +146,43 @@ def abort_nccl(impl) -> None:
     """Aborts an NCCL backend on the reaper thread while its group is still held (a peer died): its pending
     collectives end with an error instead of waiting for their timeout. Never blocks."""
     _REAPER.submit("nccl", impl)
+
+
+class _GivenUpBuilds:
+    """Threads still building a group that their worker gave up on (a member died mid-build, see
+    ``EpochExecutor._build_watched``). Such a thread cannot be interrupted: it ends on its own when the backend's
+    store wait or connect times out. A worker that exits meanwhile must wait for it: a daemon thread that comes
+    back from C++ while the interpreter finalises is unwound by ``pthread_exit`` through C++ frames, and the
+    process dies of SIGABRT ("terminate called without an active exception") after training finished (seen
+    with gloo, whose store waits end at the collective timeout, on a loaded host)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def add(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def drain(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            return not self._threads
+
+
+_GIVEN_UP = _GivenUpBuilds()
+
+
+def give_up_build(thread: threading.Thread) -> None:
+    """Records a group build's thread that its worker gave up on (it ends on its own; see ``_GivenUpBuilds``)."""
+    _GIVEN_UP.add(thread)
+
+
+def drain_given_up_builds(timeout: timedelta = timedelta(seconds=10)) -> bool:
+    """Waits up to ``timeout`` for the given-up builds' threads to end; False if one still runs."""
+    return _GIVEN_UP.drain(timeout)

@@ -58,7 +58,7 @@ from elastic_launcher.links import HostFacts
 from elastic_launcher.loading import Basis, Pipeline
 from elastic_launcher.membership import Membership, Plan
 from elastic_launcher.process_group import (ProcessGroupWrapper, StoreAddr, abandon_retired, connect_store,
-                                            drain_reaper)
+                                            drain_given_up_builds, drain_reaper)
 from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.state import TrainingState
 from elastic_launcher.telemetry import HookState, Telemetry
@@ -874,8 +874,10 @@ class ElasticTrainer:
 
     # ---- shutdown -------------------------------------------------------------------------------------------
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for NCCL aborts.
-        Before ``join()`` (or after a failed one) there is nothing to release.
+        """Stops the heartbeat and releases the groups (idempotent); waits up to ``timeout`` for NCCL aborts and
+        for group builds a recovery gave up on (their threads end within the backend's timeouts; one still in C++
+        at the interpreter's exit aborts the process). Before ``join()`` (or after a failed one) there is nothing
+        to release.
 
         Old gloo groups are left to the process exit (``process_group.abandon_retired``): their teardown can
         block until the collective timeout. A process that goes on for long after training can call
@@ -898,8 +900,13 @@ class ElasticTrainer:
             self._pipeline.close()
         self.ddp = None
         self.group.abort()
+        t0 = time.monotonic()
         if not drain_reaper(timeout):
             logger.warning("group teardown still blocked after %s", timeout)
+        # a group build given up on during a recovery ends on its own thread; the process must not exit under it
+        left = max(timedelta(0), timeout - timedelta(seconds=time.monotonic() - t0))
+        if not drain_given_up_builds(left):
+            logger.warning("a group build given up on still runs after %s: the process may abort at exit", timeout)
         abandon_retired()
 
     def __enter__(self) -> "ElasticTrainer":

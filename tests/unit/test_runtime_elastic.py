@@ -223,9 +223,14 @@ def test_a_survivor_that_dies_before_the_recovered_group_is_built_is_recovered_f
     recs, res, codes = _lose_ranks(tmp_path, faults, timeout_s=4, connect_timeout_s=LONG_WAIT_S,
                                    rendezvous_timeout_s=LONG_WAIT_S + 30)
     assert set(res) == {"w1", "w2"}
+    # the build of w0's plan was given up because w0's beat stopped, not at connect_timeout or the deadline: by a
+    # survivor that saw w0 silent, and by the other either so or because the first one had begun the next recovery
+    # (which of the two notices first is a race on a busy host)
+    whys = []
     for s in recs:
-        # the build of w0's plan was given up because w0's beat stopped, not at connect_timeout or the deadline
-        assert s["old_world"] == 4 and [a["why"] for a in s["abandoned"]] == ["silent: w0"], s
+        assert s["old_world"] == 4 and len(s["abandoned"]) == 1, s
+        whys.append(s["abandoned"][0]["why"])
+    assert set(whys) <= {"silent: w0", "given up by another survivor"} and "silent: w0" in whys, whys
 
 
 def test_a_switch_that_splits_the_survivors_loses_no_healthy_worker(tmp_path):
