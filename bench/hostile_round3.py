@@ -879,11 +879,12 @@ LABELS = {
 
 def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args) -> list[dict]:
     rows = []
+    extra_env = dict(kv.split("=", 1) for kv in args.service_env)
     plain_items = [i for i in (16, 9, 8, 13) if i in items]
     if plain_items:
         db = work / "plain.db"
         hc.seed(root, db)
-        service = Service(root, db, 2, work / "plain.log", {"ELASTIC_PREDICTOR_ADMIN_TOKEN": ADMIN_TOKEN})
+        service = Service(root, db, 2, work / "plain.log", {"ELASTIC_PREDICTOR_ADMIN_TOKEN": ADMIN_TOKEN, **extra_env})
         try:
             service.wait_ready()
             attacks = {16: item16_read_your_writes(service), 9: item9_decisions(service, args.flood_s),
@@ -912,7 +913,7 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
         lab = Lab(lab_dir)
         db = work / "munge.db"
         seed_history(root, db)
-        service = Service(root, db, 2, work / "munge.log", lab.service_env())
+        service = Service(root, db, 2, work / "munge.log", {**lab.service_env(), **extra_env})
         try:
             service.wait_ready()
             attacks = {1: item1_several_jobs(service, lab), 4: item4_made_up_job_ids(service, lab, args.credentials),
@@ -955,6 +956,9 @@ def main(argv=None) -> int:
     ap.add_argument("--credentials", type=int, default=600, help="item 4's credentials")
     ap.add_argument("--profiles", type=int, default=100, help="item 6's profiles")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an extra variable for the attacked service (before/after pairs, e.g. "
+                         "ELASTIC_PREDICTOR_MUNGE_IN_PROCESS=0 for the `unmunge` run a credential)")
     ap.add_argument("--keep-work", action="store_true",
                     help="keep the work directory (service logs, item 15's launcher job dir and job.out) and print it")
     args = ap.parse_args(argv)

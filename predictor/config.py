@@ -13,7 +13,9 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_CACHE_SIZE  prediction cache entries per worker (default 4096; 0 disables it)
     ELASTIC_PREDICTOR_ADMIN_TOKEN bearer token for admin operations (unset: the tool token does them)
     ELASTIC_PREDICTOR_MUNGE       1: accept munge-signed writes from jobs (`X-Elastic-Munge`, predictor.auth)
-    ELASTIC_PREDICTOR_MUNGE_SOCKET  munged socket for `unmunge --socket` (default: munge's own)
+    ELASTIC_PREDICTOR_MUNGE_SOCKET  munged socket for decoding credentials (default: munge's own)
+    ELASTIC_PREDICTOR_MUNGE_IN_PROCESS  0: decode with an `unmunge` run a credential instead of libmunge in the
+                                  worker (default 1 where libmunge loads)
     ELASTIC_PREDICTOR_SLURM_CONF  slurm.conf for the job-owner check (default: Slurm's own)
     ELASTIC_PREDICTOR_JOB_RECENT_S  seconds after a job ended that its credential is still accepted (600)
     ELASTIC_PREDICTOR_READ_AUTH   1: reads (GET) need a credential too (/healthz stays open)
@@ -46,6 +48,7 @@ ENV_CACHE = "ELASTIC_PREDICTOR_CACHE_SIZE"
 ENV_ADMIN_TOKEN = "ELASTIC_PREDICTOR_ADMIN_TOKEN"
 ENV_MUNGE = "ELASTIC_PREDICTOR_MUNGE"
 ENV_MUNGE_SOCKET = "ELASTIC_PREDICTOR_MUNGE_SOCKET"
+ENV_MUNGE_IN_PROCESS = "ELASTIC_PREDICTOR_MUNGE_IN_PROCESS"
 ENV_SLURM_CONF = "ELASTIC_PREDICTOR_SLURM_CONF"
 ENV_JOB_RECENT = "ELASTIC_PREDICTOR_JOB_RECENT_S"
 ENV_READ_AUTH = "ELASTIC_PREDICTOR_READ_AUTH"
@@ -86,7 +89,8 @@ class Config:
             `candidates` list is refused, a plan with more layouts answers keep).
         admin_token: bearer token for admin operations; None: the tool token does them.
         munge_auth: accept munge-signed job writes (`X-Elastic-Munge`).
-        munge_socket: munged socket used by `unmunge`; None: munge's default.
+        munge_socket: munged socket for decoding credentials; None: munge's default.
+        munge_in_process: decode credentials with libmunge in the worker (where it loads), not an `unmunge` run.
         slurm_conf: slurm.conf for checking a signing job's owner; None: Slurm's default.
         job_recent: how long after a job ended its signed writes are still accepted.
         read_auth: reads need a credential too.
@@ -117,6 +121,7 @@ class Config:
     admin_token: str | None = None
     munge_auth: bool = False
     munge_socket: str | None = None
+    munge_in_process: bool = True
     slurm_conf: str | None = None
     job_recent: timedelta = timedelta(minutes=10)
     read_auth: bool = False
@@ -232,6 +237,7 @@ _ENV_FIELDS = (
     (ENV_ADMIN_TOKEN, "admin_token", _str_var),
     (ENV_MUNGE, "munge_auth", _bool_var),
     (ENV_MUNGE_SOCKET, "munge_socket", _str_var),
+    (ENV_MUNGE_IN_PROCESS, "munge_in_process", _bool_var),
     (ENV_SLURM_CONF, "slurm_conf", _str_var),
     (ENV_JOB_RECENT, "job_recent", _seconds_var),
     (ENV_READ_AUTH, "read_auth", _bool_var),

@@ -272,7 +272,8 @@ def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
     fake.chmod(0o755)
     body = b'[{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [1], "per_gpu_batch": 64, "iter_s": 0.1}]'
     credential = {"X-Elastic-Munge": "MUNGE:" + "A" * 64 + ":", "Content-Type": "application/json"}
-    env = {"ELASTIC_PREDICTOR_MUNGE": "1", "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+    env = {"ELASTIC_PREDICTOR_MUNGE": "1", "ELASTIC_PREDICTOR_MUNGE_IN_PROCESS": "0",  # the fake unmunge decodes
+           "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
     answered: list[int] = []
     with _serve(history, tmp_path, env=env) as (port, _proc):
         import threading  # noqa: PLC0415
