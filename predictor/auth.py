@@ -72,7 +72,11 @@ class LibMunge:
     """libmunge's ``munge_decode`` in this process (ctypes): about 0.1 ms a credential against ~1.4 ms for an
     `unmunge` run from a small process and more from a large worker, whose fork is the cost (#24.4: a flood of
     valid credentials for made-up job ids held the plan workers' CPU). One decode context per thread (a context
-    must not be shared between threads). None from :meth:`load` where the library is missing."""
+    must not be shared between threads). None from :meth:`load` where the library is missing.
+
+    A hung munged holds the calling thread until libmunge gives up (its own socket timeouts and retries: 10 s
+    measured with munged SIGSTOPped, then 503 ``munge_unavailable``), longer than the `unmunge` run's ``timeout``;
+    a side-pool thread, never one that answers the hook's plan."""
 
     SOCKET_OPT = 8  # MUNGE_OPT_SOCKET (munge.h)
     E_SOCKET, E_EXPIRED, E_REPLAYED = 6, 15, 17  # EMUNGE_SOCKET, EMUNGE_CRED_EXPIRED, EMUNGE_CRED_REPLAYED
@@ -336,7 +340,8 @@ class Authenticator:
             return CommandBackend(slurm_conf=conf, env=env, timeout=config.auth_timeout)
 
         return cls(token=config.token, admin_token=config.admin_token, munge=config.munge_auth,
-                   unmunger=Unmunger(config.munge_socket, config.auth_timeout, config.munge_in_process), jobs_factory=backend,
+                   unmunger=Unmunger(config.munge_socket, config.auth_timeout, config.munge_in_process),
+                   jobs_factory=backend,
                    job_recent=config.job_recent, read_auth=config.read_auth)
 
     @property
