@@ -879,7 +879,7 @@ LABELS = {
 
 def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args) -> list[dict]:
     rows = []
-    extra_env = dict(kv.split("=", 1) for kv in args.service_env)
+    extra_env = dict(kv.split("=", 1) for kv in getattr(args, "service_env", []))
     plain_items = [i for i in (16, 9, 8, 13) if i in items]
     if plain_items:
         db = work / "plain.db"
