@@ -282,9 +282,16 @@ class Lab:
 
 
 # --- seeding: eight honest jobs' history (tests/unit/test_poisoning.py) ---------------------------------------------
+HONEST_JOB_BASE = 900000  # the seeded honest jobs' ids: past any id a (freshly started) testbed hands out
+
+
 def seed_history(root: Path, db: Path) -> None:
+    """The poisoning test's honest history, its jobs 1-8 renumbered HONEST_JOB_BASE + 1-8 (on a testbed started
+    afresh the attacker's jobs are 1, 2, 3: the outlier report then could not tell them from the honest ones)."""
     from tests.unit.test_poisoning import _history  # noqa: PLC0415
-    hc.seed(root, db, _history())
+    rows = [{**r, "job_id": HONEST_JOB_BASE + int(r["job_id"])} if r.get("job_id") is not None else r
+            for r in _history()]
+    hc.seed(root, db, rows)
 
 
 VICTIM_PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64"],
@@ -333,14 +340,14 @@ def item1_several_jobs(service: hc.Service, lab: Lab):
         jobs_table = text.split("<h2>Outlier rows")[0].rsplit("<h2>Outliers", 1)[-1]
         listed = sorted({int(j) for j in re.findall(r'<td class="job_id">(\d+)</td>', jobs_table)})
         uid = pwd.getpwnam(ATTACKER).pw_uid
-        honest_listed = [j for j in listed if j in range(1, 9)]
+        honest_listed = [j for j in listed if j in range(HONEST_JOB_BASE + 1, HONEST_JOB_BASE + 9)]
         named = f'<td class="uid">{uid}' in jobs_table
         passed = (moved <= 0.10 and plan0 == plan1 and not honest_listed and any(j in jobs for j in listed))
         return (f"jobs {jobs} of {ATTACKER} (uid {uid}) ended {states}; their posts: {answers}; another user's "
                 f"predictions at 1/2/4 nodes moved {' / '.join(f'{b / a - 1:+.1%}' for a, b in zip(pred0, pred1))} "
                 f"(target <= 10%), plan {plan0} -> {plan1} (target unchanged); model fresh {fresh_s:.1f} s after; "
                 f"/admin outlier jobs listed {listed} (attacker's: {[j for j in listed if j in jobs]}, honest jobs "
-                f"1-8: {honest_listed}; uid {uid} named: {named})"), passed
+                f"{HONEST_JOB_BASE + 1}-{HONEST_JOB_BASE + 8}: {honest_listed}; uid {uid} named: {named})"), passed
     return run
 
 
