@@ -321,13 +321,12 @@ def _startup(spawned: float, res: dict) -> dict:
     st = res["startup"]
     join = next((r.get("join_s") for r in res["switches"] if r.get("join_s")), {}) or {}
     first_end = res["recs"][0][1] if res["recs"] else None
-    out = {"imports_s": st["t_fn"] - spawned, "interpreter_s": (st["t_proc"] - spawned) if st["t_proc"] else None,
-           "build_s": st["t_built"] - st["t_fn"], "before_join_s": st["t_join"] - st["t_built"],
-           "join_s": st["t_joined"] - st["t_join"], "warm_up_s": st["warm_up_s"], "loader_warm_s": st["loader_warm_s"],
-           "plan_wait_s": join.get("plan_wait_s"), "group_s": join.get("group_s"),
-           "to_first_batch_s": (st["t_first_batch"] - st["t_joined"]) if st["t_first_batch"] else None,
-           "spawn_to_first_step_end_s": (first_end - spawned) if first_end else None}
-    return out
+    return {"imports_s": st["t_fn"] - spawned, "interpreter_s": (st["t_proc"] - spawned) if st["t_proc"] else None,
+            "build_s": st["t_built"] - st["t_fn"], "before_join_s": st["t_join"] - st["t_built"],
+            "join_s": st["t_joined"] - st["t_join"], "warm_up_s": st["warm_up_s"], "loader_warm_s": st["loader_warm_s"],
+            "plan_wait_s": join.get("plan_wait_s"), "group_s": join.get("group_s"),
+            "to_first_batch_s": (st["t_first_batch"] - st["t_joined"]) if st["t_first_batch"] else None,
+            "spawn_to_first_step_end_s": (first_end - spawned) if first_end else None}
 
 
 def startup_line(model: str, startups: list) -> str:
@@ -343,7 +342,6 @@ def startup_line(model: str, startups: list) -> str:
                          f"first batch {f(s['loader_warm_s'])}, plan wait {f(s['plan_wait_s'])}, group "
                          f"{f(s['group_s'])}) + to the first batch {f(s['to_first_batch_s'])}")
     return f"- {model}: newcomers' start-up: " + "; ".join(parts) if parts else f"- {model}: no grow"
-
 
 
 def analyse(ours: dict, plain: dict, b: int, schedule: list[int]) -> dict:
@@ -492,7 +490,8 @@ def goodput_line(model: str, res: dict, schedule: list[int], S: int, L: int, reb
     return (f"- {model}: goodput **{g['ratio']:.3f}** of ideal over {g['steps']} steps of "
             f"{'->'.join(map(str, schedule[1:]))} ({g['samples']} samples against {g['ideal']:.0f}, the ideal from "
             f"plain DDP's faster step at each size, measured right before and after in this run; against the mean "
-            f"of the two {g.get('ratio_vs_mean', float('nan')):.3f}; seconds at each size {g['seconds']}); GPU-time goodput **{g['gpu_time_ratio']:.3f}** (GPUs held from the newcomers' start); "
+            f"of the two {g.get('ratio_vs_mean', float('nan')):.3f}; seconds at each size {g['seconds']}); "
+            f"GPU-time goodput **{g['gpu_time_ratio']:.3f}** (GPUs held from the newcomers' start); "
             f"grow {S}->{L} pauses {_ms(grows)} s, shrink {L}->{S} {_ms(shrinks)} s{reb}")
 
 

@@ -68,6 +68,15 @@ class MungeIdentity:
     payload: str
 
 
+def _bad_credential(err: int, why: str) -> AuthError:
+    """401 for a credential munge refused, ``err`` its munge error number (unmunge's exit status is the same)."""
+    if err == LibMunge.E_REPLAYED:
+        why = "credential replayed (each credential is accepted once)"
+    elif err == LibMunge.E_EXPIRED:
+        why = "credential expired"
+    return AuthError(401, f"{MUNGE_HEADER}: bad credential: {why}", MUNGE_HEADER, "bad_credential")
+
+
 class LibMunge:
     """libmunge's ``munge_decode`` in this process (ctypes): about 0.1 ms a credential against ~1.4 ms for an
     `unmunge` run from a small process and more from a large worker, whose fork is the cost (#24.4: a flood of
@@ -133,12 +142,7 @@ class LibMunge:
         why = (self._lib.munge_ctx_strerror(ctx) or self._lib.munge_strerror(err) or b"").decode("utf-8", "replace")
         if err == self.E_SOCKET:
             raise AuthError(503, f"cannot verify the munge credential: {why}", MUNGE_HEADER, "munge_unavailable")
-        if err == self.E_REPLAYED:
-            why = "credential replayed (each credential is accepted once)"
-        elif err == self.E_EXPIRED:
-            why = "credential expired"
-        raise AuthError(401, f"{MUNGE_HEADER}: bad credential: {why or f'status {err}'}", MUNGE_HEADER,
-                        "bad_credential")
+        raise _bad_credential(err, why or f"status {err}")
 
 
 class Unmunger:
@@ -178,11 +182,8 @@ class Unmunger:
         meta = {k.strip(): v.strip() for k, v in meta.items()}
         if proc.returncode != 0 or meta.get("STATUS") != "0":
             why = proc.stderr.strip().removeprefix("unmunge: Error: ") or f"status {meta.get('STATUS', '?')}"
-            if proc.returncode == 17 or meta.get("STATUS") == "17":
-                why = "credential replayed (each credential is accepted once)"
-            elif proc.returncode == 15 or meta.get("STATUS") == "15":
-                why = "credential expired"
-            raise AuthError(401, f"{MUNGE_HEADER}: bad credential: {why}", MUNGE_HEADER, "bad_credential")
+            status = meta.get("STATUS", "")
+            raise _bad_credential(proc.returncode or (int(status) if status.isdigit() else 0), why)
         try:
             return MungeIdentity(int(meta["UID"]), int(meta["GID"]), payload)
         except (KeyError, ValueError):
