@@ -75,7 +75,13 @@ FRESH3 = {
     "mobilenet_v2": (96, 192, 384, 768), "vit_b_32": (64, 128, 256, 512),
     "bart_base": (8, 16, 32, 64), "electra_small": (16, 32, 64, 128),
 }
-SETS = {"dev": MODELS, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3}
+# The fourth (`--set fresh4`), collected after tm-2026.11.28-2 (the release developed on `fresh3`)
+FRESH4 = {
+    "resnet152": (32, 64, 128, 256), "vgg16_bn": (32, 64, 128, 256),
+    "squeezenet1_1": (128, 256, 512, 1024), "maxvit_t": (16, 32, 64, 128),
+    "gpt_neo_125m": (6, 12, 24, 48), "xlm_roberta_base": (4, 8, 16, 32),
+}
+SETS = {"dev": MODELS, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3, "fresh4": FRESH4}
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
 
@@ -236,7 +242,7 @@ def main() -> None:
     ap.add_argument("--set", dest="model_set", choices=tuple(SETS), default="dev",
                     help=f"dev: the models the throughput model was developed on ({','.join(MODELS)}); fresh: the "
                          f"held-out set of session 12 ({','.join(FRESH)}); fresh2: session 13's ({','.join(FRESH2)}); "
-                         f"fresh3: session 14's ({','.join(FRESH3)})")
+                         f"fresh3: session 14's ({','.join(FRESH3)}); fresh4: session 16's ({','.join(FRESH4)})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (DDP rebuilds its buckets once)")
     ap.add_argument("--windows", type=int, default=3)

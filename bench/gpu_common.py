@@ -31,13 +31,17 @@ FRESH2_BATCH = {"densenet121": 48, "mobilenet_v3_large": 96, "efficientnet_b0": 
 # the third (session 14), collected after tm-2026.11.28-1 was frozen
 FRESH3_BATCH = {"resnext50_32x4d": 48, "wide_resnet50_2": 32, "mobilenet_v2": 96, "vit_b_32": 64, "bart_base": 8,
                 "electra_small": 16}
+# the fourth (session 16), collected after tm-2026.11.28-2 was frozen
+FRESH4_BATCH = {"resnet152": 32, "vgg16_bn": 32, "squeezenet1_1": 128, "maxvit_t": 16, "gpt_neo_125m": 6,
+                "xlm_roberta_base": 4}
 DEFAULT_BATCH.update(FRESH_BATCH)
 DEFAULT_BATCH.update(FRESH2_BATCH)
 DEFAULT_BATCH.update(FRESH3_BATCH)
+DEFAULT_BATCH.update(FRESH4_BATCH)
 MODELS = tuple(DEFAULT_BATCH)
 CNNS = ("resnet18", "resnet50", "resnet101", "regnet_y_1_6gf", "shufflenet_v2_x1_0", "densenet121",
-        "mobilenet_v3_large", "efficientnet_b0", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2")  # channels_last, SGD
-VISION = CNNS + ("vit_b_16", "swin_t", "convnext_tiny", "vit_b_32")  # the others: AdamW
+        "mobilenet_v3_large", "efficientnet_b0", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2", "resnet152", "vgg16_bn", "squeezenet1_1")  # channels_last, SGD
+VISION = CNNS + ("vit_b_16", "swin_t", "convnext_tiny", "vit_b_32", "maxvit_t")  # the others: AdamW
 
 
 def build(name: str, device: torch.device, batch: int | None = None):
@@ -64,7 +68,8 @@ def build(name: str, device: torch.device, batch: int | None = None):
         def loss_fn(m, batch):
             with torch.autocast(**amp):
                 return ce(m(batch[0]), batch[1])
-    elif name in ("gpt2", "bert", "opt125m", "t5_small", "distilbert", "albert_base", "bart_base", "electra_small"):
+    elif name in ("gpt2", "bert", "opt125m", "t5_small", "distilbert", "albert_base", "bart_base", "electra_small",
+                  "gpt_neo_125m", "xlm_roberta_base"):
         import transformers
         if name == "gpt2":
             model, seq, vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(device), 1024, 50257
@@ -81,6 +86,14 @@ def build(name: str, device: torch.device, batch: int | None = None):
             cfg = transformers.BartConfig(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
                                           decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072)
             model, seq, vocab = transformers.BartForConditionalGeneration(cfg).to(device), 512, 50265
+        elif name == "gpt_neo_125m":  # gpt-neo-125M's shape (GPTNeoConfig's defaults are 1.3B's): 12 layers, 768
+            cfg = transformers.GPTNeoConfig(hidden_size=768, num_layers=12, num_heads=12,  # wide, global/local (256)
+                                            attention_types=[[["global", "local"], 6]])
+            model, seq, vocab = transformers.GPTNeoForCausalLM(cfg).to(device), 1024, 50257
+        elif name == "xlm_roberta_base":  # XLMRobertaConfig's defaults are BERT-base's body; xlm-roberta-base's
+            cfg = transformers.XLMRobertaConfig(vocab_size=250002, max_position_embeddings=514,  # 250k vocabulary
+                                                type_vocab_size=1, pad_token_id=1)
+            model, seq, vocab = transformers.XLMRobertaForMaskedLM(cfg).to(device), 512, 250002
         elif name == "electra_small":  # ElectraConfig's defaults are ELECTRA-small's (12 layers, 256 wide)
             model, seq, vocab = transformers.ElectraForMaskedLM(transformers.ElectraConfig()).to(device), 512, 30522
         else:  # T5Config's defaults are t5-small's shape; labels of the same length feed the decoder

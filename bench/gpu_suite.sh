@@ -11,7 +11,7 @@
 #   bash bench/gpu_suite.sh goodput-loader [ARGS...]  gpu_transition.py --mode steady with 8 DataLoader workers at
 #                                             4 ms an item on both sides (goodput's measured ideal and ours),
 #                                             ResNet-50, 300 steps a size (#23), $OUT/goodput_loader.{md,log}
-#   bash bench/gpu_suite.sh coldstart [--set=fresh|fresh2|fresh3] [W...]  bench/coldstart_collect.py at each world size W
+#   bash bench/gpu_suite.sh coldstart [--set=fresh|fresh2|fresh3|fresh4] [W...]  bench/coldstart_collect.py at each world size W
 #                                             (default 1 2 4), W > 1 once per NCCL transport (nvlink, shm, socket);
 #                                             $OUT/coldstart/*.jsonl; --set=fresh: the held-out models (issue 25);
 #                                             TRANSPORTS="shm socket" limits W > 1 to those transports
