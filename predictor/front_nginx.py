@@ -17,7 +17,9 @@ GET /healthz; a second one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREA
 answers everything else: writes, requests carrying a munge credential (unmunge and the Slurm lookups it costs),
 `/v1/predict`, profiles, decisions, `/admin`, `/metrics`. nginx routes by method, path and that header. So no
 credential check, write flood or admin page holds a worker the hook's plan needs, and on a busy host the side
-pool (and the unmunge, squeue and sacct it runs) yields the CPU to it.
+pool (and the unmunge, squeue and sacct it runs) yields the CPU to it. A hook's request whose plan worker dies
+under it before answering (a SIGKILL, the OOM killer) is sent once more to the plan pool's socket, where a live
+worker takes it; nothing else is ever sent twice.
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
               "SIDE_UPSTREAM": "gunicorn_side" if side_pool else "gunicorn",
+              "PLAN_RETRY": f"server unix:{runtime}/gunicorn.sock max_fails=0 backup;" if side_pool else "",
               "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
               "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 5,
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,

@@ -154,6 +154,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0009_profile_summaries", _m0009_profile_summaries),
 ]
 WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
+WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this long after a release (_begin_immediate)
 
 
 def register_hint(name: str, db: str) -> str:
@@ -319,25 +320,33 @@ class Store:
             db.conn.execute("ROLLBACK")
 
     def _begin_immediate(self, db: sqlite_utils.Database) -> None:
-        """BEGIN IMMEDIATE, retried with backoff while another connection holds the lock.
+        """BEGIN IMMEDIATE, tried again every WRITE_POLL_S (at most) while another connection holds the lock.
 
-        The busy timeout already waits inside SQLite; SQLITE_BUSY can still come back at once in a few
-        cases the busy handler does not cover (a connection recovering the WAL after a crash of another
-        process, or a checkpoint in progress). Nothing has been written yet when BEGIN fails, so retrying
-        is safe; after `busy_timeout` in all the error goes up.
+        SQLite's own busy handler sleeps longer the longer it has waited (1, 2, 5, ... then 100 ms between
+        tries), so under a stream of short writes from other processes a waiter that missed a few releases
+        sleeps through many more: the hook's /v1/plan waited up to 0.3-0.5 s for its decision's INSERT while
+        four token writers posted ~280 rows/s (#24.13, no worker killed). Here the connection's busy timeout is
+        off while the lock is taken and this loop tries again within WRITE_POLL_S of a release; the timeout is
+        back for everything inside the transaction. Nothing has been written when BEGIN fails, so retrying is
+        safe; after `busy_timeout` in all the error goes up.
         """
+        conn = db.conn
         deadline = time.monotonic() + self.busy_timeout.total_seconds()
-        delay = 0.005
-        while True:
-            try:
-                db.conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as exc:
-                message = str(exc).lower()
-                if ("locked" not in message and "busy" not in message) or time.monotonic() >= deadline:
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
+        delay = WRITE_POLL_S / 8
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            while True:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as exc:
+                    message = str(exc).lower()
+                    if ("locked" not in message and "busy" not in message) or time.monotonic() >= deadline:
+                        raise
+                time.sleep(delay)
+                delay = min(delay * 2, WRITE_POLL_S)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout.total_seconds() * 1000)}")
 
     def close(self) -> None:
         """Close every connection this store opened (any thread)."""

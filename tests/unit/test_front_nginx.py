@@ -385,3 +385,97 @@ def test_configuration_passes_nginx_t(tmp_path):
                            f"pid {tmp_path}/nginx.pid; error_log stderr warn;"], capture_output=True, text=True,
                           timeout=30)
     assert done.returncode == 0, done.stderr
+
+
+class _Upstream:
+    """A stand-in gunicorn on a unix socket: reads each request whole, then closes the first `drop` connections
+    without a byte (a worker SIGKILLed under its request) and answers the others 200 naming itself."""
+
+    def __init__(self, path: Path, name: str, drop: int) -> None:
+        import threading  # noqa: PLC0415
+
+        self.name, self.drop, self.requests = name, drop, []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        os.chmod(path, 0o777)                       # nginx's workers may run as another user
+        self.sock.listen(16)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1)) if b"ength" in head else 0
+                while len(body) < length:
+                    body += conn.recv(65536)
+                self.requests.append(head.split(b"\r\n", 1)[0].decode())
+                if len(self.requests) <= self.drop:
+                    continue                        # closed with no answer
+                answer = f'{{"pool": "{self.name}"}}'.encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: " + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.slow  # nginx
+def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is():
+    """#24.13: a SIGKILLed plan worker's request was a 502 to the hook (1-4 of ~240 victim plans while workers
+    were killed). nginx now sends a plan pool request that got no answer once more (to the same socket: a live
+    worker takes it); a write to the side pool, whose repeat would store it twice, is never sent again."""
+    _require_nginx()
+    exe, load_module = front_nginx.find_nginx()
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    runtime = Path(tempfile.mkdtemp(prefix="nginx-retry-"))  # nginx's workers (www-data under root) reach it
+    os.chmod(runtime, 0o755)
+    port = _free_port()
+    conf = runtime / "nginx.conf"
+    user = front_nginx.worker_user()
+    conf.write_text(front_nginx.render(NginxLimits(), host="127.0.0.1", port=port, runtime=str(runtime),
+                                       load_module=load_module, user=user.pw_name if user else None, side_pool=True))
+    plan_pool = _Upstream(runtime / "gunicorn.sock", "plan", drop=1)
+    side_pool = _Upstream(runtime / front_nginx.SIDE_SOCKET, "side", drop=1)
+    nginx = subprocess.Popen([exe, "-e", "stderr", "-p", str(runtime), "-c", str(conf), "-g",
+                              f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert nginx.poll() is None and time.monotonic() < deadline, nginx.stderr.read().decode()
+                time.sleep(0.05)
+
+        def post(path: str) -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=PROBE_TIMEOUT_S)
+            conn.request("POST", path, body=PLAN, headers={"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            out = answer.status, answer.read()
+            conn.close()
+            return out
+
+        assert post("/v1/plan") == (200, b'{"pool": "plan"}')
+        assert plan_pool.requests == ["POST /v1/plan HTTP/1.0"] * 2       # the first try got no answer
+        status, _ = post("/v1/observations")
+        assert status == 502
+        assert side_pool.requests == ["POST /v1/observations HTTP/1.0"]    # a write: sent once
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        nginx.stderr.close()
+        plan_pool.close()
+        side_pool.close()
+        shutil.rmtree(runtime, ignore_errors=True)

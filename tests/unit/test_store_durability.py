@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -189,4 +190,34 @@ def test_concurrent_writers_in_threads_never_see_locked(tmp_path):
         t.join()
     assert not failures
     assert store.observation_counts()["collective"] == 400
+    store.close()
+
+
+def test_a_writer_waiting_for_the_lock_tries_again_within_the_poll_not_inside_sqlites_backoff(tmp_path, monkeypatch):
+    """#24.13: SQLite's own busy handler sleeps up to 100 ms between tries, so the hook's decision INSERT slept
+    through many releases while token writers streamed rows (victim /v1/plan p99 334 ms, no worker killed). While
+    another connection holds the write lock, a write now tries again at most WRITE_POLL_S apart with SQLite's
+    handler off (a try returns at once), and gets the busy timeout back for its transaction."""
+    import predictor.store as store_module  # noqa: PLC0415
+
+    path = str(tmp_path / "h.db")
+    store = Store(path, busy_timeout=timedelta(seconds=30))
+    store.migrate()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    waits, handler = [], []
+
+    def sleep(seconds: float) -> None:   # the holder lets go after the writer's fifth wait
+        waits.append(seconds)
+        handler.append(store.db.execute("PRAGMA busy_timeout").fetchone()[0])
+        if len(waits) == 5:
+            holder.execute("COMMIT")
+
+    monkeypatch.setattr(store_module.time, "sleep", sleep)
+    store.add_observations([_record("after the wait")])
+    assert len(waits) == 5 and max(waits) <= store_module.WRITE_POLL_S
+    assert handler == [0] * 5                                            # no sleeping inside SQLite meanwhile
+    assert store.db.execute("PRAGMA busy_timeout").fetchone()[0] == 30000  # back for what comes next
+    assert store.observation_counts()["collective"] == 1
+    holder.close()
     store.close()
