@@ -247,6 +247,7 @@ def test_a_switch_that_splits_the_survivors_loses_no_healthy_worker(tmp_path):
         cl.spawn(ALL4[:3])
         cl.wait_step("w0", 4)
         cl.spawn(ALL4[3:])
+        cl.wait_joined(ALL4[3:])  # as the Resizer: the grow is posted once its newcomer announced itself (#26.7)
         grow = cl.coord.request_resize(ALL4)
         res = cl.results(3)
         record = cl.coord.record()

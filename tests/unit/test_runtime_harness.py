@@ -182,6 +182,16 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError(f"{wid} did not reach step {step}")
 
+    def wait_joined(self, wids, timeout: float = 120) -> None:
+        """Until every worker of ``wids`` announced itself, as the launcher's Resizer waits (ALLOCATED -> JOINED)
+        before it posts a grow: a plan posted earlier has the members build its group while a newcomer still
+        imports torch, a wait bounded by the collective timeout (4 s in some tests; longer on a busy host)."""
+        deadline = time.monotonic() + timeout
+        while not set(wids) <= set(self.coord.joined()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sorted(set(wids) - set(self.coord.joined()))} did not announce themselves")
+            time.sleep(0.05)
+
     def results(self, n: int, timeout: float = 90) -> dict:
         res = {}
         deadline = time.monotonic() + timeout
