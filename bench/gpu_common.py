@@ -40,7 +40,8 @@ DEFAULT_BATCH.update(FRESH3_BATCH)
 DEFAULT_BATCH.update(FRESH4_BATCH)
 MODELS = tuple(DEFAULT_BATCH)
 CNNS = ("resnet18", "resnet50", "resnet101", "regnet_y_1_6gf", "shufflenet_v2_x1_0", "densenet121",
-        "mobilenet_v3_large", "efficientnet_b0", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2", "resnet152", "vgg16_bn", "squeezenet1_1")  # channels_last, SGD
+        "mobilenet_v3_large", "efficientnet_b0", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2", "resnet152",
+        "vgg16_bn", "squeezenet1_1")  # channels_last, SGD
 VISION = CNNS + ("vit_b_16", "swin_t", "convnext_tiny", "vit_b_32", "maxvit_t")  # the others: AdamW
 
 
