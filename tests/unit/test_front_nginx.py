@@ -14,10 +14,13 @@ import http.client
 import os
 import re
 import resource
+import shutil
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -392,8 +395,6 @@ class _Upstream:
     without a byte (a worker SIGKILLed under its request) and answers the others 200 naming itself."""
 
     def __init__(self, path: Path, name: str, drop: int) -> None:
-        import threading  # noqa: PLC0415
-
         self.name, self.drop, self.requests = name, drop, []
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
@@ -413,7 +414,8 @@ class _Upstream:
                 while b"\r\n\r\n" not in data:
                     data += conn.recv(65536)
                 head, body = data.split(b"\r\n\r\n", 1)
-                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1)) if b"ength" in head else 0
+                declared = re.search(rb"(?i)content-length: *(\d+)", head)
+                length = int(declared.group(1)) if declared else 0
                 while len(body) < length:
                     body += conn.recv(65536)
                 self.requests.append(head.split(b"\r\n", 1)[0].decode())
@@ -434,9 +436,6 @@ def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is(
     worker takes it); a write to the side pool, whose repeat would store it twice, is never sent again."""
     _require_nginx()
     exe, load_module = front_nginx.find_nginx()
-    import shutil  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     runtime = Path(tempfile.mkdtemp(prefix="nginx-retry-"))  # nginx's workers (www-data under root) reach it
     os.chmod(runtime, 0o755)
     port = _free_port()

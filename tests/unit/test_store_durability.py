@@ -17,9 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 import urllib.error
 import urllib.request
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
