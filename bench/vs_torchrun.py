@@ -1,7 +1,9 @@
 """What a user compares (issue 23): their own torchrun script (A) against the template's script under the launcher
 (B), on the same model, data, batch, precision, optimizer and DataLoader worker count.
 
-A: ``bench/torchrun_plain.py`` under ``torch.distributed.run`` (DDP defaults, DistributedSampler, DataLoader).
+A: ``bench/torchrun_plain.py`` under ``torch.distributed.run`` (DDP defaults, DistributedSampler, DataLoader), with
+   ``OMP_NUM_THREADS=1`` at every size as B's process has (``--plain-omp-threads default``: torchrun's own, which
+   leaves it unset for one process a node).
 B: ``python -m elastic_launcher.examples.<task>``, the command the template runs, under the launcher's fixed-size
    start without Slurm: this process hosts the job's store, posts the first plan (``Coordinator.start``) and
    starts one process per GPU with the environment ``elastic-launch`` gives a step's tasks (``worker_env``,
@@ -86,12 +88,24 @@ def task_args(task: str, data: str, jpeg_dir: Path, precision: str, profile: Opt
     return args
 
 
+def plain_env(omp_threads: Optional[int]) -> dict[str, str]:
+    """A's environment. ``torch.distributed.run`` sets ``OMP_NUM_THREADS=1`` only for 2 or more processes a node, so
+    a 1-GPU torchrun script trains with one intra-op thread per CPU, while the template's process runs one
+    (``--threads 1``): at 1 GPU the two sides then differ in a setting, not in the runtime (session 17's 1-GPU image
+    rows, B/A 0.91-1.34, were taken so). ``omp_threads`` sets it on A at every size (the bench's default, 1, B's
+    own setting); None leaves torchrun's default."""
+    env = dict(os.environ)
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    return env
+
+
 def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpeg_dir: Path,
-              profile: Optional[Path] = None) -> str:
+              profile: Optional[Path] = None, omp_threads: Optional[int] = 1) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)]
     cmd += task_args(task, data, jpeg_dir, precision, profile)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=plain_env(omp_threads))
     if done.returncode:
         raise RuntimeError(f"plain run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return done.stdout
@@ -134,9 +148,15 @@ def main() -> None:
                     "every sixth; default " + ",".join(f"{t}={s}" for t, (s, _) in STEPS.items()) + ")")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="both sides profile steps 100-110 of every run (the scripts' --torch-profile), under DIR/<run>/")
+    ap.add_argument("--plain-omp-threads", default="1", metavar="N|default",
+                    help="OMP_NUM_THREADS of A's processes (default 1, B's --threads; 'default' leaves torchrun's own: "
+                    "1 for 2+ processes a node, unset for one)")
     ap.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES of both sides' processes (default: as set); "
                     "on a 4-GPU host, two benches on disjoint GPUs run side by side")
     a = ap.parse_args()
+    if a.plain_omp_threads != "default" and not a.plain_omp_threads.isdigit():
+        raise SystemExit(f"--plain-omp-threads {a.plain_omp_threads!r}: want a positive count or 'default'")
+    omp_threads = None if a.plain_omp_threads == "default" else int(a.plain_omp_threads)
     for item in filter(None, a.steps.split(",")):
         task, _, n = item.partition("=")
         if task not in STEPS or not n.isdigit() or int(n) < 6 * (a.skip + 1):
@@ -158,7 +178,8 @@ def main() -> None:
               f"{time.perf_counter() - t:.0f} s", flush=True)
     print(f"# {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}), torch {torch.__version__}, "
-          f"{len(os.sched_getaffinity(0))} CPUs, steps {STEPS}", flush=True)
+          f"{len(os.sched_getaffinity(0))} CPUs, steps {STEPS}, A's OMP_NUM_THREADS "
+          f"{omp_threads if omp_threads is not None else 'torchrun default'}", flush=True)
     rows = []
     for data in datas:
         task = TASK[data]
@@ -172,8 +193,10 @@ def main() -> None:
                     for side in ("AB" if r % 2 == 0 else "BA"):
                         t0 = time.perf_counter()
                         prof = a.profile / f"{data}-{precision}-g{gpus}-r{r}-{side}" if a.profile else None
-                        out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof) if side == "A" else \
-                            run_template(task, data, gpus, precision, jpeg_dir, prof)
+                        if side == "A":
+                            out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof, omp_threads)
+                        else:
+                            out = run_template(task, data, gpus, precision, jpeg_dir, prof)
                         rate, n = harmonic_rate(out, a.skip)
                         used = WORKERS.findall(out)
                         res[side].append(rate)

@@ -26,3 +26,12 @@ def test_the_jpeg_folder_reaches_its_size_with_links_that_keep_their_class(tmp_p
     for f in files:
         src = int(f.stem) % 20
         assert f.parent.name == f"c{src % 4}" and os.path.samefile(f, f.parent / f"{src}.jpg")
+
+
+def test_the_plain_script_runs_one_intra_op_thread_as_the_template_unless_told(monkeypatch):
+    # torchrun sets OMP_NUM_THREADS=1 only for 2+ processes a node; at 1 GPU the plain side had one thread per CPU
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert vs_torchrun.plain_env(1)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in vs_torchrun.plain_env(None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert vs_torchrun.plain_env(None)["OMP_NUM_THREADS"] == "4" and vs_torchrun.plain_env(2)["OMP_NUM_THREADS"] == "2"
