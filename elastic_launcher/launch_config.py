@@ -12,7 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from slurm_plugin.directives import parse_script
+from slurm_plugin.contracts.directives import parse_script
 
 HELPER_COMMENT_PREFIX = "elastic-helper:"
 HELPER_NAME_PREFIX = "elastic-helper-"

@@ -359,7 +359,7 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     Example: elastic-predictor plan train.sbatch --nodes 1 --gpus-per-node 4
     """
     from predictor import planner  # noqa: PLC0415
-    from slurm_plugin.directives import directive_lines, parse_lines  # noqa: PLC0415
+    from slurm_plugin.contracts.directives import directive_lines, parse_lines  # noqa: PLC0415
     from slurm_plugin.errors import DirectiveError  # noqa: PLC0415
 
     config = _config(db, cluster)

@@ -1,6 +1,6 @@
 """The /v1/plan policy (docs/plan-contract.md): directives + job context in, keep/rewrite decision out.
 
-Steps: parse the `#ELASTIC` lines with `slurm_plugin.directives`; find the partition and GPU type; list
+Steps: parse the `#ELASTIC` lines with `slurm_plugin.contracts.directives`; find the partition and GPU type; list
 the GPU counts within the user's `gpus` bounds, the partition size and `max_global_batch`
 (global batch = per_gpu_batch * gpus), and the uniform layouts each count can take on the partition's
 nodes (8 GPUs on 4-GPU nodes: 2x4, 4x2, 8x1 when nodes allow); ask the Predictor; walk the curve of the
@@ -30,8 +30,8 @@ from predictor.mixed import consider_mixed
 from predictor.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from predictor.store import register_hint
-from slurm_plugin.client import job_desc_number, requested_shape
-from slurm_plugin.directives import PREFIX, line_of, parse_lines
+from slurm_plugin.contracts.tres import job_desc_number, requested_shape
+from slurm_plugin.contracts.directives import PREFIX, line_of, parse_lines
 from slurm_plugin.errors import DirectiveError
 
 SOURCES = ("job_submit", "cli_filter", "launcher", "cli")

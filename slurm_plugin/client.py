@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, TypeVar, Union
 
+from slurm_plugin.contracts.tres import gpu_tres, gpus_in_tres, gres_gpu_type
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 from slurm_plugin.hostlist import compress as compress_hostlist
 from slurm_plugin.hostlist import expand as expand_hostlist
@@ -575,83 +575,6 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
             )
         )
     return out
-
-
-# -- job_desc values and TRES strings (what the job_submit hook posts as /v1/plan's `job`) ---------------
-# Slurm's sentinels and TRES strings stop here: the planner sees plain numbers and None.
-NO_VAL = 0xFFFFFFFE          # "unset" in a 32-bit job_desc field (INFINITE, 0xFFFFFFFF, is above it)
-NO_VAL16 = 0xFFFE            # "unset" in a 16-bit one (ntasks_per_node; INFINITE16 is NO_VAL16 + 1)
-def _gpu_item(item: str) -> tuple[str | None, int, bool] | None:
-    """One TRES/GRES entry read as (GPU type or None, count, key=value form) when it is a GPU entry:
-    `[gres:|gres/]gpu[:type][:count|=count]`, count 1 when absent, a `(IDX:..)`/`(S:..)` suffix ignored."""
-    body = item.split("(", 1)[0].strip()
-    body = body[5:] if body[:5] in ("gres:", "gres/") else body
-    if body[:3] != "gpu" or body[3:4] not in ("", ":", "="):
-        return None
-    rest = body[3:]
-    if rest == "":
-        return None, 1, False
-    if rest[0] == "=":
-        return (None, int(rest[1:]), True) if rest[1:].isdigit() else None
-    head, sep, count = rest[1:].partition("=") if "=" in rest else rest[1:].partition(":")
-    if sep:
-        ok = _GPU_TYPE.fullmatch(head) and count.isdigit()
-        return (head, int(count), sep == "=") if ok else None
-    if head.isdigit():
-        return None, int(head), False
-    return (head, 1, False) if _GPU_TYPE.fullmatch(head) and not head[0].isdigit() else None
-
-
-_GPU_TYPE = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def gpu_tres(tres: str | None) -> tuple[int | None, str | None]:
-    """The one reading of GPUs in a TRES or GRES list (job_desc `tres_per_*`, sinfo's gres and gres_used,
-    squeue/sacct TRES); tests/vectors/tres.json, which elastic_common.lua's `M.gpu_tres` passes too.
-
-    Returns (GPU count, GPU type). Entries add up (`gres/gpu:a100:2,gres/gpu:h100:2` is 4), except in the
-    accounting form, where an untyped `gres/gpu=N` is the total of the typed `gres/gpu:T=N` beside it. The
-    count is None without a gpu entry (`gres:shard:2`, "", None); the type is the one type of the typed
-    entries when no untyped request entry stands beside them, else None.
-    """
-    items = [e for e in (_gpu_item(item) for item in split_top(tres or "")) if e]
-    if not items:
-        return None, None
-    has_total = any(t is None and kv for t, _, kv in items)
-    count = sum(n for t, n, kv in items if not (has_total and kv and t is not None))
-    types = {t for t, _, _ in items if t is not None}
-    untyped = any(t is None and not kv for t, _, kv in items)
-    return count, (types.pop() if len(types) == 1 and not untyped else None)
-
-
-def gpus_in_tres(tres: str | None) -> int | None:
-    """GPUs in a TRES or GRES list (`gpu_tres`); None when it has no gpu entry."""
-    return gpu_tres(tres)[0]
-
-
-def gres_gpu_type(gres: str | None) -> str | None:
-    """The GPU type of a node's GRES list (`gpu:h100:4(S:0)` -> `h100`); None when its GPUs are untyped
-    (`gpu:4`), when it has none, or when it has GPUs of several types (`gpu_tres`)."""
-    return gpu_tres(gres)[1]
-
-
-def job_desc_number(key: str, value: int) -> int | None:
-    """A job_desc integer as the job asked it, None for Slurm's "unset" (NO_VAL and above; NO_VAL16 and
-    INFINITE16 in `ntasks_per_node`; 0 in `min_nodes`/`max_nodes`)."""
-    if value >= NO_VAL or (key == "ntasks_per_node" and value in (NO_VAL16, NO_VAL16 + 1)):
-        return None
-    return None if value == 0 and key.endswith("nodes") else value
-
-
-def requested_shape(job: Mapping) -> tuple[int | None, int | None, int | None]:
-    """(nodes, GPUs per node, total GPUs) a job asked for, from its `min_nodes`, `tres_per_node` and
-    `tres_per_job` (sentinels already read as None); each None when not derivable."""
-    nodes = job.get("min_nodes")
-    per_node = gpus_in_tres(job.get("tres_per_node"))
-    total = gpus_in_tres(job.get("tres_per_job"))
-    if total is None and per_node is not None:
-        total = per_node * (nodes or 1)
-    return nodes, per_node, total
 
 
 # -- host lists ----------------------------------------------------------------------------------

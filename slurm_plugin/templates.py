@@ -15,7 +15,7 @@ with it, the planner rewrites the request). `--cpu-test` renders the small varia
 them), a tiny model, 20 steps on the CPU. The `#ELASTIC model=` directive and the script's
 `--profile` (the name its measurements are posted under) always name the model that really trains: the
 tiny one's profile name with `--cpu-test` (`CPU_PROFILES`), the `--model` value when one is given. Every
-rendering is checked: its directives must parse (slurm_plugin.directives) and its command must hold
+rendering is checked: its directives must parse (slurm_plugin.contracts.directives) and its command must hold
 `elastic-launch`.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import click
 
-from slurm_plugin.directives import parse_script
+from slurm_plugin.contracts.directives import parse_script
 from slurm_plugin.errors import DirectiveError
 
 def _template_dir() -> Path:

@@ -36,7 +36,7 @@ function M.read_config(path)
 end
 
 -- The #ELASTIC lines ({no, line}) of the directive block (up to the first line neither blank nor a comment), as
--- slurm_plugin/directives.py reads them; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
+-- slurm_plugin/contracts/directives.py reads them; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
 local WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 function M.directive_lines(script)
   local found, pos, number = {}, 1, 0
@@ -156,7 +156,7 @@ function M.new_cache(max_entries)
   return c
 end
 
--- The one TRES/GRES reader here, as slurm_plugin.client.gpu_tres (tests/vectors/tres.json): gpu entries ({type, count,
+-- The one TRES/GRES reader here, as slurm_plugin.contracts.tres.gpu_tres (tests/vectors/tres.json): gpu entries ({type, count,
 -- kv}) `[gres:|gres/]gpu[:type][:count|=count]` (count 1 when absent, `(IDX:..)` ignored) and the other entries.
 local function valid_type(t) return t ~= "" and t:match("^[%w_.%-]+$") ~= nil end
 local function gpu_item(item)

@@ -19,15 +19,13 @@ from slurm_plugin.client import (
     compress_counts,
     compress_hostlist,
     expand_hostlist,
-    gpus_in_tres,
-    job_desc_number,
     parse_jobs,
     parse_nodes,
     parse_partitions,
     parse_sacct,
     parse_topology,
-    requested_shape,
 )
+from slurm_plugin.contracts.tres import gpus_in_tres, job_desc_number, requested_shape
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slurm"

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from slurm_plugin.directives import parse_script
+from slurm_plugin.contracts.directives import parse_script
 from slurm_plugin.errors import DirectiveError
 
 VECTORS = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "directives.json").read_text())

@@ -1,6 +1,6 @@
 """Differential fuzzing of what the hook reads of `#ELASTIC` lines (slurm_plugin/lua/elastic_common.lua, under
 apt's lua5.1: the lines of the directive block and a request's one min_efficiency value for the decision bands)
-against the Python parser (slurm_plugin/directives.py), which the service runs (docs/directives.md).
+against the Python parser (slurm_plugin/contracts/directives.py), which the service runs (docs/directives.md).
 
 Both get the SAME batch of scripts: hypothesis-generated ones (derandomized, so CI sees the same cases every
 run) and structured mutations of the valid vectors in tests/vectors/directives.json (random and duplicate keys,
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from slurm_plugin.directives import KEYS, parse_script
+from slurm_plugin.contracts.directives import KEYS, parse_script
 from slurm_plugin.errors import DirectiveError
 from tests.unit.test_lua_directives import disagreement, lua_read
 

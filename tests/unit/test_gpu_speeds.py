@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from elastic_launcher.gpu_speeds import GPU_TYPE_ENV, SPEED_ENV, decide_speeds, node_gres_types, worker_speed
-from slurm_plugin.client import Node, gres_gpu_type
+from slurm_plugin.client import Node
+from slurm_plugin.contracts.tres import gres_gpu_type
 
 STEP = {"H100": 0.030, "A100": 0.054}
 

@@ -3,7 +3,7 @@
 Read from the source with `ast` (nothing is imported): every `import` / `from ... import`, at module level or
 inside a function, is an edge between the layers of the two modules:
 
-    slurm_plugin (core: client, directives, hostlist, errors, installer, templates)
+    slurm_plugin (core: contracts, client, hostlist, errors, installer, templates)
       <- predictor <- elastic_launcher <- slurm_plugin.lab (demo, testbed) <- slurm_plugin.cli (`elastic-slurm`)
 
 The layer graph must have no cycle; a failure names each cycle with the import lines that close it.
@@ -278,3 +278,44 @@ def test_package_cycle_finder_sees_function_level_imports(tmp_path):
     assert package_cycles(edges) == [["predictor.base", "predictor.tables", "predictor.cli", "predictor.sub"]]
     (tmp_path / "predictor" / "tables.py").write_text("def f():\n    import predictor.base\n")
     assert package_cycles(module_edges(tmp_path)) == [["predictor.base", "predictor.tables"]]
+
+
+CONTRACTS = "slurm_plugin.contracts"
+LEAVES = ("slurm_plugin.errors", "slurm_plugin.hostlist")   # the core's modules that import nothing of ours
+
+
+def contracts_imports(edges) -> dict[tuple[str, str], list[str]]:
+    """Imports that break the contracts layer's rule: a contracts module imports only other contracts modules and
+    the leaves, and a leaf imports nothing of the project (issue #26.1)."""
+    bad = {}
+    for (a, b), lines in edges.items():
+        if a == CONTRACTS or a.startswith(CONTRACTS + "."):
+            if not (b == CONTRACTS or b.startswith(CONTRACTS + ".") or b in LEAVES):
+                bad[(a, b)] = lines
+        elif a in LEAVES:
+            bad[(a, b)] = lines
+    return bad
+
+
+def test_contracts_import_only_contracts_and_the_core_leaves():
+    bad = contracts_imports(repo_module_edges())
+    assert not bad, f"the contracts layer imports above itself: {bad}"
+
+
+def test_contracts_check_sees_an_import_of_the_client(tmp_path):
+    """The check itself: a contracts module importing the Slurm client, and a leaf importing anything, are named."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "slurm_plugin" / "contracts").mkdir()
+    (tmp_path / "slurm_plugin" / "contracts" / "__init__.py").write_text("")
+    (tmp_path / "slurm_plugin" / "contracts" / "tres.py").write_text(
+        "from slurm_plugin.hostlist import split_top\nfrom slurm_plugin.contracts import batch\n"
+        "def f():\n    from slurm_plugin.client import Node  # noqa\n")
+    (tmp_path / "slurm_plugin" / "contracts" / "batch.py").write_text("import math\n")
+    (tmp_path / "slurm_plugin" / "hostlist.py").write_text("import re\n")
+    (tmp_path / "slurm_plugin" / "errors.py").write_text("from slurm_plugin import client\n")
+    (tmp_path / "slurm_plugin" / "client.py").write_text("from slurm_plugin.contracts.tres import f\n")
+    assert contracts_imports(module_edges(tmp_path)) == {
+        ("slurm_plugin.contracts.tres", "slurm_plugin.client"): ["slurm_plugin/contracts/tres.py:4"],
+        ("slurm_plugin.errors", "slurm_plugin.client"): ["slurm_plugin/errors.py:1"]}

@@ -1,5 +1,5 @@
 """What the Lua reads of `#ELASTIC` lines (slurm_plugin/lua/elastic_common.lua) under apt's lua5.1, against the
-Python parser (slurm_plugin/directives.py) on the shared vectors and on generated scripts.
+Python parser (slurm_plugin/contracts/directives.py) on the shared vectors and on generated scripts.
 
 The hook parses no directive (the service does, #26.3): it finds the lines of the directive block
 (`M.directive_lines`, what it sends) and, for the decision bands, the one `min_efficiency=<v>` value of a request
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from slurm_plugin.directives import directive_lines, parse_script
+from slurm_plugin.contracts.directives import directive_lines, parse_script
 from slurm_plugin.errors import DirectiveError
 
 ROOT = pathlib.Path(__file__).parents[2]

@@ -472,7 +472,7 @@ def test_service_422_names_the_script_line_as_the_hooks_own_errors_do(tmp_path, 
     assert kinds(result, "log_user") == [
         "elastic: line 6: gpus: minimum 64 exceeds the 16 GPUs of partition debug: '#ELASTIC gpus=64-128'; job "
         "rejected: Slurm's next line (\"Invalid generic resource (gres) specification\") is this rejection"]
-    from slurm_plugin.directives import directive_lines
+    from slurm_plugin.contracts.directives import directive_lines
 
     assert directive_lines(script(*directives))[1] == (6, "#ELASTIC gpus=64-128")   # the Python parser's count
 

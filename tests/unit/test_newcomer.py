@@ -21,7 +21,7 @@ from predictor.cli import main as predictor_cli
 from slurm_plugin import templates
 from slurm_plugin.lab import demo, demo_calibrate
 from slurm_plugin.cli import main as slurm_cli
-from slurm_plugin.directives import parse_script
+from slurm_plugin.contracts.directives import parse_script
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from predictor import planner
 from slurm_plugin import templates
 from slurm_plugin.cli import main as slurm_cli
-from slurm_plugin.directives import parse_script
+from slurm_plugin.contracts.directives import parse_script
 
 
 def _request(text: str) -> int:

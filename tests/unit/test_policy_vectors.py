@@ -17,7 +17,7 @@ import pytest
 
 from predictor import planner
 from predictor.cluster import Cluster
-from slurm_plugin.directives import parse_lines
+from slurm_plugin.contracts.directives import parse_lines
 
 PATH = pathlib.Path(__file__).parents[1] / "vectors" / "policy.json"
 FIELDS = ("action", "nodes", "gpus_per_node", "tasks_per_node", "switches", "layout", "reason")

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from slurm_plugin import templates
 from slurm_plugin.cli import main as slurm_cli
-from slurm_plugin.directives import parse_script
+from slurm_plugin.contracts.directives import parse_script
 
 NAMES = sorted(templates.templates())
 PARSERS = {"elastic_launcher.examples.resnet50", "elastic_launcher.examples.gpt_lm",

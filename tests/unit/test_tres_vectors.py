@@ -1,6 +1,6 @@
 """GPU counts in TRES/GRES strings, one reader a language, both against tests/vectors/tres.json (hand-written).
 
-Python: slurm_plugin.client (gpus_in_tres, gres_gpu_type, requested_shape). Lua (apt's lua5.1):
+Python: slurm_plugin.contracts.tres (gpus_in_tres, gres_gpu_type, requested_shape). Lua (apt's lua5.1):
 slurm_plugin/lua/elastic_common.lua (M.gpu_tres, M.set_gpu_tres, M.rewrite_fields) and cli_filter.lua
 (option_tres). A property test generates TRES strings and checks that both read them alike and that what
 the hook writes back reads as the count it meant, with one gpu entry and the other entries kept.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_plugin.client import gpus_in_tres, gres_gpu_type, requested_shape
+from slurm_plugin.contracts.tres import gpus_in_tres, gres_gpu_type, requested_shape
 
 ROOT = pathlib.Path(__file__).parents[2]
 LUA_DIR = ROOT / "slurm_plugin" / "lua"
