@@ -149,8 +149,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="both sides profile steps 100-110 of every run (the scripts' --torch-profile), under DIR/<run>/")
     ap.add_argument("--plain-omp-threads", default="1", metavar="N|default",
-                    help="OMP_NUM_THREADS of A's processes (default 1, B's --threads; 'default' leaves torchrun's own: "
-                    "1 for 2+ processes a node, unset for one)")
+                    help="OMP_NUM_THREADS of A's processes (default 1, B's --threads; 'default' leaves "
+                    "torchrun's own: 1 for 2+ processes a node, unset for one)")
     ap.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES of both sides' processes (default: as set); "
                     "on a 4-GPU host, two benches on disjoint GPUs run side by side")
     a = ap.parse_args()

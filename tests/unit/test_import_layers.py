@@ -257,11 +257,19 @@ def test_runtime_does_not_import_the_service():
     assert not runtime_to_service, f"the runtime imports the service: {runtime_to_service}"
 
 
+def scratch_tree(root: Path, files: dict[str, str]) -> None:
+    """Our three packages as empty packages under `root`, then `files` (path -> source) with their folders."""
+    for package in PACKAGES:
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text("")
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_package_cycle_finder_sees_function_level_imports(tmp_path):
     """The check itself: a circle closed by an import inside a function, through a subpackage, is found."""
-    for package in PACKAGES:
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
+    scratch_tree(tmp_path, {})
     (tmp_path / "predictor" / "sub").mkdir()
     (tmp_path / "predictor" / "sub" / "__init__.py").write_text("from predictor import base\n")
     (tmp_path / "predictor" / "sub" / "view.py").write_text("from predictor.sub import base\n")
@@ -304,18 +312,15 @@ def test_contracts_import_only_contracts_and_the_core_leaves():
 
 def test_contracts_check_sees_an_import_of_the_client(tmp_path):
     """The check itself: a contracts module importing the Slurm client, and a leaf importing anything, are named."""
-    for package in PACKAGES:
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "slurm_plugin" / "contracts").mkdir()
-    (tmp_path / "slurm_plugin" / "contracts" / "__init__.py").write_text("")
-    (tmp_path / "slurm_plugin" / "contracts" / "tres.py").write_text(
-        "from slurm_plugin.hostlist import split_top\nfrom slurm_plugin.contracts import batch\n"
-        "def f():\n    from slurm_plugin.client import Node  # noqa\n")
-    (tmp_path / "slurm_plugin" / "contracts" / "batch.py").write_text("import math\n")
-    (tmp_path / "slurm_plugin" / "hostlist.py").write_text("import re\n")
-    (tmp_path / "slurm_plugin" / "errors.py").write_text("from slurm_plugin import client\n")
-    (tmp_path / "slurm_plugin" / "client.py").write_text("from slurm_plugin.contracts.tres import f\n")
+    scratch_tree(tmp_path, {
+        "slurm_plugin/contracts/__init__.py": "",
+        "slurm_plugin/contracts/tres.py": ("from slurm_plugin.hostlist import split_top\n"
+                                           "from slurm_plugin.contracts import batch\n"
+                                           "def f():\n    from slurm_plugin.client import Node  # noqa\n"),
+        "slurm_plugin/contracts/batch.py": "import math\n",
+        "slurm_plugin/hostlist.py": "import re\n",
+        "slurm_plugin/errors.py": "from slurm_plugin import client\n",
+        "slurm_plugin/client.py": "from slurm_plugin.contracts.tres import f\n"})
     assert contracts_imports(module_edges(tmp_path)) == {
         ("slurm_plugin.contracts.tres", "slurm_plugin.client"): ["slurm_plugin/contracts/tres.py:4"],
         ("slurm_plugin.errors", "slurm_plugin.client"): ["slurm_plugin/errors.py:1"]}
