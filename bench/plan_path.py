@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "bcd181e"   # the plan path before issue #5's change
-OWNED = ["predictor/api/predict.py", "predictor/api/metrics.py", "predictor/store.py", "predictor/records.py",
+OWNED = ["predictor/api/predict.py", "predictor/api/metrics.py", "predictor/store.py", "slurm_plugin/contracts/records.py",
          "predictor/service.py", "predictor/app.py", "predictor/planner.py"]
 DIRECTIVES = ["#ELASTIC model=resnet50 gpus=2-8", "#ELASTIC per_gpu_batch=64"]
 JOB = {"user": "alice", "uid": 1001, "partition": "debug", "name": "train", "min_nodes": 1, "max_nodes": 1,

@@ -32,7 +32,7 @@ from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
-from elastic_launcher.observations import ObservationInbox, layout_of, relabel, step_record
+from elastic_launcher.observations import ObservationInbox, layout_of, postable, relabel, step_record
 from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.membership import Plan
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
@@ -463,7 +463,10 @@ class Controller:
         wids = {w for slot in self.fleet.nodes.values() for w in slot.wids}
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
                                 d.model or "unknown", self._gpu_label(), steps=False)
-        records = [dict(r, job_id=int(self.job_id)) for r in records]  # the job's own rows answer its own plans
+        records, refused = postable([dict(r, job_id=int(self.job_id)) for r in records])  # its rows answer its plans
+        if refused:
+            log.warning("dropped %d observation record(s) the service would refuse, e.g. %s", len(refused), refused[0])
+            self.records.write("observations_dropped", count=len(refused), first=refused[0])
         for start in range(0, len(records), OBSERVATIONS_PER_POST):
             if not self.predictor.observe(records[start:start + OBSERVATIONS_PER_POST]):
                 break

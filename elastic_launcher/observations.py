@@ -13,6 +13,9 @@ workers hand their records over through the store (`ProgressReporter.publish`, o
   else the intra-node link) and `nodes`;
 * both get `link_source` (how the labels were found) and the job's profile (`#ELASTIC model=`) and GPU type.
   A record whose world size matches no layout the controller has seen (or labelled) is dropped.
+
+The record's schema has one owner, `slurm_plugin.contracts.records`, which the service validates every post with;
+`postable` applies it here first, so one bad record costs itself, not the whole all-or-nothing POST it rides in.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ import json
 import logging
 from typing import Iterable, Mapping, Optional, Sequence
 
-from elastic_launcher.links import Links
 from elastic_launcher import store_keys as keys
+from elastic_launcher.links import Links
+from slurm_plugin.contracts.records import validate_record
+from slurm_plugin.errors import ValidationError
 
 log = logging.getLogger("elastic_launcher.observations")
 
@@ -64,6 +69,21 @@ def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links
             fixed = {k: v for k, v in rec.items() if k not in ("intra_link", "inter_link", "link_source")}
             out.append({**fixed, "layout": list(layout), **lk.for_layout(layout), "profile": profile, "gpu": gpu})
     return out
+
+
+def postable(records: Iterable[dict]) -> tuple[list[dict], list[str]]:
+    """The records the service would accept (as they are, not normalised) and why each other one would be refused
+    (`records[i].field: what is wrong`, `i` its place in `records`): the service refuses a whole batch for one bad
+    record, so a record the contract refuses is dropped before the post."""
+    kept, refused = [], []
+    for i, record in enumerate(records):
+        try:
+            validate_record(record, f"records[{i}]")
+        except ValidationError as exc:
+            refused.append(str(exc))
+            continue
+        kept.append(record)
+    return kept, refused
 
 
 class ObservationInbox:

@@ -25,7 +25,7 @@ import math
 import shutil
 from collections import Counter, defaultdict
 
-from predictor.records import layout_name
+from slurm_plugin.contracts.records import layout_name
 
 Column = tuple[str, str, str]  # (row key, header, format spec; "" for text)
 

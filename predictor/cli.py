@@ -19,7 +19,7 @@ from predictor.cli_support import open_store as _open_store  # and by tests/unit
 from predictor.cli_support import require_db
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
-from predictor.records import layout_name
+from slurm_plugin.contracts.records import layout_name
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,13 +1,6 @@
 """Exceptions of the predictor package; converted to JSON errors at the API boundary."""
 
-
-class ValidationError(ValueError):
-    """Bad input: names the field (JSON path such as `tensors[3].numel`) and what is wrong with it."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
+from slurm_plugin.errors import ValidationError  # noqa: F401 - defined with the contracts that raise it
 
 
 class NotFoundError(LookupError):

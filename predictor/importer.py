@@ -1,6 +1,6 @@
 """`elastic-predictor import`: JSON lines of observations and profiles, every line validated before any write.
 
-A line is an observation record (`predictor.records.validate_record`) or a profile (`"kind": "profile"`, or an
+A line is an observation record (`slurm_plugin.contracts.records.validate_record`) or a profile (`"kind": "profile"`, or an
 object with `tensors` and no `kind`), validated by the same `register` the API uses. A bad line becomes one
 message `FILE:LINE: FIELD: what is wrong`; the CLI decides whether the good lines are stored.
 """
@@ -48,7 +48,7 @@ def _lines(file: BinaryIO, name: str) -> Iterator[tuple[str, object]]:
 def read_jsonl(file: BinaryIO, name: str) -> Parsed:
     """Read and validate every line of `file` (opened in binary; `name` is what messages call it)."""
     from predictor.api.profiles import register  # noqa: PLC0415 - imports Flask
-    from predictor.records import validate_record  # noqa: PLC0415
+    from slurm_plugin.contracts.records import validate_record  # noqa: PLC0415
 
     parsed = Parsed()
     for where, item in _lines(file, name):

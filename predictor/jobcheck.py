@@ -32,7 +32,7 @@ from typing import Sequence
 from predictor.auth import AuthError
 from predictor.cluster import Cluster
 from predictor.errors import NotFoundError
-from predictor.records import layout_name
+from slurm_plugin.contracts.records import layout_name
 
 SLACK = timedelta(seconds=120)
 
@@ -160,7 +160,7 @@ def run_seconds(job, now: float, slack: timedelta = SLACK) -> float:
 
 def check_records(records: Sequence[dict], job, cluster: Cluster, now: float, field: str = "observations",
                   slack: timedelta = SLACK) -> None:
-    """Check validated records (`predictor.records.validate_batch`) against their job's Slurm facts.
+    """Check validated records (`slurm_plugin.contracts.records.validate_batch`) against their job's Slurm facts.
 
     Args:
         job: the signed job's `slurm_plugin.client.JobOwner`.

@@ -24,7 +24,7 @@ from collections import defaultdict
 import numpy as np
 
 from predictor.errors import NotFoundError, ValidationError
-from predictor.records import layout_name
+from slurm_plugin.contracts.records import layout_name
 from predictor.throughput import job_weights
 
 K = 4.0

@@ -27,7 +27,7 @@ from predictor.cluster import Cluster, Partition
 from predictor.config import MAX_CANDIDATES
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.mixed import consider_mixed
-from predictor.records import counted, layout_name, validate_layout
+from slurm_plugin.contracts.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from predictor.store import register_hint
 from slurm_plugin.contracts.tres import job_desc_number, requested_shape

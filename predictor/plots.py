@@ -33,7 +33,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from predictor.records import layout_name
+from slurm_plugin.contracts.records import layout_name
 from predictor.errors import NotFoundError
 
 MARKERS = ["o", "s", "^", "D", "v", "P"]

@@ -77,3 +77,12 @@ class TestbedError(RuntimeError):
         self.log_tail = log_tail
         tail = f"\n--- last lines of the {daemon} log ---\n{log_tail}" if log_tail else ""
         super().__init__(f"{daemon}: {reason}{tail}")
+
+
+class ValidationError(ValueError):
+    """Bad input: names the field (JSON path such as `tensors[3].numel`) and what is wrong with it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")

@@ -18,7 +18,8 @@ from flask import Blueprint, request
 from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
 from predictor.api.profiles import own_name
 from predictor.jobcheck import RecordMismatch, check_records, run_seconds
-from predictor.records import ValidationError, validate_batch
+from predictor.errors import ValidationError
+from slurm_plugin.contracts.records import validate_batch
 from predictor.store import ClaimExceeded
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"

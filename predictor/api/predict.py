@@ -20,7 +20,7 @@ from predictor.api import authenticator, client_address, identified, json_body, 
 from predictor.api.profiles import own_name, readable_by
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
-from predictor.records import LINK_RE, NAME_RE, validate_layout
+from slurm_plugin.contracts.records import LINK_RE, NAME_RE, validate_layout
 from predictor.service import DEFAULT_VERSION_WAIT, MAX_VERSION_WAIT, ModelView
 from predictor.store import encode
 

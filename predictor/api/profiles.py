@@ -8,7 +8,7 @@ from flask import Blueprint, request
 from predictor.api import AuthError, authenticator, caller, int_arg, json_body, services, write_access
 from predictor.errors import ValidationError
 from predictor.profiles import Profile
-from predictor.records import NAME_RE
+from slurm_plugin.contracts.records import NAME_RE
 from predictor.store import QuotaExceeded
 
 bp = Blueprint("profiles", __name__, url_prefix="/v1/profiles")

@@ -24,7 +24,7 @@ from predictor import admin_tables, outliers
 from predictor.api import int_arg, services
 from predictor.errors import NotFoundError, ValidationError
 from predictor.plotcache import RETRY_AFTER_S, PlotKey
-from predictor.records import LINK_RE, NAME_RE
+from slurm_plugin.contracts.records import LINK_RE, NAME_RE
 
 bp = Blueprint("web", __name__, url_prefix="/admin")
 

@@ -122,7 +122,7 @@ def test_render_table_aligns_and_fits_the_width():
 def test_one_layout_name_everywhere():
     # #15.4: planner.layout_name and admin_tables.layout_name disagreed ([4]: "1x4" against "4")
     from predictor import planner, plots
-    from predictor.records import layout_name
+    from slurm_plugin.contracts.records import layout_name
     assert [layout_name(x) for x in ([4], [4, 4], [3, 1], [], None)] == ["1x4", "2x4", "3+1", "-", "-"]
     assert admin_tables.layout_name is planner.layout_name is plots.layout_name is layout_name
 

@@ -134,7 +134,7 @@ def test_link_stats_report_each_link():
 def test_every_collective_the_api_accepts_can_be_fitted():
     """A stored record of any op POST /v1/observations accepts must not fail everyone's fit (it once did for
     `sendrecv`: the service then had no model)."""
-    from predictor.records import OPS
+    from slurm_plugin.contracts.records import OPS
     X = [("nvlink", op, 4, 2.0**20 * (1 + i)) for i, op in enumerate(OPS)]
     model = LinkModel().fit(X, [1e-4 * (1 + i) for i in range(len(OPS))])
     assert np.all(model.predict(X) > 0)

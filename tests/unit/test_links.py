@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_launcher.links import HostFacts, Links, links_for, nccl_transports
-from predictor.records import validate_batch
+from slurm_plugin.contracts.records import validate_batch
 from elastic_launcher.observations import relabel, step_record
 
 HOST_A = dict(boot_id="aaaa", host="a")

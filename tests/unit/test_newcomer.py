@@ -253,7 +253,7 @@ def test_stop_lab_services_on_a_lab_that_runs_nothing(tmp_path):
 def test_unknown_profile_hint_names_the_database_and_counts_agree(tmp_path):
     """#15: the 'register it' hint gives a command that runs as shown (with --db), and "1 GPU", not "1 GPUs"."""
     from predictor.errors import NotFoundError
-    from predictor.records import counted
+    from slurm_plugin.contracts.records import counted
     from predictor.store import Store
 
     db = str(tmp_path / "hint.db")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from predictor.errors import ValidationError
-from predictor.records import validate_batch, validate_record
+from slurm_plugin.contracts.records import validate_batch, validate_record
 from tests.unit._service_fakes import COLLECTIVE, STEP
 
 

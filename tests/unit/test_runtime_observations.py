@@ -21,7 +21,7 @@ from elastic_launcher.reporting import PredictorClient
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.workers import ProgressReporter
 from predictor.errors import ValidationError
-from predictor.records import validate_batch
+from slurm_plugin.contracts.records import validate_batch
 
 
 @pytest.fixture

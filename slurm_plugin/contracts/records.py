@@ -1,4 +1,6 @@
-"""Validation of observation records (design.md: `POST /v1/observations`).
+"""Validation of observation records (design.md: `POST /v1/observations`): the records' one schema, a contract
+of the runtime and the service (issue #26.1). The service validates every post with it; the launcher drops what it
+would refuse before posting (`elastic_launcher.observations.postable`).
 
 Two kinds of record:
     collective: {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4,
@@ -16,7 +18,7 @@ import math
 import re
 from typing import Any
 
-from predictor.errors import ValidationError
+from slurm_plugin.errors import ValidationError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}\Z")      # profile names, as in the directive grammar
 LINK_RE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}\Z")        # link classes and GPU types
