@@ -126,6 +126,9 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     submit_v = re.search(r"at submit time \(model (g\d+)\)", summary).group(1)
     after_v = re.search(r"this job's own rows \((g\d+)\)", summary).group(1)
     assert int(after_v[1:]) > int(submit_v[1:]), summary
+    # #26.4: the plan sbatch printed comes from a model at least as new as the curve printed before it
+    curve_v = re.search(r"fitted \(model version (g\d+)\); predicted samples/s", out).group(1)
+    assert int(submit_v[1:]) >= int(curve_v[1:]), (curve_v, submit_v, summary)
     assert "grow" in summary and ("revert" in summary or "shrink" in summary) and "idle_s" in summary
     assert "COMPLETED, launcher outcome completed" in summary, summary
     assert "stopped: jobs cancelled, predictor stopped, testbed down" in out
