@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from slurm_plugin.contracts.records import counted
+
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
@@ -254,37 +256,37 @@ class AutoscalePolicy:
                 self.ceiling_nodes_ = current.nodes if self.ceiling_nodes_ is None else min(self.ceiling_nodes_,
                                                                                              current.nodes)
                 target = max(before.nodes, self.min_nodes())
-                return Decision("revert", target, f"grow {before.nodes}->{current.nodes} nodes did not pay: "
+                return Decision("revert", target, f"grow {before.nodes}->{counted(current.nodes, 'node')} did not pay: "
                                 f"efficiency {efficiency:.2f} < {self.min_efficiency:.2f}", efficiency)
         if current.nodes > self.max_nodes() and current.nodes > self.min_nodes():
             target = max(self.max_nodes(), self.min_nodes())
-            return Decision("shrink", target, f"{current.nodes} nodes is above the limit {self.max_nodes()}",
+            return Decision("shrink", target, f"{counted(current.nodes, 'node')} is above the limit {self.max_nodes()}",
                             efficiency)
         if advice.source == NO_DIRECTIVES:
             return Decision("keep", current.nodes, "no #ELASTIC directives: not autoscaled", efficiency)
         if advice.source == PLANNER and advice.nodes < current.nodes:
             target = max(advice.nodes, self.min_nodes())
             if target < current.nodes:
-                return Decision("shrink", target, f"plan says {advice.nodes} nodes, fewer than {current.nodes}",
-                                efficiency)
+                return Decision("shrink", target,
+                                f"plan says {counted(advice.nodes, 'node')}, fewer than {current.nodes}", efficiency)
         limit = min(self.max_nodes(), current.nodes + free_nodes)
         want = advice.nodes if advice.source == PLANNER else current.nodes + self.grow_step_nodes
         target = min(want, limit, current.nodes + self.grow_step_nodes)
         if target <= current.nodes:
             why = self._why_not(current, free_nodes, advice)
             return Decision("keep", current.nodes, why, efficiency)
-        source = f"plan says {advice.nodes} nodes" if advice.source == PLANNER else advice.policy
+        source = f"plan says {counted(advice.nodes, 'node')}" if advice.source == PLANNER else advice.policy
         paid = "" if efficiency is None else f", last grow efficiency {efficiency:.2f}"
         return Decision("grow", target, f"{source}; global batch {target * self.slots_per_node * self.per_gpu_batch}"
                         f" <= {self.max_global_batch}{paid}", efficiency)
 
     def _why_not(self, current: Measurement, free_nodes: int, advice: PlanAdvice) -> str:
         if advice.source == PLANNER and advice.nodes <= current.nodes:
-            return f"plan says {advice.nodes} nodes"
+            return f"plan says {counted(advice.nodes, 'node')}"
         if self.ceiling_nodes_ is not None and current.nodes + 1 >= self.ceiling_nodes_:
-            return f"{self.ceiling_nodes_} nodes did not pay before"
+            return f"{counted(self.ceiling_nodes_, 'node')} did not pay before"
         if current.nodes >= self.max_nodes():
-            return f"at the limit of {self.max_nodes()} nodes (max_global_batch / gpus)"
+            return f"at the limit of {counted(self.max_nodes(), 'node')} (max_global_batch / gpus)"
         if free_nodes <= 0:
             return "no free nodes"
         return "grow step does not fit"

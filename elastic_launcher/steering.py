@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Collection, Optional, Protocol, Sequence
 
 from elastic_launcher.autoscale import Decision, Measurement, PendingJob, PlanAdvice
+from slurm_plugin.contracts.records import counted
 
 __all__ = ["JobPhase", "decide_failures", "RequestKind", "RequestAction", "decide_request", "settle_decision",
            "ThroughputModel", "MeasuredThroughput"]
@@ -81,11 +82,11 @@ def decide_request(target, have: int, min_nodes: int) -> RequestAction:
     if not isinstance(target, int) or target < 1:
         return RequestAction(RequestKind.REJECT, f"'nodes' must be a positive integer, got {target!r}")
     if target == have:
-        return RequestAction(RequestKind.ALREADY, f"already on {have} nodes", target)
+        return RequestAction(RequestKind.ALREADY, f"already on {counted(have, 'node')}", target)
     if target < min_nodes:
         return RequestAction(RequestKind.REJECT, f"{target} nodes is below the job's minimum of {min_nodes}",
                              target)
-    return RequestAction(RequestKind.RESIZE, f"resizing from {have} to {target} nodes", target)
+    return RequestAction(RequestKind.RESIZE, f"resizing from {have} to {counted(target, 'node')}", target)
 
 
 def settle_decision(decision: Decision, nodes: int, handback: Optional[Decision], pending: Sequence[PendingJob],
@@ -108,12 +109,13 @@ def settle_decision(decision: Decision, nodes: int, handback: Optional[Decision]
                             f"({decision.reason})", decision.efficiency)
     cap = operator_cap
     if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
-        return Decision("grow", cap, f"{decision.reason}; capped at the operator's {cap} nodes",
+        return Decision("grow", cap, f"{decision.reason}; capped at the operator's {counted(cap, 'node')}",
                         decision.efficiency) if cap > nodes else \
-            Decision("keep", nodes, f"operator asked for {cap} nodes", decision.efficiency)
+            Decision("keep", nodes, f"operator asked for {counted(cap, 'node')}", decision.efficiency)
     if decision.action == "shrink" and advice.source == "planner" and cap is not None \
             and decision.target_nodes < cap <= nodes:  # the operator's size stands against the plan
-        return Decision("keep", nodes, f"{decision.reason}; kept at the operator's {cap} nodes", decision.efficiency)
+        return Decision("keep", nodes, f"{decision.reason}; kept at the operator's {counted(cap, 'node')}",
+                        decision.efficiency)
     return decision
 
 

@@ -106,7 +106,7 @@ def test_plan_keep_means_no_grow_even_with_free_nodes():
                              "elastic: 1 node x 1 GPUs (1x1); 2x1 efficiency 0.38 < 0.7"}, 1, 1)
     assert keep == PlanAdvice(1, PLANNER, keep.note) and "2x1 efficiency 0.38" in keep.note
     decision = policy.decide(free_nodes=3, advice=keep)
-    assert (decision.action, decision.target_nodes) == ("keep", 1) and "plan says 1 nodes" in decision.reason
+    assert (decision.action, decision.target_nodes) == ("keep", 1) and "plan says 1 node" in decision.reason and "1 nodes" not in decision.reason
     cannot_judge = advice_from_plan({"action": "keep", "nodes": None, "reason": "no step history"}, 1, 1)
     assert cannot_judge.nodes == 1 and policy.decide(free_nodes=3, advice=cannot_judge).action == "keep"
 
@@ -124,7 +124,7 @@ def test_plan_of_fewer_nodes_shrinks_toward_it_never_below_gpus_min():
     policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
     policy.record(m(2, 100.0))
     decision = policy.decide(free_nodes=4, advice=planned(1))
-    assert (decision.action, decision.target_nodes) == ("shrink", 1) and "plan says 1 nodes" in decision.reason
+    assert (decision.action, decision.target_nodes) == ("shrink", 1) and "plan says 1 node" in decision.reason and "1 nodes" not in decision.reason
     bounded = AutoscalePolicy(min_workers=2)
     bounded.record(m(3, 100.0))
     assert (bounded.decide(free_nodes=0, advice=planned(1)).action,

@@ -100,7 +100,7 @@ def test_plan_rewrite_sets_the_target(tmp_path, plan_nodes, resize):
     assert c.resizes == [resize]
     (d,) = decisions(c)
     assert (d["policy"], d["plan_nodes"], d["target_nodes"]) == ("planner", plan_nodes, plan_nodes)
-    assert f"plan says {plan_nodes} nodes" in d["reason"]
+    assert f"plan says {plan_nodes} node{'' if plan_nodes == 1 else 's'}" in d["reason"]
     (plan,) = [r for r in c.records.items if r["kind"] == "plan"]
     assert plan["target_nodes"] == plan_nodes
 

@@ -518,7 +518,7 @@ def test_a_queued_shrink_posts_nothing_while_a_failed_node_recovers(tmp_path):
     c._tick()
     c.inbox.requests = [(1, {"nodes": 1})]
     c._tick()
-    assert c.inbox.replies[1]["message"] == "resizing from 2 to 1 nodes"   # the failed node is not counted
+    assert c.inbox.replies[1]["message"] == "resizing from 2 to 1 node"   # the failed node is not counted
     assert c.phase is JobPhase.RECOVERING and c.resizer.active.state is S.REQUESTED and c.coord.posted == []
     recover(c, "node3")
     for _ in range(3):
