@@ -583,6 +583,7 @@ class Controller:
         if not wait_until(lambda: releaser.reap(self.clock()) == 0, timedelta(seconds=HELPER_EXIT_S + 2),
                           interval=0.2):
             releaser.reap(math.inf)  # whatever still runs is scancelled now
+        releaser.drain(self.clock, self.sleep)  # Slurm changes still retried through an outage end here
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
             self.records.write("end", outcome=outcome, nodes=len(self.fleet.nodes))

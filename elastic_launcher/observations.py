@@ -19,7 +19,6 @@ The record's schema has one owner, `slurm_plugin.contracts.records`, which the s
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Iterable, Mapping, Optional, Sequence

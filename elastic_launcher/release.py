@@ -9,9 +9,13 @@ refreshed Slurm environment replaces the one later steps start with), helper nod
 
 Ending a helper (:meth:`Releaser.end_helper`, used by a shrink, a failed grow and the controller's exit): its
 stop key for the agent at once, then each tick Slurm is asked whether it ended; at its grace's deadline it is
-scancelled (a failed grow's helper has no grace: scancel in the same tick). Slurm changes (shrink, scancel) go
-through `slurm_plugin.client.retry_transient` (up to `SLURM_RETRY` through a slurmctld restart; that is the one
-wait left in a tick, bounded by it).
+scancelled (a failed grow's helper has no grace: scancel in the same tick).
+
+A Slurm change (shrink, scancel) is a :class:`SlurmChange`: tried at once, and while it fails transiently (a
+slurmctld restart, a timeout) tried again on a later tick, with backoff (1, 2, 4 ... 10 s), for `SLURM_RETRY` from
+its first attempt; no tick waits between attempts, so a node failure, an operator request or a measurement is
+handled while slurmctld is down. A release waits in GIVING_BACK until its changes ended. Only the controller's exit
+drains what is still in flight (:meth:`Releaser.drain`), bounded by the same deadline.
 """
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ from typing import Callable, Optional, Sequence
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.reporting import RecordLog
-from elastic_launcher.resize_ops import ActionKind, ReleaseOp, ResizeLimits, advance_release
-from slurm_plugin.client import LIVE_STATES, retry_transient
+from elastic_launcher.resize_ops import ActionKind, ReleaseOp, ReleaseState, ResizeLimits, advance_release
+from slurm_plugin.client import LIVE_STATES, is_transient
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
 log = logging.getLogger("elastic_launcher.release")
@@ -32,6 +36,54 @@ log = logging.getLogger("elastic_launcher.release")
 # How long a Slurm change (shrink, scancel) is retried through transient failures such as a slurmctld restart;
 # each attempt has the client's own per-command timeout (LaunchConfig.slurm_timeout).
 SLURM_RETRY = timedelta(seconds=120)
+FIRST_DELAY_S, MAX_DELAY_S = 1.0, 10.0  # the backoff between a change's attempts
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmChange:
+    """A Slurm change in flight (see the module docstring).
+
+    Attributes:
+        what: how the log names it (`job 42: shrink job 42 to node1`).
+        call: runs it once (a Slurm command, bounded by the client's timeout); its result goes to `done`.
+        done: called with the result on success.
+        failed: called with the error once it is refused, or out of retries.
+        owners: the releases waiting for it (none: a helper's scancel); a newer change of the same job takes over
+            an older one's owners (a shrink to fewer nodes covers the earlier one's).
+        deadline: no attempt starts after it (the first attempt + SLURM_RETRY).
+        next_at: when the next attempt is due.
+    """
+
+    what: str
+    call: Callable[[], object]
+    done: Callable[[object], None]
+    failed: Callable[[Exception], None]
+    owners: tuple[str, ...]
+    deadline: float
+    next_at: float
+    delay: float = FIRST_DELAY_S
+    attempt: int = 1
+
+
+def attempt_change(change: SlurmChange, now: float) -> Optional[SlurmChange]:
+    """Try `change` once at `now`: None when it ended (its `done` or `failed` was called), else the change with its
+    next attempt scheduled (a transient failure before the deadline)."""
+    try:
+        result = change.call()
+    except (SlurmError, ResizeError, JobNotFoundError) as exc:
+        left = change.deadline - now
+        if not is_transient(exc) or left <= 0:
+            change.failed(exc)
+            return None
+        wait = min(change.delay, left)
+        log.warning("%s: attempt %d failed (%s); retrying in %.1f s (%.0f s left)", change.what, change.attempt, exc,
+                    wait, left)
+        return dataclasses.replace(change, next_at=now + wait, delay=min(change.delay * 2, MAX_DELAY_S),
+                                   attempt=change.attempt + 1)
+    if change.attempt > 1:
+        log.warning("%s: succeeded at attempt %d", change.what, change.attempt)
+    change.done(result)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +122,7 @@ class Releaser:
         self.releases: dict[str, ReleaseOp] = {}  # owner (the resize op, a failed node) -> its release
         self.ending: dict[str, HelperEnd] = {}  # helper job id -> its end in progress
         self.seconds: dict[str, float] = {}  # owner -> seconds its release took (the transition's release_s)
+        self.changes: dict[str, SlurmChange] = {}  # `shrink:<job>` / `cancel:<job>` -> the Slurm change in flight
 
     @property
     def job_id(self) -> str:
@@ -92,18 +145,51 @@ class Releaser:
         self.seconds.pop(owner, None)
 
     def tick(self) -> None:
-        """Move every release one stage and every helper end on; never waits (but for a Slurm change's retries)."""
+        """Try the Slurm changes that are due, move every release one stage and every helper end on; never waits."""
         now = self.clock()
+        for key, change in list(self.changes.items()):
+            if now >= change.next_at:
+                self._attempt(key, change, now)
         for owner in list(self.releases):
             self._advance(owner, now)
         self.reap(now)
+
+    def drain(self, now: Callable[[], float], sleep: Callable[[float], None]) -> None:
+        """Retry what is still in flight until each change ended or passed its deadline (the controller's exit:
+        being the end, it may wait)."""
+        while self.changes:
+            due = min(c.next_at for c in self.changes.values())
+            if due > now():
+                sleep(due - now())
+            for key, change in list(self.changes.items()):
+                if now() >= change.next_at:
+                    self._attempt(key, change, now())
+
+    def _change(self, key: str, what: str, call: Callable[[], object], done: Callable[[object], None],
+                failed: Callable[[Exception], None], owner: Optional[str] = None) -> None:
+        """Start a Slurm change and try it at once; a newer change of the same `key` replaces one in flight and
+        takes over the releases that waited for it."""
+        now = self.clock()
+        before = self.changes[key].owners if key in self.changes else ()
+        owners = before + ((owner,) if owner is not None and owner not in before else ())
+        self._attempt(key, SlurmChange(what, call, done, failed, owners, now + SLURM_RETRY.total_seconds(), now), now)
+
+    def _attempt(self, key: str, change: SlurmChange, now: float) -> None:
+        self.changes[key] = change
+        again = attempt_change(change, now)
+        if again is None:
+            if self.changes.get(key) is change:  # its callbacks may have started a newer one of the same key
+                del self.changes[key]
+        else:
+            self.changes[key] = again
 
     def _advance(self, owner: str, now: float) -> ReleaseOp:
         op = self.releases[owner]
         if op.done:
             return op
         running = tuple(n for n in op.nodes if n in self.pool.steps and self.pool.steps[n].alive())
-        op, actions = advance_release(op, running, now, self.limits)
+        given_back = not any(owner in c.owners for c in self.changes.values())
+        op, actions = advance_release(op, running, now, self.limits, given_back=given_back)
         self.releases[owner] = op
         for act in actions:
             if act.kind is ActionKind.TERMINATE or act.kind is ActionKind.KILL:
@@ -112,7 +198,10 @@ class Releaser:
                     log.warning("workers on %s did not exit after leaving; %s to their step", node, sig.name)
                     self.pool.signal_step(node, sig)
             elif act.kind is ActionKind.GIVE_BACK:
-                self._give_back(op.nodes, op.reason)
+                self._give_back(owner, op.nodes, op.reason)
+                op, _ = advance_release(op, running, now, self.limits,  # changes done in this tick: RELEASED now
+                                        given_back=not any(owner in c.owners for c in self.changes.values()))
+                self.releases[owner] = op
         if op.done:
             for node in op.nodes:
                 self.pool.forget(node)
@@ -121,39 +210,42 @@ class Releaser:
             self.seconds[owner] = round(now - op.started, 3)
         return op
 
-    def _give_back(self, nodes: Sequence[str], reason: str) -> None:
+    def _give_back(self, owner: str, nodes: Sequence[str], reason: str) -> None:
         mains = [n for n in nodes if n in self.fleet.nodes and self.fleet.nodes[n].owner == self.job_id]
+        # nodes of every release still giving back (this one's too) are going: a shrink keeps none of them
+        going = {n for op in self.releases.values() if op.state is ReleaseState.GIVING_BACK for n in op.nodes}
         if mains:
-            keep = [n for n, s in self.fleet.nodes.items() if s.owner == self.job_id and n not in mains]
-            self._slurm_shrink(self.job_id, keep, reason, main=True)
+            keep = [n for n, s in self.fleet.nodes.items() if s.owner == self.job_id and n not in going]
+            self._slurm_shrink(owner, self.job_id, keep, reason, main=True)
         for helper, helper_nodes in list(self.fleet.helpers.items()):
-            going = [n for n in helper_nodes if n in nodes]
+            leaving = [n for n in helper_nodes if n in nodes]
             staying = [n for n in helper_nodes if n not in going]
-            if going and staying:
-                self._slurm_shrink(helper, staying, reason, main=False)
+            if leaving and staying:
+                self._slurm_shrink(owner, helper, staying, reason, main=False)
                 self.fleet.helpers[helper] = staying
-            elif going:
+            elif leaving:
                 self.end_helper(helper, reason, self.limits.leave_s)
 
-    def _slurm_shrink(self, job: str, keep: Sequence[str], reason: str, main: bool) -> bool:
-        """`client.shrink(job, keep)`, retried through transient failures for `SLURM_RETRY`; for the main job the
-        refreshed environment replaces the one new steps start with. False (and a `slurm_shrink_failed` record)
-        when Slurm refused or stayed unreachable: the node stays allocated, unused, until the job ends."""
+    def _slurm_shrink(self, owner: str, job: str, keep: Sequence[str], reason: str, main: bool) -> None:
+        """`client.shrink(job, keep)` as a Slurm change of `owner`'s release; for the main job the refreshed
+        environment replaces the one new steps start with. Refused, or unreachable past `SLURM_RETRY`: a
+        `slurm_shrink_failed` record, and the node stays allocated, unused, until the job ends."""
         t0 = self.clock()
-        try:
-            result = retry_transient(lambda: self.slurm.shrink(int(job), list(keep)),
-                                     f"job {self.job_id}: shrink job {job} to {','.join(keep)}", SLURM_RETRY)
-        except (SlurmError, ResizeError, JobNotFoundError) as exc:
+
+        def done(result) -> None:
+            if main:
+                self.fleet.alloc = self.fleet.alloc.with_nodes(tuple(keep), result.apply(self.fleet.alloc.env))
+            self.records.write("slurm_shrink", job=job, nodelist=result.job.nodelist, nodes=len(result.job.nodes),
+                               reason=reason, wall_s=round(self.clock() - t0, 3))
+
+        def failed(exc: Exception) -> None:
             log.error("job %s: could not give nodes back to Slurm (job %s keeps %s): %s; they stay allocated, "
                       "unused", self.job_id, job, ",".join(keep), exc)
             self.records.write("slurm_shrink_failed", job=job, keep=list(keep), reason=reason, error=str(exc),
                                wall_s=round(self.clock() - t0, 3))
-            return False
-        if main:
-            self.fleet.alloc = self.fleet.alloc.with_nodes(tuple(keep), result.apply(self.fleet.alloc.env))
-        self.records.write("slurm_shrink", job=job, nodelist=result.job.nodelist, nodes=len(result.job.nodes),
-                           reason=reason, wall_s=round(self.clock() - t0, 3))
-        return True
+
+        self._change(f"shrink:{job}", f"job {self.job_id}: shrink job {job} to {','.join(keep)}",
+                     lambda: self.slurm.shrink(int(job), list(keep)), done, failed, owner)
 
     # -- helper jobs: the one way to end one -----------------------------------------------------------------
     def end_helper(self, helper: str, reason: str, grace_s: float = 0.0) -> None:
@@ -198,12 +290,14 @@ class Releaser:
             return False
 
     def cancel(self, helper: str) -> None:
-        """scancel the helper, retried through transient failures for `SLURM_RETRY`."""
-        try:
-            retry_transient(lambda: self.slurm.cancel(int(helper)), f"job {self.job_id}: scancel helper {helper}",
-                            SLURM_RETRY)
-        except JobNotFoundError as exc:  # already gone
-            log.info("scancel %s: %s", helper, exc)
-        except SlurmError as exc:
-            log.error("job %s: could not cancel helper %s: %s (its agent ends on its own after the orphan "
-                      "timeout)", self.job_id, helper, exc)
+        """scancel the helper, as a Slurm change (retried on later ticks through transient failures)."""
+
+        def failed(exc: Exception) -> None:
+            if isinstance(exc, JobNotFoundError):  # already gone
+                log.info("scancel %s: %s", helper, exc)
+            else:
+                log.error("job %s: could not cancel helper %s: %s (its agent ends on its own after the orphan "
+                          "timeout)", self.job_id, helper, exc)
+
+        self._change(f"cancel:{helper}", f"job {self.job_id}: scancel helper {helper}",
+                     lambda: self.slurm.cancel(int(helper)), lambda _: None, failed)

@@ -12,9 +12,9 @@ controller tick (#27.2); a failed node is a :class:`~elastic_launcher.resize_ops
 and releases are `release.Releaser`'s: nothing here waits for a helper to start, workers to join or leave, an
 epoch to switch or a step to end.
 
-Slurm faults: every Slurm change (shrink, scancel; release.py) goes through
-`slurm_plugin.client.retry_transient`, so a slurmctld that restarts (each command then fails after its own
-timeout) is retried with backoff for up to `release.SLURM_RETRY`; a submit that fails fails that grow; a grow's
+Slurm faults: every Slurm change (shrink, scancel) is a `release.SlurmChange`, so a slurmctld that restarts
+(each command then fails after its own timeout) is retried on later ticks with backoff for up to
+`release.SLURM_RETRY`, no tick waiting between attempts; a submit that fails fails that grow; a grow's
 helper state is asked once a tick and is UNKNOWN (not "ended") while slurmctld does not answer. A release
 that still fails after that is logged (`slurm_shrink_failed`): the workers are gone already, the node
 stays allocated, idle, until the job ends. "Unreachable" is never read as "job gone".

@@ -27,8 +27,10 @@ would build on is about to change; its deadlines and a cancel still apply.
 
 Releasing nodes (:class:`ReleaseOp`, :func:`advance_release`; a shrink's leavers, a failed node)::
 
-    EXITING --the nodes' worker steps ended--> RELEASED (GIVE_BACK: Slurm shrink / helper ended)
-    EXITING --exit_s passed: SIGTERM--> TERMINATING --leave_s passed: SIGKILL--> KILLING --ended or leave_s--> RELEASED
+    EXITING --the nodes' worker steps ended--> GIVING_BACK (GIVE_BACK: Slurm shrink / helper ended)
+    EXITING --exit_s passed: SIGTERM--> TERMINATING --leave_s passed: SIGKILL--> KILLING --ended or leave_s--> GIVING_BACK
+    GIVING_BACK --no Slurm change of the release in flight (done, refused, or retried out)--> RELEASED
+    (the batch host, which Slurm cannot drop, goes to RELEASED once its step ended: nothing to give back)
 
 Recovering a failed node (:class:`RecoveryOp`, :func:`advance_recovery`; the survivors recover by themselves, the
 controller follows them)::
@@ -328,7 +330,9 @@ class ReleaseState(enum.Enum):
     EXITING = "exiting"          # the nodes' workers left or failed: their steps end by themselves (exit_s)
     TERMINATING = "terminating"  # SIGTERM sent to the steps still running (leave_s)
     KILLING = "killing"          # SIGKILL sent (leave_s)
-    RELEASED = "released"        # the steps ended (or were given up on); nodes given back
+    GIVING_BACK = "giving_back"  # the steps ended (or were given up on): Slurm is asked to take the nodes back,
+                                 # each change retried on later ticks through a slurmctld outage (release.py)
+    RELEASED = "released"        # the nodes are back with Slurm (or Slurm refused and they stay, unused)
 
 
 @dataclass(frozen=True)
@@ -349,16 +353,21 @@ class ReleaseOp:
         return self.state is ReleaseState.RELEASED
 
 
-def advance_release(op: ReleaseOp, running: tuple[str, ...], now: float,
-                    limits: ResizeLimits) -> tuple[ReleaseOp, list[Action]]:
-    """Move a release on: `running` are its nodes whose step still runs."""
+def advance_release(op: ReleaseOp, running: tuple[str, ...], now: float, limits: ResizeLimits,
+                    given_back: bool = False) -> tuple[ReleaseOp, list[Action]]:
+    """Move a release on: `running` are its nodes whose step still runs; `given_back`, in GIVING_BACK, that no
+    Slurm change of the release is still in flight (each ends by itself: done, refused, or out of retries)."""
     if op.done:
         return op, []
+    if op.state is ReleaseState.GIVING_BACK:
+        return (dataclasses.replace(op, state=ReleaseState.RELEASED), []) if given_back else (op, [])
     if op.started is None:
         op = dataclasses.replace(op, started=now, deadline=now + limits.exit_s)
     if not running or op.state is ReleaseState.KILLING and _expired(op, now):
-        actions = [Action(ActionKind.GIVE_BACK, op.nodes)] if op.give_back else []
-        return dataclasses.replace(op, state=ReleaseState.RELEASED, deadline=None), actions
+        if not op.give_back:
+            return dataclasses.replace(op, state=ReleaseState.RELEASED, deadline=None), []
+        return (dataclasses.replace(op, state=ReleaseState.GIVING_BACK, deadline=None),
+                [Action(ActionKind.GIVE_BACK, op.nodes)])
     if not _expired(op, now):
         return op, []
     if op.state is ReleaseState.EXITING:

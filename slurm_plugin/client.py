@@ -10,8 +10,8 @@ slurmrestd or pyslurm backend (for sites whose Slurm matches a pyslurm release; 
 Every command runs through `CommandBackend._run(argv, timeout)`, which raises `SlurmError` on a
 non-zero exit, a timeout, or an unreachable slurmctld (22.05's `squeue/sinfo --json` and `scontrol show
 topology` then still exit 0, with an `errors` list and no jobs or nodes: without this check a controller
-restart would look like "every job is gone"). `is_transient` tells such passing failures from refusals, and
-`retry_transient` retries a call through them with backoff under one deadline. Commands get an explicit
+restart would look like "every job is gone"). `is_transient` tells such passing failures from refusals (the
+launcher retries its Slurm changes through them, `elastic_launcher.release.SlurmChange`). Commands get an explicit
 environment (`SLURM_CONF` plus a fixed PATH unless a full `env` mapping is given); in particular
 `SLURM_JOBID` is not passed, so `scontrol update` never writes `slurm_job_<id>_resize.sh` files into the
 caller's cwd. `shrink` returns the refreshed environment instead (see `ResizeResult`).
@@ -24,10 +24,9 @@ import dataclasses
 import json
 import logging
 import subprocess
-import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, Sequence, TypeVar, Union
+from typing import Mapping, Protocol, Sequence, Union
 
 from slurm_plugin.contracts.tres import gpu_tres, gpus_in_tres, gres_gpu_type
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
@@ -45,7 +44,6 @@ JSON_ERRORS = "errors in the JSON output"  # a query that answered with errors i
 _TRANSIENT = (UNREACHABLE, JSON_ERRORS, "Socket timed out", "Zero Bytes were transmitted", "Connection refused",
               "Slurm temporarily unable", "try again")
 log = logging.getLogger("slurm_plugin.client")
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,35 +390,6 @@ def is_transient(exc: BaseException) -> bool:
     if exc.rc is None:
         return "timed out" in str(exc)
     return any(mark in exc.stderr or mark in str(exc) for mark in _TRANSIENT)
-
-
-def retry_transient(call: Callable[[], T], what: str, timeout: timedelta, first_delay: float = 1.0,
-                    max_delay: float = 10.0) -> T:
-    """`call()`, repeated with exponential backoff while it fails with a transient `SlurmError`.
-
-    Each attempt is bounded by the backend's own per-command timeout; this bounds the whole: no new
-    attempt starts after `timeout` has passed since the first one. Each failure is logged with `what`.
-
-    :raises SlurmError: the last transient failure, once `timeout` has passed.
-    :raises Exception: any other error of `call`, at once.
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-    delay, attempt = first_delay, 1
-    while True:
-        try:
-            result = call()
-        except SlurmError as exc:
-            left = deadline - time.monotonic()
-            if not is_transient(exc) or left <= 0:
-                raise
-            log.warning("%s: attempt %d failed (%s); retrying in %.1f s (%.0f s left)", what, attempt, exc,
-                        min(delay, left), left)
-            time.sleep(min(delay, left))
-            delay, attempt = min(delay * 2, max_delay), attempt + 1
-            continue
-        if attempt > 1:
-            log.warning("%s: succeeded at attempt %d", what, attempt)
-        return result
 
 
 def _raise_if_unknown_job(job_id: int, exc: SlurmError) -> None:

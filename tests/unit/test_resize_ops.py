@@ -208,8 +208,11 @@ def test_a_recovery_holds_every_post_and_submit_but_not_a_cancel_nor_a_deadline(
 def test_a_release_gives_the_nodes_back_once_their_steps_ended():
     op, acts = advance_release(ReleaseOp(("node2",), "test"), ("node2",), 10.0, LIMITS)
     assert op.state is ReleaseState.EXITING and op.deadline == 10.0 + LIMITS.exit_s and acts == []
-    done, acts = advance_release(op, (), 11.0, LIMITS)
-    assert done.done and acts == [Action(ActionKind.GIVE_BACK, ("node2",))]
+    giving, acts = advance_release(op, (), 11.0, LIMITS)
+    assert giving.state is ReleaseState.GIVING_BACK and acts == [Action(ActionKind.GIVE_BACK, ("node2",))]
+    assert advance_release(giving, (), 12.0, LIMITS) == (giving, [])  # a Slurm change still in flight: it waits
+    done, acts = advance_release(giving, (), 13.0, LIMITS, given_back=True)
+    assert done.done and acts == []                                   # GIVE_BACK asked once
     host, acts = advance_release(ReleaseOp(("node1",), "restart", give_back=False), (), 11.0, LIMITS)
     assert host.done and acts == []                                   # the batch host is never given back
 
@@ -221,8 +224,8 @@ def test_a_step_that_does_not_end_is_terminated_then_killed_one_stage_a_deadline
     assert op.state is ReleaseState.TERMINATING and acts == [Action(ActionKind.TERMINATE, ("node2",))]
     op, acts = advance_release(op, ("node2",), 25.0, LIMITS)
     assert op.state is ReleaseState.KILLING and acts == [Action(ActionKind.KILL, ("node2",))]
-    done, acts = advance_release(op, ("node2",), 45.0, LIMITS)       # given up on: released anyway
-    assert done.done and kinds(acts) == [ActionKind.GIVE_BACK]
+    giving, acts = advance_release(op, ("node2",), 45.0, LIMITS)     # given up on: given back anyway
+    assert giving.state is ReleaseState.GIVING_BACK and kinds(acts) == [ActionKind.GIVE_BACK]
 
 
 # -- recovering a failed node ---------------------------------------------------------------------------------

@@ -660,3 +660,93 @@ def test_an_operator_request_counts_a_released_failed_node_once(tmp_path):
     c.inbox.requests = [(1, {"nodes": 2})]
     c._tick()
     assert c.inbox.replies[1]["message"] == "already on 2 nodes"
+
+
+class SlurmDown:
+    """FakeSlurm's shrink while slurmctld is down: every call fails as an unreachable controller does."""
+
+    def __init__(self, slurm):
+        self.slurm, self.down, self.attempts = slurm, True, 0
+        self.real = slurm.shrink
+
+    def __call__(self, job_id, keep):
+        from slurm_plugin.client import UNREACHABLE
+        from slurm_plugin.errors import SlurmError
+        self.attempts += 1
+        if self.down:
+            raise SlurmError(["scontrol", "update"], 1, f"slurm_update error: {UNREACHABLE} (connect failure)")
+        return self.real(job_id, keep)
+
+
+def test_a_give_back_during_a_slurmctld_outage_is_retried_on_later_ticks_and_nothing_waits(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """#27.2: a Slurm change was retried inside one tick (retry_transient, up to 120 s of sleeps): while slurmctld
+    was down the controller handled no failure, request or measurement. Now each attempt is one tick's, backed off."""
+    clock = Clock()
+    c = make_controller(tmp_path, clock, nodes=3)
+    monkeypatch.setattr(resize_module, "wait_until", lambda *a, **k: pytest.fail("a tick waited"))
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("a tick slept"))
+    c.slurm.shrink = down = SlurmDown(c.slurm)
+    c.pool.steps["node3"].code = 1
+    c._tick()
+    recover(c, "node3")
+    c._tick()                                           # EVICTED
+    c._tick()                                           # switched: the release starts, its step ended: GIVE_BACK
+    assert down.attempts == 1 and "node3" in c.fleet.nodes and c.phase is JobPhase.RECOVERING
+    c.inbox.requests = [(1, {"nodes": 1})]              # an operator request while slurmctld is down: answered
+    c.pool.steps["node2"].code = 1                      # and a second node failure: handled
+    c._tick()
+    assert 1 in c.inbox.replies and [x["node"] for x in c.records.items if x["kind"] == "failure"] == ["node3", "node2"]
+    assert down.attempts == 1                           # the next attempt waits for its backoff (1 s), not a tick
+    clock.t += 1
+    c._tick()
+    assert down.attempts == 2 and "attempt 2 failed" in caplog.text and "retrying in 2.0 s" in caplog.text
+    down.down = False
+    clock.t += 2
+    c._tick()
+    assert "succeeded at attempt 3" in caplog.text and not c.resizer.releaser.changes
+    (shrunk,) = [x for x in c.records.items if x["kind"] == "slurm_shrink"]
+    assert shrunk["job"] == "42" and shrunk["nodelist"] == "node1,node2"     # node2's own release comes next
+    assert "node3" not in c.fleet.nodes
+    assert not [x for x in c.records.items if x["kind"] == "slurm_shrink_failed"]
+
+
+def test_a_give_back_still_refused_after_its_retries_leaves_the_node_allocated_and_the_release_ends(tmp_path):
+    clock = Clock()
+    c = make_controller(tmp_path, clock, nodes=3)
+    c.slurm.shrink = down = SlurmDown(c.slurm)
+    c.pool.steps["node3"].code = 1
+    c._tick()
+    recover(c, "node3")
+    for _ in range(2):
+        c._tick()
+    for _ in range(40):                                 # 120 s of fake time, a tick every 5 s
+        clock.t += 5
+        c._tick()
+    (failed,) = [x for x in c.records.items if x["kind"] == "slurm_shrink_failed"]
+    assert failed["keep"] == ["node1", "node2"] and "Unable to contact" in failed["error"]
+    assert 10 <= down.attempts <= 20 and not c.resizer.releaser.changes          # backed off to 10 s, then stopped
+    assert "node3" not in c.fleet.nodes and not c.resizer.recovering
+
+
+def test_at_exit_a_slurm_change_still_in_flight_is_drained_within_its_deadline(tmp_path, monkeypatch):
+    from elastic_launcher import controller as controller_module
+    clock = Clock()
+    c = make_controller(tmp_path, clock, nodes=3)
+    c.slurm.shrink = down = SlurmDown(c.slurm)
+    c.pool.steps["node3"].code = 1
+    c._tick()
+    recover(c, "node3")
+    for _ in range(2):
+        c._tick()
+    assert c.resizer.releaser.changes and down.attempts == 1
+    monkeypatch.setattr(controller_module, "wait_until", lambda predicate, timeout, interval=0.1: predicate())
+    real_sleep = clock.sleep
+
+    def sleep(seconds):                                  # slurmctld comes back 5 s into the exit's drain
+        real_sleep(seconds)
+        down.down = clock.t < 1005
+    c.sleep = sleep
+    c._cleanup("completed")
+    assert not c.resizer.releaser.changes and [x["kind"] for x in c.records.items].count("slurm_shrink") == 1
+    assert down.attempts == 4 and clock.t == 1007                  # attempts at 1000, 1001, 1003, 1007

@@ -15,7 +15,8 @@ import pytest
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.helper_agent import HelperAgent
-from slurm_plugin.client import CommandBackend, is_transient, retry_transient
+from elastic_launcher.release import SlurmChange, attempt_change
+from slurm_plugin.client import CommandBackend, is_transient
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slurm"
@@ -90,15 +91,19 @@ def test_shrink_while_controller_restarts_raises_slurm_error_then_succeeds_on_re
     with pytest.raises(SlurmError) as info:  # not ResizeError: Slurm did not refuse, it was not there
         backend.shrink(2, ["node1", "node2"])
     assert not isinstance(info.value, ResizeError) and is_transient(info.value)
-    result = retry_transient(lambda: backend.shrink(2, ["node1", "node2"]), "shrink", timedelta(seconds=5),
-                             first_delay=0.01)
+    done, failed = [], []
+    change = SlurmChange("shrink", lambda: backend.shrink(2, ["node1", "node2"]), done.append, failed.append, (),
+                         deadline=120.0, next_at=0.0)
+    again = attempt_change(change, 0.0)          # the second scontrol update answers: one attempt, done
+    assert again is None and not failed
+    (result,) = done
     assert result.job.nodes == ("node1", "node2") and result.env["SLURM_NNODES"] == "2"
     assert [c for c in backend.calls if c[0] == "scontrol"] == [["scontrol", "update", "JobId=2",
                                                                   "NodeList=node[1-2]"]] * 2
 
 
-def test_retry_transient_backs_off_until_success_or_deadline():
-    calls = []
+def test_a_slurm_change_backs_off_until_success_or_its_deadline_and_stops_at_a_refusal():
+    calls, done, failed = [], [], []
 
     def flaky():
         calls.append(1)
@@ -106,25 +111,32 @@ def test_retry_transient_backs_off_until_success_or_deadline():
             raise SlurmError(["squeue"], 0, "", "errors in the JSON output: Failed while looking for jobs")
         return "ok"
 
-    assert retry_transient(flaky, "flaky", timedelta(seconds=5), first_delay=0.01) == "ok" and len(calls) == 3
+    change = SlurmChange("flaky", flaky, done.append, failed.append, (), deadline=120.0, next_at=0.0)
+    change = attempt_change(change, 0.0)
+    assert (change.next_at, change.attempt) == (1.0, 2)           # each attempt one call; the next one scheduled
+    change = attempt_change(change, 1.0)
+    assert change.next_at == 3.0
+    assert attempt_change(change, 3.0) is None and done == ["ok"] and len(calls) == 3
 
     def down():
         calls.append(1)
         raise SlurmError(["squeue"], None, "", "timed out after 1 s")
 
     calls.clear()
-    with pytest.raises(SlurmError, match="timed out"):
-        retry_transient(down, "down", timedelta(seconds=0.2), first_delay=0.05, max_delay=0.05)
-    assert 2 <= len(calls) <= 6
+    change, nows = SlurmChange("down", down, done.append, failed.append, (), deadline=30.0, next_at=0.0), []
+    while change is not None:
+        nows.append(change.next_at)
+        change = attempt_change(change, change.next_at)
+    assert nows == [0.0, 1.0, 3.0, 7.0, 15.0, 25.0, 30.0]             # 1, 2, 4, 8, then 10 s, cut at the deadline
+    assert len(failed) == 1 and "timed out" in str(failed[0])
 
     def refused():
         calls.append(1)
         raise SlurmError(["scontrol"], 1, "Invalid job id specified")
 
     calls.clear()
-    with pytest.raises(SlurmError, match="Invalid job id"):
-        retry_transient(refused, "refused", timedelta(seconds=5), first_delay=0.01)
-    assert len(calls) == 1
+    assert attempt_change(SlurmChange("refused", refused, done.append, failed.append, (), 120.0, 0.0), 0.0) is None
+    assert len(calls) == 1 and "Invalid job id" in str(failed[-1])
 
 
 class _Step:
