@@ -594,10 +594,15 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
 
     (tmp_path / "job_submit.lua").write_text("-- old\n")
     loaded_at = time.time()  # as if slurmctld loaded the old script just now
+    waits: list[float] = []
     written = install(PluginConfig(tmp_path, "http://127.0.0.1:8470/", timedelta(milliseconds=80), 5,
-                                   timedelta(seconds=12), cli_filter=True, max_gpus_per_node={"debug": 4, "a100": 8}))
+                                   timedelta(seconds=12), cli_filter=True, max_gpus_per_node={"debug": 4, "a100": 8}),
+                      sleep=waits.append)
     assert [p.name for p in written] == ["elastic_common.lua", "elastic.conf", "cli_filter.lua", "job_submit.lua"]
-    assert (tmp_path / "job_submit.lua").stat().st_mtime > int(loaded_at)  # slurmctld compares whole seconds
+    mtime = (tmp_path / "job_submit.lua").stat().st_mtime
+    assert mtime > int(loaded_at) and mtime == int(mtime)  # slurmctld compares whole seconds
+    [wait] = waits                                          # until that second has come, never longer than one
+    assert 0 < wait <= 1
     assert (tmp_path / "elastic.conf").read_text().splitlines()[1:] == [
         "predictor_url = http://127.0.0.1:8470", "budget_ms = 80", "breaker_failures = 5", "breaker_open_s = 12",
         "cache_entries = 1024", "max_gpus_per_node = a100=8,debug=4"]
