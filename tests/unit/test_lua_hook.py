@@ -611,13 +611,19 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
     assert "connection refused" in kinds(result, "user_msg")[0]
 
 
-def test_the_gpu_bound_is_slurms_own_count_or_the_admins(tmp_path):
+def test_the_gpu_bound_is_slurms_own_count_or_the_admins(tmp_path, monkeypatch):
     """#24.5: one owner: Slurm's node GRES (client.most_gpus_per_node), read by the installer; or the admin's
     --max-gpus-per-node where Slurm does not answer, which is then named."""
+    import functools
+
     from click.testing import CliRunner
 
+    from slurm_plugin import installer
     from slurm_plugin.client import Node, Partition, most_gpus_per_node
     from slurm_plugin.installer import InstallError, PluginConfig, install, install_plugin
+
+    # the command's install() waits for job_submit.lua's mtime second; no slurmctld here to wait for
+    monkeypatch.setattr(installer, "install", functools.partial(installer.install, sleep=lambda _s: None))
 
     nodes = [Node("n1", "idle", 4, 0, None, ("p",)), Node("n2", "idle", 8, 0, None, ("p",)),
              Node("c1", "idle", 0, 0, None, ("cpu",))]
