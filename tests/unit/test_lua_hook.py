@@ -514,6 +514,7 @@ def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
     assert results[4]["job_desc"]["min_nodes"] == 2
 
 
+@pytest.mark.slow  # three real 500 ms socket timeouts in a Lua process: 1.5 s each
 @pytest.mark.parametrize("mode", ["sleep", "drip"])
 def test_one_slow_answer_keeps_the_breaker_closed(tmp_path, predictor, mode):
     """Issue #26.3: one answer past the budget on a loaded host is not a hung service: the submissions after it

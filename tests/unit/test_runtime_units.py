@@ -239,6 +239,7 @@ def test_wrapper_configure_collective_abort(store):
     assert release_retired(timedelta(seconds=10)) and retired_groups() == 0
 
 
+@pytest.mark.slow  # waits out a real 2 s gloo collective timeout (the retired teardown): 2 s
 def test_abort_never_tears_a_gloo_group_down_on_the_caller(store):
     """A peer's group whose other rank is gone (its pending allreduce can only time out): abort returns at once
     and the process's other threads keep running (the teardown would hold the GIL until the timeout)."""
