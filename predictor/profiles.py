@@ -234,10 +234,10 @@ def _transformer(vocab: int, pos: int, d: int, layers: int, ffn: int | None = No
         m.cls_token = nn.Parameter(torch_empty(1, 1, d))
         m.pos_embed = nn.Parameter(torch_empty(1, pos, d))
     else:
-        m.word_embeddings = nn.Embedding(vocab, d)
-        m.position_embeddings = nn.Embedding(pos, d)
+        m.word_embeddings = _embedding(vocab, d)
+        m.position_embeddings = _embedding(pos, d)
         if types:
-            m.token_type_embeddings = nn.Embedding(types, d)
+            m.token_type_embeddings = _embedding(types, d)
         m.emb_norm = nn.LayerNorm(d)
     blocks = nn.ModuleList()
     for _ in range(layers):
@@ -261,6 +261,16 @@ def torch_empty(*shape):
     import torch
 
     return torch.empty(*shape)
+
+
+def _embedding(num: int, dim: int):
+    """`nn.Embedding(num, dim)`'s one parameter (`weight`) without its `normal_` init, which on the meta device
+    imports torch._dynamo: 1.5 s of CPU in the first profile a process builds."""
+    import torch.nn as nn
+
+    m = nn.Module()
+    m.weight = nn.Parameter(torch_empty(num, dim))
+    return m
 
 
 def _resnet(blocks: list[int], bottleneck: bool, classes: int = 1000, cifar: bool = False):

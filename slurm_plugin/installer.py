@@ -23,7 +23,7 @@ import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 from urllib.parse import urlsplit
 
 import click
@@ -142,11 +142,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _stamp_next_second(path: Path) -> None:
-    """Give `path` an mtime strictly after any load slurmctld did before this call."""
+def _stamp_next_second(path: Path, sleep: Callable[[float], None]) -> None:
+    """Give `path` an mtime strictly after any load slurmctld did before this call, once that second has come."""
     now = time.time()
     target = int(now) + 1
-    time.sleep(target - now)
+    sleep(target - now)
     os.utime(path, (target, target))
 
 
@@ -168,8 +168,10 @@ def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
         raise InstallError(f"cannot read each partition's GPUs per node from Slurm ({exc}); {how}") from exc
 
 
-def install(config: PluginConfig, lua: str = "lua5.1") -> list[Path]:
+def install(config: PluginConfig, lua: str = "lua5.1", sleep: Callable[[float], None] = time.sleep) -> list[Path]:
     """Write the hook files into `config.conf_dir`; return the paths written, job_submit.lua last.
+
+    `sleep` waits (up to 1 s) for the second job_submit.lua's mtime names (tests pass their own).
 
     :raises InstallError: the directory does not exist or Lua lacks lua-socket/lua-cjson.
     """
@@ -187,7 +189,7 @@ def install(config: PluginConfig, lua: str = "lua5.1") -> list[Path]:
     for name, text in files:
         _write_atomic(config.conf_dir / name, text)
         written.append(config.conf_dir / name)
-    _stamp_next_second(written[-1])
+    _stamp_next_second(written[-1], sleep)
     return written
 
 

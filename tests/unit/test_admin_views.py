@@ -314,6 +314,7 @@ def test_metrics_label_values_are_escaped():
 
 
 # --- /admin -------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # matplotlib drawings (every plot the page links): 2.4 s
 def test_admin_page_lists_decisions_models_links_and_plots(app):
     client = app.test_client()
     decision = client.post("/v1/plan", json=PLAN).get_json()

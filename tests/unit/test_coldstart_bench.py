@@ -48,6 +48,7 @@ def test_a_model_is_predicted_without_its_multi_gpu_rows(data, monkeypatch):
     assert all(t > 0 for _, t in out)
 
 
+@pytest.mark.slow  # the bench's protocol B: 30 predictor fits, 1.7-2.3 s
 def test_same_launch_protocol_sees_only_the_launchs_compute_of_the_held_out_model(data, monkeypatch):
     profiles, coll, steps = data
     seen = _spy_fits(monkeypatch)

@@ -230,6 +230,7 @@ def test_x_forwarded_for_from_the_client_is_replaced_by_its_address(history, tmp
     assert clients == [OTHER]
 
 
+@pytest.mark.slow  # nginx + two gunicorns, ~3 s
 def test_large_anonymous_plans_are_answered_by_the_side_pool(history, tmp_path):
     """#24.9: four threads of the largest valid anonymous /v1/plan bodies (4096 reused decision ids, 166 KB: 25 ms
     of a plan worker each, 25x a hook's plan) held both workers that answer the hook and queued ahead of its plans
@@ -263,6 +264,7 @@ exit 1
 """
 
 
+@pytest.mark.slow  # nginx + two gunicorns, ~3 s
 def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
     """#24.4: requests carrying a munge credential go to the side pool, a gunicorn apart from the one that answers
     the hook, so while every one of their checks hangs (a fake unmunge that waits for the test), the hook's
@@ -302,6 +304,7 @@ def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
     assert sorted(answered) == [401] * 4     # the released checks end as unmunge said: a bad credential
 
 
+@pytest.mark.slow  # nginx + two gunicorns and a fit, ~4 s
 def test_fits_run_in_the_side_pool_never_beside_the_hooks_plans(history, tmp_path):
     """#24.11: a write's refit ran in a thread of whichever worker held the fit lock, one of the two that answer the
     hook's /v1/plan, and took the GIL from its plans. Now the plan pool (which answers /healthz too) never fits:
@@ -326,6 +329,7 @@ def test_fits_run_in_the_side_pool_never_beside_the_hooks_plans(history, tmp_pat
     assert [(h["fitter"], h["fits"]) for h in health] == [(False, 0)] * 12, health
 
 
+@pytest.mark.slow  # nginx + two gunicorns, ~2.5 s
 def test_gunicorn_forks_its_workers_with_the_engine_already_imported(history, tmp_path):
     """#24.13: each worker gunicorn starts again after a SIGKILL imported the engine (numpy, scipy, sklearn: ~0.8 s
     of CPU on a core the hook's plans need); now `serve` imports it before forking, so every gunicorn process, the

@@ -514,6 +514,7 @@ def test_breaker_opens_after_k_failures_and_closes_after_t(tmp_path, predictor):
     assert results[4]["job_desc"]["min_nodes"] == 2
 
 
+@pytest.mark.slow  # three real 500 ms socket timeouts in a Lua process: 1.5 s each
 @pytest.mark.parametrize("mode", ["sleep", "drip"])
 def test_one_slow_answer_keeps_the_breaker_closed(tmp_path, predictor, mode):
     """Issue #26.3: one answer past the budget on a loaded host is not a hung service: the submissions after it
@@ -594,10 +595,15 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
 
     (tmp_path / "job_submit.lua").write_text("-- old\n")
     loaded_at = time.time()  # as if slurmctld loaded the old script just now
+    waits: list[float] = []
     written = install(PluginConfig(tmp_path, "http://127.0.0.1:8470/", timedelta(milliseconds=80), 5,
-                                   timedelta(seconds=12), cli_filter=True, max_gpus_per_node={"debug": 4, "a100": 8}))
+                                   timedelta(seconds=12), cli_filter=True, max_gpus_per_node={"debug": 4, "a100": 8}),
+                      sleep=waits.append)
     assert [p.name for p in written] == ["elastic_common.lua", "elastic.conf", "cli_filter.lua", "job_submit.lua"]
-    assert (tmp_path / "job_submit.lua").stat().st_mtime > int(loaded_at)  # slurmctld compares whole seconds
+    mtime = (tmp_path / "job_submit.lua").stat().st_mtime
+    assert mtime > int(loaded_at) and mtime == int(mtime)  # slurmctld compares whole seconds
+    [wait] = waits                                          # until that second has come, never longer than one
+    assert 0 < wait <= 1
     assert (tmp_path / "elastic.conf").read_text().splitlines()[1:] == [
         "predictor_url = http://127.0.0.1:8470", "budget_ms = 80", "breaker_failures = 5", "breaker_open_s = 12",
         "cache_entries = 1024", "max_gpus_per_node = a100=8,debug=4"]
@@ -606,13 +612,19 @@ def test_installer_writes_hook_files_and_stamps_job_submit_past_the_last_load(tm
     assert "connection refused" in kinds(result, "user_msg")[0]
 
 
-def test_the_gpu_bound_is_slurms_own_count_or_the_admins(tmp_path):
+def test_the_gpu_bound_is_slurms_own_count_or_the_admins(tmp_path, monkeypatch):
     """#24.5: one owner: Slurm's node GRES (client.most_gpus_per_node), read by the installer; or the admin's
     --max-gpus-per-node where Slurm does not answer, which is then named."""
+    import functools
+
     from click.testing import CliRunner
 
+    from slurm_plugin import installer
     from slurm_plugin.client import Node, Partition, most_gpus_per_node
     from slurm_plugin.installer import InstallError, PluginConfig, install, install_plugin
+
+    # the command's install() waits for job_submit.lua's mtime second; no slurmctld here to wait for
+    monkeypatch.setattr(installer, "install", functools.partial(installer.install, sleep=lambda _s: None))
 
     nodes = [Node("n1", "idle", 4, 0, None, ("p",)), Node("n2", "idle", 8, 0, None, ("p",)),
              Node("c1", "idle", 0, 0, None, ("cpu",))]

@@ -127,7 +127,7 @@ def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
     from slurm_plugin.installer import install as install_plugin
 
     install_plugin(PluginConfig(tmp_path, predictor.url, timedelta(milliseconds=100), cache_entries=entries,
-                                max_gpus_per_node=MAX_GPUS_PER_NODE))
+                                max_gpus_per_node=MAX_GPUS_PER_NODE), sleep=lambda _s: None)   # no slurmctld to wait for
     cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 2 entries: 3rd empties it
     run_hook(tmp_path, cases)
     assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked

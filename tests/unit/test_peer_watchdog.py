@@ -70,7 +70,7 @@ class _Stepped:
                 return
             self.beat(beating)
             self.now += 0.1
-            time.sleep(0.03)   # the watcher's turn (it checks every 0.02 s; missing some changes nothing)
+            time.sleep(0.01)   # the watcher's turn (it checks every 0.02 s; missing some changes nothing)
 
 
 def test_a_peer_that_stops_beating_is_reported_once_per_epoch(store):

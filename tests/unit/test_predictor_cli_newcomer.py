@@ -34,7 +34,7 @@ FAKE_BENCH = """\
 import sys, time
 names = sys.argv[sys.argv.index("--datasets") + 1].split(",")
 for name in names:
-    time.sleep(0.4)
+    time.sleep(0.2)
     print(f"{name}: done at 0 s", file=sys.stderr, flush=True)
 print("| dataset | error |")
 print("| " + " | ".join(names) + " |")
@@ -44,12 +44,12 @@ raise SystemExit(0)
 
 def _evaluate(checkout: Path) -> subprocess.CompletedProcess:
     """`elastic-predictor evaluate` in a process of its own (the bench's stdout is the process's own), run from
-    a checkout whose bench/accuracy.py is FAKE_BENCH, saying every 0.15 s that it still runs."""
+    a checkout whose bench/accuracy.py is FAKE_BENCH, saying every 0.05 s that it still runs."""
     code = textwrap.dedent(f"""
         import pathlib, sys
         from predictor import cli
         cli.REPO_ROOT = pathlib.Path({str(checkout)!r})
-        cli.PROGRESS_EVERY_S = 0.15
+        cli.PROGRESS_EVERY_S = 0.05
         sys.argv = ["elastic-predictor", "evaluate", "--datasets", "pollux-t4,morphling-a800"]
         cli.main()
     """)

@@ -170,7 +170,7 @@ def test_predictor_client_posts_observations_with_the_token_and_fails_soft():
         client = PredictorClient(url, "s3cret", timeout_s=2)
         assert client.observe([rec])
         assert _Recorder.seen[-1] == ("/v1/observations", "Bearer s3cret", [rec])
-    down = PredictorClient("http://127.0.0.1:9", "s3cret", timeout_s=1)
+    down = PredictorClient("http://127.0.0.1:9", "s3cret", timeout_s=1, retry_delay_s=0.01)   # a retry waits 0.01 s, not 0.5
     assert down.observe([rec]) is False and "/v1/observations" in down.last_error
     assert down.observe([rec]) is False  # breaker open: no second wait
 

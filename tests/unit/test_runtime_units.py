@@ -239,6 +239,7 @@ def test_wrapper_configure_collective_abort(store):
     assert release_retired(timedelta(seconds=10)) and retired_groups() == 0
 
 
+@pytest.mark.slow  # waits out a real 2 s gloo collective timeout (the retired teardown): 2 s
 def test_abort_never_tears_a_gloo_group_down_on_the_caller(store):
     """A peer's group whose other rank is gone (its pending allreduce can only time out): abort returns at once
     and the process's other threads keep running (the teardown would hold the GIL until the timeout)."""
@@ -462,7 +463,7 @@ def test_a_join_that_gets_no_plan_leaves_no_heartbeat(store):
     import threading
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
     m, o = _model_opt()  # no coordinator posts a plan
-    cfg = TrainerConfig(connect_timeout=timedelta(seconds=5), rendezvous_timeout=timedelta(seconds=0.5))
+    cfg = TrainerConfig(connect_timeout=timedelta(seconds=5), rendezvous_timeout=timedelta(seconds=0.2))
     et = ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="lonely",
                         policy=BatchPolicy(per_gpu_batch=4), config=cfg)
     with pytest.raises(RendezvousTimeout):
