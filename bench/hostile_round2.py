@@ -112,8 +112,10 @@ def many_profiles(service: hc.Service, profiles: int):
         legit = [{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2], "intra_link": "nvlink",
                   "per_gpu_batch": 64, "iter_s": 0.0325}]
         fresh_s, health = fresh_after(service.port, json.dumps(legit).encode())
+        fit_s = health.get("fit_s", float("nan"))
         return (f"{profiles} profiles x 4 rows of job {JOB}; a legitimate write reflected after {fresh_s:.1f} s "
-                f"(target <= 5 s); last fit {health.get('fit_s', float('nan')):.1f} s")
+                f"(target <= 5 s: {'yes' if fresh_s <= 5 else 'no'}); last fit {fit_s:.1f} s (target < 5 s: "
+                f"{'yes' if fit_s < 5 else 'no'})")
     return run
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import hostile_round3  # noqa: E402
 import hostile_suite  # noqa: E402
 
 
@@ -26,6 +27,60 @@ def test_round3_table_has_the_issues_columns_per_item():
     assert four.startswith("| 4 | attack 4 | 11.7 ms (yes;") and "| 0 of 60 |" in four and "**PASS**" in four
     assert "140.0 ms (no;" in thirteen and "1 of 60 ({200: 59, 502: 1})" in thirteen and "**FAIL**" in thirteen
     assert "DB 2.0 -> 3.0 MB (bound 16 MiB)" in four
+
+
+def test_round3_table_gives_each_measure_its_column_and_a_dash_where_an_item_takes_none():
+    measured = {**_row(9, 20.0), "measures": {"disk": "DB 5.4 -> 20.9 MB (bound: decisions budget 16 MiB)",
+                                              "staleness": "reflected after 1.0-1.1 s"}}
+    head, _, nine, four = hostile_suite.round3_table({"rows": [measured, _row(4, 11.7)], "left_out": (),
+                                                      "why": ""}).splitlines()
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    assert columns[5:9] == ["memory growth (bound)", "disk growth (bound)",
+                            "others' plan and predictions moved (target <= 10%, plan unchanged)",
+                            "model staleness (target <= 5 s)"]
+    cells = [c.strip() for c in nine.strip("|").split("|")]
+    assert cells[5:9] == ["-", "DB 5.4 -> 20.9 MB (bound: decisions budget 16 MiB)", "-", "reflected after 1.0-1.1 s"]
+    assert [c.strip() for c in four.strip("|").split("|")][5:9] == ["-"] * 4
+    assert len(cells) == len(columns)
+
+
+class _SlowVictim:
+    """Stands in for hostile_round3.Victim: every plan answered 200 in `seconds`."""
+    seconds = 0.1028
+
+    def __init__(self, port, body=None):
+        self.results = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.results = [(200, self.seconds)] * 59
+
+
+def test_an_item_whose_check_passes_fails_when_the_victims_p99_misses_its_target(monkeypatch):
+    # session 16's item 11: its own check passed with the victim's p99 at 102.8 ms, and the row said PASS
+    monkeypatch.setattr(hostile_round3, "Victim", _SlowVictim)
+    monkeypatch.setattr(hostile_round3, "BASELINE_S", 0.0)
+    row = hostile_round3.attack(1, 11, "collectives", lambda tally: ("ib bandwidth -0.9%", True))
+    assert row["verdict"] == "FAIL" and row["failed_on"] == ["victim p99 102.8 ms > 100"]
+    _SlowVictim.seconds = 0.0051
+    try:
+        assert hostile_round3.attack(1, 11, "collectives", lambda tally: ("ok", True))["verdict"] == "PASS"
+    finally:
+        _SlowVictim.seconds = 0.1028
+
+
+def test_an_item_fails_on_a_victims_5xx_whatever_the_item(monkeypatch):
+    class Broken(_SlowVictim):
+        def __exit__(self, *exc):
+            self.results = [(200, 0.005)] * 58 + [(502, 0.005)]
+
+    monkeypatch.setattr(hostile_round3, "Victim", Broken)
+    monkeypatch.setattr(hostile_round3, "BASELINE_S", 0.0)
+    for item in (11, 13):
+        row = hostile_round3.attack(1, item, "x", lambda tally: ("ok", True))
+        assert row["verdict"] == "FAIL" and row["failed_on"] == ["victim 5xx 1"], item
 
 
 def test_round3_without_the_testbed_leaves_out_only_the_job_items_and_says_why(tmp_path):
