@@ -24,6 +24,7 @@ worker takes it; nothing else is ever sent twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import pwd
@@ -40,6 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from predictor import lockholder
 from predictor.server import _die_with_parent, gunicorn_application
 
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "nginx.conf.in"
@@ -236,18 +238,26 @@ def _group(user: pwd.struct_passwd) -> str:
 
 
 def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeout: int, nice: int = 0) -> int:
-    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one, its processes
-    at `nice` above ours; its pid."""
-    application = gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout)
+    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one; its pid. With
+    `nice`, each worker starts its SQLite lock holder (predictor.lockholder) and then runs at `nice` above ours:
+    all it does, and runs, yields the CPU, but the write lock the hook's plans wait for is held at our priority."""
+    post_fork = functools.partial(_yield_cpu_but_the_lock, nice) if nice else None
+    application = gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout,
+                                       post_fork=post_fork)
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        if nice:
-            os.nice(nice)
         os._exit(_gunicorn_child(application, parent))
     return pid
+
+
+def _yield_cpu_but_the_lock(nice: int) -> None:
+    """In a worker as it starts (one thread): the lock holder's thread keeps our priority; this thread, and every
+    thread it starts from here on, runs at `nice` above it (Linux: a per-thread value, inherited)."""
+    lockholder.start()
+    os.nice(nice)
 
 
 def _gunicorn_child(application, parent: int) -> int:
