@@ -13,7 +13,9 @@ nginx is not installed.
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
 answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge` and under 10,000 bytes
 (#24.9: the hook's are a few hundred bytes; the largest valid plans, 166 KB, cost a plan worker 25 ms each), and
-GET /healthz; a second one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`)
+GET /healthz; a second one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`
+but for each worker's SQLite lock holder thread, predictor.lockholder, so the write lock the hook's plans wait for
+is never held at nice `SIDE_NICE`, #24.11)
 answers everything else: writes, requests carrying a munge credential (unmunge and the Slurm lookups it costs),
 `/v1/predict`, profiles, decisions, `/admin`, `/metrics`. nginx routes by method, path and that header. So no
 credential check, write flood or admin page holds a worker the hook's plan needs, and on a busy host the side
