@@ -221,6 +221,30 @@ def round3_table(res: dict) -> str:
     return "\n".join(out)
 
 
+def other_items_table(round2: list[dict], idle: list[dict]) -> str:
+    """#24's items 2, 3, 7, 12 and 14 (round 2 and the idle-connection attack) in round 3's columns: their
+    legitimate client is /v1/plan paced at 20/s from the attacker's address (item 3: GET /healthz from another)."""
+    out = ["| #24 item | attack | legitimate /v1/plan p99 during (target <= 100 ms) | legitimate client's 5xx or no "
+           "answer | attacker's 5xx or no answer | memory growth (bound) | disk growth (bound) | others' plan and "
+           "predictions moved | model staleness (target <= 5 s) | check |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in round2:
+        item = r["attack"].split()[0].removeprefix("#24.")
+        p99, n = r["plan_p99"]
+        out.append(f"| {item} | {r['attack'].split(' ', 1)[1]} | {p99:.1f} ms ({'yes' if p99 <= 100 else 'no'}; "
+                   f"{r['over_100ms']} of {n} over 100 ms) | {r.get('plan_errors', '-')} of {n} | "
+                   f"{r['tally'].server_errors} of {r['tally'].total} | largest worker {r['rss'][0]:.0f} -> "
+                   f"{r['rss'][1]:.0f} MB (no bound stated) | DB {r['db'][0]:.1f} -> {r['db'][1]:.1f} MB (no bound "
+                   f"stated) | {r.get('measures', {}).get('moved') or '-'} | "
+                   f"{r.get('measures', {}).get('staleness') or '-'} | {' '.join(r['check'].split())} |")
+    for r in idle:
+        failed = r["probes"] - r["statuses"].get("200", r["statuses"].get(200, 0))
+        out.append(f"| 3 | one address holds {r['held']} idle connections (`--server {r['server']}`) | GET /healthz "
+                   f"from another address, not /v1/plan: p99 {r['p99_ms']:.0f} ms | {failed} of {r['probes']} not 200 "
+                   f"({r['statuses']}) | - | - | - | - | - | {r['within_100ms']} of {r['probes']} answered 200 within "
+                   f"100 ms (target >= 36) |")
+    return "\n".join(out)
+
+
 def idle_row(idle: list[dict]) -> str:
     fronts = "; ".join(f"`--server {r['server']}`: {r['answered']} of {r['probes']} answered 200 "
                        f"({r['within_100ms']} within 100 ms; p99 {r['p99_ms']:.0f} ms over all; statuses {r['statuses']})"
@@ -329,7 +353,8 @@ def main(argv=None) -> int:
            "", "Raw: round 2 (bench/hostile_round2.py's table)", "", hostile_round2.table(res["round2"])]
     text = (header + "\n\n" + summary(res) + "\n\nRound 3 (bench/hostile_round3.py; victim: POST /v1/plan at "
             f"{hostile_round3.PLAN_RATE:g}/s from {hostile_round3.VICTIM_ADDRESS})\n\n" + round3_table(res["round3"])
-            + "\n" + "\n".join(raw) + "\n")
+            + "\n\n#24's other items (2, 3, 7, 12, 14: round 2 and the idle connections) in the same columns\n\n"
+            + other_items_table(res["round2"], res["idle"]) + "\n" + "\n".join(raw) + "\n")
     print(text)
     if args.output:
         command = "python bench/hostile_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -89,3 +89,22 @@ def test_round3_without_the_testbed_leaves_out_only_the_job_items_and_says_why(t
     assert "not up" in res["why"] or res["why"]
     last = hostile_suite.round3_table(res).splitlines()[-1]
     assert last.startswith("| 1, 4, 6, 11, 15 | not run: they need the Slurm testbed")
+
+
+def test_the_other_items_print_in_the_same_columns():
+    import hostile_clients  # noqa: PLC0415
+
+    tally = hostile_clients.Tally()
+    tally.add(201)
+    round2 = [{"attack": "#24.2 one job's 300 profiles, 4 rows each", "tally": tally, "rss": (139.0, 141.0),
+               "db": (2.2, 4.4), "plan_p99": (6.5, 46), "over_100ms": 0, "plan_errors": 0, "check": "fit 1.2 s",
+               "measures": {"staleness": "a legitimate write reflected after 2.1 s (<= 5 s)"}}]
+    idle = [{"server": "nginx", "held": 1000, "probes": 40, "answered": 40, "within_100ms": 40,
+             "statuses": {"200": 40}, "p99_ms": 8.1}]
+    head, _, two, three = hostile_suite.other_items_table(round2, idle).splitlines()
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    cells = [c.strip() for c in two.strip("|").split("|")]
+    assert len(cells) == len(columns) == len([c for c in three.strip("|").split("|")])
+    assert cells[0] == "2" and cells[2].startswith("6.5 ms (yes;") and cells[3] == "0 of 46"
+    assert cells[8] == "a legitimate write reflected after 2.1 s (<= 5 s)" and cells[7] == "-"
+    assert three.startswith("| 3 | one address holds 1000 idle connections") and "40 of 40 answered 200" in three
