@@ -32,6 +32,29 @@ def test_the_holder_runs_each_callable_in_its_own_thread_and_hands_back_result_a
     assert holder.run(lambda: 41 + 1) == 42                # an error does not stop the thread
 
 
+def test_the_holder_leaves_a_gap_between_queued_transactions_for_other_processes_writers():
+    # item 13: four writers' transactions back to back in one thread took the lock again the instant it was let go,
+    # and the hook's decision, polling every WRITE_POLL_S from another process, missed the releases
+    from predictor.store import WRITE_POLL_S  # noqa: PLC0415
+
+    gaps, started, release, order = [], threading.Event(), threading.Event(), []
+    holder = lockholder.LockHolder(sleep=gaps.append)
+    assert holder.yield_s >= 2 * WRITE_POLL_S
+    first = threading.Thread(target=holder.run, args=(lambda: (started.set(), release.wait(10), order.append(1)),))
+    first.start()
+    assert started.wait(10)                                 # the first transaction is running
+    second = threading.Thread(target=holder.run, args=(lambda: order.append(2),))
+    second.start()
+    while not holder._jobs.qsize():                         # the second is queued behind it
+        threading.Event().wait(0.001)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert order == [1, 2] and gaps == [holder.yield_s]     # one gap: after the first, none after the last
+    holder.run(lambda: None)
+    assert gaps == [holder.yield_s]                         # a lone transaction waits for nothing
+
+
 def test_with_a_holder_the_store_takes_the_write_lock_in_its_thread_and_writes_the_same(tmp_path, monkeypatch):
     store = Store(str(tmp_path / "h.db"))
     store.migrate()
