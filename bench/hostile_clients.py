@@ -214,8 +214,9 @@ def send(port: int, tally: Tally, method: str, path: str, body: bytes | None = N
     return status
 
 
-def paced_plans(port: int, stop: threading.Event, latencies: list[float]) -> None:
-    """POST /v1/plan at PLAN_RATE until `stop`, each timed from its scheduled send."""
+def paced_plans(port: int, stop: threading.Event, latencies: list[float], statuses: list[int] | None = None) -> None:
+    """POST /v1/plan at PLAN_RATE until `stop`, each timed from its scheduled send (its status, 0 for no answer,
+    appended to `statuses` when given)."""
     body = json.dumps(PLAN).encode()
     start = time.perf_counter()
     with cf.ThreadPoolExecutor(16) as pool:
@@ -228,10 +229,12 @@ def paced_plans(port: int, stop: threading.Event, latencies: list[float]) -> Non
 
             def one(at=scheduled):
                 try:
-                    request(port, "POST", "/v1/plan", body)
+                    status = request(port, "POST", "/v1/plan", body)[0]
                 except (OSError, http.client.HTTPException):
-                    pass
+                    status = 0
                 latencies.append(time.perf_counter() - at)
+                if statuses is not None:
+                    statuses.append(status)
 
             pool.submit(one)
             i += 1

@@ -68,19 +68,21 @@ def fresh_after(port: int, body: bytes, timeout_s: float = 120.0) -> tuple[float
 
 
 def attack(service: hc.Service, label: str, run) -> dict:
-    """Runs ``run(tally) -> check`` while /v1/plan is paced; returns the row."""
-    tally, stop, latencies = hc.Tally(), threading.Event(), []
+    """Runs ``run(tally) -> check`` (or ``(check, measures)``: the issue's columns it fills, as round 3's) while
+    /v1/plan is paced; returns the row."""
+    tally, stop, latencies, statuses = hc.Tally(), threading.Event(), [], []
     rss, db = service.worker_rss_mb(), hc.db_mb(service.db)
-    pacer = threading.Thread(target=hc.paced_plans, args=(service.port, stop, latencies))
+    pacer = threading.Thread(target=hc.paced_plans, args=(service.port, stop, latencies, statuses))
     pacer.start()
     try:
         check = run(tally)
     finally:
         stop.set()
         pacer.join()
+    check, measures = check if isinstance(check, tuple) else (check, {})
     row = {"attack": label, "tally": tally, "rss": (rss, service.worker_rss_mb()), "db": (db, hc.db_mb(service.db)),
            "plan_p99": (hc.p99_ms(latencies), len(latencies)), "over_100ms": sum(x > 0.1 for x in latencies),
-           "check": check}
+           "plan_errors": sum(1 for c in statuses if c >= 500 or c == 0), "check": check, "measures": measures}
     print(label, tally.summary(), f"plan p99 {row['plan_p99'][0]:.1f} ms", check, file=sys.stderr, flush=True)
     return row
 
@@ -112,8 +114,11 @@ def many_profiles(service: hc.Service, profiles: int):
         legit = [{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2], "intra_link": "nvlink",
                   "per_gpu_batch": 64, "iter_s": 0.0325}]
         fresh_s, health = fresh_after(service.port, json.dumps(legit).encode())
+        fit_s = health.get("fit_s", float("nan"))
         return (f"{profiles} profiles x 4 rows of job {JOB}; a legitimate write reflected after {fresh_s:.1f} s "
-                f"(target <= 5 s); last fit {health.get('fit_s', float('nan')):.1f} s")
+                f"(target <= 5 s: {'yes' if fresh_s <= 5 else 'no'}); last fit {fit_s:.1f} s (target < 5 s: "
+                f"{'yes' if fit_s < 5 else 'no'})"), {
+            "staleness": f"a legitimate write reflected after {fresh_s:.1f} s (<= 5 s); the fit {fit_s:.1f} s (< 5 s)"}
     return run
 
 
@@ -140,7 +145,7 @@ def tiny_iter_s(service: hc.Service):
                 "per_gpu_batch": 64, "iter_s": 1e-300}]
         status, answer = hc.request(service.port, "POST", "/v1/observations", json.dumps(row).encode(), AUTH)
         tally.add(status)
-        return f"HTTP {status}: {answer.decode()[:120]}"
+        return f"HTTP {status}: {answer.decode().strip()[:120]}"
     return run
 
 

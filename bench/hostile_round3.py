@@ -16,7 +16,9 @@ the database on a small tmpfs and fills it (needs root; else SKIP).
 For each item a legitimate client (the victim, from another address, 127.0.0.2) POSTs /v1/plan at 20/s, open
 loop, each timed from its scheduled send: `BASELINE_S` seconds before the attack and all through it. Each row
 prints the attack, the victim's p50/p99 and status codes before and during, the attacker's status codes, the
-item's own check and PASS/FAIL against the issue's expectation (the check, and no 5xx to the victim).
+issue's measures where the item takes them (memory and disk growth with their bound, others moved, staleness),
+the item's own check and PASS/FAIL against the issue's expectation: the check, and for every item the victim's
+p99 <= 100 ms and no 5xx to it (`verdict`).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ VICTIM_ADDRESS = "127.0.0.2"        # Linux routes all of 127.0.0.0/8 to loopbac
 BASELINE_S = 3.0
 PLAN_RATE = 20.0
 P99_TARGET_MS = 100.0
+STALENESS_TARGET_S = 5.0   # a new write is reflected within this long (#24, "Done when")
 DEFAULT_LAB = Path("/var/tmp/elastic-slurm-dev")
 ALL_ITEMS = (1, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16)
 
@@ -127,36 +130,59 @@ def victim_summary(results: list[tuple[int, float]]) -> dict:
             "errors": sum(1 for c, _ in results if c >= 500 or c == 0)}
 
 
-def attack(port: int | None, item: int, label: str, run, victim_503_ok: bool = False, victim_5xx_ok: bool = False,
+MEASURES = ("memory", "disk", "moved", "staleness")   # the issue's columns an item fills where it measures them
+
+
+def verdict(passed: bool, during: dict | None, victim_503_ok: bool = False,
+            p50_target_ms: float | None = None) -> list[str]:
+    """What an item failed on (empty: PASS): its own check, and for every item with a victim the issue's targets,
+    the victim's /v1/plan p99 during the attack (<= P99_TARGET_MS) and its 5xx or unanswered plans (0; with
+    ``victim_503_ok`` the documented 503 'cannot be written' does not count, item 10)."""
+    failed = [] if passed else ["check"]
+    if during is None:
+        return failed
+    errors = during["errors"] - (during["codes"].get(503, 0) if victim_503_ok else 0)
+    if not during["p99"] <= P99_TARGET_MS:
+        failed.append(f"victim p99 {during['p99']:.1f} ms > {P99_TARGET_MS:g}")
+    if errors:
+        failed.append(f"victim 5xx {errors}")
+    if p50_target_ms is not None and not during["p50"] <= p50_target_ms:
+        failed.append(f"victim p50 {during['p50']:.1f} ms > {p50_target_ms:g}")
+    return failed
+
+
+def attack(port: int | None, item: int, label: str, run, victim_503_ok: bool = False,
            p50_target_ms: float | None = None) -> dict:
-    """``run(tally) -> (check, passed)`` while the victim plans (port None: no service, no victim); with
-    ``p50_target_ms`` the victim's p50 during the attack is part of the verdict (item 4's expectation)."""
+    """``run(tally) -> (check, passed[, measures])`` while the victim plans (port None: no service, no victim);
+    ``measures`` fills the issue's columns (`MEASURES`) the item measures. The verdict is the check and, for every
+    item with a victim, the victim's p99 and 5xx targets (`verdict`); with ``p50_target_ms`` its p50 too (item 4)."""
     tally = hc.Tally()
     before = during = None
+    measures: dict = {}
     started = time.monotonic()
     try:
         if port is None:
-            check, passed = run(tally)
+            result = run(tally)
         else:
             with Victim(port) as quiet:
                 time.sleep(BASELINE_S)
             before = victim_summary(quiet.results)
             with Victim(port) as victim:
-                check, passed = run(tally)
+                result = run(tally)
             during = victim_summary(victim.results)
+        check, passed = result[:2]
+        measures = dict(result[2]) if len(result) > 2 else {}
     except Exception as exc:  # noqa: BLE001 - one broken attack must not hide the others' rows
         check, passed = f"the attack itself failed: {type(exc).__name__}: {exc}", False
-    errors = 0 if during is None or victim_5xx_ok else \
-        during["errors"] - (during["codes"].get(503, 0) if victim_503_ok else 0)   # item 13: the kills' doing
-    ok = passed and errors == 0
     if p50_target_ms is not None and during is not None:
         check = f"{check}; victim p50 during {during['p50']:.0f} ms (target <= {p50_target_ms:g} ms, the hook's budget)"
-        ok = ok and during["p50"] <= p50_target_ms
+    failed = verdict(passed, during, victim_503_ok, p50_target_ms)
     row = {"item": item, "attack": label, "before": before, "during": during, "attacker": tally.summary() or "-",
            "check": " ".join(str(check).split()), "latency_ok": during is None or during["p99"] <= P99_TARGET_MS,
-           "verdict": "PASS" if ok else "FAIL", "seconds": time.monotonic() - started}
-    print(f"#24.{item} {row['verdict']} {label}: {row['check']} | victim {during} | attacker {row['attacker']}",
-          file=sys.stderr, flush=True)
+           "measures": {k: " ".join(str(measures[k]).split()) for k in MEASURES if measures.get(k)},
+           "verdict": "FAIL" if failed else "PASS", "failed_on": failed, "seconds": time.monotonic() - started}
+    print(f"#24.{item} {row['verdict']} {label}: {row['check']} | victim {during} | attacker {row['attacker']}"
+          + (f" | failed on: {', '.join(failed)}" if failed else ""), file=sys.stderr, flush=True)
     return row
 
 
@@ -342,12 +368,16 @@ def item1_several_jobs(service: hc.Service, lab: Lab):
         uid = pwd.getpwnam(ATTACKER).pw_uid
         honest_listed = [j for j in listed if j in range(HONEST_JOB_BASE + 1, HONEST_JOB_BASE + 9)]
         named = f'<td class="uid">{uid}' in jobs_table
-        passed = (moved <= 0.10 and plan0 == plan1 and not honest_listed and any(j in jobs for j in listed))
+        passed = (moved <= 0.10 and plan0 == plan1 and not honest_listed and any(j in jobs for j in listed)
+                  and fresh_s <= STALENESS_TARGET_S)
         return (f"jobs {jobs} of {ATTACKER} (uid {uid}) ended {states}; their posts: {answers}; another user's "
                 f"predictions at 1/2/4 nodes moved {' / '.join(f'{b / a - 1:+.1%}' for a, b in zip(pred0, pred1))} "
                 f"(target <= 10%), plan {plan0} -> {plan1} (target unchanged); model fresh {fresh_s:.1f} s after; "
                 f"/admin outlier jobs listed {listed} (attacker's: {[j for j in listed if j in jobs]}, honest jobs "
-                f"{HONEST_JOB_BASE + 1}-{HONEST_JOB_BASE + 8}: {honest_listed}; uid {uid} named: {named})"), passed
+                f"{HONEST_JOB_BASE + 1}-{HONEST_JOB_BASE + 8}: {honest_listed}; uid {uid} named: {named})"), passed, {
+            "moved": f"{' / '.join(f'{b / a - 1:+.1%}' for a, b in zip(pred0, pred1))} at 1/2/4 nodes (<= 10%); plan "
+                     f"{'unchanged' if plan0 == plan1 else f'{plan0} -> {plan1}'}",
+            "staleness": f"the attack's rows in the model {fresh_s:.1f} s after (<= {STALENESS_TARGET_S:g} s)"}
     return run
 
 
@@ -522,7 +552,7 @@ def item6_profiles(service: hc.Service, lab: Lab, count: int):
         # the squat may stand as the attacker's own name (201) or be refused (403): it must decide no one else's plan
         passed = (attack_growth <= bound_mb + 2 and (squat_result.startswith("403") or other_unknown)
                   and all(k.startswith(("20", "403 profile_quota")) for k in reasons)
-                  and list_p50 <= P99_TARGET_MS and admin_p50 <= P99_TARGET_MS)
+                  and list_p50 <= P99_TARGET_MS and admin_p50 <= P99_TARGET_MS and fresh_s <= STALENESS_TARGET_S)
         plans = "; ".join(f"{who}'s plan of llama-70b: {'unknown model (not from the squat)' if unknown else 'from it'}"
                           f", cache_ttl_s {ttl}" for who, (unknown, ttl) in squat_plans.items())
         return (f"job {job} of {ATTACKER}: {sum(reasons.values())} profiles of {size_mb:.2f} MB: {dict(reasons)} "
@@ -532,7 +562,11 @@ def item6_profiles(service: hc.Service, lab: Lab, count: int):
                 f"WAL {wal_mb:.1f} MB); squat on "
                 f"'llama-70b' with 2 tensors: {squat_result} ({plans}; target: 403, or no other user's plan from "
                 f"it; asked {fresh_s:.1f} s after, once the model had it); 3 anonymous readers for 10 s: GET /v1/profiles p50 {list_p50:.0f} ms (one before the attack "
-                f"{list_ms0:.0f} ms), GET /admin p50 {admin_p50:.0f} ms (target <= {P99_TARGET_MS:g} ms each)"), passed
+                f"{list_ms0:.0f} ms), GET /admin p50 {admin_p50:.0f} ms (target <= {P99_TARGET_MS:g} ms each)"), passed, {
+            "disk": f"DB +{attack_growth:.1f} MB besides the victim's decisions (bound {bound_mb + 2:.1f} MB: 16 MiB "
+                    f"a user + 2 MB)",
+            "moved": f"another user's llama-70b plan from the squat: {'no' if other_unknown else 'yes'} (target no)",
+            "staleness": f"the attack's profiles in the model {fresh_s:.1f} s after (<= {STALENESS_TARGET_S:g} s)"}
     return run
 
 
@@ -573,7 +607,9 @@ def item8_front_memory(service: hc.Service, connections: int = 240, body_bytes: 
                 f"{send_s:.1f} s ({dict(failed) or 'no send failed'}); nginx RSS (all its processes) {front0:.0f} -> "
                 f"{front1:.0f} MB (bound {bound:.0f} MB: {limits.max_connections} connections x "
                 f"{CONNECTION_BYTES // 1024} KiB + {limits.worker_processes} x {WORKER_BASE_BYTES >> 20} MiB; bodies "
-                f"go to temp files); largest gunicorn worker {worker0:.0f} -> {worker1:.0f} MB"), passed
+                f"go to temp files); largest gunicorn worker {worker0:.0f} -> {worker1:.0f} MB"), passed, {
+            "memory": f"nginx {front0:.0f} -> {front1:.0f} MB (bound +{bound:.0f} MB); largest gunicorn worker "
+                      f"{worker0:.0f} -> {worker1:.0f} MB (bound +50 MB)"}
     return run
 
 
@@ -628,7 +664,9 @@ def item9_decisions(service: hc.Service, flood_s: float):
         return (f"20 hook decisions from {VICTIM_ADDRESS}, then {tally.total} largest valid plans (~166 KB stored "
                 f"each) from 4 anonymous threads over {flood_s:g} s: {kept} of {len([d for d in ids if d])} hook "
                 f"decisions still there (target: all); DB {db0:.1f} -> {db1:.1f} MB (decisions budget 16 MiB); "
-                f"{len(newest)} decisions listed"), kept == len([d for d in ids if d]) and kept > 0
+                f"{len(newest)} decisions listed"), kept == len([d for d in ids if d]) and kept > 0, {
+            "disk": f"DB {db0:.1f} -> {db1:.1f} MB (bound: decisions budget 16 MiB)",
+            "moved": f"hook decisions kept {kept} of {len([d for d in ids if d])} (target all)"}
     return run
 
 
@@ -712,11 +750,14 @@ def item11_collectives(service: hc.Service, lab: Lab, rows: int):
         bw1 = ib_bandwidth(service.port)
         moved = bw1 / bw0 - 1 if bw0 and bw1 else float("nan")
         passed = (nvswitch.startswith("403 record_mismatch") and all(c.startswith("403 record_mismatch") for c in cpu)
-                  and abs(moved) <= 0.10)
+                  and abs(moved) <= 0.10 and fresh_s <= STALENESS_TARGET_S)
         return (f"GPU job {gpu_job} (2 x 4 GPUs, debug) posts an nvswitch collective: {nvswitch}; CPU-only job "
                 f"{cpu_job} posts ib / nvlink collectives: {cpu} (target: 403 record_mismatch); {rows // 4096 * 4096} "
                 f"rows of job {gpu_job} at one ib point, each twice the true time: posts {collections.Counter(flood)}, "
-                f"/v1/links ib bandwidth {bw0:.3g} -> {bw1:.3g} ({moved:+.1%}, target <= 10%)"), passed
+                f"/v1/links ib bandwidth {bw0:.3g} -> {bw1:.3g} ({moved:+.1%}, target <= 10%); the attack's rows in "
+                f"the model {fresh_s:.1f} s after"), passed, {
+            "moved": f"ib bandwidth (everyone's link fit) {moved:+.1%} (<= 10%)",
+            "staleness": f"the attack's rows in the model {fresh_s:.1f} s after (<= {STALENESS_TARGET_S:g} s)"}
     return run
 
 
@@ -841,7 +882,7 @@ def item16_read_your_writes(service: hc.Service, runs: int = 5, after: int = 300
     def run(tally):
         body = json.dumps({"profile": "resnet50", "gpu": "H200", "per_gpu_batch": 64,
                            "candidates": [{"layout": [2], "intra_link": "nvlink"}]}).encode()
-        out, bad_total = [], 0
+        out, bad_total, firsts = [], 0, []
         for r in range(runs):
             row = [{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2], "intra_link": "nvlink",
                     "per_gpu_batch": 64, "iter_s": 0.0325 * (1 + 0.001 * r)}]
@@ -856,6 +897,7 @@ def item16_read_your_writes(service: hc.Service, runs: int = 5, after: int = 300
                     break
                 time.sleep(0.02)
             first_s = time.perf_counter() - t0
+            firsts.append(first_s)
             bad = 0
             for _ in range(after):
                 status, answer = send(service.port, tally, "POST", "/v1/predict", body)
@@ -864,7 +906,9 @@ def item16_read_your_writes(service: hc.Service, runs: int = 5, after: int = 300
             bad_total += bad
             out.append(f"{bad}/{after} (first fresh {first_s:.1f} s)")
         return (f"{runs} runs: stale or failed answers after the first that reflected the write: "
-                f"{'; '.join(out)} (target 0 in every run)"), bad_total == 0
+                f"{'; '.join(out)} (target 0 in every run)"), bad_total == 0 and max(firsts) <= STALENESS_TARGET_S, {
+            "staleness": f"a legitimate write reflected after {min(firsts):.1f}-{max(firsts):.1f} s in {runs} runs "
+                         f"(<= {STALENESS_TARGET_S:g} s); {bad_total} older or failed answers after (target 0)"}
     return run
 
 
@@ -897,7 +941,7 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
             attacks = {16: item16_read_your_writes(service), 9: item9_decisions(service, args.flood_s),
                        8: item8_front_memory(service), 13: item13_retries_under_sigkill(service, args.posts, 8, 1.5)}
             for item in plain_items:
-                rows.append(attack(service.port, item, LABELS[item], attacks[item], victim_5xx_ok=item == 13))
+                rows.append(attack(service.port, item, LABELS[item], attacks[item]))
         finally:
             service.stop()
     if 10 in items:
@@ -943,13 +987,15 @@ def fmt_victim(v: dict | None) -> str:
 
 def table(rows: list[dict]) -> str:
     out = ["| item | attack | victim /v1/plan before | victim /v1/plan during (p99 <= 100 ms?) | attacker's answers | "
-           "check | verdict |", "|---|---|---|---|---|---|---|"]
+           "memory, disk, others moved, staleness | check | verdict |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         during = fmt_victim(r["during"])
         if r["during"] is not None:
             during += " (yes)" if r["latency_ok"] else " (no)"
+        measures = "; ".join(f"{k}: {v}" for k, v in r.get("measures", {}).items()) or "-"
+        failed = f" ({'; '.join(r['failed_on'])})" if r.get("failed_on") else ""
         out.append(f"| #24.{r['item']} | {r['attack']} | {fmt_victim(r['before'])} | {during} | {r['attacker']} | "
-                   f"{r['check']} | **{r['verdict']}** |")
+                   f"{measures} | {r['check']} | **{r['verdict']}**{failed} |")
     return "\n".join(out)
 
 

@@ -13,7 +13,9 @@ nginx is not installed.
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
 answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge` and under 10,000 bytes
 (#24.9: the hook's are a few hundred bytes; the largest valid plans, 166 KB, cost a plan worker 25 ms each), and
-GET /healthz; a second one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`)
+GET /healthz; a second one on `SIDE_SOCKET` (the side pool: gthread, `SIDE_THREADS` threads a worker, its processes at nice `SIDE_NICE`
+but for each worker's SQLite lock holder thread, predictor.lockholder, so the write lock the hook's plans wait for
+is never held at nice `SIDE_NICE`, #24.11)
 answers everything else: writes, requests carrying a munge credential (unmunge and the Slurm lookups it costs),
 `/v1/predict`, profiles, decisions, `/admin`, `/metrics`. nginx routes by method, path and that header. So no
 credential check, write flood or admin page holds a worker the hook's plan needs, and on a busy host the side
@@ -24,6 +26,7 @@ worker takes it; nothing else is ever sent twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import pwd
@@ -40,6 +43,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from predictor import lockholder
 from predictor.server import _die_with_parent, gunicorn_application
 
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "nginx.conf.in"
@@ -236,18 +240,26 @@ def _group(user: pwd.struct_passwd) -> str:
 
 
 def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeout: int, nice: int = 0) -> int:
-    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one, its processes
-    at `nice` above ours; its pid."""
-    application = gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout)
+    """gunicorn (its arbiter, which forks the workers) in a child process that dies with this one; its pid. With
+    `nice`, each worker starts its SQLite lock holder (predictor.lockholder) and then runs at `nice` above ours:
+    all it does, and runs, yields the CPU, but the write lock the hook's plans wait for is held at our priority."""
+    post_fork = functools.partial(_yield_cpu_but_the_lock, nice) if nice else None
+    application = gunicorn_application(load, bind=bind, workers=workers, threads=threads, timeout=timeout,
+                                       post_fork=post_fork)
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        if nice:
-            os.nice(nice)
         os._exit(_gunicorn_child(application, parent))
     return pid
+
+
+def _yield_cpu_but_the_lock(nice: int) -> None:
+    """In a worker as it starts (one thread): the lock holder's thread keeps our priority; this thread, and every
+    thread it starts from here on, runs at `nice` above it (Linux: a per-thread value, inherited)."""
+    lockholder.start()
+    os.nice(nice)
 
 
 def _gunicorn_child(application, parent: int) -> int:

@@ -65,8 +65,9 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large"
 
 
 def gunicorn_application(load: Callable, *, bind: str, workers: int, threads: int, timeout: int,
-                         worker_class: str | None = None):
-    """A gunicorn application running `load()` (the WSGI app, built in each worker) on `bind`."""
+                         worker_class: str | None = None, post_fork: Callable[[], None] | None = None):
+    """A gunicorn application running `load()` (the WSGI app, built in each worker) on `bind`; `post_fork()` runs
+    in each worker as it starts, before `load()`."""
     from gunicorn.app.base import BaseApplication  # noqa: PLC0415
 
     class Application(BaseApplication):
@@ -81,6 +82,8 @@ def gunicorn_application(load: Callable, *, bind: str, workers: int, threads: in
             self.cfg.set("proc_name", "elastic-predictor")
             if "control_socket_disable" in self.cfg.settings:   # gunicorn >= 24: one socket path per user
                 self.cfg.set("control_socket_disable", True)
+            if post_fork is not None:
+                self.cfg.set("post_fork", lambda server, worker: post_fork())
 
         def load(self):
             return load()     # per worker: its own connections and refit thread

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import sqlite_utils
 
+from predictor import lockholder
 from predictor.errors import NotFoundError
 
 
@@ -309,6 +310,18 @@ class Store:
             raise
         db.conn.execute("COMMIT")
 
+    def _transaction(self, body: Callable[[sqlite_utils.Database], Any]) -> Any:
+        """``body(db)`` in one write transaction (`_write`), run in this process's lock holder thread where one
+        was started (predictor.lockholder: the side pool's, so the write lock is never held at its nice 10 while
+        the hook's /v1/plan waits for it), else in the calling thread. ``body`` must use the ``db`` it is given
+        (the holder's own connection), and prepare what needs no lock before."""
+        def transaction():
+            with self._write() as db:
+                return body(db)
+
+        holder = lockholder.current()
+        return transaction() if holder is None else holder.run(transaction)
+
     @contextlib.contextmanager
     def _read(self):
         """A read transaction: every SELECT inside sees the same committed state (a WAL snapshot)."""
@@ -404,13 +417,13 @@ class Store:
             self._probe = (now, problem)
         return problem
 
-    def generation(self) -> int:
+    def generation(self, db: sqlite_utils.Database | None = None) -> int:
         """A counter bumped by every write that changes the fitting data (profiles, observations)."""
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
+        row = (self.db if db is None else db).execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
         return int(row[0]) if row else 0
 
-    def _bump(self) -> None:
-        self.db.execute("UPDATE meta SET value = value + 1 WHERE key = 'generation'")
+    def _bump(self, db: sqlite_utils.Database | None = None) -> None:
+        (self.db if db is None else db).execute("UPDATE meta SET value = value + 1 WHERE key = 'generation'")
 
     # --- profiles -------------------------------------------------------------------------------
     def put_profile(self, name: str, body: dict, owner: int | None = None,
@@ -429,8 +442,8 @@ class Store:
         now = time.time()
         text = json.dumps(body, allow_nan=False)
         summary = json.dumps(profile_summary(body))
-        db = self.db
-        with self._write():
+
+        def write(db: sqlite_utils.Database) -> bool:
             row = db.execute("SELECT created_at_s, owner, bytes FROM profile_summaries WHERE name = ?",
                              [name]).fetchone()
             if owner is not None and quota is not None:
@@ -448,8 +461,10 @@ class Store:
                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET owner = excluded.owner, "
                        "bytes = excluded.bytes, updated_at_s = excluded.updated_at_s, summary = excluded.summary",
                        [name, owner, len(text), created, now, summary])
-            self._bump()
-        return row is None
+            self._bump(db)
+            return row is None
+
+        return self._transaction(write)
 
     def profile_owner(self, name: str) -> tuple[bool, int | None]:
         """``(exists, owner)``: whether a profile of that name is stored, and its owner's uid (None: the site's,
@@ -505,12 +520,11 @@ class Store:
         """
         now = time.time()
         records = list(records)
-        rows = [{"kind": r["kind"], "profile": r.get("profile"), "gpu": r.get("gpu"), "link": r.get("link"),
-                 "body": json.dumps(r, allow_nan=False), "created_at_s": now} for r in records]
+        rows = [(r["kind"], r.get("profile"), r.get("gpu"), r.get("link"), json.dumps(r, allow_nan=False), now)
+                for r in records]
         new_s = sum(float(r["iter_s"]) for r in records if r["kind"] == "step")
-        db = self.db
-        ids = []
-        with self._write():
+
+        def write(db: sqlite_utils.Database) -> WrittenObservations:
             if key is not None:
                 db.execute("DELETE FROM write_keys WHERE created_at_s < ?", [now - WRITE_KEY_TTL_S])
                 seen = db.execute("SELECT first_id, last_id, generation FROM write_keys WHERE caller = ? AND key = ?",
@@ -525,17 +539,20 @@ class Store:
                     raise ClaimExceeded(job_id, claimed_s, new_s, allowed_s)
                 db.execute("INSERT INTO job_claims (job_id, step_s) VALUES (?, ?) ON CONFLICT (job_id) DO UPDATE "
                            "SET step_s = step_s + excluded.step_s", [job_id, new_s])
-            for row in rows:
-                cursor = db.execute(
-                    "INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) VALUES (?, ?, ?, ?, ?, ?)",
-                    [row["kind"], row["profile"], row["gpu"], row["link"], row["body"], row["created_at_s"]])
-                ids.append(cursor.lastrowid)
-            self._bump()
-            generation = self.generation()
-            if key is not None:
+            # one statement for all rows (the lock is held for the inserts alone); under the write lock nobody
+            # else inserts, and an INTEGER PRIMARY KEY takes MAX(id) + 1, so the ids are first .. first + n - 1
+            first = db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM observations").fetchone()[0]
+            db.conn.executemany("INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) "
+                                "VALUES (?, ?, ?, ?, ?, ?)", rows)
+            ids = list(range(first, first + len(rows)))
+            self._bump(db)
+            generation = self.generation(db)
+            if key is not None and ids:
                 db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s) "
                            "VALUES (?, ?, ?, ?, ?, ?)", [*key, ids[0], ids[-1], generation, now])
-        return WrittenObservations(ids, generation)
+            return WrittenObservations(ids, generation)
+
+        return self._transaction(write)
 
     def observations(self, kind: str | None = None, limit: int | None = None) -> list[dict]:
         """Stored records (oldest first), optionally of one kind, each with its `id`."""
@@ -570,7 +587,8 @@ class Store:
             ValueError: the response holds NaN or Infinity (nothing stored).
         """
         tail = encode(response)[1:]          # '"action":...}': the response always has action and reason
-        with self._write() as db:
+
+        def write(db: sqlite_utils.Database) -> str:
             conn = db.conn
             now = time.time()
             number = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM decisions").fetchone()[0]
@@ -586,7 +604,9 @@ class Store:
                          "DO UPDATE SET rows = rows + 1, bytes = bytes + excluded.bytes", (client, added))
             if self.decision_retention is not None:
                 self._prune_decisions(conn, number, now, self.decision_retention)
-        return full
+            return full
+
+        return self._transaction(write)
 
     @staticmethod
     def _forget(conn: sqlite3.Connection, deleted: list[tuple[str, int]]) -> None:
