@@ -463,7 +463,7 @@ def test_a_join_that_gets_no_plan_leaves_no_heartbeat(store):
     import threading
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
     m, o = _model_opt()  # no coordinator posts a plan
-    cfg = TrainerConfig(connect_timeout=timedelta(seconds=5), rendezvous_timeout=timedelta(seconds=0.2))
+    cfg = TrainerConfig(connect_timeout=timedelta(seconds=5), rendezvous_timeout=timedelta(seconds=0.5))
     et = ElasticTrainer(m, o, store_addr=f"127.0.0.1:{store.port}/job", worker_id="lonely",
                         policy=BatchPolicy(per_gpu_batch=4), config=cfg)
     with pytest.raises(RendezvousTimeout):

@@ -107,7 +107,7 @@ class _Echo(socketserver.StreamRequestHandler):
         while len(body) < length:
             body += self.request.recv(65536)
         if lines[0].split()[1] == "/slow":
-            time.sleep(0.1)             # a worker busy for a while (0.1 s: the test asks five times)
+            time.sleep(0.3)
         answer = json.dumps({"line": lines[0], "headers": [[k, v.strip()] for k, v in headers],
                              "body": body.decode("latin-1")}).encode()
         if lines[0].split()[1] == "/big":
