@@ -711,8 +711,8 @@ def test_a_give_back_during_a_slurmctld_outage_is_retried_on_later_ticks_and_not
     assert not [x for x in c.records.items if x["kind"] == "slurm_shrink_failed"]
 
 
-def test_a_give_back_still_refused_after_its_retries_leaves_the_node_allocated_and_the_release_ends(tmp_path):
-    clock = Clock()
+def node3_given_back_while_slurmctld_is_down(tmp_path, clock):
+    """A 3-node job whose node3 failed and was recovered from; its give-back's first attempt failed (slurmctld down)."""
     c = make_controller(tmp_path, clock, nodes=3)
     c.slurm.shrink = down = SlurmDown(c.slurm)
     c.pool.steps["node3"].code = 1
@@ -720,6 +720,12 @@ def test_a_give_back_still_refused_after_its_retries_leaves_the_node_allocated_a
     recover(c, "node3")
     for _ in range(2):
         c._tick()
+    return c, down
+
+
+def test_a_give_back_still_refused_after_its_retries_leaves_the_node_allocated_and_the_release_ends(tmp_path):
+    clock = Clock()
+    c, down = node3_given_back_while_slurmctld_is_down(tmp_path, clock)
     for _ in range(40):                                 # 120 s of fake time, a tick every 5 s
         clock.t += 5
         c._tick()
@@ -732,13 +738,7 @@ def test_a_give_back_still_refused_after_its_retries_leaves_the_node_allocated_a
 def test_at_exit_a_slurm_change_still_in_flight_is_drained_within_its_deadline(tmp_path, monkeypatch):
     from elastic_launcher import controller as controller_module
     clock = Clock()
-    c = make_controller(tmp_path, clock, nodes=3)
-    c.slurm.shrink = down = SlurmDown(c.slurm)
-    c.pool.steps["node3"].code = 1
-    c._tick()
-    recover(c, "node3")
-    for _ in range(2):
-        c._tick()
+    c, down = node3_given_back_while_slurmctld_is_down(tmp_path, clock)
     assert c.resizer.releaser.changes and down.attempts == 1
     monkeypatch.setattr(controller_module, "wait_until", lambda predicate, timeout, interval=0.1: predicate())
     real_sleep = clock.sleep
