@@ -243,7 +243,7 @@ def test_openapi_documents_every_route(app, client):
 
 
 def test_a_burst_of_observations_costs_few_fits(tmp_path):
-    config = Config(db_path=str(tmp_path / "b.db"), refit_debounce=timedelta(seconds=0.5), refit_min_interval=timedelta(0),
+    config = Config(db_path=str(tmp_path / "b.db"), refit_debounce=timedelta(seconds=1), refit_min_interval=timedelta(0),
                     refit_poll=timedelta(milliseconds=50))
     app = create_app(config, predictor_factory=FakePredictor)
     models = app.extensions["elastic_predictor"].models
