@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import sys
 import time
@@ -50,6 +51,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--torch-profile", type=Path, default=None, help="as the template's --torch-profile (local rank 0)")
+    p.add_argument("--broadcast-buffers", choices=("on", "off"), default="on",
+                   help="DDP's buffer broadcast in every forward (on: DDP's default, what users run; off: the "
+                   "trainer's setting, a diagnostic arm of bench/vs_torchrun.py)")
     args = p.parse_args()
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -60,7 +64,10 @@ def main() -> int:
     model, make_opt, dataset, loss_of = build(args)
     model = model.to(device)
     opt = make_opt(model.parameters())
-    ddp = DDP(model, device_ids=[local])
+    # the keyword as the trainer passes it (elastic_launcher/epochs.py: renamed in newer torch)
+    buffers = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
+        else "broadcast_buffers"
+    ddp = DDP(model, device_ids=[local], **{buffers: args.broadcast_buffers == "on"})
     batch = args.per_gpu_batch or (64 if args.task == "resnet50" else 8)
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, world, rank, shuffle=True, seed=0)
     kw = dict(persistent_workers=True, prefetch_factor=4) if args.workers else {}

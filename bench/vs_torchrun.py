@@ -100,10 +100,15 @@ def plain_env(omp_threads: Optional[int]) -> dict[str, str]:
     return env
 
 
+# A's arms: "A" is the user's script as written (DDP defaults); "A-nobcast" the same with DDP's per-forward buffer
+# broadcast off (the trainer's setting), a diagnostic arm: how much of B - A that one setting explains
+ARMS = {"A": [], "A-nobcast": ["--broadcast-buffers", "off"]}
+
+
 def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpeg_dir: Path,
-              profile: Optional[Path] = None, omp_threads: Optional[int] = 1) -> str:
+              profile: Optional[Path] = None, omp_threads: Optional[int] = 1, arm: str = "A") -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)]
+           str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)] + ARMS[arm]
     cmd += task_args(task, data, jpeg_dir, precision, profile)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=plain_env(omp_threads))
     if done.returncode:
@@ -136,6 +141,24 @@ def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path
     return outs[0]
 
 
+def table(rows: list, arms: list[str]) -> str:
+    """The Markdown table of the runs: per row, each side's samples/s per round, B over the first arm per round
+    and its median, and B over each further arm (median)."""
+    extra = arms[1:]
+    lines = [f"| data | precision | GPUs | loader workers | {arms[0]}: torchrun script, samples/s | "
+             + "".join(f"{x}, samples/s | " for x in extra)
+             + f"B: template under the launcher | B/{arms[0]} per round | B/{arms[0]} (median) |"
+             + "".join(f" B/{x} (median) |" for x in extra),
+             "|---" * (8 + 2 * len(extra)) + "|"]
+    for data, precision, gpus, workers, res, ratios in rows:
+        cells = [", ".join(f"{x:.0f}" for x in res[arm]) for arm in arms]
+        others = [statistics.median(b / x for b, x in zip(res["B"], res[arm])) for arm in extra]
+        lines.append(f"| {data} | {precision} | {gpus} | {workers} | " + " | ".join(cells) + " | "
+                     f"{', '.join(f'{x:.0f}' for x in res['B'])} | {', '.join(f'{x:.3f}' for x in ratios)} | "
+                     f"**{statistics.median(ratios):.3f}** |" + "".join(f" {x:.3f} |" for x in others))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="synthetic,jpeg,tokens")
@@ -151,12 +174,17 @@ def main() -> None:
     ap.add_argument("--plain-omp-threads", default="1", metavar="N|default",
                     help="OMP_NUM_THREADS of A's processes (default 1, B's --threads; 'default' leaves "
                     "torchrun's own: 1 for 2+ processes a node, unset for one)")
+    ap.add_argument("--arms", default="A", help="A's arms besides B, comma-separated, the first the baseline of the "
+                    "ratio: " + ", ".join(ARMS) + " (A-nobcast: DDP's buffer broadcast off, a diagnostic)")
     ap.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES of both sides' processes (default: as set); "
                     "on a 4-GPU host, two benches on disjoint GPUs run side by side")
     a = ap.parse_args()
     if a.plain_omp_threads != "default" and not a.plain_omp_threads.isdigit():
         raise SystemExit(f"--plain-omp-threads {a.plain_omp_threads!r}: want a positive count or 'default'")
     omp_threads = None if a.plain_omp_threads == "default" else int(a.plain_omp_threads)
+    arms = a.arms.split(",")
+    if not arms or any(x not in ARMS for x in arms):
+        raise SystemExit(f"--arms {a.arms!r}: want a comma-separated subset of {', '.join(ARMS)}")
     for item in filter(None, a.steps.split(",")):
         task, _, n = item.partition("=")
         if task not in STEPS or not n.isdigit() or int(n) < 6 * (a.skip + 1):
@@ -188,13 +216,14 @@ def main() -> None:
                 # the count the template picks for itself (B), given to the plain script (A) too
                 env = WorkerEnv.from_environ({**worker_env("", "bench", "localhost", "g", gpus), "SLURM_LOCALID": "0"})
                 workers = default_workers(env, torch.device("cuda"))
-                res = {"A": [], "B": []}
+                res = {side: [] for side in arms + ["B"]}
+                order = arms + ["B"]
                 for r in range(a.rounds):
-                    for side in ("AB" if r % 2 == 0 else "BA"):
+                    for side in (order if r % 2 == 0 else order[::-1]):
                         t0 = time.perf_counter()
                         prof = a.profile / f"{data}-{precision}-g{gpus}-r{r}-{side}" if a.profile else None
-                        if side == "A":
-                            out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof, omp_threads)
+                        if side != "B":
+                            out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof, omp_threads, side)
                         else:
                             out = run_template(task, data, gpus, precision, jpeg_dir, prof)
                         rate, n = harmonic_rate(out, a.skip)
@@ -205,16 +234,9 @@ def main() -> None:
                               f"({n} windows, {time.perf_counter() - t0:.0f} s"
                               f"{', template workers ' + used[0] if used else ''}; every window: {windows})",
                               flush=True)
-                ratios = [b / x for b, x in zip(res["B"], res["A"])]
+                ratios = [b / x for b, x in zip(res["B"], res[arms[0]])]
                 rows.append((data, precision, gpus, workers, res, ratios))
-    print("\n| data | precision | GPUs | loader workers | A: torchrun script, samples/s | B: template under the "
-          "launcher | B/A per round | B/A (median) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for data, precision, gpus, workers, res, ratios in rows:
-        print(f"| {data} | {precision} | {gpus} | {workers} | {', '.join(f'{x:.0f}' for x in res['A'])} | "
-              f"{', '.join(f'{x:.0f}' for x in res['B'])} | {', '.join(f'{x:.3f}' for x in ratios)} | "
-              f"**{statistics.median(ratios):.3f}** |")
-
+    print("\n" + table(rows, arms))
 
 if __name__ == "__main__":
     main()

@@ -35,3 +35,30 @@ def test_the_plain_script_runs_one_intra_op_thread_as_the_template_unless_told(m
     assert "OMP_NUM_THREADS" not in vs_torchrun.plain_env(None)
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert vs_torchrun.plain_env(None)["OMP_NUM_THREADS"] == "4" and vs_torchrun.plain_env(2)["OMP_NUM_THREADS"] == "2"
+
+
+def test_the_diagnostic_arm_turns_off_ddps_buffer_broadcast_and_the_baseline_keeps_ddps_default(monkeypatch):
+    cmds = []
+
+    def fake_run(cmd, **kw):
+        cmds.append(cmd)
+        return vs_torchrun.subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+    monkeypatch.setattr(vs_torchrun.subprocess, "run", fake_run)
+    vs_torchrun.run_plain("resnet50", "synthetic", 1, "bf16", 8, Path("unused"), arm="A")
+    vs_torchrun.run_plain("resnet50", "synthetic", 1, "bf16", 8, Path("unused"), arm="A-nobcast")
+    assert "--broadcast-buffers" not in cmds[0]  # the user's script as written: DDP's default
+    assert cmds[1][cmds[1].index("--broadcast-buffers") + 1] == "off"
+    # the plain script takes the option (its parser refuses an unknown one)
+    script = (ROOT / "bench" / "torchrun_plain.py").read_text()
+    assert '"--broadcast-buffers", choices=("on", "off"), default="on"' in script
+
+
+def test_the_table_gives_b_over_the_first_arm_per_round_and_over_each_further_arm():
+    rows = [("jpeg", "fp32", 1, 8, {"A": [1000.0, 1100.0], "A-nobcast": [1050.0, 1100.0], "B": [1200.0, 1100.0]},
+             [1.2, 1.0])]
+    head, rule, row = vs_torchrun.table(rows, ["A", "A-nobcast"]).splitlines()
+    assert "A-nobcast, samples/s" in head and head.endswith("B/A-nobcast (median) |")
+    assert rule.count("|---") == head.count("|") - 1
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4:7] == ["1000, 1100", "1050, 1100", "1200, 1100"] and cells[8] == "**1.100**"
+    assert float(cells[9]) == pytest.approx((1200 / 1050 + 1.0) / 2, abs=5e-4)
