@@ -410,7 +410,7 @@ class Authenticator:
 
     def _bearer(self, header: str, admin_only: bool) -> Caller:
         scheme, _, given = header.partition(" ")
-        given = given.strip()
+        given = given.strip(" \t")   # HTTP's optional whitespace only: nginx's per-token cap keys on the same text
         if scheme.lower() != "bearer" or not given:
             raise AuthError(401, "expected `Authorization: Bearer <token>`", "Authorization", "missing_credential")
         if self.admin_token and hmac.compare_digest(given.encode(), self.admin_token.encode()):

@@ -223,6 +223,21 @@ def test_bearer_refusals(client, headers, status, reason):
         assert "WWW-Authenticate" in r.headers
 
 
+def test_a_token_is_read_as_nginx_keys_its_cap_spaces_and_tabs_around_it_only():
+    """#24.3: nginx caps requests in progress per bearer token, keyed on the token with the scheme in any case and
+    spaces and tabs around it dropped (nginx.conf.in). The service compared the token after Python's str.strip(),
+    which drops other characters too (form feed, \\x1c-\\x1f, \\x85, NBSP): `Bearer <token>\\xa0` was accepted as the
+    token under another nginx key, a second cap of requests for one credential. Now only spaces and tabs go."""
+    from predictor.auth import AuthError, Authenticator
+    auth = Authenticator(token=TOKEN)
+    for header in (f"Bearer {TOKEN}", f"bearer  {TOKEN} ", f"BEARER \t{TOKEN}\t"):
+        assert auth.check_write({"Authorization": header}, b"").kind == "tool", header
+    for header in (f"Bearer {TOKEN}\xa0", f"Bearer {TOKEN}\x0c", f"Bearer \x1f{TOKEN}", f"Bearer {TOKEN}\x85"):
+        with pytest.raises(AuthError) as err:
+            auth.check_write({"Authorization": header}, b"")
+        assert (err.value.status, err.value.reason) == (403, "bad_token"), repr(header)
+
+
 @pytest.mark.parametrize("token", [TOKEN, ADMIN])
 def test_tool_and_admin_tokens_write(client, token):
     r = client.post("/v1/observations", json=[COLLECTIVE], headers={"Authorization": f"Bearer {token}"})
