@@ -108,3 +108,16 @@ def test_the_other_items_print_in_the_same_columns():
     assert cells[0] == "2" and cells[2].startswith("6.5 ms (yes;") and cells[3] == "0 of 46"
     assert cells[8] == "a legitimate write reflected after 2.1 s (<= 5 s)" and cells[7] == "-"
     assert three.startswith("| 3 | one address holds 1000 idle connections") and "40 of 40 answered 200" in three
+
+
+def test_item3_reads_the_per_token_cap_from_the_services_own_nginx_conf(tmp_path):
+    """Round 3's item 3 (one token from 8 addresses) holds the attacked service to the cap its rendered nginx.conf
+    has (none in a version without it), not to this checkout's default."""
+    from predictor import front_nginx  # noqa: PLC0415
+
+    assert 3 in hostile_round3.ALL_ITEMS and 3 in hostile_round3.LABELS
+    assert hostile_round3.rendered_cap(tmp_path) is None and hostile_round3.rendered_cap(None) is None
+    (tmp_path / "nginx.conf").write_text(front_nginx.render(
+        front_nginx.NginxLimits(per_credential_requests=5), host="127.0.0.1", port=1, runtime=str(tmp_path),
+        load_module="", user=None, side_pool=True))
+    assert hostile_round3.rendered_cap(tmp_path) == 5
