@@ -464,6 +464,15 @@ def test_a_write_retried_with_its_key_is_stored_once(client):
     assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
 
 
+def test_a_busy_answer_is_retried_and_the_batch_stored(scripted, monkeypatch):
+    # #24.3: over nginx's cap of requests in progress per bearer token (or per address) the answer is 429; the
+    # launcher took it for a refusal and dropped the batch. It is busy, not refused: retried like a 5xx
+    Scripted.answers = [(429, b'{"reason": "busy"}')]
+    client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=1)
+    assert client.observe([COLLECTIVE]), client.last_error
+    assert len(Scripted.seen) == 2 and client.writes_refused is None
+
+
 def test_a_refusal_is_not_retried_and_stops_the_jobs_writes(scripted, monkeypatch):
     Scripted.answers = [(403, b'{"reason": "digest_mismatch"}')]
     client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=3)
