@@ -20,6 +20,8 @@ understood and refused), the header it concerns and a short `reason` code:
     job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable,
     record_mismatch (a signed record that does not fit its job's Slurm facts: predictor.jobcheck),
     lookup_rate (429: the signer's uid asked about more unknown jobs than `LookupBudget` allows),
+    credential_busy (429: this credential already has `CREDENTIAL_WRITES` writes in progress in this process,
+    `CredentialSlots`; the caller retries),
     slurm_busy (503: this process's Slurm lookups are all taken; the caller retries).
 """
 from __future__ import annotations
@@ -48,6 +50,8 @@ LOOKUP_RATE = 2.0                       # Slurm lookups (jobs not in the cache) 
 LOOKUP_BURST = 10                       # ... after a burst of this many
 LOOKUP_CONCURRENT = 2                   # Slurm lookups running at once in one service process
 LOOKUP_WAIT = timedelta(milliseconds=500)  # how long a lookup waits for one of those before 503 slurm_busy
+CREDENTIAL_WRITES = 2                   # writes one credential (a signer uid, the tool or the admin token) has in
+                                        # progress in one service process; more: 429 credential_busy (#24.3)
 
 
 class AuthError(Exception):
@@ -197,6 +201,56 @@ class JobOwners(Protocol):
     def job_owner(self, job_id: int): ...
 
 
+class CredentialSlots:
+    """Writes in progress in this process per credential (#24.3): a job's signer uid (however many jobs, addresses
+    and credentials it uses), the tool token, the admin token. nginx caps requests per bearer token over all
+    addresses, but it cannot read a munge credential (each is signed afresh; its uid is known only once decoded),
+    and its cap is for the whole front, not a worker: this is the cap a side worker's threads (4) keep, so one
+    credential works on at most `per_credential` of them at once and the others stay free for everyone else."""
+
+    def __init__(self, per_credential: int = CREDENTIAL_WRITES):
+        if per_credential < 1:
+            raise ValueError(f"per_credential must be >= 1, got {per_credential}")
+        self.per_credential = per_credential
+        self._held: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(caller: "Caller") -> tuple | None:
+        """Whose slot `caller` takes: ("uid", uid) for a job, (kind,) for a token; None (no cap): anonymous."""
+        if caller.kind == "job":
+            return ("uid", caller.uid)
+        return (caller.kind,) if caller.kind in ("tool", "admin") else None
+
+    @contextlib.contextmanager
+    def hold(self, caller: "Caller"):
+        """One of `caller`'s slots for the block; raises AuthError 429 `credential_busy` when all are taken."""
+        key = self.key(caller)
+        if key is None:
+            yield
+            return
+        with self._lock:
+            if self._held.get(key, 0) >= self.per_credential:
+                who = f"uid {caller.uid}'s jobs" if key[0] == "uid" else f"the {caller.kind} token"
+                field = MUNGE_HEADER if key[0] == "uid" else "Authorization"
+                raise AuthError(429, f"{who} already have {self.per_credential} writes in progress in this service "
+                                     "process; retry", field, "credential_busy")
+            self._held[key] = self._held.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._held[key] - 1
+                if left:
+                    self._held[key] = left
+                else:
+                    del self._held[key]
+
+    def held(self) -> dict[tuple, int]:
+        with self._lock:
+            return dict(self._held)
+
+
 class LookupBudget:
     """What one user's credentials may cost in Slurm lookups (#24.4: valid credentials for made-up job ids, minted
     at ~220/s, each cost a squeue and a sacct run of ~0.3 s and held a request thread, so the hook's `/v1/plan`
@@ -330,6 +384,7 @@ class Authenticator:
         self.job_recent = job_recent
         self.read_auth = read_auth
         self.clock = clock
+        self.slots = CredentialSlots()
 
     @classmethod
     def from_config(cls, config) -> "Authenticator":

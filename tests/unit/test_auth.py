@@ -464,6 +464,42 @@ def test_a_write_retried_with_its_key_is_stored_once(client):
     assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
 
 
+def test_one_credential_has_at_most_two_writes_in_progress_in_a_process_and_no_one_else_waits(client, app):
+    """#24.3: nginx caps requests per bearer token but cannot read a munge credential (signed afresh each time), so
+    one user's jobs, from as many addresses and credentials as they like, could hold every thread of a side worker
+    with writes. Now a credential (a signer uid, the tool token, the admin token) has at most CREDENTIAL_WRITES
+    writes in progress in one process; beyond, 429 credential_busy to it alone."""
+    import contextlib  # noqa: PLC0415
+
+    from predictor.auth import CREDENTIAL_WRITES, Caller  # noqa: PLC0415
+    auth = app.extensions["elastic_predictor_auth"]
+    body = body_of([COLLECTIVE])
+    tool, admin = {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": f"Bearer {ADMIN}"}
+    with contextlib.ExitStack() as held:
+        for _ in range(CREDENTIAL_WRITES):        # uid 1000's jobs have that many writes in progress (other threads)
+            held.enter_context(auth.slots.hold(Caller("job", uid=1000, job_id=9)))
+        r = client.post("/v1/observations", data=body, headers=sign(body, 7))      # another job of uid 1000
+        assert (r.status_code, r.json["reason"], r.json["field"]) == (429, "credential_busy", MUNGE_HEADER)
+        assert r.headers["Retry-After"] == "1" and "uid 1000" in r.json["error"]
+        assert client.post("/v1/observations", data=body, headers=sign(body, 8, 1001)).status_code == 201
+        assert client.post("/v1/observations", json=[COLLECTIVE], headers=tool).status_code == 201
+        for _ in range(CREDENTIAL_WRITES):
+            held.enter_context(auth.slots.hold(Caller("tool")))
+        r = client.post("/v1/observations", json=[COLLECTIVE], headers=tool)
+        assert (r.status_code, r.json["reason"], r.json["field"]) == (429, "credential_busy", "Authorization")
+        assert client.post("/v1/observations", json=[COLLECTIVE], headers=admin).status_code == 201
+    assert client.post("/v1/observations", data=body, headers=sign(body, 7)).status_code == 201
+    bad = b'[{"kind": "nope"}]'
+    assert client.post("/v1/observations", data=bad, headers=sign(bad, 7)).status_code == 400
+    assert auth.slots.held() == {}                # every write let go of its slot, a refused one too
+
+
+def test_credential_slots_refuse_a_cap_below_one():
+    from predictor.auth import CredentialSlots  # noqa: PLC0415
+    with pytest.raises(ValueError, match="per_credential must be >= 1, got 0"):
+        CredentialSlots(0)
+
+
 def test_a_busy_answer_is_retried_and_the_batch_stored(scripted, monkeypatch):
     # #24.3: over nginx's cap of requests in progress per bearer token (or per address) the answer is 429; the
     # launcher took it for a refusal and dropped the batch. It is busy, not refused: retried like a 5xx
