@@ -20,7 +20,7 @@ understood and refused), the header it concerns and a short `reason` code:
     job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable,
     record_mismatch (a signed record that does not fit its job's Slurm facts: predictor.jobcheck),
     lookup_rate (429: the signer's uid asked about more unknown jobs than `LookupBudget` allows),
-    credential_busy (429: this credential already has `CREDENTIAL_WRITES` writes in progress in this process,
+    credential_busy (429: the signer's uid already has `CREDENTIAL_WRITES` writes in progress in this process,
     `CredentialSlots`; the caller retries),
     slurm_busy (503: this process's Slurm lookups are all taken; the caller retries).
 """
@@ -50,8 +50,8 @@ LOOKUP_RATE = 2.0                       # Slurm lookups (jobs not in the cache) 
 LOOKUP_BURST = 10                       # ... after a burst of this many
 LOOKUP_CONCURRENT = 2                   # Slurm lookups running at once in one service process
 LOOKUP_WAIT = timedelta(milliseconds=500)  # how long a lookup waits for one of those before 503 slurm_busy
-CREDENTIAL_WRITES = 2                   # writes one credential (a signer uid, the tool or the admin token) has in
-                                        # progress in one service process; more: 429 credential_busy (#24.3)
+CREDENTIAL_WRITES = 2                   # writes one job signer uid (all its jobs) has in progress in one service
+                                        # process; more: 429 credential_busy (#24.3)
 
 
 class AuthError(Exception):
@@ -202,11 +202,12 @@ class JobOwners(Protocol):
 
 
 class CredentialSlots:
-    """Writes in progress in this process per credential (#24.3): a job's signer uid (however many jobs, addresses
-    and credentials it uses), the tool token, the admin token. nginx caps requests per bearer token over all
-    addresses, but it cannot read a munge credential (each is signed afresh; its uid is known only once decoded),
-    and its cap is for the whole front, not a worker: this is the cap a side worker's threads (4) keep, so one
-    credential works on at most `per_credential` of them at once and the others stay free for everyone else."""
+    """Writes in progress in this process per job signer (#24.3): a munge credential's uid, however many jobs,
+    addresses and credentials it uses. nginx caps requests per bearer token over all addresses, but it cannot read
+    a munge credential (each is signed afresh; its uid is known only once decoded): this is that cap, kept per
+    side worker, so one user's jobs work on at most `per_credential` of its threads (4) at once and the others stay
+    free for everyone else. Bearer tokens are trusted callers capped by nginx only (an import may write from
+    several threads); anonymous writes (writes open) are not capped."""
 
     def __init__(self, per_credential: int = CREDENTIAL_WRITES):
         if per_credential < 1:
@@ -217,10 +218,8 @@ class CredentialSlots:
 
     @staticmethod
     def key(caller: "Caller") -> tuple | None:
-        """Whose slot `caller` takes: ("uid", uid) for a job, (kind,) for a token; None (no cap): anonymous."""
-        if caller.kind == "job":
-            return ("uid", caller.uid)
-        return (caller.kind,) if caller.kind in ("tool", "admin") else None
+        """Whose slot `caller` takes: ("uid", uid) for a job; None (not capped here) for a token or anonymous."""
+        return ("uid", caller.uid) if caller.kind == "job" else None
 
     @contextlib.contextmanager
     def hold(self, caller: "Caller"):
@@ -231,10 +230,8 @@ class CredentialSlots:
             return
         with self._lock:
             if self._held.get(key, 0) >= self.per_credential:
-                who = f"uid {caller.uid}'s jobs" if key[0] == "uid" else f"the {caller.kind} token"
-                field = MUNGE_HEADER if key[0] == "uid" else "Authorization"
-                raise AuthError(429, f"{who} already have {self.per_credential} writes in progress in this service "
-                                     "process; retry", field, "credential_busy")
+                raise AuthError(429, f"uid {caller.uid}'s jobs already have {self.per_credential} writes in progress "
+                                     "in this service process; retry", MUNGE_HEADER, "credential_busy")
             self._held[key] = self._held.get(key, 0) + 1
         try:
             yield

@@ -117,7 +117,8 @@ def identified() -> Caller:
 
 def write_access(view):
     """Decorator: a tool/admin bearer token or a munge-signed job credential (predictor.auth); the view runs in
-    one of that credential's slots of this process (`CredentialSlots`: else 429 `credential_busy`)."""
+    one of its signer uid's slots of this process when a job signed it (`CredentialSlots`: else 429
+    `credential_busy`)."""
 
     @functools.wraps(view)
     def wrapper(*args, **kwargs):

@@ -464,11 +464,11 @@ def test_a_write_retried_with_its_key_is_stored_once(client):
     assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
 
 
-def test_one_credential_has_at_most_two_writes_in_progress_in_a_process_and_no_one_else_waits(client, app):
+def test_one_users_jobs_have_at_most_two_writes_in_progress_in_a_process_and_no_one_else_waits(client, app):
     """#24.3: nginx caps requests per bearer token but cannot read a munge credential (signed afresh each time), so
     one user's jobs, from as many addresses and credentials as they like, could hold every thread of a side worker
-    with writes. Now a credential (a signer uid, the tool token, the admin token) has at most CREDENTIAL_WRITES
-    writes in progress in one process; beyond, 429 credential_busy to it alone."""
+    with writes. Now a signer uid has at most CREDENTIAL_WRITES writes in progress in one process; beyond, 429
+    credential_busy to it alone. Tokens are trusted callers, capped by nginx (an import may write from threads)."""
     import contextlib  # noqa: PLC0415
 
     from predictor.auth import CREDENTIAL_WRITES, Caller  # noqa: PLC0415
@@ -483,11 +483,10 @@ def test_one_credential_has_at_most_two_writes_in_progress_in_a_process_and_no_o
         assert r.headers["Retry-After"] == "1" and "uid 1000" in r.json["error"]
         assert client.post("/v1/observations", data=body, headers=sign(body, 8, 1001)).status_code == 201
         assert client.post("/v1/observations", json=[COLLECTIVE], headers=tool).status_code == 201
-        for _ in range(CREDENTIAL_WRITES):
-            held.enter_context(auth.slots.hold(Caller("tool")))
-        r = client.post("/v1/observations", json=[COLLECTIVE], headers=tool)
-        assert (r.status_code, r.json["reason"], r.json["field"]) == (429, "credential_busy", "Authorization")
         assert client.post("/v1/observations", json=[COLLECTIVE], headers=admin).status_code == 201
+        for _ in range(CREDENTIAL_WRITES + 1):        # no slot for a token: nginx caps those
+            held.enter_context(auth.slots.hold(Caller("tool")))
+        assert client.post("/v1/observations", json=[COLLECTIVE], headers=tool).status_code == 201
     assert client.post("/v1/observations", data=body, headers=sign(body, 7)).status_code == 201
     bad = b'[{"kind": "nope"}]'
     assert client.post("/v1/observations", data=bad, headers=sign(bad, 7)).status_code == 400
