@@ -977,8 +977,9 @@ def item13_retries_under_sigkill(service: hc.Service, posts: int, kills: int, ev
     return run
 
 
-def item15_token_in_files(service: hc.Service, lab: Lab, work: Path):
-    """A real launcher job with ELASTIC_PREDICTOR_TOKEN set: is the token in its records.jsonl or .out file?"""
+def item15_token_in_files(service: hc.Service, lab: Lab, work: Path, root: Path = ROOT):
+    """A real launcher job with ELASTIC_PREDICTOR_TOKEN set: is the token in its records.jsonl or .out file? The
+    job runs checkout `root`'s launcher (PYTHONPATH; the lab's jobs get no environment of ours)."""
     def run(tally):
         secret = "tok-" + uuid.uuid4().hex
         job_dir = work / "launcher-job"
@@ -992,6 +993,7 @@ def item15_token_in_files(service: hc.Service, lab: Lab, work: Path):
 #ELASTIC model=tiny gpus=1 per_gpu_batch=4
 export ELASTIC_PREDICTOR_TOKEN={secret}
 export ELASTIC_LAUNCH_REGISTRY={job_dir}/registry
+export PYTHONPATH={root}
 exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1 --run-dir {job_dir}/run \\
     --predictor http://127.0.0.1:{service.port} --intra-link shm --inter-link socket --measure-steps 4 \\
     --warmup-steps 1 -- {' '.join(train)}
@@ -1116,7 +1118,7 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
             service.wait_ready()
             attacks = {1: item1_several_jobs(service, lab), 4: item4_made_up_job_ids(service, lab, args.credentials),
                        6: item6_profiles(service, lab, args.profiles), 11: item11_collectives(service, lab, 20_480),
-                       15: item15_token_in_files(service, lab, work)}
+                       15: item15_token_in_files(service, lab, work, root)}
             for item in munge_items:
                 rows.append(attack(service.port, item, LABELS[item], attacks[item],
                                    p50_target_ms=P99_TARGET_MS if item == 4 else None))
