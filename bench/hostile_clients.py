@@ -44,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 TOKEN = "bench-token"
+DECISIONS_MAX_BYTES = 16 * 1024 * 1024   # the served instances' ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES
 PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8", "#ELASTIC per_gpu_batch=64"],
         "job": {"min_nodes": 1, "tres_per_node": "gres:gpu:4", "partition": "debug", "user": "bench"}}
 PLAN_RATE = 20.0
@@ -113,7 +114,7 @@ class Service:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
-        env.update(ELASTIC_PREDICTOR_TOKEN=TOKEN, ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES=str(16 * 1024 * 1024),
+        env.update(ELASTIC_PREDICTOR_TOKEN=TOKEN, ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES=str(DECISIONS_MAX_BYTES),
                    **(extra_env or {}))
         self.log = open(log, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1",

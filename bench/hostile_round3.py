@@ -1,5 +1,6 @@
 """Hostile clients, round 3 (issue #24): the items round 2 (bench/hostile_round2.py: 2, 7, 12, 14) and the idle-
-connection attack (bench/hostile_suite.py: 3) leave out, each as the issue's attack against a real service.
+connection attack (bench/hostile_suite.py: 3, one address) leave out, each as the issue's attack against a real
+service; item 3 here is its credential half: one bearer token from 8 addresses.
 
 Run: `python bench/hostile_round3.py [--lab /var/tmp/elastic-slurm-dev] [--items 1,4,...] [--flood-s 30]
       [--output bench/results/hostile_round3.md]`
@@ -62,7 +63,7 @@ PLAN_RATE = 20.0
 P99_TARGET_MS = 100.0
 STALENESS_TARGET_S = 5.0   # a new write is reflected within this long (#24, "Done when")
 DEFAULT_LAB = Path("/var/tmp/elastic-slurm-dev")
-ALL_ITEMS = (1, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16)
+ALL_ITEMS = (1, 3, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16)
 
 
 # --- clients ------------------------------------------------------------------------------------------------------
@@ -613,6 +614,149 @@ def item8_front_memory(service: hc.Service, connections: int = 240, body_bytes: 
     return run
 
 
+CREDENTIAL_ADDRESSES = tuple(f"127.0.0.{20 + k}" for k in range(8))   # item 3's attacker: one token, 8 addresses
+OTHER_CLIENT = "127.0.0.3"                                            # ... and another credential's client
+
+
+def nginx_runtime(service: hc.Service) -> Path | None:
+    """The runtime folder (`-p`) of the service's nginx, where its body temp files are (None: no nginx)."""
+    for pid in tree_pids(service.proc.pid):
+        try:       # nginx's master rewrites its argv as one title: "nginx: master process /usr/sbin/nginx ... -p DIR"
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        found = re.search(r" -p (\S+)", title) if comm(pid) == "nginx" else None
+        if found:
+            return Path(found.group(1))
+    return None
+
+
+def rendered_cap(runtime: Path | None) -> int | None:
+    """The per-bearer-token cap in the service's rendered nginx.conf (`limit_conn http_credential N;`), or None."""
+    try:
+        found = re.search(r"^\s*limit_conn http_credential (\d+);", (runtime / "nginx.conf").read_text(), re.M)
+    except (OSError, TypeError):
+        return None
+    return int(found.group(1)) if found else None
+
+
+def temp_bytes(service: hc.Service, runtime: Path | None) -> int:
+    """Bytes on disk of the files nginx's processes hold open under their runtime folder: its request body temp
+    files (nginx unlinks each as it creates it, so only its open descriptors show them)."""
+    total = 0
+    if runtime is None:
+        return 0
+    for pid in tree_pids(service.proc.pid):
+        if comm(pid) != "nginx":
+            continue
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd).startswith(str(runtime) + "/"):
+                    total += os.stat(fd).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
+def _token_holder(port: int, head: bytes, body_bytes: int, sources: list[str], out, done) -> None:
+    """Item 3's attacker (in a child process, so its sending takes no GIL from the victim's clock): one request a
+    source address, its head and all but the last body byte; after 1 s puts on `out` how each was answered
+    ('held': nothing yet), then holds them until `done` is set."""
+    chunk = b" " * (body_bytes - 1)
+    failed: collections.Counter = collections.Counter()
+
+    def one(source):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+        try:
+            sock.sendall(head)
+            sock.sendall(chunk)
+            return sock
+        except OSError as exc:
+            sock.close()
+            failed[type(exc).__name__] += 1
+            return None
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(16) as pool:
+        socks = [s for s in pool.map(one, sources) if s is not None]
+    send_s = time.perf_counter() - t0
+    time.sleep(1.0)
+    answers: collections.Counter = collections.Counter()
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            data = sock.recv(65536)
+            answers[data[9:12].decode() if data.startswith(b"HTTP/1.1 ") else "closed"] += 1
+        except BlockingIOError:
+            answers["held"] += 1
+        except OSError:
+            answers["closed"] += 1
+    out.put({"answers": dict(answers), "failed": dict(failed), "send_s": send_s, "sent": len(socks)})
+    done.wait(60)
+    for sock in socks:
+        sock.close()
+
+
+def item3_one_token_many_addresses(service: hc.Service, body_bytes: int = 256 * 1024):
+    """The tool token from the 8 `CREDENTIAL_ADDRESSES`: each opens as many requests as its address may have in
+    progress (`--per-address-requests`, 64) and sends all but the last byte of a 256 KiB body (above 16 KiB a body
+    goes to a temp file: disk), then holds them; meanwhile another credential (the admin token, from OTHER_CLIENT) writes,
+    and the token is tried from a 9th address."""
+    def run(tally):
+        from predictor.front_nginx import CONNECTION_BYTES, NginxLimits  # noqa: PLC0415
+        limits = NginxLimits()
+        runtime = nginx_runtime(service)
+        cap = rendered_cap(runtime)          # the attacked service's own: None where it has no per-token cap
+        bound_cap = cap or getattr(limits, "per_credential_requests", 16)   # ... held to this version's default
+        disk0, front0 = temp_bytes(service, runtime), nginx_rss_mb(service)
+        head = (f"POST /v1/observations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+                f"Bearer {hc.TOKEN}\r\nContent-Length: {body_bytes}\r\n\r\n").encode()
+        sources = [a for a in CREDENTIAL_ADDRESSES for _ in range(limits.per_address_requests)]
+        ctx = multiprocessing.get_context("fork")
+        out, done = ctx.SimpleQueue(), ctx.Event()
+        holder = ctx.Process(target=_token_holder, args=(service.port, head, body_bytes, sources, out, done))
+        holder.start()
+        try:
+            got = out.get()
+            disk1, front1 = temp_bytes(service, runtime), nginx_rss_mb(service)
+            rows = json.dumps([{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [1],
+                                "intra_link": "nvlink", "per_gpu_batch": 64, "iter_s": 0.0331}]).encode()
+            others = collections.Counter(request(service.port, "POST", "/v1/observations", rows, ADMIN,
+                                                 source=OTHER_CLIENT, timeout=30)[0] for _ in range(10))
+            fresh, _ = request(service.port, "POST", "/v1/observations", rows, AUTH, source="127.0.0.28", timeout=30)
+        finally:
+            done.set()
+            holder.join(90)
+        answers = got["answers"]
+        for code, n in answers.items():
+            tally.codes[code] += n
+        held = answers.get("held", 0)
+        disk_mb, front_mb = (disk1 - disk0) / 2**20, front1 - front0
+        disk_bound = bound_cap * limits.max_body / 2**20
+        mem_bound = limits.memory_bound() / 2**20
+        passed = (held <= bound_cap and disk_mb <= disk_bound and front_mb <= mem_bound
+                  and set(others) == {201} and (fresh == 429 if held >= bound_cap else fresh == 201))
+        return (f"{got['sent']} requests with the tool token from {len(CREDENTIAL_ADDRESSES)} addresses "
+                f"({limits.per_address_requests} each, the per-address cap), each {body_bytes - 1} of {body_bytes} "
+                f"body bytes sent in {got['send_s']:.1f} s ({got['failed'] or 'no send failed'}): {answers}; held "
+                f"in progress {held} (target <= {bound_cap}: "
+                f"{'its per-token cap' if cap else 'the attacked service has no per-token cap; this default'}); "
+                f"the token from a 9th address "
+                f"meanwhile: {fresh} (target 429 while its cap is full); another credential (admin token, "
+                f"{OTHER_CLIENT}) x 10 writes meanwhile: {dict(others)} (target all 201); nginx's body temp files "
+                f"{disk0 / 2**20:.1f} -> {disk1 / 2**20:.1f} MB"), passed, {
+            "memory": f"nginx {front0:.0f} -> {front1:.0f} MB (bound +{mem_bound:.0f} MB: "
+                      f"{limits.max_connections} connections x {CONNECTION_BYTES // 1024} KiB + workers)",
+            "disk": f"body temp files +{disk_mb:.1f} MB (bound {disk_bound:.0f} MB: {bound_cap} requests a token x "
+                    f"ELASTIC_PREDICTOR_MAX_BODY {limits.max_body >> 20} MiB)",
+            "moved": f"another credential's writes {dict(others)} (target all 201)"}
+    return run
+
+
 def _plan_flood(port: int, flood_s: float, threads: int, out) -> None:
     """Item 9's attacker (in a child process): `threads` threads post the largest valid /v1/plan bodies, without a
     credential, for `flood_s` seconds; puts {status: count} on `out`."""
@@ -833,8 +977,9 @@ def item13_retries_under_sigkill(service: hc.Service, posts: int, kills: int, ev
     return run
 
 
-def item15_token_in_files(service: hc.Service, lab: Lab, work: Path):
-    """A real launcher job with ELASTIC_PREDICTOR_TOKEN set: is the token in its records.jsonl or .out file?"""
+def item15_token_in_files(service: hc.Service, lab: Lab, work: Path, root: Path = ROOT):
+    """A real launcher job with ELASTIC_PREDICTOR_TOKEN set: is the token in its records.jsonl or .out file? The
+    job runs checkout `root`'s launcher (PYTHONPATH; the lab's jobs get no environment of ours)."""
     def run(tally):
         secret = "tok-" + uuid.uuid4().hex
         job_dir = work / "launcher-job"
@@ -848,6 +993,7 @@ def item15_token_in_files(service: hc.Service, lab: Lab, work: Path):
 #ELASTIC model=tiny gpus=1 per_gpu_batch=4
 export ELASTIC_PREDICTOR_TOKEN={secret}
 export ELASTIC_LAUNCH_REGISTRY={job_dir}/registry
+export PYTHONPATH={root}
 exec {sys.executable} -m elastic_launcher.cli --script "$0" --workers-per-node 1 --run-dir {job_dir}/run \\
     --predictor http://127.0.0.1:{service.port} --intra-link shm --inter-link socket --measure-steps 4 \\
     --warmup-steps 1 -- {' '.join(train)}
@@ -915,6 +1061,8 @@ def item16_read_your_writes(service: hc.Service, runs: int = 5, after: int = 300
 # --- the run ------------------------------------------------------------------------------------------------------
 LABELS = {
     1: "three 1-second jobs of one user post 20 signed rows each after they ended (2x4, 4x4 5x slower)",
+    3: "one credential (the tool token) from 8 addresses, 64 requests in progress each (256 KiB bodies held one "
+       "byte short)",
     4: "valid munge credentials of one user for made-up job ids, 8 threads",
     5: "hostile decision bands (0 nodes, 2.5 or 8 GPUs a node, 8 nodes, -1 switches) and 9 MB of bands to the real hook",
     6: "one job's 3.85 MB profiles, a squat on 'llama-70b', three anonymous readers",
@@ -931,7 +1079,7 @@ LABELS = {
 def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args) -> list[dict]:
     rows = []
     extra_env = dict(kv.split("=", 1) for kv in getattr(args, "service_env", []))
-    plain_items = [i for i in (16, 9, 8, 13) if i in items]
+    plain_items = [i for i in (16, 9, 8, 3, 13) if i in items]
     if plain_items:
         db = work / "plain.db"
         hc.seed(root, db)
@@ -939,7 +1087,8 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
         try:
             service.wait_ready()
             attacks = {16: item16_read_your_writes(service), 9: item9_decisions(service, args.flood_s),
-                       8: item8_front_memory(service), 13: item13_retries_under_sigkill(service, args.posts, 8, 1.5)}
+                       8: item8_front_memory(service), 3: item3_one_token_many_addresses(service),
+                       13: item13_retries_under_sigkill(service, args.posts, 8, 1.5)}
             for item in plain_items:
                 rows.append(attack(service.port, item, LABELS[item], attacks[item]))
         finally:
@@ -969,7 +1118,7 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
             service.wait_ready()
             attacks = {1: item1_several_jobs(service, lab), 4: item4_made_up_job_ids(service, lab, args.credentials),
                        6: item6_profiles(service, lab, args.profiles), 11: item11_collectives(service, lab, 20_480),
-                       15: item15_token_in_files(service, lab, work)}
+                       15: item15_token_in_files(service, lab, work, root)}
             for item in munge_items:
                 rows.append(attack(service.port, item, LABELS[item], attacks[item],
                                    p50_target_ms=P99_TARGET_MS if item == 4 else None))

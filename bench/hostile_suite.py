@@ -226,22 +226,31 @@ def other_items_table(round2: list[dict], idle: list[dict]) -> str:
     legitimate client is /v1/plan paced at 20/s from the attacker's address (item 3: GET /healthz from another)."""
     out = ["| #24 item | attack | legitimate /v1/plan p99 during (target <= 100 ms) | legitimate client's 5xx or no "
            "answer | attacker's 5xx or no answer | memory growth (bound) | disk growth (bound) | others' plan and "
-           "predictions moved | model staleness (target <= 5 s) | check |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "predictions moved | model staleness (target <= 5 s) | check | verdict |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in round2:
         item = r["attack"].split()[0].removeprefix("#24.")
         p99, n = r["plan_p99"]
+        bound = r["bounds"]
+        failed = f" ({'; '.join(r['failed_on'])})" if r["failed_on"] else ""
         out.append(f"| {item} | {r['attack'].split(' ', 1)[1]} | {p99:.1f} ms ({'yes' if p99 <= 100 else 'no'}; "
                    f"{r['over_100ms']} of {n} over 100 ms) | {r.get('plan_errors', '-')} of {n} | "
                    f"{r['tally'].server_errors} of {r['tally'].total} | largest worker {r['rss'][0]:.0f} -> "
-                   f"{r['rss'][1]:.0f} MB (no bound stated) | DB {r['db'][0]:.1f} -> {r['db'][1]:.1f} MB (no bound "
-                   f"stated) | {r.get('measures', {}).get('moved') or '-'} | "
-                   f"{r.get('measures', {}).get('staleness') or '-'} | {' '.join(r['check'].split())} |")
+                   f"{r['rss'][1]:.0f} MB (bound +{bound['memory']:.0f} MB: {bound['memory_why']}) | DB "
+                   f"{r['db'][0]:.1f} -> {r['db'][1]:.1f} MB (bound +{bound['disk']:.1f} MB: {bound['disk_why']}) | "
+                   f"{r.get('measures', {}).get('moved') or '-'} | "
+                   f"{r.get('measures', {}).get('staleness') or '-'} | {' '.join(r['check'].split())} | "
+                   f"**{r['verdict']}**{failed} |")
     for r in idle:
         failed = r["probes"] - r["statuses"].get("200", r["statuses"].get(200, 0))
+        verdict = "PASS" if r["within_100ms"] >= 36 else "FAIL" + (
+            " (the buffered front end: one connection cap for all addresses; nginx is the production front)"
+            if r["server"] == "buffered" else "")
         out.append(f"| 3 | one address holds {r['held']} idle connections (`--server {r['server']}`) | GET /healthz "
                    f"from another address, not /v1/plan: p99 {r['p99_ms']:.0f} ms | {failed} of {r['probes']} not 200 "
                    f"({r['statuses']}) | - | - | - | - | - | {r['within_100ms']} of {r['probes']} answered 200 within "
-                   f"100 ms (target >= 36) |")
+                   f"100 ms (target >= 36) | **{verdict.split(' ', 1)[0]}**"
+                   f"{' ' + verdict.split(' ', 1)[1] if ' ' in verdict else ''} |")
     return "\n".join(out)
 
 

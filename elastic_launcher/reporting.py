@@ -48,8 +48,9 @@ class PredictorClient:
     munge missing, munged down) or when the service answers 401 `munge_disabled`, the post goes with the
     bearer token instead (without one when no token is set), and the fall-back is logged once.
 
-    A post of observations that meets a connection error, timeout or 5xx answer is retried `retries` times
-    after `retry_delay_s`; a 4xx answer is not (the same body would be refused again), nor is /v1/plan (the
+    A post of observations that meets a connection error, timeout, 5xx or 429 answer (busy: the front end's cap of
+    requests in progress per address or per bearer token, #24.3) is retried `retries` times after `retry_delay_s`;
+    another 4xx answer is not (the same body would be refused again), nor is /v1/plan (the
     controller decides without it). Never raises: when the service is unset, unreachable or
     answers garbage, `plan` returns None and the controller falls back to its own measured-efficiency
     heuristic; the breaker then skips the service for `cooldown_s`. A refusal (4xx) is not the service being
@@ -121,7 +122,7 @@ class PredictorClient:
                     self._munge_refused = error
                     self._fall_back("the service accepts no munge credentials")
                     continue                       # at once with the bearer token; not counted as a retry
-                if reply.status_code < 500:
+                if reply.status_code < 500 and reply.status_code != 429:   # 429: busy (a front end's cap), retried
                     raise _Refused(error, reply.status_code)
             attempt += 1
             if attempt > retries:

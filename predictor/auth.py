@@ -20,6 +20,8 @@ understood and refused), the header it concerns and a short `reason` code:
     job_not_found, job_not_active, uid_mismatch, job_id_mismatch, admin_required, slurm_unavailable,
     record_mismatch (a signed record that does not fit its job's Slurm facts: predictor.jobcheck),
     lookup_rate (429: the signer's uid asked about more unknown jobs than `LookupBudget` allows),
+    credential_busy (429: the signer's uid already has `CREDENTIAL_WRITES` writes in progress in this process,
+    `CredentialSlots`; the caller retries),
     slurm_busy (503: this process's Slurm lookups are all taken; the caller retries).
 """
 from __future__ import annotations
@@ -48,6 +50,8 @@ LOOKUP_RATE = 2.0                       # Slurm lookups (jobs not in the cache) 
 LOOKUP_BURST = 10                       # ... after a burst of this many
 LOOKUP_CONCURRENT = 2                   # Slurm lookups running at once in one service process
 LOOKUP_WAIT = timedelta(milliseconds=500)  # how long a lookup waits for one of those before 503 slurm_busy
+CREDENTIAL_WRITES = 2                   # writes one job signer uid (all its jobs) has in progress in one service
+                                        # process; more: 429 credential_busy (#24.3)
 
 
 class AuthError(Exception):
@@ -197,6 +201,53 @@ class JobOwners(Protocol):
     def job_owner(self, job_id: int): ...
 
 
+class CredentialSlots:
+    """Writes in progress in this process per job signer (#24.3): a munge credential's uid, however many jobs,
+    addresses and credentials it uses. nginx caps requests per bearer token over all addresses, but it cannot read
+    a munge credential (each is signed afresh; its uid is known only once decoded): this is that cap, kept per
+    side worker, so one user's jobs work on at most `per_credential` of its threads (4) at once and the others stay
+    free for everyone else. Bearer tokens are trusted callers capped by nginx only (an import may write from
+    several threads); anonymous writes (writes open) are not capped."""
+
+    def __init__(self, per_credential: int = CREDENTIAL_WRITES):
+        if per_credential < 1:
+            raise ValueError(f"per_credential must be >= 1, got {per_credential}")
+        self.per_credential = per_credential
+        self._held: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(caller: "Caller") -> tuple | None:
+        """Whose slot `caller` takes: ("uid", uid) for a job; None (not capped here) for a token or anonymous."""
+        return ("uid", caller.uid) if caller.kind == "job" else None
+
+    @contextlib.contextmanager
+    def hold(self, caller: "Caller"):
+        """One of `caller`'s slots for the block; raises AuthError 429 `credential_busy` when all are taken."""
+        key = self.key(caller)
+        if key is None:
+            yield
+            return
+        with self._lock:
+            if self._held.get(key, 0) >= self.per_credential:
+                raise AuthError(429, f"uid {caller.uid}'s jobs already have {self.per_credential} writes in progress "
+                                     "in this service process; retry", MUNGE_HEADER, "credential_busy")
+            self._held[key] = self._held.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._held[key] - 1
+                if left:
+                    self._held[key] = left
+                else:
+                    del self._held[key]
+
+    def held(self) -> dict[tuple, int]:
+        with self._lock:
+            return dict(self._held)
+
+
 class LookupBudget:
     """What one user's credentials may cost in Slurm lookups (#24.4: valid credentials for made-up job ids, minted
     at ~220/s, each cost a squeue and a sacct run of ~0.3 s and held a request thread, so the hook's `/v1/plan`
@@ -330,6 +381,7 @@ class Authenticator:
         self.job_recent = job_recent
         self.read_auth = read_auth
         self.clock = clock
+        self.slots = CredentialSlots()
 
     @classmethod
     def from_config(cls, config) -> "Authenticator":
@@ -410,7 +462,7 @@ class Authenticator:
 
     def _bearer(self, header: str, admin_only: bool) -> Caller:
         scheme, _, given = header.partition(" ")
-        given = given.strip()
+        given = given.strip(" \t")   # HTTP's optional whitespace only: nginx's per-token cap keys on the same text
         if scheme.lower() != "bearer" or not given:
             raise AuthError(401, "expected `Authorization: Bearer <token>`", "Authorization", "missing_credential")
         if self.admin_token and hmac.compare_digest(given.encode(), self.admin_token.encode()):

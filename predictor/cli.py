@@ -107,12 +107,15 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: client connections at once from one address, idle ones included (more are closed)")
 @click.option("--per-address-requests", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
               help="nginx: requests in progress from one address (more: 429)")
+@click.option("--per-credential-requests", default=16, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="nginx: requests in progress with one bearer token (the tool's or the admin's), from all "
+                   "addresses together (more: 429; docs/admin-guide.md, Security)")
 @click.option("--side-workers", default=1, show_default=True, type=click.IntRange(0, 64),
               help="nginx: worker processes of a second gunicorn (4 threads each, nice 10) that answers every "
                    "request but the hook's (POST /v1/plan without a munge credential, /healthz), which --workers "
                    "answer (0: one gunicorn for all)")
 def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout,
-          max_connections, per_address, per_address_requests, side_workers):
+          max_connections, per_address, per_address_requests, per_credential_requests, side_workers):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
@@ -155,7 +158,8 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
         nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
                                    upstream_timeout=timeout + 5, max_connections=max_connections,
                                    per_address=min(per_address, max_connections),
-                                   per_address_requests=per_address_requests)
+                                   per_address_requests=per_address_requests,
+                                   per_credential_requests=per_credential_requests)
         plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
 
         def load_plan_pool():

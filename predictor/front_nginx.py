@@ -2,8 +2,9 @@
 8 and 17).
 
 nginx reads each request whole before gunicorn sees it (bodies above 16 KiB go to a temp file, not memory), caps
-connections per client address and in total, and replaces X-Forwarded-For; the rendered configuration is
-predictor/deploy/nginx.conf.in (its comments say which directive does what). This module renders it into a
+connections per client address and in total, caps requests in progress per client address and per bearer token
+(#24.3: one token sent from many addresses shares one cap), and replaces X-Forwarded-For; the rendered
+configuration is predictor/deploy/nginx.conf.in (its comments say which directive does what). This module renders it into a
 private runtime folder, starts gunicorn on a unix socket there, then nginx in the foreground, and supervises
 both: SIGTERM/SIGINT stop nginx gracefully (requests in flight finish), then gunicorn; SIGHUP, SIGTTIN, SIGTTOU,
 SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and `serve` exits with its status.
@@ -73,6 +74,7 @@ class NginxLimits:
     max_connections: int = 2048        # client connections at once, all addresses
     per_address: int = 256             # client connections at once from one address (idle ones too)
     per_address_requests: int = 64     # requests in progress from one address; more: 429
+    per_credential_requests: int = 16  # requests in progress with one bearer token, all addresses; more: 429
     worker_processes: int = 2
 
     @property
@@ -126,6 +128,7 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
               "MAX_CONNECTIONS": limits.max_connections, "STREAM_TIMEOUT": int(limits.upstream_timeout) + 30,
               "RUNTIME": runtime, "PER_ADDRESS_REQUESTS": limits.per_address_requests, "MAX_BODY": limits.max_body,
+              "PER_CREDENTIAL_REQUESTS": limits.per_credential_requests,
               "READ_TIMEOUT": f"{round(limits.read_timeout * 1000)}ms", "SEND_TIMEOUT": SEND_TIMEOUT_S,
               "UPSTREAM_TIMEOUT": int(limits.upstream_timeout)}
     return re.sub(r"@([A-Z_]+)@", lambda m: str(values[m.group(1)]), TEMPLATE.read_text())
@@ -201,7 +204,8 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
         children["nginx"] = nginx.pid
         log(f"front end: nginx on {host}:{port} ({conf}): requests read whole (body <= {limits.max_body} bytes; "
             f"head within {limits.read_timeout:g} s), at most {limits.per_address} connections per address and "
-            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address; "
+            f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address and "
+            f"{limits.per_credential_requests} per bearer token (all addresses together); "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
         if side_workers > 0:

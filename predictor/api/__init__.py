@@ -116,12 +116,16 @@ def identified() -> Caller:
 
 
 def write_access(view):
-    """Decorator: a tool/admin bearer token or a munge-signed job credential (predictor.auth)."""
+    """Decorator: a tool/admin bearer token or a munge-signed job credential (predictor.auth); the view runs in
+    one of its signer uid's slots of this process when a job signed it (`CredentialSlots`: else 429
+    `credential_busy`)."""
 
     @functools.wraps(view)
     def wrapper(*args, **kwargs):
-        g.elastic_caller = authenticator().check_write(request.headers, request.get_data(cache=True))
-        return view(*args, **kwargs)
+        auth = authenticator()
+        g.elastic_caller = auth.check_write(request.headers, request.get_data(cache=True))
+        with auth.slots.hold(g.elastic_caller):
+            return view(*args, **kwargs)
 
     return wrapper
 

@@ -223,6 +223,21 @@ def test_bearer_refusals(client, headers, status, reason):
         assert "WWW-Authenticate" in r.headers
 
 
+def test_a_token_is_read_as_nginx_keys_its_cap_spaces_and_tabs_around_it_only():
+    """#24.3: nginx caps requests in progress per bearer token, keyed on the token with the scheme in any case and
+    spaces and tabs around it dropped (nginx.conf.in). The service compared the token after Python's str.strip(),
+    which drops other characters too (form feed, \\x1c-\\x1f, \\x85, NBSP): `Bearer <token>\\xa0` was accepted as the
+    token under another nginx key, a second cap of requests for one credential. Now only spaces and tabs go."""
+    from predictor.auth import AuthError, Authenticator
+    auth = Authenticator(token=TOKEN)
+    for header in (f"Bearer {TOKEN}", f"bearer  {TOKEN} ", f"BEARER \t{TOKEN}\t"):
+        assert auth.check_write({"Authorization": header}, b"").kind == "tool", header
+    for header in (f"Bearer {TOKEN}\xa0", f"Bearer {TOKEN}\x0c", f"Bearer \x1f{TOKEN}", f"Bearer {TOKEN}\x85"):
+        with pytest.raises(AuthError) as err:
+            auth.check_write({"Authorization": header}, b"")
+        assert (err.value.status, err.value.reason) == (403, "bad_token"), repr(header)
+
+
 @pytest.mark.parametrize("token", [TOKEN, ADMIN])
 def test_tool_and_admin_tokens_write(client, token):
     r = client.post("/v1/observations", json=[COLLECTIVE], headers={"Authorization": f"Bearer {token}"})
@@ -447,6 +462,50 @@ def test_a_write_retried_with_its_key_is_stored_once(client):
     assert other.get_json()["replayed"] is False and store.observation_counts()["collective"] == 3
     bad = client.post("/v1/observations", json=[COLLECTIVE], headers={**auth, "Idempotency-Key": "a b"})
     assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
+
+
+def test_one_users_jobs_have_at_most_two_writes_in_progress_in_a_process_and_no_one_else_waits(client, app):
+    """#24.3: nginx caps requests per bearer token but cannot read a munge credential (signed afresh each time), so
+    one user's jobs, from as many addresses and credentials as they like, could hold every thread of a side worker
+    with writes. Now a signer uid has at most CREDENTIAL_WRITES writes in progress in one process; beyond, 429
+    credential_busy to it alone. Tokens are trusted callers, capped by nginx (an import may write from threads)."""
+    import contextlib  # noqa: PLC0415
+
+    from predictor.auth import CREDENTIAL_WRITES, Caller  # noqa: PLC0415
+    auth = app.extensions["elastic_predictor_auth"]
+    body = body_of([COLLECTIVE])
+    tool, admin = {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": f"Bearer {ADMIN}"}
+    with contextlib.ExitStack() as held:
+        for _ in range(CREDENTIAL_WRITES):        # uid 1000's jobs have that many writes in progress (other threads)
+            held.enter_context(auth.slots.hold(Caller("job", uid=1000, job_id=9)))
+        r = client.post("/v1/observations", data=body, headers=sign(body, 7))      # another job of uid 1000
+        assert (r.status_code, r.json["reason"], r.json["field"]) == (429, "credential_busy", MUNGE_HEADER)
+        assert r.headers["Retry-After"] == "1" and "uid 1000" in r.json["error"]
+        assert client.post("/v1/observations", data=body, headers=sign(body, 8, 1001)).status_code == 201
+        assert client.post("/v1/observations", json=[COLLECTIVE], headers=tool).status_code == 201
+        assert client.post("/v1/observations", json=[COLLECTIVE], headers=admin).status_code == 201
+        for _ in range(CREDENTIAL_WRITES + 1):        # no slot for a token: nginx caps those
+            held.enter_context(auth.slots.hold(Caller("tool")))
+        assert client.post("/v1/observations", json=[COLLECTIVE], headers=tool).status_code == 201
+    assert client.post("/v1/observations", data=body, headers=sign(body, 7)).status_code == 201
+    bad = b'[{"kind": "nope"}]'
+    assert client.post("/v1/observations", data=bad, headers=sign(bad, 7)).status_code == 400
+    assert auth.slots.held() == {}                # every write let go of its slot, a refused one too
+
+
+def test_credential_slots_refuse_a_cap_below_one():
+    from predictor.auth import CredentialSlots  # noqa: PLC0415
+    with pytest.raises(ValueError, match="per_credential must be >= 1, got 0"):
+        CredentialSlots(0)
+
+
+def test_a_busy_answer_is_retried_and_the_batch_stored(scripted, monkeypatch):
+    # #24.3: over nginx's cap of requests in progress per bearer token (or per address) the answer is 429; the
+    # launcher took it for a refusal and dropped the batch. It is busy, not refused: retried like a 5xx
+    Scripted.answers = [(429, b'{"reason": "busy"}')]
+    client = launcher(scripted, monkeypatch, FakeSigner(), job_id=7, retries=1)
+    assert client.observe([COLLECTIVE]), client.last_error
+    assert len(Scripted.seen) == 2 and client.writes_refused is None
 
 
 def test_a_refusal_is_not_retried_and_stops_the_jobs_writes(scripted, monkeypatch):

@@ -352,10 +352,10 @@ def test_missing_nginx_is_one_line_naming_the_packages(monkeypatch):
 
 def test_rendered_configuration_carries_the_limits(tmp_path):
     limits = NginxLimits(max_body=1234567, read_timeout=2.5, upstream_timeout=40, max_connections=300,
-                         per_address=7, per_address_requests=5)
+                         per_address=7, per_address_requests=5, per_credential_requests=3)
     text = front_nginx.render(limits, host="::1", port=8470, runtime=str(tmp_path), load_module="", user=None)
     for line in ("listen [::1]:8470 backlog=4096;", "limit_conn stream_addr 7;", "limit_conn stream_all 300;",
-                 "limit_conn http_addr 5;", "client_max_body_size 1234567;", "client_header_timeout 2500ms;",
+                 "limit_conn http_addr 5;", "limit_conn http_credential 3;", "client_max_body_size 1234567;", "client_header_timeout 2500ms;",
                  "client_body_timeout 2500ms;", "proxy_read_timeout 40s;", "proxy_request_buffering on;",
                  "proxy_set_header X-Forwarded-For $remote_addr;", f"server unix:{tmp_path}/gunicorn.sock",
                  f"client_body_temp_path {tmp_path}/client_body;", f"worker_connections {4 * 300 + 64};"):
@@ -482,3 +482,146 @@ def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is(
         plan_pool.close()
         side_pool.close()
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+# --- item 3: one bearer token from several addresses --------------------------------------------------------
+class _HoldingUpstream:
+    """A stand-in gunicorn on a unix socket that answers each request in a thread of its own: the next `hold`
+    requests to arrive are held (in progress, unanswered) until `release()`, every later one is answered 200 at
+    once. `requests` lists (request line, Authorization header) in order of arrival."""
+
+    def __init__(self, path: Path) -> None:
+        self.hold, self.requests, self.lock = 0, [], threading.Lock()
+        self.released = threading.Event()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        os.chmod(path, 0o777)                       # nginx's workers may run as another user
+        self.sock.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            declared = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            while declared and len(body) < int(declared.group(1)):
+                body += conn.recv(65536)
+            auth = re.search(rb"(?i)\r\nauthorization: *([^\r]*)", head)
+            with self.lock:
+                self.requests.append((head.split(b"\r\n", 1)[0].decode(), auth.group(1).decode() if auth else None))
+                held = self.hold > 0
+                self.hold -= held
+            if held:
+                self.released.wait(60)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                         b"Content-Length: 2\r\n\r\n{}")
+
+    def arrived(self, count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(self.requests) < count:
+            assert time.monotonic() < deadline, f"{len(self.requests)} of {count} requests reached the upstream"
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextmanager
+def _nginx_alone(limits: NginxLimits):
+    """The rendered nginx (with the side pool) on a free port, both pools `_HoldingUpstream`s: yields
+    (port, plan pool, side pool)."""
+    _require_nginx()
+    exe, load_module = front_nginx.find_nginx()
+    runtime = Path(tempfile.mkdtemp(prefix="nginx-cap-"))   # nginx's workers (www-data under root) reach it
+    os.chmod(runtime, 0o755)
+    port = _free_port()
+    conf = runtime / "nginx.conf"
+    user = front_nginx.worker_user()
+    conf.write_text(front_nginx.render(limits, host="127.0.0.1", port=port, runtime=str(runtime),
+                                       load_module=load_module, user=user.pw_name if user else None, side_pool=True))
+    plan_pool = _HoldingUpstream(runtime / "gunicorn.sock")
+    side_pool = _HoldingUpstream(runtime / front_nginx.SIDE_SOCKET)
+    nginx = subprocess.Popen([exe, "-e", "stderr", "-p", str(runtime), "-c", str(conf), "-g",
+                              f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert nginx.poll() is None and time.monotonic() < deadline, nginx.stderr.read().decode()
+                time.sleep(0.05)
+        yield port, plan_pool, side_pool
+    finally:
+        plan_pool.release()
+        side_pool.release()
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        nginx.stderr.close()
+        plan_pool.close()
+        side_pool.close()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.mark.slow  # nginx
+def test_one_bearer_token_from_several_addresses_shares_one_cap_of_requests_in_progress():
+    """#24.3: the caps were per address only, so one token sent from N addresses held N x 64 requests in progress
+    (every one queued at the side pool ahead of everyone else's). Now requests carrying one bearer token, from all
+    addresses together, are capped (`per_credential_requests`): over it that token alone is answered 429, written
+    any way the service accepts it; another token, anonymous requests and the hook's plans are passed on."""
+    limits = NginxLimits(per_address_requests=4, per_credential_requests=3)
+    tool, other = "held-tool-token", "another-token"
+    long_token = "held-" + "L" * 300                 # over limit_conn's 255-byte key: counted by its first 255
+    body = b'[{"kind": "step"}]'
+    with _nginx_alone(limits) as (port, plan_pool, side_pool):
+        def post(source: str, auth: str | None, path: str = "/v1/observations", out: list | None = None):
+            headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+            answer = _get(port, path, source=source, method="POST", body=body, headers=headers, timeout=60)
+            if out is not None:
+                out.append(answer[0])
+            return answer
+
+        held: list[int] = []
+        threads = []
+        for token in (tool, long_token):             # 3 requests of each token in progress, from 3 addresses
+            side_pool.hold = 3
+            for k in range(3):
+                threads.append(threading.Thread(target=post, args=(f"127.0.0.{11 + k}", f"Bearer {token}"),
+                                                kwargs={"out": held}))
+                threads[-1].start()
+            side_pool.arrived(3 if token == tool else 6)
+        try:
+            # a fourth, from a fourth address, in every spelling the service accepts: 429, never passed on
+            for spelling in (f"Bearer {tool}", f"bearer  {tool} ", f"BEARER \t{tool}\t", f"Bearer {long_token}",
+                             f"Bearer {long_token}x"):
+                status, answer = post("127.0.0.14", spelling)
+                assert status == 429, (spelling, status, answer)
+                assert b"with this bearer token (at most 3" in answer, answer
+            assert len(side_pool.requests) == 6, side_pool.requests
+            # everyone else is passed on: another token, an anonymous request, the hook's plan, from that address
+            assert post("127.0.0.14", f"Bearer {other}")[0] == 200
+            assert post("127.0.0.14", None)[0] == 200
+            assert post("127.0.0.14", None, "/v1/plan")[0] == 200
+            assert [auth for _, auth in side_pool.requests[6:]] == [f"Bearer {other}", None]
+            assert len(plan_pool.requests) == 1
+        finally:
+            side_pool.release()
+            for thread in threads:
+                thread.join(60)
+        assert held == [200] * 6
+        assert post("127.0.0.14", f"Bearer {tool}")[0] == 200      # its requests ended: the token is served again

@@ -8,6 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import hostile_round2  # noqa: E402
 import hostile_round3  # noqa: E402
 import hostile_suite  # noqa: E402
 
@@ -98,7 +99,10 @@ def test_the_other_items_print_in_the_same_columns():
     tally.add(201)
     round2 = [{"attack": "#24.2 one job's 300 profiles, 4 rows each", "tally": tally, "rss": (139.0, 141.0),
                "db": (2.2, 4.4), "plan_p99": (6.5, 46), "over_100ms": 0, "plan_errors": 0, "check": "fit 1.2 s",
-               "measures": {"staleness": "a legitimate write reflected after 2.1 s (<= 5 s)"}}]
+               "passed": True, "measures": {"staleness": "a legitimate write reflected after 2.1 s (<= 5 s)"},
+               "bounds": hostile_round2.bounds(0.5)}]
+    round2[0]["failed_on"] = hostile_round2.verdict(round2[0])
+    round2[0]["verdict"] = "FAIL" if round2[0]["failed_on"] else "PASS"
     idle = [{"server": "nginx", "held": 1000, "probes": 40, "answered": 40, "within_100ms": 40,
              "statuses": {"200": 40}, "p99_ms": 8.1}]
     head, _, two, three = hostile_suite.other_items_table(round2, idle).splitlines()
@@ -108,3 +112,39 @@ def test_the_other_items_print_in_the_same_columns():
     assert cells[0] == "2" and cells[2].startswith("6.5 ms (yes;") and cells[3] == "0 of 46"
     assert cells[8] == "a legitimate write reflected after 2.1 s (<= 5 s)" and cells[7] == "-"
     assert three.startswith("| 3 | one address holds 1000 idle connections") and "40 of 40 answered 200" in three
+    assert cells[5].startswith("largest worker 139 -> 141 MB (bound +81 MB: 64 MiB prediction cache")
+    assert cells[6].startswith("DB 2.2 -> 4.4 MB (bound +21.5 MB: 16 MiB decisions budget") and cells[-1] == "**PASS**"
+    assert three.endswith("| **PASS** |")
+
+
+def test_round2_rows_state_memory_and_disk_bounds_from_the_services_limits_and_fail_beyond_them():
+    """#24, items 2, 7, 12, 14: their rows said "no bound stated" and had no verdict. Now each has a memory and a
+    disk bound from the service's limits (prediction cache, plot cache, decisions budget, WAL limit, the model
+    kept; for the tool token's writes, what it sent), and fails beyond either, as round 3's rows do."""
+    import hostile_clients  # noqa: PLC0415
+
+    tally = hostile_clients.Tally()
+    bound = hostile_round2.bounds(1.0, (3 * 2**20, "3 writes"))
+    assert bound["memory"] == 64 + 16 + 2 and bound["disk"] == 16 + 4 + 3 + 3
+    assert "ELASTIC_PREDICTOR_CACHE_BYTES" in bound["memory_why"] and "plotcache.MAX_BYTES" in bound["memory_why"]
+    assert "ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES" in bound["disk_why"] and "3 writes" in bound["disk_why"]
+    row = {"tally": tally, "rss": (139.0, 140.0), "db": (2.0, 3.0), "plan_p99": (6.5, 46), "plan_errors": 0,
+           "passed": True, "bounds": bound}
+    assert hostile_round2.verdict(row) == []
+    assert hostile_round2.verdict({**row, "rss": (139.0, 139.0 + 83)}) == ["memory +83 MB > 82"]
+    assert hostile_round2.verdict({**row, "db": (2.0, 2.0 + 27)}) == ["disk +27.0 MB > 26.0"]
+    assert hostile_round2.verdict({**row, "passed": False, "plan_p99": (101.0, 46), "plan_errors": 1}) == [
+        "check", "p99 101.0 ms > 100", "5xx 1"]
+
+
+def test_item3_reads_the_per_token_cap_from_the_services_own_nginx_conf(tmp_path):
+    """Round 3's item 3 (one token from 8 addresses) holds the attacked service to the cap its rendered nginx.conf
+    has (none in a version without it), not to this checkout's default."""
+    from predictor import front_nginx  # noqa: PLC0415
+
+    assert 3 in hostile_round3.ALL_ITEMS and 3 in hostile_round3.LABELS
+    assert hostile_round3.rendered_cap(tmp_path) is None and hostile_round3.rendered_cap(None) is None
+    (tmp_path / "nginx.conf").write_text(front_nginx.render(
+        front_nginx.NginxLimits(per_credential_requests=5), host="127.0.0.1", port=1, runtime=str(tmp_path),
+        load_module="", user=None, side_pool=True))
+    assert hostile_round3.rendered_cap(tmp_path) == 5
