@@ -27,7 +27,6 @@ import argparse
 import collections
 import concurrent.futures as cf
 import contextlib
-import hashlib
 import http.client
 import json
 import multiprocessing
@@ -571,6 +570,31 @@ def item6_profiles(service: hc.Service, lab: Lab, count: int):
     return run
 
 
+def send_all_but_the_last_byte(port: int, head: bytes, body_bytes: int, sources: list) -> tuple[list, dict, float]:
+    """One connection to the service per entry of `sources` (a source address, or None: the default), 16 at a time,
+    each sending `head` and all but the last of its `body_bytes` body bytes. Returns the sockets that sent it all
+    (still open), the failures by exception name, and the seconds it took."""
+    chunk = b" " * (body_bytes - 1)
+    failed: collections.Counter = collections.Counter()
+
+    def one(source):
+        address = (source, 0) if source is not None else None
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=address)
+        try:
+            sock.sendall(head)
+            sock.sendall(chunk)
+            return sock
+        except OSError as exc:
+            sock.close()
+            failed[type(exc).__name__] += 1
+            return None
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(16) as pool:
+        socks = [s for s in pool.map(one, sources) if s is not None]
+    return socks, dict(failed), time.perf_counter() - t0
+
+
 def item8_front_memory(service: hc.Service, connections: int = 240, body_bytes: int = 4 * 1024 * 1024):
     """``connections`` connections each send all but the last byte of a 4 MiB body, and hold."""
     def run(tally):
@@ -579,24 +603,7 @@ def item8_front_memory(service: hc.Service, connections: int = 240, body_bytes: 
         front0, worker0 = nginx_rss_mb(service), service.worker_rss_mb()
         head = (f"POST /v1/observations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
                 f"Bearer {hc.TOKEN}\r\nContent-Length: {body_bytes}\r\n\r\n").encode()
-        chunk = b" " * (body_bytes - 1)
-        held, failed = [], collections.Counter()
-
-        def one(_):
-            sock = socket.create_connection(("127.0.0.1", service.port), timeout=30)
-            try:
-                sock.sendall(head)
-                sock.sendall(chunk)
-                return sock
-            except OSError as exc:
-                sock.close()
-                failed[type(exc).__name__] += 1
-                return None
-
-        t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(16) as pool:
-            held = [s for s in pool.map(one, range(connections)) if s is not None]
-        send_s = time.perf_counter() - t0
+        held, failed, send_s = send_all_but_the_last_byte(service.port, head, body_bytes, [None] * connections)
         time.sleep(1.0)
         front1, worker1 = nginx_rss_mb(service), service.worker_rss_mb()
         for sock in held:
@@ -666,24 +673,7 @@ def _token_holder(port: int, head: bytes, body_bytes: int, sources: list[str], o
     """Item 3's attacker (in a child process, so its sending takes no GIL from the victim's clock): one request a
     source address, its head and all but the last body byte; after 1 s puts on `out` how each was answered
     ('held': nothing yet), then holds them until `done` is set."""
-    chunk = b" " * (body_bytes - 1)
-    failed: collections.Counter = collections.Counter()
-
-    def one(source):
-        sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
-        try:
-            sock.sendall(head)
-            sock.sendall(chunk)
-            return sock
-        except OSError as exc:
-            sock.close()
-            failed[type(exc).__name__] += 1
-            return None
-
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(16) as pool:
-        socks = [s for s in pool.map(one, sources) if s is not None]
-    send_s = time.perf_counter() - t0
+    socks, failed, send_s = send_all_but_the_last_byte(port, head, body_bytes, sources)
     time.sleep(1.0)
     answers: collections.Counter = collections.Counter()
     for sock in socks:

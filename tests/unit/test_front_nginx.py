@@ -394,16 +394,34 @@ def test_configuration_passes_nginx_t(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+def _unix_listener(path: Path, backlog: int) -> socket.socket:
+    """A listening unix socket at `path` that nginx's workers may reach (they may run as another user)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o777)
+    sock.listen(backlog)
+    return sock
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    """Reads one request (its head, then as many body bytes as its Content-Length says) and returns its head."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    declared = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    while declared and len(body) < int(declared.group(1)):
+        body += conn.recv(65536)
+    return head
+
+
 class _Upstream:
     """A stand-in gunicorn on a unix socket: reads each request whole, then closes the first `drop` connections
     without a byte (a worker SIGKILLed under its request) and answers the others 200 naming itself."""
 
     def __init__(self, path: Path, name: str, drop: int) -> None:
         self.name, self.drop, self.requests = name, drop, []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        os.chmod(path, 0o777)                       # nginx's workers may run as another user
-        self.sock.listen(16)
+        self.sock = _unix_listener(path, 16)
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -414,14 +432,7 @@ class _Upstream:
             except OSError:
                 return
             with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, body = data.split(b"\r\n\r\n", 1)
-                declared = re.search(rb"(?i)content-length: *(\d+)", head)
-                length = int(declared.group(1)) if declared else 0
-                while len(body) < length:
-                    body += conn.recv(65536)
+                head = _read_request(conn)
                 self.requests.append(head.split(b"\r\n", 1)[0].decode())
                 if len(self.requests) <= self.drop:
                     continue                        # closed with no answer
@@ -433,22 +444,22 @@ class _Upstream:
         self.sock.close()
 
 
-@pytest.mark.slow  # nginx
-def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is():
-    """#24.13: a SIGKILLed plan worker's request was a 502 to the hook (1-4 of ~240 victim plans while workers
-    were killed). nginx now sends a plan pool request that got no answer once more (to the same socket: a live
-    worker takes it); a write to the side pool, whose repeat would store it twice, is never sent again."""
+@contextmanager
+def _nginx_before(upstream, limits: NginxLimits = NginxLimits(), prefix: str = "nginx-test-"):
+    """The rendered nginx (with the side pool) on a free port in front of two stand-in upstreams,
+    `upstream(socket path, pool name)` each (their `close()` is called at the end): yields (port, plan pool, side
+    pool) once nginx accepts connections."""
     _require_nginx()
     exe, load_module = front_nginx.find_nginx()
-    runtime = Path(tempfile.mkdtemp(prefix="nginx-retry-"))  # nginx's workers (www-data under root) reach it
+    runtime = Path(tempfile.mkdtemp(prefix=prefix))  # nginx's workers (www-data under root) reach it
     os.chmod(runtime, 0o755)
     port = _free_port()
     conf = runtime / "nginx.conf"
     user = front_nginx.worker_user()
-    conf.write_text(front_nginx.render(NginxLimits(), host="127.0.0.1", port=port, runtime=str(runtime),
+    conf.write_text(front_nginx.render(limits, host="127.0.0.1", port=port, runtime=str(runtime),
                                        load_module=load_module, user=user.pw_name if user else None, side_pool=True))
-    plan_pool = _Upstream(runtime / "gunicorn.sock", "plan", drop=1)
-    side_pool = _Upstream(runtime / front_nginx.SIDE_SOCKET, "side", drop=1)
+    plan_pool = upstream(runtime / "gunicorn.sock", "plan")
+    side_pool = upstream(runtime / front_nginx.SIDE_SOCKET, "side")
     nginx = subprocess.Popen([exe, "-e", "stderr", "-p", str(runtime), "-c", str(conf), "-g",
                               f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -461,7 +472,23 @@ def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is(
             except OSError:
                 assert nginx.poll() is None and time.monotonic() < deadline, nginx.stderr.read().decode()
                 time.sleep(0.05)
+        yield port, plan_pool, side_pool
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        nginx.stderr.close()
+        plan_pool.close()
+        side_pool.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
+
+@pytest.mark.slow  # nginx
+def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is():
+    """#24.13: a SIGKILLed plan worker's request was a 502 to the hook (1-4 of ~240 victim plans while workers
+    were killed). nginx now sends a plan pool request that got no answer once more (to the same socket: a live
+    worker takes it); a write to the side pool, whose repeat would store it twice, is never sent again."""
+    with _nginx_before(lambda path, name: _Upstream(path, name, drop=1), prefix="nginx-retry-") as \
+            (port, plan_pool, side_pool):
         def post(path: str) -> tuple[int, bytes]:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=PROBE_TIMEOUT_S)
             conn.request("POST", path, body=PLAN, headers={"Content-Type": "application/json"})
@@ -475,13 +502,6 @@ def test_a_plan_whose_worker_died_unanswered_is_sent_again_and_no_write_ever_is(
         status, _ = post("/v1/observations")
         assert status == 502
         assert side_pool.requests == ["POST /v1/observations HTTP/1.0"]    # a write: sent once
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=30)
-        nginx.stderr.close()
-        plan_pool.close()
-        side_pool.close()
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 # --- item 3: one bearer token from several addresses --------------------------------------------------------
@@ -493,10 +513,7 @@ class _HoldingUpstream:
     def __init__(self, path: Path) -> None:
         self.hold, self.requests, self.lock = 0, [], threading.Lock()
         self.released = threading.Event()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        os.chmod(path, 0o777)                       # nginx's workers may run as another user
-        self.sock.listen(64)
+        self.sock = _unix_listener(path, 64)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -509,13 +526,7 @@ class _HoldingUpstream:
 
     def _answer(self, conn: socket.socket) -> None:
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            head, body = data.split(b"\r\n\r\n", 1)
-            declared = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-            while declared and len(body) < int(declared.group(1)):
-                body += conn.recv(65536)
+            head = _read_request(conn)
             auth = re.search(rb"(?i)\r\nauthorization: *([^\r]*)", head)
             with self.lock:
                 self.requests.append((head.split(b"\r\n", 1)[0].decode(), auth.group(1).decode() if auth else None))
@@ -536,46 +547,8 @@ class _HoldingUpstream:
         self.released.set()
 
     def close(self) -> None:
+        self.release()                              # held requests are answered before nginx stops
         self.sock.close()
-
-
-@contextmanager
-def _nginx_alone(limits: NginxLimits):
-    """The rendered nginx (with the side pool) on a free port, both pools `_HoldingUpstream`s: yields
-    (port, plan pool, side pool)."""
-    _require_nginx()
-    exe, load_module = front_nginx.find_nginx()
-    runtime = Path(tempfile.mkdtemp(prefix="nginx-cap-"))   # nginx's workers (www-data under root) reach it
-    os.chmod(runtime, 0o755)
-    port = _free_port()
-    conf = runtime / "nginx.conf"
-    user = front_nginx.worker_user()
-    conf.write_text(front_nginx.render(limits, host="127.0.0.1", port=port, runtime=str(runtime),
-                                       load_module=load_module, user=user.pw_name if user else None, side_pool=True))
-    plan_pool = _HoldingUpstream(runtime / "gunicorn.sock")
-    side_pool = _HoldingUpstream(runtime / front_nginx.SIDE_SOCKET)
-    nginx = subprocess.Popen([exe, "-e", "stderr", "-p", str(runtime), "-c", str(conf), "-g",
-                              f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert nginx.poll() is None and time.monotonic() < deadline, nginx.stderr.read().decode()
-                time.sleep(0.05)
-        yield port, plan_pool, side_pool
-    finally:
-        plan_pool.release()
-        side_pool.release()
-        nginx.terminate()
-        nginx.wait(timeout=30)
-        nginx.stderr.close()
-        plan_pool.close()
-        side_pool.close()
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.mark.slow  # nginx
@@ -588,7 +561,7 @@ def test_one_bearer_token_from_several_addresses_shares_one_cap_of_requests_in_p
     tool, other = "held-tool-token", "another-token"
     long_token = "held-" + "L" * 300                 # over limit_conn's 255-byte key: counted by its first 255
     body = b'[{"kind": "step"}]'
-    with _nginx_alone(limits) as (port, plan_pool, side_pool):
+    with _nginx_before(lambda path, _: _HoldingUpstream(path), limits, "nginx-cap-") as (port, plan_pool, side_pool):
         def post(source: str, auth: str | None, path: str = "/v1/observations", out: list | None = None):
             headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
             answer = _get(port, path, source=source, method="POST", body=body, headers=headers, timeout=60)
