@@ -1,0 +1,15 @@
+"""Settings every unit-test process shares (the xdist controller sets them before it starts its workers).
+
+RES_OPTIONS: torch's c10d names each socket address in its own bookkeeping with a reverse lookup
+(`getnameinfo` without NI_NUMERICHOST), on the client for the store's address and on the store's libuv loop
+for each client it accepts. A test store listens on 127.0.0.1 and is reached over a dual-stack socket as
+::ffff:127.0.0.1, an address /etc/hosts does not name, so every TCPStore connection asks the DNS server for a
+PTR record; where that server drops a query now and then (about one in a hundred on the sandbox hosts), glibc
+waits its 5 s timeout before asking again. A dropped query on the store's loop holds up every client of that
+store, and a trainer's 5 s connect timeout failed on one. With one 1 s attempt the first dropped query fails
+(EAI_AGAIN) after 1 s, and c10d stops looking names up for the rest of the process (it logs IP addresses from
+then on). Nothing in tests/unit needs a name from the DNS server; a value set by the caller is kept.
+"""
+import os
+
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
