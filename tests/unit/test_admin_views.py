@@ -15,7 +15,6 @@ from urllib.parse import urljoin
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from matplotlib.image import imread
 
 from predictor import admin_tables, plots
 from predictor.app import create_app
@@ -98,6 +97,8 @@ def _get(client, url: str, deadline_s: float = 60.0):
 
 def _png(data: bytes) -> np.ndarray:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread  # matplotlib loads with the first plot, not at collection
+
     return imread(io.BytesIO(data), format="png")
 
 
