@@ -20,12 +20,12 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session):
-    """Collection imports torch, scipy, sklearn, matplotlib and flask (millions of objects) while rewriting the
-    asserts of ~75 test modules (millions of short-lived AST nodes): each of the ~13 full garbage collections that
-    the allocations set off walked the whole heap, 1.7-1.9 s of CPU per process (per xdist worker), a quarter of
-    its collection. Collection makes no reference cycles worth collecting, so the collector is off while it runs;
-    after it, what is alive (the imported libraries and the collected tests) is frozen out of later collections,
-    which then walk only what the tests allocate (pytest's own five at the end of a session included)."""
+    """Collection imports torch, scipy, sklearn and flask (millions of objects) while rewriting the asserts of ~75
+    test modules (millions of short-lived AST nodes): each of the ~13 full garbage collections that these
+    allocations set off walked the whole heap, 1.7-1.9 s of CPU per process (per xdist worker), a quarter of its
+    collection. So the collector is off while collection runs (the AST nodes are freed by reference counting; the
+    few cycles the imports leave stay), and what is alive after it (the libraries, the collected tests) is frozen
+    out of later collections, which then walk only what the tests allocate (pytest's five at the end included)."""
     gc.disable()
     try:
         return (yield)
