@@ -9,6 +9,11 @@ waits its 5 s timeout before asking again. A dropped query on the store's loop h
 store, and a trainer's 5 s connect timeout failed on one. With one 1 s attempt the first dropped query fails
 (EAI_AGAIN) after 1 s, and c10d stops looking names up for the rest of the process (it logs IP addresses from
 then on). Nothing in tests/unit needs a name from the DNS server; a value set by the caller is kept.
+
+OMP_NUM_THREADS, OPENBLAS_NUM_THREADS: the fast tier runs one xdist worker per core; torch's intra-op pool and
+OpenBLAS (numpy, scipy's fits) would each start a thread per core in every worker, and their threads spin while
+they wait for the next parallel region, on cores the other worker needs. One thread each (a caller's value kept);
+the tests that care about threads set them themselves.
 """
 import gc
 import os
@@ -16,6 +21,8 @@ import os
 import pytest
 
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_pool, "1")
 
 
 @pytest.hookimpl(wrapper=True)
