@@ -29,9 +29,12 @@ import dataclasses
 import io
 from collections import Counter, defaultdict
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from slurm_plugin.contracts.records import layout_name
 from predictor.errors import NotFoundError
@@ -85,7 +88,17 @@ def _note(fig: Figure, omitted: list[str]) -> None:
         fig.supxlabel("\n".join(line[:160] for line in lines), fontsize=7, color="#555555")
 
 
+def _figure(**kwargs) -> Figure:
+    """A matplotlib Figure. matplotlib (0.3-0.5 s of imports) loads with the first plot drawn, not with
+    predictor.app: the service, its workers and the CLI start without it."""
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    return Figure(**kwargs)
+
+
 def _png(fig: Figure) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+
     buf = io.BytesIO()
     FigureCanvasAgg(fig)
     fig.savefig(buf, format="png", dpi=100)
@@ -93,7 +106,7 @@ def _png(fig: Figure) -> bytes:
 
 
 def _message(text: str, size=(7.0, 3.0)) -> bytes:
-    fig = Figure(figsize=size)
+    fig = _figure(figsize=size)
     ax = fig.add_subplot()
     ax.axis("off")
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=11, wrap=True)
@@ -189,7 +202,7 @@ def scaling_png(store, predictor, profile: str | None = None, gpu: str | None = 
         return _message("no step history yet: observations of kind 'step' appear here")
     cols = min(2, len(panels))
     rows = (len(panels) + cols - 1) // cols
-    fig = Figure(figsize=(6.0 * cols, 4.2 * rows), layout="constrained")
+    fig = _figure(figsize=(6.0 * cols, 4.2 * rows), layout="constrained")
     for i, panel in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
         for j, s in enumerate(panel["series"]):
@@ -259,7 +272,7 @@ def links_png(store, predictor) -> bytes:
     series = data.items
     if not series:
         return _message("no collective history yet: observations of kind 'collective' appear here")
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    fig = _figure(figsize=(7.5, 4.8), layout="constrained")
     ax = fig.add_subplot()
     for j, s in enumerate(series):
         color = COLORS[j % len(COLORS)]

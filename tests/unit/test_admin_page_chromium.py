@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.image import imread
 
 from tests.unit.test_admin_views import PLAN, seed_records
 
@@ -108,6 +107,8 @@ def test_admin_page_screenshot_shows_tables_and_plots(live_server, tmp_path):
     shot = work / "admin.png"   # kept beside the server log for a human look
     proc = _run_chromium(["--window-size=1280,2600", f"--screenshot={shot}", base + "/admin"], tmp_path / "profile")
     assert shot.exists() and shot.stat().st_size > 20_000, proc.stderr[-2000:]
+    from matplotlib.image import imread  # matplotlib loads with the first plot, not at collection
+
     image = imread(str(shot))[:, :, :3]
     assert image.shape[:2] == (2600, 1280)
     colours = np.unique((image * 255).astype(np.uint8).reshape(-1, 3), axis=0)

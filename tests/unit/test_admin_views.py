@@ -15,7 +15,6 @@ from urllib.parse import urljoin
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from matplotlib.image import imread
 
 from predictor import admin_tables, plots
 from predictor.app import create_app
@@ -98,11 +97,16 @@ def _get(client, url: str, deadline_s: float = 60.0):
 
 def _png(data: bytes) -> np.ndarray:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread  # matplotlib loads with the first plot, not at collection
+
     return imread(io.BytesIO(data), format="png")
 
 
 def _colours(image: np.ndarray) -> int:
-    return len(np.unique(image.reshape(-1, image.shape[-1]), axis=0))
+    """Distinct colours of an 8-bit PNG read as floats: each pixel's channels packed into one integer (what
+    `np.unique(..., axis=0)` counts, 30x faster: it sorted the rows as records)."""
+    channels = np.rint(image * 255).astype(np.uint32).reshape(-1, image.shape[-1])
+    return len(np.unique(sum(channels[:, i] << (8 * i) for i in range(channels.shape[1]))))
 
 
 # --- tables -------------------------------------------------------------------------------------------------

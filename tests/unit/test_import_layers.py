@@ -57,6 +57,18 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return []
 
 
+@functools.lru_cache(maxsize=None)
+def _import_nodes(source: str, filename: str) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    tree = ast.parse(source, filename=filename)
+    return tuple(node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
+def imports_of(path: Path) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """Every import statement of one file, at module level or inside a function; a text is parsed once for all the
+    checks that read it (the layer graph and the module graph of this checkout both read every module)."""
+    return _import_nodes(path.read_text(encoding="utf-8"), str(path))
+
+
 def import_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
     """(from layer, to layer) -> the import lines (`path:line`) that make the edge, for every cross-layer import."""
     edges: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -64,8 +76,7 @@ def import_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
         for path in sorted((root / package).rglob("*.py")):
             module = _module_name(path, root)
             source = layer(module)
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-            for node in ast.walk(tree):
+            for node in imports_of(path):
                 targets = {layer(name) for name in _imported(node, module, path.name == "__init__.py")}
                 for target in targets - {None, source}:
                     edges[(source, target)].append(f"{path.relative_to(root)}:{node.lineno}")
@@ -99,8 +110,7 @@ def module_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
     known = _modules(root)
     edges: dict[tuple[str, str], list[str]] = defaultdict(list)
     for module, path in known.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in ast.walk(tree):
+        for node in imports_of(path):
             targets: set[str] = set()
             for name in _imported(node, module, path.name == "__init__.py"):
                 targets |= _targets(name, module, known)

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
-from sklearn.utils.estimator_checks import check_estimator
 
 from predictor.errors import ValidationError
 from predictor.linkmodel import LinkModel, link_prior
@@ -32,6 +31,8 @@ _API_CHECKS = {"check_no_attributes_set_in_init", "check_parameters_default_cons
 
 def test_sklearn_api_checks_pass():
     """sklearn's own checks: every check outside the numeric-X list passes, the API ones included."""
+    from sklearn.utils.estimator_checks import check_estimator  # 0.5 s of imports (sklearn.datasets, ...): here only
+
     with warnings.catch_warnings():  # sklearn warns for each expected failure and for skipped array-api input
         warnings.simplefilter("ignore")
         results = check_estimator(LinkModel(), expected_failed_checks=_NEEDS_ARBITRARY_NUMERIC_X, on_fail=None)

@@ -193,10 +193,20 @@ def _which(checkout: pathlib.Path) -> str:
     return proc.stdout
 
 
-def test_ci_setup_says_which_checkout_the_install_points_at(tmp_path):
-    import slurm_plugin
+def _installed_checkout() -> pathlib.Path | None:
+    """The checkout the installed package runs from, found as .ci/setup finds it: outside any checkout, without
+    PYTHONPATH (a worktree's tests run with PYTHONPATH on their own tree while the editable install may point at
+    another checkout)."""
+    import sys
 
-    installed = pathlib.Path(slurm_plugin.__file__).resolve().parents[1]
+    probe = "import os, slurm_plugin; print(os.path.realpath(slurm_plugin.__file__))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd="/",
+                          env={"PATH": "/usr/bin:/bin"})
+    return pathlib.Path(proc.stdout.strip()).parents[1] if proc.returncode == 0 else None
+
+
+def test_ci_setup_says_which_checkout_the_install_points_at(tmp_path):
+    installed = _installed_checkout()
     second = tmp_path / "second"
     (second / ".ci").mkdir(parents=True)
     (second / ".ci" / "setup").write_text((ROOT / ".ci" / "setup").read_text())
