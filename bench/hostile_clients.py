@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 TOKEN = "bench-token"
 DECISIONS_MAX_BYTES = 16 * 1024 * 1024   # the served instances' ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES
+P99_TARGET_MS = 100.0                    # a legitimate client's /v1/plan p99 during any attack (#24, "Done when")
+STALENESS_TARGET_S = 5.0                 # a new legitimate write is reflected within this long (#24, "Done when")
 PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8", "#ELASTIC per_gpu_batch=64"],
         "job": {"min_nodes": 1, "tres_per_node": "gres:gpu:4", "partition": "debug", "user": "bench"}}
 PLAN_RATE = 20.0
