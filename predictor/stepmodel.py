@@ -1,0 +1,502 @@
+"""Step time of data-parallel training, simulated from how DDP runs a step (in the manner of AdaptDL goodput.py:
+the whole model in this file, vectorised over candidate layouts).
+
+A candidate is (profile P, GPU type g, per-GPU batch b, layout k_1..k_n GPUs on n nodes, intra link I, inter
+link E). With K = max_i k_i GPUs on the fullest node and G = sum_i k_i:
+
+    one GPU       T1(b)   the (P, g) compute ladder: the measured 1-GPU steps, interpolated log-log in b
+                          (`Ladder`); below its smallest batch its first slope (0..1), above its largest linear
+                          (the GPU is saturated). Nothing measured: FLOPs / (datasheet peak x efficiency).
+    phases        forward F = T1 / 3, backward B = 2 T1 / 3 (BACKWARD_SHARE: a backward is twice a forward's FLOPs)
+    buckets       DDP's buckets in gradient-ready order (reverse registration; the first 1 MiB, then
+                  bucket_cap_mb, one dtype a bucket: predictor/profiles.py), bytes s_1..s_m
+    ready         r_j = F + B * (s_1 + ... + s_j) / sum(s)       bucket j's gradients are all computed
+    all-reduce    d_j = C_I(K, s_j) + C_E(n, s_j)                 read off the link's own collective sweep
+                  (`Collectives`: measured points interpolated log-log; another world size moved along the
+                  ring's alpha-beta terms; across nodes the cheaper of ring and tree); hierarchical: inside the
+                  node over K, then across the n nodes' NICs (the K streams of a node share its NIC)
+    timeline      a_j = max(r_j, e_{j-1}); an all-reduce that overlaps the backward runs (1 + kappa_L) times
+                  slower (NCCL's kernels and proxy threads contend with the compute); e_j its end
+    device        T_dev = max(T1, e_m) + o_L                     o_L: the sync link's per-step cost
+    host          T_host = H + c_step + c_bucket * m + c_tensor * n_tensors      (G > 1 only)
+                  H = the ladder's floor (its smallest step: the host's Python and kernel launches, which
+                  no batch makes shorter); c_*: DDP's host work per step, per bucket, per gradient tensor
+    step          T = (T_dev^k + T_host^k)^(1/k), k = HOST_K: the slower of the two, smoothed (where both are
+                  near, each one's jitter makes the other wait: at equal times the step is 2^(1/k) = 7% above
+                  both);  throughput X = G * b / T
+    mixed types   every rank's T1 at its own batch; the slowest rank gates (predictor/mixed.py balances batches)
+
+Parameters are physical and few, each with the evidence it rests on (`basis`):
+- per (P, g): the ladder (measured 1-GPU steps, one vote per user at each batch: the median of their medians);
+- per link: the collective sweep (the cluster's own `collective` rows), kappa_L and o_L;
+- per host class (GPU type: the nodes of a partition share a host): c_step, c_bucket, c_tensor.
+Defaults are the no-fit reference's: kappa = o = c = 0 (perfect overlap, no DDP host cost). A host's constants
+are *calibrated* where the calibration job (`elastic-predictor calibrate`: probe models with many small and few
+large tensors, with and without DDP) posted `ddp_overhead` rows for its GPU type, else *fitted* from the
+multi-GPU steps that ran on that type, else *default*. kappa_L and o_L are *fitted* from the steps that synchronised
+over link L (bounded, pulled to 0), else *default*. `fit_params` is the only fit: bounded soft-L1 least squares of
+log step time, each user's rows weighing one vote in all.
+
+Intervals: the 10th and 90th percentiles of held-out log residuals by basis (`interval`): the multi-GPU rows'
+residuals with their own (P, g) ladder left out of the host/link fit's input where it could have absorbed them
+(the ladder is measured, not fitted, so an in-sample residual of a multi-GPU row is already out-of-sample for
+the ladder), and leave-one-batch-out on the ladders for the 1-GPU answers; a basis with too few residuals takes
+the prior spread.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from predictor.linkmodel import link_prior
+from predictor.roofline import load_peaks
+
+# The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
+# bench/loco.py prints it beside every figure.
+MODEL_VERSION = "sm-2026.12.02-1"
+
+BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
+FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
+DEFAULT_FLOPS = 20e12
+GPU_FLOPS = {gpu.lower(): p.train_flops for gpu, p in load_peaks().items()}
+HOST_K = 10.0                  # sharpness of the device/host max
+LAUNCH_FLOOR_S = 5e-3          # the step of a profile never measured, below which no batch goes (host launches)
+
+# Bounds of the fitted constants (SI units); each is pulled to its default (0) by a ridge worth RIDGE_ROWS rows.
+BOUNDS = {"kappa": (0.0, 4.0), "o": (0.0, 0.02), "c_step": (0.0, 0.02), "c_bucket": (0.0, 2e-3),
+          "c_tensor": (0.0, 5e-4)}
+SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5}  # the optimiser's units
+RIDGE_ROWS = 2.0
+F_SCALE = 0.05                 # soft-L1 scale of log residuals
+MIN_ROWS_PER_PARAM = 3         # multi-GPU rows a fitted constant needs behind it
+
+# Interval spreads (log space) where a basis has fewer than MIN_RESIDUALS held-out residuals.
+PRIOR_SPREAD = {"measured": 0.05, "calibrated": 0.10, "observed": 0.15, "cross-type": 0.30, "profile": 0.50,
+                "prior": 1.00}
+MIN_RESIDUALS = 8
+INTERVAL = (0.10, 0.90)        # an 80% interval
+
+
+# --------------------------------------------------------------------------------------------------- one GPU
+@dataclass(frozen=True)
+class Ladder:
+    """The measured 1-GPU step of one (profile, GPU type) at each per-GPU batch (sorted, one value a batch)."""
+
+    batches: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def from_points(cls, points: dict[float, float]) -> "Ladder":
+        bs = sorted(points)
+        return cls(tuple(float(b) for b in bs), tuple(float(points[b]) for b in bs))
+
+    @property
+    def floor(self) -> float:
+        """H: the smallest 1-GPU step: the host's work a step, which no batch makes shorter."""
+        return min(self.seconds)
+
+    def at(self, b) -> np.ndarray:
+        """T1 at batch(es) b: log-log interpolation; below the smallest batch its first slope (clipped to
+        0..1: a smaller batch is never slower, nor cheaper than linear); above the largest linear in b."""
+        x = np.log(np.atleast_1d(np.asarray(b, dtype=float)))
+        lb, lt = np.log(self.batches), np.log(self.seconds)
+        y = np.interp(x, lb, lt)
+        if len(lb) >= 2:
+            s0 = float(np.clip((lt[1] - lt[0]) / (lb[1] - lb[0]), 0.0, 1.0))
+        else:
+            s0 = 0.0
+        y = np.where(x < lb[0], lt[0] + s0 * (x - lb[0]), y)
+        y = np.where(x > lb[-1], lt[-1] + (x - lb[-1]), y)
+        return np.exp(y)
+
+    def scaled(self, ratio: float) -> "Ladder":
+        return Ladder(self.batches, tuple(t * ratio for t in self.seconds))
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ladder":
+        return cls(tuple(map(float, d["batches"])), tuple(map(float, d["seconds"])))
+
+
+def flops_ladder(profile, gpu: str, calibration: float | None = None) -> Ladder:
+    """The ladder of a profile never measured on `gpu`: its FLOPs (or measured seconds) per sample over the
+    datasheet peak at FLOPS_EFFICIENCY, times `calibration` (the measured over this estimate, geometric mean over
+    the profiles measured on that GPU), above a launch floor; two points (linear in between and beyond)."""
+    rate = GPU_FLOPS.get(gpu.lower(), DEFAULT_FLOPS) * FLOPS_EFFICIENCY
+    if profile.compute_s_per_sample is not None:
+        per = profile.compute_s_per_sample * (GPU_FLOPS.get((profile.reference_gpu or gpu).lower(), DEFAULT_FLOPS)
+                                              / GPU_FLOPS.get(gpu.lower(), DEFAULT_FLOPS))
+    elif profile.flops_per_sample is not None:
+        per = profile.flops_per_sample / rate
+    else:
+        per = 6.0 * profile.n_params * 128 / rate   # transformer-style guess: 6 FLOPs a parameter a token, 128 tokens
+    if calibration is not None and profile.compute_s_per_sample is None:
+        per *= calibration
+    b1 = max(1.0, LAUNCH_FLOOR_S / per)          # where the compute reaches the launch floor
+    return Ladder((b1, 2.0 * b1), (LAUNCH_FLOOR_S, 2.0 * LAUNCH_FLOOR_S))
+
+
+# --------------------------------------------------------------------------------------------------- links
+class Collectives:
+    """All-reduce seconds per link, world size and bytes, read off the cluster's own sweeps.
+
+    `curves[(link, world)]` holds the measured points (bytes, median seconds). A size between two points is
+    interpolated log-log; below the smallest, the smallest's time (latency-bound); above the largest, the last
+    segment's seconds per byte. A world size not measured on a link moves the nearest measured world's curve by
+    the ring's terms (latency 2(p-1) alpha, volume 2(p-1)/p bytes / bandwidth) with that link's alpha and
+    bandwidth (fitted on its points, else the link class's prior); a link never measured is its prior."""
+
+    def __init__(self, curves: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None = None):
+        self.curves = {k: (np.asarray(b, float), np.asarray(t, float)) for k, (b, t) in (curves or {}).items()}
+        self._ab = {}
+        for link in {k[0] for k in self.curves}:
+            self._ab[link] = self._alpha_beta(link)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[dict]) -> "Collectives":
+        """From `collective` all-reduce rows; one vote per owner (user, else job) at each point: the median of
+        each owner's median, so that no one user's rows move a link's curve."""
+        votes: dict[tuple, dict] = {}
+        for r in rows:
+            if r.get("op", "allreduce") != "allreduce" or int(r["world"]) < 2:
+                continue
+            key = (str(r["link"]), int(r["world"]), float(r["bytes"]))
+            votes.setdefault(key, {}).setdefault(owner_of(r), []).append(float(r["seconds"]))
+        pts: dict[tuple, dict] = {}
+        for (link, world, nbytes), by in votes.items():
+            pts.setdefault((link, world), {})[nbytes] = float(np.median([np.median(v) for v in by.values()]))
+        return cls({k: (np.array(sorted(v)), np.array([v[b] for b in sorted(v)])) for k, v in pts.items()})
+
+    def _alpha_beta(self, link: str) -> tuple[float, float]:
+        """(alpha seconds a ring step, bandwidth bytes/s) of `link`: least squares over its measured points of
+        t = 2(p-1) alpha + 2(p-1)/p bytes / bw, in relative terms; the link class's prior if that fails."""
+        a0, bw0, _ = link_prior(link)
+        rows = [(w, b, t) for (l, w), (bs, ts) in self.curves.items() if l == link for b, t in zip(bs, ts)]
+        if len(rows) < 2:
+            return a0, bw0
+        w, b, t = (np.array(v, float) for v in zip(*rows))
+        A = np.stack([2 * (w - 1), 2 * (w - 1) / w * b], axis=1) / t[:, None]
+        coef, *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+        if not (coef[0] > 0 and coef[1] > 0):
+            return a0, bw0
+        return float(coef[0]), float(1.0 / coef[1])
+
+    def links(self) -> list[str]:
+        return sorted({k[0] for k in self.curves})
+
+    def measured(self, link: str) -> bool:
+        return any(k[0] == link for k in self.curves)
+
+    def time(self, link: str, world: int, nbytes) -> np.ndarray:
+        """Ring all-reduce seconds of each size in `nbytes` over `world` ranks on `link` (0 for one rank)."""
+        nb = np.atleast_1d(np.asarray(nbytes, dtype=float))
+        if world <= 1:
+            return np.zeros_like(nb)
+        worlds = [w for (l, w) in self.curves if l == link]
+        a, bw = self._ab.get(link) or link_prior(link)[:2]
+        if not worlds:
+            return 2 * (world - 1) * a + 2 * (world - 1) / world * nb / bw
+        near = min(worlds, key=lambda w: (abs(math.log(w / world)), w))
+        bs, ts = self.curves[(link, near)]
+        t = np.exp(np.interp(np.log(np.maximum(nb, 1.0)), np.log(bs), np.log(ts)))
+        if len(bs) >= 2:
+            per_byte = max((ts[-1] - ts[-2]) / (bs[-1] - bs[-2]), 0.0)
+            t = np.where(nb > bs[-1], ts[-1] + per_byte * (nb - bs[-1]), t)
+        if near != world:
+            t = np.maximum(t + 2 * (world - near) * a + (2 * (world - 1) / world - 2 * (near - 1) / near) * nb / bw,
+                           1e-6)
+        return t
+
+    def across(self, link: str, nodes: int, nbytes) -> np.ndarray:
+        """All-reduce across `nodes` NICs: the cheaper of the ring (the link's curve) and a tree (2 log2 n
+        latencies, twice the bytes over the bandwidth): NCCL's tuner picks the faster of the two."""
+        ring = self.time(link, nodes, nbytes)
+        if nodes <= 2:
+            return ring
+        a, bw = self._ab.get(link) or link_prior(link)[:2]
+        nb = np.atleast_1d(np.asarray(nbytes, dtype=float))
+        tree = 2 * math.ceil(math.log2(nodes)) * a + 2 * nb / bw
+        return np.minimum(ring, tree)
+
+    def to_dict(self) -> dict:
+        return {f"{l}@{w}": [[float(b), float(t)] for b, t in zip(bs, ts)] for (l, w), (bs, ts) in
+                sorted(self.curves.items())}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Collectives":
+        out = {}
+        for key, pts in d.items():
+            link, world = key.rsplit("@", 1)
+            out[(link, int(world))] = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+        return cls(out)
+
+
+# --------------------------------------------------------------------------------------------------- constants
+@dataclass(frozen=True)
+class HostCost:
+    """DDP's host seconds a synchronised step: per step, per bucket, per gradient tensor; with their basis."""
+
+    c_step: float = 0.0
+    c_bucket: float = 0.0
+    c_tensor: float = 0.0
+    basis: str = "default"
+
+    def seconds(self, buckets: int, tensors: int) -> float:
+        return self.c_step + self.c_bucket * buckets + self.c_tensor * tensors
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """How a link's all-reduce overlaps a backward (kappa: 1 + kappa times slower while it does) and what a step
+    synchronised over it costs beyond (o seconds); with their basis."""
+
+    kappa: float = 0.0
+    o: float = 0.0
+    basis: str = "default"
+
+
+@dataclass
+class Params:
+    """Everything a prediction reads, as a versioned JSON document (`to_dict` / `from_dict`)."""
+
+    ladders: dict[tuple[str, str], Ladder] = field(default_factory=dict)
+    collectives: Collectives = field(default_factory=Collectives)
+    hosts: dict[str, HostCost] = field(default_factory=dict)
+    links: dict[str, LinkCost] = field(default_factory=dict)
+    residuals: dict[str, list[float]] = field(default_factory=dict)   # basis -> held-out log residuals
+    version: str = MODEL_VERSION
+
+    def host(self, gpu: str) -> HostCost:
+        return self.hosts.get(gpu, HostCost())
+
+    def link(self, name: str | None) -> LinkCost:
+        return self.links.get(name or "", LinkCost())
+
+    def interval(self, basis: str) -> tuple[float, float]:
+        """(low, high) factors of an 80% interval around a prediction of this basis (`PRIOR_SPREAD` where fewer
+        than MIN_RESIDUALS held-out residuals back it)."""
+        res = self.residuals.get(basis, [])
+        if len(res) >= MIN_RESIDUALS:
+            lo, hi = np.quantile(np.asarray(res), INTERVAL)
+            return float(math.exp(min(lo, 0.0))), float(math.exp(max(hi, 0.0)))
+        s = PRIOR_SPREAD.get(basis, PRIOR_SPREAD["prior"]) * 1.2816  # the normal's 10th/90th percentile
+        return math.exp(-s), math.exp(s)
+
+    def to_dict(self) -> dict:
+        return {"version": self.version,
+                "ladders": {f"{p}|{g}": l.to_dict() for (p, g), l in sorted(self.ladders.items())},
+                "collectives": self.collectives.to_dict(),
+                "hosts": {g: vars(h) for g, h in sorted(self.hosts.items())},
+                "links": {k: vars(v) for k, v in sorted(self.links.items())},
+                "residuals": {k: [round(float(x), 6) for x in v] for k, v in sorted(self.residuals.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Params":
+        return cls(ladders={tuple(k.split("|", 1)): Ladder.from_dict(v) for k, v in d.get("ladders", {}).items()},
+                   collectives=Collectives.from_dict(d.get("collectives", {})),
+                   hosts={g: HostCost(**h) for g, h in d.get("hosts", {}).items()},
+                   links={k: LinkCost(**v) for k, v in d.get("links", {}).items()},
+                   residuals={k: list(v) for k, v in d.get("residuals", {}).items()},
+                   version=d.get("version", MODEL_VERSION))
+
+
+# --------------------------------------------------------------------------------------------------- the step
+def sync_link(layout, intra: str, inter: str | None) -> str:
+    """The link a step synchronises over last: the inter-node link across nodes, else the intra-node link."""
+    return (inter or intra) if len(layout) > 1 else intra
+
+
+def bucket_comm(coll: Collectives, buckets: np.ndarray, layouts, intra: str, inter: str | None) -> np.ndarray:
+    """d[c, j]: all-reduce seconds of bucket j on candidate layout c, hierarchical: inside the fullest node over
+    its K GPUs, then across the n nodes."""
+    out = np.zeros((len(layouts), len(buckets)))
+    for c, lay in enumerate(layouts):
+        k, n = max(lay), len(lay)
+        if k > 1:
+            out[c] += coll.time(intra, k, buckets)
+        if n > 1:
+            out[c] += coll.across(inter or intra, n, buckets)
+    return out
+
+
+def simulate(t1: np.ndarray, floor: np.ndarray, buckets: np.ndarray, comm: np.ndarray, kappa: np.ndarray,
+             o: np.ndarray, host_s: np.ndarray, multi: np.ndarray) -> dict:
+    """The step of each candidate c (all arrays over c; `buckets` and comm[c, j] over buckets in ready order):
+    the device's timeline and the host's path, their max (module docstring). Pure and vectorised."""
+    fwd = t1 * (1.0 - BACKWARD_SHARE)
+    share = np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
+    end = np.zeros_like(t1)
+    slow = 1.0 + kappa
+    for j in range(len(buckets)):
+        ready = fwd + (t1 - fwd) * share[j]
+        start = np.maximum(ready, end)
+        d = comm[:, j]
+        # inside the backward the all-reduce runs `slow` times slower; the rest of it after t1 at full speed
+        inside = np.clip((t1 - start) / slow, 0.0, d)
+        end = np.where(start < t1, start + inside * slow + (d - inside), start + d)
+    device = np.where(multi, np.maximum(t1, end) + o, t1)
+    host = np.where(multi, floor + host_s, 0.0)
+    iter_s = np.where(multi, (device ** HOST_K + host ** HOST_K) ** (1.0 / HOST_K), device)
+    return {"iter_s": iter_s, "compute_s": t1, "comm_s": np.where(multi, end - np.minimum(end, fwd), 0.0),
+            "exposed_s": iter_s - t1}
+
+
+def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: str, b: float, layouts,
+                    intra: str, inter: str | None) -> dict:
+    """compute_s, comm_s, iter_s and samples_per_s of one (profile, GPU, batch) on each layout (pure)."""
+    buckets = np.asarray(buckets, dtype=float)
+    n = len(layouts)
+    G = np.array([sum(l) for l in layouts], dtype=float)
+    multi = G > 1
+    t1 = np.full(n, float(ladder.at(b)[0]))
+    floor = np.full(n, min(ladder.floor, float(t1[0])))
+    comm = bucket_comm(params.collectives, buckets, layouts, intra, inter)
+    lc = [params.link(sync_link(l, intra, inter)) for l in layouts]
+    host = params.host(gpu).seconds(len(buckets), tensors)
+    r = simulate(t1, floor, buckets, comm, np.array([c.kappa for c in lc]), np.array([c.o for c in lc]),
+                 np.full(n, host), multi)
+    r["samples_per_s"] = G * b / r["iter_s"]
+    return r
+
+
+# --------------------------------------------------------------------------------------------------- fitting
+def owner_of(row: dict):
+    """Whose vote a row is: the user who signed it (`uid`), else its job, else nobody in particular."""
+    if row.get("uid") is not None:
+        return ("uid", row["uid"])
+    return ("job", row["job_id"]) if row.get("job_id") is not None else None
+
+
+def ladders_from(rows: Iterable[dict]) -> dict[tuple[str, str], Ladder]:
+    """Per (profile, GPU): the 1-GPU steps, one vote per owner at each batch (median of the owners' medians)."""
+    votes: dict[tuple, dict] = {}
+    for r in rows:
+        if sum(r["layout"]) != 1:
+            continue
+        key = (r["profile"], r["gpu"], float(r["per_gpu_batch"]))
+        votes.setdefault(key, {}).setdefault(owner_of(r), []).append(float(r["iter_s"]))
+    pts: dict[tuple, dict] = {}
+    for (p, g, b), by in votes.items():
+        pts.setdefault((p, g), {})[b] = float(np.median([np.median(v) for v in by.values()]))
+    return {k: Ladder.from_points(v) for k, v in pts.items()}
+
+
+def _weights(rows: list[dict]) -> np.ndarray:
+    """One vote per owner: each owner's rows share weight 1 (rows of no owner weigh 1 each)."""
+    owners = [owner_of(r) for r in rows]
+    count: dict = {}
+    for o in owners:
+        count[o] = count.get(o, 0) + 1
+    return np.array([1.0 if o is None else 1.0 / count[o] for o in owners])
+
+
+def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str, str], Ladder],
+               multi_rows: list[dict], calibrated: dict[str, HostCost] | None = None) -> Params:
+    """Host and link constants from the multi-GPU step rows whose (profile, GPU) has a ladder (bounded soft-L1
+    least squares of log step time, one vote per owner, each constant pulled to 0); a host class with a
+    calibration keeps it. Returns the Params with held-out residuals by basis."""
+    calibrated = dict(calibrated or {})
+    rows = [r for r in multi_rows if (r["profile"], r["gpu"]) in ladders and r["profile"] in profiles]
+    names: list[tuple[str, str]] = []
+    link_rows: dict[str, int] = {}
+    host_rows: dict[str, int] = {}
+    for r in rows:
+        link = sync_link(r["layout"], r["intra_link"], r.get("inter_link"))
+        link_rows[link] = link_rows.get(link, 0) + 1
+        host_rows[r["gpu"]] = host_rows.get(r["gpu"], 0) + 1
+    for link, n in sorted(link_rows.items()):
+        if n >= MIN_ROWS_PER_PARAM * 2:
+            names += [("kappa", link), ("o", link)]
+    for gpu, n in sorted(host_rows.items()):
+        if gpu not in calibrated and n >= MIN_ROWS_PER_PARAM * 3:
+            names += [("c_step", gpu), ("c_bucket", gpu), ("c_tensor", gpu)]
+    prepared = [_prepare(r, profiles[r["profile"]], ladders[(r["profile"], r["gpu"])], collectives) for r in rows]
+
+    def build(x) -> tuple[dict, dict]:
+        val = {n: v * SCALE[n[0]] for n, v in zip(names, x)}
+        hosts = {g: HostCost(val.get(("c_step", g), 0.0), val.get(("c_bucket", g), 0.0),
+                             val.get(("c_tensor", g), 0.0), "fitted") for g in host_rows}
+        hosts.update(calibrated)
+        links = {l: LinkCost(val.get(("kappa", l), 0.0), val.get(("o", l), 0.0),
+                             "fitted" if ("kappa", l) in val else "default") for l in link_rows}
+        return hosts, links
+
+    def predict_all(x) -> np.ndarray:
+        hosts, links = build(x)
+        out = np.empty(len(prepared))
+        for i, p in enumerate(prepared):
+            lc, hc = links[p["link"]], hosts.get(p["gpu"], HostCost())
+            out[i] = simulate(p["t1"], p["floor"], p["buckets"], p["comm"], np.array([lc.kappa]), np.array([lc.o]),
+                              np.array([hc.seconds(p["nb"], p["nt"])]), np.array([True]))["iter_s"][0]
+        return out
+
+    y = np.log([r["iter_s"] for r in rows]) if rows else np.zeros(0)
+    w = _weights(rows) if rows else np.zeros(0)
+    if names and len(rows):
+        lo = [BOUNDS[n[0]][0] / SCALE[n[0]] for n in names]
+        hi = [BOUNDS[n[0]][1] / SCALE[n[0]] for n in names]
+        ridge = math.sqrt(RIDGE_ROWS) * F_SCALE
+        sw = np.sqrt(w)
+
+        def resid(x):
+            return np.concatenate([sw * (np.log(predict_all(x)) - y), ridge * np.asarray(x) / np.asarray(hi)])
+        x0 = 0.1 * np.asarray(hi)   # inside the bounds: at 0 the host path is below the device's, flat
+        res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=F_SCALE, max_nfev=200)
+        x = res.x if res.success and np.all(np.isfinite(res.x)) else x0
+    else:
+        x = np.zeros(len(names))
+    hosts, links = build(x)
+    residuals: dict[str, list[float]] = {}
+    if rows:
+        pred = predict_all(x)
+        for r, p, t in zip(rows, prepared, pred):
+            basis = "calibrated" if hosts.get(r["gpu"], HostCost()).basis == "calibrated" else "observed"
+            residuals.setdefault(basis, []).append(float(math.log(r["iter_s"] / t)))
+    residuals["measured"] = _ladder_residuals(ladders)
+    return Params(ladders=dict(ladders), collectives=collectives, hosts=hosts, links=links, residuals=residuals)
+
+
+def _prepare(row: dict, profile, ladder: Ladder, coll: Collectives) -> dict:
+    buckets = np.asarray(profile.buckets_bytes, dtype=float)
+    t1 = float(ladder.at(row["per_gpu_batch"])[0])
+    return {"t1": np.array([t1]), "floor": np.array([min(ladder.floor, t1)]), "buckets": buckets,
+            "comm": bucket_comm(coll, buckets, [row["layout"]], row["intra_link"], row.get("inter_link")),
+            "nb": len(buckets), "nt": len(profile.tensors), "gpu": row["gpu"],
+            "link": sync_link(row["layout"], row["intra_link"], row.get("inter_link"))}
+
+
+def _ladder_residuals(ladders: dict[tuple[str, str], Ladder]) -> list[float]:
+    """Leave-one-batch-out log errors of the ladders' interior points: how well a batch between two measured
+    ones is read."""
+    out = []
+    for lad in ladders.values():
+        for i in range(1, len(lad.batches) - 1):
+            rest = Ladder(lad.batches[:i] + lad.batches[i + 1:], lad.seconds[:i] + lad.seconds[i + 1:])
+            out.append(float(math.log(lad.seconds[i] / rest.at(lad.batches[i])[0])))
+    return out
+
+
+def host_cost_from_probes(rows: list[dict]) -> dict[str, HostCost]:
+    """Per GPU type, DDP's host cost from the calibration job's `ddp_overhead` rows: each row is one probe
+    (`buckets`, `tensors`, `extra_s` = the DDP step minus the same model's plain step, at world size `world`);
+    least squares of extra_s = c_step + c_bucket * buckets + c_tensor * tensors over the probes (>= 3 of them,
+    clipped to the bounds), one vote per (buckets, tensors) probe shape (the median of its rows)."""
+    by: dict[str, dict] = {}
+    for r in rows:
+        by.setdefault(r["gpu"], {}).setdefault((int(r["buckets"]), int(r["tensors"])), []).append(float(r["extra_s"]))
+    out = {}
+    for gpu, probes in by.items():
+        if len(probes) < 3:
+            continue
+        A = np.array([[1.0, nb, nt] for nb, nt in probes])
+        y = np.array([np.median(v) for v in probes.values()])
+        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+        c = [float(np.clip(v, *BOUNDS[k])) for v, k in zip(coef, ("c_step", "c_bucket", "c_tensor"))]
+        out[gpu] = HostCost(*c, basis="calibrated")
+    return out
