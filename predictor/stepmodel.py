@@ -72,7 +72,7 @@ BOUNDS = {"kappa": (0.0, 4.0), "o": (0.0, 0.02), "c_step": (0.0, 0.02), "c_bucke
 SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5}  # the optimiser's units
 RIDGE_ROWS = 2.0
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
-MIN_ROWS_PER_PARAM = 3         # multi-GPU rows a fitted constant needs behind it
+MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
 # Interval spreads (log space) where a basis has fewer than MIN_RESIDUALS held-out residuals.
 PRIOR_SPREAD = {"measured": 0.05, "calibrated": 0.10, "observed": 0.15, "cross-type": 0.30, "profile": 0.50,
