@@ -507,14 +507,19 @@ def _low(pred: dict) -> dict:
     return {} if low is None else {"samples_low": low}
 
 
-def _sure(chosen: dict, base: dict, min_eff: float) -> float | None:
+def _sure(chosen: dict, base: dict, min_eff: float, span: list) -> float | None:
     """The efficiency of growing from `base` to `chosen` with `chosen` at its interval's lower end, where it is
-    below `min_eff` (None: the grow holds at the lower end too, or no interval was given)."""
+    below `min_eff` (None: the grow holds at the lower end too, or no interval was given). `span` is narrowed to
+    the min_efficiency values that answer the same (the hook's cached bands)."""
     low = chosen.get("samples_low")
     if low is None or chosen["gpus"] <= base["gpus"]:
         return None
     eff = _efficiency(base["samples_per_s"], low, base["gpus"], chosen["gpus"])
-    return eff if eff < min_eff else None
+    if eff < min_eff:
+        span[0] = max(span[0], eff)
+        return eff
+    span[1] = min(span[1], eff)
+    return None
 
 
 def shown_bound(bound: float) -> str:
@@ -582,7 +587,7 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
                 best[counts[0]])
     # the interval (#38.5): a running job grows only where the grow passes min_efficiency at the interval's lower
     # end; at submit time the plan stands and its reason says the choice is uncertain
-    unsure = _sure(chosen, base, min_eff)
+    unsure = _sure(chosen, base, min_eff, span)
     if unsure is not None and requested["switch"] == "placed":
         chosen, stop_note = base, (f"grow to {layout_name(chosen['layout'])} uncertain: efficiency at the 80% "
                                    f"interval's lower end {unsure:.2f} < {shown or shown_bound(min_eff)}")
