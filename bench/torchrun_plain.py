@@ -31,12 +31,15 @@ from elastic_launcher.examples.common import StepProfiler  # noqa: E402
 def build(args):
     """(model, make_optimizer, dataset, loss_of) exactly as the template's script builds them."""
     if args.task == "resnet50":
-        ns = resnet50.build_parser().parse_args(["--seed", "0"] + (["--data", str(args.data)] if args.data else []))
+        # the template's data and model as a plain script has them: images made/decoded by the loader's workers,
+        # default memory format, no compile (the template's fast paths are its own, #39)
+        ns = resnet50.build_parser().parse_args(["--seed", "0", "--gpu-data", "off", "--channels-last", "off"]
+                                                + (["--data", str(args.data)] if args.data else []))
         dataset, classes = resnet50.build_dataset(ns)
         model = models.build_resnet(ns.arch, classes)
         return model, (lambda p: torch.optim.SGD(p, lr=ns.lr, momentum=0.9, weight_decay=1e-4)), dataset, \
             resnet50.loss_of
-    ns = gpt_lm.build_parser().parse_args([])
+    ns = gpt_lm.build_parser().parse_args(["--vocab-multiple", "1"])  # GPT-2's own vocabulary, as users write it
     model, dataset = gpt_lm.build_model_and_data(ns)
     return model, (lambda p: torch.optim.AdamW(p, lr=ns.lr, weight_decay=0.1)), dataset, gpt_lm.loss_of
 
