@@ -32,8 +32,7 @@ def run(compile_: str, args) -> dict:
     import torch.distributed as dist
     from elastic_launcher.membership import Coordinator
     from elastic_launcher.workers import worker_env, worker_id
-    from vs_torchrun import free_port
-    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=args.timeout))
     group = f"jcompile-localhost-g{int(time.time() * 1000)}"
     wid = worker_id(group, 0)

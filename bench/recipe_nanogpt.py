@@ -6,7 +6,7 @@ vocabulary padded to 50304, loss inside the model), tokens read from a uint16 me
 memory (no DataLoader), fused AdamW with weight decay on matrices only, bf16 autocast, ``torch.compile`` before
 the DDP wrap, TF32 on. It prints the same progress lines as the template (``step N/M ... X samples/s``).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=1 bench/recipe_nanogpt.py --per-gpu-batch 8
+    python -m torch.distributed.run --standalone --nproc_per_node=1 bench/recipe_nanogpt.py --per-gpu-batch 16
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class GPT(nn.Module):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--per-gpu-batch", type=int, default=8)
+    p.add_argument("--per-gpu-batch", type=int, default=16)  # the template's default
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")

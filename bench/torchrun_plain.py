@@ -71,7 +71,8 @@ def main() -> int:
     buffers = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
         else "broadcast_buffers"
     ddp = DDP(model, device_ids=[local], **{buffers: args.broadcast_buffers == "on"})
-    batch = args.per_gpu_batch or (64 if args.task == "resnet50" else 8)
+    parser = resnet50.build_parser() if args.task == "resnet50" else gpt_lm.build_parser()
+    batch = args.per_gpu_batch or parser.get_default("script_per_gpu_batch")  # the template's default
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, world, rank, shuffle=True, seed=0)
     kw = dict(persistent_workers=True, prefetch_factor=4) if args.workers else {}
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=args.workers,

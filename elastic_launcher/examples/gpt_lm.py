@@ -5,7 +5,7 @@ prediction: synthetic sequences by default, or `--data FILE.txt` as byte-level t
 `--size tiny` is the CPU-sized variant the testbed runs.
 
 Example (the command of an sbatch script):
-    elastic-launch --script "$0" -- python -m elastic_launcher.examples.gpt_lm --size gpt2-small --per-gpu-batch 8
+    elastic-launch --script "$0" -- python -m elastic_launcher.examples.gpt_lm --size gpt2-small --per-gpu-batch 16
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
 def build_parser() -> argparse.ArgumentParser:
     """The script's options (the templates' commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser, steps=5000, per_gpu_batch=8, lr=3e-4)
+    common.add_common_args(parser, steps=5000, per_gpu_batch=16, lr=3e-4)
     parser.add_argument("--size", choices=sorted(models.GPT_SIZES), default="gpt2-small")
     parser.add_argument("--context", type=int, default=None, help="tokens per sample (default: the size's context)")
     parser.add_argument("--data", type=Path, default=None, help="text file, byte-level (default: synthetic)")
