@@ -85,7 +85,8 @@ def main() -> None:
     for c in ("on", "off"):
         pauses = [x["pause_s"] for res in runs if res["compile"] == c for x in res["reforms"]]
         rec = sum(res["recompiles"] for res in runs if res["compile"] == c)
-        print(f"| {c} | {len(pauses)} | {statistics.median(pauses):.3f} | {min(pauses):.3f}-{max(pauses):.3f} | {rec} |")
+        print(f"| {c} | {len(pauses)} | {statistics.median(pauses):.3f} | {min(pauses):.3f}-{max(pauses):.3f} "
+              f"| {rec} |")
     if a.json:
         a.json.write_text(json.dumps(runs, indent=1, default=str))
 

@@ -55,7 +55,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(n_embd), CausalSelfAttention(), nn.LayerNorm(n_embd), MLP()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention()
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP()
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

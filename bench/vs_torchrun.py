@@ -207,7 +207,8 @@ def utilisation(rows: list, peak: float, flops: float) -> str:
     measured matrix-product peak), and for images the rate over the GPU-bound rate (the synthetic row's C at the
     same precision and GPU count: batches already on the GPU)."""
     bound = {(p, g): statistics.median(res["C"]) for d, p, g, _, res, _ in rows if d == "synthetic" and "C" in res}
-    lines = ["| data | precision | GPUs | arm | samples/s (rounds) | utilisation (rounds) |", "|---|---|---|---|---|---|"]
+    lines = ["| data | precision | GPUs | arm | samples/s (rounds) | utilisation (rounds) |",
+             "|---|---|---|---|---|---|"]
     for data, precision, gpus, _, res, _ in rows:
         for arm, rates in res.items():
             if data == "tokens":

@@ -137,6 +137,8 @@ def add_speed_args(parser: argparse.ArgumentParser, *, compile_default: str) -> 
                             "stays outside it, so a resize re-wraps without a recompile")
     group.add_argument("--fused-optimizer", choices=("auto", "on", "off"), default="auto",
                        help="the optimizer's fused implementation (auto: on a GPU)")
+    group.add_argument("--cudnn-benchmark", choices=("on", "off"), default="on",
+                       help="on a GPU, cuDNN times its convolution kernels once per shape and keeps the fastest")
     parser.set_defaults(compile_default=compile_default)
 
 
@@ -333,8 +335,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                      else torch.preserve_format)
     if compile_wanted(args, device):
         model.compile()  # in place: state_dict keys unchanged, DDP wraps the module as before
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN picks its fastest kernels once
+    if device.type == "cuda" and getattr(args, "cudnn_benchmark", "off") == "on":
+        torch.backends.cudnn.benchmark = True
     optimizer = make_optimizer(model.parameters())
     precision = Precision.of(pick_precision(args.precision, device), device)
     collate = getattr(dataset, "collate", default_collate)
@@ -358,7 +360,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                         warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision, collate,
                                             to_device),
                         extra_state=precision.extra_state(), speed=env.speed)
-    et.prepare_loader(dataset, collate_fn=collate, **loading).join()  # loader workers start and load a batch before announcing
+    # loader workers start and load a batch before announcing
+    et.prepare_loader(dataset, collate_fn=collate, **loading).join()
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)
