@@ -56,7 +56,8 @@ def run(compile_: str, args) -> dict:
         proc.terminate()
         out = proc.communicate(timeout=60)[0]
     recompiles = len(re.findall(r"Recompiling function", out))
-    return {"compile": compile_, "join": first, "reforms": records, "recompiles": recompiles, "log_tail": out[-1500:]}
+    return {"compile": compile_, "join": first, "reforms": records, "recompiles": recompiles,
+            "compiled": f"compile {compile_}," in out, "log_tail": out[-1500:]}
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
 """The templates' fast paths (#39): padded vocabulary and the loss inside the GPT, data made on the device, the
 switches that turn each fast path on or off, and the bench's best-recipe arm and utilisation table."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,3 +118,31 @@ def test_utilisation_reads_mfu_and_the_gpu_bound_rate_from_the_synthetic_rows_be
     assert "| jpeg | fp32 | 1 | B | 300 | (no synthetic C row" in text
     # GPT-2 small: 6 N + 12 L d T per token, N = 124.4 M without the position table, T = 1024
     assert vs_torchrun.gpt_flops_per_sample() == pytest.approx((6 * 123_653_376 + 12 * 12 * 768 * 1024) * 1024)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch
+def test_the_recompile_count_reads_what_torch_logs_for_a_module_compiled_in_place():
+    """The string bench/compile_resize.py counts is the one this torch logs (else its 0 would mean nothing)."""
+    probe = ("import torch\n"
+             "class M(torch.nn.Module):\n"
+             "    def forward(self, x):\n"
+             "        return x.relu()\n"
+             "m = M(); m.compile(backend='eager', dynamic=False)\n"
+             "m(torch.randn(2)); m(torch.randn(3))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TORCH_LOGS": "recompiles"})
+    assert out.stdout.count("Recompiling function") + out.stderr.count("Recompiling function") == 1
+
+
+@pytest.mark.slow  # a compile of the tiny GPT on the CPU (10-95 s on 2 shared cores)
+def test_a_reform_reuses_the_compiled_model_without_a_recompile():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import argparse
+
+    import compile_resize
+
+    args = argparse.Namespace(size="tiny", device="cpu", batch=4, reforms=2, settle=0.5, timeout=300.0)
+    res = compile_resize.run("on", args)
+    assert res["compiled"]  # the worker's first line says it ran with compile on
+    assert [r["epoch"] for r in res["reforms"]] == [res["join"]["epoch"] + 1, res["join"]["epoch"] + 2]
+    assert res["recompiles"] == 0
