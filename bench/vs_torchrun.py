@@ -135,9 +135,11 @@ def matmul_peak(n: int = 8192, reps: int = 10) -> float:
 def gpt_flops_per_sample() -> float:
     """Model FLOPs of one GPT-2-small training sample (forward and backward), as nanoGPT's and PaLM's MFU count
     them: 6 N + 12 L d T per token, N the parameters without the position table (GPT-2's 50257 tokens, unpadded)."""
+    import torch
     from elastic_launcher.examples import models
     size = models.GPT_SIZES["gpt2-small"]
-    model = models.GPT(size)
+    with torch.device("meta"):  # shapes only
+        model = models.GPT(size)
     n = sum(p.numel() for p in model.parameters()) - model.positions.weight.numel()
     return (6 * n + 12 * size.layers * size.d_model * size.context) * size.context
 
