@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -36,10 +37,15 @@ def build_dataset(args: argparse.Namespace):
                                               memory_format=memory_format(args)), args.classes
         return data.SyntheticImages(args.dataset_size, args.image_size, args.classes, args.seed), args.classes
     if args.data.is_dir():
-        if on_gpu:
-            folder = data.EncodedImageFolder(args.data, args.image_size, memory_format(args))
-        else:
-            folder = data.ImageFolder(args.data, args.image_size)
+        folder = None
+        if on_gpu and (args.gpu_data == "on" or importlib.util.find_spec("torchvision") is not None):
+            try:
+                folder = data.EncodedImageFolder(args.data, args.image_size, memory_format(args))
+            except ValueError as exc:
+                if args.gpu_data == "on":
+                    raise SystemExit(f"--gpu-data on: {exc}") from None
+                print(f"{exc}: decoding on the CPU", file=sys.stderr)  # auto: the folder decides
+        folder = folder or data.ImageFolder(args.data, args.image_size)
         return folder, folder.classes
     tensors = data.TensorFile(args.data)
     return tensors, int(tensors.targets.max()) + 1

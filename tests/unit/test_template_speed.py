@@ -91,6 +91,21 @@ def test_gpu_decode_refuses_a_folder_with_other_images(tmp_path):
         data.EncodedImageFolder(tmp_path, 8)
 
 
+def test_auto_decodes_a_folder_with_other_images_on_the_cpu_and_on_refuses_it(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from elastic_launcher.examples import resnet50
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "cat").mkdir()
+    Image.new("RGB", (20, 10)).save(tmp_path / "cat" / "a.jpg")
+    Image.new("RGB", (20, 10)).save(tmp_path / "cat" / "b.png")
+    folder, classes = resnet50.build_dataset(resnet50.build_parser().parse_args(["--data", str(tmp_path)]))
+    assert type(folder).__name__ == "ImageFolder" and len(folder) == 2 and classes == 1
+    with pytest.raises(SystemExit, match="--gpu-data on: .*b.png: not a JPEG"):
+        resnet50.build_dataset(resnet50.build_parser().parse_args(["--data", str(tmp_path), "--gpu-data", "on"]))
+
+
 def test_the_best_recipe_arm_runs_the_tasks_recipe_script(monkeypatch):
     sys.path.insert(0, str(ROOT / "bench"))
     import vs_torchrun
