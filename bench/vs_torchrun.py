@@ -17,6 +17,7 @@ Each run is a fresh process set; rounds alternate A, B then B, A. Samples/s is t
 progress windows after the first ``--skip`` windows (equal steps each, so it is total samples over total time).
 
     python bench/vs_torchrun.py --data synthetic,jpeg,tokens --precision bf16,fp32 --gpus 1,2 --rounds 3
+    python bench/vs_torchrun.py --data tokens,synthetic,jpeg --precision bf16 --gpus 1 --rounds 2 --arms A,C  # #39
 """
 from __future__ import annotations
 
