@@ -31,12 +31,15 @@ from elastic_launcher.examples.common import StepProfiler  # noqa: E402
 def build(args):
     """(model, make_optimizer, dataset, loss_of) exactly as the template's script builds them."""
     if args.task == "resnet50":
-        ns = resnet50.build_parser().parse_args(["--seed", "0"] + (["--data", str(args.data)] if args.data else []))
+        # the template's data and model as a plain script has them: images made/decoded by the loader's workers,
+        # default memory format, no compile (the template's fast paths are its own, #39)
+        ns = resnet50.build_parser().parse_args(["--seed", "0", "--gpu-data", "off", "--channels-last", "off"]
+                                                + (["--data", str(args.data)] if args.data else []))
         dataset, classes = resnet50.build_dataset(ns)
         model = models.build_resnet(ns.arch, classes)
         return model, (lambda p: torch.optim.SGD(p, lr=ns.lr, momentum=0.9, weight_decay=1e-4)), dataset, \
             resnet50.loss_of
-    ns = gpt_lm.build_parser().parse_args([])
+    ns = gpt_lm.build_parser().parse_args(["--vocab-multiple", "1"])  # GPT-2's own vocabulary, as users write it
     model, dataset = gpt_lm.build_model_and_data(ns)
     return model, (lambda p: torch.optim.AdamW(p, lr=ns.lr, weight_decay=0.1)), dataset, gpt_lm.loss_of
 
@@ -68,7 +71,8 @@ def main() -> int:
     buffers = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
         else "broadcast_buffers"
     ddp = DDP(model, device_ids=[local], **{buffers: args.broadcast_buffers == "on"})
-    batch = args.per_gpu_batch or (64 if args.task == "resnet50" else 8)
+    parser = resnet50.build_parser() if args.task == "resnet50" else gpt_lm.build_parser()
+    batch = args.per_gpu_batch or parser.get_default("script_per_gpu_batch")  # the template's default
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, world, rank, shuffle=True, seed=0)
     kw = dict(persistent_workers=True, prefetch_factor=4) if args.workers else {}
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=args.workers,

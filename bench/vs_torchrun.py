@@ -8,10 +8,16 @@ B: ``python -m elastic_launcher.examples.<task>``, the command the template runs
    start without Slurm: this process hosts the job's store, posts the first plan (``Coordinator.start``) and
    starts one process per GPU with the environment ``elastic-launch`` gives a step's tasks (``worker_env``,
    ``SLURM_LOCALID``); the script picks its own DataLoader worker count (``--workers`` left to the template).
+C: the field's best recipe as its users run it (#39), under ``torch.distributed.run``: ``bench/recipe_nanogpt.py``
+   for the language model (nanoGPT's style: compile, fused AdamW, flash attention, memmapped tokens) and
+   ``bench/recipe_torchvision.py`` for ResNet-50 (torchvision's reference recipe: Pillow decode and its preset in
+   the loader's workers, channels_last; on the synthetic row its batches are already on the GPU, so that row's C
+   is the GPU-bound rate of the model, the ceiling the image rows are read against).
 Each run is a fresh process set; rounds alternate A, B then B, A. Samples/s is the harmonic mean of rank 0's
 progress windows after the first ``--skip`` windows (equal steps each, so it is total samples over total time).
 
     python bench/vs_torchrun.py --data synthetic,jpeg,tokens --precision bf16,fp32 --gpus 1,2 --rounds 3
+    python bench/vs_torchrun.py --data tokens,synthetic,jpeg --precision bf16 --gpus 1 --rounds 2 --arms A,C  # #39
 """
 from __future__ import annotations
 
@@ -78,9 +84,14 @@ def harmonic_rate(out: str, skip: int) -> tuple[float, int]:
     return len(rates) / sum(1 / r for r in rates), len(rates)
 
 
+BATCH: dict[str, int] = {}  # --per-gpu-batch: every arm's, per task (default: each script's own)
+
+
 def task_args(task: str, data: str, jpeg_dir: Path, precision: str, profile: Optional[Path] = None) -> list[str]:
     steps, every = STEPS[task]
     args = ["--steps", str(steps), "--log-every", str(every), "--precision", precision]
+    if task in BATCH:
+        args += ["--per-gpu-batch", str(BATCH[task])]
     if profile is not None:
         args += ["--torch-profile", str(profile)]
     if data == "jpeg":
@@ -100,15 +111,50 @@ def plain_env(omp_threads: Optional[int]) -> dict[str, str]:
     return env
 
 
-# A's arms: "A" is the user's script as written (DDP defaults); "A-nobcast" the same with DDP's per-forward buffer
-# broadcast off (the trainer's setting), a diagnostic arm: how much of B - A that one setting explains
-ARMS = {"A": [], "A-nobcast": ["--broadcast-buffers", "off"]}
+# The arms beside B: "A" is the user's script as written (DDP defaults); "A-nobcast" the same with DDP's per-forward
+# buffer broadcast off (the trainer's setting), a diagnostic arm: how much of B - A that one setting explains;
+# "C" the best recipe (its script per task in RECIPES)
+ARMS = {"A": [], "A-nobcast": ["--broadcast-buffers", "off"], "C": []}
+RECIPES = {"gpt-lm": "recipe_nanogpt.py", "resnet50": "recipe_torchvision.py"}
+
+
+def matmul_peak(n: int = 8192, reps: int = 10) -> float:
+    """TFLOP/s of an n x n x n bf16 matrix product on random data (mean of ``reps`` after 3 warm-ups): the peak
+    that MFU is read against (KINDS.md: 769-798 on an H200 here)."""
+    import torch
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def gpt_flops_per_sample() -> float:
+    """Model FLOPs of one GPT-2-small training sample (forward and backward), as nanoGPT's and PaLM's MFU count
+    them: 6 N + 12 L d T per token, N the parameters without the position table (GPT-2's 50257 tokens, unpadded)."""
+    import torch
+    from elastic_launcher.examples import models
+    size = models.GPT_SIZES["gpt2-small"]
+    with torch.device("meta"):  # shapes only
+        model = models.GPT(size)
+    n = sum(p.numel() for p in model.parameters()) - model.positions.weight.numel()
+    return (6 * n + 12 * size.layers * size.d_model * size.context) * size.context
 
 
 def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpeg_dir: Path,
-              profile: Optional[Path] = None, omp_threads: Optional[int] = 1, arm: str = "A") -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)] + ARMS[arm]
+              profile: Optional[Path] = None, omp_threads: Optional[int] = 1, arm: str = "A",
+              extra: tuple = ()) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    if arm == "C":
+        if profile is not None:
+            raise SystemExit("--profile: the best-recipe arm C has no profiler option")
+        cmd += [str(ROOT / "bench" / RECIPES[task]), "--workers", str(workers), *extra]
+    else:
+        cmd += [str(ROOT / "bench" / "torchrun_plain.py"), "--task", task, "--workers", str(workers)] + ARMS[arm]
     cmd += task_args(task, data, jpeg_dir, precision, profile)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=plain_env(omp_threads))
     if done.returncode:
@@ -117,7 +163,7 @@ def run_plain(task: str, data: str, gpus: int, precision: str, workers: int, jpe
 
 
 def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path,
-                 profile: Optional[Path] = None) -> str:
+                 profile: Optional[Path] = None, extra: tuple = ()) -> str:
     import torch.distributed as dist
     from elastic_launcher.membership import Coordinator
     from elastic_launcher.workers import worker_env, worker_id
@@ -127,7 +173,7 @@ def run_template(task: str, data: str, gpus: int, precision: str, jpeg_dir: Path
     Coordinator(dist.PrefixStore("job", server)).start([worker_id(group, s) for s in range(gpus)])
     module = {"resnet50": "resnet50", "gpt-lm": "gpt_lm"}[task]
     cmd = [sys.executable, "-m", f"elastic_launcher.examples.{module}"] + task_args(task, data, jpeg_dir, precision,
-                                                                                     profile)
+                                                                                     profile) + list(extra)
     procs = []
     for slot in range(gpus):
         env = dict(os.environ, SLURM_LOCALID=str(slot),
@@ -159,6 +205,25 @@ def table(rows: list, arms: list[str]) -> str:
     return "\n".join(lines)
 
 
+def utilisation(rows: list, peak: float, flops: float) -> str:
+    """Per row and arm, the range over rounds: MFU for the language model (model FLOPs a second and GPU over the
+    measured matrix-product peak), and for images the rate over the GPU-bound rate (the synthetic row's C at the
+    same precision and GPU count: batches already on the GPU)."""
+    bound = {(p, g): statistics.median(res["C"]) for d, p, g, _, res, _ in rows if d == "synthetic" and "C" in res}
+    lines = ["| data | precision | GPUs | arm | samples/s (rounds) | utilisation (rounds) |",
+             "|---|---|---|---|---|---|"]
+    for data, precision, gpus, _, res, _ in rows:
+        for arm, rates in res.items():
+            if data == "tokens":
+                util = ", ".join(f"{r * flops / gpus / 1e12 / peak:.1%}" for r in rates) + f" MFU of {peak:.0f} TFLOP/s"
+            elif (precision, gpus) in bound:
+                util = ", ".join(f"{r / bound[precision, gpus]:.1%}" for r in rates) + " of the GPU-bound rate"
+            else:
+                util = "(no synthetic C row: GPU-bound rate not measured)"
+            lines.append(f"| {data} | {precision} | {gpus} | {arm} | {', '.join(f'{r:.0f}' for r in rates)} | {util} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="synthetic,jpeg,tokens")
@@ -176,6 +241,11 @@ def main() -> None:
                     "torchrun's own: 1 for 2+ processes a node, unset for one)")
     ap.add_argument("--arms", default="A", help="A's arms besides B, comma-separated, the first the baseline of the "
                     "ratio: " + ", ".join(ARMS) + " (A-nobcast: DDP's buffer broadcast off, a diagnostic)")
+    ap.add_argument("--per-gpu-batch", default="", help="every arm's batch per task, e.g. gpt-lm=16 (default: the "
+                    "scripts' own, the template's default)")
+    ap.add_argument("--template-args", default="", help="more options of the template's script (B), e.g. "
+                    "'--compile off' (space-separated; a fast path turned off, to measure it)")
+    ap.add_argument("--recipe-args", default="", help="more options of the best-recipe script (C), likewise")
     ap.add_argument("--devices", default="", help="CUDA_VISIBLE_DEVICES of both sides' processes (default: as set); "
                     "on a 4-GPU host, two benches on disjoint GPUs run side by side")
     a = ap.parse_args()
@@ -190,6 +260,11 @@ def main() -> None:
         if task not in STEPS or not n.isdigit() or int(n) < 6 * (a.skip + 1):
             raise SystemExit(f"--steps {item!r}: want TASK=N with TASK in {sorted(STEPS)} and N >= {6 * (a.skip + 1)}")
         STEPS[task] = (int(n), int(n) // 6)
+    for item in filter(None, a.per_gpu_batch.split(",")):
+        task, _, n = item.partition("=")
+        if task not in STEPS or not n.isdigit():
+            raise SystemExit(f"--per-gpu-batch {item!r}: want TASK=N with TASK in {sorted(STEPS)}")
+        BATCH[task] = int(n)
     if a.devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = a.devices  # inherited by both sides' processes
     import torch
@@ -204,10 +279,13 @@ def main() -> None:
         write_jpegs(jpeg_dir, total=total)
         print(f"# wrote 3000 JPEGs (500x375) and hard links to {total} files in {jpeg_dir} in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
+    peak = matmul_peak()
+    print(f"# bf16 matrix product 8192^3: {peak:.0f} TFLOP/s (the MFU peak)", flush=True)
     print(f"# {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}), torch {torch.__version__}, "
           f"{len(os.sched_getaffinity(0))} CPUs, steps {STEPS}, A's OMP_NUM_THREADS "
           f"{omp_threads if omp_threads is not None else 'torchrun default'}", flush=True)
+    flops = gpt_flops_per_sample()
     rows = []
     for data in datas:
         task = TASK[data]
@@ -223,20 +301,24 @@ def main() -> None:
                         t0 = time.perf_counter()
                         prof = a.profile / f"{data}-{precision}-g{gpus}-r{r}-{side}" if a.profile else None
                         if side != "B":
-                            out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof, omp_threads, side)
+                            out = run_plain(task, data, gpus, precision, workers, jpeg_dir, prof, omp_threads, side,
+                                            tuple(a.recipe_args.split()))
                         else:
-                            out = run_template(task, data, gpus, precision, jpeg_dir, prof)
+                            out = run_template(task, data, gpus, precision, jpeg_dir, prof,
+                                               tuple(a.template_args.split()))
                         rate, n = harmonic_rate(out, a.skip)
                         used = WORKERS.findall(out)
                         res[side].append(rate)
                         windows = " ".join(f"{float(x):.0f}" for _, x in RATE.findall(out))
-                        print(f"{data:9s} {precision} gpus={gpus} round {r} {side}: {rate:8.1f} samples/s "
+                        mfu = f", MFU {rate * flops / gpus / 1e12 / peak:.1%}" if task == "gpt-lm" else ""
+                        print(f"{data:9s} {precision} gpus={gpus} round {r} {side}: {rate:8.1f} samples/s{mfu} "
                               f"({n} windows, {time.perf_counter() - t0:.0f} s"
                               f"{', template workers ' + used[0] if used else ''}; every window: {windows})",
                               flush=True)
                 ratios = [b / x for b, x in zip(res["B"], res[arms[0]])]
                 rows.append((data, precision, gpus, workers, res, ratios))
     print("\n" + table(rows, arms))
+    print("\n" + utilisation(rows, peak, flops))
 
 if __name__ == "__main__":
     main()

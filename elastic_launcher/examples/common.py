@@ -127,6 +127,38 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
                              "hands them over; import them with `elastic-predictor import`")
 
 
+def add_speed_args(parser: argparse.ArgumentParser, *, compile_default: str) -> None:
+    """The fast paths every example can turn off (#39); ``compile_default`` is the script's choice on a GPU, by
+    measurement (bench/results/gpu_runs/2026-12-02_session19). ``auto`` means: on a GPU as chosen, off on the CPU
+    (where a compile costs more than it saves in a test's few steps)."""
+    group = parser.add_argument_group("speed")
+    group.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                       help=f"torch.compile the model in place (default on a GPU: {compile_default}); the DDP wrapper "
+                            "stays outside it, so a resize re-wraps without a recompile")
+    group.add_argument("--fused-optimizer", choices=("auto", "on", "off"), default="auto",
+                       help="the optimizer's fused implementation (auto: on a GPU)")
+    group.add_argument("--cudnn-benchmark", choices=("on", "off"), default="on",
+                       help="on a GPU, cuDNN times its convolution kernels once per shape and keeps the fastest")
+    parser.set_defaults(compile_default=compile_default)
+
+
+def on_gpu(args: argparse.Namespace) -> bool:
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
+def optimizer_options(args: argparse.Namespace) -> dict:
+    """Keyword arguments for the script's torch.optim optimizer: ``fused=True`` where ``--fused-optimizer`` wants it."""
+    choice = getattr(args, "fused_optimizer", "off")
+    return {"fused": True} if choice == "on" or (choice == "auto" and on_gpu(args)) else {}
+
+
+def compile_wanted(args: argparse.Namespace, device: torch.device) -> bool:
+    choice = getattr(args, "compile", "off")
+    if choice == "auto":
+        return device.type == "cuda" and args.compile_default == "on"
+    return choice == "on"
+
+
 PROFILE_STEPS = (100, 110)  # --profile: the steps profiled (after the commit schedule's ramp and the loader's fill)
 
 
@@ -264,12 +296,12 @@ class Precision:
 
 
 def _local_step(model, optimizer, dataset, loss_of: Callable, batch: int, device: torch.device,
-                precision: Precision):
+                precision: Precision, collate: Callable, to_device: Callable):
     """The warm-up step for ``ElasticTrainer(warm_up=)`` on a GPU (CUDA loads each kernel on its first use; the
     trainer runs it before joining and puts the state back); None on a CPU, where there is nothing to load."""
     if device.type != "cuda":
         return None
-    sample = _to(default_collate([dataset[i] for i in range(min(len(dataset), batch))]), device)
+    sample = to_device(collate([dataset[i] for i in range(min(len(dataset), batch))]), device)
 
     def step(m: torch.nn.Module) -> None:
         with precision.autocast():
@@ -286,7 +318,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         args: the parsed common options (`add_common_args`).
         model: the bare model (moved to this worker's device here).
         make_optimizer: `params -> optimizer`, called after the move.
-        dataset: map-style dataset of `(input, target)` items.
+        dataset: map-style dataset of `(input, target)` items; a dataset with ``collate(items)`` and
+            ``to_device(batch, device)`` methods batches its items and finishes them on the device itself (GPU
+            decode, data made on the GPU: data.py), else default_collate and a copy.
         loss_of: `(model, batch on device) -> scalar loss` (mean over the local batch).
         profile: the predictor profile name (`#ELASTIC model=`), for observations.
         environ: the process environment (read here once).
@@ -297,15 +331,23 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, args.threads))
     device = pick_device(args.device, env.local_id)
-    model = model.to(device)
+    model = model.to(device, memory_format=torch.channels_last if getattr(args, "channels_last", "off") == "on"
+                     else torch.preserve_format)
+    if compile_wanted(args, device):
+        model.compile()  # in place: state_dict keys unchanged, DDP wraps the module as before
+    if device.type == "cuda" and getattr(args, "cudnn_benchmark", "off") == "on":
+        torch.backends.cudnn.benchmark = True
     optimizer = make_optimizer(model.parameters())
     precision = Precision.of(pick_precision(args.precision, device), device)
+    collate = getattr(dataset, "collate", default_collate)
+    to_device = getattr(dataset, "to_device", _to)
     workers = args.workers if args.workers is not None else default_workers(env, device)
     loading = {"num_workers": workers, "pin_memory": device.type == "cuda"}
     if workers:
         loading.update(persistent_workers=True, prefetch_factor=4)
     print(f"{env.wid}: {device}, precision {args.precision} ({precision.dtype or torch.float32}), "
-          f"{workers} DataLoader worker(s) per process", flush=True)
+          f"{workers} DataLoader worker(s) per process, compile {'on' if compile_wanted(args, device) else 'off'}, "
+          f"fused optimizer {'on' if optimizer_options(args) else 'off'}", flush=True)
     telemetry = Telemetry(profile=profile, gpu=gpu_type(device),
                           intra_link="nvlink" if device.type == "cuda" else "shm")
     policy = BatchPolicy(per_gpu_batch=batch, lr_scaling=args.lr_scaling,
@@ -315,18 +357,20 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
-                        warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision),
+                        warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision, collate,
+                                            to_device),
                         extra_state=precision.extra_state(), speed=env.speed)
-    et.prepare_loader(dataset, **loading).join()  # loader workers start and load a batch before announcing
+    # loader workers start and load a batch before announcing
+    et.prepare_loader(dataset, collate_fn=collate, **loading).join()
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)
     rank = None  # the group is gone after close(): remember the last rank
     try:
-        for batch in et.loader(dataset, max_steps=args.steps, **loading):
+        for batch in et.loader(dataset, collate_fn=collate, max_steps=args.steps, **loading):
             # no host synchronisation in the step: the runtime reports progress at its commit points, and a
             # non-finite loss is voted on there (watch_loss keeps the check on the device)
-            batch = _to(batch, device)
+            batch = to_device(batch, device)
             with precision.autocast():
                 loss = loss_of(et.model, batch)
             et.watch_loss(loss)

@@ -31,6 +31,32 @@ class SyntheticImages(torch.utils.data.Dataset):
         return image + (label / self.classes - 0.5), label
 
 
+class DeviceSyntheticImages(SyntheticImages):
+    """SyntheticImages made on the training device (#39): an item is only its index and label, so the loader's
+    workers do no work, and :meth:`to_device` builds the batch there from a pool of ``pool`` random images made
+    once from ``seed`` (image i = pool[i mod pool] plus the label's offset: deterministic per index, as the
+    sampler needs). ``memory_format`` is the model's (channels_last for ResNets)."""
+
+    def __init__(self, size: int, image_size: int, classes: int, seed: int = 0, pool: int = 256,
+                 memory_format: torch.memory_format = torch.contiguous_format):
+        super().__init__(size, image_size, classes, seed)
+        self.pool_size, self.memory_format = pool, memory_format
+        self._pool: dict[torch.device, torch.Tensor] = {}
+
+    def __getitem__(self, i: int):
+        return i, i % self.classes
+
+    def to_device(self, batch, device: torch.device):
+        index, labels = (t.to(device, non_blocking=True) for t in batch)
+        if device not in self._pool:
+            g = torch.Generator(device).manual_seed(self.seed)
+            self._pool[device] = torch.randn(self.pool_size, 3, self.image_size, self.image_size, generator=g,
+                                             device=device)
+        images = self._pool[device].index_select(0, index % self.pool_size)
+        images += (labels.to(images.dtype) / self.classes - 0.5).view(-1, 1, 1, 1)
+        return images.contiguous(memory_format=self.memory_format), labels
+
+
 class ImageFolder(torch.utils.data.Dataset):
     """`root/<class>/<image>` files (ImageNet layout), decoded with Pillow, resized and normalised.
 
@@ -124,3 +150,48 @@ class TextBytes(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         window = self.data[i * self.context: i * self.context + self.context + 1]
         return window[:-1], window[1:]
+
+
+class EncodedImageFolder(ImageFolder):
+    """An ImageFolder of JPEG files decoded on the GPU (#39): the loader's workers only read each file's bytes;
+    :meth:`to_device` decodes the batch with nvJPEG (``torchvision.io.decode_jpeg(device=...)``), resizes and
+    normalises it there as ImageFolder does on the CPU. ``memory_format`` is the model's.
+
+    Raises:
+        FileNotFoundError: as ImageFolder.
+        ValueError: a file in the folder is not a JPEG (use ImageFolder, the CPU path).
+    """
+
+    def __init__(self, root: Path, image_size: int, memory_format: torch.memory_format = torch.contiguous_format):
+        super().__init__(root, image_size)
+        others = [f for f, _ in self.items if f.suffix.lower() not in {".jpg", ".jpeg"}]
+        if others:
+            raise ValueError(f"{others[0]}: not a JPEG; GPU decode reads JPEG folders only (decode on the CPU)")
+        self.memory_format = memory_format
+
+    def __getitem__(self, i: int):
+        path, label = self.items[i]
+        return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), label
+
+    @staticmethod
+    def collate(items):
+        return [data for data, _ in items], torch.tensor([label for _, label in items])
+
+    def to_device(self, batch, device: torch.device):
+        from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 - only for GPU decode
+
+        encoded, labels = batch
+        images = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+        size = (self.image_size, self.image_size)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, img in enumerate(images):
+            by_shape.setdefault(tuple(img.shape), []).append(i)
+        resized = [None] * len(images)
+        for rows in by_shape.values():  # one resize per distinct shape (a photo folder has few)
+            same = torch.nn.functional.interpolate(torch.stack([images[i] for i in rows]).float(), size=size,
+                                                   mode="bilinear", antialias=True, align_corners=False)
+            for j, i in enumerate(rows):
+                resized[i] = same[j]
+        out = torch.stack(resized) if len(by_shape) > 1 else same
+        out = ((out / 255.0 - 0.45) / 0.225).contiguous(memory_format=self.memory_format)
+        return out, labels.to(device, non_blocking=True)

@@ -5,7 +5,7 @@ prediction: synthetic sequences by default, or `--data FILE.txt` as byte-level t
 `--size tiny` is the CPU-sized variant the testbed runs.
 
 Example (the command of an sbatch script):
-    elastic-launch --script "$0" -- python -m elastic_launcher.examples.gpt_lm --size gpt2-small --per-gpu-batch 8
+    elastic-launch --script "$0" -- python -m elastic_launcher.examples.gpt_lm --size gpt2-small --per-gpu-batch 16
 """
 from __future__ import annotations
 
@@ -16,26 +16,27 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from elastic_launcher.examples import common, data, models
 
 
 def loss_of(model: torch.nn.Module, batch) -> torch.Tensor:
     tokens, targets = batch
-    logits = model(tokens)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return model(tokens, targets)  # models.GPT's own loss: inside the (compiled) module
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The script's options (the templates' commands are checked against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser, steps=5000, per_gpu_batch=8, lr=3e-4)
+    common.add_common_args(parser, steps=5000, per_gpu_batch=16, lr=3e-4)
     parser.add_argument("--size", choices=sorted(models.GPT_SIZES), default="gpt2-small")
     parser.add_argument("--context", type=int, default=None, help="tokens per sample (default: the size's context)")
     parser.add_argument("--data", type=Path, default=None, help="text file, byte-level (default: synthetic)")
     parser.add_argument("--dataset-size", type=int, default=1_000_000, help="samples of the synthetic data")
     parser.add_argument("--profile", default="gpt2", help="predictor profile name (#ELASTIC model=)")
+    parser.add_argument("--vocab-multiple", type=int, default=64,
+                        help="pad the embedding to a multiple of this (nanoGPT's 50304; 1: off)")
+    common.add_speed_args(parser, compile_default="on")
     return parser
 
 
@@ -49,14 +50,15 @@ def build_model_and_data(args: argparse.Namespace):
         dataset = data.TextBytes(args.data, size.context)
     else:
         dataset = data.SyntheticSequences(args.dataset_size, size.context, size.vocab, seed=args.seed)
-    return models.GPT(size), dataset
+    return models.GPT(size, vocab_multiple=args.vocab_multiple), dataset
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     model, dataset = build_model_and_data(args)
-    return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1),
+    fused = common.optimizer_options(args)
+    return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1, **fused),
                         dataset, loss_of, profile=args.profile, environ=os.environ)
 
 

@@ -131,21 +131,30 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model; `forward(tokens)` returns next-token logits (batch, time, vocab)."""
+    """Decoder-only language model; `forward(tokens)` returns next-token logits (batch, time, vocab),
+    `forward(tokens, targets)` the mean next-token cross-entropy (inside the module, so a compiled module fuses it).
 
-    def __init__(self, size: TransformerSize):
+    `vocab_multiple` pads the embedding (and so the logits) to a multiple of it, as nanoGPT's 50304 for GPT-2's
+    50257: matrix products of a round width run faster; the padded tokens never occur and their logits only fall.
+    """
+
+    def __init__(self, size: TransformerSize, vocab_multiple: int = 1):
         super().__init__()
         self.size = size
-        self.tokens, self.positions = nn.Embedding(size.vocab, size.d_model), nn.Embedding(size.context, size.d_model)
+        rows = -(-size.vocab // vocab_multiple) * vocab_multiple
+        self.tokens, self.positions = nn.Embedding(rows, size.d_model), nn.Embedding(size.context, size.d_model)
         self.blocks = nn.ModuleList(Block(size.d_model, size.heads, causal=True) for _ in range(size.layers))
         self.norm = nn.LayerNorm(size.d_model)
         _init_embeddings(self)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        return self.norm(x) @ self.tokens.weight.T
+        logits = self.norm(x) @ self.tokens.weight.T
+        if targets is None:
+            return logits[..., : self.size.vocab]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 class EncoderClassifier(nn.Module):

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", type=Path, default=None, help=".pt file with inputs/targets (default: synthetic)")
     parser.add_argument("--dataset-size", type=int, default=100_000, help="samples of the synthetic data")
     parser.add_argument("--profile", default="bert-base-uncased", help="predictor profile name (#ELASTIC model=)")
+    # compile off until measured on this template (#39: GPT-LM's 34% -> 51% MFU came with it; a Hugging Face model
+    # may break its graph): `--compile on` to try it
+    common.add_speed_args(parser, compile_default="off")
     return parser
 
 
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
         vocab = getattr(config, "vocab_size", size.vocab)
         seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", size.context))
         dataset = data.SyntheticSequences(args.dataset_size, seq_len, vocab, classes=classes, seed=args.seed)
-    return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.01),
+    fused = common.optimizer_options(args)
+    return common.train(args, model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.01, **fused),
                         dataset, loss_of, profile=args.profile, environ=os.environ)
 
 
