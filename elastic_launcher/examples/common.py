@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.checkpoint import Checkpoints, save_model
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.gpu_speeds import worker_speed
 from elastic_launcher.links import gpu_type_of
@@ -122,6 +125,17 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
     parser.add_argument("--torch-profile", type=Path, default=None, metavar="DIR",
                         help="the first GPU slot of each node profiles steps %d-%d with torch.profiler and writes "
                              "DIR/profile_<worker>.txt (operators by GPU and by CPU time)" % PROFILE_STEPS)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                        help="write checkpoints here (torch.distributed.checkpoint): every --checkpoint-every "
+                             "steps, when the job is signalled (SIGTERM: scancel, the time limit) and at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=500, metavar="STEPS",
+                        help="steps between checkpoints (default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir, at whatever size the job "
+                             "has now (none there: start at step 0)")
+    parser.add_argument("--save", type=Path, default=None, metavar="DIR",
+                        help="write the trained model's weights here at the end (a DCP checkpoint; "
+                             "elastic_launcher.checkpoint.load_model reads it)")
     parser.add_argument("--observations", type=Path, default=None,
                         help="rank 0 appends its predictor observation records (JSON lines) here as the runtime "
                              "hands them over; import them with `elastic-predictor import`")
@@ -292,6 +306,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         environ: the process environment (read here once).
     """
     env = WorkerEnv.from_environ(environ)
+    saving = Checkpointing.of(args)
     batch = env.agreed("--per-gpu-batch", args.per_gpu_batch, env.per_gpu_batch, args.script_per_gpu_batch)
     cap = env.agreed("--max-global-batch", args.max_global_batch, env.max_global_batch, None)
     torch.manual_seed(args.seed)
@@ -317,7 +332,12 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
                         warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision),
                         extra_state=precision.extra_state(), speed=env.speed)
-    et.prepare_loader(dataset, **loading).join()  # loader workers start and load a batch before announcing
+    et.prepare_loader(dataset, **loading)
+    resumed = saving.resume(et.state)  # every worker: the state broadcast at the start then agrees at any size
+    if resumed is not None:
+        print(f"{env.wid}: resumed from {resumed.path} (step {resumed.step})", flush=True)
+    saving.catch_sigterm()
+    et.join()  # loader workers start and load a batch before announcing
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
     window = (time.perf_counter(), 0)
@@ -335,6 +355,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
             profiler.step()
             if not et.left:
                 rank = et.rank
+                if et.committed_step == et.step and saving.at_commit_point(et.state, et.step, rank):
+                    break  # SIGTERM: saved (rank 0), stop at this commit point like every other rank
                 samples = et.sampler.epoch * len(dataset) + et.sampler.pos
                 if rank == 0 and (et.step % args.log_every == 0 or et.step == args.steps):
                     t, done = time.perf_counter(), samples
@@ -352,9 +374,92 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         et.close()
     if et.left:
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
-    elif rank == 0:
-        print(f"done: {et.step} steps, final loss {loss.item():.4f}, {len(et.switches)} resize(s)", flush=True)
+        return 0
+    if saving.signalled:
+        print(f"{env.wid}: stopped by SIGTERM at step {et.committed_step}" +
+              (f"; checkpoint {saving.saved}: submit the job again with --resume to continue" if saving.saved
+               else ""), flush=True)
+        return 128 + signal.SIGTERM
+    if rank == 0:
+        saving.finish(et.state, et.step)
+        print(f"done: {et.step} steps, final loss {loss.item():.4f}, {len(et.switches)} resize(s)" +
+              "".join(f", {what} {where}" for what, where in saving.written()), flush=True)
     return 0
+
+
+class Checkpointing:
+    """One worker's ``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` and ``--save`` (DCP,
+    :mod:`elastic_launcher.checkpoint`), and SIGTERM (scancel, the time limit) as a request to stop.
+
+    Only the rank 0 of the moment writes, and only at commit points (the state every rank agreed on): every
+    ``every`` steps, at the commit point after a SIGTERM (where every signalled rank stops) and at the end.
+    A worker that gets SIGTERM and never reaches a commit point exits after ``grace_s`` (Slurm's KillWait is 30 s
+    by default).
+    """
+
+    def __init__(self, checkpoints: Optional[Checkpoints], every: int, resume: bool, save_to: Optional[Path],
+                 grace_s: float = 20.0) -> None:
+        self.checkpoints, self.every, self.want_resume, self.save_to = checkpoints, every, resume, save_to
+        self.grace_s = grace_s
+        self.saved: Optional[Path] = None  # the last checkpoint written or resumed from
+        self.saved_step = 0
+        self.signalled = False
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "Checkpointing":
+        """Raises: SystemExit naming the option that cannot work."""
+        if args.resume and args.checkpoint_dir is None:
+            raise SystemExit("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+        if args.checkpoint_every < 1:
+            raise SystemExit(f"--checkpoint-every {args.checkpoint_every}: expected a number of steps >= 1")
+        return cls(Checkpoints(args.checkpoint_dir) if args.checkpoint_dir is not None else None,
+                   args.checkpoint_every, args.resume, args.save)
+
+    def resume(self, state):
+        """``--resume``: the latest checkpoint loaded into ``state`` (None: nothing to resume from)."""
+        if not self.want_resume:
+            return None
+        try:
+            resumed = self.checkpoints.load(state)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"--resume: {exc}") from None
+        if resumed is None:
+            print(f"--resume: no checkpoint in {self.checkpoints.directory} yet: starting at step 0", flush=True)
+            return None
+        self.saved, self.saved_step = resumed.path, resumed.step
+        return resumed
+
+    def catch_sigterm(self) -> None:
+        """From here on SIGTERM asks this worker to stop at the next commit point (with --checkpoint-dir only:
+        without one there is nothing to save and SIGTERM ends the process as before)."""
+        if self.checkpoints is None:
+            return
+
+        def stop(_signum, _frame):
+            if not self.signalled:
+                self.signalled = True
+                timer = threading.Timer(self.grace_s, os._exit, (128 + signal.SIGTERM,))
+                timer.daemon = True
+                timer.start()
+        signal.signal(signal.SIGTERM, stop)
+
+    def at_commit_point(self, state, step: int, rank: int) -> bool:
+        """After a commit point at ``step``: rank 0 writes a checkpoint when one is due. Returns True to stop."""
+        due = self.signalled or step - self.saved_step >= self.every
+        if self.checkpoints is not None and rank == 0 and due and step != self.saved_step:
+            self.saved, self.saved_step = self.checkpoints.save(state, step), step
+        return self.signalled
+
+    def finish(self, state, step: int) -> None:
+        """Rank 0 at the end: the last checkpoint (a job submitted again has nothing left to do) and ``--save``."""
+        if self.checkpoints is not None and step != self.saved_step:
+            self.saved, self.saved_step = self.checkpoints.save(state, step), step
+        if self.save_to is not None:
+            save_model(state.model, self.save_to)
+
+    def written(self) -> list[tuple[str, Path]]:
+        return ([("checkpoint", self.saved)] if self.saved is not None and self.checkpoints is not None else []) + \
+            ([("model", self.save_to)] if self.save_to is not None else [])
 
 
 @dataclasses.dataclass(frozen=True)
