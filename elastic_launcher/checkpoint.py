@@ -1,7 +1,8 @@
 """A job's checkpoints on disk, with torch.distributed.checkpoint (DCP).
 
-The state of a data-parallel job is the same on every rank, so one rank writes it (``no_dist``: no collective,
-nobody waits for it but the writer) and any number of ranks read it back: a checkpoint written at 4 workers
+The state of a data-parallel job is the same on every rank, so one rank writes it (``no_dist``: no collective;
+the state is copied to host memory and a thread writes the copy, so training goes on meanwhile) and any number
+of ranks read it back: a checkpoint written at 4 workers
 resumes at 1 or 8. Layout of ``--checkpoint-dir DIR``::
 
     DIR/step-00000120/      one DCP checkpoint (.metadata, __0_0.distcp): "model", "optim", "meta"
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,7 @@ class Checkpoints:
             raise ValueError(f"Checkpoints(keep={keep}): keep at least one")
         self.directory = Path(directory)
         self.keep = keep
+        self._writing: Optional[_Writer] = None
 
     def latest(self) -> Optional[Path]:
         """The newest complete checkpoint, or None (no directory, or nothing written to the end yet)."""
@@ -76,31 +79,62 @@ class Checkpoints:
         return path
 
     def save(self, state, step: int) -> Path:
-        """Writes ``state`` (a :class:`~elastic_launcher.state.TrainingState`) as the checkpoint of ``step``; then
-        points ``latest`` at it and removes all but the last ``keep``. Returns its directory."""
+        """Writes ``state`` (a :class:`~elastic_launcher.state.TrainingState`) as the checkpoint of ``step`` and
+        waits for it: :meth:`begin` then :meth:`wait`. Returns its directory."""
+        self.begin(state, step)
+        return self.wait()
+
+    def begin(self, state, step: int) -> Path:
+        """Starts writing the checkpoint of ``step``; returns the directory it will have. The state is copied to
+        host memory here (the caller may train on at once); a thread writes the copy, then points ``latest`` at
+        it and removes all but the last ``keep``. A save still under way is waited for first.
+
+        Raises:
+            TypeError: the scheduler's or an extra object's state is not plain data (JSON).
+            Whatever the previous save raised.
+        """
+        self.wait()
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        tensors = _to_host({"model": model_sd, "optim": optim_sd})
         meta = {"step": int(step), "counters": {k: v for k, v in state.counters.items() if k != "step"},
                 "sampler": state.sampler.state_dict() if state.sampler is not None else None,
                 "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
                 "extras": {name: obj.state_dict() for name, obj in state.extras.items()}}
         try:
-            meta_json = json.dumps(meta)
+            tensors["meta"] = json.dumps(meta)
         except TypeError as exc:
             raise TypeError(f"checkpoint of step {step}: the scheduler's or an extra object's state is not plain "
                             f"data ({exc})") from None
         name = f"step-{int(step):08d}"
+        self._writing = _Writer(self, tensors, name)
+        self._writing.start()
+        return self.directory / name
+
+    def wait(self) -> Optional[Path]:
+        """Waits for the save under way (if any); returns its directory (None: none was under way).
+
+        Raises:
+            What the save raised (OSError: disk full, permissions, ...).
+        """
+        writer, self._writing = self._writing, None
+        if writer is None:
+            return None
+        writer.join()
+        if writer.error is not None:
+            raise writer.error
+        return self.directory / writer.name
+
+    def _write(self, tensors: dict, name: str) -> None:
         final, part = self.directory / name, self.directory / f".{name}.partial"
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
-        _quiet(dcp.save, {"model": model_sd, "optim": optim_sd, "meta": meta_json}, checkpoint_id=part,
-               no_dist=True)
+        _quiet(dcp.save, tensors, checkpoint_id=part, no_dist=True)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(part, final)
         tmp = self.directory / f".{LATEST}.tmp"
         tmp.write_text(name + "\n")
         os.replace(tmp, self.directory / LATEST)
         self._prune(keep=name)
-        return final
 
     def _prune(self, keep: str) -> None:
         done = sorted(p for p in self.directory.glob("step-*") if p.is_dir())
@@ -140,6 +174,34 @@ class Checkpoints:
                 obj.load_state_dict(meta["extras"][name])
         state.counters.update(meta["counters"], step=meta["step"])
         return Resumed(path, meta["step"])
+
+
+def _to_host(x):
+    """A copy of a state dict tree with every tensor copied to host memory (the live ones train on)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _to_host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_host(v) for v in x)
+    return x
+
+
+class _Writer(threading.Thread):
+    """Writes one checkpoint's host copy (``Checkpoints.begin``); keeps what it raised for ``wait``."""
+
+    def __init__(self, owner: Checkpoints, tensors: dict, name: str) -> None:
+        super().__init__(name=f"checkpoint-{name}", daemon=True)
+        self.owner, self.tensors, self.name = owner, tensors, name
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.owner._write(self.tensors, self.name)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait(), on the caller's thread
+            self.error = exc
+        finally:
+            self.tensors = {}
 
 
 def save_model(model: torch.nn.Module, directory: Path) -> Path:

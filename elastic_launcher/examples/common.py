@@ -340,7 +340,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     et.join()  # loader workers start and load a batch before announcing
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
-    window = (time.perf_counter(), 0)
+    window = (time.perf_counter(), et.sampler.epoch * len(dataset) + et.sampler.pos)  # resumed: not from 0
     rank = None  # the group is gone after close(): remember the last rank
     try:
         for batch in et.loader(dataset, max_steps=args.steps, **loading):
@@ -372,6 +372,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     finally:
         profiler.close()
         et.close()
+        saving.drain()
     if et.left:
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
         return 0
@@ -444,18 +445,33 @@ class Checkpointing:
         signal.signal(signal.SIGTERM, stop)
 
     def at_commit_point(self, state, step: int, rank: int) -> bool:
-        """After a commit point at ``step``: rank 0 writes a checkpoint when one is due. Returns True to stop."""
+        """After a commit point at ``step``: rank 0 starts a checkpoint when one is due (written by a thread while
+        training goes on; after SIGTERM it is waited for). Returns True to stop."""
         due = self.signalled or step - self.saved_step >= self.every
         if self.checkpoints is not None and rank == 0 and due and step != self.saved_step:
-            self.saved, self.saved_step = self.checkpoints.save(state, step), step
+            self.saved, self.saved_step = self.checkpoints.begin(state, step), step
+        if self.signalled and self.checkpoints is not None:
+            self.checkpoints.wait()
         return self.signalled
 
     def finish(self, state, step: int) -> None:
         """Rank 0 at the end: the last checkpoint (a job submitted again has nothing left to do) and ``--save``."""
-        if self.checkpoints is not None and step != self.saved_step:
-            self.saved, self.saved_step = self.checkpoints.save(state, step), step
+        if self.checkpoints is not None:
+            if step != self.saved_step:
+                self.saved, self.saved_step = self.checkpoints.begin(state, step), step
+            self.checkpoints.wait()
         if self.save_to is not None:
             save_model(state.model, self.save_to)
+
+    def drain(self) -> None:
+        """Waits for a checkpoint still being written (a worker leaving the job, or failing, lets it finish)."""
+        if self.checkpoints is None:
+            return
+        try:
+            self.checkpoints.wait()
+        except Exception as exc:  # noqa: BLE001 - the training's own outcome decides the exit status
+            print(f"checkpoint {self.saved} not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self.saved = None
 
     def written(self) -> list[tuple[str, Path]]:
         return ([("checkpoint", self.saved)] if self.saved is not None and self.checkpoints is not None else []) + \
