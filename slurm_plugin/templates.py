@@ -327,7 +327,7 @@ def _request(low: int, high: int, asked: int | None, template_per_node: int) -> 
     Raises:
         TemplateError: `asked` GPUs per node cannot make a request within the bounds.
     """
-    per_node = min(asked or template_per_node, low)
+    per_node = asked or min(template_per_node, low)   # the user's value as given (#45.7: 4 became 3 silently)
     while per_node > 1 and math.ceil(low / per_node) * per_node > high and asked is None:
         per_node -= 1
     nodes = math.ceil(low / per_node)

@@ -264,6 +264,9 @@ def test_the_predictor_token_is_never_written_to_the_records_or_the_log(tmp_path
                           run_dir=tmp_path, predictor_token="s3cret-token")
     summary = json.loads(config.to_json())
     assert summary["predictor_token"] == "(set)" and "s3cret-token" not in config.to_json()
+    # #45.6: the directives' set of given keys is a JSON list, not a Python repr inside a string
+    assert summary["directives"]["given"] == sorted(Directives.from_script(SCRIPT).given)
+    assert "frozenset" not in config.to_json()
     with caplog.at_level("DEBUG"):
         Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
     written = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
