@@ -114,6 +114,7 @@ class Controller:
         self._start_t0 = 0.0  # STARTING: when the first plan was posted
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
+        self._profile_outcome: Optional[str] = None  # _register_profile: known / registered / refused / ...
         self._device_gpus: set[str] = set()  # the GPU types the workers' own devices reported (HostFacts.gpu)
         self.types = JobTypes({}, "not read yet")  # each node's GPU type and speed, read at start (gpu_speeds.py)
 
@@ -385,6 +386,7 @@ class Controller:
         links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
         own = step_record(d.model or "unknown", self._gpu_label(), layout, links, d.per_gpu_batch, m.step_s)
         # a mixed job's step time is no one type's: not posted as a step observation of any type
+        self._register_profile()
         self._post_observations([] if self.types.mixed else [own])
         if not self.config.directives.elastic or self.phase is not JobPhase.RUNNING:
             return
@@ -456,6 +458,28 @@ class Controller:
         if c.intra_link or c.inter_link:  # one flag: it wins for its side
             return Links(c.intra_link or found.intra, c.inter_link or found.inter, f"flag and {found.source}")
         return found
+
+    def _register_profile(self) -> None:
+        """Once a job: the model its workers built (their `ProgressReporter.publish_profile`), registered under the
+        job's own credential when the predictor has no profile of the job's `#ELASTIC model=` yet, so a new model
+        is plannable from its next submission without an admin (#45.2). Tried again at the next measurement
+        while the service is unreachable; recorded once as `model_profile` with what happened."""
+        model = self.config.directives.model
+        if self._profile_outcome is not None or not model:
+            return
+        try:
+            if not self.server.check([keys.MODEL_PROFILE]):
+                return
+            body = json.loads(self.server.get(keys.MODEL_PROFILE))
+        except Exception as exc:  # noqa: BLE001 - a store hiccup or a garbled key: no registration, no harm
+            log.debug("no model profile from the workers: %s", exc)
+            return
+        outcome, detail = self.predictor.ensure_profile(dict(body, name=model))   # the name the rows carry
+        if outcome == "unreachable":
+            return
+        self._profile_outcome = outcome
+        self.records.write("model_profile", model=model, outcome=outcome, detail=detail,
+                           tensors=len(body.get("tensors") or []))
 
     def _post_observations(self, own: list[dict]) -> None:
         """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""

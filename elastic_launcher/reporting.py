@@ -14,6 +14,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
+from urllib.parse import quote
 
 import requests
 
@@ -167,6 +168,31 @@ class PredictorClient:
             return False
         return self._post("/v1/observations", records, signed=True, retries=self.retries,
                           key=uuid.uuid4().hex) is not None
+
+    def ensure_profile(self, body: dict) -> tuple[str, str]:
+        """Registers the model profile ``body`` (``POST /v1/profiles``, signed for the job like observations)
+        unless the service already has a profile of that name (``GET /v1/profiles/<name>``). Returns what
+        happened and a detail: ``known``, ``registered`` (the name it is stored under), ``refused`` (the
+        service's answer), ``unreachable`` or ``not configured`` (no predictor URL). Never raises."""
+        if self.url is None:
+            return "not configured", "no predictor URL configured"
+        if time.monotonic() < self._open_until:
+            return "unreachable", self.last_error or "circuit open"
+        name = str(body.get("name", ""))
+        try:
+            reply = requests.get(f"{self.url}/v1/profiles/{quote(name, safe='')}", headers=self._bearer(),
+                                 timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            return "unreachable", str(exc)
+        if reply.status_code == 200:
+            return "known", name
+        if reply.status_code != 404:
+            return "unreachable" if reply.status_code >= 500 else "refused", f"GET: HTTP {reply.status_code}"
+        try:
+            stored = self._send("/v1/profiles", json.dumps(body).encode(), True, self.retries, uuid.uuid4().hex)
+        except _Refused as exc:
+            return ("refused" if exc.status is not None else "unreachable"), str(exc)
+        return "registered", str(stored.get("name", name)) if isinstance(stored, dict) else name
 
     def compute_s(self, profile: str, gpu: str, per_gpu_batch: int, intra_link: str) -> tuple[Optional[float], str]:
         """The predicted compute seconds per step of `profile` on one `gpu` at `per_gpu_batch` (POST /v1/predict),

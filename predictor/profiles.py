@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from predictor.errors import NotFoundError, ValidationError
+from slurm_plugin.contracts.profiles import module_tensors
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
@@ -175,9 +176,9 @@ def bucket_sizes(tensors: Iterable[TensorSpec], bucket_cap_mb: float = 25.0) -> 
 
 
 def _module_tensors(module) -> tuple[TensorSpec, ...]:
-    """A module's trainable parameters as tensor specs, in reverse registration order (DDP's bucketing order)."""
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    return tuple(TensorSpec(n, int(p.numel()), str(p.dtype).removeprefix("torch.")) for n, p in reversed(params))
+    """A module's trainable parameters as tensor specs, in reverse registration order (DDP's bucketing order:
+    slurm_plugin.contracts.profiles, the rule a job's launcher registers its model's profile with)."""
+    return tuple(TensorSpec(**t) for t in module_tensors(module.named_parameters()))
 
 
 def _profile_of(tensors: tuple[TensorSpec, ...], name: str, bucket_cap_mb: float, **kwargs) -> Profile:

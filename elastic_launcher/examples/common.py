@@ -35,6 +35,7 @@ from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 from elastic_launcher.workers import ProgressReporter, worker_identity
+from slurm_plugin.contracts.profiles import profile_body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +328,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                          **({"max_global_batch": cap} if cap else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
     reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
+    if env.local_id == 0:   # the model's shapes: the launcher registers them when the predictor lacks the model
+        reporter.publish_profile(profile_body(profile, model.named_parameters()))
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
