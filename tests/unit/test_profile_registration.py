@@ -82,3 +82,25 @@ def test_the_launcher_registers_under_the_directives_model_name_and_records_it_o
     assert [b["name"] for b in predictor.bodies] == [c.config.directives.model] * 2   # the name the rows carry
     (rec,) = [r for r in c.records.items if r["kind"] == "model_profile"]
     assert (rec["outcome"], rec["tensors"]) == ("registered", 3)
+
+
+def test_the_cli_registers_any_module_callable_under_the_name_given(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from predictor.cli import main as predictor_cli
+    (tmp_path / "mynets.py").write_text("import torch\nNOT_CALLABLE = 3\n"
+                                        "def build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 2))\n"
+                                        "def broken():\n    raise RuntimeError('needs a config')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    db = str(tmp_path / "p.db")
+    runner = CliRunner()
+    made = runner.invoke(predictor_cli, ["profile", "mynets:build", "--name", "my-net", "--db", db, "--json"])
+    assert made.exit_code == 0, made.output
+    body = json.loads(made.output.splitlines()[0])
+    assert body["name"] == "my-net" and [t["numel"] for t in body["tensors"]] == [2, 8]
+    assert "registered profile 'my-net'" in made.output
+    for spec, why in (("mynets:missing", "mynets:missing: cannot import it"),
+                      ("mynets:NOT_CALLABLE", "mynets:NOT_CALLABLE is a int, not a callable"),
+                      ("mynets:broken", "mynets:broken() raised RuntimeError: needs a config")):
+        refused = runner.invoke(predictor_cli, ["profile", spec])
+        assert refused.exit_code == 1 and why in refused.output, refused.output
