@@ -31,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
+from elastic_launcher.state import Snapshot
+
 __all__ = ["Checkpoints", "Resumed", "save_model", "load_model"]
 
 LATEST = "latest"
@@ -78,34 +80,35 @@ class Checkpoints:
                                     f"(no {path / '.metadata'})")
         return path
 
-    def save(self, state, step: int) -> Path:
-        """Writes ``state`` (a :class:`~elastic_launcher.state.TrainingState`) as the checkpoint of ``step`` and
-        waits for it: :meth:`begin` then :meth:`wait`. Returns its directory."""
-        self.begin(state, step)
+    def save(self, state, snapshot: Optional[Snapshot] = None) -> Path:
+        """Writes a checkpoint and waits for it: :meth:`begin` then :meth:`wait`. Returns its directory."""
+        self.begin(state, snapshot)
         return self.wait()
 
-    def begin(self, state, step: int) -> Path:
-        """Starts writing the checkpoint of ``step``; returns the directory it will have. The state is copied to
-        host memory here (the caller may train on at once); a thread writes the copy, then points ``latest`` at
-        it and removes all but the last ``keep``. A save still under way is waited for first.
+    def begin(self, state, snapshot: Optional[Snapshot] = None) -> Path:
+        """Starts writing ``snapshot`` (default: ``state.capture()``, the state as it is) of ``state`` (a
+        :class:`~elastic_launcher.state.TrainingState`) as the checkpoint of its step; returns the directory it
+        will have. Pass the trainer's rollback point (``state.last_snapshot``): that is the state every rank
+        agreed on at the last commit point, whatever the current step. Its tensors are copied to host memory here
+        (the next commit point overwrites them); a thread writes the copy, then points ``latest`` at it and removes
+        all but the last ``keep``. A save still under way is waited for first.
 
         Raises:
             TypeError: the scheduler's or an extra object's state is not plain data (JSON).
             Whatever the previous save raised.
         """
         self.wait()
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        tensors = _to_host({"model": model_sd, "optim": optim_sd})
-        meta = {"step": int(step), "counters": {k: v for k, v in state.counters.items() if k != "step"},
-                "sampler": state.sampler.state_dict() if state.sampler is not None else None,
-                "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-                "extras": {name: obj.state_dict() for name, obj in state.extras.items()}}
+        snap = snapshot if snapshot is not None else state.capture()
+        step = int(snap.counters["step"])
+        tensors = _to_host({"model": dict(snap.model), "optim": _by_name(snap.optim, state.model, state.optimizer)})
+        meta = {"step": step, "counters": {k: v for k, v in snap.counters.items() if k != "step"},
+                "sampler": snap.sampler, "scheduler": _to_host(snap.sched), "extras": snap.extras}
         try:
             tensors["meta"] = json.dumps(meta)
         except TypeError as exc:
             raise TypeError(f"checkpoint of step {step}: the scheduler's or an extra object's state is not plain "
                             f"data ({exc})") from None
-        name = f"step-{int(step):08d}"
+        name = f"step-{step:08d}"
         self._writing = _Writer(self, tensors, name)
         self._writing.start()
         return self.directory / name
@@ -157,7 +160,7 @@ class Checkpoints:
         try:
             _quiet(dcp.load, loaded, checkpoint_id=path, no_dist=True)
         except CheckpointException as exc:  # a BaseException holding each rank's error
-            why = "; ".join(str(getattr(f, "exc", f)) for f in exc.failures.values())
+            why = "; ".join(str(f[0] if isinstance(f, tuple) else f) for f in exc.failures.values())  # (error, stack)
             raise ValueError(f"checkpoint {path} does not fit this model and optimizer: {why}") from None
         meta = json.loads(loaded["meta"])
         set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
@@ -174,6 +177,15 @@ class Checkpoints:
                 obj.load_state_dict(meta["extras"][name])
         state.counters.update(meta["counters"], step=meta["step"])
         return Resumed(path, meta["step"])
+
+
+def _by_name(optim_sd: dict, model: torch.nn.Module, optimizer) -> dict:
+    """``optimizer.state_dict()`` (parameters by position) keyed by parameter name, the form of
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, which ``set_state_dict`` loads."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[i]: v for i, v in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
 
 
 def _to_host(x):

@@ -358,8 +358,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
             profiler.step()
             if not et.left:
                 rank = et.rank
-                if et.committed_step == et.step and saving.at_commit_point(et.state, et.step, rank):
-                    break  # SIGTERM: saved (rank 0), stop at this commit point like every other rank
+                if saving.after_step(et.state, et.step, et.committed_step, rank):
+                    break  # SIGTERM: rank 0 saved the last commit point; every signalled rank stops here
                 samples = et.sampler.epoch * len(dataset) + et.sampler.pos
                 if rank == 0 and (et.step % args.log_every == 0 or et.step == args.steps):
                     t, done = time.perf_counter(), samples
@@ -380,9 +380,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
         return 0
     if saving.signalled:
-        print(f"{env.wid}: stopped by SIGTERM at step {et.committed_step}" +
-              (f"; checkpoint {saving.saved}: submit the job again with --resume to continue" if saving.saved
-               else ""), flush=True)
+        print(f"{env.wid}: stopped by SIGTERM after step {et.step}" +
+              (f"; checkpoint {saving.saved} (step {saving.saved_step}): submit the job again with --resume to "
+               "continue" if saving.saved and rank == 0 else ""), flush=True)
         return 128 + signal.SIGTERM
     if rank == 0:
         saving.finish(et.state, et.step)
@@ -395,10 +395,11 @@ class Checkpointing:
     """One worker's ``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` and ``--save`` (DCP,
     :mod:`elastic_launcher.checkpoint`), and SIGTERM (scancel, the time limit) as a request to stop.
 
-    Only the rank 0 of the moment writes, and only at commit points (the state every rank agreed on): every
-    ``every`` steps, at the commit point after a SIGTERM (where every signalled rank stops) and at the end.
-    A worker that gets SIGTERM and never reaches a commit point exits after ``grace_s`` (Slurm's KillWait is 30 s
-    by default).
+    Only the rank 0 of the moment writes, and what it writes is the trainer's rollback point (the state every rank
+    agreed on at the last commit point): every ``every`` steps at a commit point (a thread writes it while training
+    goes on), after a SIGTERM (then every signalled rank stops after its current step: no wait for a commit point,
+    which may be far off) and at the end. A worker that gets SIGTERM and never returns from its step exits after
+    ``grace_s`` (Slurm's KillWait is 30 s by default).
     """
 
     def __init__(self, checkpoints: Optional[Checkpoints], every: int, resume: bool, save_to: Optional[Path],
@@ -447,21 +448,22 @@ class Checkpointing:
                 timer.start()
         signal.signal(signal.SIGTERM, stop)
 
-    def at_commit_point(self, state, step: int, rank: int) -> bool:
-        """After a commit point at ``step``: rank 0 starts a checkpoint when one is due (written by a thread while
-        training goes on; after SIGTERM it is waited for). Returns True to stop."""
-        due = self.signalled or step - self.saved_step >= self.every
-        if self.checkpoints is not None and rank == 0 and due and step != self.saved_step:
-            self.saved, self.saved_step = self.checkpoints.begin(state, step), step
+    def after_step(self, state, step: int, committed: int, rank: int) -> bool:
+        """After a step (``committed``: the last commit point's): rank 0 starts a checkpoint of the rollback point
+        when one is due at this commit point, or at once after SIGTERM (then waited for). Returns True to stop."""
+        due = self.signalled or (committed == step and step - self.saved_step >= self.every)
+        if self.checkpoints is not None and rank == 0 and due and committed != self.saved_step:
+            self.saved, self.saved_step = self.checkpoints.begin(state, state.last_snapshot), committed
         if self.signalled and self.checkpoints is not None:
             self.checkpoints.wait()
         return self.signalled
 
     def finish(self, state, step: int) -> None:
-        """Rank 0 at the end: the last checkpoint (a job submitted again has nothing left to do) and ``--save``."""
+        """Rank 0 at the end (a commit point): the last checkpoint (a job submitted again has nothing left to do)
+        and ``--save``."""
         if self.checkpoints is not None:
             if step != self.saved_step:
-                self.saved, self.saved_step = self.checkpoints.begin(state, step), step
+                self.saved, self.saved_step = self.checkpoints.begin(state, state.last_snapshot), step
             self.checkpoints.wait()
         if self.save_to is not None:
             save_model(state.model, self.save_to)

@@ -45,7 +45,7 @@ def test_a_checkpoint_puts_back_model_optimizer_sampler_counters_and_extras(tmp_
     _train(a, 3)
     a.counters.update(lr_factor=0.5, ref_global=64)
     a.extras["scaler"].load_state_dict({**a.extras["scaler"].state_dict(), "scale": 128.0})
-    path = Checkpoints(tmp_path).save(a, a.counters["step"])
+    path = Checkpoints(tmp_path).save(a)
 
     b = _state(1)  # another init, a fresh optimizer (no state yet), another sampler position
     resumed = Checkpoints(tmp_path).load(b)
@@ -71,7 +71,7 @@ def test_latest_names_the_newest_complete_checkpoint_and_two_are_kept(tmp_path):
     s = _state(0)
     for step in (2, 4, 6):
         _train(s, 2)
-        ckpts.save(s, step)
+        assert ckpts.save(s).name == f"step-{step:08d}"
     assert ckpts.latest() == tmp_path / "ck" / "step-00000006"
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.is_dir()) == ["step-00000004", "step-00000006"]
     (tmp_path / "ck" / ".step-00000008.partial").mkdir()          # a save cut off by SIGKILL: never "latest"
@@ -80,11 +80,14 @@ def test_latest_names_the_newest_complete_checkpoint_and_two_are_kept(tmp_path):
 
 def test_a_checkpoint_of_another_model_or_dataset_is_refused_naming_it(tmp_path):
     ckpts = Checkpoints(tmp_path)
-    ckpts.save(_state(0), 1)
+    first = _state(0)
+    _train(first, 1)
+    ckpts.save(first)
     other = _state(0)
     other.model = torch.nn.Sequential(torch.nn.Linear(4, 16))
     other.optimizer = torch.optim.AdamW(other.model.parameters())
-    with pytest.raises(ValueError, match="step-00000001 does not fit this model"):
+    with pytest.raises(ValueError, match=r"step-00000001 does not fit this model and optimizer: Size mismatch "
+                                         r"between saved torch.Size\(\[8, 4\]\) and current: torch.Size\(\[16, 4\]\)"):
         ckpts.load(other)
     with pytest.raises(ValueError, match=r"sampler state for 100 samples loaded into one of 50 \(a different dataset"):
         ckpts.load(_state(0, size=50))
@@ -185,8 +188,9 @@ def test_a_resumed_run_continues_where_the_checkpoint_stopped(tmp_path):
 
 @pytest.mark.slow  # two runs of worker processes
 def test_sigterm_saves_at_a_commit_point_and_the_job_resumes_at_another_size(tmp_path):
-    """SIGTERM (scancel, the time limit) to every worker: they stop at one commit point, rank 0 writes it, and a
-    run with one worker instead of two continues from that step."""
+    """SIGTERM (scancel, the time limit) to every worker: each stops after its current step, rank 0 writes the
+    last commit point (the state every rank agreed on), and a run with one worker instead of two continues from
+    that step."""
     ck = tmp_path / "ck"
     stopped = _run(2, RESNET + ["--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-every", "100000"],
                    stop_at_step=6)
@@ -194,8 +198,8 @@ def test_sigterm_saves_at_a_commit_point_and_the_job_resumes_at_another_size(tmp
     step = int(Checkpoints(ck).latest().name.split("-")[1])
     assert step >= 6
     outs = "".join(text for _, text in stopped)
-    assert outs.count(f"stopped by SIGTERM at step {step}") == 2, outs    # both at the commit point saved
-    assert f"checkpoint {ck / f'step-{step:08d}'}: submit the job again with --resume" in outs, outs
+    assert outs.count("stopped by SIGTERM after step") == 2, outs
+    assert f"checkpoint {ck / f'step-{step:08d}'} (step {step}): submit the job again with --resume" in outs, outs
     resumed = _run(1, RESNET + ["--steps", str(step + 3), "--checkpoint-dir", str(ck), "--resume"])
     code, out = resumed[0]
     assert code == 0 and f"(step {step})" in out and f"done: {step + 3} steps" in out, out
