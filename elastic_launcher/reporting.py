@@ -156,10 +156,10 @@ class PredictorClient:
         """A 401/403 on a write: this job may not write (#26.4). Logged once with how to fix it; the job stops
         posting observations but keeps asking for plans, which need no credential."""
         if self.writes_refused is None:
-            log.warning("predictor %s: this job is not allowed to write %s (%s). To fix: run the service with "
-                        "ELASTIC_PREDICTOR_MUNGE=1 where the job's munged is reachable, or give the job "
-                        "ELASTIC_PREDICTOR_TOKEN (the site's tool token). Plans are still asked for and followed.",
-                        self.url, path, error)
+            log.warning("predictor %s: this job is not allowed to write %s (%s). Jobs write with their own munge "
+                        "credential: the site runs the service with ELASTIC_PREDICTOR_MUNGE=1 where the jobs' "
+                        "munged is reachable (docs/admin-guide.md); the tool token stays out of jobs. Plans are "
+                        "still asked for and followed.", self.url, path, error)
         self.writes_refused = error
 
     def observe(self, records: list[dict]) -> bool:

@@ -138,13 +138,12 @@ def busy_message(lab: Path, holder: dict, elsewhere: bool = True) -> str:
             + ("; or use another --lab and --port-base" if elsewhere else ""))
 
 
-def lab_slurm(bed: Testbed, token: str | None = None) -> Backend:
-    """A Slurm client for the lab's cluster (with the predictor token in the environment of what it submits)."""
+def lab_slurm(bed: Testbed) -> Backend:
+    """A Slurm client for the lab's cluster. What it submits gets the lab's munged socket (jobs sign their writes
+    with it) and never the predictor's tool token."""
     from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
 
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
-    if token:
-        env["ELASTIC_PREDICTOR_TOKEN"] = token
     return CommandBackend(slurm_conf=bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
                           update_timeout=timedelta(seconds=30))
 
@@ -206,7 +205,7 @@ class Demo:
         self.echo(f"   ({self.phases[name]:.1f} s)")
 
     def slurm(self):
-        return lab_slurm(self.bed, self.predictor.token)
+        return lab_slurm(self.bed)
 
     # -- the steps ------------------------------------------------------------------------------------------
     def run(self) -> dict:
