@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
-from elastic_launcher.autoscale import (NO_DIRECTIVES, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
+from elastic_launcher.autoscale import (NO_DIRECTIVES, NOT_CONFIGURED, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
                                         PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
 from elastic_launcher.control import ControlInbox, launcher_store
@@ -114,8 +114,9 @@ class Controller:
         self._start_t0 = 0.0  # STARTING: when the first plan was posted
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
+        self._plan_asked = "not asked"  # what the last /v1/plan request met (PredictorClient.last_outcome)
         self._profile_outcome: Optional[str] = None  # _register_profile: known / registered / refused / ...
-        self._device_gpus: set[str] = set()  # the GPU types the workers' own devices reported (HostFacts.gpu)
+        self._device_gpu: dict[str, str] = {}  # node -> the type its workers' own devices reported (HostFacts.gpu)
         self.types = JobTypes({}, "not read yet")  # each node's GPU type and speed, read at start (gpu_speeds.py)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -379,8 +380,7 @@ class Controller:
         self.records.write("measurement", nodes=m.nodes, workers=m.workers, samples_per_s=round(m.samples_per_s, 3),
                            step_s=round(m.step_s, 4), compute_s_by_node={k: round(v, 4) for k, v in
                                                                          compute_by_node.items()},
-                           gpu_type_by_node={k: self.types.nodes[k].gpu for k in compute_by_node
-                                             if k in self.types.nodes})
+                           gpu_type_by_node={k: self._node_label(k) for k in compute_by_node})
         layout = self._current_layout() or [self.slots] * m.nodes
         d = self.config.directives
         links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
@@ -409,12 +409,24 @@ class Controller:
         self.records.write("decision", source="autoscale", action=decision.action, from_nodes=m.nodes,
                            target_nodes=decision.target_nodes, reason=decision.reason,
                            efficiency=decision.efficiency, policy=advice.policy, plan_nodes=advice.nodes,
-                           plan_note=advice.note, free_nodes=len(free),
-                           predictor=self.predictor.url is not None and self.predictor.last_error is None)
+                           plan_note=advice.note, free_nodes=len(free), predictor=self._plan_outcome(advice),
+                           writes="refused" if self.predictor.writes_refused else self._writes_outcome())
         if decision.action == "grow":
             self.resizer.request_grow(decision.target_nodes, action="grow", reason=decision.reason)
         elif decision.action in ("revert", "shrink") and decision.target_nodes < m.nodes:
             self.resizer.request_shrink(decision.target_nodes, action=decision.action, reason=decision.reason)
+
+    def _plan_outcome(self, advice) -> str:
+        """The decision record's `predictor` flag: what the plan request met (#45.4: a bare false said neither
+        why nor which): `answered`, `not configured`, `unreachable` or `refused` (the service said no)."""
+        if advice.source == NO_DIRECTIVES:
+            return "not asked"
+        return "not configured" if advice.source == NOT_CONFIGURED else self._plan_asked
+
+    def _writes_outcome(self) -> str:
+        """The decision record's `writes` flag: `refused` (the service will not take this job's rows), `not
+        configured`, or `posted` (the rows go to the service; each post's own failures are logged)."""
+        return "not configured" if self.predictor.url is None else "posted"
 
     def _current_layout(self) -> Optional[list[int]]:
         """GPUs per node of the current epoch, remembered by world size with its links for the workers' records."""
@@ -430,12 +442,19 @@ class Controller:
         """The GPU type the job's rows carry, labelled at the source (#26.2): the type its workers' own devices
         reported when they agree, else the one GRES type Slurm gives its nodes, else `#ELASTIC gpu_type` (default
         `unknown`, which the service resolves for a signed job from Slurm)."""
-        if len(self._device_gpus) == 1:
-            return next(iter(self._device_gpus))
+        device = {self._device_gpu[n] for n in self.fleet.nodes if n in self._device_gpu}
+        if len(device) == 1:
+            return next(iter(device))
         typed = {t.gpu for t in self.types.nodes.values() if t.gpu}
         if len(typed) == 1 and not self.types.mixed:
             return next(iter(typed))
         return self.config.directives.gpu_type
+
+    def _node_label(self, node: str) -> str:
+        """One node's GPU type as its workers' devices reported it (``cpu`` on the CPU), else its Slurm GRES type,
+        else ``unknown``: every node of the epoch, helpers' nodes of a grow too (#45.4)."""
+        typed = self.types.nodes.get(node)
+        return self._device_gpu.get(node) or (typed.gpu if typed is not None and typed.gpu else "unknown")
 
     def _links_of(self, layout: list[int], members, node_of) -> Links:
         """The links of the current epoch: the flags when given, else from one worker's host facts per node."""
@@ -446,14 +465,15 @@ class Controller:
         for w in members:
             first.setdefault(node_of[w], w)
         facts = []
-        for wid in first.values():
+        for node, wid in first.items():
             try:
                 key = keys.hosts(wid)
                 if self.server.check([key]):
                     facts.append(HostFacts.from_json(self.server.get(key)))
+                    if facts[-1].gpu:
+                        self._device_gpu[node] = facts[-1].gpu
             except Exception as exc:  # noqa: BLE001 - a store hiccup or an old worker: fewer facts
                 log.debug("no host facts of %s: %s", wid, exc)
-        self._device_gpus.update(f.gpu for f in facts if f.gpu)
         found = links_for(layout, facts)
         if c.intra_link or c.inter_link:  # one flag: it wins for its side
             return Links(c.intra_link or found.intra, c.inter_link or found.inter, f"flag and {found.source}")
@@ -514,10 +534,12 @@ class Controller:
                     "tres_per_node": f"gres:gpu:{self.fleet.alloc.gpus_per_node}",
                     "partition": self.fleet.alloc.partition},
             "current": {"layout": layout, "samples_per_s": m.samples_per_s, "per_gpu_batch": d.per_gpu_batch}})
+        self._plan_asked = "answered" if reply is not None else self.predictor.last_outcome
         if reply is None:
             why = "no predictor URL configured" if self.predictor.url is None else \
                 (self.predictor.last_error or "service unreachable")
-            advice = PlanAdvice(None, UNREACHABLE, " ".join(why.split()))
+            advice = PlanAdvice(None, NOT_CONFIGURED if self.predictor.url is None else UNREACHABLE,
+                                " ".join(why.split()))
         else:
             advice = advice_from_plan(reply, m.nodes, self.policy.slots_per_node)
             self.records.write("plan", decision_id=reply.get("decision_id"), action=reply.get("action"),

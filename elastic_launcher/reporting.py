@@ -82,6 +82,8 @@ class PredictorClient:
         self._fallback_logged = False
         self.last_error: Optional[str] = None
         self.writes_refused: Optional[str] = None   # why the service refused this job's writes (401/403), if it did
+        # what the last request met: answered, not configured, unreachable (no answer, 5xx, breaker open), refused
+        self.last_outcome = "not asked"
 
     def _bearer(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -132,13 +134,17 @@ class PredictorClient:
 
     def _post(self, path: str, body, signed: bool = False, retries: int = 0, key: Optional[str] = None) -> Optional[dict]:
         if self.url is None or time.monotonic() < self._open_until:
+            self.last_outcome = "not configured" if self.url is None else "unreachable"
             return None
         try:
             data = json.dumps(body, allow_nan=False).encode()
-            return self._send(path, data, signed, retries, key)
+            reply = self._send(path, data, signed, retries, key)
+            self.last_outcome = "answered"
+            return reply
         except _Refused as exc:
             error = str(exc)
             if exc.status is not None:      # the service is up and answered: refused, not unavailable
+                self.last_outcome = "refused"
                 self.last_error = f"{path}: {error}"
                 if exc.status in (401, 403) and signed:
                     self._refuse_writes(path, error)
@@ -147,6 +153,7 @@ class PredictorClient:
                 return None
         except Exception as exc:  # noqa: BLE001 - posting never raises into the job (garbage reply, bad body...)
             error = f"{type(exc).__name__}: {exc}"
+        self.last_outcome = "unreachable"
         self.last_error = f"{path}: {error}"
         self._open_until = time.monotonic() + self.cooldown_s
         log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, error)

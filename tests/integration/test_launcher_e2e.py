@@ -128,7 +128,7 @@ def test_grow_operator_shrink_node_failure_and_exact_accounting(slurm, idle_node
     assert (grow["from_nodes"], grow["to_nodes"], grow["world"]) == (2, 4, 4)
     decision = next(r for r in _records(run) if r["kind"] == "decision" and r["action"] == "grow")
     assert decision["free_nodes"] >= 2 and decision["source"] == "autoscale"
-    assert decision["predictor"] is False and decision["plan_nodes"] is None  # service unreachable: heuristic
+    assert decision["predictor"] == "not configured" and decision["plan_nodes"] is None  # no service: heuristic
     helper = slurm.job(int(grow["helper"]))
     assert helper.name == f"elastic-helper-{job_id}" and helper.comment.startswith(f"elastic-helper:{job_id}")
     assert helper.state == "RUNNING" and len(helper.nodes) == 2

@@ -19,14 +19,18 @@ SCRIPT = ("#!/bin/bash\n#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=16 max_gl
 class FakePredictor:
     """Stands in for reporting.PredictorClient: answers /v1/plan from a list, records every body."""
 
-    def __init__(self, replies, url="http://predictor:8080", last_error=None):
+    def __init__(self, replies, url="http://predictor:8080", last_error=None, outcome="unreachable"):
         self.url, self.last_error = url, last_error
         self.replies = list(replies)
         self.bodies: list[dict] = []
+        self.writes_refused = None
+        self.outcome, self.last_outcome = outcome, "not asked"
 
     def plan(self, body):
         self.bodies.append(json.loads(json.dumps(body)))
-        return self.replies.pop(0)
+        reply = self.replies.pop(0)
+        self.last_outcome = "answered" if reply is not None else self.outcome
+        return reply
 
     def observe(self, records):
         return True
@@ -112,6 +116,26 @@ def test_unreachable_service_runs_the_heuristic_and_the_record_says_so(tmp_path)
     (d,) = decisions(c)
     assert d["policy"] == "heuristic (service unreachable)" and d["plan_nodes"] is None
     assert d["reason"].startswith("heuristic (service unreachable);") and "connection refused" in d["plan_note"]
+    assert (d["predictor"], d["writes"]) == ("unreachable", "posted")
+
+
+def test_the_decision_record_says_not_configured_refused_or_answered(tmp_path):
+    # #45.4: a lab without a service recorded "heuristic (service unreachable)"; a refused write, "predictor": false
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    c = make_controller(tmp_path / "a", FakePredictor([None], url=None, outcome="not configured"))
+    c._measure_and_decide()
+    (d,) = decisions(c)
+    assert (d["policy"], d["predictor"], d["writes"]) == ("heuristic (no predictor configured)", "not configured",
+                                                         "not configured")
+    c = make_controller(tmp_path / "b", FakePredictor([None], outcome="refused", last_error="/v1/plan: HTTP 400"))
+    c._measure_and_decide()
+    assert decisions(c)[0]["predictor"] == "refused"
+    keep = {"action": "keep", "reason": "fine", "nodes": 2}
+    c = make_controller(tmp_path / "c", FakePredictor([keep]))
+    c.predictor.writes_refused = "HTTP 401: missing_credential"
+    c._measure_and_decide()
+    assert (decisions(c)[0]["predictor"], decisions(c)[0]["writes"]) == ("answered", "refused")
 
 
 def test_no_directives_asks_nothing_and_does_not_grow(tmp_path):
@@ -298,7 +322,12 @@ def test_rows_are_labelled_with_the_devices_type_then_slurms_then_the_directive(
     assert ctl._gpu_label() == config.directives.gpu_type                       # nothing known: the directive
     ctl.types = JobTypes({"node1": NodeType("h200", "H200"), "node2": NodeType("h200", "H200")}, "test")
     assert ctl._gpu_label() == "H200"                                           # Slurm's one GRES type
-    ctl._device_gpus.add("H100")
-    assert ctl._gpu_label() == "H100"                                           # what the devices say
-    ctl._device_gpus.add("A100")
+    from elastic_launcher.resize import NodeSlot
+    ctl.fleet.nodes = {n: NodeSlot(n, "42", f"j42-{n}") for n in ("node1", "node2")}   # the epoch's nodes
+    ctl._device_gpu["node1"] = "cpu"
+    assert ctl._gpu_label() == "cpu"                                            # what the devices say (#45.4)
+    ctl._device_gpu["node2"] = "A100"
     assert ctl._gpu_label() == "H200"                                           # devices disagree: Slurm's
+    ctl._device_gpu["node3"] = "A100"                                            # a helper's node, grown onto
+    ctl.types = JobTypes({"node1": NodeType("h200", "H200")}, "test")
+    assert [ctl._node_label(n) for n in ("node1", "node2", "node3", "node4")] == ["cpu", "A100", "A100", "unknown"]
