@@ -33,7 +33,7 @@ from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
 from elastic_launcher.observations import ObservationInbox, layout_of, postable, relabel, step_record
-from elastic_launcher.reporting import PredictorClient, RecordLog
+from elastic_launcher.reporting import PredictorClient, RecordLog, progress_line
 from elastic_launcher.membership import Plan
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
 from elastic_launcher.resize_ops import ResizeKind
@@ -50,6 +50,15 @@ PLAN_INTERVAL_S = 15.0  # at one size, /v1/plan is asked at most this often (sec
 HELPER_EXIT_S = 3.0  # at the controller's exit, a helper gets this long to end after its stop key, then scancel
 OBSERVATIONS_PER_POST = 1000  # records in one POST /v1/observations (the service takes up to 4096)
 log = logging.getLogger("elastic_launcher.controller")
+
+
+def _rounded(value):
+    """Seconds in the end summary: milliseconds, not float noise (#45.6)."""
+    return round(value, 3) if isinstance(value, float) else value
+
+
+OPERATOR_RULE = "none: the autoscaler decides (`ctl --nodes N` sets a size that holds until `ctl --auto`)"
+PROGRESS_INTERVAL_S = 30.0  # one human progress line in the job's output at most this often (a measurement each)
 
 
 class Controller:
@@ -114,6 +123,8 @@ class Controller:
         self._start_t0 = 0.0  # STARTING: when the first plan was posted
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
+        self._total_steps: Optional[int] = None  # the script's --steps, once a worker published it
+        self._progress_logged = float("-inf")  # when the last human progress line was logged (self.clock)
         self._plan_asked = "not asked"  # what the last /v1/plan request met (PredictorClient.last_outcome)
         self._profile_outcome: Optional[str] = None  # _register_profile: known / registered / refused / ...
         self._device_gpu: dict[str, str] = {}  # node -> the type its workers' own devices reported (HostFacts.gpu)
@@ -300,6 +311,12 @@ class Controller:
         if action.kind is RequestKind.REJECT:
             self.inbox.reply(seq, False, action.message)
             return
+        if action.kind is RequestKind.LIFT:
+            lifted, self.operator_cap = self.operator_cap, None
+            self.inbox.reply(seq, True, action.message if lifted is not None else "no operator's size was set")
+            self.records.write("decision", source="operator", action="auto", from_nodes=have, target_nodes=have,
+                               reason=f"elastic-launch ctl {self.job_id} --auto")
+            return
         target = action.target
         self.operator_cap = target
         op = self.resizer.active
@@ -388,6 +405,12 @@ class Controller:
         # a mixed job's step time is no one type's: not posted as a step observation of any type
         self._register_profile()
         self._post_observations([] if self.types.mixed else [own])
+        now = self.clock()
+        if now - self._progress_logged >= PROGRESS_INTERVAL_S:
+            self._progress_logged = now
+            facts = self._steps_and_eta(self._progress(self._known_wids()) if self.server is not None else {}, m)
+            log.info("%s", progress_line(facts["step"], facts["total_steps"], m.samples_per_s, m.nodes,
+                                         facts["eta_s"], facts["last_resize"], time.time()))
         if not self.config.directives.elastic or self.phase is not JobPhase.RUNNING:
             return
         slow = self.stragglers.observe(compute_by_node)
@@ -588,13 +611,32 @@ class Controller:
         if plan is not None:
             self._current_layout()
         last = self.policy.history_[-1] if self.policy.history_ else None
+        progress = self._progress(self._known_wids())
         self.kv.set(keys.STATUS, json.dumps({
             "job": self.job_id, "epoch": plan and plan.id, "world": plan.world_size if plan else 0,
             "nodes": sorted(self.fleet.nodes), "recovering": [r.node for r in self.resizer.recoveries],
             "helpers": self.fleet.helpers, "operator_cap": self.operator_cap, "phase": self.phase.value,
             "resize": self._resize_status(),
             "samples_per_s": None if last is None else round(last.samples_per_s, 3),
-            "progress": {w: [p["epoch"], p["step"]] for w, p in self._progress(self._known_wids()).items()}}))
+            **self._steps_and_eta(progress, last),
+            "operator": OPERATOR_RULE if self.operator_cap is None else
+            f"holds {self.operator_cap} node(s) until `elastic-launch ctl {self.job_id} --auto`",
+            "progress": {w: [p["epoch"], p["step"]] for w, p in progress.items()}}))
+
+    def _steps_and_eta(self, progress: dict, last: Optional[Measurement]) -> dict:
+        """``step`` (the furthest worker's committed step), ``total_steps`` (the script's --steps, when its workers
+        said), ``eta_s`` (from the last measurement's step time) and ``last_resize`` (the last transition)."""
+        step = max((int(p["step"]) for p in progress.values()), default=0)
+        total = self._total_steps
+        try:
+            if total is None and self.server is not None and self.server.check([keys.TOTAL_STEPS]):
+                total = self._total_steps = int(self.server.get(keys.TOTAL_STEPS))
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: no total this time
+            log.debug("no total steps: %s", exc)
+        eta = None if total is None or last is None else round(max(0, total - step) * last.step_s, 1)
+        moves = [r for r in self.records.items if r["kind"] == "transition" and r.get("action") != "start"]
+        resize = None if not moves else {k: moves[-1].get(k) for k in ("action", "from_nodes", "to_nodes", "t")}
+        return {"step": step, "total_steps": total, "eta_s": eta, "last_resize": resize}
 
     def _resize_status(self) -> Optional[dict]:
         op = self.resizer.active if self.resizer is not None else None
@@ -609,7 +651,8 @@ class Controller:
     def _summary(self, outcome: str) -> dict:
         items = self.records.items
         return {"job": self.job_id, "outcome": outcome, "final_nodes": len(self.fleet.nodes),
-                "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "idle_s", "pause_s", "wall_s")}
+                "transitions": [{k: _rounded(r.get(k)) for k in ("action", "from_nodes", "to_nodes", "idle_s", "pause_s",
+                                                                 "wall_s")}
                                 for r in items if r["kind"] == "transition"],
                 "measurements": sum(r["kind"] == "measurement" for r in items)}
 

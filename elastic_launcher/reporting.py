@@ -244,3 +244,48 @@ def _reason(reply) -> Optional[str]:
     except ValueError:
         return None
     return body.get("reason") if isinstance(body, dict) else None
+
+
+def duration(seconds: Optional[float]) -> str:
+    """``45 s``, ``12 min``, ``3.2 h``: a duration a person reads (None: ``?``)."""
+    if seconds is None:
+        return "?"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _rate(samples_per_s: Optional[float]) -> str:
+    return "?" if samples_per_s is None else f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
+
+
+def progress_line(step: int, total: Optional[int], samples_per_s: Optional[float], nodes: int,
+                  eta_s: Optional[float], last_resize: Optional[dict], now: float) -> str:
+    """The launcher's line per log interval, and the head of ``ctl --status``: ``step 600/3000 (20%)  4 nodes
+    321 samples/s  ETA 2 min  last resize: grow 2->4, 35 s ago``."""
+    of = f"/{total} ({100 * step / total:.0f}%)" if total else ""
+    resize = "none" if not last_resize else (f"{last_resize['action']} {last_resize['from_nodes']}->"
+                                             f"{last_resize['to_nodes']}, {duration(now - last_resize['t'])} ago")
+    return (f"step {step}{of}  {nodes} node{'' if nodes == 1 else 's'}  {_rate(samples_per_s)} samples/s  "
+            f"ETA {duration(eta_s)}  last resize: {resize}")
+
+
+def status_table(status: dict, now: Optional[float] = None) -> str:
+    """``elastic-launch ctl JOB --status`` for a person (``--json`` prints ``status`` as it is)."""
+    now = time.time() if now is None else now
+    nodes = status.get("nodes") or []
+    resize = status.get("resize")
+    rows = [("job", f"{status.get('job')}  {status.get('phase')}  epoch {status.get('epoch')}  "
+                    f"{status.get('world')} workers"),
+            ("progress", progress_line(status.get("step", 0), status.get("total_steps"), status.get("samples_per_s"),
+                                       len(nodes), status.get("eta_s"), status.get("last_resize"), now)),
+            ("nodes", ", ".join(nodes) or "-"),
+            ("operator", status.get("operator") or "-"),
+            ("resizing", "-" if not resize else f"{resize['action']} to {resize['target_nodes']} node(s), "
+                                                f"{resize['state']}" + (f", helper job {resize['helper']}"
+                                                                        if resize.get("helper") else "")),
+            ("recovering", ", ".join(status.get("recovering") or []) or "-")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -328,8 +328,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                          **({"max_global_batch": cap} if cap else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
     reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
-    if env.local_id == 0:   # the model's shapes: the launcher registers them when the predictor lacks the model
+    if env.local_id == 0:   # the model's shapes (registered when the predictor lacks the model) and the steps
         reporter.publish_profile(profile_body(profile, model.named_parameters()))
+        reporter.publish_total(args.steps)
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),

@@ -331,3 +331,70 @@ def test_rows_are_labelled_with_the_devices_type_then_slurms_then_the_directive(
     ctl._device_gpu["node3"] = "A100"                                            # a helper's node, grown onto
     ctl.types = JobTypes({"node1": NodeType("h200", "H200")}, "test")
     assert [ctl._node_label(n) for n in ("node1", "node2", "node3", "node4")] == ["cpu", "A100", "A100", "unknown"]
+
+
+def test_the_operators_size_holds_against_every_autoscale_move_until_lifted():
+    # #45.5: one job held the operator's size against 20 plans, another reverted it 3 s after the first measurement
+    from elastic_launcher.autoscale import PlanAdvice
+    from elastic_launcher.steering import settle_decision
+    Decision = controller_module.Decision
+    heuristic, planner = PlanAdvice(None, "unreachable", "down"), PlanAdvice(2, "planner", "plan says 2")
+    revert = Decision("revert", 2, "grow 2->4 nodes did not pay: efficiency 0.41 < 0.70", 0.41)
+    for decision, advice in ((revert, heuristic), (Decision("shrink", 2, "plan says 2 nodes"), planner),
+                             (Decision("grow", 6, "efficiency 0.9"), heuristic)):
+        held = settle_decision(decision, 4, None, [], 4, advice)
+        assert (held.action, held.target_nodes) == ("keep", 4), decision
+        assert held.reason.startswith("held at the operator's 4 nodes until `ctl --auto`")
+        assert settle_decision(decision, 4, None, [], None, advice) is decision          # lifted: the autoscaler's
+    toward = settle_decision(Decision("shrink", 1, "plan says 1 node"), 4, None, [], 3, planner)
+    assert (toward.action, toward.target_nodes) == ("shrink", 3)                         # toward it, not past it
+
+
+def test_ctl_auto_lifts_the_operators_size_and_status_says_which_rule_holds(tmp_path):
+    from elastic_launcher.reporting import status_table
+    from tests.unit.test_resize_tick import Clock
+    from tests.unit.test_resize_tick import make_controller as ticking_controller
+    c = ticking_controller(tmp_path, Clock())
+    c.operator_cap = 2
+    c.inbox.requests = [(1, {"nodes": "auto"})]
+    c._handle_requests()
+    assert c.inbox.replies[1]["ok"] and c.operator_cap is None
+    assert "autoscaler decides again" in c.inbox.replies[1]["message"]
+    (d,) = [r for r in c.records.items if r["kind"] == "decision"]
+    assert (d["source"], d["action"]) == ("operator", "auto")
+    status = {"job": "42", "phase": "running", "epoch": 3, "world": 2, "nodes": ["node1", "node2"], "step": 600,
+              "total_steps": 3000, "samples_per_s": 321.14, "eta_s": 130.0, "resize": None, "recovering": [],
+              "last_resize": {"action": "grow", "from_nodes": 1, "to_nodes": 2, "t": 100.0},
+              "operator": "holds 2 node(s) until `elastic-launch ctl 42 --auto`"}
+    table = status_table(status, now=135.0)
+    assert "progress    step 600/3000 (20%)  2 nodes  321 samples/s  ETA 2 min  last resize: grow 1->2, 35 s ago" \
+        in table
+    assert "operator    holds 2 node(s) until `elastic-launch ctl 42 --auto`" in table
+
+
+def test_the_end_summary_rounds_seconds():
+    from elastic_launcher.controller import _rounded
+    assert _rounded(0.10734999999) == 0.107 and _rounded(3) == 3 and _rounded(None) is None
+
+
+def test_ctl_on_an_ended_job_says_where_its_records_are(tmp_path):
+    from click.testing import CliRunner
+
+    from elastic_launcher.cli import ctl
+    out = CliRunner().invoke(ctl, ["77", "--status", "--registry", str(tmp_path)])
+    assert out.exit_code == 1 and "job 77 has no running elastic-launch (it ended, or has not started yet)" in \
+        out.output and "elastic-77/records.jsonl" in out.output and "sacct -j 77" in out.output
+
+
+def test_one_progress_line_per_interval_in_the_jobs_output(tmp_path, caplog):
+    keep = {"action": "keep", "reason": "fine", "nodes": 2}
+    c = make_controller(tmp_path, FakePredictor([keep] * 3))
+    now = [1000.0]
+    c.clock = lambda: now[0]
+    with caplog.at_level("INFO", logger="elastic_launcher.controller"):
+        for t in (1000.0, 1010.0, 1031.0):   # measurements 10 s and 21 s apart; the interval is 30 s
+            now[0] = t
+            c._plan_cache = (None, 0.0, None)
+            c._measure_and_decide()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines == ["step 0  2 nodes  200 samples/s  ETA ?  last resize: none"] * 2
