@@ -33,7 +33,7 @@ from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
 from elastic_launcher.observations import ObservationInbox, layout_of, postable, relabel, step_record
-from elastic_launcher.reporting import PredictorClient, RecordLog, progress_line
+from elastic_launcher.reporting import PredictorClient, RecordLog, progress_line, scaling_plot
 from elastic_launcher.membership import Plan
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
 from elastic_launcher.resize_ops import ResizeKind
@@ -676,3 +676,9 @@ class Controller:
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
             self.records.write("end", outcome=outcome, nodes=len(self.fleet.nodes))
+            try:
+                plot = scaling_plot(self.records.items, self.config.run_dir / "scaling.png")
+                if plot is not None:
+                    log.info("scaling plot: %s", plot)
+            except Exception as exc:  # noqa: BLE001 - a plot never fails the job
+                log.warning("no scaling plot: %s: %s", type(exc).__name__, exc)

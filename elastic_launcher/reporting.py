@@ -289,3 +289,33 @@ def status_table(status: dict, now: Optional[float] = None) -> str:
             ("recovering", ", ".join(status.get("recovering") or []) or "-")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def scaling_plot(records: list[dict], path: Path) -> Optional[Path]:
+    """The job's scaling at a glance, beside its records (``elastic-<job>/scaling.png``): measured samples/s over
+    the job's time, each point at its node count's colour, and the mean samples/s per node count against
+    linear scaling from the smallest size. None (and nothing written) without a measurement."""
+    points = [(r["t"], r["nodes"], r["samples_per_s"]) for r in records if r.get("kind") == "measurement"]
+    if not points:
+        return None
+    from matplotlib.figure import Figure  # noqa: PLC0415 - 0.3-0.5 s of imports, at the job's end only
+
+    t0 = points[0][0]
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    over_time, by_size = fig.subplots(1, 2, width_ratios=(2, 1))
+    sizes = sorted({n for _, n, _ in points})
+    for n in sizes:
+        mine = [(t - t0, sps) for t, m, sps in points if m == n]
+        over_time.scatter([x for x, _ in mine], [y for _, y in mine], s=10, label=f"{n} node{'s' * (n != 1)}")
+    for r in records:
+        if r.get("kind") == "transition" and r.get("action") != "start":
+            over_time.axvline(r["t"] - t0, color="grey", lw=0.6, ls=":")
+    over_time.set(xlabel="seconds since the first measurement", ylabel="samples/s", title="measured throughput")
+    over_time.legend(fontsize="small")
+    mean = [sum(s for _, m, s in points if m == n) / sum(1 for _, m, _ in points if m == n) for n in sizes]
+    by_size.plot(sizes, mean, "o-", label="measured (mean)")
+    by_size.plot(sizes, [mean[0] * n / sizes[0] for n in sizes], "--", color="grey", label="linear")
+    by_size.set(xlabel="nodes", ylabel="samples/s", title="scaling", xticks=sizes)
+    by_size.legend(fontsize="small")
+    fig.savefig(path, dpi=90)
+    return path

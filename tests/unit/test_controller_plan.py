@@ -398,3 +398,14 @@ def test_one_progress_line_per_interval_in_the_jobs_output(tmp_path, caplog):
             c._measure_and_decide()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines == ["step 0  2 nodes  200 samples/s  ETA ?  last resize: none"] * 2
+
+
+def test_the_scaling_plot_is_drawn_from_the_measurements(tmp_path):
+    from elastic_launcher.reporting import scaling_plot
+    records = [{"kind": "measurement", "t": 100.0 + i, "nodes": n, "samples_per_s": 100.0 * n}
+               for i, n in enumerate([2, 2, 4, 4])]
+    records.insert(2, {"kind": "transition", "action": "grow", "t": 101.5})
+    path = scaling_plot(records, tmp_path / "scaling.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert scaling_plot([r for r in records if r["kind"] != "measurement"], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
