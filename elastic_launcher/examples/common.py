@@ -374,6 +374,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         print(f"{env.wid}: {exc}", file=sys.stderr)
         return 3
     finally:
+        saving.release_sigterm()   # training is over here: a SIGTERM now (a shrink's release) ends the process
         profiler.close()
         et.close()
         saving.drain()
@@ -448,6 +449,11 @@ class Checkpointing:
                 timer.daemon = True
                 timer.start()
         signal.signal(signal.SIGTERM, stop)
+
+    def release_sigterm(self) -> None:
+        """SIGTERM ends the process again (its default): after the loop, nothing waits for a step to end."""
+        if self.checkpoints is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def after_step(self, state, step: int, committed: int, rank: int) -> bool:
         """After a step (``committed``: the last commit point's): rank 0 starts a checkpoint of the rollback point
