@@ -244,8 +244,8 @@ def profile(spec, db, dtype, as_json, name):
     SPEC: torchvision:NAME, transformers:NAME, a built-in name, or package.module:callable (your own model: a
     callable that returns the torch.nn.Module when called without arguments).
 
-    Examples: elastic-predictor profile torchvision:resnet50 --db predictor.db;
-    elastic-predictor profile mylab.nets:build_unet --name unet --db predictor.db
+    Example: elastic-predictor profile torchvision:resnet50 --db predictor.db (your own model:
+    elastic-predictor profile mylab.nets:build_unet --name unet --db predictor.db)
     """
     from predictor.api.profiles import register, summary  # noqa: PLC0415
     from predictor.profiles import profile_from_spec  # noqa: PLC0415
