@@ -62,6 +62,7 @@ def test_a_new_model_is_planned_on_its_second_run_without_a_manual_step(hook, se
         assert time.monotonic() < deadline, reason   # the service refits after the job's rows arrive
         time.sleep(1)
     second = sbatch(_job(tmp_path, "run2"))
+    print(f"first sbatch: {first.stderr.strip()}\nsecond sbatch: {second.stderr.strip()}")
     assert second.rc == 0, second.stderr
     assert "sbatch: elastic:" in second.stderr and "unknown model" not in second.stderr, second.stderr
     assert "predicted" in second.stderr or "already matches" in second.stderr, second.stderr
