@@ -2,8 +2,7 @@
 
 The state of a data-parallel job is the same on every rank, so one rank writes it (``no_dist``: no collective;
 the state is copied to host memory and a thread writes the copy, so training goes on meanwhile) and any number
-of ranks read it back: a checkpoint written at 4 workers
-resumes at 1 or 8. Layout of ``--checkpoint-dir DIR``::
+of ranks read it back: a checkpoint written at 4 workers resumes at 1 or 8. Layout of ``--checkpoint-dir DIR``::
 
     DIR/step-00000120/      one DCP checkpoint (.metadata, __0_0.distcp): "model", "optim", "meta"
     DIR/latest              "step-00000120": written (atomically) after that directory is complete
