@@ -56,9 +56,10 @@ class Decision:
 
 
 PLANNER = "planner"               # /v1/plan answered: its node count is the target
-UNREACHABLE = "unreachable"       # the service is unset, unreachable, or answered garbage: heuristic
+UNREACHABLE = "unreachable"       # the service is unreachable, refused the request or answered garbage: heuristic
+NOT_CONFIGURED = "not-configured"  # no predictor URL at all: the same heuristic, and the records say why (#45.4)
 NO_DIRECTIVES = "no-directives"   # the job has no #ELASTIC lines: nothing to plan, no autoscaling grow
-ADVICE_SOURCES = (PLANNER, UNREACHABLE, NO_DIRECTIVES)
+ADVICE_SOURCES = (PLANNER, UNREACHABLE, NOT_CONFIGURED, NO_DIRECTIVES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ class PlanAdvice:
 
     Attributes:
         nodes: node count the plan wants (the current one for a `keep`); None unless source is PLANNER.
-        source: PLANNER | UNREACHABLE | NO_DIRECTIVES.
+        source: PLANNER | UNREACHABLE | NOT_CONFIGURED | NO_DIRECTIVES.
         note: one line: the planner's reason, or why there is no plan.
     """
 
@@ -87,10 +88,11 @@ class PlanAdvice:
     def policy(self) -> str:
         """Who decides the size: what the `decision` record's `policy` field says."""
         return {PLANNER: "planner", UNREACHABLE: "heuristic (service unreachable)",
+                NOT_CONFIGURED: "heuristic (no predictor configured)",
                 NO_DIRECTIVES: "none (no #ELASTIC directives)"}[self.source]
 
 
-NO_SERVICE = PlanAdvice(None, UNREACHABLE, "no predictor service")
+NO_SERVICE = PlanAdvice(None, NOT_CONFIGURED, "no predictor service")
 
 
 def advice_from_plan(reply: Optional[dict], current_nodes: int, slots_per_node: int) -> PlanAdvice:
@@ -242,7 +244,8 @@ class AutoscalePolicy:
             free_nodes: idle nodes a grow could get now.
             advice: what /v1/plan says (`PlanAdvice`). PLANNER: grow toward its node count (never past it,
                 nor past the policy's own limits), stay when it is the current size, shrink toward it when it
-                is smaller. UNREACHABLE: the heuristic grow by `grow_step_nodes`. NO_DIRECTIVES: no grow.
+                is smaller. UNREACHABLE, NOT_CONFIGURED: the heuristic grow by `grow_step_nodes`. NO_DIRECTIVES: no
+                grow.
 
         Preconditions: `record` was called at the current size.
         """

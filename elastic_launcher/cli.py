@@ -202,31 +202,40 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
 @click.command()
 @click.argument("job_id")
 @click.option("--nodes", type=click.IntRange(1, 4096), help="Resize the job to this many nodes.")
-@click.option("--status", is_flag=True, help="Print the controller's current state.")
+@click.option("--auto", "lift", is_flag=True, help="Lift the operator's size set with --nodes: the autoscaler "
+                                                     "decides again.")
+@click.option("--status", is_flag=True, help="Print the controller's current state (a table; --json: JSON).")
+@click.option("--json", "as_json", is_flag=True, help="With --status: the state as one JSON object.")
 @click.option("--registry", type=click.Path(file_okay=False, path_type=Path),
               help="Where controllers publish their addresses (env ELASTIC_LAUNCH_REGISTRY; default: "
                    "~/.elastic-launch/jobs).")
 @click.option("--timeout", default=30.0, show_default=True, type=float,
               help="Seconds to wait for the controller to answer.")
-def ctl(job_id, nodes, status, registry, timeout):
+def ctl(job_id, nodes, lift, status, as_json, registry, timeout):
     """Ask the controller of a running elastic job to resize it, or show its state.
 
-    Example: elastic-launch ctl 42 --nodes 2
+    The operator's size (--nodes N) holds until --auto lifts it: the autoscaler never moves the job away from
+    it (only a job of the partition waiting for nodes gets some back, unless the job runs with --no-yield).
+
+    Examples: elastic-launch ctl 42 --nodes 2; elastic-launch ctl 42 --auto; elastic-launch ctl 42 --status
     """
     from elastic_launcher.control import ControlClient
+    from elastic_launcher.reporting import status_table
 
-    if nodes is None and not status:
-        raise click.UsageError("give --nodes N or --status")
+    if sum((nodes is not None, lift, status)) != 1:
+        raise click.UsageError("give one of --nodes N, --auto or --status")
     path = _registry(registry) / f"{job_id}.json"
     if not path.exists():
-        raise click.ClickException(f"no elastic controller registered for job {job_id} ({path} is missing)")
+        raise click.ClickException(f"job {job_id} has no running elastic-launch (it ended, or has not started "
+                                   f"yet): its records are in elastic-{job_id}/records.jsonl where it was "
+                                   f"submitted, its end in `sacct -j {job_id}`")
     host, port = _controller_address(path)
     client = ControlClient(host, port, timeout=_seconds(timeout))
     try:
-        reply = client.status() if status else client.request_nodes(nodes)
+        reply = client.status() if status else client.request_nodes("auto" if lift else nodes)
     except Exception as exc:
         raise click.ClickException(f"job {job_id}: {type(exc).__name__}: {exc}") from exc
-    click.echo(json.dumps(reply, sort_keys=True))
+    click.echo(status_table(reply) if status and not as_json else json.dumps(reply, sort_keys=True))
     if reply.get("ok") is False:
         sys.exit(1)
 

@@ -34,8 +34,9 @@ class ControlClient:
     def __init__(self, host: str, port: int, timeout: timedelta = timedelta(seconds=30)):
         self.host, self.port, self.timeout = host, port, timeout
 
-    def request_nodes(self, nodes: int) -> dict:
-        """Ask for a resize to `nodes`; return the controller's reply (it answers before resizing).
+    def request_nodes(self, nodes) -> dict:
+        """Ask for a resize to `nodes` (or "auto": lift the operator's size); return the controller's reply (it
+        answers before resizing).
 
         Raises:
             TimeoutError: no reply within the timeout (the controller is busy in a transition or gone).

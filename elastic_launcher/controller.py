@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
-from elastic_launcher.autoscale import (NO_DIRECTIVES, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
+from elastic_launcher.autoscale import (NO_DIRECTIVES, NOT_CONFIGURED, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
                                         PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
 from elastic_launcher.control import ControlInbox, launcher_store
@@ -33,7 +33,7 @@ from elastic_launcher.membership import Coordinator
 from elastic_launcher.links import HostFacts, Links, links_for
 from elastic_launcher.gpu_speeds import JobTypes, decide_speeds, node_gres_types
 from elastic_launcher.observations import ObservationInbox, layout_of, postable, relabel, step_record
-from elastic_launcher.reporting import PredictorClient, RecordLog
+from elastic_launcher.reporting import PredictorClient, RecordLog, progress_line, scaling_plot
 from elastic_launcher.membership import Plan
 from elastic_launcher.resize import Fleet, MeasureWindow, NodeSlot, Resizer, wait_until
 from elastic_launcher.resize_ops import ResizeKind
@@ -50,6 +50,15 @@ PLAN_INTERVAL_S = 15.0  # at one size, /v1/plan is asked at most this often (sec
 HELPER_EXIT_S = 3.0  # at the controller's exit, a helper gets this long to end after its stop key, then scancel
 OBSERVATIONS_PER_POST = 1000  # records in one POST /v1/observations (the service takes up to 4096)
 log = logging.getLogger("elastic_launcher.controller")
+
+
+def _rounded(value):
+    """Seconds in the end summary: milliseconds, not float noise (#45.6)."""
+    return round(value, 3) if isinstance(value, float) else value
+
+
+OPERATOR_RULE = "none: the autoscaler decides (`ctl --nodes N` sets a size that holds until `ctl --auto`)"
+PROGRESS_INTERVAL_S = 30.0  # one human progress line in the job's output at most this often (a measurement each)
 
 
 class Controller:
@@ -114,7 +123,11 @@ class Controller:
         self._start_t0 = 0.0  # STARTING: when the first plan was posted
         self._layouts: dict[int, list[int]] = {}  # world size -> layout of the epochs seen (observations)
         self._links: dict[int, Links] = {}  # world size -> links of that layout (observations.relabel)
-        self._device_gpus: set[str] = set()  # the GPU types the workers' own devices reported (HostFacts.gpu)
+        self._total_steps: Optional[int] = None  # the script's --steps, once a worker published it
+        self._progress_logged = float("-inf")  # when the last human progress line was logged (self.clock)
+        self._plan_asked = "not asked"  # what the last /v1/plan request met (PredictorClient.last_outcome)
+        self._profile_outcome: Optional[str] = None  # _register_profile: known / registered / refused / ...
+        self._device_gpu: dict[str, str] = {}  # node -> the type its workers' own devices reported (HostFacts.gpu)
         self.types = JobTypes({}, "not read yet")  # each node's GPU type and speed, read at start (gpu_speeds.py)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -298,6 +311,12 @@ class Controller:
         if action.kind is RequestKind.REJECT:
             self.inbox.reply(seq, False, action.message)
             return
+        if action.kind is RequestKind.LIFT:
+            lifted, self.operator_cap = self.operator_cap, None
+            self.inbox.reply(seq, True, action.message if lifted is not None else "no operator's size was set")
+            self.records.write("decision", source="operator", action="auto", from_nodes=have, target_nodes=have,
+                               reason=f"elastic-launch ctl {self.job_id} --auto")
+            return
         target = action.target
         self.operator_cap = target
         op = self.resizer.active
@@ -378,14 +397,20 @@ class Controller:
         self.records.write("measurement", nodes=m.nodes, workers=m.workers, samples_per_s=round(m.samples_per_s, 3),
                            step_s=round(m.step_s, 4), compute_s_by_node={k: round(v, 4) for k, v in
                                                                          compute_by_node.items()},
-                           gpu_type_by_node={k: self.types.nodes[k].gpu for k in compute_by_node
-                                             if k in self.types.nodes})
+                           gpu_type_by_node={k: self._node_label(k) for k in compute_by_node})
         layout = self._current_layout() or [self.slots] * m.nodes
         d = self.config.directives
         links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
         own = step_record(d.model or "unknown", self._gpu_label(), layout, links, d.per_gpu_batch, m.step_s)
         # a mixed job's step time is no one type's: not posted as a step observation of any type
+        self._register_profile()
         self._post_observations([] if self.types.mixed else [own])
+        now = self.clock()
+        if now - self._progress_logged >= PROGRESS_INTERVAL_S:
+            self._progress_logged = now
+            facts = self._steps_and_eta(self._progress(self._known_wids()) if self.server is not None else {}, m)
+            log.info("%s", progress_line(facts["step"], facts["total_steps"], m.samples_per_s, m.nodes,
+                                         facts["eta_s"], facts["last_resize"], time.time()))
         if not self.config.directives.elastic or self.phase is not JobPhase.RUNNING:
             return
         slow = self.stragglers.observe(compute_by_node)
@@ -407,12 +432,24 @@ class Controller:
         self.records.write("decision", source="autoscale", action=decision.action, from_nodes=m.nodes,
                            target_nodes=decision.target_nodes, reason=decision.reason,
                            efficiency=decision.efficiency, policy=advice.policy, plan_nodes=advice.nodes,
-                           plan_note=advice.note, free_nodes=len(free),
-                           predictor=self.predictor.url is not None and self.predictor.last_error is None)
+                           plan_note=advice.note, free_nodes=len(free), predictor=self._plan_outcome(advice),
+                           writes="refused" if self.predictor.writes_refused else self._writes_outcome())
         if decision.action == "grow":
             self.resizer.request_grow(decision.target_nodes, action="grow", reason=decision.reason)
         elif decision.action in ("revert", "shrink") and decision.target_nodes < m.nodes:
             self.resizer.request_shrink(decision.target_nodes, action=decision.action, reason=decision.reason)
+
+    def _plan_outcome(self, advice) -> str:
+        """The decision record's `predictor` flag: what the plan request met (#45.4: a bare false said neither
+        why nor which): `answered`, `not configured`, `unreachable` or `refused` (the service said no)."""
+        if advice.source == NO_DIRECTIVES:
+            return "not asked"
+        return "not configured" if advice.source == NOT_CONFIGURED else self._plan_asked
+
+    def _writes_outcome(self) -> str:
+        """The decision record's `writes` flag: `refused` (the service will not take this job's rows), `not
+        configured`, or `posted` (the rows go to the service; each post's own failures are logged)."""
+        return "not configured" if self.predictor.url is None else "posted"
 
     def _current_layout(self) -> Optional[list[int]]:
         """GPUs per node of the current epoch, remembered by world size with its links for the workers' records."""
@@ -428,12 +465,19 @@ class Controller:
         """The GPU type the job's rows carry, labelled at the source (#26.2): the type its workers' own devices
         reported when they agree, else the one GRES type Slurm gives its nodes, else `#ELASTIC gpu_type` (default
         `unknown`, which the service resolves for a signed job from Slurm)."""
-        if len(self._device_gpus) == 1:
-            return next(iter(self._device_gpus))
+        device = {self._device_gpu[n] for n in self.fleet.nodes if n in self._device_gpu}
+        if len(device) == 1:
+            return next(iter(device))
         typed = {t.gpu for t in self.types.nodes.values() if t.gpu}
         if len(typed) == 1 and not self.types.mixed:
             return next(iter(typed))
         return self.config.directives.gpu_type
+
+    def _node_label(self, node: str) -> str:
+        """One node's GPU type as its workers' devices reported it (``cpu`` on the CPU), else its Slurm GRES type,
+        else ``unknown``: every node of the epoch, helpers' nodes of a grow too (#45.4)."""
+        typed = self.types.nodes.get(node)
+        return self._device_gpu.get(node) or (typed.gpu if typed is not None and typed.gpu else "unknown")
 
     def _links_of(self, layout: list[int], members, node_of) -> Links:
         """The links of the current epoch: the flags when given, else from one worker's host facts per node."""
@@ -444,18 +488,41 @@ class Controller:
         for w in members:
             first.setdefault(node_of[w], w)
         facts = []
-        for wid in first.values():
+        for node, wid in first.items():
             try:
                 key = keys.hosts(wid)
                 if self.server.check([key]):
                     facts.append(HostFacts.from_json(self.server.get(key)))
+                    if facts[-1].gpu:
+                        self._device_gpu[node] = facts[-1].gpu
             except Exception as exc:  # noqa: BLE001 - a store hiccup or an old worker: fewer facts
                 log.debug("no host facts of %s: %s", wid, exc)
-        self._device_gpus.update(f.gpu for f in facts if f.gpu)
         found = links_for(layout, facts)
         if c.intra_link or c.inter_link:  # one flag: it wins for its side
             return Links(c.intra_link or found.intra, c.inter_link or found.inter, f"flag and {found.source}")
         return found
+
+    def _register_profile(self) -> None:
+        """Once a job: the model its workers built (their `ProgressReporter.publish_profile`), registered under the
+        job's own credential when the predictor has no profile of the job's `#ELASTIC model=` yet, so a new model
+        is plannable from its next submission without an admin (#45.2). Tried again at the next measurement
+        while the service is unreachable; recorded once as `model_profile` with what happened."""
+        model = self.config.directives.model
+        if self._profile_outcome is not None or not model:
+            return
+        try:
+            if not self.server.check([keys.MODEL_PROFILE]):
+                return
+            body = json.loads(self.server.get(keys.MODEL_PROFILE))
+        except Exception as exc:  # noqa: BLE001 - a store hiccup or a garbled key: no registration, no harm
+            log.debug("no model profile from the workers: %s", exc)
+            return
+        outcome, detail = self.predictor.ensure_profile(dict(body, name=model))   # the name the rows carry
+        if outcome == "unreachable":
+            return
+        self._profile_outcome = outcome
+        self.records.write("model_profile", model=model, outcome=outcome, detail=detail,
+                           tensors=len(body.get("tensors") or []))
 
     def _post_observations(self, own: list[dict]) -> None:
         """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""
@@ -490,10 +557,12 @@ class Controller:
                     "tres_per_node": f"gres:gpu:{self.fleet.alloc.gpus_per_node}",
                     "partition": self.fleet.alloc.partition},
             "current": {"layout": layout, "samples_per_s": m.samples_per_s, "per_gpu_batch": d.per_gpu_batch}})
+        self._plan_asked = "answered" if reply is not None else self.predictor.last_outcome
         if reply is None:
             why = "no predictor URL configured" if self.predictor.url is None else \
                 (self.predictor.last_error or "service unreachable")
-            advice = PlanAdvice(None, UNREACHABLE, " ".join(why.split()))
+            advice = PlanAdvice(None, NOT_CONFIGURED if self.predictor.url is None else UNREACHABLE,
+                                " ".join(why.split()))
         else:
             advice = advice_from_plan(reply, m.nodes, self.policy.slots_per_node)
             self.records.write("plan", decision_id=reply.get("decision_id"), action=reply.get("action"),
@@ -542,13 +611,32 @@ class Controller:
         if plan is not None:
             self._current_layout()
         last = self.policy.history_[-1] if self.policy.history_ else None
+        progress = self._progress(self._known_wids())
         self.kv.set(keys.STATUS, json.dumps({
             "job": self.job_id, "epoch": plan and plan.id, "world": plan.world_size if plan else 0,
             "nodes": sorted(self.fleet.nodes), "recovering": [r.node for r in self.resizer.recoveries],
             "helpers": self.fleet.helpers, "operator_cap": self.operator_cap, "phase": self.phase.value,
             "resize": self._resize_status(),
             "samples_per_s": None if last is None else round(last.samples_per_s, 3),
-            "progress": {w: [p["epoch"], p["step"]] for w, p in self._progress(self._known_wids()).items()}}))
+            **self._steps_and_eta(progress, last),
+            "operator": OPERATOR_RULE if self.operator_cap is None else
+            f"holds {self.operator_cap} node(s) until `elastic-launch ctl {self.job_id} --auto`",
+            "progress": {w: [p["epoch"], p["step"]] for w, p in progress.items()}}))
+
+    def _steps_and_eta(self, progress: dict, last: Optional[Measurement]) -> dict:
+        """``step`` (the furthest worker's committed step), ``total_steps`` (the script's --steps, when its workers
+        said), ``eta_s`` (from the last measurement's step time) and ``last_resize`` (the last transition)."""
+        step = max((int(p["step"]) for p in progress.values()), default=0)
+        total = self._total_steps
+        try:
+            if total is None and self.server is not None and self.server.check([keys.TOTAL_STEPS]):
+                total = self._total_steps = int(self.server.get(keys.TOTAL_STEPS))
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: no total this time
+            log.debug("no total steps: %s", exc)
+        eta = None if total is None or last is None else round(max(0, total - step) * last.step_s, 1)
+        moves = [r for r in self.records.items if r["kind"] == "transition" and r.get("action") != "start"]
+        resize = None if not moves else {k: moves[-1].get(k) for k in ("action", "from_nodes", "to_nodes", "t")}
+        return {"step": step, "total_steps": total, "eta_s": eta, "last_resize": resize}
 
     def _resize_status(self) -> Optional[dict]:
         op = self.resizer.active if self.resizer is not None else None
@@ -563,7 +651,8 @@ class Controller:
     def _summary(self, outcome: str) -> dict:
         items = self.records.items
         return {"job": self.job_id, "outcome": outcome, "final_nodes": len(self.fleet.nodes),
-                "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "idle_s", "pause_s", "wall_s")}
+                "transitions": [{k: _rounded(r.get(k)) for k in ("action", "from_nodes", "to_nodes", "idle_s", "pause_s",
+                                                                 "wall_s")}
                                 for r in items if r["kind"] == "transition"],
                 "measurements": sum(r["kind"] == "measurement" for r in items)}
 
@@ -587,3 +676,9 @@ class Controller:
         (self.registry / f"{self.job_id}.json").unlink(missing_ok=True)
         if self.records is not None:
             self.records.write("end", outcome=outcome, nodes=len(self.fleet.nodes))
+            try:
+                plot = scaling_plot(self.records.items, self.config.run_dir / "scaling.png")
+                if plot is not None:
+                    log.info("scaling plot: %s", plot)
+            except Exception as exc:  # noqa: BLE001 - a plot never fails the job
+                log.warning("no scaling plot: %s: %s", type(exc).__name__, exc)

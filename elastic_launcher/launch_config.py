@@ -204,10 +204,12 @@ class LaunchConfig:
                 return value.total_seconds()
             if isinstance(value, Path):
                 return str(value)
+            if isinstance(value, (set, frozenset)):
+                return sorted(value)   # a JSON list, not a Python repr (#45.6)
             return value
         data = dataclasses.asdict(self)
         flat = {key: convert(val) for key, val in data.items() if key not in ("allocation", "directives")}
         flat["predictor_token"] = "(set)" if self.predictor_token else None
         flat["allocation"] = {k: convert(v) for k, v in data["allocation"].items() if k != "env"}
-        flat["directives"] = data["directives"]
-        return json.dumps(flat, default=str, sort_keys=True)
+        flat["directives"] = {k: convert(v) for k, v in data["directives"].items()}
+        return json.dumps(flat, sort_keys=True)

@@ -73,7 +73,8 @@ class HostFacts:
         net: ``ib`` or ``roce`` from the first active InfiniBand port, None when there is none.
         nccl_via: transports NCCL reported using (``p2p``, ``shm``, ``ib``, ``tcp``), from its debug output.
         gpu: the type of the worker's own device as the driver names it (``H100`` from ``NVIDIA H100 80GB HBM3``:
-            :func:`gpu_type_of`), None without a GPU. The job's rows carry it (#26.2).
+            :func:`gpu_type_of`), ``cpu`` for a worker that trains on the CPU (#45.4: its rows were labelled with
+            the lab's fake GRES type), None when not known. The job's rows carry it (#26.2).
     """
 
     backend: str
@@ -89,13 +90,14 @@ class HostFacts:
     def probe(cls, backend: str, gpu_index: Optional[int] = None, nccl_debug_text: str = "",
               gpu_name: Optional[str] = None) -> "HostFacts":
         """The facts of this process's host (reads /proc, /sys, NVML when present; never raises). ``gpu_name``:
-        the driver's name of the worker's device (``torch.cuda.get_device_name``), None without a GPU."""
+        the driver's name of the worker's device (``torch.cuda.get_device_name``); ``gpu_index`` and ``gpu_name``
+        both None: the worker trains on the CPU."""
         return cls(backend=backend, boot_id=_boot_id(), host=socket.gethostname(),
                    env={k: os.environ[k] for k in _NCCL_ENV if k in os.environ},
                    nvlink=_nvlink_active(gpu_index) if backend == "nccl" else None,
                    net=_ib_link_layer(Path("/sys/class/infiniband")) if backend == "nccl" else None,
                    nccl_via=tuple(sorted(nccl_transports(nccl_debug_text))),
-                   gpu=gpu_type_of(gpu_name) if gpu_name else None)
+                   gpu=gpu_type_of(gpu_name) if gpu_name else (None if gpu_index is not None else "cpu"))
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "nccl_via": list(self.nccl_via)}, sort_keys=True)

@@ -14,6 +14,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
+from urllib.parse import quote
 
 import requests
 
@@ -81,6 +82,8 @@ class PredictorClient:
         self._fallback_logged = False
         self.last_error: Optional[str] = None
         self.writes_refused: Optional[str] = None   # why the service refused this job's writes (401/403), if it did
+        # what the last request met: answered, not configured, unreachable (no answer, 5xx, breaker open), refused
+        self.last_outcome = "not asked"
 
     def _bearer(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -131,13 +134,17 @@ class PredictorClient:
 
     def _post(self, path: str, body, signed: bool = False, retries: int = 0, key: Optional[str] = None) -> Optional[dict]:
         if self.url is None or time.monotonic() < self._open_until:
+            self.last_outcome = "not configured" if self.url is None else "unreachable"
             return None
         try:
             data = json.dumps(body, allow_nan=False).encode()
-            return self._send(path, data, signed, retries, key)
+            reply = self._send(path, data, signed, retries, key)
+            self.last_outcome = "answered"
+            return reply
         except _Refused as exc:
             error = str(exc)
             if exc.status is not None:      # the service is up and answered: refused, not unavailable
+                self.last_outcome = "refused"
                 self.last_error = f"{path}: {error}"
                 if exc.status in (401, 403) and signed:
                     self._refuse_writes(path, error)
@@ -146,6 +153,7 @@ class PredictorClient:
                 return None
         except Exception as exc:  # noqa: BLE001 - posting never raises into the job (garbage reply, bad body...)
             error = f"{type(exc).__name__}: {exc}"
+        self.last_outcome = "unreachable"
         self.last_error = f"{path}: {error}"
         self._open_until = time.monotonic() + self.cooldown_s
         log.warning("predictor %s unavailable (%s); using the launcher heuristic", self.url, error)
@@ -155,10 +163,10 @@ class PredictorClient:
         """A 401/403 on a write: this job may not write (#26.4). Logged once with how to fix it; the job stops
         posting observations but keeps asking for plans, which need no credential."""
         if self.writes_refused is None:
-            log.warning("predictor %s: this job is not allowed to write %s (%s). To fix: run the service with "
-                        "ELASTIC_PREDICTOR_MUNGE=1 where the job's munged is reachable, or give the job "
-                        "ELASTIC_PREDICTOR_TOKEN (the site's tool token). Plans are still asked for and followed.",
-                        self.url, path, error)
+            log.warning("predictor %s: this job is not allowed to write %s (%s). Jobs write with their own munge "
+                        "credential: the site runs the service with ELASTIC_PREDICTOR_MUNGE=1 where the jobs' "
+                        "munged is reachable (docs/admin-guide.md); the tool token stays out of jobs. Plans are "
+                        "still asked for and followed.", self.url, path, error)
         self.writes_refused = error
 
     def observe(self, records: list[dict]) -> bool:
@@ -167,6 +175,31 @@ class PredictorClient:
             return False
         return self._post("/v1/observations", records, signed=True, retries=self.retries,
                           key=uuid.uuid4().hex) is not None
+
+    def ensure_profile(self, body: dict) -> tuple[str, str]:
+        """Registers the model profile ``body`` (``POST /v1/profiles``, signed for the job like observations)
+        unless the service already has a profile of that name (``GET /v1/profiles/<name>``). Returns what
+        happened and a detail: ``known``, ``registered`` (the name it is stored under), ``refused`` (the
+        service's answer), ``unreachable`` or ``not configured`` (no predictor URL). Never raises."""
+        if self.url is None:
+            return "not configured", "no predictor URL configured"
+        if time.monotonic() < self._open_until:
+            return "unreachable", self.last_error or "circuit open"
+        name = str(body.get("name", ""))
+        try:
+            reply = requests.get(f"{self.url}/v1/profiles/{quote(name, safe='')}", headers=self._bearer(),
+                                 timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            return "unreachable", str(exc)
+        if reply.status_code == 200:
+            return "known", name
+        if reply.status_code != 404:
+            return "unreachable" if reply.status_code >= 500 else "refused", f"GET: HTTP {reply.status_code}"
+        try:
+            stored = self._send("/v1/profiles", json.dumps(body).encode(), True, self.retries, uuid.uuid4().hex)
+        except _Refused as exc:
+            return ("refused" if exc.status is not None else "unreachable"), str(exc)
+        return "registered", str(stored.get("name", name)) if isinstance(stored, dict) else name
 
     def compute_s(self, profile: str, gpu: str, per_gpu_batch: int, intra_link: str) -> tuple[Optional[float], str]:
         """The predicted compute seconds per step of `profile` on one `gpu` at `per_gpu_batch` (POST /v1/predict),
@@ -211,3 +244,78 @@ def _reason(reply) -> Optional[str]:
     except ValueError:
         return None
     return body.get("reason") if isinstance(body, dict) else None
+
+
+def duration(seconds: Optional[float]) -> str:
+    """``45 s``, ``12 min``, ``3.2 h``: a duration a person reads (None: ``?``)."""
+    if seconds is None:
+        return "?"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _rate(samples_per_s: Optional[float]) -> str:
+    return "?" if samples_per_s is None else f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
+
+
+def progress_line(step: int, total: Optional[int], samples_per_s: Optional[float], nodes: int,
+                  eta_s: Optional[float], last_resize: Optional[dict], now: float) -> str:
+    """The launcher's line per log interval, and the head of ``ctl --status``: ``step 600/3000 (20%)  4 nodes
+    321 samples/s  ETA 2 min  last resize: grow 2->4, 35 s ago``."""
+    of = f"/{total} ({100 * step / total:.0f}%)" if total else ""
+    resize = "none" if not last_resize else (f"{last_resize['action']} {last_resize['from_nodes']}->"
+                                             f"{last_resize['to_nodes']}, {duration(now - last_resize['t'])} ago")
+    return (f"step {step}{of}  {nodes} node{'' if nodes == 1 else 's'}  {_rate(samples_per_s)} samples/s  "
+            f"ETA {duration(eta_s)}  last resize: {resize}")
+
+
+def status_table(status: dict, now: Optional[float] = None) -> str:
+    """``elastic-launch ctl JOB --status`` for a person (``--json`` prints ``status`` as it is)."""
+    now = time.time() if now is None else now
+    nodes = status.get("nodes") or []
+    resize = status.get("resize")
+    rows = [("job", f"{status.get('job')}  {status.get('phase')}  epoch {status.get('epoch')}  "
+                    f"{status.get('world')} workers"),
+            ("progress", progress_line(status.get("step", 0), status.get("total_steps"), status.get("samples_per_s"),
+                                       len(nodes), status.get("eta_s"), status.get("last_resize"), now)),
+            ("nodes", ", ".join(nodes) or "-"),
+            ("operator", status.get("operator") or "-"),
+            ("resizing", "-" if not resize else f"{resize['action']} to {resize['target_nodes']} node(s), "
+                                                f"{resize['state']}" + (f", helper job {resize['helper']}"
+                                                                        if resize.get("helper") else "")),
+            ("recovering", ", ".join(status.get("recovering") or []) or "-")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def scaling_plot(records: list[dict], path: Path) -> Optional[Path]:
+    """The job's scaling at a glance, beside its records (``elastic-<job>/scaling.png``): measured samples/s over
+    the job's time, each point at its node count's colour, and the mean samples/s per node count against
+    linear scaling from the smallest size. None (and nothing written) without a measurement."""
+    points = [(r["t"], r["nodes"], r["samples_per_s"]) for r in records if r.get("kind") == "measurement"]
+    if not points:
+        return None
+    from matplotlib.figure import Figure  # noqa: PLC0415 - 0.3-0.5 s of imports, at the job's end only
+
+    t0 = points[0][0]
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    over_time, by_size = fig.subplots(1, 2, width_ratios=(2, 1))
+    sizes = sorted({n for _, n, _ in points})
+    for n in sizes:
+        mine = [(t - t0, sps) for t, m, sps in points if m == n]
+        over_time.scatter([x for x, _ in mine], [y for _, y in mine], s=10, label=f"{n} node{'s' * (n != 1)}")
+    for r in records:
+        if r.get("kind") == "transition" and r.get("action") != "start":
+            over_time.axvline(r["t"] - t0, color="grey", lw=0.6, ls=":")
+    over_time.set(xlabel="seconds since the first measurement", ylabel="samples/s", title="measured throughput")
+    over_time.legend(fontsize="small")
+    mean = [sum(s for _, m, s in points if m == n) / sum(1 for _, m, _ in points if m == n) for n in sizes]
+    by_size.plot(sizes, mean, "o-", label="measured (mean)")
+    by_size.plot(sizes, [mean[0] * n / sizes[0] for n in sizes], "--", color="grey", label="linear")
+    by_size.set(xlabel="nodes", ylabel="samples/s", title="scaling", xticks=sizes)
+    by_size.legend(fontsize="small")
+    fig.savefig(path, dpi=90)
+    return path

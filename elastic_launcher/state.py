@@ -4,7 +4,7 @@
 counters (step, epoch, user extras). It can
 
 * :meth:`snapshot` everything into memory (tensors cloned on their device) at a commit point, and
-  :meth:`restore` it after a failure (no file checkpoint);
+  :meth:`restore` it after a failure (in memory; elastic_launcher/checkpoint.py writes the snapshot to files);
 * :meth:`broadcast` everything from one rank of a group to all others: the small, non-tensor part (optimizer
   hyper-parameters, scheduler, counters, sampler position, tiny or CPU tensors) travels pickled through the
   store; large device tensors travel by collective broadcast, flattened into one buffer per dtype. Receivers

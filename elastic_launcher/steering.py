@@ -60,6 +60,7 @@ class RequestKind(enum.Enum):
     REJECT = "reject"    # answered False with the reason
     ALREADY = "already"  # the job has that size: the operator's cap is set, nothing moves
     RESIZE = "resize"    # the cap is set and the job grows or shrinks to it
+    LIFT = "lift"        # `ctl --auto`: the operator's size is lifted, the autoscaler decides again
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,10 @@ class RequestAction:
 
 
 def decide_request(target, have: int, min_nodes: int) -> RequestAction:
-    """An operator's request for ``target`` nodes while the job has ``have`` (``min_nodes``: the job's minimum)."""
+    """An operator's request for ``target`` nodes while the job has ``have`` (``min_nodes``: the job's minimum);
+    ``target`` "auto" lifts the operator's size (the autoscaler decides again)."""
+    if target == "auto":
+        return RequestAction(RequestKind.LIFT, "the operator's size is lifted: the autoscaler decides again", None)
     if not isinstance(target, int) or target < 1:
         return RequestAction(RequestKind.REJECT, f"'nodes' must be a positive integer, got {target!r}")
     if target == have:
@@ -99,24 +103,26 @@ def settle_decision(decision: Decision, nodes: int, handback: Optional[Decision]
         handback: ``yield_to_pending``'s shrink for a job that waits for this one's nodes, if any (wins over the
             policy and over the operator's size).
         pending: jobs of the partition pending for nodes (no grow while one waits).
-        operator_cap: the size the operator asked for last, if any (caps a grow; stands against a planner shrink).
-        advice: what /v1/plan said (a planner shrink below the operator's size is refused).
+        operator_cap: the size the operator set (``elastic-launch ctl JOB --nodes N``), if any: it holds until the
+            operator lifts it (``ctl JOB --auto``). The autoscaler (planner, heuristic, revert) only moves the job
+            toward it, never away (#45.5: it held against plans in one job and was reverted in another).
+        advice: what /v1/plan said.
     """
     if handback is not None:  # another job waits for nodes this one holds above its minimum: it wins, also over
-        return handback       # the operator's size (which stands against the planner, not against other users)
+        return handback       # the operator's size (which holds against the autoscaler, not against other users)
     if decision.action == "grow" and pending:  # the free nodes are what a pending job waits to add up
         decision = Decision("keep", nodes, f"no grow while job {pending[0].job_id} waits for nodes "
                             f"({decision.reason})", decision.efficiency)
     cap = operator_cap
-    if decision.action == "grow" and cap is not None and decision.target_nodes > cap:
-        return Decision("grow", cap, f"{decision.reason}; capped at the operator's {counted(cap, 'node')}",
-                        decision.efficiency) if cap > nodes else \
-            Decision("keep", nodes, f"operator asked for {counted(cap, 'node')}", decision.efficiency)
-    if decision.action == "shrink" and advice.source == "planner" and cap is not None \
-            and decision.target_nodes < cap <= nodes:  # the operator's size stands against the plan
-        return Decision("keep", nodes, f"{decision.reason}; kept at the operator's {counted(cap, 'node')}",
+    if cap is None or decision.action not in ("grow", "shrink", "revert"):
+        return decision
+    grow = decision.action == "grow"
+    if (grow and nodes < cap) or (not grow and nodes > cap):   # toward the operator's size: at most to it
+        target = min(decision.target_nodes, cap) if grow else max(decision.target_nodes, cap)
+        return Decision(decision.action, target, f"{decision.reason}; toward the operator's {counted(cap, 'node')}",
                         decision.efficiency)
-    return decision
+    return Decision("keep", nodes, f"held at the operator's {counted(cap, 'node')} until `ctl --auto` "
+                    f"({decision.reason})", decision.efficiency)
 
 
 class ThroughputModel(Protocol):

@@ -156,6 +156,10 @@ def hosts(wid: str) -> str:
     return f"{LAUNCHER}/hosts/{wid}"
 
 
+TOTAL_STEPS = f"{LAUNCHER}/total-steps"  # the steps the script trains (its --steps), for progress and ETA
+MODEL_PROFILE = f"{LAUNCHER}/model-profile"  # the model the workers built (a POST /v1/profiles body), for registering
+
+
 # ---- trainer channel (relative to state_channel(base)) ---------------------------------------------------------
 def speed(wid: str) -> str:
     return f"speed/{wid}"

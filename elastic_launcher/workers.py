@@ -262,6 +262,16 @@ class ProgressReporter:
         """Tell the controller what this worker's host offers (``links.HostFacts.to_json``), once at start."""
         self.store.set(keys.hosts(self.wid), facts_json)
 
+    def publish_total(self, steps: int) -> None:
+        """Tell the controller how many steps the script trains (its progress lines and ``ctl --status`` show the
+        step out of this and an ETA)."""
+        self.store.set(keys.TOTAL_STEPS, str(int(steps)))
+
+    def publish_profile(self, body: dict) -> None:
+        """Tell the controller the shapes of the model this worker built (``contracts.profiles.profile_body``), once
+        at start: the launcher registers it with the predictor when the service does not know the model yet."""
+        self.store.set(keys.MODEL_PROFILE, json.dumps(body))
+
 
 def transition_idle_s(recent: list, epoch: int) -> tuple[Optional[float], Optional[float]]:
     """`(idle, step)`: idle time of the switch into `epoch` and the normal step time, from one survivor's

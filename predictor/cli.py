@@ -236,16 +236,22 @@ def _write_import(db_path: str, profiles: dict[str, dict], records: list[dict]) 
 @click.option("--db", default=None, help="also register the profile in this database")
 @click.option("--dtype", default=None, help="parameter dtype, e.g. bfloat16 (default: the model's own)")
 @click.option("--json", "as_json", is_flag=True, help="print the full profile as JSON (importable)")
-def profile(spec, db, dtype, as_json):
+@click.option("--name", default=None, help="the profile's name: your jobs' `#ELASTIC model=` (default: the part of "
+                                           "SPEC after the colon)")
+def profile(spec, db, dtype, as_json, name):
     """Build a tensor profile from a spec (no weights downloaded), print it, optionally register it.
 
-    Example: elastic-predictor profile torchvision:resnet50 --db predictor.db
+    SPEC: torchvision:NAME, transformers:NAME, a built-in name, or package.module:callable (your own model: a
+    callable that returns the torch.nn.Module when called without arguments).
+
+    Example: elastic-predictor profile torchvision:resnet50 --db predictor.db (your own model:
+    elastic-predictor profile mylab.nets:build_unet --name unet --db predictor.db)
     """
     from predictor.api.profiles import register, summary  # noqa: PLC0415
     from predictor.profiles import profile_from_spec  # noqa: PLC0415
 
     try:
-        built = profile_from_spec(spec, dtype=dtype)
+        built = profile_from_spec(spec, dtype=dtype, name=name)
     except NotFoundError as exc:
         raise click.ClickException(_did_you_mean(str(exc), spec, _builtin_specs(spec))) from None
     except ValidationError as exc:
@@ -327,7 +333,8 @@ def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
             names = [row["name"] for row in cache.store.list_profiles()]
             raise click.ClickException(_did_you_mean(
                 f"profile {profile_name!r} not found in {config.db_path}", profile_name, names)
-                + f" (register one with: elastic-predictor profile torchvision:NAME --db {config.db_path})")
+                + f" (register one with: elastic-predictor profile torchvision:NAME or "
+                  f"package.module:callable --name {profile_name} --db {config.db_path})")
         prof = Profile.from_dict(cache.store.get_profile(profile_name))
     try:
         candidates = enumerate_candidates(config.cluster, gpu, partition, high_n)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from predictor.errors import NotFoundError, ValidationError
+from slurm_plugin.contracts.profiles import module_tensors
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
@@ -175,9 +176,9 @@ def bucket_sizes(tensors: Iterable[TensorSpec], bucket_cap_mb: float = 25.0) -> 
 
 
 def _module_tensors(module) -> tuple[TensorSpec, ...]:
-    """A module's trainable parameters as tensor specs, in reverse registration order (DDP's bucketing order)."""
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    return tuple(TensorSpec(n, int(p.numel()), str(p.dtype).removeprefix("torch.")) for n, p in reversed(params))
+    """A module's trainable parameters as tensor specs, in reverse registration order (DDP's bucketing order:
+    slurm_plugin.contracts.profiles, the rule a job's launcher registers its model's profile with)."""
+    return tuple(TensorSpec(**t) for t in module_tensors(module.named_parameters()))
 
 
 def _profile_of(tensors: tuple[TensorSpec, ...], name: str, bucket_cap_mb: float, **kwargs) -> Profile:
@@ -191,16 +192,26 @@ def profile_from_module(module, name: str, bucket_cap_mb: float = 25.0, **kwargs
     return _profile_of(_module_tensors(module), name, bucket_cap_mb, **kwargs)
 
 
-def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None = None) -> Profile:
-    """Profile from `torchvision:<name>`, `transformers:<hf name>` or a built-in name, on the meta device.
+def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None = None,
+                      name: str | None = None) -> Profile:
+    """Profile from `torchvision:<name>`, `transformers:<hf name>`, a built-in name, or `package.module:callable`
+    (any importable callable that returns a `torch.nn.Module` when called without arguments: your own model's
+    constructor or builder), built on the meta device. ``name``: the profile's name (default: the part after
+    the colon).
 
     Falls back to the built-in architectures below when torchvision/transformers can't be imported.
 
     Raises:
         NotFoundError: the spec names nothing we can build.
+        ValidationError: a `module:callable` that does not import, is not callable or returns no module.
     """
     lib, _, arch = spec.partition(":") if ":" in spec else ("", "", spec)
     flops = BUILTIN.get(_canonical(arch), (None, None))[1]
+    if lib and lib not in ("torchvision", "transformers"):
+        return _profile_of_callable(lib, arch, name or arch, bucket_cap_mb, dtype)
+    if name is not None and name != arch:
+        import dataclasses as _dc  # noqa: PLC0415
+        return _dc.replace(profile_from_spec(spec, bucket_cap_mb, dtype), name=name)
     if lib not in ("torchvision", "transformers"):  # the built-in shapes: the same tensors every time
         return _profile_of(_builtin_tensors(arch, dtype), arch, bucket_cap_mb, flops_per_sample=flops)
     import torch
@@ -227,6 +238,34 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
     if dtype is not None:
         module = module.to(getattr(torch, dtype))
     return profile_from_module(module, arch, bucket_cap_mb, flops_per_sample=flops)
+
+
+def _profile_of_callable(module_name: str, attr: str, name: str, bucket_cap_mb: float,
+                         dtype: str | None) -> Profile:
+    """The profile of ``module_name:attr()`` built on the meta device (no weights allocated)."""
+    import importlib  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    where = f"{module_name}:{attr}"
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValidationError("spec", f"{where}: cannot import it ({exc}); give an importable "
+                                      "package.module:callable (PYTHONPATH as for your job)") from None
+    if not callable(factory):
+        raise ValidationError("spec", f"{where} is a {type(factory).__name__}, not a callable")
+    try:
+        with torch.device("meta"):
+            module = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code: say what it raised
+        raise ValidationError("spec", f"{where}() raised {type(exc).__name__}: {exc} (it is called without "
+                                      "arguments; wrap it in a function that passes yours)") from None
+    if not isinstance(module, torch.nn.Module):
+        raise ValidationError("spec", f"{where}() returned a {type(module).__name__}, not a torch.nn.Module")
+    if dtype is not None:
+        module = module.to(getattr(torch, dtype))
+    return profile_from_module(module, name, bucket_cap_mb)
 
 
 @functools.lru_cache(maxsize=64)

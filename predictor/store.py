@@ -167,8 +167,9 @@ WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this
 
 def register_hint(name: str, db: str) -> str:
     """How to register an unknown profile, as the service and the CLI say it (a command that runs as shown)."""
-    return (f"register it with POST /v1/profiles or `elastic-predictor profile torchvision:{name} --db {db}` "
-            f"(a torchvision model name)")
+    return (f"a job of it registers it at its first measurement (elastic-launch), or register it with POST "
+            f"/v1/profiles or `elastic-predictor profile package.module:callable --name {name} --db {db}` (a "
+            f"callable that builds the model)")
 
 
 @dataclasses.dataclass(frozen=True)

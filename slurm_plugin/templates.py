@@ -92,7 +92,15 @@ _CPU = {
                {"per_gpu_batch": "4", "max_global_batch": "32"}),
     "wrap-train-py": ({}, {"per_gpu_batch": "16"}),
 }
-_CPU_WRAPPED = ["python", "-m", "elastic_launcher.examples.plain_train", "--steps", "20"]
+_CPU_WRAPPED = ["python", "-m", "elastic_launcher.examples.plain_train", "--steps", "20",
+                "--checkpoint-dir", "checkpoints/wrap-train-py-cpu-test", "--checkpoint-every", "5", "--resume"]
+
+
+def _cpu_saving(name: str) -> dict:
+    """The --cpu-test variant's checkpoints and model: beside the full model's, never in them (a tiny model's
+    checkpoint does not fit the full one)."""
+    return {"--checkpoint-dir": f"checkpoints/{name}-cpu-test", "--checkpoint-every": "5",
+            "--save": f"models/{name}-cpu-test"}
 
 
 def templates(directory: Path = TEMPLATE_DIR) -> dict[str, Template]:
@@ -102,8 +110,8 @@ def templates(directory: Path = TEMPLATE_DIR) -> dict[str, Template]:
         cpu, cpu_dir = _CPU.get(path.stem, ({}, {}))
         if path.stem in CPU_PROFILES:
             cpu_dir = {"model": CPU_PROFILES[path.stem], **cpu_dir}
-        out[path.stem] = Template(path.stem, path, {**_CPU_COMMON, **cpu} if path.stem != "wrap-train-py" else {},
-                                  cpu_dir)
+        script = {**_CPU_COMMON, **cpu, **_cpu_saving(path.stem)} if path.stem != "wrap-train-py" else {}
+        out[path.stem] = Template(path.stem, path, script, cpu_dir)
     return out
 
 
@@ -319,7 +327,7 @@ def _request(low: int, high: int, asked: int | None, template_per_node: int) -> 
     Raises:
         TemplateError: `asked` GPUs per node cannot make a request within the bounds.
     """
-    per_node = min(asked or template_per_node, low)
+    per_node = asked or min(template_per_node, low)   # the user's value as given (#45.7: 4 became 3 silently)
     while per_node > 1 and math.ceil(low / per_node) * per_node > high and asked is None:
         per_node -= 1
     nodes = math.ceil(low / per_node)

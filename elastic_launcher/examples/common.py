@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.checkpoint import Checkpoints, save_model
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.gpu_speeds import worker_speed
 from elastic_launcher.links import gpu_type_of
@@ -32,6 +35,7 @@ from elastic_launcher.process_group import StoreAddr, connect_store
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 from elastic_launcher.workers import ProgressReporter, worker_identity
+from slurm_plugin.contracts.profiles import profile_body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +126,17 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
     parser.add_argument("--torch-profile", type=Path, default=None, metavar="DIR",
                         help="the first GPU slot of each node profiles steps %d-%d with torch.profiler and writes "
                              "DIR/profile_<worker>.txt (operators by GPU and by CPU time)" % PROFILE_STEPS)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                        help="write checkpoints here (torch.distributed.checkpoint): every --checkpoint-every "
+                             "steps, when the job is signalled (SIGTERM: scancel, the time limit) and at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=500, metavar="STEPS",
+                        help="steps between checkpoints (default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir, at whatever size the job "
+                             "has now (none there: start at step 0)")
+    parser.add_argument("--save", type=Path, default=None, metavar="DIR",
+                        help="write the trained model's weights here at the end (a DCP checkpoint; "
+                             "elastic_launcher.checkpoint.load_model reads it)")
     parser.add_argument("--observations", type=Path, default=None,
                         help="rank 0 appends its predictor observation records (JSON lines) here as the runtime "
                              "hands them over; import them with `elastic-predictor import`")
@@ -326,6 +341,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         environ: the process environment (read here once).
     """
     env = WorkerEnv.from_environ(environ)
+    saving = Checkpointing.of(args)
     batch = env.agreed("--per-gpu-batch", args.per_gpu_batch, env.per_gpu_batch, args.script_per_gpu_batch)
     cap = env.agreed("--max-global-batch", args.max_global_batch, env.max_global_batch, None)
     torch.manual_seed(args.seed)
@@ -354,17 +370,24 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                          **({"max_global_batch": cap} if cap else {}))
     config = TrainerConfig(backend="nccl" if device.type == "cuda" else "gloo", seed=args.seed)
     reporter = ProgressReporter(connect_store(StoreAddr.parse(env.store), timedelta(seconds=60)), env.wid, env.node)
+    if env.local_id == 0:   # the model's shapes (registered when the predictor lacks the model) and the steps
+        reporter.publish_profile(profile_body(profile, model.named_parameters()))
+        reporter.publish_total(args.steps)
     et = ElasticTrainer(model, optimizer, store_addr=env.store, worker_id=env.wid, policy=policy,
                         config=config, telemetry=telemetry, device=device,
                         progress=_Progress(reporter, args.observations, lambda: et.rank),
                         warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision, collate,
                                             to_device),
                         extra_state=precision.extra_state(), speed=env.speed)
-    # loader workers start and load a batch before announcing
-    et.prepare_loader(dataset, collate_fn=collate, **loading).join()
+    et.prepare_loader(dataset, collate_fn=collate, **loading)
+    resumed = saving.resume(et.state)  # every worker: the state broadcast at the start then agrees at any size
+    if resumed is not None:
+        print(f"{env.wid}: resumed from {resumed.path} (step {resumed.step})", flush=True)
+    saving.catch_sigterm()
+    et.join()  # loader workers start and load a batch before announcing
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
-    window = (time.perf_counter(), 0)
+    window = (time.perf_counter(), et.sampler.epoch * len(dataset) + et.sampler.pos)  # resumed: not from 0
     rank = None  # the group is gone after close(): remember the last rank
     try:
         for batch in et.loader(dataset, collate_fn=collate, max_steps=args.steps, **loading):
@@ -379,6 +402,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
             profiler.step()
             if not et.left:
                 rank = et.rank
+                if saving.after_step(et.state, et.step, et.committed_step, rank):
+                    break  # SIGTERM: rank 0 saved the last commit point; every signalled rank stops here
                 samples = et.sampler.epoch * len(dataset) + et.sampler.pos
                 if rank == 0 and (et.step % args.log_every == 0 or et.step == args.steps):
                     t, done = time.perf_counter(), samples
@@ -392,13 +417,120 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         print(f"{env.wid}: {exc}", file=sys.stderr)
         return 3
     finally:
+        saving.release_sigterm()   # training is over here: a SIGTERM now (a shrink's release) ends the process
         profiler.close()
         et.close()
+        saving.drain()
     if et.left:
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
-    elif rank == 0:
-        print(f"done: {et.step} steps, final loss {loss.item():.4f}, {len(et.switches)} resize(s)", flush=True)
+        return 0
+    if saving.signalled:
+        print(f"{env.wid}: stopped by SIGTERM after step {et.step}" +
+              (f"; checkpoint {saving.saved} (step {saving.saved_step}): submit the job again with --resume to "
+               "continue" if saving.saved and rank == 0 else ""), flush=True)
+        return 128 + signal.SIGTERM
+    if rank == 0:
+        saving.finish(et.state, et.step)
+        print(f"done: {et.step} steps, final loss {loss.item():.4f}, {len(et.switches)} resize(s)" +
+              "".join(f", {what} {where}" for what, where in saving.written()), flush=True)
     return 0
+
+
+class Checkpointing:
+    """One worker's ``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` and ``--save`` (DCP,
+    :mod:`elastic_launcher.checkpoint`), and SIGTERM (scancel, the time limit) as a request to stop.
+
+    Only the rank 0 of the moment writes, and what it writes is the trainer's rollback point (the state every rank
+    agreed on at the last commit point): every ``every`` steps at a commit point (a thread writes it while training
+    goes on), after a SIGTERM (then every signalled rank stops after its current step: no wait for a commit point,
+    which may be far off) and at the end. A worker that gets SIGTERM and never returns from its step exits after
+    ``grace_s`` (Slurm's KillWait is 30 s by default).
+    """
+
+    def __init__(self, checkpoints: Optional[Checkpoints], every: int, resume: bool, save_to: Optional[Path],
+                 grace_s: float = 20.0) -> None:
+        self.checkpoints, self.every, self.want_resume, self.save_to = checkpoints, every, resume, save_to
+        self.grace_s = grace_s
+        self.saved: Optional[Path] = None  # the last checkpoint written or resumed from
+        self.saved_step = 0
+        self.signalled = False
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "Checkpointing":
+        """Raises: SystemExit naming the option that cannot work."""
+        if args.resume and args.checkpoint_dir is None:
+            raise SystemExit("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+        if args.checkpoint_every < 1:
+            raise SystemExit(f"--checkpoint-every {args.checkpoint_every}: expected a number of steps >= 1")
+        return cls(Checkpoints(args.checkpoint_dir) if args.checkpoint_dir is not None else None,
+                   args.checkpoint_every, args.resume, args.save)
+
+    def resume(self, state):
+        """``--resume``: the latest checkpoint loaded into ``state`` (None: nothing to resume from)."""
+        if not self.want_resume:
+            return None
+        try:
+            resumed = self.checkpoints.load(state)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"--resume: {exc}") from None
+        if resumed is None:
+            print(f"--resume: no checkpoint in {self.checkpoints.directory} yet: starting at step 0", flush=True)
+            return None
+        self.saved, self.saved_step = resumed.path, resumed.step
+        return resumed
+
+    def catch_sigterm(self) -> None:
+        """From here on SIGTERM asks this worker to stop at the next commit point (with --checkpoint-dir only:
+        without one there is nothing to save and SIGTERM ends the process as before)."""
+        if self.checkpoints is None:
+            return
+
+        def stop(_signum, _frame):
+            if not self.signalled:
+                self.signalled = True
+                timer = threading.Timer(self.grace_s, os._exit, (128 + signal.SIGTERM,))
+                timer.daemon = True
+                timer.start()
+        signal.signal(signal.SIGTERM, stop)
+
+    def release_sigterm(self) -> None:
+        """SIGTERM ends the process again (its default): after the loop, nothing waits for a step to end."""
+        if self.checkpoints is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def after_step(self, state, step: int, committed: int, rank: int) -> bool:
+        """After a step (``committed``: the last commit point's): rank 0 starts a checkpoint of the rollback point
+        when one is due at this commit point, or at once after SIGTERM (then waited for). Returns True to stop."""
+        due = self.signalled or (committed == step and step - self.saved_step >= self.every)
+        if self.checkpoints is not None and rank == 0 and due and committed != self.saved_step:
+            self.saved, self.saved_step = self.checkpoints.begin(state, state.last_snapshot), committed
+        if self.signalled and self.checkpoints is not None:
+            self.checkpoints.wait()
+        return self.signalled
+
+    def finish(self, state, step: int) -> None:
+        """Rank 0 at the end (a commit point): the last checkpoint (a job submitted again has nothing left to do)
+        and ``--save``."""
+        if self.checkpoints is not None:
+            if step != self.saved_step:
+                self.saved, self.saved_step = self.checkpoints.begin(state, state.last_snapshot), step
+            self.checkpoints.wait()
+        if self.save_to is not None:
+            save_model(state.model, self.save_to)
+
+    def drain(self) -> None:
+        """Waits for a checkpoint still being written (a worker leaving the job, or failing, lets it finish)."""
+        if self.checkpoints is None:
+            return
+        try:
+            self.checkpoints.wait()
+        except Exception as exc:  # noqa: BLE001 - the training's own outcome decides the exit status
+            print(f"checkpoint {self.saved} not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self.saved = None
+
+    def written(self) -> list[tuple[str, Path]]:
+        return ([("checkpoint", self.saved)] if self.saved is not None and self.checkpoints is not None else []) + \
+            ([("model", self.save_to)] if self.save_to is not None else [])
 
 
 @dataclasses.dataclass(frozen=True)

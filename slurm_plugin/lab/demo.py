@@ -138,13 +138,12 @@ def busy_message(lab: Path, holder: dict, elsewhere: bool = True) -> str:
             + ("; or use another --lab and --port-base" if elsewhere else ""))
 
 
-def lab_slurm(bed: Testbed, token: str | None = None) -> Backend:
-    """A Slurm client for the lab's cluster (with the predictor token in the environment of what it submits)."""
+def lab_slurm(bed: Testbed) -> Backend:
+    """A Slurm client for the lab's cluster. What it submits gets the lab's munged socket (jobs sign their writes
+    with it) and never the predictor's tool token."""
     from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
 
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
-    if token:
-        env["ELASTIC_PREDICTOR_TOKEN"] = token
     return CommandBackend(slurm_conf=bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
                           update_timeout=timedelta(seconds=30))
 
@@ -206,7 +205,7 @@ class Demo:
         self.echo(f"   ({self.phases[name]:.1f} s)")
 
     def slurm(self):
-        return lab_slurm(self.bed, self.predictor.token)
+        return lab_slurm(self.bed)
 
     # -- the steps ------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -249,7 +248,7 @@ class Demo:
             kinds = {k: sum(r["kind"] == k for r in run.records) for k in ("step", "collective")}
             self.echo(f"   {workers} worker(s): {run.iter_s * 1000:.1f} ms/step = {run.samples_per_s:.1f} samples/s "
                       f"({self.calibration_steps} steps, {run.wall_s:.1f} s); posted {kinds['step']} step + "
-                      f"{kinds['collective']} collective observation(s) -> {json.dumps(stored)[:80]}")
+                      f"{kinds['collective']} collective observation(s): {stored.get('stored')} stored")
         # read your writes: the curve (and the plan sbatch gets next) comes from a model that holds both runs
         reply = self.predicted(stored["model_version_pending"], timeout_s=60)
         curve = "  ".join(f"{len(p['layout'])}x1: {p['samples_per_s']:.0f}" for p in reply["predictions"])
@@ -307,9 +306,15 @@ class Demo:
     def follow(self) -> None:
         self.watcher = JobWatcher(self.job_id, self.work / "run", self.work / "registry", launcher_argv(),
                                   self.slurm(), MAX_NODES, self.echo)
-        state = self.watcher.follow(timeout_s=480)
+        state = self.watcher.follow(timeout_s=480, until_shown=True)
+        if state not in ENDED:   # the grow and the shrink are shown: the rest of its steps would only add time
+            self.echo(f"   job {self.job_id} went through its grow and shrink: the demo ends it (scancel; it "
+                      f"saves a checkpoint on SIGTERM, see docs/user-guide.md)")
+            self.slurm().cancel(self.job_id)
+            state = self.watcher.follow(timeout_s=60)
+            self.watcher.ended_by_demo = True
         out = self.job_output()
-        if state != "COMPLETED":
+        if state not in ("COMPLETED", "CANCELLED") or (state == "CANCELLED" and not self.watcher.ended_by_demo):
             raise DemoError(f"job {self.job_id} ended {state}\n{out[-2000:]}")
         missing = [what for what, acts in (("grow", GROWS), ("shrink", SHRINKS)) if not self.watcher.transitions(acts)]
         if missing:
@@ -371,9 +376,10 @@ class Demo:
         plans = [r for r in w.records if r["kind"] == "plan"]
         if plans:
             e(f"   the launcher's last plan (history now includes this job's own measurements): {plans[-1]['reason']}")
-        outcome = final.get("outcome", w.state.lower())
+        outcome = final.get("outcome", "ended by the demo" if w.ended_by_demo else w.state.lower())
         e(f"   outcome: job {self.job_id} {w.state}, launcher outcome {outcome}, final nodes "
-          f"{final.get('final_nodes')}; {len(w.requests)} operator request(s)")
+          f"{final.get('final_nodes', w._nodes_now())}; "
+          f"{len(w.requests)} operator request(s)")
         total = time.monotonic() - self.t0
         e("   phases: " + "  ".join(f"{name.split(' ', 1)[0]} {s:.1f}s" for name, s in self.phases.items())
           + f"  total {total:.1f}s")
@@ -435,8 +441,8 @@ def demo_command(lab: Path, port_base: int | None, steps: int, calibration_steps
                  keep: bool) -> None:
     """Run the whole thing locally: cluster, predictor, hook, a real elastic job that grows and shrinks.
 
-    Run it as root, with the packages `bash .ci/setup` installs. Takes 2-4 minutes on 2 cores. One demo at a
-    time per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
+    Run it as root, with the packages `bash .ci/setup` installs. Takes about 3 minutes on 2 busy cores (the
+    README has the measured times). One demo at a time per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
     "$(elastic-slurm testbed env --lab LAB)"; squeue; elastic-predictor decisions --db
     LAB/predictor/predictor.db; elastic-predictor predict ... --cluster LAB/predictor/cluster.json; the
     /admin page of the printed URL; then stop it all with elastic-slurm testbed down --lab LAB.

@@ -51,11 +51,12 @@ class JobWatcher:
         self.settle_s = settle_s
         self.records: list[dict] = []
         self._offset = 0
-        self._last_step = (0.0, None)        # (when, workers) of the last progress line printed
+        self._last_step = (0.0, None, None)  # (when, workers, step) of the last progress line printed
         self._last_measure = (0.0, None)     # (when, nodes) of the last measurement printed
         self.requests: list[dict] = []
         self.waiting_job: tuple[int, float] | None = None   # (id, when) of the other user's job the demo submits
         self.state = "PENDING"
+        self.ended_by_demo = False   # the demo cancelled the job once its events were shown
         self.t0 = time.monotonic()
 
     # -- reading --------------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class JobWatcher:
             self.echo(f"{self._stamp()}   predictor plan: {rec.get('action')} {rec.get('nodes')}: {rec.get('reason')}")
         elif kind in ("helper_submitted", "slurm_shrink", "failure", "transition_failed"):
             fields = {k: v for k, v in rec.items() if k not in ("kind", "t")}
-            self.echo(f"{self._stamp()}   {kind}: {json.dumps(fields)[:160]}")
+            self.echo(f"{self._stamp()}   {kind}: {json.dumps(fields)}")   # whole: a cut object reads as broken
 
     # -- steering -------------------------------------------------------------------------------------------
     def _nodes_now(self) -> int | None:
@@ -178,19 +179,30 @@ class JobWatcher:
             self._request(max(1, nodes - 2), "at the maximum: shrink first, then grow")
 
     # -- the loop -------------------------------------------------------------------------------------------
-    def follow(self, timeout_s: float, poll_s: float = 0.3) -> str:
-        """Print progress until the job ends; return its final Slurm state.
+    def shown(self) -> bool:
+        """The demo's events have happened: a grow, a shrink, and a measurement after the last of them (so the
+        summary has a measured figure at every size the job ran)."""
+        moves = self.transitions(GROWS + SHRINKS)
+        if not (self.transitions(GROWS) and self.transitions(SHRINKS)):
+            return False
+        return any(r["kind"] == "measurement" and r["t"] > moves[-1]["t"] for r in self.records)
 
-        :raises DemoError: the job did not end within `timeout_s`.
+    def follow(self, timeout_s: float, poll_s: float = 0.3, until_shown: bool = False) -> str:
+        """Print progress until the job ends (or, ``until_shown``, until :meth:`shown`); return its Slurm state.
+
+        :raises DemoError: neither happened within `timeout_s`.
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for rec in self._new_records():
                 self._show(rec)
             prog = self.progress()
-            if prog is not None and (prog[2] != self._last_step[1] or time.monotonic() - self._last_step[0] >= 4):
-                self._last_step = (time.monotonic(), prog[2])
+            if prog is not None and prog[0] != self._last_step[2] and \
+                    (prog[2] != self._last_step[1] or time.monotonic() - self._last_step[0] >= 4):
+                self._last_step = (time.monotonic(), prog[2], prog[0])   # a new step only: no stale repeats
                 self.echo(f"{self._stamp()} step {prog[0]}/{prog[1]}  workers {prog[2]}  {prog[3]:.1f} samples/s")
+            if until_shown and self.shown():
+                return self.state
             try:
                 self.state = self.slurm.job(self.job_id).state
             except Exception:   # noqa: BLE001  squeue busy: try again next round

@@ -141,8 +141,7 @@ class PredictorService:
             token_file.write_text(secrets.token_hex(16) + "\n")
             token_file.chmod(0o600)
         (self.dir / "cluster.json").write_text(json.dumps(self.cluster(), indent=1) + "\n")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-               "ELASTIC_PREDICTOR_TOKEN": self.token, "PYTHONPATH": str(CHECKOUT)}
+        env = self.service_env()
         argv = [self.python, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--db", str(self.db), "--cluster", str(self.dir / "cluster.json"), "--workers", "2"]
         with open(self.log_file, "ab") as log:
@@ -162,6 +161,16 @@ class PredictorService:
         self.stop()
         raise DemoError(f"elastic-predictor serve did not answer on {self.url} within "
                         f"{self.timeout.total_seconds():g} s\n{tail(self.log_file)}")
+
+    def service_env(self) -> dict[str, str]:
+        """The service's environment: the tool token (the demo's own calibration imports use it) and munge for
+        jobs, checked against the lab's Slurm, so a job writes its rows with its own credential, never the tool
+        token (#45.3: the lab's service took no munge credentials, and the demo gave its job the token)."""
+        bed = self.testbed.config
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
+                "ELASTIC_PREDICTOR_TOKEN": self.token, "PYTHONPATH": str(CHECKOUT),
+                "ELASTIC_PREDICTOR_MUNGE": "1", "ELASTIC_PREDICTOR_MUNGE_SOCKET": str(bed.munge_socket),
+                "ELASTIC_PREDICTOR_SLURM_CONF": str(bed.slurm_conf)}
 
     def stop(self) -> bool:
         """SIGTERM the gunicorn master (it stops its workers), SIGKILL its group after the timeout.

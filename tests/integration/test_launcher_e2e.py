@@ -128,7 +128,8 @@ def test_grow_operator_shrink_node_failure_and_exact_accounting(slurm, idle_node
     assert (grow["from_nodes"], grow["to_nodes"], grow["world"]) == (2, 4, 4)
     decision = next(r for r in _records(run) if r["kind"] == "decision" and r["action"] == "grow")
     assert decision["free_nodes"] >= 2 and decision["source"] == "autoscale"
-    assert decision["predictor"] is False and decision["plan_nodes"] is None  # service unreachable: heuristic
+    # no service (or the one an earlier test's hook named, stopped since): the heuristic, and the record says which
+    assert decision["predictor"] in ("not configured", "unreachable") and decision["plan_nodes"] is None
     helper = slurm.job(int(grow["helper"]))
     assert helper.name == f"elastic-helper-{job_id}" and helper.comment.startswith(f"elastic-helper:{job_id}")
     assert helper.state == "RUNNING" and len(helper.nodes) == 2

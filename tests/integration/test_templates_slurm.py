@@ -126,3 +126,59 @@ def test_template_job_grows_through_a_helper_and_shrinks_on_request(slurm, submi
     assert sum("left the job at step" in text for text in logs.values()) == 2, logs
     main = "\n".join(logs.values())
     assert "workers 4" in main and "done: 600 steps" in main, logs
+
+
+def _ended(slurm, job_id) -> bool:
+    return slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(slurm, submit, idle_nodes, wait_until,
+                                                                        tmp_path, name):
+    """#45.1: each template's CPU variant on 2 nodes runs into a 1-minute time limit (state TIMEOUT) with
+    checkpoints written; the same script submitted again on 1 node resumes from the latest checkpoint (the
+    second run's --steps is that step + 10, so it ends) and saves at its end."""
+    work = Path(tmp_path)
+    ck_rel = Path("checkpoints") / f"{name}-cpu-test"   # as the template writes it: in the submit directory
+    ck = work / ck_rel
+
+    def script(nodes: int, steps: int, time_limit: str, tag: str) -> Path:
+        command = None
+        if name == "wrap-train-py":
+            command = [sys.executable, "-m", "elastic_launcher.examples.plain_train", "--steps", str(steps),
+                       "--checkpoint-dir", str(ck_rel), "--checkpoint-every", "200", "--resume"]
+        params = templates.Params(cpu_test=True, python=sys.executable, launcher=LAUNCH, command=command,
+                                  sbatch={"time": time_limit, "nodes": str(nodes)},
+                                  launcher_options={"--run-dir": str(work / f"run-{tag}")},
+                                  script_options={} if command else {"--steps": str(steps),
+                                                                     "--checkpoint-every": "10"})
+        path = work / f"{tag}.sbatch"
+        path.write_text(templates.render(templates.get(name), params))
+        return path
+
+    first = submit(script(2, 10 ** 7, "00:01:00", "first"), ["--chdir", str(work)])
+    wait_until(lambda: _ended(slurm, first), 240, f"the {name} job to reach its time limit")
+    logs = "\n".join(p.read_text() for p in (work / "run-first").glob("worker-*.log"))
+    assert slurm.job(first).state == "TIMEOUT", logs[-3000:]
+    latest = (ck / "latest").read_text().strip()
+    step = int(latest.split("-")[1])
+    assert step > 0 and (ck / latest / ".metadata").is_file(), logs[-3000:]
+    if name != "wrap-train-py":   # SIGTERM at the time limit: rank 0 saved the last commit point and stopped
+        assert f"checkpoint {ck_rel / latest} (step {step}): submit the job again with --resume" in logs, \
+            logs[-3000:]
+    else:
+        assert f"stopped by SIGTERM after step {step}" in logs, logs[-3000:]
+
+    second = submit(script(1, step + 10, "00:10:00", "again"), ["--chdir", str(work)])
+    wait_until(lambda: _ended(slurm, second), 240, f"the resubmitted {name} job to finish")
+    logs = "\n".join(p.read_text() for p in (work / "run-again").glob("worker-*.log"))
+    assert slurm.job(second).state == "COMPLETED", logs[-3000:]
+    if name == "wrap-train-py":
+        assert f"resumed from step {step} on 1 ranks" in logs and f"done: {step + 10} steps on 1 ranks" in logs, logs
+    else:
+        assert f"resumed from {ck_rel / latest} (step {step})" in logs, logs[-3000:]
+        assert f"done: {step + 10} steps" in logs and (work / "models" / f"{name}-cpu-test" / ".metadata").is_file()
+        records = [json.loads(line) for line in (work / "run-again" / "records.jsonl").read_text().splitlines()]
+        start = next(r for r in records if r["kind"] == "transition" and r["action"] == "start")
+        assert start["world"] == 1, start
+    assert (ck / "latest").read_text().strip() == f"step-{step + 10:08d}"

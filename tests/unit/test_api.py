@@ -77,7 +77,7 @@ def test_unknown_profile_is_404_with_a_hint(client):
     response = client.get("/v1/profiles/vgg99")
     body = response.get_json()
     assert response.status_code == 404
-    assert "POST /v1/profiles" in body["error"] and "elastic-predictor profile torchvision:vgg99" in body["hint"]
+    assert "POST /v1/profiles" in body["error"] and "elastic-predictor profile package.module:callable --name vgg99" in body["hint"]
 
 
 @pytest.mark.parametrize("mutate,field", [

@@ -137,11 +137,15 @@ def test_plan_of_fewer_nodes_shrinks_toward_it_never_below_gpus_min():
 def test_unreachable_service_runs_the_heuristic_and_says_so():
     policy = AutoscalePolicy(min_efficiency=0.7, grow_step_nodes=2)
     policy.record(m(1, 100.0))
-    for advice in (UNREACHABLE_ADVICE, NO_SERVICE, advice_from_plan(None, 1, 1)):
+    for advice in (UNREACHABLE_ADVICE, advice_from_plan(None, 1, 1)):
         decision = policy.decide(free_nodes=3, advice=advice)
         assert (decision.action, decision.target_nodes) == ("grow", 3)
         assert decision.reason.startswith("heuristic (service unreachable);")
-    assert policy.decide(free_nodes=3).reason == policy.decide(free_nodes=3, advice=UNREACHABLE_ADVICE).reason
+    # no service at all runs the same heuristic, and says that instead (#45.4)
+    decision = policy.decide(free_nodes=3, advice=NO_SERVICE)
+    assert (decision.action, decision.target_nodes) == ("grow", 3)
+    assert decision.reason.startswith("heuristic (no predictor configured);")
+    assert policy.decide(free_nodes=3).reason == policy.decide(free_nodes=3, advice=NO_SERVICE).reason
 
 
 def test_no_directives_means_no_autoscaling_grow():
@@ -220,7 +224,7 @@ def test_invariants_on_random_histories(seed):
         assert decision.target_nodes >= 1
         if decision.action == "grow":
             assert decision.target_nodes > nodes and advice.source != NO_DIRECTIVES
-            assert advice.source == UNREACHABLE or decision.target_nodes <= advice.nodes
+            assert advice.source != PLANNER or decision.target_nodes <= advice.nodes
             assert decision.target_nodes * policy.slots_per_node * 16 <= policy.max_global_batch
             if policy.ceiling_nodes_ is not None:
                 assert decision.target_nodes < policy.ceiling_nodes_

@@ -19,14 +19,18 @@ SCRIPT = ("#!/bin/bash\n#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=16 max_gl
 class FakePredictor:
     """Stands in for reporting.PredictorClient: answers /v1/plan from a list, records every body."""
 
-    def __init__(self, replies, url="http://predictor:8080", last_error=None):
+    def __init__(self, replies, url="http://predictor:8080", last_error=None, outcome="unreachable"):
         self.url, self.last_error = url, last_error
         self.replies = list(replies)
         self.bodies: list[dict] = []
+        self.writes_refused = None
+        self.outcome, self.last_outcome = outcome, "not asked"
 
     def plan(self, body):
         self.bodies.append(json.loads(json.dumps(body)))
-        return self.replies.pop(0)
+        reply = self.replies.pop(0)
+        self.last_outcome = "answered" if reply is not None else self.outcome
+        return reply
 
     def observe(self, records):
         return True
@@ -112,6 +116,26 @@ def test_unreachable_service_runs_the_heuristic_and_the_record_says_so(tmp_path)
     (d,) = decisions(c)
     assert d["policy"] == "heuristic (service unreachable)" and d["plan_nodes"] is None
     assert d["reason"].startswith("heuristic (service unreachable);") and "connection refused" in d["plan_note"]
+    assert (d["predictor"], d["writes"]) == ("unreachable", "posted")
+
+
+def test_the_decision_record_says_not_configured_refused_or_answered(tmp_path):
+    # #45.4: a lab without a service recorded "heuristic (service unreachable)"; a refused write, "predictor": false
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    c = make_controller(tmp_path / "a", FakePredictor([None], url=None, outcome="not configured"))
+    c._measure_and_decide()
+    (d,) = decisions(c)
+    assert (d["policy"], d["predictor"], d["writes"]) == ("heuristic (no predictor configured)", "not configured",
+                                                         "not configured")
+    c = make_controller(tmp_path / "b", FakePredictor([None], outcome="refused", last_error="/v1/plan: HTTP 400"))
+    c._measure_and_decide()
+    assert decisions(c)[0]["predictor"] == "refused"
+    keep = {"action": "keep", "reason": "fine", "nodes": 2}
+    c = make_controller(tmp_path / "c", FakePredictor([keep]))
+    c.predictor.writes_refused = "HTTP 401: missing_credential"
+    c._measure_and_decide()
+    assert (decisions(c)[0]["predictor"], decisions(c)[0]["writes"]) == ("answered", "refused")
 
 
 def test_no_directives_asks_nothing_and_does_not_grow(tmp_path):
@@ -264,6 +288,9 @@ def test_the_predictor_token_is_never_written_to_the_records_or_the_log(tmp_path
                           run_dir=tmp_path, predictor_token="s3cret-token")
     summary = json.loads(config.to_json())
     assert summary["predictor_token"] == "(set)" and "s3cret-token" not in config.to_json()
+    # #45.6: the directives' set of given keys is a JSON list, not a Python repr inside a string
+    assert summary["directives"]["given"] == sorted(Directives.from_script(SCRIPT).given)
+    assert "frozenset" not in config.to_json()
     with caplog.at_level("DEBUG"):
         Controller(config, registry=tmp_path / "registry", slurm=None, start_step=None)
     written = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
@@ -295,7 +322,90 @@ def test_rows_are_labelled_with_the_devices_type_then_slurms_then_the_directive(
     assert ctl._gpu_label() == config.directives.gpu_type                       # nothing known: the directive
     ctl.types = JobTypes({"node1": NodeType("h200", "H200"), "node2": NodeType("h200", "H200")}, "test")
     assert ctl._gpu_label() == "H200"                                           # Slurm's one GRES type
-    ctl._device_gpus.add("H100")
-    assert ctl._gpu_label() == "H100"                                           # what the devices say
-    ctl._device_gpus.add("A100")
+    from elastic_launcher.resize import NodeSlot
+    ctl.fleet.nodes = {n: NodeSlot(n, "42", f"j42-{n}") for n in ("node1", "node2")}   # the epoch's nodes
+    ctl._device_gpu["node1"] = "cpu"
+    assert ctl._gpu_label() == "cpu"                                            # what the devices say (#45.4)
+    ctl._device_gpu["node2"] = "A100"
     assert ctl._gpu_label() == "H200"                                           # devices disagree: Slurm's
+    ctl._device_gpu["node3"] = "A100"                                            # a helper's node, grown onto
+    ctl.types = JobTypes({"node1": NodeType("h200", "H200")}, "test")
+    assert [ctl._node_label(n) for n in ("node1", "node2", "node3", "node4")] == ["cpu", "A100", "A100", "unknown"]
+
+
+def test_the_operators_size_holds_against_every_autoscale_move_until_lifted():
+    # #45.5: one job held the operator's size against 20 plans, another reverted it 3 s after the first measurement
+    from elastic_launcher.autoscale import PlanAdvice
+    from elastic_launcher.steering import settle_decision
+    Decision = controller_module.Decision
+    heuristic, planner = PlanAdvice(None, "unreachable", "down"), PlanAdvice(2, "planner", "plan says 2")
+    revert = Decision("revert", 2, "grow 2->4 nodes did not pay: efficiency 0.41 < 0.70", 0.41)
+    for decision, advice in ((revert, heuristic), (Decision("shrink", 2, "plan says 2 nodes"), planner),
+                             (Decision("grow", 6, "efficiency 0.9"), heuristic)):
+        held = settle_decision(decision, 4, None, [], 4, advice)
+        assert (held.action, held.target_nodes) == ("keep", 4), decision
+        assert held.reason.startswith("held at the operator's 4 nodes until `ctl --auto`")
+        assert settle_decision(decision, 4, None, [], None, advice) is decision          # lifted: the autoscaler's
+    toward = settle_decision(Decision("shrink", 1, "plan says 1 node"), 4, None, [], 3, planner)
+    assert (toward.action, toward.target_nodes) == ("shrink", 3)                         # toward it, not past it
+
+
+def test_ctl_auto_lifts_the_operators_size_and_status_says_which_rule_holds(tmp_path):
+    from elastic_launcher.reporting import status_table
+    from tests.unit.test_resize_tick import Clock
+    from tests.unit.test_resize_tick import make_controller as ticking_controller
+    c = ticking_controller(tmp_path, Clock())
+    c.operator_cap = 2
+    c.inbox.requests = [(1, {"nodes": "auto"})]
+    c._handle_requests()
+    assert c.inbox.replies[1]["ok"] and c.operator_cap is None
+    assert "autoscaler decides again" in c.inbox.replies[1]["message"]
+    (d,) = [r for r in c.records.items if r["kind"] == "decision"]
+    assert (d["source"], d["action"]) == ("operator", "auto")
+    status = {"job": "42", "phase": "running", "epoch": 3, "world": 2, "nodes": ["node1", "node2"], "step": 600,
+              "total_steps": 3000, "samples_per_s": 321.14, "eta_s": 130.0, "resize": None, "recovering": [],
+              "last_resize": {"action": "grow", "from_nodes": 1, "to_nodes": 2, "t": 100.0},
+              "operator": "holds 2 node(s) until `elastic-launch ctl 42 --auto`"}
+    table = status_table(status, now=135.0)
+    assert "progress    step 600/3000 (20%)  2 nodes  321 samples/s  ETA 2 min  last resize: grow 1->2, 35 s ago" \
+        in table
+    assert "operator    holds 2 node(s) until `elastic-launch ctl 42 --auto`" in table
+
+
+def test_the_end_summary_rounds_seconds():
+    from elastic_launcher.controller import _rounded
+    assert _rounded(0.10734999999) == 0.107 and _rounded(3) == 3 and _rounded(None) is None
+
+
+def test_ctl_on_an_ended_job_says_where_its_records_are(tmp_path):
+    from click.testing import CliRunner
+
+    from elastic_launcher.cli import ctl
+    out = CliRunner().invoke(ctl, ["77", "--status", "--registry", str(tmp_path)])
+    assert out.exit_code == 1 and "job 77 has no running elastic-launch (it ended, or has not started yet)" in \
+        out.output and "elastic-77/records.jsonl" in out.output and "sacct -j 77" in out.output
+
+
+def test_one_progress_line_per_interval_in_the_jobs_output(tmp_path, caplog):
+    keep = {"action": "keep", "reason": "fine", "nodes": 2}
+    c = make_controller(tmp_path, FakePredictor([keep] * 3))
+    now = [1000.0]
+    c.clock = lambda: now[0]
+    with caplog.at_level("INFO", logger="elastic_launcher.controller"):
+        for t in (1000.0, 1010.0, 1031.0):   # measurements 10 s and 21 s apart; the interval is 30 s
+            now[0] = t
+            c._plan_cache = (None, 0.0, None)
+            c._measure_and_decide()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines == ["step 0  2 nodes  200 samples/s  ETA ?  last resize: none"] * 2
+
+
+def test_the_scaling_plot_is_drawn_from_the_measurements(tmp_path):
+    from elastic_launcher.reporting import scaling_plot
+    records = [{"kind": "measurement", "t": 100.0 + i, "nodes": n, "samples_per_s": 100.0 * n}
+               for i, n in enumerate([2, 2, 4, 4])]
+    records.insert(2, {"kind": "transition", "action": "grow", "t": 101.5})
+    path = scaling_plot(records, tmp_path / "scaling.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert scaling_plot([r for r in records if r["kind"] != "measurement"], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

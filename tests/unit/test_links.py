@@ -108,4 +108,4 @@ def test_a_workers_device_type_travels_in_its_host_facts():
     assert gpu_type_of("NVIDIA H200") == "H200" and gpu_type_of("Some GPU") == "Some_GPU"
     facts = HostFacts.probe("gloo", None, gpu_name="NVIDIA H200")
     assert HostFacts.from_json(facts.to_json()).gpu == "H200"
-    assert HostFacts.from_json(HostFacts.probe("gloo").to_json()).gpu is None
+    assert HostFacts.from_json(HostFacts.probe("gloo").to_json()).gpu == "cpu"   # #45.4: a CPU worker says so

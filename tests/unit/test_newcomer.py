@@ -155,7 +155,8 @@ def test_predict_names_the_cluster_option_and_close_profile_names(tmp_path):
     assert cased.exit_code == 1 and "did you mean 'resnet50'?" in cased.output
     unknown = runner.invoke(predictor_cli, ["predict", "--db", db, "--profile", "mynet", "--gpu", "cpu",
                                             "--per-gpu-batch", "8"])
-    assert unknown.exit_code == 1 and f"elastic-predictor profile torchvision:NAME --db {db}" in unknown.output
+    assert unknown.exit_code == 1 and f"elastic-predictor profile torchvision:NAME or package.module:callable --name mynet --db {db}" in \
+        " ".join(unknown.output.split())
     spec = runner.invoke(predictor_cli, ["profile", "ResNet50"])
     assert spec.exit_code == 1 and "did you mean 'resnet50'?" in spec.output
 
@@ -262,5 +263,5 @@ def test_unknown_profile_hint_names_the_database_and_counts_agree(tmp_path):
     with pytest.raises(NotFoundError) as info:
         store.get_profile("vgg99")
     store.close()
-    assert f"elastic-predictor profile torchvision:vgg99 --db {db}" in str(info.value.hint)
+    assert f"elastic-predictor profile package.module:callable --name vgg99 --db {db}" in str(info.value.hint)
     assert [counted(n, "GPU") for n in (1, 2)] == ["1 GPU", "2 GPUs"]

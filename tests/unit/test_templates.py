@@ -110,6 +110,16 @@ def test_render_sizes_the_written_request_to_the_minimum():
     assert "#SBATCH --nodes=2" in text and parse_script(text)["gpus"] == {"min": 8, "max": 8}
 
 
+def test_gpus_per_node_is_written_as_given_or_refused():
+    # #45.7: `--gpus 3-4 --gpus-per-node 4` wrote --gpus-per-node=3
+    tpl = templates.get("gpt-lm")
+    text = templates.render(tpl, templates.Params(gpus="3-4", gpus_per_node=4))
+    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=4" in text
+    with pytest.raises(templates.TemplateError, match=r"--gpus 3-3 with --gpus-per-node 4: 1 node x 4 = 4 GPUs, "
+                                                      r"above the maximum 3"):
+        templates.render(tpl, templates.Params(gpus="3", gpus_per_node=4))
+
+
 def test_render_with_the_templates_own_values_changes_nothing():
     for name in NAMES:
         tpl = templates.get(name)
