@@ -285,9 +285,21 @@ class Controller:
         ours = set(self.fleet.nodes) - self.resizer.handled_nodes()  # an op or a recovery handles its own nodes
         failed = decide_failures(ended, helper_failed, evicted, ours)
         for node, was_evicted in failed:  # each returns at once: the resizer follows its recovery tick by tick
-            self.resizer.node_failed(node, evicted=was_evicted)
+            self.resizer.node_failed(node, evicted=was_evicted, keep=was_evicted and self._wants_node(len(failed)))
         if failed:
             self.phase = JobPhase.RECOVERING
+
+    def _wants_node(self, failing: int) -> bool:
+        """Whether a fenced-out node (its workers hung past the arrival deadline, alive) is kept for fresh workers
+        to rejoin as newcomers rather than given back: the planner's last advice wants at least as many nodes as
+        the job has, the failing ones included (no advice: given back, as before #42), within the operator's
+        cap."""
+        advice = self._plan_cache[2]
+        if advice is None or advice.nodes is None:
+            return False
+        have = len(self.fleet.nodes) - failing
+        target = advice.nodes if self.operator_cap is None else min(advice.nodes, self.operator_cap)
+        return target > have
 
     def _handle_request(self, seq: int, request: dict) -> None:
         """Answer an operator's request in this tick. While a resize is in flight (RESIZING), one that posted no

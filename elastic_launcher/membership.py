@@ -351,9 +351,9 @@ class Membership:
             self._thread = None
 
     # ---- plans ------------------------------------------------------------------------------------------------
-    def wait_for_plan(self, timeout: Optional[timedelta] = None, after: int = 0) -> Plan:
-        """Blocks until the record holds a plan that includes this worker (initial, pending or recovered) and whose
-        id is above ``after``; returns it.
+    def wait_for_plan(self, timeout: Optional[timedelta] = None) -> Plan:
+        """Blocks until the record holds a plan that includes this worker (initial, pending or recovered);
+        returns it.
 
         Raises:
             RendezvousTimeout: no such plan within ``timeout``.
@@ -363,26 +363,12 @@ class Membership:
         rec = self._k.latest(t, "the first plan")
         while True:
             plan = rec.plan_for(self.wid)
-            if plan is not None and plan.id > after:
+            if plan is not None:
                 return plan
             if time.monotonic() > deadline:
                 raise RendezvousTimeout(f"worker {self.wid}: no plan includes it after {t.total_seconds():.0f}s")
             time.sleep(self.heartbeat_interval.total_seconds() / 2)
             rec, _ = self._k.record.get()
-
-    def rejoin(self, timeout: Optional[timedelta] = None) -> Plan:
-        """After a recovery fenced this worker out (:meth:`recover` raised LeftGroup): announces it again and waits,
-        as a newcomer, for the first plan after the fence that includes it (the controller's next grow, if the
-        planner wants its node). Its heartbeat goes on meanwhile, so the controller sees it alive.
-
-        Raises:
-            RendezvousTimeout: no such plan within ``timeout``.
-        """
-        fenced_at = self._k.record.get()[0].seq
-        self._k.store.set(keys.joined(self.wid), repr(time.time()))
-        self._k.store.append(keys.JOINED_LIST, f"{self.wid},")
-        logger.warning("worker %s: fenced out after plan %d; waiting to rejoin as a newcomer", self.wid, fenced_at)
-        return self.wait_for_plan(timeout, after=fenced_at)
 
     def plan(self, pid: int) -> Plan:
         """Plan ``pid`` as the record holds it (the epoch, the one it followed, or the pending one).
