@@ -35,18 +35,19 @@ function M.read_config(path)
   return cfg, problems[1] and table.concat(problems, "; ") or nil
 end
 
--- The #ELASTIC lines ({no, line}) of the directive block (up to the first line neither blank nor a comment), as
--- slurm_plugin/contracts/directives.py reads them; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
+-- The #ELASTIC lines ({no, line}) of the directive block, as slurm_plugin/contracts/directives.py reads them and sbatch
+-- reads #SBATCH: lines end at \n only (a lone \r ends none), the block ends at the first line whose first character
+-- other than space, \t, \v, \f, \r is not `#`; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
 local WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 function M.directive_lines(script)
   local found, pos, number = {}, 1, 0
   if type(script) ~= "string" or script:sub(1, #WRAP_HEADER) == WRAP_HEADER then return found end
   while pos <= #script do
-    local s, e = script:find("[\r\n]", pos)
-    if s and script:sub(s, s + 1) == "\r\n" then e = s + 1 end
+    local s = script:find("\n", pos, true)
     local line = script:sub(pos, (s or #script + 1) - 1)
-    number, pos = number + 1, (e or #script) + 1
-    if line:find("%S") and line:sub(1, 1) ~= "#" then break end
+    number, pos = number + 1, (s or #script) + 1
+    local first = line:match("^[ \t\v\f\r]*(.?)")
+    if first ~= "" and first ~= "#" then break end
     if line == "#ELASTIC" or line:match("^#ELASTIC[ \t]") then found[#found + 1] = { no = number, line = line } end
   end
   return found
