@@ -183,3 +183,33 @@ def test_a_hung_but_beating_member_is_fenced_at_the_arrival_deadline(store):
     finally:
         for h in hosts.values():
             h.m.stop()
+
+
+# ---- the trainer ends cleanly when its beat cannot be written --------------------------------------------------
+def test_a_trainer_whose_heartbeat_gave_up_leaves_at_its_next_commit_with_the_reason(store):
+    import torch
+    from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.epoch_decisions import Phase
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    cfg = TrainerConfig(timeout=timedelta(seconds=10), connect_timeout=timedelta(seconds=10),
+                        rendezvous_timeout=timedelta(seconds=10), commit_every=2)
+    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    et = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                        store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
+                        policy=BatchPolicy(per_gpu_batch=4), config=cfg).join()
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    try:
+        it = et.loader(data)
+        x, y = next(it)
+        torch.nn.functional.mse_loss(et.model(x), y).backward()
+        assert et.commit() and et.end_reason is None
+        et.membership.on_end("worker solo: heartbeat not written for 5.0 s")  # what the heartbeat thread calls
+        x, y = next(it)
+        torch.nn.functional.mse_loss(et.model(x), y).backward()
+        assert et.commit() is False
+        assert et.left and et.phase is Phase.LEFT and "heartbeat not written" in et.end_reason
+        assert list(it) == []  # the loader ends: the training loop stops
+    finally:
+        et.close()
