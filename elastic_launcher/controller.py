@@ -472,7 +472,9 @@ class Controller:
     def _post_observations(self, own: list[dict]) -> None:
         """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""
         d = self.config.directives
-        wids = {w for slot in self.fleet.nodes.values() for w in slot.wids}
+        # every worker that ever joined, not only the fleet's: a leaver's or a fenced-out worker's last hand-off
+        # comes after its node left the fleet (#42); the inbox reads each worker's channel from where it stopped
+        wids = {w for slot in self.fleet.nodes.values() for w in slot.wids} | set(self.coord.joined())
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
                                 d.model or "unknown", self._gpu_label(), steps=False)
         records, refused = postable([dict(r, job_id=int(self.job_id)) for r in records])  # its rows answer its plans
