@@ -380,7 +380,8 @@ class ElasticTrainer:
                                      config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
                                      on_peer_failure=self._relay if watchdog else None,
                                      on_recovery=getattr(self.fault, "on_recovery", None),
-                                     arrival_timeout=config.arrival_timeout or config.timeout + config.heartbeat_timeout,
+                                     arrival_timeout=(config.arrival_timeout
+                                                      or config.timeout + config.heartbeat_timeout),
                                      on_end=self._heartbeat_ended)
         self._executor = EpochExecutor(
             ExecutorSettings(config.backend, config.timeout, config.connect_timeout, config.rendezvous_timeout,
@@ -448,7 +449,8 @@ class ElasticTrainer:
 
     @property
     def left(self) -> bool:
-        """This worker left the job (a shrink left it out, or a recovery declared it dead)."""
+        """This worker left the job (a shrink left it out, a recovery declared it dead, or its heartbeat gave up:
+        :attr:`end_reason`)."""
         return self.phase is Phase.LEFT
 
     @property
