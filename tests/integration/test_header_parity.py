@@ -11,8 +11,6 @@ import pytest
 
 from tests.integration.test_hook import bed, hook, predictor, sbatch, show_job  # noqa: F401 - fixtures
 
-pytestmark = pytest.mark.slurm
-
 TAIL = "#SBATCH --comment=sbatch-read\n#ELASTIC model=resnet50 gpus=2-8\nsrun true\n"
 CASES = {  # case -> (script, whether sbatch reads the lines after the case's: Slurm 22.05 on the lab)
     "indented comment": ("#!/bin/bash\n   # a note\n" + TAIL, True),
