@@ -298,9 +298,21 @@ class Controller:
         ours = set(self.fleet.nodes) - self.resizer.handled_nodes()  # an op or a recovery handles its own nodes
         failed = decide_failures(ended, helper_failed, evicted, ours)
         for node, was_evicted in failed:  # each returns at once: the resizer follows its recovery tick by tick
-            self.resizer.node_failed(node, evicted=was_evicted)
+            self.resizer.node_failed(node, evicted=was_evicted, keep=was_evicted and self._wants_node(len(failed)))
         if failed:
             self.phase = JobPhase.RECOVERING
+
+    def _wants_node(self, failing: int) -> bool:
+        """Whether a fenced-out node (its workers hung past the arrival deadline, alive) is kept for fresh workers
+        to rejoin as newcomers rather than given back: the planner's last advice wants at least as many nodes as
+        the job has, the failing ones included (no advice: given back, as before #42), within the operator's
+        cap."""
+        advice = self._plan_cache[2]
+        if advice is None or advice.nodes is None:
+            return False
+        have = len(self.fleet.nodes) - failing
+        target = advice.nodes if self.operator_cap is None else min(advice.nodes, self.operator_cap)
+        return target > have
 
     def _handle_request(self, seq: int, request: dict) -> None:
         """Answer an operator's request in this tick. While a resize is in flight (RESIZING), one that posted no
@@ -527,7 +539,9 @@ class Controller:
     def _post_observations(self, own: list[dict]) -> None:
         """POST `own` records and the workers' new ones (relabelled) to /v1/observations; fails soft."""
         d = self.config.directives
-        wids = {w for slot in self.fleet.nodes.values() for w in slot.wids}
+        # every worker that ever joined, not only the fleet's: a leaver's or a fenced-out worker's last hand-off
+        # comes after its node left the fleet (#42); the inbox reads each worker's channel from where it stopped
+        wids = {w for slot in self.fleet.nodes.values() for w in slot.wids} | set(self.coord.joined())
         records = own + relabel(self.observations.collect(sorted(wids)), self._layouts, self._links,
                                 d.model or "unknown", self._gpu_label(), steps=False)
         records, refused = postable([dict(r, job_id=int(self.job_id)) for r in records])  # its rows answer its plans

@@ -60,8 +60,11 @@ class Directives:
     def worker_env(self) -> dict[str, str]:
         """What the workers get of the directives (#26.2: one owner for the batch a job runs with): the per-GPU
         batch and the global batch cap the script's lines set; the training script takes them as its defaults and
-        refuses a different value of its own (`examples.common.WorkerEnv`)."""
+        refuses a different value of its own (`examples.common.WorkerEnv`); and the profile `model=` names, which
+        the script's own profile must equal (#42: rows are labelled with the model that ran)."""
         out = {}
+        if self.model is not None:
+            out["ELASTIC_MODEL"] = self.model
         if "per_gpu_batch" in self.given:
             out["ELASTIC_PER_GPU_BATCH"] = str(self.per_gpu_batch)
         if "max_global_batch" in self.given:

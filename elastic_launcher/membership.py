@@ -48,6 +48,14 @@ from elastic_launcher.rendezvous_state import (Liveness, MembershipRecord, Plan,
 
 logger = logging.getLogger("elastic_launcher.membership")
 
+ARRIVAL_TIMEOUT = timedelta(seconds=30)  # default arrival deadline of a recovery round (Membership.arrival_timeout)
+
+
+def backoff(failures: int, interval: float) -> float:
+    """The wait before the next try after ``failures`` store errors in a row: an eighth of the heartbeat interval,
+    doubled each time, at most one interval."""
+    return min(interval, interval / 8 * 2 ** (failures - 1))
+
 __all__ = ["Plan", "Coordinator", "Membership"]
 
 
@@ -195,6 +203,15 @@ class Membership:
         on_recovery: test seam (``FaultPlan.fail_in_recovery``): called as ``on_recovery("opened", failed_id)``
             right after this worker's arrival opened a recovery, and ``on_recovery("adopted", plan_id)`` once it
             has the survivors' plan (before it builds the plan's group).
+        arrival_timeout: a recovery's arrival deadline (torchelastic's last call, torchft's quorum timeout): a
+            member of the failed plan that has not arrived this long after this observer saw the recovery open is
+            fenced out (judged dead) even though it still beats, and the survivors go on without it.
+        on_end: called once, on the heartbeat thread, with the reason when the beat could not be written for
+            ``heartbeat_timeout`` (the peers judge this worker dead by then): the worker must end (``ended``).
+        clock: this host's monotonic clock (beat failures, arrival deadlines, peers' beats); tests step their own.
+
+    Store errors in the heartbeat thread are retried with backoff (a fresh client after two failures in a row);
+    only a beat that cannot be written for ``heartbeat_timeout`` ends the thread.
     """
 
     def __init__(self, store_factory: Callable[[], dist.Store], wid: str,
@@ -203,11 +220,19 @@ class Membership:
                  heartbeat_timeout: timedelta = timedelta(seconds=5),
                  on_peer_failure: Optional[Callable[[int, str], None]] = None,
                  wall_clock: Callable[[], float] = time.time,
-                 on_recovery: Optional[Callable[[str, int], None]] = None) -> None:
+                 on_recovery: Optional[Callable[[str, int], None]] = None,
+                 arrival_timeout: Optional[timedelta] = None,
+                 on_end: Optional[Callable[[str], None]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         validate_members([wid])
         self.wid = wid
         self.wall_clock = wall_clock  # what a beat says (for people reading the store); liveness never reads it
-        self.beats = BeatClock()  # when each peer's beat last changed here: the peer watch's and recovery's
+        self.clock = clock  # this host's monotonic clock: beat failures, arrival deadlines (tests step their own)
+        self.beats = BeatClock(clock)  # when each peer's beat last changed here: the peer watch's and recovery's
+        self.arrival_timeout = arrival_timeout if arrival_timeout is not None else ARRIVAL_TIMEOUT
+        self.on_end = on_end
+        self.ended: Optional[str] = None  # why the heartbeat gave up (its beat could not be written for too long)
+        self._opened: dict[int, float] = {}  # failed plan id -> when this observer first saw its recovery open
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -237,15 +262,20 @@ class Membership:
             self._thread.start()
 
     def _loop(self) -> None:
-        k = _Keys(self._factory(), self.timeout)
+        k: Optional[_Keys] = None
         peers: Optional[PeerWatch] = PeerWatch(self.wid, self.heartbeat_timeout.total_seconds(), self.beats)
+        interval = self.heartbeat_interval.total_seconds()
+        last_ok, failures, wait = self.clock(), 0, interval
         while not self._stop.is_set():
-            self._wake.wait(self.heartbeat_interval.total_seconds())
+            self._wake.wait(wait)
             self._wake.clear()
             if self._stop.is_set():
                 return
             try:
+                if k is None:
+                    k = _Keys(self._factory(), self.timeout)
                 k.store.set(keys.beat(self.wid), repr(self.wall_clock()))
+                last_ok, failures, wait = self.clock(), 0, interval
                 ep, members, prev = self._watch_epoch, self._watch_members, self._watch_prev
                 note = self._switch_note
                 if note is not None:
@@ -253,9 +283,20 @@ class Membership:
                     self._switch_note = None if self._switch_note == note else self._switch_note
                 rec, _ = k.record.get()
                 self._see(rec, ep)
-            except Exception as e:  # noqa: BLE001 - store gone: the controller ended; stop beating
-                logger.debug("heartbeat thread stops: %s", e)
-                return
+            except Exception as e:  # noqa: BLE001 - a store error: retried until the beat is too old
+                failures += 1
+                silent = self.clock() - last_ok
+                if silent >= self.heartbeat_timeout.total_seconds():
+                    self._end(f"worker {self.wid}: heartbeat not written for {silent:.1f} s "
+                              f"(heartbeat_timeout {self.heartbeat_timeout.total_seconds():g} s); last store error: "
+                              f"{type(e).__name__}: {e}")
+                    return
+                if failures >= 2:
+                    k = None  # the client may be broken for good: connect again at the next try
+                wait = backoff(failures, interval)
+                logger.warning("worker %s: store error in the heartbeat (%d in a row, retry in %.2f s): %s",
+                               self.wid, failures, wait, e)
+                continue
             if self.on_peer_failure is not None and ep is not None and peers is not None:
                 try:
                     reason = peers.check(k, ep, members, _recovering(rec, ep, prev))
@@ -265,6 +306,15 @@ class Membership:
                     continue
                 if reason is not None:
                     self._report_peer_failure(ep, reason)
+
+    def _end(self, reason: str) -> None:
+        self.ended = reason
+        logger.error("%s: the worker ends", reason)
+        if self.on_end is not None:
+            try:
+                self.on_end(reason)
+            except Exception:  # noqa: BLE001 - the thread ends anyway
+                logger.exception("on_end raised")
 
     def _see(self, rec: MembershipRecord, ep: Optional[int]) -> None:
         """Keeps the pending successor of the watched epoch ``ep`` for :meth:`next_plan`."""
@@ -399,11 +449,16 @@ class Membership:
         their beats changed)."""
         failed, split = resolve_failed(rec, failed)
         others = [m for m in split or recovery_members(rec, failed) if m != self.wid]
-        arrived = rec.recovery.arrived if rec.recovery is not None and rec.recovery.failed == failed.id else ()
+        opened = rec.recovery is not None and rec.recovery.failed == failed.id
+        arrived = rec.recovery.arrived if opened else ()
+        late = opened and self.clock() - self._opened.setdefault(failed.id, self.clock()) > \
+            self.arrival_timeout.total_seconds()
         limit = self.heartbeat_timeout.total_seconds()
         seen = {}
         for m, beat in zip(others, self._beats(others)):
             if self.beats.silent_for(m, beat) > limit:
+                seen[m] = Liveness.DEAD
+            elif late and m not in arrived:  # beats but never came (hung outside a collective): fenced out
                 seen[m] = Liveness.DEAD
             elif m in arrived:
                 first = self._arrival_beats.setdefault((failed.id, m), beat)

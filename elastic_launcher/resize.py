@@ -488,20 +488,23 @@ class Resizer:
             self.fleet.failures_in_a_row += 1
 
     # -- failed nodes --------------------------------------------------------------------------------------
-    def node_failed(self, node: str, evicted: bool = False) -> None:
+    def node_failed(self, node: str, evicted: bool = False, keep: bool = False) -> None:
         """Record `node`'s failure and start following its recovery (the survivors recover by themselves);
-        returns at once.
+        returns at once. `keep`: the node's step is ended but the node stays the job's, and fresh workers rejoin
+        there as newcomers (always for the batch host; for a fenced-out node when the planner wants it).
 
         Raises:
             ElasticError: more than `max_failures` failures in a row.
         """
         slot = self.fleet.nodes[node]
+        keep = keep or node == self.fleet.alloc.batch_host  # Slurm cannot drop it: its workers restart
         self.records.write("failure", node=node, owner=slot.owner, workers=sorted(slot.wids),
-                           cause="left out of the membership while running" if evicted else "workers ended")
+                           cause="left out of the membership while running" if evicted else "workers ended",
+                           rejoin=keep)
         self.fleet.failures_in_a_row += 1
         if self.fleet.failures_in_a_row > self.config.max_failures:
             raise ElasticError(f"job {self.job_id}: {self.fleet.failures_in_a_row} failures in a row (last: {node})")
-        rec = RecoveryOp(node, tuple(slot.wids), evicted)
+        rec = RecoveryOp(node, tuple(slot.wids), evicted, keep)
         self.recoveries.append(rec)
         self._tick_recovery(rec, self.clock())
 
@@ -515,8 +518,7 @@ class Resizer:
         self.recoveries = [new if r is rec else r for r in self.recoveries]
         for act in actions:
             if act.kind is ActionKind.RELEASE_NODES:
-                batch = rec.node == self.fleet.alloc.batch_host  # Slurm cannot drop it: its workers restart
-                self.releaser.release(key, act.nodes, f"workers on {rec.node} failed", give_back=not batch)
+                self.releaser.release(key, act.nodes, f"workers on {rec.node} failed", give_back=not rec.keep)
             elif act.kind is ActionKind.FINISH:
                 self.recoveries = [r for r in self.recoveries if r is not new]
                 self._recovered(new, plan, now)
@@ -529,11 +531,12 @@ class Resizer:
                            world=plan.world_size, recovered=rec.recovered, wall_s=round(now - rec.started, 3),
                            pause_s=stats.get("pause_s"), idle_s=stats.get("idle_s"), stats=stats)
         self.window.reset()
-        if rec.node == self.fleet.alloc.batch_host:
+        if rec.keep:
             self._rejoin(rec.node, now)
 
     def _rejoin(self, node: str, now: float) -> None:
-        """Start fresh workers on the batch host (Slurm cannot release it); they join as a grow without a helper."""
+        """Start fresh workers on a kept node (the batch host, or a fenced-out node the planner wants); they join
+        as newcomers, a grow without a helper."""
         have = len(self.fleet.nodes)
         try:
             step = self.pool.start(node, self.fleet.slots, self.fleet.alloc.env, owner_job=self.job_id)

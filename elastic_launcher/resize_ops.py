@@ -391,7 +391,9 @@ class RecoveryOp:
 
     Attributes:
         node: the failed node; workers: its workers' ids; evicted: its workers still ran but a recovery epoch
-            left them out (else their step ended non-zero).
+            left them out (fenced out: hung, or past the arrival deadline; else their step ended non-zero).
+        keep: the node stays the job's once its step ended (the batch host, or a fenced-out node the planner
+            wants): fresh workers start there and join as newcomers (a grow without a helper).
         state / deadline: where it is and when the current state gives up waiting.
         plan_id: the recovery epoch once the node's workers are out of the membership.
         recovered: the survivors' recovery epoch came (False: the deadline passed first).
@@ -401,6 +403,7 @@ class RecoveryOp:
     node: str
     workers: tuple[str, ...]
     evicted: bool = False
+    keep: bool = False
     state: RecoveryState = RecoveryState.DETECTED
     deadline: Optional[float] = None
     plan_id: Optional[int] = None

@@ -80,7 +80,13 @@ class TrainerConfig:
         connect_timeout: building a group (store rendezvous + communicator).
         rendezvous_timeout: waiting for a plan, a recovery decision or the state skeleton.
         heartbeat_interval: heartbeat and next-plan polling period.
-        heartbeat_timeout: silence after which a peer is declared dead during recovery.
+        heartbeat_timeout: silence after which a peer is declared dead during recovery; also how long this
+            worker's own beat may go unwritten (store errors, retried with backoff) before it ends
+            (:attr:`ElasticTrainer.end_reason`).
+        arrival_timeout: a recovery's arrival deadline: a member that still beats but has not arrived this long
+            after the recovery opened (hung outside a collective) is fenced out and the survivors go on. None:
+            ``timeout`` + ``heartbeat_timeout`` (a survivor stuck in a collective with the hung member arrives once
+            that collective times out, so it is never fenced by a shorter deadline).
         commit_every: batches between commit points (vote, buffer broadcast, rollback snapshot); None: chosen
             from measurements (``commit_period``, ``commit_overhead``), agreed in the vote.
         commit_period: auto mode: training time between commit points to aim at.
@@ -104,6 +110,7 @@ class TrainerConfig:
     rendezvous_timeout: timedelta = timedelta(seconds=180)
     heartbeat_interval: timedelta = timedelta(seconds=0.2)
     heartbeat_timeout: timedelta = timedelta(seconds=5)
+    arrival_timeout: Optional[timedelta] = None
     commit_every: Optional[int] = None
     commit_period: timedelta = timedelta(seconds=0.5)
     commit_overhead: float = 0.01
@@ -127,6 +134,9 @@ class TrainerConfig:
             value = getattr(self, field)
             if not isinstance(value, timedelta) or value <= timedelta(0):
                 raise bad(field, "expected a positive timedelta")
+        if self.arrival_timeout is not None and (not isinstance(self.arrival_timeout, timedelta)
+                                                 or self.arrival_timeout <= timedelta(0)):
+            raise bad("arrival_timeout", "expected None or a positive timedelta")
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
             raise bad("heartbeat_timeout", f"must exceed two heartbeat intervals ({self.heartbeat_interval}): a "
                                            "live peer would be declared dead between two beats")
@@ -304,6 +314,7 @@ class ElasticTrainer:
         self.batches: list[int] = []
         self.batch_indices: list[int] = []
         self.failures = 0
+        self.end_reason: Optional[str] = None  # why this worker ended on its own (its heartbeat could not be written)
         self._local_error: Optional[BaseException] = None
         self._nonfinite: Optional[torch.Tensor] = None  # device flag of watch_loss, read by the next vote
         self._last_commit_t = time.perf_counter()
@@ -368,7 +379,10 @@ class ElasticTrainer:
         self.membership = Membership(lambda: connect_store(self.addr, config.connect_timeout), wid,
                                      config.rendezvous_timeout, config.heartbeat_interval, config.heartbeat_timeout,
                                      on_peer_failure=self._relay if watchdog else None,
-                                     on_recovery=getattr(self.fault, "on_recovery", None))
+                                     on_recovery=getattr(self.fault, "on_recovery", None),
+                                     arrival_timeout=(config.arrival_timeout
+                                                      or config.timeout + config.heartbeat_timeout),
+                                     on_end=self._heartbeat_ended)
         self._executor = EpochExecutor(
             ExecutorSettings(config.backend, config.timeout, config.connect_timeout, config.rendezvous_timeout,
                              config.bucket_cap_mb),
@@ -435,7 +449,8 @@ class ElasticTrainer:
 
     @property
     def left(self) -> bool:
-        """This worker left the job (a shrink left it out, or a recovery declared it dead)."""
+        """This worker left the job (a shrink left it out, a recovery declared it dead, or its heartbeat gave up:
+        :attr:`end_reason`)."""
         return self.phase is Phase.LEFT
 
     @property
@@ -700,7 +715,27 @@ class ElasticTrainer:
             if records:
                 publish(records)
 
+    def _heartbeat_ended(self, reason: str) -> None:
+        """The membership's ``on_end`` (heartbeat thread): the beat could not be written for ``heartbeat_timeout``,
+        so the peers judge this worker dead. The group is failed (a collective blocked on a peer wakes up) and the
+        next ``commit()`` ends this worker."""
+        self.end_reason = reason
+        group = self.group
+        if group is not None:
+            group.fail(ProcessGroupError(reason))
+
+    def _end_cleanly(self) -> bool:
+        """Leaves after the heartbeat gave up (``end_reason``): no recovery (the store is unreachable)."""
+        logger.error("worker %s ends at step %d: %s", self.wid, self.step, self.end_reason)
+        self.phase = Phase.LEFT
+        self.ddp = None
+        self._next_epoch.drop()
+        self.group.abort()
+        return False
+
     def _commit(self, now: float) -> bool:
+        if self.end_reason is not None:
+            return self._end_cleanly()
         self.sampler.advance(self.batches)
         self.state.counters["step"] += 1
         self._next_epoch.poll()
@@ -788,6 +823,8 @@ class ElasticTrainer:
             raise TooManyFailures(f"{action.failures} failed commits in a row at step {self.step}; "
                                   f"last: {action.error}")
         if outcome is CommitOutcome.RECOVER:
+            if self.end_reason is not None:
+                return self._end_cleanly()
             self._recover(action.error)
             return True
         switch_at, self._switch_at = self._switch_at, None  # an armed switch holds for one commit point only

@@ -30,7 +30,7 @@ from predictor.mixed import consider_mixed
 from slurm_plugin.contracts.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from predictor.store import register_hint
-from slurm_plugin.contracts.tres import job_desc_number, requested_shape
+from slurm_plugin.contracts.tres import TresError, gpu_types, job_desc_number, requested_shape
 from slurm_plugin.contracts.directives import PREFIX, line_of, parse_lines
 from slurm_plugin.errors import DirectiveError
 
@@ -104,6 +104,11 @@ def _job(value: Any) -> dict:
         else:
             if not isinstance(item, str) or len(item) > bound:
                 raise ValidationError(f"job.{key}", f"expected a string of at most {bound} characters or null")
+            if key.startswith("tres_per_"):
+                try:
+                    gpu_types(item)  # Slurm's GRES grammar (slurm_plugin.contracts.tres): garbage is a 400
+                except TresError as e:
+                    raise ValidationError(f"job.{key}", str(e)) from None
             job[key] = item
     if job.get("min_nodes") and job.get("max_nodes") and job["max_nodes"] < job["min_nodes"]:
         raise ValidationError("job.max_nodes", f"{job['max_nodes']} is below min_nodes {job['min_nodes']}")
@@ -256,6 +261,10 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     model = d.get("model")
     if model is None:
         return _keep("no model= directive: add `#ELASTIC model=<profile>` to let the predictor size the job")
+    types = sorted({t for key in ("tres_per_node", "tres_per_job") for t in gpu_types(request.job.get(key))})
+    if len(types) > 1:  # one count per node would lose the types (#42): the request stays as written
+        return _keep(f"the job asks for several GPU types ({', '.join(types)}): left as written, by type",
+                     model=model)
     parts = _pick_partitions(cluster, request.job, d.get("gpu_type"))
     if isinstance(parts, str):
         return _keep(parts, model=model)

@@ -29,7 +29,7 @@ def split_top(expr: str) -> list[str]:
         else:
             cur += ch
     parts.append(cur)
-    return [p for p in (s.strip() for s in parts) if p]
+    return [p for p in (s.strip(" \t\n\v\f\r") for s in parts) if p]  # ASCII whitespace, as Lua's %s
 
 
 def expand(spec: str) -> list[str]:

@@ -52,6 +52,7 @@ class WorkerEnv:
     speed: float = 1.0                       # ELASTIC_SPEED: this node's GPUs' relative speed (mixed types)
     per_gpu_batch: Optional[int] = None      # ELASTIC_PER_GPU_BATCH: the #ELASTIC per_gpu_batch, if the job set it
     max_global_batch: Optional[int] = None   # ELASTIC_MAX_GLOBAL_BATCH: likewise
+    model: Optional[str] = None              # ELASTIC_MODEL: the #ELASTIC model=, if the job set it
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "WorkerEnv":
@@ -79,7 +80,21 @@ class WorkerEnv:
             raise SystemExit(str(exc)) from None
         return cls(wid, store, environ.get("ELASTIC_NODE", "?"), int(environ["SLURM_LOCALID"]), max(1, cpus),
                    speed=speed, per_gpu_batch=number("ELASTIC_PER_GPU_BATCH", int),
-                   max_global_batch=number("ELASTIC_MAX_GLOBAL_BATCH", int))
+                   max_global_batch=number("ELASTIC_MAX_GLOBAL_BATCH", int), model=environ.get("ELASTIC_MODEL") or None)
+
+    def profile(self, given: str) -> str:
+        """The predictor profile this worker's rows are labelled with: the script's ``--profile``, which must be the
+        job's ``#ELASTIC model=`` when it set one (#42: the launcher plans and labels the job's rows with the
+        directive's).
+
+        Raises:
+            SystemExit: they differ (the job stops at start, naming both).
+        """
+        if self.model is not None and given != self.model:
+            raise SystemExit(f"--profile {given} disagrees with the job's `#ELASTIC model={self.model}`: the "
+                             "launcher plans and labels the job's history with the directive's; pass --profile "
+                             f"{self.model} or fix the directive")
+        return given
 
     def agreed(self, option: str, given: Optional[int], directive: Optional[int], default: Optional[int]):
         """The value a job runs with for ``option``: the script's own (``given``), else the directive's, else the
@@ -342,6 +357,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     """
     env = WorkerEnv.from_environ(environ)
     saving = Checkpointing.of(args)
+    profile = env.profile(profile)
     batch = env.agreed("--per-gpu-batch", args.per_gpu_batch, env.per_gpu_batch, args.script_per_gpu_batch)
     cap = env.agreed("--max-global-batch", args.max_global_batch, env.max_global_batch, None)
     torch.manual_seed(args.seed)

@@ -14,9 +14,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.:/+-]{1,128}\Z")
 _GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 _INT_RE = re.compile(r"^[0-9]+\Z")
 _DECIMAL_RE = re.compile(r"^(?:[0-9]+(\.[0-9]+)?|\.[0-9]+)\Z")
-# docs/directives.md: lines end at \n, \r\n or \r; whitespace is space, tab, \v and \f (ASCII only, as Lua's %s).
-_LINE_END_RE = re.compile(r"\r\n|\r|\n")
-_SPACE = " \t\v\f"
+# docs/directives.md, as sbatch reads #SBATCH (Slurm 22.05, checked on the lab): lines end at \n only, so a lone \r
+# ends no line; whitespace is space, tab, \v, \f and \r (C's isspace less \n; ASCII only, as Lua's %s).
+_SPACE = " \t\v\f\r"
 _TOKEN_RE = re.compile(f"[^{_SPACE}]+")
 _PREFIXES = (PREFIX + " ", PREFIX + "\t")    # as predictor/planner.py checks the lines the hooks send
 
@@ -89,16 +89,19 @@ WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 
 
 def directive_lines(script: str) -> list[tuple[int, str]]:
-    """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers); none in the script
-    of `sbatch --wrap` (WRAP_HEADER)."""
+    """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers), read where sbatch
+    reads `#SBATCH`: up to the first line whose first non-whitespace character is not `#` (blank lines and
+    comments, indented ones too, do not end it); none in the script of `sbatch --wrap` (WRAP_HEADER), none in a
+    script whose lines end at a lone `\r` (one line, the `#!` line)."""
     found: list[tuple[int, str]] = []
     if script.startswith(WRAP_HEADER):
         return found
-    lines = _LINE_END_RE.split(script)
+    lines = script.split("\n")
     if lines[-1] == "":
         lines.pop()    # a line end after the last line starts no new line
     for number, line in enumerate(lines, start=1):
-        if line.strip(_SPACE) and not line.startswith("#"):
+        text = line.lstrip(_SPACE)
+        if text and not text.startswith("#"):
             break
         if line == PREFIX or line.startswith(_PREFIXES):
             found.append((number, line))

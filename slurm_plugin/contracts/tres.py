@@ -15,10 +15,41 @@ NO_VAL = 0xFFFFFFFE          # "unset" in a 32-bit job_desc field (INFINITE, 0xF
 NO_VAL16 = 0xFFFE            # "unset" in a 16-bit one (ntasks_per_node; INFINITE16 is NO_VAL16 + 1)
 
 
+class TresError(ValueError):
+    """A GPU entry of a TRES/GRES string that Slurm's grammar does not allow (the service answers 400)."""
+
+
+# docs/directives.md's whitespace plus line ends: C's isspace in the C locale, Lua's %s (ASCII only)
+_SPACE = " \t\n\v\f\r"
+_DIGITS = re.compile(r"[0-9]+")                 # a field of ASCII digits is a count ("²" is not a digit here)
+_COUNT = re.compile(r"[0-9]{1,10}")             # ... of at most 10 digits, at most MAX_COUNT
+_GPU_TYPE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # ASCII: `a100`, `nvidia_a100-sxm4-80gb`, MIG `1g.10gb`
+MAX_COUNT = 2**31 - 1
+
+
+def _count(text: str, item: str) -> int:
+    if not _COUNT.fullmatch(text) or int(text) > MAX_COUNT:
+        raise TresError(f"GPU entry {item!r}: count {text!r} is not a number in 0..{MAX_COUNT}")
+    return int(text)
+
+
+def _type(text: str, item: str) -> str:
+    if not _GPU_TYPE.fullmatch(text):
+        raise TresError(f"GPU entry {item!r}: type {text!r} is not 1-64 of A-Z a-z 0-9 _ . -")
+    return text
+
+
 def _gpu_item(item: str) -> tuple[str | None, int, bool] | None:
-    """One TRES/GRES entry read as (GPU type or None, count, key=value form) when it is a GPU entry:
-    `[gres:|gres/]gpu[:type][:count|=count]`, count 1 when absent, a `(IDX:..)`/`(S:..)` suffix ignored."""
-    body = item.split("(", 1)[0].strip()
+    """One TRES/GRES entry read as (GPU type or None, count, key=value form) when it is a GPU entry, None when it
+    is another entry. The grammar (Slurm's `name[:type][:count]`, and the accounting `gres/gpu[:type]=count`):
+    whitespace around the entry and a `(IDX:..)`/`(S:..)` suffix are ignored; `[gres:|gres/]gpu` then nothing
+    (1 GPU), `=N`, `:N`, `:TYPE` (1 GPU, as Slurm counts a MIG profile such as `gpu:1g.10gb`), `:TYPE:N` or
+    `:TYPE=N`. Counts are ASCII digits up to MAX_COUNT, types 1-64 of `[A-Za-z0-9_.-]`.
+
+    Raises:
+        TresError: a `gpu` entry outside that grammar (`gpu:²`, `gpu:a100:`, `gpu:a:1:2`, `gpu: a100`).
+    """
+    body = item.split("(", 1)[0].strip(_SPACE)
     body = body[5:] if body[:5] in ("gres:", "gres/") else body
     if body[:3] != "gpu" or body[3:4] not in ("", ":", "="):
         return None
@@ -26,17 +57,29 @@ def _gpu_item(item: str) -> tuple[str | None, int, bool] | None:
     if rest == "":
         return None, 1, False
     if rest[0] == "=":
-        return (None, int(rest[1:]), True) if rest[1:].isdigit() else None
-    head, sep, count = rest[1:].partition("=") if "=" in rest else rest[1:].partition(":")
-    if sep:
-        ok = _GPU_TYPE.fullmatch(head) and count.isdigit()
-        return (head, int(count), sep == "=") if ok else None
-    if head.isdigit():
-        return None, int(head), False
-    return (head, 1, False) if _GPU_TYPE.fullmatch(head) and not head[0].isdigit() else None
+        return None, _count(rest[1:], item), True
+    rest = rest[1:]
+    if "=" in rest:
+        head, _, count = rest.partition("=")
+        return _type(head, item), _count(count, item), True
+    fields = rest.split(":")
+    if len(fields) == 1:
+        if _DIGITS.fullmatch(rest):
+            return None, _count(rest, item), False
+        return _type(rest, item), 1, False
+    if len(fields) == 2:
+        return _type(fields[0], item), _count(fields[1], item), False
+    raise TresError(f"GPU entry {item!r}: expected gpu[:type][:count], got {len(fields)} fields after gpu")
 
 
-_GPU_TYPE = re.compile(r"[A-Za-z0-9_.-]+")
+def gpu_items(tres: str | None) -> list[tuple[str | None, int, bool]]:
+    """The GPU entries of a TRES/GRES list, in order (`_gpu_item`); entries are split at commas outside brackets
+    and parentheses.
+
+    Raises:
+        TresError: a malformed GPU entry.
+    """
+    return [e for e in (_gpu_item(item) for item in split_top(tres or "")) if e]
 
 
 def gpu_tres(tres: str | None) -> tuple[int | None, str | None]:
@@ -46,9 +89,12 @@ def gpu_tres(tres: str | None) -> tuple[int | None, str | None]:
     Returns (GPU count, GPU type). Entries add up (`gres/gpu:a100:2,gres/gpu:h100:2` is 4), except in the
     accounting form, where an untyped `gres/gpu=N` is the total of the typed `gres/gpu:T=N` beside it. The
     count is None without a gpu entry (`gres:shard:2`, "", None); the type is the one type of the typed
-    entries when no untyped request entry stands beside them, else None.
+    entries when no untyped request entry stands beside them, else None (`gpu_types` lists them all).
+
+    Raises:
+        TresError: a malformed GPU entry (`gres:gpu:²`).
     """
-    items = [e for e in (_gpu_item(item) for item in split_top(tres or "")) if e]
+    items = gpu_items(tres)
     if not items:
         return None, None
     has_total = any(t is None and kv for t, _, kv in items)
@@ -56,6 +102,16 @@ def gpu_tres(tres: str | None) -> tuple[int | None, str | None]:
     types = {t for t, _, _ in items if t is not None}
     untyped = any(t is None and not kv for t, _, kv in items)
     return count, (types.pop() if len(types) == 1 and not untyped else None)
+
+
+def gpu_types(tres: str | None) -> list[str]:
+    """The distinct GPU types a TRES/GRES list names, sorted (`gpu:h100:2,gpu:a100:1` -> [a100, h100]); a request
+    of several is not rewritten (the hook would lose its types), it is kept as written.
+
+    Raises:
+        TresError: a malformed GPU entry.
+    """
+    return sorted({t for t, _, _ in gpu_items(tres) if t is not None})
 
 
 def gpus_in_tres(tres: str | None) -> int | None:

@@ -115,15 +115,16 @@ function apply_cli_options(options, reply)
   if per_task and (not tasks or per_node == 0 or per_node % tasks ~= 0) then
     return nil, elastic.per_task_split(per_node, tasks)
   end
-  options["nodes"] = tostring(nodes)
   local partition = elastic.moved_to(option(options, "partition"), reply)
+  local gres, new_gres, why = option(options, "gres"), nil, nil
+  if gres then  -- computed before any option is set: a request of several GPU types is kept as written
+    new_gres, why = elastic.set_gpu_tres(option_tres("gres", gres), per_node, partition and (reply.gpu or "") or nil)
+    if not new_gres then return nil, "--gres: " .. why end
+  end
+  options["nodes"] = tostring(nodes)
   if partition then options["partition"] = partition end
   if reply.constraint then options["constraint"] = reply.constraint end
-  local gres = option(options, "gres")
-  if gres then
-    options["gres"] = (elastic.set_gpu_tres(option_tres("gres", gres), per_node, partition and (reply.gpu or "") or nil)
-                       :gsub("gres:", ""))
-  end
+  if gres then options["gres"] = (new_gres:gsub("gres:", "")) end
   if option(options, "gpus-per-node") or not gres then options["gpus-per-node"] = tostring(per_node) end
   if option(options, "gpus") then options["gpus"] = tostring(nodes * per_node) end
   if per_task then options["gpus-per-task"] = tostring(per_node / tasks) end

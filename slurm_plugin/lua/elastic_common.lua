@@ -35,18 +35,19 @@ function M.read_config(path)
   return cfg, problems[1] and table.concat(problems, "; ") or nil
 end
 
--- The #ELASTIC lines ({no, line}) of the directive block (up to the first line neither blank nor a comment), as
--- slurm_plugin/contracts/directives.py reads them; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
+-- The #ELASTIC lines ({no, line}) of the directive block, as slurm_plugin/contracts/directives.py reads them and sbatch
+-- reads #SBATCH: lines end at \n only (a lone \r ends none), the block ends at the first line whose first character
+-- other than space, \t, \v, \f, \r is not `#`; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
 local WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 function M.directive_lines(script)
   local found, pos, number = {}, 1, 0
   if type(script) ~= "string" or script:sub(1, #WRAP_HEADER) == WRAP_HEADER then return found end
   while pos <= #script do
-    local s, e = script:find("[\r\n]", pos)
-    if s and script:sub(s, s + 1) == "\r\n" then e = s + 1 end
+    local s = script:find("\n", pos, true)
     local line = script:sub(pos, (s or #script + 1) - 1)
-    number, pos = number + 1, (e or #script) + 1
-    if line:find("%S") and line:sub(1, 1) ~= "#" then break end
+    number, pos = number + 1, (s or #script) + 1
+    local first = line:match("^[ \t\v\f\r]*(.?)")
+    if first ~= "" and first ~= "#" then break end
     if line == "#ELASTIC" or line:match("^#ELASTIC[ \t]") then found[#found + 1] = { no = number, line = line } end
   end
   return found
@@ -156,29 +157,64 @@ function M.new_cache(max_entries)
   return c
 end
 
--- The one TRES/GRES reader here, as slurm_plugin.contracts.tres.gpu_tres (tests/vectors/tres.json): gpu entries ({type, count,
--- kv}) `[gres:|gres/]gpu[:type][:count|=count]` (count 1 when absent, `(IDX:..)` ignored) and the other entries.
-local function valid_type(t) return t ~= "" and t:match("^[%w_.%-]+$") ~= nil end
-local function gpu_item(item)
+-- The one TRES/GRES reader here, as slurm_plugin.contracts.tres (its _gpu_item states the grammar; vectors in
+-- tests/vectors/tres.json): gpu entries ({type, count, kv}) `[gres:|gres/]gpu[:type][:count|=count]` (count 1 when
+-- absent: a MIG profile `gpu:1g.10gb` is 1 GPU; `(IDX:..)` and ASCII whitespace ignored), the other entries, and the
+-- first malformed gpu entry's error. Counts: ASCII digits up to 2^31-1; types: 1-64 of [A-Za-z0-9_.-].
+local MAX_COUNT = 2147483647
+local function count_of(text, item)
+  local n = #text <= 10 and text:match("^%d+$") and tonumber(text)
+  if n and n <= MAX_COUNT then return n end
+  return nil, ("GPU entry %q: count %q is not a number in 0..%d"):format(item, text, MAX_COUNT)
+end
+local function type_of(text, item)
+  if #text >= 1 and #text <= 64 and text:match("^[%w_.%-]+$") then return text end
+  return nil, ("GPU entry %q: type %q is not 1-64 of A-Z a-z 0-9 _ . -"):format(item, text)
+end
+local function gpu_item(item)   -- entry, or nil (not a gpu entry), or false and why (malformed)
   local body = item:gsub("%(.*$", ""):match("^%s*(.-)%s*$")
   local rest = (body:match("^gres[:/](.*)$") or body):match("^gpu(.*)$")
   if rest == "" then return { count = 1 } end
   if rest == nil or not rest:match("^[:=]") then return nil end
-  if rest:match("^=%d+$") then return { count = tonumber(rest:sub(2)), kv = true } end
+  local function entry(gtype, terr, count, cerr, kv)
+    if terr or cerr then return false, terr or cerr end
+    return { type = gtype, count = count, kv = kv }
+  end
+  if rest:sub(1, 1) == "=" then
+    local n, cerr = count_of(rest:sub(2), item)
+    return entry(nil, nil, n, cerr, true)
+  end
   rest = rest:sub(2)
-  local head, sep, count = rest:match("^([^=]*)(=)(.*)$")
-  if not sep then head, sep, count = rest:match("^([^:]*)(:)(.*)$") end
-  local ok = sep and valid_type(head) and count:match("^%d+$")
-  if sep then return ok and { type = head, count = tonumber(count), kv = sep == "=" } or nil end
-  if rest:match("^%d+$") then return { count = tonumber(rest) } end
-  return valid_type(rest) and not rest:match("^%d") and { type = rest, count = 1 } or nil
+  local head, count = rest:match("^([^=]*)=(.*)$")
+  if head then
+    local t, terr = type_of(head, item)
+    local n, cerr = count_of(count, item)
+    return entry(t, terr, n, cerr, true)
+  end
+  local fields = {}
+  for f in (rest .. ":"):gmatch("([^:]*):") do fields[#fields + 1] = f end
+  if #fields == 1 then
+    if rest:match("^%d+$") then
+      local n, cerr = count_of(rest, item)
+      return entry(nil, nil, n, cerr)
+    end
+    local t, terr = type_of(rest, item)
+    return entry(t, terr, 1)
+  end
+  if #fields == 2 then
+    local t, terr = type_of(fields[1], item)
+    local n, cerr = count_of(fields[2], item)
+    return entry(t, terr, n, cerr)
+  end
+  return false, ("GPU entry %q: expected gpu[:type][:count], got %d fields after gpu"):format(item, #fields)
 end
 local function tres_entries(list)
-  local gpus, others, depth, cur = {}, {}, 0, ""
+  local gpus, others, depth, cur, err = {}, {}, 0, "", nil
   local function flush()
     local item = cur:match("^%s*(.-)%s*$"); cur = ""
-    local e = item ~= "" and gpu_item(item)
-    if e then gpus[#gpus + 1] = e elseif item ~= "" then others[#others + 1] = item end
+    if item == "" then return end
+    local e, why = gpu_item(item)
+    if e then gpus[#gpus + 1] = e elseif e == false then err = err or why else others[#others + 1] = item end
   end
   for ch in tostring(list or ""):gmatch(".") do
     if ch == "," and depth == 0 then flush() else
@@ -187,12 +223,14 @@ local function tres_entries(list)
     end
   end
   flush()
-  return gpus, others
+  return gpus, others, err
 end
 -- (GPU count, GPU type) of a TRES/GRES list or nil: entries add up, but an accounting `gres/gpu=N` is the total of the
 -- `gres/gpu:T=N` beside it; the type is the typed entries' one type when no untyped request entry stands beside them.
+-- A malformed gpu entry: nil, nil, why.
 function M.gpu_tres(list)
-  local gpus = tres_entries(list)
+  local gpus, _, err = tres_entries(list)
+  if err then return nil, nil, err end
   if #gpus == 0 then return nil, nil end
   local has_total, untyped, types, ntypes, count = false, false, {}, 0, 0
   for _, e in ipairs(gpus) do
@@ -202,11 +240,31 @@ function M.gpu_tres(list)
   for _, e in ipairs(gpus) do count = count + ((has_total and e.kv and e.type) and 0 or e.count) end
   return count, (ntypes == 1 and not untyped) and next(types) or nil
 end
+-- The distinct GPU types a list names, sorted; nil and why for a malformed gpu entry.
+function M.gpu_types(list)
+  local gpus, _, err = tres_entries(list)
+  if err then return nil, err end
+  local seen, out = {}, {}
+  for _, e in ipairs(gpus) do
+    if e.type and not seen[e.type] then seen[e.type], out[#out + 1] = true, e.type end
+  end
+  table.sort(out)
+  return out
+end
 local function gpu_count(list) return (M.gpu_tres(list)) end
+function M.several_types(types)
+  return ("several GPU types (%s): one count would lose them; kept as written"):format(table.concat(types, ", "))
+end
 -- The list with its gpu entries replaced by one `gres:gpu[:type]:count` after the others (count nil: removed),
 -- keeping the request's one GPU type unless `gpu` (a moved job's new type) differs: the new nodes lack it.
+-- nil and why when the list has a malformed gpu entry or names several GPU types (one count would lose them).
 function M.set_gpu_tres(list, count, gpu)
-  local _, out = tres_entries(list)
+  local _, out, err = tres_entries(list)
+  local types = M.gpu_types(list)
+  if err then return nil, err end
+  if count and #types > 1 then
+    return nil, M.several_types(types)
+  end
   local _, gpu_type = M.gpu_tres(list)
   if gpu_type and gpu and gpu_type:lower() ~= tostring(gpu):lower() then gpu_type = nil end
   if count then out[#out + 1] = "gres:gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count end
@@ -352,16 +410,27 @@ end
 function M.rewrite_fields(job_desc, reply)
   local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
   local f, env = { min_nodes = nodes, max_nodes = nodes, req_switch = reply.switches, features = reply.constraint }, {}
+  local why
+  for _, key in ipairs({ "tres_per_task", "tres_per_node", "tres_per_job" }) do
+    local types, err = M.gpu_types(job_desc[key])
+    if not types then return nil, key .. ": " .. err end
+    if #types > 1 then return nil, key .. ": " .. M.several_types(types) end
+  end
   f.partition = M.moved_to(str(job_desc.partition), reply)
   local new_type = f.partition and (reply.gpu or "") or nil   -- moved: a typed request keeps only this type
   local per_task = gpu_count(job_desc.tres_per_task)
   if per_task then
     if not tasks or per_node % tasks ~= 0 or per_node == 0 then return nil, M.per_task_split(per_node, tasks) end
-    f.tres_per_task = M.set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
+    f.tres_per_task, why = M.set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
+    if why then return nil, "tres_per_task: " .. why end
     env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
   end
-  f.tres_per_node = M.set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type)
-  if job_desc.tres_per_job ~= nil then f.tres_per_job = M.set_gpu_tres(job_desc.tres_per_job, nil) end
+  f.tres_per_node, why = M.set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type)
+  if why then return nil, "tres_per_node: " .. why end
+  if job_desc.tres_per_job ~= nil then
+    f.tres_per_job, why = M.set_gpu_tres(job_desc.tres_per_job, nil)
+    if why then return nil, "tres_per_job: " .. why end
+  end
   local cpus_per_task = num(job_desc.cpus_per_task, NO_VAL16) or 1
   if tasks then f.ntasks_per_node, env.SLURM_NTASKS_PER_NODE = tasks, tostring(tasks) end
   if num(job_desc.num_tasks) then   -- a task count (-n, or one sbatch derived): it follows the new layout

@@ -49,7 +49,7 @@ def lua_read(scripts: list[str]) -> list[dict]:
             for g in got]
 
 
-_TOKEN = re.compile(r"(?<=[ \t\v\f])min_efficiency=([^ \t\v\f\r\n]+)")
+_TOKEN = re.compile(r"(?<=[ \t\v\f\r])min_efficiency=([^ \t\v\f\r\n]+)")
 
 
 def disagreement(script: str, lua: dict) -> str | None:
@@ -116,7 +116,7 @@ def test_vector(lua_results, index):
 
 
 def test_lua_reads_as_python_on_generated_scripts():
-    scripts = generated_scripts(400, seed=5)
+    scripts = generated_scripts(500, seed=5)
     found = [(s, what) for s, got in zip(scripts, lua_read(scripts)) if (what := disagreement(s, got))]
     assert not found, found[:5]
     assert sum(got["v"] is not None for got in lua_read(scripts)) > 50     # the band value is exercised

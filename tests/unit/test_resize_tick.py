@@ -552,6 +552,42 @@ def test_a_hung_node_left_out_by_the_survivors_is_terminated_then_killed_on_dead
     assert [x["action"] for x in c.records.items if x["kind"] == "transition"] == ["failure"]
 
 
+@pytest.mark.parametrize("planner_nodes", [2, 1, None], ids=["planner-wants-it", "planner-shrinks", "no-advice"])
+def test_a_fenced_out_node_rejoins_as_a_newcomer_when_the_planner_wants_it(tmp_path, planner_nodes):
+    """#42.3: node2's workers still ran (hung past the arrival deadline) when the survivors fenced them out. The
+    planner wants 2 nodes: the node's step is ended but the node is kept, and fresh workers there join as newcomers
+    (a grow); the planner wants 1, or has not answered yet: the node is given back, as before."""
+    from elastic_launcher.autoscale import PLANNER, PlanAdvice
+    clock = Clock()
+    c = make_controller(tmp_path, clock)
+    if planner_nodes is not None:
+        c._plan_cache = (2, clock.t, PlanAdvice(planner_nodes, PLANNER, "test"))
+    c.coord.plan = Plan(5, wids("node1"), 1, "recovery")       # the survivors fenced node2's workers out
+    c._tick()
+    (f,) = [x for x in c.records.items if x["kind"] == "failure"]
+    assert f["cause"] == "left out of the membership while running" and f["rejoin"] is (planner_nodes == 2)
+    switch(c.resizer, c.coord.plan)
+    for _ in range(3):
+        c._tick()
+    clock.t += 5
+    for _ in range(3):
+        c._tick()
+    assert c.pool.signals[0] == ("node2", 15)                   # the hung workers' step is ended either way
+    if planner_nodes != 2:
+        assert c.pool.started == [] and "node2" not in c.fleet.nodes and "node2" not in c.fleet.joining
+        assert c.slurm.shrunk, "the node was not given back"
+        return
+    assert c.pool.started == ["node2"] and "node2" in c.fleet.joining and not getattr(c.slurm, "shrunk", None)
+    new = ["j42-node2-g1-0"]
+    c.coord.joined_ids = new
+    c._tick()
+    assert c.coord.posted[-1].members == (*wids("node1"), *new) and c.coord.posted[-1].kind == "resize"
+    switch(c.resizer, c.coord.posted[-1])
+    c._tick()
+    assert c.phase is JobPhase.RUNNING and set(c.fleet.nodes) == {"node1", "node2"}
+    assert [x["action"] for x in c.records.items if x["kind"] == "transition"] == ["failure", "rejoin"]
+
+
 def test_a_failed_batch_host_is_restarted_and_rejoins_without_a_wait(tmp_path, monkeypatch):
     clock = Clock()
     c = make_controller(tmp_path, clock)

@@ -193,6 +193,32 @@ def _lose_ranks(tmp_path, faults: dict, **opts) -> tuple[list, dict, dict]:
     return recs, res, codes
 
 
+def test_a_hung_but_beating_rank_is_fenced_at_the_arrival_deadline(tmp_path):
+    # #42: w2 sleeps 30 s in step 8 outside any collective (a hung loader, a slow file system) while its heartbeat
+    # thread beats on. The others' collective times out (4 s); they recover, and w2 never arrives: at the arrival
+    # deadline (2 s) it is fenced out and w0, w1 train on. Before #42 they waited for the rendezvous timeout (60 s
+    # here) and raised RendezvousTimeout. w2, awake, finds itself recovered without and leaves.
+    cl = Cluster(str(tmp_path), target_world=2, faults={"w2": [("hang", 8, 30)]}, timeout_s=4,
+                 arrival_timeout_s=2, rendezvous_timeout_s=LONG_WAIT_S)
+    try:
+        cl.coord.start(ALL4[:3])
+        cl.spawn(ALL4[:3])
+        res = cl.results(3, timeout=120)
+        record = cl.coord.record()
+    finally:
+        codes = _finish(cl)
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}, codes
+    assert "recovered without it" in res["w2"]["fenced"], res["w2"]
+    survivors = {w: r for w, r in res.items() if w != "w2"}
+    assert all(r["world"] == 2 and not r["left"] for r in survivors.values())
+    assert record.epoch.members == ("w0", "w1") and record.epoch.kind == "recovery"
+    _assert_same_params(survivors)
+    recs = [s for r in survivors.values() for s in r["switches"] if s["kind"] == "recovery"]
+    assert len(recs) == 2 and all(s["old_world"] == 3 and s["world"] == 2 for s in recs), recs
+    print("recover_s:", sorted(round(s["recover_s"], 2) for s in recs))
+    check_accounting(read_logs(str(tmp_path)), survivors["w0"]["sampler"])
+
+
 def test_the_survivor_that_opens_the_recovery_dies_and_the_others_finish_it(tmp_path):
     # w3 dies in step 8's backward; whichever survivor opens the recovery in the record dies right after its
     # write won (once the leader). The other two finish it and train on: they do not wait for the rendezvous

@@ -1,7 +1,8 @@
 """Multi-process harness for the elastic runtime tests (gloo, spawned workers, controller in the test).
 
-Each worker trains a small MLP regression with :class:`ElasticTrainer`, logs the dataset indices of every step
-it processed to its own file once a commit point covers the step (a rollback takes back the steps after the
+Each worker trains a small MLP regression with :class:`ElasticTrainer`, logs the sample ids its model received in
+every step (each item carries its dataset index through the DataLoader: what was delivered, not what the sampler
+said) to its own file once a commit point covers the step (a rollback takes back the steps after the
 last commit point; line-buffered, so a SIGKILLed worker's committed steps survive), and returns its final
 parameters, its full-dataset loss history and its switch records through a queue.
 """
@@ -31,7 +32,8 @@ def make_dataset() -> torch.utils.data.TensorDataset:
 
 
 class LoaderTagged(torch.utils.data.Dataset):
-    """The harness's items, each with the pid of the process that loaded it (a DataLoader worker, or the trainer)."""
+    """The harness's items, each with the pid of the process that loaded it (a DataLoader worker, or the trainer)
+    and its own index (the sample id the model receives)."""
 
     def __init__(self, base: torch.utils.data.Dataset) -> None:
         self.base = base
@@ -41,7 +43,7 @@ class LoaderTagged(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         x, y = self.base[i]
-        return x, y, os.getpid()
+        return x, y, os.getpid(), i
 
 
 def make_model() -> torch.nn.Module:
@@ -54,6 +56,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     torch.set_num_threads(1)
     from elastic_launcher.batch_policy import BatchPolicy
     from elastic_launcher.committed import CommittedSteps
+    from elastic_launcher.errors import LeftGroup
     from elastic_launcher.testing import FaultPlan
     from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
 
@@ -70,8 +73,12 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     fault = None
     if opts.get("fail_at") and opts["fail_at"][0] == wid:
         fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
-    # ("at", rank, step, after_s), ("recovery", event), ("switch", event)
+    # ("at", rank, step, after_s), ("recovery", event), ("switch", event), ("hang", step, seconds)
+    hang = {}
     for kind, *args in opts.get("faults", {}).get(wid, ()):
+        if kind == "hang":  # beats all along, but the training thread sleeps (a hung loader, a slow file system)
+            hang[args[0]] = args[1]
+            continue
         fault = fault or FaultPlan()
         if kind == "at":
             fault.fail_at(args[0], args[1], after_s=args[2])
@@ -83,6 +90,8 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
                         connect_timeout=timedelta(seconds=opts.get("connect_timeout_s", 40)),
                         rendezvous_timeout=timedelta(seconds=opts.get("rendezvous_timeout_s", 60)), heartbeat_interval=timedelta(seconds=0.1),
                         heartbeat_timeout=timedelta(seconds=2), peer_watchdog=opts.get("peer_watchdog"),
+                        arrival_timeout=(timedelta(seconds=opts["arrival_timeout_s"])
+                                         if opts.get("arrival_timeout_s") else None),
                         commit_every=opts.get("commit_every"))
     warm = None
     if opts.get("warm_up_s") is not None:  # a real local step, made slow: it must stay off the critical path
@@ -103,14 +112,16 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     steps = CommittedSteps()  # steps trained since the last commit point: a rollback takes them back
     try:
         stop_at = None  # all ranks reach the target world at the same step, so they stop together
-        source = LoaderTagged(ds) if opts.get("loader") else ds
+        source = LoaderTagged(ds)
         injected = False
         for batch in et.loader(source, **opts.get("loader", {})):
             x, y = batch[0], batch[1]
             step, epoch, idx = et.step, et.epoch, list(et.batch_indices)
-            entry = {"wid": wid, "step": step, "epoch": epoch, "idx": idx}
-            if len(batch) > 2:
+            entry = {"wid": wid, "step": step, "epoch": epoch, "idx": idx, "ids": batch[3].tolist()}
+            if opts.get("loader"):
                 entry.update(pid=os.getpid(), loaders=sorted(set(batch[2].tolist())))
+            if step in hang:
+                time.sleep(hang.pop(step))
             if opts.get("error_at") == (wid, step) and not injected:
                 injected = True
                 et.report_error(RuntimeError(f"injected at step {step}"))  # rolls back at the next commit point
@@ -120,7 +131,11 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
             opt.zero_grad()
             if stop_at is None and wid in opts.get("skew", {}):  # out of phase with its peers until the resize
                 time.sleep(opts["skew"][wid])
-            alive = et.commit()
+            try:
+                alive = et.commit()
+            except LeftGroup as e:  # fenced out by the survivors (it was declared dead)
+                out.put({"wid": wid, "fenced": str(e), "step": et.step})
+                return
             steps.add(step, entry)
             for e in steps.ready(et.step, et.committed_step):  # committed; a leaver's last step counts too
                 log.write(json.dumps(e) + "\n")
@@ -237,11 +252,12 @@ def read_logs(logdir: str) -> list[dict]:
 
 
 def check_accounting(entries: list[dict], final_sampler: dict) -> None:
-    """Every completed epoch covers each index exactly once; the current epoch has no duplicate and its count
-    equals the sampler position."""
+    """On the sample ids the models received (``ids``, carried by the items, not the sampler's ``idx``): every
+    completed epoch delivered each sample exactly once across the ranks; the current epoch has no duplicate and its
+    count equals the sampler position."""
     by_epoch: dict[int, list[int]] = {}
     for e in entries:
-        by_epoch.setdefault(e["epoch"], []).extend(e["idx"])
+        by_epoch.setdefault(e["epoch"], []).extend(e["ids"])
     for ep, idx in by_epoch.items():
         if ep < final_sampler["epoch"]:
             assert sorted(idx) == list(range(N_SAMPLES)), f"epoch {ep}: {len(idx)} samples, " \

@@ -321,4 +321,4 @@ def test_the_script_takes_the_directives_batch_and_refuses_a_different_one():
         env.agreed("--per-gpu-batch", 64, env.per_gpu_batch, 64)
     plain = WorkerEnv.from_environ({k: v for k, v in environ.items() if k != "ELASTIC_PER_GPU_BATCH"})
     assert plain.agreed("--per-gpu-batch", None, plain.per_gpu_batch, 64) == 64  # no directive: the script's
-    assert Directives.from_script("#!/bin/bash\n#ELASTIC model=resnet50\n").worker_env() == {}
+    assert Directives.from_script("#!/bin/bash\n#ELASTIC model=resnet50\n").worker_env() == {"ELASTIC_MODEL": "resnet50"}

@@ -1,0 +1,45 @@
+"""#42: the hook reads `#ELASTIC` lines exactly where the real sbatch reads `#SBATCH` (marker slurm).
+
+Each script puts `#SBATCH --comment=sbatch-read` and an `#ELASTIC` line after the case's tricky lines: whether sbatch
+read its header that far shows in the job's Comment, whether the hook did in the fake predictor's requests. They
+must agree. Before #42 the hook stopped at an indented comment (sbatch reads on) and read lines split at a lone
+`\\r` (sbatch reads none: the whole script is its `#!` line).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.test_hook import bed, hook, predictor, sbatch, show_job  # noqa: F401 - fixtures
+
+TAIL = "#SBATCH --comment=sbatch-read\n#ELASTIC model=resnet50 gpus=2-8\nsrun true\n"
+CASES = {  # case -> (script, whether sbatch reads the lines after the case's: Slurm 22.05 on the lab)
+    "indented comment": ("#!/bin/bash\n   # a note\n" + TAIL, True),
+    "tab-indented comment": ("#!/bin/bash\n\t#a note\n" + TAIL, True),
+    "whitespace-only lines": ("#!/bin/bash\n \t\n\n\f\n" + TAIL, True),
+    "indented command": ("#!/bin/bash\n  echo hi\n" + TAIL, False),
+    "lone CR line ends": (("#!/bin/bash\n" + TAIL).replace("\n", "\r"), False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_hook_reads_the_header_where_sbatch_does(hook, predictor, sbatch, bed, case):
+    hook(predictor.url)
+    text, reads = CASES[case]
+    result = sbatch(text, "-H", "-J", "mode-keep")
+    assert result.rc == 0, result.stderr
+    sbatch_read = "sbatch-read" in show_job(bed, result.job_id).get("Comment", "")
+    hook_read = any(r["path"].endswith("/v1/plan") for r in predictor.requests)
+    assert hook_read == sbatch_read, (case, sbatch_read, hook_read, predictor.requests)
+    assert sbatch_read is reads, f"{case}: sbatch's reading changed; this test's table is out of date"
+
+
+def test_a_request_of_several_gpu_types_is_kept_by_type_with_a_message(hook, predictor, sbatch, bed):
+    # #42: `--gres=gpu:h100:2,gpu:a100:1` was rewritten to one untyped count per node (both types lost); a plan
+    # to rewrite it is now not applied, and the job keeps both types as written
+    hook(predictor.url)
+    result = sbatch("#!/bin/bash\n#ELASTIC model=resnet50 gpus=2-8\nsrun true\n", "-H", "-J", "mode-rewrite",
+                    "--gres=gpu:h100:2,gpu:a100:1")
+    assert result.rc == 0, result.stderr
+    job = show_job(bed, result.job_id)
+    assert "several GPU types (a100, h100)" in result.stderr, result.stderr
+    assert "h100:2" in job["TresPerNode"] and "a100:1" in job["TresPerNode"], job["TresPerNode"]

@@ -1,0 +1,215 @@
+"""#42: no single fault wedges a job. A store error in the heartbeat is retried (the worker stays); a beat that
+cannot be written for ``heartbeat_timeout`` ends the worker with a reason; a member that beats but never arrives at
+a recovery is fenced out at the arrival deadline and the survivors go on (its node rejoining: test_resize_tick).
+Clocks are stepped by the tests (no real-time windows)."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_launcher.errors import LeftGroup
+from elastic_launcher.membership import Coordinator, Membership, backoff
+from elastic_launcher.peer_watch import BeatClock
+from tests.unit.test_runtime_units import store  # noqa: F401 - a fixture
+
+
+class FlakyStore(dist.Store):
+    """A client of the job's store whose writes of beats fail while ``failing`` says so (a count, or True)."""
+
+    def __init__(self, port: int, failing) -> None:
+        super().__init__()
+        self.base = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        self.failing = failing  # shared list: [n] -> fail the next n beat writes; [True] -> fail every one
+
+    def set(self, key, value):
+        if "/hb/" in key and self.failing[0]:
+            if self.failing[0] is not True:
+                self.failing[0] -= 1
+            raise RuntimeError("injected store error (connection reset)")
+        return self.base.set(key, value)
+
+    def get(self, key):
+        return self.base.get(key)
+
+    def check(self, keys):
+        return self.base.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.base.compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        return self.base.wait(keys) if timeout is None else self.base.wait(keys, timeout)
+
+    def add(self, key, n):
+        return self.base.add(key, n)
+
+    def append(self, key, value):
+        return self.base.append(key, value)
+
+    def multi_get(self, keys):
+        return self.base.multi_get(keys)
+
+
+def _flaky_member(store, wid: str, failing: list, **kw) -> Membership:
+    clients = []  # a Python store must outlive the C++ PrefixStore that wraps it
+
+    def connect() -> FlakyStore:
+        clients.append(FlakyStore(store.port, failing))
+        return clients[-1]
+    return Membership(connect, wid, timeout=timedelta(seconds=5),
+                      heartbeat_interval=timedelta(seconds=0.02), heartbeat_timeout=timedelta(seconds=5), **kw)
+
+
+def _beats_changing(store, wid: str, n: int = 3, within: float = 10.0) -> bool:
+    """True when ``wid``'s beat value changes ``n`` times within ``within`` seconds of real time."""
+    seen, deadline = [], time.monotonic() + within
+    while time.monotonic() < deadline:
+        v = store.get(f"elastic/hb/{wid}")
+        if not seen or seen[-1] != v:
+            seen.append(v)
+            if len(seen) > n:
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_backoff_doubles_from_an_eighth_of_the_interval_up_to_one():
+    assert [backoff(n, 0.8) for n in (1, 2, 3, 4, 5)] == [0.1, 0.2, 0.4, 0.8, 0.8]
+
+
+def test_one_failed_store_write_and_the_worker_stays(store):
+    failing = [0]
+    ended = []
+    m = _flaky_member(store, "a", failing, on_end=ended.append)
+    m.start()
+    try:
+        assert _beats_changing(store, "a")
+        failing[0] = 3  # three beats in a row fail (the client is replaced after two): the beat goes on
+        deadline = time.monotonic() + 10
+        while failing[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failing[0] == 0
+        assert _beats_changing(store, "a"), "the heartbeat stopped after a transient store error"
+        assert m.ended is None and ended == []
+        assert m._thread is not None and m._thread.is_alive()
+    finally:
+        m.stop()
+
+
+def test_a_beat_unwritten_for_heartbeat_timeout_ends_the_worker_with_a_reason(store):
+    now = [0.0]
+    ended = []
+    failing = [0]
+    m = _flaky_member(store, "a", failing, on_end=ended.append, clock=lambda: now[0])
+    m.start()
+    failing[0] = True  # from now on every beat fails (the store is unreachable)
+    try:
+        for _ in range(40):  # 0.2 s of the worker's clock a round: under 5 s, it keeps trying
+            now[0] += 0.1
+            time.sleep(0.01)
+        assert ended == [] and m._thread.is_alive(), "gave up before heartbeat_timeout"
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            now[0] += 0.5
+            time.sleep(0.01)
+        assert len(ended) == 1 and m.ended == ended[0]
+        assert "heartbeat not written for" in ended[0] and "heartbeat_timeout 5 s" in ended[0]
+        assert "injected store error" in ended[0]
+        m._thread.join(5)
+        assert not m._thread.is_alive()
+    finally:
+        m.stop()
+
+
+# ---- arrival deadline ------------------------------------------------------------------------------------------
+class _Host:
+    """A worker's membership on a clock the test steps; its recovery runs on a thread."""
+
+    def __init__(self, store, wid: str, now: list, arrival_s: float = 3.0) -> None:
+        self.m = Membership(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False),
+                            wid, timeout=timedelta(seconds=15), heartbeat_interval=timedelta(seconds=0.01),
+                            heartbeat_timeout=timedelta(seconds=5))
+        self.m.clock = lambda: now[0]
+        self.m.beats = BeatClock(clock=lambda: now[0])
+        self.m.arrival_timeout = timedelta(seconds=arrival_s)
+        self.result: dict = {}
+
+    def recover(self, failed) -> threading.Thread:
+        def run():
+            try:
+                self.result["plan"] = self.m.recover(failed)
+            except LeftGroup as e:
+                self.result["left"] = e
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                self.result["error"] = e
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+
+def _hung_member_fenced(store, now):
+    """a, b recover from epoch [a, b, hung]; hung beats all along but never arrives."""
+    coord = Coordinator(store)
+    failed = coord.start(["a", "b", "hung"])
+    hosts = {w: _Host(store, w, now) for w in ("a", "b", "hung")}
+    for h in hosts.values():
+        h.m.start()
+    threads = [hosts[w].recover(failed) for w in ("a", "b")]
+    return coord, failed, hosts, threads
+
+
+def test_a_hung_but_beating_member_is_fenced_at_the_arrival_deadline(store):
+    now = [0.0]
+    coord, failed, hosts, threads = _hung_member_fenced(store, now)
+    try:
+        for t in range(1, 12):  # up to 2.75 s of the observers' clocks: hung is still waited for
+            now[0] = t * 0.25
+            time.sleep(0.02)
+        assert all(t.is_alive() for t in threads), "decided before the arrival deadline"
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            now[0] += 0.25  # hung's beat keeps changing: it is never silent, only late
+            time.sleep(0.02)
+        plans = {w: hosts[w].result.get("plan") for w in ("a", "b")}
+        assert plans["a"] is not None and plans["a"].members == ("a", "b"), {w: h.result for w, h in hosts.items()}
+        assert plans["a"] == plans["b"] and 3.0 < now[0] < 5.0  # by the deadline, not by heartbeat_timeout
+        # the hung member comes back to the recovery: it was fenced out, and leaves
+        with pytest.raises(LeftGroup, match="was recovered without it"):
+            hosts["hung"].m.recover(failed)
+    finally:
+        for h in hosts.values():
+            h.m.stop()
+
+
+# ---- the trainer ends cleanly when its beat cannot be written --------------------------------------------------
+def test_a_trainer_whose_heartbeat_gave_up_leaves_at_its_next_commit_with_the_reason(store):
+    import torch
+    from elastic_launcher.batch_policy import BatchPolicy
+    from elastic_launcher.epoch_decisions import Phase
+    from elastic_launcher.trainer import ElasticTrainer, TrainerConfig
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    cfg = TrainerConfig(timeout=timedelta(seconds=10), connect_timeout=timedelta(seconds=10),
+                        rendezvous_timeout=timedelta(seconds=10), commit_every=2)
+    Coordinator(dist.PrefixStore("job", store)).start(["solo"])
+    et = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                        store_addr=f"127.0.0.1:{store.port}/job", worker_id="solo",
+                        policy=BatchPolicy(per_gpu_batch=4), config=cfg).join()
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    try:
+        it = et.loader(data)
+        x, y = next(it)
+        torch.nn.functional.mse_loss(et.model(x), y).backward()
+        assert et.commit() and et.end_reason is None
+        et.membership.on_end("worker solo: heartbeat not written for 5.0 s")  # what the heartbeat thread calls
+        x, y = next(it)
+        torch.nn.functional.mse_loss(et.model(x), y).backward()
+        assert et.commit() is False
+        assert et.left and et.phase is Phase.LEFT and "heartbeat not written" in et.end_reason
+        assert list(it) == []  # the loader ends: the training loop stops
+    finally:
+        et.close()
