@@ -356,8 +356,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
         environ: the process environment (read here once).
     """
     env = WorkerEnv.from_environ(environ)
-    saving = Checkpointing.of(args)
     profile = env.profile(profile)
+    saving = Checkpointing.of(args)
     batch = env.agreed("--per-gpu-batch", args.per_gpu_batch, env.per_gpu_batch, args.script_per_gpu_batch)
     cap = env.agreed("--max-global-batch", args.max_global_batch, env.max_global_batch, None)
     torch.manual_seed(args.seed)
