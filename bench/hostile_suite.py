@@ -104,7 +104,8 @@ def idle_flood(work: Path, server: str) -> dict:
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
     with open(work / f"idle-{server}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
+        dev = ("--allow-dev", "buffered") if server == "buffered" else ()
+        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, *dev, "--host",
                                  "127.0.0.1", "--port", str(port), "--db", str(work / f"idle-{server}.db")],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     held: list[socket.socket] = []

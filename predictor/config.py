@@ -5,7 +5,8 @@ Nothing else in the package reads the environment: `Config.from_env` is the one 
 the frozen object.
 
 Environment (read only by `Config.from_env`):
-    ELASTIC_PREDICTOR_TOKEN       bearer token required for writes (unset or empty: writes are open)
+    ELASTIC_PREDICTOR_TOKEN       bearer token required for writes (with no admin token and munge off, unset or
+                                  empty closes writes; `serve --allow-dev open-writes` opens them, #41.9)
     ELASTIC_PREDICTOR_DB          SQLite path (default `predictor.db`)
     ELASTIC_PREDICTOR_CLUSTER     JSON cluster model file (default: the built-in local testbed)
     ELASTIC_PREDICTOR_MAX_BODY    request body cap in bytes (default 4 MiB)
@@ -71,7 +72,10 @@ class Config:
 
     Attributes:
         db_path: SQLite database file.
-        token: bearer token for writes; None leaves writes open (a warning case, for tests and labs).
+        token: bearer token for writes; None with no admin token and munge off: writes are `open_writes`.
+        open_writes: with no credential configured, anyone may write (True in `Config()`, for tests and embedding
+            code; False from `from_env`, so `serve` and the WSGI factory close them unless `serve --allow-dev
+            open-writes`, #41.9). Ignored once a credential is configured.
         cluster: the cluster model used to enumerate candidate layouts.
         max_body_bytes: requests with a larger body get 413.
         refit_debounce: how long new observations are coalesced before the background refit.
@@ -133,6 +137,7 @@ class Config:
     decisions_max_bytes: int = 512 * 1024 * 1024
     plot_prerender: bool = False
     fits: bool = True
+    open_writes: bool = True
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -182,6 +187,7 @@ class Config:
             if env.get(name):
                 values[field] = parse(env, name)
         values["plot_prerender"] = _bool_var(env, ENV_PLOT_PRERENDER) if env.get(ENV_PLOT_PRERENDER) else True
+        values["open_writes"] = False
         from_env = set(values)
         values.update({k: v for k, v in overrides.items() if v is not None})
         from_env -= {k for k, v in overrides.items() if v is not None}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -78,6 +79,11 @@ def _m0005_write_keys(db: sqlite_utils.Database) -> None:
                                    "created_at_s": float}, pk=("caller", "key"),
                                   not_null={"first_id", "last_id", "generation", "created_at_s"})
     db.table("write_keys").create_index(["created_at_s"])
+
+
+def _m0010_write_key_digests(db: sqlite_utils.Database) -> None:
+    # the body each idempotency key was first used with (#41.8): a reused key with another body is refused
+    db.execute("ALTER TABLE write_keys ADD COLUMN digest TEXT NOT NULL DEFAULT ''")
 
 
 def _m0006_decision_clients(db: sqlite_utils.Database) -> None:
@@ -153,6 +159,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0007_profile_owners", _m0007_profile_owners),
     ("0008_job_claims", _m0008_job_claims),
     ("0009_profile_summaries", _m0009_profile_summaries),
+    ("0010_write_key_digests", _m0010_write_key_digests),
 ]
 WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
 WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this long after a release (_begin_immediate)
@@ -240,6 +247,13 @@ class QuotaExceeded(Exception):
     """A write that would take its owner past a quota (nothing was written)."""
 
 
+class KeyReused(Exception):
+    """An idempotency key stored with another body (``Store.write_observations``); nothing was written."""
+
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} was used with another body: a retry sends the same bytes, a new write a new key")
+
+
 class ClaimExceeded(Exception):
     """A signed job's step rows would claim more seconds of steps than the job ran (``Store.write_observations``'s
     ``claim``); nothing of the write was stored."""
@@ -260,7 +274,8 @@ class Store:
     """SQLite history behind a small API; safe to share between threads (one connection each).
 
     Args:
-        path: database file (created if missing).
+        path: database file (created if missing, mode 0600: it holds the fitted models as pickles that every worker
+            loads, #41.9; SQLite gives its -wal and -shm files the same mode).
         busy_timeout: how long a write waits for another writer's lock.
         decision_retention: the bounds decision writes prune to; None keeps every decision (one-shot CLI
             commands, which must not prune by defaults the service was configured past).
@@ -281,6 +296,9 @@ class Store:
         """This thread's database handle (opened on first use with WAL and synchronous=NORMAL)."""
         db = getattr(self._local, "db", None)
         if db is None:
+            if self.path != ":memory:":
+                with contextlib.suppress(FileExistsError):   # created here, owner-only, before SQLite opens it
+                    os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout.total_seconds(), check_same_thread=False)
             db = sqlite_utils.Database(conn, execute_plugins=False)
             if db.journal_mode != "wal":
@@ -510,13 +528,15 @@ class Store:
         the write produced (read inside the same transaction, so another writer cannot move it in between).
 
         Args:
-            key: ``(caller, idempotency key)``: a write with a key stored before (within ``WRITE_KEY_TTL_S``)
-                stores nothing and returns the first write's answer, ``replayed`` set.
+            key: ``(caller, idempotency key, body digest)``: a write with a key stored before (within
+                ``WRITE_KEY_TTL_S``) and the same digest stores nothing and returns the first write's answer,
+                ``replayed`` set.
             claim: ``(job id, seconds it ran)`` for a signed job's write: its step rows (each at least one step of
                 ``iter_s``), with all it stored before, may claim at most that many seconds of steps.
 
         Raises:
             ClaimExceeded: the claim would pass the job's run time (nothing stored).
+            KeyReused: the key was stored with another body's digest (nothing stored; #41.8).
         """
         now = time.time()
         records = list(records)
@@ -527,8 +547,10 @@ class Store:
         def write(db: sqlite_utils.Database) -> WrittenObservations:
             if key is not None:
                 db.execute("DELETE FROM write_keys WHERE created_at_s < ?", [now - WRITE_KEY_TTL_S])
-                seen = db.execute("SELECT first_id, last_id, generation FROM write_keys WHERE caller = ? AND key = ?",
-                                  list(key)).fetchone()
+                seen = db.execute("SELECT first_id, last_id, generation, digest FROM write_keys WHERE caller = ? "
+                                  "AND key = ?", list(key[:2])).fetchone()
+                if seen is not None and seen[3] not in ("", key[2]):    # '': stored before digests were kept
+                    raise KeyReused(key[1])
                 if seen is not None:
                     return WrittenObservations(list(range(seen[0], seen[1] + 1)), seen[2], True)
             if claim is not None and new_s > 0:
@@ -548,8 +570,8 @@ class Store:
             self._bump(db)
             generation = self.generation(db)
             if key is not None and ids:
-                db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s) "
-                           "VALUES (?, ?, ?, ?, ?, ?)", [*key, ids[0], ids[-1], generation, now])
+                db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s, digest) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?)", [*key[:2], ids[0], ids[-1], generation, now, key[2]])
             return WrittenObservations(ids, generation)
 
         return self._transaction(write)
@@ -677,7 +699,7 @@ class Store:
         """
         hint = "ids look like d-42; list them with GET /v1/decisions"
         number = decision_id[2:] if decision_id.startswith("d-") else ""
-        if not number.isdigit() or len(number) > 18:
+        if not (number.isascii() and number.isdigit()) or len(number) > 18:   # '\u00b2'.isdigit() (#41.9)
             raise NotFoundError("decision", decision_id, hint)
         row = self.db.execute(f"SELECT {_DECISION_COLUMNS} FROM decisions WHERE id = ?", [int(number)]).fetchone()
         if row is None:

@@ -6,11 +6,13 @@ also fit what Slurm says about that job (predictor.jobcheck: GPU type, layout wi
 its run window; 403 `record_mismatch` naming the field), or nothing of the request is stored.
 The answer's `model_version_pending` is the store generation the write produced: the first model version that
 includes the records (a client passes it as `min_model_version` to /v1/predict or /v1/plan). A POST with an
-`Idempotency-Key` header that its caller used before stores nothing and answers as the first did (`replayed`).
+`Idempotency-Key` header that its caller used before, with the same body, stores nothing and answers as the first
+did (`replayed`); with another body it is refused (409, field `Idempotency-Key`).
 This blueprint also installs the app-wide auth hooks (read check, AuthError answers).
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 from flask import Blueprint, request
@@ -18,9 +20,9 @@ from flask import Blueprint, request
 from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
 from predictor.api.profiles import own_name
 from predictor.jobcheck import RecordMismatch, check_records, run_seconds
-from predictor.errors import ValidationError
+from predictor.errors import Conflict, ValidationError
 from slurm_plugin.contracts.records import validate_batch
-from predictor.store import ClaimExceeded
+from predictor.store import ClaimExceeded, KeyReused
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
@@ -54,6 +56,8 @@ def create():
         written = svc.store.write_observations(records, _write_key(who), claim)
     except ClaimExceeded as exc:
         raise RecordMismatch("observations", str(exc)) from None
+    except KeyReused as exc:
+        raise Conflict(IDEMPOTENCY_HEADER, str(exc)) from None
     if not written.replayed:
         svc.models.notify()
     ids = written.ids
@@ -63,15 +67,17 @@ def create():
             "model_version_pending": written.generation, "replayed": written.replayed}, 201
 
 
-def _write_key(who) -> tuple[str, str] | None:
-    """``(caller, Idempotency-Key)``: a retried POST with the same key stores nothing again (#24.13). Keys are
-    per caller (a job's, a token's, or anonymous), so one caller's keys never answer another's writes."""
+def _write_key(who) -> tuple[str, str, str] | None:
+    """``(caller, Idempotency-Key, sha256 of the body)``: a retried POST with the same key and body stores nothing
+    again (#24.13); the same key with another body is refused, 409 (#41.8: it answered "replayed" and dropped the
+    rows). Keys are per caller (a job's, a token's, or anonymous), so one caller's keys never answer another's."""
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is None:
         return None
     if not KEY_RE.match(key):
         raise ValidationError(IDEMPOTENCY_HEADER, "expected 1-128 characters of A-Z a-z 0-9 _ . : -")
-    return f"{who.kind}:{who.job_id if who.job_id is not None else ''}", key
+    digest = hashlib.sha256(request.get_data(cache=True)).hexdigest()
+    return f"{who.kind}:{who.job_id if who.job_id is not None else ''}", key, digest
 
 
 @bp.get("")

@@ -59,7 +59,8 @@ def _serve(db: str, tmp_path: Path, *args: str, server: str = "nginx", env: dict
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
-                                 "127.0.0.1", "--port", str(port), "--db", db, "--workers", "2", *args],
+                                 "127.0.0.1", "--port", str(port), "--db", db, "--workers", "2",
+                                 *(("--allow-dev", "buffered") if server == "buffered" else ()), *args],
                                 env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok", **(env or {})), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
