@@ -123,8 +123,15 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: worker processes of a second gunicorn (4 threads each, nice 10) that answers every "
                    "request but the hook's (POST /v1/plan without a munge credential, /healthz), which --workers "
                    "answer (0: one gunicorn for all)")
+@click.option("--hook-from", default="", metavar="ADDR[,ADDR]",
+              help="nginx: the hosts slurmctld's job_submit hook calls from (addresses or networks): their "
+                   "connections get --hook-connections slots of their own and only their plans reach the plan pool, "
+                   "so other clients holding every other slot cannot starve the hook (#41.4)")
+@click.option("--hook-connections", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="nginx: connections at once from the --hook-from hosts, apart from --max-connections")
 def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, allow_dev, read_timeout,
-          max_connections, per_address, per_address_requests, per_credential_requests, side_workers):
+          max_connections, per_address, per_address_requests, per_credential_requests, side_workers, hook_from,
+          hook_connections):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
@@ -169,11 +176,16 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     if server_mode == "nginx":
         from predictor.front_nginx import NginxLimits, NginxMissing, run_nginx  # noqa: PLC0415
 
-        nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
-                                   upstream_timeout=timeout + 5, max_connections=max_connections,
-                                   per_address=min(per_address, max_connections),
-                                   per_address_requests=per_address_requests,
-                                   per_credential_requests=per_credential_requests)
+        try:
+            nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
+                                       upstream_timeout=timeout + 5, max_connections=max_connections,
+                                       per_address=min(per_address, max_connections),
+                                       per_address_requests=per_address_requests,
+                                       per_credential_requests=per_credential_requests,
+                                       hook_from=tuple(a.strip() for a in hook_from.split(",") if a.strip()),
+                                       hook_connections=hook_connections)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--hook-from") from None
         plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
 
         def load_plan_pool():

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import ipaddress
 import os
 import pwd
 import re
@@ -83,12 +84,18 @@ class NginxLimits:
     per_address_requests: int = 64     # requests in progress from one address; more: 429
     per_credential_requests: int = 16  # requests in progress with one bearer token, all addresses; more: 429
     worker_processes: int = 2
+    hook_from: tuple[str, ...] = ()    # the job_submit hook's hosts (addresses or networks): a path of their own
+    hook_connections: int = 64         # connections from them at once, apart from `max_connections`
+
+    def __post_init__(self):
+        for net in self.hook_from:
+            ipaddress.ip_network(net, strict=False)    # ValueError naming it
 
     @property
     def worker_connections(self) -> int:
         # a client connection takes up to 4 of a worker's connections (client, stream -> http over the unix
         # socket twice, http -> gunicorn), and one worker may get all of them
-        return 4 * self.max_connections + 64
+        return 4 * (self.max_connections + (self.hook_connections if self.hook_from else 0)) + 64
 
     def memory_bound(self) -> int:
         """nginx's memory at most: every connection holding all its buffers, plus each worker's own."""
@@ -127,7 +134,10 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
            side_pool: bool = False) -> str:
     """The nginx configuration; `side_pool`: all but the hook's requests go to `SIDE_SOCKET` (module docstring)."""
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
+    hook_geo = "\n".join(f"        {ipaddress.ip_network(net, strict=False)} 1;" for net in limits.hook_from)
+    values = {"HOOK_GEO": hook_geo, "HOOK_CLASS": "1" if limits.hook_from else "[01]",
+              "HOOK_CONNECTIONS": limits.hook_connections if limits.hook_from else 1,
+              "LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
               "SIDE_UPSTREAM": "gunicorn_side" if side_pool else "gunicorn",
               "PLAN_RETRY": f"server unix:{runtime}/gunicorn.sock max_fails=0 backup;" if side_pool else "",
               "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
@@ -229,6 +239,12 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
             f"{limits.per_credential_requests} per bearer token (all addresses together); "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
+        if limits.hook_from:
+            log(f"front end: the hook's hosts ({', '.join(limits.hook_from)}; --hook-from) have "
+                f"{limits.hook_connections} connections of their own, not counted in the {limits.max_connections}, "
+                "and only their plans reach the plan pool")
+        else:
+            log("front end: no --hook-from: the hook's connections share the caps above with every client")
         if side_workers > 0:
             log(f"front end: the plan pool ({workers} worker(s)) answers POST /v1/plan without a munge credential "
                 f"(under 10,000 bytes) "

@@ -324,7 +324,7 @@ STEPS = [([1], 0.030), ([2], 0.031), ([3], 0.0315), ([4], 0.032), ([1, 1], 0.034
 class RealPredictor:
     """`elastic-predictor serve` on a fresh database holding the resnet50 profile and synthetic H200 steps."""
 
-    def __init__(self, workdir: Path, env: dict | None = None):
+    def __init__(self, workdir: Path, env: dict | None = None, args: tuple[str, ...] = ()):
         import json
         import socket
 
@@ -344,7 +344,8 @@ class RealPredictor:
         subprocess.run([exe, "import", "--db", str(self.db), str(steps)], **run)
         self.log = open(workdir / "predictor.log", "w")
         self.proc = subprocess.Popen(
-            [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--db", str(self.db), "--workers", "1"],
+            [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--db", str(self.db), "--workers", "1",
+             *args],
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "ELASTIC_PREDICTOR_TOKEN": "t", **(env or {})})
         import requests
@@ -542,4 +543,52 @@ def test_zero_ttl_disables_the_decision_cache(hook, sbatch, bed, tmp_path):
         down = sbatch(script(directives=REAL), "-H")
         assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
     finally:
+        server.stop()
+
+
+def _hold(port: int, sources: list[str], each: int) -> list:
+    """`each` connected, silent connections from every address of `sources`."""
+    import socket
+
+    held = []
+    for source in sources:
+        for _ in range(each):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.bind((source, 0))
+            sock.connect_ex(("127.0.0.1", port))
+            held.append(sock)
+    return held
+
+
+@pytest.mark.parametrize("hook_from", [False, True], ids=["shared-slots", "hook-from"])
+def test_eight_addresses_holding_every_other_slot_leave_the_hooks_20_plans_answered(hook, sbatch, bed, tmp_path,
+                                                                                     hook_from):
+    """#41.4, with nginx (serve's front end) and the real hook: 8 addresses x 256 idle connections take all 2048
+    connection slots. Sharing the slots (no --hook-from), slurmctld's connection is closed unanswered: every
+    uncached #ELASTIC submission goes in unplanned ("prediction skipped (closed)" or a timeout). With
+    `--hook-from 127.0.0.1` (slurmctld's host here) its connections have slots of their own and only its plans
+    reach the plan pool: 20 of 20 are planned while another address still gets no connection."""
+    import http.client
+
+    args = ("--read-timeout", "120") + (("--hook-from", "127.0.0.1") if hook_from else ())
+    server = RealPredictor(tmp_path, env={"ELASTIC_PREDICTOR_PLAN_CACHE_TTL_S": "0"}, args=args)
+    held = []
+    try:
+        hook(server.url, failures=1000, open_s=30)
+        held = _hold(server.port, [f"127.0.0.{20 + k}" for k in range(8)], 256)
+        time.sleep(1.0)
+        other = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5, source_address=("127.0.0.3", 0))
+        with pytest.raises((OSError, http.client.HTTPException)):    # every other slot is taken: closed at once
+            other.request("GET", "/healthz")
+            other.getresponse()
+        results = [sbatch(script(directives=REAL), "-H") for _ in range(20)]
+        planned = [r.stderr.startswith("sbatch: elastic: 2 nodes x 4 GPUs (2x4)") for r in results]
+        if hook_from:
+            assert planned == [True] * 20, [r.stderr for r in results if "skipped" in r.stderr][:2]
+        else:
+            assert not any(planned) and all("prediction skipped (" in r.stderr for r in results), results[0].stderr
+    finally:
+        for sock in held:
+            sock.close()
         server.stop()

@@ -370,25 +370,37 @@ def test_only_the_hooks_requests_reach_the_plan_pool(tmp_path):
     everything else to the side pool's socket; without it, everything to gunicorn.sock."""
     side = front_nginx.render(NginxLimits(), host="127.0.0.1", port=8470, runtime=str(tmp_path), load_module="",
                               user=None, side_pool=True)
-    pool = re.search(r'map "\$http_x_elastic_munge\|\$request_method \$uri\|\$content_length" \$app_pool \{(.*?)\n    \}',
-                     side, re.S)
-    assert pool, side
-    routes = dict(line.split("#")[0].strip().rstrip(";").rsplit(None, 1) for line in pool.group(1).splitlines()
-                  if line.split("#")[0].strip())
-    assert routes == {"default": "gunicorn_side", r'"~^\|POST /v1/plan\|[0-9]{1,4}$"': "gunicorn",
-                      r'"~^\|(GET|HEAD) /healthz\|"': "gunicorn"}
+    routes = _routes(side)
+    assert routes == {"default": "gunicorn_side", r'"~^[01]\|\|POST /v1/plan\|[0-9]{1,4}$"': "gunicorn",
+                      r'"~^[01]\|\|(GET|HEAD) /healthz\|"': "gunicorn"}
+    hook = front_nginx.render(NginxLimits(hook_from=("10.0.0.5", "10.1.0.0/16")), host="127.0.0.1", port=8470,
+                              runtime=str(tmp_path), load_module="", user=None, side_pool=True)
+    assert _routes(hook) == {"default": "gunicorn_side", r'"~^1\|\|POST /v1/plan\|[0-9]{1,4}$"': "gunicorn",
+                             r'"~^1\|\|(GET|HEAD) /healthz\|"': "gunicorn"}     # #41.4: only the hook's hosts
+    assert hook.count("        10.0.0.5/32 1;\n        10.1.0.0/16 1;") == 2     # in the stream and http layers
+    assert "limit_conn stream_hook 64;" in hook and f"worker_connections {4 * (2048 + 64) + 64};" in hook
     assert f"server unix:{tmp_path}/{front_nginx.SIDE_SOCKET}" in side and "proxy_pass http://$app_pool;" in side
     alone = front_nginx.render(NginxLimits(), host="127.0.0.1", port=8470, runtime=str(tmp_path), load_module="",
                                user=None)
     assert re.search(r"default +gunicorn;", alone)
 
 
-def test_configuration_passes_nginx_t(tmp_path):
+def _routes(conf: str) -> dict[str, str]:
+    """The $app_pool map of a rendered configuration: key pattern -> upstream."""
+    pool = re.search(r'map "\$hook_client\|\$http_x_elastic_munge\|\$request_method \$uri\|\$content_length" '
+                     r'\$app_pool \{(.*?)\n    \}', conf, re.S)
+    assert pool, conf
+    return dict(line.split("#")[0].strip().rstrip(";").rsplit(None, 1) for line in pool.group(1).splitlines()
+                if line.split("#")[0].strip())
+
+
+@pytest.mark.parametrize("hook_from", [(), ("127.0.0.1", "::1", "10.0.0.0/8")])
+def test_configuration_passes_nginx_t(tmp_path, hook_from):
     _require_nginx()
     exe, load_module = front_nginx.find_nginx()
     conf = tmp_path / "nginx.conf"
-    conf.write_text(front_nginx.render(NginxLimits(), host="127.0.0.1", port=_free_port(), runtime=str(tmp_path),
-                                       load_module=load_module, user=None, side_pool=True))
+    conf.write_text(front_nginx.render(NginxLimits(hook_from=hook_from), host="127.0.0.1", port=_free_port(),
+                                       runtime=str(tmp_path), load_module=load_module, user=None, side_pool=True))
     done = subprocess.run([exe, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf), "-g",
                            f"pid {tmp_path}/nginx.pid; error_log stderr warn;"], capture_output=True, text=True,
                           timeout=30)
