@@ -86,6 +86,12 @@ def _m0010_write_key_digests(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE write_keys ADD COLUMN digest TEXT NOT NULL DEFAULT ''")
 
 
+def _m0011_write_quotas(db: sqlite_utils.Database) -> None:
+    # the observation bytes each credential stored (#41.3): a job's in all (period 0), the tool token's per UTC day
+    db.execute("CREATE TABLE write_quotas (owner TEXT NOT NULL, period INTEGER NOT NULL, bytes INTEGER NOT NULL, "
+               "updated_at_s REAL NOT NULL, PRIMARY KEY (owner, period))")
+
+
 def _m0006_decision_clients(db: sqlite_utils.Database) -> None:
     # who asked for each decision (#24.9): one client's decisions are pruned within its share of the budget
     db.execute("ALTER TABLE decisions ADD COLUMN client TEXT NOT NULL DEFAULT ''")
@@ -140,6 +146,7 @@ def profile_summary(body: dict) -> dict:
 
 
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
+QUOTA_KEEP_S = 2 * 24 * 3600.0  # a credential's quota row not written for this long is forgotten (a job's ends)
 
 
 def encode(document: Any) -> str:
@@ -160,6 +167,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0008_job_claims", _m0008_job_claims),
     ("0009_profile_summaries", _m0009_profile_summaries),
     ("0010_write_key_digests", _m0010_write_key_digests),
+    ("0011_write_quotas", _m0011_write_quotas),
 ]
 WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
 WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this long after a release (_begin_immediate)
@@ -522,8 +530,9 @@ class Store:
         """Store validated records in one transaction (all or nothing); returns their ids."""
         return self.write_observations(records).ids
 
-    def write_observations(self, records: Iterable[dict], key: tuple[str, str] | None = None,
-                           claim: tuple[int, float] | None = None) -> WrittenObservations:
+    def write_observations(self, records: Iterable[dict], key: tuple[str, str, str] | None = None,
+                           claim: tuple[int, float] | None = None,
+                           quota: tuple[str, int, int] | None = None) -> WrittenObservations:
         """Store validated records in one transaction (all or nothing); returns their ids and the generation
         the write produced (read inside the same transaction, so another writer cannot move it in between).
 
@@ -533,16 +542,21 @@ class Store:
                 ``replayed`` set.
             claim: ``(job id, seconds it ran)`` for a signed job's write: its step rows (each at least one step of
                 ``iter_s``), with all it stored before, may claim at most that many seconds of steps.
+            quota: ``(owner, period, bytes)``: the rows' stored JSON, with what ``owner`` stored before in ``period``,
+                may take at most that many bytes (#41.3); rows of periods not written for ``QUOTA_KEEP_S`` are
+                forgotten.
 
         Raises:
             ClaimExceeded: the claim would pass the job's run time (nothing stored).
             KeyReused: the key was stored with another body's digest (nothing stored; #41.8).
+            QuotaExceeded: the rows would take ``quota``'s owner past its bytes (nothing stored).
         """
         now = time.time()
         records = list(records)
         rows = [(r["kind"], r.get("profile"), r.get("gpu"), r.get("link"), json.dumps(r, allow_nan=False), now)
                 for r in records]
         new_s = sum(float(r["iter_s"]) for r in records if r["kind"] == "step")
+        new_bytes = sum(len(row[4].encode()) for row in rows)
 
         def write(db: sqlite_utils.Database) -> WrittenObservations:
             if key is not None:
@@ -553,6 +567,19 @@ class Store:
                     raise KeyReused(key[1])
                 if seen is not None:
                     return WrittenObservations(list(range(seen[0], seen[1] + 1)), seen[2], True)
+            if quota is not None:
+                owner, period, most = quota
+                db.execute("DELETE FROM write_quotas WHERE updated_at_s < ?", [now - QUOTA_KEEP_S])
+                found = db.execute("SELECT bytes FROM write_quotas WHERE owner = ? AND period = ?",
+                                   [owner, period]).fetchone()
+                held = found[0] if found is not None else 0
+                if held + new_bytes > most:
+                    raise QuotaExceeded(f"{owner} stored {held} bytes of observations"
+                                        f"{' today (UTC)' if period else ''}; these {new_bytes} more would pass its "
+                                        f"quota of {most}")
+                db.execute("INSERT INTO write_quotas (owner, period, bytes, updated_at_s) VALUES (?, ?, ?, ?) "
+                           "ON CONFLICT (owner, period) DO UPDATE SET bytes = bytes + excluded.bytes, "
+                           "updated_at_s = excluded.updated_at_s", [owner, period, new_bytes, now])
             if claim is not None and new_s > 0:
                 job_id, allowed_s = claim
                 found = db.execute("SELECT step_s FROM job_claims WHERE job_id = ?", [job_id]).fetchone()

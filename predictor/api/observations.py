@@ -22,7 +22,7 @@ from predictor.api.profiles import own_name
 from predictor.jobcheck import RecordMismatch, check_records, run_seconds
 from predictor.errors import Conflict, ValidationError
 from slurm_plugin.contracts.records import validate_batch
-from predictor.store import ClaimExceeded, KeyReused
+from predictor.store import ClaimExceeded, KeyReused, QuotaExceeded
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
@@ -53,7 +53,9 @@ def create():
                    else r for r in records]
     claim = (who.job_id, run_seconds(who.job, authenticator().clock())) if who.kind == "job" else None
     try:
-        written = svc.store.write_observations(records, _write_key(who), claim)
+        written = svc.store.write_observations(records, _write_key(who), claim, _quota(who, svc.config))
+    except QuotaExceeded as exc:
+        raise AuthError(403, f"observations: {exc}", "observations", "storage_quota") from None
     except ClaimExceeded as exc:
         raise RecordMismatch("observations", str(exc)) from None
     except KeyReused as exc:
@@ -65,6 +67,16 @@ def create():
     # `min_model_version` to read your own writes.
     return {"stored": len(ids), "first_id": ids[0], "last_id": ids[-1],
             "model_version_pending": written.generation, "replayed": written.replayed}, 201
+
+
+def _quota(who, config) -> tuple[str, int, int] | None:
+    """``(owner, period, bytes)`` a write is held to (#41.3): a job credential's rows of every kind in all, the
+    tool token's per UTC day; the admin token (and open writes, development) are not held."""
+    if who.kind == "job":
+        return f"job:{who.job_id}", 0, config.job_write_quota_bytes
+    if who.kind == "tool":
+        return "tool", 1 + int(authenticator().clock() // 86400), config.token_write_quota_bytes
+    return None
 
 
 def _write_key(who) -> tuple[str, str, str] | None:
