@@ -184,10 +184,12 @@ class DecisionRetention:
     """How many /v1/plan decisions the store keeps; the oldest go first, pruned by the writes themselves.
 
     A decision is deleted once it is not among the newest `max_rows`, or older than `max_age`, or the
-    decisions hold more than `max_bytes` of request and response text. One client (the address a request came
-    from) may hold more than `client_share` of the rows or bytes only while the bounds are not reached: when a
-    size bound is, the client holding the largest part above its share loses its own oldest first, so a flood
-    from one client never evicts another's decisions (the hook's, #24.9). Age prunes the oldest of anyone. A write that finds a bound passed
+    decisions hold more than `max_bytes` of request and response text. Each decision counts for its owner
+    (predictor.api.decision_owner: a signing job's user, a token, the hook from a `--hook-from` host per job user,
+    else the anonymous address). When a size bound is reached, anonymous decisions go first, the largest anonymous
+    client's oldest (#41.2: eight anonymous addresses, each under its share, erased every hook decision); then an
+    owner holding more than `client_share` of the rows or bytes loses its own oldest, so one user's flood never
+    evicts another's decisions (#24.9). Age prunes the oldest of anyone. A write that finds a bound passed
     deletes down to a slack below it (at most `batch_rows` rows, `batch_bytes` bytes or `max_age / 16` of
     age), so one write in many pays for a prune and none deletes more than a batch.
 
@@ -683,7 +685,9 @@ class Store:
         too_old = oldest[1] < now - keep.max_age.total_seconds()
         if rows <= keep.max_rows and held <= keep.max_bytes and not too_old:
             return 0
-        victim = None if too_old else cls._over_share(conn, keep)  # a size bound: the largest client over its share
+        # a size bound: anonymous decisions go first (the largest anonymous client's oldest: #41.2, anonymous traffic
+        # never evicts a signed or the hook's decision), then the largest owner over its share
+        victim = None if too_old else cls._largest_anonymous(conn) or cls._over_share(conn, keep)
         only = " AND client = ?" if victim is not None else ""
         params = (newest, victim, keep.batch_rows) if victim is not None else (newest, keep.batch_rows)
         cutoff = now - keep.age_target.total_seconds()
@@ -701,6 +705,13 @@ class Store:
         conn.execute(f"DELETE FROM decisions WHERE id <= ?{only}", (last, victim) if victim is not None else (last,))
         cls._forget(conn, deleted)
         return len(deleted)
+
+    @staticmethod
+    def _largest_anonymous(conn: sqlite3.Connection) -> str | None:
+        """The anonymous client (`addr:...`, or a bare address stored before #41.2) holding the most bytes."""
+        row = conn.execute("SELECT client FROM decision_clients WHERE client NOT LIKE 'uid:%' AND client NOT LIKE "
+                           "'hook:%' AND client NOT LIKE 'token:%' ORDER BY bytes DESC LIMIT 1").fetchone()
+        return row[0] if row else None
 
     @staticmethod
     def _over_share(conn: sqlite3.Connection, keep: DecisionRetention) -> str | None:

@@ -228,7 +228,7 @@ def test_x_forwarded_for_from_the_client_is_replaced_by_its_address(history, tmp
         assert status == 200, answer
     with sqlite3.connect(history) as db:
         clients = [row[0] for row in db.execute("SELECT client FROM decisions")]
-    assert clients == [OTHER]
+    assert clients == [f"addr:{OTHER}"]
 
 
 @pytest.mark.slow  # nginx + two gunicorns, ~3 s
