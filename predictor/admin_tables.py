@@ -101,7 +101,7 @@ def model_rows(store, predictor=None) -> list[dict]:
     sizes = _profile_sizes(store)
     counts: Counter = Counter()
     layouts: dict = defaultdict(set)
-    for entry in store.observation_summary("step"):    # the writes' summary, not every row (#41.5)
+    for entry in store.observation_summary("step"):    # the writes' summary, not every row (#41.3)
         key = (entry["profile"], entry["gpu"])
         counts[key] += entry["rows"]
         layouts[key].add(tuple(entry["layout"] or ()))

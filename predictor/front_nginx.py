@@ -59,9 +59,11 @@ PACKAGES = "nginx-light libnginx-mod-stream"        # Debian 12; nginx-full has 
 NGINX_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 SEND_TIMEOUT_S = 30
 # What one client connection can hold in nginx's memory at most, from the template's buffer sizes: the stream
-# layer's two 4 KiB proxy buffers; the http layer's 1 KiB head buffer, 4 x 8 KiB large header buffers, 16 KiB
-# body buffer, 8 KiB + 4 x 8 KiB answer buffers; about 8 KiB of pools.
-CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8) * 1024
+# layer's two 4 KiB proxy buffers; the outer http server's 1 KiB head buffer, 4 x 8 KiB large header buffers, 16 KiB
+# body buffer, 8 KiB + 4 x 8 KiB answer buffers; the inner one's (#41.5) 1 KiB head buffer, 4 x 8 KiB large header
+# buffers (the head comes whole from the outer server), 16 KiB body buffer, 8 KiB answer buffer; about 8 KiB of
+# pools each.
+CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8 + 1 + 4 * 8 + 16 + 8 + 8) * 1024
 WORKER_BASE_BYTES = 8 * 1024 * 1024                # a worker's own memory, measured 3-6 MB, and its connection array
 SIDE_SOCKET = "gunicorn-side.sock"
 SIDE_THREADS = 4            # a side pool worker's threads: its unmunge and Slurm runs wait side by side
@@ -93,17 +95,18 @@ class NginxLimits:
 
     @property
     def worker_connections(self) -> int:
-        # a client connection takes up to 4 of a worker's connections (client, stream -> http over the unix
-        # socket twice, http -> gunicorn), and one worker may get all of them
-        return 4 * (self.max_connections + (self.hook_connections if self.hook_from else 0)) + 64
+        # a client connection takes up to 6 of a worker's connections (client, stream -> outer http and outer ->
+        # inner http over unix sockets, twice each, inner -> gunicorn), and one worker may get all of them
+        return 6 * (self.max_connections + (self.hook_connections if self.hook_from else 0)) + 64
 
     def memory_bound(self) -> int:
         """nginx's memory at most: every connection holding all its buffers, plus each worker's own."""
         return self.max_connections * CONNECTION_BYTES + (self.worker_processes + 1) * WORKER_BASE_BYTES
 
     def disk_bound(self) -> int:
-        """Temp files of request bodies at most (answers larger than their buffers spill there too)."""
-        return self.max_connections * self.max_body
+        """Temp files of request bodies at most: a body above 16 KiB is written by the outer server and, once whole,
+        by the inner one (answers larger than their buffers spill there too)."""
+        return 2 * self.max_connections * self.max_body
 
 
 def find_nginx() -> tuple[str, str]:
@@ -141,7 +144,8 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
               "SIDE_UPSTREAM": "gunicorn_side" if side_pool else "gunicorn",
               "PLAN_RETRY": f"server unix:{runtime}/gunicorn.sock max_fails=0 backup;" if side_pool else "",
               "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
-              "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 5,
+              "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 10,
+              "OUTER_TIMEOUT": int(limits.upstream_timeout) + 5,
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
               "MAX_CONNECTIONS": limits.max_connections, "STREAM_TIMEOUT": int(limits.upstream_timeout) + 30,
               "RUNTIME": runtime, "PER_ADDRESS_REQUESTS": limits.per_address_requests, "MAX_BODY": limits.max_body,

@@ -93,7 +93,7 @@ def _m0011_write_quotas(db: sqlite_utils.Database) -> None:
 
 
 def _m0012_observation_summary(db: sqlite_utils.Database) -> None:
-    # the rows stored per (kind, profile, GPU, link, layout), kept by every observation write (#41.5: /admin, /healthz
+    # the rows stored per (kind, profile, GPU, link, layout), kept by every observation write (#41.3: /admin, /healthz
     # and /metrics counted and parsed every row: 59 ms -> 1.9 s after one job's 102,400 rows); '' for none
     db.execute("CREATE TABLE observation_summary (kind TEXT NOT NULL, profile TEXT NOT NULL, gpu TEXT NOT NULL, "
                "link TEXT NOT NULL, layout TEXT NOT NULL, rows INTEGER NOT NULL, "
@@ -637,7 +637,7 @@ class Store:
         return {(profile, gpu) for profile, gpu in rows}
 
     def observation_counts(self) -> dict[str, int]:
-        """Rows stored per kind, from the summary the writes keep (O(distinct keys), not O(rows): #41.5)."""
+        """Rows stored per kind, from the summary the writes keep (O(distinct keys), not O(rows): #41.3)."""
         rows = self.db.execute("SELECT kind, SUM(rows) FROM observation_summary GROUP BY kind").fetchall()
         return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
 

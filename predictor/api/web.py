@@ -1,7 +1,7 @@
 """GET /admin: a small read-only HTML page for admins, and the plots as PNG.
 
     /admin                          model state, models, links, the newest decisions (`?limit=`, default 50); its
-                                    cost does not grow with the rows stored (#41.5: the counts come from the writes'
+                                    cost does not grow with the rows stored (#41.3: the counts come from the writes'
                                     summary, predictor.store.observation_summary) and a worker renders it at most
                                     once a `PAGE_TTL_S` per `limit`
     /admin/outliers                 step rows far from the model and jobs whose rows mostly are (predictor.outliers):
@@ -133,7 +133,7 @@ def _index_page(limit: int) -> str:
 @bp.get("/outliers")
 def outliers_page():
     """The outlier report (predictor.outliers): the heavy part of /admin (a prediction per row checked), for the admin
-    token only (#41.5: four anonymous readers of /admin filled the side pool)."""
+    token only (#41.3: four anonymous readers of /admin filled the side pool)."""
     authenticator().check_admin(request.headers)
     svc = services()
     flagged = outliers.outlier_report(svc.store, _predictor(svc))

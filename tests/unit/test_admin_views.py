@@ -514,9 +514,9 @@ def test_three_jobs_of_one_user_are_the_outliers_not_the_honest_jobs(seeded_db, 
     assert {r["job_id"] for r in report.rows} <= {997, 998, 999}
 
 
-# --- #41.5: /admin's cost does not grow with the rows stored; the outliers are the admin's ----------------------------
+# --- #41.3: /admin's cost does not grow with the rows stored; the outliers are the admin's ----------------------------
 def test_the_admin_page_reads_no_observation_row_and_counts_them_from_the_writes_summary(app, monkeypatch):
-    """#41.5: /admin parsed every step and collective row (59 ms -> 1.9 s after one job's 102,400 rows). Its counts
+    """#41.3: /admin parsed every step and collective row (59 ms -> 1.9 s after one job's 102,400 rows). Its counts
     now come from the summary each write keeps; reading a row at all fails this test."""
     store = app.extensions["elastic_predictor"].store
     expected = {"step": 0, "collective": 0}
@@ -541,7 +541,7 @@ def test_the_admin_page_reads_no_observation_row_and_counts_them_from_the_writes
 
 
 def test_the_outlier_report_is_the_admin_tokens(tmp_path, seeded_db):
-    """#41.5: the heavy part of /admin (a prediction per row checked) is behind the admin token."""
+    """#41.3: the heavy part of /admin (a prediction per row checked) is behind the admin token."""
     db = tmp_path / "t.db"
     db.write_bytes(seeded_db.read_bytes())
     application = create_app(Config(db_path=str(db), token="tool", admin_token="adm"), start_refit=False)

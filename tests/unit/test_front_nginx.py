@@ -359,7 +359,7 @@ def test_rendered_configuration_carries_the_limits(tmp_path):
                  "limit_conn http_addr 5;", "limit_conn http_credential 3;", "client_max_body_size 1234567;", "client_header_timeout 2500ms;",
                  "client_body_timeout 2500ms;", "proxy_read_timeout 40s;", "proxy_request_buffering on;",
                  "proxy_set_header X-Forwarded-For $remote_addr;", f"server unix:{tmp_path}/gunicorn.sock",
-                 f"client_body_temp_path {tmp_path}/client_body;", f"worker_connections {4 * 300 + 64};"):
+                 f"client_body_temp_path {tmp_path}/client_body;", f"worker_connections {6 * 300 + 64};"):
         assert line in text, line
     assert not re.search(r"@[A-Z_]+@", text)
     assert "user " not in text.split("events", 1)[0].replace("# ", "")
@@ -378,7 +378,7 @@ def test_only_the_hooks_requests_reach_the_plan_pool(tmp_path):
     assert _routes(hook) == {"default": "gunicorn_side", r'"~^1\|\|POST /v1/plan\|[0-9]{1,4}$"': "gunicorn",
                              r'"~^1\|\|(GET|HEAD) /healthz\|"': "gunicorn"}     # #41.4: only the hook's hosts
     assert hook.count("        10.0.0.5/32 1;\n        10.1.0.0/16 1;") == 2     # in the stream and http layers
-    assert "limit_conn stream_hook 64;" in hook and f"worker_connections {4 * (2048 + 64) + 64};" in hook
+    assert "limit_conn stream_hook 64;" in hook and f"worker_connections {6 * (2048 + 64) + 64};" in hook
     assert f"server unix:{tmp_path}/{front_nginx.SIDE_SOCKET}" in side and "proxy_pass http://$app_pool;" in side
     alone = front_nginx.render(NginxLimits(), host="127.0.0.1", port=8470, runtime=str(tmp_path), load_module="",
                                user=None)
@@ -611,6 +611,32 @@ def test_one_bearer_token_from_several_addresses_shares_one_cap_of_requests_in_p
                 thread.join(60)
         assert held == [200] * 6
         assert post("127.0.0.14", f"Bearer {tool}")[0] == 200      # its requests ended: the token is served again
+
+
+def test_bodies_dripping_with_a_token_hold_none_of_its_slots():
+    """#41.5: one holder of the shared tool token sending bodies a byte at a time held all of the token's slots (a
+    4 MiB body at a byte per read timeout: a year), locking every other holder out of writes and scrapes. The outer
+    http server now reads each request whole before the inner one counts it against its token: the dripping
+    requests hold their own address's slots only, and another holder's requests are answered."""
+    limits = NginxLimits(per_address_requests=8, per_credential_requests=2, read_timeout=30)
+    token = "Bearer shared-tool-token"
+    with _nginx_before(lambda path, _: _HoldingUpstream(path), limits, "nginx-drip-") as (port, _plan, side_pool):
+        dripping = []
+        for k in range(4):                        # twice the token's cap, each body one byte short
+            sock = socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{31 + k}", 0))
+            sock.sendall(b"POST /v1/observations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: " + token.encode() + b"\r\nContent-Length: 100\r\n\r\n" + b"[" * 99)
+            dripping.append(sock)
+        time.sleep(1.0)
+        try:
+            answers = [_get(port, "/v1/observations", source="127.0.0.40", method="POST", body=b"[]",
+                            headers={"Authorization": token, "Content-Type": "application/json"})[0]
+                       for _ in range(3)]
+            assert answers == [200, 200, 200], answers
+            assert all(auth == token for _, auth in side_pool.requests) and len(side_pool.requests) == 3
+        finally:
+            for sock in dripping:
+                sock.close()
 
 
 # --- #41.6 and 41.9: one supervised unit; the runtime folder is root's ---------------------------------------------
