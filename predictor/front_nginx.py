@@ -229,7 +229,7 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
 
         def start_nginx() -> int:
             _wait_port_free(host, port, 5.0)       # a killed master's workers are gone (their group was killed)
-            for stale in ("http.sock", "nginx.pid"):   # left by a SIGKILLed master: nginx would not bind
+            for stale in ("http.sock", "inner.sock", "nginx.pid"):   # left by a SIGKILLed master: not bound again
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(runtime, stale))
             return subprocess.Popen([exe, "-e", "stderr", "-p", runtime, "-c", conf, "-g",
