@@ -111,7 +111,8 @@ class Service:
     """`elastic-predictor serve` from a checkout, on a free loopback port, in its own process group; ``extra_env``
     is added to its environment (an admin token, munge on)."""
 
-    def __init__(self, root: Path, db: Path, workers: int, log: Path, extra_env: dict | None = None):
+    def __init__(self, root: Path, db: Path, workers: int, log: Path, extra_env: dict | None = None,
+                 args: tuple[str, ...] = ()):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -120,7 +121,7 @@ class Service:
                    **(extra_env or {}))
         self.log = open(log, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--db", str(db), "--workers", str(workers)],
+                                      "--port", str(self.port), "--db", str(db), "--workers", str(workers), *args],
                                      cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.workers = workers

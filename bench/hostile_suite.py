@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import hostile_clients  # noqa: E402
 import hostile_round2  # noqa: E402
 import hostile_round3  # noqa: E402
+import hostile_round4  # noqa: E402
 import poisoning  # noqa: E402
 import slow_clients  # noqa: E402
 
@@ -104,7 +105,8 @@ def idle_flood(work: Path, server: str) -> dict:
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
     with open(work / f"idle-{server}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
+        dev = ("--allow-dev", "buffered") if server == "buffered" else ()
+        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, *dev, "--host",
                                  "127.0.0.1", "--port", str(port), "--db", str(work / f"idle-{server}.db")],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     held: list[socket.socket] = []
@@ -177,7 +179,7 @@ def round3(work: Path, items: tuple[int, ...], lab: Path, full: bool, root: Path
 
 
 def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered"), round3_items: tuple[int, ...] = (),
-        lab: Path = hostile_round3.DEFAULT_LAB) -> dict:
+        lab: Path = hostile_round3.DEFAULT_LAB, round4_items: tuple[str, ...] = ()) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
     try:
         rows = hostile_clients.run(ROOT, 2, 20.0 if full else 5.0, work)
@@ -192,11 +194,14 @@ def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered"), round
         round2 = hostile_round2.run(ROOT, ROUND2_PROFILES, work / "round2")
         (work / "round3").mkdir()
         rounds3 = round3(work / "round3", round3_items, lab, full)
+        (work / "round4").mkdir()
+        rounds4 = hostile_round4.run_all(ROOT, round4_items, lab, work / "round4")
     finally:
         subprocess.run(["umount", str(work / "round3" / "full")], capture_output=True, check=False)
         shutil.rmtree(work, ignore_errors=True)
     poison = {cap: poisoning.impact(cap) for cap in (20, 10 ** 9)}
-    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle, "round2": round2, "round3": rounds3}
+    return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle, "round2": round2, "round3": rounds3,
+            "round4": rounds4}
 
 
 def round3_table(res: dict) -> str:
@@ -316,11 +321,18 @@ def main(argv=None) -> int:
     ap.add_argument("--lab", type=Path, default=Path(os.environ.get("ELASTIC_SLURM_LAB", hostile_round3.DEFAULT_LAB)),
                     help="the Slurm testbed round 3's job items use")
     ap.add_argument("--only-round3", action="store_true", help="run only round 3, print its table")
+    ap.add_argument("--round4-items", default=",".join(hostile_round4.ALL_ITEMS),
+                    help="bench/hostile_round4.py's items (#41; '' for none; 11a, 11b, 11c, 4 need the testbed)")
+    ap.add_argument("--only-round4", action="store_true", help="run only round 4 (#41), print its table")
     ap.add_argument("--root", type=Path, default=ROOT,
                     help="with --only-round3: the checkout whose service is attacked (an older commit's export)")
     args = ap.parse_args(argv)
     idle_servers = tuple(s for s in args.idle_servers.split(",") if s)
     round3_items = tuple(int(x) for x in args.round3_items.split(",") if x)
+    round4_items = tuple(x for x in args.round4_items.split(",") if x)
+    if args.only_round4:
+        return hostile_round4.main(["--items", ",".join(round4_items), "--lab", str(args.lab)]
+                                   + (["--output", args.output] if args.output else []))
     if args.only_round3:
         started, load = time.time(), os.getloadavg()[0]
         work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
@@ -349,7 +361,7 @@ def main(argv=None) -> int:
         print(idle_row(idle), *(json.dumps(r) for r in idle), sep="\n")
         return 0
     started, load = time.time(), os.getloadavg()[0]
-    res = run(args.full, idle_servers, round3_items, args.lab)
+    res = run(args.full, idle_servers, round3_items, args.lab, round4_items)
     header = (f"Hostile-client suite ({'full' if args.full else 'quick'}), {len(os.sched_getaffinity(0))} usable "
               f"cores shared with other users (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after), "
               f"Python {platform.python_version()}, {date.today().isoformat()}, {time.time() - started:.0f} s.")
@@ -362,7 +374,8 @@ def main(argv=None) -> int:
     text = (header + "\n\n" + summary(res) + "\n\nRound 3 (bench/hostile_round3.py; victim: POST /v1/plan at "
             f"{hostile_round3.PLAN_RATE:g}/s from {hostile_round3.VICTIM_ADDRESS})\n\n" + round3_table(res["round3"])
             + "\n\n#24's other items (2, 3, 7, 12, 14: round 2 and the idle connections) in the same columns\n\n"
-            + other_items_table(res["round2"], res["idle"]) + "\n" + "\n".join(raw) + "\n")
+            + other_items_table(res["round2"], res["idle"]) + "\n\nRound 4 (#41; bench/hostile_round4.py)\n\n"
+            + hostile_round4.table(res["round4"]) + "\n" + "\n".join(raw) + "\n")
     print(text)
     if args.output:
         command = "python bench/hostile_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -66,7 +66,7 @@ PLAN = {"source": "job_submit", "job": {"min_nodes": 1, "tres_per_node": "gres:g
 SELF = [sys.executable, str(Path(__file__).resolve()), "--serve-as"]
 SERVERS = {
     # name: (launcher or None for `elastic-predictor serve`, extra options, threads)
-    "buffered": (None, ("--server", "buffered"), 1),
+    "buffered": (None, ("--server", "buffered", "--allow-dev", "buffered"), 1),
     "nginx": (None, ("--server", "nginx"), 1),
     "gunicorn-sync": (None, ("--server", "gunicorn"), 1),
     "gunicorn-gthread": (None, ("--server", "gunicorn"), 4),

@@ -108,10 +108,10 @@ def model_rows(store, predictor=None) -> list[dict]:
     sizes = _profile_sizes(store)
     counts: Counter = Counter()
     layouts: dict = defaultdict(set)
-    for rec in store.observations(kind="step"):
-        key = (rec.get("profile"), rec.get("gpu"))
-        counts[key] += 1
-        layouts[key].add(tuple(rec.get("layout") or ()))
+    for entry in store.observation_summary("step"):    # the writes' summary, not every row (#41.3)
+        key = (entry["profile"], entry["gpu"])
+        counts[key] += entry["rows"]
+        layouts[key].add(tuple(entry["layout"] or ()))
     errors = getattr(predictor, "log_rmse_", {}) if predictor is not None else {}
     rows = []
     for (profile, gpu), n in sorted(counts.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
@@ -131,7 +131,9 @@ def model_rows(store, predictor=None) -> list[dict]:
 
 def link_rows(store, predictor=None) -> list[dict]:
     """One row per link class: collective records and the fitted alpha-beta parameters."""
-    counts = Counter(rec.get("link") for rec in store.observations(kind="collective"))
+    counts: Counter = Counter()
+    for entry in store.observation_summary("collective"):
+        counts[entry["link"]] += entry["rows"]
     stats = {}
     if predictor is not None:
         stats = {s["link"]: s for s in predictor.link_stats()}

@@ -23,7 +23,7 @@ from werkzeug.exceptions import HTTPException
 from predictor.api import AuthError, Services
 from predictor.api import decisions, health, links, metrics, observations, predict, profiles, web
 from predictor.config import Config
-from predictor.errors import NotFoundError, TooLarge, ValidationError
+from predictor.errors import Conflict, NotFoundError, TooLarge, ValidationError
 from predictor.planner import DirectiveProblem
 from predictor.plotcache import PlotRenderer
 from predictor.service import ModelCache, ModelUnavailable, ModelVersionUnavailable, default_predictor_factory
@@ -39,6 +39,8 @@ def handle_error(exc: Exception):
         return jsonify(error=str(exc), field=exc.field), 413
     if isinstance(exc, ValidationError):
         return jsonify(error=str(exc), field=exc.field), 400
+    if isinstance(exc, Conflict):
+        return jsonify(error=str(exc), field=exc.field), 409
     if isinstance(exc, DirectiveProblem):
         return jsonify(error=exc.message, field=exc.field, line=exc.line), 422
     if isinstance(exc, NotFoundError):

@@ -40,7 +40,7 @@ from typing import Callable, Mapping, Protocol
 
 from slurm_plugin.contracts.signing import DEFAULT_TIMEOUT, MUNGE_HEADER, PAYLOAD_PREFIX
 
-_PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=(\d{{1,12}}) sha256=([0-9a-f]{{64}})\Z")
+_PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=([0-9]{{1,12}}) sha256=([0-9a-f]{{64}})\Z")
 # what munge's encoder writes: "MUNGE:" + base64 + ":" (a header of any other shape never costs an unmunge run)
 _CREDENTIAL_RE = re.compile(r"^MUNGE:[A-Za-z0-9+/]{16,16384}={0,2}:\Z")
 OWNER_TTL = timedelta(seconds=1)        # a job's owner and state, as Slurm said them, reused this long
@@ -363,6 +363,7 @@ class Authenticator:
         jobs: Slurm lookup (`job_owner`); built lazily by `jobs_factory` on first use.
         job_recent: how long after a job ended its credential is still accepted.
         read_auth: reads need a credential too.
+        open_writes: with no credential configured, anyone writes (else nobody does: `serve`'s default, #41.9).
         clock: seconds since the epoch (tests pass a fixed one).
     """
 
@@ -370,7 +371,7 @@ class Authenticator:
                  unmunger: Unmunger | None = None, jobs: JobOwners | None = None,
                  jobs_factory: Callable[[], JobOwners] | None = None,
                  job_recent: timedelta = timedelta(minutes=10), read_auth: bool = False,
-                 clock: Callable[[], float] = time.time):
+                 open_writes: bool = True, clock: Callable[[], float] = time.time):
         self.token = token or None
         self.admin_token = admin_token or None
         self.munge = munge
@@ -380,6 +381,7 @@ class Authenticator:
         self.owners = OwnerCache(lambda: self.jobs)
         self.job_recent = job_recent
         self.read_auth = read_auth
+        self.open_writes = open_writes
         self.clock = clock
         self.slots = CredentialSlots()
 
@@ -395,11 +397,11 @@ class Authenticator:
         return cls(token=config.token, admin_token=config.admin_token, munge=config.munge_auth,
                    unmunger=Unmunger(config.munge_socket, config.auth_timeout, config.munge_in_process),
                    jobs_factory=backend,
-                   job_recent=config.job_recent, read_auth=config.read_auth)
+                   job_recent=config.job_recent, read_auth=config.read_auth, open_writes=config.open_writes)
 
     @property
     def writes_open(self) -> bool:
-        return not (self.token or self.admin_token or self.munge)
+        return self.open_writes and not (self.token or self.admin_token or self.munge)
 
     @property
     def jobs(self) -> JobOwners:
@@ -458,7 +460,8 @@ class Authenticator:
             ways.append("`Authorization: Bearer <token>`")
         if self.munge:
             ways.append(f"`{MUNGE_HEADER}: <munge credential>` (slurm_plugin.contracts.signing.munge_sign)")
-        return " or ".join(ways) or "none configured"
+        return " or ".join(ways) or ("none is configured, so writes are closed (set ELASTIC_PREDICTOR_TOKEN, "
+                                     "ELASTIC_PREDICTOR_ADMIN_TOKEN or ELASTIC_PREDICTOR_MUNGE=1)")
 
     def _bearer(self, header: str, admin_only: bool) -> Caller:
         scheme, _, given = header.partition(" ")

@@ -66,14 +66,19 @@ def auth_policy(config: Config) -> list[str]:
         writers.append(f"the tool token ({ENV_TOKEN})")
     if config.munge_auth:
         writers.append(f"munge-signed job credentials ({ENV_MUNGE}=1)")
+    reads = "reads need the same credentials" if config.read_auth else "reads are open"
+    if not writers and not config.open_writes:
+        return [f"writes are closed: none of {ENV_TOKEN}, {ENV_ADMIN_TOKEN}, {ENV_MUNGE} is set (`--allow-dev "
+                "open-writes` opens them to anyone, for development); admin operations (replacing a profile) need "
+                f"a token: none is set, so they are refused; {reads}"]
     if not writers:
-        lines = [f"warning: writes are open to anyone: none of {ENV_TOKEN}, {ENV_ADMIN_TOKEN}, {ENV_MUNGE} is set"]
+        lines = [f"warning: writes are open to anyone (--allow-dev open-writes): none of {ENV_TOKEN}, "
+                 f"{ENV_ADMIN_TOKEN}, {ENV_MUNGE} is set"]
         if config.read_auth:
             lines.append(f"warning: {ENV_READ_AUTH} is on but no credential is configured: every read except "
                          "/healthz is refused")
         return lines
     admin = ("the admin token" if config.admin_token else "the tool token" if config.token else None)
-    reads = "reads need the same credentials" if config.read_auth else "reads are open"
     lines = [f"writes need {' or '.join(writers)}; admin operations (replacing a profile) need "
              f"{admin or 'a token: none is set, so they are refused'}; {reads}"]
     if not (config.token or config.admin_token):
@@ -97,7 +102,11 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: nginx reads each request whole and caps connections per client address (production; "
                    "needs nginx-light libnginx-mod-stream); buffered: the built-in asyncio front end does the reading, "
                    "one cap for all clients; gunicorn: gunicorn alone on the port (a half-sent request holds a worker). "
-                   "Default: nginx where it is installed with its stream module, else buffered (said at start)")
+                   "Default: nginx; buffered only with --allow-dev buffered (#41.9)")
+@click.option("--allow-dev", "allow_dev", multiple=True, type=click.Choice(["buffered", "open-writes"]),
+              help="development setups, each named: buffered (the built-in front end, which one client address can "
+                   "take from everyone: used where nginx is missing or asked for with --server buffered); "
+                   "open-writes (anyone writes while no token and no munge is configured)")
 @click.option("--read-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="buffered: seconds a client has to send a whole request (else 408 and close); nginx: for the "
                    "head, between two reads of the body, and for an idle keep-alive connection")
@@ -114,20 +123,28 @@ def auth_policy(config: Config) -> list[str]:
               help="nginx: worker processes of a second gunicorn (4 threads each, nice 10) that answers every "
                    "request but the hook's (POST /v1/plan without a munge credential, /healthz), which --workers "
                    "answer (0: one gunicorn for all)")
-def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, read_timeout,
-          max_connections, per_address, per_address_requests, per_credential_requests, side_workers):
+@click.option("--hook-from", default="", metavar="ADDR[,ADDR]",
+              help="nginx: the hosts slurmctld's job_submit hook calls from (addresses or networks): their "
+                   "connections get --hook-connections slots of their own and only their plans reach the plan pool, "
+                   "so other clients holding every other slot cannot starve the hook (#41.4)")
+@click.option("--hook-connections", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="nginx: connections at once from the --hook-from hosts, apart from --max-connections")
+def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, allow_dev, read_timeout,
+          max_connections, per_address, per_address_requests, per_credential_requests, side_workers, hook_from,
+          hook_connections):
     """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
     and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
     Writes need $ELASTIC_PREDICTOR_ADMIN_TOKEN, $ELASTIC_PREDICTOR_TOKEN or, with ELASTIC_PREDICTOR_MUNGE=1, a
-    munge-signed job credential; with none of them set, writes are open (a warning).
+    munge-signed job credential; with none of them set, writes are closed (`--allow-dev open-writes`: open to
+    anyone, a warning).
 
     Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
     """
     from predictor.app import create_app  # noqa: PLC0415
     from predictor.server import Limits, gunicorn_application, run_buffered  # noqa: PLC0415
 
-    config = _config(db, cluster)
+    config = _config(db, cluster).replace(open_writes="open-writes" in allow_dev)
     if from_slurm:
         config = config.replace(cluster=_slurm_cluster(from_slurm))
     for line in auth_policy(config):
@@ -136,10 +153,14 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
         from predictor.front_nginx import nginx_missing  # noqa: PLC0415
 
         missing = nginx_missing()
-        server_mode = "buffered" if missing else "nginx"
-        if missing:
-            click.echo(f"front end: buffered (the built-in one; {missing}: nginx, the production front end, caps "
+        server_mode = "buffered" if missing and "buffered" in allow_dev else "nginx"
+        if missing and server_mode == "buffered":
+            click.echo(f"front end: buffered (--allow-dev buffered; {missing}: nginx, the production front end, caps "
                        "connections per client address)", err=True)
+    if server_mode == "buffered" and "buffered" not in allow_dev:
+        raise click.UsageError("the buffered front end is for development only (one client address can take it from "
+                               "everyone, docs/admin-guide.md): name it with --allow-dev buffered, or run nginx "
+                               "(--server nginx; Debian: nginx-light libnginx-mod-stream)")
 
     _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
     # the engine (numpy, scipy, sklearn: ~0.8 s of CPU to import) is imported once here, before gunicorn forks, so
@@ -155,11 +176,16 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     if server_mode == "nginx":
         from predictor.front_nginx import NginxLimits, NginxMissing, run_nginx  # noqa: PLC0415
 
-        nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
-                                   upstream_timeout=timeout + 5, max_connections=max_connections,
-                                   per_address=min(per_address, max_connections),
-                                   per_address_requests=per_address_requests,
-                                   per_credential_requests=per_credential_requests)
+        try:
+            nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
+                                       upstream_timeout=timeout + 5, max_connections=max_connections,
+                                       per_address=min(per_address, max_connections),
+                                       per_address_requests=per_address_requests,
+                                       per_credential_requests=per_credential_requests,
+                                       hook_from=tuple(a.strip() for a in hook_from.split(",") if a.strip()),
+                                       hook_connections=hook_connections)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--hook-from") from None
         plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
 
         def load_plan_pool():

@@ -5,7 +5,8 @@ Nothing else in the package reads the environment: `Config.from_env` is the one 
 the frozen object.
 
 Environment (read only by `Config.from_env`):
-    ELASTIC_PREDICTOR_TOKEN       bearer token required for writes (unset or empty: writes are open)
+    ELASTIC_PREDICTOR_TOKEN       bearer token required for writes (with no admin token and munge off, unset or
+                                  empty closes writes; `serve --allow-dev open-writes` opens them, #41.9)
     ELASTIC_PREDICTOR_DB          SQLite path (default `predictor.db`)
     ELASTIC_PREDICTOR_CLUSTER     JSON cluster model file (default: the built-in local testbed)
     ELASTIC_PREDICTOR_MAX_BODY    request body cap in bytes (default 4 MiB)
@@ -25,6 +26,8 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_DECISIONS_KEEP      decisions kept at most (default 100000; the oldest are pruned)
     ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS  decisions older than this are pruned (default 90)
     ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES request and response text the decisions may hold (default 512 MiB)
+    ELASTIC_PREDICTOR_JOB_WRITE_QUOTA_BYTES  observation bytes one job credential may store (default 64 MiB)
+    ELASTIC_PREDICTOR_TOKEN_WRITE_QUOTA_BYTES  observation bytes the tool token may store a day (UTC; default 1 GiB)
     ELASTIC_PREDICTOR_PLOT_PRERENDER  1 (the default here, not in `Config()`): each worker draws the admin
                                   page's plots for every new model version before anyone asks
 """
@@ -58,11 +61,14 @@ ENV_DECISIONS_KEEP = "ELASTIC_PREDICTOR_DECISIONS_KEEP"
 ENV_DECISIONS_MAX_AGE = "ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS"
 ENV_DECISIONS_MAX_BYTES = "ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES"
 ENV_PLOT_PRERENDER = "ELASTIC_PREDICTOR_PLOT_PRERENDER"
+ENV_JOB_WRITE_QUOTA = "ELASTIC_PREDICTOR_JOB_WRITE_QUOTA_BYTES"
+ENV_TOKEN_WRITE_QUOTA = "ELASTIC_PREDICTOR_TOKEN_WRITE_QUOTA_BYTES"
 # The variable behind each range-checked field, so an out-of-range value is reported by the name the admin set.
 _FIELD_ENV = {"max_body_bytes": ENV_MAX_BODY, "prediction_cache_size": ENV_CACHE, "refit_debounce": ENV_DEBOUNCE,
               "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL,
               "prediction_cache_bytes": ENV_CACHE_BYTES, "decisions_keep": ENV_DECISIONS_KEEP,
-              "decisions_max_age": ENV_DECISIONS_MAX_AGE, "decisions_max_bytes": ENV_DECISIONS_MAX_BYTES}
+              "decisions_max_age": ENV_DECISIONS_MAX_AGE, "decisions_max_bytes": ENV_DECISIONS_MAX_BYTES,
+              "job_write_quota_bytes": ENV_JOB_WRITE_QUOTA, "token_write_quota_bytes": ENV_TOKEN_WRITE_QUOTA}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +77,14 @@ class Config:
 
     Attributes:
         db_path: SQLite database file.
-        token: bearer token for writes; None leaves writes open (a warning case, for tests and labs).
+        token: bearer token for writes; None with no admin token and munge off: writes are `open_writes`.
+        job_write_quota_bytes: observation bytes (the stored rows' JSON, every kind: steps and collectives) one
+            job credential may store in all (#41.3: collective rows were outside any claim, 7.4 GB an hour from one job).
+        token_write_quota_bytes: the same for the tool token, per UTC day (#41.3: it had no quota; the admin token
+            has none).
+        open_writes: with no credential configured, anyone may write (True in `Config()`, for tests and embedding
+            code; False from `from_env`, so `serve` and the WSGI factory close them unless `serve --allow-dev
+            open-writes`, #41.9). Ignored once a credential is configured.
         cluster: the cluster model used to enumerate candidate layouts.
         max_body_bytes: requests with a larger body get 413.
         refit_debounce: how long new observations are coalesced before the background refit.
@@ -133,6 +146,9 @@ class Config:
     decisions_max_bytes: int = 512 * 1024 * 1024
     plot_prerender: bool = False
     fits: bool = True
+    open_writes: bool = True
+    job_write_quota_bytes: int = 64 * 1024 * 1024
+    token_write_quota_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -151,6 +167,9 @@ class Config:
             raise ValidationError("plan_cache_ttl", "must lie in 0..3600 s")
         if self.prediction_cache_bytes < 0:
             raise ValidationError("prediction_cache_bytes", "must be >= 0")
+        if self.job_write_quota_bytes < 1 or self.token_write_quota_bytes < 1:
+            raise ValidationError("job_write_quota_bytes" if self.job_write_quota_bytes < 1
+                                  else "token_write_quota_bytes", "must be >= 1")
         if self.decisions_keep < 1:
             raise ValidationError("decisions_keep", "must be >= 1")
         if self.decisions_max_age <= timedelta(0):
@@ -182,6 +201,7 @@ class Config:
             if env.get(name):
                 values[field] = parse(env, name)
         values["plot_prerender"] = _bool_var(env, ENV_PLOT_PRERENDER) if env.get(ENV_PLOT_PRERENDER) else True
+        values["open_writes"] = False
         from_env = set(values)
         values.update({k: v for k, v in overrides.items() if v is not None})
         from_env -= {k for k, v in overrides.items() if v is not None}
@@ -246,4 +266,6 @@ _ENV_FIELDS = (
     (ENV_DECISIONS_KEEP, "decisions_keep", _int_var),
     (ENV_DECISIONS_MAX_AGE, "decisions_max_age", _days_var),
     (ENV_DECISIONS_MAX_BYTES, "decisions_max_bytes", _int_var),
+    (ENV_JOB_WRITE_QUOTA, "job_write_quota_bytes", _int_var),
+    (ENV_TOKEN_WRITE_QUOTA, "token_write_quota_bytes", _int_var),
 )

@@ -13,5 +13,13 @@ class NotFoundError(LookupError):
         super().__init__(f"{what} {name!r} not found" + (f"; {hint}" if hint else ""))
 
 
+class Conflict(Exception):
+    """A request that contradicts one stored before under the same name (409); `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class TooLarge(ValidationError):
     """Input within the body cap that asks for more work or storage than a named limit allows (413)."""

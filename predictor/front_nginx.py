@@ -6,10 +6,14 @@ connections per client address and in total, caps requests in progress per clien
 (#24.3: one token sent from many addresses shares one cap), and replaces X-Forwarded-For; the rendered
 configuration is predictor/deploy/nginx.conf.in (its comments say which directive does what). This module renders it into a
 private runtime folder, starts gunicorn on a unix socket there, then nginx in the foreground, and supervises
-both: SIGTERM/SIGINT stop nginx gracefully (requests in flight finish), then gunicorn; SIGHUP, SIGTTIN, SIGTTOU,
-SIGUSR1 and SIGUSR2 go to gunicorn; when either exits, the other is stopped and `serve` exits with its status.
-Both die with `serve` (PR_SET_PDEATHSIG). The asyncio front end (predictor/server.py) stays the fallback where
-nginx is not installed.
+them as one unit (#41.6): each runs in a process group of its own, so when one exits or is killed (SIGKILL of the
+nginx master or of a gunicorn arbiter) its whole group is killed (no worker left holding the port) and it is
+started again, at most `RESTARTS` times in `RESTART_WINDOW_S`, after which everything stops and `serve` exits with
+its status. SIGTERM/SIGINT stop nginx gracefully (requests in flight finish), then gunicorn; SIGHUP, SIGTTIN,
+SIGTTOU, SIGUSR1 and SIGUSR2 go to gunicorn. All die with `serve` (PR_SET_PDEATHSIG). The runtime folder belongs
+to root when `serve` runs as root: nginx's workers (www-data) may reach its sockets and write only their temp
+folders in it (#41.9: the folder was www-data's, holding root's gunicorn sockets). The asyncio front end
+(predictor/server.py) is for development only (`serve --allow-dev buffered`).
 
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
 answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge` and under 10,000 bytes
@@ -26,9 +30,11 @@ worker takes it; nothing else is ever sent twice.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
+import ipaddress
 import os
 import pwd
 import re
@@ -53,13 +59,17 @@ PACKAGES = "nginx-light libnginx-mod-stream"        # Debian 12; nginx-full has 
 NGINX_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 SEND_TIMEOUT_S = 30
 # What one client connection can hold in nginx's memory at most, from the template's buffer sizes: the stream
-# layer's two 4 KiB proxy buffers; the http layer's 1 KiB head buffer, 4 x 8 KiB large header buffers, 16 KiB
-# body buffer, 8 KiB + 4 x 8 KiB answer buffers; about 8 KiB of pools.
-CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8) * 1024
+# layer's two 4 KiB proxy buffers; the outer http server's 1 KiB head buffer, 4 x 8 KiB large header buffers, 16 KiB
+# body buffer, 8 KiB + 4 x 8 KiB answer buffers; the inner one's (#41.5) 1 KiB head buffer, 4 x 8 KiB large header
+# buffers (the head comes whole from the outer server), 16 KiB body buffer, 8 KiB answer buffer; about 8 KiB of
+# pools each.
+CONNECTION_BYTES = (2 * 4 + 1 + 4 * 8 + 16 + 8 + 4 * 8 + 8 + 1 + 4 * 8 + 16 + 8 + 8) * 1024
 WORKER_BASE_BYTES = 8 * 1024 * 1024                # a worker's own memory, measured 3-6 MB, and its connection array
 SIDE_SOCKET = "gunicorn-side.sock"
 SIDE_THREADS = 4            # a side pool worker's threads: its unmunge and Slurm runs wait side by side
 SIDE_NICE = 10              # the side pool's processes (and the unmunge, squeue, sacct they run) yield the CPU
+RESTARTS, RESTART_WINDOW_S = 5, 60.0   # a part that exits more often than this is not restarted: serve stops
+TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")   # nginx.conf.in's temp paths: the workers'
 
 
 class NginxMissing(RuntimeError):
@@ -76,20 +86,27 @@ class NginxLimits:
     per_address_requests: int = 64     # requests in progress from one address; more: 429
     per_credential_requests: int = 16  # requests in progress with one bearer token, all addresses; more: 429
     worker_processes: int = 2
+    hook_from: tuple[str, ...] = ()    # the job_submit hook's hosts (addresses or networks): a path of their own
+    hook_connections: int = 64         # connections from them at once, apart from `max_connections`
+
+    def __post_init__(self):
+        for net in self.hook_from:
+            ipaddress.ip_network(net, strict=False)    # ValueError naming it
 
     @property
     def worker_connections(self) -> int:
-        # a client connection takes up to 4 of a worker's connections (client, stream -> http over the unix
-        # socket twice, http -> gunicorn), and one worker may get all of them
-        return 4 * self.max_connections + 64
+        # a client connection takes up to 6 of a worker's connections (client, stream -> outer http and outer ->
+        # inner http over unix sockets, twice each, inner -> gunicorn), and one worker may get all of them
+        return 6 * (self.max_connections + (self.hook_connections if self.hook_from else 0)) + 64
 
     def memory_bound(self) -> int:
         """nginx's memory at most: every connection holding all its buffers, plus each worker's own."""
         return self.max_connections * CONNECTION_BYTES + (self.worker_processes + 1) * WORKER_BASE_BYTES
 
     def disk_bound(self) -> int:
-        """Temp files of request bodies at most (answers larger than their buffers spill there too)."""
-        return self.max_connections * self.max_body
+        """Temp files of request bodies at most: a body above 16 KiB is written by the outer server and, once whole,
+        by the inner one (answers larger than their buffers spill there too)."""
+        return 2 * self.max_connections * self.max_body
 
 
 def find_nginx() -> tuple[str, str]:
@@ -120,11 +137,15 @@ def render(limits: NginxLimits, *, host: str, port: int, runtime: str, load_modu
            side_pool: bool = False) -> str:
     """The nginx configuration; `side_pool`: all but the hook's requests go to `SIDE_SOCKET` (module docstring)."""
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    values = {"LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
+    hook_geo = "\n".join(f"        {ipaddress.ip_network(net, strict=False)} 1;" for net in limits.hook_from)
+    values = {"HOOK_GEO": hook_geo, "HOOK_CLASS": "1" if limits.hook_from else "[01]",
+              "HOOK_CONNECTIONS": limits.hook_connections if limits.hook_from else 1,
+              "LOAD_MODULE": load_module, "USER": f"user {user};" if user else "",
               "SIDE_UPSTREAM": "gunicorn_side" if side_pool else "gunicorn",
               "PLAN_RETRY": f"server unix:{runtime}/gunicorn.sock max_fails=0 backup;" if side_pool else "",
               "WORKER_PROCESSES": limits.worker_processes, "NOFILE": limits.worker_connections + 256,
-              "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 5,
+              "SHUTDOWN_TIMEOUT": int(limits.upstream_timeout) + 10,
+              "OUTER_TIMEOUT": int(limits.upstream_timeout) + 5,
               "WORKER_CONNECTIONS": limits.worker_connections, "LISTEN": listen, "PER_ADDRESS": limits.per_address,
               "MAX_CONNECTIONS": limits.max_connections, "STREAM_TIMEOUT": int(limits.upstream_timeout) + 30,
               "RUNTIME": runtime, "PER_ADDRESS_REQUESTS": limits.per_address_requests, "MAX_BODY": limits.max_body,
@@ -181,47 +202,94 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
     limits = _fit_open_files(limits, user is not None, log)
     runtime = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir="/tmp" if len(tempfile.gettempdir()) > 60 else None)
     _prune_stale(os.path.dirname(runtime), {os.getuid()} | ({user.pw_uid} if user else set()))
-    if user:                                        # nginx's workers reach the sockets and write the temp files
-        os.chown(runtime, user.pw_uid, user.pw_gid)
+    if user:   # the workers reach the sockets (group: search), write only their temp folders, replace nothing
+        os.chown(runtime, 0, user.pw_gid)
+        os.chmod(runtime, 0o750)
+        for name in TEMP_FOLDERS:
+            os.mkdir(os.path.join(runtime, name), 0o700)
+            os.chown(os.path.join(runtime, name), user.pw_uid, user.pw_gid)
     conf = os.path.join(runtime, "nginx.conf")
     Path(conf).write_text(render(limits, host=host, port=port, runtime=runtime, load_module=load_module,
                                  user=f"{user.pw_name} {_group(user)}" if user else None,
                                  side_pool=side_workers > 0))
     children: dict[str, int] = {}
+    starters: dict[str, Callable[[], int]] = {}
     try:
         pools = [("gunicorn", "gunicorn.sock", load, workers, threads, 0)]
         if side_workers > 0:
             pools.append(("gunicorn-side", SIDE_SOCKET, side_load or load, side_workers, SIDE_THREADS, SIDE_NICE))
         for name, sock, app, count, per_worker, nice in pools:
-            children[name] = _fork_gunicorn(app, f"unix:{runtime}/{sock}", count, per_worker, timeout, nice)
+            starters[name] = functools.partial(_fork_gunicorn, app, f"unix:{runtime}/{sock}", count, per_worker,
+                                               timeout, nice)
+            children[name] = starters[name]()
         for name, sock, *_ in pools:
             if not _wait_socket(os.path.join(runtime, sock), children[name], 120.0):
                 log(f"serve: {name} did not start (see above)")
                 return 1
-        nginx = subprocess.Popen([exe, "-e", "stderr", "-p", runtime, "-c", conf, "-g",
-                                  f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
-                                 preexec_fn=_die_with_parent)      # noqa: PLW1509 - no threads yet
-        children["nginx"] = nginx.pid
+
+        def start_nginx() -> int:
+            _wait_port_free(host, port, 5.0)       # a killed master's workers are gone (their group was killed)
+            for stale in ("http.sock", "inner.sock", "nginx.pid"):   # left by a SIGKILLed master: not bound again
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(runtime, stale))
+            return subprocess.Popen([exe, "-e", "stderr", "-p", runtime, "-c", conf, "-g",
+                                     f"daemon off; pid {runtime}/nginx.pid; error_log stderr warn;"],
+                                    preexec_fn=_own_group_dying_with_parent).pid   # noqa: PLW1509 - no threads yet
+        starters["nginx"] = start_nginx
+        children["nginx"] = start_nginx()
         log(f"front end: nginx on {host}:{port} ({conf}): requests read whole (body <= {limits.max_body} bytes; "
             f"head within {limits.read_timeout:g} s), at most {limits.per_address} connections per address and "
             f"{limits.max_connections} in all, {limits.per_address_requests} requests in progress per address and "
             f"{limits.per_credential_requests} per bearer token (all addresses together); "
             f"nginx memory <= {limits.memory_bound() / 2**20:.0f} MiB, body temp files <= "
             f"{limits.disk_bound() / 2**30:.1f} GiB in {runtime}; gunicorn on unix:{runtime}/gunicorn.sock")
+        if limits.hook_from:
+            log(f"front end: the hook's hosts ({', '.join(limits.hook_from)}; --hook-from) have "
+                f"{limits.hook_connections} connections of their own, not counted in the {limits.max_connections}, "
+                "and only their plans reach the plan pool")
+        else:
+            log("front end: no --hook-from: the hook's connections share the caps above with every client")
         if side_workers > 0:
             log(f"front end: the plan pool ({workers} worker(s)) answers POST /v1/plan without a munge credential "
                 f"(under 10,000 bytes) "
                 f"and /healthz; every other request goes to the side pool ({side_workers} worker(s) x "
                 f"{SIDE_THREADS} threads, nice {SIDE_NICE}) on unix:{runtime}/{SIDE_SOCKET}")
-        return _supervise(children, limits, log)
+        return _supervise(children, starters, log)
     finally:
         for pid in children.values():
+            _kill_group(pid)
             try:
-                os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
+            except ChildProcessError:
                 pass
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _own_group_dying_with_parent() -> None:
+    """In a child before it runs: a process group of its own (so its workers can be killed with it), and SIGTERM
+    when `serve` dies."""
+    os.setpgid(0, 0)
+    _die_with_parent()
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to a part's process group (its leader and every worker it forked, orphaned or not)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_port_free(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _port_free(host, port)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                return                                  # nginx says why it cannot bind, and is restarted again
+            time.sleep(0.05)
 
 
 def _fit_open_files(limits: NginxLimits, root: bool, log: Callable[[str], None]) -> NginxLimits:
@@ -255,6 +323,7 @@ def _fork_gunicorn(load: Callable, bind: str, workers: int, threads: int, timeou
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        os.setpgid(0, 0)        # its own group: the arbiter and its workers are killed together (_kill_group)
         os._exit(_gunicorn_child(application, parent))
     return pid
 
@@ -298,9 +367,13 @@ def _wait_socket(path: str, pid: int, timeout_s: float) -> bool:
     return False
 
 
-def _supervise(children: dict[str, int], limits: NginxLimits, log: Callable[[str], None]) -> int:
-    """Wait for signals and children; returns the exit status. Empties `children` of those reaped."""
+def _supervise(children: dict[str, int], starters: dict[str, Callable[[], int]], log: Callable[[str], None],
+               clock: Callable[[], float] = time.monotonic) -> int:
+    """Wait for signals and children; returns the exit status. Empties `children` of those reaped. A part that
+    exits while `serve` is not stopping is started again (`starters`), its process group killed first, unless it
+    exited `RESTARTS` times in `RESTART_WINDOW_S`: then everything stops."""
     stopping: list[int] = []
+    exits: dict[str, list[float]] = {}
 
     def stop(signum, _frame) -> None:
         if not stopping:
@@ -322,8 +395,16 @@ def _supervise(children: dict[str, int], limits: NginxLimits, log: Callable[[str
         if name is None:
             continue
         del children[name]
+        _kill_group(pid)                                  # its workers, orphaned by a SIGKILL, go with it
         code = os.waitstatus_to_exitcode(raw)
         code = 128 - code if code < 0 else code
+        now = clock()
+        recent = exits[name] = [t for t in exits.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+        if not stopping and not status and len(recent) <= RESTARTS:
+            log(f"front end: {name} exited with status {code}; started again ({len(recent)} of {RESTARTS} "
+                f"restarts in {RESTART_WINDOW_S:g} s)")
+            children[name] = starters[name]()
+            continue
         if name == "nginx":
             for other in [n for n in children if n.startswith("gunicorn")]:
                 _signal(children.get(other), signal.SIGTERM)   # gunicorn finishes what it has, then exits

@@ -52,7 +52,7 @@ SEND_BUFFER = 32 * 1024          # SO_SNDBUF of a client socket (the kernel doub
                                  # does not read may occupy in the kernel before the front end stops for it
 LINGER_S = 2.0                   # after an error answer, read and drop what the client still sends, this long
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"transfer-encoding", b"content-length",
-               b"expect", b"upgrade", b"trailer", b"x-forwarded-for"}
+               b"expect", b"upgrade", b"trailer", b"x-forwarded-for", b"x-elastic-hook"}   # only nginx sets the last
 _METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
 _FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")

@@ -22,7 +22,7 @@ processes share one model per data version:
 Stored models are JSON documents (`FittedModel.blob`: the predictor's `to_params()`, the step model's parameters
 with their basis, and the profiles it was fitted with, without tensor names), never pickles: reading one runs no
 code, and `elastic-predictor model show` prints it. A model stored as a pickle by an older release is deleted by
-the store's migration `0010_models_json` and fitted again. Each carries the fingerprint of the code that fitted it
+the store's migration `0013_models_json` and fitted again. Each carries the fingerprint of the code that fitted it
 (`code_fingerprint()`: the predictor
 package's sources, Python's and the numeric libraries' versions). A worker answers from the newest stored
 model whatever its code (better than a 503), and the fitter fits the data again when the model in use was

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -80,6 +81,28 @@ def _m0005_write_keys(db: sqlite_utils.Database) -> None:
     db.table("write_keys").create_index(["created_at_s"])
 
 
+def _m0010_write_key_digests(db: sqlite_utils.Database) -> None:
+    # the body each idempotency key was first used with (#41.8): a reused key with another body is refused
+    db.execute("ALTER TABLE write_keys ADD COLUMN digest TEXT NOT NULL DEFAULT ''")
+
+
+def _m0011_write_quotas(db: sqlite_utils.Database) -> None:
+    # the observation bytes each credential stored (#41.3): a job's in all (period 0), the tool token's per UTC day
+    db.execute("CREATE TABLE write_quotas (owner TEXT NOT NULL, period INTEGER NOT NULL, bytes INTEGER NOT NULL, "
+               "updated_at_s REAL NOT NULL, PRIMARY KEY (owner, period))")
+
+
+def _m0012_observation_summary(db: sqlite_utils.Database) -> None:
+    # the rows stored per (kind, profile, GPU, link, layout), kept by every observation write (#41.3: /admin, /healthz
+    # and /metrics counted and parsed every row: 59 ms -> 1.9 s after one job's 102,400 rows); '' for none
+    db.execute("CREATE TABLE observation_summary (kind TEXT NOT NULL, profile TEXT NOT NULL, gpu TEXT NOT NULL, "
+               "link TEXT NOT NULL, layout TEXT NOT NULL, rows INTEGER NOT NULL, "
+               "PRIMARY KEY (kind, profile, gpu, link, layout))")
+    db.execute("INSERT INTO observation_summary SELECT kind, COALESCE(profile, ''), COALESCE(gpu, ''), "
+               "COALESCE(link, ''), CASE kind WHEN 'step' THEN COALESCE(json_extract(body, '$.layout'), '') "
+               "ELSE '' END, COUNT(*) FROM observations GROUP BY 1, 2, 3, 4, 5")
+
+
 def _m0006_decision_clients(db: sqlite_utils.Database) -> None:
     # who asked for each decision (#24.9): one client's decisions are pruned within its share of the budget
     db.execute("ALTER TABLE decisions ADD COLUMN client TEXT NOT NULL DEFAULT ''")
@@ -133,13 +156,14 @@ def profile_summary(body: dict) -> dict:
             "source": str(body.get("source", "api")) if isinstance(body, dict) else "api"}
 
 
-def _m0010_models_json(db: sqlite_utils.Database) -> None:
+def _m0013_models_json(db: sqlite_utils.Database) -> None:
     """Stored models are JSON documents now (predictor.service.FittedModel.blob): an older release's pickles are
     deleted, never unpickled; the fitter fits the stored history again."""
     db.execute("DELETE FROM models WHERE substr(blob, 1, 1) != X'7B'")   # not '{'
 
 
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
+QUOTA_KEEP_S = 2 * 24 * 3600.0  # a credential's quota row not written for this long is forgotten (a job's ends)
 
 
 def encode(document: Any) -> str:
@@ -159,7 +183,10 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0007_profile_owners", _m0007_profile_owners),
     ("0008_job_claims", _m0008_job_claims),
     ("0009_profile_summaries", _m0009_profile_summaries),
-    ("0010_models_json", _m0010_models_json),
+    ("0010_write_key_digests", _m0010_write_key_digests),
+    ("0011_write_quotas", _m0011_write_quotas),
+    ("0012_observation_summary", _m0012_observation_summary),
+    ("0013_models_json", _m0013_models_json),
 ]
 WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
 WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this long after a release (_begin_immediate)
@@ -177,10 +204,12 @@ class DecisionRetention:
     """How many /v1/plan decisions the store keeps; the oldest go first, pruned by the writes themselves.
 
     A decision is deleted once it is not among the newest `max_rows`, or older than `max_age`, or the
-    decisions hold more than `max_bytes` of request and response text. One client (the address a request came
-    from) may hold more than `client_share` of the rows or bytes only while the bounds are not reached: when a
-    size bound is, the client holding the largest part above its share loses its own oldest first, so a flood
-    from one client never evicts another's decisions (the hook's, #24.9). Age prunes the oldest of anyone. A write that finds a bound passed
+    decisions hold more than `max_bytes` of request and response text. Each decision counts for its owner
+    (predictor.api.decision_owner: a signing job's user, a token, the hook from a `--hook-from` host per job user,
+    else the anonymous address). When a size bound is reached, anonymous decisions go first, the largest anonymous
+    client's oldest (#41.2: eight anonymous addresses, each under its share, erased every hook decision); then an
+    owner holding more than `client_share` of the rows or bytes loses its own oldest, so one user's flood never
+    evicts another's decisions (#24.9). Age prunes the oldest of anyone. A write that finds a bound passed
     deletes down to a slack below it (at most `batch_rows` rows, `batch_bytes` bytes or `max_age / 16` of
     age), so one write in many pays for a prune and none deletes more than a batch.
 
@@ -248,6 +277,13 @@ class QuotaExceeded(Exception):
     """A write that would take its owner past a quota (nothing was written)."""
 
 
+class KeyReused(Exception):
+    """An idempotency key stored with another body (``Store.write_observations``); nothing was written."""
+
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} was used with another body: a retry sends the same bytes, a new write a new key")
+
+
 class ClaimExceeded(Exception):
     """A signed job's step rows would claim more seconds of steps than the job ran (``Store.write_observations``'s
     ``claim``); nothing of the write was stored."""
@@ -268,7 +304,8 @@ class Store:
     """SQLite history behind a small API; safe to share between threads (one connection each).
 
     Args:
-        path: database file (created if missing).
+        path: database file (created if missing, mode 0600: it holds the fitted models as pickles that every worker
+            loads, #41.9; SQLite gives its -wal and -shm files the same mode).
         busy_timeout: how long a write waits for another writer's lock.
         decision_retention: the bounds decision writes prune to; None keeps every decision (one-shot CLI
             commands, which must not prune by defaults the service was configured past).
@@ -289,6 +326,9 @@ class Store:
         """This thread's database handle (opened on first use with WAL and synchronous=NORMAL)."""
         db = getattr(self._local, "db", None)
         if db is None:
+            if self.path != ":memory:":
+                with contextlib.suppress(FileExistsError):   # created here, owner-only, before SQLite opens it
+                    os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout.total_seconds(), check_same_thread=False)
             db = sqlite_utils.Database(conn, execute_plugins=False)
             if db.journal_mode != "wal":
@@ -512,33 +552,62 @@ class Store:
         """Store validated records in one transaction (all or nothing); returns their ids."""
         return self.write_observations(records).ids
 
-    def write_observations(self, records: Iterable[dict], key: tuple[str, str] | None = None,
-                           claim: tuple[int, float] | None = None) -> WrittenObservations:
+    def write_observations(self, records: Iterable[dict], key: tuple[str, str, str] | None = None,
+                           claim: tuple[int, float] | None = None,
+                           quota: tuple[str, int, int] | None = None) -> WrittenObservations:
         """Store validated records in one transaction (all or nothing); returns their ids and the generation
         the write produced (read inside the same transaction, so another writer cannot move it in between).
 
         Args:
-            key: ``(caller, idempotency key)``: a write with a key stored before (within ``WRITE_KEY_TTL_S``)
-                stores nothing and returns the first write's answer, ``replayed`` set.
+            key: ``(caller, idempotency key, body digest)``: a write with a key stored before (within
+                ``WRITE_KEY_TTL_S``) and the same digest stores nothing and returns the first write's answer,
+                ``replayed`` set.
             claim: ``(job id, seconds it ran)`` for a signed job's write: its step rows (each at least one step of
                 ``iter_s``), with all it stored before, may claim at most that many seconds of steps.
+            quota: ``(owner, period, bytes)``: the rows' stored JSON, with what ``owner`` stored before in ``period``,
+                may take at most that many bytes (#41.3); rows of periods not written for ``QUOTA_KEEP_S`` are
+                forgotten.
 
         Raises:
             ClaimExceeded: the claim would pass the job's run time (nothing stored).
+            KeyReused: the key was stored with another body's digest (nothing stored; #41.8).
+            QuotaExceeded: the rows would take ``quota``'s owner past its bytes (nothing stored).
         """
         now = time.time()
         records = list(records)
         rows = [(r["kind"], r.get("profile"), r.get("gpu"), r.get("link"), json.dumps(r, allow_nan=False), now)
                 for r in records]
         new_s = sum(float(r["iter_s"]) for r in records if r["kind"] == "step")
+        new_bytes = sum(len(row[4].encode()) for row in rows)
+        summary: dict[tuple, int] = {}
+        for r in records:
+            layout = json.dumps(r.get("layout"), separators=(",", ":")) if r["kind"] == "step" and r.get("layout") \
+                is not None else ""
+            k = (r["kind"], r.get("profile") or "", r.get("gpu") or "", r.get("link") or "", layout)
+            summary[k] = summary.get(k, 0) + 1
 
         def write(db: sqlite_utils.Database) -> WrittenObservations:
             if key is not None:
                 db.execute("DELETE FROM write_keys WHERE created_at_s < ?", [now - WRITE_KEY_TTL_S])
-                seen = db.execute("SELECT first_id, last_id, generation FROM write_keys WHERE caller = ? AND key = ?",
-                                  list(key)).fetchone()
+                seen = db.execute("SELECT first_id, last_id, generation, digest FROM write_keys WHERE caller = ? "
+                                  "AND key = ?", list(key[:2])).fetchone()
+                if seen is not None and seen[3] not in ("", key[2]):    # '': stored before digests were kept
+                    raise KeyReused(key[1])
                 if seen is not None:
                     return WrittenObservations(list(range(seen[0], seen[1] + 1)), seen[2], True)
+            if quota is not None:
+                owner, period, most = quota
+                db.execute("DELETE FROM write_quotas WHERE updated_at_s < ?", [now - QUOTA_KEEP_S])
+                found = db.execute("SELECT bytes FROM write_quotas WHERE owner = ? AND period = ?",
+                                   [owner, period]).fetchone()
+                held = found[0] if found is not None else 0
+                if held + new_bytes > most:
+                    raise QuotaExceeded(f"{owner} stored {held} bytes of observations"
+                                        f"{' today (UTC)' if period else ''}; these {new_bytes} more would pass its "
+                                        f"quota of {most}")
+                db.execute("INSERT INTO write_quotas (owner, period, bytes, updated_at_s) VALUES (?, ?, ?, ?) "
+                           "ON CONFLICT (owner, period) DO UPDATE SET bytes = bytes + excluded.bytes, "
+                           "updated_at_s = excluded.updated_at_s", [owner, period, new_bytes, now])
             if claim is not None and new_s > 0:
                 job_id, allowed_s = claim
                 found = db.execute("SELECT step_s FROM job_claims WHERE job_id = ?", [job_id]).fetchone()
@@ -553,11 +622,14 @@ class Store:
             db.conn.executemany("INSERT INTO observations (kind, profile, gpu, link, body, created_at_s) "
                                 "VALUES (?, ?, ?, ?, ?, ?)", rows)
             ids = list(range(first, first + len(rows)))
+            db.conn.executemany("INSERT INTO observation_summary (kind, profile, gpu, link, layout, rows) VALUES "
+                                "(?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET rows = rows + excluded.rows",
+                                [(*k, n) for k, n in summary.items()])
             self._bump(db)
             generation = self.generation(db)
             if key is not None and ids:
-                db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s) "
-                           "VALUES (?, ?, ?, ?, ?, ?)", [*key, ids[0], ids[-1], generation, now])
+                db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s, digest) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?)", [*key[:2], ids[0], ids[-1], generation, now, key[2]])
             return WrittenObservations(ids, generation)
 
         return self._transaction(write)
@@ -573,8 +645,19 @@ class Store:
         return {(profile, gpu) for profile, gpu in rows}
 
     def observation_counts(self) -> dict[str, int]:
-        rows = self.db.execute("SELECT kind, COUNT(*) FROM observations GROUP BY kind").fetchall()
+        """Rows stored per kind, from the summary the writes keep (O(distinct keys), not O(rows): #41.3)."""
+        rows = self.db.execute("SELECT kind, SUM(rows) FROM observation_summary GROUP BY kind").fetchall()
         return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
+
+    def observation_summary(self, kind: str) -> list[dict]:
+        """Rows stored of `kind` per (profile, gpu, link, layout): each a dict with those (None for none; `layout` a
+        list) and `rows`."""
+        out = []
+        for profile, gpu, link, layout, n in self.db.execute(
+                "SELECT profile, gpu, link, layout, rows FROM observation_summary WHERE kind = ?", [kind]):
+            out.append({"profile": profile or None, "gpu": gpu or None, "link": link or None,
+                        "layout": json.loads(layout) if layout else None, "rows": n})
+        return out
 
     # --- decisions ------------------------------------------------------------------------------
     def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None,
@@ -642,7 +725,9 @@ class Store:
         too_old = oldest[1] < now - keep.max_age.total_seconds()
         if rows <= keep.max_rows and held <= keep.max_bytes and not too_old:
             return 0
-        victim = None if too_old else cls._over_share(conn, keep)  # a size bound: the largest client over its share
+        # a size bound: anonymous decisions go first (the largest anonymous client's oldest: #41.2, anonymous traffic
+        # never evicts a signed or the hook's decision), then the largest owner over its share
+        victim = None if too_old else cls._largest_anonymous(conn) or cls._over_share(conn, keep)
         only = " AND client = ?" if victim is not None else ""
         params = (newest, victim, keep.batch_rows) if victim is not None else (newest, keep.batch_rows)
         cutoff = now - keep.age_target.total_seconds()
@@ -660,6 +745,13 @@ class Store:
         conn.execute(f"DELETE FROM decisions WHERE id <= ?{only}", (last, victim) if victim is not None else (last,))
         cls._forget(conn, deleted)
         return len(deleted)
+
+    @staticmethod
+    def _largest_anonymous(conn: sqlite3.Connection) -> str | None:
+        """The anonymous client (`addr:...`, or a bare address stored before #41.2) holding the most bytes."""
+        row = conn.execute("SELECT client FROM decision_clients WHERE client NOT LIKE 'uid:%' AND client NOT LIKE "
+                           "'hook:%' AND client NOT LIKE 'token:%' ORDER BY bytes DESC LIMIT 1").fetchone()
+        return row[0] if row else None
 
     @staticmethod
     def _over_share(conn: sqlite3.Connection, keep: DecisionRetention) -> str | None:
@@ -685,7 +777,7 @@ class Store:
         """
         hint = "ids look like d-42; list them with GET /v1/decisions"
         number = decision_id[2:] if decision_id.startswith("d-") else ""
-        if not number.isdigit() or len(number) > 18:
+        if not (number.isascii() and number.isdigit()) or len(number) > 18:   # '\u00b2'.isdigit() (#41.9)
             raise NotFoundError("decision", decision_id, hint)
         row = self.db.execute(f"SELECT {_DECISION_COLUMNS} FROM decisions WHERE id = ?", [int(number)]).fetchone()
         if row is None:

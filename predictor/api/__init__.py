@@ -71,6 +71,23 @@ def client_address() -> str:
     return (request.headers.get("X-Forwarded-For") or request.remote_addr or "")[:64]
 
 
+HOOK_HEADER = "X-Elastic-Hook"   # nginx sets it, replacing the client's: "1" from a `serve --hook-from` host
+
+
+def decision_owner(job_uid: object) -> str:
+    """Whose budget share a /v1/plan decision counts in (#41.2; predictor.store.DecisionRetention): a job
+    credential's user (`uid:<uid>`), a token (`token:tool`, `token:admin`), the job_submit hook from a `--hook-from`
+    host (`hook:uid:<the job's uid>`: slurmctld vouches for it), else the anonymous address (`addr:<address>`)."""
+    who = identified()
+    if who.kind == "job":
+        return f"uid:{who.uid}"
+    if who.kind in ("tool", "admin"):
+        return f"token:{who.kind}"
+    if request.headers.get(HOOK_HEADER) == "1":
+        return f"hook:uid:{job_uid if isinstance(job_uid, int) and not isinstance(job_uid, bool) else '-'}"
+    return f"addr:{client_address()}"
+
+
 def json_body() -> Any:
     """The request's JSON document.
 

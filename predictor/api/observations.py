@@ -6,11 +6,13 @@ also fit what Slurm says about that job (predictor.jobcheck: GPU type, layout wi
 its run window; 403 `record_mismatch` naming the field), or nothing of the request is stored.
 The answer's `model_version_pending` is the store generation the write produced: the first model version that
 includes the records (a client passes it as `min_model_version` to /v1/predict or /v1/plan). A POST with an
-`Idempotency-Key` header that its caller used before stores nothing and answers as the first did (`replayed`).
+`Idempotency-Key` header that its caller used before, with the same body, stores nothing and answers as the first
+did (`replayed`); with another body it is refused (409, field `Idempotency-Key`).
 This blueprint also installs the app-wide auth hooks (read check, AuthError answers).
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 from flask import Blueprint, request
@@ -18,9 +20,9 @@ from flask import Blueprint, request
 from predictor.api import AuthError, authenticator, caller, install_auth_hooks, json_body, services, write_access
 from predictor.api.profiles import own_name
 from predictor.jobcheck import RecordMismatch, check_records, run_seconds
-from predictor.errors import ValidationError
+from predictor.errors import Conflict, ValidationError
 from slurm_plugin.contracts.records import validate_batch
-from predictor.store import ClaimExceeded
+from predictor.store import ClaimExceeded, KeyReused, QuotaExceeded
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
@@ -51,9 +53,13 @@ def create():
                    else r for r in records]
     claim = (who.job_id, run_seconds(who.job, authenticator().clock())) if who.kind == "job" else None
     try:
-        written = svc.store.write_observations(records, _write_key(who), claim)
+        written = svc.store.write_observations(records, _write_key(who), claim, _quota(who, svc.config))
+    except QuotaExceeded as exc:
+        raise AuthError(403, f"observations: {exc}", "observations", "storage_quota") from None
     except ClaimExceeded as exc:
         raise RecordMismatch("observations", str(exc)) from None
+    except KeyReused as exc:
+        raise Conflict(IDEMPOTENCY_HEADER, str(exc)) from None
     if not written.replayed:
         svc.models.notify()
     ids = written.ids
@@ -63,15 +69,27 @@ def create():
             "model_version_pending": written.generation, "replayed": written.replayed}, 201
 
 
-def _write_key(who) -> tuple[str, str] | None:
-    """``(caller, Idempotency-Key)``: a retried POST with the same key stores nothing again (#24.13). Keys are
-    per caller (a job's, a token's, or anonymous), so one caller's keys never answer another's writes."""
+def _quota(who, config) -> tuple[str, int, int] | None:
+    """``(owner, period, bytes)`` a write is held to (#41.3): a job credential's rows of every kind in all, the
+    tool token's per UTC day; the admin token (and open writes, development) are not held."""
+    if who.kind == "job":
+        return f"job:{who.job_id}", 0, config.job_write_quota_bytes
+    if who.kind == "tool":
+        return "tool", 1 + int(authenticator().clock() // 86400), config.token_write_quota_bytes
+    return None
+
+
+def _write_key(who) -> tuple[str, str, str] | None:
+    """``(caller, Idempotency-Key, sha256 of the body)``: a retried POST with the same key and body stores nothing
+    again (#24.13); the same key with another body is refused, 409 (#41.8: it answered "replayed" and dropped the
+    rows). Keys are per caller (a job's, a token's, or anonymous), so one caller's keys never answer another's."""
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is None:
         return None
     if not KEY_RE.match(key):
         raise ValidationError(IDEMPOTENCY_HEADER, "expected 1-128 characters of A-Z a-z 0-9 _ . : -")
-    return f"{who.kind}:{who.job_id if who.job_id is not None else ''}", key
+    digest = hashlib.sha256(request.get_data(cache=True)).hexdigest()
+    return f"{who.kind}:{who.job_id if who.job_id is not None else ''}", key, digest
 
 
 @bp.get("")

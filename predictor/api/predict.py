@@ -16,7 +16,7 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from predictor import planner
-from predictor.api import authenticator, client_address, identified, json_body, metrics, services
+from predictor.api import authenticator, decision_owner, identified, json_body, metrics, services
 from predictor.api.profiles import own_name, readable_by
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
@@ -276,6 +276,6 @@ def plan():
         not scoped.user_owned or plan_request.job.get("uid") is not None) else 0
     response["cache_ttl_s"] = round(ttl, 3)
     text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
-                                       models.version, client_address())
+                                       models.version, decision_owner(plan_request.job.get("uid")))
     metrics.note_plan(action=response["action"])
     return Response(text + "\n", mimetype="application/json")    # stored and sent: the same bytes as jsonify

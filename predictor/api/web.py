@@ -1,7 +1,11 @@
 """GET /admin: a small read-only HTML page for admins, and the plots as PNG.
 
-    /admin                          model state, models, links, the newest decisions (`?limit=`, default 50),
-                                    step rows far from the model and jobs whose rows mostly are (predictor.outliers)
+    /admin                          model state, models, links, the newest decisions (`?limit=`, default 50); its
+                                    cost does not grow with the rows stored (#41.3: the counts come from the writes'
+                                    summary, predictor.store.observation_summary) and a worker renders it at most
+                                    once a `PAGE_TTL_S` per `limit`
+    /admin/outliers                 step rows far from the model and jobs whose rows mostly are (predictor.outliers):
+                                    the heavy part, for the admin token only (anyone while writes are open)
     /admin/decisions/<id>           one decision: what was asked and answered, and the partitions it compared
     /admin/plots/scaling.png        predicted vs observed scaling (`?profile=&gpu=` to narrow it)
     /admin/plots/links.png          per-link all-reduce bandwidth against message size
@@ -15,18 +19,21 @@ routes answer its cached PNG (200), a "being drawn" placeholder (202, Retry-Afte
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from urllib.parse import urlencode
 
-from flask import Blueprint, Response, jsonify, request, url_for
+from flask import Blueprint, Response, current_app, jsonify, request, url_for
 from markupsafe import Markup, escape
 
 from predictor import admin_tables, outliers
-from predictor.api import int_arg, services
+from predictor.api import authenticator, int_arg, services
 from predictor.errors import NotFoundError, ValidationError
 from predictor.plotcache import RETRY_AFTER_S, PlotKey
 from slurm_plugin.contracts.records import LINK_RE, NAME_RE
 
 bp = Blueprint("web", __name__, url_prefix="/admin")
+PAGE_TTL_S = 1.0   # a worker renders /admin at most once a second per `limit` (a flood of readers reads one render)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; background: #fff; }
@@ -86,8 +93,18 @@ def _parameters(predictor) -> Markup:
 
 @bp.get("")
 def index():
-    svc = services()
     limit = int_arg("limit", 50, 1, 1000)
+    pages, lock = current_app.extensions.setdefault("elastic_predictor_admin_pages", ({}, threading.Lock()))
+    with lock:    # one render at a time; the readers behind it get that render
+        now = time.monotonic()
+        cached = pages.get(limit)
+        if cached is None or cached[0] <= now:
+            cached = pages[limit] = (now + PAGE_TTL_S, _index_page(limit))
+    return Response(cached[1], mimetype="text/html")
+
+
+def _index_page(limit: int) -> str:
+    svc = services()
     predictor = _predictor(svc)
     status = svc.models.status()
     counts = svc.store.observation_counts()
@@ -100,8 +117,7 @@ def index():
     scaling_link = {"profile": lambda r: url_for("web.scaling_png") + "?" + urlencode(
         {k: v for k, v in (("profile", r["profile"]), ("gpu", r.get("gpu"))) if v})}
     decisions = admin_tables.decision_rows(svc.store, limit)
-    flagged = outliers.outlier_report(svc.store, predictor)
-    page = f"""<!doctype html>
+    return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>elastic-predictor admin</title><style>{STYLE}</style></head>
 <body>
 <h1>elastic-predictor</h1>
@@ -113,12 +129,9 @@ def index():
              links={"decision_id": lambda r: url_for("web.decision", decision_id=r["decision_id"])})}
 <h2>Models</h2>
 {_html_table(models, admin_tables.MODEL_COLUMNS, links=scaling_link)}
-<h2>Outliers: jobs whose step rows are mostly far from the model</h2>
-<p><small>A row is an outlier when its log residual against the model's prediction for its layout is more than
- {outliers.K:g} robust sigma (now {flagged.sigma:.3f}) from the median; {flagged.checked} rows checked.</small></p>
-{_html_table(flagged.jobs, outliers.JOB_COLUMNS)}
-<h2>Outlier rows (largest {outliers.SHOWN})</h2>
-{_html_table(flagged.rows, outliers.OUTLIER_COLUMNS)}
+<h2>Outliers</h2>
+<p>Step rows far from the model, and the jobs whose rows mostly are: <a href="{url_for("web.outliers_page")}">/admin/outliers</a>
+ (the admin token).</p>
 <h2>Links</h2>
 {_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
 {_parameters(predictor)}
@@ -130,6 +143,28 @@ def index():
 <p><small>Read-only. JSON: <a href="{url_for("decisions.index")}">/v1/decisions</a> &middot;
  <a href="{url_for("links.index")}">/v1/links</a> &middot; <a href="{url_for("health.healthz")}">/healthz</a> &middot;
  <a href="{url_for("metrics.metrics")}">/metrics</a></small></p>
+</body></html>
+"""
+
+
+@bp.get("/outliers")
+def outliers_page():
+    """The outlier report (predictor.outliers): the heavy part of /admin (a prediction per row checked), for the admin
+    token only (#41.3: four anonymous readers of /admin filled the side pool)."""
+    authenticator().check_admin(request.headers)
+    svc = services()
+    flagged = outliers.outlier_report(svc.store, _predictor(svc))
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>elastic-predictor outliers</title><style>{STYLE}</style></head>
+<body>
+<h1>Outliers</h1>
+<h2>Outliers: jobs whose step rows are mostly far from the model</h2>
+<p><small>A row is an outlier when its log residual against the model's prediction for its layout is more than
+ {outliers.K:g} robust sigma (now {flagged.sigma:.3f}) from the median; {flagged.checked} rows checked.</small></p>
+{_html_table(flagged.jobs, outliers.JOB_COLUMNS)}
+<h2>Outlier rows (largest {outliers.SHOWN})</h2>
+{_html_table(flagged.rows, outliers.OUTLIER_COLUMNS)}
+<p><small>Read-only. <a href="{url_for("web.index")}">/admin</a></small></p>
 </body></html>
 """
     return Response(page, mimetype="text/html")

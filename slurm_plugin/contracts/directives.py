@@ -88,6 +88,11 @@ KEYS: dict[str, Callable[[str], Any]] = {
 WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
 
 
+# Only lines that end within the first MAX_HEADER_BYTES bytes (UTF-8), and the first MAX_HEADER_LINES lines, are
+# read (#41.11: the hook scans under slurmctld's locks); elastic_common.lua holds the same two numbers.
+MAX_HEADER_BYTES, MAX_HEADER_LINES = 65536, 1024
+
+
 def directive_lines(script: str) -> list[tuple[int, str]]:
     """Return the `(line_no, line)` pairs of the script's directive block (1-based numbers), read where sbatch
     reads `#SBATCH`: up to the first line whose first non-whitespace character is not `#` (blank lines and
@@ -96,10 +101,12 @@ def directive_lines(script: str) -> list[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     if script.startswith(WRAP_HEADER):
         return found
-    lines = script.split("\n")
-    if lines[-1] == "":
-        lines.pop()    # a line end after the last line starts no new line
-    for number, line in enumerate(lines, start=1):
+    data = script.encode("utf-8", "surrogateescape")
+    cut = len(data) > MAX_HEADER_BYTES
+    lines = (data[:MAX_HEADER_BYTES].decode("utf-8", "ignore") if cut else script).split("\n")
+    if lines[-1] == "" or cut:
+        lines.pop()    # a line end after the last line starts no new line; a line the cut ends is not read
+    for number, line in enumerate(lines[:MAX_HEADER_LINES], start=1):
         text = line.lstrip(_SPACE)
         if text and not text.startswith("#"):
             break

@@ -38,19 +38,30 @@ end
 -- The #ELASTIC lines ({no, line}) of the directive block, as slurm_plugin/contracts/directives.py reads them and sbatch
 -- reads #SBATCH: lines end at \n only (a lone \r ends none), the block ends at the first line whose first character
 -- other than space, \t, \v, \f, \r is not `#`; none in the script of `sbatch --wrap`, where sbatch reads no #SBATCH line.
+-- Only lines that end within the first MAX_HEADER_BYTES bytes, and the first MAX_HEADER_LINES lines, are read (issue
+-- #41.11: a 2 MB header of comments cost 0.56 s of Lua under slurmctld's locks). The second value says where the scan
+-- stopped at a cap ("line 1025", "byte 65536"), nil when it read the whole block.
 local WRAP_HEADER = "#!/bin/sh\n# This script was created by sbatch --wrap.\n"
+M.MAX_HEADER_BYTES, M.MAX_HEADER_LINES = 65536, 1024
 function M.directive_lines(script)
   local found, pos, number = {}, 1, 0
   if type(script) ~= "string" or script:sub(1, #WRAP_HEADER) == WRAP_HEADER then return found end
-  while pos <= #script do
-    local s = script:find("\n", pos, true)
-    local line = script:sub(pos, (s or #script + 1) - 1)
-    number, pos = number + 1, (s or #script) + 1
+  local head = #script > M.MAX_HEADER_BYTES and script:sub(1, M.MAX_HEADER_BYTES) or script
+  while pos <= #head do
+    if number == M.MAX_HEADER_LINES then return found, "line " .. (number + 1) end
+    local s = head:find("\n", pos, true)
+    local cut = not s and head ~= script and head:sub(pos)   -- a line the cap cuts: unread, unless it ends the block
+    if cut then
+      local first = cut:match("^[ \t\v\f\r]*(.?)")
+      return found, (first == "" or first == "#") and "byte " .. M.MAX_HEADER_BYTES or nil
+    end
+    local line = head:sub(pos, (s or #head + 1) - 1)
+    number, pos = number + 1, (s or #head) + 1
     local first = line:match("^[ \t\v\f\r]*(.?)")
-    if first ~= "" and first ~= "#" then break end
+    if first ~= "" and first ~= "#" then return found end
     if line == "#ELASTIC" or line:match("^#ELASTIC[ \t]") then found[#found + 1] = { no = number, line = line } end
   end
-  return found
+  return found, head ~= script and "byte " .. M.MAX_HEADER_BYTES or nil
 end
 -- Jobs never touched: launcher helpers, expand: allocations, jobs cli_filter planned (a decision id in the comment).
 function M.untouched(name, comment, dependency, marker)
@@ -61,9 +72,24 @@ function M.untouched(name, comment, dependency, marker)
 end
 
 local resolved = {}   -- a name lookup has no socket timeout: once per host and Lua state, outside the budget
+-- A request sent whose status line had not come by the budget: `poll()` (never waits) is true once the service has
+-- answered it below 500, false once it answered 5xx or closed, nil while nothing came; `close()` drops it.
+local function late_answer(sock, partial)
+  local late = {}
+  function late.poll()
+    sock:settimeout(0)
+    local line, err, part = sock:receive("*l", partial)
+    if line then local status = tonumber(line:match("^HTTP/%d%.%d (%d%d%d)")); return status ~= nil and status < 500 end
+    if err == "timeout" then partial = part; return nil end
+    return false
+  end
+  function late.close() sock:close() end
+  return late
+end
 -- POST `body` to `url`; each step (connect, send, every receive) gets only what is left of one budget, so a server
--- that drips a byte at a time cannot stretch it. Returns status, body; or nil, why ("timeout", ...).
-function M.post_json(url, body, budget_s)
+-- that drips a byte at a time cannot stretch it. Returns status, body; or nil, why ("timeout", ...) and, when the
+-- budget ran out waiting for the status line of a request sent and `keep_late`, its late_answer (open, for the caller).
+function M.post_json(url, body, budget_s, keep_late)
   local deadline = socket.gettime() + budget_s
   local host, port, path = tostring(url):match("^http://([^/:]+):?(%d*)(/?.*)$")
   if not host then return nil, "bad predictor_url " .. tostring(url) end
@@ -83,7 +109,9 @@ function M.post_json(url, body, budget_s)
     .. "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
   local ok, err = step("connect", ip, port)
   if ok then ok, err = step("send", request) end
-  if ok then ok, err = step("receive", "*l") end
+  local sent, partial = ok
+  if ok then ok, err, partial = step("receive", "*l") end
+  if not ok and keep_late and sent and err == "timeout" then return nil, err, late_answer(sock, partial) end
   if not ok then return fail(err) end
   local status, length, header = tonumber(ok:match("^HTTP/%d%.%d (%d%d%d)"))
   if not status then return fail("bad status line") end
@@ -101,13 +129,27 @@ function M.post_json(url, body, budget_s)
   sock:close()
   return status, text
 end
--- After `k` failures in a row (a timeout is one: a hung service opens it after k budgets, one slow answer does not,
--- #26.3) calls are skipped for `open_s`; the next call is a trial: a failure reopens it, a success closes it.
-function M.new_breaker(k, open_s)
-  local b = { k = k, open_s = open_s, failures = 0, open_until = 0 }   -- read_config's numbers
-  function b.is_open(now) return b.open_until > now, b.open_until - now end
-  function b.success() b.failures, b.open_until = 0, 0 end
+-- The service's failures are transport failures, 5xx and unusable 200s; a 4xx is the job's problem and counts for
+-- nothing (#41.11: three scripts of one user opened it for everyone). After `k` failures in a row calls are skipped
+-- for `open_s`; the next call is a trial: a failure reopens it, a success closes it. A timeout waiting for the answer
+-- opens it at once (a hung service costs one budget a period, #41.11); `late` (post_json's, kept when `watch_late`:
+-- job_submit's breaker lives as long as slurmctld's Lua state) closes it again as soon as that answer comes below 500,
+-- so one slow answer costs only the submissions made before it came (#26.3).
+function M.new_breaker(k, open_s, watch_late)
+  local b = { k = k, open_s = open_s, failures = 0, open_until = 0, watch_late = watch_late }   -- read_config's
+  local function drop_late() if b.late then b.late.close(); b.late = nil end end
+  function b.success() drop_late(); b.failures, b.open_until = 0, 0 end
+  function b.is_open(now)
+    local answered = b.late and b.open_until > now and b.late.poll()
+    if answered then b.success() elseif answered == false then drop_late() end
+    return b.open_until > now, b.open_until - now
+  end
   function b.failure(now) b.failures = b.failures + 1; if b.failures >= b.k then b.open_until = now + b.open_s end end
+  function b.timeout(now, late)
+    if not b.watch_late then return b.failure(now) end
+    drop_late()
+    b.failures, b.open_until, b.late = math.max(b.failures, b.k), now + b.open_s, late
+  end
   return b
 end
 -- The request fields a decision depends on; `uid`: a user's own profile plans only that user's jobs (#24.6).
@@ -145,7 +187,8 @@ function M.new_cache(max_entries)
   end
   function c.put(key, reply, ttl_s, now)
     ttl_s = tonumber(ttl_s)
-    if c.max < 1 or not ttl_s or ttl_s <= 0 or reply.decision_id == nil then return end
+    -- not (ttl_s > 0): NaN compares false with every bound (#41.7: a NaN TTL pinned a decision for 31 days)
+    if c.max < 1 or not ttl_s or not (ttl_s > 0) or reply.decision_id == nil then return end
     if c.entries[key] == nil and c.size >= c.max then c.entries, c.size = {}, 0 end
     c.size = c.size + (c.entries[key] == nil and 1 or 0)
     c.entries[key] = { reply = reply, expires = now + math.min(ttl_s, MAX_TTL_S) }
@@ -321,7 +364,7 @@ end
 
 -- Ask the service about `lines` (M.directive_lines') and `job`, unless `cache` (optional) holds a decision for it that
 -- fits `parts` (part_list; nil: unchecked). Never raises: a 422 is kind = "reject", any failure (misfit too) "skip".
-function M.plan(cfg, breaker, source, lines, job, cache, parts)
+function M.plan(cfg, breaker, source, lines, job, cache, parts, spent_s)
   local function outside(r) return parts and M.outside(r, job.partition, parts, cfg.gpus) end
   local request, now, key, masked, v = { source = source, directives = {}, job = job }, M.now()
   for i, entry in ipairs(lines) do request.directives[i] = entry.line end
@@ -335,23 +378,33 @@ function M.plan(cfg, breaker, source, lines, job, cache, parts)
   request.reused = cache and cache.ids > 0 and cache.reused or nil
   local body, why = cjson.encode(request)
   if not body then return { kind = "skip", why = "cannot encode request: " .. tostring(why) } end
-  local status, text = M.post_json(cfg.predictor_url .. "/v1/plan", body, (tonumber(cfg.budget_ms) or 100) / 1000)
+  local budget_s = (tonumber(cfg.budget_ms) or 100) / 1000 - (spent_s or 0)
+  local status, text, late = M.post_json(cfg.predictor_url .. "/v1/plan", body, budget_s, breaker.watch_late)
   -- reuse counts are delivered by a 200, dropped by a 400 (refused again otherwise), kept after anything else
   if cache and (status == 200 or status == 400) then cache.reused, cache.ids = {}, 0 end
   local reply
   if status == 422 then
-    breaker.success()
     local err = cjson.decode(text); err = type(err) == "table" and err or {}
     return { kind = "reject", field = type(err.field) == "string" and err.field or nil,
              message = one_line(type(err.error) == "string" and err.error or one_line(text, 300), 600) }
   elseif status == 200 then
     reply, why = cjson.decode(text)
-    why = reply == nil and ("unreadable reply: " .. tostring(why)) or invalid(reply) or outside(reply)
+    why = reply == nil and ("unreadable reply: " .. tostring(why)) or invalid(reply)
+    local misfit = not why and outside(reply)   -- a decision this job's partitions cannot hold: the job's problem
+    if misfit then return { kind = "skip", why = misfit } end
+  elseif status and status < 500 then   -- the job's problem (a 400: e.g. its directive block), not the service's
+    local err = cjson.decode(text)
+    err = type(err) == "table" and type(err.error) == "string" and ": " .. one_line(err.error, 300) or ""
+    return { kind = "skip", why = "HTTP " .. status .. err }
   else
     why = status and ("HTTP " .. status) or tostring(text)
   end
-  if why then
+  if why == "timeout" then
+    breaker.timeout(M.now(), late)
+  elseif why then
     breaker.failure(M.now())
+  end
+  if why then
     local _, retry = breaker.is_open(M.now())
     if retry > 0 then why = why .. string.format("; not asking again for %d s", math.ceil(retry)) end
     return { kind = "skip", why = why }

@@ -464,6 +464,68 @@ def test_a_write_retried_with_its_key_is_stored_once(client):
     assert bad.status_code == 400 and bad.get_json()["field"] == "Idempotency-Key"
 
 
+def test_a_key_reused_with_another_body_is_refused_and_stores_nothing(client):
+    """#41.8: a reused Idempotency-Key with another body answered 201 "replayed" and dropped the new rows (two
+    clients of the shared token collide). The key is bound to the body's SHA-256: 409, nothing stored; the same key
+    and bytes still replay; another caller's same key is its own."""
+    store = client.application.extensions["elastic_predictor"].store
+    auth = {"Authorization": f"Bearer {TOKEN}", "Idempotency-Key": "shared-1", "Content-Type": "application/json"}
+    first = client.post("/v1/observations", data=body_of([COLLECTIVE]), headers=auth)
+    other = client.post("/v1/observations", data=body_of([COLLECTIVE, COLLECTIVE]), headers=auth)
+    assert (first.status_code, other.status_code) == (201, 409)
+    assert other.get_json()["field"] == "Idempotency-Key" and "another body" in other.get_json()["error"]
+    assert store.observation_counts()["collective"] == 1
+    again = client.post("/v1/observations", data=body_of([COLLECTIVE]), headers=auth)
+    assert again.status_code == 201 and again.get_json()["replayed"] is True
+    body = body_of([COLLECTIVE, COLLECTIVE])
+    job = client.post("/v1/observations", data=body, headers={**sign(body, 7), "Idempotency-Key": "shared-1"})
+    assert job.status_code == 201 and job.get_json()["replayed"] is False
+    assert store.observation_counts()["collective"] == 3
+
+
+def test_a_job_credential_and_the_tool_token_have_a_storage_quota_of_every_row_kind(tmp_path):
+    """#41.3: collective rows were outside a job's storage claim (one job: 2.1 MB/s, 7.4 GB an hour) and the tool
+    token had no quota at all. Now a job credential stores at most `job_write_quota_bytes` of rows in all, the tool
+    token `token_write_quota_bytes` a UTC day; past it 403 `storage_quota`, nothing of that request stored; other
+    jobs and the admin token are not held by it."""
+    row = len(json.dumps(dict(COLLECTIVE, job_id=7, uid=1000)).encode())
+    app = make_app(tmp_path, token=TOKEN, admin_token=ADMIN, munge_auth=True, job_write_quota_bytes=5 * row,
+                   token_write_quota_bytes=3 * row + 10)
+    client, store = app.test_client(), app.extensions["elastic_predictor"].store
+    statuses = []
+    for _ in range(7):
+        body = body_of([COLLECTIVE])
+        statuses.append(client.post("/v1/observations", data=body, headers=sign(body, 7)).status_code)
+    assert statuses == [201] * 5 + [403] * 2
+    body = body_of([COLLECTIVE])
+    refused = client.post("/v1/observations", data=body, headers=sign(body, 7))
+    assert refused.json["reason"] == "storage_quota" and refused.json["field"] == "observations"
+    assert store.observation_counts()["collective"] == 5
+    body = body_of([COLLECTIVE])
+    assert client.post("/v1/observations", data=body, headers=sign(body, 8, uid=1001)).status_code == 201
+    tool = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    tool_rows = body_of([dict(COLLECTIVE, job_id=99)] * 2)
+    assert [client.post("/v1/observations", data=tool_rows, headers=tool).status_code for _ in range(2)] == [201, 403]
+    admin = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
+    assert client.post("/v1/observations", data=body_of([COLLECTIVE] * 8), headers=admin).status_code == 201
+    app.extensions["elastic_predictor"].store.close()
+
+
+def test_a_payload_names_its_job_in_ascii_digits(client):
+    """#41.9: '\u0661\u0662' matched \\d and int() read it as job 12."""
+    from slurm_plugin.contracts.signing import PAYLOAD_PREFIX
+    body = body_of([COLLECTIVE])
+    payload = munge_payload(body, 12).replace("job=12", "job=\u0661\u0662")
+    assert payload.startswith(PAYLOAD_PREFIX + " job=\u0661")
+    r = client.post("/v1/observations", data=body, headers={MUNGE_HEADER: f"FAKE:1000:99:{payload}"})
+    assert (r.status_code, r.json["reason"]) == (401, "bad_payload")
+
+
+def test_a_decision_id_of_other_digits_is_not_found(client):
+    r = client.get("/v1/decisions/d-\u00b2")
+    assert r.status_code == 404 and r.get_json()["what"] == "decision"
+
+
 def test_one_users_jobs_have_at_most_two_writes_in_progress_in_a_process_and_no_one_else_waits(client, app):
     """#24.3: nginx caps requests per bearer token but cannot read a munge credential (signed afresh each time), so
     one user's jobs, from as many addresses and credentials as they like, could hold every thread of a side worker

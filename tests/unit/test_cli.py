@@ -152,7 +152,9 @@ def test_plan_and_cluster_file_errors_name_the_file_and_line(runner, history, tm
 
 @pytest.mark.parametrize("settings", [{}, {"token": "t"}, {"admin_token": "a"}, {"munge_auth": True},
                                       {"token": "t", "admin_token": "a", "munge_auth": True, "read_auth": True},
-                                      {"read_auth": True}, {"munge_auth": True, "read_auth": True}])
+                                      {"read_auth": True}, {"munge_auth": True, "read_auth": True},
+                                      {"open_writes": False}, {"open_writes": False, "read_auth": True},
+                                      {"open_writes": False, "token": "t"}])
 def test_serve_states_the_write_policy_the_service_applies(settings):
     from predictor.auth import AuthError, Authenticator
     from predictor.cli import auth_policy
@@ -175,6 +177,39 @@ def test_serve_states_the_write_policy_the_service_applies(settings):
            (not admin_ok and not open_writes)
     reads_closed = settings.get("read_auth", False)
     assert ("reads need" in text or "every read except /healthz is refused" in text) == reads_closed
+
+
+def test_a_bare_serve_closes_writes_and_names_what_opens_them(runner, tmp_path):
+    """#41.9: `serve` with no token and munge off opened writes to anyone (one warning line). Its configuration
+    (Config.from_env) now closes them; `--allow-dev open-writes` opens them."""
+    from predictor.app import create_app
+    from predictor.config import Config
+
+    config = Config.from_env({}, db_path=str(tmp_path / "h.db"))
+    assert config.open_writes is False
+    refused = create_app(config).test_client().post("/v1/observations", json=[STEP])
+    assert refused.status_code == 401 and "writes are closed" in refused.get_json()["error"]
+    opened = create_app(config.replace(open_writes=True)).test_client().post("/v1/observations", json=[STEP])
+    assert opened.status_code == 201
+
+
+def test_the_buffered_front_end_needs_its_development_flag(runner, tmp_path):
+    """#41.9: `serve` fell back to the buffered front end without a word where nginx was missing; it is refused
+    unless `--allow-dev buffered` names it (nothing is started or created)."""
+    db = tmp_path / "h.db"
+    result = runner.invoke(main, ["serve", "--server", "buffered", "--db", str(db), "--port", "1"])
+    assert result.exit_code == 2 and "--allow-dev buffered" in result.output and not db.exists()
+
+
+def test_the_database_is_created_owner_only(tmp_path):
+    """#41.9: the file holds the pickled models every worker loads; it was created 0644."""
+    import stat
+
+    store = Store(str(tmp_path / "new.db"))
+    store.migrate()
+    store.add_decision({"directives": []}, {"action": "keep", "reason": "x"}, "cli", None)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes["new.db"] == 0o600 and all(m == 0o600 for m in modes.values()), modes
 
 
 def _admin_accepted(auth, token: str) -> bool:

@@ -350,3 +350,44 @@ def test_one_clients_flood_evicts_only_its_own_decisions(tmp_path):
                                 "FROM decisions").fetchone()
     assert store.decision_bytes() == total
     store.close()
+
+
+def test_eight_anonymous_addresses_under_their_share_never_evict_a_signed_or_hook_decision(tmp_path):
+    """#41.2: eight anonymous addresses, each under the quarter share that triggers the cut, erased all 20 hook
+    decisions. Decisions now count for their owner (predictor.api.decision_owner): the hook's from a --hook-from
+    host per job user, a signing job's per user; anonymous ones go first whenever a size bound is reached."""
+    keep = DecisionRetention(max_rows=100, max_age=timedelta(days=1), batch_rows=10, client_share=0.25)
+    store = Store(str(tmp_path / "d.db"), decision_retention=keep)
+    store.migrate()
+    mine = [store.add_decision({"i": i}, {"action": "keep", "reason": "r"}, "job_submit", None,
+                               client=owner)["decision_id"] for i in range(20) for owner in ("hook:uid:1001",
+                                                                                            "uid:1002")]
+    for i in range(800):
+        store.add_decision({"flood": i}, {"action": "keep", "reason": "r"}, "job_submit", None,
+                           client=f"addr:10.9.9.{i % 8}")
+    for d in mine:
+        store.get_decision(d)     # NotFoundError once pruned
+    kept = dict(store.db.execute("SELECT client, COUNT(*) FROM decisions GROUP BY client").fetchall())
+    assert sum(kept.values()) <= 100 and all(kept.get(f"addr:10.9.9.{k}", 0) <= 12 for k in range(8)), kept
+    # a signed user's own flood past its share loses its own oldest, not the hook's
+    for i in range(200):
+        store.add_decision({"u": i}, {"action": "keep", "reason": "r"}, "launcher", None, client="uid:1003")
+    kept = dict(store.db.execute("SELECT client, COUNT(*) FROM decisions GROUP BY client").fetchall())
+    assert kept["hook:uid:1001"] == 20 and kept["uid:1002"] == 20 and kept["uid:1003"] <= 60, kept
+    store.close()
+
+
+def test_a_plans_decision_counts_for_its_owner(tmp_path):
+    """Who a /v1/plan decision belongs to: `X-Elastic-Hook: 1` (nginx sets it for a --hook-from host, replacing
+    the client's) makes it the hook's, per the job's uid; otherwise the address."""
+    from predictor.app import create_app
+    from predictor.config import Config
+
+    app = create_app(Config(db_path=str(tmp_path / "o.db")), start_refit=False)
+    client = app.test_client()
+    body = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8"], "job": {"uid": 1001}}
+    client.post("/v1/plan", json=body, headers={"X-Elastic-Hook": "1", "X-Forwarded-For": "10.0.0.1"})
+    client.post("/v1/plan", json=body, headers={"X-Forwarded-For": "10.0.0.2"})
+    owners = [row[0] for row in app.extensions["elastic_predictor"].store.db.execute(
+        "SELECT client FROM decisions ORDER BY id")]
+    assert owners == ["hook:uid:1001", "addr:10.0.0.2"]

@@ -65,8 +65,8 @@ def test_with_a_holder_the_store_takes_the_write_lock_in_its_thread_and_writes_t
     monkeypatch.setattr(Store, "_begin_immediate", lambda self, db: (takers.append(threading.get_ident()),
                                                                     begin(self, db))[1])
     first = store.write_observations([COLLECTIVE] * 3)
-    again = store.write_observations([COLLECTIVE], key=("tool", "k1"))
-    replayed = store.write_observations([COLLECTIVE], key=("tool", "k1"))
+    again = store.write_observations([COLLECTIVE], key=("tool", "k1", "d1"))
+    replayed = store.write_observations([COLLECTIVE], key=("tool", "k1", "d1"))
     store.put_profile("resnet50", {"name": "resnet50"})
     store.add_decision({"directives": []}, {"action": "keep", "reason": "x"}, "job_submit", None)
     with pytest.raises(ClaimExceeded):

@@ -136,3 +136,39 @@ def test_disagreement_check_can_fail():
     assert "lines" in disagreement(script, {"lines": [], "v": 0.5})
     assert "band value" in disagreement(script, {"lines": [(1, script.strip())], "v": 0.6})
     assert "band value" in disagreement(script, {"lines": [(1, script.strip())], "v": None})
+
+
+def _header(comment_lines: int, width: int = 1, tail: str = "#ELASTIC gpus=2\n", end: str = "\n") -> str:
+    """A script of `comment_lines` comment lines of `width` characters (with the line end), then `tail`."""
+    return "#" * (width - len(end)) + end if comment_lines == 1 else ("#" * (width - len(end)) + end) * comment_lines + tail
+
+
+@pytest.mark.parametrize("script, read", [
+    (_header(1023), True),                                   # the directive is line 1024: read
+    (_header(1024), False),                                  # line 1025: past the line cap
+    (_header(64, width=1024), False),                        # 64 KiB of comments, then the directive
+    (_header(63, width=1024, tail="#ELASTIC gpus=2\n"), True),
+    (_header(63, width=1024, tail="#ELASTIC " + "x" * (1024 - 10) + "\n"), True),    # ends at byte 65536
+    (_header(63, width=1024, tail="#ELASTIC " + "x" * (1024 - 9) + "\n"), False),    # its line end is past it
+    (_header(63, width=1024, tail="#ELASTIC " + "x" * 1000 + "é" * 8 + "\n"), False),  # cut inside a character
+    (_header(32, width=2048, end="\r\n"), False),
+    ("#ELASTIC gpus=2\n" + "#" * (2 << 20) + "\n", True),    # a 2 MB comment after it
+], ids=["line-1024", "line-1025", "64KiB-then", "63KiB-then", "ends-at-cap", "ends-past-cap", "cut-char", "crlf",
+        "2MB-after"])
+def test_the_header_is_read_up_to_its_caps_alike_in_both_languages(script, read):
+    """#41.11: the scan stops at MAX_HEADER_LINES lines and at MAX_HEADER_BYTES bytes (a line must end within them),
+    in the hook and in the Python parser alike."""
+    [lua] = lua_read([script])
+    assert disagreement(script, lua) is None
+    assert bool(lua["lines"]) == read
+
+
+def test_the_scan_says_where_a_cap_stopped_it():
+    code = f"LUA_DIR = {json.dumps(str(LUA_DIR))}\n" + r"""
+local M = dofile(LUA_DIR .. "/elastic_common.lua")
+local function at(script) local _, capped = M.directive_lines(script); return tostring(capped) end
+print(at(string.rep("#\n", 2000)), at(string.rep("#\n", 1024)), at(string.rep("#" .. string.rep("x", 99) .. "\n", 700)),
+      at("#!/bin/bash\n" .. string.rep("x", 70000)), at("#!/bin/bash\n#" .. string.rep("x", 70000)))
+"""
+    proc = subprocess.run(["lua5.1", "-e", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.rstrip("\n").split("\t") == ["line 1025", "nil", "byte 65536", "nil", "byte 65536"], proc.stderr

@@ -85,6 +85,18 @@ def test_ttl_expires_and_zero_or_absent_ttl_disables(tmp_path, predictor):
     assert all(r["job_desc"]["min_nodes"] == 2 for r in results)
 
 
+def test_a_nan_ttl_is_not_kept_and_a_huge_one_at_most_an_hour(tmp_path, predictor):
+    """#41.7: `cache_ttl_s: NaN` compared false with every bound and pinned a decision past MAX_TTL_S (31 days
+    seen); now a TTL that is not a positive number keeps nothing, and any TTL is held to an hour."""
+    conf = install(tmp_path, predictor.url)
+    cases = [{"job_desc": job(mode="cached-nan")}, {"job_desc": job(mode="cached-nan"), "advance": 1},
+             {"job_desc": job(mode="cached-huge", time_limit=7)},
+             {"job_desc": job(mode="cached-huge", time_limit=7), "advance": 3599},     # an hour on: still kept
+             {"job_desc": job(mode="cached-huge", time_limit=7), "advance": 2}]        # past it: asked again
+    run_hook(conf, cases)
+    assert names(predictor) == ["mode-cached-nan", "mode-cached-nan", "mode-cached-huge", "mode-cached-huge"]
+
+
 def test_keep_decisions_are_reused_too(tmp_path, predictor):
     results = run_hook(install(tmp_path, predictor.url), [{"job_desc": job(mode="cached-keep")},
                                                           {"job_desc": job(mode="500")}])

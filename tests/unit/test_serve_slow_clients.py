@@ -47,7 +47,7 @@ def test_serve_answers_healthz_and_plan_while_16_half_sent_requests_are_held(his
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(port), "--db", history, "--workers", "2", "--read-timeout", "3",
-                                 "--server", "buffered"],  # this front end's own answers (408); nginx: test_front_nginx
+                                 "--server", "buffered", "--allow-dev", "buffered"],  # this front end's own answers (408); nginx: test_front_nginx
                                 env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok"), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     held: list[socket.socket] = []

@@ -151,9 +151,9 @@ def test_an_older_releases_pickled_models_are_dropped_by_the_migration_and_json_
     store.migrate()
     store.put_model(1, pickle.dumps({"predictor": object.__class__}), "old-code", 1.0, 0.1, keep=5)
     store.put_model(2, b'{"format": "elastic-predictor/model-1"}', "new-code", 2.0, 0.1, keep=5)
-    store.db.execute("DELETE FROM migrations WHERE name = '0010_models_json'")   # as a database of that release
+    store.db.execute("DELETE FROM migrations WHERE name = '0013_models_json'")   # as a database of that release
     store.close()
     again = Store(db)
-    assert again.migrate() == ["0010_models_json"]          # what the service does when it opens a database
+    assert again.migrate() == ["0013_models_json"]          # what the service does when it opens a database
     assert [row[0] for row in again.db.execute("SELECT version FROM models")] == [2]
     again.close()
