@@ -250,6 +250,16 @@ class ClaimExceeded(Exception):
         self.job_id, self.claimed_s, self.new_s, self.allowed_s = job_id, claimed_s, new_s, allowed_s
 
 
+def claimed_seconds(record: dict) -> float:
+    """Seconds of steps a validated record says its job ran: a step row one step of ``iter_s``, a ddp_overhead row
+    one plain and one DDP step of its probe, a collective row none (a job's claim: ``write_observations``)."""
+    if record["kind"] == "step":
+        return float(record["iter_s"])
+    if record["kind"] == "ddp_overhead":
+        return float(record["plain_s"]) + float(record["ddp_s"])
+    return 0.0
+
+
 class WrittenObservations(NamedTuple):
     ids: list[int]
     generation: int       # the store generation right after the write: a model of this version includes it
@@ -513,7 +523,8 @@ class Store:
             key: ``(caller, idempotency key)``: a write with a key stored before (within ``WRITE_KEY_TTL_S``)
                 stores nothing and returns the first write's answer, ``replayed`` set.
             claim: ``(job id, seconds it ran)`` for a signed job's write: its step rows (each at least one step of
-                ``iter_s``), with all it stored before, may claim at most that many seconds of steps.
+                ``iter_s``) and ddp_overhead rows (one plain and one DDP step of the probe each), with all it stored
+                before, may claim at most that many seconds of steps.
 
         Raises:
             ClaimExceeded: the claim would pass the job's run time (nothing stored).
@@ -522,7 +533,7 @@ class Store:
         records = list(records)
         rows = [(r["kind"], r.get("profile"), r.get("gpu"), r.get("link"), json.dumps(r, allow_nan=False), now)
                 for r in records]
-        new_s = sum(float(r["iter_s"]) for r in records if r["kind"] == "step")
+        new_s = sum(claimed_seconds(r) for r in records)
 
         def write(db: sqlite_utils.Database) -> WrittenObservations:
             if key is not None:
@@ -566,7 +577,7 @@ class Store:
 
     def observation_counts(self) -> dict[str, int]:
         rows = self.db.execute("SELECT kind, COUNT(*) FROM observations GROUP BY kind").fetchall()
-        return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
+        return {"collective": 0, "step": 0, "ddp_overhead": 0, **{k: n for k, n in rows}}
 
     # --- decisions ------------------------------------------------------------------------------
     def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None,
