@@ -1,0 +1,423 @@
+"""The calibration job (issue #38.2): what this cluster's links and hosts cost DDP, measured in about a minute.
+
+`elastic-predictor calibrate` writes (or submits) an sbatch script that runs this module once per rank with
+`srun` inside an allocation of 1-2 nodes (one rank a GPU; CPU ranks with gloo where there are no GPUs). Rank r is
+`SLURM_PROCID`, the world `SLURM_NTASKS`, the rendezvous `MASTER_ADDR:MASTER_PORT` (the batch host, set by the
+script). The job:
+
+1. **links**: every rank probes its host (`links.HostFacts.probe`); the facts are gathered and the layout's links
+   labelled by the launcher's own rules (`links.links_for`), so the rows speak of the links jobs' rows name;
+2. **all-reduce sweeps per link**, at world 2: two ranks of one node (the intra-node link) and the first ranks of
+   two nodes (the inter-node link), each pair alone while the others wait, with `sweep` (the sweep of
+   bench/coldstart_collect.py: 4 KiB up, two timed windows per size, within a time budget): `collective` rows;
+3. **DDP's host overhead**: each probe model of `PROBES` (many small tensors, a few large ones, one in between
+   with a small bucket cap, so that per-bucket and per-tensor costs separate) is timed in `rounds` rounds of a
+   plain window (forward, backward, optimizer step, no DDP) and a DDP window, at world 1 (rank 0 alone on a
+   group of one, the others waiting) and at the job's world: `ddp_overhead` rows with the buckets and
+   gradient tensors of the probe as DDP's reducer built them (`ddp_shape`), `plain_s` and `ddp_s` (median
+   windows, the slowest rank's) and `extra_s` (median over rounds of DDP minus plain);
+4. rank 0 posts the rows to the prediction service signed with the job's munge credential (`PredictorClient`,
+   as the launcher posts a job's rows; never a bearer token), writes them to `--out` (JSON lines, importable
+   with `elastic-predictor import`) and prints the host constants `predictor.stepmodel.host_cost_from_probes`
+   fits on them. Exit status 0 only when every row was stored.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+__all__ = ["PROBES", "Probe", "agree", "job_script", "measure_probe", "sweep", "sync", "windows"]
+
+SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
+CPU_SWEEP_MAX_BYTES = 1 << 26                 # gloo on CPU: up to 64 MiB (a larger one takes seconds)
+SOURCE = "calibrate"
+
+
+# ---------------------------------------------------------------------------------------------- timing helpers
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    import torch  # noqa: PLC0415
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def agree(x: float, device, group=None) -> float:
+    """The largest of every rank's x in `group` (ranks must run the same number of collectives and steps)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def windows(run_steps: Callable[[int], None], device, est_s: float, target_s: float, n_windows: int,
+            max_steps: int = 30) -> list[float]:
+    """Mean seconds per step of `n_windows` windows, each long enough for ~target_s (2..max_steps), one sync each."""
+    n = max(2, min(max_steps, math.ceil(target_s / max(est_s, 1e-4))))
+    out = []
+    for _ in range(n_windows):
+        sync(device)
+        t0 = time.perf_counter()
+        run_steps(n)
+        sync(device)
+        out.append((time.perf_counter() - t0) / n)
+    return out
+
+
+def sweep(device, world: int, link: str, budget_s: float, emit, group=None, sizes: Sequence[int] = SWEEP_BYTES) -> None:
+    """All-reduce seconds per size on this transport: two windows per size, ~0.15 s each (2..50 ops), sizes in
+    order until `budget_s` has passed (agreed over `group`). Emits `{"kind": "collective", "link", "op", "world",
+    "bytes", "seconds", "rep", "n_ops"}`."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    deadline = time.monotonic() + budget_s
+    for nbytes in sizes:
+        if agree(float(time.monotonic() > deadline), device, group):
+            break
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        for _ in range(3):
+            dist.all_reduce(t, group=group)
+        sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        sync(device)
+        est = agree(time.perf_counter() - t0, device, group)
+        n = max(2, min(50, math.ceil(0.15 / max(est, 1e-6))))
+        for rep in range(2):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(t, group=group)
+            sync(device)
+            emit({"kind": "collective", "link": link, "op": "allreduce", "world": world, "bytes": nbytes,
+                  "seconds": (time.perf_counter() - t0) / n, "rep": rep, "n_ops": n})
+        del t
+
+
+# ---------------------------------------------------------------------------------------------- probe models
+@dataclass(frozen=True)
+class Probe:
+    """A probe model: `layers` bias-free square Linear layers of `width` (one gradient tensor of width^2 elements
+    each), trained at `batch` rows, under DDP with `bucket_cap_mb` (None: DDP's default, a first bucket of 1 MiB
+    then 25 MiB; a cap given to DDP is its first bucket's too, torch 2.13)."""
+
+    name: str
+    layers: int
+    width: int
+    bucket_cap_mb: Optional[float] = None
+    batch: int = 8
+
+    def build(self, device):
+        import torch  # noqa: PLC0415
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(self.width, self.width, bias=False)
+                                      for _ in range(self.layers)])
+        with torch.no_grad():
+            for layer in model:   # variance-preserving, so 400 layers neither vanish (denormals) nor blow up
+                torch.nn.init.orthogonal_(layer.weight)
+        return model.to(device)
+
+    def shape(self) -> tuple[int, int]:
+        """(DDP's buckets, gradient tensors) of the probe, as `predictor.profiles.bucket_sizes` assigns them (DDP's
+        default cap; with a cap of its own DDP has no 1 MiB first bucket, which bucket_sizes always assumes)."""
+        import torch  # noqa: PLC0415
+
+        from predictor.profiles import profile_from_module  # noqa: PLC0415
+
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[torch.nn.Linear(self.width, self.width, bias=False)
+                                          for _ in range(self.layers)])
+        profile = profile_from_module(model, self.name, bucket_cap_mb=self.bucket_cap_mb or 25.0)
+        return len(profile.buckets_bytes), len(profile.tensors)
+
+
+# many small tensors (host-bound: DDP's per-tensor work), a few large ones (per bucket and per byte), one in
+# between whose small bucket cap gives it a bucket a tensor: the three shapes (buckets, tensors) are (2, 400),
+# (3, 4) and (40, 40), so c_step, c_bucket and c_tensor are each pinned by a probe.
+PROBES = (Probe("many-small-400x1k", 400, 32), Probe("few-large-4x4m", 4, 2048),
+          Probe("mid-40x64k-cap0.25", 40, 256, bucket_cap_mb=0.25))
+
+
+def _stepper(model, opt, x) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+    return run
+
+
+def ddp_shape(ddp_model, probe: Probe) -> tuple[int, int]:
+    """(buckets, gradient tensors) of a DDP model as its reducer holds them now (after its first step: the buckets
+    it rebuilt in gradient-ready order); the probe's assignment by `predictor.profiles` where this torch's reducer
+    does not say."""
+    try:
+        buckets = ddp_model.reducer._get_zeros_like_grad_buckets()
+        return len(buckets), sum(len(b.parameters()) for b in buckets)
+    except (AttributeError, RuntimeError):
+        return probe.shape()
+
+
+def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s: float, warmup: int = 3) -> dict:
+    """Time `probe` plain and under DDP on `group` (`world` ranks; every rank of the group calls this) in `rounds`
+    rounds of a plain window then a DDP window; returns the `ddp_overhead` row (without `gpu` and job fields).
+
+    plain_s and ddp_s are the medians of the windows' mean steps, extra_s the median over rounds of DDP minus
+    plain (each window the slowest rank's: `agree` over the group)."""
+    import torch  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    plain = probe.build(device)
+    cap = {} if probe.bucket_cap_mb is None else {"bucket_cap_mb": probe.bucket_cap_mb}
+    ddp_model = DDP(probe.build(device), process_group=group, device_ids=[device.index] if device.type == "cuda"
+                    else None, **cap)
+    x = torch.randn(probe.batch, probe.width, device=device)
+    run_plain = _stepper(plain, torch.optim.SGD(plain.parameters(), lr=1e-4), x)
+    run_ddp = _stepper(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=1e-4), x)
+    est = {}
+    for name, run in (("plain", run_plain), ("ddp", run_ddp)):    # DDP rebuilds its buckets after its first step
+        run(1)
+        sync(device)
+        t0 = time.perf_counter()
+        run(warmup)
+        sync(device)
+        est[name] = agree((time.perf_counter() - t0) / warmup, device, group)
+    plain_w, ddp_w = [], []
+    for _ in range(rounds):
+        plain_w.append(agree(windows(run_plain, device, est["plain"], window_s, 1)[0], device, group))
+        ddp_w.append(agree(windows(run_ddp, device, est["ddp"], window_s, 1)[0], device, group))
+    buckets, tensors = ddp_shape(ddp_model, probe)
+    return {"kind": "ddp_overhead", "world": world, "probe": probe.name, "buckets": buckets, "tensors": tensors,
+            "plain_s": statistics.median(plain_w), "ddp_s": statistics.median(ddp_w),
+            "extra_s": statistics.median(d - p for d, p in zip(ddp_w, plain_w))}
+
+
+# ---------------------------------------------------------------------------------------------- the job
+@dataclass(frozen=True)
+class Rank:
+    """This process's place: rank, world, node index (SLURM_NODEID), local rank (SLURM_LOCALID)."""
+
+    rank: int
+    world: int
+    node: int
+    local: int
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "Rank":
+        return cls(int(env.get("SLURM_PROCID", env.get("RANK", "0"))),
+                   int(env.get("SLURM_NTASKS", env.get("WORLD_SIZE", "1"))),
+                   int(env.get("SLURM_NODEID", "0")), int(env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0"))))
+
+
+def pairs(nodes: Sequence[int]) -> list[tuple[str, tuple[int, int]]]:
+    """The rank pairs of the per-link sweeps, from each rank's node index: ("intra", two ranks of the first node
+    with two) and ("inter", the first ranks of the first two nodes), where the allocation has them."""
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    out = []
+    two = next((ranks for ranks in by_node.values() if len(ranks) >= 2), None)
+    if two:
+        out.append(("intra", (two[0], two[1])))
+    if len(by_node) >= 2:
+        first = [ranks[0] for ranks in by_node.values()]
+        out.append(("inter", (first[0], first[1])))
+    return out
+
+
+def run(args) -> int:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from elastic_launcher.links import HostFacts, gpu_type_of, links_for  # noqa: PLC0415
+
+    started = time.monotonic()
+    me = Rank.from_env()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(me.local)
+        device = torch.device("cuda", me.local)
+        gpu = gpu_type_of(torch.cuda.get_device_name(device))
+    else:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+        device = torch.device("cpu")
+        gpu = "cpu"
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, rank=me.rank, world_size=me.world, device_id=device if cuda else None)
+    side = dist.new_group(backend="gloo")      # others wait here: a CPU barrier, no NCCL kernel spinning
+    facts = HostFacts.probe(backend, gpu_index=me.local if cuda else None,
+                            gpu_name=torch.cuda.get_device_name(device) if cuda else None)
+    every: list = [None] * me.world
+    dist.all_gather_object(every, {"node": me.node, "facts": facts.to_json()}, group=side)
+    nodes = [e["node"] for e in every]
+    layout = [nodes.count(n) for n in sorted(set(nodes), key=nodes.index)]
+    node_facts = [HostFacts.from_json(every[nodes.index(n)]["facts"]) for n in sorted(set(nodes), key=nodes.index)]
+    links = links_for(layout, node_facts)
+    rows: list[dict] = []
+
+    def emit(rec: dict) -> None:
+        rows.append(rec)
+
+    sizes = SWEEP_BYTES if cuda else [b for b in SWEEP_BYTES if b <= CPU_SWEEP_MAX_BYTES]
+    swept = set()
+    for which, pair in pairs(nodes):
+        link = links.intra if which == "intra" else links.inter
+        group = dist.new_group(list(pair))          # every rank makes every group, in one order
+        if link in swept:
+            continue
+        swept.add(link)
+        if me.rank in pair:
+            before = len(rows)
+            sweep(device, 2, link, args.sweep_budget_s, emit, group=group, sizes=sizes)
+            for rec in rows[before:]:
+                rec.pop("rep"), rec.pop("n_ops")
+                rec.update(nodes=1 if which == "intra" else 2, link_source=links.source)
+        dist.barrier(group=side)
+    solo = dist.new_group([0])
+    for probe in PROBES:
+        if me.rank == 0:
+            rows.append(measure_probe(probe, device, solo, 1, args.rounds, args.window_s))
+        dist.barrier(group=side)
+        if me.world > 1:
+            rows.append(measure_probe(probe, device, None, me.world, args.rounds, args.window_s))
+    if me.rank != 0:
+        rows = [r for r in rows if r["kind"] == "collective"]
+    gathered: list = [None] * me.world
+    dist.all_gather_object(gathered, rows, group=side)
+    dist.barrier(group=side)
+    dist.destroy_process_group()
+    if me.rank != 0:
+        return 0
+    job = os.environ.get("SLURM_JOB_ID")
+    extra = {"source": SOURCE, **({"job_id": int(job)} if job and job.isdigit() else {})}
+    rows = [dict(r, gpu=gpu, **extra) for rank_rows in gathered for r in rank_rows]
+    return report(rows, args, job, layout, links, time.monotonic() - started)
+
+
+def report(rows: list[dict], args, job: Optional[str], layout, links, wall_s: float) -> int:
+    """Rank 0: write the rows, post them signed for the job, print what they say; 0 when all were stored."""
+    from elastic_launcher.observations import postable  # noqa: PLC0415
+    from elastic_launcher.reporting import PredictorClient  # noqa: PLC0415
+    from predictor.stepmodel import host_cost_from_probes  # noqa: PLC0415
+
+    kept, refused = postable(rows)
+    if args.out:
+        with open(args.out, "w") as out:
+            out.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+    coll = [r for r in kept if r["kind"] == "collective"]
+    probes = [r for r in kept if r["kind"] == "ddp_overhead"]
+    print(f"calibrate: layout {layout}, links intra {links.intra} inter {links.inter} ({links.source}); "
+          f"{len(coll)} collective rows over {sorted({r['link'] for r in coll}) or 'no link (one rank)'}, "
+          f"{len(probes)} ddp_overhead rows; {wall_s:.1f} s", flush=True)
+    for r in probes:
+        print(f"  probe {r['probe']:<20} world {r['world']}  buckets {r['buckets']:>3}  tensors {r['tensors']:>4}  "
+              f"plain {r['plain_s'] * 1e3:8.2f} ms  ddp {r['ddp_s'] * 1e3:8.2f} ms  extra {r['extra_s'] * 1e3:7.2f} ms",
+              flush=True)
+    for gpu, cost in host_cost_from_probes(probes).items():
+        print(f"  host {gpu}: c_step {cost.c_step * 1e3:.3f} ms  c_bucket {cost.c_bucket * 1e6:.1f} us  "
+              f"c_tensor {cost.c_tensor * 1e6:.2f} us (stepmodel.host_cost_from_probes, bounded)", flush=True)
+    for why in refused:
+        print(f"calibrate: not posted: {why}", file=sys.stderr, flush=True)
+    if not args.predictor:
+        print("calibrate: no --predictor: rows written only", flush=True)
+        return 0 if not refused else 1
+    client = PredictorClient(args.predictor, None, timeout_s=args.timeout_s,
+                             job_id=int(job) if job and job.isdigit() else None,
+                             munge_socket=os.environ.get("ELASTIC_MUNGE_SOCKET") or None, retries=2)
+    if client.job_id is None:
+        print("calibrate: not in a Slurm job (no SLURM_JOB_ID): nothing posted (rows are signed for their job)",
+              file=sys.stderr, flush=True)
+        return 1
+    ok = client.observe(kept)
+    print(f"calibrate: {'posted' if ok else 'NOT posted'} {len(kept)} rows to {args.predictor} signed for job {job}"
+          + ("" if ok else f": {client.last_error}"), flush=True)
+    return 0 if ok and not refused else 1
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the rendezvous of rank 0, which binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def job_script(predictor: Optional[str], nodes: int, ranks_per_node: int, gpus_per_node: int,
+               python: str = sys.executable, partition: Optional[str] = None, time_limit: str = "00:10:00",
+               output: str = "elastic-calibrate-%j.out", out: Optional[str] = "elastic-calibrate-%j.jsonl",
+               sweep_budget_s: float = 12.0, rounds: int = 5, window_s: float = 0.25,
+               extra_sbatch: Sequence[str] = ()) -> str:
+    """The calibration job's sbatch script (see the module docstring): `nodes` nodes of `ranks_per_node` ranks,
+    one GPU each where `gpus_per_node` > 0, else CPU ranks with gloo."""
+    import shlex  # noqa: PLC0415
+
+    lines = ["#!/bin/bash",
+             "# elastic-predictor calibrate: all-reduce sweeps per link and DDP's host overhead (probe models",
+             "# with and without DDP, at 1 and all ranks), posted to the prediction service signed for this job.",
+             "#SBATCH --job-name=elastic-calibrate", f"#SBATCH --nodes={nodes}",
+             f"#SBATCH --ntasks-per-node={ranks_per_node}", f"#SBATCH --time={time_limit}",
+             f"#SBATCH --output={output}"]
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    lines += [f"#SBATCH {a}" for a in extra_sbatch]
+    py = shlex.quote(python)
+    argv = ["-m", "elastic_launcher.calibrate", "--device", "auto" if gpus_per_node else "cpu",
+            "--sweep-budget-s", f"{sweep_budget_s:g}", "--rounds", str(rounds), "--window-s", f"{window_s:g}"]
+    if predictor:
+        argv += ["--predictor", predictor]
+    if out:
+        argv += ["--out", out.replace("%j", "${SLURM_JOB_ID}")]
+    lines += ["set -eu",
+              'export MASTER_ADDR="$(hostname)"',
+              f'export MASTER_PORT="$({py} -m elastic_launcher.calibrate --free-port)"',
+              f"srun --kill-on-bad-exit=1 {py} " + " ".join(map(_quote_keep_var, argv)),
+              ""]
+    return "\n".join(lines)
+
+
+def _quote_keep_var(arg: str) -> str:
+    """Shell-quote `arg`, leaving `${SLURM_JOB_ID}` to expand."""
+    import shlex  # noqa: PLC0415
+
+    if "${SLURM_JOB_ID}" in arg:
+        return '"' + arg.replace('"', '\\"') + '"'
+    return shlex.quote(arg)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m elastic_launcher.calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--predictor", default=None, help="the prediction service's URL (rows are posted there)")
+    ap.add_argument("--out", default=None, help="also write the rows to this JSON lines file (rank 0)")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--sweep-budget-s", type=float, default=12.0, help="seconds of each link's sweep")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of (plain, DDP) windows per probe and world")
+    ap.add_argument("--window-s", type=float, default=0.25, help="target length of one timing window")
+    ap.add_argument("--timeout-s", type=float, default=20.0, help="limit of one post to the service")
+    ap.add_argument("--free-port", action="store_true", help="print a free TCP port and exit (the job script's)")
+    args = ap.parse_args(argv)
+    if args.free_port:
+        print(free_port())
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
