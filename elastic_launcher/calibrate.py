@@ -10,12 +10,12 @@ script). The job:
 2. **all-reduce sweeps per link**, at world 2: two ranks of one node (the intra-node link) and the first ranks of
    two nodes (the inter-node link), each pair alone while the others wait, with `sweep` (the sweep of
    bench/coldstart_collect.py: 4 KiB up, two timed windows per size, within a time budget): `collective` rows;
-3. **DDP's host overhead**: each probe model of `PROBES` (many small tensors, a few large ones, one in between
-   with a small bucket cap, so that per-bucket and per-tensor costs separate) is timed in `rounds` rounds of a
-   plain window (forward, backward, optimizer step, no DDP) and a DDP window, at world 1 (rank 0 alone on a
-   group of one, the others waiting) and at the job's world: `ddp_overhead` rows with the buckets and
-   gradient tensors of the probe as DDP's reducer built them (`ddp_shape`), `plain_s` and `ddp_s` (median
-   windows, the slowest rank's) and `extra_s` (median over rounds of DDP minus plain);
+3. **DDP's host overhead**: each probe model of `PROBES` (many small tensors, a few large ones at two sizes, one
+   in between with a small bucket cap, so that per-step, per-bucket, per-tensor and per-byte costs separate) is
+   timed in `rounds` rounds of a plain window (forward, backward, optimizer step, no DDP) and a DDP window, at
+   world 1 (rank 0 alone on a group of one, the others waiting) and at the job's world: `ddp_overhead` rows with
+   the buckets, gradient tensors and bytes of the probe as DDP's reducer built them (`ddp_shape`), `plain_s` and
+   `ddp_s` (median windows, the slowest rank's) and `extra_s` (median over rounds of DDP minus plain);
 4. rank 0 posts the rows to the prediction service signed with the job's munge credential (`PredictorClient`,
    as the launcher posts a job's rows; never a bearer token), writes them to `--out` (JSON lines, importable
    with `elastic-predictor import`) and prints the host constants `predictor.stepmodel.host_cost_from_probes`
@@ -129,12 +129,13 @@ class Probe:
                                       for _ in range(self.layers)])
         with torch.no_grad():
             for layer in model:   # variance-preserving, so 400 layers neither vanish (denormals) nor blow up
-                torch.nn.init.orthogonal_(layer.weight)
+                torch.nn.init.normal_(layer.weight, std=self.width ** -0.5)
         return model.to(device)
 
-    def shape(self) -> tuple[int, int]:
-        """(DDP's buckets, gradient tensors) of the probe, as `predictor.profiles.bucket_sizes` assigns them (DDP's
-        default cap; with a cap of its own DDP has no 1 MiB first bucket, which bucket_sizes always assumes)."""
+    def shape(self) -> tuple[int, int, int]:
+        """(DDP's buckets, gradient tensors, gradient bytes) of the probe, as `predictor.profiles.bucket_sizes`
+        assigns them (DDP's default cap; with a cap of its own DDP has no 1 MiB first bucket, which bucket_sizes
+        always assumes)."""
         import torch  # noqa: PLC0415
 
         from predictor.profiles import profile_from_module  # noqa: PLC0415
@@ -143,13 +144,15 @@ class Probe:
             model = torch.nn.Sequential(*[torch.nn.Linear(self.width, self.width, bias=False)
                                           for _ in range(self.layers)])
         profile = profile_from_module(model, self.name, bucket_cap_mb=self.bucket_cap_mb or 25.0)
-        return len(profile.buckets_bytes), len(profile.tensors)
+        return len(profile.buckets_bytes), len(profile.tensors), sum(profile.buckets_bytes)
 
 
-# many small tensors (host-bound: DDP's per-tensor work), a few large ones (per bucket and per byte), one in
-# between whose small bucket cap gives it a bucket a tensor: the three shapes (buckets, tensors) are (2, 400),
-# (3, 4) and (40, 40), so c_step, c_bucket and c_tensor are each pinned by a probe.
-PROBES = (Probe("many-small-400x1k", 400, 32), Probe("few-large-4x4m", 4, 2048),
+# many small tensors (host-bound: DDP's per-tensor work), a few large ones (per bucket and per byte: DDP copies
+# each gradient into its bucket and back, host work on CPU), the same at a quarter of the bytes, and one in
+# between whose small bucket cap gives it a bucket a tensor: the shapes (buckets, tensors, MiB) are (2, 400, 1.6),
+# (3, 4, 64), (2, 4, 16) and (40, 40, 10), so a per-step, per-bucket, per-tensor and per-byte cost are each
+# pinned by a probe.
+PROBES = (Probe("many-small-400x1k", 400, 32), Probe("few-large-4x4m", 4, 2048), Probe("few-mid-4x1m", 4, 1024),
           Probe("mid-40x64k-cap0.25", 40, 256, bucket_cap_mb=0.25))
 
 
@@ -162,13 +165,14 @@ def _stepper(model, opt, x) -> Callable[[int], None]:
     return run
 
 
-def ddp_shape(ddp_model, probe: Probe) -> tuple[int, int]:
-    """(buckets, gradient tensors) of a DDP model as its reducer holds them now (after its first step: the buckets
-    it rebuilt in gradient-ready order); the probe's assignment by `predictor.profiles` where this torch's reducer
-    does not say."""
+def ddp_shape(ddp_model, probe: Probe) -> tuple[int, int, int]:
+    """(buckets, gradient tensors, gradient bytes) of a DDP model as its reducer holds them now (after its first
+    step: the buckets it rebuilt in gradient-ready order); the probe's assignment by `predictor.profiles` where
+    this torch's reducer does not say."""
     try:
         buckets = ddp_model.reducer._get_zeros_like_grad_buckets()
-        return len(buckets), sum(len(b.parameters()) for b in buckets)
+        return (len(buckets), sum(len(b.parameters()) for b in buckets),
+                sum(b.buffer().numel() * b.buffer().element_size() for b in buckets))
     except (AttributeError, RuntimeError):
         return probe.shape()
 
@@ -201,8 +205,9 @@ def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s
     for _ in range(rounds):
         plain_w.append(agree(windows(run_plain, device, est["plain"], window_s, 1)[0], device, group))
         ddp_w.append(agree(windows(run_ddp, device, est["ddp"], window_s, 1)[0], device, group))
-    buckets, tensors = ddp_shape(ddp_model, probe)
+    buckets, tensors, nbytes = ddp_shape(ddp_model, probe)
     return {"kind": "ddp_overhead", "world": world, "probe": probe.name, "buckets": buckets, "tensors": tensors,
+            "bytes": nbytes,
             "plain_s": statistics.median(plain_w), "ddp_s": statistics.median(ddp_w),
             "extra_s": statistics.median(d - p for d, p in zip(ddp_w, plain_w))}
 
@@ -327,6 +332,7 @@ def report(rows: list[dict], args, job: Optional[str], layout, links, wall_s: fl
           f"{len(probes)} ddp_overhead rows; {wall_s:.1f} s", flush=True)
     for r in probes:
         print(f"  probe {r['probe']:<20} world {r['world']}  buckets {r['buckets']:>3}  tensors {r['tensors']:>4}  "
+              f"MiB {r['bytes'] / 2**20:5.1f}  "
               f"plain {r['plain_s'] * 1e3:8.2f} ms  ddp {r['ddp_s'] * 1e3:8.2f} ms  extra {r['extra_s'] * 1e3:7.2f} ms",
               flush=True)
     for gpu, cost in host_cost_from_probes(probes).items():

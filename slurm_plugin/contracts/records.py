@@ -12,7 +12,8 @@ Three kinds of record:
                   one probe model of the calibration job (`elastic-predictor calibrate`,
                   elastic_launcher/calibrate.py): its DDP step and its plain step (no DDP) at `world` ranks, and
                   `extra_s`, DDP's extra seconds a step (between -plain_s and ddp_s: a paired median of the two
-                  is not their difference); `buckets`/`tensors`: DDP's buckets and gradient tensors of the probe
+                  is not their difference); `buckets`/`tensors`: DDP's buckets and gradient tensors of the probe,
+                  `bytes` (optional) their gradient bytes
 
 Every value is checked for type, finiteness and a plausible range, and unknown fields are rejected;
 errors name the field as a JSON path, e.g. `observations[2].seconds`. A batch is validated whole
@@ -44,7 +45,7 @@ _COLLECTIVE = {"required": {"kind", "op", "link", "world", "bytes", "seconds"},
 _STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter_s", "intra_link"},
          "optional": {"inter_link", "samples_per_s", "sync_s", "dtype"} | _COMMON_OPTIONAL}
 _DDP_OVERHEAD = {"required": {"kind", "gpu", "world", "buckets", "tensors", "extra_s", "plain_s", "ddp_s", "probe"},
-                 "optional": {"job_id", "source", "timestamp_s"}}
+                 "optional": {"bytes", "job_id", "source", "timestamp_s"}}
 MAX_TENSORS = 1 << 20                                     # gradient tensors of one model (a probe has ~400)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "fp8", "int8", "mixed")
 
@@ -219,6 +220,8 @@ def validate_ddp_overhead(record: Any, where: str) -> dict:
         raise ValidationError(f"{where}.extra_s", f"{extra:g} s is outside [-plain_s, ddp_s] = "
                                                   f"[{-out['plain_s']:g}, {out['ddp_s']:g}]")
     out["extra_s"] = float(extra)
+    if "bytes" in record:             # the probe's gradient bytes (its buckets' sum): DDP copies each one twice
+        out["bytes"] = _int(record, "bytes", where, 1, MAX_BYTES)
     _optional(record, out, where)
     return out
 

@@ -1,7 +1,7 @@
 """The demo's predictor service and hook, all of it inside the demo's lab directory.
 
 `PredictorService` runs `elastic-predictor serve` (gunicorn) detached, with its own pid file, log, token,
-database and a cluster file that describes the testbed as it is: every node holds one training worker, and
+database, munge-signed job writes checked against the lab's Slurm, and a cluster file that describes the testbed as it is: every node holds one training worker, and
 the workers are CPU processes talking gloo (GPU type `cpu`, `shm` within a node, `socket` between nodes).
 It listens on the last port of the lab's block (`port_base + PORT_SPAN - 1`), so two labs never collide.
 
@@ -141,8 +141,13 @@ class PredictorService:
             token_file.write_text(secrets.token_hex(16) + "\n")
             token_file.chmod(0o600)
         (self.dir / "cluster.json").write_text(json.dumps(self.cluster(), indent=1) + "\n")
+        cfg = self.testbed.config
+        # jobs' rows (the calibration job's, the launcher's) come signed with the lab's munge, checked against
+        # the lab's Slurm: the token is the demo's own (profiles, the seed rows)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-               "ELASTIC_PREDICTOR_TOKEN": self.token, "PYTHONPATH": str(CHECKOUT)}
+               "ELASTIC_PREDICTOR_TOKEN": self.token, "PYTHONPATH": str(CHECKOUT),
+               "ELASTIC_PREDICTOR_MUNGE": "1", "ELASTIC_PREDICTOR_MUNGE_SOCKET": str(cfg.munge_socket),
+               "ELASTIC_PREDICTOR_SLURM_CONF": str(cfg.slurm_conf)}
         argv = [self.python, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--db", str(self.db), "--cluster", str(self.dir / "cluster.json"), "--workers", "2"]
         with open(self.log_file, "ab") as log:

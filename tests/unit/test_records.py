@@ -62,6 +62,7 @@ def test_design_examples_are_valid():
     (DDP_OVERHEAD, "probe", "many small", "expected a name"),
     (DDP_OVERHEAD, "gpu", 7, "expected a name"),
     (DDP_OVERHEAD, "link", "nvlink", "unknown field"),
+    (DDP_OVERHEAD, "bytes", 0, "outside"),
     (DDP_OVERHEAD, "uid", 0, "unknown field"),
     (STEP, "uid", 0, "unknown field"),  # the service sets it from the credential; a client cannot
 ])
