@@ -275,10 +275,6 @@ def run(args) -> int:
     node_facts = [HostFacts.from_json(every[nodes.index(n)]["facts"]) for n in sorted(set(nodes), key=nodes.index)]
     links = links_for(layout, node_facts)
     rows: list[dict] = []
-
-    def emit(rec: dict) -> None:
-        rows.append(rec)
-
     sizes = SWEEP_BYTES if cuda else [b for b in SWEEP_BYTES if b <= CPU_SWEEP_MAX_BYTES]
     swept = set()
     for which, pair in pairs(nodes):
@@ -288,11 +284,11 @@ def run(args) -> int:
             continue
         swept.add(link)
         if me.rank in pair:
-            before = len(rows)
-            sweep(device, 2, link, args.sweep_budget_s, emit, group=group, sizes=sizes)
-            for rec in rows[before:]:
-                rec.pop("rep"), rec.pop("n_ops")
-                rec.update(nodes=1 if which == "intra" else 2, link_source=links.source)
+            timed: list[dict] = []
+            sweep(device, 2, link, args.sweep_budget_s, timed.append, group=group, sizes=sizes)
+            if me.rank == pair[0]:                  # the pair's first rank's timings: one row per window
+                rows += [{**{k: v for k, v in rec.items() if k not in ("rep", "n_ops")},
+                          "nodes": 1 if which == "intra" else 2, "link_source": links.source} for rec in timed]
         dist.barrier(group=side)
     solo = dist.new_group([0])
     for probe in PROBES:

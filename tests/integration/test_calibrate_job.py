@@ -77,6 +77,7 @@ def test_calibration_job_posts_sweeps_and_probe_rows_signed_for_itself(testbed, 
     assert {(r["link"], r["world"], r["nodes"], r["op"]) for r in coll} == {("loopback", 2, 2, "allreduce")}
     sizes = sorted({r["bytes"] for r in coll})
     assert sizes[0] == 4096 and len(sizes) >= 4 and all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+    assert all(sum(r["bytes"] == b for r in coll) == 2 for b in sizes)   # two windows a size, from one rank
     assert all(r["seconds"] > 0 for r in coll)
     small = min(r["seconds"] for r in coll if r["bytes"] == sizes[0])
     large = max(r["seconds"] for r in coll if r["bytes"] == sizes[-1])
