@@ -181,20 +181,24 @@ def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s
     """Time `probe` plain and under DDP on `group` (`world` ranks; every rank of the group calls this) in `rounds`
     rounds of a plain window then a DDP window; returns the `ddp_overhead` row (without `gpu` and job fields).
 
+    Both steps train the same parameters with the same optimizer: the plain step calls the wrapped module itself
+    (DDP's reducer then expects no gradients and its hooks return at once, as under `no_sync()`), so the two
+    differ by what DDP does and nothing else (two copies of a model land in different memory: on this lab's CPU
+    the first-built copy's 256 KiB tensors stepped 2-5x slower than the second's, an allocator artefact).
     plain_s and ddp_s are the medians of the windows' mean steps, extra_s the median over rounds of DDP minus
     plain (each window the slowest rank's: `agree` over the group)."""
     import torch  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    plain = probe.build(device)
     cap = {} if probe.bucket_cap_mb is None else {"bucket_cap_mb": probe.bucket_cap_mb}
     ddp_model = DDP(probe.build(device), process_group=group, device_ids=[device.index] if device.type == "cuda"
                     else None, **cap)
     x = torch.randn(probe.batch, probe.width, device=device)
-    run_plain = _stepper(plain, torch.optim.SGD(plain.parameters(), lr=1e-4), x)
-    run_ddp = _stepper(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=1e-4), x)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=1e-4)
+    run_plain = _stepper(ddp_model.module, opt, x)
+    run_ddp = _stepper(ddp_model, opt, x)
     est = {}
-    for name, run in (("plain", run_plain), ("ddp", run_ddp)):    # DDP rebuilds its buckets after its first step
+    for name, run in (("ddp", run_ddp), ("plain", run_plain)):    # DDP rebuilds its buckets after its first step
         run(1)
         sync(device)
         t0 = time.perf_counter()
@@ -362,7 +366,7 @@ def free_port() -> int:
 def job_script(predictor: Optional[str], nodes: int, ranks_per_node: int, gpus_per_node: int,
                python: str = sys.executable, partition: Optional[str] = None, time_limit: str = "00:10:00",
                output: str = "elastic-calibrate-%j.out", out: Optional[str] = "elastic-calibrate-%j.jsonl",
-               sweep_budget_s: float = 12.0, rounds: int = 5, window_s: float = 0.25,
+               sweep_budget_s: float = 12.0, rounds: int = 7, window_s: float = 0.15,
                extra_sbatch: Sequence[str] = ()) -> str:
     """The calibration job's sbatch script (see the module docstring): `nodes` nodes of `ranks_per_node` ranks,
     one GPU each where `gpus_per_node` > 0, else CPU ranks with gloo."""
@@ -410,8 +414,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="also write the rows to this JSON lines file (rank 0)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--sweep-budget-s", type=float, default=12.0, help="seconds of each link's sweep")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of (plain, DDP) windows per probe and world")
-    ap.add_argument("--window-s", type=float, default=0.25, help="target length of one timing window")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of (plain, DDP) windows per probe and world")
+    ap.add_argument("--window-s", type=float, default=0.15, help="target length of one timing window")
     ap.add_argument("--timeout-s", type=float, default=20.0, help="limit of one post to the service")
     ap.add_argument("--free-port", action="store_true", help="print a free TCP port and exit (the job script's)")
     args = ap.parse_args(argv)

@@ -546,9 +546,9 @@ def decisions(db, limit):
               help="interpreter on the nodes with this package and torch")
 @click.option("--sweep-budget-s", default=12.0, show_default=True, type=click.FloatRange(1, 300),
               help="seconds of each link's all-reduce sweep")
-@click.option("--rounds", default=5, show_default=True, type=click.IntRange(1, 50),
+@click.option("--rounds", default=7, show_default=True, type=click.IntRange(1, 50),
               help="rounds of (plain, DDP) timing windows per probe and world size")
-@click.option("--window-s", default=0.25, show_default=True, type=click.FloatRange(0.01, 10),
+@click.option("--window-s", default=0.15, show_default=True, type=click.FloatRange(0.01, 10),
               help="target seconds of one timing window")
 @click.option("--sbatch", "extra_sbatch", multiple=True, metavar="OPTION",
               help="another #SBATCH line for the script, e.g. --sbatch=--account=ops (repeatable)")
