@@ -24,7 +24,7 @@ in it). What B leaves is the model's error with the launch-to-launch host drift 
 Protocol A is run twice: with the 1-GPU launch the data set names (w1_none.jsonl) and with a repeat of it 16
 minutes later (repeat/w1_none.jsonl, same commit, same machine); the two give the range quoted.
 
-What the model needed (predictor/throughput.py, "host term"): at small batches on an H200 the step is the host's
+What the release before the step model needed (its "host term"): at small batches on an H200 the step is the host's
 (Python and kernel launches), and DDP adds host work per gradient tensor, so a model whose 1-GPU step has
 flattened onto its host floor H takes H + h_L * n_tensors at 2 and 4 GPUs (ResNet-50 at batch 64: 19 ms alone,
 35-39 ms under DDP), while its GPU-bound batches (256, 512) on NVLink and shared memory were within 3% without
@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from predictor.engine import Predictor  # noqa: E402
 from predictor.profiles import Profile  # noqa: E402
+from predictor.stepmodel import Collectives  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data" / "coldstart"
@@ -200,21 +201,23 @@ def main() -> None:
     lines += ["", "## Protocol B (diagnostic: the held-out model's compute from the launch predicted; "
                   "not a submit-time prediction, not held to the target)", "", "MAPE of throughput:", ""]
     lines += table(same)
-    fitted = Predictor().fit(profiles, coll + steps).net_.get("sync", {})
-    lines += ["", "Per sync link, fitted on every row (all models): overlap offset g_L / per-step overhead o_L / host "
-                  "seconds per gradient tensor h_L: "
-              + "; ".join(f"{k} {g:+.2f} / {o * 1e3:.2f} ms / {h * 1e6:.0f} us" for k, (g, o, h) in sorted(fitted.items()))
-              + "."]
+    params = Predictor().fit(profiles, coll + steps).params_
+    lines += ["", "Constants fitted on every row (all models): per link, all-reduce slowdown inside the backward "
+                  "kappa / per-step cost o: "
+              + "; ".join(f"{k} {c.kappa:.2f} / {c.o * 1e3:.2f} ms ({c.basis})" for k, c in sorted(params.links.items()))
+              + "; per host (GPU type), DDP's host seconds per step / bucket / tensor: "
+              + "; ".join(f"{g} {h.c_step * 1e3:.2f} ms / {h.c_bucket * 1e6:.0f} us / {h.c_tensor * 1e6:.0f} us "
+                          f"({h.basis})" for g, h in sorted(params.hosts.items())) + "."]
     lines += ["", "Overlap on tcp: measured step over the sweeps' all-reduce time of the model's buckets "
                   "(1.0 = compute fully hidden) and over compute + that time (1.0 = no overlap at all), median over "
                   "batches, per model at 2 / 4 GPUs:", "", "| model | sync only @2 | serial @2 | sync only @4 | "
                   "serial @4 |", "|---|---|---|---|---|"]
-    lm = Predictor().fit(profiles, coll).links_
+    sweeps = Collectives.from_rows(coll)
     for m in sorted(profiles):
         cells = []
         for w in (2, 4):
             rows = [r for r in steps if r["profile"] == m and r["intra_link"] == "tcp" and sum(r["layout"]) == w]
-            t_s = float(np.sum(lm.time("tcp", "allreduce", w, np.asarray(profiles[m].buckets_bytes, float))))
+            t_s = float(np.sum(sweeps.time("tcp", w, np.asarray(profiles[m].buckets_bytes, float))))
             cells += [f"{np.median([r['iter_s'] / t_s for r in rows]):.2f}",
                       f"{np.median([r['iter_s'] / (t_s + (r['solo_s'] or r['local_s'])) for r in rows]):.2f}"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")

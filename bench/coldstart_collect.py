@@ -58,7 +58,7 @@ MODELS = {
     "gpt2": (4, 8, 16, 32), "bert": (16, 32, 64, 128),
 }
 # The held-out set (issue 25, `--set fresh`): models and batch ladders never used while the throughput model was
-# developed, collected after its freeze (predictor.throughput.MODEL_VERSION) and scored by bench/heldout.py.
+# developed, collected after its freeze (predictor.stepmodel.MODEL_VERSION) and scored by bench/heldout.py.
 FRESH = {
     "resnet101": (48, 96, 192, 384), "regnet_y_1_6gf": (48, 96, 192, 384),
     "shufflenet_v2_x1_0": (96, 192, 384, 768), "swin_t": (24, 48, 96, 192),
@@ -254,7 +254,7 @@ def main() -> None:
         sweep(device, world, link, args.sweep_budget_s, emit)
     # the other ranks wait for rank 0's 1-GPU windows here: a CPU barrier, no NCCL kernel spinning on a GPU
     side = dist.new_group(backend="gloo") if world > 1 else None
-    from predictor.throughput import MODEL_VERSION
+    from predictor.stepmodel import MODEL_VERSION
     emit({"kind": "env", "torch": torch.__version__, "gpu": gpu, "set": args.model_set,
           "model_version_at_collection": MODEL_VERSION,
           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None})

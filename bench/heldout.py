@@ -5,7 +5,7 @@ under bench/data/heldout/ and the development ones under bench/data/coldstart/);
 bench/results/heldout.json.
 
 A collection is *held out* for the model that scores it only if it was collected after that model was frozen: its
-`env` records name the `MODEL_VERSION` (predictor/throughput.py) the code had when it was measured, and the score is
+`env` records name the `MODEL_VERSION` (predictor/stepmodel.py) the code had when it was measured, and the score is
 held out when that version is the one scoring it. Any change to the model bumps the version, so a score of a later
 version on the same collection is printed as **seen** (the collection was there while the model changed).
 bench/data/coldstart/ (and its session7/ and repeat/) are the data the model was developed on: always **dev**.
@@ -21,13 +21,15 @@ predictor.engine.Predictor with the service's defaults, the way the service fits
 - **leave one model out** (bench/coldstart.py's protocol A, secondary): m's multi-GPU rows held out, other models'
   rows from every launch kept.
 Rows are reported apart by regime, from the model's own 1-GPU steps: a batch is **host-bound** where doubling it
-costs the 1-GPU step less than 1.5x (predictor.throughput.host_bound_between, the rule the model's host floor uses; the step is the host's Python and kernel launches, not the GPU's work), else
+costs the 1-GPU step less than 1.5x (`host_bound_between`: the step is the host's Python and kernel launches, not
+the GPU's work), else
 **GPU-bound** (for the largest batch of a ladder, the doubling that reached it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -37,12 +39,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coldstart  # noqa: E402
 from coldstart import err, load, predicted  # noqa: E402
 from predictor.engine import Predictor  # noqa: E402
-from predictor.throughput import MODEL_VERSION, host_bound_between  # noqa: E402
+from predictor.stepmodel import MODEL_VERSION  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HELDOUT = HERE / "data" / "heldout"
 DEV = [HERE / "data" / "coldstart", HERE / "data" / "coldstart" / "session7"]
 RESULTS = HERE / "results"
+
+
+HOST_BOUND_GROWTH = 1.5  # 1-GPU step growth per batch doubling below which a batch is host-bound
+
+
+def host_bound_between(b0: float, t0: float, b1: float, t1: float) -> bool:
+    """Going from batch b0 (step t0) to b1 > b0 (step t1) on one GPU, the step grows less than HOST_BOUND_GROWTH
+    per doubling of the batch: the host's work, not the GPU's (a GPU-bound step about doubles)."""
+    return (t1 / t0) ** (math.log(2.0) / math.log(b1 / b0)) < HOST_BOUND_GROWTH
 
 
 def collected_under(data: Path) -> str | None:
@@ -135,7 +146,7 @@ def score(data: Path) -> dict:
 
 def render(scores: list[dict]) -> list[str]:
     lines = ["# Held-out accuracy (`python bench/heldout.py`)", "",
-             f"Model `{MODEL_VERSION}` (predictor/throughput.py MODEL_VERSION). A collection is **held out** only when "
+             f"Model `{MODEL_VERSION}` (predictor/stepmodel.py MODEL_VERSION). A collection is **held out** only when "
              "it was collected under this very version; **seen**: collected under an earlier version that was changed "
              "since (the change may have been tuned on it); **dev**: the data the model was developed on.", ""]
     for s in scores:

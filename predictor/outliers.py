@@ -5,7 +5,7 @@ For each step row the fitted model predicts the step time of the row's own layou
 `r = log(observed iter_s / predicted iter_s)`. The residuals are centred on their median and scaled by their
 MAD (1.4826 x the median absolute deviation, at least `MIN_SIGMA` so a near-perfect fit does not flag a few
 percent); a row is an outlier when `|r - median| > K x sigma`. Median and MAD weigh each user's rows (each unsigned
-job's) together as at most `JOB_ROWS_CAP` rows (`predictor.throughput.job_weights`, the fit's cap), so one user
+job's) together as at most `JOB_ROWS_CAP` rows (`job_weights`), so one user
 who posts hundreds of made-up rows cannot move the centre and make everyone else the outlier.
 
 A job is listed when more than `MOSTLY` of its rows are outliers, with its median deviation and the uid that signed
@@ -25,7 +25,7 @@ import numpy as np
 
 from predictor.errors import NotFoundError, ValidationError
 from slurm_plugin.contracts.records import layout_name
-from predictor.throughput import job_weights
+from predictor.stepmodel import owner_of
 
 K = 4.0
 MIN_SIGMA = 0.05
@@ -50,6 +50,17 @@ class Report:
     jobs: list[dict]
     checked: int
     sigma: float
+
+
+def job_weights(rows: list[dict], cap: int) -> np.ndarray:
+    """Per row: 1, or cap / n for the n rows of one owner (`stepmodel.owner_of`: its user, else its job) with
+    more than `cap`, so no owner weighs more than `cap` rows (rows of no owner weigh 1)."""
+    owners = [owner_of(r) for r in rows]
+    counts: dict = {}
+    for o in owners:
+        if o is not None:
+            counts[o] = counts.get(o, 0) + 1
+    return np.array([1.0 if o is None else min(1.0, cap / counts[o]) for o in owners])
 
 
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:

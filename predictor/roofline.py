@@ -59,7 +59,7 @@ class GPUPeaks:
     def train_flops(self) -> float:
         """The dense peak an FP32 training step runs at by default: TF32 tensor cores where the type has them
         (cuDNN runs FP32 convolutions in TF32 by default from Ampere on), else the FP32 figure. The one figure
-        predictor/throughput.py's GPU_FLOPS takes per type."""
+        predictor/stepmodel.py's GPU_FLOPS takes per type."""
         return self.tf32_flops or self.fp32_flops
 
 

@@ -8,19 +8,22 @@ processes share one model per data version:
   moved past the model's (a write by this process: `notify()`, then a debounce so a burst of POSTs costs one
   fit; a write by another worker: seen within `min(poll, check)`), paced so fits take at most `max_share` of
   its time (`next_fit_at`), and stores the fitted model in the store's
-  `models` table (a pickle, version = the generation fitted on, newest few kept). A failed fit keeps the
+  `models` table (a JSON document, version = the generation fitted on, newest few kept). A failed fit keeps the
   previous model, is recorded in `fit_failures` and reported by every worker's `status()`. When the fitter
   dies the kernel drops its lock and another worker's thread takes it on its next try.
 - **Every worker answers from the newest stored model.** Each refit thread looks at the newest stored
-  model's version every `check` (an index lookup) and loads it (unpickles) when it changed. `start()` loads it
+  model's version every `check` (an index lookup) and loads it (reads its JSON) when it changed. `start()` loads it
   before the first request, so a worker never answers 503 while a fitted model exists.
 - **Versions you can name.** A model's version is the generation it was fitted on (`model_generation`;
   `model_version` is `g<generation>`). `POST /v1/observations` answers the generation its write produced;
   `view(min_generation, wait)` waits, at most `MAX_VERSION_WAIT`, for a model at least that new and pins it
   for the request, or raises `ModelVersionUnavailable` (503).
 
-Stored models are pickles: the database must be writable by the service only (as it already must: it holds
-the decisions). Each carries the fingerprint of the code that fitted it (`code_fingerprint()`: the predictor
+Stored models are JSON documents (`FittedModel.blob`: the predictor's `to_params()`, the step model's parameters
+with their basis, and the profiles it was fitted with, without tensor names), never pickles: reading one runs no
+code, and `elastic-predictor model show` prints it. A model stored as a pickle by an older release is deleted by
+the store's migration `0010_models_json` and fitted again. Each carries the fingerprint of the code that fitted it
+(`code_fingerprint()`: the predictor
 package's sources, Python's and the numeric libraries' versions). A worker answers from the newest stored
 model whatever its code (better than a 503), and the fitter fits the data again when the model in use was
 fitted by other code (after an upgrade, or a worker respawned on changed files), so the new code's model
@@ -33,14 +36,13 @@ its candidates' layouts: an entry bound alone let distinct large requests grow a
 """
 from __future__ import annotations
 
-import array
 import dataclasses
 import gc
 import hashlib
 import importlib.metadata
 import itertools
 import logging
-import pickle
+import json
 import sys
 import threading
 import time
@@ -58,6 +60,7 @@ MAX_VERSION_WAIT = timedelta(seconds=20)      # a request waits at most this lon
                                               # gunicorn's default 30 s worker timeout, which a sync worker
                                               # blocked longer than that would hit
 DEFAULT_VERSION_WAIT = timedelta(seconds=10)  # when `min_model_version` comes without `wait_ms`
+MODEL_FORMAT = "elastic-predictor/model-1"    # a stored model's JSON document (`FittedModel.blob`)
 WAIT_STEP = timedelta(milliseconds=50)        # how often a waiting request looks at the store
 LOAD_WAIT = timedelta(seconds=5)              # a request waits this long at most for another thread's load
 _PROBLEMS = ("fit", "load", "read", "refresh")  # what ModelCache.last_error reports first
@@ -95,7 +98,7 @@ _fingerprint: str | None = None
 
 
 def code_fingerprint() -> str:
-    """What a stored model's pickle depends on: the predictor package's sources, Python's and the numeric
+    """What a stored model depends on: the predictor package's sources, Python's and the numeric
     libraries' versions (computed once per process)."""
     global _fingerprint
     if _fingerprint is None:
@@ -165,47 +168,62 @@ class FittedModel:
         return self.generation, self.fitted_at_s
 
     def blob(self) -> bytes:
-        return pickle.dumps({"predictor": self.predictor, "profiles": self.profiles}, protocol=pickle.HIGHEST_PROTOCOL)
+        """The model as stored: a JSON document (`MODEL_FORMAT`) of the predictor's parameters and the profiles."""
+        return json.dumps({"format": MODEL_FORMAT, "predictor": self.predictor.to_params(),
+                           "profiles": {n: profile_doc(p) for n, p in sorted(self.profiles.items())}},
+                          separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_stored(cls, stored: StoredModel) -> "FittedModel":
-        state = pickle.loads(stored.blob)
+    def from_stored(cls, stored: StoredModel, factory: Callable[[], Any]) -> "FittedModel":
+        """The stored model, its predictor built by `factory` and loaded from the document.
+
+        Raises:
+            ValueError: the blob is not a document of `MODEL_FORMAT` (a pickle of an older release, say).
+        """
+        try:
+            doc = json.loads(stored.blob)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"stored model g{stored.head.version} is not a {MODEL_FORMAT} JSON document "
+                             f"(an older release's pickle?): {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
+            raise ValueError(f"stored model g{stored.head.version} is not a {MODEL_FORMAT} document")
+        profiles = {n: profile_from_doc(d) for n, d in doc["profiles"].items()}
         head = stored.head
-        return cls(state["predictor"], state["profiles"], head.version, head.fitted_at_s, stored.fit_s, head.code)
+        return cls(factory().load_params(doc["predictor"], profiles), profiles, head.version, head.fitted_at_s,
+                   stored.fit_s, head.code)
 
 
 def fitted_profile(profile):
     """The profile as a fitted model keeps it: its tensors without their names (the fit and the predictions read
-    their count, sizes and dtypes only), pickled as one array of element counts (`_NamelessTensors`). Every stored
-    model pickles its profiles: with names, one user's 16 MiB of profiles with 200-character tensor names added
-    15 MB to each of the models kept (#24.6: 48 MB of database for 16 MB of profiles)."""
-    if isinstance(profile.tensors, _NamelessTensors):
+    their count, sizes and dtypes only). Every stored model keeps its profiles: with names, one user's 16 MiB of
+    profiles with 200-character tensor names added 15 MB to each of the models kept (#24.6: 48 MB of database for
+    16 MB of profiles)."""
+    from predictor.profiles import TensorSpec  # noqa: PLC0415
+
+    if all(t.name == "" for t in profile.tensors):
         return profile
-    return dataclasses.replace(profile, tensors=_nameless(profile.tensors))
+    return dataclasses.replace(profile, tensors=tuple(TensorSpec("", t.numel, t.dtype) for t in profile.tensors))
 
 
-class _NamelessTensors(tuple):
-    """A fitted model's copy of a profile's tensors (`TensorSpec` without names): pickled as 8 bytes an element
-    count plus the runs of dtypes, about 30 bytes a tensor less than the tuple of dataclasses."""
-
-    def __reduce__(self):
-        runs = [(dtype, len(list(group))) for dtype, group in itertools.groupby(t.dtype for t in self)]
-        return _unpickle_nameless, (array.array("q", (t.numel for t in self)).tobytes(), runs)
-
-
-def _nameless(tensors) -> _NamelessTensors:
-    from predictor.profiles import TensorSpec  # noqa: PLC0415
-
-    return _NamelessTensors(TensorSpec("", t.numel, t.dtype) for t in tensors)
+def profile_doc(profile) -> dict:
+    """A fitted profile as the stored model's JSON keeps it: element counts and runs of dtypes, no names."""
+    doc = {k: v for k, v in profile.to_dict().items() if k != "tensors"}
+    doc["numels"] = [t.numel for t in profile.tensors]
+    doc["dtypes"] = [[dtype, len(list(group))] for dtype, group in itertools.groupby(t.dtype for t in profile.tensors)]
+    return doc
 
 
-def _unpickle_nameless(numels: bytes, runs: list) -> _NamelessTensors:
-    from predictor.profiles import TensorSpec  # noqa: PLC0415
+def profile_from_doc(doc: dict):
+    """The fitted profile `profile_doc` wrote (its buckets as stored, never recomputed)."""
+    from predictor.profiles import Profile, TensorSpec  # noqa: PLC0415
 
-    counts = array.array("q")
-    counts.frombytes(numels)
-    dtypes = itertools.chain.from_iterable(itertools.repeat(dtype, n) for dtype, n in runs)
-    return _NamelessTensors(TensorSpec("", numel, dtype) for numel, dtype in zip(counts, dtypes))
+    dtypes = itertools.chain.from_iterable(itertools.repeat(d, n) for d, n in doc["dtypes"])
+    tensors = tuple(TensorSpec("", int(n), d) for n, d in zip(doc["numels"], dtypes))
+    rest = {k: v for k, v in doc.items() if k not in ("numels", "dtypes")}
+    return dataclasses.replace(Profile.from_dict({**rest, "tensors": [{"name": f"t{i}", "numel": t.numel,
+                                                                       "dtype": t.dtype}
+                                                                      for i, t in enumerate(tensors)]}),
+                               tensors=tensors, buckets_bytes=tuple(doc["buckets_bytes"]))
 
 
 PREDICTION_ENTRY_BYTES = 1024        # a cached answer's fixed cost: its key tuple and result list
@@ -318,8 +336,8 @@ class ModelCache:
 
     Args:
         store: the history store the model is fitted on and stored in.
-        predictor_factory: builds an unfitted predictor (`fit`, `predict`, `known`, `link_stats`); what it
-            returns is pickled into the store, so it must be picklable once fitted.
+        predictor_factory: builds an unfitted predictor (`fit`, `predict`, `known`, `link_stats`, and
+            `to_params` / `load_params(doc, profiles)`: the JSON document the store keeps).
         debounce: wait after a notification so bursts of observations coalesce into one fit.
         poll: how often, at least, to look for writes by other processes.
         cache_size: prediction cache entries (LRU).
@@ -545,7 +563,7 @@ class ModelCache:
             else:
                 stored = self.store.newest_model()
                 if stored is not None:
-                    self._swap(FittedModel.from_stored(stored))
+                    self._swap(FittedModel.from_stored(stored, self.predictor_factory))
                     self._seen = stored.head
                     if stored.head.code != code_fingerprint():
                         log.info("answering from stored model g%d, fitted by other code, until the fitter has "

@@ -72,7 +72,7 @@ BOUNDS = {"kappa": (0.0, 4.0), "o": (0.0, 0.02), "c_step": (0.0, 0.02), "c_bucke
 SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5}  # the optimiser's units
 RIDGE_ROWS = 2.0
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
-MIN_ROWS_PER_PARAM = 3         # multi-GPU rows a fitted constant needs behind it
+MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
 # Interval spreads (log space) where a basis has fewer than MIN_RESIDUALS held-out residuals.
 PRIOR_SPREAD = {"measured": 0.05, "calibrated": 0.10, "observed": 0.15, "cross-type": 0.30, "profile": 0.50,
@@ -127,7 +127,7 @@ class Ladder:
 def flops_ladder(profile, gpu: str, calibration: float | None = None) -> Ladder:
     """The ladder of a profile never measured on `gpu`: its FLOPs (or measured seconds) per sample over the
     datasheet peak at FLOPS_EFFICIENCY, times `calibration` (the measured over this estimate, geometric mean over
-    the profiles measured on that GPU), above a launch floor; two points (linear in between and beyond)."""
+    the profiles measured on that GPU), above a launch floor: flat below the batch that reaches it, linear above."""
     rate = GPU_FLOPS.get(gpu.lower(), DEFAULT_FLOPS) * FLOPS_EFFICIENCY
     if profile.compute_s_per_sample is not None:
         per = profile.compute_s_per_sample * (GPU_FLOPS.get((profile.reference_gpu or gpu).lower(), DEFAULT_FLOPS)
@@ -138,8 +138,8 @@ def flops_ladder(profile, gpu: str, calibration: float | None = None) -> Ladder:
         per = 6.0 * profile.n_params * 128 / rate   # transformer-style guess: 6 FLOPs a parameter a token, 128 tokens
     if calibration is not None and profile.compute_s_per_sample is None:
         per *= calibration
-    b1 = max(1.0, LAUNCH_FLOOR_S / per)          # where the compute reaches the launch floor
-    return Ladder((b1, 2.0 * b1), (LAUNCH_FLOOR_S, 2.0 * LAUNCH_FLOOR_S))
+    b1 = max(1.0, LAUNCH_FLOOR_S / per)          # where the compute reaches the launch floor: flat below it
+    return Ladder((b1 / 2.0, b1, 2.0 * b1), (LAUNCH_FLOOR_S, LAUNCH_FLOOR_S, 2.0 * LAUNCH_FLOOR_S))
 
 
 # --------------------------------------------------------------------------------------------------- links
@@ -270,6 +270,8 @@ class Params:
     hosts: dict[str, HostCost] = field(default_factory=dict)
     links: dict[str, LinkCost] = field(default_factory=dict)
     residuals: dict[str, list[float]] = field(default_factory=dict)   # basis -> held-out log residuals
+    converged: bool = True          # False: the constants' fit failed numerically and the defaults stand
+    pair_rmse: dict[tuple[str, str], float] = field(default_factory=dict)   # (P, g) -> RMS log error, multi-GPU rows
     version: str = MODEL_VERSION
 
     def host(self, gpu: str) -> HostCost:
@@ -288,13 +290,21 @@ class Params:
         s = PRIOR_SPREAD.get(basis, PRIOR_SPREAD["prior"]) * 1.2816  # the normal's 10th/90th percentile
         return math.exp(-s), math.exp(s)
 
+    def summary(self) -> dict:
+        """What /admin shows of the document (`to_dict` less the ladders and curves: their counts instead)."""
+        return {"version": self.version, "converged": self.converged, "n_ladders": len(self.ladders),
+                "n_curves": len(self.collectives.curves), "hosts": {g: vars(h) for g, h in sorted(self.hosts.items())},
+                "links": {k: vars(v) for k, v in sorted(self.links.items())}, "residuals": self.residuals}
+
     def to_dict(self) -> dict:
         return {"version": self.version,
                 "ladders": {f"{p}|{g}": l.to_dict() for (p, g), l in sorted(self.ladders.items())},
                 "collectives": self.collectives.to_dict(),
                 "hosts": {g: vars(h) for g, h in sorted(self.hosts.items())},
                 "links": {k: vars(v) for k, v in sorted(self.links.items())},
-                "residuals": {k: [round(float(x), 6) for x in v] for k, v in sorted(self.residuals.items())}}
+                "residuals": {k: [float(x) for x in v] for k, v in sorted(self.residuals.items())},
+                "converged": self.converged,
+                "pair_rmse": [[p, g, v] for (p, g), v in sorted(self.pair_rmse.items())]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
@@ -303,6 +313,8 @@ class Params:
                    hosts={g: HostCost(**h) for g, h in d.get("hosts", {}).items()},
                    links={k: LinkCost(**v) for k, v in d.get("links", {}).items()},
                    residuals={k: list(v) for k, v in d.get("residuals", {}).items()},
+                   converged=bool(d.get("converged", True)),
+                   pair_rmse={(p, g): float(v) for p, g, v in d.get("pair_rmse", [])},
                    version=d.get("version", MODEL_VERSION))
 
 
@@ -325,26 +337,35 @@ def bucket_comm(coll: Collectives, buckets: np.ndarray, layouts, intra: str, int
     return out
 
 
-def simulate(t1: np.ndarray, floor: np.ndarray, buckets: np.ndarray, comm: np.ndarray, kappa: np.ndarray,
+def simulate(t1: np.ndarray, floor: np.ndarray, share: np.ndarray, comm: np.ndarray, kappa: np.ndarray,
              o: np.ndarray, host_s: np.ndarray, multi: np.ndarray) -> dict:
-    """The step of each candidate c (all arrays over c; `buckets` and comm[c, j] over buckets in ready order):
-    the device's timeline and the host's path, their max (module docstring). Pure and vectorised."""
+    """The step of each candidate c: the device's timeline and the host's path, smoothly maxed (module docstring).
+    Arrays over c, and share[c, j] (the gradient bytes ready once bucket j is: cumulative, 1 at the last bucket)
+    and comm[c, j] (bucket j's all-reduce seconds) over buckets in ready order; a padded bucket (NaN share) is
+    skipped. Pure and vectorised."""
     fwd = t1 * (1.0 - BACKWARD_SHARE)
-    share = np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
     end = np.zeros_like(t1)
     slow = 1.0 + kappa
-    for j in range(len(buckets)):
-        ready = fwd + (t1 - fwd) * share[j]
+    for j in range(share.shape[1]):
+        valid = np.isfinite(share[:, j])
+        ready = fwd + (t1 - fwd) * np.nan_to_num(share[:, j])
         start = np.maximum(ready, end)
         d = comm[:, j]
         # inside the backward the all-reduce runs `slow` times slower; the rest of it after t1 at full speed
         inside = np.clip((t1 - start) / slow, 0.0, d)
-        end = np.where(start < t1, start + inside * slow + (d - inside), start + d)
+        done = np.where(start < t1, start + inside * slow + (d - inside), start + d)
+        end = np.where(valid, done, end)
     device = np.where(multi, np.maximum(t1, end) + o, t1)
     host = np.where(multi, floor + host_s, 0.0)
     iter_s = np.where(multi, (device ** HOST_K + host ** HOST_K) ** (1.0 / HOST_K), device)
-    return {"iter_s": iter_s, "compute_s": t1, "comm_s": np.where(multi, end - np.minimum(end, fwd), 0.0),
+    return {"iter_s": iter_s, "compute_s": t1, "comm_s": np.where(multi, np.maximum(end - fwd, 0.0), 0.0),
             "exposed_s": iter_s - t1}
+
+
+def shares(buckets) -> np.ndarray:
+    """Cumulative share of the gradient bytes ready as each bucket (in ready order) completes."""
+    buckets = np.asarray(buckets, dtype=float)
+    return np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
 
 
 def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: str, b: float, layouts,
@@ -359,8 +380,8 @@ def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: 
     comm = bucket_comm(params.collectives, buckets, layouts, intra, inter)
     lc = [params.link(sync_link(l, intra, inter)) for l in layouts]
     host = params.host(gpu).seconds(len(buckets), tensors)
-    r = simulate(t1, floor, buckets, comm, np.array([c.kappa for c in lc]), np.array([c.o for c in lc]),
-                 np.full(n, host), multi)
+    r = simulate(t1, floor, np.tile(shares(buckets), (n, 1)), comm, np.array([c.kappa for c in lc]),
+                 np.array([c.o for c in lc]), np.full(n, host), multi)
     r["samples_per_s"] = G * b / r["iter_s"]
     return r
 
@@ -398,30 +419,31 @@ def _weights(rows: list[dict]) -> np.ndarray:
 
 def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str, str], Ladder],
                multi_rows: list[dict], calibrated: dict[str, HostCost] | None = None) -> Params:
-    """Host and link constants from the multi-GPU step rows whose (profile, GPU) has a ladder (bounded soft-L1
-    least squares of log step time, one vote per owner, each constant pulled to 0); a host class with a
-    calibration keeps it. Returns the Params with held-out residuals by basis."""
+    """Host and link constants from the multi-GPU step rows whose (profile, GPU) has a ladder: bounded soft-L1
+    least squares of log step time, one vote per owner, each constant pulled to 0; a host class with a calibration
+    keeps it. The parameter count is fixed by the links and GPU types (never by profiles or rows), and one pass of
+    the model over all rows is one vectorised `simulate`. A numerical failure keeps the defaults (`converged`
+    False). Returns the Params with held-out residuals by basis."""
     calibrated = dict(calibrated or {})
     rows = [r for r in multi_rows if (r["profile"], r["gpu"]) in ladders and r["profile"] in profiles]
+    link_of = [sync_link(r["layout"], r["intra_link"], r.get("inter_link")) for r in rows]
+    link_rows = {l: link_of.count(l) for l in sorted(set(link_of))}
+    host_rows = {g: sum(1 for r in rows if r["gpu"] == g) for g in sorted({r["gpu"] for r in rows})}
     names: list[tuple[str, str]] = []
-    link_rows: dict[str, int] = {}
-    host_rows: dict[str, int] = {}
-    for r in rows:
-        link = sync_link(r["layout"], r["intra_link"], r.get("inter_link"))
-        link_rows[link] = link_rows.get(link, 0) + 1
-        host_rows[r["gpu"]] = host_rows.get(r["gpu"], 0) + 1
-    for link, n in sorted(link_rows.items()):
+    for link, n in link_rows.items():
         if n >= MIN_ROWS_PER_PARAM * 2:
             names += [("kappa", link), ("o", link)]
-    for gpu, n in sorted(host_rows.items()):
+    for gpu, n in host_rows.items():
         if gpu not in calibrated and n >= MIN_ROWS_PER_PARAM * 3:
             names += [("c_step", gpu), ("c_bucket", gpu), ("c_tensor", gpu)]
-    prepared = [_prepare(r, profiles[r["profile"]], ladders[(r["profile"], r["gpu"])], collectives) for r in rows]
+    X = _design(rows, profiles, ladders, collectives)
+    converged = True
 
     def build(x) -> tuple[dict, dict]:
-        val = {n: v * SCALE[n[0]] for n, v in zip(names, x)}
+        val = {n: float(v) * SCALE[n[0]] for n, v in zip(names, x)}
         hosts = {g: HostCost(val.get(("c_step", g), 0.0), val.get(("c_bucket", g), 0.0),
-                             val.get(("c_tensor", g), 0.0), "fitted") for g in host_rows}
+                             val.get(("c_tensor", g), 0.0), "fitted" if ("c_step", g) in val else "default")
+                 for g in host_rows}
         hosts.update(calibrated)
         links = {l: LinkCost(val.get(("kappa", l), 0.0), val.get(("o", l), 0.0),
                              "fitted" if ("kappa", l) in val else "default") for l in link_rows}
@@ -429,46 +451,62 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
 
     def predict_all(x) -> np.ndarray:
         hosts, links = build(x)
-        out = np.empty(len(prepared))
-        for i, p in enumerate(prepared):
-            lc, hc = links[p["link"]], hosts.get(p["gpu"], HostCost())
-            out[i] = simulate(p["t1"], p["floor"], p["buckets"], p["comm"], np.array([lc.kappa]), np.array([lc.o]),
-                              np.array([hc.seconds(p["nb"], p["nt"])]), np.array([True]))["iter_s"][0]
-        return out
+        lc = [links[l] for l in link_of]
+        hc = [hosts.get(r["gpu"], HostCost()) for r in rows]
+        host_s = np.array([h.seconds(nb, nt) for h, nb, nt in zip(hc, X["nb"], X["nt"])])
+        return simulate(X["t1"], X["floor"], X["share"], X["comm"], np.array([c.kappa for c in lc]),
+                        np.array([c.o for c in lc]), host_s, np.ones(len(rows), dtype=bool))["iter_s"]
 
     y = np.log([r["iter_s"] for r in rows]) if rows else np.zeros(0)
-    w = _weights(rows) if rows else np.zeros(0)
-    if names and len(rows):
+    x = np.zeros(len(names))
+    if names:
         lo = [BOUNDS[n[0]][0] / SCALE[n[0]] for n in names]
         hi = [BOUNDS[n[0]][1] / SCALE[n[0]] for n in names]
         ridge = math.sqrt(RIDGE_ROWS) * F_SCALE
-        sw = np.sqrt(w)
+        sw = np.sqrt(_weights(rows))
 
-        def resid(x):
-            return np.concatenate([sw * (np.log(predict_all(x)) - y), ridge * np.asarray(x) / np.asarray(hi)])
+        def resid(v):
+            return np.concatenate([sw * (np.log(predict_all(v)) - y), ridge * np.asarray(v) / np.asarray(hi)])
         x0 = 0.1 * np.asarray(hi)   # inside the bounds: at 0 the host path is below the device's, flat
-        res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=F_SCALE, max_nfev=200)
-        x = res.x if res.success and np.all(np.isfinite(res.x)) else x0
-    else:
-        x = np.zeros(len(names))
+        try:
+            res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=F_SCALE, max_nfev=200)
+            converged = bool(res.success) and bool(np.all(np.isfinite(res.x)))
+            x = res.x
+        except (np.linalg.LinAlgError, ValueError, FloatingPointError):
+            converged = False
+        if not converged:       # the defaults (the no-fit reference's constants) stand, and say so
+            names, x = [], np.zeros(0)
     hosts, links = build(x)
     residuals: dict[str, list[float]] = {}
+    by_pair: dict[tuple[str, str], list[float]] = {k: [] for k in ladders}
     if rows:
-        pred = predict_all(x)
-        for r, p, t in zip(rows, prepared, pred):
+        for r, t in zip(rows, predict_all(x)):
             basis = "calibrated" if hosts.get(r["gpu"], HostCost()).basis == "calibrated" else "observed"
             residuals.setdefault(basis, []).append(float(math.log(r["iter_s"] / t)))
+            by_pair[(r["profile"], r["gpu"])].append(float(math.log(r["iter_s"] / t)))
     residuals["measured"] = _ladder_residuals(ladders)
-    return Params(ladders=dict(ladders), collectives=collectives, hosts=hosts, links=links, residuals=residuals)
+    return Params(ladders=dict(ladders), collectives=collectives, hosts=hosts, links=links, residuals=residuals,
+                  converged=converged,
+                  pair_rmse={k: float(np.sqrt(np.mean(np.square(v)))) if v else 0.0 for k, v in by_pair.items()})
 
 
-def _prepare(row: dict, profile, ladder: Ladder, coll: Collectives) -> dict:
-    buckets = np.asarray(profile.buckets_bytes, dtype=float)
-    t1 = float(ladder.at(row["per_gpu_batch"])[0])
-    return {"t1": np.array([t1]), "floor": np.array([min(ladder.floor, t1)]), "buckets": buckets,
-            "comm": bucket_comm(coll, buckets, [row["layout"]], row["intra_link"], row.get("inter_link")),
-            "nb": len(buckets), "nt": len(profile.tensors), "gpu": row["gpu"],
-            "link": sync_link(row["layout"], row["intra_link"], row.get("inter_link"))}
+def _design(rows: list[dict], profiles: dict, ladders: dict, coll: Collectives) -> dict:
+    """What `simulate` reads of each row that no constant changes: T1, the floor, the buckets' ready shares and
+    all-reduce seconds (padded with NaN shares to the most buckets), bucket and tensor counts."""
+    n = len(rows)
+    width = max((len(profiles[r["profile"]].buckets_bytes) for r in rows), default=1)
+    share, comm = np.full((n, width), np.nan), np.zeros((n, width))
+    t1, floor, nb, nt = np.zeros(n), np.zeros(n), [], []
+    for i, r in enumerate(rows):
+        p, lad = profiles[r["profile"]], ladders[(r["profile"], r["gpu"])]
+        buckets = np.asarray(p.buckets_bytes, dtype=float)
+        t1[i] = float(lad.at(r["per_gpu_batch"])[0])
+        floor[i] = min(lad.floor, t1[i])
+        share[i, :len(buckets)] = shares(buckets)
+        comm[i, :len(buckets)] = bucket_comm(coll, buckets, [r["layout"]], r["intra_link"], r.get("inter_link"))[0]
+        nb.append(len(buckets))
+        nt.append(len(p.tensors))
+    return {"t1": t1, "floor": floor, "share": share, "comm": comm, "nb": nb, "nt": nt}
 
 
 def _ladder_residuals(ladders: dict[tuple[str, str], Ladder]) -> list[float]:

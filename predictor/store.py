@@ -7,7 +7,7 @@ Tables (explicit schema, created by named migrations recorded in `migrations`):
                   newest rows, age and bytes a `DecisionRetention` allows (meta `decision_bytes` counts them)
     link_fits     per-link statistics of the last fitted communication model
     meta          `generation`: bumped by every write that changes what the models are fitted on
-    models        the fitted models (`version` = the generation fitted on, a pickled blob), newest few only;
+    models        the fitted models (`version` = the generation fitted on, a JSON document), newest few only;
                   written by the one process that holds the fit lock, read by every worker (predictor.service)
     fit_failures  the fits that failed (`version`, error text), newest few only, so every worker can say why
 
@@ -133,6 +133,12 @@ def profile_summary(body: dict) -> dict:
             "source": str(body.get("source", "api")) if isinstance(body, dict) else "api"}
 
 
+def _m0010_models_json(db: sqlite_utils.Database) -> None:
+    """Stored models are JSON documents now (predictor.service.FittedModel.blob): an older release's pickles are
+    deleted, never unpickled; the fitter fits the stored history again."""
+    db.execute("DELETE FROM models WHERE substr(blob, 1, 1) != X'7B'")   # not '{'
+
+
 WRITE_KEY_TTL_S = 24 * 3600.0  # a retry comes within seconds; a day bounds the table
 
 
@@ -153,6 +159,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0007_profile_owners", _m0007_profile_owners),
     ("0008_job_claims", _m0008_job_claims),
     ("0009_profile_summaries", _m0009_profile_summaries),
+    ("0010_models_json", _m0010_models_json),
 ]
 WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
 WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this long after a release (_begin_immediate)

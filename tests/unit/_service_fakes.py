@@ -33,6 +33,17 @@ class FakePredictor:
     def known(self, profile_name, gpu):
         return (profile_name, gpu) in self.known_
 
+    def to_params(self):
+        return {"known": sorted(self.known_), "n_observations": self.n_observations_, "links": self.links_,
+                "settings": [self.compute_per_sample_s, self.comm_per_doubling_s, self.inter_node_s]}
+
+    def load_params(self, doc, profiles):
+        self.known_ = {tuple(k) for k in doc["known"]}
+        self.n_observations_, self.links_ = doc["n_observations"], doc["links"]
+        self.compute_per_sample_s, self.comm_per_doubling_s, self.inter_node_s = doc["settings"]
+        self.profiles_ = dict(profiles)
+        return self
+
     def link_stats(self):
         return [{"link": link, "observations": self.n_observations_} for link in self.links_]
 

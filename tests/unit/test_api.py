@@ -45,7 +45,7 @@ def test_healthz_reports_schema_and_model(client):
     assert body["status"] == "ok"
     assert body["schema"] == ["0001_initial", "0002_link_fits_and_generation", "0003_models", "0004_decision_bytes",
                               "0005_write_keys", "0006_decision_clients", "0007_profile_owners",
-                              "0008_job_claims", "0009_profile_summaries"]
+                              "0008_job_claims", "0009_profile_summaries", "0010_models_json"]
 
 
 @pytest.mark.parametrize("path,payload", [("/v1/profiles", PROFILE), ("/v1/observations", [STEP])])

@@ -1,6 +1,6 @@
 """Cross-type prediction (predictor/crosstype.py) and its use by the engine for pairs never measured."""
 import math
-import pickle
+import json
 
 import numpy as np
 import pytest
@@ -133,9 +133,9 @@ def test_too_little_shared_history_falls_back_to_the_profile():
     assert pred.predict(profiles["vgg16"], "A100", 32, CAND)[0]["basis"] == "profile"
 
 
-def test_cross_type_survives_pickling(cross):
+def test_cross_type_survives_the_json_document(cross):
     pred, profiles = cross
-    again = pickle.loads(pickle.dumps(pred))
+    again = Predictor().load_params(json.loads(json.dumps(pred.to_params())), pred.profiles_)
     assert again.predict(profiles["vgg16"], "A100", 32, CAND) == pred.predict(profiles["vgg16"], "A100", 32, CAND)
 
 
@@ -260,10 +260,10 @@ def test_profile_shape_reads_what_a_profile_knows():
 
 
 def test_gpu_flops_has_one_owner():
-    """throughput.GPU_FLOPS is the vendored datasheet table's figure per type, nothing of its own."""
-    from predictor import throughput
+    """stepmodel.GPU_FLOPS is the vendored datasheet table's figure per type, nothing of its own."""
+    from predictor import stepmodel
     peaks = load_peaks()
-    assert throughput.GPU_FLOPS == {g.lower(): p.train_flops for g, p in peaks.items()}
+    assert stepmodel.GPU_FLOPS == {g.lower(): p.train_flops for g, p in peaks.items()}
     assert peaks["A100"].train_flops == peaks["A100"].tf32_flops and peaks["V100"].train_flops == peaks["V100"].fp32_flops
     for gpu in ("K80", "P100", "V100", "T4", "A10", "A100", "A800", "L40", "H100", "H800", "H200", "B200"):
         assert peaks[gpu].source in (Path(__file__).resolve().parents[2] / "predictor" / "data" / "roofline"

@@ -1,4 +1,7 @@
 """Predictor interface: order, keys, basis, uncertainty, fallbacks, validation errors naming fields."""
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -35,19 +38,23 @@ def test_predict_shape_order_and_observed_basis(fitted):
     out = pred.predict(profiles["resnet50"], "T4", 16, CANDS)
     assert [o["layout"] for o in out] == [c["layout"] for c in CANDS]
     for o in out:
-        assert set(o) == {"layout", "samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty", "basis"}
+        assert set(o) == {"layout", "samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty", "interval",
+                          "basis", "constants"}
+        assert o["interval"][0] < o["samples_per_s"] < o["interval"][1]
         assert o["basis"] in ("observed", "measured (1 rows)") and 0 < o["uncertainty"] < 0.5
         assert o["samples_per_s"] == pytest.approx(sum(o["layout"]) * 16 / o["iter_s"])
 
 
-def test_predicting_a_fitted_row_recovers_it(fitted):
+def test_predicting_a_one_gpu_row_recovers_it_and_multi_gpu_rows_stay_near(fitted):
     pred, profiles, obs = fitted
     steps = [o for o in obs if o["kind"] == "step"]
-    rel = []
+    rel = {True: [], False: []}
     for o in steps:
         c = {"layout": o["layout"], "intra_link": "pcie", "inter_link": "ethernet"}
-        rel.append(pred.predict(profiles[o["profile"]], "T4", o["per_gpu_batch"], [c])[0]["iter_s"] / o["iter_s"] - 1)
-    assert np.median(np.abs(rel)) < 0.05
+        t = pred.predict(profiles[o["profile"]], "T4", o["per_gpu_batch"], [c])[0]["iter_s"]
+        rel[sum(o["layout"]) == 1].append(t / o["iter_s"] - 1)
+    assert np.max(np.abs(rel[True])) < 1e-9       # the ladder is the measured 1-GPU step, one vote a batch
+    assert np.median(np.abs(rel[False])) < 0.25   # 80 ms a multi-node step is past o's bound (20 ms): no more
 
 
 def test_unseen_profile_and_gpu_fall_back_with_larger_uncertainty(fitted):
@@ -61,12 +68,13 @@ def test_unseen_profile_and_gpu_fall_back_with_larger_uncertainty(fitted):
     assert other_gpu[0]["basis"] == "profile" and other_gpu[0]["iter_s"] < seen[0]["iter_s"]
 
 
-def test_unseen_link_uses_prior_with_larger_uncertainty(fitted):
+def test_an_unswept_link_is_its_class_prior_and_says_so(fitted):
     pred, profiles, _ = fitted
     known = pred.predict(profiles["resnet50"], "T4", 16, CANDS[1:2])[0]
     new = pred.predict(profiles["resnet50"], "T4", 16, [{"layout": [2, 2], "intra_link": "pcie",
                                                           "inter_link": "omni-path-x"}])[0]
-    assert new["uncertainty"] > known["uncertainty"]
+    assert known["constants"]["link"] == "fitted" and new["constants"]["link"] == "default"
+    assert new["comm_s"] != known["comm_s"]
 
 
 def test_more_gradient_bytes_never_faster(fitted):
@@ -116,36 +124,19 @@ def test_uncertainty_shrinks_as_step_history_grows(fitted):
     assert few["uncertainty"] > many["uncertainty"]
 
 
-def test_a_shape_other_jobs_found_slow_is_ranked_down_for_a_new_job_and_permutations_tie():
-    rng = np.random.default_rng(3)
-    profiles = {n: profile_from_spec("resnet50") for n in ("a", "b", "c")}
-    obs = []
-    for name, c1 in (("a", 4e-3), ("b", 6e-3), ("c", 5e-3)):
-        for lay in ([1], [2], [4], [1, 1], [2, 2], [4, 4], [1, 1, 1, 1], [1, 3], [1, 3, 3, 3], [1, 1, 3, 3]):
-            if name == "c" and len(lay) == 4 and 3 in lay:
-                continue  # c never ran either four-node shape with 3 GPUs on a node
-            for b in (8, 16, 32):
-                slow = 0.15 if sorted(lay) == [1, 1, 3, 3] else 0.0  # same features as 1333, much slower
-                t = 0.02 + c1 * b + 0.01 * max(lay) * (sum(lay) > 1) + (0.08 + slow) * (len(lay) > 1)
-                obs.append({"kind": "step", "profile": name, "gpu": "T4", "layout": lay, "intra_link": "pcie",
-                            "inter_link": "ethernet", "per_gpu_batch": b,
-                            "iter_s": t * float(np.exp(0.01 * rng.standard_normal()))})
-    pred = Predictor().fit(profiles, obs)
-    cands = [{"layout": lay, "intra_link": "pcie", "inter_link": "ethernet"}
-             for lay in ([1, 1, 3, 3], [3, 1, 3, 1], [3, 3, 3, 1])]
-    out = pred.predict(profiles["c"], "T4", 16, cands)
-    assert out[0]["iter_s"] == out[1]["iter_s"]  # permutations of one shape: one prediction
-    assert out[0]["iter_s"] > 1.1 * out[2]["iter_s"]
+def test_permutations_of_a_layout_are_one_prediction(fitted):
+    pred, profiles, _ = fitted
+    cands = [{"layout": lay, "intra_link": "pcie", "inter_link": "ethernet"} for lay in ([1, 1, 3, 3], [3, 1, 3, 1])]
+    a, b = pred.predict(profiles["resnet50"], "T4", 16, cands)
+    assert a["iter_s"] == b["iter_s"]
 
 
-def test_a_fitted_predictor_pickles_without_its_bases_cache_and_predicts_the_same(fitted):
-    import pickle
-
+def test_a_fitted_predictor_is_a_json_document_that_predicts_the_same(fitted):
     pred, profiles, _ = fitted
     before = pred.predict(profiles["resnet50"], "T4", 16, CANDS)
-    assert pred.__dict__.get("_base_cache")                    # filled by fitting and predicting
-    loaded = pickle.loads(pickle.dumps(pred))
-    assert "_base_cache" not in loaded.__dict__
+    doc = json.loads(json.dumps(pred.to_params()))
+    assert doc["model"]["hosts"]["T4"]["basis"] == "fitted" and doc["model"]["version"]
+    loaded = Predictor().load_params(doc, profiles)
     assert loaded.predict(profiles["resnet50"], "T4", 16, CANDS) == before
     assert loaded.known("resnet50", "T4") and loaded.link_stats() == pred.link_stats()
 
@@ -212,8 +203,9 @@ def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
 
     body = {"source": "launcher", "directives": ["#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64"],
             "job": {"job_id": 5}, "current": {"layout": [4], "per_gpu_batch": 64}}
-    before = planner.plan(planner.parse_request(dict(body)), cluster, Models(rows[:-3]), default_min_efficiency=0.7)
-    after = planner.plan(planner.parse_request(dict(body)), cluster, Models(rows), default_min_efficiency=0.7)
+    asking = dataclasses.replace(planner.parse_request(dict(body)), own_job=5)   # what the API does for the job
+    before = planner.plan(asking, cluster, Models(rows[:-3]), default_min_efficiency=0.7)
+    after = planner.plan(asking, cluster, Models(rows), default_min_efficiency=0.7)
     assert before["layout"] == [4, 4], before           # the history alone said: two nodes pay
     assert after["layout"] != [4, 4], after             # this job measured them: they did not
     two = next(e for e in after["curve"] if e["gpus"] == 8)

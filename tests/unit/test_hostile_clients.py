@@ -2,7 +2,7 @@
 worker draw, hold in memory or write to disk is bounded.
 
 4. Plots: no request draws; a plot is drawn by the worker's background thread, bounded in what it draws.
-5. Memory: the prediction cache and the engine's sync-time cache are bounded in bytes; one request's candidate
+5. Memory: the prediction cache is bounded in bytes, and predictions leave the fitted model as it was; one request's candidate
    layouts are bounded in nodes (413 naming the field).
 6. Disk: /v1/plan stores the validated request, never the raw body; `reused` names decision ids only; the
    decisions are pruned on write to a row, age and byte bound.
@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import pytest
 
-from predictor import engine, plots
+from predictor import plots
 from predictor.cluster import Cluster
 from predictor.engine import Predictor
 from predictor.plotcache import MAX_PENDING, PlotKey, PlotRenderer
@@ -200,20 +200,17 @@ def test_prediction_cache_refuses_an_entry_larger_than_its_budget_and_evicts_lru
     assert cache.get((19,)) == ["v"] and cache.get((0,)) is None
 
 
-def test_the_engine_sync_time_cache_is_bounded_in_bytes(monkeypatch):
+def test_predictions_of_wide_layouts_leave_the_fitted_model_as_it_was():
+    # #24.8: the engine's per-layout sync-time cache grew with every distinct 8 KiB layout key; the step model
+    # keeps no per-request state at all
     profile = Profile.from_dict(PROFILE)
     model = Predictor().fit({"resnet50": profile}, [STEP, COLLECTIVE])
-    fitted = len(model._base_cache)                 # the fit's own step layouts
-    for i in range(200):                       # distinct layouts of one shape: one entry, not 200 of 8 KiB keys
+    before, attributes = json.dumps(model.to_params()), set(vars(model))
+    for i in range(200):
         layout = [4] * 1000
         layout[i] = 1 + i % 3
         model.predict(profile, "H200", 64, [{"layout": layout, "intra_link": "nvlink", "inter_link": "ib"}])
-    assert len(model._base_cache) == fitted + 1
-    monkeypatch.setattr(engine, "BASES_CACHE_BYTES", 64 * engine.BASES_ENTRY_BYTES)
-    model = Predictor().fit({"resnet50": profile}, [STEP, COLLECTIVE])
-    for nodes in range(2, 400):
-        model.predict(profile, "H200", 64, [{"layout": [2] * nodes, "intra_link": "nvlink", "inter_link": "ib"}])
-        assert model._base_cache.bytes <= 64 * engine.BASES_ENTRY_BYTES
+    assert json.dumps(model.to_params()) == before and set(vars(model)) == attributes
 
 
 def test_too_many_layout_nodes_in_one_request_is_413_naming_candidates(app):

@@ -153,7 +153,7 @@ def test_the_wal_is_truncated_after_a_checkpoint(tmp_path):
 
 
 def test_a_fitted_model_keeps_no_tensor_names(client, app):
-    # #24.6: each kept model pickled every profile's tensor names (15 MB a model for one user's 16 MiB)
+    # #24.6: each kept model stored every profile's tensor names (15 MB a model for one user's 16 MiB)
     from predictor.profiles import Profile
     from predictor.service import FittedModel
     named = dict(PROFILE, name="long-names", tensors=[{"name": "w" * 1000 + str(k), "numel": 10 + k,
@@ -165,7 +165,8 @@ def test_a_fitted_model_keeps_no_tensor_names(client, app):
     stored = app.extensions["elastic_predictor"].store.newest_model()
     assert len(stored.blob) < 20_000                          # 200 names of 1000 characters: 200 KB before
     original = Profile.from_dict(named)
-    for fitted in (models.current.profiles["long-names"], FittedModel.from_stored(stored).profiles["long-names"]):
+    loaded = FittedModel.from_stored(stored, models.predictor_factory)
+    for fitted in (models.current.profiles["long-names"], loaded.profiles["long-names"]):
         assert [(t.numel, t.dtype) for t in fitted.tensors] == [(t.numel, t.dtype) for t in original.tensors]
         assert (fitted.n_params, fitted.grad_bytes) == (original.n_params, original.grad_bytes)
 

@@ -6,7 +6,7 @@ which two descriptors of one process contend for just as two processes do.
 """
 from __future__ import annotations
 
-import pickle
+import json
 import signal
 import subprocess
 import sys
@@ -21,7 +21,8 @@ from predictor.app import create_app
 from predictor.config import Config
 from predictor.fitlock import FitLock, fit_lock_path
 from predictor.profiles import Profile
-from predictor.service import MAX_VERSION_WAIT, ModelCache, ModelVersionUnavailable, code_fingerprint
+from predictor.service import (MAX_VERSION_WAIT, MODEL_FORMAT, FittedModel, ModelCache, ModelVersionUnavailable,
+                               code_fingerprint)
 from predictor.store import Store
 from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
 
@@ -33,7 +34,8 @@ PLAN = {"source": "launcher", "directives": ["#ELASTIC model=resnet50 per_gpu_ba
 
 
 class CountingFactory:
-    """A predictor factory that counts the fits it was asked for (one call per fit)."""
+    """A predictor factory that counts the fits its predictors were asked for (`calls`); a predictor built to load a
+    stored model's document is not a fit."""
 
     def __init__(self, fail: bool = False):
         self.fail = fail
@@ -41,9 +43,15 @@ class CountingFactory:
         self._lock = threading.Lock()
 
     def __call__(self):
-        with self._lock:
-            self.calls += 1
-        return FakePredictor(fail=self.fail)
+        factory = self
+
+        class Counted(FakePredictor):
+            def fit(self, profiles, observations):
+                with factory._lock:
+                    factory.calls += 1
+                return super().fit(profiles, observations)
+
+        return Counted(fail=self.fail)
 
 
 def _worker(db: str, factory, **kwargs) -> ModelCache:
@@ -159,7 +167,7 @@ def test_a_request_waits_for_a_load_in_progress_rather_than_answer_from_an_older
 
     def finish_loading():
         time.sleep(0.3)
-        other._swap(FittedModel.from_stored(other.store.newest_model()))
+        other._swap(FittedModel.from_stored(other.store.newest_model(), FakePredictor))
         other._load_lock.release()
     loader = threading.Thread(target=finish_loading)
     loader.start()
@@ -211,8 +219,11 @@ def test_stored_models_are_the_fitted_predictor_and_its_profiles(tmp_path, worke
         assert worker.view(written.generation, WAIT).generation == written.generation
     stored = worker.store.newest_model()
     assert stored.head.version == written.generation
-    state = pickle.loads(stored.blob)
-    assert isinstance(state["predictor"], FakePredictor) and set(state["profiles"]) == {"resnet50"}
+    doc = json.loads(stored.blob)           # a JSON document, never a pickle: reading it runs no code
+    assert doc["format"] == MODEL_FORMAT and set(doc["profiles"]) == {"resnet50"}
+    assert doc["predictor"]["known"] == [["resnet50", STEP["gpu"]]]
+    loaded = FittedModel.from_stored(stored, FakePredictor)
+    assert loaded.predictor.known("resnet50", STEP["gpu"]) and loaded.profiles["resnet50"].grad_bytes > 0
     versions = [row[0] for row in worker.store.db.execute("SELECT version FROM models ORDER BY version")]
     assert versions == [written.generation - 1, written.generation]      # the newest `keep_models` only
 
@@ -222,7 +233,7 @@ def test_a_model_stored_by_other_code_answers_until_the_fitter_fits_it_again(tmp
     _seed(db)
     store = Store(db)
     generation = store.generation()
-    blob = pickle.dumps({"predictor": FakePredictor().fit({}, []), "profiles": {}})
+    blob = FittedModel(FakePredictor().fit({}, []), {}, generation, 1.0, 0.1, "fitted-by-other-code").blob()
     store.put_model(generation, blob, "fitted-by-other-code", 1.0, 0.1)     # e.g. the service was upgraded since
     store.close()
     factory = CountingFactory()

@@ -142,3 +142,18 @@ def test_models_keep_the_newest_and_a_success_clears_older_failures(store):
     assert store.newest_fit_failure()[:2] == (6, "fit failed on generation 6: boom")
     store.put_model(5, b"again", "code", 200.0, 0.1)          # the same version fitted again replaces it
     assert store.newest_model_head() == (5, 200.0, "code") and store.newest_fit_failure().version == 6
+
+
+def test_an_older_releases_pickled_models_are_dropped_by_the_migration_and_json_ones_kept(tmp_path):
+    import pickle
+    db = str(tmp_path / "old.db")
+    store = Store(db)
+    store.migrate()
+    store.put_model(1, pickle.dumps({"predictor": object.__class__}), "old-code", 1.0, 0.1, keep=5)
+    store.put_model(2, b'{"format": "elastic-predictor/model-1"}', "new-code", 2.0, 0.1, keep=5)
+    store.db.execute("DELETE FROM migrations WHERE name = '0010_models_json'")   # as a database of that release
+    store.close()
+    again = Store(db)
+    assert again.migrate() == ["0010_models_json"]          # what the service does when it opens a database
+    assert [row[0] for row in again.db.execute("SELECT version FROM models")] == [2]
+    again.close()
