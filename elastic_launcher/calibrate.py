@@ -14,12 +14,15 @@ script). The job:
    in between with a small bucket cap, so that per-step, per-bucket, per-tensor and per-byte costs separate) is
    timed in `rounds` rounds of a plain window (forward, backward, optimizer step, no DDP) and a DDP window, at
    world 1 (rank 0 alone on a group of one, the others waiting) and at the job's world: `ddp_overhead` rows with
-   the buckets, gradient tensors and bytes of the probe as DDP's reducer built them (`ddp_shape`), `plain_s` and
-   `ddp_s` (median windows, the slowest rank's) and `extra_s` (median over rounds of DDP minus plain);
+   the buckets, gradient tensors and bytes of the probe as DDP's reducer built them (`ddp_shape`, else counted
+   by a communication hook: `hooked_shape`), `plain_s` and `ddp_s` (median windows, the slowest rank's) and
+   `extra_s` (median over rounds of DDP minus plain);
 4. rank 0 posts the rows to the prediction service signed with the job's munge credential (`PredictorClient`,
    as the launcher posts a job's rows; never a bearer token), writes them to `--out` (JSON lines, importable
-   with `elastic-predictor import`) and prints the host constants `predictor.stepmodel.host_cost_from_probes`
-   fits on them. Exit status 0 only when every row was stored.
+   with `elastic-predictor import`) and prints each probe (the service fits the host constants on them:
+   `elastic-predictor model show`). Exit status 0 only when every row was stored.
+
+The job's sbatch script is `slurm_plugin.calibration.job_script`'s.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-__all__ = ["PROBES", "Probe", "agree", "job_script", "measure_probe", "sweep", "sync", "windows"]
+__all__ = ["PROBES", "Probe", "agree", "measure_probe", "sweep", "sync", "windows"]
 
 SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
 CPU_SWEEP_MAX_BYTES = 1 << 26                 # gloo on CPU: up to 64 MiB (a larger one takes seconds)
@@ -132,19 +135,13 @@ class Probe:
                 torch.nn.init.normal_(layer.weight, std=self.width ** -0.5)
         return model.to(device)
 
-    def shape(self) -> tuple[int, int, int]:
-        """(DDP's buckets, gradient tensors, gradient bytes) of the probe, as `predictor.profiles.bucket_sizes`
-        assigns them (DDP's default cap; with a cap of its own DDP has no 1 MiB first bucket, which bucket_sizes
-        always assumes)."""
-        import torch  # noqa: PLC0415
+    def ddp(self, device, group):
+        """A fresh copy of the probe under DDP on `group`, with the probe's bucket cap (DDP's default where None)."""
+        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-        from predictor.profiles import profile_from_module  # noqa: PLC0415
-
-        with torch.device("meta"):
-            model = torch.nn.Sequential(*[torch.nn.Linear(self.width, self.width, bias=False)
-                                          for _ in range(self.layers)])
-        profile = profile_from_module(model, self.name, bucket_cap_mb=self.bucket_cap_mb or 25.0)
-        return len(profile.buckets_bytes), len(profile.tensors), sum(profile.buckets_bytes)
+        cap = {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
+        return DDP(self.build(device), process_group=group, device_ids=[device.index] if device.type == "cuda"
+                   else None, **cap)
 
 
 # many small tensors (host-bound: DDP's per-tensor work), a few large ones (per bucket and per byte: DDP copies
@@ -165,16 +162,37 @@ def _stepper(model, opt, x) -> Callable[[int], None]:
     return run
 
 
-def ddp_shape(ddp_model, probe: Probe) -> tuple[int, int, int]:
+def ddp_shape(ddp_model) -> tuple[int, int, int] | None:
     """(buckets, gradient tensors, gradient bytes) of a DDP model as its reducer holds them now (after its first
-    step: the buckets it rebuilt in gradient-ready order); the probe's assignment by `predictor.profiles` where
-    this torch's reducer does not say."""
+    step: the buckets it rebuilt in gradient-ready order); None where this torch's reducer does not say."""
     try:
         buckets = ddp_model.reducer._get_zeros_like_grad_buckets()
-        return (len(buckets), sum(len(b.parameters()) for b in buckets),
-                sum(b.buffer().numel() * b.buffer().element_size() for b in buckets))
     except (AttributeError, RuntimeError):
-        return probe.shape()
+        return None
+    return (len(buckets), sum(len(b.parameters()) for b in buckets),
+            sum(b.buffer().numel() * b.buffer().element_size() for b in buckets))
+
+
+def hooked_shape(probe: Probe, device, group, steps: int = 3) -> tuple[int, int, int]:
+    """(buckets, gradient tensors, gradient bytes) of the probe under DDP, counted by a communication hook (public
+    API) over the last of `steps` backward passes of a fresh copy: after the first, DDP has rebuilt its buckets."""
+    import torch  # noqa: PLC0415
+
+    model = probe.ddp(device, group)
+    seen: list[tuple[int, int]] = []
+
+    def hook(_state, bucket):
+        seen.append((len(bucket.parameters()), bucket.buffer().numel() * bucket.buffer().element_size()))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, hook)
+    x = torch.randn(probe.batch, probe.width, device=device)
+    for _ in range(steps):
+        seen.clear()
+        model(x).square().mean().backward()
+    return len(seen), sum(t for t, _ in seen), sum(b for _, b in seen)
 
 
 def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s: float, warmup: int = 3) -> dict:
@@ -188,11 +206,8 @@ def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s
     plain_s and ddp_s are the medians of the windows' mean steps, extra_s the median over rounds of DDP minus
     plain (each window the slowest rank's: `agree` over the group)."""
     import torch  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    cap = {} if probe.bucket_cap_mb is None else {"bucket_cap_mb": probe.bucket_cap_mb}
-    ddp_model = DDP(probe.build(device), process_group=group, device_ids=[device.index] if device.type == "cuda"
-                    else None, **cap)
+    ddp_model = probe.ddp(device, group)
     x = torch.randn(probe.batch, probe.width, device=device)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=1e-4)
     run_plain = _stepper(ddp_model.module, opt, x)
@@ -209,7 +224,7 @@ def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s
     for _ in range(rounds):
         plain_w.append(agree(windows(run_plain, device, est["plain"], window_s, 1)[0], device, group))
         ddp_w.append(agree(windows(run_ddp, device, est["ddp"], window_s, 1)[0], device, group))
-    buckets, tensors, nbytes = ddp_shape(ddp_model, probe)
+    buckets, tensors, nbytes = ddp_shape(ddp_model) or hooked_shape(probe, device, group)
     return {"kind": "ddp_overhead", "world": world, "probe": probe.name, "buckets": buckets, "tensors": tensors,
             "bytes": nbytes,
             "plain_s": statistics.median(plain_w), "ddp_s": statistics.median(ddp_w),
@@ -319,7 +334,6 @@ def report(rows: list[dict], args, job: Optional[str], layout, links, wall_s: fl
     """Rank 0: write the rows, post them signed for the job, print what they say; 0 when all were stored."""
     from elastic_launcher.observations import postable  # noqa: PLC0415
     from elastic_launcher.reporting import PredictorClient  # noqa: PLC0415
-    from predictor.stepmodel import host_cost_from_probes  # noqa: PLC0415
 
     kept, refused = postable(rows)
     if args.out:
@@ -335,9 +349,6 @@ def report(rows: list[dict], args, job: Optional[str], layout, links, wall_s: fl
               f"MiB {r['bytes'] / 2**20:5.1f}  "
               f"plain {r['plain_s'] * 1e3:8.2f} ms  ddp {r['ddp_s'] * 1e3:8.2f} ms  extra {r['extra_s'] * 1e3:7.2f} ms",
               flush=True)
-    for gpu, cost in host_cost_from_probes(probes).items():
-        print(f"  host {gpu}: c_step {cost.c_step * 1e3:.3f} ms  c_bucket {cost.c_bucket * 1e6:.1f} us  "
-              f"c_tensor {cost.c_tensor * 1e6:.2f} us (stepmodel.host_cost_from_probes, bounded)", flush=True)
     for why in refused:
         print(f"calibrate: not posted: {why}", file=sys.stderr, flush=True)
     if not args.predictor:
@@ -361,50 +372,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def job_script(predictor: Optional[str], nodes: int, ranks_per_node: int, gpus_per_node: int,
-               python: str = sys.executable, partition: Optional[str] = None, time_limit: str = "00:10:00",
-               output: str = "elastic-calibrate-%j.out", out: Optional[str] = "elastic-calibrate-%j.jsonl",
-               sweep_budget_s: float = 12.0, rounds: int = 7, window_s: float = 0.15,
-               extra_sbatch: Sequence[str] = ()) -> str:
-    """The calibration job's sbatch script (see the module docstring): `nodes` nodes of `ranks_per_node` ranks,
-    one GPU each where `gpus_per_node` > 0, else CPU ranks with gloo."""
-    import shlex  # noqa: PLC0415
-
-    lines = ["#!/bin/bash",
-             "# elastic-predictor calibrate: all-reduce sweeps per link and DDP's host overhead (probe models",
-             "# with and without DDP, at 1 and all ranks), posted to the prediction service signed for this job.",
-             "#SBATCH --job-name=elastic-calibrate", f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks-per-node={ranks_per_node}", f"#SBATCH --time={time_limit}",
-             f"#SBATCH --output={output}"]
-    if gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    if partition:
-        lines.append(f"#SBATCH --partition={partition}")
-    lines += [f"#SBATCH {a}" for a in extra_sbatch]
-    py = shlex.quote(python)
-    argv = ["-m", "elastic_launcher.calibrate", "--device", "auto" if gpus_per_node else "cpu",
-            "--sweep-budget-s", f"{sweep_budget_s:g}", "--rounds", str(rounds), "--window-s", f"{window_s:g}"]
-    if predictor:
-        argv += ["--predictor", predictor]
-    if out:
-        argv += ["--out", out.replace("%j", "${SLURM_JOB_ID}")]
-    lines += ["set -eu",
-              'export MASTER_ADDR="$(hostname)"',
-              f'export MASTER_PORT="$({py} -m elastic_launcher.calibrate --free-port)"',
-              f"srun --kill-on-bad-exit=1 {py} " + " ".join(map(_quote_keep_var, argv)),
-              ""]
-    return "\n".join(lines)
-
-
-def _quote_keep_var(arg: str) -> str:
-    """Shell-quote `arg`, leaving `${SLURM_JOB_ID}` to expand."""
-    import shlex  # noqa: PLC0415
-
-    if "${SLURM_JOB_ID}" in arg:
-        return '"' + arg.replace('"', '\\"') + '"'
-    return shlex.quote(arg)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

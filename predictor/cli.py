@@ -576,7 +576,7 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
 
     Example: elastic-predictor calibrate --predictor http://predictor:8470 --nodes 2 --gpus-per-node 2 --submit
     """
-    from elastic_launcher.calibrate import job_script  # noqa: PLC0415
+    from slurm_plugin.calibration import job_script  # noqa: PLC0415
 
     script = job_script(predictor_url, nodes, ranks_per_node or gpus_per_node or 1, gpus_per_node, python=python,
                         partition=partition, time_limit=time_limit, output=output, out=rows_file or None,

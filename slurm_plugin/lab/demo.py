@@ -246,7 +246,7 @@ class Demo:
     def calibrate_cluster(self, timeout_s: float = 300.0) -> None:
         """The site's calibration job on 2 of the lab's nodes (`elastic-predictor calibrate`, shortened: a 4 s
         sweep, 3 rounds of 0.1 s windows), waited for; its rows go to the service signed for the job."""
-        from elastic_launcher.calibrate import job_script  # noqa: PLC0415
+        from slurm_plugin.calibration import job_script  # noqa: PLC0415
         from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
         shutil.rmtree(self.work, ignore_errors=True)     # the demo's own directory: no records of an older run

@@ -21,6 +21,7 @@ from predictor.config import Config
 from slurm_plugin.lab.demo_follow import ENDED
 from slurm_plugin.lab.demo_services import PredictorService
 from tests.unit._service_fakes import FakePredictor
+from tests.unit.test_calibrate import profile_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +89,7 @@ def test_calibration_job_posts_sweeps_and_probe_rows_signed_for_itself(testbed, 
     for row in probes:
         probe = next(p for p in PROBES if p.name == row["probe"])
         if probe.bucket_cap_mb is None:     # DDP's default cap: as predictor.profiles assigns the buckets
-            assert (row["buckets"], row["tensors"], row["bytes"]) == probe.shape(), row
+            assert (row["buckets"], row["tensors"], row["bytes"]) == profile_shape(probe), row
         else:                               # a cap below every tensor: a bucket a tensor
             assert row["buckets"] == row["tensors"] == probe.layers, row
         assert -row["plain_s"] <= row["extra_s"] <= row["ddp_s"], row
