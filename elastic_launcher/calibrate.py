@@ -201,8 +201,8 @@ def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s
 
     Both steps train the same parameters with the same optimizer: the plain step calls the wrapped module itself
     (DDP's reducer then expects no gradients and its hooks return at once, as under `no_sync()`), so the two
-    differ by what DDP does and nothing else (two copies of a model land in different memory: on this lab's CPU
-    the first-built copy's 256 KiB tensors stepped 2-5x slower than the second's, an allocator artefact).
+    differ by what DDP does, not by where two copies' memory lies (two copies stepped at different speeds on
+    the lab's CPU).
     plain_s and ddp_s are the medians of the windows' mean steps, extra_s the median over rounds of DDP minus
     plain (each window the slowest rank's: `agree` over the group)."""
     import torch  # noqa: PLC0415
