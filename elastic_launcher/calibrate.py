@@ -35,8 +35,9 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from slurm_plugin.calibration import ROUNDS, SWEEP_BUDGET_S, WINDOW_S
 
 __all__ = ["PROBES", "Probe", "agree", "measure_probe", "sweep", "sync", "windows"]
 
@@ -380,9 +381,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--predictor", default=None, help="the prediction service's URL (rows are posted there)")
     ap.add_argument("--out", default=None, help="also write the rows to this JSON lines file (rank 0)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--sweep-budget-s", type=float, default=12.0, help="seconds of each link's sweep")
-    ap.add_argument("--rounds", type=int, default=7, help="rounds of (plain, DDP) windows per probe and world")
-    ap.add_argument("--window-s", type=float, default=0.15, help="target length of one timing window")
+    ap.add_argument("--sweep-budget-s", type=float, default=SWEEP_BUDGET_S, help="seconds of each link's sweep")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of (plain, DDP) windows per probe and world")
+    ap.add_argument("--window-s", type=float, default=WINDOW_S, help="target length of one timing window")
     ap.add_argument("--timeout-s", type=float, default=20.0, help="limit of one post to the service")
     ap.add_argument("--free-port", action="store_true", help="print a free TCP port and exit (the job script's)")
     args = ap.parse_args(argv)

@@ -19,6 +19,7 @@ from predictor.cli_support import open_store as _open_store  # and by tests/unit
 from predictor.cli_support import require_db
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
+from slurm_plugin import calibration as _calibration
 from slurm_plugin.contracts.records import layout_name
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -544,11 +545,11 @@ def decisions(db, limit):
               help="where rank 0 also writes the rows (JSON lines, for `elastic-predictor import`); '' for none")
 @click.option("--python", "python", default=sys.executable, show_default=True,
               help="interpreter on the nodes with this package and torch")
-@click.option("--sweep-budget-s", default=12.0, show_default=True, type=click.FloatRange(1, 300),
+@click.option("--sweep-budget-s", default=_calibration.SWEEP_BUDGET_S, show_default=True, type=click.FloatRange(1, 300),
               help="seconds of each link's all-reduce sweep")
-@click.option("--rounds", default=7, show_default=True, type=click.IntRange(1, 50),
+@click.option("--rounds", default=_calibration.ROUNDS, show_default=True, type=click.IntRange(1, 50),
               help="rounds of (plain, DDP) timing windows per probe and world size")
-@click.option("--window-s", default=0.15, show_default=True, type=click.FloatRange(0.01, 10),
+@click.option("--window-s", default=_calibration.WINDOW_S, show_default=True, type=click.FloatRange(0.01, 10),
               help="target seconds of one timing window")
 @click.option("--sbatch", "extra_sbatch", multiple=True, metavar="OPTION",
               help="another #SBATCH line for the script, e.g. --sbatch=--account=ops (repeatable)")
@@ -576,9 +577,7 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
 
     Example: elastic-predictor calibrate --predictor http://predictor:8470 --nodes 2 --gpus-per-node 2 --submit
     """
-    from slurm_plugin.calibration import job_script  # noqa: PLC0415
-
-    script = job_script(predictor_url, nodes, ranks_per_node or gpus_per_node or 1, gpus_per_node, python=python,
+    script = _calibration.job_script(predictor_url, nodes, ranks_per_node or gpus_per_node or 1, gpus_per_node, python=python,
                         partition=partition, time_limit=time_limit, output=output, out=rows_file or None,
                         sweep_budget_s=sweep_budget_s, rounds=rounds, window_s=window_s, extra_sbatch=extra_sbatch)
     if out_file:

@@ -10,11 +10,15 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
+# The job's defaults (the CLI's and `python -m elastic_launcher.calibrate`'s): about a minute in all
+SWEEP_BUDGET_S = 12.0     # seconds of each link's all-reduce sweep
+ROUNDS = 7                # rounds of (plain, DDP) timing windows per probe and world size
+WINDOW_S = 0.15           # target seconds of one timing window
 
 def job_script(predictor: Optional[str], nodes: int, ranks_per_node: int, gpus_per_node: int,
                python: str = sys.executable, partition: Optional[str] = None, time_limit: str = "00:10:00",
                output: str = "elastic-calibrate-%j.out", out: Optional[str] = "elastic-calibrate-%j.jsonl",
-               sweep_budget_s: float = 12.0, rounds: int = 7, window_s: float = 0.15,
+               sweep_budget_s: float = SWEEP_BUDGET_S, rounds: int = ROUNDS, window_s: float = WINDOW_S,
                extra_sbatch: Sequence[str] = ()) -> str:
     """The calibration job's sbatch script (see the module docstring): `nodes` nodes of `ranks_per_node` ranks,
     one GPU each where `gpus_per_node` > 0, else CPU ranks with gloo."""
