@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
+from elastic_launcher.calibrate import agree, sweep, windows  # noqa: E402  (the calibration job's)
 from elastic_launcher.links import HostFacts, links_for, nccl_transports  # noqa: E402
 from gpu_common import build, pin_cpus, sync  # noqa: E402
 from predictor.profiles import profile_from_module  # noqa: E402
@@ -83,7 +84,6 @@ FRESH4 = {
 }
 SETS = {"dev": MODELS, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3, "fresh4": FRESH4}
 CPU_MODELS = {"mlp": (16, 32, 64), "tiny": (8, 16)}
-SWEEP_BYTES = [2**k for k in range(12, 29)]  # 4 KiB .. 256 MiB
 
 
 def gpu_name(device) -> str:
@@ -95,54 +95,6 @@ def gpu_name(device) -> str:
         if token[:1] in "HABLVTK" and any(c.isdigit() for c in token) and len(token) <= 6:
             return token.upper()
     return full
-
-
-def agree(x: float, device) -> float:
-    """The largest of every rank's x (ranks must run the same number of collectives and steps)."""
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def windows(run_steps, device, est_s: float, target_s: float, n_windows: int) -> list[float]:
-    """Mean seconds per step of `n_windows` windows, each long enough for ~target_s (2..30 steps), one sync each."""
-    n = max(2, min(30, math.ceil(target_s / max(est_s, 1e-4))))
-    out = []
-    for _ in range(n_windows):
-        sync(device)
-        t0 = time.perf_counter()
-        run_steps(n)
-        sync(device)
-        out.append((time.perf_counter() - t0) / n)
-    return out
-
-
-def sweep(device, world: int, link: str, budget_s: float, emit) -> None:
-    """All-reduce seconds per size on this transport: two windows per size, ~0.15 s each (2..50 ops)."""
-    deadline = time.monotonic() + budget_s
-    for nbytes in SWEEP_BYTES:
-        if agree(float(time.monotonic() > deadline), device):
-            break
-        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        for _ in range(3):
-            dist.all_reduce(t)
-        sync(device)
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        sync(device)
-        est = agree(time.perf_counter() - t0, device)
-        n = max(2, min(50, math.ceil(0.15 / max(est, 1e-6))))
-        for rep in range(2):
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                dist.all_reduce(t)
-            sync(device)
-            emit({"kind": "collective", "link": link, "op": "allreduce", "world": world, "bytes": nbytes,
-                  "seconds": (time.perf_counter() - t0) / n, "rep": rep, "n_ops": n})
-        del t
 
 
 def solo_copy(name: str, device, batches, rank: int):

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from elastic_launcher.calibrate import sync  # noqa: E402 F401 - the benches' and the calibration job's one sync
 SCRIPT = os.path.join(ROOT, "bench", "gpu_transition.py")
 STORE_TIMEOUT = timedelta(seconds=100)
 
@@ -132,11 +134,6 @@ def local_warmup(model, opt, make_batch, loss_fn, b: int, device) -> None:
         loss_fn(model, make_batch(b)).backward()
     model.zero_grad(set_to_none=True)
     sync(device)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Synthetic(torch.utils.data.Dataset):

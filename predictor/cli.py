@@ -19,6 +19,7 @@ from predictor.cli_support import open_store as _open_store  # and by tests/unit
 from predictor.cli_support import require_db
 from predictor.config import Config
 from predictor.errors import NotFoundError, ValidationError
+from slurm_plugin import calibration as _calibration
 from slurm_plugin.contracts.records import layout_name
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -560,6 +561,77 @@ def decisions(db, limit):
     store.close()
     click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),
                              ("model", "model", "s"), ("reason", "reason", "s")]))
+
+@main.command()
+@click.option("--predictor", "predictor_url", required=True, metavar="URL",
+              help="the prediction service the job posts its rows to (as the launcher's --predictor)")
+@click.option("--nodes", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="nodes of the allocation: 2 also sweeps the inter-node link")
+@click.option("--gpus-per-node", default=2, show_default=True, type=click.IntRange(0, 64),
+              help="GPUs a node (one rank each, NCCL); 0: CPU ranks with gloo")
+@click.option("--ranks-per-node", default=None, type=click.IntRange(1, 64),
+              help="ranks a node (default: --gpus-per-node, 1 without GPUs); 2 on a node sweeps its intra-node link")
+@click.option("--partition", default=None, help="partition to calibrate (its nodes' GPU type and links)")
+@click.option("--time", "time_limit", default="00:10:00", show_default=True, help="the job's time limit")
+@click.option("--output", default="elastic-calibrate-%j.out", show_default=True, help="the job's log (sbatch --output)")
+@click.option("--rows", "rows_file", default="elastic-calibrate-%j.jsonl", show_default=True,
+              help="where rank 0 also writes the rows (JSON lines, for `elastic-predictor import`); '' for none")
+@click.option("--python", "python", default=sys.executable, show_default=True,
+              help="interpreter on the nodes with this package and torch")
+@click.option("--sweep-budget-s", default=_calibration.SWEEP_BUDGET_S, show_default=True, type=click.FloatRange(1, 300),
+              help="seconds of each link's all-reduce sweep")
+@click.option("--rounds", default=_calibration.ROUNDS, show_default=True, type=click.IntRange(1, 50),
+              help="rounds of (plain, DDP) timing windows per probe and world size")
+@click.option("--window-s", default=_calibration.WINDOW_S, show_default=True, type=click.FloatRange(0.01, 10),
+              help="target seconds of one timing window")
+@click.option("--sbatch", "extra_sbatch", multiple=True, metavar="OPTION",
+              help="another #SBATCH line for the script, e.g. --sbatch=--account=ops (repeatable)")
+@click.option("--out", "out_file", default=None, type=click.Path(dir_okay=False, writable=True),
+              help="write the script to this file (default: print it)")
+@click.option("--submit", is_flag=True, help="submit it with sbatch (the environment goes with it, as sbatch's "
+                                             "--export=ALL) and print the job id")
+def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, time_limit, output, rows_file,
+              python, sweep_budget_s, rounds, window_s, extra_sbatch, out_file, submit):
+    """The calibration job: what this cluster's links and hosts cost DDP, measured in about a minute.
+
+    Writes (or, with --submit, submits) an sbatch script that runs `python -m elastic_launcher.calibrate` on
+    every rank of 1-2 nodes (one rank a GPU; CPU ranks with gloo without GPUs). The job measures:
+
+    \b
+    - the all-reduce sweep of each link of the allocation at 2 ranks (4 KiB up, within --sweep-budget-s),
+      labelled with the link the launcher detects: `collective` rows;
+    - DDP's host overhead: three probe models (400 tensors of 1k elements, 4 of 4M, 40 of 64k with a bucket a
+      tensor) timed with DDP and without, at 1 rank and at all ranks: `ddp_overhead` rows (buckets,
+      tensors, plain_s, ddp_s, extra_s), which the step model fits its per-step, per-bucket and per-tensor
+      host constants on.
+
+    The rows are posted signed with the job's munge credential (the service needs ELASTIC_PREDICTOR_MUNGE=1)
+    and written to --rows. Run it once per partition (GPU type), and again after a driver, NCCL or torch change.
+
+    Example: elastic-predictor calibrate --predictor http://predictor:8470 --nodes 2 --gpus-per-node 2 --submit
+    """
+    script = _calibration.job_script(predictor_url, nodes, ranks_per_node or gpus_per_node or 1, gpus_per_node, python=python,
+                        partition=partition, time_limit=time_limit, output=output, out=rows_file or None,
+                        sweep_budget_s=sweep_budget_s, rounds=rounds, window_s=window_s, extra_sbatch=extra_sbatch)
+    if out_file:
+        pathlib.Path(out_file).write_text(script)
+        click.echo(f"wrote {out_file}", err=True)
+    elif not submit:
+        click.echo(script, nl=False)
+    if submit:
+        import os  # noqa: PLC0415
+
+        from slurm_plugin.client import CommandBackend  # noqa: PLC0415
+        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+
+        try:
+            sub = CommandBackend(env=dict(os.environ)).sbatch(script)
+        except SlurmError as exc:
+            raise click.ClickException(f"sbatch refused the calibration job: {exc}") from None
+        for line in sub.stderr.splitlines():
+            click.echo(line, err=True)
+        click.echo(sub.job_id)
+
 
 for _command in _ADMIN_COMMANDS:    # issue 7: models, links, plot (predictor/admin_cli.py)
     main.add_command(_command)

@@ -9,14 +9,16 @@ A munge credential binds a request to one job and its owner; this binds each rec
     layout     a step record's layout fits the job's allocation: at most the most nodes the job has held (over
                all sizes of a resized job), at most its GPUs per node (`--gres=gpu:N`, else its partition's
                node size in the cluster model, else all its GPUs) on each, at most its GPUs in all.
-    world      a collective record's ranks are at most the job's GPUs (its CPUs for a job without GPUs);
-    nodes      and its nodes at most the job's nodes.
+    world      a collective or ddp_overhead record's ranks are at most the job's GPUs (its CPUs for a job without
+               GPUs);
+    nodes      and a collective's nodes at most the job's nodes.
     links      a record's links (`link`, `intra_link`, `inter_link`) are ones the job could have crossed: its
                partition's intra- and inter-node links in the cluster model, or a transport any host falls back
                to (`shm`, `socket`, `loopback`); a job without GPUs only the latter (#24.11).
     timestamp_s  within the job's run window: from its start to its end (now while it runs), `SLACK` either side
                (clock skew between hosts, a window measured just before the end).
-    iter_s     the job's step rows, each at least one step of `iter_s`, claim in all (over every post) at most
+    iter_s     the job's step rows, each at least one step of `iter_s` (a ddp_overhead row: one plain and one DDP
+               step of its probe), claim in all (over every post) at most
                the seconds it ran, `SLACK` added (`run_seconds`; the store keeps the sum, #24.1: a job of one
                second posted 20 rows of 0.5 s steps).
 
@@ -108,7 +110,7 @@ def _check_collective(record: dict, where: str, job) -> None:
         what = "GPUs" if job.max_gpus else "CPUs"
         raise RecordMismatch(f"{where}.world", f"{record['world']} ranks, job {job.job_id} has held at most "
                                                f"{ranks} {what}")
-    if record.get("nodes", 1) > job.max_nodes:
+    if record.get("nodes", 1) > job.max_nodes:   # only a collective row has `nodes`
         raise RecordMismatch(f"{where}.nodes", f"{record['nodes']} nodes, job {job.job_id} has held at most "
                                                f"{job.max_nodes}")
 
@@ -181,5 +183,5 @@ def check_records(records: Sequence[dict], job, cluster: Cluster, now: float, fi
         if record["kind"] == "step":
             _check_layout(record["layout"], where, job, cluster)
         else:
-            _check_collective(record, where, job)
+            _check_collective(record, where, job)   # a ddp_overhead row: its world
         _check_time(record, where, job, now, slack)

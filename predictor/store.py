@@ -294,6 +294,16 @@ class ClaimExceeded(Exception):
         self.job_id, self.claimed_s, self.new_s, self.allowed_s = job_id, claimed_s, new_s, allowed_s
 
 
+def claimed_seconds(record: dict) -> float:
+    """Seconds of steps a validated record says its job ran: a step row one step of ``iter_s``, a ddp_overhead row
+    one plain and one DDP step of its probe, a collective row none (a job's claim: ``write_observations``)."""
+    if record["kind"] == "step":
+        return float(record["iter_s"])
+    if record["kind"] == "ddp_overhead":
+        return float(record["plain_s"]) + float(record["ddp_s"])
+    return 0.0
+
+
 class WrittenObservations(NamedTuple):
     ids: list[int]
     generation: int       # the store generation right after the write: a model of this version includes it
@@ -563,7 +573,8 @@ class Store:
                 ``WRITE_KEY_TTL_S``) and the same digest stores nothing and returns the first write's answer,
                 ``replayed`` set.
             claim: ``(job id, seconds it ran)`` for a signed job's write: its step rows (each at least one step of
-                ``iter_s``), with all it stored before, may claim at most that many seconds of steps.
+                ``iter_s``) and ddp_overhead rows (one plain and one DDP step of the probe each), with all it stored
+                before, may claim at most that many seconds of steps.
             quota: ``(owner, period, bytes)``: the rows' stored JSON, with what ``owner`` stored before in ``period``,
                 may take at most that many bytes (#41.3); rows of periods not written for ``QUOTA_KEEP_S`` are
                 forgotten.
@@ -577,7 +588,7 @@ class Store:
         records = list(records)
         rows = [(r["kind"], r.get("profile"), r.get("gpu"), r.get("link"), json.dumps(r, allow_nan=False), now)
                 for r in records]
-        new_s = sum(float(r["iter_s"]) for r in records if r["kind"] == "step")
+        new_s = sum(claimed_seconds(r) for r in records)
         new_bytes = sum(len(row[4].encode()) for row in rows)
         summary: dict[tuple, int] = {}
         for r in records:
@@ -647,7 +658,7 @@ class Store:
     def observation_counts(self) -> dict[str, int]:
         """Rows stored per kind, from the summary the writes keep (O(distinct keys), not O(rows): #41.3)."""
         rows = self.db.execute("SELECT kind, SUM(rows) FROM observation_summary GROUP BY kind").fetchall()
-        return {"collective": 0, "step": 0, **{k: n for k, n in rows}}
+        return {"collective": 0, "step": 0, "ddp_overhead": 0, **{k: n for k, n in rows}}
 
     def observation_summary(self, kind: str) -> list[dict]:
         """Rows stored of `kind` per (profile, gpu, link, layout): each a dict with those (None for none; `layout` a

@@ -2,11 +2,18 @@
 of the runtime and the service (issue #26.1). The service validates every post with it; the launcher drops what it
 would refuse before posting (`elastic_launcher.observations.postable`).
 
-Two kinds of record:
-    collective: {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4,
-                 "bytes": 67108864, "seconds": 0.00037, "gpu": "H200"}
-    step:       {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2],
-                 "intra_link": "nvlink", "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
+Three kinds of record:
+    collective:   {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4,
+                   "bytes": 67108864, "seconds": 0.00037, "gpu": "H200"}
+    step:         {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2],
+                   "intra_link": "nvlink", "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
+    ddp_overhead: {"kind": "ddp_overhead", "gpu": "H200", "world": 2, "probe": "many-small", "buckets": 2,
+                   "tensors": 400, "plain_s": 0.0101, "ddp_s": 0.0183, "extra_s": 0.0082}
+                  one probe model of the calibration job (`elastic-predictor calibrate`,
+                  elastic_launcher/calibrate.py): its DDP step and its plain step (no DDP) at `world` ranks, and
+                  `extra_s`, DDP's extra seconds a step (between -plain_s and ddp_s: a paired median of the two
+                  is not their difference); `buckets`/`tensors`: DDP's buckets and gradient tensors of the probe,
+                  `bytes` (optional) their gradient bytes
 
 Every value is checked for type, finiteness and a plausible range, and unknown fields are rejected;
 errors name the field as a JSON path, e.g. `observations[2].seconds`. A batch is validated whole
@@ -37,6 +44,9 @@ _COLLECTIVE = {"required": {"kind", "op", "link", "world", "bytes", "seconds"},
                "optional": {"gpu", "nodes", "dtype"} | _COMMON_OPTIONAL}
 _STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter_s", "intra_link"},
          "optional": {"inter_link", "samples_per_s", "sync_s", "dtype"} | _COMMON_OPTIONAL}
+_DDP_OVERHEAD = {"required": {"kind", "gpu", "world", "buckets", "tensors", "extra_s", "plain_s", "ddp_s", "probe"},
+                 "optional": {"bytes", "job_id", "source", "timestamp_s"}}
+MAX_TENSORS = 1 << 20                                     # gradient tensors of one model (a probe has ~400)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "fp8", "int8", "mixed")
 
 
@@ -190,6 +200,35 @@ def validate_step(record: Any, where: str) -> dict:
     return out
 
 
+def validate_ddp_overhead(record: Any, where: str) -> dict:
+    """Check one ddp_overhead record (a calibration probe) and return its normalised copy.
+
+    Raises:
+        ValidationError: naming `where.<field>`.
+    """
+    _fields(record, _DDP_OVERHEAD, where)
+    out = {"kind": "ddp_overhead", "gpu": _str(record, "gpu", where), "world": _int(record, "world", where, 1, MAX_WORLD),
+           "probe": _str(record, "probe", where, NAME_RE),
+           "tensors": _int(record, "tensors", where, 1, MAX_TENSORS),
+           "plain_s": _seconds(record, "plain_s", where, low=MIN_STEP_SECONDS),
+           "ddp_s": _seconds(record, "ddp_s", where, low=MIN_STEP_SECONDS)}
+    out["buckets"] = _int(record, "buckets", where, 1, out["tensors"])   # every bucket holds a tensor at least
+    extra = record["extra_s"]
+    if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not math.isfinite(extra):
+        raise ValidationError(f"{where}.extra_s", f"expected finite seconds, got {extra!r}")
+    if not -out["plain_s"] <= extra <= out["ddp_s"]:   # ddp_s - plain_s, or a paired median of it
+        raise ValidationError(f"{where}.extra_s", f"{extra:g} s is outside [-plain_s, ddp_s] = "
+                                                  f"[{-out['plain_s']:g}, {out['ddp_s']:g}]")
+    out["extra_s"] = float(extra)
+    if "bytes" in record:             # the probe's gradient bytes (its buckets' sum): DDP copies each one twice
+        out["bytes"] = _int(record, "bytes", where, 1, MAX_BYTES)
+    _optional(record, out, where)
+    return out
+
+
+KINDS = {"collective": validate_collective, "step": validate_step, "ddp_overhead": validate_ddp_overhead}
+
+
 def validate_record(record: Any, where: str) -> dict:
     """Dispatch on `kind`.
 
@@ -199,11 +238,9 @@ def validate_record(record: Any, where: str) -> dict:
     if not isinstance(record, dict):
         raise ValidationError(where, f"expected an object, got {type(record).__name__}")
     kind = record.get("kind")
-    if kind == "collective":
-        return validate_collective(record, where)
-    if kind == "step":
-        return validate_step(record, where)
-    raise ValidationError(f"{where}.kind", f"expected 'collective' or 'step', got {kind!r}")
+    if isinstance(kind, str) and kind in KINDS:
+        return KINDS[kind](record, where)
+    raise ValidationError(f"{where}.kind", f"expected one of {', '.join(map(repr, KINDS))}, got {kind!r}")
 
 
 def validate_batch(records: Any, field: str = "observations") -> list[dict]:

@@ -6,8 +6,10 @@
 2. starts `elastic-predictor serve` (gunicorn, detached, pid file, token and database in the lab) with a
    cluster file that says what the testbed is: one CPU worker per node, gloo over `shm`/`socket`; installs
    the job_submit hook pointing at it and reconfigures slurmctld;
-3. seeds the history: calibrates the demo model (resnet-tiny) at 1 and 2 workers through the real runtime
-   and posts the runtime's step and all-reduce observations (slurm_plugin/lab/demo_calibrate.py);
+3. seeds the history: runs the site's calibration job (`elastic-predictor calibrate`, sbatch on 2 nodes: the
+   link's all-reduce sweep and DDP's host overhead, posted signed with the job's munge credential), then
+   calibrates the demo model (resnet-tiny) at 1 and 2 workers through the real runtime and posts the
+   runtime's step and all-reduce observations (slurm_plugin/lab/demo_calibrate.py);
 4. renders the `resnet50` template's CPU variant and submits it with the real sbatch, whose hook line
    (`sbatch: elastic: ...`) says how the job was sized and why;
 5. follows the job (records.jsonl, rank 0's log) through at least one grow (helper job) and one shrink: the
@@ -39,7 +41,7 @@ import click
 from slurm_plugin.client import Backend, CommandBackend
 from slurm_plugin.lab import demo_calibrate as cal
 from slurm_plugin.lab.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
-from slurm_plugin.lab.demo_services import DemoError, PredictorService, install_hook, tail
+from slurm_plugin.lab.demo_services import CHECKOUT, DemoError, PredictorService, install_hook, tail
 from slurm_plugin.lab.testbed import Testbed
 from slurm_plugin.lab.testbed_conf import PORT_SPAN, TestbedConfig, recorded_port_base
 
@@ -192,6 +194,7 @@ class Demo:
         self.phases: dict[str, float] = {}
         self.job_id: int | None = None
         self.calibration: list[cal.CalibrationRun] = []
+        self.calibration_job: dict = {}
         self.sbatch_lines: list[str] = []
         self.watcher: JobWatcher | None = None
         self.was_up = False          # the lab's cluster ran before this demo: leave it running at the end
@@ -228,7 +231,8 @@ class Demo:
             written = install_hook(self.bed, self.predictor.url, self.budget)
             self.echo(f"   hook: {', '.join(p.name for p in written)} in {cfg.etc}; JobSubmitPlugins=lua; "
                       f"scontrol reconfigure done (budget {self.budget.total_seconds() * 1000:g} ms)")
-        with self.phase("3/6 history: calibrate resnet-tiny at 1 and 2 workers through the runtime"):
+        with self.phase("3/6 history: the calibration job, then resnet-tiny at 1 and 2 workers through the runtime"):
+            self.calibrate_cluster()
             self.seed()
         with self.phase("4/6 render the resnet50 template (CPU variant) and sbatch it"):
             self.submit()
@@ -238,8 +242,44 @@ class Demo:
             summary = self.summary()
         return summary
 
-    def seed(self) -> None:
+    def calibrate_cluster(self, timeout_s: float = 300.0) -> None:
+        """The site's calibration job on 2 of the lab's nodes (`elastic-predictor calibrate`, shortened: a 4 s
+        sweep, 3 rounds of 0.1 s windows), waited for; its rows go to the service signed for the job."""
+        from slurm_plugin.calibration import job_script  # noqa: PLC0415
+        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+
         shutil.rmtree(self.work, ignore_errors=True)     # the demo's own directory: no records of an older run
+        self.work.mkdir(parents=True)
+        script = self.work / "calibrate.sbatch"
+        script.write_text(job_script(self.predictor.url, nodes=2, ranks_per_node=1, gpus_per_node=1,
+                                     python=sys.executable, output=str(self.work / "elastic-calibrate-%j.out"),
+                                     out=str(self.work / "elastic-calibrate-%j.jsonl"), sweep_budget_s=4, rounds=3,
+                                     window_s=0.1))
+        self.echo(f"   like: elastic-predictor calibrate --predictor {self.predictor.url} --nodes 2 --gpus-per-node 1 "
+                  f"--submit  (script {script})")
+        slurm = self.slurm()
+        try:   # the job runs this checkout's code, as the service does
+            job_id = slurm.sbatch(script, ["--chdir", str(self.work), f"--export=ALL,PYTHONPATH={CHECKOUT}"]).job_id
+        except SlurmError as exc:
+            raise DemoError(f"sbatch of the calibration job failed: {exc}") from None
+        started, state = time.monotonic(), "PENDING"
+        while time.monotonic() - started < timeout_s:
+            state = slurm.job(job_id).state
+            if state in ENDED:
+                break
+            time.sleep(1.0)
+        log_path = self.work / f"elastic-calibrate-{job_id}.out"
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
+        if state != "COMPLETED" or f"signed for job {job_id}" not in log:
+            with contextlib.suppress(SlurmError):
+                slurm.cancel(job_id)
+            raise DemoError(f"calibration job {job_id} ended {state} without posting its rows\n{log[-2000:]}")
+        for line in log.splitlines():
+            if line.startswith(("calibrate:", "  probe", "  host")):
+                self.echo(f"   {line.strip()}")
+        self.calibration_job = {"job_id": job_id, "wall_s": time.monotonic() - started}
+
+    def seed(self) -> None:
         self.predictor.post("/v1/profiles", cal.profile_body())
         for workers in (1, 2):
             run = cal.run_once(workers, self.calibration_steps, self.work / "calibration")
@@ -385,7 +425,7 @@ class Demo:
           + f"  total {total:.1f}s")
         return {"job_id": self.job_id, "reason": reason, "predicted": predicted, "predicted_after": after,
                 "after_model_version": after_version, "measured": measured,
-                "calibrated": calibrated,
+                "calibrated": calibrated, "calibration_job": self.calibration_job,
                 "transitions": w.transitions(), "outcome": outcome, "state": w.state, "wall_s": total}
 
     # -- cleanup --------------------------------------------------------------------------------------------

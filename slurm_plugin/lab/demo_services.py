@@ -1,7 +1,7 @@
 """The demo's predictor service and hook, all of it inside the demo's lab directory.
 
 `PredictorService` runs `elastic-predictor serve` (gunicorn) detached, with its own pid file, log, token,
-database and a cluster file that describes the testbed as it is: every node holds one training worker, and
+database, munge-signed job writes checked against the lab's Slurm, and a cluster file that describes the testbed as it is: every node holds one training worker, and
 the workers are CPU processes talking gloo (GPU type `cpu`, `shm` within a node, `socket` between nodes).
 It listens on the last port of the lab's block (`port_base + PORT_SPAN - 1`), so two labs never collide.
 

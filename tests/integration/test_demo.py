@@ -85,13 +85,23 @@ def test_demo_from_a_cold_lab_grows_shrinks_summarises_and_stops_everything():
     from predictor.store import Store
     from slurm_plugin.lab.demo_calibrate import GPU, PROFILE
     ours = [r for r in Store(str(LAB / "predictor" / "predictor.db")).observations()
-            if r.get("gpu") == GPU and r.get("profile", PROFILE) == PROFILE]
+            if r["kind"] in ("step", "collective") and r.get("gpu") == GPU and r.get("profile", PROFILE) == PROFILE]
     steps = [r for r in ours if r["kind"] == "step"]
     assert len(steps) >= 2 and any(len(r["layout"]) > 1 for r in steps), ours[-5:]
     labels = {r.get("link") for r in ours if r["kind"] == "collective"} | {r["intra_link"] for r in steps} | \
         {r["inter_link"] for r in steps if len(r["layout"]) > 1}
     assert labels == {"loopback"}, labels
     assert all(r.get("link_source", "").startswith("detected") for r in ours), {r.get("link_source") for r in ours}
+
+    # the calibration job of phase 3 posted its probes at 1 and 2 ranks and its sweep, signed for itself (a uid)
+    from elastic_launcher.calibrate import PROBES
+    cal_job = re.search(r"signed for job (\d+)", out)
+    assert cal_job is not None, out[-4000:]
+    cal_rows = [r for r in Store(str(LAB / "predictor" / "predictor.db")).observations()
+                if r.get("job_id") == int(cal_job.group(1))]
+    assert sorted((r["probe"], r["world"]) for r in cal_rows if r["kind"] == "ddp_overhead") == \
+        sorted((p.name, w) for p in PROBES for w in (1, 2))
+    assert any(r["kind"] == "collective" for r in cal_rows) and all("uid" in r for r in cal_rows)
 
     # after the job, the model answers the job's measured layouts with what it measured: fitted offline on the
     # stored history, as the service fits it, each layout the job ran is predicted (for that job, as its

@@ -67,6 +67,8 @@ STEP = {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2], 
         "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
 COLLECTIVE = {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4, "bytes": 67108864,
               "seconds": 0.00037, "gpu": "H200"}
+DDP_OVERHEAD = {"kind": "ddp_overhead", "gpu": "H200", "world": 2, "probe": "many-small", "buckets": 2,
+                "tensors": 400, "plain_s": 0.0101, "ddp_s": 0.0183, "extra_s": 0.0082}
 
 
 class ModelsOverFake:

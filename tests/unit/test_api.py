@@ -103,7 +103,7 @@ def test_observations_all_or_nothing(client):
                            headers=dict(AUTH, **{"Content-Type": "application/json"}))
     assert response.status_code == 400
     assert response.get_json()["field"] == "observations[2].seconds"
-    assert client.get("/v1/observations").get_json()["counts"] == {"collective": 0, "step": 1}
+    assert client.get("/v1/observations").get_json()["counts"] == {"collective": 0, "step": 1, "ddp_overhead": 0}
 
 
 def test_unknown_field_and_bad_json_are_400(client):

@@ -19,7 +19,7 @@ from slurm_plugin.contracts.signing import MUNGE_HEADER, munge_payload
 from predictor.config import Config
 from slurm_plugin.client import JobOwner
 from slurm_plugin.errors import JobNotFoundError
-from tests.unit._service_fakes import COLLECTIVE, PROFILE, STEP, FakePredictor
+from tests.unit._service_fakes import COLLECTIVE, DDP_OVERHEAD, PROFILE, STEP, FakePredictor
 
 TOKEN, ADMIN = "tool-token", "admin-token"
 NOW = 2_000_000_000.0
@@ -813,6 +813,12 @@ def test_a_jobs_step_rows_claim_at_most_the_seconds_it_ran(tmp_path):
         assert "ran for" in refused.json["error"]
         stored = app.extensions["elastic_predictor"].store.observations(kind="step")
         assert len(stored) == fits
+        # a calibration probe's row claims one plain and one DDP step of its probe: refused past the claim too
+        probe = dict(DDP_OVERHEAD, world=2, plain_s=0.3, ddp_s=0.4, extra_s=0.1)
+        body = body_of([probe])
+        refused = client.post("/v1/observations", data=body, headers=sign(body, 12))
+        assert refused.status_code == 403 and "ran for" in refused.json["error"], refused.json
+        assert app.extensions["elastic_predictor"].store.observations(kind="ddp_overhead") == []
         body = body_of([dict(row, iter_s=10.0)] * 100)   # a long-running job is not limited by a short one's claim
         assert client.post("/v1/observations", data=body, headers=sign(body, 7)).status_code == 201
     finally:

@@ -76,7 +76,7 @@ def test_import_reports_bad_lines_by_number_and_stores_nothing(runner, tmp_path)
     assert not os.path.exists(db), "a rejected import must not even create the database"
     kept = runner.invoke(main, ["import", "--db", db, "--skip-bad", str(path)])
     assert kept.exit_code == 0 and "imported 2 observation(s)" in kept.output
-    assert Store(db).observation_counts() == {"collective": 1, "step": 1}
+    assert Store(db).observation_counts() == {"collective": 1, "step": 1, "ddp_overhead": 0}
 
 
 def _counts(db: str) -> tuple:
@@ -131,7 +131,7 @@ def test_a_database_failure_during_import_says_what_was_written(runner, tmp_path
         in result.stderr
     monkeypatch.undo()
     again = runner.invoke(main, ["import", "--db", db, str(path)])
-    assert again.exit_code == 0 and _counts(db) == ({"collective": 1, "step": 0}, ["resnet50"])
+    assert again.exit_code == 0 and _counts(db) == ({"collective": 1, "step": 0, "ddp_overhead": 0}, ["resnet50"])
 
 
 def test_plan_and_cluster_file_errors_name_the_file_and_line(runner, history, tmp_path, monkeypatch):

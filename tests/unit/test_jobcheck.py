@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from slurm_plugin.errors import SlurmError
-from tests.unit._service_fakes import COLLECTIVE, STEP
+from tests.unit._service_fakes import COLLECTIVE, DDP_OVERHEAD, STEP
 from tests.unit.test_auth import NOW, TOKEN, FakeJobs, app, body_of, facts, sign  # noqa: F401 - app: fixture
 
 GOOD_STEP = dict(STEP, layout=[4, 4], timestamp_s=NOW - 60)
@@ -42,6 +42,9 @@ def post(client, records, job=7):
     (dict(STEP, inter_link="roce"), "inter_link", "link 'roce'"),
     (dict(STEP, timestamp_s=NOW - 3 * 86400), "timestamp_s", "outside job 7's run window"),
     (dict(STEP, timestamp_s=NOW + 3600), "timestamp_s", "outside job 7's run window"),
+    (dict(DDP_OVERHEAD, world=9), "world", "9 ranks"),
+    (dict(DDP_OVERHEAD, gpu="A100"), "gpu", "runs on 'H200'"),
+    (dict(DDP_OVERHEAD, timestamp_s=NOW - 3 * 86400), "timestamp_s", "outside job 7's run window"),
 ])
 def test_a_record_that_does_not_fit_the_job_is_refused_by_field_and_nothing_is_stored(app, jobs, record, field,
                                                                                         words):
@@ -58,6 +61,15 @@ def test_records_that_fit_are_stored(app, jobs):
     r = post(app.test_client(), [GOOD_STEP, dict(STEP, layout=[1]), dict(COLLECTIVE, world=8, nodes=2)])
     assert r.status_code == 201, r.json
     assert r.json["stored"] == 3
+
+
+def test_a_jobs_ddp_overhead_rows_are_stored_with_its_job_and_signer(app, jobs):
+    rows = [dict(DDP_OVERHEAD, world=1, timestamp_s=NOW - 60), dict(DDP_OVERHEAD, world=8)]
+    r = post(app.test_client(), rows)
+    assert r.status_code == 201, r.json
+    kept = app.extensions["elastic_predictor"].store.observations(kind="ddp_overhead")
+    assert [(o["world"], o["job_id"], o["extra_s"]) for o in kept] == [(1, 7, 0.0082), (8, 7, 0.0082)]
+    assert all(o["uid"] == 1000 for o in kept)           # the signer's (sign: uid 1000)
 
 
 def test_a_resized_job_may_post_the_layouts_of_its_former_size(app, jobs):

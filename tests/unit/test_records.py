@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from predictor.errors import ValidationError
 from slurm_plugin.contracts.records import validate_batch, validate_record
-from tests.unit._service_fakes import COLLECTIVE, STEP
+from tests.unit._service_fakes import COLLECTIVE, DDP_OVERHEAD, STEP
 
 
 def test_design_examples_are_valid():
-    assert validate_batch([COLLECTIVE, STEP]) == [COLLECTIVE, STEP]
+    assert validate_batch([COLLECTIVE, STEP, DDP_OVERHEAD]) == [COLLECTIVE, STEP, DDP_OVERHEAD]
     assert validate_batch({"observations": [STEP]}) == [STEP]
 
 
@@ -42,7 +42,28 @@ def test_design_examples_are_valid():
     (STEP, "layout", [], "non-empty"),
     (STEP, "profile", "res net", "expected a name"),
     (STEP, "sync_s", 1.0, "iter_s"),
-    (STEP, "kind", "stepp", "expected 'collective' or 'step'"),
+    (STEP, "kind", "stepp", "expected one of 'collective', 'step', 'ddp_overhead'"),
+    (STEP, "kind", ["step"], "expected one of"),
+    (DDP_OVERHEAD, "world", 0, "outside"),
+    (DDP_OVERHEAD, "world", 1.5, "integer"),
+    (DDP_OVERHEAD, "buckets", 0, "outside"),
+    (DDP_OVERHEAD, "buckets", 401, "outside 1..400"),       # more buckets than gradient tensors
+    (DDP_OVERHEAD, "tensors", -3, "outside"),
+    (DDP_OVERHEAD, "tensors", "400", "integer"),
+    (DDP_OVERHEAD, "plain_s", 0, "positive"),
+    (DDP_OVERHEAD, "plain_s", 1e-9, "less than 1e-05 s"),
+    (DDP_OVERHEAD, "ddp_s", float("nan"), "finite"),
+    (DDP_OVERHEAD, "ddp_s", 7200.0, "implausible"),
+    (DDP_OVERHEAD, "extra_s", float("inf"), "finite"),
+    (DDP_OVERHEAD, "extra_s", "0.01", "finite seconds"),
+    (DDP_OVERHEAD, "extra_s", True, "finite seconds"),
+    (DDP_OVERHEAD, "extra_s", 0.02, "outside [-plain_s, ddp_s]"),    # above the DDP step itself
+    (DDP_OVERHEAD, "extra_s", -0.011, "outside [-plain_s, ddp_s]"),  # below minus the plain step
+    (DDP_OVERHEAD, "probe", "many small", "expected a name"),
+    (DDP_OVERHEAD, "gpu", 7, "expected a name"),
+    (DDP_OVERHEAD, "link", "nvlink", "unknown field"),
+    (DDP_OVERHEAD, "bytes", 0, "outside"),
+    (DDP_OVERHEAD, "uid", 0, "unknown field"),
     (STEP, "uid", 0, "unknown field"),  # the service sets it from the credential; a client cannot
 ])
 def test_bad_values_name_the_field(base, key, value, message):
@@ -66,6 +87,9 @@ def test_missing_fields_and_multi_node_without_inter_link():
     with pytest.raises(ValidationError) as info:
         validate_record({k: v for k, v in STEP.items() if k != "inter_link"}, "r")
     assert info.value.field == "r.inter_link"
+    with pytest.raises(ValidationError) as info:
+        validate_record({k: v for k, v in DDP_OVERHEAD.items() if k != "extra_s"}, "r")
+    assert info.value.field == "r.extra_s" and "missing" in info.value.message
     single = {k: v for k, v in STEP.items() if k != "inter_link"}
     assert validate_record(dict(single, layout=[4]), "r")["layout"] == [4]
 
@@ -82,7 +106,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
 
 
 @settings(max_examples=300, deadline=None)
-@given(base=st.sampled_from([COLLECTIVE, STEP]), key=st.sampled_from(sorted(set(COLLECTIVE) | set(STEP))), value=JSON)
+@given(base=st.sampled_from([COLLECTIVE, STEP, DDP_OVERHEAD]),
+       key=st.sampled_from(sorted(set(COLLECTIVE) | set(STEP) | set(DDP_OVERHEAD))), value=JSON)
 def test_any_mutation_is_accepted_clean_or_rejected_with_a_field(base, key, value):
     record = dict(base, **{key: value})
     try:
@@ -92,8 +117,10 @@ def test_any_mutation_is_accepted_clean_or_rejected_with_a_field(base, key, valu
         return
     text = json.dumps(out, allow_nan=False)            # what is accepted is storable JSON
     assert "NaN" not in text and "Infinity" not in text
-    for number in (out.get("seconds"), out.get("iter_s")):
+    for number in (out.get("seconds"), out.get("iter_s"), out.get("plain_s"), out.get("ddp_s")):
         assert number is None or (math.isfinite(number) and number > 0)
+    if out["kind"] == "ddp_overhead":
+        assert -out["plain_s"] <= out["extra_s"] <= out["ddp_s"] and 1 <= out["buckets"] <= out["tensors"]
 
 
 @settings(max_examples=200, deadline=None)
@@ -103,3 +130,10 @@ def test_arbitrary_json_never_escapes_as_another_error(body):
         validate_batch(body)
     except ValidationError:
         pass
+
+
+def test_ddp_overhead_is_normalised_and_keeps_its_optional_fields():
+    record = dict(DDP_OVERHEAD, world=1.0, extra_s=-0.0001, job_id=12, source="calibrate")
+    out = validate_record(record, "r")
+    assert out["world"] == 1 and isinstance(out["world"], int)   # an integral float: JSON has one number type
+    assert out["extra_s"] == -0.0001 and out["job_id"] == 12 and out["source"] == "calibrate"

@@ -47,7 +47,7 @@ def test_observations_batch_is_atomic(store):
     store.add_observations([STEP])
     with pytest.raises(sqlite3.IntegrityError):
         store.add_observations([COLLECTIVE, dict(COLLECTIVE, kind=None)])      # NOT NULL fails on the 2nd row
-    assert store.observation_counts() == {"collective": 0, "step": 1}
+    assert store.observation_counts() == {"collective": 0, "step": 1, "ddp_overhead": 0}
     assert [o["kind"] for o in store.observations()] == ["step"]
 
 
@@ -103,7 +103,7 @@ def test_concurrent_writers_all_land(store):
     for t in threads:
         t.join()
     assert errors == []
-    assert store.observation_counts() == {"collective": 80, "step": 80}
+    assert store.observation_counts() == {"collective": 80, "step": 80, "ddp_overhead": 0}
 
 
 def test_link_fits_are_replaced(store):
