@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
-from scipy.optimize import least_squares
+from scipy.optimize import least_squares, nnls
 
 from predictor.linkmodel import link_prior
 from predictor.roofline import load_peaks
@@ -522,19 +522,27 @@ def _ladder_residuals(ladders: dict[tuple[str, str], Ladder]) -> list[float]:
 
 def host_cost_from_probes(rows: list[dict]) -> dict[str, HostCost]:
     """Per GPU type, DDP's host cost from the calibration job's `ddp_overhead` rows: each row is one probe
-    (`buckets`, `tensors`, `extra_s` = the DDP step minus the same model's plain step, at world size `world`);
-    least squares of extra_s = c_step + c_bucket * buckets + c_tensor * tensors over the probes (>= 3 of them,
-    clipped to the bounds), one vote per (buckets, tensors) probe shape (the median of its rows)."""
+    (`buckets`, `tensors`, `bytes`, `extra_s` = the DDP step minus the same model's plain step, at world size
+    `world`). The world-1 rows where there are any (no all-reduce to expose: DDP's own work only), else all; one
+    vote per probe shape (the median of its rows); non-negative least squares of
+    extra_s = c_step + c_bucket * buckets + c_tensor * tensors + c_byte * bytes over >= 3 shapes, clipped to the
+    bounds. c_byte takes the gradients' copies into the buckets, which a CPU host does itself and a GPU does on the
+    device (in its timeline): it keeps them out of the per-step, per-bucket and per-tensor costs and is not kept."""
     by: dict[str, dict] = {}
-    for r in rows:
-        by.setdefault(r["gpu"], {}).setdefault((int(r["buckets"]), int(r["tensors"])), []).append(float(r["extra_s"]))
+    for gpu in {r["gpu"] for r in rows}:
+        mine = [r for r in rows if r["gpu"] == gpu]
+        alone = [r for r in mine if int(r["world"]) == 1] or mine
+        for r in alone:
+            by.setdefault(gpu, {}).setdefault((int(r["buckets"]), int(r["tensors"]), float(r.get("bytes") or 0.0)),
+                                              []).append(float(r["extra_s"]))
     out = {}
     for gpu, probes in by.items():
         if len(probes) < 3:
             continue
-        A = np.array([[1.0, nb, nt] for nb, nt in probes])
+        A = np.array([[1.0, nb, nt, nbytes] for nb, nt, nbytes in probes])
+        scale = np.maximum(A.max(axis=0), 1e-12)
         y = np.array([np.median(v) for v in probes.values()])
-        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+        coef = nnls(A / scale, np.maximum(y, 0.0))[0] / scale
         c = [float(np.clip(v, *BOUNDS[k])) for v, k in zip(coef, ("c_step", "c_bucket", "c_tensor"))]
         out[gpu] = HostCost(*c, basis="calibrated")
     return out

@@ -73,12 +73,16 @@ def test_extra_s_is_the_median_over_rounds_of_ddp_minus_plain(solo, monkeypatch)
 
 
 def test_host_cost_fit_recovers_constants_from_rows_of_the_probe_shapes():
-    # the probes' shapes pin the three constants: rows made from known constants give them back
-    shapes = [(2, 400), (3, 4), (40, 40)]
-    c = (2e-3, 5e-5, 4e-6)
-    rows = [{"gpu": "cpu", "buckets": b, "tensors": t, "extra_s": c[0] + c[1] * b + c[2] * t} for b, t in shapes]
+    # the probes' shapes pin the constants: world-1 rows made from known constants, with a per-byte copy cost the
+    # fit keeps apart, give them back; the world-2 rows (all-reduces exposed) do not move them
+    shapes = [(2, 400, 1.6e6), (3, 4, 64e6), (2, 4, 16e6), (40, 40, 10e6)]
+    c = (2e-3, 5e-5, 4e-6, 1.5e-9)
+    rows = [{"gpu": "cpu", "world": 1, "buckets": b, "tensors": t, "bytes": n,
+             "extra_s": c[0] + c[1] * b + c[2] * t + c[3] * n} for b, t, n in shapes]
+    rows += [dict(r, world=2, extra_s=r["extra_s"] + 0.3) for r in rows]
     cost = host_cost_from_probes(rows)["cpu"]
-    assert (cost.c_step, cost.c_bucket, cost.c_tensor) == pytest.approx(c)
+    assert (cost.c_step, cost.c_bucket, cost.c_tensor) == pytest.approx(c[:3], rel=1e-6)
+    assert cost.basis == "calibrated"
 
 
 @pytest.mark.parametrize("nodes,expected", [
