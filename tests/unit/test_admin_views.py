@@ -542,7 +542,7 @@ def test_the_admin_page_reads_no_observation_row_and_counts_them_from_the_writes
     """#41.3: /admin parsed every step and collective row (59 ms -> 1.9 s after one job's 102,400 rows). Its counts
     now come from the summary each write keeps; reading a row at all fails this test."""
     store = app.extensions["elastic_predictor"].store
-    expected = {"step": 0, "collective": 0}
+    expected = {"step": 0, "collective": 0, "ddp_overhead": 0}
     for kind, n in store.db.execute("SELECT kind, COUNT(*) FROM observations GROUP BY kind"):
         expected[kind] = n
     steps = {(r["profile"], r["gpu"]): 0 for r in store.observations(kind="step")}
