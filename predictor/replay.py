@@ -40,6 +40,7 @@ from predictor.engine import Predictor
 from predictor.planner import parse_request, plan
 from predictor.replay_inputs import PolluxTruth, ReplayJob
 from predictor.service import ModelUnavailable
+from slurm_plugin.contracts.directives import parse_lines
 
 POLICIES = ("as-submitted", "right-sized", "elastic", "oracle")
 # Measured resize pauses (bench/results/launcher_transitions.md, Slurm 22.05 testbed): the controller's request to
@@ -74,6 +75,11 @@ class Params:
     seed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Named:
+    name: str
+
+
 class _Models:
     """The planner's models interface (`predictor()`, `profile()`, `known()`, `predict()`, `version`) over a fitted
     Predictor, or nothing fitted yet (ModelUnavailable)."""
@@ -97,10 +103,11 @@ class _Models:
 
 
 class _TruthModels(_Models):
-    """The same interface answered from the truth tables: what the oracle plans with."""
+    """The same interface answered from the truth tables: what the oracle plans with (the planner reads only a
+    profile's name on this path, so no tensor profile is built)."""
 
-    def __init__(self, profiles: dict, truth: PolluxTruth):
-        super().__init__(profiles, None, "truth")
+    def __init__(self, truth: PolluxTruth):
+        super().__init__({m: _Named(m) for m in truth.apps}, None, "truth")
         self.truth = truth
 
     def predictor(self):
@@ -137,6 +144,32 @@ class Advisor:
                 body["current"] = {"layout": list(current)}
             hit = plan(parse_request(body), self.cluster, self.models, default_min_efficiency=self.min_efficiency)
             self._cache[key] = hit
+        return hit
+
+
+class HttpAdvisor:
+    """Plans from a running prediction service (POST /v1/plan, source `cli`; `launcher` with the job's current
+    layout): the replay then decides exactly as that service's hook would, on its fitted model."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0):
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self._cache: dict = {}
+        self.calls = 0
+
+    def plan(self, lines: tuple[str, ...], job: dict, current: list[int] | None = None) -> dict:
+        import requests  # noqa: PLC0415
+
+        key = (lines, tuple(sorted(job.items())), tuple(current or ()))
+        hit = self._cache.get(key)
+        if hit is None:
+            self.calls += 1
+            body = {"source": "launcher" if current else "cli", "directives": list(lines),
+                    "job": {k: v for k, v in job.items() if k != "partition"}}
+            if current:
+                body["current"] = {"layout": list(current)}
+            reply = requests.post(self.url + "/v1/plan", json=body, timeout=self.timeout_s)
+            reply.raise_for_status()
+            hit = self._cache[key] = reply.json()
         return hit
 
 
@@ -204,7 +237,7 @@ class Replay:
     """One policy on one history and cluster shape. `run()` returns `Result`."""
 
     def __init__(self, jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTruth, policy: str,
-                 params: Params | None = None, partition: str | None = None):
+                 params: Params | None = None, partition: str | None = None, service_url: str | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {'|'.join(POLICIES)}, got {policy!r}")
         self.jobs, self.cluster, self.truth, self.policy = jobs, cluster, truth, policy
@@ -218,8 +251,10 @@ class Replay:
         self.running: list[_Run] = []
         self.done: list[_Run] = []
         self.rng = np.random.default_rng(self.params.seed)
-        self.service = OnlineService(cluster, self.params) if policy in ("right-sized", "elastic") else None
-        self.oracle = Advisor(cluster, _TruthModels(_profiles(POLLUX_MODELS), truth), self.params.min_efficiency) \
+        predicted = policy in ("right-sized", "elastic")
+        self.service = OnlineService(cluster, self.params) if predicted and not service_url else None
+        self.http = HttpAdvisor(service_url) if predicted and service_url else None
+        self.oracle = Advisor(cluster, _TruthModels(truth), self.params.min_efficiency) \
             if policy == "oracle" else None
         self._sched_soon = False
         self.decisions: dict[str, int] = {}       # resize decisions taken, by kind (grow, shrink, revert, handback)
@@ -227,7 +262,9 @@ class Replay:
 
     # ------------------------------------------------------------------ advice
     def _advisor(self) -> Advisor | None:
-        return self.oracle if self.oracle is not None else (self.service.advisor if self.service else None)
+        if self.oracle is not None or self.http is not None:
+            return self.oracle or self.http
+        return self.service.advisor if self.service else None
 
     def _job_fields(self, request: tuple[int | None, int]) -> dict:
         nodes, gpus = request
@@ -309,10 +346,11 @@ class Replay:
         self.running.append(run)
         self._report(run)
         if self.policy in ("elastic", "oracle") and run.lines and j.model is not None:
-            low, high = _gpu_bounds(run.lines, j.gpus)
-            slots = run.layout[0]
-            run.policy = AutoscalePolicy(min_efficiency=self.params.min_efficiency, per_gpu_batch=1,
-                                         slots_per_node=slots, min_workers=low, max_workers=high)
+            d = _directives(run.lines)
+            bounds = d.get("gpus") or {"min": j.gpus, "max": j.gpus}
+            run.policy = AutoscalePolicy(min_efficiency=d.get("min_efficiency", self.params.min_efficiency),
+                                         per_gpu_batch=1, slots_per_node=run.layout[0], min_workers=bounds["min"],
+                                         max_workers=bounds["max"])
         run.proc = self.env.process(self._train(run))
 
     def _train(self, run: _Run):
@@ -492,13 +530,9 @@ def _at_size(lines: tuple[str, ...], global_batch: int, gpus: int) -> tuple[str,
                  for ln in lines)
 
 
-def _gpu_bounds(lines: tuple[str, ...], asked: int) -> tuple[int, int]:
-    for ln in lines:
-        if "gpus=" in ln:
-            spec = ln.split("gpus=", 1)[1].split()[0]
-            lo, _, hi = spec.partition("-")
-            return int(lo), int(hi or lo)
-    return asked, asked
+def _directives(lines: tuple[str, ...]) -> dict:
+    """The job's `#ELASTIC` lines parsed as the hook and the launcher parse them."""
+    return parse_lines(list(enumerate(lines, start=1)))
 
 
 @dataclasses.dataclass
@@ -541,10 +575,13 @@ def later_than(base: Result, other: Result, factor: float = 1.1) -> list[tuple[s
 
 
 def replay_all(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTruth, policies=POLICIES,
-               params: Params | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Result]:
+               params: Params | None = None, progress: Callable[[str], None] | None = None,
+               service_url: str | None = None) -> dict[str, Result]:
+    """Each policy on the same history (`service_url`: prediction-driven policies plan from that running service
+    instead of a Predictor fitted in the replay)."""
     out = {}
     for p in policies:
-        out[p] = Replay(jobs, cluster, truth, p, params).run()
+        out[p] = Replay(jobs, cluster, truth, p, params, service_url=service_url).run()
         if progress:
             progress(p)
     return out

@@ -177,15 +177,16 @@ def packed_layout(gpus: int, per_node: int = GPUS_PER_NODE) -> tuple[int, ...]:
 
 
 def elastic_lines(model: str, global_batch: int, gpus: int, truth: PolluxTruth, max_scale: float,
-                  max_gpus: int, min_scale: float = 0.0) -> tuple[str, ...]:
+                  max_gpus: int, min_scale: float = 0.0, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The `#ELASTIC` lines a job of `model` at `global_batch` asking `gpus` GPUs carries in the replay: its model,
     its per-GPU batch at the size asked, the global batch kept, and GPU bounds max(1, min_scale x asked) ..
-    max_scale x asked (never below the smallest per-GPU batch measured, nor above the cluster)."""
+    max_scale x asked (never below the smallest per-GPU batch measured, nor above the cluster); `extra`: more
+    lines (`#ELASTIC objective=efficiency`, `#ELASTIC min_efficiency=0.7`)."""
     high = max(1, min(int(max_scale * gpus), global_batch // truth.min_local(model), max_gpus))
     low = min(high, max(1, int(min_scale * gpus)))
     per_gpu = max(1, global_batch // gpus)
     return ("#ELASTIC model=" + model, f"#ELASTIC per_gpu_batch={per_gpu}", "#ELASTIC batch_policy=keep_global",
-            f"#ELASTIC gpus={low}-{high}")
+            f"#ELASTIC gpus={low}-{high}", *extra)
 
 
 def load_pollux_workload(number: int, truth: PolluxTruth, root: Path = DEFAULT_ROOT) -> list[ReplayJob]:
