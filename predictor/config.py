@@ -58,6 +58,7 @@ ENV_DECISIONS_KEEP = "ELASTIC_PREDICTOR_DECISIONS_KEEP"
 ENV_DECISIONS_MAX_AGE = "ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS"
 ENV_DECISIONS_MAX_BYTES = "ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES"
 ENV_PLOT_PRERENDER = "ELASTIC_PREDICTOR_PLOT_PRERENDER"
+ENV_REPLAY_DIR = "ELASTIC_PREDICTOR_REPLAY_DIR"
 # The variable behind each range-checked field, so an out-of-range value is reported by the name the admin set.
 _FIELD_ENV = {"max_body_bytes": ENV_MAX_BODY, "prediction_cache_size": ENV_CACHE, "refit_debounce": ENV_DEBOUNCE,
               "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL,
@@ -105,6 +106,8 @@ class Config:
             tests start no drawing they did not ask for).
         fits: this process may fit the model (take the fit lock); False: it only loads the models others fit
             (the plan pool behind nginx, predictor.front_nginx: fits run in the side pool).
+        replay_dir: the folder `elastic-predictor replay --out` wrote its report to; /admin shows it (None: the
+            page says how to make one).
     """
 
     db_path: str = "predictor.db"
@@ -133,6 +136,7 @@ class Config:
     decisions_max_bytes: int = 512 * 1024 * 1024
     plot_prerender: bool = False
     fits: bool = True
+    replay_dir: str | None = None
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -246,4 +250,5 @@ _ENV_FIELDS = (
     (ENV_DECISIONS_KEEP, "decisions_keep", _int_var),
     (ENV_DECISIONS_MAX_AGE, "decisions_max_age", _days_var),
     (ENV_DECISIONS_MAX_BYTES, "decisions_max_bytes", _int_var),
+    (ENV_REPLAY_DIR, "replay_dir", _str_var),
 )

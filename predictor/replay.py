@@ -63,6 +63,9 @@ class Params:
         grow_pause_s / shrink_pause_s: training time a resize costs the job.
         noise: log-normal spread of the step times jobs report to the service (seeded).
         seed: the noise's seed.
+        fewer_nodes_within: a what-if of a planner rule it does not have (0 = off, the planner as it is): of the
+            layouts of the planned GPU count, the hook takes the one on the fewest nodes whose predicted samples/s is within
+            this share of the planned one (a layout on every node of the cluster waits for all of them).
     """
 
     tick_s: float = 300.0
@@ -73,6 +76,7 @@ class Params:
     shrink_pause_s: float = SHRINK_PAUSE_S
     noise: float = 0.03
     seed: int = 0
+    fewer_nodes_within: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +280,7 @@ class Replay:
         adv = self._advisor()
         if adv is None or not run.lines or run.job.model is None:
             return
-        out = adv.plan(run.lines, self._job_fields(run.request))
+        out = _fewer_nodes(adv.plan(run.lines, self._job_fields(run.request)), self.params.fewer_nodes_within)
         if out["action"] == "rewrite" and out.get("layout"):
             run.request = (out["nodes"], out["nodes"] * out["gpus_per_node"])
             run.planned = out
@@ -528,6 +532,21 @@ def _at_size(lines: tuple[str, ...], global_batch: int, gpus: int) -> tuple[str,
     from a job resized since would plan another global batch than the one it trains at."""
     return tuple(f"#ELASTIC per_gpu_batch={max(1, global_batch // gpus)}" if "per_gpu_batch=" in ln else ln
                  for ln in lines)
+
+
+def _fewer_nodes(reply: dict, within: float) -> dict:
+    """`reply` with its layout moved to the fewest-node layout of the same GPU count whose predicted samples/s is
+    within `within` of the chosen one (Params.fewer_nodes_within); `reply` itself when off or nothing closer."""
+    if within <= 0 or not reply.get("layout") or not reply.get("predicted"):
+        return reply
+    best = reply["predicted"]["samples_per_s"]
+    gpus = sum(reply["layout"])
+    near = [e for e in reply.get("curve", []) if e["gpus"] == gpus and e["samples_per_s"] >= (1 - within) * best]
+    pick = min(near, key=lambda e: e["nodes"], default=None)
+    if pick is None or pick["nodes"] >= reply["nodes"]:
+        return reply
+    return {**reply, "action": "rewrite", "layout": pick["layout"], "nodes": pick["nodes"],
+            "gpus_per_node": pick["layout"][0]}
 
 
 def _directives(lines: tuple[str, ...]) -> dict:

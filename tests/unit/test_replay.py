@@ -149,3 +149,22 @@ def test_cli_replays_an_export_and_writes_the_report(tmp_path):
     assert bad.exit_code != 0 and "unknown fifo" in bad.output
     small = CliRunner().invoke(main, ["replay", "--sacct", str(path), "--nodes", "1", "--gpus-per-node", "4"])
     assert small.exit_code != 0 and "ask more than the cluster's 4 GPUs" in small.output
+
+
+def test_admin_page_shows_the_newest_report(tmp_path, truth):
+    from predictor.app import create_app
+    from predictor.config import Config
+    from predictor import replay_report
+
+    jobs = [fixed("x", 0, 4, 100), fixed("y", 0, 4, 100)]
+    results = {p: Replay(jobs, shape(1), truth, p).run() for p in ("as-submitted", "oracle")}
+    out = tmp_path / "replay"
+    replay_report.write(results, out, "site export")
+    app = create_app(Config(db_path=str(tmp_path / "p.db"), replay_dir=str(out)), start_refit=False)
+    page = app.test_client().get("/admin").get_data(as_text=True)
+    assert "What-if replay: site export" in page and "<td class=\"policy\">oracle</td>" in page
+    png = app.test_client().get("/admin/plots/replay.png")
+    assert png.status_code == 200 and png.data == (out / "replay.png").read_bytes()
+    bare = create_app(Config(db_path=str(tmp_path / "q.db")), start_refit=False).test_client()
+    assert "No replay report" in bare.get("/admin").get_data(as_text=True)
+    assert bare.get("/admin/plots/replay.png").status_code == 404
