@@ -63,6 +63,8 @@ class Params:
         grow_pause_s / shrink_pause_s: training time a resize costs the job.
         noise: log-normal spread of the step times jobs report to the service (seeded).
         seed: the noise's seed.
+        release_s: seconds a finished job's GPUs stay held (Slurm's COMPLETING state: epilog, step cleanup) before
+            another job may start on them; measured on the lab by the fidelity slice.
         fewer_nodes_within: a what-if of a planner rule it does not have (0 = off, the planner as it is): of the
             layouts of the planned GPU count, the hook takes the one on the fewest nodes whose predicted samples/s is within
             this share of the planned one (a layout on every node of the cluster waits for all of them).
@@ -77,6 +79,7 @@ class Params:
     noise: float = 0.03
     seed: int = 0
     fewer_nodes_within: float = 0.0
+    release_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +257,7 @@ class Replay:
         self.queue: list[_Run] = []
         self.running: list[_Run] = []
         self.done: list[_Run] = []
+        self.releasing: list[_Run] = []
         self.rng = np.random.default_rng(self.params.seed)
         predicted = policy in ("right-sized", "elastic")
         self.service = OnlineService(cluster, self.params) if predicted and not service_url else None
@@ -287,26 +291,28 @@ class Replay:
 
     # ------------------------------------------------------------------ cluster
     def _place(self, request: tuple[int | None, int]) -> list | None:
+        """[(node, GPUs)] for the request on the GPUs free now, or None where it does not fit."""
+        free = self.free
         nodes, gpus = request
-        if gpus > self.free.sum():
+        if gpus > free.sum():
             return None
         if nodes:
             k = gpus // nodes
-            ok = np.flatnonzero(self.free >= k)
+            ok = np.flatnonzero(free >= k)
             if len(ok) < nodes:
                 return None
-            pick = ok[np.argsort(self.free[ok], kind="stable")[:nodes]]   # fullest nodes that fit first
+            pick = ok[np.argsort(free[ok], kind="stable")[:nodes]]   # fullest nodes that fit first
             return [(int(n), k) for n in pick]
         if gpus <= self.per_node:                                     # one node: best fit
-            ok = np.flatnonzero(self.free >= gpus)
+            ok = np.flatnonzero(free >= gpus)
             if len(ok):
-                return [(int(ok[np.argmin(self.free[ok])]), gpus)]
-        order = np.argsort(-self.free, kind="stable")
+                return [(int(ok[np.argmin(free[ok])]), gpus)]
+        order = np.argsort(-free, kind="stable")
         out, left = [], gpus
         for n in order:
-            if left == 0 or self.free[n] == 0:
+            if left == 0 or free[n] == 0:
                 break
-            take = int(min(self.free[n], left))
+            take = int(min(free[n], left))
             out.append((int(n), take))
             left -= take
         return out if left == 0 else None
@@ -373,9 +379,13 @@ class Replay:
                     run.remaining = max(0.0, run.remaining - (spent - pause) / step)
         self._account(run)
         run.end = self.env.now
-        self._give(run.alloc)
         self.running.remove(run)
         self.done.append(run)
+        if self.params.release_s > 0:       # the nodes are COMPLETING (epilog, step cleanup) before they are free
+            self.releasing.append(run)
+            yield self.env.timeout(self.params.release_s)
+            self.releasing.remove(run)
+        self._give(run.alloc)
         self._schedule_soon()
 
     def _account(self, run: _Run) -> None:
@@ -403,51 +413,45 @@ class Replay:
         self.schedule()
 
     def schedule(self) -> None:
-        """FIFO, then EASY backfill past the first job that does not fit (reservation by time limits)."""
+        """Slurm's two schedulers: the main one starts queued jobs in order until one does not fit; backfill then
+        gives every queued job (in order, up to bf_depth) the earliest time enough GPUs are free for its whole time
+        limit, on a profile of the GPUs running and reserved jobs hold until their limits (conservative backfill:
+        sched/backfill reserves for every job it tests), and starts those whose time is now and whose layout fits
+        the nodes. The profile counts GPUs, not nodes: a per-node profile agreed less with the lab's slurmctld
+        (tests/integration/test_replay_fidelity.py)."""
         if self.service is not None:
             self.service.maybe_refit(self.env.now)
         now = self.env.now
-        i = 0
-        while i < len(self.queue):
-            run = self.queue[i]
-            alloc = self._place(run.request)
+        while self.queue:
+            alloc = self._place(self.queue[0].request)
             if alloc is None:
                 break
-            self._start(run, alloc)
+            self._start(self.queue[0], alloc)
         if not self.queue:
             return
-        head = self.queue[0]
-        need = head.request[1]
-        free = int(self.free.sum())
-        shadow, extra = math.inf, 0
-        if need <= self.total:
-            # the head's reservation: running jobs end at their time limits, in order, until the head fits on
-            # the nodes (its GPU count first, then its placement on the freed nodes)
-            ends = sorted(((r.start + (r.job.limit_s or 0.0), k) for k, r in enumerate(self.running)))
-            saved, avail = self.free.copy(), free
-            try:
-                for t, k in ends:
-                    r = self.running[k]
-                    self._give(r.alloc)
-                    avail += r.gpus
-                    if avail >= need and self._place(head.request) is not None:
-                        shadow, extra = max(t, now), avail - need
-                        break
-            finally:
-                self.free = saved
-        for run in list(self.queue[1:1 + self.params.bf_depth]):
-            g = run.request[1]
-            if g > int(self.free.sum()):
+        ends = sorted([(max(r.start + (r.job.limit_s or 0.0), now), r.gpus) for r in self.running]
+                      + [(r.end + self.params.release_s, r.gpus) for r in self.releasing])
+        times = np.array([now] + [t for t, _ in ends])
+        free = np.cumsum([int(self.free.sum())] + [g for _, g in ends])   # free GPUs from each time on
+        for run in list(self.queue[:self.params.bf_depth]):
+            g, limit = run.request[1], run.job.limit_s or math.inf
+            if g > self.total:
                 continue
-            short = now + (run.job.limit_s or math.inf) <= shadow
-            if not short and g > extra:
+            for k in np.flatnonzero(free >= g):
+                stop = max(int(np.searchsorted(times, times[k] + limit, "left")), k + 1)
+                if free[k:stop].min() >= g:
+                    break
+            else:
                 continue
-            alloc = self._place(run.request)
-            if alloc is None:
-                continue
-            if not short:
-                extra -= g
-            self._start(run, alloc)
+            if k == 0:
+                alloc = self._place(run.request)
+                if alloc is not None:
+                    self._start(run, alloc)
+            end = times[k] + limit
+            if math.isfinite(end) and (stop == len(times) or times[stop] != end):
+                times = np.insert(times, stop, end)
+                free = np.insert(free, stop, free[stop - 1])
+            free[k:stop] -= g
 
     # ------------------------------------------------------------------ elastic
     def _ticker(self):

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -288,7 +289,8 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
                 _time(r["End"], f"{where}: End")
             t0 = sub if t0 is None else min(t0, sub)
             dur = max(end - start, 1.0)
-            comment = (r.get("Comment") or "").replace("\\n", "\n").replace(";", "\n")
+            # `#ELASTIC` lines joined by `;` or newlines; the hook's own ` elastic:decision=d-N` mark is not a line
+            comment = re.sub(r"\s*elastic:decision=\S+", "", r.get("Comment") or "").replace("\\n", "\n").replace(";", "\n")
             lines = tuple(ln.strip() for ln in comment.splitlines() if ln.strip().startswith(PREFIX))
             model = next((ln.split("model=", 1)[1].split()[0] for ln in lines if "model=" in ln), None)
             per_gpu = next((int(ln.split("per_gpu_batch=", 1)[1].split()[0]) for ln in lines if "per_gpu_batch=" in ln),

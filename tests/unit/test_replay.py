@@ -105,7 +105,7 @@ def test_later_than_names_the_jobs(truth):
 
 
 SACCT = """JobID|JobName|Submit|Start|End|Timelimit|AllocTRES|NNodes|State|Comment
-10|train|2026-11-01T10:00:00|2026-11-01T10:00:05|2026-11-01T11:00:05|02:00:00|billing=8,cpu=8,gres/gpu=8,node=2|2|COMPLETED|#ELASTIC model=cifar10;#ELASTIC per_gpu_batch=256;#ELASTIC gpus=4-8
+10|train|2026-11-01T10:00:00|2026-11-01T10:00:05|2026-11-01T11:00:05|02:00:00|billing=8,cpu=8,gres/gpu=8,node=2|2|COMPLETED|#ELASTIC model=cifar10;#ELASTIC per_gpu_batch=256;#ELASTIC gpus=4-8 elastic:decision=d-7
 10.batch|batch|2026-11-01T10:00:05|2026-11-01T10:00:05|2026-11-01T11:00:05||cpu=4,gres/gpu=4|1|COMPLETED|
 11|eval|2026-11-01T10:10:00|2026-11-01T10:20:00|2026-11-01T10:50:00|1-00:00:00|cpu=2,gres/gpu=1,node=1|1|COMPLETED|
 12|cpu|2026-11-01T10:11:00|2026-11-01T10:20:00|2026-11-01T10:50:00|01:00:00|cpu=2,node=1|1|COMPLETED|
