@@ -44,6 +44,10 @@ def itp_nodes(jobs) -> int:
     return max(16, math.ceil(demand / ri.GPUS_PER_NODE / LOAD))
 
 
+def params(args) -> Params:
+    return Params(tick_s=args.tick, fewer_nodes_within=args.fewer_nodes_within)
+
+
 def with_lines(jobs, truth, total, args):
     for j in jobs:
         j.directives = ri.elastic_lines(j.model, j.global_batch, j.gpus, truth, args.max_scale, total, args.min_scale)
@@ -52,7 +56,7 @@ def with_lines(jobs, truth, total, args):
 
 def run_one(name, jobs, cluster, truth, args):
     t = time.perf_counter()
-    res = replay_all(jobs, cluster, truth, args.policies, Params(tick_s=args.tick))
+    res = replay_all(jobs, cluster, truth, args.policies, params(args))
     summary = replay_report.write(res, Path(args.out) / name, name)
     print(f"\n### {name}: {len(jobs)} jobs, {len(cluster.partition().nodes)} nodes x 4 T4 "
           f"({time.perf_counter() - t:.1f} s)\n")
@@ -69,12 +73,15 @@ def main(argv=None) -> int:
     ap.add_argument("--min-scale", type=float, default=0.5)
     ap.add_argument("--max-scale", type=float, default=1.0)
     ap.add_argument("--tick", type=float, default=300.0)
+    ap.add_argument("--fewer-nodes-within", type=float, default=0.0,
+                    help="what-if of a planner rule it does not have (Params.fewer_nodes_within); 0: the planner as is")
     ap.add_argument("--out", default="bench/results/replay")
     args = ap.parse_args(argv)
     args.policies = args.policies.split(",")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# bench/replay.py {' '.join(argv or sys.argv[1:])}\ncommit {commit}, {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, min_scale {args.min_scale}, max_scale {args.max_scale}, tick {args.tick} s")
+          f"{os.cpu_count()} CPUs, min_scale {args.min_scale}, max_scale {args.max_scale}, tick {args.tick} s, "
+          f"fewer_nodes_within {args.fewer_nodes_within}")
     truth = ri.PolluxTruth()
     if args.what == "pollux":
         lo, _, hi = args.workloads.partition("-")
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
             t_load = time.perf_counter() - t
             walls = []
             for p in args.policies:
-                res = Replay(jobs, shape(nodes), truth, p, Params(tick_s=args.tick)).run()
+                res = Replay(jobs, shape(nodes), truth, p, params(args)).run()
                 walls.append(res.wall_s)
             total_jobs += len(jobs)
             total_s += t_load + sum(walls)

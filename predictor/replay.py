@@ -437,16 +437,20 @@ class Replay:
             g, limit = run.request[1], run.job.limit_s or math.inf
             if g > self.total:
                 continue
+            placeable_now = None
             for k in np.flatnonzero(free >= g):
                 stop = max(int(np.searchsorted(times, times[k] + limit, "left")), k + 1)
-                if free[k:stop].min() >= g:
+                if free[k:stop].min() < g:
+                    continue
+                if k > 0:
+                    break
+                placeable_now = self._place(run.request)
+                if placeable_now is not None:       # enough GPUs now but not on the nodes: from the next end on
                     break
             else:
                 continue
-            if k == 0:
-                alloc = self._place(run.request)
-                if alloc is not None:
-                    self._start(run, alloc)
+            if placeable_now is not None:
+                self._start(run, placeable_now)
             end = times[k] + limit
             if math.isfinite(end) and (stop == len(times) or times[stop] != end):
                 times = np.insert(times, stop, end)
