@@ -107,7 +107,7 @@ def main(argv=None) -> int:
             nodes = itp_nodes(jobs)
             run_one(f"itp-{name}", with_lines(jobs, truth, nodes * 4, args), shape(nodes), truth, args)
     else:
-        total_jobs, total_s = 0, 0.0
+        total_jobs, total_s, cpu0 = 0, 0.0, time.process_time()
         print("\n| cluster | jobs | nodes | load s | replay s (" + ",".join(args.policies) + ") |\n|---|---|---|---|---|")
         for name in ITP_CLUSTERS:
             t = time.perf_counter()
@@ -123,7 +123,9 @@ def main(argv=None) -> int:
             total_s += t_load + sum(walls)
             print(f"| {name} | {len(jobs)} | {nodes} | {t_load:.1f} | {', '.join(f'{w:.1f}' for w in walls)} |",
                   flush=True)
-        print(f"\nall 10 clusters: {total_jobs} jobs, {total_s:.1f} s (loading + replay, one process)")
+        print(f"\nall 10 clusters: {total_jobs} jobs, {total_s:.1f} s wall (loading + replay, one process), "
+              f"{time.process_time() - cpu0:.1f} s of CPU; load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} CPUs at the end")
     return 0
 
 

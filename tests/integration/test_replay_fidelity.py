@@ -42,7 +42,8 @@ LOAD = 0.85                # arrival rate: this share of the lab's GPUs, on aver
 TOLERANCE = 0.10
 TOLERANCE_FLOOR_S = 2.0
 MIN_AGREEING = 0.80        # share of the slice's jobs whose start and end must both agree
-CALIBRATION_JOBS = 8
+CALIBRATION_JOBS = 12
+CALIBRATION_SLEEP_S = 2
 LIMIT_S = 60               # every job's --time=1: what backfill plans with, in Slurm and in the simulator
 UNIFORM = {1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (1, 4), 6: (2, 3), 8: (2, 4)}  # GPUs -> (nodes, per node)
 
@@ -167,20 +168,19 @@ def run_slice(bed, jobs: list[ReplayJob], truth: PolluxTruth, tmp: Path, elastic
 
 def release_s(bed, tmp: Path) -> float:
     """Seconds between a job's end and the next job's start on the same GPUs, on the lab: CALIBRATION_JOBS jobs
-    that each take every GPU, queued together, sleeping 2 s; the mean gap (sacct's whole seconds, so the mean)."""
+    that each take every GPU, queued together, each sleeping CALIBRATION_SLEEP_S; (last start - first start) over
+    the jobs between, less the sleep (sacct's whole seconds err by 1 s over the whole span, not per gap)."""
     cfg = bed.config
     env = {**os.environ, **bed.env()}
-    (tmp / "cal.sh").write_text("#!/bin/bash\nsleep 2\n")
+    (tmp / "cal.sh").write_text(f"#!/bin/bash\nsleep {CALIBRATION_SLEEP_S}\n")
     ids = []
     for i in range(CALIBRATION_JOBS):
         proc = subprocess.run(["sbatch", "--parsable", "-N", str(cfg.nodes), f"--gpus-per-node={cfg.gpus_per_node}",
                                "--time=1", "-J", f"cal{i}", f"--output={tmp}/cal%j.out", str(tmp / "cal.sh")],
                               capture_output=True, text=True, env=env, timeout=60, check=True)
         ids.append(proc.stdout.strip().split(";")[0])
-    rows = wait_and_read(env, ids)
-    spans = sorted((r["start"], r["end"]) for r in rows.values())
-    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
-    return max(0.0, float(np.mean(gaps)))
+    starts = sorted(r["start"] for r in wait_and_read(env, ids).values())
+    return max(0.0, (starts[-1] - starts[0]) / (len(starts) - 1) - CALIBRATION_SLEEP_S)
 
 
 def wait_and_read(env: dict, ids: list) -> dict[str, dict]:
