@@ -3,7 +3,7 @@
 A SimPy discrete-event simulation. Each job is a SimPy process that trains for its steps at the step time of its
 current layout and is interrupted when the launcher's rules resize it. Policies, all on the same history:
 
-    as-submitted  Slurm's FIFO + EASY backfill on the GPUs the job asked for
+    as-submitted  Slurm's main scheduler (in order) and backfill (conservative) on the GPUs the job asked for
     right-sized   the job_submit hook's planner (predictor.planner.plan) rewrites the request at submit, on the
                   predictions of a Predictor fitted on what the replay has measured so far
     elastic       right-sized, then the launcher's grow/shrink rules every `tick_s` (AutoscalePolicy.decide,
@@ -19,8 +19,13 @@ time passed since the last fit: a live site's service, fitted on its own history
 
 Placement: a job asking G GPUs without a node count is packed on as few nodes as the free GPUs allow (most free
 first); a planned job asks `nodes x gpus_per_node` and gets nodes with that many free (fullest-fitting first).
-Backfill plans with each job's time limit; jobs are not killed at it. Resizes: a grow takes whole idle nodes,
-(the launcher's helper job), a shrink gives back the job's last nodes.
+Backfill plans with each job's time limit; jobs are not killed at it. A finished job's GPUs are free again
+`release_s` later (Slurm's COMPLETING). Resizes: a grow takes whole idle nodes (the launcher's helper job), a shrink
+gives back the job's last nodes.
+
+Left out: GPU types (one partition: the one the cluster model names first or `partition`), the planner's mixed-type
+and cross-partition choices, the launcher's revert measurements' noise, failures, stragglers, preemption, job
+priorities other than submit order, and time limits killing jobs.
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ class Params:
     Attributes:
         tick_s: the launcher's measurement window (one decision per running elastic job per tick).
         refit_s: least simulated time between two fits of the prediction service.
-        bf_depth: queued jobs backfill looks at past the head (Slurm's bf_max_job_test is 500 by default).
+        bf_depth: queued jobs backfill tests, in order (Slurm's bf_max_job_test: 500 by default).
         min_efficiency: the planner's default and the launcher's grow test.
         grow_pause_s / shrink_pause_s: training time a resize costs the job.
         noise: log-normal spread of the step times jobs report to the service (seeded).
@@ -66,8 +71,8 @@ class Params:
         release_s: seconds a finished job's GPUs stay held (Slurm's COMPLETING state: epilog, step cleanup) before
             another job may start on them; measured on the lab by the fidelity slice.
         fewer_nodes_within: a what-if of a planner rule it does not have (0 = off, the planner as it is): of the
-            layouts of the planned GPU count, the hook takes the one on the fewest nodes whose predicted samples/s is within
-            this share of the planned one (a layout on every node of the cluster waits for all of them).
+            layouts of the planned GPU count, the hook takes the one on the fewest nodes whose predicted samples/s
+            is within this share of the planned one's (a layout on every node waits for all of them to be free).
     """
 
     tick_s: float = 300.0
@@ -134,15 +139,19 @@ class _TruthModels(_Models):
 
 
 class Advisor:
-    """Plans through predictor.planner.plan on a models interface; answers cached per (request, model version)."""
+    """Plans through predictor.planner.plan on a models interface; answers cached per request for the current
+    model version (a new version empties the cache)."""
 
     def __init__(self, cluster: Cluster, models: _Models, min_efficiency: float):
         self.cluster, self.models, self.min_efficiency = cluster, models, min_efficiency
         self._cache: dict = {}
+        self._version = models.version
         self.calls = 0
 
     def plan(self, lines: tuple[str, ...], job: dict, current: list[int] | None = None) -> dict:
-        key = (lines, tuple(sorted(job.items())), tuple(current or ()), self.models.version)
+        if self.models.version != self._version:
+            self._cache, self._version = {}, self.models.version
+        key = (lines, tuple(sorted(job.items())), tuple(current or ()))
         hit = self._cache.get(key)
         if hit is None:
             self.calls += 1

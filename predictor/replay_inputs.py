@@ -14,7 +14,8 @@ a model:
 Histories (`ReplayJob` lists):
 - `load_pollux_workload(n)`: the paper's 160-job workloads (arrival, model, GPUs asked, global batch);
 - `load_itp(cluster)`: the ITP / ElasticFlow traces (submit, duration, GPUs). They name no model: each job gets
-  one of the six Pollux models from a seeded hash of its id, its duration at its GPU count becomes steps;
+  one of the six Pollux models from a seeded hash of its id and the largest measured global batch its GPUs hold
+  without accumulation; its duration at its GPU count becomes steps;
 - `load_sacct(path)`: a site's `sacct -P` export (`--format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,
   NNodes,State,Comment`). A job whose Comment holds `#ELASTIC` lines naming a model the truth tables know runs
   in steps (its measured duration at its allocation becomes its work); any other job runs its measured duration
@@ -207,10 +208,15 @@ def load_pollux_workload(number: int, truth: PolluxTruth, root: Path = DEFAULT_R
 
 def _model_for(job_id: str, gpus: int, truth: PolluxTruth, seed: int) -> tuple[str, int]:
     """A model and global batch for a trace job naming none: a seeded hash of its id picks among the models whose
-    measured batches can spread over `gpus` GPUs; the batch is the smallest measured one that does."""
+    measured batches can spread over `gpus` GPUs; the batch is the largest measured one that runs on `gpus` GPUs
+    without gradient accumulation (the user filled the GPUs' memory), else the smallest that spreads over them."""
     h = int.from_bytes(hashlib.sha256(f"{seed}:{job_id}".encode()).digest()[:8], "big")
-    fits = [(m, b) for m in POLLUX_APPS for b in [next((b for b in truth.batches(m) if truth.feasible(m, gpus, b)), None)]
-            if b is not None]
+    fits = []
+    for m in POLLUX_APPS:
+        ok = [b for b in truth.batches(m) if truth.feasible(m, gpus, b)]
+        if ok:
+            full = [b for b in ok if math.ceil(b / gpus) <= truth.apps[m]["max_local"]]
+            fits.append((m, max(full) if full else min(ok)))
     return fits[h % len(fits)]
 
 
