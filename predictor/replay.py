@@ -444,23 +444,25 @@ class Replay:
         free = np.cumsum([int(self.free.sum())] + [g for _, g in ends])   # free GPUs from each time on
         for run in list(self.queue[:self.params.bf_depth]):
             g, limit = run.request[1], run.job.limit_s or math.inf
-            if g > self.total:
+            if g > free[-1]:                                   # not even once everything ends
                 continue
-            placeable_now = None
-            for k in np.flatnonzero(free >= g):
-                stop = max(int(np.searchsorted(times, times[k] + limit, "left")), k + 1)
-                if free[k:stop].min() < g:
+            # the first time k from which g GPUs stay free for the whole limit: no shortfall before its end
+            idx = np.arange(len(times))
+            short = np.flatnonzero(free < g)
+            next_short = np.append(short, len(times))[np.searchsorted(short, idx)]
+            stops = np.maximum(np.searchsorted(times, times + limit, "left"), idx + 1)
+            fits = np.flatnonzero((free >= g) & (next_short >= stops))
+            if not len(fits):
+                continue
+            k = int(fits[0])
+            placeable_now = self._place(run.request) if k == 0 else None
+            if k == 0 and placeable_now is None:   # enough GPUs now but not on the nodes: from the next end on
+                if len(fits) == 1:
                     continue
-                if k > 0:
-                    break
-                placeable_now = self._place(run.request)
-                if placeable_now is not None:       # enough GPUs now but not on the nodes: from the next end on
-                    break
-            else:
-                continue
+                k = int(fits[1])
             if placeable_now is not None:
                 self._start(run, placeable_now)
-            end = times[k] + limit
+            stop, end = int(stops[k]), times[k] + limit
             if math.isfinite(end) and (stop == len(times) or times[stop] != end):
                 times = np.insert(times, stop, end)
                 free = np.insert(free, stop, free[stop - 1])
