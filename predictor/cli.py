@@ -545,10 +545,12 @@ def decisions(db, limit):
               help="traces without #ELASTIC lines: gpus maximum = this x the GPUs asked")
 @click.option("--tick", "tick_s", default=300.0, show_default=True, type=click.FloatRange(1, 86400),
               help="the launcher's decision period, simulated seconds")
+@click.option("--refit", "refit_s", default=600.0, show_default=True, type=click.FloatRange(0, 86400),
+              help="least simulated seconds between two fits of the replay's prediction service")
 @click.option("--limit", default=None, type=click.IntRange(1), help="replay only the first N jobs of the history")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="write summary.json, jobs.csv, replay.png here")
 def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, policies, min_scale, max_scale, tick_s,
-           limit, out):
+           refit_s, limit, out):
     """What-if replay of a job history under each sizing policy (SimPy; docs/admin-guide.md, "What-if replay").
 
     Job progress comes from the Pollux OSDI'21 measured T4 tables; decisions from the planner on a Predictor fitted
@@ -597,7 +599,7 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
                                    f"{too_big[0]}: pass a larger --nodes or --cluster")
     click.echo(f"{what}: {len(jobs)} jobs on {shape.partition().name} ({len(shape.partition().nodes)} nodes x "
                f"{shape.partition().gpus_per_node} GPUs)", err=True)
-    results = replay_all(jobs, shape, truth, chosen, Params(tick_s=tick_s),
+    results = replay_all(jobs, shape, truth, chosen, Params(tick_s=tick_s, refit_s=refit_s),
                          progress=lambda p: click.echo(f"  {p} done", err=True))
     if out:
         summary = replay_report.write(results, pathlib.Path(out), what)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -350,7 +351,8 @@ class Replay:
         noise = float(np.exp(self.rng.normal(0.0, self.params.noise)))
         row = {"kind": "step", "profile": j.model, "gpu": self.part.gpu, "layout": lay,
                "intra_link": self.part.intra_link, "per_gpu_batch": max(1, j.global_batch // sum(lay)),
-               "iter_s": step * noise, "sync_s": min(sync * noise, step * noise), "job_id": hash(j.name) % 2**31}
+               "iter_s": step * noise, "sync_s": min(sync * noise, step * noise),
+               "job_id": zlib.crc32(j.name.encode()) % 2**31}
         if len(lay) > 1:
             row["inter_link"] = self.part.inter_link
         self.service.report(row)
