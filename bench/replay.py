@@ -108,7 +108,8 @@ def main(argv=None) -> int:
             run_one(f"itp-{name}", with_lines(jobs, truth, nodes * 4, args), shape(nodes), truth, args)
     else:
         total_jobs, total_s, cpu0 = 0, 0.0, time.process_time()
-        print("\n| cluster | jobs | nodes | load s | replay s (" + ",".join(args.policies) + ") |\n|---|---|---|---|---|")
+        print("\n| cluster | jobs | nodes | load s | replay s (" + ",".join(args.policies) + ") |")
+        print("|---|---|---|---|---|")
         for name in ITP_CLUSTERS:
             t = time.perf_counter()
             jobs = ri.load_itp(name, truth)

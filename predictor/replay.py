@@ -54,7 +54,7 @@ POLICIES = ("as-submitted", "right-sized", "elastic", "oracle")
 # meanwhile in fact): grow 2->4 with a helper job 0.811 s, shrink 4->2 1.112 s.
 GROW_PAUSE_S = 0.811
 SHRINK_PAUSE_S = 1.112
-KEEP_ROWS = 5  # newest step rows kept per (model, per-GPU batch, layout): the fit's cost stays bounded on long histories
+KEEP_ROWS = 5  # newest step rows kept per (model, per-GPU batch, layout): the fit's cost stays bounded
 
 
 @dataclasses.dataclass
@@ -603,7 +603,8 @@ class Result:
                 "p99_jct_s": float(np.percentile(jct, 99)), "avg_queue_s": float(q.mean()),
                 "makespan_s": float(makespan), "gpu_hours": gpu_h,
                 "utilisation": gpu_h * 3600 / (self.total_gpus * makespan) if makespan > 0 else 0.0,
-                "resizes": int(sum(j["resizes"] for j in js)), "decisions": self.decisions, "wall_s": self.wall_s, "fits": self.fits[0],
+                "resizes": int(sum(j["resizes"] for j in js)), "decisions": self.decisions, "wall_s": self.wall_s,
+                "fits": self.fits[0],
                 "fit_s": self.fits[1]}
 
 

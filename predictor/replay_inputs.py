@@ -276,8 +276,8 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
         reader = csv.DictReader(f, delimiter="|")
         missing = [c for c in SACCT_FIELDS if c not in (reader.fieldnames or [])]
         if missing:
-            raise InputError(f"{path}:1: missing column(s) {', '.join(missing)} (export with "
-                             "sacct -P --format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,NNodes,State,Comment)")
+            raise InputError(f"{path}:1: missing column(s) {', '.join(missing)} (export with sacct -P "
+                             "--format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,NNodes,State,Comment)")
         jobs, t0 = [], None
         for line, r in enumerate(reader, start=2):
             if "." in r["JobID"] or r["Start"] in ("", "Unknown", "None") or r["End"] in ("", "Unknown"):
@@ -288,7 +288,8 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
                 gpus = int(tres.get("gres/gpu", "0"))
                 nodes = int(r["NNodes"])
             except ValueError:
-                raise InputError(f"{where}: AllocTRES/NNodes: not a number: {r['AllocTRES']!r} / {r['NNodes']!r}") from None
+                raise InputError(f"{where}: AllocTRES/NNodes: not a number: {r['AllocTRES']!r} / "
+                                 f"{r['NNodes']!r}") from None
             if gpus < 1:
                 continue
             sub, start, end = _time(r["Submit"], f"{where}: Submit"), _time(r["Start"], f"{where}: Start"), \
@@ -296,7 +297,8 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
             t0 = sub if t0 is None else min(t0, sub)
             dur = max(end - start, 1.0)
             # `#ELASTIC` lines joined by `;` or newlines; the hook's own ` elastic:decision=d-N` mark is not a line
-            comment = re.sub(r"\s*elastic:decision=\S+", "", r.get("Comment") or "").replace("\\n", "\n").replace(";", "\n")
+            comment = re.sub(r"\s*elastic:decision=\S+", "", r.get("Comment") or "")
+            comment = comment.replace("\\n", "\n").replace(";", "\n")
             lines = tuple(ln.strip() for ln in comment.splitlines() if ln.strip().startswith(PREFIX))
             model = next((ln.split("model=", 1)[1].split()[0] for ln in lines if "model=" in ln), None)
             per_gpu = next((int(ln.split("per_gpu_batch=", 1)[1].split()[0]) for ln in lines if "per_gpu_batch=" in ln),
