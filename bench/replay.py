@@ -30,6 +30,7 @@ from predictor.replay import POLICIES, Params, Replay, replay_all  # noqa: E402
 
 LOAD = 0.7
 ITP_CLUSTERS = [f"cluster{i:02d}" for i in range(1, 11)]
+ITP_DIR = Path(__file__).resolve().parent / "data" / "itp-elasticflow-traces" / "raw"
 
 
 def shape(nodes: int) -> Cluster:
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             print("elastic vs oracle avg JCT: " + ", ".join(f"{g:+.1%}" for g in gaps))
     elif args.what == "itp":
         for name in args.clusters.split(","):
-            jobs = ri.load_itp(name, truth)
+            jobs = ri.load_itp(ITP_DIR / f"{name}.csv", truth)
             nodes = itp_nodes(jobs)
             run_one(f"itp-{name}", with_lines(jobs, truth, nodes * 4, args), shape(nodes), truth, args)
     else:
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|")
         for name in ITP_CLUSTERS:
             t = time.perf_counter()
-            jobs = ri.load_itp(name, truth)
+            jobs = ri.load_itp(ITP_DIR / f"{name}.csv", truth)
             nodes = itp_nodes(jobs)
             with_lines(jobs, truth, nodes * 4, args)
             t_load = time.perf_counter() - t

@@ -532,7 +532,8 @@ def decisions(db, limit):
 @click.option("--sacct", "sacct_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="a `sacct -P` export (--format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,NNodes,State,Comment)")
 @click.option("--pollux-workload", default=None, type=click.IntRange(1, 8), help="Pollux OSDI'21 workload 1-8")
-@click.option("--itp", default=None, help="ITP / ElasticFlow trace cluster, e.g. cluster04")
+@click.option("--itp", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="an ITP / ElasticFlow trace CSV, e.g. bench/data/itp-elasticflow-traces/raw/cluster04.csv")
 @click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False),
               help="cluster model JSON (the service's format); default: --nodes x --gpus-per-node T4 on pcie/ethernet")
 @click.option("--nodes", default=16, show_default=True, type=click.IntRange(1, 100_000), help="nodes (without --cluster)")
@@ -568,7 +569,7 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
     if bad:
         raise click.BadParameter(f"unknown {', '.join(bad)} (known: {', '.join(POLICIES)})", param_hint="--policy")
     if sum(x is not None for x in (sacct_file, pollux_workload, itp)) != 1:
-        raise click.UsageError("give exactly one history: --sacct FILE, --pollux-workload N or --itp CLUSTER")
+        raise click.UsageError("give exactly one history: --sacct FILE, --pollux-workload N or --itp FILE")
     if cluster:
         try:
             shape = Cluster.from_file(cluster)
@@ -585,7 +586,7 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
         elif pollux_workload:
             jobs, what = ri.load_pollux_workload(pollux_workload, truth), f"Pollux workload {pollux_workload}"
         else:
-            jobs, what = ri.load_itp(itp, truth), f"ITP {itp}"
+            jobs, what = ri.load_itp(itp, truth), f"ITP {pathlib.Path(itp).stem}"
     except (ri.InputError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     jobs = jobs[:limit] if limit else jobs

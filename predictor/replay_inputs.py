@@ -13,7 +13,7 @@ a model:
 
 Histories (`ReplayJob` lists):
 - `load_pollux_workload(n)`: the paper's 160-job workloads (arrival, model, GPUs asked, global batch);
-- `load_itp(cluster)`: the ITP / ElasticFlow traces (submit, duration, GPUs). They name no model: each job gets
+- `load_itp(path)`: the ITP / ElasticFlow traces (submit, duration, GPUs). They name no model: each job gets
   one of the six Pollux models from a seeded hash of its id and the largest measured global batch its GPUs hold
   without accumulation; its duration at its GPU count becomes steps;
 - `load_sacct(path)`: a site's `sacct -P` export (`--format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,
@@ -220,11 +220,11 @@ def _model_for(job_id: str, gpus: int, truth: PolluxTruth, seed: int) -> tuple[s
     return fits[h % len(fits)]
 
 
-def load_itp(cluster: str, truth: PolluxTruth, seed: int = 0, root: Path = DEFAULT_ROOT,
-             limit: int | None = None) -> list[ReplayJob]:
-    """ITP cluster `cluster` (`cluster01`..`cluster10`) as model jobs (see the module docstring); time limit = the
-    trace's duration (exact estimates)."""
-    path = Path(root) / "itp-elasticflow-traces" / "raw" / f"{cluster}.csv"
+def load_itp(path: str | Path, truth: PolluxTruth, seed: int = 0, limit: int | None = None) -> list[ReplayJob]:
+    """An ITP / ElasticFlow trace file (`job_id,submission_time,duration,num_gpu`; the ten clusters are vendored in
+    bench/data/itp-elasticflow-traces/raw) as model jobs (see the module docstring); time limit = the trace's
+    duration (exact estimates)."""
+    path = Path(path)
     jobs = []
     for i, r in enumerate(_read(path)):
         try:
