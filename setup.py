@@ -34,6 +34,7 @@ setup(
         "click>=8.1",
         "requests>=2.31",
         "matplotlib>=3.8",
+        "simpy>=4.1",  # the what-if replay's discrete-event engine (predictor/replay.py)
     ],
     extras_require={
         # a set that works together (schemathesis 4.32.5 with pytest 9.0.3, hypothesis 6.155.2, pytest-timeout

@@ -631,6 +631,86 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
         for line in sub.stderr.splitlines():
             click.echo(line, err=True)
         click.echo(sub.job_id)
+@click.option("--sacct", "sacct_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="a `sacct -P` export (--format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,NNodes,State,Comment)")
+@click.option("--pollux-workload", default=None, type=click.IntRange(1, 8), help="Pollux OSDI'21 workload 1-8")
+@click.option("--itp", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="an ITP / ElasticFlow trace CSV, e.g. bench/data/itp-elasticflow-traces/raw/cluster04.csv")
+@click.option("--cluster", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="cluster model JSON (the service's format); default: --nodes x --gpus-per-node T4 on pcie/ethernet")
+@click.option("--nodes", default=16, show_default=True, type=click.IntRange(1, 100_000), help="nodes (without --cluster)")
+@click.option("--gpus-per-node", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--policy", "policies", default="as-submitted,right-sized,elastic,oracle", show_default=True,
+              help="comma-separated policies")
+@click.option("--min-scale", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+              help="traces without #ELASTIC lines: gpus minimum = this x the GPUs asked")
+@click.option("--max-scale", default=1.0, show_default=True, type=click.FloatRange(1, 64),
+              help="traces without #ELASTIC lines: gpus maximum = this x the GPUs asked")
+@click.option("--tick", "tick_s", default=300.0, show_default=True, type=click.FloatRange(1, 86400),
+              help="the launcher's decision period, simulated seconds")
+@click.option("--refit", "refit_s", default=600.0, show_default=True, type=click.FloatRange(0, 86400),
+              help="least simulated seconds between two fits of the replay's prediction service")
+@click.option("--limit", default=None, type=click.IntRange(1), help="replay only the first N jobs of the history")
+@click.option("--out", default=None, type=click.Path(file_okay=False), help="write summary.json, jobs.csv, replay.png here")
+def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, policies, min_scale, max_scale, tick_s,
+           refit_s, limit, out):
+    """What-if replay of a job history under each sizing policy (SimPy; docs/admin-guide.md, "What-if replay").
+
+    Job progress comes from the Pollux OSDI'21 measured T4 tables; decisions from the planner on a Predictor fitted
+    on what the replay has measured so far (oracle: on the tables themselves).
+
+    Example: elastic-predictor replay --sacct jobs.txt --nodes 16 --out replay/
+    """
+    from predictor.cluster import Cluster  # noqa: PLC0415
+    from predictor.replay import POLICIES, Params, replay_all  # noqa: PLC0415
+    from predictor import replay_inputs as ri  # noqa: PLC0415
+    from predictor import replay_report  # noqa: PLC0415
+
+    chosen = [p for p in policies.split(",") if p]
+    bad = [p for p in chosen if p not in POLICIES]
+    if bad:
+        raise click.BadParameter(f"unknown {', '.join(bad)} (known: {', '.join(POLICIES)})", param_hint="--policy")
+    if sum(x is not None for x in (sacct_file, pollux_workload, itp)) != 1:
+        raise click.UsageError("give exactly one history: --sacct FILE, --pollux-workload N or --itp FILE")
+    if cluster:
+        try:
+            shape = Cluster.from_file(cluster)
+        except (OSError, ValidationError) as exc:
+            raise click.ClickException(f"{cluster}: {exc}") from None
+    else:
+        shape = Cluster.from_dict({"default_partition": "replay", "partitions": [
+            {"name": "replay", "nodes": f"n[1-{nodes}]", "gpus_per_node": gpus_per_node, "gpu": "T4",
+             "intra_link": "pcie", "inter_link": "ethernet"}]})
+    truth = ri.PolluxTruth()
+    try:
+        if sacct_file:
+            jobs, what = ri.load_sacct(sacct_file, truth), sacct_file
+        elif pollux_workload:
+            jobs, what = ri.load_pollux_workload(pollux_workload, truth), f"Pollux workload {pollux_workload}"
+        else:
+            jobs, what = ri.load_itp(itp, truth), f"ITP {pathlib.Path(itp).stem}"
+    except (ri.InputError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    jobs = jobs[:limit] if limit else jobs
+    total = shape.partition().total_gpus
+    for j in jobs:
+        if j.model is not None and not j.directives and not sacct_file:
+            j.directives = ri.elastic_lines(j.model, j.global_batch, j.gpus, truth, max_scale, total, min_scale)
+    too_big = [j.name for j in jobs if j.gpus > total]
+    if too_big:
+        raise click.ClickException(f"{len(too_big)} job(s) ask more than the cluster's {total} GPUs, e.g. "
+                                   f"{too_big[0]}: pass a larger --nodes or --cluster")
+    click.echo(f"{what}: {len(jobs)} jobs on {shape.partition().name} ({len(shape.partition().nodes)} nodes x "
+               f"{shape.partition().gpus_per_node} GPUs)", err=True)
+    results = replay_all(jobs, shape, truth, chosen, Params(tick_s=tick_s, refit_s=refit_s),
+                         progress=lambda p: click.echo(f"  {p} done", err=True))
+    if out:
+        summary = replay_report.write(results, pathlib.Path(out), what)
+        click.echo(f"wrote {out}/summary.json, jobs.csv, replay.png", err=True)
+        rows, gap = summary["rows"], summary["oracle_gap"]
+    else:
+        rows, gap = replay_report.rows(results), replay_report.oracle_gap(results)
+    click.echo(replay_report.markdown(rows, gap))
 
 
 for _command in _ADMIN_COMMANDS:    # issue 7: models, links, plot (predictor/admin_cli.py)

@@ -63,6 +63,7 @@ ENV_DECISIONS_MAX_BYTES = "ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES"
 ENV_PLOT_PRERENDER = "ELASTIC_PREDICTOR_PLOT_PRERENDER"
 ENV_JOB_WRITE_QUOTA = "ELASTIC_PREDICTOR_JOB_WRITE_QUOTA_BYTES"
 ENV_TOKEN_WRITE_QUOTA = "ELASTIC_PREDICTOR_TOKEN_WRITE_QUOTA_BYTES"
+ENV_REPLAY_DIR = "ELASTIC_PREDICTOR_REPLAY_DIR"
 # The variable behind each range-checked field, so an out-of-range value is reported by the name the admin set.
 _FIELD_ENV = {"max_body_bytes": ENV_MAX_BODY, "prediction_cache_size": ENV_CACHE, "refit_debounce": ENV_DEBOUNCE,
               "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL,
@@ -118,6 +119,8 @@ class Config:
             tests start no drawing they did not ask for).
         fits: this process may fit the model (take the fit lock); False: it only loads the models others fit
             (the plan pool behind nginx, predictor.front_nginx: fits run in the side pool).
+        replay_dir: the folder `elastic-predictor replay --out` wrote its report to; /admin shows it (None: the
+            page says how to make one).
     """
 
     db_path: str = "predictor.db"
@@ -149,6 +152,7 @@ class Config:
     open_writes: bool = True
     job_write_quota_bytes: int = 64 * 1024 * 1024
     token_write_quota_bytes: int = 1024 * 1024 * 1024
+    replay_dir: str | None = None
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -268,4 +272,5 @@ _ENV_FIELDS = (
     (ENV_DECISIONS_MAX_BYTES, "decisions_max_bytes", _int_var),
     (ENV_JOB_WRITE_QUOTA, "job_write_quota_bytes", _int_var),
     (ENV_TOKEN_WRITE_QUOTA, "token_write_quota_bytes", _int_var),
+    (ENV_REPLAY_DIR, "replay_dir", _str_var),
 )

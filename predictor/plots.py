@@ -302,3 +302,31 @@ def rendering_png() -> bytes:
 def failed_png(error: str) -> bytes:
     """What the service shows for a plot whose drawing failed (the error, shortened)."""
     return _message(f"drawing this plot failed: {error[:300]}")
+
+
+def replay_png(results: dict, title: str = "") -> bytes:
+    """The what-if replay's figure (predictor/replay.py): left, the CDF of job completion time per policy (log x);
+    right, GPUs busy over time per policy (hours from the history's start). `results`: policy -> Result."""
+    fig = _figure(figsize=(11.0, 4.2))
+    cdf, busy = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for i, (policy, res) in enumerate(results.items()):
+        color = COLORS[i % len(COLORS)]
+        jct = np.sort([j["jct"] for j in res.jobs().values()])
+        cdf.plot(jct, np.arange(1, len(jct) + 1) / len(jct), color=color,
+                 label=f"{policy} (avg {jct.mean():,.0f} s)")
+        if res.busy:
+            t, g = zip(*res.busy)
+            busy.plot(np.array(t) / 3600, g, color=color, lw=0.8, label=policy)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("job completion time (s)")
+    cdf.set_ylabel("fraction of jobs")
+    cdf.legend(fontsize=8, loc="lower right")
+    cdf.grid(alpha=0.3)
+    busy.set_xlabel("hours from the first submit")
+    busy.set_ylabel(f"GPUs busy (of {next(iter(results.values())).total_gpus})")
+    busy.legend(fontsize=8)
+    busy.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _png(fig)

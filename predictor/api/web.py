@@ -9,6 +9,8 @@
     /admin/decisions/<id>           one decision: what was asked and answered, and the partitions it compared
     /admin/plots/scaling.png        predicted vs observed scaling (`?profile=&gpu=` to narrow it)
     /admin/plots/links.png          per-link all-reduce bandwidth against message size
+    /admin/plots/replay.png         the what-if replay's figure (`elastic-predictor replay --out` wrote it to the
+                                    service's replay_dir, $ELASTIC_PREDICTOR_REPLAY_DIR; the page shows its table)
 
 Same rows as the CLI tables (predictor/admin_tables.py) and the same figures as `elastic-predictor plot`.
 Nothing here writes: the page has no forms, and every link goes to a GET. No request draws a plot: each
@@ -21,6 +23,8 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import json
+from pathlib import Path
 from urllib.parse import urlencode
 
 from flask import Blueprint, Response, current_app, jsonify, request, url_for
@@ -28,6 +32,7 @@ from markupsafe import Markup, escape
 
 from predictor import admin_tables, outliers
 from predictor.api import authenticator, int_arg, services
+from predictor.config import ENV_REPLAY_DIR
 from predictor.errors import NotFoundError, ValidationError
 from predictor.plotcache import RETRY_AFTER_S, PlotKey
 from slurm_plugin.contracts.records import LINK_RE, NAME_RE
@@ -140,6 +145,7 @@ def _index_page(limit: int) -> str:
  alt="predicted vs observed throughput against GPUs, per model and layout family">
 <h2>Links: bandwidth against message size</h2>
 <img src="{url_for("web.links_png")}" alt="all-reduce bus bandwidth against message size per link">
+{_replay_section(svc.config.replay_dir)}
 <p><small>Read-only. JSON: <a href="{url_for("decisions.index")}">/v1/decisions</a> &middot;
  <a href="{url_for("links.index")}">/v1/links</a> &middot; <a href="{url_for("health.healthz")}">/healthz</a> &middot;
  <a href="{url_for("metrics.metrics")}">/metrics</a></small></p>
@@ -202,6 +208,47 @@ def decision(decision_id: str):
 </body></html>
 """
     return Response(page, mimetype="text/html")
+
+
+REPLAY_COLUMNS = [("policy", "policy", ""), ("jobs", "jobs", "d"), ("avg_jct_s", "avg JCT s", ",.0f"),
+                  ("p99_jct_s", "p99 JCT s", ",.0f"), ("avg_queue_s", "avg queue s", ",.0f"),
+                  ("gpu_hours", "GPU-h", ",.0f"), ("utilisation", "utilisation", ".2f"),
+                  ("vs_submitted", "avg JCT vs as-submitted", "+.1%"), ("late", "jobs >10% later", "")]
+
+
+def _replay_summary(folder: str | None) -> dict | None:
+    """The report `elastic-predictor replay --out` wrote to the configured folder, or None."""
+    if not folder:
+        return None
+    try:
+        return json.loads((Path(folder) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _replay_section(folder: str | None) -> Markup:
+    summary = _replay_summary(folder)
+    if summary is None:
+        where = escape(folder) if folder else ENV_REPLAY_DIR
+        return Markup(f"<h2>What-if replay</h2><p><small>No replay report in {where}: run <code>elastic-predictor "
+                      f"replay --sacct JOBS.txt --out DIR</code> with {ENV_REPLAY_DIR}=DIR set for the service "
+                      "(docs/admin-guide.md, \"What-if replay\").</small></p>")
+    gap = summary.get("oracle_gap")
+    note = f" &middot; prediction-driven elastic vs oracle: {gap:+.1%} average JCT" if gap is not None else ""
+    return Markup(f"<h2>What-if replay: {escape(summary.get('title') or '')}</h2>"
+                  f"<p><small>Each policy on the same history (predictor/replay.py){note}.</small></p>"
+                  f"{_html_table(summary.get('rows') or [], REPLAY_COLUMNS)}"
+                  f'<img src="{url_for("web.replay_png")}" alt="job completion time CDF and GPUs busy per policy">')
+
+
+@bp.get("/plots/replay.png")
+def replay_png():
+    folder = services().config.replay_dir
+    path = Path(folder or ".") / "replay.png"
+    if not folder or not path.is_file():
+        raise NotFoundError("replay report", "replay.png", "run `elastic-predictor replay --out DIR` and set "
+                                                          f"{ENV_REPLAY_DIR}=DIR for the service")
+    return Response(path.read_bytes(), mimetype="image/png", headers={"Cache-Control": "no-cache"})
 
 
 def _plot(key: PlotKey) -> Response:

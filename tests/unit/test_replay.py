@@ -1,0 +1,170 @@
+"""The what-if replay (predictor/replay.py, replay_inputs.py, replay_report.py): truth tables, FIFO + backfill,
+the launcher's rules, decisions kept apart from truth, the sacct reader, the CLI."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from predictor.cli import main
+from predictor.cluster import Cluster
+from predictor.replay import Params, Replay, later_than
+from predictor.replay_inputs import InputError, PolluxTruth, ReplayJob, elastic_lines, load_pollux_workload, load_sacct
+
+
+@pytest.fixture(scope="module")
+def truth():
+    return PolluxTruth()
+
+
+def shape(nodes: int, per_node: int = 4) -> Cluster:
+    return Cluster.from_dict({"default_partition": "p", "partitions": [
+        {"name": "p", "nodes": f"n[1-{nodes}]", "gpus_per_node": per_node, "gpu": "T4", "intra_link": "pcie",
+         "inter_link": "ethernet"}]})
+
+
+def fixed(name, submit, gpus, dur, limit=None, nodes=None):
+    return ReplayJob(name, submit, gpus, nodes, duration_s=dur, limit_s=limit or dur)
+
+
+def test_truth_is_the_measured_table_where_measured(truth):
+    with open("predictor/data/pollux-osdi21/traces/cifar10/placements.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["placement"] == "22" and r["local_bsz"] == "64"]
+    assert rows
+    step, sync = truth.step("cifar10", (2, 2), 64 * 4)
+    assert step == pytest.approx(float(rows[0]["step_time"]))
+    assert sync == pytest.approx(float(rows[0]["sync_time"]))
+    # the rotation and order of a placement do not matter; past the largest per-GPU batch, accumulation adds steps
+    assert truth.step("cifar10", (1, 3), 256)[0] == truth.step("cifar10", (3, 1), 256)[0]
+    one, _ = truth.step("bert", (4,), 48)            # 12 per GPU: bert's largest measured
+    two, _ = truth.step("bert", (4,), 96)            # 24 per GPU: one accumulation micro-step more
+    assert 1.5 * one < two < 2.1 * one
+
+
+@pytest.fixture(scope="module")
+def workload1(truth):
+    return load_pollux_workload(1, truth)
+
+
+def test_work_is_the_validation_tables_last_epoch(truth, workload1):
+    with open("predictor/data/pollux-osdi21/traces/cifar10/validation-2048.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert truth.steps_to_finish("cifar10", 2048) == int(last["iteration"])
+    jobs = workload1
+    assert len(jobs) == 160 and jobs[0].name == "cifar10-0" and jobs[0].submit_s == 107
+    assert jobs[0].duration_s == pytest.approx(jobs[0].steps * truth.step("cifar10", (4, 2), 2048)[0])
+
+
+def test_fifo_then_backfill_by_time_limit(truth):
+    jobs = [fixed("a", 0, 2, 100), fixed("head", 1, 4, 50), fixed("short", 2, 2, 40), fixed("long", 3, 2, 400)]
+    got = Replay(jobs, shape(1), truth, "as-submitted").run().jobs()
+    assert got["a"]["start"] == 0 and got["head"]["start"] == 100      # waits for a's 2 GPUs
+    assert got["short"]["start"] == 2                                   # ends before head's reservation: backfilled
+    assert got["long"]["start"] == 150                                  # would delay head: after it
+    assert got["long"]["gpu_s"] == pytest.approx(2 * 400)
+
+
+def test_resizes_follow_the_launchers_rules_and_pay_the_pause(truth):
+    """An elastic 8-GPU cifar10 job (gpus=4-8) on 2 nodes hands a node back to a pending 4-GPU job at the next tick;
+    the pending job starts then, and the elastic job finishes later than alone by its slower rate, plus the pause."""
+    lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    small = fixed("small", 10, 4, 600, nodes=1)
+    params = Params(tick_s=60.0, grow_pause_s=5.0, shrink_pause_s=7.0)
+    alone = Replay([big], shape(2), truth, "oracle", params).run().jobs()[big.name]
+    rep = Replay([big, small], shape(2), truth, "oracle", params)
+    res = rep.run()
+    got = res.jobs()
+    assert got["small"]["start"] == pytest.approx(60.0)                  # at the first tick after it queued
+    assert rep.decisions.get("handback") == 1 and got[big.name]["resizes"] >= 1
+    assert got[big.name]["end"] > alone["end"] + 7.0
+
+
+def test_prediction_driven_sizing_starts_from_nothing_the_oracle_from_truth(truth, workload1):
+    """Decisions come only from what the replay has measured: the first job is planned before any step row exists
+    (kept as asked); the oracle plans it on the tables."""
+    jobs = [dataclasses.replace(j) for j in workload1[:3]]
+    for j in jobs:
+        j.directives = elastic_lines(j.model, j.global_batch, j.gpus, truth, 1.0, 64, 0.5)
+    sized, oracle = Replay(jobs, shape(16), truth, "right-sized"), Replay(jobs, shape(16), truth, "oracle")
+    sized.run(), oracle.run()
+    first = {r.job.name: r for r in sized.done}[jobs[0].name]
+    assert first.planned is None and first.request == (None, jobs[0].gpus)
+    assert first.layout == (4, 2)                                          # packed, as asked
+    planned = {r.job.name: r for r in oracle.done}[jobs[0].name]
+    assert planned.planned["action"] == "rewrite" and planned.request == (6, 6)   # 6 nodes x 1: truth's best
+
+
+def test_later_than_names_the_jobs(truth):
+    a = Replay([fixed("x", 0, 4, 100), fixed("y", 0, 4, 100)], shape(1), truth, "as-submitted").run()
+    b = Replay([fixed("y", 0, 4, 100), fixed("x", 1, 4, 100)], shape(1), truth, "as-submitted").run()
+    assert [(n, base, got) for n, base, got in later_than(a, b)] == [("x", 100, 199)]   # y: 200 -> 100 s
+
+
+SACCT = """JobID|JobName|Submit|Start|End|Timelimit|AllocTRES|NNodes|State|Comment
+10|train|2026-11-01T10:00:00|2026-11-01T10:00:05|2026-11-01T11:00:05|02:00:00|billing=8,cpu=8,gres/gpu=8,node=2|2|COMPLETED|#ELASTIC model=cifar10;#ELASTIC per_gpu_batch=256;#ELASTIC gpus=4-8 elastic:decision=d-7
+10.batch|batch|2026-11-01T10:00:05|2026-11-01T10:00:05|2026-11-01T11:00:05||cpu=4,gres/gpu=4|1|COMPLETED|
+11|eval|2026-11-01T10:10:00|2026-11-01T10:20:00|2026-11-01T10:50:00|1-00:00:00|cpu=2,gres/gpu=1,node=1|1|COMPLETED|
+12|cpu|2026-11-01T10:11:00|2026-11-01T10:20:00|2026-11-01T10:50:00|01:00:00|cpu=2,node=1|1|COMPLETED|
+13|never|2026-11-01T10:12:00|Unknown|Unknown|01:00:00||1|CANCELLED|
+"""
+
+
+def test_sacct_export(tmp_path, truth):
+    path = tmp_path / "sacct.txt"
+    path.write_text(SACCT)
+    jobs = load_sacct(path, truth)
+    assert [j.name for j in jobs] == ["10", "11"]                 # no steps, no CPU-only job, no job that never ran
+    a, b = jobs
+    assert a.submit_s == 0 and b.submit_s == 600 and a.limit_s == 7200 and b.limit_s == 86400
+    assert a.model == "cifar10" and a.global_batch == 2048 and a.directives[2] == "#ELASTIC gpus=4-8"
+    assert a.steps * truth.step("cifar10", (4, 4), 2048)[0] == pytest.approx(3600)
+    assert b.model is None and b.duration_s == 1800
+    path.write_text(SACCT.replace("2026-11-01T10:10:00", "yesterday"))
+    with pytest.raises(InputError, match=r"sacct.txt:4: Submit: not a time: 'yesterday'"):
+        load_sacct(path, truth)
+    path.write_text("JobID|Submit\n1|2026-11-01T10:00:00\n")
+    with pytest.raises(InputError, match="missing column"):
+        load_sacct(path, truth)
+
+
+def test_cli_replays_an_export_and_writes_the_report(tmp_path):
+    path = tmp_path / "sacct.txt"
+    path.write_text(SACCT)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", "--sacct", str(path), "--nodes", "2", "--out", str(out),
+                                       "--policy", "as-submitted,oracle"])
+    assert result.exit_code == 0, result.output
+    assert "| as-submitted | 2 |" in result.output and "| oracle | 2 |" in result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["policy"] for r in summary["rows"]] == ["as-submitted", "oracle"]
+    assert (out / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(out / "jobs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["policy"], r["job"]) for r in rows} == {(p, j) for p in ("as-submitted", "oracle") for j in ("10", "11")}
+    bad = CliRunner().invoke(main, ["replay", "--sacct", str(path), "--nodes", "1", "--policy", "fifo"])
+    assert bad.exit_code != 0 and "unknown fifo" in bad.output
+    small = CliRunner().invoke(main, ["replay", "--sacct", str(path), "--nodes", "1", "--gpus-per-node", "4"])
+    assert small.exit_code != 0 and "ask more than the cluster's 4 GPUs" in small.output
+
+
+def test_admin_page_shows_the_newest_report(tmp_path, truth):
+    from predictor.app import create_app
+    from predictor.config import Config
+    from predictor import replay_report
+
+    jobs = [fixed("x", 0, 4, 100), fixed("y", 0, 4, 100)]
+    results = {p: Replay(jobs, shape(1), truth, p).run() for p in ("as-submitted", "oracle")}
+    out = tmp_path / "replay"
+    replay_report.write(results, out, "site export")
+    app = create_app(Config(db_path=str(tmp_path / "p.db"), replay_dir=str(out)), start_refit=False)
+    page = app.test_client().get("/admin").get_data(as_text=True)
+    assert "What-if replay: site export" in page and "<td class=\"policy\">oracle</td>" in page
+    png = app.test_client().get("/admin/plots/replay.png")
+    assert png.status_code == 200 and png.data == (out / "replay.png").read_bytes()
+    bare = create_app(Config(db_path=str(tmp_path / "q.db")), start_refit=False).test_client()
+    assert "No replay report" in bare.get("/admin").get_data(as_text=True)
+    assert bare.get("/admin/plots/replay.png").status_code == 404
