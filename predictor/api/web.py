@@ -21,9 +21,9 @@ routes answer its cached PNG (200), a "being drawn" placeholder (202, Retry-Afte
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import time
-import json
 from pathlib import Path
 from urllib.parse import urlencode
 
