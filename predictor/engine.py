@@ -182,8 +182,8 @@ class Predictor:
     def _ladder(self, profile: Profile, gpu: str) -> tuple[Ladder, str, float]:
         """(ladder, basis, extra log std): the measured one, else the FLOPs estimate calibrated on this GPU."""
         lad = self.params_.ladders.get((profile.name, gpu))
-        if lad is not None:
-            return lad, "observed", 0.0
+        if lad is not None:    # measured on one GPU, or inferred from the pair's multi-GPU steps
+            return lad, "observed" if lad.basis == "measured" else lad.basis, 0.0
         has_estimate = profile.compute_s_per_sample is not None or profile.flops_per_sample is not None
         basis = "profile" if has_estimate else "prior"
         return stepmodel.flops_ladder(profile, gpu, self.calibration_.get(gpu)), basis, 0.0

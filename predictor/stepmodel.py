@@ -45,6 +45,7 @@ the prior spread.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -75,8 +76,8 @@ F_SCALE = 0.05                 # soft-L1 scale of log residuals
 MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
 # Interval spreads (log space) where a basis has fewer than MIN_RESIDUALS held-out residuals.
-PRIOR_SPREAD = {"measured": 0.05, "calibrated": 0.10, "observed": 0.15, "cross-type": 0.30, "profile": 0.50,
-                "prior": 1.00}
+PRIOR_SPREAD = {"measured": 0.05, "calibrated": 0.10, "observed": 0.15, "inferred": 0.20, "cross-type": 0.30,
+                "profile": 0.50, "prior": 1.00}
 MIN_RESIDUALS = 8
 INTERVAL = (0.10, 0.90)        # an 80% interval
 
@@ -84,10 +85,12 @@ INTERVAL = (0.10, 0.90)        # an 80% interval
 # --------------------------------------------------------------------------------------------------- one GPU
 @dataclass(frozen=True)
 class Ladder:
-    """The measured 1-GPU step of one (profile, GPU type) at each per-GPU batch (sorted, one value a batch)."""
+    """The 1-GPU step of one (profile, GPU type) at each per-GPU batch (sorted, one value a batch): `measured` on
+    one GPU, or `inferred` from the pair's multi-GPU steps where it never ran on one (`infer_ladders`)."""
 
     batches: tuple[float, ...]
     seconds: tuple[float, ...]
+    basis: str = "measured"
 
     @classmethod
     def from_points(cls, points: dict[float, float]) -> "Ladder":
@@ -114,14 +117,14 @@ class Ladder:
         return np.exp(y)
 
     def scaled(self, ratio: float) -> "Ladder":
-        return Ladder(self.batches, tuple(t * ratio for t in self.seconds))
+        return Ladder(self.batches, tuple(t * ratio for t in self.seconds), self.basis)
 
     def to_dict(self) -> dict:
-        return {"batches": list(self.batches), "seconds": list(self.seconds)}
+        return {"batches": list(self.batches), "seconds": list(self.seconds), "basis": self.basis}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Ladder":
-        return cls(tuple(map(float, d["batches"])), tuple(map(float, d["seconds"])))
+        return cls(tuple(map(float, d["batches"])), tuple(map(float, d["seconds"])), d.get("basis", "measured"))
 
 
 def flops_ladder(profile, gpu: str, calibration: float | None = None) -> Ladder:
@@ -485,9 +488,40 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
             residuals.setdefault(basis, []).append(float(math.log(r["iter_s"] / t)))
             by_pair[(r["profile"], r["gpu"])].append(float(math.log(r["iter_s"] / t)))
     residuals["measured"] = _ladder_residuals(ladders)
+    ladders = {**infer_ladders(profiles, collectives, ladders, multi_rows, hosts, links), **ladders}
     return Params(ladders=dict(ladders), collectives=collectives, hosts=hosts, links=links, residuals=residuals,
                   converged=converged,
                   pair_rmse={k: float(np.sqrt(np.mean(np.square(v)))) if v else 0.0 for k, v in by_pair.items()})
+
+
+def infer_ladders(profiles: dict, collectives: Collectives, ladders: dict, multi_rows: list[dict],
+                  hosts: dict, links: dict) -> dict[tuple[str, str], Ladder]:
+    """Ladders of the (profile, GPU) pairs that ran on several GPUs but never on one (a job submitted at 4 GPUs
+    posts 4-GPU rows only): at each batch, the T1 whose simulated step is the measured one (the step grows with T1,
+    so bisection finds it; T1 is its own floor, the host path then being T1 plus DDP's host work), one vote per
+    owner (the median of the owners' medians). Their basis is `inferred`."""
+    rows = [r for r in multi_rows if (r["profile"], r["gpu"]) not in ladders and r["profile"] in profiles]
+    if not rows:
+        return {}
+    dummy = {(r["profile"], r["gpu"]): Ladder((1.0,), (1.0,)) for r in rows}
+    X = _design(rows, profiles, dummy, collectives)
+    lc = [links.get(sync_link(r["layout"], r["intra_link"], r.get("inter_link")), LinkCost()) for r in rows]
+    kappa, o = np.array([c.kappa for c in lc]), np.array([c.o for c in lc])
+    host_s = np.array([hosts.get(r["gpu"], HostCost()).seconds(nb, nt) for r, nb, nt in zip(rows, X["nb"], X["nt"])])
+    y = np.array([float(r["iter_s"]) for r in rows])
+    lo, hi = np.full(len(rows), 1e-7), y.copy()
+    for _ in range(48):
+        mid = np.sqrt(lo * hi)
+        t = simulate(mid, mid, X["share"], X["comm"], kappa, o, host_s, np.ones(len(rows), dtype=bool))["iter_s"]
+        lo, hi = np.where(t < y, mid, lo), np.where(t < y, hi, mid)
+    votes: dict[tuple, dict] = {}
+    for r, t1 in zip(rows, np.sqrt(lo * hi)):
+        key = (r["profile"], r["gpu"], float(r["per_gpu_batch"]))
+        votes.setdefault(key, {}).setdefault(owner_of(r), []).append(float(t1))
+    pts: dict[tuple, dict] = {}
+    for (p, g, b), by in votes.items():
+        pts.setdefault((p, g), {})[b] = float(np.median([np.median(v) for v in by.values()]))
+    return {k: Ladder(*dataclasses.astuple(Ladder.from_points(v))[:2], basis="inferred") for k, v in pts.items()}
 
 
 def _design(rows: list[dict], profiles: dict, ladders: dict, coll: Collectives) -> dict:

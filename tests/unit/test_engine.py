@@ -210,3 +210,21 @@ def test_a_layout_measured_below_min_efficiency_is_not_planned_again():
     assert after["layout"] != [4, 4], after             # this job measured them: they did not
     two = next(e for e in after["curve"] if e["gpus"] == 8)
     assert two["samples_per_s"] == pytest.approx(8 * 64 / 0.42, rel=0.05) and two["efficiency"] < 0.7
+
+
+def test_a_model_that_only_ran_on_several_gpus_gets_its_one_gpu_step_inferred():
+    # a job submitted at 4 GPUs posts 4-GPU rows only: without a 1-GPU ladder the planner kept every such job
+    profiles = {"resnet50": profile_from_spec("resnet50")}
+    coll = [{"kind": "collective", "op": "allreduce", "link": "nvlink", "world": w, "bytes": b,
+             "seconds": 2e-5 * 2 * (w - 1) + 2 * (w - 1) / w * b / 100e9} for w in (2, 4) for b in (1e4, 1e6, 1e8)]
+    one = {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [1], "intra_link": "none",
+           "per_gpu_batch": 64, "iter_s": 0.05}
+    cand = [{"layout": [1], "intra_link": "nvlink"}, {"layout": [4], "intra_link": "nvlink"}]
+    truth = Predictor().fit(profiles, coll + [one]).predict(profiles["resnet50"], "H200", 64, cand)
+    four = dict(one, layout=[4], intra_link="nvlink", iter_s=truth[1]["iter_s"])
+    only = Predictor().fit(profiles, coll + [four])
+    assert only.known("resnet50", "H200") and only.params_.ladders[("resnet50", "H200")].basis == "inferred"
+    got = only.predict(profiles["resnet50"], "H200", 64, cand)
+    assert [g["iter_s"] for g in got] == pytest.approx([t["iter_s"] for t in truth], rel=1e-6)
+    assert got[0]["basis"] == "inferred" and got[0]["interval"][1] / got[0]["interval"][0] > \
+        truth[0]["interval"][1] / truth[0]["interval"][0]
