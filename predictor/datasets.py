@@ -38,7 +38,7 @@ DEFAULT_ROOT = Path(__file__).resolve().parent / "data"
 A800_GLOBAL_BATCH = 840
 
 POLLUX_MODELS = {"bert": "bert-base-uncased", "cifar10": "resnet18_cifar10", "deepspeech2": "deepspeech2",
-                 "imagenet": "resnet50", "ncf": "ncf", "yolov3": "yolov3"}
+                 "imagenet": "resnet50", "ncf": "ncf-ml-1m", "yolov3": "yolov3"}
 MORPHLING_MODELS = {"bert": "bert-large-uncased", "roberta": "roberta-large", "vit": "vit-base-patch16-224"}
 ELASTICFLOW_MODELS = {"bert": "bert-base-uncased", "deepspeech2": "deepspeech2", "gpt2": "gpt2",
                       "inception3": "inception_v3", "resnet50": "resnet50", "resnet50_cifar10": "resnet50_cifar10",
@@ -65,8 +65,10 @@ def _profiles(models: dict[str, str]) -> dict[str, Profile]:
 
 
 def _step(model, gpu, layout, intra, inter, b, iter_s, source, sync_s=None) -> dict:
+    """One step record; its owner (`uid`) is the model's trace (`<dataset source>/<model>`): one session of one
+    job, so that in a fit each model's trace weighs one vote, however many rows it has (stepmodel.owner_of)."""
     rec = {"kind": "step", "profile": model, "gpu": gpu, "layout": list(layout), "intra_link": intra,
-           "per_gpu_batch": b, "iter_s": float(iter_s), "source": source}
+           "per_gpu_batch": b, "iter_s": float(iter_s), "source": source, "uid": source.split("/", 1)[0] + "/" + model}
     if len(layout) > 1:
         rec["inter_link"] = inter
     if sync_s is not None:
