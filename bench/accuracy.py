@@ -10,7 +10,8 @@ every row of the other models (all GPU counts) and m's 1-GPU rows (its ladder: w
 multi-GPU job); m's multi-GPU rows are predicted and never enter a fit (`lomo_split`). These datasets have no
 all-reduce sweeps, so what the links do is learnt from the other models' steps: for a link with no sweep the step
 model fits its ring latency alpha and bandwidth bw as steps see them, and across nodes how the K GPUs of a node
-share its NIC (nu), besides the overlap (kappa), per-step (o) and host constants it fits everywhere; each model's
+share its NIC (nu) and the share of its all-reduces that run as a tree (tree), besides the overlap (kappa),
+per-step (o) and host constants it fits everywhere; each model's
 trace weighs one vote in the fit (its rows share one owner, predictor/datasets.py). `prior` is the same step model
 fitted on the 1-GPU rows alone: every link at its class prior (predictor/linkmodel.link_prior), no host cost.
 Scored: MAPE of throughput over m's multi-GPU rows; overall, per held-out model, and single node vs across nodes
@@ -289,6 +290,35 @@ def protocol_b(ds, rows, rng):
 
 
 
+def tau_ceiling(rows) -> float | None:
+    """Kendall tau over shapes of no model: in each (model, G, batch) group, each shape ranked by its measured
+    throughput relative to its group's best, averaged over the OTHER batch sizes of the same (model, G). It reads
+    held-out measurements, so it bounds what a model can reach on this noise (Pollux T4: a placement's offset is
+    not shared across jobs, accuracy.md's noise line)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["profile"], _G(r), r["per_gpu_batch"]), []).append(r)
+    rel: dict[tuple, dict] = {}
+    for (m, G, b), g in groups.items():
+        best = max(_tput(r, r["iter_s"]) for r in g)
+        for r in g:
+            rel.setdefault((m, G), {}).setdefault(tuple(sorted(r["layout"])), {}).setdefault(b, []).append(
+                _tput(r, r["iter_s"]) / best)
+    taus, read = [], False
+    for (m, G, b), g in groups.items():
+        shapes: dict[tuple, list[float]] = {}
+        for r in g:
+            shapes.setdefault(tuple(sorted(r["layout"])), []).append(_tput(r, r["iter_s"]))
+        if len(shapes) < 2:
+            continue
+        other = [[np.mean(v) for bb, v in rel[(m, G)][s].items() if bb != b] for s in shapes]
+        read = read or any(other)
+        guess = [np.mean(v or [0.0]) for v in other]
+        tau = kendalltau(guess, [np.mean(v) for v in shapes.values()]).statistic
+        taus.append(float(tau) if np.isfinite(tau) else 0.0)
+    return float(np.mean(taus)) if taus and read else None   # None: one batch size per (model, G)
+
+
 def lomo_split(ds, m) -> tuple[list[dict], list[dict]]:
     """Leave-one-model-out: (train, test) for held-out model m. train: every row of the other models and m's
     1-GPU rows (its ladder, what a site posts before m's first multi-GPU job); test: m's multi-GPU rows, which no
@@ -326,13 +356,15 @@ def protocol_lomo(ds, rng, say=lambda line: None):
     DUMP.setdefault(ds.name + "/LOMO", []).extend(
         {**r, "pred_new": float(a), "pred_prior": float(b)} for r, a, b in zip(rows, new, prior))
     split = {}
-    for label, keep in (("one node", lambda r: len(r["layout"]) == 1), ("across nodes", lambda r: len(r["layout"]) > 1)):
+    for label, keep in (("one node", lambda r: len(r["layout"]) == 1),
+                        ("across nodes", lambda r: len(r["layout"]) > 1)):
         idx = [i for i, r in enumerate(rows) if keep(r)]
         if idx:
             split[label] = {"new": evaluate([rows[i] for i in idx], new[idx], rng),
                             "prior": evaluate([rows[i] for i in idx], prior[idx], rng)}
     return {"fits": len(per_model), "new": evaluate(rows, new, rng), "prior": evaluate(rows, prior, rng),
-            "per_model": per_model, "by_nodes": split, "permutation_noise": permutation_noise(rows)}
+            "per_model": per_model, "by_nodes": split, "permutation_noise": permutation_noise(rows),
+            "tau_ceiling": tau_ceiling(rows)}
 
 
 
@@ -417,17 +449,36 @@ def lomo_table(lomo: dict) -> str:
     return "\n".join(lines)
 
 
+def lomo_notes(lomo: dict) -> str:
+    """The noise beside the tau target: what no model can rank (`tau_ceiling`, `permutation_noise`)."""
+    lines = []
+    for dname, res in lomo.items():
+        if not res or res.get("tau_ceiling") is None:
+            continue
+        line = (f"- {dname}: Kendall tau over shapes of the ceiling (each shape ranked by its own measured throughput "
+                f"at the other batch sizes of its (model, G): no model, it reads held-out rows) "
+                f"{res['tau_ceiling']:.3f}"
+                f"; the model {_fmt(res['new']['kendall_tau_shapes'])}.")
+        noise = res.get("permutation_noise")
+        if noise:
+            line += (f" Two permutations of one shape differ by {noise['rms_pct']:.1f}% rms per row "
+                     f"({noise['pairs']} pairs).")
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def constants_table(lomo: dict) -> str:
     """What each leave-one-model-out fit learnt of the links (no sweep: alpha, bw and nu as the steps saw them)."""
-    lines = ["| dataset | held out | link | alpha (us) | bw (GB/s) | nu | kappa | o (ms) | host c_step / c_bucket / "
-             "c_tensor (ms) |", "|" + "---|" * 9]
+    lines = ["| dataset | held out | link | alpha (us) | bw (GB/s) | nu | tree | kappa | o (ms) | "
+             "host c_step / c_bucket / c_tensor (ms) |", "|" + "---|" * 10]
     for dname, res in lomo.items():
         for m, e in (res or {}).get("per_model", {}).items():
             host = "; ".join(f"{g}: {h['c_step'] * 1e3:.2f} / {h['c_bucket'] * 1e3:.3f} / {h['c_tensor'] * 1e3:.4f}"
                              for g, h in e["hosts"].items())
             for link, c in e["links"].items():
                 lines.append(f"| {dname} | {m} | {link} | {_fmt(c['alpha'] and c['alpha'] * 1e6)} | "
-                             f"{_fmt(c['bw'] and c['bw'] / 1e9)} | {c['nu']:.2f} | {c['kappa']:.2f} | "
+                             f"{_fmt(c['bw'] and c['bw'] / 1e9)} | {c['nu']:.2f} | {c['tree']:.2f} | "
+                             f"{c['kappa']:.2f} | "
                              f"{c['o'] * 1e3:.2f} | {host} |")
     return "\n".join(lines)
 
@@ -460,7 +511,7 @@ def main(argv=None) -> int:
         Path(args.dump).write_text(json.dumps(DUMP), encoding="utf-8")
     from predictor.stepmodel import MODEL_VERSION  # noqa: PLC0415
     text = (f"Model `{MODEL_VERSION}`.\n\n### Leave-one-model-out (headline)\n\n" + lomo_table(lomo)
-            + "\n\nConstants each fit learnt:\n\n" + constants_table(lomo))
+            + "\n\n" + lomo_notes(lomo) + "\n\nConstants each fit learnt:\n\n" + constants_table(lomo))
     if results:
         text += ("\n\n### A (layouts held out) and B (small to large), against Pollux's model (`--full`)\n\n"
                  + table(results) + "\n\n" + notes(results))

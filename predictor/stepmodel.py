@@ -17,7 +17,10 @@ link E). With K = max_i k_i GPUs on the fullest node and G = sum_i k_i:
                   node over K, then across the n nodes' NICs, which carry K^nu_E times a bucket (the K GPUs of
                   a node share its NIC: nu = 0 one copy, a hierarchical all-reduce; nu = 1 K streams of their
                   own). A link with no sweep: the ring (across nodes the cheaper of ring and tree) at the
-                  latency alpha_L and bandwidth bw_L the steps over it show (`link_seconds`)
+                  latency alpha_L and bandwidth bw_L the steps over it show, and across nodes a share tree_L of
+                  its all-reduces run as the tree (2 bytes over bw, where the ring moves 2(n-1)/n: NCCL's tuner
+                  picks by its own cost model, which the steps show: on Pollux's T4 sockets a 2-node all-reduce
+                  costs 1.3-2.3x a 3-node one, where the ring alone makes it 0.75x) (`link_seconds`)
     timeline      a_j = max(r_j, e_{j-1}); an all-reduce that overlaps the backward runs (1 + kappa_L) times
                   slower (NCCL's kernels and proxy threads contend with the compute); e_j its end
     device        T_dev = max(T1, e_m) + o_L                     o_L: the sync link's per-step cost
@@ -33,15 +36,16 @@ Parameters are physical and few, each with the evidence it rests on (`basis`):
 - per (P, g): the ladder (measured 1-GPU steps, one vote per user at each batch: the median of their medians);
 - per link: the collective sweep (the cluster's own `collective` rows), kappa_L and o_L; where no sweep exists
   (public datasets, a site before its calibration job), alpha_L and bw_L as steps see them and, for a link
-  across nodes, nu_L;
+  across nodes, nu_L and tree_L;
 - per host class (GPU type: the nodes of a partition share a host): c_step, c_bucket, c_tensor.
 Defaults are the no-fit reference's: kappa = o = c = 0 (perfect overlap, no DDP host cost). A host's constants
 are *calibrated* where the calibration job (`elastic-predictor calibrate`: probe models with many small and few
 large tensors, with and without DDP) posted `ddp_overhead` rows for its GPU type, else *fitted* from the
 multi-GPU steps that ran on that type, else *default*. kappa_L and o_L are *fitted* from the steps that synchronised
 over link L (bounded, pulled to 0), else *default*; alpha_L and bw_L of a link with no sweep are fitted in log
-ratio to the link class's prior (alpha 0.1-100x, bw 1/30-3x; pulled to the prior) from the steps that ran over it,
-and nu_L (0..1, pulled to 0) from its steps across nodes with K > 1; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
+ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prior) from the steps that ran over it,
+nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, pulled to 0: the ring) from its
+steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all.
 
 Intervals: the 10th and 90th percentiles of held-out log residuals by basis (`interval`): the multi-GPU rows'
@@ -76,10 +80,12 @@ LAUNCH_FLOOR_S = 5e-3          # the step of a profile never measured, below whi
 # Bounds of the fitted constants (SI units); each is pulled to its default (0) by a ridge worth RIDGE_ROWS rows.
 BOUNDS = {"kappa": (0.0, 4.0), "o": (0.0, 0.02), "c_step": (0.0, 0.02), "c_bucket": (0.0, 2e-3),
           "c_tensor": (0.0, 5e-4),
-          # a link with no sweep: log of its alpha and bw over the class prior's, and the NIC's sharing exponent
-          "alpha": (math.log(0.1), math.log(100.0)), "bw": (math.log(1 / 30), math.log(3.0)), "nu": (0.0, 1.0)}
+          # a link with no sweep: log of its alpha and bw over the class prior's (bw up to 10x: a node may have
+          # several NICs, a DGX A100 eight), the NIC's sharing exponent and the share of tree all-reduces
+          "alpha": (math.log(0.1), math.log(100.0)), "bw": (math.log(1 / 30), math.log(10.0)), "nu": (0.0, 1.0),
+          "tree": (0.0, 1.0)}
 SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5, "alpha": 1.0, "bw": 1.0,
-         "nu": 1.0}  # the optimiser's units
+         "nu": 1.0, "tree": 1.0}  # the optimiser's units
 RIDGE_ROWS = 2.0
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
 MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
@@ -276,9 +282,10 @@ class HostCost:
 class LinkCost:
     """How a link's all-reduce overlaps a backward (kappa: 1 + kappa times slower while it does) and what a step
     synchronised over it costs beyond (o seconds); for a link with no sweep, its ring latency alpha and bandwidth
-    bw as the steps see them (None: the link class's prior) and how the K GPUs of a node share its NIC across
+    bw as the steps see them (None: the link class's prior), how the K GPUs of a node share its NIC across
     nodes (nu: the NIC carries K^nu times a bucket's bytes; 0 a hierarchical all-reduce, one copy, 1 K streams
-    of their own); with their basis."""
+    of their own) and the share of its all-reduces across nodes that run as a tree (tree: 0 the ring or the
+    cheaper of the two, 1 the tree); with their basis."""
 
     kappa: float = 0.0
     o: float = 0.0
@@ -286,6 +293,7 @@ class LinkCost:
     alpha: float | None = None
     bw: float | None = None
     nu: float = 0.0
+    tree: float = 0.0
 
 
 @dataclass
@@ -347,8 +355,8 @@ def sync_link(layout, intra: str, inter: str | None) -> str:
 
 def link_seconds(coll: Collectives, lc: LinkCost, link: str, world, nbytes, across: bool = False) -> np.ndarray:
     """All-reduce seconds of `nbytes` over `world` ranks (arrays broadcast) on `link`: a link with a sweep reads
-    it (`Collectives`); one without, the ring (across nodes the cheaper of ring and tree) at the alpha and bw the
-    steps showed (`LinkCost`, fitted), else at its class's prior."""
+    it (`Collectives`); one without, the ring (across nodes the cheaper of ring and tree, a share `lc.tree` the
+    tree) at the alpha and bw the steps showed (`LinkCost`, fitted), else at its class's prior."""
     if coll.measured(link):
         return coll.across(link, int(world), nbytes) if across else coll.time(link, int(world), nbytes)
     a0, bw0 = link_prior(link)[:2]
@@ -356,7 +364,8 @@ def link_seconds(coll: Collectives, lc: LinkCost, link: str, world, nbytes, acro
     w = np.asarray(world, dtype=float)
     t = ring(a, bw, w, nbytes)
     if across:
-        t = np.where(w > 2, np.minimum(t, tree(a, bw, w, nbytes)), t)
+        on_tree = tree(a, bw, w, nbytes)
+        t = (1.0 - lc.tree) * np.where(w > 2, np.minimum(t, on_tree), t) + lc.tree * on_tree
     return np.where(w > 1, t, 0.0)
 
 
@@ -481,6 +490,8 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
         shared = sum(1 for e, k in zip(X["inter"], X["K"]) if e == link and k > 1)
         if shared >= MIN_ROWS_PER_PARAM * 3:
             names += [("nu", link)]
+        if sum(1 for e in X["inter"] if e == link) >= MIN_ROWS_PER_PARAM * 3:
+            names += [("tree", link)]
     converged = True
 
     def build(x) -> tuple[dict, dict]:
@@ -490,13 +501,13 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
                  for g in host_rows}
         hosts.update(calibrated)
         links = {}
-        for l in sorted(set(link_rows) | {n[1] for n in names if n[0] in ("alpha", "bw", "nu")}):
+        for l in sorted(set(link_rows) | {n[1] for n in names if n[0] in ("alpha", "bw", "nu", "tree")}):
             a0, bw0 = link_prior(l)[:2]
             links[l] = LinkCost(val.get(("kappa", l), 0.0), val.get(("o", l), 0.0),
                                 "fitted" if any(n[1] == l for n in val) else "default",
                                 a0 * math.exp(val[("alpha", l)]) if ("alpha", l) in val else None,
                                 bw0 * math.exp(val[("bw", l)]) if ("bw", l) in val else None,
-                                val.get(("nu", l), 0.0))
+                                val.get(("nu", l), 0.0), val.get(("tree", l), 0.0))
         return hosts, links
 
     def predict_all(x) -> np.ndarray:
@@ -504,8 +515,9 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
         lc = [links[l] for l in link_of]
         hc = [hosts.get(r["gpu"], HostCost()) for r in rows]
         host_s = np.array([h.seconds(nb, nt) for h, nb, nt in zip(hc, X["nb"], X["nt"])])
-        return simulate(X["t1"], X["floor"], X["share"], _comm(X, links, collectives), np.array([c.kappa for c in lc]),
-                        np.array([c.o for c in lc]), host_s, np.ones(len(rows), dtype=bool))["iter_s"]
+        return simulate(X["t1"], X["floor"], X["share"], _comm(X, links, collectives),
+                        np.array([c.kappa for c in lc]), np.array([c.o for c in lc]), host_s,
+                        np.ones(len(rows), dtype=bool))["iter_s"]
 
     y = np.log([r["iter_s"] for r in rows]) if rows else np.zeros(0)
     x = np.zeros(len(names))
@@ -561,11 +573,10 @@ def _design(rows: list[dict], profiles: dict, ladders: dict, coll: Collectives) 
         a, e = r["intra_link"], (r.get("inter_link") or r["intra_link"])
         intra.append(a if K[i] > 1 and not coll.measured(a) else None)
         inter.append(e if N[i] > 1 and not coll.measured(e) else None)
-        lay = [r["layout"]]
-        if intra[i] is None and K[i] > 1:
+        if intra[i] is None and K[i] > 1:     # the swept links' share, fixed: inside the node over K
             comm[i, :len(buckets)] += bucket_comm(swept, buckets, [[int(K[i])]], a, None)[0]
-        if inter[i] is None and N[i] > 1:
-            comm[i, :len(buckets)] += bucket_comm(swept, buckets, [[1] * len(lay[0])], a, e)[0]
+        if inter[i] is None and N[i] > 1:     # and across the n nodes
+            comm[i, :len(buckets)] += bucket_comm(swept, buckets, [[1] * int(N[i])], a, e)[0]
         nb.append(len(buckets))
         nt.append(len(p.tensors))
     return {"t1": t1, "floor": floor, "share": share, "comm": comm, "bytes": nbytes, "K": K, "n": N,

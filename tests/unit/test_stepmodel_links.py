@@ -1,5 +1,6 @@
 """The step model learns a link that has no all-reduce sweep from the steps that ran over it (issue 38 item 7):
-its ring latency and bandwidth as steps see them, and how the K GPUs of a node share its NIC across nodes."""
+its ring latency and bandwidth as steps see them, how the K GPUs of a node share its NIC across nodes, and the
+share of its all-reduces across nodes that run as a tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ from predictor import stepmodel as sm
 from predictor.profiles import profile_from_spec
 
 LAYOUTS = [[2], [4], [1, 1], [2, 2], [4, 4], [1, 1, 1, 1], [2, 2, 2, 2], [4, 4, 4, 4], [1, 3], [3, 3, 3]]
-TRUE = {"ethernet": sm.LinkCost(alpha=3e-5, bw=0.4e9, nu=0.5), "pcie": sm.LinkCost(alpha=1e-5, bw=4e9)}
+TRUE = {"ethernet": sm.LinkCost(alpha=3e-5, bw=0.4e9, nu=0.5, tree=0.5), "pcie": sm.LinkCost(alpha=1e-5, bw=4e9)}
 
 
 def _profiles():
@@ -49,7 +50,7 @@ def test_a_link_with_no_sweep_is_learnt_from_steps_and_predicts_a_model_it_never
     fitted = sm.fit_params(profiles, sm.Collectives(), params.ladders, _rows(profiles, params, seen))
     eth, pcie = fitted.links["ethernet"], fitted.links["pcie"]
     assert eth.basis == "fitted" and eth.bw == pytest.approx(0.4e9, rel=0.15), eth
-    assert eth.nu == pytest.approx(0.5, abs=0.1), eth
+    assert eth.nu == pytest.approx(0.5, abs=0.1) and eth.tree == pytest.approx(0.5, abs=0.15), eth
     assert pcie.bw == pytest.approx(4e9, rel=0.25), pcie
     # the held-out model's multi-GPU steps, from its ladder alone, as the true links give them
     held = _rows(profiles, params, ["resnet18_cifar10"])
@@ -65,6 +66,17 @@ def test_a_link_with_no_sweep_is_learnt_from_steps_and_predicts_a_model_it_never
     assert np.max(np.abs(np.array(prior) / np.array([r["iter_s"] for r in held]) - 1)) > 0.2
 
 
+def test_a_tree_across_two_nodes_carries_twice_the_rings_bytes():
+    nb = np.array([1e8])
+    ring, tree = (sm.link_seconds(sm.Collectives(), sm.LinkCost(alpha=1e-5, bw=1e9, tree=w), "eth", 2, nb, True)[0]
+                  for w in (0.0, 1.0))
+    assert ring == pytest.approx(2 * 1e-5 + 1e8 / 1e9) and tree == pytest.approx(2 * 1e-5 + 2 * 1e8 / 1e9)
+    half = sm.link_seconds(sm.Collectives(), sm.LinkCost(alpha=1e-5, bw=1e9, tree=0.5), "eth", 2, nb, True)[0]
+    assert half == pytest.approx((ring + tree) / 2)
+    inside = sm.link_seconds(sm.Collectives(), sm.LinkCost(alpha=1e-5, bw=1e9, tree=1.0), "eth", 2, nb)[0]
+    assert inside == pytest.approx(ring)        # inside a node (not across) the ring runs
+
+
 def test_nic_sharing_slows_the_fuller_nodes_across_nodes_only(truth):
     profiles, params = truth
     p, lad = profiles["bert-base-uncased"], params.ladders[("bert-base-uncased", "T4")]
@@ -72,7 +84,8 @@ def test_nic_sharing_slows_the_fuller_nodes_across_nodes_only(truth):
     one = sm.Params(ladders=params.ladders, links={"ethernet": sm.LinkCost(bw=0.4e9, nu=0.0)})
     cross = [sm.bucket_comm(x, np.asarray(p.buckets_bytes, float), [[1, 1], [4, 4]], "pcie", "ethernet").sum(axis=1)
              for x in (shared, one)]
-    inside = [sm.bucket_comm(x, np.asarray(p.buckets_bytes, float), [[4]], "pcie", "ethernet").sum() for x in (shared, one)]
+    inside = [sm.bucket_comm(x, np.asarray(p.buckets_bytes, float), [[4]], "pcie", "ethernet").sum()
+              for x in (shared, one)]
     assert cross[0][0] == pytest.approx(cross[1][0])                 # one GPU a node: nothing shares the NIC
     assert cross[0][1] - inside[0] == pytest.approx(4 * (cross[1][1] - inside[1]), rel=0.02)   # K = 4 copies
     assert inside[0] == pytest.approx(inside[1])                     # inside a node nu plays no part
