@@ -43,7 +43,8 @@ are *calibrated* where the calibration job (`elastic-predictor calibrate`: probe
 large tensors, with and without DDP) posted `ddp_overhead` rows for its GPU type, else *fitted* from the
 multi-GPU steps that ran on that type, else *default*. kappa_L and o_L are *fitted* from the steps that synchronised
 over link L (bounded, pulled to 0), else *default*; alpha_L and bw_L of a link with no sweep are fitted in log
-ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prior) from the steps that ran over it,
+ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prior by a ridge worth
+LINK_RIDGE_ROWS rows) from the steps that ran over it,
 nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, pulled to 0: the ring) from its
 steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all.
@@ -87,6 +88,11 @@ BOUNDS = {"kappa": (0.0, 4.0), "o": (0.0, 0.02), "c_step": (0.0, 0.02), "c_bucke
 SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5, "alpha": 1.0, "bw": 1.0,
          "nu": 1.0, "tree": 1.0}  # the optimiser's units
 RIDGE_ROWS = 2.0
+# alpha, bw and nu of a link with no sweep are pulled to the class prior by a ridge worth LINK_RIDGE_ROWS rows: a step
+# whose all-reduce hides under its backward says little about the link, and one owner's made-up rows across nodes
+# must not take the link's bandwidth to its bound (tests/unit/test_poisoning.py: 31% moved at 2 rows, 4.5% at 50)
+LINK_RIDGE_ROWS = 50.0
+STRONG_RIDGE = ("alpha", "bw", "nu")
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
 MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
@@ -524,7 +530,8 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
     if names:
         lo = [BOUNDS[n[0]][0] / SCALE[n[0]] for n in names]
         hi = [BOUNDS[n[0]][1] / SCALE[n[0]] for n in names]
-        ridge = math.sqrt(RIDGE_ROWS) * F_SCALE
+        ridge = np.array([math.sqrt(LINK_RIDGE_ROWS if n[0] in STRONG_RIDGE else RIDGE_ROWS) * F_SCALE
+                          for n in names])
         sw = np.sqrt(_weights(rows))
 
         def resid(v):

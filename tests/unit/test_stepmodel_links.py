@@ -25,6 +25,7 @@ def _ladder(scale: float) -> sm.Ladder:
 
 
 def _rows(profiles, params, names) -> list[dict]:
+    """Steps of each (model, batch) on every layout, each (model, batch) a job of its own (its own vote)."""
     rows = []
     for name in names:
         p, lad = profiles[name], params.ladders[(name, "T4")]
@@ -33,7 +34,7 @@ def _rows(profiles, params, names) -> list[dict]:
             for lay, t in zip(LAYOUTS, r["iter_s"]):
                 rows.append({"profile": name, "gpu": "T4", "layout": lay, "intra_link": "pcie",
                              "inter_link": "ethernet" if len(lay) > 1 else None, "per_gpu_batch": b,
-                             "iter_s": float(t), "uid": name})
+                             "iter_s": float(t), "uid": f"{name}@{b:g}"})
     return rows
 
 
