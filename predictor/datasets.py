@@ -12,13 +12,18 @@ Each loader returns a `Dataset`: step records with the shapes of docs/design.md 
 - Pollux T4 (`pollux-osdi21/traces/<model>/placements.csv`, `scalability.csv`): g4dn.12xlarge, 4 T4 per
   node on PCIe, nodes on 50 Gb/s Ethernet -> intra_link "pcie", inter_link "ethernet". `local_bsz` is the per-GPU
   batch, `step_time` the step, `sync_time` the exposed sync. scalability.csv gives only (nodes, replicas):
-  the layout is assumed as even as possible (replicas spread round-robin over the nodes).
+  the layout is assumed as even as possible (replicas spread round-robin over the nodes). `ncf` is the model
+  of AdaptDL's benchmark (benchmark/models/ncf: NeuMF on MovieLens-1M, factor 32, 3 layers, 1.6 M parameters;
+  profiles.BUILTIN `ncf-ml-1m`), not NeuMF on MovieLens-20M (5.9 M).
 - Morphling A800 (`morphling-a800/traces/<model>/placements.csv`, `exec_plan == "ga"` rows of bert, roberta,
   vit): 8 A800 per node, "nvlink" inside, "ib" across (interconnect not stated in the source). The rows
   behave as a fixed global batch split over G GPUs; the global batch is not recorded, so a nominal global
   batch of 840 samples (divisible by 1..8) is used: per_gpu_batch = 840 / G. Throughput ratios are exact.
+  The split fits bert's rows (its forward phase shrinks with G), not roberta's (its forward stays at 22 ms from
+  1 to 8 GPUs) nor vit's (its 8-GPU step is twice its 1-GPU step).
 - ElasticFlow A100 (`elasticflow-a100/throughputs_A100/*.csv`): 8 A100 per node, NVLink inside, HDR IB
   across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node.
+Every row's owner (`uid`) is its model's trace (`_step`).
 """
 from __future__ import annotations
 
