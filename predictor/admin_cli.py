@@ -1,13 +1,17 @@
-"""The admin commands of `elastic-predictor`: `models`, `links` and `plot` (registered by predictor/cli.py).
+"""The admin commands of `elastic-predictor`: `models`, `links`, `plot` and `model show` (registered by
+predictor/cli.py).
 
 Thin over the pure row builders of predictor/admin_tables.py, which the /admin page (predictor/api/web.py)
 uses too, so both show the same numbers.
 """
 from __future__ import annotations
 
+import json
+
 import click
 
-from predictor.admin_tables import LINK_COLUMNS, MODEL_COLUMNS, Column, link_rows, model_rows, render_table
+from predictor.admin_tables import (CONSTANT_COLUMNS, INTERVAL_COLUMNS, LINK_COLUMNS, MODEL_COLUMNS, Column,
+                                    constant_rows, interval_rows, link_rows, model_rows, render_table)
 from predictor.cli_support import load_config, open_store, require_db
 from predictor.errors import NotFoundError, ValidationError
 
@@ -88,6 +92,48 @@ def links_cmd(db, no_fit, width):
                 "no collective history and no link fits in the database yet")
 
 
+@click.group("model")
+def model_group():
+    """The fitted model as the service stores it: `model show`."""
+
+
+@model_group.command("show")
+@_DB
+@click.option("--json", "as_json", is_flag=True, help="print the stored JSON document whole")
+@_WIDTH
+def model_show(db, as_json, width):
+    """Print the newest stored model: its version, the step model's constants with their basis (calibrated, fitted,
+    default), the 80% interval of each basis, and the ladders and sweeps it read (`--json`: the document).
+
+    Example: elastic-predictor model show --db predictor.db
+    """
+    store = _open(db, "no model to show")
+    try:
+        stored = store.newest_model()
+    finally:
+        store.close()
+    if stored is None:
+        raise click.ClickException(f"no fitted model stored in {store.path} yet: the service stores one after its "
+                                   "first fit (elastic-predictor serve), or run `elastic-predictor models` to fit here")
+    try:
+        doc = json.loads(stored.blob)
+        params = doc["predictor"]["model"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise click.ClickException(f"stored model g{stored.head.version} is not a JSON document of this release "
+                                   f"({exc}); the service replaces it at its next fit") from None
+    if as_json:
+        click.echo(json.dumps(doc, indent=1))
+        return
+    click.echo(f"model g{stored.head.version}: step model {params.get('version')}, fitted in {stored.fit_s:.2f} s, "
+               f"{'converged' if params.get('converged', True) else 'NOT converged: default constants'}")
+    click.echo(f"{len(params.get('ladders', {}))} 1-GPU ladders, {len(params.get('collectives', {}))} swept "
+               f"(link, world) curves")
+    click.echo("\nconstants:")
+    click.echo(render_table(constant_rows(params), CONSTANT_COLUMNS, width))
+    click.echo("\nintervals (factor of the prediction):")
+    click.echo(render_table(interval_rows(params), INTERVAL_COLUMNS, width))
+
+
 class _SubcommandFirst(click.Group):
     """A group whose commands take the options: an option given to the group itself (`plot --db X`) is an
     error that names the subcommands, instead of click's bare "No such option"."""
@@ -141,7 +187,7 @@ def plot_links(db, out):
     _write_png(out, _with_fitted_store(db, True, plots.links_png, "nothing to plot"))
 
 
-COMMANDS = (models_cmd, links_cmd, plot_group)
+COMMANDS = (models_cmd, links_cmd, plot_group, model_group)
 
 
 def register(group: click.Group) -> None:

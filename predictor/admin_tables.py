@@ -76,6 +76,13 @@ MODEL_COLUMNS: list[Column] = [("profile", "profile", ""), ("gpu", "gpu", ""), (
 LINK_COLUMNS: list[Column] = [("link", "link", ""), ("collectives", "collectives", "d"),
                               ("alpha_us", "latency (us)", ".1f"), ("bandwidth_gbs", "bandwidth (GB/s)", ".2f"),
                               ("log_rmse", "fit log RMSE", ".3f"), ("n_steps", "step records", "d")]
+CONSTANT_COLUMNS: list[Column] = [("kind", "kind", ""), ("key", "link / GPU type", ""),
+                                  ("kappa", "all-reduce slowdown in backward", ".2f"), ("o_ms", "per step (ms)", ".2f"),
+                                  ("c_step_ms", "DDP host per step (ms)", ".2f"),
+                                  ("c_bucket_us", "per bucket (us)", ".1f"), ("c_tensor_us", "per tensor (us)", ".1f"),
+                                  ("basis", "basis", "")]
+INTERVAL_COLUMNS: list[Column] = [("basis", "basis", ""), ("residuals", "held-out residuals", "d"),
+                                  ("low", "80% interval low", ".3f"), ("high", "high", ".3f"), ("source", "from", "")]
 DECISION_COLUMNS: list[Column] = [("decision_id", "id", ""), ("when", "when (UTC)", ""), ("source", "source", ""),
                                   ("action", "action", ""), ("model", "model", ""), ("partition", "partition", ""),
                                   ("layout", "layout", ""), ("samples_per_s", "pred. samples/s", ".1f"),
@@ -138,6 +145,32 @@ def link_rows(store, predictor=None) -> list[dict]:
                      "alpha_us": None if alpha is None else alpha * 1e6,
                      "bandwidth_gbs": None if bw is None else bw / 1e9, "log_rmse": s.get("log_rmse"),
                      "n_steps": s.get("n_steps", 0)})
+    return rows
+
+
+def constant_rows(doc: dict) -> list[dict]:
+    """The step model's fitted constants, from its JSON document (`Params.to_dict`, the `model` of a stored model):
+    per link its all-reduce slowdown inside the backward and per-step cost, per host class (GPU type) DDP's host
+    seconds per step, bucket and tensor; each with its basis (calibrated, fitted, default)."""
+    rows = [{"kind": "link", "key": k, "kappa": v["kappa"], "o_ms": v["o"] * 1e3, "basis": v["basis"]}
+            for k, v in sorted(doc.get("links", {}).items())]
+    rows += [{"kind": "host", "key": g, "c_step_ms": v["c_step"] * 1e3, "c_bucket_us": v["c_bucket"] * 1e6,
+              "c_tensor_us": v["c_tensor"] * 1e6, "basis": v["basis"]} for g, v in sorted(doc.get("hosts", {}).items())]
+    return rows
+
+
+def interval_rows(doc: dict) -> list[dict]:
+    """Per basis, the factors of an 80% interval around a prediction and how many held-out residuals back them
+    (`Params.interval`: fewer than MIN_RESIDUALS and the prior spread stands)."""
+    from predictor.stepmodel import MIN_RESIDUALS, PRIOR_SPREAD, Params  # noqa: PLC0415  (numpy/scipy: the CLI's)
+
+    params = Params.from_dict(doc)
+    rows = []
+    for basis in PRIOR_SPREAD:
+        low, high = params.interval(basis)
+        n = len(params.residuals.get(basis, []))
+        rows.append({"basis": basis, "residuals": n, "low": low, "high": high,
+                     "source": "held-out residuals" if n >= MIN_RESIDUALS else "prior spread"})
     return rows
 
 

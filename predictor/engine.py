@@ -154,8 +154,8 @@ class Predictor:
             multi = sum(c["layout"]) > 1
             link = self.params_.link(stepmodel.sync_link(c["layout"], c["intra_link"], c["inter_link"]))
             # the interval: the basis's held-out spread, widened by what the compute estimate adds
-            which = basis if basis != "observed" else ("calibrated" if multi and host.basis == "calibrated"
-                                                       else "observed" if multi else "measured")
+            which = ("cross-type" if basis.startswith("cross-type") else basis) if basis != "observed" else (
+                "calibrated" if multi and host.basis == "calibrated" else "observed" if multi else "measured")
             lo, hi = self.params_.interval(which)
             std = math.sqrt((math.log(hi / lo) / (2 * Z80)) ** 2 + extra_std ** 2)
             sps = float(r["samples_per_s"][0])

@@ -496,7 +496,30 @@ def _entry(layout: list[int], pred: dict, per_gpu: int) -> dict:
             "global_batch": per_gpu * gpus, "samples_per_s": _finite(pred.get("samples_per_s")) or 0.0,
             "iter_s": _finite(pred.get("iter_s")), "compute_s": _finite(pred.get("compute_s")),
             "comm_s": _finite(pred.get("comm_s")), "uncertainty": _finite(pred.get("uncertainty")),
+            **_low(pred),
             "basis": str(pred.get("basis", ""))}
+
+
+def _low(pred: dict) -> dict:
+    """`samples_low`: the lower end of the prediction's 80% interval, where it carries one."""
+    interval = pred.get("interval")
+    low = _finite(interval[0]) if isinstance(interval, (list, tuple)) and len(interval) == 2 else None
+    return {} if low is None else {"samples_low": low}
+
+
+def _sure(chosen: dict, base: dict, min_eff: float, span: list) -> float | None:
+    """The efficiency of growing from `base` to `chosen` with `chosen` at its interval's lower end, where it is
+    below `min_eff` (None: the grow holds at the lower end too, or no interval was given). `span` is narrowed to
+    the min_efficiency values that answer the same (the hook's cached bands)."""
+    low = chosen.get("samples_low")
+    if low is None or chosen["gpus"] <= base["gpus"]:
+        return None
+    eff = _efficiency(base["samples_per_s"], low, base["gpus"], chosen["gpus"])
+    if eff < min_eff:
+        span[0] = max(span[0], eff)
+        return eff
+    span[1] = min(span[1], eff)
+    return None
 
 
 def shown_bound(bound: float) -> str:
@@ -560,23 +583,32 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
     else:
         top = max(e["samples_per_s"] for e in pool)
         chosen = min((e for e in pool if e["samples_per_s"] >= top * 0.995), key=lambda e: (e["gpus"], e["nodes"]))
-    nodes, per_node = chosen["nodes"], chosen["layout"][0]
-    switches = 1 if 1 < nodes <= table["one_leaf_nodes"] else None
     base = next((e for e in entries if e["nodes"] == requested["nodes"] and e["layout"][0] == requested["per_node"]),
                 best[counts[0]])
+    # the interval (#38.5): a running job grows only where the grow passes min_efficiency at the interval's lower
+    # end; at submit time the plan stands and its reason says the choice is uncertain
+    unsure = _sure(chosen, base, min_eff, span)
+    if unsure is not None and requested["switch"] == "placed":
+        chosen, stop_note = base, (f"grow to {layout_name(chosen['layout'])} uncertain: efficiency at the 80% "
+                                   f"interval's lower end {unsure:.2f} < {shown or shown_bound(min_eff)}")
+    nodes, per_node = chosen["nodes"], chosen["layout"][0]
+    switches = 1 if 1 < nodes <= table["one_leaf_nodes"] else None
     ratio = chosen["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] > 0 else float("nan")
     reason = (f"elastic: {counted(nodes, 'node')} x {counted(per_node, 'GPU')} ({layout_name(chosen['layout'])}) "
               f"predicted {chosen['samples_per_s']:.0f} samples/s, {ratio:.1f}x of {layout_name(base['layout'])}")
     if objective != "throughput":
         reason += f" (objective {objective})"
-    if chosen["gpus"] == max(feasible) or objective == "throughput":
+    if chosen["gpus"] == max(feasible) or objective == "throughput" or chosen is base and unsure is not None:
         reason += f"; {stop_note}"
+    if unsure is not None and chosen is not base:
+        reason += f"; uncertain: efficiency at the 80% interval's lower end {unsure:.2f}"
     if switches:
         reason += "; one leaf switch"
     same_switch = requested["switch"] == "placed" or requested["switch"] == switches   # running: placed
     same = (requested["nodes"] or 1) == nodes and requested["per_node"] == per_node and same_switch
-    curve = [{k: e.get(k) for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
-                                "iter_s", "efficiency", "uncertainty")} for e in sorted(entries, key=_order)]
+    curve = [{**{k: e.get(k) for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
+                                       "iter_s", "efficiency", "uncertainty")},
+              **({"samples_low": e["samples_low"]} if "samples_low" in e else {})} for e in sorted(entries, key=_order)]
     predicted = {k: chosen.get(k) for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
     if chosen.get("basis", "").startswith("cross-type"):   # what a single partition answers is unchanged otherwise
         predicted["basis"] = chosen["basis"]

@@ -331,6 +331,12 @@ class Params:
         s = PRIOR_SPREAD.get(basis, PRIOR_SPREAD["prior"]) * 1.2816  # the normal's 10th/90th percentile
         return math.exp(-s), math.exp(s)
 
+    def summary(self) -> dict:
+        """What /admin shows of the document (`to_dict` less the ladders and curves: their counts instead)."""
+        return {"version": self.version, "converged": self.converged, "n_ladders": len(self.ladders),
+                "n_curves": len(self.collectives.curves), "hosts": {g: vars(h) for g, h in sorted(self.hosts.items())},
+                "links": {k: vars(v) for k, v in sorted(self.links.items())}, "residuals": self.residuals}
+
     def to_dict(self) -> dict:
         return {"version": self.version,
                 "ladders": {f"{p}|{g}": l.to_dict() for (p, g), l in sorted(self.ladders.items())},

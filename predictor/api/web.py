@@ -68,6 +68,22 @@ def _html_table(rows: list[dict], columns: list, row_class=None, links=None) -> 
     return Markup(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 
 
+def _parameters(predictor) -> Markup:
+    """The step model's constants with their basis, and each basis's 80% interval (`elastic-predictor model show`
+    prints the same)."""
+    params = getattr(predictor, "params_", None)
+    if params is None:
+        return Markup("<h2>Model parameters</h2><p>none fitted yet</p>")
+    doc = params.summary()
+    head = (f"<h2>Model parameters: step model {escape(doc['version'])}</h2><p><small>"
+            f"{doc['n_ladders']} 1-GPU ladders, {doc['n_curves']} swept (link, world) "
+            "curves. Basis: <b>calibrated</b> (the calibration job's probes on this host class), <b>fitted</b> "
+            "(the multi-GPU steps that ran here), <b>default</b> (none: the no-fit reference's 0).</small></p>")
+    return Markup(head + _html_table(admin_tables.constant_rows(doc), admin_tables.CONSTANT_COLUMNS)
+                  + "<h3>Intervals: a prediction's 80% interval, as factors of it, by basis</h3>"
+                  + _html_table(admin_tables.interval_rows(doc), admin_tables.INTERVAL_COLUMNS))
+
+
 @bp.get("")
 def index():
     svc = services()
@@ -105,6 +121,7 @@ def index():
 {_html_table(flagged.rows, outliers.OUTLIER_COLUMNS)}
 <h2>Links</h2>
 {_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
+{_parameters(predictor)}
 <h2>Scaling: predicted vs observed</h2>
 <img src="{url_for("web.scaling_png")}"
  alt="predicted vs observed throughput against GPUs, per model and layout family">

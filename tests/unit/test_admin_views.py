@@ -512,3 +512,26 @@ def test_three_jobs_of_one_user_are_the_outliers_not_the_honest_jobs(seeded_db, 
     assert sorted(j["job_id"] for j in report.jobs) == [997, 998, 999]
     assert {j["uid"] for j in report.jobs} == {666}
     assert {r["job_id"] for r in report.rows} <= {997, 998, 999}
+
+
+def test_model_show_prints_the_stored_documents_constants_with_their_basis(app, tmp_path):
+    db = app.extensions["elastic_predictor"].store.path
+    out = CliRunner().invoke(predictor_cli, ["model", "show", "--db", str(db), "--width", "200"])
+    assert out.exit_code == 0, out.output
+    assert "step model sm-" in out.output and "converged" in out.output
+    lines = {line.split()[1]: line for line in out.output.splitlines() if line.startswith(("link ", "host "))}
+    assert {"nvlink", "ib", "H200"} <= set(lines)
+    assert lines["H200"].split()[-1] in ("fitted", "default", "calibrated")
+    raw = CliRunner().invoke(predictor_cli, ["model", "show", "--db", str(db), "--json"])
+    doc = json.loads(raw.output)
+    assert doc["predictor"]["model"]["hosts"]["H200"]["basis"] in lines["H200"]
+    empty = tmp_path / "empty.db"
+    Store(str(empty)).migrate()
+    missing = CliRunner().invoke(predictor_cli, ["model", "show", "--db", str(empty)])
+    assert missing.exit_code != 0 and "no fitted model stored" in missing.output
+
+
+def test_admin_page_shows_the_constants_and_intervals(app):
+    page = app.test_client().get("/admin").get_data(as_text=True)
+    assert "Model parameters: step model sm-" in page and "80% interval low" in page
+    assert "per tensor (us)" in page and "held-out residuals" in page

@@ -216,3 +216,26 @@ def test_bad_request_fields(body, field):
 def test_slurm_unset_sentinels_read_as_unset():
     request = planner.parse_request({"directives": [], "job": {"min_nodes": 4294967294, "ntasks_per_node": 65534}})
     assert request.job == {"min_nodes": None, "ntasks_per_node": None}
+
+
+def _interval_table(low_at_8: float) -> dict:
+    """A 4-node x 4-GPU partition's table where 8 GPUs predict 1.9x of 4 (efficiency 0.9), its interval's lower
+    end at `low_at_8` samples/s."""
+    entries = [{"layout": [4], "samples_per_s": 1000.0, "samples_low": 900.0},
+               {"layout": [4, 4], "samples_per_s": 1900.0, "samples_low": low_at_8}]
+    return {"partition": "p", "total_gpus": 8, "nodes": 2, "gpus_per_node": 4, "one_leaf_nodes": 0,
+            "gpu_hour_cost": 0.0, "node_hour_cost": 0.0, "min_efficiency": 0.7, "per_gpu_batch": 16,
+            "entries": entries, "model": "m", "gpu": "g"}
+
+
+def test_a_running_job_grows_only_where_the_interval_s_lower_end_passes_min_efficiency():
+    d = {"min_efficiency": 0.7, "gpus": {"min": 4, "max": 8}}
+    running = {"nodes": 1, "per_node": 4, "total": 4, "switch": "placed"}
+    sure = planner.last_step(_interval_table(1800.0), d, running)             # lower end: efficiency 0.8
+    assert sure["layout"] == [4, 4] and "uncertain" not in sure["reason"]
+    unsure = planner.last_step(_interval_table(1500.0), d, running)           # lower end: efficiency 0.5
+    assert unsure["layout"] == [4] and unsure["action"] == "keep"
+    assert "grow to 2x4 uncertain: efficiency at the 80% interval's lower end 0.50 < 0.7" in unsure["reason"]
+    submit = planner.last_step(_interval_table(1500.0), d, {"nodes": 1, "per_node": 4, "total": 4, "switch": None})
+    assert submit["layout"] == [4, 4] and "uncertain: efficiency at the 80% interval's lower end 0.50" in submit["reason"]
+    assert [e.get("samples_low") for e in submit["curve"]] == [900.0, 1500.0]
