@@ -451,17 +451,19 @@ def _directive_problem(name: str, lines: list[tuple[int, str]], exc) -> str:
               help="benchmark datasets (vendored in predictor/data): pollux-t4, morphling-a800, elasticflow-a100 "
                    "(default: all)")
 @click.option("--write", is_flag=True, help="let bench/accuracy.py write bench/results")
+@click.option("--full", is_flag=True, help="also the layouts-held-out and small-to-large protocols (half an hour "
+                                           "or more; the default, leave-one-model-out, takes a few minutes)")
 @click.option("--fit-errors", is_flag=True, help="print the fit errors on the database instead of the benchmark")
-def evaluate(db, datasets, write, fit_errors):
+def evaluate(db, datasets, write, full, fit_errors):
     """Run the accuracy benchmark (bench/accuracy.py of a source checkout) on the vendored public datasets, or
     with --fit-errors print how well the model fits a database's history.
 
     Example: elastic-predictor evaluate --datasets pollux-t4
     """
     if not fit_errors:
-        _run_accuracy_bench(db, datasets, write)
-    if datasets or write:
-        raise click.UsageError("--datasets and --write are options of the benchmark, not of --fit-errors")
+        _run_accuracy_bench(db, datasets, write, full)
+    if datasets or write or full:
+        raise click.UsageError("--datasets, --write and --full are options of the benchmark, not of --fit-errors")
     config = _config(db)
     require_db(config.db_path, db, "no history to fit")
     click.echo(f"evaluate: fitting the model on {config.db_path} ...", err=True)
@@ -474,7 +476,7 @@ def evaluate(db, datasets, write, fit_errors):
                                                ("log_rmse", "log RMSE", ".3f")]))
 
 
-def _run_accuracy_bench(db: str | None, datasets: str | None, write: bool) -> None:
+def _run_accuracy_bench(db: str | None, datasets: str | None, write: bool, full: bool = False) -> None:
     """bench/accuracy.py of the checkout this package runs from; exits with its status.
 
     Raises:
@@ -499,16 +501,18 @@ def _run_accuracy_bench(db: str | None, datasets: str | None, write: bool) -> No
             f"the accuracy benchmark is bench/accuracy.py of a source checkout, and {REPO_ROOT} (where this package "
             "runs from) has none: run `elastic-predictor evaluate` in a clone installed with `pip install -e .`, "
             "or use --fit-errors for the fit errors on a database")
-    argv = [sys.executable, str(script)] + ([] if write else ["--no-write"]) + ["--datasets", ",".join(names)]
-    raise SystemExit(_run_with_progress(argv, names))
+    argv = [sys.executable, str(script)] + ([] if write else ["--no-write"]) + ["--datasets", ",".join(names)] \
+        + (["--full"] if full else [])
+    raise SystemExit(_run_with_progress(argv, names, full))
 
 
 PROGRESS_EVERY_S = 15.0    # `evaluate`: how often it says the benchmark still runs
 
 
-def _run_with_progress(argv: list[str], names: list[str]) -> int:
-    """Run the benchmark with its stdout untouched; on stderr say which dataset runs, each one done (the bench's
-    own `NAME: done at N s` lines, passed on), every PROGRESS_EVERY_S that it still runs, and the end."""
+def _run_with_progress(argv: list[str], names: list[str], full: bool = False) -> int:
+    """Run the benchmark with its stdout untouched; on stderr say what it runs and about how long it takes, which
+    dataset runs, the bench's own lines (each fit with the time left, `NAME: done at N s`), every
+    PROGRESS_EVERY_S that it still runs, and the end."""
     import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
 
@@ -518,6 +522,8 @@ def _run_with_progress(argv: list[str], names: list[str]) -> int:
     started = time.monotonic()
     running = {"index": 0}
     say(f"running bench/accuracy.py on {len(names)} dataset(s) ({', '.join(names)}); the table comes at the end")
+    say("leave-one-model-out, two fits a held-out model: a few minutes" + (
+        "; --full adds about a hundred fits (half an hour or more)" if full else " (--full for protocols A and B)"))
     say(f"[1/{len(names)}] {names[0]}")
     proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), stderr=subprocess.PIPE, text=True, errors="replace")
 

@@ -12,13 +12,18 @@ Each loader returns a `Dataset`: step records with the shapes of docs/design.md 
 - Pollux T4 (`pollux-osdi21/traces/<model>/placements.csv`, `scalability.csv`): g4dn.12xlarge, 4 T4 per
   node on PCIe, nodes on 50 Gb/s Ethernet -> intra_link "pcie", inter_link "ethernet". `local_bsz` is the per-GPU
   batch, `step_time` the step, `sync_time` the exposed sync. scalability.csv gives only (nodes, replicas):
-  the layout is assumed as even as possible (replicas spread round-robin over the nodes).
+  the layout is assumed as even as possible (replicas spread round-robin over the nodes). `ncf` is the model
+  of AdaptDL's benchmark (benchmark/models/ncf: NeuMF on MovieLens-1M, factor 32, 3 layers, 1.6 M parameters;
+  profiles.BUILTIN `ncf-ml-1m`), not NeuMF on MovieLens-20M (5.9 M).
 - Morphling A800 (`morphling-a800/traces/<model>/placements.csv`, `exec_plan == "ga"` rows of bert, roberta,
   vit): 8 A800 per node, "nvlink" inside, "ib" across (interconnect not stated in the source). The rows
   behave as a fixed global batch split over G GPUs; the global batch is not recorded, so a nominal global
   batch of 840 samples (divisible by 1..8) is used: per_gpu_batch = 840 / G. Throughput ratios are exact.
+  The split fits bert's rows (its forward phase shrinks with G), not roberta's (its forward stays at 22 ms from
+  1 to 8 GPUs) nor vit's (its 8-GPU step is twice its 1-GPU step).
 - ElasticFlow A100 (`elasticflow-a100/throughputs_A100/*.csv`): 8 A100 per node, NVLink inside, HDR IB
   across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node.
+Every row's owner (`uid`) is its model's trace (`_step`).
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ DEFAULT_ROOT = Path(__file__).resolve().parent / "data"
 A800_GLOBAL_BATCH = 840
 
 POLLUX_MODELS = {"bert": "bert-base-uncased", "cifar10": "resnet18_cifar10", "deepspeech2": "deepspeech2",
-                 "imagenet": "resnet50", "ncf": "ncf", "yolov3": "yolov3"}
+                 "imagenet": "resnet50", "ncf": "ncf-ml-1m", "yolov3": "yolov3"}
 MORPHLING_MODELS = {"bert": "bert-large-uncased", "roberta": "roberta-large", "vit": "vit-base-patch16-224"}
 ELASTICFLOW_MODELS = {"bert": "bert-base-uncased", "deepspeech2": "deepspeech2", "gpt2": "gpt2",
                       "inception3": "inception_v3", "resnet50": "resnet50", "resnet50_cifar10": "resnet50_cifar10",
@@ -65,8 +70,10 @@ def _profiles(models: dict[str, str]) -> dict[str, Profile]:
 
 
 def _step(model, gpu, layout, intra, inter, b, iter_s, source, sync_s=None) -> dict:
+    """One step record; its owner (`uid`) is the model's trace (`<dataset source>/<model>`): one session of one
+    job, so that in a fit each model's trace weighs one vote, however many rows it has (stepmodel.owner_of)."""
     rec = {"kind": "step", "profile": model, "gpu": gpu, "layout": list(layout), "intra_link": intra,
-           "per_gpu_batch": b, "iter_s": float(iter_s), "source": source}
+           "per_gpu_batch": b, "iter_s": float(iter_s), "source": source, "uid": source.split("/", 1)[0] + "/" + model}
     if len(layout) > 1:
         rec["inter_link"] = inter
     if sync_s is not None:

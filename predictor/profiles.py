@@ -384,6 +384,20 @@ def _flat(total_params: int, n_tensors: int):
     return m
 
 
+def _neumf(users: int, items: int, factor: int = 32, layers: int = 3):
+    """NeuMF-end (He et al. 2017) as the NCF benchmark registers it: the GMF and MLP embeddings of users and items,
+    the MLP tower halving from 2 factor 2^(layers-1) wide, the predict layer over both paths."""
+    import torch.nn as nn
+
+    m = nn.Module()
+    wide = factor * 2 ** (layers - 1)
+    m.embed_user_gmf, m.embed_item_gmf = _embedding(users, factor), _embedding(items, factor)
+    m.embed_user_mlp, m.embed_item_mlp = _embedding(users, wide), _embedding(items, wide)
+    m.mlp = nn.ModuleList([nn.Linear(2 * wide // 2 ** i, wide // 2 ** i) for i in range(layers)])
+    m.predict = nn.Linear(2 * factor, 1)
+    return m
+
+
 def _deepspeech2():
     import torch.nn as nn
 
@@ -411,6 +425,9 @@ BUILTIN = {
     "inception_v3": (lambda: _flat(23_834_568, 94), 3 * 5.7e9),  # approximate shapes
     "yolov3": (lambda: _flat(61_949_149, 75), 3 * 65.9e9),  # approximate shapes
     "ncf": (lambda: _flat(5_860_000, 8), 3 * 2e6),  # NeuMF on MovieLens-20M, approximate
+    # the Pollux/AdaptDL benchmark's NCF (benchmark/models/ncf: MovieLens-1M, 6040 users x 3706 items, factor 32,
+    # 3 MLP layers): 1.60 M parameters; 2 x the MLP's multiply-adds a sample forward, x 3 for training
+    "ncf-ml-1m": (lambda: _neumf(6040, 3706), 3 * 2 * 43_000),
     "deepspeech2": (_deepspeech2, 3 * 20e9),  # approximate (5 bi-GRU, hidden 800)
 }
 _ALIASES = {"bert": "bert-base-uncased", "bert-base": "bert-base-uncased", "bert-large": "bert-large-uncased",

@@ -11,10 +11,16 @@ link E). With K = max_i k_i GPUs on the fullest node and G = sum_i k_i:
     buckets       DDP's buckets in gradient-ready order (reverse registration; the first 1 MiB, then
                   bucket_cap_mb, one dtype a bucket: predictor/profiles.py), bytes s_1..s_m
     ready         r_j = F + B * (s_1 + ... + s_j) / sum(s)       bucket j's gradients are all computed
-    all-reduce    d_j = C_I(K, s_j) + C_E(n, s_j)                 read off the link's own collective sweep
+    all-reduce    d_j = C_I(K, s_j) + C_E(n, K^nu_E s_j)          read off the link's own collective sweep
                   (`Collectives`: measured points interpolated log-log; another world size moved along the
                   ring's alpha-beta terms; across nodes the cheaper of ring and tree); hierarchical: inside the
-                  node over K, then across the n nodes' NICs (the K streams of a node share its NIC)
+                  node over K, then across the n nodes' NICs, which carry K^nu_E times a bucket (the K GPUs of
+                  a node share its NIC: nu = 0 one copy, a hierarchical all-reduce; nu = 1 K streams of their
+                  own). A link with no sweep: the ring (across nodes the cheaper of ring and tree) at the
+                  latency alpha_L and bandwidth bw_L the steps over it show, and across nodes a share tree_L of
+                  its all-reduces run as the tree (2 bytes over bw, where the ring moves 2(n-1)/n: NCCL's tuner
+                  picks by its own cost model, which the steps show: on Pollux's T4 sockets a 2-node all-reduce
+                  costs 1.3-2.3x a 3-node one, where the ring alone makes it 0.75x) (`link_seconds`)
     timeline      a_j = max(r_j, e_{j-1}); an all-reduce that overlaps the backward runs (1 + kappa_L) times
                   slower (NCCL's kernels and proxy threads contend with the compute); e_j its end
     device        T_dev = max(T1, e_m) + o_L                     o_L: the sync link's per-step cost
@@ -28,13 +34,19 @@ link E). With K = max_i k_i GPUs on the fullest node and G = sum_i k_i:
 
 Parameters are physical and few, each with the evidence it rests on (`basis`):
 - per (P, g): the ladder (measured 1-GPU steps, one vote per user at each batch: the median of their medians);
-- per link: the collective sweep (the cluster's own `collective` rows), kappa_L and o_L;
+- per link: the collective sweep (the cluster's own `collective` rows), kappa_L and o_L; where no sweep exists
+  (public datasets, a site before its calibration job), alpha_L and bw_L as steps see them and, for a link
+  across nodes, nu_L and tree_L;
 - per host class (GPU type: the nodes of a partition share a host): c_step, c_bucket, c_tensor.
 Defaults are the no-fit reference's: kappa = o = c = 0 (perfect overlap, no DDP host cost). A host's constants
 are *calibrated* where the calibration job (`elastic-predictor calibrate`: probe models with many small and few
 large tensors, with and without DDP) posted `ddp_overhead` rows for its GPU type, else *fitted* from the
 multi-GPU steps that ran on that type, else *default*. kappa_L and o_L are *fitted* from the steps that synchronised
-over link L (bounded, pulled to 0), else *default*. `fit_params` is the only fit: bounded soft-L1 least squares of
+over link L (bounded, pulled to 0), else *default*; alpha_L and bw_L of a link with no sweep are fitted in log
+ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prior by a ridge worth
+LINK_RIDGE_ROWS rows) from the steps that ran over it,
+nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, pulled to 0: the ring) from its
+steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all.
 
 Intervals: the 10th and 90th percentiles of held-out log residuals by basis (`interval`): the multi-GPU rows'
@@ -58,7 +70,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.02-1"
+MODEL_VERSION = "sm-2026.12.02-2"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -69,9 +81,19 @@ LAUNCH_FLOOR_S = 5e-3          # the step of a profile never measured, below whi
 
 # Bounds of the fitted constants (SI units); each is pulled to its default (0) by a ridge worth RIDGE_ROWS rows.
 BOUNDS = {"kappa": (0.0, 4.0), "o": (0.0, 0.02), "c_step": (0.0, 0.02), "c_bucket": (0.0, 2e-3),
-          "c_tensor": (0.0, 5e-4)}
-SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5}  # the optimiser's units
+          "c_tensor": (0.0, 5e-4),
+          # a link with no sweep: log of its alpha and bw over the class prior's (bw up to 10x: a node may have
+          # several NICs, a DGX A100 eight), the NIC's sharing exponent and the share of tree all-reduces
+          "alpha": (math.log(0.1), math.log(100.0)), "bw": (math.log(1 / 30), math.log(10.0)), "nu": (0.0, 1.0),
+          "tree": (0.0, 1.0)}
+SCALE = {"kappa": 1.0, "o": 1e-3, "c_step": 1e-3, "c_bucket": 1e-4, "c_tensor": 1e-5, "alpha": 1.0, "bw": 1.0,
+         "nu": 1.0, "tree": 1.0}  # the optimiser's units
 RIDGE_ROWS = 2.0
+# alpha, bw and nu of a link with no sweep are pulled to the class prior by a ridge worth LINK_RIDGE_ROWS rows: a step
+# whose all-reduce hides under its backward says little about the link, and one owner's made-up rows across nodes
+# must not take the link's bandwidth to its bound (tests/unit/test_poisoning.py: 31% moved at 2 rows, 4.5% at 50)
+LINK_RIDGE_ROWS = 50.0
+STRONG_RIDGE = ("alpha", "bw", "nu")
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
 MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
@@ -146,6 +168,19 @@ def flops_ladder(profile, gpu: str, calibration: float | None = None) -> Ladder:
 
 
 # --------------------------------------------------------------------------------------------------- links
+def ring(alpha, bw, world, nbytes) -> np.ndarray:
+    """Ring all-reduce seconds of `nbytes` over `world` ranks on a link of per-step latency `alpha` and bandwidth
+    `bw` (arrays broadcast): 2(p-1) alpha + 2(p-1)/p bytes / bw; 0 for one rank."""
+    w = np.maximum(np.asarray(world, dtype=float), 1.0)
+    return 2 * (w - 1) * alpha + 2 * (w - 1) / w * np.asarray(nbytes, dtype=float) / bw
+
+
+def tree(alpha, bw, world, nbytes) -> np.ndarray:
+    """Tree all-reduce seconds (reduce up, broadcast down, pipelined): 2 ceil(log2 p) alpha + 2 bytes / bw."""
+    w = np.maximum(np.asarray(world, dtype=float), 1.0)
+    return 2 * np.ceil(np.log2(w)) * alpha + 2 * np.asarray(nbytes, dtype=float) / bw
+
+
 class Collectives:
     """All-reduce seconds per link, world size and bytes, read off the cluster's own sweeps.
 
@@ -204,7 +239,7 @@ class Collectives:
         worlds = [w for (l, w) in self.curves if l == link]
         a, bw = self._ab.get(link) or link_prior(link)[:2]
         if not worlds:
-            return 2 * (world - 1) * a + 2 * (world - 1) / world * nb / bw
+            return ring(a, bw, world, nb)
         near = min(worlds, key=lambda w: (abs(math.log(w / world)), w))
         bs, ts = self.curves[(link, near)]
         t = np.exp(np.interp(np.log(np.maximum(nb, 1.0)), np.log(bs), np.log(ts)))
@@ -219,13 +254,11 @@ class Collectives:
     def across(self, link: str, nodes: int, nbytes) -> np.ndarray:
         """All-reduce across `nodes` NICs: the cheaper of the ring (the link's curve) and a tree (2 log2 n
         latencies, twice the bytes over the bandwidth): NCCL's tuner picks the faster of the two."""
-        ring = self.time(link, nodes, nbytes)
+        on_ring = self.time(link, nodes, nbytes)
         if nodes <= 2:
-            return ring
+            return on_ring
         a, bw = self._ab.get(link) or link_prior(link)[:2]
-        nb = np.atleast_1d(np.asarray(nbytes, dtype=float))
-        tree = 2 * math.ceil(math.log2(nodes)) * a + 2 * nb / bw
-        return np.minimum(ring, tree)
+        return np.minimum(on_ring, tree(a, bw, nodes, np.atleast_1d(np.asarray(nbytes, dtype=float))))
 
     def to_dict(self) -> dict:
         return {f"{l}@{w}": [[float(b), float(t)] for b, t in zip(bs, ts)] for (l, w), (bs, ts) in
@@ -257,11 +290,19 @@ class HostCost:
 @dataclass(frozen=True)
 class LinkCost:
     """How a link's all-reduce overlaps a backward (kappa: 1 + kappa times slower while it does) and what a step
-    synchronised over it costs beyond (o seconds); with their basis."""
+    synchronised over it costs beyond (o seconds); for a link with no sweep, its ring latency alpha and bandwidth
+    bw as the steps see them (None: the link class's prior), how the K GPUs of a node share its NIC across
+    nodes (nu: the NIC carries K^nu times a bucket's bytes; 0 a hierarchical all-reduce, one copy, 1 K streams
+    of their own) and the share of its all-reduces across nodes that run as a tree (tree: 0 the ring or the
+    cheaper of the two, 1 the tree); with their basis."""
 
     kappa: float = 0.0
     o: float = 0.0
     basis: str = "default"
+    alpha: float | None = None
+    bw: float | None = None
+    nu: float = 0.0
+    tree: float = 0.0
 
 
 @dataclass
@@ -327,16 +368,33 @@ def sync_link(layout, intra: str, inter: str | None) -> str:
     return (inter or intra) if len(layout) > 1 else intra
 
 
-def bucket_comm(coll: Collectives, buckets: np.ndarray, layouts, intra: str, inter: str | None) -> np.ndarray:
+def link_seconds(coll: Collectives, lc: LinkCost, link: str, world, nbytes, across: bool = False) -> np.ndarray:
+    """All-reduce seconds of `nbytes` over `world` ranks (arrays broadcast) on `link`: a link with a sweep reads
+    it (`Collectives`); one without, the ring (across nodes the cheaper of ring and tree, a share `lc.tree` the
+    tree) at the alpha and bw the steps showed (`LinkCost`, fitted), else at its class's prior."""
+    if coll.measured(link):
+        return coll.across(link, int(world), nbytes) if across else coll.time(link, int(world), nbytes)
+    a0, bw0 = link_prior(link)[:2]
+    a, bw = lc.alpha or a0, lc.bw or bw0
+    w = np.asarray(world, dtype=float)
+    t = ring(a, bw, w, nbytes)
+    if across:
+        on_tree = tree(a, bw, w, nbytes)
+        t = (1.0 - lc.tree) * np.where(w > 2, np.minimum(t, on_tree), t) + lc.tree * on_tree
+    return np.where(w > 1, t, 0.0)
+
+
+def bucket_comm(params: "Params", buckets: np.ndarray, layouts, intra: str, inter: str | None) -> np.ndarray:
     """d[c, j]: all-reduce seconds of bucket j on candidate layout c, hierarchical: inside the fullest node over
-    its K GPUs, then across the n nodes."""
+    its K GPUs, then across the n nodes, whose NICs carry K^nu times the bucket (nu: the inter link's)."""
     out = np.zeros((len(layouts), len(buckets)))
     for c, lay in enumerate(layouts):
         k, n = max(lay), len(lay)
         if k > 1:
-            out[c] += coll.time(intra, k, buckets)
+            out[c] += link_seconds(params.collectives, params.link(intra), intra, k, buckets)
         if n > 1:
-            out[c] += coll.across(inter or intra, n, buckets)
+            lc = params.link(inter or intra)
+            out[c] += link_seconds(params.collectives, lc, inter or intra, n, buckets * k ** lc.nu, across=True)
     return out
 
 
@@ -380,7 +438,7 @@ def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: 
     multi = G > 1
     t1 = np.full(n, float(ladder.at(b)[0]))
     floor = np.full(n, min(ladder.floor, float(t1[0])))
-    comm = bucket_comm(params.collectives, buckets, layouts, intra, inter)
+    comm = bucket_comm(params, buckets, layouts, intra, inter)
     lc = [params.link(sync_link(l, intra, inter)) for l in layouts]
     host = params.host(gpu).seconds(len(buckets), tensors)
     r = simulate(t1, floor, np.tile(shares(buckets), (n, 1)), comm, np.array([c.kappa for c in lc]),
@@ -440,6 +498,15 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
         if gpu not in calibrated and n >= MIN_ROWS_PER_PARAM * 3:
             names += [("c_step", gpu), ("c_bucket", gpu), ("c_tensor", gpu)]
     X = _design(rows, profiles, ladders, collectives)
+    for link in sorted((set(X["intra"]) | set(X["inter"])) - {None}):   # links with no sweep: as steps see them
+        used = sum(1 for a, b in zip(X["intra"], X["inter"]) if link in (a, b))
+        if used >= MIN_ROWS_PER_PARAM * 3:
+            names += [("alpha", link), ("bw", link)]
+        shared = sum(1 for e, k in zip(X["inter"], X["K"]) if e == link and k > 1)
+        if shared >= MIN_ROWS_PER_PARAM * 3:
+            names += [("nu", link)]
+        if sum(1 for e in X["inter"] if e == link) >= MIN_ROWS_PER_PARAM * 3:
+            names += [("tree", link)]
     converged = True
 
     def build(x) -> tuple[dict, dict]:
@@ -448,8 +515,14 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
                              val.get(("c_tensor", g), 0.0), "fitted" if ("c_step", g) in val else "default")
                  for g in host_rows}
         hosts.update(calibrated)
-        links = {l: LinkCost(val.get(("kappa", l), 0.0), val.get(("o", l), 0.0),
-                             "fitted" if ("kappa", l) in val else "default") for l in link_rows}
+        links = {}
+        for l in sorted(set(link_rows) | {n[1] for n in names if n[0] in ("alpha", "bw", "nu", "tree")}):
+            a0, bw0 = link_prior(l)[:2]
+            links[l] = LinkCost(val.get(("kappa", l), 0.0), val.get(("o", l), 0.0),
+                                "fitted" if any(n[1] == l for n in val) else "default",
+                                a0 * math.exp(val[("alpha", l)]) if ("alpha", l) in val else None,
+                                bw0 * math.exp(val[("bw", l)]) if ("bw", l) in val else None,
+                                val.get(("nu", l), 0.0), val.get(("tree", l), 0.0))
         return hosts, links
 
     def predict_all(x) -> np.ndarray:
@@ -457,15 +530,17 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
         lc = [links[l] for l in link_of]
         hc = [hosts.get(r["gpu"], HostCost()) for r in rows]
         host_s = np.array([h.seconds(nb, nt) for h, nb, nt in zip(hc, X["nb"], X["nt"])])
-        return simulate(X["t1"], X["floor"], X["share"], X["comm"], np.array([c.kappa for c in lc]),
-                        np.array([c.o for c in lc]), host_s, np.ones(len(rows), dtype=bool))["iter_s"]
+        return simulate(X["t1"], X["floor"], X["share"], _comm(X, links, collectives),
+                        np.array([c.kappa for c in lc]), np.array([c.o for c in lc]), host_s,
+                        np.ones(len(rows), dtype=bool))["iter_s"]
 
     y = np.log([r["iter_s"] for r in rows]) if rows else np.zeros(0)
     x = np.zeros(len(names))
     if names:
         lo = [BOUNDS[n[0]][0] / SCALE[n[0]] for n in names]
         hi = [BOUNDS[n[0]][1] / SCALE[n[0]] for n in names]
-        ridge = math.sqrt(RIDGE_ROWS) * F_SCALE
+        ridge = np.array([math.sqrt(LINK_RIDGE_ROWS if n[0] in STRONG_RIDGE else RIDGE_ROWS) * F_SCALE
+                          for n in names])
         sw = np.sqrt(_weights(rows))
 
         def resid(v):
@@ -526,21 +601,47 @@ def infer_ladders(profiles: dict, collectives: Collectives, ladders: dict, multi
 
 def _design(rows: list[dict], profiles: dict, ladders: dict, coll: Collectives) -> dict:
     """What `simulate` reads of each row that no constant changes: T1, the floor, the buckets' ready shares and
-    all-reduce seconds (padded with NaN shares to the most buckets), bucket and tensor counts."""
+    bytes (padded with NaN shares and 0 bytes to the most buckets), the all-reduce seconds over links with a
+    sweep, K and n, the intra (K > 1) and inter (n > 1) link where it has no sweep (else None), bucket and tensor
+    counts."""
     n = len(rows)
     width = max((len(profiles[r["profile"]].buckets_bytes) for r in rows), default=1)
-    share, comm = np.full((n, width), np.nan), np.zeros((n, width))
-    t1, floor, nb, nt = np.zeros(n), np.zeros(n), [], []
+    share, comm, nbytes = np.full((n, width), np.nan), np.zeros((n, width)), np.zeros((n, width))
+    t1, floor, nb, nt, K, N, intra, inter = np.zeros(n), np.zeros(n), [], [], np.ones(n), np.ones(n), [], []
+    swept = Params(collectives=coll)
     for i, r in enumerate(rows):
         p, lad = profiles[r["profile"]], ladders[(r["profile"], r["gpu"])]
         buckets = np.asarray(p.buckets_bytes, dtype=float)
         t1[i] = float(lad.at(r["per_gpu_batch"])[0])
         floor[i] = min(lad.floor, t1[i])
         share[i, :len(buckets)] = shares(buckets)
-        comm[i, :len(buckets)] = bucket_comm(coll, buckets, [r["layout"]], r["intra_link"], r.get("inter_link"))[0]
+        nbytes[i, :len(buckets)] = buckets
+        K[i], N[i] = max(r["layout"]), len(r["layout"])
+        a, e = r["intra_link"], (r.get("inter_link") or r["intra_link"])
+        intra.append(a if K[i] > 1 and not coll.measured(a) else None)
+        inter.append(e if N[i] > 1 and not coll.measured(e) else None)
+        if intra[i] is None and K[i] > 1:     # the swept links' share, fixed: inside the node over K
+            comm[i, :len(buckets)] += bucket_comm(swept, buckets, [[int(K[i])]], a, None)[0]
+        if inter[i] is None and N[i] > 1:     # and across the n nodes
+            comm[i, :len(buckets)] += bucket_comm(swept, buckets, [[1] * int(N[i])], a, e)[0]
         nb.append(len(buckets))
         nt.append(len(p.tensors))
-    return {"t1": t1, "floor": floor, "share": share, "comm": comm, "nb": nb, "nt": nt}
+    return {"t1": t1, "floor": floor, "share": share, "comm": comm, "bytes": nbytes, "K": K, "n": N,
+            "intra": intra, "inter": inter, "nb": nb, "nt": nt}
+
+
+def _comm(X: dict, links: dict[str, LinkCost], coll: Collectives) -> np.ndarray:
+    """comm[c, j] of the design's rows at these link constants: the swept links' seconds (fixed) plus, for each
+    link with no sweep, `link_seconds` at its alpha, bw and nu, vectorised over its rows."""
+    comm = X["comm"].copy()
+    for role, world, across in (("intra", X["K"], False), ("inter", X["n"], True)):
+        names = np.array([x or "" for x in X[role]], dtype=object)
+        for link in set(names) - {""}:
+            m = names == link
+            lc = links.get(link, LinkCost())
+            nbytes = X["bytes"][m] * (X["K"][m, None] ** lc.nu if across else 1.0)
+            comm[m] += link_seconds(coll, lc, link, world[m, None], nbytes, across)
+    return comm
 
 
 def _ladder_residuals(ladders: dict[tuple[str, str], Ladder]) -> list[float]:

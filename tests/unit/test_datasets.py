@@ -29,6 +29,18 @@ def test_pollux_has_sync_and_scalability_up_to_64_gpus():
     assert {"bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"} == set(ds.profiles)
 
 
+def test_each_models_trace_is_one_owner_and_pollux_ncf_is_the_benchmarks_neumf():
+    """One vote per model's trace in a fit (stepmodel.owner_of reads `uid`); Pollux's NCF is AdaptDL's benchmark
+    model (MovieLens-1M, factor 32, 3 layers: 1.60 M parameters), not the 5.9 M of NeuMF on MovieLens-20M."""
+    for ds in (load_pollux(), load_elasticflow()):
+        owners = {}
+        for r in ds.steps + ds.extra:
+            owners.setdefault(r["profile"], set()).add(r["uid"])
+        assert all(len(v) == 1 for v in owners.values()) and len(set.union(*owners.values())) == len(owners)
+    ncf = load_pollux().profiles["ncf"]
+    assert ncf.n_params == 1_602_657 and len(ncf.tensors) == 12
+
+
 def test_morphling_fixed_global_batch():
     ds = load_morphling()
     assert {r["per_gpu_batch"] * sum(r["layout"]) for r in ds.steps} == {840}

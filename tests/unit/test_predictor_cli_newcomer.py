@@ -42,7 +42,7 @@ raise SystemExit(0)
 """
 
 
-def _evaluate(checkout: Path) -> subprocess.CompletedProcess:
+def _evaluate(checkout: Path, *extra: str) -> subprocess.CompletedProcess:
     """`elastic-predictor evaluate` in a process of its own (the bench's stdout is the process's own), run from
     a checkout whose bench/accuracy.py is FAKE_BENCH, saying every 0.05 s that it still runs."""
     code = textwrap.dedent(f"""
@@ -50,7 +50,7 @@ def _evaluate(checkout: Path) -> subprocess.CompletedProcess:
         from predictor import cli
         cli.REPO_ROOT = pathlib.Path({str(checkout)!r})
         cli.PROGRESS_EVERY_S = 0.05
-        sys.argv = ["elastic-predictor", "evaluate", "--datasets", "pollux-t4,morphling-a800"]
+        sys.argv = ["elastic-predictor", "evaluate", "--datasets", "pollux-t4,morphling-a800", *{list(extra)!r}]
         cli.main()
     """)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -69,6 +69,19 @@ def test_evaluate_shows_progress_on_stderr_and_leaves_stdout_alone(tmp_path):
         assert line in err, err
     assert err.index("[1/2] pollux-t4") < err.index("pollux-t4: done") < err.index("[2/2] morphling-a800") \
         < err.index("morphling-a800: done") < err.index("finished after")
+
+
+def test_evaluate_is_quick_by_default_and_full_on_request(tmp_path):
+    """The default runs the bench's leave-one-model-out protocol (a few minutes) and says so; --full hands the
+    bench --full (protocols A and B) and says it takes half an hour or more."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "accuracy.py").write_text(FAKE_BENCH.replace('print("| dataset | error |")',
+                                                                        'print("argv", sys.argv[1:])'))
+    quick, full = _evaluate(tmp_path), _evaluate(tmp_path, "--full")
+    assert quick.returncode == 0 and full.returncode == 0, (quick.stderr, full.stderr)
+    assert "'--full'" not in quick.stdout and "'--full'" in full.stdout
+    assert "a few minutes (--full for protocols A and B)" in quick.stderr
+    assert "--full adds about a hundred fits (half an hour or more)" in full.stderr
 
 
 def test_evaluate_says_when_the_bench_fails_and_keeps_its_status(tmp_path):
