@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import loco  # noqa: E402
 
-# Where the step model (sm-2026.12.02-1) loses to the reference: the earliest collection, host-bound nearly
+# Where the step model (sm-2026.12.02-3) loses to the reference: the earliest collection, host-bound nearly
 # throughout, collected by an earlier collector (its SOURCE.md), whose socket rows ran faster than its own sweep
 # says. Strict: the day this holds, the test says so and the entry goes.
 LOSES = {("coldstart/session7", "transport tcp"), ("coldstart/session7", "same choice @0.7")}
