@@ -568,6 +568,7 @@ def decisions(db, limit):
     click.echo(_table(rows, [("decision_id", "id", "s"), ("source", "source", "s"), ("action", "action", "s"),
                              ("model", "model", "s"), ("reason", "reason", "s")]))
 
+
 @main.command()
 @click.option("--predictor", "predictor_url", required=True, metavar="URL",
               help="the prediction service the job posts its rows to (as the launcher's --predictor)")
@@ -637,6 +638,9 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
         for line in sub.stderr.splitlines():
             click.echo(line, err=True)
         click.echo(sub.job_id)
+
+
+@main.command()
 @click.option("--sacct", "sacct_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="a `sacct -P` export (--format=JobID,JobName,Submit,Start,End,Timelimit,AllocTRES,NNodes,State,Comment)")
 @click.option("--pollux-workload", default=None, type=click.IntRange(1, 8), help="Pollux OSDI'21 workload 1-8")
