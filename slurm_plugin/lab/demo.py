@@ -142,7 +142,8 @@ def lab_slurm(bed: Testbed, token: str | None = None) -> Backend:
     """A Slurm client for the lab's cluster (with the predictor token in the environment of what it submits)."""
     from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
 
-    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
+    env = {"PATH": (bed.command_env() or {}).get("PATH", DEFAULT_PATH), "HOME": "/root",
+           "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
     if token:
         env["ELASTIC_PREDICTOR_TOKEN"] = token
     return CommandBackend(slurm_conf=bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
