@@ -16,8 +16,11 @@ A lock file makes concurrent builds wait for each other; a build goes to a tempo
 into place only when complete.
 
 Mounts (`ensure`, idempotent, on the host, kept until `unmount`): /proc, /sys, /dev (recursive), and the
-directories labs, jobs and tests use at the same path inside and out: /tmp, /var/tmp, /root, /home and the
-checkout this code runs from. So a lab under /var/tmp, a job's output file under /tmp and SLURM_CONF
+directories labs, jobs and tests use at the same path inside and out: /tmp, /var/tmp, /home, the checkout
+this code runs from, and the prefix of the Python running it (unless that is the system's /usr: a job that
+runs `sys.executable` of a test then finds it; the root's own Python is /usr/bin/python3), and the host's
+/etc/hosts (file): slurmctld resolves the submit host's name, and an unresolvable one made 24.11.5's
+slurmctld segfault while shrinking a job with a running step. So a lab under /var/tmp, a job's output file under /tmp and SLURM_CONF
 name the same file on both sides, and daemons and client commands started through `command()` share the
 host's network and pids (the testbed's pid checks and fault injection work unchanged). Removing a root
 uses `rm --one-file-system`, so mounted host directories are never deleted through it.
@@ -32,6 +35,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,7 +50,8 @@ PACKAGES = ("slurmctld", "slurmd", "slurmdbd", "slurm-client", "slurm-wlm-basic-
             "munge", "mariadb-server", "lua-socket", "lua-cjson", "libslurm-dev", "python3", "python3-dev",
             "python3-setuptools", "python3-wheel", "python3-pip", "cython3", "build-essential", "python3-pytest",
             "python3-pytest-timeout", "procps", "util-linux", "ca-certificates")
-BIND_DIRS = ("/tmp", "/var/tmp", "/root", "/home")
+BIND_DIRS = ("/tmp", "/var/tmp", "/home")
+CLEAN_ENV = ("env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8")
 BUILD_TIMEOUT_S = 1800
 
 
@@ -75,6 +80,15 @@ def inside_root() -> bool:
 def checkout() -> Path:
     """The checkout this code runs from (bound into the root: jobs and in-root tests import it)."""
     return Path(__file__).resolve().parents[2]
+
+
+def bind_dirs() -> list[str]:
+    """Host directories seen at the same path inside the root (module docstring)."""
+    out = [*BIND_DIRS, str(checkout())]
+    for prefix in {sys.prefix, sys.base_prefix}:
+        if not prefix.startswith(("/usr", "/bin", "/lib", "/etc")) and prefix != "/":
+            out.append(prefix)
+    return [d for d in out if Path(d).is_dir()]
 
 
 def apt_mirror() -> str:
@@ -178,11 +192,12 @@ class SlurmRoot:
                 shutil.copy(VENDOR / self.spec.pyslurm, src)
                 name = self.spec.pyslurm.removesuffix(".tar.gz")
                 script = (f"cd /opt/src && tar xzf {self.spec.pyslurm} && cd {name} && "
-                          "SLURM_LIB_DIR=/usr/lib/x86_64-linux-gnu SLURM_INCLUDE_DIR=/usr/include "
-                          "python3 setup.py build_ext -j 2 >/dev/null && "
-                          "pip install --break-system-packages --no-build-isolation --no-deps --no-index . && "
-                          "cd / && python3 -c 'import pyslurm; print(\"pyslurm\", pyslurm.__version__)'")
-                argv = ["chroot", str(tmp), "sh", "-c", script]
+                          "export SLURM_LIB_DIR=/usr/lib/x86_64-linux-gnu SLURM_INCLUDE_DIR=/usr/include && "
+                          "/usr/bin/python3 setup.py build_ext -j 2 >/dev/null && /usr/bin/python3 setup.py bdist_wheel "
+                          ">/dev/null && /usr/bin/python3 -m pip install --break-system-packages --no-deps --no-index "
+                          "dist/*.whl && cd / && "
+                          "/usr/bin/python3 -c 'import pyslurm; print(\"pyslurm\", pyslurm.__version__)'")
+                argv = [*CLEAN_ENV, "chroot", str(tmp), "sh", "-c", script]
                 out.write(f"$ {' '.join(argv)}\n")
                 out.flush()
                 _run(argv, out, log, "pyslurm build")
@@ -199,12 +214,15 @@ class SlurmRoot:
         plan = [("proc", "/proc", ["-t", "proc", "proc"]), ("sys", "/sys", ["--rbind", "/sys"]),
                 ("dev", "/dev", ["--rbind", "/dev"])]
         if binds:
-            plan += [(d, d, ["--bind", d]) for d in (*BIND_DIRS, str(checkout())) if Path(d).is_dir()]
+            plan += [(d, d, ["--bind", d]) for d in bind_dirs()] + [("hosts", "/etc/hosts", ["--bind", "/etc/hosts"])]
         for _, target, how in plan:
             where = root / target.lstrip("/")
             if str(where) in mounted:
                 continue
-            where.mkdir(parents=True, exist_ok=True)
+            if Path(target).is_dir():
+                where.mkdir(parents=True, exist_ok=True)
+            else:
+                where.touch(exist_ok=True)
             proc = subprocess.run(["mount", *how, str(where)], capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise TestbedError("root", f"mount {' '.join(how)} {where} exited {proc.returncode}: "

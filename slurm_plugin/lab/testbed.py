@@ -113,12 +113,17 @@ class Testbed:
         )
 
     # -- public API ------------------------------------------------------------------------------
-    def env(self) -> dict[str, str]:
+    def env(self, path: str | None = None) -> dict[str, str]:
         """What a shell needs to use this lab's cluster (and what a job submitted from it needs to sign its posts
-        to the predictor with the lab's munged: sbatch passes the environment on)."""
+        to the predictor with the lab's munged: sbatch passes the environment on). With `path`, PATH is that
+        (behind the lab's bin/ for a release from a root); without, PATH is set only for such a release (the
+        caller's PATH behind bin/)."""
         out = {"SLURM_CONF": str(self.config.slurm_conf), "ELASTIC_MUNGE_SOCKET": str(self.config.munge_socket)}
+        base = path if path is not None else os.environ.get("PATH", DEFAULT_PATH)
         if self.root is not None:
-            out["PATH"] = f"{self.config.bin_dir}:{os.environ.get('PATH', DEFAULT_PATH)}"
+            out["PATH"] = f"{self.config.bin_dir}:{base}"
+        elif path is not None:
+            out["PATH"] = path
         return out
 
     def command_env(self) -> dict[str, str] | None:
@@ -364,7 +369,7 @@ class Testbed:
                 state = "?"
             if state in ("idle", "mixed", "allocated"):
                 return state
-            if state.startswith(("down", "drain", "fail")):
+            if any(part.startswith(("down", "drain", "fail")) for part in state.split("+")):  # 24.11: idle+drain
                 try:
                     self._cmd(["scontrol", "update", f"NodeName={node}", "State=RESUME"], f"slurmd-{node}",
                               timeout=self.config.command_timeout.total_seconds())

@@ -74,7 +74,7 @@ def test_cli_filter_ignores_scripts_without_directives_and_srun(hook, predictor,
     (tmp_path / "step.sh").write_text(script(body="true\n"))  # #ELASTIC lines, but srun runs it as a program
     (tmp_path / "step.sh").chmod(0o755)
     srun = subprocess.run(["srun", "-N1", "--gpus=1", str(tmp_path / "step.sh")], capture_output=True, text=True,
-                          timeout=60, env={**bed.env(), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+                          timeout=60, env=bed.env(path="/usr/bin:/bin"), cwd=tmp_path)
     assert srun.returncode == 0 and srun.stderr == ""
     plain = sbatch(script(directives=""), "-H", "-J", "mode-rewrite")
     assert plain.rc == 0 and plain.stderr == ""

@@ -87,7 +87,7 @@ class Sbatch:
 def sbatch(bed, tmp_path):
     """Run sbatch on a script text (written to a file, as users do); cancel the jobs at teardown."""
     jobs = []
-    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    env = bed.env(path="/usr/bin:/bin:/usr/sbin:/sbin")
 
     def _sbatch(script: str, *args: str) -> Sbatch:
         path = tmp_path / f"job{len(jobs)}.sh"
@@ -109,7 +109,7 @@ def show_job(bed: Testbed, job_id: int) -> dict[str, str]:
     """`scontrol show job` as a dict (the tests check what the issue names: what scontrol shows).
     Comment gets its whole line (it may hold spaces and `=`)."""
     out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True,
-                         env={**bed.env(), "PATH": "/usr/bin:/bin"}, timeout=30, check=True).stdout
+                         env=bed.env(path="/usr/bin:/bin"), timeout=30, check=True).stdout
     fields = {}
     for line in out.splitlines():
         line = line.strip()
@@ -196,7 +196,7 @@ def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch,
     assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
     assert "TresPerNode" not in job
     srun = subprocess.run(["srun", "-N1", "true"], capture_output=True, text=True, timeout=60,
-                          env={**bed.env(), "PATH": "/usr/bin:/bin"})
+                          env=bed.env(path="/usr/bin:/bin"))
     assert srun.returncode == 0 and srun.stderr == ""
     assert predictor.requests == []
 
@@ -204,7 +204,7 @@ def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch,
 def test_wrap_text_is_read_for_no_directive_as_sbatch_reads_no_sbatch_line(hook, predictor, bed, tmp_path):
     """#26.3: `sbatch --wrap` ignores #SBATCH lines in its text; the hook ignores #ELASTIC lines there alike."""
     hook(predictor.url)
-    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    env = bed.env(path="/usr/bin:/bin:/usr/sbin:/sbin")
     proc = subprocess.run(["sbatch", "--parsable", "-H", "-J", "mode-rewrite", f"--output={tmp_path}/%j.out",
                            "--wrap", "#ELASTIC model=resnet50 gpus=2-8\n#SBATCH -N 3\ntrue"],
                           capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
