@@ -646,6 +646,14 @@ def _state(value) -> str:
     return "+".join(map(str, value)) if isinstance(value, list) else str(value or "")
 
 
+def _acct_state(value) -> str:
+    """An accounting record's state as sacct's text prints it: 24.11's JSON gives a former size's record as
+    `["PENDING", "RESIZING"]` (base state and flag), where 22.05's JSON and both texts say RESIZING."""
+    if isinstance(value, list):
+        return "RESIZING" if "RESIZING" in value else str(value[0] if value else "").upper()
+    return str(value or "").upper()
+
+
 def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
     """22.05's `sinfo --json` or 24.11's `scontrol --json show nodes` (both a `nodes` list)."""
     return [
@@ -748,7 +756,7 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
             AcctRecord(
                 job_id=job_id,
                 name=j.get("name", ""),
-                state=_state(state.get("current", "") if isinstance(state, dict) else state).split("+")[0].upper(),
+                state=_acct_state(state.get("current", "") if isinstance(state, dict) else state),
                 nodelist=j.get("nodes") or "",
                 gpus=gpus,
             )
