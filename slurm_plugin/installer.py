@@ -150,6 +150,15 @@ def _stamp_next_second(path: Path, sleep: Callable[[float], None]) -> None:
     os.utime(path, (target, target))
 
 
+def _path_env() -> dict[str, str]:
+    """The admin's PATH for Slurm's commands: a site's Slurm may live outside the system's bin directories (and a
+    24.11 testbed's wrappers stand first on PATH after `eval "$(elastic-slurm testbed env)"`)."""
+
+    from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
+
+    return {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
+
+
 def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
     """`max_gpus_per_node` as the Slurm of `slurm_conf` reports it (`sinfo --json`, `scontrol show partition`).
 
@@ -161,7 +170,7 @@ def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
     how = "start slurmctld or pass --max-gpus-per-node PARTITION=COUNT,..."
     if not slurm_conf.is_file():   # sinfo without a config waits on DNS for a minute
         raise InstallError(f"cannot read each partition's GPUs per node: no {slurm_conf}; {how}")
-    backend = CommandBackend(slurm_conf=slurm_conf)
+    backend = CommandBackend(slurm_conf=slurm_conf, env=_path_env())
     try:
         return most_gpus_per_node(backend.nodes(), backend.partitions())
     except (SlurmError, OSError) as exc:
@@ -263,7 +272,7 @@ def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_f
         slurm_conf = config.conf_dir / "slurm.conf"
         try:
             changed = add_to_slurm_conf(slurm_conf, config.slurm_conf_lines())
-            CommandBackend(slurm_conf=slurm_conf).reconfigure()
+            CommandBackend(slurm_conf=slurm_conf, env=_path_env()).reconfigure()
         except (InstallError, SlurmError) as exc:
             raise click.ClickException(str(exc)) from exc
         click.echo(f"{'updated' if changed else 'unchanged'} {slurm_conf}; scontrol reconfigure done")

@@ -196,7 +196,7 @@ class SlurmRoot:
                           "/usr/bin/python3 setup.py build_ext -j 2 >/dev/null && /usr/bin/python3 setup.py bdist_wheel "
                           ">/dev/null && /usr/bin/python3 -m pip install --break-system-packages --no-deps --no-index "
                           "dist/*.whl && cd / && "
-                          "/usr/bin/python3 -c 'import pyslurm; print(\"pyslurm\", pyslurm.__version__)'")
+                          "/usr/bin/python3 -c 'from importlib.metadata import version; print(\"pyslurm\", version(\"pyslurm\"))'")
                 argv = [*CLEAN_ENV, "chroot", str(tmp), "sh", "-c", script]
                 out.write(f"$ {' '.join(argv)}\n")
                 out.flush()

@@ -62,6 +62,8 @@ def wait_until():
 def testbed() -> Testbed:
     bed = Testbed(TestbedConfig(lab=LAB, port_base=recorded_port_base(LAB) or DEFAULT_PORT_BASE,
                                 slurm=recorded_slurm(LAB) or HOST_VERSION))
+    if "PATH" in bed.env():   # a release from a root: its commands first, for this process too (the installer
+        os.environ["PATH"] = bed.env()["PATH"]   # asks Slurm through PATH), as `eval "$(testbed env)"` does
     if not bed.is_up():
         down = [s.name for s in bed.status() if not s.running]
         pytest.fail(
