@@ -10,7 +10,8 @@ local SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specif
 M.now = socket.gettime   -- the clock of the breaker and the cache (tests step their own); budgets use socket's
 local DEFAULTS = { predictor_url = "http://127.0.0.1:8470", budget_ms = 100, breaker_failures = 3, breaker_open_s = 30,
                    helper_marker = "elastic-helper", cli_state_dir = "/tmp", cache_entries = 1024,
-                   max_gpus_per_node = "" }   -- debug=4,a100=8 (installer); cfg.gpus: {debug = 4, a100 = 8}
+                   max_gpus_per_node = "",    -- debug=4,a100=8 (installer); cfg.gpus: {debug = 4, a100 = 8}
+                   gres_prefix = "gres:" }    -- this Slurm's TRES spelling (installer): gres: 22.05, gres/ 24.11
 
 -- elastic.conf (key = value); a numeric key whose value is not a number keeps its default and is reported.
 function M.read_config(path)
@@ -203,13 +204,14 @@ function M.gpu_tres(list)
   return count, (ntypes == 1 and not untyped) and next(types) or nil
 end
 local function gpu_count(list) return (M.gpu_tres(list)) end
--- The list with its gpu entries replaced by one `gres:gpu[:type]:count` after the others (count nil: removed),
+-- The list with its gpu entries replaced by one `<prefix>gpu[:type]:count` after the others (count nil: removed),
 -- keeping the request's one GPU type unless `gpu` (a moved job's new type) differs: the new nodes lack it.
-function M.set_gpu_tres(list, count, gpu)
+-- `prefix`: `gres:` (the default) or `gres/`, the spelling of this Slurm (M.tres_prefix).
+function M.set_gpu_tres(list, count, gpu, prefix)
   local _, out = tres_entries(list)
   local _, gpu_type = M.gpu_tres(list)
   if gpu_type and gpu and gpu_type:lower() ~= tostring(gpu):lower() then gpu_type = nil end
-  if count then out[#out + 1] = "gres:gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count end
+  if count then out[#out + 1] = (prefix or "gres:") .. "gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count end
   return table.concat(out, ",")
 end
 
@@ -347,9 +349,23 @@ function M.outside(r, asked, parts, gpus)
   end
   return names and "decision outside its partition: " .. why or nil
 end
+-- The TRES spelling slurmctld accepts in a job_desc's tres_per_* fields: 22.05 takes only `gres:gpu:2`, 24.11 only
+-- `gres/gpu:2` (either refuses the other: "Invalid Trackable RESource (TRES) specification"; docs/slurm-versions.md).
+-- The job's own request entries show it (sbatch wrote them in its Slurm's spelling; an accounting-form `gres/gpu=N`
+-- says nothing); a job with none, `default` (elastic.conf's gres_prefix, the installer's reading of Slurm).
+function M.tres_prefix(job_desc, default)
+  for _, key in ipairs({ "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }) do
+    for entry in (str(job_desc[key]) or ""):gmatch("[^,]+") do
+      local sep = not entry:find("=", 1, true) and entry:match("^gres([:/])")
+      if sep then return "gres" .. sep end
+    end
+  end
+  return default or "gres:"
+end
 -- A rewrite's job_desc values and environment, computed before any is assigned, and whether the GPU request changed;
--- or nil and why it cannot be applied consistently.
-function M.rewrite_fields(job_desc, reply)
+-- or nil and why it cannot be applied consistently. `prefix` as M.tres_prefix (default: the job's own, else gres:).
+function M.rewrite_fields(job_desc, reply, prefix)
+  prefix = M.tres_prefix(job_desc, prefix)
   local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
   local f, env = { min_nodes = nodes, max_nodes = nodes, req_switch = reply.switches, features = reply.constraint }, {}
   f.partition = M.moved_to(str(job_desc.partition), reply)
@@ -357,11 +373,11 @@ function M.rewrite_fields(job_desc, reply)
   local per_task = gpu_count(job_desc.tres_per_task)
   if per_task then
     if not tasks or per_node % tasks ~= 0 or per_node == 0 then return nil, M.per_task_split(per_node, tasks) end
-    f.tres_per_task = M.set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
+    f.tres_per_task = M.set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type, prefix)
     env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
   end
-  f.tres_per_node = M.set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type)
-  if job_desc.tres_per_job ~= nil then f.tres_per_job = M.set_gpu_tres(job_desc.tres_per_job, nil) end
+  f.tres_per_node = M.set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type, prefix)
+  if job_desc.tres_per_job ~= nil then f.tres_per_job = M.set_gpu_tres(job_desc.tres_per_job, nil, nil, prefix) end
   local cpus_per_task = num(job_desc.cpus_per_task, NO_VAL16) or 1
   if tasks then f.ntasks_per_node, env.SLURM_NTASKS_PER_NODE = tasks, tostring(tasks) end
   if num(job_desc.num_tasks) then   -- a task count (-n, or one sbatch derived): it follows the new layout
@@ -383,9 +399,9 @@ end
 
 -- Apply a decision to a job_desc (a keep: its id in the comment); true, or nil and why nothing changed. SLURM_GPUS
 -- and _PER_NODE follow a changed GPU request (srun in the job reads them), others only where sbatch set them.
-function M.apply_job_desc(job_desc, decision)
+function M.apply_job_desc(job_desc, decision, gres_prefix)
   local fields, env = { comment = decision.decision_id and M.comment_with(job_desc.comment, decision.decision_id) }, {}
-  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision) end
+  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision, gres_prefix) end
   if not fields then return nil, env end
   for key, value in pairs(fields) do job_desc[key] = value end
   local target = job_desc.script ~= nil and job_desc.environment or nil

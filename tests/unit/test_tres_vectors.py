@@ -34,7 +34,7 @@ local run = {
   parse = function(c) local n, t = M.gpu_tres(v(c.tres)); return { gpus = nul(n), type = nul(t) } end,
   rewrite = function(c) return { got = M.set_gpu_tres(v(c.tres), v(c.gpus), v(c.gpu)) } end,
   job_desc = function(c)
-    local f, _, changed = M.rewrite_fields(c.job_desc, c.reply)
+    local f, _, changed = M.rewrite_fields(c.job_desc, c.reply, c.prefix)
     return { fields = f, changed = changed }
   end,
   option = function(c) return { got = nul(option_tres(c.option, v(c.value))) } end,
