@@ -166,12 +166,13 @@ def _path_env() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
 
 
-def slurm_gres_prefix(timeout: timedelta = timedelta(seconds=10)) -> Optional[str]:
+def slurm_gres_prefix(slurm_conf: Path, timeout: timedelta = timedelta(seconds=10)) -> Optional[str]:
     """`gres_prefix` for the Slurm on PATH from `scontrol --version` (`slurm 24.11.5`): `gres/` from 23.02 on, else
     `gres:`; None when scontrol cannot tell (not installed here): the hook then keeps each job's own spelling, and
     writes `gres:` for a job that has none (pass --gres-prefix on such a host)."""
     try:
-        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, env=_path_env(),
+        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True,   # 24.11 reads slurm.conf
+                             env={**_path_env(), "SLURM_CONF": str(slurm_conf)},
                              timeout=timeout.total_seconds(), check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -212,7 +213,7 @@ def install(config: PluginConfig, lua: str = "lua5.1", sleep: Callable[[float], 
     if config.max_gpus_per_node is None:
         config = dataclasses.replace(config, max_gpus_per_node=slurm_gpus_per_node(config.conf_dir / "slurm.conf"))
     if config.gres_prefix is None:
-        config = dataclasses.replace(config, gres_prefix=slurm_gres_prefix())
+        config = dataclasses.replace(config, gres_prefix=slurm_gres_prefix(config.conf_dir / "slurm.conf"))
     written = []
     files = [("elastic_common.lua", (LUA_DIR / "elastic_common.lua").read_text()),
              ("elastic.conf", config.conf_text())]

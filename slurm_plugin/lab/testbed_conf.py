@@ -109,6 +109,11 @@ class TestbedConfig:
         return self.etc / "slurm.conf.extra"
 
     @property
+    def gres_prefix(self) -> str:
+        """How this release spells a GPU in a job's TRES (`gres:gpu:2` on 22.05, `gres/gpu:2` on 24.11)."""
+        return "gres:" if self.slurm == HOST_VERSION else "gres/"
+
+    @property
     def bin_dir(self) -> Path:
         """Wrappers that run the root's Slurm client commands (labs of a release from a root only)."""
         return self.lab / "bin"
