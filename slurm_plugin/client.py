@@ -393,12 +393,14 @@ class PyslurmBackend:
 
     Queries and changes go through libslurm: `Nodes/Partitions/Jobs.load`, `Job.load`, `JobSubmitDescription.submit`,
     `Job.cancel`, `Job.modify` (comment, admin comment, and a shrink as `required_nodes`, what scontrol's
-    `NodeList=` sets), `slurmctld.reconfigure`. Three calls stay on the commands (a `CommandBackend` inside),
+    `NodeList=` sets), `slurmctld.reconfigure`. These stay on the commands (a `CommandBackend` inside),
     because pyslurm 24.11 cannot give what the protocol promises:
     - the switch of each node: pyslurm has no topology call (`scontrol show topology`);
     - `sacct`: `pyslurm.db.Jobs` keys records by job id, so a resized job's one-record-per-size collapses
       into one (pyslurm/db/job.pyx, "TODO: How to handle the possibility of duplicate job ids");
     - `job_owner`, which reads those per-size records.
+    - `--switches` at submission: pyslurm 24.11's `_set_switches` reads an undefined name, so the job goes in
+      held, `scontrol update Switches=` sets it, and pyslurm releases it.
     `Submission.stderr` stays empty: `JobSubmitDescription.submit` drops the job_submit hook's user message
     (`submit_response_msg_t.job_submit_user_msg`). `timeout` is Slurm's own MessageTimeout for libslurm calls
     (a call blocks in C holding the interpreter); the commands honour it as `CommandBackend` does.
@@ -493,16 +495,42 @@ class PyslurmBackend:
     def sbatch(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> Submission:
         """Submit like `sbatch [args] script`: `args` go in as `#SBATCH` lines ahead of the script's own (which
         pyslurm reads with `load_sbatch_options`), so a command-line option wins as with sbatch."""
+        import os  # noqa: PLC0415
+        import shlex  # noqa: PLC0415
+
         text = script.read_text() if isinstance(script, Path) else script
         lines = text.splitlines(keepends=True)
         shebang = lines.pop(0) if lines and lines[0].startswith("#!") else "#!/bin/sh\n"
+        # pyslurm reads one option per #SBATCH line: split the script's own lines as sbatch does
+        lines = ["".join(f"#SBATCH {o}\n" for o in _sbatch_lines(shlex.split(ln[len("#SBATCH"):].split("#")[0])))
+                 if ln.startswith("#SBATCH") else ln for ln in lines]
         extra = "".join(f"#SBATCH {arg}\n" for arg in _sbatch_lines(args))
-        desc = self.pyslurm.JobSubmitDescription(script=shebang + extra + "".join(lines))
-        try:
-            desc.load_sbatch_options()
-        except ValueError as exc:
-            raise SlurmError(["pyslurm", "JobSubmitDescription", *args], 1, str(exc)) from exc
-        return Submission(int(self._call("JobSubmitDescription.submit", desc.submit)), "")
+        import tempfile  # noqa: PLC0415
+
+        with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="elastic-sbatch-") as f:  # pyslurm reads a path
+            f.write(shebang + extra + "".join(lines))
+            f.flush()
+            # the environment given explicitly: pyslurm's default ("ALL", from C's environ) reaches slurmctld empty
+            # here ("batch job cannot run without an environment"), as libslurm is loaded with RTLD_DEEPBIND
+            desc = self.pyslurm.JobSubmitDescription(script=f.name, environment=dict(os.environ))
+            try:
+                desc.load_sbatch_options()
+            except ValueError as exc:
+                raise SlurmError(["pyslurm", "JobSubmitDescription", *args], 1, str(exc)) from exc
+            if desc.ntasks is None and desc.nodes is not None:   # sbatch -N2 alone runs 2 tasks; pyslurm sends 1,
+                desc.ntasks = int(str(desc.nodes).split("-")[0])  # which leaves the job pending on Resources forever
+            # pyslurm 24.11 cannot send --switches (its _set_switches reads an undefined `kwargs`): submit held,
+            # set the switch request with scontrol, then release (unless the caller asked for a held job)
+            switches, desc.switches = desc.switches, None
+            held = desc.priority == 0
+            if switches:
+                desc.priority = 0
+            job_id = int(self._call("JobSubmitDescription.submit", desc.submit))
+        if switches:
+            self.commands._update(job_id, [f"Switches={switches}"], timeout)
+            if not held:
+                self._call("Job.release", self.pyslurm.Job(job_id).release, job_id=job_id)
+        return Submission(job_id, "")
 
     def submit(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> int:
         return self.sbatch(script, args, timeout).job_id

@@ -126,4 +126,28 @@ def env(bed: Testbed) -> None:
             click.echo(f"export {key}={shlex.quote(value)}")
 
 
+@testbed_group.command("exec", context_settings={"ignore_unknown_options": True})
+@_lab_options
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(bed: Testbed, argv: tuple[str, ...]) -> None:
+    """Run a command where the lab's Slurm lives: inside its root for 24.11 (the root's /usr/bin first on PATH,
+    this checkout on PYTHONPATH: pyslurm is there), as is for 22.05; with the lab's SLURM_CONF.
+
+    Example: elastic-slurm testbed exec --lab /var/tmp/lab24 -- python3 -m pytest tests/integration/test_client.py
+    """
+    import os  # noqa: PLC0415
+
+    from slurm_plugin.lab.root import checkout  # noqa: PLC0415
+
+    env = {**os.environ, **bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
+    if bed.root is not None:
+        env["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"
+        env["PYTHONPATH"] = str(checkout())
+        argv = tuple(bed.root.command(list(argv)))
+    try:
+        os.execvpe(argv[0], list(argv), env)
+    except OSError as exc:
+        raise click.ClickException(f"cannot run {argv[0]}: {exc}") from exc
+
+
 COMMANDS = (testbed_group, demo_command)   # what the entry point adds to `elastic-slurm`
