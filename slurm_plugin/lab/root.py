@@ -192,7 +192,8 @@ class SlurmRoot:
                 shutil.copy(VENDOR / self.spec.pyslurm, src)
                 name = self.spec.pyslurm.removesuffix(".tar.gz")
                 script = (f"cd /opt/src && tar xzf {self.spec.pyslurm} && cd {name} && "
-                          "export SLURM_LIB_DIR=/usr/lib/x86_64-linux-gnu SLURM_INCLUDE_DIR=/usr/include && "
+                          "export SLURM_LIB_DIR=/usr/lib/x86_64-linux-gnu SLURM_INCLUDE_DIR=/usr/include "
+                          "CFLAGS='-O0 -g0' && "   # a test client: compile time (one 100k-line module) over speed
                           "/usr/bin/python3 setup.py build_ext -j 2 >/dev/null && /usr/bin/python3 setup.py bdist_wheel "
                           ">/dev/null && /usr/bin/python3 -m pip install --break-system-packages --no-deps --no-index "
                           "dist/*.whl && cd / && "
