@@ -178,6 +178,7 @@ class SlurmRoot:
     def _build(self) -> None:
         tmp = self.path.with_name(self.path.name + f".build-{os.getpid()}")
         remove_tree(tmp)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         log = self.cache / f"build-{self.spec.version}.log"
         with open(log, "w") as out:
             argv = ["mmdebstrap", "--mode=root", "--variant=apt", "--format=directory",
