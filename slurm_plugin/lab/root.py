@@ -19,7 +19,7 @@ Mounts (`ensure`, idempotent, on the host, kept until `unmount`): /proc, /sys, /
 directories labs, jobs and tests use at the same path inside and out: /tmp, /var/tmp, /home, the checkout
 this code runs from, and the prefix of the Python running it (unless that is the system's /usr: a job that
 runs `sys.executable` of a test then finds it; the root's own Python is /usr/bin/python3), and the host's
-/etc/hosts (file): slurmctld resolves the submit host's name, and an unresolvable one made 24.11.5's
+/etc/hosts (file; the root also gets the host's regular accounts, same ids): slurmctld resolves the submit host's name, and an unresolvable one made 24.11.5's
 slurmctld segfault while shrinking a job with a running step. So a lab under /var/tmp, a job's output file under /tmp and SLURM_CONF
 name the same file on both sides, and daemons and client commands started through `command()` share the
 host's network and pids (the testbed's pid checks and fault injection work unchanged). Removing a root
@@ -210,6 +210,22 @@ class SlurmRoot:
 
     def mount(self) -> None:
         self._mount_at(self.path, binds=True)
+        self._sync_users()
+
+    def _sync_users(self) -> None:
+        """Give the root the host's regular accounts (uid/gid 1000-65533) it lacks, with the same ids: a job
+        submitted as such a user runs inside the root. System accounts keep the root's own ids (its packages'
+        munge and mysql; the testbed chowns by those)."""
+        for name in ("passwd", "group"):
+            host = Path("/etc") / name
+            mine = self.path / "etc" / name
+            have = {line.split(":", 1)[0] for line in mine.read_text().splitlines()}
+            add = [line for line in host.read_text().splitlines()
+                   if line.count(":") >= 3 and line.split(":")[0] not in have
+                   and line.split(":")[2].isdigit() and 1000 <= int(line.split(":")[2]) < 65534]
+            if add:
+                with open(mine, "a") as f:
+                    f.write("".join(f"{line}\n" for line in add))
 
     def _mount_at(self, root: Path, binds: bool) -> None:
         mounted = _mountpoints()
