@@ -390,6 +390,9 @@ function M.rewrite_fields(job_desc, reply, prefix)
     -- sbatch derived it from its node count; stale, slurmctld may refuse the job ("Requested node configuration...")
     f.min_cpus = nodes * (tasks or 1) * cpus_per_task
   end
+  -- A layout without a task count: the count too. 22.05 derived it (nodes x ntasks_per_node: the batch step's
+  -- SLURM_NTASKS, srun's default); 24.11 does not, and srun in the job then starts one task per node.
+  if tasks and not num(job_desc.num_tasks) then f.num_tasks = nodes * tasks end
   if reply.decision_id ~= nil then f.comment = M.comment_with(job_desc.comment, reply.decision_id) end
   local changed = gpu_count(job_desc.tres_per_job) ~= nil or per_task ~= nil
     or gpu_count(job_desc.tres_per_node) ~= per_node
