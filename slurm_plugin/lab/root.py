@@ -155,7 +155,10 @@ class SlurmRoot:
         return (f"#!/bin/sh\n# Written by elastic-slurm testbed: Slurm {self.spec.version}'s {name} from {self.path}\n"
                 f"[ -e {MARK} ] && exec /usr/bin/{name} \"$@\"\n"
                 f"wd=$(pwd); [ -d \"{self.path}$wd\" ] || wd=/\n"
-                f"exec unshare --root={self.path} --wd=\"$wd\" /usr/bin/{name} \"$@\"\n")
+                f"[ \"$(id -u)\" = 0 ] && exec unshare --root={self.path} --wd=\"$wd\" /usr/bin/{name} \"$@\"\n"
+                # a user other than root may not chroot; in a user namespace that maps the user to itself it may
+                f"exec unshare --user --map-user=\"$(id -u)\" --map-group=\"$(id -g)\" --root={self.path} "
+                f"--wd=\"$wd\" /usr/bin/{name} \"$@\"\n")
 
     # -- build and mounts --------------------------------------------------------------------------
     def ensure(self) -> dict[str, float]:
