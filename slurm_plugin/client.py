@@ -731,7 +731,8 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
         resources = j.get("job_resources") or {}
         alloc = resources.get("allocated_nodes") or []               # 22.05
         cpus = {a.get("nodename"): _allocated_cores(a) for a in alloc}
-        for a in (resources.get("nodes") or {}).get("allocation") or []:  # 24.11
+        layout = resources.get("nodes")                                # 24.11 (22.05: the node list, a string)
+        for a in (layout.get("allocation") or []) if isinstance(layout, dict) else []:
             cpus[a.get("name")] = _number((a.get("cpus") or {}).get("count"))
         gres = list(j.get("gres_detail") or [])
         jobs.append(
