@@ -143,10 +143,10 @@ class AcctRecord:
 
 class Backend(Protocol):
     """What the rest of the project may ask of Slurm: the type callers hold a client as (the launcher, the lab,
-    the installer, `elastic-predictor cluster`). `CommandBackend` implements it; a slurmrestd or pyslurm backend
-    only has to provide these methods with the same dataclasses. Every call takes an optional `timeout`
+    the installer, `elastic-predictor cluster`). `CommandBackend` (22.05, 24.11) and `PyslurmBackend` (24.11)
+    implement it; a slurmrestd backend would only have to provide these methods with the same dataclasses. Every call takes an optional `timeout`
     (the client's default otherwise). Implementations raise `SlurmError`, `JobNotFoundError` or `ResizeError`
-    (slurm_plugin.errors). tests/unit/test_client_parse.py checks that `CommandBackend` matches it and that
+    (slurm_plugin.errors). tests/unit/test_client_parse.py checks that each backend matches it and that
     the launcher calls nothing else on its client.
     """
 

@@ -206,19 +206,22 @@ def test_requested_shape():
     assert requested_shape({}) == (None, None, None)
 
 
-def test_command_backend_implements_the_backend_protocol():
-    """Every method the protocol declares exists on CommandBackend with the same parameters, and the
+@pytest.mark.parametrize("backend", ["CommandBackend", "PyslurmBackend"])
+def test_each_backend_implements_the_backend_protocol(backend):
+    """Every method the protocol declares exists on each backend with the same parameters, and the
     protocol declares every public method (so callers typed as `Backend` can use what the client offers)."""
     import inspect
 
+    from slurm_plugin import client
     from slurm_plugin.client import Backend
 
+    cls = getattr(client, backend)
     declared = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
-    offered = {n for n, v in vars(CommandBackend).items() if callable(v) and not n.startswith("_")}
+    offered = {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
     assert declared == offered
     for name in declared:
         assert list(inspect.signature(getattr(Backend, name)).parameters) == \
-            list(inspect.signature(getattr(CommandBackend, name)).parameters), name
+            list(inspect.signature(getattr(cls, name)).parameters), name
 
 
 def test_the_launcher_calls_only_what_backend_declares():
