@@ -405,9 +405,10 @@ class Testbed:
         lab.chmod(0o755)
         (cfg.etc / "port_base").write_text(f"{cfg.port_base}\n")
         (cfg.etc / "slurm_version").write_text(f"{cfg.slurm}\n")
-        shutil.rmtree(cfg.bin_dir, ignore_errors=True)
-        if self.root is not None:
-            cfg.bin_dir.mkdir()
+        if self.root is None:   # a lab that ran 24.11 before: its wrappers go
+            shutil.rmtree(cfg.bin_dir, ignore_errors=True)
+        else:                   # rewritten only when changed: a command of a running test may be using one
+            cfg.bin_dir.mkdir(exist_ok=True)
             for name in CLIENT_COMMANDS:
                 self._write(cfg.bin_dir / name, self.root.wrapper(name), mode=0o755)
         (cfg.etc / "gpus").write_text("typed\n" if cfg.gpu_types else "untyped\n")
