@@ -144,7 +144,8 @@ class AcctRecord:
 class Backend(Protocol):
     """What the rest of the project may ask of Slurm: the type callers hold a client as (the launcher, the lab,
     the installer, `elastic-predictor cluster`). `CommandBackend` (22.05, 24.11) and `PyslurmBackend` (24.11)
-    implement it; a slurmrestd backend would only have to provide these methods with the same dataclasses. Every call takes an optional `timeout`
+    implement it; a slurmrestd backend would only have to provide these methods with the same dataclasses.
+    Every call takes an optional `timeout`
     (the client's default otherwise). Implementations raise `SlurmError`, `JobNotFoundError` or `ResizeError`
     (slurm_plugin.errors). tests/unit/test_client_parse.py checks that each backend matches it and that
     the launcher calls nothing else on its client.
@@ -258,7 +259,7 @@ class CommandBackend:
     # -- queries ---------------------------------------------------------------------------------
     def nodes(self, timeout: timedelta | None = None) -> list[Node]:
         """All nodes with GPU counts and leaf switch (`sinfo --json`, or `scontrol --json show nodes` where
-        sinfo's JSON lists sinfo lines instead of nodes (23.02 on), + `scontrol show topology`)."""
+        sinfo's JSON lists sinfo lines instead of nodes (24.11), + `scontrol show topology`)."""
         data = self._json(["sinfo", "--json"], timeout)
         if "nodes" not in data and "sinfo" in data:
             data = self._json(["scontrol", "--json", "show", "nodes"], timeout)
@@ -419,9 +420,10 @@ class PyslurmBackend:
         update_timeout: timedelta = timedelta(seconds=30),
     ):
         import os  # noqa: PLC0415
+        import sys  # noqa: PLC0415
 
         if slurm_conf is not None:
-            if os.environ.get("SLURM_CONF", str(slurm_conf)) != str(slurm_conf) and "pyslurm" in __import__("sys").modules:
+            if os.environ.get("SLURM_CONF", str(slurm_conf)) != str(slurm_conf) and "pyslurm" in sys.modules:
                 raise SlurmError(["pyslurm"], None, "", f"pyslurm was initialised for {os.environ['SLURM_CONF']}, "
                                                         f"not {slurm_conf}: one cluster per process")
             os.environ["SLURM_CONF"] = str(slurm_conf)
@@ -492,7 +494,8 @@ class PyslurmBackend:
         return self.commands.job_owner(job_id, timeout)
 
     # -- changes ---------------------------------------------------------------------------------
-    def sbatch(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> Submission:
+    def sbatch(self, script: Union[str, Path], args: Sequence[str] = (),
+               timeout: timedelta | None = None) -> Submission:
         """Submit like `sbatch [args] script`: `args` go in as `#SBATCH` lines ahead of the script's own (which
         pyslurm reads with `load_sbatch_options`), so a command-line option wins as with sbatch."""
         import os  # noqa: PLC0415

@@ -15,15 +15,15 @@ named by a key over the package list and the pyslurm tarball: another key builds
 A lock file makes concurrent builds wait for each other; a build goes to a temporary directory and is renamed
 into place only when complete.
 
-Mounts (`ensure`, idempotent, on the host, kept until `unmount`): /proc, /sys, /dev (recursive), and the
-directories labs, jobs and tests use at the same path inside and out: /tmp, /var/tmp, /home, the checkout
-this code runs from, and the prefix of the Python running it (unless that is the system's /usr: a job that
-runs `sys.executable` of a test then finds it; the root's own Python is /usr/bin/python3), and the host's
-/etc/hosts (file; the root also gets the host's regular accounts, same ids): slurmctld resolves the submit host's name, and an unresolvable one made 24.11.5's
-slurmctld segfault while shrinking a job with a running step. So a lab under /var/tmp, a job's output file under /tmp and SLURM_CONF
-name the same file on both sides, and daemons and client commands started through `command()` share the
-host's network and pids (the testbed's pid checks and fault injection work unchanged). Removing a root
-uses `rm --one-file-system`, so mounted host directories are never deleted through it.
+Mounts (`ensure`, idempotent, on the host, kept until `unmount`): /proc, /sys, /dev (recursive), the host's
+/etc/hosts (slurmctld resolves the submit host's name), and the directories labs, jobs and tests use at the same
+path inside and out: /tmp, /var/tmp, /home, the checkout this code runs from, and the prefix of the Python
+running it (unless that is the system's /usr: a job that runs a test's `sys.executable` then finds it; the root's
+own Python is /usr/bin/python3). The root also gets the host's regular accounts (same ids). So a lab under
+/var/tmp, a job's output file under /tmp and SLURM_CONF name the same file on both sides, and daemons and client
+commands started through `command()` share the host's network and pids (the testbed's pid checks and fault
+injection work unchanged). Removing a root uses `rm --one-file-system`, so mounted host directories are never
+deleted through it.
 
 Inside the root, /etc/elastic-slurm-root names the release; `command()` run there adds no prefix.
 """
@@ -122,7 +122,8 @@ class SlurmRoot:
         if version == HOST_VERSION:
             return None
         if version not in SPECS:
-            raise TestbedError("testbed", f"Slurm {version!r} is not supported here; choose one of {', '.join(VERSIONS)}")
+            raise TestbedError("testbed", f"Slurm {version!r} is not supported here; "
+                                          f"choose one of {', '.join(VERSIONS)}")
         return cls(SPECS[version], cache_dir())
 
     @property
@@ -198,10 +199,11 @@ class SlurmRoot:
                 script = (f"cd /opt/src && tar xzf {self.spec.pyslurm} && cd {name} && "
                           "export SLURM_LIB_DIR=/usr/lib/x86_64-linux-gnu SLURM_INCLUDE_DIR=/usr/include "
                           "CFLAGS='-O0 -g0' && "   # a test client: compile time (one 100k-line module) over speed
-                          "/usr/bin/python3 setup.py build_ext -j 2 >/dev/null && /usr/bin/python3 setup.py bdist_wheel "
-                          ">/dev/null && /usr/bin/python3 -m pip install --break-system-packages --no-deps --no-index "
-                          "dist/*.whl && cd / && "
-                          "/usr/bin/python3 -c 'from importlib.metadata import version; print(\"pyslurm\", version(\"pyslurm\"))'")
+                          "/usr/bin/python3 setup.py build_ext -j 2 >/dev/null && "
+                          "/usr/bin/python3 setup.py bdist_wheel >/dev/null && "
+                          "/usr/bin/python3 -m pip install --break-system-packages --no-deps --no-index dist/*.whl && "
+                          "cd / && /usr/bin/python3 -c "
+                          "'from importlib.metadata import version; print(\"pyslurm\", version(\"pyslurm\"))'")
                 argv = [*CLEAN_ENV, "chroot", str(tmp), "sh", "-c", script]
                 out.write(f"$ {' '.join(argv)}\n")
                 out.flush()
