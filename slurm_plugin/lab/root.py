@@ -19,7 +19,7 @@ Mounts (`ensure`, idempotent, on the host, kept until `unmount`): /proc, /sys, /
 /etc/hosts (slurmctld resolves the submit host's name), and the directories labs, jobs and tests use at the same
 path inside and out: /tmp, /var/tmp, /home, the checkout this code runs from, and the prefix of the Python
 running it (unless that is the system's /usr: a job that runs a test's `sys.executable` then finds it; the root's
-own Python is /usr/bin/python3). The root also gets the host's regular accounts (same ids). So a lab under
+own Python is /usr/bin/python3) and the checkouts its editable installs run from. The root also gets the host's regular accounts (same ids). So a lab under
 /var/tmp, a job's output file under /tmp and SLURM_CONF name the same file on both sides, and daemons and client
 commands started through `command()` share the host's network and pids (the testbed's pid checks and fault
 injection work unchanged). Removing a root uses `rm --one-file-system`, so mounted host directories are never
@@ -84,11 +84,28 @@ def checkout() -> Path:
 
 def bind_dirs() -> list[str]:
     """Host directories seen at the same path inside the root (module docstring)."""
-    out = [*BIND_DIRS, str(checkout())]
+    out = [*BIND_DIRS, str(checkout()), *_editable_sources()]
     for prefix in {sys.prefix, sys.base_prefix}:
         if not prefix.startswith(("/usr", "/bin", "/lib", "/etc")) and prefix != "/":
             out.append(prefix)
     return [d for d in out if Path(d).is_dir()]
+
+
+def _editable_sources() -> list[str]:
+    """Checkouts that installed packages of this Python run from (`pip install -e`): a job's `python -m
+    elastic_launcher.cli` imports the installed package, whichever checkout that is."""
+    import json  # noqa: PLC0415
+    from importlib.metadata import distributions  # noqa: PLC0415
+
+    out = []
+    for dist in distributions():
+        try:
+            url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        except (ValueError, OSError):
+            continue
+        if url.startswith("file:///") and Path(url[7:]).is_dir() and not url[7:].startswith(("/usr", "/etc")):
+            out.append(url[7:])
+    return sorted(set(out))
 
 
 def apt_mirror() -> str:
