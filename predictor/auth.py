@@ -391,7 +391,10 @@ class Authenticator:
         def backend():
             from slurm_plugin.client import CommandBackend   # noqa: PLC0415 - only munge mode needs Slurm
             conf = Path(config.slurm_conf) if config.slurm_conf else None
-            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+            import os  # noqa: PLC0415
+
+            # the service's PATH: a site's Slurm may live elsewhere (a 24.11 testbed's wrappers stand first)
+            env = {"PATH": os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
             return CommandBackend(slurm_conf=conf, env=env, timeout=config.auth_timeout)
 
         return cls(token=config.token, admin_token=config.admin_token, munge=config.munge_auth,

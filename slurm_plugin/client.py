@@ -1,11 +1,13 @@
 """The one module that runs Slurm commands.
 
 Everything else (hook installer, launcher, predictor's cluster model, tests) talks to Slurm through a
-`Backend`. `CommandBackend` implements it with the 22.05 command-line tools: `sinfo --json`,
-`squeue --json` and `sacct --json` (whose filters 22.05 ignores, so results are filtered here),
-`scontrol` text output (22.05 has no `scontrol --json`) and `scontrol update` for changes. A
-slurmrestd or pyslurm backend (for sites whose Slurm matches a pyslurm release; none builds against
-22.05) only has to provide the same methods and return the same dataclasses.
+`Backend`. `CommandBackend` implements it with the command-line tools of 22.05 and 24.11: `sinfo --json` (22.05;
+24.11's groups nodes by sinfo line, so there it is `scontrol --json show nodes`), `squeue --json` and
+`sacct --json` (whose filters 22.05 ignores, so results are filtered here), `scontrol` text output and
+`scontrol update` for changes. The JSON of the two releases differs (24.11: states are lists, numbers may be
+`{"set", "number"}` objects, a job's cores are under `job_resources.nodes.allocation`); the parsers read both.
+`PyslurmBackend` implements the same protocol with pyslurm (for sites whose Slurm matches a pyslurm release:
+24.11 here, inside the testbed's root; none builds against 22.05).
 
 Every command runs through `CommandBackend._run(argv, timeout)`, which raises `SlurmError` on a
 non-zero exit, a timeout, or an unreachable slurmctld (22.05's `squeue/sinfo --json` and `scontrol show
@@ -141,10 +143,11 @@ class AcctRecord:
 
 class Backend(Protocol):
     """What the rest of the project may ask of Slurm: the type callers hold a client as (the launcher, the lab,
-    the installer, `elastic-predictor cluster`). `CommandBackend` implements it; a slurmrestd or pyslurm backend
-    only has to provide these methods with the same dataclasses. Every call takes an optional `timeout`
+    the installer, `elastic-predictor cluster`). `CommandBackend` (22.05, 24.11) and `PyslurmBackend` (24.11)
+    implement it; a slurmrestd backend would only have to provide these methods with the same dataclasses.
+    Every call takes an optional `timeout`
     (the client's default otherwise). Implementations raise `SlurmError`, `JobNotFoundError` or `ResizeError`
-    (slurm_plugin.errors). tests/unit/test_client_parse.py checks that `CommandBackend` matches it and that
+    (slurm_plugin.errors). tests/unit/test_client_parse.py checks that each backend matches it and that
     the launcher calls nothing else on its client.
     """
 
@@ -255,8 +258,11 @@ class CommandBackend:
 
     # -- queries ---------------------------------------------------------------------------------
     def nodes(self, timeout: timedelta | None = None) -> list[Node]:
-        """All nodes with GPU counts and leaf switch (`sinfo --json` + `scontrol show topology`)."""
+        """All nodes with GPU counts and leaf switch (`sinfo --json`, or `scontrol --json show nodes` where
+        sinfo's JSON lists sinfo lines instead of nodes (24.11), + `scontrol show topology`)."""
         data = self._json(["sinfo", "--json"], timeout)
+        if "nodes" not in data and "sinfo" in data:
+            data = self._json(["scontrol", "--json", "show", "nodes"], timeout)
         topo = self._run(["scontrol", "show", "topology"], timeout or self.timeout).stdout
         return parse_nodes(data, parse_topology(topo))
 
@@ -266,7 +272,8 @@ class CommandBackend:
 
     def jobs(self, timeout: timedelta | None = None) -> list[Job]:
         """Jobs squeue still lists (finished ones stay for MinJobAge)."""
-        return parse_jobs(self._json(["squeue", "--json"], timeout))
+        # --states=all: 24.11 applies squeue's default filter (pending and running only) to its JSON; 22.05 lists all
+        return parse_jobs(self._json(["squeue", "--json", "--states=all"], timeout))
 
     def job(self, job_id: int, timeout: timedelta | None = None) -> Job:
         """:raises JobNotFoundError: squeue does not list `job_id` (use `sacct` for old jobs)."""
@@ -382,6 +389,230 @@ class CommandBackend:
         return owner
 
 
+class PyslurmBackend:
+    """`Backend` over pyslurm (the release series of the cluster's Slurm: 24.11 here, built in the testbed's root).
+
+    Queries and changes go through libslurm: `Nodes/Partitions/Jobs.load`, `Job.load`, `JobSubmitDescription.submit`,
+    `Job.cancel`, `Job.modify` (comment, admin comment, and a shrink as `required_nodes`, what scontrol's
+    `NodeList=` sets), `slurmctld.reconfigure`. These stay on the commands (a `CommandBackend` inside),
+    because pyslurm 24.11 cannot give what the protocol promises:
+    - the switch of each node: pyslurm has no topology call (`scontrol show topology`);
+    - `sacct`: `pyslurm.db.Jobs` keys records by job id, so a resized job's one-record-per-size collapses
+      into one (pyslurm/db/job.pyx, "TODO: How to handle the possibility of duplicate job ids");
+    - `job_owner`, which reads those per-size records.
+    - `--switches` at submission: pyslurm 24.11's `_set_switches` reads an undefined name, so the job goes in
+      held, `scontrol update Switches=` sets it, and pyslurm releases it.
+    `Submission.stderr` stays empty: `JobSubmitDescription.submit` drops the job_submit hook's user message
+    (`submit_response_msg_t.job_submit_user_msg`). `timeout` is Slurm's own MessageTimeout for libslurm calls
+    (a call blocks in C holding the interpreter); the commands honour it as `CommandBackend` does.
+
+    Args:
+        slurm_conf: the cluster's slurm.conf; libslurm reads SLURM_CONF once, when pyslurm is first imported,
+            so one process talks to one cluster.
+        env, timeout, update_timeout: as `CommandBackend` (for the commands named above).
+    """
+
+    def __init__(
+        self,
+        slurm_conf: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: timedelta = timedelta(seconds=10),
+        update_timeout: timedelta = timedelta(seconds=30),
+    ):
+        import os  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+
+        if slurm_conf is not None:
+            if os.environ.get("SLURM_CONF", str(slurm_conf)) != str(slurm_conf) and "pyslurm" in sys.modules:
+                raise SlurmError(["pyslurm"], None, "", f"pyslurm was initialised for {os.environ['SLURM_CONF']}, "
+                                                        f"not {slurm_conf}: one cluster per process")
+            os.environ["SLURM_CONF"] = str(slurm_conf)
+        try:
+            import pyslurm  # noqa: PLC0415
+        except ImportError as exc:
+            raise SlurmError(["pyslurm"], None, "", f"pyslurm is not installed here ({exc}); it is built inside "
+                                                    f"the 24.11 testbed's root: run there") from exc
+        self.pyslurm = pyslurm
+        self.commands = CommandBackend(slurm_conf=slurm_conf, env=env, timeout=timeout, update_timeout=update_timeout)
+        self.timeout = timeout
+        self.update_timeout = update_timeout
+
+    def _call(self, what: str, fn, *args, job_id: int | None = None):
+        """Run one pyslurm call; an unknown `job_id` becomes `JobNotFoundError`, any other failure `SlurmError`."""
+        try:
+            return fn(*args)
+        except self.pyslurm.RPCError as exc:
+            if job_id is not None and "Invalid job id" in str(exc):
+                raise JobNotFoundError(job_id, str(exc)) from exc
+            raise SlurmError(["pyslurm", what], getattr(exc, "errno", None) or 1, str(exc)) from exc
+
+    # -- queries ---------------------------------------------------------------------------------
+    def nodes(self, timeout: timedelta | None = None) -> list[Node]:
+        topo = self.commands._run(["scontrol", "show", "topology"], timeout or self.timeout).stdout
+        switches = parse_topology(topo)
+        loaded = self._call("Nodes.load", self.pyslurm.Nodes.load)
+        return [
+            Node(name=n.name, state=str(n.state or "").lower(), gpus=_gpu_count(_gres_text(n.configured_gres)),
+                 gpus_alloc=_gpu_count(_gres_text(n.allocated_gres)), switch=switches.get(n.name),
+                 partitions=tuple(n.partitions or ()), gpu_type=gres_gpu_type(_gres_text(n.configured_gres)))
+            for n in sorted(loaded.values(), key=lambda n: n.name)
+        ]
+
+    def partitions(self, timeout: timedelta | None = None) -> list[Partition]:
+        loaded = self._call("Partitions.load", self.pyslurm.Partitions.load)
+        return [Partition(name=p.name, nodes=tuple(expand_hostlist(p.nodes)) if p.nodes else (),
+                          default=bool(p.is_default), state=str(p.state or "").upper())
+                for p in loaded.values()]
+
+    def jobs(self, timeout: timedelta | None = None) -> list[Job]:
+        loaded = self._call("Jobs.load", self.pyslurm.Jobs.load)
+        return [self._job(j) for j in sorted(loaded.values(), key=lambda j: j.id)]
+
+    def job(self, job_id: int, timeout: timedelta | None = None) -> Job:
+        return self._job(self._call("Job.load", self.pyslurm.Job.load, job_id, job_id=job_id))
+
+    def _job(self, j) -> Job:
+        nodelist = j.allocated_nodes or ""
+        nodes = tuple(expand_hostlist(nodelist)) if nodelist else ()
+        layout = j.get_resource_layout_per_node() if nodes else {}
+        cpus = {name: _count_ids(per.get("cpu_ids", "")) for name, per in layout.items()}
+        gpus = {name: _gpu_count(_gres_text(per.get("gres") or {})) for name, per in layout.items()}
+        return Job(
+            job_id=int(j.id), name=j.name or "", state=str(j.state or "").upper(), nodes=nodes, nodelist=nodelist,
+            cpus_per_node=tuple(cpus.get(n, 0) for n in nodes) if cpus else (),
+            gpus_per_node=tuple(gpus.get(n, 0) for n in nodes) if len(gpus) == len(nodes) else (),
+            tres_per_node=_gres_text(j.gres_per_node or {}, prefix="gres/"), comment=j.comment or "",
+            batch_host=j.batch_host or "", reason=j.state_reason or "", partition=j.partition or "",
+            node_count=int(j.num_nodes or 0),
+        )
+
+    def sacct(self, job_id: int, timeout: timedelta | None = None) -> list[AcctRecord]:
+        """The sacct command's records (class docstring: pyslurm.db collapses a resized job's records)."""
+        return self.commands.sacct(job_id, timeout)
+
+    def job_owner(self, job_id: int, timeout: timedelta | None = None) -> "JobOwner":
+        return self.commands.job_owner(job_id, timeout)
+
+    # -- changes ---------------------------------------------------------------------------------
+    def sbatch(self, script: Union[str, Path], args: Sequence[str] = (),
+               timeout: timedelta | None = None) -> Submission:
+        """Submit like `sbatch [args] script`: `args` go in as `#SBATCH` lines ahead of the script's own (which
+        pyslurm reads with `load_sbatch_options`), so a command-line option wins as with sbatch."""
+        import os  # noqa: PLC0415
+        import shlex  # noqa: PLC0415
+
+        text = script.read_text() if isinstance(script, Path) else script
+        lines = text.splitlines(keepends=True)
+        shebang = lines.pop(0) if lines and lines[0].startswith("#!") else "#!/bin/sh\n"
+        # pyslurm reads one option per #SBATCH line: split the script's own lines as sbatch does
+        lines = ["".join(f"#SBATCH {o}\n" for o in _sbatch_lines(shlex.split(ln[len("#SBATCH"):].split("#")[0])))
+                 if ln.startswith("#SBATCH") else ln for ln in lines]
+        extra = "".join(f"#SBATCH {arg}\n" for arg in _sbatch_lines(args))
+        import tempfile  # noqa: PLC0415
+
+        with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="elastic-sbatch-") as f:  # pyslurm reads a path
+            f.write(shebang + extra + "".join(lines))
+            f.flush()
+            # the environment given explicitly: pyslurm's default ("ALL", from C's environ) reaches slurmctld empty
+            # here ("batch job cannot run without an environment"), as libslurm is loaded with RTLD_DEEPBIND
+            desc = self.pyslurm.JobSubmitDescription(script=f.name, environment=dict(os.environ))
+            try:
+                desc.load_sbatch_options()
+            except ValueError as exc:
+                raise SlurmError(["pyslurm", "JobSubmitDescription", *args], 1, str(exc)) from exc
+            if desc.ntasks is None and desc.nodes is not None:   # sbatch -N2 alone runs 2 tasks; pyslurm sends 1,
+                desc.ntasks = int(str(desc.nodes).split("-")[0])  # which leaves the job pending on Resources forever
+            # pyslurm 24.11 cannot send --switches (its _set_switches reads an undefined `kwargs`): submit held,
+            # set the switch request with scontrol, then release (unless the caller asked for a held job)
+            switches, desc.switches = desc.switches, None
+            held = desc.priority == 0
+            if switches:
+                desc.priority = 0
+            job_id = int(self._call("JobSubmitDescription.submit", desc.submit))
+        if switches:
+            self.commands._update(job_id, [f"Switches={switches}"], timeout)
+            if not held:
+                self._call("Job.release", self.pyslurm.Job(job_id).release, job_id=job_id)
+        return Submission(job_id, "")
+
+    def submit(self, script: Union[str, Path], args: Sequence[str] = (), timeout: timedelta | None = None) -> int:
+        return self.sbatch(script, args, timeout).job_id
+
+    def cancel(self, job_id: int, timeout: timedelta | None = None) -> None:
+        self.job(job_id, timeout)
+        self._call("Job.cancel", self.pyslurm.Job(job_id).cancel, job_id=job_id)
+
+    def _modify(self, job_id: int, **changes) -> None:
+        desc = self.pyslurm.JobSubmitDescription(**changes)
+        self._call("Job.modify", self.pyslurm.Job(job_id).modify, desc, job_id=job_id)
+
+    def update_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None:
+        self._modify(job_id, comment=text)
+
+    def update_admin_comment(self, job_id: int, text: str, timeout: timedelta | None = None) -> None:
+        self._modify(job_id, admin_comment=text)
+
+    def reconfigure(self, timeout: timedelta | None = None) -> None:
+        self._call("slurmctld.reconfigure", self.pyslurm.slurmctld.reconfigure)
+
+    def shrink(self, job_id: int, keep: Union[int, Sequence[str]], timeout: timedelta | None = None) -> ResizeResult:
+        """As `CommandBackend.shrink` (same checks, same result), through `Job.modify(required_nodes=...)`."""
+        job = self.job(job_id, timeout)
+        target = _shrink_target(job, [keep] if isinstance(keep, str) else keep)
+        if target != job.nodes:
+            try:
+                self._modify(job_id, required_nodes=compress_hostlist(target))
+            except SlurmError as exc:
+                raise ResizeError(job_id, f"Slurm refused NodeList={compress_hostlist(target)}: {exc}") from exc
+            job = self.job(job_id, timeout)
+        return ResizeResult(job=job, env=job.resize_env())
+
+
+def _gres_text(gres, prefix: str = "") -> str:
+    """pyslurm's GRES dict (`{"gpu:h100": 4}`, or per-node layout `{"gpu:h100": {"count": 2, ...}}`) as Slurm
+    writes it (`gpu:h100:4`), each entry with `prefix` (`gres/` for a job's request, as 24.11's squeue)."""
+    items = []
+    for name, value in (gres or {}).items():
+        count = value.get("count") if isinstance(value, dict) else value
+        items.append(f"{prefix}{name}:{count}")
+    return ",".join(items)
+
+
+def _count_ids(ids: str) -> int:
+    """`0-3,6` -> 5 (CPU ids of a node in pyslurm's resource layout)."""
+    total = 0
+    for part in str(ids or "").split(","):
+        lo, _, hi = part.partition("-")
+        if lo.strip().isdigit():
+            total += int(hi) - int(lo) + 1 if hi.strip().isdigit() else 1
+    return total
+
+
+def _sbatch_lines(args: Sequence[str]) -> list[str]:
+    """sbatch arguments as `#SBATCH` line bodies: `-w node2` and `--nodes=2` stay pairs/single; a bare flag alone.
+
+    :raises SlurmError: a positional argument (the script is passed separately).
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-"):
+            raise SlurmError(["pyslurm", *args], 1, f"unexpected argument {arg!r}: pass the script itself apart")
+        if "=" not in arg and i + 1 < len(args) and not args[i + 1].startswith("-") and arg not in _SBATCH_FLAGS:
+            out.append(f"{arg} {args[i + 1]}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
+# sbatch options that take no value (what may stand right before a value-looking word)
+_SBATCH_FLAGS = ("--exclusive", "-H", "--hold", "--requeue", "--no-requeue", "-O", "--overcommit", "--contiguous",
+                 "-k", "--no-kill", "-s", "--oversubscribe", "--reboot", "--parsable", "-Q", "--quiet", "-W", "--wait")
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for a `SlurmError` that may pass when asked again: the command timed out or could not reach
     slurmctld (restarting, overloaded). Refusals (`ResizeError`), unknown jobs and bad output are not."""
@@ -440,11 +671,26 @@ def parse_topology(text: str) -> dict[str, str]:
     return {node: name for node, (_, name) in best.items()}
 
 
+def _state(value) -> str:
+    """A state as 22.05 prints it (`idle`, `RUNNING`) or 24.11 (a list: `["IDLE", "DRAIN"]`) -> one string, the
+    flags joined with `+` (`IDLE+DRAIN`), as Slurm's own text output does."""
+    return "+".join(map(str, value)) if isinstance(value, list) else str(value or "")
+
+
+def _acct_state(value) -> str:
+    """An accounting record's state as sacct's text prints it: 24.11's JSON gives a former size's record as
+    `["PENDING", "RESIZING"]` (base state and flag), where 22.05's JSON and both texts say RESIZING."""
+    if isinstance(value, list):
+        return "RESIZING" if "RESIZING" in value else str(value[0] if value else "").upper()
+    return str(value or "").upper()
+
+
 def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
+    """22.05's `sinfo --json` or 24.11's `scontrol --json show nodes` (both a `nodes` list)."""
     return [
         Node(
             name=n["name"],
-            state=str(n.get("state", "")).lower(),
+            state=_state(n.get("state", "")).lower(),
             gpus=_gpu_count(n.get("gres", "")),
             gpus_alloc=_gpu_count(n.get("gres_used", "")),
             switch=switches.get(n["name"]),
@@ -485,14 +731,18 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
     for j in squeue_json.get("jobs", []):
         nodelist = j.get("nodes") or ""
         nodes = tuple(expand_hostlist(nodelist)) if nodelist else ()
-        alloc = (j.get("job_resources") or {}).get("allocated_nodes") or []
+        resources = j.get("job_resources") or {}
+        alloc = resources.get("allocated_nodes") or []               # 22.05
         cpus = {a.get("nodename"): _allocated_cores(a) for a in alloc}
+        layout = resources.get("nodes")                                # 24.11 (22.05: the node list, a string)
+        for a in (layout.get("allocation") or []) if isinstance(layout, dict) else []:
+            cpus[a.get("name")] = _number((a.get("cpus") or {}).get("count"))
         gres = list(j.get("gres_detail") or [])
         jobs.append(
             Job(
                 job_id=int(j["job_id"]),
                 name=j.get("name", ""),
-                state=str(j.get("job_state", "")).upper(),
+                state=_state(j.get("job_state", "")).split("+")[0].upper(),
                 nodes=nodes,
                 nodelist=nodelist,
                 cpus_per_node=tuple(cpus.get(n, 0) for n in nodes) if cpus else (),
@@ -538,7 +788,7 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
             AcctRecord(
                 job_id=job_id,
                 name=j.get("name", ""),
-                state=str(state.get("current", "") if isinstance(state, dict) else state).upper(),
+                state=_acct_state(state.get("current", "") if isinstance(state, dict) else state),
                 nodelist=j.get("nodes") or "",
                 gpus=gpus,
             )

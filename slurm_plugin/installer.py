@@ -56,6 +56,9 @@ class PluginConfig:
             above it (and any above the partition's node count, which Slurm hands the hook), so a hostile service
             cannot make Slurm refuse a job (#24.5). None: `install` reads it from Slurm
             (`slurm_plugin.client.most_gpus_per_node`); give it where Slurm is not running yet.
+        gres_prefix: how this Slurm spells a GPU in a job's TRES fields, `gres:` (22.05) or `gres/` (24.11; each
+            refuses the other). job_submit.lua uses the job's own spelling and this for a job that has none.
+            None: `install` asks `scontrol --version` (`gres/` from 23.02 on: verified on 22.05 and 24.11 only).
     """
 
     conf_dir: Path
@@ -66,6 +69,7 @@ class PluginConfig:
     cli_filter: bool = False
     cache_entries: int = 1024
     max_gpus_per_node: Optional[Mapping[str, int]] = None
+    gres_prefix: Optional[str] = None
 
     def __post_init__(self):
         parts = urlsplit(self.predictor_url)
@@ -79,6 +83,8 @@ class PluginConfig:
             raise InstallError("breaker_open must not be negative")
         if not 0 <= self.cache_entries <= 1_000_000:
             raise InstallError(f"cache_entries must be 0..1000000, got {self.cache_entries}")
+        if self.gres_prefix not in (None, "gres:", "gres/"):
+            raise InstallError(f"gres_prefix must be gres: or gres/, got {self.gres_prefix!r}")
         for name, count in (self.max_gpus_per_node or {}).items():
             if not re.fullmatch(r"[^\s,=]+", str(name)) or not isinstance(count, int) or count < 0:
                 raise InstallError(f"max_gpus_per_node: expected PARTITION=COUNT (COUNT >= 0), got {name}={count}")
@@ -93,7 +99,8 @@ class PluginConfig:
             f"breaker_open_s = {self.breaker_open.total_seconds():g}\n"
             f"cache_entries = {self.cache_entries}\n"
         ) + ("" if self.max_gpus_per_node is None else "max_gpus_per_node = " + ",".join(
-            f"{name}={count}" for name, count in sorted(self.max_gpus_per_node.items())) + "\n")
+            f"{name}={count}" for name, count in sorted(self.max_gpus_per_node.items())) + "\n") + (
+            "" if self.gres_prefix is None else f"gres_prefix = {self.gres_prefix}\n")
 
     def slurm_conf_lines(self) -> list[str]:
         lines = ["JobSubmitPlugins=lua"]
@@ -150,6 +157,31 @@ def _stamp_next_second(path: Path, sleep: Callable[[float], None]) -> None:
     os.utime(path, (target, target))
 
 
+def _path_env() -> dict[str, str]:
+    """The admin's PATH for Slurm's commands: a site's Slurm may live outside the system's bin directories (and a
+    24.11 testbed's wrappers stand first on PATH after `eval "$(elastic-slurm testbed env)"`)."""
+
+    from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
+
+    return {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
+
+
+def slurm_gres_prefix(slurm_conf: Path, timeout: timedelta = timedelta(seconds=10)) -> Optional[str]:
+    """`gres_prefix` for the Slurm on PATH from `scontrol --version` (`slurm 24.11.5`): `gres/` from 23.02 on, else
+    `gres:`; None when scontrol cannot tell (not installed here): the hook then keeps each job's own spelling, and
+    writes `gres:` for a job that has none (pass --gres-prefix on such a host)."""
+    try:
+        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True,   # 24.11 reads slurm.conf
+                             env={**_path_env(), "SLURM_CONF": str(slurm_conf)},
+                             timeout=timeout.total_seconds(), check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"(\d+)\.(\d+)", out)
+    if not found:
+        return None
+    return "gres/" if (int(found.group(1)), int(found.group(2))) >= (23, 2) else "gres:"
+
+
 def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
     """`max_gpus_per_node` as the Slurm of `slurm_conf` reports it (`sinfo --json`, `scontrol show partition`).
 
@@ -161,7 +193,7 @@ def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
     how = "start slurmctld or pass --max-gpus-per-node PARTITION=COUNT,..."
     if not slurm_conf.is_file():   # sinfo without a config waits on DNS for a minute
         raise InstallError(f"cannot read each partition's GPUs per node: no {slurm_conf}; {how}")
-    backend = CommandBackend(slurm_conf=slurm_conf)
+    backend = CommandBackend(slurm_conf=slurm_conf, env=_path_env())
     try:
         return most_gpus_per_node(backend.nodes(), backend.partitions())
     except (SlurmError, OSError) as exc:
@@ -180,6 +212,8 @@ def install(config: PluginConfig, lua: str = "lua5.1", sleep: Callable[[float], 
     check_lua(lua)
     if config.max_gpus_per_node is None:
         config = dataclasses.replace(config, max_gpus_per_node=slurm_gpus_per_node(config.conf_dir / "slurm.conf"))
+    if config.gres_prefix is None:
+        config = dataclasses.replace(config, gres_prefix=slurm_gres_prefix(config.conf_dir / "slurm.conf"))
     written = []
     files = [("elastic_common.lua", (LUA_DIR / "elastic_common.lua").read_text()),
              ("elastic.conf", config.conf_text())]
@@ -232,10 +266,13 @@ def add_to_slurm_conf(slurm_conf: Path, lines: list[str]) -> bool:
 @click.option("--max-gpus-per-node", default=None, metavar="PARTITION=COUNT,...",
               help="The most GPUs one node of each partition has; the hook drops decisions above it. "
                    "Default: read from Slurm (sinfo) now; re-run install-plugin after changing nodes' GRES.")
+@click.option("--gres-prefix", type=click.Choice(["gres:", "gres/"]), default=None,
+              help="How this Slurm spells GPUs in a job's TRES: gres: (22.05) or gres/ (24.11). Default: from "
+                   "`scontrol --version` (gres/ from 23.02 on).")
 @click.option("--apply", is_flag=True, help="Add the lines to DIR/slurm.conf and run `scontrol reconfigure`.")
 def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_failures: int,
                    breaker_open_s: float, cli_filter: bool, cache_entries: int, max_gpus_per_node: Optional[str],
-                   apply: bool) -> None:
+                   gres_prefix: Optional[str], apply: bool) -> None:
     """Install the job_submit (and cli_filter) Lua hooks and print the slurm.conf lines.
 
     Example: elastic-slurm install-plugin --conf-dir /etc/slurm --predictor-url http://10.0.0.5:8470 --apply
@@ -245,7 +282,8 @@ def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_f
             (name, int(count) if count.isdigit() else -1) for name, _, count in
             (item.strip().partition("=") for item in max_gpus_per_node.split(",") if item.strip()))
         config = PluginConfig(conf_dir.absolute(), predictor_url, timedelta(milliseconds=budget_ms),
-                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter, cache_entries, given)
+                              breaker_failures, timedelta(seconds=breaker_open_s), cli_filter, cache_entries, given,
+                              gres_prefix)
         versions = check_lua()
         written = install(config)
     except InstallError as exc:
@@ -263,7 +301,7 @@ def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_f
         slurm_conf = config.conf_dir / "slurm.conf"
         try:
             changed = add_to_slurm_conf(slurm_conf, config.slurm_conf_lines())
-            CommandBackend(slurm_conf=slurm_conf).reconfigure()
+            CommandBackend(slurm_conf=slurm_conf, env=_path_env()).reconfigure()
         except (InstallError, SlurmError) as exc:
             raise click.ClickException(str(exc)) from exc
         click.echo(f"{'updated' if changed else 'unchanged'} {slurm_conf}; scontrol reconfigure done")

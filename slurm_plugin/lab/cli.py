@@ -13,8 +13,9 @@ import click
 from slurm_plugin.errors import TestbedError
 from slurm_plugin.lab.demo import LabLock, busy_message, demo_command, stop_lab_services
 from slurm_plugin.lab.testbed import Testbed
+from slurm_plugin.lab.root import HOST_VERSION, VERSIONS
 from slurm_plugin.lab.testbed_conf import (DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig, recorded_gpus,
-                                           recorded_port_base)
+                                           recorded_port_base, recorded_slurm)
 
 @click.group("testbed")
 def testbed_group() -> None:
@@ -27,12 +28,17 @@ def _lab_options(func):
     @click.option("--port-base", type=click.IntRange(1024, 65535 - PORT_SPAN), envvar="ELASTIC_SLURM_PORT_BASE",
                   help=f"First of the {PORT_SPAN} TCP ports the lab uses (env ELASTIC_SLURM_PORT_BASE; default: "
                        f"the one the lab last used, else {DEFAULT_PORT_BASE}).")
+    @click.option("--slurm", type=click.Choice(VERSIONS), envvar="ELASTIC_SLURM_VERSION",
+                  help=f"Slurm release (env ELASTIC_SLURM_VERSION): {HOST_VERSION} is the host's slurm-wlm; the others "
+                       f"run from a Debian root built on first use and cached (minutes the first time). Default: the "
+                       f"one the lab last ran, else {HOST_VERSION}.")
     @functools.wraps(func)
-    def wrapper(lab: Path, port_base: int | None, gpus: str | None = None, **kwargs):
+    def wrapper(lab: Path, port_base: int | None, slurm: str | None, gpus: str | None = None, **kwargs):
         lab = lab.absolute()
         base = port_base or recorded_port_base(lab) or DEFAULT_PORT_BASE
         untyped = (gpus or recorded_gpus(lab) or "typed") == "untyped"
-        config = TestbedConfig(lab=lab, port_base=base, **({"gpu_types": ()} if untyped else {}))
+        version = slurm or recorded_slurm(lab) or HOST_VERSION
+        config = TestbedConfig(lab=lab, port_base=base, slurm=version, **({"gpu_types": ()} if untyped else {}))
         return func(Testbed(config), **kwargs)
 
     return wrapper
@@ -60,7 +66,7 @@ def up(bed: Testbed) -> None:
         if any(st.running for st in bed.status()):
             hint = f"\n(stop what did start with: elastic-slurm testbed down --lab {bed.config.lab})"
         raise click.ClickException(f"{exc}{hint}") from exc
-    click.echo(f"testbed up: {bed.config.nodes} nodes idle, lab {bed.config.lab}, "
+    click.echo(f"testbed up: Slurm {bed.config.slurm}, {bed.config.nodes} nodes idle, lab {bed.config.lab}, "
                f"port base {bed.config.port_base}, {'typed' if bed.config.gpu_types else 'untyped'} GPUs")
     click.echo(f"timings: {_timings(timings)}")
 
@@ -114,7 +120,34 @@ def env(bed: Testbed) -> None:
     """
     exports = {**bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
     for key, value in exports.items():
-        click.echo(f"export {key}={shlex.quote(value)}")
+        if key == "PATH":   # the lab's wrappers in front of the caller's own PATH
+            click.echo(f'export PATH={shlex.quote(str(bed.config.bin_dir))}:"$PATH"')
+        else:
+            click.echo(f"export {key}={shlex.quote(value)}")
+
+
+@testbed_group.command("exec", context_settings={"ignore_unknown_options": True})
+@_lab_options
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(bed: Testbed, argv: tuple[str, ...]) -> None:
+    """Run a command where the lab's Slurm lives: inside its root for 24.11 (the root's /usr/bin first on PATH,
+    this checkout on PYTHONPATH: pyslurm is there), as is for 22.05; with the lab's SLURM_CONF.
+
+    Example: elastic-slurm testbed exec --lab /var/tmp/lab24 -- python3 -m pytest tests/integration/test_client.py
+    """
+    import os  # noqa: PLC0415
+
+    from slurm_plugin.lab.root import checkout  # noqa: PLC0415
+
+    env = {**os.environ, **bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
+    if bed.root is not None:
+        env["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"
+        env["PYTHONPATH"] = str(checkout())
+        argv = tuple(bed.root.command(list(argv)))
+    try:
+        os.execvpe(argv[0], list(argv), env)
+    except OSError as exc:
+        raise click.ClickException(f"cannot run {argv[0]}: {exc}") from exc
 
 
 COMMANDS = (testbed_group, demo_command)   # what the entry point adds to `elastic-slurm`

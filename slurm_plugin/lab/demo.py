@@ -145,7 +145,8 @@ def lab_slurm(bed: Testbed) -> Backend:
     with it) and never the predictor's tool token."""
     from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
 
-    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
+    env = {"PATH": (bed.command_env() or {}).get("PATH", DEFAULT_PATH), "HOME": "/root",
+           "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
     return CommandBackend(slurm_conf=bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
                           update_timeout=timedelta(seconds=30))
 

@@ -1,6 +1,7 @@
-"""A local 4-node Slurm 22.05 cluster for tests and the demo, all of it under one lab directory.
+"""A local 4-node Slurm cluster (22.05 from the host, or 24.11 from a Debian 13 root) for tests and the demo,
+all of it under one lab directory.
 
-    elastic-slurm testbed up   [--lab DIR] [--port-base N]   # start (idempotent), wait for 4 idle nodes
+    elastic-slurm testbed up   [--lab DIR] [--port-base N] [--slurm 24.11]  # start (idempotent), wait for 4 idle nodes
     elastic-slurm testbed down [--lab DIR] [--wipe]          # stop this lab's daemons (and wipe its data)
     elastic-slurm testbed status [--lab DIR]                 # exit 1 unless up
     eval "$(elastic-slurm testbed env [--lab DIR])"          # SLURM_CONF for sinfo/sbatch/...
@@ -8,6 +9,12 @@
 Defaults: lab /var/tmp/elastic-slurm-lab (env ELASTIC_SLURM_LAB), port base 16800 or the one the lab
 last used (env ELASTIC_SLURM_PORT_BASE); ports are listed in slurm_plugin/lab/testbed_conf.py. The lab must
 be reachable by the munge and mysql users (not under a 0700 directory such as pytest's tmp_path).
+
+Slurm releases: `TestbedConfig(slurm="22.05")` (the default) runs the host's slurm-wlm. `slurm="24.11"` runs
+every daemon and command inside a cached Debian 13 root (slurm_plugin/lab/root.py: built on first use, then
+reused; the lab's directory is the same path inside and out). The lab's `bin/` then holds wrappers for the
+Slurm client commands, and `env()` puts it first on PATH, so `sbatch` in a shell, a test or a job is 24.11's.
+A lab keeps its release (etc/slurm_version) until it is stopped.
 
 `Testbed(TestbedConfig(lab=..., port_base=...)).up()` starts, in order: its own munged (own key and
 socket, so labs never share or kill each other's munge), MariaDB on an own datadir, slurmdbd,
@@ -52,12 +59,16 @@ from datetime import timedelta
 from pathlib import Path
 
 from slurm_plugin.lab import testbed_conf
+from slurm_plugin.lab.root import SlurmRoot
 from slurm_plugin.client import DEFAULT_PATH, Backend, CommandBackend
 from slurm_plugin.errors import JobNotFoundError, SlurmError, TestbedError
 from slurm_plugin.lab.testbed_conf import TestbedConfig
 
 _PIDFILE_GRACE_S = 3.0  # a forked daemon that has not written a live pid file by then has died
 _WIPED = ("state", "spool", "mysql", "log", "run", "munge")
+# Slurm's client commands: the lab's bin/ wraps each for a release in a root.
+CLIENT_COMMANDS = ("sbatch", "srun", "salloc", "squeue", "sinfo", "scontrol", "scancel", "sacct", "sacctmgr",
+                   "sprio", "sshare", "sstat", "sattach", "sbcast", "sdiag", "sreport", "strigger")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +106,29 @@ class Testbed:
 
     def __init__(self, config: TestbedConfig):
         self.config = config
+        self.root = SlurmRoot.for_version(config.slurm)
         self.client: Backend = CommandBackend(
-            slurm_conf=config.slurm_conf, timeout=config.command_timeout, update_timeout=config.command_timeout
+            slurm_conf=config.slurm_conf, env=self.command_env(), timeout=config.command_timeout,
+            update_timeout=config.command_timeout
         )
 
     # -- public API ------------------------------------------------------------------------------
-    def env(self) -> dict[str, str]:
+    def env(self, path: str | None = None) -> dict[str, str]:
         """What a shell needs to use this lab's cluster (and what a job submitted from it needs to sign its posts
-        to the predictor with the lab's munged: sbatch passes the environment on)."""
-        return {"SLURM_CONF": str(self.config.slurm_conf), "ELASTIC_MUNGE_SOCKET": str(self.config.munge_socket)}
+        to the predictor with the lab's munged: sbatch passes the environment on). With `path`, PATH is that
+        (behind the lab's bin/ for a release from a root); without, PATH is set only for such a release (the
+        caller's PATH behind bin/)."""
+        out = {"SLURM_CONF": str(self.config.slurm_conf), "ELASTIC_MUNGE_SOCKET": str(self.config.munge_socket)}
+        base = path if path is not None else os.environ.get("PATH", DEFAULT_PATH)
+        if self.root is not None:
+            out["PATH"] = f"{self.config.bin_dir}:{base}"
+        elif path is not None:
+            out["PATH"] = path
+        return out
+
+    def command_env(self) -> dict[str, str] | None:
+        """The environment `CommandBackend` needs for this lab's release (None: its default, the host's Slurm)."""
+        return None if self.root is None else {"PATH": f"{self.config.bin_dir}:{DEFAULT_PATH}"}
 
     def daemons(self) -> list[Daemon]:
         """The lab's daemons in start order."""
@@ -165,6 +190,13 @@ class Testbed:
         """
         timings: dict[str, float] = {}
         t0 = time.monotonic()
+        was_slurm = testbed_conf.recorded_slurm(self.config.lab) or testbed_conf.HOST_VERSION
+        if was_slurm != self.config.slurm and any(s.running for s in self.status()):
+            raise TestbedError("testbed", f"lab {self.config.lab} is running Slurm {was_slurm}, not "
+                                          f"{self.config.slurm}; pass --slurm {was_slurm} or stop it first")
+        if self.root is not None:
+            timings.update(self.root.ensure())
+            t0 = time.monotonic()
         recorded = testbed_conf.recorded_port_base(self.config.lab)
         if recorded not in (None, self.config.port_base) and any(s.running for s in self.status()):
             raise TestbedError("testbed", f"lab {self.config.lab} is running with port base {recorded}, not "
@@ -337,7 +369,7 @@ class Testbed:
                 state = "?"
             if state in ("idle", "mixed", "allocated"):
                 return state
-            if state.startswith(("down", "drain", "fail")):
+            if any(part.startswith(("down", "drain", "fail")) for part in state.split("+")):  # 24.11: idle+drain
                 try:
                     self._cmd(["scontrol", "update", f"NodeName={node}", "State=RESUME"], f"slurmd-{node}",
                               timeout=self.config.command_timeout.total_seconds())
@@ -372,6 +404,13 @@ class Testbed:
             (lab / sub).mkdir(parents=True, exist_ok=True)
         lab.chmod(0o755)
         (cfg.etc / "port_base").write_text(f"{cfg.port_base}\n")
+        (cfg.etc / "slurm_version").write_text(f"{cfg.slurm}\n")
+        if self.root is None:   # a lab that ran 24.11 before: its wrappers go
+            shutil.rmtree(cfg.bin_dir, ignore_errors=True)
+        else:                   # rewritten only when changed: a command of a running test may be using one
+            cfg.bin_dir.mkdir(exist_ok=True)
+            for name in CLIENT_COMMANDS:
+                self._write(cfg.bin_dir / name, self.root.wrapper(name), mode=0o755)
         (cfg.etc / "gpus").write_text("typed\n" if cfg.gpu_types else "untyped\n")
         for path in cfg.gpu_files():
             if path.parent == lab / "dev" and not path.is_char_device():
@@ -382,19 +421,35 @@ class Testbed:
         self._write(cfg.etc / "topology.conf", testbed_conf.topology_conf(cfg))
         self._write(cfg.etc / "slurmdbd.conf", testbed_conf.slurmdbd_conf(cfg), mode=0o600)
         cfg.munge_dir.mkdir(mode=0o755, exist_ok=True)
-        shutil.chown(cfg.munge_dir, "munge", "munge")
+        self._chown(cfg.munge_dir, "munge")
         key = cfg.munge_dir / "munge.key"
         if not key.exists():
             key.write_bytes(os.urandom(128))
             key.chmod(0o600)
-            shutil.chown(key, "munge", "munge")
+            self._chown(key, "munge")
         cfg.db_dir.mkdir(exist_ok=True)
-        shutil.chown(cfg.db_dir, "mysql", "mysql")
+        self._chown(cfg.db_dir, "mysql")
         if not (cfg.db_dir / "data" / "mysql").exists():
             self._cmd(["mariadb-install-db", "--no-defaults", "--user=mysql", f"--datadir={cfg.db_dir / 'data'}",
                        "--auth-root-authentication-method=socket", "--skip-test-db"], "mariadb-install-db",
                       timeout=60)
         return conf_changed
+
+    def _chown(self, path: Path, user: str) -> None:
+        """Give `path` to `user` as the daemons see it: the root's account of that name has its own uid."""
+        if self.root is None:
+            shutil.chown(path, user, user)
+            return
+        for line in (self.root.path / "etc" / "passwd").read_text().splitlines():
+            fields = line.split(":")
+            if fields[0] == user:
+                os.chown(path, int(fields[2]), int(fields[3]))
+                return
+        raise TestbedError("testbed", f"no user {user!r} in {self.root.path}/etc/passwd")
+
+    def _argv(self, argv: list[str] | tuple[str, ...]) -> list[str]:
+        """`argv` as this lab's release runs it (inside its root, in the lab directory)."""
+        return list(argv) if self.root is None else self.root.command(argv, cwd=self.config.lab)
 
     @staticmethod
     def _write(path: Path, text: str, mode: int = 0o644) -> bool:
@@ -407,7 +462,7 @@ class Testbed:
 
     def _cmd(self, argv: list[str], name: str, timeout: float, stdin: str | None = None) -> None:
         try:
-            proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout,
+            proc = subprocess.run(self._argv(argv), input=stdin, capture_output=True, text=True, timeout=timeout,
                                   env=self._daemon_env(), check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise TestbedError(name, f"{' '.join(argv)}: {exc}") from exc
@@ -436,7 +491,7 @@ class Testbed:
         d.pid_file.unlink(missing_ok=True)
         out = open(self.config.lab / "log" / f"{d.name}.out", "ab")
         try:
-            proc = subprocess.Popen(d.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self._argv(d.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=self._daemon_env(), cwd=self.config.lab, start_new_session=True)
         except OSError as exc:
             raise TestbedError(d.name, f"cannot run {d.argv[0]}: {exc}") from exc
@@ -532,17 +587,20 @@ def _processes() -> list[tuple[int, bytes]]:
 
 
 def _writes(pid: int, path: Path) -> bool:
-    """True when `pid` has `path` open (a slurmstepd keeps its node's slurmd log open)."""
+    """True when `pid` has `path` open (a slurmstepd keeps its node's slurmd log open). Compared by inode: a
+    process in a root shows the file under the root's mount of the lab."""
     try:
+        want = path.stat()
         fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return False
     for fd in fds:
         try:
-            if os.readlink(fd) == str(path):
-                return True
+            st = fd.stat()
         except OSError:
             continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
     return False
 
 

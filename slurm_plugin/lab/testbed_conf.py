@@ -25,6 +25,8 @@ import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
+from slurm_plugin.lab.root import HOST_VERSION
+
 DEFAULT_LAB = Path("/var/tmp/elastic-slurm-lab")
 DEFAULT_PORT_BASE = 16800
 PORT_SPAN = 20
@@ -73,6 +75,8 @@ class TestbedConfig:
         gpus_per_node: fake GPUs per node.
         cpus_per_node: CPUs declared per node (config_overrides lets it exceed the real cores).
         gpu_types: typed GRES and one partition per type (module docstring); () for an untyped lab.
+        slurm: the Slurm release: the host's own (22.05), or one run from a Debian root (24.11,
+            slurm_plugin/lab/root.py); every daemon and client command of the lab is that release's.
         start_timeout: how long `up` waits for each daemon and then for all nodes to be idle.
         stop_timeout: how long `down` waits after SIGTERM before SIGKILL.
         command_timeout: limit for each Slurm or MariaDB client command the testbed runs.
@@ -86,6 +90,7 @@ class TestbedConfig:
     gpus_per_node: int = 4
     cpus_per_node: int = 8
     gpu_types: tuple[GpuType, ...] = GPU_TYPES
+    slurm: str = HOST_VERSION
     start_timeout: timedelta = timedelta(seconds=60)
     stop_timeout: timedelta = timedelta(seconds=5)
     command_timeout: timedelta = timedelta(seconds=10)
@@ -102,6 +107,16 @@ class TestbedConfig:
     def extra_lines_file(self) -> Path:
         """Lines added by `Testbed.set_slurm_conf_lines`, kept across `up`/`down`."""
         return self.etc / "slurm.conf.extra"
+
+    @property
+    def gres_prefix(self) -> str:
+        """How this release spells a GPU in a job's TRES (`gres:gpu:2` on 22.05, `gres/gpu:2` on 24.11)."""
+        return "gres:" if self.slurm == HOST_VERSION else "gres/"
+
+    @property
+    def bin_dir(self) -> Path:
+        """Wrappers that run the root's Slurm client commands (labs of a release from a root only)."""
+        return self.lab / "bin"
 
     @property
     def munge_dir(self) -> Path:
@@ -162,6 +177,15 @@ def recorded_gpus(lab: Path) -> str | None:
     except OSError:
         return None
     return value if value in ("typed", "untyped") else None
+
+
+def recorded_slurm(lab: Path) -> str | None:
+    """The Slurm release `up` last ran `lab` with (None for a lab never started, or started before this was
+    recorded: the host's)."""
+    try:
+        return (lab / "etc" / "slurm_version").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def recorded_port_base(lab: Path) -> int | None:

@@ -72,12 +72,14 @@ local function option(options, name)
 end
 
 -- An sbatch GPU option as a TRES list: --gres `[gres:]name[:type][:count],...` entry by entry, --gpus and
--- --gpus-per-node `[type:]count` as the gpu entry.
-function option_tres(name, value)
+-- --gpus-per-node `[type:]count` as the gpu entry; `prefix` the Slurm's spelling (elastic.conf's gres_prefix: what
+-- job_submit.lua sees for the same options, gres: on 22.05, gres/ on 24.11), default gres:.
+function option_tres(name, value, prefix)
   if value == nil then return nil end
-  if name ~= "gres" then return "gres:gpu:" .. value end
+  prefix = prefix or "gres:"
+  if name ~= "gres" then return prefix .. "gpu:" .. value end
   local out = {}
-  for entry in value:gmatch("[^,]+") do out[#out + 1] = entry:match("^gres[:/]") and entry or ("gres:" .. entry) end
+  for entry in value:gmatch("[^,]+") do out[#out + 1] = entry:match("^gres[:/]") and entry or (prefix .. entry) end
   return table.concat(out, ",")
 end
 
@@ -95,12 +97,13 @@ function job_from_options(options, time_str2mins, uid)
   end
   local time = option(options, "time")
   local switch = option(options, "switches")
+  local prefix = cfg and cfg.gres_prefix
   return {
     user = os.getenv("USER"), uid = uid, partition = option(options, "partition"), name = option(options, "job-name"),
     min_nodes = min_nodes, max_nodes = max_nodes, ntasks_per_node = positive(option(options, "ntasks-per-node")),
-    tres_per_node = option(options, "gpus-per-node") and option_tres("gpus-per-node", option(options, "gpus-per-node"))
-      or option_tres("gres", option(options, "gres")),
-    tres_per_job = option_tres("gpus", option(options, "gpus")),
+    tres_per_node = option(options, "gpus-per-node") and option_tres("gpus-per-node", option(options, "gpus-per-node"),
+      prefix) or option_tres("gres", option(options, "gres"), prefix),
+    tres_per_job = option_tres("gpus", option(options, "gpus"), prefix),
     time_limit_min = time and time_str2mins and positive(elastic.num(time_str2mins(time))) or nil,
     req_switch = switch and tonumber(switch:match("^(%d+)")) or nil,
   }

@@ -10,7 +10,8 @@ local SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specif
 M.now = socket.gettime   -- the clock of the breaker and the cache (tests step their own); budgets use socket's
 local DEFAULTS = { predictor_url = "http://127.0.0.1:8470", budget_ms = 100, breaker_failures = 3, breaker_open_s = 30,
                    helper_marker = "elastic-helper", cli_state_dir = "/tmp", cache_entries = 1024,
-                   max_gpus_per_node = "" }   -- debug=4,a100=8 (installer); cfg.gpus: {debug = 4, a100 = 8}
+                   max_gpus_per_node = "",    -- debug=4,a100=8 (installer); cfg.gpus: {debug = 4, a100 = 8}
+                   gres_prefix = "gres:" }    -- this Slurm's TRES spelling (installer): gres: 22.05, gres/ 24.11
 
 -- elastic.conf (key = value); a numeric key whose value is not a number keeps its default and is reported.
 function M.read_config(path)
@@ -298,10 +299,11 @@ local function gpu_count(list) return (M.gpu_tres(list)) end
 function M.several_types(types)
   return ("several GPU types (%s): one count would lose them; kept as written"):format(table.concat(types, ", "))
 end
--- The list with its gpu entries replaced by one `gres:gpu[:type]:count` after the others (count nil: removed),
+-- The list with its gpu entries replaced by one `<prefix>gpu[:type]:count` after the others (count nil: removed),
 -- keeping the request's one GPU type unless `gpu` (a moved job's new type) differs: the new nodes lack it.
+-- `prefix`: `gres:` (the default) or `gres/`, the spelling of this Slurm (M.tres_prefix).
 -- nil and why when the list has a malformed gpu entry or names several GPU types (one count would lose them).
-function M.set_gpu_tres(list, count, gpu)
+function M.set_gpu_tres(list, count, gpu, prefix)
   local _, out, err = tres_entries(list)
   local types = M.gpu_types(list)
   if err then return nil, err end
@@ -310,7 +312,7 @@ function M.set_gpu_tres(list, count, gpu)
   end
   local _, gpu_type = M.gpu_tres(list)
   if gpu_type and gpu and gpu_type:lower() ~= tostring(gpu):lower() then gpu_type = nil end
-  if count then out[#out + 1] = "gres:gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count end
+  if count then out[#out + 1] = (prefix or "gres:") .. "gpu:" .. (gpu_type and (gpu_type .. ":") or "") .. count end
   return table.concat(out, ",")
 end
 
@@ -458,9 +460,23 @@ function M.outside(r, asked, parts, gpus)
   end
   return names and "decision outside its partition: " .. why or nil
 end
+-- The TRES spelling slurmctld accepts in a job_desc's tres_per_* fields: 22.05 takes only `gres:gpu:2`, 24.11 only
+-- `gres/gpu:2` (either refuses the other: "Invalid Trackable RESource (TRES) specification"; docs/slurm-versions.md).
+-- The job's own request entries show it (sbatch wrote them in its Slurm's spelling; an accounting-form `gres/gpu=N`
+-- says nothing); a job with none, `default` (elastic.conf's gres_prefix, the installer's reading of Slurm).
+function M.tres_prefix(job_desc, default)
+  for _, key in ipairs({ "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }) do
+    for entry in (str(job_desc[key]) or ""):gmatch("[^,]+") do
+      local sep = not entry:find("=", 1, true) and entry:match("^gres([:/])")
+      if sep then return "gres" .. sep end
+    end
+  end
+  return default or "gres:"
+end
 -- A rewrite's job_desc values and environment, computed before any is assigned, and whether the GPU request changed;
--- or nil and why it cannot be applied consistently.
-function M.rewrite_fields(job_desc, reply)
+-- or nil and why it cannot be applied consistently. `prefix` as M.tres_prefix (default: the job's own, else gres:).
+function M.rewrite_fields(job_desc, reply, prefix)
+  prefix = M.tres_prefix(job_desc, prefix)
   local nodes, per_node, tasks = reply.nodes, reply.gpus_per_node, reply.tasks_per_node
   local f, env = { min_nodes = nodes, max_nodes = nodes, req_switch = reply.switches, features = reply.constraint }, {}
   local why
@@ -474,14 +490,14 @@ function M.rewrite_fields(job_desc, reply)
   local per_task = gpu_count(job_desc.tres_per_task)
   if per_task then
     if not tasks or per_node % tasks ~= 0 or per_node == 0 then return nil, M.per_task_split(per_node, tasks) end
-    f.tres_per_task, why = M.set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type)
+    f.tres_per_task, why = M.set_gpu_tres(job_desc.tres_per_task, per_node / tasks, new_type, prefix)
     if why then return nil, "tres_per_task: " .. why end
     env.SLURM_GPUS_PER_TASK = tostring(per_node / tasks)
   end
-  f.tres_per_node, why = M.set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type)
+  f.tres_per_node, why = M.set_gpu_tres(job_desc.tres_per_node, per_node > 0 and per_node or nil, new_type, prefix)
   if why then return nil, "tres_per_node: " .. why end
   if job_desc.tres_per_job ~= nil then
-    f.tres_per_job, why = M.set_gpu_tres(job_desc.tres_per_job, nil)
+    f.tres_per_job, why = M.set_gpu_tres(job_desc.tres_per_job, nil, nil, prefix)
     if why then return nil, "tres_per_job: " .. why end
   end
   local cpus_per_task = num(job_desc.cpus_per_task, NO_VAL16) or 1
@@ -496,6 +512,9 @@ function M.rewrite_fields(job_desc, reply)
     -- sbatch derived it from its node count; stale, slurmctld may refuse the job ("Requested node configuration...")
     f.min_cpus = nodes * (tasks or 1) * cpus_per_task
   end
+  -- A layout without a task count: the count too. 22.05 derived it (nodes x ntasks_per_node: the batch step's
+  -- SLURM_NTASKS, srun's default); 24.11 does not, and srun in the job then starts one task per node.
+  if tasks and not num(job_desc.num_tasks) then f.num_tasks = nodes * tasks end
   if reply.decision_id ~= nil then f.comment = M.comment_with(job_desc.comment, reply.decision_id) end
   local changed = gpu_count(job_desc.tres_per_job) ~= nil or per_task ~= nil
     or gpu_count(job_desc.tres_per_node) ~= per_node
@@ -505,9 +524,9 @@ end
 
 -- Apply a decision to a job_desc (a keep: its id in the comment); true, or nil and why nothing changed. SLURM_GPUS
 -- and _PER_NODE follow a changed GPU request (srun in the job reads them), others only where sbatch set them.
-function M.apply_job_desc(job_desc, decision)
+function M.apply_job_desc(job_desc, decision, gres_prefix)
   local fields, env = { comment = decision.decision_id and M.comment_with(job_desc.comment, decision.decision_id) }, {}
-  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision) end
+  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision, gres_prefix) end
   if not fields then return nil, env end
   for key, value in pairs(fields) do job_desc[key] = value end
   local target = job_desc.script ~= nil and job_desc.environment or nil

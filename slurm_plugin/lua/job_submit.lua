@@ -37,7 +37,7 @@ local function submit(job_desc, script, uid, parts)
     slurm.log_user("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind ~= "skip" then
-    applied, why = elastic.apply_job_desc(job_desc, outcome)
+    applied, why = elastic.apply_job_desc(job_desc, outcome, cfg.gres_prefix)
   end
   if applied then
     slurm.log_info("slurm_job_submit: elastic: uid %s: %s%s (%.1f ms) %s", tostring(uid), outcome.kind,

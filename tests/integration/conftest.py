@@ -1,11 +1,13 @@
 """Shared fixtures for tests against the real Slurm testbed (marker `slurm`, added to every test here).
 
 The testbed is the one in $ELASTIC_SLURM_LAB (default /var/tmp/elastic-slurm-lab), started beforehand
-with `elastic-slurm testbed up`. When it is not up, every test here FAILS with the reason.
+with `elastic-slurm testbed up [--slurm 24.11]`; the tests run against the Slurm release that lab runs. When it
+is not up, every test here FAILS with the reason. ELASTIC_SLURM_BACKEND=pyslurm makes the `slurm` fixture a
+`PyslurmBackend` (inside the 24.11 root, where pyslurm is built: see `elastic-slurm testbed exec`).
 
 Fixtures for other integration tests:
     testbed     the `Testbed` (config, paths, `set_slurm_conf_lines`, `reconfigure`)
-    slurm       a `CommandBackend` on the testbed's slurm.conf
+    slurm       a `Backend` on the testbed's slurm.conf (`CommandBackend`, or `PyslurmBackend`)
     submit      like `slurm.submit`, but cancels the job at teardown
     idle_nodes  waits (60 s) until no node is in use, then returns the nodes
     wait_until  `wait_until(fn, seconds, what)`: polls `fn` until truthy, fails naming `what`
@@ -21,13 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from slurm_plugin.client import CommandBackend
+from slurm_plugin.client import Backend, CommandBackend, PyslurmBackend
 from slurm_plugin.errors import JobNotFoundError, SlurmError
 from slurm_plugin.lab.testbed import Testbed
-from slurm_plugin.lab.testbed_conf import DEFAULT_LAB, DEFAULT_PORT_BASE, TestbedConfig, recorded_port_base
+from slurm_plugin.lab.root import HOST_VERSION
+from slurm_plugin.lab.testbed_conf import (DEFAULT_LAB, DEFAULT_PORT_BASE, TestbedConfig, recorded_port_base,
+                                           recorded_slurm)
 
 # Entry point of the test session: the one place here that reads the environment.
 LAB = Path(os.environ.get("ELASTIC_SLURM_LAB", str(DEFAULT_LAB))).absolute()
+BACKEND = os.environ.get("ELASTIC_SLURM_BACKEND", "command")
 HERE = Path(__file__).parent
 
 
@@ -55,7 +60,10 @@ def wait_until():
 
 @pytest.fixture(scope="session")
 def testbed() -> Testbed:
-    bed = Testbed(TestbedConfig(lab=LAB, port_base=recorded_port_base(LAB) or DEFAULT_PORT_BASE))
+    bed = Testbed(TestbedConfig(lab=LAB, port_base=recorded_port_base(LAB) or DEFAULT_PORT_BASE,
+                                slurm=recorded_slurm(LAB) or HOST_VERSION))
+    if "PATH" in bed.env():   # a release from a root: its commands first, for this process too (the installer
+        os.environ["PATH"] = bed.env()["PATH"]   # asks Slurm through PATH), as `eval "$(testbed env)"` does
     if not bed.is_up():
         down = [s.name for s in bed.status() if not s.running]
         pytest.fail(
@@ -67,9 +75,14 @@ def testbed() -> Testbed:
 
 
 @pytest.fixture(scope="session")
-def slurm(testbed) -> CommandBackend:
-    return CommandBackend(slurm_conf=testbed.config.slurm_conf, timeout=timedelta(seconds=10),
-                          update_timeout=timedelta(seconds=30))
+def slurm(testbed) -> Backend:
+    if BACKEND == "pyslurm":
+        return PyslurmBackend(slurm_conf=testbed.config.slurm_conf, timeout=timedelta(seconds=10),
+                              update_timeout=timedelta(seconds=30))
+    if BACKEND != "command":
+        pytest.fail(f"ELASTIC_SLURM_BACKEND={BACKEND!r}: expected command or pyslurm", pytrace=False)
+    return CommandBackend(slurm_conf=testbed.config.slurm_conf, env=testbed.command_env(),
+                          timeout=timedelta(seconds=10), update_timeout=timedelta(seconds=30))
 
 
 @pytest.fixture
@@ -108,7 +121,7 @@ def _resume_kill_task_failed(testbed) -> None:
     UnkillableStepTimeout (this sandbox's PID 1 does not reap orphans) and slurmd drained the node; an earlier
     test's job must not fail the next test.
     """
-    env = {**os.environ, "SLURM_CONF": str(testbed.config.slurm_conf)}
+    env = {**os.environ, **testbed.env()}
     listing = subprocess.run(["sinfo", "-h", "-N", "-R", "-o", "%N|%E"], env=env, capture_output=True, text=True,
                              timeout=20).stdout
     for line in listing.splitlines():

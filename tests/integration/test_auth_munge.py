@@ -44,7 +44,7 @@ def _running_job(testbed, slurm, wait_until, user: str | None) -> int:
     argv = ["sbatch", "--parsable", "-N1", "--gres=gpu:4", "-t", "5", "--chdir=/tmp", "-o", "/dev/null", "--wrap", "sleep 120"]
     if user:
         argv = ["runuser", "-u", user, "--", *argv]
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(testbed.config.slurm_conf)}
+    env = testbed.env(path="/usr/sbin:/usr/bin:/sbin:/bin")
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30, check=True).stdout
     job_id = int(out.strip().split(";")[0])
     wait_until(lambda: slurm.job(job_id).state == "RUNNING", 30, f"job {job_id} running")
@@ -66,8 +66,7 @@ def jobs(testbed, slurm, wait_until):
         yield ids
     finally:
         for job_id in ids.values():
-            subprocess.run(["scancel", str(job_id)], env={"PATH": "/usr/bin:/bin",
-                                                          "SLURM_CONF": str(testbed.config.slurm_conf)}, check=False)
+            subprocess.run(["scancel", str(job_id)], env=testbed.env(path="/usr/bin:/bin"), check=False)
 
 
 def test_real_munge_credentials_against_real_jobs(client, testbed, jobs):
@@ -124,7 +123,7 @@ def test_real_munge_credentials_against_real_jobs(client, testbed, jobs):
     assert counts["step"] == 1
 
     # a job that just ended is still accepted (within job_recent), but not once the window is 0
-    env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(testbed.config.slurm_conf)}
+    env = testbed.env(path="/usr/bin:/bin")
     subprocess.run(["scancel", str(jobs["root"])], env=env, check=True, timeout=30)
     slurm = client.application.extensions["elastic_predictor_auth"].jobs
     deadline = time.monotonic() + 30

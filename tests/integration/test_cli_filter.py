@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.integration.test_hook import bed, hook, predictor, sbatch, script, show_job  # noqa: F401
+from tests.integration.test_hook import bed, hook, predictor, sbatch, script, show_job, tres  # noqa: F401
 from tests.unit.test_lua_hook import REWRITE
 
 LAYOUT_FIELDS = ("NumNodes", "TresPerNode", "Switches", "NtasksPerN:B:S:C", "Comment")
@@ -23,13 +23,13 @@ def test_cli_filter_gives_the_same_rewrite_as_job_submit(hook, predictor, sbatch
     assert result.stderr.strip() == f"sbatch: lua: {REWRITE['reason']}"
     by_cli_filter = show_job(bed, result.job_id)
     assert {k: by_cli_filter[k] for k in LAYOUT_FIELDS} == {k: by_job_submit[k] for k in LAYOUT_FIELDS}
-    assert by_cli_filter["TresPerNode"] == "gres:gpu:2"
+    assert by_cli_filter["TresPerNode"] == tres(bed, 2)
     # an option cannot be unset from cli_filter: --gpus is kept consistent (2 x 2) instead of cleared
-    assert by_cli_filter["TresPerJob"] == "gres:gpu:4"
+    assert by_cli_filter["TresPerJob"] == tres(bed, 4)
     assert [r["body"]["source"] for r in predictor.requests] == ["job_submit", "cli_filter"]
     # the submitting uid, as job_submit sends it (#26: a user's own profile plans only that user's jobs)
     assert predictor.requests[1]["body"]["job"] == {"name": "mode-rewrite", "min_nodes": 1, "max_nodes": 1,
-                                                    "tres_per_job": "gres:gpu:4", "uid": os.getuid()}
+                                                    "tres_per_job": tres(bed, 4), "uid": os.getuid()}
     assert predictor.requests[0]["body"]["job"]["uid"] == os.getuid()
 
 
@@ -56,7 +56,7 @@ def test_cli_filter_fails_open(hook, predictor, sbatch, bed, mode):
     result = sbatch(script(), "-H", "-J", f"mode-{mode}")
     assert result.rc == 0 and "sbatch: lua: elastic: prediction skipped (" in result.stderr
     job = show_job(bed, result.job_id)
-    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and "TresPerNode" not in job
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == tres(bed, 4) and "TresPerNode" not in job
 
 
 def test_cli_filter_breaker_persists_across_sbatch_processes(hook, predictor, sbatch):
@@ -74,7 +74,7 @@ def test_cli_filter_ignores_scripts_without_directives_and_srun(hook, predictor,
     (tmp_path / "step.sh").write_text(script(body="true\n"))  # #ELASTIC lines, but srun runs it as a program
     (tmp_path / "step.sh").chmod(0o755)
     srun = subprocess.run(["srun", "-N1", "--gpus=1", str(tmp_path / "step.sh")], capture_output=True, text=True,
-                          timeout=60, env={**bed.env(), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+                          timeout=60, env=bed.env(path="/usr/bin:/bin"), cwd=tmp_path)
     assert srun.returncode == 0 and srun.stderr == ""
     plain = sbatch(script(directives=""), "-H", "-J", "mode-rewrite")
     assert plain.rc == 0 and plain.stderr == ""

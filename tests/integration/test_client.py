@@ -71,7 +71,10 @@ def test_shrink_twice_releases_nodes_and_refreshes_env(slurm, submit, idle_nodes
         "#!/bin/bash\n"
         f"#SBATCH -N3 --gres=gpu:4 -o {out}\n"
         "env | grep -E '^SLURM_(JOB_NODELIST|NNODES|JOB_NUM_NODES|JOB_CPUS_PER_NODE|NODELIST)='\n"
-        "srun sleep 300\n"
+        # one step per node, as the launcher runs its workers (slurm_plugin.client.srun_step_argv): one srun over
+        # all nodes, shrunk twice, makes 24.11.5's slurmctld segfault (docs/slurm-versions.md)
+        "for n in $(scontrol show hostnames \"$SLURM_JOB_NODELIST\"); do srun --overlap -N1 -n1 -w $n sleep 300 & done\n"
+        "wait\n"
     )
     job_id = submit(script)
     job = wait_until(lambda: _running(slurm, job_id), 60, f"job {job_id} to start")

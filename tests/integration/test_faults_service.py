@@ -107,7 +107,7 @@ def service(tmp_path):
 
 def test_service_sigkilled_and_restarted_during_submission_storm(hook, service, bed, tmp_path):
     hook(service.url, budget_ms=BUDGET_MS, failures=1000)
-    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    env = bed.env(path="/usr/bin:/bin:/usr/sbin:/sbin")
     path = tmp_path / "storm.sh"
     path.write_text(script(directives=REAL))
     results: list[tuple[int, float, str, str]] = []     # rc, seconds, stdout, stderr

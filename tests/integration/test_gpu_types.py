@@ -16,7 +16,7 @@ import pytest
 
 from predictor.profiles import profile_from_spec
 from slurm_plugin.lab.demo_services import PredictorService
-from tests.integration.test_hook import bed, hook, sbatch, script, show_job  # noqa: F401 (fixtures)
+from tests.integration.test_hook import bed, hook, sbatch, script, show_job, tres  # noqa: F401 (fixtures)
 
 # behaviour, not latency: the service's second gunicorn worker loads its models at its first plan
 BUDGET_MS = 3000
@@ -54,7 +54,7 @@ def test_a_two_partition_job_is_moved_to_the_faster_type_and_runs_there(hook, se
     assert REASON.match(result.stderr.strip()), result.stderr
     job = show_job(bed, result.job_id)
     assert job["Partition"] == "h100"
-    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
+    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == tres(bed, 4) and "TresPerJob" not in job
     decision = re.fullmatch(r"orig elastic:decision=(\S+)", job["Comment"]).group(1)
     stored = service.get(f"/v1/decisions/{decision}")
     assert {a["partition"] for a in stored["response"]["alternatives"]} == {"a100", "h100"}
@@ -70,7 +70,7 @@ def test_a_typed_request_for_the_other_type_is_moved_untyped(hook, service, sbat
     result = sbatch(script(directives=LINES, sbatch_lines=lines), "-H", "--partition=a100,h100")
     assert result.rc == 0 and REASON.match(result.stderr.strip()), result.stderr
     job = show_job(bed, result.job_id)
-    assert job["Partition"] == "h100" and job["TresPerNode"] == "gres:gpu:4"
+    assert job["Partition"] == "h100" and job["TresPerNode"] == tres(bed, 4)
 
 
 def test_gpu_type_any_moves_a_job_off_the_default_partition(hook, service, sbatch, bed):  # noqa: F811

@@ -25,6 +25,11 @@ BUDGET_MS = 100
 ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
 
 
+def tres(bed: Testbed, gpus: int) -> str:
+    """A per-node/per-job GPU request as the lab's Slurm spells it (`gres:gpu:4` on 22.05, `gres/gpu:4` on 24.11)."""
+    return f"{bed.config.gres_prefix}gpu:{gpus}"
+
+
 def lab_bed(testbed: Testbed) -> Testbed:
     """The testbed with the port base its running slurm.conf really uses (the shared fixture assumes the
     default), so rewriting slurm.conf with extra lines keeps the lab's ports."""
@@ -87,7 +92,7 @@ class Sbatch:
 def sbatch(bed, tmp_path):
     """Run sbatch on a script text (written to a file, as users do); cancel the jobs at teardown."""
     jobs = []
-    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    env = bed.env(path="/usr/bin:/bin:/usr/sbin:/sbin")
 
     def _sbatch(script: str, *args: str) -> Sbatch:
         path = tmp_path / f"job{len(jobs)}.sh"
@@ -109,7 +114,7 @@ def show_job(bed: Testbed, job_id: int) -> dict[str, str]:
     """`scontrol show job` as a dict (the tests check what the issue names: what scontrol shows).
     Comment gets its whole line (it may hold spaces and `=`)."""
     out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True,
-                         env={**bed.env(), "PATH": "/usr/bin:/bin"}, timeout=30, check=True).stdout
+                         env=bed.env(path="/usr/bin:/bin"), timeout=30, check=True).stdout
     fields = {}
     for line in out.splitlines():
         line = line.strip()
@@ -133,14 +138,14 @@ def test_rewrite_visible_in_scontrol_and_reason_printed(hook, predictor, sbatch,
     assert result.stderr.strip() == f"sbatch: {REWRITE['reason']}"
     job = show_job(bed, result.job_id)
     assert job["NumNodes"] in ("2", "2-2")
-    assert job["TresPerNode"] == "gres:gpu:2"
+    assert job["TresPerNode"] == tres(bed, 2)
     assert "TresPerJob" not in job
     assert job["Switches"].startswith("1@")
     assert job["Comment"] == "orig elastic:decision=d-42"
     assert job["NtasksPerN:B:S:C"].startswith("2:")
     [request] = predictor.requests
     assert request["body"]["directives"] == ELASTIC.splitlines()
-    assert request["body"]["job"]["tres_per_job"] == "gres:gpu:4"
+    assert request["body"]["job"]["tres_per_job"] == tres(bed, 4)
 
 
 @pytest.mark.parametrize("options", ["-N1 --gpus=4", "-n4 --gpus-per-task=1", "-N1 --exclusive --gpus=4",
@@ -182,7 +187,7 @@ def test_rewrite_to_another_node_count_is_accepted_and_runs(hook, predictor, sba
     job = show_job(bed, job_id)
     assert job["JobState"] == "COMPLETED", out
     assert job["NumNodes"] == str(nodes) and job["NumCPUs"] == str(cpus)
-    assert job["TresPerNode"] == f"gres:gpu:{reply['gpus_per_node']}"
+    assert job["TresPerNode"] == tres(bed, reply['gpus_per_node'])
     cvd = [line.split("CVD=")[1] for line in out.splitlines() if "CVD=" in line]
     gpus = ",".join(str(i) for i in range(reply["gpus_per_node"]))
     assert cvd == [gpus] * tasks, out
@@ -193,10 +198,10 @@ def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch,
     result = sbatch(script(directives=""), "-H", "-J", "mode-rewrite")
     assert result.rc == 0 and result.stderr == ""
     job = show_job(bed, result.job_id)
-    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == tres(bed, 4) and job["Comment"] == "orig"
     assert "TresPerNode" not in job
     srun = subprocess.run(["srun", "-N1", "true"], capture_output=True, text=True, timeout=60,
-                          env={**bed.env(), "PATH": "/usr/bin:/bin"})
+                          env=bed.env(path="/usr/bin:/bin"))
     assert srun.returncode == 0 and srun.stderr == ""
     assert predictor.requests == []
 
@@ -204,7 +209,7 @@ def test_job_without_directives_is_untouched_and_silent(hook, predictor, sbatch,
 def test_wrap_text_is_read_for_no_directive_as_sbatch_reads_no_sbatch_line(hook, predictor, bed, tmp_path):
     """#26.3: `sbatch --wrap` ignores #SBATCH lines in its text; the hook ignores #ELASTIC lines there alike."""
     hook(predictor.url)
-    env = {**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    env = bed.env(path="/usr/bin:/bin:/usr/sbin:/sbin")
     proc = subprocess.run(["sbatch", "--parsable", "-H", "-J", "mode-rewrite", f"--output={tmp_path}/%j.out",
                            "--wrap", "#ELASTIC model=resnet50 gpus=2-8\n#SBATCH -N 3\ntrue"],
                           capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
@@ -242,7 +247,7 @@ def test_malformed_directive_is_the_services_rejection_quoting_the_script_line(h
     hook("http://127.0.0.1:9")
     down = sbatch(script(directives=bad), "-H")
     assert down.rc == 0 and "sbatch: elastic: prediction skipped (connection refused)" in down.stderr
-    assert show_job(bed, down.job_id)["TresPerJob"] == "gres:gpu:4"
+    assert show_job(bed, down.job_id)["TresPerJob"] == tres(bed, 4)
 
 
 def test_service_422_rejects_with_its_message(hook, predictor, sbatch):
@@ -262,7 +267,7 @@ def test_service_failure_accepts_job_unchanged_within_budget(hook, predictor, sb
     assert result.stderr.startswith("sbatch: elastic: prediction skipped (") and why in result.stderr
     assert result.stderr.rstrip().endswith("job submitted as written")
     job = show_job(bed, result.job_id)
-    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == tres(bed, 4) and job["Comment"] == "orig"
 
 
 @pytest.mark.parametrize("mode, why", [
@@ -283,7 +288,7 @@ def test_a_decision_slurm_would_refuse_is_dropped_and_the_job_goes_in_as_written
     assert result.stderr.strip() == (f"sbatch: elastic: prediction skipped (decision outside its partition: {why}); "
                                      "job submitted as written")
     job = show_job(bed, result.job_id)
-    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == "gres:gpu:4" and job["Comment"] == "orig"
+    assert job["NumNodes"] in ("1", "1-1") and job["TresPerJob"] == tres(bed, 4) and job["Comment"] == "orig"
 
 
 def test_breaker_opens_after_k_failures_and_closes_after_t(hook, predictor, sbatch, bed):
@@ -298,7 +303,7 @@ def test_breaker_opens_after_k_failures_and_closes_after_t(hook, predictor, sbat
     time.sleep(3.2)
     closed = sbatch(script(), "-H", "-J", "mode-rewrite")
     assert closed.stderr.strip() == f"sbatch: {REWRITE['reason']}"
-    assert show_job(bed, closed.job_id)["TresPerNode"] == "gres:gpu:2"
+    assert show_job(bed, closed.job_id)["TresPerNode"] == tres(bed, 2)
     assert len(predictor.requests) == 3
 
 
@@ -401,7 +406,7 @@ def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatc
     assert result.rc == 0, result.stderr
     assert result.stderr.startswith("sbatch: elastic: 2 nodes x 4 GPUs (2x4)"), result.stderr
     job = show_job(bed, result.job_id)
-    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
+    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == tres(bed, 4) and "TresPerJob" not in job
     assert job["Switches"].startswith("1@")
     decision_id = re.fullmatch(r"orig elastic:decision=(\S+)", job["Comment"]).group(1)
     stored = real_predictor.decision(decision_id)
@@ -412,7 +417,7 @@ def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatc
     down = sbatch(script(directives=REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")), "-H")
     # the latency of a submission against a stopped service: bench/hook_latency.py (down)
     assert down.rc == 0 and "prediction skipped (connection refused" in down.stderr
-    assert show_job(bed, down.job_id)["TresPerJob"] == "gres:gpu:4"
+    assert show_job(bed, down.job_id)["TresPerJob"] == tres(bed, 4)
 
 
 def _decision_of(bed, result) -> str:
@@ -451,7 +456,7 @@ def test_identical_submissions_reuse_the_decision_without_a_call(hook, sbatch, b
     assert second.rc == 0 and second.stderr.rstrip().endswith("(cached)"), second.stderr
     assert _decision_of(bed, second) == decision and _decision_count(server) == before
     job = show_job(bed, second.job_id)
-    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == "gres:gpu:4" and "TresPerJob" not in job
+    assert job["NumNodes"] in ("2", "2-2") and job["TresPerNode"] == tres(bed, 4) and "TresPerJob" not in job
     other_batch = REAL.replace("per_gpu_batch=64", "per_gpu_batch=32")      # another request
     third = sbatch(script(directives=other_batch), "-H", "-t", "9")       # a new request: asked
     assert third.rc == 0 and "(cached)" not in third.stderr
@@ -479,7 +484,7 @@ def test_other_min_efficiency_is_decided_from_the_cached_bands(hook, sbatch, bed
     assert _decision_of(bed, second) == decision and _decision_count(server) == before
     job = show_job(bed, second.job_id)
     body = {"source": "job_submit", "directives": other.splitlines(),
-            "job": {"min_nodes": 1, "max_nodes": 1, "tres_per_job": "gres:gpu:4"}}
+            "job": {"min_nodes": 1, "max_nodes": 1, "tres_per_job": tres(bed, 4)}}
     asked = requests.post(f"{server.url}/v1/plan", json=body, timeout=5).json()
     shown = asked["reason"] if asked["reason"].startswith("elastic:") else f"elastic: {asked['reason']}"
     assert second.stderr.strip() == f"sbatch: {shown} (cached predictions)"

@@ -20,7 +20,7 @@ HELPER_START_S = 600  # the grow's deadline: far beyond what a loaded host needs
 
 
 def _scontrol(testbed, *args):
-    env = {**os.environ, "SLURM_CONF": str(testbed.config.slurm_conf)}
+    env = {**os.environ, **testbed.env()}
     subprocess.run(["scontrol", *args], env=env, check=True, capture_output=True, timeout=20)
 
 

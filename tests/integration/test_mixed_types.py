@@ -17,7 +17,7 @@ from pathlib import Path
 
 from elastic_launcher.batch_policy import split_batch
 from tests.integration.test_gpu_types import service  # noqa: F401 (fixture: the lab's seeded predictor)
-from tests.integration.test_hook import bed, hook, sbatch, script, show_job  # noqa: F401 (fixtures)
+from tests.integration.test_hook import bed, hook, sbatch, script, show_job, tres  # noqa: F401 (fixtures)
 
 HERE = Path(__file__).parent
 BATCH = 8
@@ -32,7 +32,7 @@ def test_the_hook_places_a_job_wider_than_one_type_as_a_mixed_job(hook, service,
                     r"per-GPU batches H100 \d+, A100 \d+ ", result.stderr), result.stderr
     job = show_job(bed, result.job_id)
     assert job["Partition"] == "debug" and job["Features"] == "[h100*2&a100*2]"
-    assert job["NumNodes"] in ("4", "4-4") and job["TresPerNode"] == "gres:gpu:4"
+    assert job["NumNodes"] in ("4", "4-4") and job["TresPerNode"] == tres(bed, 4)
     decision = re.search(r"elastic:decision=(\S+)", job["Comment"]).group(1)
     stored = service.get(f"/v1/decisions/{decision}")["response"]
     assert stored["constraint"] == "[h100*2&a100*2]" and stored["mixed"]["types"] == ["H100", "H100", "A100", "A100"]

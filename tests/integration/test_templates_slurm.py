@@ -20,7 +20,7 @@ LAUNCH = [str(LAUNCHER)] if LAUNCHER.exists() else [sys.executable, "-m", "elast
 
 
 def _test_only(testbed, script: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SLURM_CONF": str(testbed.config.slurm_conf)}
+    env = {**os.environ, **testbed.env()}
     return subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, env=env,
                           timeout=60, cwd=script.parent)
 

@@ -29,13 +29,13 @@ def test_four_nodes_with_four_gpus_under_two_leaf_switches(testbed, slurm):
         "h100": ("node1", "node2"), "a100": ("node3", "node4")}
     # sinfo itself, as a user would run it after `eval "$(elastic-slurm testbed env)"`.
     out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %G"],
-                         env={**testbed.env(), "PATH": "/usr/bin:/bin"},
+                         env=testbed.env(path="/usr/bin:/bin"),
                          capture_output=True, text=True, timeout=10, check=True).stdout
     assert sorted(out.split("\n")[:-1]) == [f"node{i} gpu:{'h100' if i < 3 else 'a100'}:4" for i in range(1, 5)]
 
 
 def test_untyped_requests_run_anywhere_and_a_typed_one_only_on_its_type(testbed, slurm, idle_nodes):
-    env = {**testbed.env(), "PATH": "/usr/bin:/bin"}
+    env = testbed.env(path="/usr/bin:/bin")
 
     def srun(*args):
         return subprocess.run(["srun", *args, "bash", "-c", "echo $SLURMD_NODENAME"], env=env, capture_output=True,

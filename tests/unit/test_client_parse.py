@@ -3,7 +3,9 @@
 Fixtures: squeue_running.json (job 1: `sbatch -N2 --gres=gpu:4`, running on node[1-2]); squeue_3node.json
 (job 2: `-N3 --ntasks-per-node=2 --gres=gpu:2`); squeue_shrunk.json (job 2 after `NumNodes=2`, job 1
 cancelled); sinfo_busy.json (while job 1 ran); sacct_2.json (job 2 after one shrink); topology.txt,
-partitions.txt (`scontrol show topology`, `scontrol show partition -o`).
+partitions.txt (`scontrol show topology`, `scontrol show partition -o`). From the 24.11.5 testbed (the same
+parsers read both): squeue_24.11_running.json (job 1: `-N3 --gres=gpu:4`, one step a node), nodes_24.11_busy.json
+(`scontrol --json show nodes` then), sacct_24.11_resized.json (job 1 after shrinks to node[1-2] and node1).
 """
 import json
 import subprocess
@@ -204,19 +206,22 @@ def test_requested_shape():
     assert requested_shape({}) == (None, None, None)
 
 
-def test_command_backend_implements_the_backend_protocol():
-    """Every method the protocol declares exists on CommandBackend with the same parameters, and the
+@pytest.mark.parametrize("backend", ["CommandBackend", "PyslurmBackend"])
+def test_each_backend_implements_the_backend_protocol(backend):
+    """Every method the protocol declares exists on each backend with the same parameters, and the
     protocol declares every public method (so callers typed as `Backend` can use what the client offers)."""
     import inspect
 
+    from slurm_plugin import client
     from slurm_plugin.client import Backend
 
+    cls = getattr(client, backend)
     declared = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
-    offered = {n for n, v in vars(CommandBackend).items() if callable(v) and not n.startswith("_")}
+    offered = {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
     assert declared == offered
     for name in declared:
         assert list(inspect.signature(getattr(Backend, name)).parameters) == \
-            list(inspect.signature(getattr(CommandBackend, name)).parameters), name
+            list(inspect.signature(getattr(cls, name)).parameters), name
 
 
 def test_the_launcher_calls_only_what_backend_declares():
@@ -234,3 +239,27 @@ def test_the_launcher_calls_only_what_backend_declares():
                 if name == "slurm":
                     called.add(node.func.attr)
     assert called and called <= set(vars(Backend)), called - set(vars(Backend))
+
+
+# -- Slurm 24.11's JSON (docs/slurm-versions.md) ---------------------------------------------------------------
+def test_24_11_squeue_job_reads_as_on_22_05():
+    job = _job("squeue_24.11_running.json", 1)
+    assert (job.state, job.nodes, job.nodelist, job.batch_host) == ("RUNNING", ("node1", "node2", "node3"),
+                                                                    "node[1-3]", "node1")
+    assert job.cpus_per_node == (1, 1, 1) and job.gpus_per_node == (4, 4, 4) and job.node_count == 3
+    assert job.tres_per_node == "gres/gpu:4" and gpus_in_tres(job.tres_per_node) == 4
+    assert job.resize_env()["SLURM_JOB_CPUS_PER_NODE"] == "1(x3)"
+
+
+def test_24_11_nodes_states_are_lists_joined_and_gres_read():
+    nodes = {n.name: n for n in parse_nodes(_json("nodes_24.11_busy.json"), parse_topology(_text("topology.txt")))}
+    assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
+    assert [(nodes[n].state, nodes[n].gpus, nodes[n].gpus_alloc) for n in sorted(nodes)] == [
+        ("mixed", 4, 4), ("mixed", 4, 4), ("mixed", 4, 4), ("idle", 4, 0)]
+    assert nodes["node3"].gpu_type == "a100" and nodes["node3"].switch == "leaf2"
+
+
+def test_24_11_former_sizes_in_sacct_read_as_resizing():
+    records = parse_sacct(_json("sacct_24.11_resized.json"), 1)
+    assert [(r.state, r.nodelist, r.gpus) for r in records] == [
+        ("RESIZING", "node[1-3]", 12), ("RESIZING", "node[1-2]", 8), ("RUNNING", "node1", 4)]

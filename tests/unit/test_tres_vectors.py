@@ -38,11 +38,11 @@ local run = {
     return { gpus = nul(n), type = nul(t), types = M.gpu_types(v(c.tres)) }
   end,
   rewrite = function(c)
-    local got, why = M.set_gpu_tres(v(c.tres), v(c.gpus), v(c.gpu))
+    local got, why = M.set_gpu_tres(v(c.tres), v(c.gpus), v(c.gpu), v(c.prefix))
     return { got = nul(got), error = why }
   end,
   job_desc = function(c)
-    local f, why, changed = M.rewrite_fields(c.job_desc, c.reply)
+    local f, why, changed = M.rewrite_fields(c.job_desc, c.reply, c.prefix)
     if not f then return { error = why } end
     return { fields = f, changed = changed }
   end,
