@@ -234,10 +234,43 @@ class Testbed:
             t = time.monotonic()
             self._stop(d)
             timings[d.name] = time.monotonic() - t
+        t = time.monotonic()
+        self._end_leftover_steps()
+        timings["slurmstepd"] = time.monotonic() - t
         if wipe:
             for sub in _WIPED:
                 shutil.rmtree(self.config.lab / sub, ignore_errors=True)
         return timings
+
+    def _end_leftover_steps(self, wait_s: float = 5.0) -> None:
+        """SIGKILL the lab's slurmstepd processes that outlive its slurmds (a cancelled job's step still in its
+        KillWait when the lab goes down), and wait for them to go, at most `wait_s`."""
+        mark = str(self.config.lab).encode()
+        left = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "comm").read_text().strip() != "slurmstepd":
+                    continue
+                if mark not in (entry / "cmdline").read_bytes() and mark not in (entry / "environ").read_bytes():
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+                left.append(int(entry.name))
+            except (OSError, ProcessLookupError):
+                continue
+        deadline = time.monotonic() + wait_s
+        while left and time.monotonic() < deadline:
+            still = []
+            for pid in left:
+                try:
+                    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    continue                       # gone
+                if state != "Z":
+                    still.append(pid)
+            left = still
+            time.sleep(0.1)
 
     def set_slurm_conf_lines(self, lines: list[str]) -> None:
         """Replace the extra slurm.conf lines (e.g. `JobSubmitPlugins=lua`) and rewrite slurm.conf.

@@ -53,11 +53,16 @@ def _job_processes(job_id: int, node: str | None = None) -> list[int]:
 
 
 def _ctl(registry: Path, job_id: int, *args: str) -> dict:
+    """`elastic-launch ctl JOB ARGS` (with --status, its JSON form), its answer read as JSON."""
+    args = (*args, "--json") if "--status" in args else args
     proc = subprocess.run([sys.executable, "-m", "elastic_launcher.cli", "ctl", str(job_id), *args],
                           env={**os.environ, "ELASTIC_LAUNCH_REGISTRY": str(registry)},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"`ctl {' '.join(args)}` answered no JSON: {proc.stdout!r}")
 
 
 def _batch_script(work: Path, registry: Path, steps: int, extra_train: str = "", extra_launch: str = "",

@@ -35,7 +35,7 @@ def service(bed):  # noqa: F811
 def _job(tmp_path: Path, run: str) -> str:
     params = templates.Params(cpu_test=True, python=sys.executable, launcher=LAUNCH, directives={"model": MODEL},
                               launcher_options={"--run-dir": str(tmp_path / run)},
-                              script_options={"--steps": "40", "--log-every": "10"})
+                              script_options={"--steps": "400", "--log-every": "100"})
     return templates.render(templates.get("gpt-lm"), params)
 
 

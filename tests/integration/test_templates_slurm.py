@@ -163,11 +163,11 @@ def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(slurm, s
     latest = (ck / "latest").read_text().strip()
     step = int(latest.split("-")[1])
     assert step > 0 and (ck / latest / ".metadata").is_file(), logs[-3000:]
-    if name != "wrap-train-py":   # SIGTERM at the time limit: rank 0 saved the last commit point and stopped
-        assert f"checkpoint {ck_rel / latest} (step {step}): submit the job again with --resume" in logs, \
-            logs[-3000:]
-    else:
-        assert f"stopped by SIGTERM after step {step}" in logs, logs[-3000:]
+    # SIGTERM at the time limit: rank 0 saves the last commit point and stops, unless Slurm's KillWait (5 s on the
+    # lab) ends the step first on a busy host; then the latest checkpoint is the last periodic one
+    said = (f"checkpoint {ck_rel / latest} (step {step}): submit the job again with --resume" if name != "wrap-train-py"
+            else f"stopped by SIGTERM after step {step}")
+    assert said in logs or step % (200 if name == "wrap-train-py" else 10) == 0, logs[-3000:]
 
     second = submit(script(1, step + 10, "00:10:00", "again"), ["--chdir", str(work)])
     wait_until(lambda: _ended(slurm, second), 240, f"the resubmitted {name} job to finish")
