@@ -482,8 +482,8 @@ def demo_command(lab: Path, port_base: int | None, steps: int, calibration_steps
                  keep: bool) -> None:
     """Run the whole thing locally: cluster, predictor, hook, a real elastic job that grows and shrinks.
 
-    Run it as root, with the packages `bash .ci/setup` installs. Takes about 3 minutes on 2 busy cores (the
-    README has the measured times). One demo at a time per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
+    Run it as root, with the packages `bash .ci/setup` installs. Takes 1-4 minutes on 2 cores (the README has the
+    measured times). One demo at a time per lab (a second one is refused, naming the first). With --keep, look around afterwards: eval
     "$(elastic-slurm testbed env --lab LAB)"; squeue; elastic-predictor decisions --db
     LAB/predictor/predictor.db; elastic-predictor predict ... --cluster LAB/predictor/cluster.json; the
     /admin page of the printed URL; then stop it all with elastic-slurm testbed down --lab LAB.
