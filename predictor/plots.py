@@ -257,10 +257,11 @@ def links_data(store, predictor) -> Bounded:
             for r in _newest(by_world[w], MAX_POINTS, f"{link}, {w} ranks", omitted):
                 observed.append((r["bytes"], _bus(r["bytes"], r["seconds"], r["world"]), r["world"]))
         curve = []
-        if hasattr(getattr(predictor, "links_", None), "time"):   # the engine's LinkModel
+        params = getattr(predictor, "params_", None)
+        if params is not None:   # the step model reads the link's sweep (predictor/stepmodel.py Collectives)
             lo, hi = min(r["bytes"] for r in recs), max(r["bytes"] for r in recs)
             sizes = np.logspace(np.log10(max(lo / 4, 1)), np.log10(hi * 4), 40)
-            seconds = predictor.links_.time(link, "allreduce", world, sizes)
+            seconds = params.collectives.time(link, world, sizes)
             curve = [(float(b), _bus(float(b), float(t), world)) for b, t in zip(sizes, seconds) if t > 0]
         out.append({"link": link, "world": world, "observed": observed, "predicted": curve})
     return Bounded(out, omitted)

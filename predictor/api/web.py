@@ -91,9 +91,9 @@ def _parameters(predictor) -> Markup:
             f"{doc['n_ladders']} 1-GPU ladders, {doc['n_curves']} swept (link, world) "
             "curves. Basis: <b>calibrated</b> (the calibration job's probes on this host class), <b>fitted</b> "
             "(the multi-GPU steps that ran here), <b>default</b> (none: the no-fit reference's 0).</small></p>")
-    return Markup(head + _html_table(admin_tables.constant_rows(doc), admin_tables.CONSTANT_COLUMNS)
-                  + "<h3>Intervals: a prediction's 80% interval, as factors of it, by basis</h3>"
-                  + _html_table(admin_tables.interval_rows(doc), admin_tables.INTERVAL_COLUMNS))
+    return (Markup(head) + _html_table(admin_tables.constant_rows(doc), admin_tables.CONSTANT_COLUMNS)
+            + Markup("<h3>Intervals: a prediction's 80% interval, as factors of it, by basis</h3>")
+            + _html_table(admin_tables.interval_rows(doc), admin_tables.INTERVAL_COLUMNS))
 
 
 @bp.get("")
@@ -139,12 +139,12 @@ def _index_page(limit: int) -> str:
  (the admin token).</p>
 <h2>Links</h2>
 {_html_table(admin_tables.link_rows(svc.store, predictor), admin_tables.LINK_COLUMNS)}
-{_parameters(predictor)}
 <h2>Scaling: predicted vs observed</h2>
 <img src="{url_for("web.scaling_png")}"
  alt="predicted vs observed throughput against GPUs, per model and layout family">
 <h2>Links: bandwidth against message size</h2>
 <img src="{url_for("web.links_png")}" alt="all-reduce bus bandwidth against message size per link">
+{_parameters(predictor)}
 {_replay_section(svc.config.replay_dir)}
 <p><small>Read-only. JSON: <a href="{url_for("decisions.index")}">/v1/decisions</a> &middot;
  <a href="{url_for("links.index")}">/v1/links</a> &middot; <a href="{url_for("health.healthz")}">/healthz</a> &middot;

@@ -535,6 +535,7 @@ def test_admin_page_shows_the_constants_and_intervals(app):
     page = app.test_client().get("/admin").get_data(as_text=True)
     assert "Model parameters: step model sm-" in page and "80% interval low" in page
     assert "per tensor (us)" in page and "held-out residuals" in page
+    assert "&lt;h2&gt;" not in page and "&lt;h3&gt;" not in page       # the section's markup is markup, not text
 
 
 # --- #41.3: /admin's cost does not grow with the rows stored; the outliers are the admin's ----------------------------
