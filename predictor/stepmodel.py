@@ -49,11 +49,10 @@ nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, p
 steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all.
 
-Intervals: the 10th and 90th percentiles of held-out log residuals by basis (`interval`): the multi-GPU rows'
-residuals with their own (P, g) ladder left out of the host/link fit's input where it could have absorbed them
-(the ladder is measured, not fitted, so an in-sample residual of a multi-GPU row is already out-of-sample for
-the ladder), and leave-one-batch-out on the ladders for the 1-GPU answers; a basis with too few residuals takes
-the prior spread.
+Intervals: the 10th and 90th percentiles of log residuals by basis (`interval`): for multi-GPU answers, the
+multi-GPU rows' residuals after the constants' fit (a handful of constants per link and GPU type, and a ladder that
+is measured, not fitted, so these are nearly out of sample; bench/loco.py measures the coverage on collections held
+out); for 1-GPU answers, leave-one-batch-out on the ladders; a basis with too few residuals takes the prior spread.
 """
 from __future__ import annotations
 
