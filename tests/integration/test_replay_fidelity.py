@@ -101,7 +101,8 @@ class Service:
         ds = load_pollux()
         lines = [json.dumps({"kind": "profile", **dataclasses.replace(p, name=n).to_dict()})
                  for n, p in _profiles(POLLUX_MODELS).items()]
-        lines += [json.dumps({k: v for k, v in r.items() if k != "source"}) for r in ds.steps]
+        lines += [json.dumps({k: v for k, v in r.items() if k not in ("source", "uid")})   # an import signs nothing
+                  for r in ds.steps]
         (workdir / "history.jsonl").write_text("\n".join(lines) + "\n")
         exe = str(Path(sys.executable).parent / "elastic-predictor")
         run = dict(capture_output=True, text=True, timeout=300, check=True)
