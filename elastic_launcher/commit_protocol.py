@@ -61,7 +61,7 @@ class Current:
 class CommitProtocol:
     """The end of each batch and the commit points of one worker: changes ``current`` and the training ``state``,
     asks ``rdzv`` for the next plan and tells ``feed`` what to load for. The other arguments are the trainer's;
-    :meth:`bind` hands it the executor of epoch changes once ``join()`` built it."""
+    ``executor`` (the executor of epoch changes) is set once ``join()`` built it."""
 
     def __init__(self, config: TrainerConfig, state: TrainingState, current: Current, rdzv: RendezvousClient,
                  feed: DataFeed, device: torch.device, wid: str, telemetry: Optional[Telemetry] = None,
@@ -85,9 +85,6 @@ class CommitProtocol:
         self._nonfinite: Optional[torch.Tensor] = None  # device flag of watch_loss, read by the next vote
         self._last_commit_t = time.perf_counter()
         self._uncommitted = (0, 0.0)  # (steps, compute seconds) since the last commit point, for the progress hook
-
-    def bind(self, executor: EpochExecutor) -> None:
-        self.executor = executor
 
     def step(self) -> int:
         return int(self.state.counters["step"])

@@ -1,10 +1,6 @@
 """The trainer's data side: the elastic sampler, the loader on it (:class:`~elastic_launcher.loading.Pipeline`)
-and what that loader loads for (:class:`~elastic_launcher.loading.Basis`: the current epoch's rank and batches, or
-the next epoch's once its switch is armed or while joining).
-
-A step's slice is decided when its batch is handed out (:meth:`DataFeed.next_batch`), from the sampler's global
-position and the current epoch; the commit protocol moves the sampler and tells the feed what comes next
-(:meth:`DataFeed.expect`, :meth:`DataFeed.drop_forecast`).
+and what that loader loads for (a :class:`~elastic_launcher.loading.Basis`: the current epoch's, or the next one's
+once its switch is armed or while joining). The commit protocol moves the sampler and tells the feed what comes next.
 """
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from elastic_launcher.sampler import ElasticSampler
 from elastic_launcher.state import TrainingState
 
 logger = logging.getLogger("elastic_launcher.trainer")
-
 __all__ = ["DataFeed"]
 
 

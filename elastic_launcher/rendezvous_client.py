@@ -1,10 +1,6 @@
-"""The trainer's rendezvous client: how a worker finds the job and its peers.
-
-It connects to the controller's store, runs the heartbeat (:class:`~elastic_launcher.membership.Membership`),
-announces the worker with its speed, waits for a plan that includes it, and watches for the next plan
-(:class:`~elastic_launcher.epochs.NextEpoch`, whose group is built in the background). It is the only part of the
-trainer that reads or writes the store directly (the loader's start for newcomers included); the executor of
-epoch changes uses the connection it opened.
+"""The trainer's rendezvous client: connects to the controller's store, runs the heartbeat (:class:`Membership`),
+announces the worker, waits for a plan that includes it and watches for the next one (:class:`NextEpoch`, its group
+built in the background). The only part of the trainer that uses the store itself (the executor uses its connection).
 """
 from __future__ import annotations
 

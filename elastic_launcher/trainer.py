@@ -208,7 +208,7 @@ class ElasticTrainer:
             wid=self.wid, addr=self.addr, store=store, membership=rdzv.open(), state=self.state,
             module=self.module, optimizer=self.optimizer, scheduler=self.scheduler, policy=self.policy,
             device=self.device, telemetry=self.telemetry, fault=self.fault, relay=rdzv.relay)
-        self._commits.bind(executor)
+        self._commits.executor = executor
         plan, group, times = rdzv.announce(self.speed, executor.new_group)
         self._now.group, self._now.plan = group, plan
         self._join_times = {"loader_warm_s": self.loader_warm_s, **times}
