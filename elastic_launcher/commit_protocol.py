@@ -85,6 +85,8 @@ class CommitProtocol:
         self._nonfinite: Optional[torch.Tensor] = None  # device flag of watch_loss, read by the next vote
         self._last_commit_t = time.perf_counter()
         self._uncommitted = (0, 0.0)  # (steps, compute seconds) since the last commit point, for the progress hook
+        self.stop_requested = False   # this rank was asked to stop (request_stop: a signal handler may set it)
+        self.stop_agreed = False      # a commit point's vote said stop: every rank stops at that step
 
     def step(self) -> int:
         return int(self.state.counters["step"])
@@ -208,9 +210,10 @@ class CommitProtocol:
         # whether a switch must be armed first, and how far ahead (VoteTally.lead)
         lead = self.feed.lead(self.rdzv.next_epoch.leaving()) if ready else 0
         leading = 1 if lead and self.current.switch_at != step else 0  # not armed for this commit point yet
-        hurry = self.rdzv.membership.next_plan() is not None  # a resize is being prepared: newcomers wait on us
-        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal(hurry), lead * leading, leading],
-                         dtype=torch.int64, device=self.device)
+        # a resize is being prepared (newcomers wait on us), or a stop asked for: the next interval short
+        hurry = self.rdzv.membership.next_plan() is not None or self.stop_requested
+        v = torch.tensor([ready, ok_coll, ok_local, 1, self.schedule.proposal(hurry), lead * leading, leading,
+                          int(self.stop_requested)], dtype=torch.int64, device=self.device)
         nonfinite, self._nonfinite = self._nonfinite, None
         if nonfinite is not None:  # watch_loss: a non-finite loss since the last commit point is a local error
             v[2] -= nonfinite.to(device=self.device, dtype=torch.int64)
@@ -288,6 +291,9 @@ class CommitProtocol:
         cur.committed_step = step
         self.schedule.committed(step, tally.proposals, cur.group.size(), time.perf_counter(),
                                 tally.lead if outcome is CommitOutcome.ARM else 1)
+        if outcome in (CommitOutcome.COMMIT, CommitOutcome.ARM) and tally.stop:
+            self.stop_agreed = True   # committed here on every rank; a prepared switch is not started
+            return True
         if outcome is CommitOutcome.ARM:
             self._arm()
             return True

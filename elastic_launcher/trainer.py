@@ -277,6 +277,16 @@ class ElasticTrainer:
         self._joined("watch_loss()")
         self._commits.watch_loss(loss)
 
+    def request_stop(self) -> None:
+        """Asks every rank to stop at the next commit point (safe in a signal handler: it sets a flag the next vote
+        carries). :attr:`stopping` turns True on every rank after the same commit point's ``commit()``."""
+        self._commits.stop_requested = True
+
+    @property
+    def stopping(self) -> bool:
+        """The last commit point's vote said stop: this step is committed on every rank; leave the loop."""
+        return self._commits.stop_agreed
+
     def observations(self) -> list[dict]:
         """Predictor observation records collected since the last call (design.md shapes)."""
         return self.telemetry.drain() if self.telemetry is not None else []
