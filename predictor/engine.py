@@ -156,7 +156,8 @@ class Predictor:
             # the interval: the basis's held-out spread, widened by what the compute estimate adds
             which = ("cross-type" if basis.startswith("cross-type") else basis) if basis != "observed" else (
                 "calibrated" if multi and host.basis == "calibrated" else "observed" if multi else "measured")
-            lo, hi = self.params_.interval(which)
+            gate = str(r["gate"][0]) if multi else None
+            lo, hi = self.params_.interval(which, gate)
             std = math.sqrt((math.log(hi / lo) / (2 * Z80)) ** 2 + extra_std ** 2)
             sps = float(r["samples_per_s"][0])
             pred = {"layout": list(c["layout"]), "samples_per_s": sps, "iter_s": float(r["iter_s"][0]),
