@@ -149,7 +149,7 @@ class Predictor:
         measured = self.__dict__.get("measured_", {})
         out = []
         for c in cands:
-            r = stepmodel.predict_layouts(self.params_, ladder, profile.buckets_bytes, len(profile.tensors), gpu, b,
+            r = stepmodel.predict_layouts(self.params_, ladder, profile, gpu, b,
                                           [c["layout"]], c["intra_link"], c["inter_link"])
             multi = sum(c["layout"]) > 1
             link = self.params_.link(stepmodel.sync_link(c["layout"], c["intra_link"], c["inter_link"]))

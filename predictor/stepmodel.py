@@ -10,7 +10,9 @@ link E). With K = max_i k_i GPUs on the fullest node and G = sum_i k_i:
     phases        forward F = T1 / 3, backward B = 2 T1 / 3 (BACKWARD_SHARE: a backward is twice a forward's FLOPs)
     buckets       DDP's buckets in gradient-ready order (reverse registration; the first 1 MiB, then
                   bucket_cap_mb, one dtype a bucket: predictor/profiles.py), bytes s_1..s_m
-    ready         r_j = F + B * (s_1 + ... + s_j) / sum(s)       bucket j's gradients are all computed
+    ready         r_j = F + B * (i_j + 1) / n_tensors             bucket j's gradients are all computed: i_j its
+                  last tensor's place in gradient-ready order (the backward takes about as long a layer, not
+                  a byte: `shares`)
     all-reduce    d_j = C_I(K, s_j) + C_E(n, K^nu_E s_j)          read off the link's own collective sweep
                   (`Collectives`: measured points interpolated log-log; another world size moved along the
                   ring's alpha-beta terms; across nodes the cheaper of ring and tree); hierarchical: inside the
@@ -75,7 +77,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.02-4"
+MODEL_VERSION = "sm-2026.12.02-5"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -437,16 +439,26 @@ def simulate(t1: np.ndarray, floor: np.ndarray, share: np.ndarray, comm: np.ndar
                                                   np.where(device - t1 > t1, LINK_GATED, COMPUTE_GATED)))}
 
 
-def shares(buckets) -> np.ndarray:
-    """Cumulative share of the gradient bytes ready as each bucket (in ready order) completes."""
-    buckets = np.asarray(buckets, dtype=float)
-    return np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
+def shares(profile) -> np.ndarray:
+    """The share of the backward done when each bucket (in ready order) is ready: its last gradient tensor's
+    place among the profile's tensors (in gradient-ready order), (index + 1) / n. The backward spends about as
+    long on each layer, not on each byte: a transformer's embedding holds a third of its bytes and is ready last,
+    a CNN's last stage most of its bytes and is ready first. A tensor's bucket: the running sum of the tensors'
+    bytes against the buckets' (DDP's order; exact for one dtype). No tensors: the byte shares."""
+    buckets = np.asarray(profile.buckets_bytes, dtype=float)
+    sizes = np.array([t.nbytes for t in profile.tensors], dtype=float)
+    if not len(sizes):
+        return np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
+    last = np.searchsorted(np.cumsum(sizes), np.cumsum(buckets) * (np.sum(sizes) / np.sum(buckets)) - 0.5)
+    out = (np.minimum(last, len(sizes) - 1) + 1) / len(sizes)
+    out[-1] = 1.0
+    return out
 
 
-def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: str, b: float, layouts,
-                    intra: str, inter: str | None) -> dict:
+def predict_layouts(params: Params, ladder: Ladder, profile, gpu: str, b: float, layouts, intra: str,
+                    inter: str | None) -> dict:
     """compute_s, comm_s, iter_s and samples_per_s of one (profile, GPU, batch) on each layout (pure)."""
-    buckets = np.asarray(buckets, dtype=float)
+    buckets, tensors = np.asarray(profile.buckets_bytes, dtype=float), len(profile.tensors)
     n = len(layouts)
     G = np.array([sum(l) for l in layouts], dtype=float)
     multi = G > 1
@@ -455,7 +467,7 @@ def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: 
     comm = bucket_comm(params, buckets, layouts, intra, inter)
     lc = [params.link(sync_link(l, intra, inter)) for l in layouts]
     host = params.host(gpu).seconds(len(buckets), tensors)
-    r = simulate(t1, floor, np.tile(shares(buckets), (n, 1)), comm, np.array([c.kappa for c in lc]),
+    r = simulate(t1, floor, np.tile(shares(profile), (n, 1)), comm, np.array([c.kappa for c in lc]),
                  np.array([c.o for c in lc]), np.full(n, host), multi)
     r["samples_per_s"] = G * b / r["iter_s"]
     return r
@@ -651,7 +663,7 @@ def _design(rows: list[dict], profiles: dict, ladders: dict, coll: Collectives) 
         buckets = np.asarray(p.buckets_bytes, dtype=float)
         t1[i] = float(lad.at(r["per_gpu_batch"])[0])
         floor[i] = min(lad.floor, t1[i])
-        share[i, :len(buckets)] = shares(buckets)
+        share[i, :len(buckets)] = shares(p)
         nbytes[i, :len(buckets)] = buckets
         K[i], N[i] = max(r["layout"]), len(r["layout"])
         a, e = r["intra_link"], (r.get("inter_link") or r["intra_link"])

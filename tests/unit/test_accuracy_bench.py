@@ -30,7 +30,7 @@ def _dataset() -> Dataset:
     for n in NAMES:
         p = profiles[n]
         for b in (64.0,):
-            r = sm.predict_layouts(truth, ladders[(n, "T4")], p.buckets_bytes, len(p.tensors), "T4", b, LAYOUTS,
+            r = sm.predict_layouts(truth, ladders[(n, "T4")], p, "T4", b, LAYOUTS,
                                    "pcie", "ethernet")
             for lay, t in zip(LAYOUTS, r["iter_s"]):
                 steps.append({"kind": "step", "profile": n, "gpu": "T4", "layout": lay, "intra_link": "pcie",
