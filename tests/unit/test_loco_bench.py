@@ -10,15 +10,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 import loco  # noqa: E402
 
 # Where the step model (sm-2026.12.02-5, as -3 before it) loses to the reference: the earliest collection, host-bound
-# nearly throughout, collected by an earlier collector (its SOURCE.md: ranks not pinned to their CPUs), whose socket
-# rows ran faster than its own sweep says (4 GPUs: 0.83-1.01x the sweep's all-reduce time; 1.03-1.17x on the other
+# nearly throughout, collected by an earlier collector (its SOURCE.md; commit 8693b77, before 55e8401 pinned each rank
+# to its share of the CPUs), whose socket rows ran faster than its own sweep says (at 4 GPUs a comm-bound step took
+# 0.83-1.01x, median 0.94, the forward plus the sweep's all-reduce times; medians 1.03-1.17x on the other
 # collections). Strict: the day this holds, the test says so and the entry goes.
 LOSES = {("coldstart/session7", "transport tcp"), ("coldstart/session7", "same choice @0.7")}
 
 # The step model's figures (bench/results/loco.md, sm-2026.12.02-5): MAPE all (%) at most, the same GPU count as
 # measured @0.7 at least, the 80% interval's coverage at least (and at most 95%: an interval that covers every row
-# says little). Tighter than -3 where -5 improved (coldstart
-# 4.9 -> 4.7% and 55 -> 57, session13 9.5 -> 9.1%, session14 9.8 -> 9.5% and 66 -> 67, session16 6.2 -> 5.6% and
+# says little). Tighter than -3 where -5 improved (coldstart 4.9 -> 4.7% and 55 -> 57, session13 9.5 -> 9.1%, session14 9.8 -> 9.5% and 66 -> 67, session16 6.2 -> 5.6% and
 # 67 -> 68; coverage of session7 38 -> 43%); -3 had no such gate. session12's 8.73% is -3's 8.71% within 0.02.
 FIGURES = {"coldstart": (4.7, 57, 0.92), "coldstart/session7": (14.1, 28, 0.43), "heldout/session12": (8.8, 61, 0.82),
            "heldout/session13": (9.2, 61, 0.78), "heldout/session14": (9.6, 67, 0.76),
