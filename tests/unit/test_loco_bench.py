@@ -18,8 +18,9 @@ LOSES = {("coldstart/session7", "transport tcp"), ("coldstart/session7", "same c
 
 # The step model's figures (bench/results/loco.md, sm-2026.12.02-5): MAPE all (%) at most, the same GPU count as
 # measured @0.7 at least, the 80% interval's coverage at least (and at most 95%: an interval that covers every row
-# says little). Tighter than -3 where -5 improved (coldstart 4.9 -> 4.7% and 55 -> 57, session13 9.5 -> 9.1%, session14 9.8 -> 9.5% and 66 -> 67, session16 6.2 -> 5.6% and
-# 67 -> 68; coverage of session7 38 -> 43%); -3 had no such gate. session12's 8.73% is -3's 8.71% within 0.02.
+# says little). Tighter than -3 where -5 improved (coldstart 4.9 -> 4.7% and 55 -> 57, session13 9.5 -> 9.1%,
+# session14 9.8 -> 9.5% and 66 -> 67, session16 6.2 -> 5.6% and 67 -> 68; coverage of session7 38 -> 43%); -3 had
+# no such gate. session12's 8.73% is -3's 8.71% within 0.02.
 FIGURES = {"coldstart": (4.7, 57, 0.92), "coldstart/session7": (14.1, 28, 0.43), "heldout/session12": (8.8, 61, 0.82),
            "heldout/session13": (9.2, 61, 0.78), "heldout/session14": (9.6, 67, 0.76),
            "heldout/session16": (5.6, 68, 0.86)}
