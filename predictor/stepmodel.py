@@ -60,7 +60,8 @@ longer path; else the larger part of the device's: LINK_GATED the all-reduce exp
 COMPUTE_GATED the compute), since a host-gated step carries the host's drift (the multi-GPU launches of
 bench/data/coldstart and its session7 measured their own 1-GPU step at 0.61-1.56x the 1-GPU launch's where the
 step is the host's, 1.00-1.05x where it is the GPU's); bench/loco.py measures the coverage on collections held
-out. For 1-GPU answers, leave-one-batch-out on the ladders. A pool with too few residuals takes its basis's, then the prior spread.
+out. For 1-GPU answers, leave-one-batch-out on the ladders. A pool with too few residuals takes its basis's, then
+the prior spread.
 """
 from __future__ import annotations
 
