@@ -85,3 +85,17 @@ def test_interval_residuals_are_held_out_by_owner():
 def test_params_round_trip_keeps_the_gates_pools(gate):
     p = sm.Params(residuals={f"observed {gate}": [0.1] * 9, "observed": [0.0] * 9})
     assert sm.Params.from_dict(p.to_dict()).interval("observed", gate) == p.interval("observed", gate)
+
+
+def test_admin_lists_the_interval_of_each_gate_the_fit_pooled():
+    from predictor.admin_tables import interval_rows
+
+    wide, narrow = list(np.linspace(-0.3, 0.3, 20)), list(np.linspace(-0.02, 0.02, 20))
+    doc = sm.Params(residuals={"observed": wide + narrow, f"observed {sm.HOST_GATED}": wide,
+                               f"observed {sm.LINK_GATED}": narrow[:3]}).to_dict()
+    rows = {r["basis"]: r for r in interval_rows(doc)}
+    host, link = rows[f"observed {sm.HOST_GATED}"], rows[f"observed {sm.LINK_GATED}"]
+    assert host["residuals"] == 20 and host["source"] == "held-out residuals" and host["high"] / host["low"] > 1.5
+    assert link["source"] == "the basis's residuals" and (link["low"], link["high"]) == (rows["observed"]["low"],
+                                                                                      rows["observed"]["high"])
+    assert rows["calibrated"]["source"] == "prior spread" and f"calibrated {sm.HOST_GATED}" not in rows
