@@ -24,8 +24,10 @@ Each loader returns a `Dataset`: step records with the shapes of docs/design.md 
   MORPHLING_GLOBAL_BATCH[model] / G (fractional where G does not divide it: DDP's ranks then differ by one
   sample). bert's forward phase shrinks with G as this split says; roberta's forward column stays at 20-23 ms
   from 1 to 8 GPUs (its per-phase profile has 120 ms at 4 GPUs, 60 ms at 8: the two files disagree). vit's
-  layouts across nodes with an odd GPU count on any node take 0.27-0.45 s an iteration (`11` 0.12 s), its
-  all-even ones 0.066-0.083 s; bert's and roberta's show no such split, so no link learnt from them foresees it.
+  layouts across nodes take 0.066-0.083 s an iteration where every node has an even GPU count (5 layouts),
+  0.12-0.23 s at one GPU a node (`11`, `1111`, `11111111`) and 0.27-0.45 s where odd and other counts mix (17
+  layouts: `13`, `35`, `111122`, ...); bert's and roberta's show no such split, so no link learnt from them
+  foresees it.
 - ElasticFlow A100 (`elasticflow-a100/throughputs_A100/*.csv`): 8 A100 per node, NVLink inside, HDR IB
   across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node.
 Every row's owner (`uid`) is its model's trace (`_step`).
