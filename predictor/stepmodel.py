@@ -564,8 +564,9 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
     y = np.log([r["iter_s"] for r in rows]) if rows else np.zeros(0)
     w = _weights(rows)
 
-    def solve(keep: np.ndarray) -> tuple[np.ndarray, bool]:
-        """The constants fitted on the rows where `keep` (the others weigh nothing): (x, converged)."""
+    def solve(keep: np.ndarray, start=None) -> tuple[np.ndarray, bool]:
+        """The constants fitted on the rows where `keep` (the others weigh nothing), from `start` (default inside
+        the bounds, near 0): (x, converged)."""
         lo = [BOUNDS[n[0]][0] / SCALE[n[0]] for n in names]
         hi = [BOUNDS[n[0]][1] / SCALE[n[0]] for n in names]
         ridge = np.array([math.sqrt(LINK_RIDGE_ROWS if n[0] in STRONG_RIDGE else RIDGE_ROWS) * F_SCALE
@@ -574,7 +575,7 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
 
         def resid(v):
             return np.concatenate([sw * (np.log(predict_all(v)["iter_s"]) - y), ridge * np.asarray(v) / np.asarray(hi)])
-        x0 = 0.1 * np.asarray(hi)   # inside the bounds: at 0 the host path is below the device's, flat
+        x0 = 0.1 * np.asarray(hi) if start is None else start  # at 0 the host path is below the device's, flat
         try:
             res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=F_SCALE, max_nfev=200)
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):
@@ -602,7 +603,7 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
             fold = np.array([fold_of[repr(owner_of(r))] if owner_of(r) is not None else i % k
                              for i, r in enumerate(rows)])
             for f in range(k):
-                xf, ok = solve(fold != f)
+                xf, ok = solve(fold != f, x)     # from the fit on all rows: a fold moves it little
                 if ok:
                     out = predict_all(xf)
                     held = np.where(fold == f, out["iter_s"], held)
