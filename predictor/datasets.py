@@ -29,7 +29,10 @@ Each loader returns a `Dataset`: step records with the shapes of docs/design.md 
   layouts: `13`, `35`, `111122`, ...); bert's and roberta's show no such split, so no link learnt from them
   foresees it.
 - ElasticFlow A100 (`elasticflow-a100/throughputs_A100/*.csv`): 8 A100 per node, NVLink inside, HDR IB
-  across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node.
+  across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node. The origin's
+  trainer (elastic-training-executor/trainer.py) gives each of G ranks `batch_size // world_size` and writes
+  `iterations / seconds since DDP was built` into row `per-GPU batch * G`, column G: per_gpu_batch = row / G,
+  the step 1 / cell, with the first iterations' warm-up in it (how many iterations ran is not recorded).
 Every row's owner (`uid`) is its model's trace (`_step`).
 """
 from __future__ import annotations
