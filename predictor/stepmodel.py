@@ -444,8 +444,9 @@ def shares(profile) -> np.ndarray:
     """The share of the backward done when each bucket (in ready order) is ready: its last gradient tensor's
     place among the profile's tensors (in gradient-ready order), (index + 1) / n. The backward spends about as
     long on each layer, not on each byte: a transformer's embedding holds a fifth (BERT) to two thirds (XLM-R) of
-    its bytes and is ready last, a CNN's last stage most of its bytes and is ready first. A tensor's bucket: the running sum of the tensors'
-    bytes against the buckets' (DDP's order; exact for one dtype). No tensors: the byte shares."""
+    its bytes and is ready last, a CNN's last stage most of its bytes and is ready first. A tensor's bucket: the
+    running sum of the tensors' bytes against the buckets' (DDP's order; exact for one dtype). No tensors: the byte
+    shares."""
     buckets = np.asarray(profile.buckets_bytes, dtype=float)
     sizes = np.array([t.nbytes for t in profile.tensors], dtype=float)
     if not len(sizes):
