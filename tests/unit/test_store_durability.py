@@ -94,7 +94,7 @@ PER_ROUND = 400          # acknowledged records before each kill
 def _burst_then_kill(port: int, proc: subprocess.Popen, round_no: int, acked: set, errors: list, sent: list) -> None:
     """CLIENTS threads post 3-record batches until PER_ROUND more records are acked, then SIGKILL."""
     lock = threading.Lock()
-    stop = threading.Event()
+    stop, killing = threading.Event(), threading.Event()
     start = len(acked)
 
     def client(n: int) -> None:
@@ -107,8 +107,9 @@ def _burst_then_kill(port: int, proc: subprocess.Popen, round_no: int, acked: se
                 sent[0] += 1
                 if status is not None and 200 <= status < 300:
                     acked.update(tags)
-                elif status is not None:
-                    errors.append((status, text))
+                elif status is not None and not killing.is_set():
+                    errors.append((status, text))   # once the kill is on its way, nginx may answer 502 for a
+                    #                                 gunicorn worker it outlived by a few microseconds
             if status is None:
                 return                                     # the service is gone
 
@@ -121,6 +122,7 @@ def _burst_then_kill(port: int, proc: subprocess.Popen, round_no: int, acked: se
             if len(acked) - start >= PER_ROUND:
                 break
         time.sleep(0.01)
+    killing.set()
     os.killpg(proc.pid, signal.SIGKILL)                      # master and every worker, mid-burst
     proc.wait(timeout=30)
     stop.set()
