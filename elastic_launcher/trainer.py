@@ -100,9 +100,8 @@ class ElasticTrainer:
     slow part: newcomers do it while the survivors keep training); it returns the trainer, so
     ``et = ElasticTrainer(...).join()``. State is synchronised when the loader starts. Calling the training API
     (``loader``, ``commit``, ``model``, ``rank``, ``world_size``, ``watch_loss``, ``report_error``) before
-    ``join()`` returned raises :class:`~elastic_launcher.errors.TrainerPhaseError`. This class holds the parts
-    (``RendezvousClient``, ``CommitProtocol``, ``DataFeed``) and the epoch they share (``Current``); epoch
-    changes are decided by :mod:`elastic_launcher.epoch_decisions` and applied by ``epochs.EpochExecutor``.
+    ``join()`` returned raises :class:`~elastic_launcher.errors.TrainerPhaseError`. Its parts share the epoch
+    (``Current``); :mod:`elastic_launcher.epoch_decisions` decides epoch changes, ``epochs.EpochExecutor`` applies.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, store_addr,
@@ -151,6 +150,7 @@ class ElasticTrainer:
     _store = _view("_rdzv", "store", "The store's state channel (None until ``join()`` connected).")
     schedule = _view("_commits", "schedule", "When commit points come (:class:`CommitSchedule`).")
     failures = _view("_commits", "failures", "Failed commits in a row.")
+    stopping = _view("_commits", "stop_agreed", "The last commit point's vote said stop (on every rank).")
     batch_indices = _view("_feed", "batch_indices", "The dataset indices of the batch handed out last.")
     loading = _view("_feed", "pipeline", "The data loader of the last :meth:`loader` call (its ``dropped`` and "
                                          "``resets`` counts), if any.")
@@ -278,14 +278,8 @@ class ElasticTrainer:
         self._commits.watch_loss(loss)
 
     def request_stop(self) -> None:
-        """Asks every rank to stop at the next commit point (safe in a signal handler: it sets a flag the next vote
-        carries). :attr:`stopping` turns True on every rank after the same commit point's ``commit()``."""
+        """Every rank stops at the next commit point (:attr:`stopping`); safe in a signal handler."""
         self._commits.stop_requested = True
-
-    @property
-    def stopping(self) -> bool:
-        """The last commit point's vote said stop: this step is committed on every rank; leave the loop."""
-        return self._commits.stop_agreed
 
     def observations(self) -> list[dict]:
         """Predictor observation records collected since the last call (design.md shapes)."""
@@ -318,9 +312,8 @@ class ElasticTrainer:
         ``join()`` starts its worker processes (and pin-memory thread) before ``warm_up`` and waits for a first
         batch after it, all before the worker announces itself, so a grow never waits for a newcomer's loader to
         start; once the plan is known the running workers are redirected to the batches this worker will train on.
-        ``loader(dataset, ...)`` with the same dataset object, ``collate_fn`` and options then reuses it (other
-        arguments build a new one). Returns the trainer: ``ElasticTrainer(...).prepare_loader(ds, num_workers=8)
-        .join()``.
+        ``loader(dataset, ...)`` with the same dataset, ``collate_fn`` and options reuses it (others build a new
+        one). Returns the trainer: ``ElasticTrainer(...).prepare_loader(ds, num_workers=8).join()``.
 
         Raises:
             ValueError: an option the elastic sampler decides (see :meth:`loader`).
