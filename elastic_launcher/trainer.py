@@ -26,7 +26,7 @@ points, and what they decide) and the data feed (:mod:`~elastic_launcher.feed`: 
 """
 from __future__ import annotations
 
-import logging
+import contextlib
 import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
@@ -46,8 +46,6 @@ from elastic_launcher.state import TrainingState
 from elastic_launcher.teardown import before_exit
 from elastic_launcher.telemetry import Telemetry
 from elastic_launcher.trainer_config import TrainerConfig, check_trainer_args
-
-logger = logging.getLogger("elastic_launcher.trainer")
 
 __all__ = ["TrainerConfig", "ElasticTrainer", "VoteTally"]  # TrainerConfig, VoteTally: from their own modules
 
@@ -383,10 +381,8 @@ class ElasticTrainer:
         self._rdzv.stop()
         if self._now.group is None:  # never joined: no group, no pipeline, nothing published
             return
-        try:
+        with contextlib.suppress(Exception):  # the store may be gone (the controller ended)
             self._commits.publish_observations()
-        except Exception as e:  # noqa: BLE001 - the store may be gone (the controller ended)
-            logger.debug("last observations not published: %s", e)
         self._rdzv.next_epoch.drop()
         self._feed.close()
         self._now.ddp = None
