@@ -377,13 +377,30 @@ def test_the_end_summary_rounds_seconds():
     assert _rounded(0.10734999999) == 0.107 and _rounded(3) == 3 and _rounded(None) is None
 
 
-def test_ctl_on_an_ended_job_says_where_its_records_are(tmp_path):
+def test_ctl_on_an_ended_job_says_where_its_records_are(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from elastic_launcher.cli import ctl
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-slurm.conf"))   # no Slurm here: sacct cannot be read
     out = CliRunner().invoke(ctl, ["77", "--status", "--registry", str(tmp_path)])
     assert out.exit_code == 1 and "job 77 has no running elastic-launch (it ended, or has not started yet)" in \
-        out.output and "elastic-77/records.jsonl" in out.output and "sacct -j 77" in out.output
+        out.output and "elastic-77/records.jsonl" in out.output and "sacct -j 77 -X` (the last record" in out.output
+
+
+def test_an_ended_resized_job_reads_as_its_end_state_not_resizing():
+    # #45: `sacct -j N` shows a completed elastic job that shrank as RESIZING first (one record per size, each size
+    # it left RESIZING); ctl says the end state and the sizes. An older job of the same id (a lab's counter) is not it
+    from elastic_launcher.reporting import ended_job
+    from slurm_plugin.client import AcctRecord
+    old = AcctRecord(19, "other", "CANCELLED", "None assigned", 0)
+    rz = [AcctRecord(19, "train", "RESIZING", "node[1-4]", 16), AcctRecord(19, "train", "RESIZING", "node[1-2]", 8)]
+    done = AcctRecord(19, "train", "COMPLETED", "node1", 4)
+    text = ended_job(19, [old, *rz, done])
+    assert text.startswith("job 19 ended COMPLETED on 1 node(s); it ran at 4 -> 2 -> 1 nodes") and "RESIZING" in text
+    assert ended_job(19, [old, done]) == "job 19 ended COMPLETED on 1 node(s)"
+    assert ended_job(19, [*rz[:1], AcctRecord(19, "train", "TIMEOUT", "node[1-2]", 8)]).startswith(
+        "job 19 ended TIMEOUT on 2 node(s); it ran at 4 -> 2 nodes")
+    assert ended_job(19, []) == "sacct has no record of job 19"
 
 
 def test_one_progress_line_per_interval_in_the_jobs_output(tmp_path, caplog):
