@@ -282,6 +282,7 @@ class EpochExecutor:
         self.membership.watch(plan)
         if group.rank() == 0:
             self.membership.note_switched(plan)  # the record notes it from the heartbeat thread
+            self.store.set(keys.batches(plan.id), json.dumps(batches))  # what ran, for the launcher's step rows
         return Epoch(plan, group, ddp, hook, batches)
 
     def batches_for(self, plan: Plan, world: int) -> list[int]:

@@ -4,6 +4,7 @@ the measurement, the layout and the resize calls are stubbed on the instance."""
 import json
 
 import pytest
+import torch.distributed
 
 from elastic_launcher import controller as controller_module
 from elastic_launcher.autoscale import Measurement
@@ -426,3 +427,37 @@ def test_the_scaling_plot_is_drawn_from_the_measurements(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     assert scaling_plot([r for r in records if r["kind"] != "measurement"], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_mixed_jobs_step_row_names_each_nodes_type_and_each_ranks_batch(tmp_path):
+    # #42.7: a job on an H100 and an A100 node posted no step row at all, and no row held its per-rank batches
+    from elastic_launcher import store_keys as keys
+    from elastic_launcher.gpu_speeds import JobTypes, NodeType
+    c = make_controller(tmp_path, FakePredictor([{"action": "keep", "reason": "fine", "nodes": 2}]))
+    posted = []
+    c._post_observations = posted.append
+    c.types = JobTypes({"node1": NodeType("h100", "H100"), "node2": NodeType("a100", "A100", 0.56)}, "predictor")
+    c._epoch = (7, ["node1", "node2"])  # what _current_layout remembers of the epoch
+    c.server = torch.distributed.HashStore()  # the job's store (a TCPStore server in a real run)
+    c.server.set(f"{keys.state_channel('')}/{keys.batches(7)}", json.dumps([82, 46]))  # what its rank 0 wrote
+    c._measure_and_decide()
+    [row] = posted[0]
+    assert (row["gpu"], row["gpu_by_node"], row["rank_batches"], row["layout"]) == \
+        ("A100+H100", ["H100", "A100"], [82, 46], [1, 1])
+    from slurm_plugin.contracts.records import validate_record
+    assert validate_record(row, "row") == row
+
+
+def test_a_one_type_jobs_step_row_carries_its_ranks_batches(tmp_path):
+    from elastic_launcher import store_keys as keys
+    from elastic_launcher.gpu_speeds import JobTypes, NodeType
+    c = make_controller(tmp_path, FakePredictor([{"action": "keep", "reason": "fine", "nodes": 2}]))
+    posted = []
+    c._post_observations = posted.append
+    c.types = JobTypes({"node1": NodeType("h100", "H100"), "node2": NodeType("h100", "H100")}, "one type")
+    c._epoch = (3, ["node1", "node2"])
+    c.server = torch.distributed.HashStore()
+    c.server.set(f"{keys.state_channel('')}/{keys.batches(3)}", json.dumps([16, 16]))
+    c._measure_and_decide()
+    [row] = posted[0]
+    assert (row["gpu"], row["gpu_by_node"], row["rank_batches"]) == ("H100", ["H100", "H100"], [16, 16])

@@ -5,6 +5,7 @@ once, no worker process or store port left behind.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 
 import pytest
@@ -305,9 +306,11 @@ def test_a_member_hung_after_arriving_is_fenced_at_the_next_rounds_deadline(tmp_
         cl.spawn(ALL4[:3])
         res = cl.results(2, timeout=100)
         record = cl.coord.record()
+        ran = json.loads(cl.server.get(f"job/elastic-state/batches/{record.epoch.id}"))  # the step rows' (#42.7)
     finally:
         codes = _finish(cl)
     assert codes["w0"] == 0 and codes["w2"] == -9, codes
+    assert ran == [4], ran  # w0 alone, per_gpu_batch 4
     assert "recovered without it" in res["w1"]["fenced"], res["w1"]
     assert res["w0"]["world"] == 1 and not res["w0"]["left"]
     assert record.epoch.members == ("w0",) and record.epoch.kind == "recovery"
