@@ -199,6 +199,18 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
     click.echo(json.dumps(summary, sort_keys=True))
 
 
+def _ended(job_id: int) -> str:
+    """How a job without a launcher ended, as sacct tells (``reporting.ended_job``), or where to look."""
+    from elastic_launcher.reporting import ended_job
+    from slurm_plugin.client import CommandBackend
+
+    try:
+        return ended_job(job_id, CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get(
+            "SLURM_CONF") else None).sacct(int(job_id)))
+    except Exception as exc:  # noqa: BLE001 - no sacct here (no slurmdbd, no Slurm): say where to look
+        return f"its end in `sacct -j {job_id} -X` (the last record; not read here: {type(exc).__name__})"
+
+
 @click.command()
 @click.argument("job_id")
 @click.option("--nodes", type=click.IntRange(1, 4096), help="Resize the job to this many nodes.")
@@ -228,7 +240,7 @@ def ctl(job_id, nodes, lift, status, as_json, registry, timeout):
     if not path.exists():
         raise click.ClickException(f"job {job_id} has no running elastic-launch (it ended, or has not started "
                                    f"yet): its records are in elastic-{job_id}/records.jsonl where it was "
-                                   f"submitted, its end in `sacct -j {job_id}`")
+                                   f"submitted; {_ended(job_id)}")
     host, port = _controller_address(path)
     client = ControlClient(host, port, timeout=_seconds(timeout))
     try:

@@ -128,6 +128,7 @@ class Controller:
         self._plan_asked = "not asked"  # what the last /v1/plan request met (PredictorClient.last_outcome)
         self._profile_outcome: Optional[str] = None  # _register_profile: known / registered / refused / ...
         self._device_gpu: dict[str, str] = {}  # node -> the type its workers' own devices reported (HostFacts.gpu)
+        self._epoch: Optional[tuple[int, list[str]]] = None  # the current epoch's id and nodes in layout order
         self.types = JobTypes({}, "not read yet")  # each node's GPU type and speed, read at start (gpu_speeds.py)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -413,10 +414,13 @@ class Controller:
         layout = self._current_layout() or [self.slots] * m.nodes
         d = self.config.directives
         links = self._links.get(m.workers, Links(source="default: the epoch's layout is unknown"))
-        own = step_record(d.model or "unknown", self._gpu_label(), layout, links, d.per_gpu_batch, m.step_s)
-        # a mixed job's step time is no one type's: not posted as a step observation of any type
+        gpu_by_node, rank_batches = self._ran_as(layout)
+        own = step_record(d.model or "unknown", self._gpu_label(), layout, links, d.per_gpu_batch, m.step_s,
+                          gpu_by_node, rank_batches)
         self._register_profile()
-        self._post_observations([] if self.types.mixed else [own])
+        # a mixed job's row names each node's type (the service keeps it and fits no type on it); without them
+        # its step time would read as one type's: not posted
+        self._post_observations([] if self.types.mixed and gpu_by_node is None else [own])
         now = self.clock()
         if now - self._progress_logged >= PROGRESS_INTERVAL_S:
             self._progress_logged = now
@@ -463,12 +467,34 @@ class Controller:
         configured`, or `posted` (the rows go to the service; each post's own failures are logged)."""
         return "not configured" if self.predictor.url is None else "posted"
 
+    def _ran_as(self, layout: list[int]) -> tuple[Optional[list[str]], Optional[list[int]]]:
+        """What the current epoch ran (#42.7), for its step row: each node's GPU type in the layout's order (None
+        unless every node's is known and they agree with the row's label or differ: a mixed job), and each rank's
+        local batch as the epoch's rank 0 wrote it (``store_keys.batches``; None if not there)."""
+        if self._epoch is None or len(self._epoch[1]) != len(layout):
+            return None, None
+        pid, nodes = self._epoch
+        types = [self._node_label(n) for n in nodes]
+        if "unknown" in types or (len(set(types)) == 1 and types[0] != self._gpu_label()):
+            types = None
+        batches = None
+        try:
+            key = f"{keys.state_channel('')}/{keys.batches(pid)}"
+            if self.server.check([key]):
+                batches = json.loads(self.server.get(key))
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: the row goes without them
+            log.debug("no batches of epoch %d: %s", pid, exc)
+        if not isinstance(batches, list) or len(batches) != sum(layout):
+            batches = None
+        return types, batches
+
     def _current_layout(self) -> Optional[list[int]]:
         """GPUs per node of the current epoch, remembered by world size with its links for the workers' records."""
         plan = self.coord.current()
         node_of = {w: n for n, slot in self.fleet.nodes.items() for w in slot.wids}
         layout = layout_of(plan.members, node_of)
         if layout is not None:
+            self._epoch = (plan.id, list(dict.fromkeys(node_of[w] for w in plan.members)))
             self._layouts[plan.world_size] = layout
             self._links[plan.world_size] = self._links_of(layout, plan.members, node_of)
         return layout

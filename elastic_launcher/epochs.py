@@ -282,6 +282,7 @@ class EpochExecutor:
         self.membership.watch(plan)
         if group.rank() == 0:
             self.membership.note_switched(plan)  # the record notes it from the heartbeat thread
+            self.store.set(keys.batches(plan.id), json.dumps(batches))  # what ran, for the launcher's step rows
         return Epoch(plan, group, ddp, hook, batches)
 
     def batches_for(self, plan: Plan, world: int) -> list[int]:
@@ -440,7 +441,10 @@ class EpochExecutor:
     def _build_watched(self, plan: Plan, deadline: float) -> tuple[Optional[ProcessGroupWrapper], str]:
         """Builds ``plan``'s group on a thread while watching its members. Returns (group, "") or (None, why): a
         member's beat stopped for ``heartbeat_timeout`` (it died after the decision: the build would wait
-        ``connect_timeout`` for it), another survivor gave up on the plan, the build failed, or ``deadline`` passed.
+        ``connect_timeout`` for it), another survivor gave up on the plan, the build failed, ``deadline`` passed, or
+        the group is not complete at the round's arrival deadline (``Membership.arrival_timeout`` after the build
+        began: a member that adopted the plan and hung before building it, beating on; the recovery from this plan
+        fences it at that recovery's arrival deadline).
         A build given up on ends on its own thread, and a group it completes after that is aborted."""
         box: dict = {}
         lock = threading.Lock()  # the build's check-and-store against the give-up: no group left un-aborted
@@ -460,13 +464,17 @@ class EpochExecutor:
         t = threading.Thread(target=run, name=f"elastic-recover-{plan.id}", daemon=True)
         t.start()
         poll = self.membership.heartbeat_interval.total_seconds() / 2
+        arrival_s = self.membership.arrival_timeout.total_seconds()
+        arrival = time.monotonic() + arrival_s  # this round's arrival deadline, as the recovery's own (#42)
         while True:
             t.join(poll)
             if not t.is_alive():
                 break
             silent = self.membership.silent_members(plan)
+            now = time.monotonic()
             why = (f"silent: {', '.join(silent)}" if silent else "given up by another survivor"
-                   if self.membership.recovery_begun(plan) else "deadline" if time.monotonic() > deadline else "")
+                   if self.membership.recovery_begun(plan) else "deadline" if now > deadline else
+                   f"arrival deadline: not every member in the group after {arrival_s:g} s" if now > arrival else "")
             if why:
                 with lock:
                     box["abandoned"] = True

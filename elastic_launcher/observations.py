@@ -25,17 +25,23 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.links import Links
-from slurm_plugin.contracts.records import validate_record
+from slurm_plugin.contracts.records import mixed_gpu, validate_record
 from slurm_plugin.errors import ValidationError
 
 log = logging.getLogger("elastic_launcher.observations")
 
 
 def step_record(profile: str, gpu: str, layout: Sequence[int], links: Links, per_gpu_batch: int,
-                iter_s: float) -> dict:
-    """A `kind: step` record for one layout."""
+                iter_s: float, gpu_by_node: Optional[Sequence[str]] = None,
+                rank_batches: Optional[Sequence[int]] = None) -> dict:
+    """A `kind: step` record for one layout; with each node's GPU type (several: the row's `gpu` is theirs joined,
+    `contracts.records.mixed_gpu`) and each rank's local batch when known (#42.7: what ran)."""
+    if gpu_by_node is not None and len(set(gpu_by_node)) > 1:
+        gpu = mixed_gpu(gpu_by_node)
     return {"kind": "step", "profile": profile, "gpu": gpu, "layout": list(layout), **links.for_layout(layout),
-            "per_gpu_batch": int(per_gpu_batch), "iter_s": float(iter_s)}
+            "per_gpu_batch": int(per_gpu_batch), "iter_s": float(iter_s),
+            **({"gpu_by_node": list(gpu_by_node)} if gpu_by_node is not None else {}),
+            **({"rank_batches": [int(b) for b in rank_batches]} if rank_batches is not None else {})}
 
 
 def relabel(records: Iterable[dict], layouts: Mapping[int, Sequence[int]], links: Mapping[int, Links],

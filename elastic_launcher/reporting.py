@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 import requests
 
+from slurm_plugin.hostlist import expand as expand_hostlist
 from slurm_plugin.contracts.signing import MUNGE_HEADER, MungeError, munge_sign
 
 log = logging.getLogger("elastic_launcher.controller")
@@ -289,6 +290,29 @@ def status_table(status: dict, now: Optional[float] = None) -> str:
             ("recovering", ", ".join(status.get("recovering") or []) or "-")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def ended_job(job_id: int, records) -> str:
+    """What ``ctl`` says of a job whose launcher has ended, from its sacct records (``Backend.sacct``, oldest first).
+
+    A resized job has one record per size it ran at, and Slurm marks each size it left RESIZING, so ``sacct -j N``
+    shows a completed elastic job as RESIZING first (#45): the job's end state is its last record's. Records
+    before the run of RESIZING ones belong to an older job of the same id (a lab's restarted counter).
+    """
+    if not records:
+        return f"sacct has no record of job {job_id}"
+    run = [records[-1]]
+    for rec in reversed(records[:-1]):
+        if rec.state != "RESIZING":
+            break
+        run.insert(0, rec)
+    end = run[-1]
+    sizes = [len(expand_hostlist(r.nodelist)) if r.nodelist and r.nodelist != "None assigned" else 0 for r in run]
+    text = f"job {job_id} ended {end.state} on {sizes[-1]} node(s)"
+    if len(run) > 1:
+        text += (f"; it ran at {' -> '.join(map(str, sizes))} nodes: `sacct -j {job_id} -X` lists one record per "
+                 f"size, each size it left as RESIZING (a resize, not the job's state), the last its end state")
+    return text
 
 
 def scaling_plot(records: list[dict], path: Path) -> Optional[Path]:

@@ -66,6 +66,7 @@ key                 written by                             read by              
                                                            split); never in the step
 ``state/<id>``      the state source of epoch ``id``       the other members of epoch ``id``           pickled
                                                                                                        skeleton
+``batches/<id>``    rank 0 of epoch ``id``, entering it    controller (the step rows' rank_batches)    JSON list
 =================== ====================================== =========================================== ==========
 
 Process-group rendezvous of epoch ``id``: ``<p>/epoch/<id>/`` (:func:`group_channel`; torch's own keys).
@@ -163,6 +164,11 @@ MODEL_PROFILE = f"{LAUNCHER}/model-profile"  # the model the workers built (a PO
 # ---- trainer channel (relative to state_channel(base)) ---------------------------------------------------------
 def speed(wid: str) -> str:
     return f"speed/{wid}"
+
+
+def batches(epoch: int) -> str:
+    """Every rank's local batch in ``epoch``, in rank order (what its step rows say ran)."""
+    return f"batches/{epoch}"
 
 
 def state(epoch: int) -> str:

@@ -6,7 +6,8 @@ bucket's allreduce), or raise :class:`InjectedFault` when ``mode="raise"``. Pass
 ``ElasticTrainer(..., fault=plan)``. ``fail_at(rank, step, after_s=0.1)`` kills it that long after the step's
 backward began instead (on a timer, wherever the worker is by then). ``fail_in_recovery("opened")`` kills the worker
 right after its arrival opened a recovery (the survivor that once led it; #27.1), ``fail_in_recovery("adopted")``
-right after it learnt the survivors' plan, before it builds that plan's group. ``fail_in_switch("vote")`` makes the
+right after it learnt the survivors' plan, before it builds that plan's group; ``fail_in_recovery("adopted", hang_s=30)``
+sleeps there instead (hung but beating). ``fail_in_switch("vote")`` makes the
 worker read the vote of the first commit point that switches to a resize as failed (as when its allreduce, or the
 buffer broadcast after it, failed while its peers' finished): it recovers from the old epoch while they switch, so
 the survivors split between the two plans. ``fail_in_switch("join")`` kills a newcomer as it starts receiving the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -51,6 +53,7 @@ class FaultPlan:
         self._at: set[tuple[int, int]] = set()
         self._after: dict[tuple[int, int], float] = {}
         self._in_recovery: set[str] = set()
+        self._hang_in_recovery: dict[str, float] = {}
         self._in_switch: set[str] = set()
         self.fired = 0
 
@@ -64,12 +67,17 @@ class FaultPlan:
             self._after[(rank, step)] = after_s
         return self
 
-    def fail_in_recovery(self, event: str) -> "FaultPlan":
+    def fail_in_recovery(self, event: str, hang_s: float = 0.0) -> "FaultPlan":
         """Kills this worker at a recovery step: ``opened`` (its arrival opened the recovery) or ``adopted`` (it has
-        the survivors' plan, before building its group); returns self for chaining."""
-        if event not in ("opened", "adopted") or self.mode != "kill":
-            raise ValueError(f"fail_in_recovery({event!r}) in mode {self.mode!r}: expected opened or adopted, kill")
-        self._in_recovery.add(event)
+        the survivors' plan, before building its group); with ``hang_s`` its training thread sleeps that long there
+        instead, once, while its heartbeat beats on (hung but beating). Returns self for chaining."""
+        if event not in ("opened", "adopted") or self.mode != "kill" or hang_s < 0:
+            raise ValueError(f"fail_in_recovery({event!r}, hang_s={hang_s!r}) in mode {self.mode!r}: expected "
+                             "opened or adopted, kill, hang_s >= 0")
+        if hang_s:
+            self._hang_in_recovery[event] = hang_s
+        else:
+            self._in_recovery.add(event)
         return self
 
     def fail_in_switch(self, event: str) -> "FaultPlan":
@@ -93,6 +101,10 @@ class FaultPlan:
 
     def on_recovery(self, event: str, epoch: int) -> None:
         """The membership's seam (``Membership(on_recovery=...)``)."""
+        hang = self._hang_in_recovery.pop(event, 0.0)
+        if hang:
+            self.fired += 1
+            time.sleep(hang)
         if event in self._in_recovery:
             self.fired += 1
             os.kill(os.getpid(), signal.SIGKILL)

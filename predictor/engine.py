@@ -20,6 +20,7 @@ from predictor.errors import ValidationError
 from predictor.profiles import Profile
 from predictor.roofline import RooflinePrior, profile_shape
 from predictor.stepmodel import Ladder, Params
+from slurm_plugin.contracts.records import is_mixed
 
 MIN_CROSS_MODELS = 2  # models measured on both types before a cross-type answer is given
 CROSS_BATCHES = 8  # batch sizes per model a cross-type fit takes (spread over those it was measured at)
@@ -58,7 +59,7 @@ class Predictor:
                 for f in ("profile", "gpu", "layout", "intra_link", "per_gpu_batch", "iter_s"):
                     if o.get(f) in (None, "", []):
                         raise ValidationError(f"observations[{i}].{f}", "required for a step record")
-                if o["profile"] not in profiles:
+                if o["profile"] not in profiles or is_mixed(o):  # a mixed step is no one type's (kept, not fit)
                     self.skipped_ += 1
                     continue
                 steps.append(o)

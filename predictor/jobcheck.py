@@ -34,7 +34,7 @@ from typing import Sequence
 from predictor.auth import AuthError
 from predictor.cluster import Cluster
 from predictor.errors import NotFoundError
-from slurm_plugin.contracts.records import layout_name
+from slurm_plugin.contracts.records import is_mixed, layout_name
 
 SLACK = timedelta(seconds=120)
 
@@ -77,6 +77,8 @@ def _check_gpu(record: dict, where: str, job, cluster: Cluster) -> None:
     if job.max_gpus <= 0:
         raise RecordMismatch(f"{where}.gpu", f"job {job.job_id} holds no GPUs, the record names GPU "
                                              f"{record['gpu']!r}")
+    if is_mixed(record):  # what a mixed job ran, per node: kept as a record, never fit (engine), so not confirmed
+        return
     gpu, source = _job_gpu(job, cluster)
     if gpu is None:
         raise RecordMismatch(f"{where}.gpu", f"cannot confirm GPU {record['gpu']!r} for job {job.job_id}: its "

@@ -24,7 +24,7 @@ from collections import defaultdict
 import numpy as np
 
 from predictor.errors import NotFoundError, ValidationError
-from slurm_plugin.contracts.records import layout_name
+from slurm_plugin.contracts.records import is_mixed, layout_name
 from predictor.stepmodel import owner_of
 
 K = 4.0
@@ -75,7 +75,8 @@ def _predicted(store, predictor, rows: list[dict]) -> list[tuple[dict, float]]:
 
     groups: dict = defaultdict(list)
     for row in rows:
-        groups[(row["profile"], row["gpu"], row["per_gpu_batch"])].append(row)
+        if not is_mixed(row):  # a mixed job's step is no one type's: the fit has nothing to compare it with
+            groups[(row["profile"], row["gpu"], row["per_gpu_batch"])].append(row)
     out = []
     for (name, gpu, batch), members in groups.items():
         try:

@@ -69,6 +69,7 @@ class PlanRequest:
     # the job whose own step measurements may answer for the layouts it ran: set by the API only when the caller
     # proved it is that job (its munge credential) or holds the admin token (#24.12); None: the fit alone answers
     own_job: int | None = None
+    test_only: bool = False            # `sbatch --test-only` (#42.6): answered like any request, stored nowhere
 
     def record(self) -> dict:
         """The request as a decision stores it: source, the directive lines, the validated job fields, current
@@ -149,8 +150,13 @@ def parse_request(body: Any) -> PlanRequest:
     if not isinstance(body, dict):
         raise ValidationError("body", "expected a JSON object")
     for key in body:
-        if key not in ("source", "directives", "job", "current", "reused"):
-            raise ValidationError(key, "unknown field (known: current, directives, job, reused, source)")
+        if key not in ("source", "directives", "job", "current", "reused", "test_only"):
+            raise ValidationError(key, "unknown field (known: current, directives, job, reused, source, test_only)")
+    test_only = body.get("test_only", False)
+    if not isinstance(test_only, bool):
+        raise ValidationError("test_only", f"expected true or false, got {test_only!r}")
+    if test_only and body.get("reused"):  # the hook keeps its counts for a request that stores them
+        raise ValidationError("reused", "not with test_only: a test-only request stores nothing")
     source = body.get("source", "cli")
     if source not in SOURCES:
         raise ValidationError("source", f"expected one of {'|'.join(SOURCES)}, got {source!r}")
@@ -176,7 +182,7 @@ def parse_request(body: Any) -> PlanRequest:
         raise DirectiveProblem(f"directives[{exc.line_no - 1}]", exc.line, str(exc)) from None
     return PlanRequest(source=source, directives=directives, job=_job(body.get("job")),
                        current=_current(body.get("current")), lines=tuple(line for _, line in numbered),
-                       reused=_reused(body.get("reused")))
+                       reused=_reused(body.get("reused")), test_only=test_only)
 
 
 def _reused(value: Any) -> dict:

@@ -275,6 +275,10 @@ def plan():
     ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None and (
         not scoped.user_owned or plan_request.job.get("uid") is not None) else 0
     response["cache_ttl_s"] = round(ttl, 3)
+    if plan_request.test_only:  # `sbatch --test-only` (#42.6): no job follows; no decision id, nothing kept or reused
+        response.pop("bands", None)
+        response.update(cache_ttl_s=0, test_only=True)
+        return Response(encode(response) + "\n", mimetype="application/json")
     text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
                                        models.version, decision_owner(plan_request.job.get("uid")))
     metrics.note_plan(action=response["action"])

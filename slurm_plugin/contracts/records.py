@@ -7,6 +7,8 @@ Three kinds of record:
                    "bytes": 67108864, "seconds": 0.00037, "gpu": "H200"}
     step:         {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2],
                    "intra_link": "nvlink", "inter_link": "ib", "per_gpu_batch": 64, "iter_s": 0.0322}
+                  optional: `gpu_by_node` (["H100", "A100"]: a mixed job's, whose `gpu` is "A100+H100"),
+                  `rank_batches` ([82, 82, 46, 46]: what each rank ran)
     ddp_overhead: {"kind": "ddp_overhead", "gpu": "H200", "world": 2, "probe": "many-small", "buckets": 2,
                    "tensors": 400, "plain_s": 0.0101, "ddp_s": 0.0183, "extra_s": 0.0082}
                   one probe model of the calibration job (`elastic-predictor calibrate`,
@@ -43,7 +45,8 @@ _COMMON_OPTIONAL = {"job_id", "timestamp_s", "source", "link_source"}
 _COLLECTIVE = {"required": {"kind", "op", "link", "world", "bytes", "seconds"},
                "optional": {"gpu", "nodes", "dtype"} | _COMMON_OPTIONAL}
 _STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter_s", "intra_link"},
-         "optional": {"inter_link", "samples_per_s", "sync_s", "dtype"} | _COMMON_OPTIONAL}
+         "optional": {"inter_link", "samples_per_s", "sync_s", "dtype", "gpu_by_node", "rank_batches"}
+         | _COMMON_OPTIONAL}
 _DDP_OVERHEAD = {"required": {"kind", "gpu", "world", "buckets", "tensors", "extra_s", "plain_s", "ddp_s", "probe"},
                  "optional": {"bytes", "job_id", "source", "timestamp_s"}}
 MAX_TENSORS = 1 << 20                                     # gradient tensors of one model (a probe has ~400)
@@ -196,8 +199,45 @@ def validate_step(record: Any, where: str) -> dict:
         out["sync_s"] = float(sync)
     if "samples_per_s" in record:
         out["samples_per_s"] = _seconds(record, "samples_per_s", where, high=1e9)
+    _ran_as(record, out, where)
     _optional(record, out, where)
     return out
+
+
+def mixed_gpu(types) -> str:
+    """The `gpu` of a step row whose nodes are of several types: the types, sorted, joined by `+` (`A100+H100`)."""
+    return "+".join(sorted(set(types)))
+
+
+def _ran_as(record: dict, out: dict, where: str) -> None:
+    """What a step row says of what ran (#42.7): `gpu_by_node`, each node's GPU type in the layout's order (several
+    types: a mixed job, whose `gpu` is `mixed_gpu` of them), and `rank_batches`, each rank's local batch."""
+    layout = out["layout"]
+    if "gpu_by_node" in record:
+        types = record["gpu_by_node"]
+        if not isinstance(types, list) or len(types) != len(layout) or not all(
+                isinstance(t, str) and LINK_RE.match(t) for t in types):
+            raise ValidationError(f"{where}.gpu_by_node", f"expected {len(layout)} GPU type names (one per node of "
+                                  f"the layout), got {str(types)[:120]}")
+        expected = types[0] if len(set(types)) == 1 else mixed_gpu(types)
+        if out["gpu"] != expected:
+            raise ValidationError(f"{where}.gpu", f"expected {expected!r} for nodes of {sorted(set(types))}, got "
+                                  f"{out['gpu']!r}")
+        out["gpu_by_node"] = list(types)
+    elif "+" in out["gpu"]:
+        raise ValidationError(f"{where}.gpu_by_node", "required for a step of several GPU types")
+    if "rank_batches" in record:
+        batches = record["rank_batches"]
+        if not isinstance(batches, list) or len(batches) != sum(layout) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 65536 for b in batches):
+            raise ValidationError(f"{where}.rank_batches", f"expected {sum(layout)} local batches in 1..65536 (one "
+                                  f"per rank of the layout), got {str(batches)[:120]}")
+        out["rank_batches"] = list(batches)
+
+
+def is_mixed(record: dict) -> bool:
+    """A step row of several GPU types: it is no one type's step time."""
+    return len(set(record.get("gpu_by_node") or ())) > 1
 
 
 def validate_ddp_overhead(record: Any, where: str) -> dict:

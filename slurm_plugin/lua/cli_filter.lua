@@ -162,23 +162,25 @@ function slurm_cli_pre_submit(options, pack_offset)
   local breaker = elastic.new_breaker(cfg.breaker_failures, cfg.breaker_open_s)
   breaker_file(breaker, path)
   local before = breaker.failures .. " " .. breaker.open_until
-  local outcome = elastic.plan(cfg, breaker, "cli_filter", lines, job_from_options(options, slurm.time_str2mins, uid))
+  local test_only = options["test-only"] == "set"   -- no job follows: the service stores nothing
+  local outcome = elastic.plan(cfg, breaker, "cli_filter", lines, job_from_options(options, slurm.time_str2mins, uid),
+                               nil, nil, nil, test_only)
   if breaker.failures .. " " .. breaker.open_until ~= before then breaker_file(breaker, path, true) end
   if outcome.kind == "reject" then
     slurm.log_error("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "cli_filter"))
     return slurm.ERROR
-  elseif outcome.kind == "skip" then
-    slurm.log_info("%s", elastic.skip_message(outcome.why))
-    return slurm.SUCCESS
   end
+  local applied, why = outcome.kind ~= "skip", outcome.why
   if outcome.kind == "rewrite" then
-    local applied, why = apply_cli_options(options, outcome)
-    if not applied then
-      slurm.log_info("%s", elastic.skip_message("plan not applied: " .. why))
-      return slurm.SUCCESS
-    end
+    applied, why = apply_cli_options(options, outcome)
+    why = why and "plan not applied: " .. why
   end
-  slurm.log_info("%s", outcome.reason)
+  if test_only then   -- job_submit cannot tell a test: planned here, it plans no more; else it plans storing nothing
+    local comment = option(options, "comment")
+    options["comment"] = applied and elastic.comment_with(comment, "test-only")
+      or (comment and comment .. " " or "") .. elastic.TEST_ONLY
+  end
+  slurm.log_info("%s", applied and outcome.reason or elastic.skip_message(why))
   return slurm.SUCCESS
 end
 

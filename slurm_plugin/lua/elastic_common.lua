@@ -366,9 +366,11 @@ end
 
 -- Ask the service about `lines` (M.directive_lines') and `job`, unless `cache` (optional) holds a decision for it that
 -- fits `parts` (part_list; nil: unchecked). Never raises: a 422 is kind = "reject", any failure (misfit too) "skip".
-function M.plan(cfg, breaker, source, lines, job, cache, parts, spent_s)
+-- `test_only`: `sbatch --test-only` (no job follows): the service stores nothing, and no cache is read or written.
+function M.plan(cfg, breaker, source, lines, job, cache, parts, spent_s, test_only)
   local function outside(r) return parts and M.outside(r, job.partition, parts, cfg.gpus) end
   local request, now, key, masked, v = { source = source, directives = {}, job = job }, M.now()
+  if test_only then request.test_only, cache = true, nil end
   for i, entry in ipairs(lines) do request.directives[i] = entry.line end
   if cache then
     key, masked, v = M.cache_key(request)
@@ -438,6 +440,9 @@ end
 function M.skip_message(why) return "elastic: prediction skipped (" .. why .. "); job submitted as written" end
 function M.comment_with(c, id)   -- the user's comment, then the decision's id
   return (type(c) == "string" and c ~= "" and c .. " " or "") .. "elastic:decision=" .. id end
+-- cli_filter's mark of `sbatch --test-only` for job_submit, which cannot tell (docs/hook.md)
+M.TEST_ONLY = "elastic:test-only"
+function M.test_only(comment) return type(comment) == "string" and comment:find(M.TEST_ONLY, 1, true) ~= nil end
 local function counted(n, word) return string.format("%d %s%s", n, word, n == 1 and "" or "s") end
 function M.per_task_split(per_node, tasks)   -- the reason --gpus-per-task refuses a layout
   return string.format("%s per node %s not split over %s (--gpus-per-task)", counted(per_node, "GPU"),

@@ -30,7 +30,7 @@ local function submit(job_desc, script, uid, parts)
                                       .. "%d bytes"):format(capped, elastic.MAX_HEADER_LINES, elastic.MAX_HEADER_BYTES) }
   else
     outcome = elastic.plan(cfg, breaker, "job_submit", lines, elastic.job_from_desc(job_desc, uid), cache, parts,
-                           scan_s)
+                           scan_s, elastic.test_only(job_desc.comment))
   end
   local ms, applied, why = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then

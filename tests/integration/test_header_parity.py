@@ -43,3 +43,36 @@ def test_a_request_of_several_gpu_types_is_kept_by_type_with_a_message(hook, pre
     job = show_job(bed, result.job_id)
     assert "several GPU types (a100, h100)" in result.stderr, result.stderr
     assert "h100:2" in job["TresPerNode"] and "a100:1" in job["TresPerNode"], job["TresPerNode"]
+
+
+SCRIPT = "#!/bin/bash\n#SBATCH -N1 --gpus=4\n#ELASTIC model=resnet50 gpus=2-8\nsrun true\n"
+
+
+def _plans(predictor) -> list[dict]:
+    return [r["body"] for r in predictor.requests if r["path"].endswith("/v1/plan")]
+
+
+@pytest.mark.parametrize("mode, sources", [("rewrite", ["cli_filter"]), ("500", ["cli_filter", "job_submit"])])
+def test_a_test_only_submission_asks_the_service_to_store_nothing(hook, predictor, sbatch, bed, mode, sources):
+    # #42.6: job_submit cannot tell `sbatch --test-only` (22.05: its job_desc is a real one's), cli_filter can: it asks
+    # with test_only, and marks the job so that job_submit plans no more (cli_filter planned it) or asks with
+    # test_only too (cli_filter's ask failed). Before, both asked as for a job, and the service recorded a decision
+    hook(predictor.url, job_submit=True, cli_filter=True)
+    result = sbatch(SCRIPT, "--test-only", "-J", f"mode-{mode}")
+    assert result.rc == 0 and "to start at" in result.stderr, result.stderr
+    assert [(b["source"], b.get("test_only")) for b in _plans(predictor)] == [(s, True) for s in sources]
+    predictor.requests.clear()
+    real = sbatch(SCRIPT, "-H", "-J", f"mode-{mode}")
+    assert real.rc == 0 and [(b["source"], b.get("test_only")) for b in _plans(predictor)] == \
+        [(s, None) for s in sources]
+
+
+def test_job_submit_keeps_no_test_only_answer_for_the_next_real_job(hook, predictor, sbatch, bed):
+    # the mark cli_filter sets (given by hand here, job_submit alone): the test's answer is not kept, so the next
+    # identical real job is planned by the service (a decision of its own), not "(cached)" from the test
+    hook(predictor.url, job_submit=True, cli_filter=False)
+    tried = sbatch(SCRIPT, "--test-only", "--comment=elastic:test-only", "-J", "mode-cached")
+    assert tried.rc == 0 and "to start at" in tried.stderr, tried.stderr
+    real = sbatch(SCRIPT, "-H", "-J", "mode-cached")
+    assert real.rc == 0 and "(cached)" not in real.stderr, real.stderr
+    assert [b.get("test_only") for b in _plans(predictor)] == [True, None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -77,3 +78,9 @@ def test_a_mixed_job_splits_its_batch_by_each_types_speed(service, sbatch, bed, 
             by_node.setdefault((row["node"], row["gpu"]), set()).add(len(row["idx"]))
     assert by_node == {("node1", "H100"): {want[0]}, ("node3", "A100"): {want[1]}}
     assert want[0] > want[1]
+    # #42.7: the job's step rows say what ran (before: a mixed job posted none): each node's type, each rank's batch
+    with sqlite3.connect(f"file:{service.db}?mode=ro", uri=True) as db:
+        steps = [json.loads(b) for (b,) in db.execute("SELECT body FROM observations WHERE kind = 'step'")]
+    mine = [r for r in steps if r.get("gpu_by_node")]
+    assert mine and all((r["gpu"], r["gpu_by_node"], r["rank_batches"]) == ("A100+H100", ["H100", "A100"], want)
+                        for r in mine), mine

@@ -4,6 +4,7 @@ the measurement, the layout and the resize calls are stubbed on the instance."""
 import json
 
 import pytest
+import torch.distributed
 
 from elastic_launcher import controller as controller_module
 from elastic_launcher.autoscale import Measurement
@@ -377,13 +378,30 @@ def test_the_end_summary_rounds_seconds():
     assert _rounded(0.10734999999) == 0.107 and _rounded(3) == 3 and _rounded(None) is None
 
 
-def test_ctl_on_an_ended_job_says_where_its_records_are(tmp_path):
+def test_ctl_on_an_ended_job_says_where_its_records_are(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from elastic_launcher.cli import ctl
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-slurm.conf"))   # no Slurm here: sacct cannot be read
     out = CliRunner().invoke(ctl, ["77", "--status", "--registry", str(tmp_path)])
     assert out.exit_code == 1 and "job 77 has no running elastic-launch (it ended, or has not started yet)" in \
-        out.output and "elastic-77/records.jsonl" in out.output and "sacct -j 77" in out.output
+        out.output and "elastic-77/records.jsonl" in out.output and "sacct -j 77 -X` (the last record" in out.output
+
+
+def test_an_ended_resized_job_reads_as_its_end_state_not_resizing():
+    # #45: `sacct -j N` shows a completed elastic job that shrank as RESIZING first (one record per size, each size
+    # it left RESIZING); ctl says the end state and the sizes. An older job of the same id (a lab's counter) is not it
+    from elastic_launcher.reporting import ended_job
+    from slurm_plugin.client import AcctRecord
+    old = AcctRecord(19, "other", "CANCELLED", "None assigned", 0)
+    rz = [AcctRecord(19, "train", "RESIZING", "node[1-4]", 16), AcctRecord(19, "train", "RESIZING", "node[1-2]", 8)]
+    done = AcctRecord(19, "train", "COMPLETED", "node1", 4)
+    text = ended_job(19, [old, *rz, done])
+    assert text.startswith("job 19 ended COMPLETED on 1 node(s); it ran at 4 -> 2 -> 1 nodes") and "RESIZING" in text
+    assert ended_job(19, [old, done]) == "job 19 ended COMPLETED on 1 node(s)"
+    assert ended_job(19, [*rz[:1], AcctRecord(19, "train", "TIMEOUT", "node[1-2]", 8)]).startswith(
+        "job 19 ended TIMEOUT on 2 node(s); it ran at 4 -> 2 nodes")
+    assert ended_job(19, []) == "sacct has no record of job 19"
 
 
 def test_one_progress_line_per_interval_in_the_jobs_output(tmp_path, caplog):
@@ -409,3 +427,37 @@ def test_the_scaling_plot_is_drawn_from_the_measurements(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     assert scaling_plot([r for r in records if r["kind"] != "measurement"], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_mixed_jobs_step_row_names_each_nodes_type_and_each_ranks_batch(tmp_path):
+    # #42.7: a job on an H100 and an A100 node posted no step row at all, and no row held its per-rank batches
+    from elastic_launcher import store_keys as keys
+    from elastic_launcher.gpu_speeds import JobTypes, NodeType
+    c = make_controller(tmp_path, FakePredictor([{"action": "keep", "reason": "fine", "nodes": 2}]))
+    posted = []
+    c._post_observations = posted.append
+    c.types = JobTypes({"node1": NodeType("h100", "H100"), "node2": NodeType("a100", "A100", 0.56)}, "predictor")
+    c._epoch = (7, ["node1", "node2"])  # what _current_layout remembers of the epoch
+    c.server = torch.distributed.HashStore()  # the job's store (a TCPStore server in a real run)
+    c.server.set(f"{keys.state_channel('')}/{keys.batches(7)}", json.dumps([82, 46]))  # what its rank 0 wrote
+    c._measure_and_decide()
+    [row] = posted[0]
+    assert (row["gpu"], row["gpu_by_node"], row["rank_batches"], row["layout"]) == \
+        ("A100+H100", ["H100", "A100"], [82, 46], [1, 1])
+    from slurm_plugin.contracts.records import validate_record
+    assert validate_record(row, "row") == row
+
+
+def test_a_one_type_jobs_step_row_carries_its_ranks_batches(tmp_path):
+    from elastic_launcher import store_keys as keys
+    from elastic_launcher.gpu_speeds import JobTypes, NodeType
+    c = make_controller(tmp_path, FakePredictor([{"action": "keep", "reason": "fine", "nodes": 2}]))
+    posted = []
+    c._post_observations = posted.append
+    c.types = JobTypes({"node1": NodeType("h100", "H100"), "node2": NodeType("h100", "H100")}, "one type")
+    c._epoch = (3, ["node1", "node2"])
+    c.server = torch.distributed.HashStore()
+    c.server.set(f"{keys.state_channel('')}/{keys.batches(3)}", json.dumps([16, 16]))
+    c._measure_and_decide()
+    [row] = posted[0]
+    assert (row["gpu"], row["gpu_by_node"], row["rank_batches"]) == ("H100", ["H100", "H100"], [16, 16])

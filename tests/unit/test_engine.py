@@ -251,3 +251,13 @@ def test_a_model_that_only_ran_on_several_gpus_gets_its_one_gpu_step_inferred():
     assert [g["iter_s"] for g in got] == pytest.approx([t["iter_s"] for t in truth], rel=1e-6)
     assert got[0]["basis"] == "inferred" and got[0]["interval"][1] / got[0]["interval"][0] > \
         truth[0]["interval"][1] / truth[0]["interval"][0]
+
+
+def test_a_mixed_types_step_row_is_kept_out_of_every_types_fit(fitted):
+    # #42.7: a mixed job's step row (posted now) is no one type's step time; the fit skips it
+    _, profiles, obs = fitted
+    mixed = {"kind": "step", "profile": "resnet50", "gpu": "A100+T4", "gpu_by_node": ["T4", "A100"],
+             "layout": [1, 1], "intra_link": "pcie", "inter_link": "ethernet", "per_gpu_batch": 8, "iter_s": 9.0}
+    p = Predictor().fit(profiles, obs + [mixed])
+    assert p.skipped_ == 1 and ("resnet50", "A100+T4") not in p.n_rows_
+    assert p.n_rows_ == Predictor().fit(profiles, obs).n_rows_

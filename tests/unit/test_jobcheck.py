@@ -143,3 +143,15 @@ def test_a_job_without_gpus_posts_no_gpu_link(app, jobs):
     for link in ("ib", "nvlink"):
         with pytest.raises(RecordMismatch, match=f"link '{link}'"):
             check_records([dict(record, link=link, world=4)], cpu_job, Cluster.default(), now=NOW)
+
+
+def test_a_mixed_jobs_step_row_is_stored_and_its_layout_still_checked(app, jobs):
+    # #42.7: a row of several GPU types (kept as what ran, never fit) is not held to the job's one type; its layout
+    # and time are checked as any row's
+    mixed = dict(GOOD_STEP, gpu="A100+H200", gpu_by_node=["H200", "A100"], rank_batches=[64] * 4 + [36] * 4)
+    client = app.test_client()
+    r = post(client, [mixed])
+    assert r.status_code == 201, r.json
+    wide = dict(mixed, layout=[4, 4, 4], gpu_by_node=["H200", "A100", "A100"], rank_batches=[64] * 12)
+    r = post(client, [wide])
+    assert (r.status_code, r.json["field"]) == (403, "observations[0].layout"), r.json

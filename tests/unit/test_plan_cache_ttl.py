@@ -75,3 +75,22 @@ def test_reuse_counts_are_stored_with_the_request(service):
 def test_malformed_reuse_counts_are_400(service, reused):
     response = service.post("/v1/plan", json={**PLAN, "reused": reused})
     assert response.status_code == 400 and response.get_json()["field"].startswith("reused")
+
+
+def test_a_test_only_request_is_answered_alike_and_stores_nothing(service):
+    # #42.6: `sbatch --test-only` (the hooks send test_only) recorded a decision for a job that never exists, and
+    # the hook reused it for the next real job; now the same plan comes back with no id, nothing to reuse or keep
+    real = service.post("/v1/plan", json=PLAN).get_json()
+    tried = service.post("/v1/plan", json={**PLAN, "test_only": True}).get_json()
+    assert tried["action"] == real["action"] == "rewrite" and tried["layout"] == real["layout"]
+    assert tried["reason"] == real["reason"] and tried["test_only"] is True and real["bands"]
+    assert "decision_id" not in tried and "bands" not in tried and tried["cache_ttl_s"] == 0
+    assert [d["decision_id"] for d in service.get("/v1/decisions").get_json()["decisions"]] == [real["decision_id"]]
+
+
+@pytest.mark.parametrize("body, field", [({"test_only": "yes"}, "test_only"),
+                                         ({"test_only": True, "reused": {"d-1": 2}}, "reused")])
+def test_a_malformed_test_only_request_is_a_400_naming_the_field(service, body, field):
+    reply = service.post("/v1/plan", json={**PLAN, **body})
+    assert reply.status_code == 400 and reply.get_json()["field"] == field, reply.get_json()
+    assert service.get("/v1/decisions").get_json()["decisions"] == []

@@ -137,3 +137,34 @@ def test_ddp_overhead_is_normalised_and_keeps_its_optional_fields():
     out = validate_record(record, "r")
     assert out["world"] == 1 and isinstance(out["world"], int)   # an integral float: JSON has one number type
     assert out["extra_s"] == -0.0001 and out["job_id"] == 12 and out["source"] == "calibrate"
+
+
+MIXED = {**STEP, "gpu": "A100+H100", "gpu_by_node": ["H100", "A100"], "rank_batches": [82, 82, 46, 46]}
+
+
+def test_a_step_row_says_what_ran_mixed_types_included():
+    # #42.7: each node's GPU type and each rank's local batch; a mixed job's row is no longer left unposted
+    assert validate_record(MIXED, "o") == MIXED
+    one = {**STEP, "gpu_by_node": ["H200", "H200"], "rank_batches": [64] * 4}
+    assert validate_record(one, "o") == one
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"gpu": "H100"}, "o.gpu"),                                  # a mixed row's gpu is its types joined
+    ({"gpu": "H100+A100"}, "o.gpu"),                             # sorted
+    ({"gpu_by_node": ["H100"]}, "o.gpu_by_node"),                # one per node of the layout
+    ({"gpu_by_node": ["H100", "a b"]}, "o.gpu_by_node"),
+    ({"rank_batches": [82, 82, 46]}, "o.rank_batches"),          # one per rank
+    ({"rank_batches": [82, 82, 46, 0]}, "o.rank_batches"),
+    ({"rank_batches": [82, 82, 46, True]}, "o.rank_batches"),
+])
+def test_a_step_row_that_misstates_what_ran_is_refused_naming_the_field(change, field):
+    with pytest.raises(ValidationError) as err:
+        validate_record({**MIXED, **change}, "o")
+    assert err.value.field == field
+
+
+def test_a_step_row_of_several_types_needs_its_nodes_types():
+    with pytest.raises(ValidationError) as err:
+        validate_record({k: v for k, v in MIXED.items() if k != "gpu_by_node"}, "o")
+    assert err.value.field == "o.gpu_by_node"

@@ -5,6 +5,7 @@ once, no worker process or store port left behind.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 
 import pytest
@@ -290,3 +291,31 @@ def test_a_switch_that_splits_the_survivors_loses_no_healthy_worker(tmp_path):
     recs = {w: [s for s in r["switches"] if s["kind"] == "recovery"] for w, r in res.items()}
     assert all(len(v) == 1 for v in recs.values()), recs  # one recovery each, within the rendezvous timeout
     print("split switch recover_s:", {w: round(v[0]["recover_s"], 2) for w, v in recs.items()})
+
+
+def test_a_member_hung_after_arriving_is_fenced_at_the_next_rounds_deadline(tmp_path):
+    # #42: each round of a recovery has the arrival deadline, not only the arrival. w2 dies in step 8 (w0 and w1, its
+    # ring neighbours, see it at once); w1 arrives, adopts the survivors' plan and then hangs 10 s before it builds
+    # that plan's group, beating all along. w0 gives the build up at the round's deadline (3 s), recovers from that
+    # plan, and w1, absent, is fenced out at its arrival deadline. Before, the build waited for w1 for gloo's timeout
+    # (the collective timeout, 60 s here), the rendezvous timeout (60 s) passed and w0 raised RendezvousTimeout.
+    cl = Cluster(str(tmp_path), target_world=1, faults={"w2": [("at", 2, 8, 0.0)], "w1": [("recovery", "adopted", 10)]},
+                 timeout_s=LONG_WAIT_S, arrival_timeout_s=3, rendezvous_timeout_s=LONG_WAIT_S)
+    try:
+        cl.coord.start(ALL4[:3])
+        cl.spawn(ALL4[:3])
+        res = cl.results(2, timeout=100)
+        record = cl.coord.record()
+        ran = json.loads(cl.server.get(f"job/elastic-state/batches/{record.epoch.id}"))  # the step rows' (#42.7)
+    finally:
+        codes = _finish(cl)
+    assert codes["w0"] == 0 and codes["w2"] == -9, codes
+    assert ran == [4], ran  # w0 alone, per_gpu_batch 4
+    assert "recovered without it" in res["w1"]["fenced"], res["w1"]
+    assert res["w0"]["world"] == 1 and not res["w0"]["left"]
+    assert record.epoch.members == ("w0",) and record.epoch.kind == "recovery"
+    recs = [s for s in res["w0"]["switches"] if s["kind"] == "recovery"]
+    assert len(recs) == 1 and recs[0]["old_world"] == 3 and recs[0]["world"] == 1, recs
+    assert any(a["why"].startswith("arrival deadline") for a in recs[0]["abandoned"]), recs
+    print("recover_s:", round(recs[0]["recover_s"], 2), "exit codes:", codes)
+    check_accounting(read_logs(str(tmp_path)), res["w0"]["sampler"])

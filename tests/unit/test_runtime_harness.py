@@ -73,7 +73,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
     fault = None
     if opts.get("fail_at") and opts["fail_at"][0] == wid:
         fault = FaultPlan().fail_at(opts["fail_at"][1], opts["fail_at"][2])
-    # ("at", rank, step, after_s), ("recovery", event), ("switch", event), ("hang", step, seconds)
+    # ("at", rank, step, after_s), ("recovery", event[, hang_s]), ("switch", event), ("hang", step, seconds)
     hang = {}
     for kind, *args in opts.get("faults", {}).get(wid, ()):
         if kind == "hang":  # beats all along, but the training thread sleeps (a hung loader, a slow file system)
@@ -85,7 +85,7 @@ def worker(wid: str, port: int, opts: dict, out: "mp.Queue") -> None:
         elif kind == "switch":
             fault.fail_in_switch(args[0])
         else:
-            fault.fail_in_recovery(args[0])
+            fault.fail_in_recovery(*args)  # (event,) or (event, hang_s)
     cfg = TrainerConfig(backend="nccl" if opts.get("cuda") else "gloo", timeout=timedelta(seconds=opts.get("timeout_s", 20)),
                         connect_timeout=timedelta(seconds=opts.get("connect_timeout_s", 40)),
                         rendezvous_timeout=timedelta(seconds=opts.get("rendezvous_timeout_s", 60)), heartbeat_interval=timedelta(seconds=0.1),
