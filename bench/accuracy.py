@@ -135,8 +135,8 @@ def group_metrics(rows, pred_iter, rng) -> dict:
             "chosen_best_multinode": mean(cb_multi), "near_best": mean(near)}
 
 
-def class_ceiling(rows) -> dict | None:
-    """Chosen/best of the cross-batch layout-class oracle described in the module docstring."""
+def _relative(rows) -> tuple[dict, dict]:
+    """(rows by (model, G, batch), {(model, G): {shape: {batch: [throughput / its group's best]}}})."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["profile"], _G(r), r["per_gpu_batch"]), []).append(r)
@@ -144,8 +144,14 @@ def class_ceiling(rows) -> dict | None:
     for (m, G, b), g in groups.items():
         best = max(_tput(r, r["iter_s"]) for r in g)
         for r in g:
-            cls = rel.setdefault((m, G), {}).setdefault(tuple(sorted(r["layout"])), {})
-            cls.setdefault(b, []).append(_tput(r, r["iter_s"]) / best)
+            rel.setdefault((m, G), {}).setdefault(tuple(sorted(r["layout"])), {}).setdefault(b, []).append(
+                _tput(r, r["iter_s"]) / best)
+    return groups, rel
+
+
+def class_ceiling(rows) -> dict | None:
+    """Chosen/best of the cross-batch layout-class oracle described in the module docstring."""
+    groups, rel = _relative(rows)
     out = {False: [], True: []}
     for (m, G, b), g in groups.items():
         for multi in (False, True):
@@ -295,15 +301,7 @@ def tau_ceiling(rows) -> float | None:
     throughput relative to its group's best, averaged over the OTHER batch sizes of the same (model, G). It reads
     held-out measurements, so it bounds what a model can reach on this noise (Pollux T4: a placement's offset is
     not shared across jobs, accuracy.md's noise line)."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["profile"], _G(r), r["per_gpu_batch"]), []).append(r)
-    rel: dict[tuple, dict] = {}
-    for (m, G, b), g in groups.items():
-        best = max(_tput(r, r["iter_s"]) for r in g)
-        for r in g:
-            rel.setdefault((m, G), {}).setdefault(tuple(sorted(r["layout"])), {}).setdefault(b, []).append(
-                _tput(r, r["iter_s"]) / best)
+    groups, rel = _relative(rows)
     taus, read = [], False
     for (m, G, b), g in groups.items():
         shapes: dict[tuple, list[float]] = {}
