@@ -3,8 +3,9 @@
     python -m elastic_launcher.restart_node -- python -m torch.distributed.run --nnodes=1:4 ... train.py ...
 
 The launcher starts this as the node's srun step (restart.py). SIGUSR1 sent to the step reaches this process (srun
-forwards it); torchrun's agent would die of it, so it goes to the agent's children, the workers, instead: the
-script's own handler saves a checkpoint (the template's pattern). SIGTERM and SIGINT go to the agent, which stops
+forwards it); torchrun's agent would die of it, so the agent ignores it and this process sends it to the agent's
+children, the workers: the script's own handler saves a checkpoint (the template's pattern); a script without one
+ignores it (the disposition is inherited) and resumes, at the restart, from its own last checkpoint. SIGTERM and SIGINT go to the agent, which stops
 its workers. The exit status is the agent's.
 """
 from __future__ import annotations
@@ -36,7 +37,12 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m elastic_launcher.restart_node -- TORCHRUN-COMMAND ...", file=sys.stderr)
         return 2
-    agent = subprocess.Popen(argv)
+    # torch 2.13's shared rendezvous store does not survive a scale-up (a surviving rank 0 does not publish the
+    # workers' store address in the new round, and a newcomer waits for it forever): each round gets its own
+    # Slurm may deliver a step's signal to each of its processes: the agent (whose default action on SIGUSR1 is to
+    # die) ignores it, and so do workers that set no handler of their own (inherited by the exec)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    agent = subprocess.Popen(argv, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
     def to_workers(signum, _frame) -> None:
         for pid in children(agent.pid):
