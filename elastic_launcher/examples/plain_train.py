@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=16)
@@ -38,7 +38,11 @@ def main(argv=None) -> int:
     parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints a step line this often")
     parser.add_argument("--step-s", type=float, default=0.0,
                         help="seconds each step also sleeps (a stand-in for a real model's compute: tests, bench)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     flags = torch.zeros(2)   # [stop (SIGTERM), checkpoint now (SIGUSR1)]
     signal.signal(signal.SIGTERM, lambda *_: flags[0].fill_(1))
     signal.signal(signal.SIGUSR1, lambda *_: flags[1].fill_(1))
