@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints a step line this often")
     parser.add_argument("--step-s", type=float, default=0.0,
                         help="seconds each step also sleeps (a stand-in for a real model's compute: tests, bench)")
+    parser.add_argument("--ignore-sigusr1", action="store_true",
+                        help="behave as a script without a SIGUSR1 handler (tests: it must still resume)")
     return parser
 
 
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     flags = torch.zeros(2)   # [stop (SIGTERM), checkpoint now (SIGUSR1)]
     signal.signal(signal.SIGTERM, lambda *_: flags[0].fill_(1))
-    signal.signal(signal.SIGUSR1, lambda *_: flags[1].fill_(1))
+    if not args.ignore_sigusr1:
+        signal.signal(signal.SIGUSR1, lambda *_: flags[1].fill_(1))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
