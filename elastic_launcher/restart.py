@@ -36,7 +36,7 @@ from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import Fleet, NodeSlot, helper_script
 from elastic_launcher.resize_ops import ResizeLimits
 from elastic_launcher.restart_ops import (RestartAction, RestartLimits, RestartObservation, RestartOp, RestartState,
-                                          advance, last_step, node_range, torchrun_argv)
+                                          advance, node_range, step_lines, torchrun_argv)
 from elastic_launcher.workers import WorkerPool, step_prefix
 from predictor.restart_price import DEFAULT_RESTART_COST_S
 from slurm_plugin.errors import SlurmError
@@ -56,6 +56,7 @@ class StepWatch:
         self.run_dir, self.clock = run_dir, clock
         self._offsets: dict[Path, int] = {}
         self.last: Optional[tuple[int, int]] = None
+        self.before: Optional[tuple[int, int]] = None   # the last (step, world) at the size before the current one
         self.seen: list[tuple[float, int, int]] = []   # (when, step, world) at the current world size
 
     def poll(self) -> Optional[tuple[int, int]]:
@@ -65,14 +66,13 @@ class StepWatch:
                 data = f.read()
             cut = data.rfind(b"\n") + 1   # whole lines only
             self._offsets[path] = self._offsets.get(path, 0) + cut
-            found = last_step(data[:cut])
-            if found is not None:
+            for found in step_lines(data[:cut]):
                 self._saw(found)
         return self.last
 
     def _saw(self, found: tuple[int, int]) -> None:
         if self.last is None or found[1] != self.last[1]:
-            self.seen = []
+            self.seen, self.before = [], self.last
         self.last = found
         self.seen = (self.seen + [(self.clock(), *found)])[-RATE_WINDOW * 4:]
 
@@ -231,10 +231,13 @@ class RestartLauncher:
                 op = self._change(op)
             elif action is RestartAction.RECORD:
                 self.cost_s = op.cost_s
+                before = self.steps.before
                 self.records.write("transition", action=op.action, mode="restart", from_nodes=op.from_nodes,
                                    to_nodes=len(self.fleet.nodes), world=op.world, cost_s=op.cost_s,
-                                   checkpointed=op.checkpointed, step=self.steps.last[0], reason=op.reason,
-                                   helper=op.helper)
+                                   checkpoint_s=round(op.changed - op.signalled, 3), checkpointed=op.checkpointed,
+                                   step=self.steps.seen[0][1], reason=op.reason, helper=op.helper,
+                                   # steps trained at the old size after the checkpoint the restart resumed from
+                                   steps_redone=None if before is None else before[0] - (self.steps.seen[0][1] - 1))
             elif action is RestartAction.FAIL:
                 self.records.write("resize_failed", action=op.action, error=op.error, helper=op.helper)
                 if op.grow and op.helper in self.fleet.helpers:

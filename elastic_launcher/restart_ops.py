@@ -150,9 +150,6 @@ def torchrun_argv(python: str, command: Sequence[str], store_addr: str, run_id: 
             f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "--no-python", *command]
 
 
-def last_step(text: bytes) -> Optional[tuple[int, int]]:
-    """`(step, world)` of the last step line in `text`, None when it has none."""
-    found = None
-    for match in STEP_LINE.finditer(text):
-        found = (int(match.group(1)), int(match.group(2)))
-    return found
+def step_lines(text: bytes) -> list[tuple[int, int]]:
+    """`(step, world)` of each step line in `text`, in order."""
+    return [(int(m.group(1)), int(m.group(2))) for m in STEP_LINE.finditer(text)]

@@ -14,7 +14,7 @@ import pytest
 from elastic_launcher.restart import StepWatch, newest_mtime
 from elastic_launcher.restart_node import children
 from elastic_launcher.restart_ops import (RestartAction, RestartLimits, RestartObservation, RestartOp, RestartState,
-                                          advance, last_step, node_range, torchrun_argv)
+                                          advance, node_range, step_lines, torchrun_argv)
 
 LIMITS = RestartLimits(checkpoint_timeout=timedelta(seconds=30), change_timeout=timedelta(seconds=100))
 
@@ -78,9 +78,9 @@ def test_torchrun_command_puts_the_rendezvous_on_the_launcher_store():
     assert argv[-3:] == ["python", "train.py", "--resume"]
 
 
-def test_last_step_reads_the_newest_step_line():
+def test_step_lines_are_read_in_order():
     text = b"resumed\nstep 9/50  world 1  loss 0.3\nnoise\nstep 10/50  world 2  loss 0.2\n"
-    assert last_step(text) == (10, 2) and last_step(b"no steps here\n") is None
+    assert step_lines(text) == [(9, 1), (10, 2)] and step_lines(b"no steps here\n") == []
 
 
 def test_step_watch_reads_whole_lines_across_polls_and_measures_steps_per_second(tmp_path):
@@ -95,8 +95,9 @@ def test_step_watch_reads_whole_lines_across_polls_and_measures_steps_per_second
             f.write(b"ld 1 loss 1\n" if step == 2 else f"step {step}/99 world 1 loss 1\n".encode())
         watch.poll()
     assert watch.last == (11, 1) and watch.steps_per_s() == pytest.approx(2.0)
-    (tmp_path / "worker-b.log").write_bytes(b"step 12/99 world 2 loss 1\n")
-    assert watch.poll() == (12, 2) and watch.steps_per_s() is None   # a new size starts a new reading
+    (tmp_path / "worker-b.log").write_bytes(b"step 8/99 world 2 loss 1\nstep 9/99 world 2 loss 1\n")
+    assert watch.poll() == (9, 2) and watch.steps_per_s() is None   # a new size starts a new reading
+    assert watch.before == (11, 1) and watch.seen[0][1] == 8   # the old size's last step, the new one's first
 
 
 def test_newest_mtime_of_a_directory(tmp_path):
