@@ -106,6 +106,7 @@ def test_newest_mtime_of_a_directory(tmp_path):
     assert newest_mtime(tmp_path) == pytest.approx((tmp_path / "latest").stat().st_mtime)
 
 
+@pytest.mark.slow   # processes
 def test_the_relay_finds_the_agents_children():
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
@@ -120,3 +121,31 @@ def test_the_relay_finds_the_agents_children():
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.slow   # processes
+def test_the_node_step_relays_sigusr1_to_the_workers_and_the_agent_survives_it(tmp_path):
+    """restart_node: SIGUSR1 (what Slurm may deliver to every process of the step) reaches the worker's handler
+    once relayed, the agent ignores it, and the step's exit status is the agent's."""
+    worker = ("import signal, sys, time; from pathlib import Path; "
+              f"signal.signal(signal.SIGUSR1, lambda *_: Path({str(tmp_path / 'got')!r}).write_text('usr1')); "
+              f"Path({str(tmp_path / 'ready')!r}).write_text(''); time.sleep(30)")
+    agent = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+             "p.wait(); sys.exit(7)")
+    node = subprocess.Popen([sys.executable, "-m", "elastic_launcher.restart_node", "--", sys.executable, "-c", agent])
+    try:
+        deadline = time.monotonic() + 30   # a hang turns into a failure
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (agent_pid,) = children(node.pid)
+        os.kill(agent_pid, signal.SIGUSR1)   # as Slurm may: to the agent itself, which must not die of it
+        node.send_signal(signal.SIGUSR1)
+        while not (tmp_path / "got").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "got").read_text() == "usr1" and node.poll() is None
+        (worker_pid,) = children(agent_pid)
+        os.kill(worker_pid, signal.SIGTERM)
+        assert node.wait(timeout=30) == 7
+    finally:
+        node.kill()
+        node.wait()
