@@ -252,7 +252,9 @@ class RestartLauncher:
                     break
                 for node in self.fleet.helpers[helper]:
                     self.fleet.nodes.pop(node, None)
-                self.releaser.end_helper(helper, op.reason, grace_s=cfg.leave_timeout.total_seconds())
+                # scancel now: Slurm's SIGTERM reaches the leavers' agents and workers at once, the script saves and
+                # stops with its peers (the template's SIGTERM pattern), instead of training on through a grace
+                self.releaser.end_helper(helper, op.reason, grace_s=0.0)
             return dataclasses.replace(op, world=len(self.fleet.nodes) * self.fleet.slots)
         count = op.target - len(self.fleet.nodes)
         script = helper_script(self.job_id, count, self.fleet.alloc.gpus_per_node, self.fleet.alloc.partition,
