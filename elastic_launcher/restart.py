@@ -38,7 +38,6 @@ from elastic_launcher.resize_ops import ResizeLimits
 from elastic_launcher.restart_ops import (RestartAction, RestartLimits, RestartObservation, RestartOp, RestartState,
                                           advance, node_range, step_lines, torchrun_argv)
 from elastic_launcher.workers import WorkerPool, step_prefix
-from predictor.restart_price import DEFAULT_RESTART_COST_S
 from slurm_plugin.errors import SlurmError
 
 log = logging.getLogger("elastic_launcher.restart")
@@ -250,6 +249,8 @@ class RestartLauncher:
             for helper in sorted(self.fleet.helpers, key=int, reverse=True):
                 if len(self.fleet.nodes) <= op.target:
                     break
+                if not self.fleet.helpers[helper]:   # its agent has not said which nodes it holds yet
+                    continue
                 for node in self.fleet.helpers[helper]:
                     self.fleet.nodes.pop(node, None)
                 # scancel now: Slurm's SIGTERM reaches the leavers' agents and workers at once, the script saves and
@@ -285,8 +286,9 @@ class RestartLauncher:
         self._plan_asked = self.clock()
         world = self.steps.last[1]
         current = {"layout": [self.fleet.slots] * nodes, "samples_per_s": rate * d.per_gpu_batch * world,
-                   "per_gpu_batch": d.per_gpu_batch,
-                   "restart_cost_s": self.cost_s if self.cost_s is not None else DEFAULT_RESTART_COST_S}
+                   "per_gpu_batch": d.per_gpu_batch}
+        if self.cost_s is not None:   # until measured, the planner prices a restart with its default
+            current["restart_cost_s"] = self.cost_s
         if self.config.end_time is not None:
             current["remaining_s"] = max(0.0, self.config.end_time - time.time())
         low, high = self.nodes_range

@@ -299,7 +299,8 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
         return _keep(f"unknown model {model!r}: {register_hint(model, db_path)}", model=model)
     if len(parts) == 1:
         out = _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates, bands=True)
-        return priced(out, request.current) if (request.current or {}).get("restart_cost_s") is not None else out
+        restart = request.source == "launcher" and d.get("mode") == "restart" and request.current is not None
+        return priced(out, request.current) if restart else out
     known = [p for p in parts if models.known(model, p.gpu)]
     if not known:
         return _keep(f"no step history for {model} on {', '.join(sorted({p.gpu for p in parts}))}: predictions "

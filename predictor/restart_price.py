@@ -3,7 +3,8 @@
 A job under `#ELASTIC mode=restart` runs its unchanged script under torchrun's elastic agent: a resize stops every
 worker, and they start again at the new size from the script's last checkpoint. The launcher measures that cost per
 job (its signal to the first step at the new size, `restart_cost_s`) and sends it, with the time the job has left
-(`remaining_s`), in `current` of every /v1/plan request. The resize pays when
+(`remaining_s`), in `current` of every /v1/plan request; the service keeps both with the decision. The planner
+prices the plans of jobs whose directives say `mode=restart`. The resize pays when
 
     gained = (new_rate - current_rate) * max(0, remaining_s - restart_cost_s)    samples won at the new size
     lost   = current_rate * restart_cost_s                                        samples not trained meanwhile
@@ -56,8 +57,9 @@ def price_restart(current_rate: float, new_rate: float, cost_s: float, remaining
 
 
 def priced(out: dict, current: dict) -> dict:
-    """A launcher's plan answer `out` for a restart job (`current` holds `restart_cost_s`): a resize that raises
-    throughput but does not pay back becomes `keep`; one that pays says so in its reason. Other answers unchanged."""
+    """A launcher's plan answer `out` for a restart job (`#ELASTIC mode=restart`; `current.restart_cost_s` is its
+    measured cost, DEFAULT_RESTART_COST_S until it measured one): a resize that raises throughput but does not pay
+    back becomes `keep`; one that pays says so in its reason. Other answers unchanged."""
     predicted = (out.get("predicted") or {}).get("samples_per_s")
     rate = current.get("samples_per_s")
     layout = current.get("layout") or []
@@ -67,7 +69,8 @@ def priced(out: dict, current: dict) -> dict:
         return out
     if current.get("remaining_s") is None:
         return {**out, "reason": out["reason"] + "; restart not priced: the job's remaining time is unknown"}
-    price = price_restart(rate, predicted, current["restart_cost_s"], current["remaining_s"])
+    price = price_restart(rate, predicted, current.get("restart_cost_s", DEFAULT_RESTART_COST_S),
+                          current["remaining_s"])
     if price.pays:
         return {**out, "reason": out["reason"] + "; " + price.note}
     return {**out, "action": "keep", "nodes": None, "gpus_per_node": None, "tasks_per_node": None, "switches": None,

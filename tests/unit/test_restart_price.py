@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from predictor.errors import ValidationError
-from predictor.restart_price import price_restart
+from predictor.restart_price import DEFAULT_RESTART_COST_S, price_restart
 from tests.unit.test_planner import decide
 
 GROW = "#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64 min_efficiency=0.3 mode=restart"
@@ -50,8 +50,14 @@ def test_without_remaining_time_the_resize_stands_and_says_it_was_not_priced():
 
 
 def test_an_in_process_job_is_never_priced():
-    out = decide(GROW, source="launcher", current={"layout": [4], "samples_per_s": 6000.0, "remaining_s": 40.0})
+    out = decide(GROW.replace(" mode=restart", ""), source="launcher",
+                 current={"layout": [4], "samples_per_s": 6000.0, "restart_cost_s": 30.0, "remaining_s": 40.0})
     assert out["action"] == "rewrite" and "restart" not in out["reason"]
+
+
+def test_a_restart_job_that_measured_no_cost_yet_is_priced_with_the_default():
+    out = decide(GROW, source="launcher", current={"layout": [4], "samples_per_s": 6000.0, "remaining_s": 40.0})
+    assert out["action"] == "keep" and f"{DEFAULT_RESTART_COST_S:.1f} s restart" in out["reason"]
 
 
 @pytest.mark.parametrize("field, value", [("restart_cost_s", -1), ("remaining_s", "soon"), ("restart_cost_s", True)])
