@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from slurm_plugin.client import CommandBackend
+from slurm_plugin.lab.testbed_conf import DEFAULT_LAB
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +63,7 @@ def wait(fn, seconds: float, what: str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lab", type=Path, default=Path(os.environ.get("ELASTIC_SLURM_LAB", "/var/tmp/elastic-slurm-lab")))
+    parser.add_argument("--lab", type=Path, default=Path(os.environ.get("ELASTIC_SLURM_LAB", str(DEFAULT_LAB))))
     parser.add_argument("--schedule", default="2,4,2,1")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--step-s", type=float, default=0.1)
