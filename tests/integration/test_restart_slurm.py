@@ -18,12 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"^step (\d+)/\d+\s+world (\d+)\s+loss ([0-9.]+)$", re.M)
 
 
-def _job(work: Path, steps: int, *script_options: str, every: int = 50) -> Path:
+def _job(work: Path, steps: int, *script_options: str, every: int = 50, autoscale: bool = False) -> Path:
     script = work / "job.sbatch"
     train = [sys.executable, "-m", "elastic_launcher.examples.plain_train", "--steps", str(steps), "--checkpoint-dir",
              "ck", "--checkpoint-every", str(every), "--resume", "--log-every", "1", "--step-s", "0.1", *script_options]
     launch = [sys.executable, "-m", "elastic_launcher.cli", "--script", "$0", "--workers-per-node", "1", "--run-dir",
-              "run", "--registry", "reg", "--checkpoint-dir", "ck", "--checkpoint-timeout", "8", "--no-autoscale"]
+              "run", "--registry", "reg", "--checkpoint-dir", "ck", "--checkpoint-timeout", "8",
+              *([] if autoscale else ["--no-autoscale"])]
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH --job-name=restart-test", "#SBATCH --nodes=1", "#SBATCH --time=00:10:00",
         "#SBATCH --output=%x-%j.out", "#SBATCH --no-kill", "#ELASTIC gpus=1-4 mode=restart",
@@ -99,3 +100,23 @@ def test_a_script_that_ignores_sigusr1_resumes_from_its_last_checkpoint(slurm, s
     assert "(SIGUSR1)" not in logs
     (step, world), = [(int(s), int(w)) for s, w in re.findall(r"^resumed from step (\d+) on (\d+) ranks$", logs, re.M)]
     assert world == 2 and step >= 200 and (work / "ck" / f"step-{step:08d}" / ".metadata").is_file()
+
+
+def test_helper_nodes_go_back_to_a_job_that_waits_for_them(slurm, submit, idle_nodes, wait_until, tmp_path):
+    """Grown to the whole 4-node testbed, the restart job gives its newest helper's nodes back when another job of
+    the partition waits for one node, and trains on at 2 nodes."""
+    work = Path(tmp_path)
+    job = submit(_job(work, 100000, autoscale=True), ["--chdir", str(work)])
+    _started(work, wait_until)
+    _resize(work, job, 2, wait_until, 0)
+    _resize(work, job, 4, wait_until, 1)
+    other = work / "other.sbatch"
+    other.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --time=00:02:00\n#SBATCH --output=/dev/null\nsleep 5\n")
+    waiting = submit(other, ["--chdir", str(work)])
+    wait_until(lambda: len(_transitions(work)) > 2, 180, "the hand-back")
+    back = _transitions(work)[2]
+    assert back["action"] == "yield" and back["to_nodes"] == 2 and back["world"] == 2, back
+    decision = [r for r in _records(work) if r["kind"] == "decision" and r["source"] == "yield"][0]
+    assert f"pending job {waiting}" in decision["reason"]
+    wait_until(lambda: slurm.job(waiting).state in ("RUNNING", "COMPLETING", "COMPLETED"), 60, "the waiting job to run")
+    slurm.cancel(job)
