@@ -155,8 +155,9 @@ class RestartLauncher:
             self.fleet.nodes[node] = NodeSlot(node, self.job_id, step_prefix(step.group))
         outcome = "failed"
         try:
-            while (outcome := self._tick()) is None:
+            while (ended := self._tick()) is None:
                 self.sleep(cfg.poll_interval.total_seconds())
+            outcome = ended
             return {"job": self.job_id, "mode": "restart", "outcome": outcome, "final_nodes": len(self.fleet.nodes),
                     "transitions": [{k: r.get(k) for k in ("action", "from_nodes", "to_nodes", "cost_s",
                                                            "checkpointed")}
@@ -276,7 +277,7 @@ class RestartLauncher:
         if self.config.yield_to_pending and self.fleet.helpers:
             decision = yield_to_pending(nodes, self.nodes_range[0], len(self._idle()), self._pending())
             if decision is not None:
-                self.request(decision.nodes, "yield", decision.reason)
+                self.request(decision.target_nodes, "yield", decision.reason)
                 return
         if self.operator_cap is not None or self.clock() - self._plan_asked < PLAN_INTERVAL_S:
             return

@@ -81,3 +81,15 @@ def test_a_shrink_below_the_first_allocation_is_refused(tmp_path):
     run.fleet.nodes["node0"] = SimpleNamespace()
     ok, message = run.request(1, "operator", "test")
     assert not ok and "only nodes added by a grow" in message and signalled == [] and run.op is None
+
+
+def test_a_job_waiting_for_nodes_gets_the_helper_nodes_back(tmp_path):
+    run, signalled = launcher(tmp_path, None)
+    run.fleet.nodes.update({"node2": SimpleNamespace(), "node3": SimpleNamespace()})
+    run.fleet.helpers["43"] = ["node2", "node3"]
+    run.slurm.nodes = lambda: []   # the whole partition is the job's
+    run.slurm.jobs = lambda: [SimpleNamespace(job_id=50, state="PENDING", node_count=1, reason="Resources",
+                                              partition="debug")]
+    run._autoscale()
+    assert not run.op.grow and run.op.target == 2 and run.op.action == "yield" and "pending job 50" in run.op.reason
+    assert {node for node, _ in signalled} == {"node1", "node2", "node3"} and run.predictor.bodies == []
