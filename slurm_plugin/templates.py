@@ -85,8 +85,8 @@ CPU_PROFILES = {"resnet50": "resnet-tiny", "transformer-finetune": "encoder-tiny
                 "wrap-train-py": "plain-train-linear", "torchrun-restart": "plain-train-linear"}
 # the templates whose command is a plain script of the user's (elastic_launcher.examples.plain_train stands in): no
 # model options (--per-gpu-batch, --profile, --device, --save) are set on it
-PLAIN_SCRIPT = {"wrap-train-py": {}, "torchrun-restart": {"--steps": "20", "--log-every": "5",
-                                                          "--checkpoint-every": "5"}}
+PLAIN_SCRIPT = {"wrap-train-py": {}, "torchrun-restart": {"--steps": "20", "--log-every": "5", "--checkpoint-every": "5",
+                                                          "--checkpoint-dir": "checkpoints/torchrun-restart-cpu-test"}}
 _CPU = {
     "resnet50": ({"--arch": "resnet-tiny", "--image-size": "32", "--classes": "10", "--dataset-size": "512",
                   "--per-gpu-batch": "8", "--lr": "0.05"}, {"per_gpu_batch": "8", "max_global_batch": "64"}),
@@ -305,6 +305,8 @@ def render(template: Template, params: Params) -> str:
         launcher = _set_option(launcher, flag, value)
     for flag, value in script.items():
         worker = _set_option(worker, flag, value)
+    if "--checkpoint-dir" in script and "--checkpoint-dir" in launcher:   # restart mode waits where the script saves
+        launcher = _set_option(launcher, "--checkpoint-dir", script["--checkpoint-dir"])
     if params.python:
         worker[0] = params.python
     if params.launcher:

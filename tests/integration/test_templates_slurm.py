@@ -165,7 +165,8 @@ def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(slurm, s
     assert step > 0 and (ck / latest / ".metadata").is_file(), logs[-3000:]
     # SIGTERM at the time limit: rank 0 saves the last commit point and stops, unless Slurm's KillWait (5 s on the
     # lab) ends the step first on a busy host; then the latest checkpoint is the last periodic one
-    said = (f"checkpoint {ck_rel / latest} (step {step}): submit the job again with --resume" if name != "wrap-train-py"
+    plain = name in templates.PLAIN_SCRIPT   # elastic_launcher.examples.plain_train, under elastic-launch or torchrun
+    said = (f"checkpoint {ck_rel / latest} (step {step}): submit the job again with --resume" if not plain
             else f"stopped by SIGTERM after step {step}")
     assert said in logs or step % (200 if name == "wrap-train-py" else 10) == 0, logs[-3000:]
 
@@ -173,7 +174,7 @@ def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(slurm, s
     wait_until(lambda: _ended(slurm, second), 240, f"the resubmitted {name} job to finish")
     logs = "\n".join(p.read_text() for p in (work / "run-again").glob("worker-*.log"))
     assert slurm.job(second).state == "COMPLETED", logs[-3000:]
-    if name == "wrap-train-py":
+    if plain:
         assert f"resumed from step {step} on 1 ranks" in logs and f"done: {step + 10} steps on 1 ranks" in logs, logs
     else:
         assert f"resumed from {ck_rel / latest} (step {step})" in logs, logs[-3000:]
