@@ -165,7 +165,8 @@ class LaunchConfig:
         checkpoint_timeout: restart mode: after SIGUSR1, the wait for the script's checkpoint (the grace period).
         rendezvous_last_call: restart mode: torchrun's wait for more nodes once the minimum joined a round.
         max_restarts: restart mode: torchrun's restarts after worker failures (a shrink is one) before it gives up.
-        end_time: the job's end (Unix seconds, Slurm's SLURM_JOB_END_TIME), for the time it has left; None: unknown.
+        end_time: the job's end (Unix seconds, SLURM_JOB_END_TIME where Slurm exports it), for the time it has left;
+            None: restart mode asks Slurm (squeue's end_time).
     """
 
     command: tuple[str, ...]

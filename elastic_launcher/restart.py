@@ -114,6 +114,7 @@ class RestartLauncher:
                                          munge_socket=config.munge_socket)
         self.op: Optional[RestartOp] = None
         self.cost_s: Optional[float] = None   # the last restart's measured cost
+        self.end_time = config.end_time   # when the job's time limit ends it (Unix s); from Slurm when None
         self.operator_cap: Optional[int] = None
         self._plan_asked = float("-inf")
         self._helper_asked = float("-inf")   # when Slurm was last asked whether the grow's helper still lives
@@ -290,8 +291,10 @@ class RestartLauncher:
                    "per_gpu_batch": d.per_gpu_batch}
         if self.cost_s is not None:   # until measured, the planner prices a restart with its default
             current["restart_cost_s"] = self.cost_s
-        if self.config.end_time is not None:
-            current["remaining_s"] = max(0.0, self.config.end_time - time.time())
+        if self.end_time is None:
+            self.end_time = self._slurm_end_time()
+        if self.end_time:
+            current["remaining_s"] = max(0.0, self.end_time - time.time())
         low, high = self.nodes_range
         reply = self.predictor.plan({"source": "launcher", "directives": list(d.raw_lines), "current": current,
                                      "job": {"job_id": int(self.job_id), "min_nodes": low, "max_nodes": high,
@@ -306,6 +309,15 @@ class RestartLauncher:
             target = min(target, nodes + len(self._idle())) if target > nodes else target
             if target != nodes:
                 self.request(target, "plan", reply.get("reason") or "the planner")
+
+    def _slurm_end_time(self) -> Optional[float]:
+        """The job's end as Slurm plans it (Slurm 22.05 does not export SLURM_JOB_END_TIME); 0.0 when Slurm does not
+        say, None while it cannot be asked (asked again at the next plan)."""
+        try:
+            return float(self.slurm.job(int(self.job_id)).end_time)
+        except Exception as exc:  # noqa: BLE001 - Slurm slow or down: the plan goes without the time left
+            log.warning("cannot read job %s's end time: %s", self.job_id, exc)
+            return None
 
     def _idle(self) -> list[str]:
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import shlex
 import subprocess
 import sys
@@ -18,13 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"^step (\d+)/\d+\s+world (\d+)\s+loss ([0-9.]+)$", re.M)
 
 
-def _job(work: Path, steps: int, *script_options: str, every: int = 50, autoscale: bool = False) -> Path:
+def _job(work: Path, steps: int, *script_options: str, every: int = 50, autoscale: bool = False,
+         predictor: str = "") -> Path:
     script = work / "job.sbatch"
     train = [sys.executable, "-m", "elastic_launcher.examples.plain_train", "--steps", str(steps), "--checkpoint-dir",
              "ck", "--checkpoint-every", str(every), "--resume", "--log-every", "1", "--step-s", "0.1", *script_options]
     launch = [sys.executable, "-m", "elastic_launcher.cli", "--script", "$0", "--workers-per-node", "1", "--run-dir",
               "run", "--registry", "reg", "--checkpoint-dir", "ck", "--checkpoint-timeout", "8",
-              *([] if autoscale else ["--no-autoscale"])]
+              *([] if autoscale else ["--no-autoscale"]), *(["--predictor", predictor] if predictor else [])]
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH --job-name=restart-test", "#SBATCH --nodes=1", "#SBATCH --time=00:10:00",
         "#SBATCH --output=%x-%j.out", "#SBATCH --no-kill", "#ELASTIC gpus=1-4 mode=restart",
@@ -120,3 +123,51 @@ def test_helper_nodes_go_back_to_a_job_that_waits_for_them(slurm, submit, idle_n
     assert f"pending job {waiting}" in decision["reason"]
     wait_until(lambda: slurm.job(waiting).state in ("RUNNING", "COMPLETING", "COMPLETED"), 60, "the waiting job to run")
     slurm.cancel(job)
+
+
+class _Planner(BaseHTTPRequestHandler):
+    """A stand-in /v1/plan (the real planner's pricing is tests/unit/test_restart_price.py's): double the job's
+    nodes up to 4, then keep; every request body is kept in `bodies`."""
+    bodies: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        reply = {}
+        if self.path == "/v1/plan":
+            type(self).bodies.append(body)
+            nodes = len(body["current"]["layout"])
+            reply = ({"action": "rewrite", "nodes": 2 * nodes, "reason": f"elastic: {2 * nodes} nodes; restart pays "
+                      f"back: test planner", "decision_id": f"d-{len(self.bodies)}"} if nodes < 4 else
+                     {"action": "keep", "nodes": None, "reason": "elastic: request already matches the plan",
+                      "decision_id": f"d-{len(self.bodies)}"})
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_job_grows_1_2_4_when_the_planner_says_so(slurm, submit, idle_nodes, wait_until, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Planner)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        work = Path(tmp_path)
+        job = submit(_job(work, 100000, autoscale=True, predictor=f"http://127.0.0.1:{server.server_port}"),
+                     ["--chdir", str(work)])
+        wait_until(lambda: len(_transitions(work)) >= 2, 300, "two planned grows")
+        slurm.cancel(job)
+    finally:
+        server.shutdown()
+        server.server_close()
+    moves = _transitions(work)[:2]
+    assert [(m["action"], m["from_nodes"], m["to_nodes"], m["world"]) for m in moves] == [("plan", 1, 2, 2),
+                                                                                          ("plan", 2, 4, 4)], moves
+    assert all(m["checkpointed"] and "restart pays back" in m["reason"] for m in moves)
+    first, later = _Planner.bodies[0]["current"], _Planner.bodies[-1]["current"]
+    assert first["layout"] == [1] and first["samples_per_s"] > 0 and "restart_cost_s" not in first
+    assert 0 < first["remaining_s"] <= 600   # the job's 10-minute limit, as Slurm plans its end
+    assert later["restart_cost_s"] == moves[-1]["cost_s"] or later["restart_cost_s"] == moves[0]["cost_s"]

@@ -58,6 +58,14 @@ def test_the_plan_request_carries_the_rate_the_restart_cost_and_the_time_left(tm
     assert run.predictor.bodies[-1]["current"]["restart_cost_s"] == 21.5
 
 
+def test_without_slurm_job_end_time_the_time_left_is_read_from_slurm(tmp_path, monkeypatch):
+    monkeypatch.setattr("elastic_launcher.restart.time.time", lambda: 1000.0)
+    run, _ = launcher(tmp_path, {"action": "keep", "reason": "elastic: stays", "nodes": None})
+    run.slurm.job = lambda job_id: SimpleNamespace(end_time=2800 if job_id == 42 else 0)
+    run._autoscale()
+    assert run.predictor.bodies[-1]["current"]["remaining_s"] == 1800.0
+
+
 def test_a_plan_to_grow_signals_every_worker_and_waits_for_the_checkpoint(tmp_path):
     run, signalled = launcher(tmp_path, {"action": "rewrite", "reason": "elastic: 2 nodes; restart pays back",
                                          "nodes": 2})
