@@ -1,9 +1,10 @@
 """Leave-one-collection-out: the throughput model scored on H200 collections it was not fitted on (issue 38).
 
 Run: `python bench/loco.py [--model new|reference|release] [--out FILE.json] [--no-write]`; default: the product's
-model (predictor.engine.Predictor) and the no-fit reference (bench/ddp_reference.py), with the release's scores read
-from bench/results/loco_release.json (written by this script run on the release's code: `--model release`);
-writes bench/results/loco.md and bench/results/loco.json.
+model (predictor.engine.Predictor) and the no-fit reference (bench/ddp_reference.py), beside frozen scores (`FROZEN`):
+the release's from bench/results/loco_release.json (this script run on the release's code: `--model release`) and the
+step model's before this version's from bench/results/loco_previous.json (this script run on that code: `--model new
+--out`, its `new` renamed `previous`); writes bench/results/loco.md and bench/results/loco.json.
 
 Collections: every committed H200 collection (bench/data/heldout/*/, bench/data/coldstart/ and its session7/):
 each is one lent machine on one day (their SOURCE.md files say which). For each held-out collection C, the store
@@ -43,7 +44,7 @@ from predictor.planner import last_step  # noqa: E402
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
 RESULTS = HERE / "results"
-RELEASE = RESULTS / "loco_release.json"
+FROZEN = {"release": RESULTS / "loco_release.json", "previous": RESULTS / "loco_previous.json"}   # rendered first
 MIN_EFFICIENCIES = (0.6, 0.7, 0.8)
 TARGET_ALL, TARGET_TRANSPORT, TARGET_SAME = 8.0, 10.0, 0.90
 
@@ -200,8 +201,8 @@ def render(scores: dict[str, dict], versions: dict[str, str]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("new", "reference", "release"), action="append",
-                    help="which to score (repeatable); default new and reference, with the release read from "
-                         f"{RELEASE.relative_to(HERE.parent)}")
+                    help="which to score (repeatable); default new and reference, with the frozen scores of "
+                         + ", ".join(str(f.relative_to(HERE.parent)) for f in FROZEN.values()))
     ap.add_argument("--out", type=Path, help="write the scores as JSON here")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
@@ -213,10 +214,10 @@ def main(argv=None) -> int:
         versions[k] = "no fit" if k == "reference" else model_version()
     if a.out:
         a.out.write_text(json.dumps({"versions": versions, "scores": scores}, indent=1) + "\n")
-    if not a.model and RELEASE.exists():
-        frozen = json.loads(RELEASE.read_text())
-        scores = {"release": frozen["scores"]["release"], **scores}
-        versions["release"] = frozen["versions"]["release"]
+    if not a.model:
+        frozen = {k: json.loads(f.read_text()) for k, f in FROZEN.items() if f.exists()}
+        scores = {**{k: d["scores"][k] for k, d in frozen.items()}, **scores}
+        versions.update({k: d["versions"][k] for k, d in frozen.items()})
     text = "\n".join(render(scores, versions))
     print(text)
     if not a.no_write and not a.model:

@@ -47,8 +47,9 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class VoteTally:
     """What a commit vote says: the SUM over the ranks of [ready, collectives ok, local step ok, 1, proposal,
-    lead, leading]: ``lead`` is the steps a rank's loader needs to read the next epoch's batches before a switch
-    (its depth), ``leading`` 1 where that is not yet armed for this commit point.
+    lead, leading, stop]: ``lead`` is the steps a rank's loader needs to read the next epoch's batches before a switch
+    (its depth), ``leading`` 1 where that is not yet armed for this commit point, ``stop`` 1 where the rank was
+    asked to stop (SIGTERM: ``ElasticTrainer.request_stop``).
 
     Attributes:
         counted: every rank took part (the last entry is the group size; a vote that an aborted NCCL
@@ -59,6 +60,8 @@ class VoteTally:
         proposals: the sum of the ranks' proposed commit intervals (``CommitSchedule.committed`` reads it).
         lead: steps the switch must be announced ahead (the mean over the ranks that need it), 0 when every rank
             is armed for this commit point or needs none.
+        stop: some rank was asked to stop: every rank stops at this commit point (the same step everywhere: a rank
+            that stopped on its own would leave its peers in the next step's collectives).
     """
 
     counted: bool
@@ -67,13 +70,14 @@ class VoteTally:
     ready: bool
     proposals: int = 0
     lead: int = 0
+    stop: bool = False
 
     @classmethod
     def read(cls, v, n: int, ready: int) -> "VoteTally":
-        total, coll, local, count, proposals, lead, leading = [int(x) for x in v] + [0] * (7 - len(v))
+        total, coll, local, count, proposals, lead, leading, stop = [int(x) for x in v] + [0] * (8 - len(v))
         counted = count == n
         return cls(counted, counted and coll == n, local == n, ready > 0 and total == n * ready, proposals,
-                   -(-lead // leading) if leading else 0)
+                   -(-lead // leading) if leading else 0, stop > 0)
 
 
 class CommitOutcome(enum.Enum):

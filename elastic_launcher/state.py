@@ -18,9 +18,10 @@ import copy
 
 import io
 import pickle
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -163,6 +164,22 @@ class TrainingState:
             counters=dict(self.counters),
             extras=self._extras_state(),
         )
+
+    def rehearse(self, step_fn: Callable[[torch.nn.Module], Any], steps: int) -> float:
+        """Runs ``step_fn(model)`` ``steps`` times, then puts the state back as it was (the rollback point stays)
+        and clears every gradient of the model. Returns the seconds it took (a CUDA device synchronised)."""
+        t0 = time.perf_counter()
+        saved = self.capture()  # not the rollback point
+        try:
+            for _ in range(steps):
+                step_fn(self.model)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)  # parameters outside the optimizer too
+            self.restore(saved)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _extras_state(self) -> dict:
         return {name: copy.deepcopy(obj.state_dict()) for name, obj in self.extras.items()}

@@ -57,7 +57,7 @@ The controller and ``ctl`` use the launcher channel through a ``PrefixStore``; w
 ``progress``/``observations``/``hosts`` keys on an unprefixed client with the full key (:func:`progress`,
 :func:`observations`, :func:`hosts` return full keys, ``launcher/...``).
 
-Trainer channel, ``<p>/elastic-state/`` (:func:`state_channel`; ``trainer.py``, ``epochs.py``, ``state.py``):
+Trainer channel, ``<p>/elastic-state/`` (:func:`state_channel`; ``rendezvous_client.py``, ``epochs.py``, ``state.py``):
 
 =================== ====================================== =========================================== ==========
 key                 written by                             read by                                     value

@@ -19,7 +19,7 @@ from typing import Optional
 logger = logging.getLogger("elastic_launcher.process_group")
 
 __all__ = ["retire", "abort_nccl", "drain_reaper", "release_retired", "abandon_retired", "retired_groups",
-           "give_up_build", "drain_given_up_builds"]
+           "give_up_build", "drain_given_up_builds", "before_exit"]
 
 
 class _Reaper:
@@ -186,3 +186,15 @@ def give_up_build(thread: threading.Thread) -> None:
 def drain_given_up_builds(timeout: timedelta = timedelta(seconds=10)) -> bool:
     """Waits up to ``timeout`` for the given-up builds' threads to end; False if one still runs."""
     return _GIVEN_UP.drain(timeout)
+
+
+def before_exit(timeout: timedelta = timedelta(seconds=10)) -> None:
+    """What a worker does before it exits: waits up to ``timeout`` in all for the NCCL aborts and for the group
+    builds it gave up on (the process must not exit under one), then :func:`abandon_retired`."""
+    t0 = time.monotonic()
+    if not drain_reaper(timeout):
+        logger.warning("group teardown still blocked after %s", timeout)
+    left = max(timedelta(0), timeout - timedelta(seconds=time.monotonic() - t0))
+    if not drain_given_up_builds(left):
+        logger.warning("a group build given up on still runs after %s: the process may abort at exit", timeout)
+    abandon_retired()

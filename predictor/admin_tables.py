@@ -162,17 +162,23 @@ def constant_rows(doc: dict) -> list[dict]:
 
 
 def interval_rows(doc: dict) -> list[dict]:
-    """Per basis, the factors of an 80% interval around a prediction and how many held-out residuals back them
-    (`Params.interval`: fewer than MIN_RESIDUALS and the prior spread stands)."""
+    """Per basis, and per basis and what gates a multi-GPU step where the fit pooled its residuals so, the factors
+    of an 80% interval around a prediction and how many held-out residuals back them (`Params.interval`: fewer than
+    MIN_RESIDUALS and the basis's pool, then the prior spread, stands)."""
     from predictor.stepmodel import MIN_RESIDUALS, PRIOR_SPREAD, Params  # noqa: PLC0415  (numpy/scipy: the CLI's)
 
     params = Params.from_dict(doc)
     rows = []
     for basis in PRIOR_SPREAD:
-        low, high = params.interval(basis)
-        n = len(params.residuals.get(basis, []))
-        rows.append({"basis": basis, "residuals": n, "low": low, "high": high,
-                     "source": "held-out residuals" if n >= MIN_RESIDUALS else "prior spread"})
+        gates = sorted(k.split(" ", 1)[1] for k in params.residuals if k.startswith(basis + " "))
+        for gate in [None, *gates]:
+            key = f"{basis} {gate}" if gate else basis
+            low, high = params.interval(basis, gate)
+            n = len(params.residuals.get(key, []))
+            rows.append({"basis": key, "residuals": n, "low": low, "high": high,
+                         "source": "held-out residuals" if n >= MIN_RESIDUALS else
+                         "the basis's residuals" if gate and len(params.residuals.get(basis, [])) >= MIN_RESIDUALS
+                         else "prior spread"})
     return rows
 
 

@@ -16,13 +16,23 @@ Each loader returns a `Dataset`: step records with the shapes of docs/design.md 
   of AdaptDL's benchmark (benchmark/models/ncf: NeuMF on MovieLens-1M, factor 32, 3 layers, 1.6 M parameters;
   profiles.BUILTIN `ncf-ml-1m`), not NeuMF on MovieLens-20M (5.9 M).
 - Morphling A800 (`morphling-a800/traces/<model>/placements.csv`, `exec_plan == "ga"` rows of bert, roberta,
-  vit): 8 A800 per node, "nvlink" inside, "ib" across (interconnect not stated in the source). The rows
-  behave as a fixed global batch split over G GPUs; the global batch is not recorded, so a nominal global
-  batch of 840 samples (divisible by 1..8) is used: per_gpu_batch = 840 / G. Throughput ratios are exact.
-  The split fits bert's rows (its forward phase shrinks with G), not roberta's (its forward stays at 22 ms from
-  1 to 8 GPUs) nor vit's (its 8-GPU step is twice its 1-GPU step).
+  vit): 8 A800 per node, "nvlink" inside, "ib" across (interconnect not stated in the source). An iteration is
+  one global batch at every placement: the origin's scheduler takes a job's throughput as `local_bsz /
+  iter_time` whatever its placement (simulator/job.py), with `local_bsz` bert 32, roberta 64, vit 64
+  (sched/models/<model>.py, where `orig_tpt = local_bsz / <the ga,8 row's iter_time>` ties it to these rows;
+  vit's per-phase profile, perf_model_profile/vit/config.csv, names the same 64). So per_gpu_batch =
+  MORPHLING_GLOBAL_BATCH[model] / G (fractional where G does not divide it: DDP's ranks then differ by one
+  sample). bert's forward phase shrinks with G as this split says; roberta's forward column stays at 20-23 ms
+  from 1 to 8 GPUs (its per-phase profile has 120 ms at 4 GPUs, 60 ms at 8: the two files disagree). vit's
+  layouts across nodes take 0.066-0.083 s an iteration where every node has an even GPU count (5 layouts),
+  0.12-0.23 s at one GPU a node (`11`, `1111`, `11111111`) and 0.27-0.45 s where odd and other counts mix (17
+  layouts: `13`, `35`, `111122`, ...); bert's and roberta's show no such split, so no link learnt from them
+  foresees it.
 - ElasticFlow A100 (`elasticflow-a100/throughputs_A100/*.csv`): 8 A100 per node, NVLink inside, HDR IB
-  across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node.
+  across; cells are iterations/s at a global batch, G <= 8 on one node, else packed 8 per node. The origin's
+  trainer (elastic-training-executor/trainer.py) gives each of G ranks `batch_size // world_size` and writes
+  `iterations / seconds since DDP was built` into row `per-GPU batch * G`, column G: per_gpu_batch = row / G,
+  the step 1 / cell, with the first iterations' warm-up in it (how many iterations ran is not recorded).
 Every row's owner (`uid`) is its model's trace (`_step`).
 """
 from __future__ import annotations
@@ -40,11 +50,11 @@ from pathlib import Path
 from predictor.profiles import Profile, profile_from_spec
 
 DEFAULT_ROOT = Path(__file__).resolve().parent / "data"
-A800_GLOBAL_BATCH = 840
 
 POLLUX_MODELS = {"bert": "bert-base-uncased", "cifar10": "resnet18_cifar10", "deepspeech2": "deepspeech2",
                  "imagenet": "resnet50", "ncf": "ncf-ml-1m", "yolov3": "yolov3"}
 MORPHLING_MODELS = {"bert": "bert-large-uncased", "roberta": "roberta-large", "vit": "vit-base-patch16-224"}
+MORPHLING_GLOBAL_BATCH = {"bert": 32, "roberta": 64, "vit": 64}   # samples an iteration (module docstring)
 ELASTICFLOW_MODELS = {"bert": "bert-base-uncased", "deepspeech2": "deepspeech2", "gpt2": "gpt2",
                       "inception3": "inception_v3", "resnet50": "resnet50", "resnet50_cifar10": "resnet50_cifar10",
                       "vgg16": "vgg16"}
@@ -123,7 +133,7 @@ def load_pollux(root: Path = DEFAULT_ROOT) -> Dataset:
 
 
 def load_morphling(root: Path = DEFAULT_ROOT) -> Dataset:
-    """Morphling A800 `ga` rows (fixed global batch; nominal 840 samples)."""
+    """Morphling A800 `ga` rows: one global batch an iteration (MORPHLING_GLOBAL_BATCH), split over the GPUs."""
     base = Path(root) / "morphling-a800" / "traces"
     steps = []
     for model in MORPHLING_MODELS:
@@ -132,7 +142,7 @@ def load_morphling(root: Path = DEFAULT_ROOT) -> Dataset:
             if r["exec_plan"] != "ga" or not t > 0:
                 continue
             layout = [int(c) for c in r["placement"]]
-            b = A800_GLOBAL_BATCH // sum(layout)
+            b = MORPHLING_GLOBAL_BATCH[model] / sum(layout)
             steps.append(_step(model, "A800", layout, "nvlink", "ib", b, t,
                                f"morphling/{model}/placements.csv:{i + 2}"))
     return Dataset("morphling-a800", "A800", _profiles(MORPHLING_MODELS), steps)

@@ -149,14 +149,15 @@ class Predictor:
         measured = self.__dict__.get("measured_", {})
         out = []
         for c in cands:
-            r = stepmodel.predict_layouts(self.params_, ladder, profile.buckets_bytes, len(profile.tensors), gpu, b,
+            r = stepmodel.predict_layouts(self.params_, ladder, profile, gpu, b,
                                           [c["layout"]], c["intra_link"], c["inter_link"])
             multi = sum(c["layout"]) > 1
             link = self.params_.link(stepmodel.sync_link(c["layout"], c["intra_link"], c["inter_link"]))
             # the interval: the basis's held-out spread, widened by what the compute estimate adds
             which = ("cross-type" if basis.startswith("cross-type") else basis) if basis != "observed" else (
                 "calibrated" if multi and host.basis == "calibrated" else "observed" if multi else "measured")
-            lo, hi = self.params_.interval(which)
+            gate = str(r["gate"][0]) if multi else None
+            lo, hi = self.params_.interval(which, gate)
             std = math.sqrt((math.log(hi / lo) / (2 * Z80)) ** 2 + extra_std ** 2)
             sps = float(r["samples_per_s"][0])
             pred = {"layout": list(c["layout"]), "samples_per_s": sps, "iter_s": float(r["iter_s"][0]),

@@ -10,7 +10,9 @@ link E). With K = max_i k_i GPUs on the fullest node and G = sum_i k_i:
     phases        forward F = T1 / 3, backward B = 2 T1 / 3 (BACKWARD_SHARE: a backward is twice a forward's FLOPs)
     buckets       DDP's buckets in gradient-ready order (reverse registration; the first 1 MiB, then
                   bucket_cap_mb, one dtype a bucket: predictor/profiles.py), bytes s_1..s_m
-    ready         r_j = F + B * (s_1 + ... + s_j) / sum(s)       bucket j's gradients are all computed
+    ready         r_j = F + B * (i_j + 1) / n_tensors             bucket j's gradients are all computed: i_j its
+                  last tensor's place in gradient-ready order (the backward takes about as long a layer, not
+                  a byte: `shares`)
     all-reduce    d_j = C_I(K, s_j) + C_E(n, K^nu_E s_j)          read off the link's own collective sweep
                   (`Collectives`: measured points interpolated log-log; another world size moved along the
                   ring's alpha-beta terms; across nodes the cheaper of ring and tree); hierarchical: inside the
@@ -49,10 +51,17 @@ nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, p
 steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all.
 
-Intervals: the 10th and 90th percentiles of log residuals by basis (`interval`): for multi-GPU answers, the
-multi-GPU rows' residuals after the constants' fit (a handful of constants per link and GPU type, and a ladder that
-is measured, not fitted, so these are nearly out of sample; bench/loco.py measures the coverage on collections held
-out); for 1-GPU answers, leave-one-batch-out on the ladders; a basis with too few residuals takes the prior spread.
+Intervals: the 10th and 90th percentiles of log residuals by basis (`interval`). For multi-GPU answers, the
+multi-GPU rows' residuals held out by owner: the owners (users, else jobs) split in OWNER_FOLDS folds, each fold's
+rows predicted by the constants fitted without them (one owner: in-sample), so that what differs from one host,
+day or user to the next (the host's drift between the 1-GPU launch and the multi-GPU one, the link's day) is in
+the spread; pooled apart by what the prediction says gates the step (HOST_GATED: floor + DDP's host work is the
+longer path; else the larger part of the device's: LINK_GATED the all-reduce exposed after the compute,
+COMPUTE_GATED the compute), since a host-gated step carries the host's drift (the multi-GPU launches of
+bench/data/coldstart and its session7 measured their own 1-GPU step at 0.61-1.56x the 1-GPU launch's where the
+step is the host's, 1.00-1.05x where it is the GPU's); bench/loco.py measures the coverage on collections held
+out. For 1-GPU answers, leave-one-batch-out on the ladders. A pool with too few residuals takes its basis's, then
+the prior spread.
 """
 from __future__ import annotations
 
@@ -69,7 +78,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.02-3"
+MODEL_VERSION = "sm-2026.12.02-5"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -101,6 +110,11 @@ PRIOR_SPREAD = {"measured": 0.05, "calibrated": 0.10, "observed": 0.15, "inferre
                 "profile": 0.50, "prior": 1.00}
 MIN_RESIDUALS = 8
 INTERVAL = (0.10, 0.90)        # an 80% interval
+OWNER_FOLDS = 5                # the intervals' residuals: owners held out in this many folds (a refit each)
+FOLD_TOL = 1e-3                # relative tolerance of a fold's refit (the full fit: least_squares' default 1e-8)
+# what gates a multi-GPU step's prediction: the host's path, else the larger part of the device's (compute or the
+# all-reduce exposed after it)
+HOST_GATED, LINK_GATED, COMPUTE_GATED = "host-gated", "link-gated", "compute-gated"
 
 
 # --------------------------------------------------------------------------------------------------- one GPU
@@ -323,10 +337,13 @@ class Params:
     def link(self, name: str | None) -> LinkCost:
         return self.links.get(name or "", LinkCost())
 
-    def interval(self, basis: str) -> tuple[float, float]:
-        """(low, high) factors of an 80% interval around a prediction of this basis (`PRIOR_SPREAD` where fewer
-        than MIN_RESIDUALS held-out residuals back it)."""
-        res = self.residuals.get(basis, [])
+    def interval(self, basis: str, gate: str | None = None) -> tuple[float, float]:
+        """(low, high) factors of an 80% interval around a prediction of this basis, for a multi-GPU step by what
+        gates its prediction (`gate`: HOST_GATED, LINK_GATED, COMPUTE_GATED) where that pool has MIN_RESIDUALS
+        residuals, else the basis's pool; `PRIOR_SPREAD` where fewer back it."""
+        res = self.residuals.get(f"{basis} {gate}", []) if gate else []
+        if len(res) < MIN_RESIDUALS:
+            res = self.residuals.get(basis, [])
         if len(res) >= MIN_RESIDUALS:
             lo, hi = np.quantile(np.asarray(res), INTERVAL)
             return float(math.exp(min(lo, 0.0))), float(math.exp(max(hi, 0.0)))
@@ -419,19 +436,32 @@ def simulate(t1: np.ndarray, floor: np.ndarray, share: np.ndarray, comm: np.ndar
     host = np.where(multi, floor + host_s, 0.0)
     iter_s = np.where(multi, (device ** HOST_K + host ** HOST_K) ** (1.0 / HOST_K), device)
     return {"iter_s": iter_s, "compute_s": t1, "comm_s": np.where(multi, np.maximum(end - fwd, 0.0), 0.0),
-            "exposed_s": iter_s - t1}
+            "exposed_s": iter_s - t1,
+            "gate": np.where(~multi, "", np.where(host >= device, HOST_GATED,
+                                                  np.where(device - t1 > t1, LINK_GATED, COMPUTE_GATED)))}
 
 
-def shares(buckets) -> np.ndarray:
-    """Cumulative share of the gradient bytes ready as each bucket (in ready order) completes."""
-    buckets = np.asarray(buckets, dtype=float)
-    return np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
+def shares(profile) -> np.ndarray:
+    """The share of the backward done when each bucket (in ready order) is ready: its last gradient tensor's
+    place among the profile's tensors (in gradient-ready order), (index + 1) / n. The backward spends about as
+    long on each layer, not on each byte: a transformer's embedding holds a fifth (BERT) to two thirds (XLM-R) of
+    its bytes and is ready last, a CNN's last stage most of its bytes and is ready first. A tensor's bucket: the
+    running sum of the tensors' bytes against the buckets' (DDP's order; exact for one dtype). No tensors: the byte
+    shares."""
+    buckets = np.asarray(profile.buckets_bytes, dtype=float)
+    sizes = np.array([t.nbytes for t in profile.tensors], dtype=float)
+    if not len(sizes):
+        return np.cumsum(buckets) / max(float(np.sum(buckets)), 1.0)
+    last = np.searchsorted(np.cumsum(sizes), np.cumsum(buckets) * (np.sum(sizes) / np.sum(buckets)) - 0.5)
+    out = (np.minimum(last, len(sizes) - 1) + 1) / len(sizes)
+    out[-1] = 1.0
+    return out
 
 
-def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: str, b: float, layouts,
-                    intra: str, inter: str | None) -> dict:
+def predict_layouts(params: Params, ladder: Ladder, profile, gpu: str, b: float, layouts, intra: str,
+                    inter: str | None) -> dict:
     """compute_s, comm_s, iter_s and samples_per_s of one (profile, GPU, batch) on each layout (pure)."""
-    buckets = np.asarray(buckets, dtype=float)
+    buckets, tensors = np.asarray(profile.buckets_bytes, dtype=float), len(profile.tensors)
     n = len(layouts)
     G = np.array([sum(l) for l in layouts], dtype=float)
     multi = G > 1
@@ -440,7 +470,7 @@ def predict_layouts(params: Params, ladder: Ladder, buckets, tensors: int, gpu: 
     comm = bucket_comm(params, buckets, layouts, intra, inter)
     lc = [params.link(sync_link(l, intra, inter)) for l in layouts]
     host = params.host(gpu).seconds(len(buckets), tensors)
-    r = simulate(t1, floor, np.tile(shares(buckets), (n, 1)), comm, np.array([c.kappa for c in lc]),
+    r = simulate(t1, floor, np.tile(shares(profile), (n, 1)), comm, np.array([c.kappa for c in lc]),
                  np.array([c.o for c in lc]), np.full(n, host), multi)
     r["samples_per_s"] = G * b / r["iter_s"]
     return r
@@ -524,43 +554,69 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
                                 val.get(("nu", l), 0.0), val.get(("tree", l), 0.0))
         return hosts, links
 
-    def predict_all(x) -> np.ndarray:
+    def predict_all(x) -> dict:
         hosts, links = build(x)
         lc = [links[l] for l in link_of]
         hc = [hosts.get(r["gpu"], HostCost()) for r in rows]
         host_s = np.array([h.seconds(nb, nt) for h, nb, nt in zip(hc, X["nb"], X["nt"])])
         return simulate(X["t1"], X["floor"], X["share"], _comm(X, links, collectives),
                         np.array([c.kappa for c in lc]), np.array([c.o for c in lc]), host_s,
-                        np.ones(len(rows), dtype=bool))["iter_s"]
+                        np.ones(len(rows), dtype=bool))
 
     y = np.log([r["iter_s"] for r in rows]) if rows else np.zeros(0)
-    x = np.zeros(len(names))
-    if names:
+    w = _weights(rows)
+
+    def solve(keep: np.ndarray, start=None, tol: float = 1e-8) -> tuple[np.ndarray, bool]:
+        """The constants fitted on the rows where `keep` (the others weigh nothing), from `start` (default inside
+        the bounds, near 0), to a relative tolerance `tol` of the cost and the constants: (x, converged)."""
         lo = [BOUNDS[n[0]][0] / SCALE[n[0]] for n in names]
         hi = [BOUNDS[n[0]][1] / SCALE[n[0]] for n in names]
         ridge = np.array([math.sqrt(LINK_RIDGE_ROWS if n[0] in STRONG_RIDGE else RIDGE_ROWS) * F_SCALE
                           for n in names])
-        sw = np.sqrt(_weights(rows))
+        sw = np.sqrt(np.where(keep, w, 0.0))
 
         def resid(v):
-            return np.concatenate([sw * (np.log(predict_all(v)) - y), ridge * np.asarray(v) / np.asarray(hi)])
-        x0 = 0.1 * np.asarray(hi)   # inside the bounds: at 0 the host path is below the device's, flat
+            return np.concatenate([sw * (np.log(predict_all(v)["iter_s"]) - y), ridge * np.asarray(v) / np.asarray(hi)])
+        x0 = 0.1 * np.asarray(hi) if start is None else start  # at 0 the host path is below the device's, flat
         try:
-            res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=F_SCALE, max_nfev=200)
-            converged = bool(res.success) and bool(np.all(np.isfinite(res.x)))
-            x = res.x
+            res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=F_SCALE, max_nfev=200,
+                                ftol=tol, xtol=tol)
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):
-            converged = False
+            return np.zeros(len(names)), False
+        return res.x, bool(res.success) and bool(np.all(np.isfinite(res.x)))
+
+    x = np.zeros(len(names))
+    if names:
+        x, converged = solve(np.ones(len(rows), dtype=bool))
         if not converged:       # the defaults (the no-fit reference's constants) stand, and say so
             names, x = [], np.zeros(0)
     hosts, links = build(x)
     residuals: dict[str, list[float]] = {}
     by_pair: dict[tuple[str, str], list[float]] = {k: [] for k in ladders}
     if rows:
-        for r, t in zip(rows, predict_all(x)):
-            basis = "calibrated" if hosts.get(r["gpu"], HostCost()).basis == "calibrated" else "observed"
-            residuals.setdefault(basis, []).append(float(math.log(r["iter_s"] / t)))
+        fit = predict_all(x)
+        for r, t in zip(rows, fit["iter_s"]):
             by_pair[(r["profile"], r["gpu"])].append(float(math.log(r["iter_s"] / t)))
+        # the intervals' residuals: each owner's rows predicted by constants fitted without them (folds of owners)
+        held, gated = fit["iter_s"].copy(), fit["gate"].copy()
+        owners = sorted({repr(owner_of(r)) for r in rows if owner_of(r) is not None})
+        if names and len(owners) >= 2:
+            k = min(OWNER_FOLDS, len(owners))
+            fold_of = {o: i % k for i, o in enumerate(owners)}
+            fold = np.array([fold_of[repr(owner_of(r))] if owner_of(r) is not None else i % k
+                             for i, r in enumerate(rows)])
+            for f in range(k):
+                # from the fit on all rows (a fold moves it little), to 0.1%: a residual needs no more
+                xf, ok = solve(fold != f, x, FOLD_TOL)
+                if ok:
+                    out = predict_all(xf)
+                    held = np.where(fold == f, out["iter_s"], held)
+                    gated = np.where(fold == f, out["gate"], gated)
+        for r, t, g in zip(rows, held, gated):
+            basis = "calibrated" if hosts.get(r["gpu"], HostCost()).basis == "calibrated" else "observed"
+            e = float(math.log(r["iter_s"] / t))
+            residuals.setdefault(basis, []).append(e)
+            residuals.setdefault(f"{basis} {g}", []).append(e)
     residuals["measured"] = _ladder_residuals(ladders)
     ladders = {**infer_ladders(profiles, collectives, ladders, multi_rows, hosts, links), **ladders}
     return Params(ladders=dict(ladders), collectives=collectives, hosts=hosts, links=links, residuals=residuals,
@@ -613,7 +669,7 @@ def _design(rows: list[dict], profiles: dict, ladders: dict, coll: Collectives) 
         buckets = np.asarray(p.buckets_bytes, dtype=float)
         t1[i] = float(lad.at(r["per_gpu_batch"])[0])
         floor[i] = min(lad.floor, t1[i])
-        share[i, :len(buckets)] = shares(buckets)
+        share[i, :len(buckets)] = shares(p)
         nbytes[i, :len(buckets)] = buckets
         K[i], N[i] = max(r["layout"]), len(r["layout"])
         a, e = r["intra_link"], (r.get("inter_link") or r["intra_link"])

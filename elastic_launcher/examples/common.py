@@ -399,7 +399,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     resumed = saving.resume(et.state)  # every worker: the state broadcast at the start then agrees at any size
     if resumed is not None:
         print(f"{env.wid}: resumed from {resumed.path} (step {resumed.step})", flush=True)
-    saving.catch_sigterm()
+    saving.catch_sigterm(et.request_stop)
     et.join()  # loader workers start and load a batch before announcing
     loss = torch.tensor(float("nan"))
     profiler = StepProfiler(args.torch_profile if env.local_id == 0 else None, env.wid)
@@ -418,8 +418,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
             profiler.step()
             if not et.left:
                 rank = et.rank
-                if saving.after_step(et.state, et.step, et.committed_step, rank):
-                    break  # SIGTERM: rank 0 saved the last commit point; every signalled rank stops here
+                if saving.after_step(et.state, et.step, et.committed_step, rank, et.stopping):
+                    break  # SIGTERM: every rank stops at the commit point the vote agreed on; rank 0 saved it
                 samples = et.sampler.epoch * len(dataset) + et.sampler.pos
                 if rank == 0 and (et.step % args.log_every == 0 or et.step == args.steps):
                     t, done = time.perf_counter(), samples
@@ -440,10 +440,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     if et.left:
         print(f"{env.wid}: left the job at step {et.step} (its node was released)", flush=True)
         return 0
-    if saving.signalled:
-        print(f"{env.wid}: stopped by SIGTERM after step {et.step}" +
-              (f"; checkpoint {saving.saved} (step {saving.saved_step}): submit the job again with --resume to "
-               "continue" if saving.saved and rank == 0 else ""), flush=True)
+    if saving.signalled or et.stopping:   # a rank not signalled stops where its peers do
+        print(f"{env.wid}: stopped by SIGTERM after step {et.step}", flush=True)
         return 128 + signal.SIGTERM
     if rank == 0:
         saving.finish(et.state, et.step)
@@ -458,9 +456,10 @@ class Checkpointing:
 
     Only the rank 0 of the moment writes, and what it writes is the trainer's rollback point (the state every rank
     agreed on at the last commit point): every ``every`` steps at a commit point (a thread writes it while training
-    goes on), after a SIGTERM (then every signalled rank stops after its current step: no wait for a commit point,
-    which may be far off) and at the end. A worker that gets SIGTERM and never returns from its step exits after
-    ``grace_s`` (Slurm's KillWait is 30 s by default).
+    goes on), after a SIGTERM (the next commit point's vote carries it, and every rank stops there: a rank that
+    stopped after its own step would leave its peers waiting in the next step's collectives, where no Python signal
+    handler runs) and at the end. A worker that gets SIGTERM and does not stop within ``grace_s`` exits (Slurm's
+    KillWait is 30 s by default).
     """
 
     def __init__(self, checkpoints: Optional[Checkpoints], every: int, resume: bool, save_to: Optional[Path],
@@ -495,15 +494,16 @@ class Checkpointing:
         self.saved, self.saved_step = resumed.path, resumed.step
         return resumed
 
-    def catch_sigterm(self) -> None:
-        """From here on SIGTERM asks this worker to stop at the next commit point (with --checkpoint-dir only:
-        without one there is nothing to save and SIGTERM ends the process as before)."""
+    def catch_sigterm(self, request_stop) -> None:
+        """From here on SIGTERM asks every worker to stop at the next commit point (``request_stop``: the trainer's;
+        with --checkpoint-dir only: without one there is nothing to save and SIGTERM ends the process as before)."""
         if self.checkpoints is None:
             return
 
         def stop(_signum, _frame):
             if not self.signalled:
                 self.signalled = True
+                request_stop()
                 timer = threading.Timer(self.grace_s, os._exit, (128 + signal.SIGTERM,))
                 timer.daemon = True
                 timer.start()
@@ -514,15 +514,19 @@ class Checkpointing:
         if self.checkpoints is not None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def after_step(self, state, step: int, committed: int, rank: int) -> bool:
-        """After a step (``committed``: the last commit point's): rank 0 starts a checkpoint of the rollback point
-        when one is due at this commit point, or at once after SIGTERM (then waited for). Returns True to stop."""
-        due = self.signalled or (committed == step and step - self.saved_step >= self.every)
+    def after_step(self, state, step: int, committed: int, rank: int, stopping: bool) -> bool:
+        """After a step (``committed``: the last commit point's; ``stopping``: its vote said stop, and this step is
+        it): rank 0 starts a checkpoint of the rollback point when one is due at this commit point, or when
+        stopping (then waited for). Returns True to stop."""
+        due = stopping or (committed == step and step - self.saved_step >= self.every)
         if self.checkpoints is not None and rank == 0 and due and committed != self.saved_step:
             self.saved, self.saved_step = self.checkpoints.begin(state, state.last_snapshot), committed
-        if self.signalled and self.checkpoints is not None:
+        if stopping and self.checkpoints is not None:
             self.checkpoints.wait()
-        return self.signalled
+            if rank == 0 and self.saved is not None:   # said at once: the time limit's KillWait may end us soon
+                print(f"SIGTERM after step {step}: checkpoint {self.saved} (step {self.saved_step}): submit the job "
+                      "again with --resume to continue", flush=True)
+        return stopping
 
     def finish(self, state, step: int) -> None:
         """Rank 0 at the end (a commit point): the last checkpoint (a job submitted again has nothing left to do)

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from predictor import stepmodel
 from predictor.engine import Predictor
 from predictor.errors import ValidationError
 from predictor.profiles import profile_from_spec
@@ -78,8 +79,12 @@ def test_an_unswept_link_is_its_class_prior_and_says_so(fitted):
 
 
 def test_more_gradient_bytes_never_faster(fitted):
+    # the same buckets, each twice the bytes (float64). Not profile_from_spec(dtype="float64"): DDP's cap then cuts
+    # other buckets, and a smaller last bucket (7.3 MiB against float32's 9.3) can end the step sooner
     pred, profiles, _ = fitted
-    small, big = profile_from_spec("resnet50"), profile_from_spec("resnet50", dtype="float64")
+    small = profile_from_spec("resnet50")
+    big = dataclasses.replace(small, tensors=tuple(dataclasses.replace(x, dtype="float64") for x in small.tensors),
+                              buckets_bytes=tuple(2 * b for b in small.buckets_bytes))
     for c in CANDS:
         assert pred.predict(big, "T4", 16, [c])[0]["comm_s"] >= pred.predict(small, "T4", 16, [c])[0]["comm_s"]
 
@@ -115,13 +120,31 @@ def test_bad_batch_and_unfitted():
     assert all(o["basis"] == "profile" and o["iter_s"] > 0 for o in out)
 
 
-def test_uncertainty_shrinks_as_step_history_grows(fitted):
-    pred, profiles, obs = fitted
-    one = [o for o in obs if o["kind"] == "step" and o["profile"] == "resnet50"][:1]
+def test_uncertainty_shrinks_as_step_history_grows():
+    # steps a DDP step can be (the step model's own at known constants, 2% noise), each job one owner: many of them
+    # back the interval with their held-out residuals, one 1-GPU row leaves it at the prior spread
+    rng = np.random.default_rng(1)
+    profiles = {"resnet50": profile_from_spec("resnet50"), "bert": profile_from_spec("bert")}
+    truth = stepmodel.Params(ladders={(n, "T4"): stepmodel.Ladder.from_points({8: a, 16: 2 * a, 32: 4 * a})
+                                      for n, a in (("resnet50", 0.04), ("bert", 0.3))},
+                             hosts={"T4": stepmodel.HostCost(c_tensor=5e-5)},
+                             links={"pcie": stepmodel.LinkCost(alpha=2e-5, bw=8e9, kappa=0.3)})
+    obs, job = [], 0
+    for name, p in profiles.items():
+        for b in (8, 16, 32):
+            for lay in ([1], [2], [4]):
+                t = stepmodel.predict_layouts(truth, truth.ladders[(name, "T4")], p, "T4", b, [lay], "pcie", None)
+                for _ in range(2):
+                    job += 1
+                    obs.append({"kind": "step", "profile": name, "gpu": "T4", "layout": lay, "intra_link": "pcie",
+                                "per_gpu_batch": b, "job_id": job,
+                                "iter_s": float(t["iter_s"][0]) * float(np.exp(0.02 * rng.standard_normal()))})
+    one = [o for o in obs if o["profile"] == "resnet50"][:1]
     few = Predictor().fit(profiles, one).predict(profiles["resnet50"], "T4", 24, CANDS[:1])[0]  # batch 24: never
-    many = pred.predict(profiles["resnet50"], "T4", 24, CANDS[:1])[0]                         # measured, modelled
+    many = Predictor().fit(profiles, obs).predict(profiles["resnet50"], "T4", 24, CANDS[:1])[0]  # measured, modelled
     assert few["basis"] == many["basis"] == "observed"
-    assert few["uncertainty"] > many["uncertainty"]
+    assert few["uncertainty"] == pytest.approx(stepmodel.PRIOR_SPREAD["observed"])
+    assert few["uncertainty"] > 2 * many["uncertainty"]
 
 
 def test_permutations_of_a_layout_are_one_prediction(fitted):

@@ -9,10 +9,21 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import loco  # noqa: E402
 
-# Where the step model (sm-2026.12.02-3) loses to the reference: the earliest collection, host-bound nearly
-# throughout, collected by an earlier collector (its SOURCE.md), whose socket rows ran faster than its own sweep
-# says. Strict: the day this holds, the test says so and the entry goes.
+# Where the step model (sm-2026.12.02-5, as -3 before it) loses to the reference: the earliest collection, host-bound
+# nearly throughout, collected by an earlier collector (its SOURCE.md; commit 8693b77, before 55e8401 pinned each rank
+# to its share of the CPUs), whose socket rows ran faster than its own sweep says (at 4 GPUs a comm-bound step took
+# 0.83-1.01x, median 0.94, the forward plus the sweep's all-reduce times; medians 1.03-1.17x on the other
+# collections). Strict: the day this holds, the test says so and the entry goes.
 LOSES = {("coldstart/session7", "transport tcp"), ("coldstart/session7", "same choice @0.7")}
+
+# The step model's figures (bench/results/loco.md, sm-2026.12.02-5): MAPE all (%) at most, the same GPU count as
+# measured @0.7 at least, the 80% interval's coverage at least (and at most 95%: an interval that covers every row
+# says little). Tighter than -3 where -5 improved (coldstart 4.9 -> 4.7% and 55 -> 57, session13 9.5 -> 9.1%,
+# session14 9.8 -> 9.5% and 66 -> 67, session16 6.2 -> 5.6% and 67 -> 68; coverage of session7 38 -> 43%); -3 had
+# no such gate. session12's 8.73% is -3's 8.71% within 0.02.
+FIGURES = {"coldstart": (4.7, 57, 0.92), "coldstart/session7": (14.1, 28, 0.43), "heldout/session12": (8.8, 61, 0.82),
+           "heldout/session13": (9.2, 61, 0.78), "heldout/session14": (9.6, 67, 0.76),
+           "heldout/session16": (5.6, 68, 0.86)}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +52,14 @@ def test_decisions_compare_the_choices_of_the_plan_policy():
     assert out["same"] == 0 and out["over"] == 1 and out["over_gpus_pct"] == pytest.approx(100.0)
 
 
+@pytest.fixture(scope="module")
+def scores(data):
+    return loco.score("new", data), loco.score("reference", data)
+
+
 @pytest.mark.slow
-def test_the_step_model_is_never_worse_than_the_no_fit_reference(data):
-    new, ref = loco.score("new", data), loco.score("reference", data)
+def test_the_step_model_is_never_worse_than_the_no_fit_reference(scores):
+    new, ref = scores
     worse = set()
     for held in new:
         for link, value in new[held]["transport"].items():
@@ -54,3 +70,13 @@ def test_the_step_model_is_never_worse_than_the_no_fit_reference(data):
         if new[held]["decisions"]["0.7"]["same"] < ref[held]["decisions"]["0.7"]["same"]:
             worse.add((held, "same choice @0.7"))
     assert worse == LOSES, sorted(worse ^ LOSES)
+
+
+@pytest.mark.slow
+def test_the_step_models_figures_hold_on_every_held_out_collection(scores):
+    new, _ = scores
+    assert set(new) == set(FIGURES)
+    got = {h: (round(s["all"], 2), s["decisions"]["0.7"]["same"], round(s["coverage"], 3)) for h, s in new.items()}
+    bad = {h: got[h] for h, (mape, same, cover) in FIGURES.items()
+           if got[h][0] > mape or got[h][1] < same or got[h][2] < cover or got[h][2] > 0.95}
+    assert not bad, (bad, FIGURES)
