@@ -134,13 +134,21 @@ def _seconds(value: float) -> timedelta:
               help="Seconds a submitted grow helper job gets to start running before it is cancelled.")
 @click.option("--helper-orphan-timeout", default=30.0, show_default=True, type=float,
               help="Seconds a helper agent that cannot see the controller's heartbeat waits before it exits.")
+@click.option("--restart", is_flag=True,
+              help="Run the unchanged script under torchrun's elastic agent and resize by restarting it at the new "
+                   "size from its last checkpoint (also `#ELASTIC mode=restart`; user guide, \"Restart or "
+                   "in-process\").")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Restart mode: the script's checkpoint directory; a planned resize waits, after SIGUSR1, for an "
+                   "entry newer than the signal (without it: the whole --checkpoint-timeout).")
+@click.option("--checkpoint-timeout", default=60.0, show_default=True, type=float,
+              help="Restart mode: seconds the script gets, after SIGUSR1, to checkpoint before a planned resize.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(script, directive_items, workers_per_node, predictor_url, intra_link, inter_link, run_dir,
            registry, grow_step_nodes, measure_steps, warmup_steps, no_autoscale, no_yield, test_throughput,
-           straggler_ratio,
-           straggler_windows, rendezvous_timeout, leave_timeout, helper_start_timeout, helper_orphan_timeout, verbose,
-           command):
+           straggler_ratio, straggler_windows, rendezvous_timeout, leave_timeout, helper_start_timeout,
+           helper_orphan_timeout, restart, checkpoint_dir, checkpoint_timeout, verbose, command):
     """Run COMMAND as elastic workers in this Slurm allocation.
 
     Example (last line of an sbatch script):
@@ -161,8 +169,12 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         predictor_url = site_predictor_url(os.environ)
     allocation = allocation_from_env(os.environ)
     submit_dir = Path(os.environ.get("SLURM_SUBMIT_DIR", "."))
+    directives = _directives(script, directive_items)
+    end_time = os.environ.get("SLURM_JOB_END_TIME", "")
     config = LaunchConfig(
-        command=tuple(command), allocation=allocation, directives=_directives(script, directive_items),
+        command=tuple(command), allocation=allocation, directives=directives,
+        restart=restart or directives.mode == "restart", checkpoint_dir=checkpoint_dir,
+        checkpoint_timeout=_seconds(checkpoint_timeout), end_time=float(end_time) if end_time.isdigit() else None,
         workers_per_node=workers_per_node, predictor_url=predictor_url,
         predictor_token=os.environ.get("ELASTIC_PREDICTOR_TOKEN"),
         munge_socket=os.environ.get("ELASTIC_MUNGE_SOCKET") or None, intra_link=intra_link, inter_link=inter_link,
@@ -184,14 +196,21 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
     slurm_conf = os.environ.get("SLURM_CONF")
     slurm: Backend = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
                                     timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    if config.restart:
+        from elastic_launcher.restart import RestartLauncher
+        _run(RestartLauncher(config, registry=_registry(registry), slurm=slurm, start_step=start_step))
+        return
     throughput = MeasuredThroughput()
     if test_throughput == "linear":  # the injection point of the testbed's throughput model
         from elastic_launcher.testing import LinearThroughput
         throughput = LinearThroughput()
-    controller = Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step,
-                            throughput=throughput)
-    # scancel / time limit: SIGTERM to the batch step; unwind so the controller ends its helper jobs.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    _run(Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step, throughput=throughput))
+
+
+def _run(controller) -> None:
+    """Run the job's controller (in-process or restart mode) and print its summary. scancel / the time limit send
+    SIGTERM to the batch step: the handler installed before unwinds, so the controller ends its helper jobs."""
     try:
         summary = controller.run()
     except Exception as exc:  # boundary: library errors become a click error with the cause

@@ -6,11 +6,26 @@ Keys of the launcher channel (prefix `launcher/` of the job's TCPStore): see ela
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
+
+
+def beat(store_addr: str, timeout: timedelta, stop: threading.Event, interval_s: float = 0.5) -> None:
+    """Bump the heartbeat the helper agents watch until `stop` is set, on an own store client (the controller's
+    loop may block); run it in a thread. Ends quietly when the store closes."""
+    host, port = store_addr.rsplit(":", 1)
+    kv = launcher_store(host, int(port), timeout)
+    while not stop.wait(interval_s):
+        try:
+            kv.add(keys.CONTROLLER_BEAT, 1)
+        except Exception as exc:  # the store closes at exit
+            logging.getLogger("elastic_launcher.control").debug("heartbeat stops: %s", exc)
+            return
 
 
 def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:

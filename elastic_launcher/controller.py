@@ -26,7 +26,7 @@ from elastic_launcher import store_keys as keys
 from elastic_launcher.autoscale import (NO_DIRECTIVES, NOT_CONFIGURED, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
                                         PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
-from elastic_launcher.control import ControlInbox, launcher_store
+from elastic_launcher.control import ControlInbox, beat as heartbeat
 from elastic_launcher.errors import RendezvousTimeout
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
@@ -155,7 +155,8 @@ class Controller:
                                store_addr=self.store_addr, progress=self._progress, free_nodes=self._free_nodes,
                                clock=self.clock)
         self._publish()
-        beat = threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True)
+        beat = threading.Thread(target=heartbeat, args=(self.store_addr, cfg.store_timeout, self._stop_beat),
+                                name="elastic-heartbeat", daemon=True)
         beat.start()
         self.records.write("start", job=self.job_id, nodes=list(self.fleet.alloc.nodes), slots=self.slots,
                            store=self.store_addr, config=json.loads(cfg.to_json()),
@@ -176,17 +177,6 @@ class Controller:
         host, port = self.store_addr.rsplit(":", 1)
         (self.registry / f"{self.job_id}.json").write_text(json.dumps(
             {"job": self.job_id, "host": host, "port": int(port), "run_dir": str(self.config.run_dir)}))
-
-    def _beat(self) -> None:
-        """Bump the heartbeat the helper agents watch (own store client: the loop may block)."""
-        host, port = self.store_addr.rsplit(":", 1)
-        kv = launcher_store(host, int(port), self.config.store_timeout)
-        while not self._stop_beat.wait(0.5):
-            try:
-                kv.add(keys.CONTROLLER_BEAT, 1)
-            except Exception as exc:  # the store closes at exit
-                log.debug("heartbeat stops: %s", exc)
-                return
 
     def _gpu_types(self) -> JobTypes:
         """Each allocated node's GPU type (Slurm's GRES type) and speed (gpu_speeds.py); Slurm unreachable:

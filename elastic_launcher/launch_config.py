@@ -41,6 +41,8 @@ class Directives:
         objective: throughput | efficiency | cost (sent to /v1/plan).
         elastic: False: never resize at run time (`elastic=off`).
         gpu_type: GPU type reported in observations.
+        mode: `inprocess` (ElasticTrainer resizes in the running processes) or `restart` (torchrun's agent restarts
+            the unchanged script at each resize, restart.py).
         raw_lines: the directive lines verbatim, as /v1/plan wants them.
         given: the keys the script's lines set (the others are the launcher's defaults).
     """
@@ -54,6 +56,7 @@ class Directives:
     objective: str = "throughput"
     elastic: bool = True
     gpu_type: str = UNKNOWN_GPU
+    mode: str = "inprocess"
     raw_lines: tuple[str, ...] = ()
     given: frozenset = frozenset()
 
@@ -86,7 +89,7 @@ class Directives:
     def from_mapping(cls, parsed: Mapping[str, Any], raw_lines: tuple[str, ...] = ()) -> "Directives":
         gpus = parsed.get("gpus") or {}
         kwargs: dict[str, Any] = {"raw_lines": tuple(raw_lines), "given": frozenset(parsed)}
-        for key in ("model", "per_gpu_batch", "max_global_batch", "min_efficiency", "objective", "gpu_type"):
+        for key in ("model", "per_gpu_batch", "max_global_batch", "min_efficiency", "objective", "gpu_type", "mode"):
             if key in parsed:
                 kwargs[key] = parsed[key]
         if gpus:
@@ -155,6 +158,15 @@ class LaunchConfig:
         http_timeout: each predictor request.
         helper_start_timeout: wait for a submitted helper job to start running (then cancel it).
         helper_orphan_timeout: a helper agent that cannot reach the controller this long exits.
+        restart: run the script under torchrun's agent and resize by restarting it (`--restart` or
+            `#ELASTIC mode=restart`; restart.py).
+        checkpoint_dir: restart mode: the script's checkpoint directory; a planned resize waits for an entry newer
+            than its SIGUSR1 (None: the whole `checkpoint_timeout`).
+        checkpoint_timeout: restart mode: after SIGUSR1, the wait for the script's checkpoint (the grace period).
+        rendezvous_last_call: restart mode: torchrun's wait for more nodes once the minimum joined a round.
+        max_restarts: restart mode: torchrun's restarts after worker failures (a shrink is one) before it gives up.
+        end_time: the job's end (Unix seconds, SLURM_JOB_END_TIME where Slurm exports it), for the time it has left;
+            None: restart mode asks Slurm (squeue's end_time).
     """
 
     command: tuple[str, ...]
@@ -185,6 +197,12 @@ class LaunchConfig:
     http_timeout: timedelta = timedelta(seconds=2)
     helper_start_timeout: timedelta = timedelta(seconds=60)
     helper_orphan_timeout: timedelta = timedelta(seconds=30)
+    restart: bool = False
+    checkpoint_dir: Optional[Path] = None
+    checkpoint_timeout: timedelta = timedelta(seconds=60)
+    rendezvous_last_call: timedelta = timedelta(seconds=3)
+    max_restarts: int = 100
+    end_time: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.command:

@@ -27,6 +27,7 @@ from predictor.cluster import Cluster, Partition
 from predictor.config import MAX_CANDIDATES
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.mixed import consider_mixed
+from predictor.restart_price import priced
 from slurm_plugin.contracts.records import counted, layout_name, validate_layout
 from predictor.service import ModelUnavailable
 from predictor.store import register_hint
@@ -116,14 +117,17 @@ def _job(value: Any) -> dict:
     return job
 
 
+_CURRENT_FIELDS = ("layout", "per_gpu_batch", "remaining_s", "restart_cost_s", "samples_per_s")
+
+
 def _current(value: Any) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict):
         raise ValidationError("current", "expected an object")
     for key in value:
-        if key not in ("layout", "samples_per_s", "per_gpu_batch"):
-            raise ValidationError(f"current.{key}", "unknown field (known: layout, per_gpu_batch, samples_per_s)")
+        if key not in _CURRENT_FIELDS:
+            raise ValidationError(f"current.{key}", f"unknown field (known: {', '.join(_CURRENT_FIELDS)})")
     current = {"layout": validate_layout(value.get("layout"), "current.layout")}
     sps = value.get("samples_per_s")
     if sps is not None:
@@ -135,6 +139,13 @@ def _current(value: Any) -> dict | None:
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 65536:
             raise ValidationError("current.per_gpu_batch", f"expected an integer in 1..65536, got {batch!r}")
         current["per_gpu_batch"] = batch
+    for key in ("restart_cost_s", "remaining_s"):   # a restart job's (#43: predictor/restart_price.py)
+        seconds = value.get(key)
+        if seconds is None:
+            continue
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1e8:
+            raise ValidationError(f"current.{key}", f"expected a number of seconds in [0, 1e8], got {seconds!r}")
+        current[key] = float(seconds)
     return current
 
 
@@ -293,7 +304,9 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     if profile is None:
         return _keep(f"unknown model {model!r}: {register_hint(model, db_path)}", model=model)
     if len(parts) == 1:
-        return _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates, bands=True)
+        out = _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates, bands=True)
+        restart = request.source == "launcher" and d.get("mode") == "restart" and request.current is not None
+        return priced(out, request.current) if restart else out
     known = [p for p in parts if models.known(model, p.gpu)]
     if not known:
         return _keep(f"no step history for {model} on {', '.join(sorted({p.gpu for p in parts}))}: predictions "

@@ -82,6 +82,7 @@ class Job:
         reason: why a job is pending ("None" when it is not).
         partition: the partition(s) it runs in or asked for (comma-separated while pending on several).
         node_count: nodes it holds, or asks for while pending (0: unknown).
+        end_time: when it ends at the latest (Unix seconds: start plus its time limit while it runs; 0: unknown).
     """
 
     job_id: int
@@ -97,6 +98,7 @@ class Job:
     reason: str
     partition: str = ""
     node_count: int = 0
+    end_time: int = 0
 
     def resize_env(self) -> dict[str, str]:
         """The variables `scontrol`'s resize.sh would export for this allocation."""
@@ -483,7 +485,7 @@ class PyslurmBackend:
             gpus_per_node=tuple(gpus.get(n, 0) for n in nodes) if len(gpus) == len(nodes) else (),
             tres_per_node=_gres_text(j.gres_per_node or {}, prefix="gres/"), comment=j.comment or "",
             batch_host=j.batch_host or "", reason=j.state_reason or "", partition=j.partition or "",
-            node_count=int(j.num_nodes or 0),
+            node_count=int(j.num_nodes or 0), end_time=int(getattr(j, "end_time", None) or 0),
         )
 
     def sacct(self, job_id: int, timeout: timedelta | None = None) -> list[AcctRecord]:
@@ -753,6 +755,7 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
                 reason=j.get("state_reason") or "",
                 partition=j.get("partition") or "",
                 node_count=_number(j.get("node_count")),
+                end_time=_number(j.get("end_time")),
             )
         )
     return jobs

@@ -82,7 +82,11 @@ _CPU_COMMON = {"--steps": "20", "--device": "cpu", "--log-every": "5"}
 # The profile names of the models the --cpu-test variants really train (never the full model's name: their
 # measurements would teach the predictor the full model's history from a tiny one's step times).
 CPU_PROFILES = {"resnet50": "resnet-tiny", "transformer-finetune": "encoder-tiny", "gpt-lm": "gpt-tiny",
-                "wrap-train-py": "plain-train-linear"}
+                "wrap-train-py": "plain-train-linear", "torchrun-restart": "plain-train-linear"}
+# the templates whose command is a plain script of the user's (elastic_launcher.examples.plain_train stands in): no
+# model options (--per-gpu-batch, --profile, --device, --save) are set on it
+PLAIN_SCRIPT = {"wrap-train-py": {}, "torchrun-restart": {"--steps": "20", "--log-every": "5", "--checkpoint-every": "5",
+                                                          "--checkpoint-dir": "checkpoints/torchrun-restart-cpu-test"}}
 _CPU = {
     "resnet50": ({"--arch": "resnet-tiny", "--image-size": "32", "--classes": "10", "--dataset-size": "512",
                   "--per-gpu-batch": "8", "--lr": "0.05"}, {"per_gpu_batch": "8", "max_global_batch": "64"}),
@@ -91,6 +95,7 @@ _CPU = {
     "gpt-lm": ({"--size": "tiny", "--dataset-size": "512", "--per-gpu-batch": "4", "--lr": "0.003"},
                {"per_gpu_batch": "4", "max_global_batch": "32"}),
     "wrap-train-py": ({}, {"per_gpu_batch": "16"}),
+    "torchrun-restart": ({}, {"per_gpu_batch": "16"}),
 }
 _CPU_WRAPPED = ["python", "-m", "elastic_launcher.examples.plain_train", "--steps", "20",
                 "--checkpoint-dir", "checkpoints/wrap-train-py-cpu-test", "--checkpoint-every", "5", "--resume"]
@@ -110,7 +115,8 @@ def templates(directory: Path = TEMPLATE_DIR) -> dict[str, Template]:
         cpu, cpu_dir = _CPU.get(path.stem, ({}, {}))
         if path.stem in CPU_PROFILES:
             cpu_dir = {"model": CPU_PROFILES[path.stem], **cpu_dir}
-        script = {**_CPU_COMMON, **cpu, **_cpu_saving(path.stem)} if path.stem != "wrap-train-py" else {}
+        script = PLAIN_SCRIPT[path.stem] if path.stem in PLAIN_SCRIPT else {**_CPU_COMMON, **cpu,
+                                                                            **_cpu_saving(path.stem)}
         out[path.stem] = Template(path.stem, path, script, cpu_dir)
     return out
 
@@ -288,9 +294,9 @@ def render(template: Template, params: Params) -> str:
         sbatch.setdefault("gpus-per-node", str(per_node))
     elif params.gpus_per_node is not None:
         sbatch.setdefault("gpus-per-node", str(params.gpus_per_node))
-    if "per_gpu_batch" in directives and template.name != "wrap-train-py":
+    if "per_gpu_batch" in directives and template.name not in PLAIN_SCRIPT:
         script.setdefault("--per-gpu-batch", str(directives["per_gpu_batch"]))
-    if template.name != "wrap-train-py" and directives.get("model") not in (None, _own_model(template)):
+    if template.name not in PLAIN_SCRIPT and directives.get("model") not in (None, _own_model(template)):
         script.setdefault("--profile", str(directives["model"]))   # its measurements go in under that name
     block = _edit_directives(_edit_sbatch(block, sbatch), directives)
 
@@ -299,6 +305,8 @@ def render(template: Template, params: Params) -> str:
         launcher = _set_option(launcher, flag, value)
     for flag, value in script.items():
         worker = _set_option(worker, flag, value)
+    if "--checkpoint-dir" in script and "--checkpoint-dir" in launcher:   # restart mode waits where the script saves
+        launcher = _set_option(launcher, "--checkpoint-dir", script["--checkpoint-dir"])
     if params.python:
         worker[0] = params.python
     if params.launcher:

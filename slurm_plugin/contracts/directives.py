@@ -80,6 +80,7 @@ KEYS: dict[str, Callable[[str], Any]] = {
     "elastic": _choice("on", "off"),
     "batch_policy": _choice("grow_global", "keep_global"),
     "lr_scaling": _choice("linear", "sqrt", "none"),
+    "mode": _choice("inprocess", "restart"),   # restart: torchrun's agent restarts the script at each resize (#43)
 }
 
 

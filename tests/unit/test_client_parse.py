@@ -70,6 +70,7 @@ def test_running_two_node_gpu_job():
     assert (job.state, job.nodes, job.batch_host, job.comment) == ("RUNNING", ("node1", "node2"), "node1", "hello")
     assert job.gpus_per_node == (4, 4) and job.tres_per_node == "gres:gpu:4"
     assert job.cpus_per_node == (1, 1)
+    assert job.end_time == 1827210468   # when its time limit ends it (restart mode prices the time left)
 
 
 def test_resize_env_after_shrink_counts_cpus_per_node():
@@ -247,6 +248,7 @@ def test_24_11_squeue_job_reads_as_on_22_05():
     assert (job.state, job.nodes, job.nodelist, job.batch_host) == ("RUNNING", ("node1", "node2", "node3"),
                                                                     "node[1-3]", "node1")
     assert job.cpus_per_node == (1, 1, 1) and job.gpus_per_node == (4, 4, 4) and job.node_count == 3
+    assert job.end_time == 1827733663
     assert job.tres_per_node == "gres/gpu:4" and gpus_in_tres(job.tres_per_node) == 4
     assert job.resize_env()["SLURM_JOB_CPUS_PER_NODE"] == "1(x3)"
 

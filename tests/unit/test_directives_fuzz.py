@@ -160,6 +160,7 @@ _VALUES = {
     "elastic": st.sampled_from(["on", "off", "yes"]),
     "batch_policy": st.sampled_from(["grow_global", "keep_global", "grow"]),
     "lr_scaling": st.sampled_from(["linear", "sqrt", "none", "log"]),
+    "mode": st.sampled_from(["inprocess", "restart", "Restart", "torchrun"]),
 }
 _ODD = st.text(alphabet=st.sampled_from(list("ab09-.=#:_ \t\x00\x0b\x0c\x1c\x85\xa0\u2028\u3000\u00e9'\"\\")),
                max_size=12)

@@ -22,7 +22,8 @@ from slurm_plugin.contracts.directives import parse_script
 
 NAMES = sorted(templates.templates())
 PARSERS = {"elastic_launcher.examples.resnet50", "elastic_launcher.examples.gpt_lm",
-           "elastic_launcher.examples.transformer_finetune", "elastic_launcher.examples.wrap"}
+           "elastic_launcher.examples.transformer_finetune", "elastic_launcher.examples.wrap",
+           "elastic_launcher.examples.plain_train"}
 
 
 def _parts(text: str):
@@ -72,6 +73,9 @@ def test_template_directives_parse_and_match_the_script(name):
     args = module.build_parser().parse_args(worker[3:] + inner)  # every option the template passes exists
     if name == "wrap-train-py":
         assert directives["elastic"] == "off" and inner[1:3] == ["python", "train.py"]
+    elif name == "torchrun-restart":   # the launcher waits for the checkpoints the script writes
+        assert directives["mode"] == "restart" and args.resume
+        assert launcher[launcher.index("--checkpoint-dir") + 1] == str(args.checkpoint_dir)
     else:
         assert args.per_gpu_batch == directives["per_gpu_batch"], "#ELASTIC per_gpu_batch and --per-gpu-batch agree"
         assert args.profile == directives["model"], "the profile name matches the directive"
@@ -161,9 +165,11 @@ def test_cpu_test_variant_is_small(name):
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=1" in text and "#SBATCH --time=00:10:00" in text
     block, command = templates.split_script(text)
     tokens = " ".join(command)
-    assert tokens.startswith("/opt/bin/elastic-launch --script \"$0\" --workers-per-node 1 -- ")
+    assert tokens.startswith("/opt/bin/elastic-launch --script \"$0\" ") and " --workers-per-node 1 -- " in tokens
     assert "/usr/bin/python3 -m elastic_launcher.examples." in tokens
-    if name != "wrap-train-py":
+    if name == "torchrun-restart":
+        assert "elastic_launcher.examples.plain_train --steps 20 " in tokens and "--checkpoint-every 5" in tokens
+    elif name != "wrap-train-py":
         assert "--device cpu" in tokens and "--steps 20" in tokens
         assert f"--per-gpu-batch {d['per_gpu_batch']}" in tokens
     else:
