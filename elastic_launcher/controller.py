@@ -601,19 +601,15 @@ class Controller:
         return advice
 
     def _pending_jobs(self) -> list[PendingJob]:
-        """Other jobs of this partition pending for nodes (not this job's own helpers); [] when Slurm is slow."""
+        """Other jobs of this partition pending for nodes (not this job's own helpers), highest priority first
+        (then oldest); [] when Slurm is slow."""
         ours = {int(self.job_id), *(int(h) for h in self.fleet.helpers)}
         try:
             jobs = self.slurm.jobs()
         except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
             log.warning("cannot list jobs: %s", exc)
             return []
-        part = self.fleet.alloc.partition
-        return [PendingJob(j.job_id, j.node_count, j.reason) for j in jobs
-                if j.state == "PENDING" and j.job_id not in ours and j.node_count > 0
-                # "None": just submitted, not yet looked at by the scheduler (a job that idle nodes can take
-                # needs nothing from this one: yield_to_pending counts the idle nodes first)
-                and j.reason in ("Resources", "Priority", "None") and (not part or part in j.partition.split(","))]
+        return PendingJob.of(jobs, ours, self.fleet.alloc.partition)
 
     def _free_nodes(self) -> list[str]:
         try:

@@ -333,9 +333,7 @@ class RestartLauncher:
         except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
             log.warning("cannot list jobs: %s", exc)
             return []
-        return [PendingJob(j.job_id, j.node_count, j.reason) for j in jobs
-                if j.state == "PENDING" and j.job_id not in ours and j.node_count > 0
-                and j.reason in ("Resources", "Priority", "None")]
+        return PendingJob.of(jobs, ours)
 
     def _write_status(self) -> None:
         for helper, nodes in self.fleet.helpers.items():   # a helper's nodes once its agent reported them

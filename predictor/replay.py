@@ -63,6 +63,9 @@ class Params:
 
     Attributes:
         tick_s: the launcher's measurement window (one decision per running elastic job per tick).
+        yield_s: how soon after a job queues that cannot start the running elastic jobs hand nodes back for it
+            (the launcher checks the partition's pending jobs at every measurement, seconds apart; a handback
+            waits for no tick).
         refit_s: least simulated time between two fits of the prediction service.
         bf_depth: queued jobs backfill tests, in order (Slurm's bf_max_job_test: 500 by default).
         min_efficiency: the planner's default and the launcher's grow test.
@@ -77,6 +80,7 @@ class Params:
     """
 
     tick_s: float = 300.0
+    yield_s: float = 30.0
     refit_s: float = 600.0
     bf_depth: int = 100
     min_efficiency: float = 0.5
@@ -486,15 +490,30 @@ class Replay:
             yield self.env.timeout(self.params.tick_s)
             self._elastic_tick()
 
-    def _elastic_tick(self) -> None:
+    def _yield_soon(self):
+        yield self.env.timeout(self.params.yield_s)
+        if self.queue:
+            self._elastic_tick(handback_only=True)
+
+    def _elastic_tick(self, handback_only: bool = False) -> None:
+        """One launcher decision per running elastic job (`handback_only`: only yield_to_pending's shrinks)."""
         adv = self._advisor()
         changed = False
         pending = [PendingJob(k, -(-r.request[1] // self.per_node) if not r.request[0] else r.request[0], "Resources")
                    for k, r in enumerate(self.queue[:8])]
         for run in list(self.running):
-            if run.policy is None or self.env.now - run.start < self.params.tick_s:
+            if run.policy is None or (self.env.now - run.start < self.params.tick_s and not handback_only):
                 continue
             slots, nodes = run.layout[0], len(run.alloc)
+            if handback_only:
+                idle = int(np.sum(self.free == self.per_node))
+                handback = yield_to_pending(nodes, run.policy.min_nodes(), idle, pending)
+                if handback is not None:
+                    self.decisions["handback"] = self.decisions.get("handback", 0) + 1
+                    self._give(run.alloc[handback.target_nodes:])
+                    self._resize(run, run.alloc[:handback.target_nodes], self.params.shrink_pause_s)
+                    pending, changed = pending[1:], True
+                continue
             sps = run.job.global_batch / run.step_s
             run.policy.record(Measurement(nodes, run.gpus, sps, run.step_s))
             reply = adv.plan(_at_size(run.lines, run.job.global_batch, run.gpus), self._job_fields(run.request),
@@ -536,6 +555,8 @@ class Replay:
             self._size_at_submit(run)
             self.queue.append(run)
             self._schedule_soon()
+            if self.policy in ("elastic", "oracle"):
+                self.env.process(self._yield_soon())
 
     def _sampler(self, every: float):
         while len(self.done) < len(self.jobs):

@@ -83,6 +83,7 @@ class Job:
         partition: the partition(s) it runs in or asked for (comma-separated while pending on several).
         node_count: nodes it holds, or asks for while pending (0: unknown).
         end_time: when it ends at the latest (Unix seconds: start plus its time limit while it runs; 0: unknown).
+        priority: Slurm's priority (a pending job with a higher one starts first; 0: unknown).
     """
 
     job_id: int
@@ -99,6 +100,7 @@ class Job:
     partition: str = ""
     node_count: int = 0
     end_time: int = 0
+    priority: int = 0
 
     def resize_env(self) -> dict[str, str]:
         """The variables `scontrol`'s resize.sh would export for this allocation."""
@@ -486,6 +488,7 @@ class PyslurmBackend:
             tres_per_node=_gres_text(j.gres_per_node or {}, prefix="gres/"), comment=j.comment or "",
             batch_host=j.batch_host or "", reason=j.state_reason or "", partition=j.partition or "",
             node_count=int(j.num_nodes or 0), end_time=int(getattr(j, "end_time", None) or 0),
+            priority=int(getattr(j, "priority", None) or 0),
         )
 
     def sacct(self, job_id: int, timeout: timedelta | None = None) -> list[AcctRecord]:
@@ -756,6 +759,7 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
                 partition=j.get("partition") or "",
                 node_count=_number(j.get("node_count")),
                 end_time=_number(j.get("end_time")),
+                priority=_number(j.get("priority")),
             )
         )
     return jobs

@@ -290,10 +290,25 @@ def test_helper_job_script_is_marked_for_the_hook_and_runs_the_agent(tmp_path):
     assert text.rstrip().endswith("-- python train.py --lr '0.1 x'")
 
 
-def test_yield_gives_back_what_a_pending_job_lacks_and_keeps_the_minimum():
+def test_yield_gives_back_what_the_next_pending_job_lacks_and_keeps_the_minimum():
     from elastic_launcher.autoscale import PendingJob, yield_to_pending
     d = yield_to_pending(4, 1, 1, [PendingJob(9, 3, "Resources"), PendingJob(8, 2, "Priority")])
-    assert (d.action, d.target_nodes) == ("shrink", 3) and "pending job 8" in d.reason   # 2 - 1 idle = 1 node
+    assert (d.action, d.target_nodes) == ("shrink", 2) and "pending job 9" in d.reason   # the head: 3 - 1 idle
+    # a smaller job behind a head the surplus cannot unblock does not jump the queue
+    assert yield_to_pending(4, 2, 0, [PendingJob(9, 4, "Resources"), PendingJob(8, 1, "Priority")]) is None
     assert yield_to_pending(4, 3, 0, [PendingJob(9, 2, "Resources")]) is None              # minimum 3: 1 spare
     assert yield_to_pending(4, 1, 2, [PendingJob(9, 2, "Resources")]) is None              # idle nodes suffice
     assert yield_to_pending(2, 1, 0, []) is None
+
+
+def test_pending_jobs_come_in_slurms_order_without_ours_or_another_partitions():
+    from elastic_launcher.autoscale import PendingJob
+    from slurm_plugin.client import Job
+
+    def job(jid, prio, state="PENDING", part="debug", reason="Resources"):
+        return Job(jid, f"j{jid}", state, (), "", (), (), "", "", "", reason, part, 2, 0, prio)
+    jobs = [job(5, 10), job(6, 30), job(7, 30), job(8, 99, part="other"), job(9, 50, state="RUNNING"),
+            job(3, 80), job(4, 20, reason="Dependency")]
+    got = [p.job_id for p in PendingJob.of(jobs, ours={3}, partition="debug")]
+    assert got == [6, 7, 5]                          # priority first, then the oldest; not ours, nor other's
+    assert [p.job_id for p in PendingJob.of(jobs, ours=set())][:2] == [8, 3]   # no partition given: every one
