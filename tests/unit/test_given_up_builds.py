@@ -19,7 +19,7 @@ def _executor(build_done: threading.Event, silent: list[str]) -> EpochExecutor:
     ex = EpochExecutor.__new__(EpochExecutor)  # only what _build_watched reads
     ex.new_group = lambda plan: build_done.wait(10) and SimpleNamespace(abort=lambda: None)  # a stand-in group
     ex.membership = SimpleNamespace(silent_members=lambda plan: silent, recovery_begun=lambda plan: False,
-                                    heartbeat_interval=timedelta(seconds=0.02))
+                                    heartbeat_interval=timedelta(seconds=0.02), arrival_timeout=timedelta(seconds=60))
     return ex
 
 
