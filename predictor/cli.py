@@ -6,10 +6,13 @@ down; library errors become `click.ClickException` here.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import click
 
@@ -17,10 +20,12 @@ from predictor.admin_cli import COMMANDS as _ADMIN_COMMANDS
 from predictor.cli_support import load_config as _config  # also imported from here by bench/slow_clients.py
 from predictor.cli_support import open_store as _open_store  # and by tests/unit/test_api.py
 from predictor.cli_support import require_db
-from predictor.config import Config
+from predictor.cluster import Cluster
+from predictor.config import ENV_ADMIN_TOKEN, ENV_MUNGE, ENV_READ_AUTH, ENV_TOKEN, Config
 from predictor.errors import NotFoundError, ValidationError
 from slurm_plugin import calibration as _calibration
 from slurm_plugin.contracts.records import layout_name
+from slurm_plugin.errors import DirectiveError, SlurmError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,9 +47,7 @@ def main():
 
 
 def _slurm_cluster(spec: str):
-    from predictor.cluster import Cluster  # noqa: PLC0415
     from slurm_plugin.client import Backend, CommandBackend  # noqa: PLC0415
-    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts):
@@ -58,8 +61,6 @@ def _slurm_cluster(spec: str):
 
 def auth_policy(config: Config) -> list[str]:
     """What `serve` says at start about who may write and read (predictor.auth's rules on this config)."""
-    from predictor.config import ENV_ADMIN_TOKEN, ENV_MUNGE, ENV_READ_AUTH, ENV_TOKEN  # noqa: PLC0415
-
     writers = []
     if config.admin_token:
         writers.append(f"the admin token ({ENV_ADMIN_TOKEN})")
@@ -398,7 +399,6 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
     """
     from predictor import planner  # noqa: PLC0415
     from slurm_plugin.contracts.directives import directive_lines, parse_lines  # noqa: PLC0415
-    from slurm_plugin.errors import DirectiveError  # noqa: PLC0415
 
     config = _config(db, cluster)
     job = {"min_nodes": nodes, "partition": partition,
@@ -513,9 +513,6 @@ def _run_with_progress(argv: list[str], names: list[str], full: bool = False) ->
     """Run the benchmark with its stdout untouched; on stderr say what it runs and about how long it takes, which
     dataset runs, the bench's own lines (each fit with the time left, `NAME: done at N s`), every
     PROGRESS_EVERY_S that it still runs, and the end."""
-    import threading  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
     def say(line: str) -> None:
         click.echo(f"evaluate: {line}", err=True)
 
@@ -626,10 +623,7 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
     elif not submit:
         click.echo(script, nl=False)
     if submit:
-        import os  # noqa: PLC0415
-
         from slurm_plugin.client import CommandBackend  # noqa: PLC0415
-        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
         try:
             sub = CommandBackend(env=dict(os.environ)).sbatch(script)
@@ -671,7 +665,6 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
 
     Example: elastic-predictor replay --sacct jobs.txt --nodes 16 --out replay/
     """
-    from predictor.cluster import Cluster  # noqa: PLC0415
     from predictor.replay import POLICIES, Params, replay_all  # noqa: PLC0415
     from predictor import replay_inputs as ri  # noqa: PLC0415
     from predictor import replay_report  # noqa: PLC0415

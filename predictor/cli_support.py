@@ -10,14 +10,13 @@ import os
 
 import click
 
+from predictor.cluster import Cluster
 from predictor.config import ENV_CLUSTER, ENV_DB, Config
 from predictor.errors import ValidationError
 
 
 def load_config(db: str | None, cluster: str | None = None) -> Config:
     """The config from the environment and the options; a bad cluster file is an error naming it."""
-    from predictor.cluster import Cluster  # noqa: PLC0415
-
     try:
         model = Cluster.from_file(cluster) if cluster else None
     except ValidationError as exc:

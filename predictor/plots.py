@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 from slurm_plugin.contracts.records import layout_name
 from predictor.errors import NotFoundError
+from predictor.profiles import Profile
 
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -153,8 +154,6 @@ def scaling_data(store, predictor, profile: str | None = None, gpu: str | None =
     Raises:
         NotFoundError: a profile/GPU filter that matches no step history.
     """
-    from predictor.profiles import Profile  # noqa: PLC0415
-
     groups: dict = defaultdict(list)
     for rec in store.observations(kind="step"):
         if (profile is None or rec.get("profile") == profile) and (gpu is None or rec.get("gpu") == gpu):

@@ -12,7 +12,9 @@ are known, so `grad_bytes` is exact.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -210,8 +212,7 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
     if lib and lib not in ("torchvision", "transformers"):
         return _profile_of_callable(lib, arch, name or arch, bucket_cap_mb, dtype)
     if name is not None and name != arch:
-        import dataclasses as _dc  # noqa: PLC0415
-        return _dc.replace(profile_from_spec(spec, bucket_cap_mb, dtype), name=name)
+        return dataclasses.replace(profile_from_spec(spec, bucket_cap_mb, dtype), name=name)
     if lib not in ("torchvision", "transformers"):  # the built-in shapes: the same tensors every time
         return _profile_of(_builtin_tensors(arch, dtype), arch, bucket_cap_mb, flops_per_sample=flops)
     import torch
@@ -243,8 +244,6 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
 def _profile_of_callable(module_name: str, attr: str, name: str, bucket_cap_mb: float,
                          dtype: str | None) -> Profile:
     """The profile of ``module_name:attr()`` built on the meta device (no weights allocated)."""
-    import importlib  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
 
     where = f"{module_name}:{attr}"

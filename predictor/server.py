@@ -41,6 +41,7 @@ import stat
 import sys
 import tempfile
 import time
+import traceback
 from typing import Callable
 
 MAX_REQUEST_LINE = 4094          # gunicorn's limit_request_line
@@ -614,7 +615,6 @@ def run_buffered(load: Callable, *, host: str, port: int, workers: int, threads:
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001
-            import traceback  # noqa: PLC0415
 
             traceback.print_exc()
         finally:

@@ -39,7 +39,6 @@ from pathlib import Path
 import click
 
 from slurm_plugin import templates
-from slurm_plugin.calibration import job_script
 from slurm_plugin.client import DEFAULT_PATH, Backend, CommandBackend
 from slurm_plugin.errors import SlurmError, TestbedError
 from slurm_plugin.lab import demo_calibrate as cal
@@ -245,6 +244,8 @@ class Demo:
     def calibrate_cluster(self, timeout_s: float = 300.0) -> None:
         """The site's calibration job on 2 of the lab's nodes (`elastic-predictor calibrate`, shortened: a 4 s
         sweep, 3 rounds of 0.1 s windows), waited for; its rows go to the service signed for the job."""
+        from slurm_plugin.calibration import job_script  # noqa: PLC0415 - elastic-slurm's start needs it only for a demo
+
         shutil.rmtree(self.work, ignore_errors=True)     # the demo's own directory: no records of an older run
         self.work.mkdir(parents=True)
         script = self.work / "calibrate.sbatch"
