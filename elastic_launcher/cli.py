@@ -22,6 +22,7 @@ from typing import Optional
 import click
 
 from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
+from slurm_plugin.errors import DirectiveError, SlurmError
 
 SUBCOMMANDS = ("ctl", "agent")
 
@@ -69,8 +70,6 @@ def _directives(script: Optional[Path], extra: tuple[str, ...]) -> Directives:
         click.ClickException: `SCRIPT:LINE: what is wrong` (unreadable, not UTF-8, a bad #ELASTIC line), or
             `--directive: ...` for a bad item.
     """
-    from slurm_plugin.errors import DirectiveError
-
     try:
         data = script.read_bytes() if script is not None else b""
         text = data.decode("utf-8")
@@ -308,7 +307,6 @@ def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, comma
     from elastic_launcher.control import launcher_store
     from elastic_launcher.workers import WorkerPool
     from slurm_plugin.client import Backend, CommandBackend, is_transient, start_step
-    from slurm_plugin.errors import SlurmError
 
     _logging(False)
     allocation = allocation_from_env(os.environ)
