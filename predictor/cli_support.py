@@ -62,9 +62,9 @@ def open_store(db_path: str, writable: bool = False):
         click.ClickException: the file cannot be opened or migrated (missing folder, not a database...), or
             with `writable`, cannot be written (read-only file or mount, full disk).
     """
-    import sqlite3  # noqa: PLC0415
+    import sqlite3  # noqa: PLC0415 - only the commands that open the database
 
-    from predictor.store import Store  # noqa: PLC0415
+    from predictor.store import Store  # noqa: PLC0415 - only the commands that open the database
 
     store = Store(db_path)
     try:

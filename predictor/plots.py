@@ -92,13 +92,13 @@ def _note(fig: Figure, omitted: list[str]) -> None:
 def _figure(**kwargs) -> Figure:
     """A matplotlib Figure. matplotlib (0.3-0.5 s of imports) loads with the first plot drawn, not with
     predictor.app: the service, its workers and the CLI start without it."""
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415 - matplotlib: at the first plot
 
     return Figure(**kwargs)
 
 
 def _png(fig: Figure) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - matplotlib: at the first plot
 
     buf = io.BytesIO()
     FigureCanvasAgg(fig)

@@ -215,20 +215,20 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
         return dataclasses.replace(profile_from_spec(spec, bucket_cap_mb, dtype), name=name)
     if lib not in ("torchvision", "transformers"):  # the built-in shapes: the same tensors every time
         return _profile_of(_builtin_tensors(arch, dtype), arch, bucket_cap_mb, flops_per_sample=flops)
-    import torch
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     module = None
     with torch.device("meta"):
         if lib == "torchvision":
             try:
-                import torchvision.models as tvm  # noqa: PLC0415
+                import torchvision.models as tvm  # noqa: PLC0415 - optional: torchvision
 
                 module = tvm.get_model(arch, weights=None)
             except Exception:  # torchvision absent or broken beside this torch: use our own shapes
                 module = None
         elif lib == "transformers":
             try:
-                import transformers  # noqa: PLC0415
+                import transformers  # noqa: PLC0415 - optional: transformers
 
                 cfg = transformers.AutoConfig.from_pretrained(arch, local_files_only=True)
                 module = transformers.AutoModel.from_config(cfg)
@@ -244,7 +244,7 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
 def _profile_of_callable(module_name: str, attr: str, name: str, bucket_cap_mb: float,
                          dtype: str | None) -> Profile:
     """The profile of ``module_name:attr()`` built on the meta device (no weights allocated)."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     where = f"{module_name}:{attr}"
     try:
@@ -272,7 +272,7 @@ def _builtin_tensors(arch: str, dtype: str | None) -> tuple[TensorSpec, ...]:
     """The tensors of a built-in architecture (`BUILTIN`), built once per process on the meta device: a few
     milliseconds to ~20 ms each (ResNet-50, BERT), which the datasets' loaders, the CLI and the service's job
     profiles used to pay on every call. Raises NotFoundError (not cached) for a name that is not built in."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     with torch.device("meta"):
         module = _build_builtin(arch)  # raises NotFoundError
@@ -288,7 +288,7 @@ __all__ = ["TensorSpec", "Profile", "bucket_sizes", "profile_from_module", "prof
 # --- Built-in architectures (parameter shapes only, from the published configs; built on the meta device) ---
 def _transformer(vocab: int, pos: int, d: int, layers: int, ffn: int | None = None, types: int = 0,
                  pooler: bool = False, patch: int = 0, fused_qkv: bool = False):
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     ffn = ffn or 4 * d
     m = nn.Module()
@@ -321,7 +321,7 @@ def _transformer(vocab: int, pos: int, d: int, layers: int, ffn: int | None = No
 
 
 def torch_empty(*shape):
-    import torch
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     return torch.empty(*shape)
 
@@ -329,7 +329,7 @@ def torch_empty(*shape):
 def _embedding(num: int, dim: int):
     """`nn.Embedding(num, dim)`'s one parameter (`weight`) without its `normal_` init, which on the meta device
     imports torch._dynamo: 1.5 s of CPU in the first profile a process builds."""
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     m = nn.Module()
     m.weight = nn.Parameter(torch_empty(num, dim))
@@ -337,7 +337,7 @@ def _embedding(num: int, dim: int):
 
 
 def _resnet(blocks: list[int], bottleneck: bool, classes: int = 1000, cifar: bool = False):
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     m = nn.Module()
     m.conv1 = nn.Conv2d(3, 64, 3 if cifar else 7, 1 if cifar else 2, bias=False)
@@ -363,7 +363,7 @@ def _resnet(blocks: list[int], bottleneck: bool, classes: int = 1000, cifar: boo
 
 
 def _vgg16():
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     m, inp, convs = nn.Module(), 3, nn.ModuleList()
     for c in [64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]:
@@ -376,7 +376,7 @@ def _vgg16():
 
 def _flat(total_params: int, n_tensors: int):
     """Approximate architecture: `n_tensors` equal tensors summing to a published parameter count."""
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     m, each = nn.Module(), max(1, total_params // n_tensors)
     m.params = nn.ParameterList([nn.Parameter(torch_empty(each)) for _ in range(n_tensors)])
@@ -386,7 +386,7 @@ def _flat(total_params: int, n_tensors: int):
 def _neumf(users: int, items: int, factor: int = 32, layers: int = 3):
     """NeuMF-end (He et al. 2017) as the NCF benchmark registers it: the GMF and MLP embeddings of users and items,
     the MLP tower halving from 2 factor 2^(layers-1) wide, the predict layer over both paths."""
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     m = nn.Module()
     wide = factor * 2 ** (layers - 1)
@@ -398,7 +398,7 @@ def _neumf(users: int, items: int, factor: int = 32, layers: int = 3):
 
 
 def _deepspeech2():
-    import torch.nn as nn
+    import torch.nn as nn  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     m = nn.Module()
     m.conv1, m.conv2 = nn.Conv2d(1, 32, (41, 11)), nn.Conv2d(32, 32, (21, 11))

@@ -69,7 +69,7 @@ def gunicorn_application(load: Callable, *, bind: str, workers: int, threads: in
                          worker_class: str | None = None, post_fork: Callable[[], None] | None = None):
     """A gunicorn application running `load()` (the WSGI app, built in each worker) on `bind`; `post_fork()` runs
     in each worker as it starts, before `load()`."""
-    from gunicorn.app.base import BaseApplication  # noqa: PLC0415
+    from gunicorn.app.base import BaseApplication  # noqa: PLC0415 - gunicorn: only the gunicorn front end
 
     class Application(BaseApplication):
         def load_config(self):

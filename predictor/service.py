@@ -69,7 +69,7 @@ _PROBLEMS = ("fit", "load", "read", "refresh")  # what ModelCache.last_error rep
 
 def default_predictor_factory():
     """The production model (predictor.engine.Predictor), imported lazily."""
-    from predictor.engine import Predictor  # noqa: PLC0415
+    from predictor.engine import Predictor  # noqa: PLC0415 - sklearn: at the first fit, not at every import
 
     return Predictor()
 

@@ -434,7 +434,7 @@ class PyslurmBackend:
                                                         f"not {slurm_conf}: one cluster per process")
             os.environ["SLURM_CONF"] = str(slurm_conf)
         try:
-            import pyslurm  # noqa: PLC0415
+            import pyslurm  # noqa: PLC0415 - optional: pyslurm, built in the 24.11 testbed
         except ImportError as exc:
             raise SlurmError(["pyslurm"], None, "", f"pyslurm is not installed here ({exc}); it is built inside "
                                                     f"the 24.11 testbed's root: run there") from exc
