@@ -2,8 +2,8 @@
 
 An import in a function or method of predictor, elastic_launcher or slurm_plugin must carry, on one of its lines,
 `# noqa: PLC0415 - <reason>`: a heavy or optional dependency kept off a command's start or the service
-(`- torch: only `launch``), a module only one subcommand needs (`- only `plan``). An import that nothing stops
-belongs at the top. Read from the source with `ast`; nothing is imported.
+("- torch: only `launch`"), or a module that only one subcommand needs ("- only `plan`"). An import that nothing
+stops belongs at the top. Read from the source with `ast`; nothing is imported.
 """
 from __future__ import annotations
 
