@@ -37,6 +37,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic_launcher.links import HostFacts, gpu_type_of, links_for
+from elastic_launcher.observations import postable
+from elastic_launcher.reporting import PredictorClient
 from slurm_plugin.calibration import ROUNDS, SWEEP_BUDGET_S, WINDOW_S
 
 __all__ = ["PROBES", "Probe", "agree", "measure_probe", "sweep", "sync", "windows"]
@@ -49,17 +56,12 @@ SOURCE = "calibrate"
 # ---------------------------------------------------------------------------------------------- timing helpers
 def sync(device) -> None:
     """Wait for the device's queued work (CUDA); nothing on CPU."""
-    import torch  # noqa: PLC0415
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def agree(x: float, device, group=None) -> float:
     """The largest of every rank's x in `group` (ranks must run the same number of collectives and steps)."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
     if not dist.is_initialized():
         return x
     t = torch.tensor([x], dtype=torch.float64, device=device)
@@ -85,9 +87,6 @@ def sweep(device, world: int, link: str, budget_s: float, emit, group=None, size
     """All-reduce seconds per size on this transport: two windows per size, ~0.15 s each (2..50 ops), sizes in
     order until `budget_s` has passed (agreed over `group`). Emits `{"kind": "collective", "link", "op", "world",
     "bytes", "seconds", "rep", "n_ops"}`."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
     deadline = time.monotonic() + budget_s
     for nbytes in sizes:
         if agree(float(time.monotonic() > deadline), device, group):
@@ -126,8 +125,6 @@ class Probe:
     batch: int = 8
 
     def build(self, device):
-        import torch  # noqa: PLC0415
-
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(self.width, self.width, bias=False)
                                       for _ in range(self.layers)])
@@ -138,8 +135,6 @@ class Probe:
 
     def ddp(self, device, group):
         """A fresh copy of the probe under DDP on `group`, with the probe's bucket cap (DDP's default where None)."""
-        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
-
         cap = {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
         return DDP(self.build(device), process_group=group, device_ids=[device.index] if device.type == "cuda"
                    else None, **cap)
@@ -177,8 +172,6 @@ def ddp_shape(ddp_model) -> tuple[int, int, int] | None:
 def hooked_shape(probe: Probe, device, group, steps: int = 3) -> tuple[int, int, int]:
     """(buckets, gradient tensors, gradient bytes) of the probe under DDP, counted by a communication hook (public
     API) over the last of `steps` backward passes of a fresh copy: after the first, DDP has rebuilt its buckets."""
-    import torch  # noqa: PLC0415
-
     model = probe.ddp(device, group)
     seen: list[tuple[int, int]] = []
 
@@ -206,8 +199,6 @@ def measure_probe(probe: Probe, device, group, world: int, rounds: int, window_s
     the lab's CPU).
     plain_s and ddp_s are the medians of the windows' mean steps, extra_s the median over rounds of DDP minus
     plain (each window the slowest rank's: `agree` over the group)."""
-    import torch  # noqa: PLC0415
-
     ddp_model = probe.ddp(device, group)
     x = torch.randn(probe.batch, probe.width, device=device)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=1e-4)
@@ -266,11 +257,6 @@ def pairs(nodes: Sequence[int]) -> list[tuple[str, tuple[int, int]]]:
 
 
 def run(args) -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from elastic_launcher.links import HostFacts, gpu_type_of, links_for  # noqa: PLC0415
-
     started = time.monotonic()
     me = Rank.from_env()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -333,9 +319,6 @@ def run(args) -> int:
 
 def report(rows: list[dict], args, job: Optional[str], layout, links, wall_s: float) -> int:
     """Rank 0: write the rows, post them signed for the job, print what they say; 0 when all were stored."""
-    from elastic_launcher.observations import postable  # noqa: PLC0415
-    from elastic_launcher.reporting import PredictorClient  # noqa: PLC0415
-
     kept, refused = postable(rows)
     if args.out:
         with open(args.out, "w") as out:

@@ -22,6 +22,7 @@ from typing import Optional
 import click
 
 from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
+from slurm_plugin.errors import DirectiveError, SlurmError
 
 SUBCOMMANDS = ("ctl", "agent")
 
@@ -48,7 +49,7 @@ def allocation_from_env(environ) -> Allocation:
     Raises:
         click.ClickException: not inside a Slurm job.
     """
-    from slurm_plugin.hostlist import expand as expand_hostlist
+    from slurm_plugin.hostlist import expand as expand_hostlist  # noqa: PLC0415 - off elastic-launch's start
 
     job_id = environ.get("SLURM_JOB_ID")
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
@@ -69,8 +70,6 @@ def _directives(script: Optional[Path], extra: tuple[str, ...]) -> Directives:
         click.ClickException: `SCRIPT:LINE: what is wrong` (unreadable, not UTF-8, a bad #ELASTIC line), or
             `--directive: ...` for a bad item.
     """
-    from slurm_plugin.errors import DirectiveError
-
     try:
         data = script.read_bytes() if script is not None else b""
         text = data.decode("utf-8")
@@ -160,12 +159,12 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
       elastic-launch ctl JOBID --nodes N | --status   resize a running elastic job, or show its state
       elastic-launch agent ...                        batch step of a grow helper job (internal)
     """
-    from elastic_launcher.controller import Controller
-    from elastic_launcher.steering import MeasuredThroughput
+    from elastic_launcher.controller import Controller  # noqa: PLC0415 - torch: only `launch`
+    from elastic_launcher.steering import MeasuredThroughput  # noqa: PLC0415 - only `launch`
 
     _logging(verbose)
     if predictor_url is None:  # the service the site's hook asks (elastic.conf), so both halves use one planner
-        from slurm_plugin.installer import site_predictor_url
+        from slurm_plugin.installer import site_predictor_url  # noqa: PLC0415 - only `launch`
         predictor_url = site_predictor_url(os.environ)
     allocation = allocation_from_env(os.environ)
     submit_dir = Path(os.environ.get("SLURM_SUBMIT_DIR", "."))
@@ -188,7 +187,7 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
     )
-    from slurm_plugin.client import Backend, CommandBackend, start_step
+    from slurm_plugin.client import Backend, CommandBackend, start_step  # noqa: PLC0415 - Slurm client: only `launch`
 
     # Slurm commands get our environment without the job's SLURM_* (sbatch of a helper must not inherit
     # the main job's variables; scontrol must not write resize.sh files) but with PATH, HOME, ...
@@ -198,12 +197,12 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
                                     timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if config.restart:
-        from elastic_launcher.restart import RestartLauncher
+        from elastic_launcher.restart import RestartLauncher  # noqa: PLC0415 - torch: only `launch --restart`
         _run(RestartLauncher(config, registry=_registry(registry), slurm=slurm, start_step=start_step))
         return
     throughput = MeasuredThroughput()
     if test_throughput == "linear":  # the injection point of the testbed's throughput model
-        from elastic_launcher.testing import LinearThroughput
+        from elastic_launcher.testing import LinearThroughput  # noqa: PLC0415 - torch: only the testbed's model
         throughput = LinearThroughput()
     _run(Controller(config, registry=_registry(registry), slurm=slurm, start_step=start_step, throughput=throughput))
 
@@ -220,8 +219,8 @@ def _run(controller) -> None:
 
 def _ended(job_id: int) -> str:
     """How a job without a launcher ended, as sacct tells (``reporting.ended_job``), or where to look."""
-    from elastic_launcher.reporting import ended_job
-    from slurm_plugin.client import CommandBackend
+    from elastic_launcher.reporting import ended_job  # noqa: PLC0415 - requests: only after the job ends
+    from slurm_plugin.client import CommandBackend  # noqa: PLC0415 - Slurm client: only after the job ends
 
     try:
         return ended_job(job_id, CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get(
@@ -250,8 +249,8 @@ def ctl(job_id, nodes, lift, status, as_json, registry, timeout):
 
     Examples: elastic-launch ctl 42 --nodes 2; elastic-launch ctl 42 --auto; elastic-launch ctl 42 --status
     """
-    from elastic_launcher.control import ControlClient
-    from elastic_launcher.reporting import status_table
+    from elastic_launcher.control import ControlClient  # noqa: PLC0415 - torch's TCPStore: only `ctl`
+    from elastic_launcher.reporting import status_table  # noqa: PLC0415 - requests: only `ctl`
 
     if sum((nodes is not None, lift, status)) != 1:
         raise click.UsageError("give one of --nodes N, --auto or --status")
@@ -304,11 +303,10 @@ def _controller_address(path: Path) -> tuple[str, int]:
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, command):
     """Batch step of a grow helper job (submitted by the controller; not for users)."""
-    from elastic_launcher.helper_agent import HelperAgent
-    from elastic_launcher.control import launcher_store
-    from elastic_launcher.workers import WorkerPool
-    from slurm_plugin.client import Backend, CommandBackend, is_transient, start_step
-    from slurm_plugin.errors import SlurmError
+    from elastic_launcher.helper_agent import HelperAgent  # noqa: PLC0415 - only `agent`
+    from elastic_launcher.control import launcher_store  # noqa: PLC0415 - torch's TCPStore: only `agent`
+    from elastic_launcher.workers import WorkerPool  # noqa: PLC0415 - only `agent`
+    from slurm_plugin.client import Backend, CommandBackend, is_transient, start_step  # noqa: PLC0415 - only `agent`
 
     _logging(False)
     allocation = allocation_from_env(os.environ)

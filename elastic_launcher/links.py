@@ -199,7 +199,7 @@ def _boot_id() -> str:
 
 def _nvlink_active(gpu_index: Optional[int]) -> Optional[bool]:
     try:
-        import pynvml  # optional: nvidia-ml-py
+        import pynvml  # noqa: PLC0415 - optional: nvidia-ml-py
     except ImportError:
         return None
     try:

@@ -27,8 +27,8 @@ def _fit(store, skip: bool):
     """A Predictor fitted on the store, or None (skip, or nothing to fit)."""
     if skip:
         return None
-    from predictor.engine import Predictor  # noqa: PLC0415
-    from predictor.profiles import Profile  # noqa: PLC0415
+    from predictor.engine import Predictor  # noqa: PLC0415 - numpy, scipy, sklearn: only `model fit`
+    from predictor.profiles import Profile  # noqa: PLC0415 - off elastic-predictor's start
 
     profiles = {row["name"]: Profile.from_dict(row["body"]) for row in store.list_profiles()}
     try:
@@ -168,7 +168,7 @@ def plot_scaling(db, profile, gpu, out):
 
     Example: elastic-predictor plot scaling --db predictor.db --profile resnet50 --out scaling.png
     """
-    from predictor import plots  # noqa: PLC0415
+    from predictor import plots  # noqa: PLC0415 - numpy: only the plot commands
 
     _write_png(out, _with_fitted_store(db, True, lambda s, p: plots.scaling_png(s, p, profile=profile, gpu=gpu),
                                        "nothing to plot"))
@@ -182,7 +182,7 @@ def plot_links(db, out):
 
     Example: elastic-predictor plot links --db predictor.db --out links.png
     """
-    from predictor import plots  # noqa: PLC0415
+    from predictor import plots  # noqa: PLC0415 - numpy: only the plot commands
 
     _write_png(out, _with_fitted_store(db, True, plots.links_png, "nothing to plot"))
 

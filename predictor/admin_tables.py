@@ -165,7 +165,7 @@ def interval_rows(doc: dict) -> list[dict]:
     """Per basis, and per basis and what gates a multi-GPU step where the fit pooled its residuals so, the factors
     of an 80% interval around a prediction and how many held-out residuals back them (`Params.interval`: fewer than
     MIN_RESIDUALS and the basis's pool, then the prior spread, stands)."""
-    from predictor.stepmodel import MIN_RESIDUALS, PRIOR_SPREAD, Params  # noqa: PLC0415  (numpy/scipy: the CLI's)
+    from predictor.stepmodel import MIN_RESIDUALS, PRIOR_SPREAD, Params  # noqa: PLC0415 - numpy, scipy: off the CLI's start
 
     params = Params.from_dict(doc)
     rows = []

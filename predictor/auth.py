@@ -27,9 +27,12 @@ understood and refused), the header it concerns and a short `reason` code:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import hashlib
 import hmac
+import os
 import re
 import subprocess
 import threading
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
 from slurm_plugin.contracts.signing import DEFAULT_TIMEOUT, MUNGE_HEADER, PAYLOAD_PREFIX
+from slurm_plugin.errors import JobNotFoundError, SlurmError
 
 _PAYLOAD_RE = re.compile(rf"^{re.escape(PAYLOAD_PREFIX)} job=([0-9]{{1,12}}) sha256=([0-9a-f]{{64}})\Z")
 # what munge's encoder writes: "MUNGE:" + base64 + ":" (a header of any other shape never costs an unmunge run)
@@ -95,7 +99,6 @@ class LibMunge:
     E_SOCKET, E_EXPIRED, E_REPLAYED = 6, 15, 17  # EMUNGE_SOCKET, EMUNGE_CRED_EXPIRED, EMUNGE_CRED_REPLAYED
 
     def __init__(self, lib, socket: str | None) -> None:
-        import ctypes
         self._ctypes = ctypes
         self._lib = lib
         self._libc = ctypes.CDLL(None)
@@ -104,8 +107,6 @@ class LibMunge:
 
     @classmethod
     def load(cls, socket: str | None = None) -> "LibMunge | None":
-        import ctypes
-        import ctypes.util
         name = ctypes.util.find_library("munge") or "libmunge.so.2"
         try:
             lib = ctypes.CDLL(name)
@@ -319,8 +320,6 @@ class OwnerCache:
     def job_owner(self, job_id: int, uid: int | None = None):
         """Raises what the lookup raised (JobNotFoundError is remembered too; SlurmError is not), and the
         `LookupBudget`'s AuthError when ``uid`` (the credential's) may not make Slurm look the job up now."""
-        from slurm_plugin.errors import JobNotFoundError   # noqa: PLC0415
-
         now = self.clock()
         hit = self._seen.get(job_id)
         if hit is not None and now - hit[0] < (self.ttl if hit[2] is None else self.missing_ttl).total_seconds():
@@ -391,7 +390,6 @@ class Authenticator:
         def backend():
             from slurm_plugin.client import CommandBackend   # noqa: PLC0415 - only munge mode needs Slurm
             conf = Path(config.slurm_conf) if config.slurm_conf else None
-            import os  # noqa: PLC0415
 
             # the service's PATH: a site's Slurm may live elsewhere (a 24.11 testbed's wrappers stand first)
             env = {"PATH": os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -504,8 +502,6 @@ class Authenticator:
     def _check_job(self, job_id: int, uid: int):
         """Slurm's facts about `job_id` (`JobOwner`) once it is `uid`'s and active; fails closed (503) when Slurm
         cannot be asked."""
-        from slurm_plugin.errors import JobNotFoundError, SlurmError   # noqa: PLC0415
-
         try:
             owner = self.owners.job_owner(job_id, uid)
         except JobNotFoundError:

@@ -6,10 +6,13 @@ down; library errors become `click.ClickException` here.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import click
 
@@ -17,10 +20,12 @@ from predictor.admin_cli import COMMANDS as _ADMIN_COMMANDS
 from predictor.cli_support import load_config as _config  # also imported from here by bench/slow_clients.py
 from predictor.cli_support import open_store as _open_store  # and by tests/unit/test_api.py
 from predictor.cli_support import require_db
-from predictor.config import Config
+from predictor.cluster import Cluster
+from predictor.config import ENV_ADMIN_TOKEN, ENV_MUNGE, ENV_READ_AUTH, ENV_TOKEN, Config
 from predictor.errors import NotFoundError, ValidationError
 from slurm_plugin import calibration as _calibration
 from slurm_plugin.contracts.records import layout_name
+from slurm_plugin.errors import DirectiveError, SlurmError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,9 +47,7 @@ def main():
 
 
 def _slurm_cluster(spec: str):
-    from predictor.cluster import Cluster  # noqa: PLC0415
-    from slurm_plugin.client import Backend, CommandBackend  # noqa: PLC0415
-    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+    from slurm_plugin.client import Backend, CommandBackend  # noqa: PLC0415 - Slurm client: only --from-slurm
 
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts):
@@ -58,8 +61,6 @@ def _slurm_cluster(spec: str):
 
 def auth_policy(config: Config) -> list[str]:
     """What `serve` says at start about who may write and read (predictor.auth's rules on this config)."""
-    from predictor.config import ENV_ADMIN_TOKEN, ENV_MUNGE, ENV_READ_AUTH, ENV_TOKEN  # noqa: PLC0415
-
     writers = []
     if config.admin_token:
         writers.append(f"the admin token ({ENV_ADMIN_TOKEN})")
@@ -142,8 +143,8 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
 
     Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
     """
-    from predictor.app import create_app  # noqa: PLC0415
-    from predictor.server import Limits, gunicorn_application, run_buffered  # noqa: PLC0415
+    from predictor.app import create_app  # noqa: PLC0415 - Flask, numpy, scipy: only `serve`
+    from predictor.server import Limits, gunicorn_application, run_buffered  # noqa: PLC0415 - asyncio, ssl: only `serve`
 
     config = _config(db, cluster).replace(open_writes="open-writes" in allow_dev)
     if from_slurm:
@@ -151,7 +152,7 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     for line in auth_policy(config):
         click.echo(line, err=True)
     if server_mode is None:
-        from predictor.front_nginx import nginx_missing  # noqa: PLC0415
+        from predictor.front_nginx import nginx_missing  # noqa: PLC0415 - only `serve --server nginx`
 
         missing = nginx_missing()
         server_mode = "buffered" if missing and "buffered" in allow_dev else "nginx"
@@ -166,7 +167,7 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
     # the engine (numpy, scipy, sklearn: ~0.8 s of CPU to import) is imported once here, before gunicorn forks, so
     # a worker that gunicorn starts again (after a crash or a SIGKILL) does not take that CPU from the others
-    import predictor.engine  # noqa: F401, PLC0415
+    import predictor.engine  # noqa: F401, PLC0415 - preloaded before gunicorn forks (see above)
 
     def load():
         return create_app(config)         # per worker: its own connections and refit thread
@@ -175,7 +176,7 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
         gunicorn_application(load, bind=f"{host}:{port}", workers=workers, threads=threads, timeout=timeout).run()
         return
     if server_mode == "nginx":
-        from predictor.front_nginx import NginxLimits, NginxMissing, run_nginx  # noqa: PLC0415
+        from predictor.front_nginx import NginxLimits, NginxMissing, run_nginx  # noqa: PLC0415 - only `serve --server nginx`
 
         try:
             nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
@@ -225,7 +226,7 @@ def import_(file, db, skip_bad):
 
     Example: elastic-predictor import --db predictor.db history.jsonl
     """
-    from predictor.importer import read_jsonl  # noqa: PLC0415
+    from predictor.importer import read_jsonl  # noqa: PLC0415 - only `import`
 
     name = "<stdin>" if getattr(file, "name", "-") in ("-", "<stdin>") else file.name
     parsed = read_jsonl(file, name)
@@ -241,7 +242,7 @@ def import_(file, db, skip_bad):
 
 def _write_import(db_path: str, profiles: dict[str, dict], records: list[dict]) -> None:
     """Profiles, then the observations in one transaction; a database error says what got written."""
-    import sqlite3  # noqa: PLC0415
+    import sqlite3  # noqa: PLC0415 - only `import` writes rows
 
     store = _open_store(db_path)
     written = 0
@@ -274,8 +275,8 @@ def profile(spec, db, dtype, as_json, name):
     Example: elastic-predictor profile torchvision:resnet50 --db predictor.db (your own model:
     elastic-predictor profile mylab.nets:build_unet --name unet --db predictor.db)
     """
-    from predictor.api.profiles import register, summary  # noqa: PLC0415
-    from predictor.profiles import profile_from_spec  # noqa: PLC0415
+    from predictor.api.profiles import register, summary  # noqa: PLC0415 - Flask: only `profile`
+    from predictor.profiles import profile_from_spec  # noqa: PLC0415 - off elastic-predictor's start
 
     try:
         built = profile_from_spec(spec, dtype=dtype, name=name)
@@ -308,7 +309,7 @@ def _did_you_mean(message: str, name: str, candidates) -> str:
 
 def _builtin_specs(spec: str) -> list[str]:
     """The specs `profile` can build with the same library prefix as `spec` (built-ins and their aliases)."""
-    from predictor import profiles  # noqa: PLC0415
+    from predictor import profiles  # noqa: PLC0415 - off elastic-predictor's start
 
     lib, sep, _ = spec.rpartition(":")
     names = [*profiles.BUILTIN, *getattr(profiles, "_ALIASES", {})]
@@ -317,7 +318,7 @@ def _builtin_specs(spec: str) -> list[str]:
 
 def _fitted_cache(config: Config, db_option: str | None, needed_for: str = "no history to fit"):
     """The model fitted on the database, which must exist (a read command never creates one)."""
-    from predictor.service import ModelCache  # noqa: PLC0415
+    from predictor.service import ModelCache  # noqa: PLC0415 - the store and model cache: only read commands
 
     require_db(config.db_path, db_option, needed_for)
     store = _open_store(config.db_path)
@@ -345,8 +346,8 @@ def predict(profile_name, gpu, per_gpu_batch, gpus, partition, db, cluster):
 
     Example: elastic-predictor predict --profile resnet50 --gpu H200 --per-gpu-batch 64 --gpus 4-8
     """
-    from predictor.api.predict import enumerate_candidates  # noqa: PLC0415
-    from predictor.profiles import Profile  # noqa: PLC0415
+    from predictor.api.predict import enumerate_candidates  # noqa: PLC0415 - Flask, numpy: only `predict`
+    from predictor.profiles import Profile  # noqa: PLC0415 - off elastic-predictor's start
 
     config = _config(db, cluster)
     low, _, high = (gpus or "1").partition("-")
@@ -396,9 +397,8 @@ def plan(script, nodes, gpus_per_node, partition, db, cluster):
 
     Example: elastic-predictor plan train.sbatch --nodes 1 --gpus-per-node 4
     """
-    from predictor import planner  # noqa: PLC0415
-    from slurm_plugin.contracts.directives import directive_lines, parse_lines  # noqa: PLC0415
-    from slurm_plugin.errors import DirectiveError  # noqa: PLC0415
+    from predictor import planner  # noqa: PLC0415 - numpy, scipy: only `plan`
+    from slurm_plugin.contracts.directives import directive_lines, parse_lines  # noqa: PLC0415 - only `plan`
 
     config = _config(db, cluster)
     job = {"min_nodes": nodes, "partition": partition,
@@ -483,7 +483,7 @@ def _run_accuracy_bench(db: str | None, datasets: str | None, write: bool, full:
         click.UsageError / click.ClickException: --db given, an unknown or incomplete dataset, or no
             bench/accuracy.py (an installed package is not a checkout).
     """
-    from predictor import datasets as vendored  # noqa: PLC0415
+    from predictor import datasets as vendored  # noqa: PLC0415 - csv, gzip, profiles: only `evaluate`
 
     if db:
         raise click.UsageError("--db goes with --fit-errors: the benchmark reads the vendored datasets, not a database")
@@ -513,9 +513,6 @@ def _run_with_progress(argv: list[str], names: list[str], full: bool = False) ->
     """Run the benchmark with its stdout untouched; on stderr say what it runs and about how long it takes, which
     dataset runs, the bench's own lines (each fit with the time left, `NAME: done at N s`), every
     PROGRESS_EVERY_S that it still runs, and the end."""
-    import threading  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
     def say(line: str) -> None:
         click.echo(f"evaluate: {line}", err=True)
 
@@ -626,10 +623,7 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
     elif not submit:
         click.echo(script, nl=False)
     if submit:
-        import os  # noqa: PLC0415
-
-        from slurm_plugin.client import CommandBackend  # noqa: PLC0415
-        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+        from slurm_plugin.client import CommandBackend  # noqa: PLC0415 - Slurm client: only `calibrate --submit`
 
         try:
             sub = CommandBackend(env=dict(os.environ)).sbatch(script)
@@ -671,10 +665,9 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
 
     Example: elastic-predictor replay --sacct jobs.txt --nodes 16 --out replay/
     """
-    from predictor.cluster import Cluster  # noqa: PLC0415
-    from predictor.replay import POLICIES, Params, replay_all  # noqa: PLC0415
-    from predictor import replay_inputs as ri  # noqa: PLC0415
-    from predictor import replay_report  # noqa: PLC0415
+    from predictor.replay import POLICIES, Params, replay_all  # noqa: PLC0415 - simpy, numpy, scipy: only `replay`
+    from predictor import replay_inputs as ri  # noqa: PLC0415 - numpy, scipy: only `replay`
+    from predictor import replay_report  # noqa: PLC0415 - simpy, numpy: only `replay`
 
     chosen = [p for p in policies.split(",") if p]
     bad = [p for p in chosen if p not in POLICIES]

@@ -10,14 +10,13 @@ import os
 
 import click
 
+from predictor.cluster import Cluster
 from predictor.config import ENV_CLUSTER, ENV_DB, Config
 from predictor.errors import ValidationError
 
 
 def load_config(db: str | None, cluster: str | None = None) -> Config:
     """The config from the environment and the options; a bad cluster file is an error naming it."""
-    from predictor.cluster import Cluster  # noqa: PLC0415
-
     try:
         model = Cluster.from_file(cluster) if cluster else None
     except ValidationError as exc:
@@ -63,9 +62,9 @@ def open_store(db_path: str, writable: bool = False):
         click.ClickException: the file cannot be opened or migrated (missing folder, not a database...), or
             with `writable`, cannot be written (read-only file or mount, full disk).
     """
-    import sqlite3  # noqa: PLC0415
+    import sqlite3  # noqa: PLC0415 - only the commands that open the database
 
-    from predictor.store import Store  # noqa: PLC0415
+    from predictor.store import Store  # noqa: PLC0415 - only the commands that open the database
 
     store = Store(db_path)
     try:

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import grp
 import ipaddress
 import os
 import pwd
@@ -303,8 +304,6 @@ def _fit_open_files(limits: NginxLimits, root: bool, log: Callable[[str], None])
 
 
 def _group(user: pwd.struct_passwd) -> str:
-    import grp  # noqa: PLC0415
-
     try:
         return grp.getgrgid(user.pw_gid).gr_name
     except KeyError:

@@ -11,6 +11,7 @@ import json
 from typing import BinaryIO, Iterator
 
 from predictor.errors import ValidationError
+from slurm_plugin.contracts.records import validate_record
 
 
 @dataclasses.dataclass
@@ -48,7 +49,6 @@ def _lines(file: BinaryIO, name: str) -> Iterator[tuple[str, object]]:
 def read_jsonl(file: BinaryIO, name: str) -> Parsed:
     """Read and validate every line of `file` (opened in binary; `name` is what messages call it)."""
     from predictor.api.profiles import register  # noqa: PLC0415 - imports Flask
-    from slurm_plugin.contracts.records import validate_record  # noqa: PLC0415
 
     parsed = Parsed()
     for where, item in _lines(file, name):

@@ -24,6 +24,7 @@ from collections import defaultdict
 import numpy as np
 
 from predictor.errors import NotFoundError, ValidationError
+from predictor.profiles import Profile
 from slurm_plugin.contracts.records import is_mixed, layout_name
 from predictor.stepmodel import owner_of
 
@@ -71,8 +72,6 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 
 def _predicted(store, predictor, rows: list[dict]) -> list[tuple[dict, float]]:
     """(row, predicted iter_s) for the rows the model can predict."""
-    from predictor.profiles import Profile  # noqa: PLC0415
-
     groups: dict = defaultdict(list)
     for row in rows:
         if not is_mixed(row):  # a mixed job's step is no one type's: the fit has nothing to compare it with

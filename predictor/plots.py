@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 from slurm_plugin.contracts.records import layout_name
 from predictor.errors import NotFoundError
+from predictor.profiles import Profile
 
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -91,13 +92,13 @@ def _note(fig: Figure, omitted: list[str]) -> None:
 def _figure(**kwargs) -> Figure:
     """A matplotlib Figure. matplotlib (0.3-0.5 s of imports) loads with the first plot drawn, not with
     predictor.app: the service, its workers and the CLI start without it."""
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415 - matplotlib: at the first plot
 
     return Figure(**kwargs)
 
 
 def _png(fig: Figure) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - matplotlib: at the first plot
 
     buf = io.BytesIO()
     FigureCanvasAgg(fig)
@@ -153,8 +154,6 @@ def scaling_data(store, predictor, profile: str | None = None, gpu: str | None =
     Raises:
         NotFoundError: a profile/GPU filter that matches no step history.
     """
-    from predictor.profiles import Profile  # noqa: PLC0415
-
     groups: dict = defaultdict(list)
     for rec in store.observations(kind="step"):
         if (profile is None or rec.get("profile") == profile) and (gpu is None or rec.get("gpu") == gpu):

@@ -12,7 +12,9 @@ are known, so `grad_bytes` is exact.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -206,28 +208,27 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
         ValidationError: a `module:callable` that does not import, is not callable or returns no module.
     """
     lib, _, arch = spec.partition(":") if ":" in spec else ("", "", spec)
-    flops = BUILTIN.get(_canonical(arch), (None, None))[1]
+    flops = BUILTIN.get(_canonical(arch))
     if lib and lib not in ("torchvision", "transformers"):
         return _profile_of_callable(lib, arch, name or arch, bucket_cap_mb, dtype)
     if name is not None and name != arch:
-        import dataclasses as _dc  # noqa: PLC0415
-        return _dc.replace(profile_from_spec(spec, bucket_cap_mb, dtype), name=name)
+        return dataclasses.replace(profile_from_spec(spec, bucket_cap_mb, dtype), name=name)
     if lib not in ("torchvision", "transformers"):  # the built-in shapes: the same tensors every time
         return _profile_of(_builtin_tensors(arch, dtype), arch, bucket_cap_mb, flops_per_sample=flops)
-    import torch
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     module = None
     with torch.device("meta"):
         if lib == "torchvision":
             try:
-                import torchvision.models as tvm  # noqa: PLC0415
+                import torchvision.models as tvm  # noqa: PLC0415 - optional: torchvision
 
                 module = tvm.get_model(arch, weights=None)
             except Exception:  # torchvision absent or broken beside this torch: use our own shapes
                 module = None
         elif lib == "transformers":
             try:
-                import transformers  # noqa: PLC0415
+                import transformers  # noqa: PLC0415 - optional: transformers
 
                 cfg = transformers.AutoConfig.from_pretrained(arch, local_files_only=True)
                 module = transformers.AutoModel.from_config(cfg)
@@ -243,9 +244,7 @@ def profile_from_spec(spec: str, bucket_cap_mb: float = 25.0, dtype: str | None 
 def _profile_of_callable(module_name: str, attr: str, name: str, bucket_cap_mb: float,
                          dtype: str | None) -> Profile:
     """The profile of ``module_name:attr()`` built on the meta device (no weights allocated)."""
-    import importlib  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     where = f"{module_name}:{attr}"
     try:
@@ -273,7 +272,7 @@ def _builtin_tensors(arch: str, dtype: str | None) -> tuple[TensorSpec, ...]:
     """The tensors of a built-in architecture (`BUILTIN`), built once per process on the meta device: a few
     milliseconds to ~20 ms each (ResNet-50, BERT), which the datasets' loaders, the CLI and the service's job
     profiles used to pay on every call. Raises NotFoundError (not cached) for a name that is not built in."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: the CLI and the service import profiles
 
     with torch.device("meta"):
         module = _build_builtin(arch)  # raises NotFoundError
@@ -286,149 +285,27 @@ __all__ = ["TensorSpec", "Profile", "bucket_sizes", "profile_from_module", "prof
            "DTYPE_BYTES", "NotFoundError"]
 
 
-# --- Built-in architectures (parameter shapes only, from the published configs; built on the meta device) ---
-def _transformer(vocab: int, pos: int, d: int, layers: int, ffn: int | None = None, types: int = 0,
-                 pooler: bool = False, patch: int = 0, fused_qkv: bool = False):
-    import torch.nn as nn
-
-    ffn = ffn or 4 * d
-    m = nn.Module()
-    if patch:
-        m.patch_embed = nn.Conv2d(3, d, patch, patch)
-        m.cls_token = nn.Parameter(torch_empty(1, 1, d))
-        m.pos_embed = nn.Parameter(torch_empty(1, pos, d))
-    else:
-        m.word_embeddings = _embedding(vocab, d)
-        m.position_embeddings = _embedding(pos, d)
-        if types:
-            m.token_type_embeddings = _embedding(types, d)
-        m.emb_norm = nn.LayerNorm(d)
-    blocks = nn.ModuleList()
-    for _ in range(layers):
-        b = nn.Module()
-        if fused_qkv:
-            b.qkv = nn.Linear(d, 3 * d)
-        else:
-            b.query, b.key, b.value = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
-        b.attn_out, b.norm1 = nn.Linear(d, d), nn.LayerNorm(d)
-        b.ffn_in, b.ffn_out, b.norm2 = nn.Linear(d, ffn), nn.Linear(ffn, d), nn.LayerNorm(d)
-        blocks.append(b)
-    m.layers = blocks
-    if pooler:
-        m.pooler = nn.Linear(d, d)
-    if patch:
-        m.norm, m.head = nn.LayerNorm(d), nn.Linear(d, 1000)
-    return m
-
-
-def torch_empty(*shape):
-    import torch
-
-    return torch.empty(*shape)
-
-
-def _embedding(num: int, dim: int):
-    """`nn.Embedding(num, dim)`'s one parameter (`weight`) without its `normal_` init, which on the meta device
-    imports torch._dynamo: 1.5 s of CPU in the first profile a process builds."""
-    import torch.nn as nn
-
-    m = nn.Module()
-    m.weight = nn.Parameter(torch_empty(num, dim))
-    return m
-
-
-def _resnet(blocks: list[int], bottleneck: bool, classes: int = 1000, cifar: bool = False):
-    import torch.nn as nn
-
-    m = nn.Module()
-    m.conv1 = nn.Conv2d(3, 64, 3 if cifar else 7, 1 if cifar else 2, bias=False)
-    m.bn1 = nn.BatchNorm2d(64)
-    inp, exp, stages = 64, 4 if bottleneck else 1, nn.ModuleList()
-    for i, n in enumerate(blocks):
-        w = 64 * 2**i
-        for j in range(n):
-            b = nn.Module()
-            if bottleneck:
-                b.conv1, b.bn1 = nn.Conv2d(inp, w, 1, bias=False), nn.BatchNorm2d(w)
-                b.conv2, b.bn2 = nn.Conv2d(w, w, 3, bias=False), nn.BatchNorm2d(w)
-                b.conv3, b.bn3 = nn.Conv2d(w, w * exp, 1, bias=False), nn.BatchNorm2d(w * exp)
-            else:
-                b.conv1, b.bn1 = nn.Conv2d(inp, w, 3, bias=False), nn.BatchNorm2d(w)
-                b.conv2, b.bn2 = nn.Conv2d(w, w, 3, bias=False), nn.BatchNorm2d(w)
-            if j == 0 and inp != w * exp:
-                b.down, b.down_bn = nn.Conv2d(inp, w * exp, 1, bias=False), nn.BatchNorm2d(w * exp)
-            inp = w * exp
-            stages.append(b)
-    m.layers, m.fc = stages, nn.Linear(inp, classes)
-    return m
-
-
-def _vgg16():
-    import torch.nn as nn
-
-    m, inp, convs = nn.Module(), 3, nn.ModuleList()
-    for c in [64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]:
-        convs.append(nn.Conv2d(inp, c, 3))
-        inp = c
-    m.features = convs
-    m.fc1, m.fc2, m.fc3 = nn.Linear(512 * 49, 4096), nn.Linear(4096, 4096), nn.Linear(4096, 1000)
-    return m
-
-
-def _flat(total_params: int, n_tensors: int):
-    """Approximate architecture: `n_tensors` equal tensors summing to a published parameter count."""
-    import torch.nn as nn
-
-    m, each = nn.Module(), max(1, total_params // n_tensors)
-    m.params = nn.ParameterList([nn.Parameter(torch_empty(each)) for _ in range(n_tensors)])
-    return m
-
-
-def _neumf(users: int, items: int, factor: int = 32, layers: int = 3):
-    """NeuMF-end (He et al. 2017) as the NCF benchmark registers it: the GMF and MLP embeddings of users and items,
-    the MLP tower halving from 2 factor 2^(layers-1) wide, the predict layer over both paths."""
-    import torch.nn as nn
-
-    m = nn.Module()
-    wide = factor * 2 ** (layers - 1)
-    m.embed_user_gmf, m.embed_item_gmf = _embedding(users, factor), _embedding(items, factor)
-    m.embed_user_mlp, m.embed_item_mlp = _embedding(users, wide), _embedding(items, wide)
-    m.mlp = nn.ModuleList([nn.Linear(2 * wide // 2 ** i, wide // 2 ** i) for i in range(layers)])
-    m.predict = nn.Linear(2 * factor, 1)
-    return m
-
-
-def _deepspeech2():
-    import torch.nn as nn
-
-    m = nn.Module()
-    m.conv1, m.conv2 = nn.Conv2d(1, 32, (41, 11)), nn.Conv2d(32, 32, (21, 11))
-    m.rnn = nn.GRU(1312, 800, num_layers=5, bidirectional=True)
-    m.fc = nn.Linear(1600, 29)
-    return m
-
-
-# name -> (builder, training FLOPs per sample (3x forward) or None)
+# --- Built-in architectures (parameter shapes: predictor.builtin_models, which imports torch) ---
+# name -> training FLOPs per sample (3x forward), or None
 BUILTIN = {
-    "resnet50": (lambda: _resnet([3, 4, 6, 3], True), 3 * 4.1e9),
-    "resnet18": (lambda: _resnet([2, 2, 2, 2], False), 3 * 1.8e9),
-    "resnet18_cifar10": (lambda: _resnet([2, 2, 2, 2], False, 10, cifar=True), 3 * 0.56e9),
-    "resnet50_cifar10": (lambda: _resnet([3, 4, 6, 3], True, 10, cifar=True), 3 * 1.3e9),
-    "vgg16": (_vgg16, 3 * 15.5e9),
-    "bert-base-uncased": (lambda: _transformer(30522, 512, 768, 12, types=2, pooler=True), 6 * 110e6 * 384),
-    "bert-large-uncased": (lambda: _transformer(30522, 512, 1024, 24, types=2, pooler=True), 6 * 335e6 * 128),
-    "roberta-base": (lambda: _transformer(50265, 514, 768, 12, types=1, pooler=True), 6 * 125e6 * 128),
-    "roberta-large": (lambda: _transformer(50265, 514, 1024, 24, types=1, pooler=True), 6 * 355e6 * 128),
-    "vit-base-patch16-224": (lambda: _transformer(0, 197, 768, 12, patch=16, fused_qkv=True), 3 * 17.6e9),
-    "gpt2": (lambda: _transformer(50257, 1024, 768, 12, fused_qkv=True), 6 * 124e6 * 1024),
-    "gpt2-xl": (lambda: _transformer(50257, 1024, 1600, 48, fused_qkv=True), 6 * 1.56e9 * 1024),
-    "inception_v3": (lambda: _flat(23_834_568, 94), 3 * 5.7e9),  # approximate shapes
-    "yolov3": (lambda: _flat(61_949_149, 75), 3 * 65.9e9),  # approximate shapes
-    "ncf": (lambda: _flat(5_860_000, 8), 3 * 2e6),  # NeuMF on MovieLens-20M, approximate
-    # the Pollux/AdaptDL benchmark's NCF (benchmark/models/ncf: MovieLens-1M, 6040 users x 3706 items, factor 32,
-    # 3 MLP layers): 1.60 M parameters; 2 x the MLP's multiply-adds a sample forward, x 3 for training
-    "ncf-ml-1m": (lambda: _neumf(6040, 3706), 3 * 2 * 43_000),
-    "deepspeech2": (_deepspeech2, 3 * 20e9),  # approximate (5 bi-GRU, hidden 800)
+    "resnet50": 3 * 4.1e9,
+    "resnet18": 3 * 1.8e9,
+    "resnet18_cifar10": 3 * 0.56e9,
+    "resnet50_cifar10": 3 * 1.3e9,
+    "vgg16": 3 * 15.5e9,
+    "bert-base-uncased": 6 * 110e6 * 384,
+    "bert-large-uncased": 6 * 335e6 * 128,
+    "roberta-base": 6 * 125e6 * 128,
+    "roberta-large": 6 * 355e6 * 128,
+    "vit-base-patch16-224": 3 * 17.6e9,
+    "gpt2": 6 * 124e6 * 1024,
+    "gpt2-xl": 6 * 1.56e9 * 1024,
+    "inception_v3": 3 * 5.7e9,  # approximate shapes
+    "yolov3": 3 * 65.9e9,  # approximate shapes
+    "ncf": 3 * 2e6,  # NeuMF on MovieLens-20M, approximate
+    # the Pollux/AdaptDL benchmark's NCF: 2 x the MLP's multiply-adds a sample forward, x 3 for training
+    "ncf-ml-1m": 3 * 2 * 43_000,
+    "deepspeech2": 3 * 20e9,  # approximate (5 bi-GRU, hidden 800)
 }
 _ALIASES = {"bert": "bert-base-uncased", "bert-base": "bert-base-uncased", "bert-large": "bert-large-uncased",
             "roberta": "roberta-large", "vit": "vit-base-patch16-224", "vit_b_16": "vit-base-patch16-224",
@@ -443,7 +320,8 @@ def _canonical(arch: str) -> str:
 
 
 def _build_builtin(arch: str):
-    entry = BUILTIN.get(_canonical(arch))
-    if entry is None:
+    from predictor import builtin_models  # noqa: PLC0415 - torch: the CLI and the service import profiles
+
+    if _canonical(arch) not in BUILTIN:
         raise NotFoundError("architecture", arch, f"known built-ins: {sorted(BUILTIN)}")
-    return entry[0]()
+    return builtin_models.BUILDERS[_canonical(arch)]()

@@ -36,6 +36,7 @@ import zlib
 from typing import Callable
 
 import numpy as np
+import requests
 import simpy
 
 from elastic_launcher.autoscale import AutoscalePolicy, Measurement, PendingJob, advice_from_plan, yield_to_pending
@@ -178,8 +179,6 @@ class HttpAdvisor:
         self.calls = 0
 
     def plan(self, lines: tuple[str, ...], job: dict, current: list[int] | None = None) -> dict:
-        import requests  # noqa: PLC0415
-
         key = (lines, tuple(sorted(job.items())), tuple(current or ()))
         hit = self._cache.get(key)
         if hit is None:

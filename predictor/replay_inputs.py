@@ -36,6 +36,7 @@ import numpy as np
 from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator, interp1d
 
 from predictor.datasets import DEFAULT_ROOT, _read
+from slurm_plugin.contracts.directives import PREFIX
 
 # Pollux's simulator: max_local_bsz overridden for yolov3 (applications.py, APPLICATIONS)
 MAX_LOCAL_BSZ = {"yolov3": 8}
@@ -271,7 +272,6 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
         InputError: a missing column, or a bad time or number (named as `file:line: field`).
     """
     path = Path(path)
-    from slurm_plugin.contracts.directives import PREFIX
     with open(path, encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f, delimiter="|")
         missing = [c for c in SACCT_FIELDS if c not in (reader.fieldnames or [])]

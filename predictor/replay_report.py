@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from predictor.plots import replay_png
 from predictor.replay import Result, later_than
 
 COLUMNS = [("policy", "policy", "s"), ("jobs", "jobs", "d"), ("avg_jct_s", "avg JCT s", ",.0f"),
@@ -64,8 +65,6 @@ def markdown(rows_: list[dict], gap: float | None = None, names: int = 10) -> st
 def write(results: dict[str, Result], out: Path, title: str = "") -> dict:
     """summary.json (the rows, the oracle gap, the title), jobs.csv (every job under every policy) and replay.png
     into `out`; returns the summary."""
-    from predictor.plots import replay_png  # noqa: PLC0415 - matplotlib loads with the first plot
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"title": title, "rows": rows(results), "oracle_gap": oracle_gap(results)}

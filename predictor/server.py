@@ -41,6 +41,7 @@ import stat
 import sys
 import tempfile
 import time
+import traceback
 from typing import Callable
 
 MAX_REQUEST_LINE = 4094          # gunicorn's limit_request_line
@@ -68,7 +69,7 @@ def gunicorn_application(load: Callable, *, bind: str, workers: int, threads: in
                          worker_class: str | None = None, post_fork: Callable[[], None] | None = None):
     """A gunicorn application running `load()` (the WSGI app, built in each worker) on `bind`; `post_fork()` runs
     in each worker as it starts, before `load()`."""
-    from gunicorn.app.base import BaseApplication  # noqa: PLC0415
+    from gunicorn.app.base import BaseApplication  # noqa: PLC0415 - gunicorn: only the gunicorn front end
 
     class Application(BaseApplication):
         def load_config(self):
@@ -614,7 +615,6 @@ def run_buffered(load: Callable, *, host: str, port: int, workers: int, threads:
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001
-            import traceback  # noqa: PLC0415
 
             traceback.print_exc()
         finally:

@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 from predictor.fitlock import FitLock, fit_lock_path
 from predictor.lru import ByteBudgetLRU
+from predictor.profiles import Profile, TensorSpec
 from predictor.store import ModelHead, StoredModel, Store
 
 log = logging.getLogger("predictor.service")
@@ -68,7 +69,7 @@ _PROBLEMS = ("fit", "load", "read", "refresh")  # what ModelCache.last_error rep
 
 def default_predictor_factory():
     """The production model (predictor.engine.Predictor), imported lazily."""
-    from predictor.engine import Predictor  # noqa: PLC0415
+    from predictor.engine import Predictor  # noqa: PLC0415 - sklearn: at the first fit, not at every import
 
     return Predictor()
 
@@ -198,8 +199,6 @@ def fitted_profile(profile):
     their count, sizes and dtypes only). Every stored model keeps its profiles: with names, one user's 16 MiB of
     profiles with 200-character tensor names added 15 MB to each of the models kept (#24.6: 48 MB of database for
     16 MB of profiles)."""
-    from predictor.profiles import TensorSpec  # noqa: PLC0415
-
     if all(t.name == "" for t in profile.tensors):
         return profile
     return dataclasses.replace(profile, tensors=tuple(TensorSpec("", t.numel, t.dtype) for t in profile.tensors))
@@ -215,8 +214,6 @@ def profile_doc(profile) -> dict:
 
 def profile_from_doc(doc: dict):
     """The fitted profile `profile_doc` wrote (its buckets as stored, never recomputed)."""
-    from predictor.profiles import Profile, TensorSpec  # noqa: PLC0415
-
     dtypes = itertools.chain.from_iterable(itertools.repeat(d, n) for d, n in doc["dtypes"])
     tensors = tuple(TensorSpec("", int(n), d) for n, d in zip(doc["numels"], dtypes))
     rest = {k: v for k, v in doc.items() if k not in ("numels", "dtypes")}
@@ -490,8 +487,6 @@ class ModelCache:
         return model.generation
 
     def _fit_and_publish(self) -> FittedModel:
-        from predictor.profiles import Profile  # noqa: PLC0415
-
         with self._fit_lock:
             started = time.monotonic()
             generation, profile_rows, observations = self.store.fit_inputs()

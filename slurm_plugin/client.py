@@ -25,7 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import shlex
 import subprocess
+import sys
+import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence, Union
@@ -423,16 +428,13 @@ class PyslurmBackend:
         timeout: timedelta = timedelta(seconds=10),
         update_timeout: timedelta = timedelta(seconds=30),
     ):
-        import os  # noqa: PLC0415
-        import sys  # noqa: PLC0415
-
         if slurm_conf is not None:
             if os.environ.get("SLURM_CONF", str(slurm_conf)) != str(slurm_conf) and "pyslurm" in sys.modules:
                 raise SlurmError(["pyslurm"], None, "", f"pyslurm was initialised for {os.environ['SLURM_CONF']}, "
                                                         f"not {slurm_conf}: one cluster per process")
             os.environ["SLURM_CONF"] = str(slurm_conf)
         try:
-            import pyslurm  # noqa: PLC0415
+            import pyslurm  # noqa: PLC0415 - optional: pyslurm, built in the 24.11 testbed
         except ImportError as exc:
             raise SlurmError(["pyslurm"], None, "", f"pyslurm is not installed here ({exc}); it is built inside "
                                                     f"the 24.11 testbed's root: run there") from exc
@@ -503,9 +505,6 @@ class PyslurmBackend:
                timeout: timedelta | None = None) -> Submission:
         """Submit like `sbatch [args] script`: `args` go in as `#SBATCH` lines ahead of the script's own (which
         pyslurm reads with `load_sbatch_options`), so a command-line option wins as with sbatch."""
-        import os  # noqa: PLC0415
-        import shlex  # noqa: PLC0415
-
         text = script.read_text() if isinstance(script, Path) else script
         lines = text.splitlines(keepends=True)
         shebang = lines.pop(0) if lines and lines[0].startswith("#!") else "#!/bin/sh\n"
@@ -513,7 +512,6 @@ class PyslurmBackend:
         lines = ["".join(f"#SBATCH {o}\n" for o in _sbatch_lines(shlex.split(ln[len("#SBATCH"):].split("#")[0])))
                  if ln.startswith("#SBATCH") else ln for ln in lines]
         extra = "".join(f"#SBATCH {arg}\n" for arg in _sbatch_lines(args))
-        import tempfile  # noqa: PLC0415
 
         with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="elastic-sbatch-") as f:  # pyslurm reads a path
             f.write(shebang + extra + "".join(lines))
@@ -884,10 +882,8 @@ _OWNER_SACCT = "JobID,UID,State,Start,End,NNodes,Partition,AllocTRES"
 
 def _slurm_time(text: str) -> float | None:
     """`2026-11-26T07:49:48` (Slurm prints local time) -> Unix time; None for Unknown, N/A, NONE."""
-    import time as _time   # noqa: PLC0415
-
     try:
-        return _time.mktime(_time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
     except ValueError:
         return None
 

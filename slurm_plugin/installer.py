@@ -28,6 +28,9 @@ from urllib.parse import urlsplit
 
 import click
 
+from slurm_plugin.client import DEFAULT_PATH, CommandBackend, most_gpus_per_node
+from slurm_plugin.errors import SlurmError
+
 LUA_DIR = Path(__file__).parent / "lua"
 
 
@@ -160,9 +163,6 @@ def _stamp_next_second(path: Path, sleep: Callable[[float], None]) -> None:
 def _path_env() -> dict[str, str]:
     """The admin's PATH for Slurm's commands: a site's Slurm may live outside the system's bin directories (and a
     24.11 testbed's wrappers stand first on PATH after `eval "$(elastic-slurm testbed env)"`)."""
-
-    from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
-
     return {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
 
 
@@ -187,9 +187,6 @@ def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
 
     :raises InstallError: Slurm does not answer; names the option that gives the value instead.
     """
-    from slurm_plugin.client import CommandBackend, most_gpus_per_node  # noqa: PLC0415
-    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
-
     how = "start slurmctld or pass --max-gpus-per-node PARTITION=COUNT,..."
     if not slurm_conf.is_file():   # sinfo without a config waits on DNS for a minute
         raise InstallError(f"cannot read each partition's GPUs per node: no {slurm_conf}; {how}")
@@ -295,9 +292,6 @@ def install_plugin(conf_dir: Path, predictor_url: str, budget_ms: int, breaker_f
     for line in config.slurm_conf_lines():
         click.echo(f"  {line}")
     if apply:
-        from slurm_plugin.client import CommandBackend
-        from slurm_plugin.errors import SlurmError
-
         slurm_conf = config.conf_dir / "slurm.conf"
         try:
             changed = add_to_slurm_conf(slurm_conf, config.slurm_conf_lines())

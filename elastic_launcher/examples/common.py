@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
+import torch.profiler
 from torch.utils.data import default_collate
 
 from elastic_launcher.batch_policy import BatchPolicy
@@ -205,10 +206,11 @@ class StepProfiler:
         self._prof = None
         self._t0 = 0.0
         if self.out is not None:
-            from torch.profiler import ProfilerActivity, profile, schedule
             first, last = PROFILE_STEPS
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._prof = profile(activities=acts, schedule=schedule(wait=first - 1, warmup=1, active=last - first))
+            activity = torch.profiler.ProfilerActivity
+            acts = [activity.CPU] + ([activity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = torch.profiler.profile(
+                activities=acts, schedule=torch.profiler.schedule(wait=first - 1, warmup=1, active=last - first))
             self._prof.start()
 
     def step(self) -> None:

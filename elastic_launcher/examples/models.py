@@ -75,7 +75,7 @@ def build_resnet(arch: str, classes: int) -> nn.Module:
     """
     if arch != "resnet-tiny":
         try:
-            import torchvision.models as tvm  # noqa: PLC0415
+            import torchvision.models as tvm  # noqa: PLC0415 - optional: torchvision
 
             return tvm.get_model(arch, weights=None, num_classes=classes)
         except ImportError:

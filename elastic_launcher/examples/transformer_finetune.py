@@ -28,7 +28,7 @@ class HFClassifier(torch.nn.Module):
 
     def __init__(self, name: str, classes: int, pretrained: bool):
         super().__init__()
-        import transformers  # noqa: PLC0415
+        import transformers  # noqa: PLC0415 - optional: transformers
 
         auto = transformers.AutoModelForSequenceClassification
         if pretrained:

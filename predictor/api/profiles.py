@@ -7,7 +7,7 @@ from flask import Blueprint, request
 
 from predictor.api import AuthError, authenticator, caller, int_arg, json_body, services, write_access
 from predictor.errors import ValidationError
-from predictor.profiles import Profile
+from predictor.profiles import BUILTIN, Profile, _canonical, profile_from_spec
 from slurm_plugin.contracts.records import NAME_RE
 from predictor.store import QuotaExceeded
 
@@ -132,8 +132,6 @@ def _check_well_known(store, profile: Profile) -> None:
     Raises:
         AuthError: 403 `reserved_name`.
     """
-    from predictor.profiles import BUILTIN, _canonical, profile_from_spec  # noqa: PLC0415 - only for jobs
-
     if _canonical(profile.name) not in BUILTIN or store.has_profile(profile.name):
         return                  # a name of its own, or one already registered (re-posting it is checked above)
     known = profile_from_spec(profile.name)

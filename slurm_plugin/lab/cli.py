@@ -5,6 +5,7 @@ the import order, so nothing in slurm_plugin's core, predictor or elastic_launch
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import click
 from slurm_plugin.errors import TestbedError
 from slurm_plugin.lab.demo import LabLock, busy_message, demo_command, stop_lab_services
 from slurm_plugin.lab.testbed import Testbed
-from slurm_plugin.lab.root import HOST_VERSION, VERSIONS
+from slurm_plugin.lab.root import HOST_VERSION, VERSIONS, checkout
 from slurm_plugin.lab.testbed_conf import (DEFAULT_LAB, DEFAULT_PORT_BASE, PORT_SPAN, TestbedConfig, recorded_gpus,
                                            recorded_port_base, recorded_slurm)
 
@@ -135,10 +136,6 @@ def exec_(bed: Testbed, argv: tuple[str, ...]) -> None:
 
     Example: elastic-slurm testbed exec --lab /var/tmp/lab24 -- python3 -m pytest tests/integration/test_client.py
     """
-    import os  # noqa: PLC0415
-
-    from slurm_plugin.lab.root import checkout  # noqa: PLC0415
-
     env = {**os.environ, **bed.env(), "ELASTIC_SLURM_LAB": str(bed.config.lab)}
     if bed.root is not None:
         env["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"

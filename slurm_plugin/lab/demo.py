@@ -38,7 +38,9 @@ from pathlib import Path
 
 import click
 
-from slurm_plugin.client import Backend, CommandBackend
+from slurm_plugin import templates
+from slurm_plugin.client import DEFAULT_PATH, Backend, CommandBackend
+from slurm_plugin.errors import SlurmError, TestbedError
 from slurm_plugin.lab import demo_calibrate as cal
 from slurm_plugin.lab.demo_follow import ENDED, GROWS, SHRINKS, JobWatcher
 from slurm_plugin.lab.demo_services import CHECKOUT, DemoError, PredictorService, install_hook, tail
@@ -143,8 +145,6 @@ def busy_message(lab: Path, holder: dict, elsewhere: bool = True) -> str:
 def lab_slurm(bed: Testbed) -> Backend:
     """A Slurm client for the lab's cluster. What it submits gets the lab's munged socket (jobs sign their writes
     with it) and never the predictor's tool token."""
-    from slurm_plugin.client import DEFAULT_PATH  # noqa: PLC0415
-
     env = {"PATH": (bed.command_env() or {}).get("PATH", DEFAULT_PATH), "HOME": "/root",
            "ELASTIC_MUNGE_SOCKET": str(bed.config.munge_socket)}
     return CommandBackend(slurm_conf=bed.config.slurm_conf, env=env, timeout=timedelta(seconds=15),
@@ -213,8 +213,6 @@ class Demo:
 
     # -- the steps ------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        from slurm_plugin.errors import TestbedError  # noqa: PLC0415
-
         cfg = self.bed.config
         with self.phase(f"1/6 local Slurm cluster (lab {cfg.lab}, ports {cfg.port_base}..{cfg.port_base + PORT_SPAN - 1})"):
             self.was_up = self.bed.is_up()
@@ -246,8 +244,7 @@ class Demo:
     def calibrate_cluster(self, timeout_s: float = 300.0) -> None:
         """The site's calibration job on 2 of the lab's nodes (`elastic-predictor calibrate`, shortened: a 4 s
         sweep, 3 rounds of 0.1 s windows), waited for; its rows go to the service signed for the job."""
-        from slurm_plugin.calibration import job_script  # noqa: PLC0415
-        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
+        from slurm_plugin.calibration import job_script  # noqa: PLC0415 - elastic-slurm's start needs it only for a demo
 
         shutil.rmtree(self.work, ignore_errors=True)     # the demo's own directory: no records of an older run
         self.work.mkdir(parents=True)
@@ -310,8 +307,6 @@ class Demo:
                 time.sleep(0.5)
 
     def submit(self) -> None:
-        from slurm_plugin import templates  # noqa: PLC0415
-
         run_dir, registry = self.work / "run", self.work / "registry"
         params = templates.Params(
             cpu_test=True, gpus=f"1-{MAX_NODES}", python=sys.executable, launcher=launcher_argv(),
@@ -328,7 +323,6 @@ class Demo:
         self.echo("   request as written: " + "  ".join(
             line for line in script.read_text().splitlines() if line.startswith(("#SBATCH --nodes", "#SBATCH --gpus",
                                                                                 "#ELASTIC"))))
-        from slurm_plugin.errors import SlurmError  # noqa: PLC0415
 
         try:
             sub = self.slurm().sbatch(script, ["--chdir", str(self.work)])
@@ -434,8 +428,6 @@ class Demo:
         """Cancel the lab's jobs, stop the predictor and the testbed (each step tolerant of the others)."""
         _, stopped = stop_lab_services(self.bed, self.predictor)
         if not self.was_up:
-            from slurm_plugin.errors import TestbedError  # noqa: PLC0415
-
             try:
                 self.bed.down()
             except TestbedError as exc:

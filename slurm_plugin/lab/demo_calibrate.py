@@ -53,8 +53,8 @@ class CalibrationRun:
 
 def profile_body() -> dict:
     """The `POST /v1/profiles` body of the demo model (its real parameters, no weights)."""
-    from elastic_launcher.examples import models  # noqa: PLC0415
-    from elastic_launcher.telemetry import tensor_profile  # noqa: PLC0415
+    from elastic_launcher.examples import models  # noqa: PLC0415 - torch: off elastic-slurm's start
+    from elastic_launcher.telemetry import tensor_profile  # noqa: PLC0415 - torch: off elastic-slurm's start
 
     return tensor_profile(models.build_resnet("resnet-tiny", int(SCRIPT_OPTIONS["--classes"])), PROFILE)
 
@@ -62,14 +62,14 @@ def profile_body() -> dict:
 def testbed_links(workers: int):
     """The links of the testbed's layout `[1] * workers`: every pretend node is this machine, gloo over TCP, so
     `loopback` (`links.links_for` on this host's facts: the rule the launcher applies to the demo job)."""
-    from elastic_launcher.links import HostFacts, links_for  # noqa: PLC0415
+    from elastic_launcher.links import HostFacts, links_for  # noqa: PLC0415 - off elastic-slurm's start
 
     return links_for([1] * workers, [HostFacts.probe("gloo")] * workers)
 
 
 def relabel(records: list[dict], workers: int) -> list[dict]:
     """Observation records as the launcher labels the demo job's on the testbed (observations.relabel)."""
-    from elastic_launcher.observations import relabel as launcher_relabel  # noqa: PLC0415
+    from elastic_launcher.observations import relabel as launcher_relabel  # noqa: PLC0415 - off elastic-slurm's start
 
     return launcher_relabel(records, {workers: [1] * workers}, {workers: testbed_links(workers)}, PROFILE, GPU)
 
@@ -80,10 +80,10 @@ def run_once(workers: int, steps: int, work: Path, python: str = sys.executable,
 
     :raises CalibrationError: a worker failed or the run took longer than `timeout`.
     """
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415 - torch: off elastic-slurm's start
 
-    from elastic_launcher import store_keys  # noqa: PLC0415
-    from elastic_launcher.membership import Coordinator  # noqa: PLC0415
+    from elastic_launcher import store_keys  # noqa: PLC0415 - off elastic-slurm's start
+    from elastic_launcher.membership import Coordinator  # noqa: PLC0415 - torch: off elastic-slurm's start
 
     work.mkdir(parents=True, exist_ok=True)
     obs = work / f"calibration-{workers}.jsonl"

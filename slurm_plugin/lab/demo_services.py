@@ -23,10 +23,12 @@ import urllib.request
 from datetime import timedelta
 from pathlib import Path
 
-from slurm_plugin.installer import PluginConfig, install
+from slurm_plugin.errors import SlurmError
+from slurm_plugin.installer import InstallError, PluginConfig, install
 from slurm_plugin.lab import gpu_types
+from slurm_plugin.lab.demo_calibrate import testbed_links
 from slurm_plugin.lab.testbed import Testbed, port_open, process_alive
-from slurm_plugin.lab.testbed_conf import PORT_SPAN
+from slurm_plugin.lab.testbed_conf import LEAVES, PARTITION, PORT_SPAN
 
 
 # The service runs this checkout's code (its cwd is the lab, where `-m predictor.cli` would find an installed copy).
@@ -91,8 +93,6 @@ class PredictorService:
         """The cluster file: the testbed's nodes and switches, one CPU worker per node in the default partition,
         and the typed partitions with their GPU types and costs (slurm_plugin/lab/gpu_types.py)."""
         cfg = self.testbed.config
-        from slurm_plugin.lab.demo_calibrate import testbed_links  # noqa: PLC0415
-        from slurm_plugin.lab.testbed_conf import LEAVES, PARTITION  # noqa: PLC0415
 
         links = testbed_links(2)  # the links the launcher will label the demo job's multi-node records with
 
@@ -215,9 +215,6 @@ def install_hook(testbed: Testbed, predictor_url: str, budget: timedelta) -> lis
 
     :raises DemoError: the installer or `scontrol reconfigure` failed.
     """
-    from slurm_plugin.errors import SlurmError  # noqa: PLC0415
-    from slurm_plugin.installer import InstallError  # noqa: PLC0415
-
     config = PluginConfig(conf_dir=testbed.config.etc, predictor_url=predictor_url, budget=budget)
     try:
         written = install(config)

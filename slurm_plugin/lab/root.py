@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -94,8 +95,7 @@ def bind_dirs() -> list[str]:
 def _editable_sources() -> list[str]:
     """Checkouts that installed packages of this Python run from (`pip install -e`): a job's `python -m
     elastic_launcher.cli` imports the installed package, whichever checkout that is."""
-    import json  # noqa: PLC0415
-    from importlib.metadata import distributions  # noqa: PLC0415
+    from importlib.metadata import distributions  # noqa: PLC0415 - only the editable-install lookup
 
     out = []
     for dist in distributions():

@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 
+from predictor import builtin_models
 from predictor.errors import NotFoundError, ValidationError
-from predictor.profiles import Profile, profile_from_module, profile_from_spec
+from predictor.profiles import BUILTIN, Profile, profile_from_module, profile_from_spec
 
 
 def _module():
@@ -48,6 +49,14 @@ def test_spec_profiles_match_published_parameter_counts(spec, params):
     assert p.n_params == params
     assert p.flops_per_sample and p.flops_per_sample > 0
     assert len(p.buckets_bytes) >= 2 and p.buckets_bytes[0] >= 1024 * 1024
+
+
+def test_every_builtin_name_has_its_shapes_and_its_flops():
+    """profiles.BUILTIN (name -> FLOPs, torch-free) and builtin_models.BUILDERS (name -> module) name the same
+    architectures, and each builds with parameters."""
+    assert sorted(builtin_models.BUILDERS) == sorted(BUILTIN)
+    for name in BUILTIN:
+        assert profile_from_spec(name).n_params > 0, name
 
 
 def test_spec_dtype_changes_bytes():
