@@ -16,7 +16,6 @@ to `--raw` (default bench/results/restart_cost/).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -28,6 +27,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from launcher_transitions import records, wait  # bench/: the script's folder, first on sys.path
 from slurm_plugin.client import CommandBackend
 from slurm_plugin.lab.testbed_conf import DEFAULT_LAB
 
@@ -44,21 +44,6 @@ def job_script(work: Path, step_s: float) -> str:
         f"#SBATCH --output={work}/job-%j.out", f"#SBATCH --chdir={work}", "#ELASTIC gpus=1-4 mode=restart",
         f"export PYTHONPATH={shlex.quote(str(ROOT))}",
         " ".join('"$0"' if a == "$0" else shlex.quote(a) for a in launch) + " -- " + shlex.join(train)]) + "\n"
-
-
-def records(work: Path) -> list[dict]:
-    path = work / "run" / "records.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait(fn, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {seconds:g} s waiting for {what}")
 
 
 def main() -> int:
@@ -85,14 +70,14 @@ def main() -> int:
             out = subprocess.run([sys.executable, "-m", "elastic_launcher.cli", "ctl", str(job), "--nodes", str(nodes),
                                   "--registry", str(work / "reg")], capture_output=True, text=True, timeout=60, env=env)
             print(f"ctl --nodes {nodes}: {out.stdout.strip() or out.stderr.strip()}", flush=True)
-            wait(lambda: sum(r["kind"] in ("transition", "resize_failed") for r in records(work)) > i, 300,
+            wait(lambda: sum(r["kind"] in ("transition", "resize_failed") for r in records(work / "run")) > i, 300,
                  f"resize {i + 1} to {nodes} nodes")
             load.append(os.getloadavg()[0])
             time.sleep(3)   # a few steps at the new size
     finally:
         slurm.cancel(job)
         wait(lambda: slurm.job(job).state not in ("RUNNING", "COMPLETING", "PENDING"), 60, "the job's end")
-    moves = [r for r in records(work) if r["kind"] in ("transition", "resize_failed")]
+    moves = [r for r in records(work / "run") if r["kind"] in ("transition", "resize_failed")]
     rows = ["| # | resize | cost (s) | checkpoint (s) | restart (s) | redone steps | checkpointed |",
             "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(moves, 1):

@@ -28,6 +28,13 @@ def beat(store_addr: str, timeout: timedelta, stop: threading.Event, interval_s:
             return
 
 
+def serve_store(host: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, str, dist.Store]:
+    """The job's TCPStore, served by the launcher (port 0: any free one): (server, "host:port", its launcher
+    channel)."""
+    server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    return server, f"{host}:{server.port}", dist.PrefixStore(keys.LAUNCHER, server)
+
+
 def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:
     """A client of the job's TCPStore, restricted to the launcher channel.
 

@@ -26,7 +26,7 @@ from elastic_launcher import store_keys as keys
 from elastic_launcher.autoscale import (NO_DIRECTIVES, NOT_CONFIGURED, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
                                         PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
-from elastic_launcher.control import ControlInbox, beat as heartbeat
+from elastic_launcher.control import ControlInbox, beat as heartbeat, serve_store
 from elastic_launcher.errors import RendezvousTimeout
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.membership import Coordinator
@@ -141,10 +141,7 @@ class Controller:
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.records = RecordLog(cfg.run_dir / "records.jsonl")
-        self.server = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=True, wait_for_workers=False,
-                                    timeout=cfg.store_timeout)
-        self.store_addr = f"{cfg.store_host}:{self.server.port}"
-        self.kv = dist.PrefixStore(keys.LAUNCHER, self.server)
+        self.server, self.store_addr, self.kv = serve_store(cfg.store_host, cfg.store_port, cfg.store_timeout)
         self.coord = Coordinator(self.server, timeout=cfg.rendezvous_timeout)
         self.inbox = ControlInbox(self.kv)
         self.observations = ObservationInbox(self.server)

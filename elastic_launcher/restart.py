@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.autoscale import PendingJob, yield_to_pending
-from elastic_launcher.control import ControlInbox, beat
+from elastic_launcher.control import ControlInbox, beat, serve_store
 from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import LaunchConfig
 from elastic_launcher.release import Releaser
@@ -130,10 +130,7 @@ class RestartLauncher:
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.records = RecordLog(cfg.run_dir / "records.jsonl")
-        self.server = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=True, wait_for_workers=False,
-                                    timeout=cfg.store_timeout)
-        self.store_addr = f"{cfg.store_host}:{self.server.port}"
-        self.kv = dist.PrefixStore(keys.LAUNCHER, self.server)
+        self.server, self.store_addr, self.kv = serve_store(cfg.store_host, cfg.store_port, cfg.store_timeout)
         self.inbox = ControlInbox(self.kv)
         command = torchrun_argv(sys.executable, cfg.command, self.store_addr, f"elastic-{self.job_id}",
                                 self.nodes_range, self.fleet.slots, cfg.rendezvous_last_call, cfg.max_restarts)
