@@ -598,15 +598,7 @@ class Controller:
         return advice
 
     def _pending_jobs(self) -> list[PendingJob]:
-        """Other jobs of this partition pending for nodes (not this job's own helpers), highest priority first
-        (then oldest); [] when Slurm is slow."""
-        ours = {int(self.job_id), *(int(h) for h in self.fleet.helpers)}
-        try:
-            jobs = self.slurm.jobs()
-        except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
-            log.warning("cannot list jobs: %s", exc)
-            return []
-        return PendingJob.of(jobs, ours, self.fleet.alloc.partition)
+        return self.fleet.pending(self.slurm)   # Fleet.pending; a seam the tests replace
 
     def _free_nodes(self) -> list[str]:
         try:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from elastic_launcher import store_keys as keys
+from elastic_launcher.autoscale import PendingJob
 from elastic_launcher.errors import ElasticError, ResizeConflict
 from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import Allocation, LaunchConfig, helper_comment, helper_name
@@ -153,6 +154,16 @@ class Fleet:
     helpers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     joining: dict[str, NodeSlot] = dataclasses.field(default_factory=dict)
     failures_in_a_row: int = 0
+
+    def pending(self, slurm) -> list[PendingJob]:
+        """Other jobs of the allocation's partition pending for nodes (not the job nor its helpers), highest
+        priority first (then oldest); [] when Slurm is slow or down (no hand-back this round)."""
+        try:
+            jobs = slurm.jobs()
+        except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
+            log.warning("cannot list jobs: %s", exc)
+            return []
+        return PendingJob.of(jobs, {int(self.job_id), *(int(h) for h in self.helpers)}, self.alloc.partition)
 
 
 class Resizer:

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
-from elastic_launcher.autoscale import PendingJob, yield_to_pending
+from elastic_launcher.autoscale import yield_to_pending
 from elastic_launcher.control import ControlInbox, beat, serve_store
 from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import LaunchConfig
@@ -273,7 +273,7 @@ class RestartLauncher:
         """A pending job's nodes back first; else, at most every PLAN_INTERVAL_S, what /v1/plan says."""
         nodes = len(self.fleet.nodes)
         if self.config.yield_to_pending and self.fleet.helpers:
-            decision = yield_to_pending(nodes, self.nodes_range[0], len(self._idle()), self._pending())
+            decision = yield_to_pending(nodes, self.nodes_range[0], len(self._idle()), self.fleet.pending(self.slurm))
             if decision is not None:
                 self.request(decision.target_nodes, "yield", decision.reason)
                 return
@@ -322,15 +322,6 @@ class RestartLauncher:
         except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no grow this round
             log.warning("cannot list nodes: %s", exc)
             return []
-
-    def _pending(self) -> list[PendingJob]:
-        ours = {int(self.job_id), *(int(h) for h in self.fleet.helpers)}
-        try:
-            jobs = self.slurm.jobs()
-        except Exception as exc:  # noqa: BLE001 - Slurm slow or down: no hand-back this round
-            log.warning("cannot list jobs: %s", exc)
-            return []
-        return PendingJob.of(jobs, ours)
 
     def _write_status(self) -> None:
         for helper, nodes in self.fleet.helpers.items():   # a helper's nodes once its agent reported them
