@@ -504,24 +504,19 @@ class Replay:
             if run.policy is None or (self.env.now - run.start < self.params.tick_s and not handback_only):
                 continue
             slots, nodes = run.layout[0], len(run.alloc)
-            if handback_only:
-                idle = int(np.sum(self.free == self.per_node))
-                handback = yield_to_pending(nodes, run.policy.min_nodes(), idle, pending)
-                if handback is not None:
-                    self.decisions["handback"] = self.decisions.get("handback", 0) + 1
-                    self._give(run.alloc[handback.target_nodes:])
-                    self._resize(run, run.alloc[:handback.target_nodes], self.params.shrink_pause_s)
-                    pending, changed = pending[1:], True
-                continue
-            sps = run.job.global_batch / run.step_s
-            run.policy.record(Measurement(nodes, run.gpus, sps, run.step_s))
-            reply = adv.plan(_at_size(run.lines, run.job.global_batch, run.gpus), self._job_fields(run.request),
-                             current=list(run.layout))
-            advice = advice_from_plan(reply, nodes, slots)
             idle = int(np.sum(self.free == self.per_node))
-            decision = run.policy.decide(idle, advice)
             handback = yield_to_pending(nodes, run.policy.min_nodes(), idle, pending)
-            decision = settle_decision(decision, nodes, handback, pending, None, advice)
+            if handback_only:
+                if handback is None:
+                    continue
+                decision = handback
+            else:
+                sps = run.job.global_batch / run.step_s
+                run.policy.record(Measurement(nodes, run.gpus, sps, run.step_s))
+                reply = adv.plan(_at_size(run.lines, run.job.global_batch, run.gpus),
+                                 self._job_fields(run.request), current=list(run.layout))
+                advice = advice_from_plan(reply, nodes, slots)
+                decision = settle_decision(run.policy.decide(idle, advice), nodes, handback, pending, None, advice)
             kind = "handback" if handback is not None and decision is handback else decision.action
             if decision.action == "grow" and decision.target_nodes > nodes:
                 idle_nodes = np.flatnonzero(self.free == self.per_node)[:decision.target_nodes - nodes]
