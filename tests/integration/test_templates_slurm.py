@@ -78,8 +78,9 @@ def test_cpu_variant_runs_to_completion_under_elastic_launch(slurm, submit, idle
     out = (work / f"{name}-cpu-test-{job_id}.out").read_text()
     assert slurm.job(job_id).state == "COMPLETED", out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["outcome"] == "completed" and summary["final_nodes"] in (1, 2), summary   # 1: straggler cut
     logs = "\n".join(p.read_text() for p in (work / "run").glob("worker-*.log"))
+    assert summary["outcome"] == "completed" and summary["final_nodes"] in (1, 2), \
+        (summary, out[-3000:], logs[-3000:])   # 1: straggler cut
     assert done in logs, logs[-3000:]
     records = [json.loads(line) for line in (work / "run" / "records.jsonl").read_text().splitlines()]
     start = next(r for r in records if r["kind"] == "transition" and r["action"] == "start")
