@@ -1,10 +1,12 @@
 """Leave-one-collection-out: the throughput model scored on H200 collections it was not fitted on (issue 38).
 
-Run: `python bench/loco.py [--model new|reference|release] [--out FILE.json] [--no-write]`; default: the product's
+Run: `python bench/loco.py [--model new|reference|release] [--held NAME] [--out FILE.json] [--no-write]`; default: the product's
 model (predictor.engine.Predictor) and the no-fit reference (bench/ddp_reference.py), beside frozen scores (`FROZEN`):
 the release's from bench/results/loco_release.json (this script run on the release's code: `--model release`) and the
 step model's before this version's from bench/results/loco_previous.json (this script run on that code: `--model new
---out`, its `new` renamed `previous`); writes bench/results/loco.md and bench/results/loco.json.
+--out`, its `new` renamed `previous`); writes bench/results/loco.md and bench/results/loco.json. `--held NAME`
+(repeatable, e.g. `coldstart/session7`) scores only those held-out collections and writes nothing (a quick check
+while changing the model; the other collections are still in the store, as in the full run).
 
 Collections: every committed H200 collection (bench/data/heldout/*/, bench/data/coldstart/ and its session7/):
 each is one lent machine on one day (their SOURCE.md files say which). For each held-out collection C, the store
@@ -157,9 +159,10 @@ def coverage(rows: list[dict]) -> float | None:
     return float(np.mean(inside)) if inside else None
 
 
-def score(kind: str, data: dict) -> dict:
+def score(kind: str, data: dict, held_out: list[str] | None = None) -> dict:
+    """Per held-out collection (all of `data`, or those named in `held_out`): its scores (module docstring)."""
     out = {}
-    for held in sorted(data):
+    for held in sorted(held_out or data):
         rows = predictions(kind, data, held)
         one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in data[held][2] if sum(r["layout"]) == 1}
         out[held] = {"rows": len(rows), "all": mape(rows),
@@ -203,24 +206,30 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=("new", "reference", "release"), action="append",
                     help="which to score (repeatable); default new and reference, with the frozen scores of "
                          + ", ".join(str(f.relative_to(HERE.parent)) for f in FROZEN.values()))
+    ap.add_argument("--held", action="append", metavar="NAME",
+                    help="score only this held-out collection (repeatable; e.g. coldstart/session7); writes nothing")
     ap.add_argument("--out", type=Path, help="write the scores as JSON here")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     data = {name_of(p): load(p) for p in collections()}
+    unknown = sorted(set(a.held or []) - set(data))
+    if unknown:
+        ap.error(f"--held {', '.join(unknown)}: no such collection (there are: {', '.join(sorted(data))})")
     kinds = a.model or ["new", "reference"]
     scores, versions = {}, {}
     for k in kinds:
-        scores[k] = score("new" if k == "release" else k, data)
+        scores[k] = score("new" if k == "release" else k, data, a.held)
         versions[k] = "no fit" if k == "reference" else model_version()
     if a.out:
         a.out.write_text(json.dumps({"versions": versions, "scores": scores}, indent=1) + "\n")
     if not a.model:
         frozen = {k: json.loads(f.read_text()) for k, f in FROZEN.items() if f.exists()}
-        scores = {**{k: d["scores"][k] for k, d in frozen.items()}, **scores}
+        scores = {**{k: {h: v for h, v in d["scores"][k].items() if h in scores["new"]} for k, d in frozen.items()},
+                  **scores}
         versions.update({k: d["versions"][k] for k, d in frozen.items()})
     text = "\n".join(render(scores, versions))
     print(text)
-    if not a.no_write and not a.model:
+    if not a.no_write and not a.model and not a.held:
         (RESULTS / "loco.md").write_text(text + "\n")
         (RESULTS / "loco.json").write_text(json.dumps({"versions": versions, "scores": scores}, indent=1) + "\n")
     return 0

@@ -52,6 +52,14 @@ def test_decisions_compare_the_choices_of_the_plan_policy():
     assert out["same"] == 0 and out["over"] == 1 and out["over_gpus_pct"] == pytest.approx(100.0)
 
 
+def test_held_scores_only_the_named_collections_with_the_others_in_the_store(data, capsys):
+    out = loco.score("reference", data, ["heldout/session16"])
+    assert list(out) == ["heldout/session16"] and out["heldout/session16"]["rows"] == 72
+    with pytest.raises(SystemExit):
+        loco.main(["--held", "heldout/session99", "--no-write"])
+    assert "heldout/session99" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def scores(data):
     return loco.score("new", data), loco.score("reference", data)
