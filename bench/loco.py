@@ -84,8 +84,10 @@ def held_out_store(data: dict, held: str) -> tuple[dict, list[dict], list[dict]]
     return profiles, obs, [r for r in data[held][2] if sum(r["layout"]) > 1]
 
 
-def predictions(kind: str, data: dict, held: str) -> list[dict]:
-    """Each held-out multi-GPU row with its prediction (iter_s, interval) and the 1-GPU answer at its batch."""
+def predictions(kind: str, data: dict, held: str, constants=None) -> list[dict]:
+    """Each held-out multi-GPU row with its prediction (iter_s, interval) and the 1-GPU answer at its batch.
+    `constants` (a diagnostic, bench/loco_consistency.py): stepmodel Params whose host and link constants replace
+    the fitted ones (the ladders, sweeps and intervals stay the store's)."""
     profiles, obs, rows = held_out_store(data, held)
     out = []
     if kind == "reference":
@@ -97,6 +99,9 @@ def predictions(kind: str, data: dict, held: str) -> list[dict]:
             out.append({**_row(r), "pred_s": t, "one_pred_s": one, "interval": None})
         return out
     pred = Predictor().fit(profiles, obs)
+    if constants is not None:
+        pred.params_.hosts.update(constants.hosts)
+        pred.params_.links.update(constants.links)
     for r in rows:
         p, one = pred.predict(profiles[r["profile"]], r["gpu"], r["per_gpu_batch"],
                               [{"layout": r["layout"], "intra_link": r["intra_link"], "inter_link": None},
