@@ -17,7 +17,11 @@ Per committed H200 collection (bench/loco.py's), from its own rows:
   kappa and the per-step cost o);
 - **held out, own constants**: bench/loco.py's protocol (every other collection in the store) with the host and link
   constants replaced by the alone fit's: what the held-out error would be had the site calibrated its host, beside
-  the held-out error as scored and the no-fit reference's.
+  the held-out error as scored and the no-fit reference's;
+- **drift removed**: each multi-GPU row's step times the 1-GPU ladder over its launch's own 1-GPU step (the row on
+  the 1-GPU launch's host speed): how many measured choices at min_efficiency 0.7 that changes, and how many of the
+  held-out model's and the reference's choices equal the changed ones (how far a decision score is the launches'
+  drift).
 """
 from __future__ import annotations
 
@@ -65,6 +69,28 @@ def same_launch(steps: list[dict]) -> dict:
             "range": [float(min(every)), float(max(every))] if every else None}
 
 
+def drift_removed(steps: list[dict]) -> dict[tuple, float]:
+    """(profile, batch, link, GPUs) -> the multi-GPU step times the ladder's 1-GPU step over its launch's own
+    (`solo_s`, else `local_s`; rows with neither are left out)."""
+    ladders = ladders_from(steps)
+    return {(r["profile"], r["per_gpu_batch"], r["intra_link"], sum(r["layout"])):
+            r["iter_s"] * float(ladders[(r["profile"], r["gpu"])].at(r["per_gpu_batch"])[0])
+            / (r.get("solo_s") or r.get("local_s"))
+            for r in steps if sum(r["layout"]) > 1 and (r.get("solo_s") or r.get("local_s"))}
+
+
+def same_as_drift_removed(rows: list[dict], steps: list[dict]) -> tuple[int, int]:
+    """(measured choices @0.7 that the drift's removal changes, predicted choices equal to the drift-removed ones)."""
+    fixed = drift_removed(steps)
+    moved = [{**r, "iter_s": fixed.get((r["profile"], r["per_gpu_batch"], r["intra_link"], sum(r["layout"])),
+                                       r["iter_s"])} for r in rows]
+    one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in steps if sum(r["layout"]) == 1}
+    both = [{**r, "pred_s": m["iter_s"], "one_pred_s": one[(r["profile"], r["per_gpu_batch"])]}
+            for r, m in zip(rows, moved)]
+    return (loco.decisions(both, one)["0.7"]["groups"] - loco.decisions(both, one)["0.7"]["same"],
+            loco.decisions(moved, one)["0.7"]["same"])
+
+
 def faster_than_possible(steps: list[dict]) -> dict:
     """Rows (of the multi-GPU ones) under FASTER x the 1-GPU ladder's step at their batch, and groups (model, batch,
     link) whose 4-GPU step is under FASTER x their 2-GPU step."""
@@ -107,13 +133,17 @@ def report(data: dict, paths: dict) -> dict:
         steps = data[held][2]
         pred, own = alone(held, data)
         P = pred.params_
+        new, ref = loco.predictions("new", data, held), loco.predictions("reference", data, held)
+        changed, new_same = same_as_drift_removed(new, steps)
         out[held] = {"jitter": window_jitter(paths[held]), "same_launch": same_launch(steps),
                      "faster": faster_than_possible(steps), "alone": scored(own, steps),
                      "c_tensor_us": {g: h.c_tensor * 1e6 for g, h in P.hosts.items()},
                      "links": {l: {"kappa": c.kappa, "o_ms": c.o * 1e3} for l, c in sorted(P.links.items())},
-                     "held_out": scored(loco.predictions("new", data, held), steps),
+                     "held_out": scored(new, steps),
                      "held_out_own_constants": scored(loco.predictions("new", data, held, constants=P), steps),
-                     "reference": scored(loco.predictions("reference", data, held), steps)}
+                     "reference": scored(ref, steps),
+                     "drift_removed": {"changed": changed, "new_same": new_same,
+                                       "reference_same": same_as_drift_removed(ref, steps)[1]}}
     return out
 
 
@@ -138,9 +168,12 @@ def render(rep: dict) -> list[str]:
                                           for l in LINKS if l in r["links"]) + " |")
     lines += ["", "Held out (bench/loco.py's protocol): as scored, with the collection's own host and link constants "
               "(its alone fit's) in place of the fitted ones, and the no-fit reference.", "",
-              "| collection | held out | held out, own constants | reference |", "|---|---|---|---|"]
+              "| collection | held out | held out, own constants | reference | drift removed: measured choices "
+              "changed; same choice as them, held out / reference |", "|---|---|---|---|---|"]
     for held, r in rep.items():
-        lines.append(f"| {held} | {fig(r['held_out'])} | {fig(r['held_out_own_constants'])} | {fig(r['reference'])} |")
+        d = r["drift_removed"]
+        lines.append(f"| {held} | {fig(r['held_out'])} | {fig(r['held_out_own_constants'])} | {fig(r['reference'])} "
+                     f"| {d['changed']}/{r['held_out']['groups']}; {d['new_same']} / {d['reference_same']} |")
     return lines + [""]
 
 

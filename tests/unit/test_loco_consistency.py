@@ -35,6 +35,15 @@ def test_the_same_launch_ratio_reads_solo_else_local_against_the_ladder_at_the_r
     assert out["range"] == [pytest.approx(0.9), pytest.approx(1.1)]
 
 
+def test_drift_removal_puts_a_row_on_the_one_gpu_launchs_host_speed_and_rescores_the_choice():
+    # the 2-GPU launch's host ran at 0.7x the 1-GPU launch's step: its 0.105 s is 0.15 s on the 1-GPU launch's host
+    steps = [_step(1, 0.100), _step(2, 0.105, solo_s=0.070)]
+    assert lc.drift_removed(steps) == {("m", 8, "nvlink", 2): pytest.approx(0.150)}
+    # measured: 152 samples/s at 2 GPUs against 80 at 1 (0.90 a GPU more: 2 GPUs); drift removed 107 (0.33: 1 GPU)
+    rows = [{**_step(2, 0.105), "pred_s": 0.150, "one_pred_s": 0.100}]
+    assert lc.same_as_drift_removed(rows, steps) == (1, 1)
+
+
 @pytest.mark.slow
 def test_session7_with_its_own_host_constants_is_no_worse_than_the_reference_anywhere():
     data = {loco.name_of(p): loco.load(p) for p in loco.collections()}
