@@ -13,7 +13,11 @@ import loco  # noqa: E402
 # nearly throughout, collected by an earlier collector (its SOURCE.md; commit 8693b77, before 55e8401 pinned each rank
 # to its share of the CPUs), whose socket rows ran faster than its own sweep says (at 4 GPUs a comm-bound step took
 # 0.83-1.01x, median 0.94, the forward plus the sweep's all-reduce times; medians 1.03-1.17x on the other
-# collections). Strict: the day this holds, the test says so and the entry goes.
+# collections). bench/results/loco_consistency.md: its host is unlike the others' (1-GPU window jitter 0.066 against
+# 0.002-0.022; fitted on its own rows, DDP's host work 29 us a gradient tensor and no socket contention, kappa 0,
+# against 49-87 us and 0.09-0.73), and with those constants the held-out model beats the reference on every transport
+# and on decisions (tests/unit/test_loco_consistency.py): the loss is constants that no other collection carries and
+# that only a calibration of that host would give. Strict: the day this holds, the test says so and the entry goes.
 LOSES = {("coldstart/session7", "transport tcp"), ("coldstart/session7", "same choice @0.7")}
 
 # The step model's figures (bench/results/loco.md, sm-2026.12.02-5): MAPE all (%) at most, the same GPU count as
