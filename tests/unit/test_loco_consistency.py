@@ -44,6 +44,14 @@ def test_drift_removal_puts_a_row_on_the_one_gpu_launchs_host_speed_and_rescores
     assert lc.same_as_drift_removed(rows, steps) == (1, 1)
 
 
+def test_a_widened_interval_scales_its_log_bounds_around_the_prediction():
+    # predicted 100 samples/s, interval 80-110, measured 70: log(0.7) = -0.36 is inside -0.22 x 2 but not x 1.5
+    row = {**_step(2, 16 / 70), "pred_s": 0.16, "interval": [80.0, 110.0]}
+    assert lc.widened_coverage([row]) == {"1.0": 0.0, "1.5": 0.0, "2.0": 1.0, "2.5": 1.0}
+    fast = {**row, "iter_s": 16 / 130}             # measured 130: log(1.3) = 0.26 is above 0.095 x 2.5
+    assert lc.widened_coverage([fast]) == {"1.0": 0.0, "1.5": 0.0, "2.0": 0.0, "2.5": 0.0}
+
+
 @pytest.mark.slow
 def test_session7_with_its_own_host_constants_is_no_worse_than_the_reference_anywhere():
     data = {loco.name_of(p): loco.load(p) for p in loco.collections()}
