@@ -7,6 +7,8 @@ must agree. Before #42 the hook stopped at an indented comment (sbatch reads on)
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.integration.test_hook import bed, hook, predictor, sbatch, show_job  # noqa: F401 - fixtures
@@ -76,3 +78,27 @@ def test_job_submit_keeps_no_test_only_answer_for_the_next_real_job(hook, predic
     real = sbatch(SCRIPT, "-H", "-J", "mode-cached")
     assert real.rc == 0 and "(cached)" not in real.stderr, real.stderr
     assert [b.get("test_only") for b in _plans(predictor)] == [True, None]
+
+
+def test_with_job_submit_alone_a_test_only_answer_is_never_the_next_real_jobs(hook, predictor, sbatch, bed):
+    # #42.6, no cli_filter: job_submit cannot tell `--test-only` (Slurm 22.05: the same job_desc), so it asks as for
+    # a job; but no job follows, and slurmctld's jobs (slurm.jobs) show that no job holds the test's decision: the
+    # next identical real job asks again (not "(cached)"), the one after it is served from the cache (a job holds
+    # that decision now), and the hook names the held decision to the service at its next ask (X-Elastic-Claimed)
+    hook(predictor.url, job_submit=True, cli_filter=False)
+    tried = sbatch(SCRIPT, "--test-only", "-J", "mode-fresh")
+    assert tried.rc == 0 and "to start at" in tried.stderr, tried.stderr
+    real = sbatch(SCRIPT, "-H", "-J", "mode-fresh")
+    assert real.rc == 0 and "(cached)" not in real.stderr, real.stderr
+    # job_submit/lua re-reads slurm.jobs when a job changed in a later second than its last read (22.05's
+    # last_job_update has whole seconds): a job submitted a second later makes the real one visible to the hook
+    time.sleep(1.1)
+    assert sbatch("#!/bin/bash\nsrun true\n", "-H").rc == 0
+    again = sbatch(SCRIPT, "-H", "-J", "mode-fresh")
+    assert again.rc == 0 and "(cached)" in again.stderr, again.stderr
+    other = sbatch(SCRIPT.replace("gpus=2-8", "gpus=2-16"), "-H", "-J", "mode-rewrite")
+    assert other.rc == 0, other.stderr
+    held = show_job(bed, real.job_id)["Comment"].split("elastic:decision=")[1]
+    asks = [(r["body"]["job"].get("name"), r.get("claimed")) for r in predictor.requests if r["path"].endswith("/v1/plan")]
+    assert asks == [("mode-fresh", None), ("mode-fresh", None), ("mode-rewrite", held)], asks
+    assert show_job(bed, again.job_id)["Comment"] == f"elastic:decision={held}"

@@ -228,3 +228,19 @@ def test_a_reply_larger_than_the_hook_reads_is_skipped(tmp_path, predictor):
     msg = kinds(results[0], "user_msg")[0]
     assert msg.startswith("elastic: prediction skipped (reply of ") and "more than 524288" in msg
     assert results[0]["job_desc"]["min_nodes"] == 1  # submitted as written
+
+
+def test_a_test_only_answer_is_not_reused_and_the_jobs_decisions_are_claimed(tmp_path, predictor):
+    # #42.6: job_submit cannot tell `sbatch --test-only` (Slurm 22.05: the same job_desc, no job follows). Its kept
+    # answer is reused only once a job holds the decision (slurm.jobs), so the next identical real job asks the
+    # service (a decision of its own, not "(cached)" from the test); the decision ids jobs hold go to the service
+    # as claims with the next ask (X-Elastic-Claimed), so the test's stays unclaimed and expires there.
+    cases = [{"job_desc": job(mode="cached"), "test_only": True},   # d-44, no job follows
+             {"job_desc": job(mode="cached")},                      # asks again: d-44 again from the fake
+             {"job_desc": job(mode="500")},                         # a job holds d-44 now: reused, no request
+             {"job_desc": job(mode="rewrite", directives=("#ELASTIC model=resnet50 gpus=2-16",))}]
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    assert names(predictor) == ["mode-cached", "mode-cached", "mode-rewrite"]
+    assert kinds(results[1], "user_msg") == [CACHED["reason"]]               # asked, not "(cached)"
+    assert kinds(results[2], "user_msg") == [CACHED["reason"] + " (cached)"]
+    assert [r["claimed"] for r in predictor.requests] == [None, None, "d-44"]
