@@ -204,7 +204,7 @@ function M.new_cache(max_entries)
   -- once a job holds it, and the ids seen held go to the service (`X-Elastic-Claimed`), which expires the others.
   c.held, c.held_n, c.pending, c.claimed, c.last_job = {}, 0, {}, {}, -1
   function c.asked(id)   -- a decision the service stored unclaimed for this hook
-    if c.pending[id] == nil and #c.pending_ids >= math.min(c.max, 4096) then c.pending, c.pending_ids = {}, {} end
+    if c.pending[id] == nil and #c.pending_ids >= 4096 then c.pending, c.pending_ids = {}, {} end   -- bounded
     if c.pending[id] == nil then c.pending_ids[#c.pending_ids + 1] = id end
     c.pending[id] = true
   end

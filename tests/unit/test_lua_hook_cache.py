@@ -143,6 +143,8 @@ def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
     cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 2 entries: 3rd empties it
     run_hook(tmp_path, cases)
     assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked
+    # the decisions jobs hold are claimed whether or not answers are kept (#42.6): d-44, held from the 2nd ask on
+    assert [r["claimed"] for r in predictor.requests] == [None] + ["d-44"] * (len(asked) - 1)
 
 
 def test_reuse_counts_survive_a_422(tmp_path, predictor):
