@@ -1,38 +1,42 @@
 """#42: the hook reads `#ELASTIC` lines exactly where the real sbatch reads `#SBATCH` (marker slurm).
 
-Each script puts `#SBATCH --comment=sbatch-read` and an `#ELASTIC` line after the case's tricky lines: whether sbatch
-read its header that far shows in the job's Comment, whether the hook did in the fake predictor's requests. They
-must agree. Before #42 the hook stopped at an indented comment (sbatch reads on) and read lines split at a lone
+The cases are the header vectors of tests/vectors/directives.json that carry `sbatch_reads` (what the real sbatch
+reads there; the Python and Lua readers run the same file). Each gets `#SBATCH --comment=sbatch-read` just before its
+first `#ELASTIC` line: whether sbatch read its header that far shows in the job's Comment, whether the hook did in
+the fake predictor's requests. They must agree, with each other and with the vector. Before #42 the hook stopped at an indented comment (sbatch reads on) and read lines split at a lone
 `\\r` (sbatch reads none: the whole script is its `#!` line).
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.integration.test_hook import bed, hook, predictor, sbatch, show_job  # noqa: F401 - fixtures
 
-TAIL = "#SBATCH --comment=sbatch-read\n#ELASTIC model=resnet50 gpus=2-8\nsrun true\n"
-CASES = {  # case -> (script, whether sbatch reads the lines after the case's: Slurm 22.05 on the lab)
-    "indented comment": ("#!/bin/bash\n   # a note\n" + TAIL, True),
-    "tab-indented comment": ("#!/bin/bash\n\t#a note\n" + TAIL, True),
-    "whitespace-only lines": ("#!/bin/bash\n \t\n\n\f\n" + TAIL, True),
-    "indented command": ("#!/bin/bash\n  echo hi\n" + TAIL, False),
-    "lone CR line ends": (("#!/bin/bash\n" + TAIL).replace("\n", "\r"), False),
-}
+# The header vectors of tests/vectors/directives.json that say what the real sbatch reads there (`sbatch_reads`,
+# Slurm 22.05 on the lab): the Python and Lua readers run the same vectors (test_directives, test_lua_directives)
+HEADER_CASES = [v for v in json.loads((Path(__file__).parents[1] / "vectors" / "directives.json").read_text())
+                if "sbatch_reads" in v]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_hook_reads_the_header_where_sbatch_does(hook, predictor, sbatch, bed, case):
+def _marked(script: str) -> str:
+    """``script`` with `#SBATCH --comment=sbatch-read` just before its first `#ELASTIC` line (the same line ends)."""
+    end = "\n" if "\n" in script else "\r"
+    return script.replace("#ELASTIC", "#SBATCH --comment=sbatch-read" + end + "#ELASTIC", 1)
+
+
+@pytest.mark.parametrize("vector", HEADER_CASES, ids=[v["name"] for v in HEADER_CASES])
+def test_the_hook_reads_the_header_where_sbatch_does(hook, predictor, sbatch, bed, vector):
     hook(predictor.url)
-    text, reads = CASES[case]
-    result = sbatch(text, "-H", "-J", "mode-keep")
+    result = sbatch(_marked(vector["script"]), "-H", "-J", "mode-keep")
     assert result.rc == 0, result.stderr
     sbatch_read = "sbatch-read" in show_job(bed, result.job_id).get("Comment", "")
     hook_read = any(r["path"].endswith("/v1/plan") for r in predictor.requests)
-    assert hook_read == sbatch_read, (case, sbatch_read, hook_read, predictor.requests)
-    assert sbatch_read is reads, f"{case}: sbatch's reading changed; this test's table is out of date"
+    assert hook_read == sbatch_read == (vector["result"] is not None), (sbatch_read, hook_read, predictor.requests)
+    assert sbatch_read is vector["sbatch_reads"], "sbatch's reading changed: the vector's sbatch_reads is out of date"
 
 
 def test_a_request_of_several_gpu_types_is_kept_by_type_with_a_message(hook, predictor, sbatch, bed):
