@@ -58,19 +58,21 @@ def _plans(predictor) -> list[dict]:
     return [r["body"] for r in predictor.requests if r["path"].endswith("/v1/plan")]
 
 
-@pytest.mark.parametrize("mode, sources", [("rewrite", ["cli_filter"]), ("500", ["cli_filter", "job_submit"])])
-def test_a_test_only_submission_asks_the_service_to_store_nothing(hook, predictor, sbatch, bed, mode, sources):
-    # #42.6: job_submit cannot tell `sbatch --test-only` (22.05: its job_desc is a real one's), cli_filter can: it asks
-    # with test_only, and marks the job so that job_submit plans no more (cli_filter planned it) or asks with
-    # test_only too (cli_filter's ask failed). Before, both asked as for a job, and the service recorded a decision
+TEST_ONLY = [c for c in json.loads((Path(__file__).parents[1] / "vectors" / "test_only.json").read_text())["cases"]
+             if "mode" in c]
+
+
+@pytest.mark.parametrize("case", TEST_ONLY, ids=[c["name"] for c in TEST_ONLY])
+def test_test_only_vectors_what_both_hooks_send(hook, predictor, sbatch, bed, case):
+    # tests/vectors/test_only.json, on the real sbatch: job_submit cannot tell `sbatch --test-only` (22.05: its
+    # job_desc is a real one's), cli_filter can: it asks with test_only, and marks the job so that job_submit plans no
+    # more (cli_filter planned it) or asks with test_only too (cli_filter's ask failed). Before #42.6 both asked as for
+    # a job, and the service recorded a decision (what the service keeps of each: test_plan_cache_ttl.py)
     hook(predictor.url, job_submit=True, cli_filter=True)
-    result = sbatch(SCRIPT, "--test-only", "-J", f"mode-{mode}")
-    assert result.rc == 0 and "to start at" in result.stderr, result.stderr
-    assert [(b["source"], b.get("test_only")) for b in _plans(predictor)] == [(s, True) for s in sources]
-    predictor.requests.clear()
-    real = sbatch(SCRIPT, "-H", "-J", f"mode-{mode}")
-    assert real.rc == 0 and [(b["source"], b.get("test_only")) for b in _plans(predictor)] == \
-        [(s, None) for s in sources]
+    result = sbatch(SCRIPT, *(["--test-only"] if case["test_only"] else ["-H"]), "-J", f"mode-{case['mode']}")
+    assert result.rc == 0 and ("to start at" in result.stderr) is case["test_only"], result.stderr
+    assert [(b["source"], bool(b.get("test_only"))) for b in _plans(predictor)] == \
+        [(s["source"], s["test_only"]) for s in case["sends"]]
 
 
 def test_job_submit_keeps_no_test_only_answer_for_the_next_real_job(hook, predictor, sbatch, bed):

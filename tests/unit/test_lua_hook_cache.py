@@ -5,6 +5,9 @@ it): a second submission named `mode-500` that is served from the cache proves t
 """
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
 from predictor import planner
@@ -246,3 +249,20 @@ def test_a_test_only_answer_is_not_reused_and_the_jobs_decisions_are_claimed(tmp
     assert kinds(results[1], "user_msg") == [CACHED["reason"]]               # asked, not "(cached)"
     assert kinds(results[2], "user_msg") == [CACHED["reason"] + " (cached)"]
     assert [r["claimed"] for r in predictor.requests] == [None, None, "d-44"]
+
+
+TEST_ONLY = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "test_only.json").read_text())["cases"]
+JOB_SUBMIT_ALONE = [c for c in TEST_ONLY if c["hooks"] == ["job_submit"]]
+
+
+@pytest.mark.parametrize("case", JOB_SUBMIT_ALONE, ids=[c["name"] for c in JOB_SUBMIT_ALONE])
+def test_test_only_vectors_what_job_submit_sends_and_reuses(tmp_path, predictor, case):
+    # tests/vectors/test_only.json (the service's side of the same vectors: test_plan_cache_ttl.py)
+    cases = [{"job_desc": job(mode="cached", comment=case["comment"]), "test_only": case["test_only"]},
+             {"job_desc": job(mode="cached")}]   # the next identical real job, no mark
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    sent = [(r["body"]["source"], bool(r["body"].get("test_only"))) for r in predictor.requests]
+    expected = [(s["source"], s["test_only"]) for s in case["sends"]]
+    assert sent == expected + ([("job_submit", False)] if case["next_real_job"] == "asks" else []), sent
+    cached = CACHED["reason"] + " (cached)"
+    assert (kinds(results[1], "user_msg") == [cached]) is (case["next_real_job"] == "cached")

@@ -1,6 +1,8 @@
 """/v1/plan's side of the hook's decision cache: `cache_ttl_s` in the reply, `reused` in the request."""
 from __future__ import annotations
 
+import json
+import pathlib
 from datetime import timedelta
 
 import pytest
@@ -124,3 +126,19 @@ def test_an_unclaimed_decision_expires_and_a_claimed_one_stays(tmp_path):
         assert kept == [new, old[1]], kept
     finally:
         store.close()
+
+
+TEST_ONLY = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "test_only.json").read_text())["cases"]
+SENDS = [(c["name"], s) for c in TEST_ONLY for s in c["sends"]]
+
+
+@pytest.mark.parametrize("send", [s for _, s in SENDS], ids=[f"{n}: {s['source']}" for n, s in SENDS])
+def test_test_only_vectors_what_the_service_keeps(service, send):
+    # tests/vectors/test_only.json (the hooks' side of the same vectors: test_lua_hook_cache.py, the lab)
+    body = {**PLAN, "source": send["source"], **({"test_only": True} if send["test_only"] else {})}
+    reply = service.post("/v1/plan", json=body).get_json()
+    listed = {d["decision_id"]: d["unclaimed"] for d in service.get("/v1/decisions").get_json()["decisions"]}
+    if send["stored"] == "nothing":
+        assert "decision_id" not in reply and listed == {} and reply["cache_ttl_s"] == 0
+    else:
+        assert listed == {reply["decision_id"]: send["stored"] == "unclaimed"}
