@@ -9,11 +9,17 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from elastic_launcher import store_keys as keys
+from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.epochs import EpochExecutor, ExecutorSettings, PeerFailureRelay
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.membership import Coordinator, Membership, backoff
 from elastic_launcher.peer_watch import BeatClock
+from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.state import TrainingState
 from tests.unit.test_runtime_units import store  # noqa: F401 - a fixture
 
 
@@ -235,12 +241,6 @@ class _Stuck:
 
 def _executor(store, wid: str, now: list, extras: dict):
     """A worker's executor on the test's clock: a real membership, gloo groups, a one-layer model at step 4."""
-    import torch
-    from elastic_launcher import store_keys as keys
-    from elastic_launcher.batch_policy import BatchPolicy
-    from elastic_launcher.epochs import EpochExecutor, ExecutorSettings, PeerFailureRelay
-    from elastic_launcher.process_group import StoreAddr, connect_store
-    from elastic_launcher.state import TrainingState
     addr = StoreAddr("127.0.0.1", store.port, "job")
     host = _Host(store, wid, now, factory=lambda: connect_store(addr, timedelta(seconds=10)))
     model = torch.nn.Linear(4, 1)
