@@ -146,8 +146,21 @@ def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
     cases = [{"job_desc": job(mode="cached", time_limit=t)} for t in (1, 2, 1, 3, 1)]   # 2 entries: 3rd empties it
     run_hook(tmp_path, cases)
     assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked
-    # the decisions jobs hold are claimed whether or not answers are kept (#42.6): d-44, held from the 2nd ask on
-    assert [r["claimed"] for r in predictor.requests] == [None] + ["d-44"] * (len(asked) - 1)
+
+
+def test_with_no_answer_to_confirm_the_jobs_are_read_for_claims_at_most_every_10_s(tmp_path, predictor):
+    # #42.6: claims cost a read of slurmctld's jobs (every job id); with no kept answer to confirm (the cache off
+    # here) it is done at most every 10 s: the 3rd ask, 11 s after the 1st, names d-44, which the jobs hold
+    from datetime import timedelta
+
+    from slurm_plugin.installer import PluginConfig
+    from slurm_plugin.installer import install as install_plugin
+
+    install_plugin(PluginConfig(tmp_path, predictor.url, timedelta(milliseconds=100), cache_entries=0,
+                                max_gpus_per_node=MAX_GPUS_PER_NODE), sleep=lambda _s: None)
+    run_hook(tmp_path, [{"job_desc": job(mode="cached")}, {"job_desc": job(mode="cached"), "advance": 5},
+                        {"job_desc": job(mode="cached"), "advance": 6}])
+    assert [r["claimed"] for r in predictor.requests] == [None, None, "d-44"]
 
 
 def test_reuse_counts_survive_a_422(tmp_path, predictor):
