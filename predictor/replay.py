@@ -507,11 +507,12 @@ class Replay:
     def _elastic_tick(self, handback_only: bool = False) -> None:
         """One launcher decision per running elastic job (`handback_only`: only yield_to_pending's shrinks).
 
-        Two rules beyond the launcher's (its AutoscalePolicy, yield_to_pending, settle_decision), found on the
+        Three rules beyond the launcher's (its AutoscalePolicy, yield_to_pending, settle_decision), found on the
         replay's own per-job output (bench/results/replay/README.md): a job hands nodes back only to a head pending
-        job at most `Params.yield_ratio` as long as its own time left; and nodes it handed back are lent: it grows
+        job at most `Params.yield_ratio` as long as its own time left; nodes it handed back are lent: it grows
         back to that size once they are idle and no job pends (without this, a 46-s job's hand-back cost an 8-hour
-        job half its nodes for good)."""
+        job half its nodes for good); and the plan's shrinks wait for a pending job (a 6-GPU job shrunk to 4 while
+        nobody waited ran 25% longer and freed GPUs that idled)."""
         adv = self._advisor()
         changed = False
         pending = [PendingJob(k, -(-r.request[1] // self.per_node) if not r.request[0] else r.request[0], "Resources")
@@ -541,6 +542,8 @@ class Replay:
                     # a hand-back lends nodes: they come back when idle and nobody waits, whatever the plan's
                     # interval says of a grow (the size was the job's own before it lent them)
                     decision = Decision("grow", back, f"grow back toward {back} nodes, lent to pending jobs")
+                if decision.action == "shrink" and not pending:      # the nodes it frees would idle
+                    decision = Decision("keep", nodes, f"no job waits for the nodes ({decision.reason})")
             kind = "handback" if handback is not None and decision is handback else decision.action
             if decision.action == "grow" and decision.target_nodes > nodes:
                 idle_nodes = np.flatnonzero(self.free == self.per_node)[:decision.target_nodes - nodes]

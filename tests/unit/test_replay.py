@@ -185,3 +185,27 @@ def test_admin_page_shows_the_newest_report(tmp_path, truth):
     bare = create_app(Config(db_path=str(tmp_path / "q.db")), start_refit=False).test_client()
     assert "No replay report" in bare.get("/admin").get_data(as_text=True)
     assert bare.get("/admin/plots/replay.png").status_code == 404
+
+
+class _ShrinkAdvisor:
+    """Plans that keep every job as submitted and tell every running one to go down to 1 node."""
+
+    def plan(self, lines, job, current=None):
+        if not current:
+            return {"action": "keep", "reason": "as asked", "layout": None}
+        return {"action": "rewrite", "reason": "1 node", "nodes": 1, "gpus_per_node": current[0],
+                "layout": [current[0]]}
+
+
+def test_a_plans_shrink_waits_for_a_pending_job(truth):
+    """The plan's shrink frees nodes for others: carried out while a job pends (here a long one, which gets no
+    hand-back), not while none does (the nodes would idle and the job run slower for nothing)."""
+    lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    runs = {}
+    for name, jobs in (("alone", [big]), ("pending", [big, fixed("wide", 10, 12, 5000, nodes=3)])):
+        rep = Replay(jobs, shape(3), truth, "oracle", Params(tick_s=60.0))
+        rep.oracle = _ShrinkAdvisor()
+        runs[name] = (rep.run().jobs()[big.name], rep.decisions)
+    assert runs["alone"][0]["resizes"] == 0 and "shrink" not in runs["alone"][1]
+    assert runs["pending"][1].get("shrink") == 1 and "handback" not in runs["pending"][1]
