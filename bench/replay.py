@@ -46,7 +46,7 @@ def itp_nodes(jobs) -> int:
 
 
 def params(args) -> Params:
-    return Params(tick_s=args.tick, fewer_nodes_within=args.fewer_nodes_within)
+    return Params(tick_s=args.tick, fewer_nodes_within=args.fewer_nodes_within, seed=args.seed)
 
 
 def with_lines(jobs, truth, total, args):
@@ -76,13 +76,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tick", type=float, default=300.0)
     ap.add_argument("--fewer-nodes-within", type=float, default=0.0,
                     help="what-if of a planner rule it does not have (Params.fewer_nodes_within); 0: the planner as is")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the measurement noise the service is fitted on")
     ap.add_argument("--out", default="bench/results/replay")
     args = ap.parse_args(argv)
     args.policies = args.policies.split(",")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# bench/replay.py {' '.join(argv or sys.argv[1:])}\ncommit {commit}, {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, min_scale {args.min_scale}, max_scale {args.max_scale}, tick {args.tick} s, "
-          f"fewer_nodes_within {args.fewer_nodes_within}")
+          f"fewer_nodes_within {args.fewer_nodes_within}, seed {args.seed}")
     truth = ri.PolluxTruth()
     if args.what == "pollux":
         lo, _, hi = args.workloads.partition("-")

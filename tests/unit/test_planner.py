@@ -239,3 +239,15 @@ def test_a_running_job_grows_only_where_the_interval_s_lower_end_passes_min_effi
     submit = planner.last_step(_interval_table(1500.0), d, {"nodes": 1, "per_node": 4, "total": 4, "switch": None})
     assert submit["layout"] == [4, 4] and "uncertain: efficiency at the 80% interval's lower end 0.50" in submit["reason"]
     assert [e.get("samples_low") for e in submit["curve"]] == [900.0, 1500.0]
+
+
+def test_a_gpu_count_without_a_node_shape_is_kept_at_that_count():
+    """`--gpus=4` planned at 4 GPUs keeps the request (Slurm places them; a pinned 1x4 waits for a free node); a
+    plan of another count, or a request with a node shape, is rewritten as before."""
+    kept = decide("#ELASTIC model=resnet50 per_gpu_batch=64", job={"tres_per_job": "gres:gpu:4"})
+    assert kept["action"] == "keep" and kept["layout"] == [4] and "placed by Slurm" in kept["reason"]
+    grown = decide("#ELASTIC model=resnet50 per_gpu_batch=64 gpus=4-8 min_efficiency=0",
+                   job={"tres_per_job": "gres:gpu:4"})
+    assert grown["action"] == "rewrite" and sum(grown["layout"]) == 8
+    shaped = decide("#ELASTIC model=resnet50 per_gpu_batch=64", job={"min_nodes": 2, "tres_per_node": "gres:gpu:2"})
+    assert shaped["action"] == "rewrite" and shaped["layout"] == [4]

@@ -68,20 +68,35 @@ def test_fifo_then_backfill_by_time_limit(truth):
 
 
 def test_resizes_follow_the_launchers_rules_and_pay_the_pause(truth):
-    """An elastic 8-GPU cifar10 job (gpus=4-8) on 2 nodes hands a node back to a pending 4-GPU job yield_s after it
-    queued (no wait for the next tick); the pending job starts then, and the elastic job finishes later than alone
-    by its slower rate, plus the pause."""
+    """An elastic 8-GPU cifar10 job (gpus=4-8) on 2 nodes hands a node back to a pending short 4-GPU job yield_s
+    after it queued (no wait for the next tick); the pending job starts then, the elastic job grows back to its 2
+    nodes at the first tick after the short job ended (the node was lent: no plan's interval holds it back), and
+    finishes later than alone (oracle: no hand-back) by its slower rate while lent, plus the pauses."""
     lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
     big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
-    small = fixed("small", 10, 4, 600, nodes=1)
+    small = fixed("small", 10, 4, 100, nodes=1)
     params = Params(tick_s=60.0, grow_pause_s=5.0, shrink_pause_s=7.0, yield_s=20.0)
     alone = Replay([big], shape(2), truth, "oracle", params).run().jobs()[big.name]
-    rep = Replay([big, small], shape(2), truth, "oracle", params)
-    res = rep.run()
-    got = res.jobs()
+    rep = Replay([big, small], shape(2), truth, "elastic", params)    # the plan's interval alone keeps it at 1 node
+    got = rep.run().jobs()
     assert 10.0 < got["small"]["start"] <= 10.0 + 20.0                  # within yield_s of queueing, before a tick
-    assert rep.decisions.get("handback") == 1 and got[big.name]["resizes"] >= 1
-    assert got[big.name]["end"] > alone["end"] + 7.0
+    assert rep.decisions.get("handback") == 1 and rep.decisions.get("grow") == 1 and got[big.name]["resizes"] == 2
+    assert alone["end"] + 7.0 + 5.0 < got[big.name]["end"] < alone["end"] + 100.0
+
+
+def test_no_hand_back_for_a_pending_job_longer_than_half_the_time_left(truth):
+    """Params.yield_ratio: the same elastic job keeps its nodes for a pending job whose time limit is more than half
+    of what it has left (the pending job waits for its end as under Slurm alone); inf hands back as the launcher
+    does today."""
+    lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    long = fixed("long", 10, 4, 600, nodes=1)
+    params = dict(tick_s=60.0, yield_s=20.0)
+    kept = Replay([big, long], shape(2), truth, "oracle", Params(**params))
+    got = kept.run().jobs()
+    assert "handback" not in kept.decisions and got["long"]["start"] >= got[big.name]["end"]
+    always = Replay([big, long], shape(2), truth, "oracle", Params(**params, yield_ratio=float("inf")))
+    assert always.run().jobs()["long"]["start"] <= 10.0 + 20.0 and always.decisions.get("handback") == 1
 
 
 def test_prediction_driven_sizing_starts_from_nothing_the_oracle_from_truth(truth, workload1):
@@ -95,8 +110,9 @@ def test_prediction_driven_sizing_starts_from_nothing_the_oracle_from_truth(trut
     first = {r.job.name: r for r in sized.done}[jobs[0].name]
     assert first.planned is None and first.request == (None, jobs[0].gpus)
     assert first.layout == (4, 2)                                          # packed, as asked
-    planned = {r.job.name: r for r in oracle.done}[jobs[0].name]
-    assert planned.planned["action"] == "rewrite" and planned.request == (6, 6)   # 6 nodes x 1: truth's best
+    plan = oracle.oracle.plan(tuple(jobs[0].directives), oracle._job_fields((None, jobs[0].gpus)))
+    assert plan["model_version"] == "truth" and plan["layout"] == [1] * 6       # 6 nodes x 1: truth's best
+    assert plan["action"] == "keep"                   # the count asked, which Slurm places (planner: free placement)
 
 
 def test_later_than_names_the_jobs(truth):
@@ -169,3 +185,27 @@ def test_admin_page_shows_the_newest_report(tmp_path, truth):
     bare = create_app(Config(db_path=str(tmp_path / "q.db")), start_refit=False).test_client()
     assert "No replay report" in bare.get("/admin").get_data(as_text=True)
     assert bare.get("/admin/plots/replay.png").status_code == 404
+
+
+class _ShrinkAdvisor:
+    """Plans that keep every job as submitted and tell every running one to go down to 1 node."""
+
+    def plan(self, lines, job, current=None):
+        if not current:
+            return {"action": "keep", "reason": "as asked", "layout": None}
+        return {"action": "rewrite", "reason": "1 node", "nodes": 1, "gpus_per_node": current[0],
+                "layout": [current[0]]}
+
+
+def test_a_plans_shrink_waits_for_a_pending_job(truth):
+    """The plan's shrink frees nodes for others: carried out while a job pends (here a long one, which gets no
+    hand-back), not while none does (the nodes would idle and the job run slower for nothing)."""
+    lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    runs = {}
+    for name, jobs in (("alone", [big]), ("pending", [big, fixed("wide", 10, 12, 5000, nodes=3)])):
+        rep = Replay(jobs, shape(3), truth, "oracle", Params(tick_s=60.0))
+        rep.oracle = _ShrinkAdvisor()
+        runs[name] = (rep.run().jobs()[big.name], rep.decisions)
+    assert runs["alone"][0]["resizes"] == 0 and "shrink" not in runs["alone"][1]
+    assert runs["pending"][1].get("shrink") == 1 and "handback" not in runs["pending"][1]
