@@ -424,10 +424,13 @@ class Controller:
             return
         advice = self._ask_plan(m, layout)
         free = self._free_nodes()
-        decision = self.policy.decide(len(free), advice)
-        pending = self._pending_jobs() if self.config.yield_to_pending else []
-        handback = yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), pending)
+        pending = self._pending_jobs()
+        decision = self.policy.decide(len(free), advice, waiting=bool(pending))
+        handback = None if not (pending and self.config.yield_to_pending) else \
+            yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), pending, self._time_left_s(m))
         decision = settle_decision(decision, m.nodes, handback, pending, self.operator_cap, advice)
+        if handback is not None and decision is handback:   # the nodes are lent: grown back once nobody waits
+            self.policy.lent_nodes_ = max(self.policy.lent_nodes_, m.nodes)
         keep_key = f"{advice.policy}: {decision.reason}"
         if decision.action == "keep" and keep_key == self._last_keep:
             return  # an unchanged "keep" (same policy, same reason) is not logged again (the measurement is)
@@ -599,6 +602,13 @@ class Controller:
 
     def _pending_jobs(self) -> list[PendingJob]:
         return self.fleet.pending(self.slurm)   # Fleet.pending; a seam the tests replace
+
+    def _time_left_s(self, m: Measurement) -> float:
+        """The job's training time left at its current speed (inf while its workers have not said their --steps)."""
+        if self.server is None:
+            return math.inf
+        eta = self._steps_and_eta(self._progress(self._known_wids()), m)["eta_s"]
+        return math.inf if eta is None else float(eta)
 
     def _free_nodes(self) -> list[str]:
         try:

@@ -40,7 +40,7 @@ import numpy as np
 import requests
 import simpy
 
-from elastic_launcher.autoscale import (AutoscalePolicy, Decision, Measurement, PendingJob, advice_from_plan,
+from elastic_launcher.autoscale import (YIELD_RATIO, AutoscalePolicy, Measurement, PendingJob, advice_from_plan,
                                         yield_to_pending)
 from elastic_launcher.steering import settle_decision
 from predictor.cluster import Cluster
@@ -81,10 +81,8 @@ class Params:
             layouts of the planned GPU count, the hook takes the one on the fewest nodes whose predicted samples/s
             is within this share of the planned one's (a layout on every node waits for all of them to be free).
         yield_ratio: a running job hands nodes back to the head pending job only when that job's time limit is at
-            most this share of the time the running job has left at its current size (inf: always, the
-            launcher's rule today). Shrinking a long job for a long one trades one late job for another and keeps
-            both on the cluster longer; Pollux 1-8 (bench/results/replay/README.md): 0.5 against inf, with the
-            grow back, elastic mean -25.8% against -22.8% average JCT, jobs >10% later 17.6% against 23.8%.
+            most this share of the time the running job has left at its current size (default: the launcher's
+            autoscale.YIELD_RATIO; inf: always, the launcher's rule before session 21).
     """
 
     tick_s: float = 300.0
@@ -98,7 +96,7 @@ class Params:
     seed: int = 0
     fewer_nodes_within: float = 0.0
     release_s: float = 0.0
-    yield_ratio: float = 0.5
+    yield_ratio: float = YIELD_RATIO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +250,6 @@ class _Run:
     policy: AutoscalePolicy | None = None
     planned: dict | None = None
     began: float = 0.0                        # start of the current training segment (after its pause)
-    lent: int = 0                             # nodes the job runs at before its first hand-back (0: none)
 
     @property
     def gpus(self) -> int:
@@ -505,27 +502,22 @@ class Replay:
             self._elastic_tick(handback_only=True)
 
     def _elastic_tick(self, handback_only: bool = False) -> None:
-        """One launcher decision per running elastic job (`handback_only`: only yield_to_pending's shrinks).
-
-        Three rules beyond the launcher's (its AutoscalePolicy, yield_to_pending, settle_decision), found on the
-        replay's own per-job output (bench/results/replay/README.md): a job hands nodes back only to a head pending
-        job at most `Params.yield_ratio` as long as its own time left; nodes it handed back are lent: it grows
-        back to that size once they are idle and no job pends (without this, a 46-s job's hand-back cost an 8-hour
-        job half its nodes for good); and the plan's shrinks wait for a pending job (a 6-GPU job shrunk to 4 while
-        nobody waited ran 25% longer and freed GPUs that idled)."""
+        """One launcher decision per running elastic job (`handback_only`: only yield_to_pending's shrinks), by the
+        launcher's own rules (AutoscalePolicy.decide, yield_to_pending, settle_decision), among them those the
+        replay's per-job output found (bench/results/replay/README.md): a hand-back only to a head pending job at
+        most `Params.yield_ratio` as long as the job's time left, the nodes lent grown back once nobody waits, and
+        the plan's shrinks only while a job waits."""
         adv = self._advisor()
         changed = False
-        pending = [PendingJob(k, -(-r.request[1] // self.per_node) if not r.request[0] else r.request[0], "Resources")
-                   for k, r in enumerate(self.queue[:8])]
-        pending_limit = [r.job.limit_s or math.inf for r in self.queue[:8]]
+        pending = [PendingJob(k, -(-r.request[1] // self.per_node) if not r.request[0] else r.request[0], "Resources",
+                              r.job.limit_s or math.inf) for k, r in enumerate(self.queue[:8])]
         for run in list(self.running):
             if run.policy is None or (self.env.now - run.start < self.params.tick_s and not handback_only):
                 continue
             slots, nodes = run.layout[0], len(run.alloc)
             idle = int(np.sum(self.free == self.per_node))
             left = max(0.0, run.remaining - max(0.0, self.env.now - run.began) / run.step_s) * run.step_s
-            short = bool(pending) and pending_limit[0] <= self.params.yield_ratio * left
-            handback = yield_to_pending(nodes, run.policy.min_nodes(), idle, pending) if short else None
+            handback = yield_to_pending(nodes, run.policy.min_nodes(), idle, pending, left, self.params.yield_ratio)
             if handback_only:
                 if handback is None:
                     continue
@@ -536,14 +528,8 @@ class Replay:
                 reply = adv.plan(_at_size(run.lines, run.job.global_batch, run.gpus),
                                  self._job_fields(run.request), current=list(run.layout))
                 advice = advice_from_plan(reply, nodes, slots)
-                decision = settle_decision(run.policy.decide(idle, advice), nodes, handback, pending, None, advice)
-                back = min(run.lent, run.policy.max_nodes())   # not past a size that a revert found not to pay
-                if decision.action == "keep" and back > nodes and idle > 0 and not pending:
-                    # a hand-back lends nodes: they come back when idle and nobody waits, whatever the plan's
-                    # interval says of a grow (the size was the job's own before it lent them)
-                    decision = Decision("grow", back, f"grow back toward {back} nodes, lent to pending jobs")
-                if decision.action == "shrink" and not pending:      # the nodes it frees would idle
-                    decision = Decision("keep", nodes, f"no job waits for the nodes ({decision.reason})")
+                decision = settle_decision(run.policy.decide(idle, advice, waiting=bool(pending)), nodes, handback,
+                                           pending, None, advice)
             kind = "handback" if handback is not None and decision is handback else decision.action
             if decision.action == "grow" and decision.target_nodes > nodes:
                 idle_nodes = np.flatnonzero(self.free == self.per_node)[:decision.target_nodes - nodes]
@@ -555,14 +541,14 @@ class Replay:
                     changed = True
             elif decision.action in ("shrink", "revert") and decision.target_nodes < nodes:
                 self.decisions[kind] = self.decisions.get(kind, 0) + 1
-                if kind == "handback":
-                    run.lent = max(run.lent, nodes)
+                if kind == "handback":   # lent: grown back once nobody waits (AutoscalePolicy.lent_nodes_)
+                    run.policy.lent_nodes_ = max(run.policy.lent_nodes_, nodes)
                 keep, drop = run.alloc[:decision.target_nodes], run.alloc[decision.target_nodes:]
                 self._give(drop)
                 self._resize(run, keep, self.params.shrink_pause_s)
                 changed = True
                 if handback is not None:
-                    pending, pending_limit = pending[1:], pending_limit[1:]
+                    pending = pending[1:]
         if changed or self.queue:
             self._schedule_soon()
 

@@ -89,6 +89,7 @@ class Job:
         node_count: nodes it holds, or asks for while pending (0: unknown).
         end_time: when it ends at the latest (Unix seconds: start plus its time limit while it runs; 0: unknown).
         priority: Slurm's priority (a pending job with a higher one starts first; 0: unknown).
+        time_limit_s: its time limit in seconds (0: none set or unlimited).
     """
 
     job_id: int
@@ -106,6 +107,7 @@ class Job:
     node_count: int = 0
     end_time: int = 0
     priority: int = 0
+    time_limit_s: int = 0
 
     def resize_env(self) -> dict[str, str]:
         """The variables `scontrol`'s resize.sh would export for this allocation."""
@@ -491,6 +493,7 @@ class PyslurmBackend:
             batch_host=j.batch_host or "", reason=j.state_reason or "", partition=j.partition or "",
             node_count=int(j.num_nodes or 0), end_time=int(getattr(j, "end_time", None) or 0),
             priority=int(getattr(j, "priority", None) or 0),
+            time_limit_s=_limit_s(getattr(j, "time_limit", None)),
         )
 
     def sacct(self, job_id: int, timeout: timedelta | None = None) -> list[AcctRecord]:
@@ -758,6 +761,7 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
                 node_count=_number(j.get("node_count")),
                 end_time=_number(j.get("end_time")),
                 priority=_number(j.get("priority")),
+                time_limit_s=_limit_s(j.get("time_limit")),
             )
         )
     return jobs
@@ -768,6 +772,15 @@ def _number(value) -> int:
     if isinstance(value, dict):
         value = value.get("number") if value.get("set", True) else 0
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _limit_s(minutes) -> int:
+    """A time limit in seconds from squeue's JSON minutes (a number in 22.05; `{"set", "infinite", "number"}` later)
+    or pyslurm's; 0 when none is set, it is unlimited, or it is Slurm's NO_VAL/INFINITE sentinel."""
+    if isinstance(minutes, dict) and minutes.get("infinite"):
+        return 0
+    value = _number(minutes)
+    return value * 60 if 0 < value < 0xFFFFFFFE else 0
 
 
 def _allocated_cores(node: dict) -> int:

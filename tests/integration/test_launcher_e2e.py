@@ -200,7 +200,9 @@ def test_nodes_are_handed_back_to_a_job_pending_for_them(slurm, idle_nodes, wait
     job_id = submit(_batch_script(work, work / "registry", 100000, sbatch="--nodes=3"))
     wait_until(lambda: _transition(run, "start"), 120, "the elastic job's first step on 3 nodes")
     wait_until(lambda: any(r["kind"] == "measurement" for r in _records(run)), 60, "a first measurement")
-    other = submit(f"#!/bin/bash\n#SBATCH --nodes=2 --gres=gpu:4 --job-name=waits-for-nodes --output={work}/other.out\nsleep 20\n")
+    # a short job (1 minute: at most half of the elastic job's time left, autoscale.YIELD_RATIO)
+    other = submit(f"#!/bin/bash\n#SBATCH --nodes=2 --gres=gpu:4 --time=1 --job-name=waits-for-nodes "
+                   f"--output={work}/other.out\nsleep 20\n")
     decision = wait_until(lambda: next((r for r in _records(run) if r["kind"] == "decision"
                                         and f"pending job {other}" in (r.get("reason") or "")), None),
                           90, "the launcher to hand nodes back")

@@ -265,3 +265,15 @@ def test_24_11_former_sizes_in_sacct_read_as_resizing():
     records = parse_sacct(_json("sacct_24.11_resized.json"), 1)
     assert [(r.state, r.nodelist, r.gpus) for r in records] == [
         ("RESIZING", "node[1-3]", 12), ("RESIZING", "node[1-2]", 8), ("RUNNING", "node1", 4)]
+
+
+def test_a_jobs_time_limit_reads_in_seconds_on_both_versions():
+    # as the lab's squeue printed them: 22.05 `--time=7` -> 7 (minutes), unset -> null; 24.11 `--time=1` -> the
+    # struct below, unset (the fixture) -> {"set": false, "infinite": true}
+    assert _job("squeue_running.json", 1).time_limit_s == 0
+    assert _job("squeue_24.11_running.json", 1).time_limit_s == 0
+    raw = _json("squeue_running.json")
+    for limit, seconds in ((7, 420), ({"set": True, "infinite": False, "number": 1}, 60),
+                           ({"set": True, "infinite": True, "number": 0}, 0), (4294967295, 0)):
+        raw["jobs"][0]["time_limit"] = limit
+        assert parse_jobs(raw)[0].time_limit_s == seconds, limit

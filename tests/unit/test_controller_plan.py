@@ -101,6 +101,8 @@ def test_plan_rewrite_sets_the_target(tmp_path, plan_nodes, resize):
     rewrite = {"action": "rewrite", "nodes": plan_nodes, "gpus_per_node": 1, "layout": [1] * plan_nodes,
                "reason": f"elastic: {plan_nodes}x1"}
     c = make_controller(tmp_path, FakePredictor([rewrite]))
+    if plan_nodes == 1:    # a job waits (one the job cannot free nodes enough for): no grow, and the shrink goes
+        c._pending_jobs = lambda: [controller_module.PendingJob(7, 4, "Resources")]
     c._measure_and_decide()
     assert c.resizes == [resize]
     (d,) = decisions(c)
@@ -108,6 +110,40 @@ def test_plan_rewrite_sets_the_target(tmp_path, plan_nodes, resize):
     assert f"plan says {plan_nodes} node{'' if plan_nodes == 1 else 's'}" in d["reason"]
     (plan,) = [r for r in c.records.items if r["kind"] == "plan"]
     assert plan["target_nodes"] == plan_nodes
+
+
+def test_the_plans_shrink_waits_for_a_job_that_needs_the_nodes(tmp_path):
+    # replay of Pollux 1-8 (bench/results/replay/README.md): a shrink while nobody waited freed nodes that idled
+    rewrite = {"action": "rewrite", "nodes": 1, "gpus_per_node": 1, "layout": [1], "reason": "elastic: 1x1"}
+    c = make_controller(tmp_path, FakePredictor([rewrite]))
+    c._measure_and_decide()
+    assert c.resizes == []
+    (d,) = decisions(c)
+    assert d["action"] == "keep" and "plan says 1 node" in d["reason"] and "no job waits" in d["reason"]
+
+
+def test_nodes_handed_back_are_grown_back_once_nobody_waits(tmp_path):
+    keep = {"action": "keep", "nodes": 2, "gpus_per_node": 1, "layout": [1, 1], "reason": "already matches"}
+    c = make_controller(tmp_path, FakePredictor([keep, keep, keep]), nodes=3, free=())
+    c._time_left_s = lambda m: 3600.0
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 1, "Resources", time_limit_s=600)]
+    c._measure_and_decide()
+    assert c.resizes == [("shrink", 2)] and c.policy.lent_nodes_ == 3
+    c._measure = lambda: (Measurement(nodes=2, workers=2, samples_per_s=200.0, step_s=0.1), {})  # shrunk
+    c._current_layout = lambda: [1, 1]
+    c._pending_jobs, c._free_nodes = (lambda: []), (lambda: ["node9"])
+    c._measure_and_decide()
+    assert c.resizes[-1] == ("grow", 3)
+    assert "growing back toward the 3 nodes" in decisions(c)[-1]["reason"]
+
+
+def test_a_pending_job_longer_than_half_the_time_left_is_not_handed_nodes(tmp_path):
+    keep = {"action": "keep", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "already matches"}
+    c = make_controller(tmp_path, FakePredictor([keep]), nodes=3, free=())
+    c._time_left_s = lambda m: 3600.0
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 1, "Resources", time_limit_s=1801)]
+    c._measure_and_decide()
+    assert c.resizes == [] and c.policy.lent_nodes_ == 0
 
 
 def test_unreachable_service_runs_the_heuristic_and_the_record_says_so(tmp_path):
@@ -177,6 +213,7 @@ def test_a_plan_to_shrink_does_not_undo_an_operators_size(tmp_path):
     rewrite = {"action": "rewrite", "nodes": 1, "gpus_per_node": 1, "layout": [1], "reason": "elastic: 1x1"}
     c = make_controller(tmp_path, FakePredictor([rewrite]))
     c.operator_cap = 2  # `elastic-launch ctl 42 --nodes 2` earlier
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 4, "Resources")]  # waits; more than the job can give
     c._measure_and_decide()
     assert c.resizes == []
     (d,) = decisions(c)
