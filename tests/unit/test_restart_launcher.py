@@ -97,7 +97,7 @@ def test_a_job_waiting_for_nodes_gets_the_helper_nodes_back(tmp_path):
     run.fleet.helpers["43"] = ["node2", "node3"]
     run.slurm.nodes = lambda: []   # the whole partition is the job's
     run.slurm.jobs = lambda: [SimpleNamespace(job_id=50, state="PENDING", node_count=1, reason="Resources",
-                                              partition="debug", priority=1)]
+                                              partition="debug", priority=1, time_limit_s=600)]
     run._autoscale()
     assert not run.op.grow and run.op.target == 2 and run.op.action == "yield" and "pending job 50" in run.op.reason
     assert {node for node, _ in signalled} == {"node1", "node2", "node3"} and run.predictor.bodies == []
