@@ -424,11 +424,12 @@ class Controller:
             return
         advice = self._ask_plan(m, layout)
         free = self._free_nodes()
-        pending = self._pending_jobs()
+        pending = self._pending_jobs()   # the plan's shrink waits for one; --no-yield: they get nothing of ours
         decision = self.policy.decide(len(free), advice, waiting=bool(pending))
-        handback = None if not (pending and self.config.yield_to_pending) else \
-            yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), pending, self._time_left_s(m))
-        decision = settle_decision(decision, m.nodes, handback, pending, self.operator_cap, advice)
+        yielding = pending if self.config.yield_to_pending else []
+        handback = None if not yielding else \
+            yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), yielding, self._time_left_s(m))
+        decision = settle_decision(decision, m.nodes, handback, yielding, self.operator_cap, advice)
         if handback is not None and decision is handback:   # the nodes are lent: grown back once nobody waits
             self.policy.lent_nodes_ = max(self.policy.lent_nodes_, m.nodes)
         keep_key = f"{advice.policy}: {decision.reason}"

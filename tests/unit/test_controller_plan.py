@@ -498,3 +498,14 @@ def test_a_one_type_jobs_step_row_carries_its_ranks_batches(tmp_path):
     c._measure_and_decide()
     [row] = posted[0]
     assert (row["gpu"], row["gpu_by_node"], row["rank_batches"]) == ("H100", ["H100", "H100"], [16, 16])
+
+
+def test_no_yield_keeps_the_nodes_and_grows_as_planned_while_a_job_waits(tmp_path):
+    import dataclasses
+    rewrite = {"action": "rewrite", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "elastic: 3x1"}
+    c = make_controller(tmp_path, FakePredictor([rewrite]))
+    c.config = dataclasses.replace(c.config, yield_to_pending=False)   # elastic-launch --no-yield
+    c._time_left_s = lambda m: 3600.0
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 3, "Resources", time_limit_s=60)]
+    c._measure_and_decide()
+    assert c.resizes == [("grow", 3)] and c.policy.lent_nodes_ == 0
