@@ -683,6 +683,15 @@ def _state(value) -> str:
     return "+".join(map(str, value)) if isinstance(value, list) else str(value or "")
 
 
+def _job_state(value) -> str:
+    """A job's state as 22.05's squeue says it: 24.11's JSON gives a list of the base state and its flags, and a job
+    whose processes are still being ended reads `["TIMEOUT", "COMPLETING"]` (22.05: `COMPLETING`), so COMPLETING
+    wins over the base state: the job has not ended until it is gone."""
+    if isinstance(value, list):
+        return "COMPLETING" if "COMPLETING" in value else str(value[0] if value else "").upper()
+    return str(value or "").split("+")[0].upper()
+
+
 def _acct_state(value) -> str:
     """An accounting record's state as sacct's text prints it: 24.11's JSON gives a former size's record as
     `["PENDING", "RESIZING"]` (base state and flag), where 22.05's JSON and both texts say RESIZING."""
@@ -748,7 +757,7 @@ def parse_jobs(squeue_json: dict) -> list[Job]:
             Job(
                 job_id=int(j["job_id"]),
                 name=j.get("name", ""),
-                state=_state(j.get("job_state", "")).split("+")[0].upper(),
+                state=_job_state(j.get("job_state", "")),
                 nodes=nodes,
                 nodelist=nodelist,
                 cpus_per_node=tuple(cpus.get(n, 0) for n in nodes) if cpus else (),

@@ -277,3 +277,13 @@ def test_a_jobs_time_limit_reads_in_seconds_on_both_versions():
                            ({"set": True, "infinite": True, "number": 0}, 0), (4294967295, 0)):
         raw["jobs"][0]["time_limit"] = limit
         assert parse_jobs(raw)[0].time_limit_s == seconds, limit
+
+
+def test_a_24_11_job_still_completing_reads_completing_as_on_22_05():
+    # 24.11 keeps the base state and adds COMPLETING as a flag while the job's processes are ended (22.05 says
+    # COMPLETING): a job read as TIMEOUT there had its SIGTERM checkpoint still being written (the time-limit test)
+    raw = _json("squeue_24.11_running.json")
+    for value, state in ((["TIMEOUT", "COMPLETING"], "COMPLETING"), (["RUNNING"], "RUNNING"), (["TIMEOUT"], "TIMEOUT"),
+                         (["COMPLETED", "COMPLETING"], "COMPLETING")):
+        raw["jobs"][0]["job_state"] = value
+        assert parse_jobs(raw)[0].state == state, value
