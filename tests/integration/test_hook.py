@@ -509,7 +509,7 @@ def test_a_hung_service_costs_one_budget_then_the_breaker_skips(hook, predictor,
 def _sbatch_as(bed, user: str, text: bytes) -> subprocess.CompletedProcess:
     """sbatch of a script on stdin, as `user` (held, output discarded)."""
     return subprocess.run(["runuser", "-u", user, "--", "sbatch", "--parsable", "-H", "--output=/dev/null"],
-                          input=text, capture_output=True, env={**bed.env(), "PATH": "/usr/bin:/bin:/usr/sbin"},
+                          input=text, capture_output=True, env=bed.env(path="/usr/bin:/bin:/usr/sbin"),
                           timeout=60)
 
 
