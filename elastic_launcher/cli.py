@@ -187,14 +187,9 @@ def launch(script, directive_items, workers_per_node, predictor_url, intra_link,
         leave_timeout=_seconds(leave_timeout),
         helper_start_timeout=_seconds(helper_start_timeout), helper_orphan_timeout=_seconds(helper_orphan_timeout),
     )
-    from slurm_plugin.client import Backend, CommandBackend, start_step  # noqa: PLC0415 - Slurm client: only `launch`
+    from slurm_plugin.client import Backend, start_step  # noqa: PLC0415 - Slurm client: only `launch`
 
-    # Slurm commands get our environment without the job's SLURM_* (sbatch of a helper must not inherit
-    # the main job's variables; scontrol must not write resize.sh files) but with PATH, HOME, ...
-    command_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    slurm_conf = os.environ.get("SLURM_CONF")
-    slurm: Backend = CommandBackend(slurm_conf=Path(slurm_conf) if slurm_conf else None, env=command_env,
-                                    timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
+    slurm: Backend = _slurm_from_env(timeout=config.slurm_timeout, update_timeout=config.slurm_timeout)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if config.restart:
         from elastic_launcher.restart import RestartLauncher  # noqa: PLC0415 - torch: only `launch --restart`
@@ -217,14 +212,22 @@ def _run(controller) -> None:
     click.echo(json.dumps(summary, sort_keys=True))
 
 
+def _slurm_from_env(**timeouts):
+    """The Slurm client of the launcher, its agent and `ctl`: the commands get this process's environment without the
+    job's SLURM_* (sbatch of a helper must not inherit the main job's variables; scontrol must not write resize.sh
+    files) but with PATH (a lab's release from a root: its bin/ first), HOME, ... and SLURM_CONF."""
+    from slurm_plugin.client import CommandBackend  # noqa: PLC0415 - Slurm client: only where a command needs it
+    conf = os.environ.get("SLURM_CONF")
+    return CommandBackend(slurm_conf=Path(conf) if conf else None,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **timeouts)
+
+
 def _ended(job_id: int) -> str:
     """How a job without a launcher ended, as sacct tells (``reporting.ended_job``), or where to look."""
     from elastic_launcher.reporting import ended_job  # noqa: PLC0415 - requests: only after the job ends
-    from slurm_plugin.client import CommandBackend  # noqa: PLC0415 - Slurm client: only after the job ends
 
     try:
-        return ended_job(job_id, CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get(
-            "SLURM_CONF") else None).sacct(int(job_id)))
+        return ended_job(job_id, _slurm_from_env().sacct(int(job_id)))
     except Exception as exc:  # noqa: BLE001 - no sacct here (no slurmdbd, no Slurm): say where to look
         return f"its end in `sacct -j {job_id} -X` (the last record; not read here: {type(exc).__name__})"
 
@@ -306,13 +309,12 @@ def agent(main_job, store_addr, workers_per_node, orphan_timeout, log_dir, comma
     from elastic_launcher.helper_agent import HelperAgent  # noqa: PLC0415 - only `agent`
     from elastic_launcher.control import launcher_store  # noqa: PLC0415 - torch's TCPStore: only `agent`
     from elastic_launcher.workers import WorkerPool  # noqa: PLC0415 - only `agent`
-    from slurm_plugin.client import Backend, CommandBackend, is_transient, start_step  # noqa: PLC0415 - only `agent`
+    from slurm_plugin.client import Backend, is_transient, start_step  # noqa: PLC0415 - only `agent`
 
     _logging(False)
     allocation = allocation_from_env(os.environ)
     host, _, port = store_addr.rpartition(":")
-    slurm: Backend = CommandBackend(slurm_conf=Path(os.environ["SLURM_CONF"]) if os.environ.get("SLURM_CONF") else None,
-                                    env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    slurm: Backend = _slurm_from_env()
 
     def main_running() -> bool:
         try:
