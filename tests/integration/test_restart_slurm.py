@@ -34,7 +34,8 @@ def _job(work: Path, steps: int, *script_options: str, every: int = 50, autoscal
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH --job-name=restart-test", "#SBATCH --nodes=1", "#SBATCH --time=00:10:00",
         "#SBATCH --output=%x-%j.out", "#SBATCH --no-kill", f"#ELASTIC {directives}",
-        f"export PYTHONPATH={shlex.quote(str(ROOT))}", *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
+        f"export PYTHONPATH={shlex.quote(str(ROOT))}",
+        *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         " ".join(shlex.quote(a) if a != "$0" else '"$0"' for a in launch) + " -- " + shlex.join(train)]) + "\n")
     return script
 
@@ -146,8 +147,8 @@ def test_the_planner_grows_the_job_1_2_4_as_nodes_free_and_a_waiting_job_gets_th
     posted to the service, signed by the job."""
     work = Path(tmp_path)
     blocker = work / "blocker.sbatch"
-    blocker.write_text("#!/bin/bash\n#SBATCH --nodes=2 --exclusive\n#SBATCH --time=00:10:00\n#SBATCH --output=/dev/null\n"
-                       "sleep 600\n")
+    blocker.write_text("#!/bin/bash\n#SBATCH --nodes=2 --exclusive\n#SBATCH --time=00:10:00\n"
+                       "#SBATCH --output=/dev/null\nsleep 600\n")
     held = submit(blocker, ["--chdir", str(work)])
     wait_until(lambda: slurm.job(held).state == "RUNNING", 60, "the blocker to run")
     job = submit(_job(work, 100000, autoscale=True, predictor=service.url, directives=PLANNED,
