@@ -6,12 +6,12 @@ Run: `python bench/hostile_suite.py [--full] [--output bench/results/hostile_sui
 It runs the three benches as libraries, each in its quick form unless `--full`:
 - bench/hostile_clients.py (plots, /v1/predict memory, /v1/plan disk) against `elastic-predictor serve`, plot attacks
   5 s each (20 s with --full), and, on a second served instance, the malformed bodies of item 7 (`MALFORMED`);
-- bench/slow_clients.py on the buffered server: K = 0 and 200 connections of each slow variant
+- bench/slow_clients.py on `serve` (nginx): K = 0 and 200 connections of each slow variant
   (--full: K = 0, 2, 8, 200);
 - bench/poisoning.py: one job's 200 made-up rows with the fit's per-job cap (20) and without it;
-- one address holding `IDLE_HELD` idle connections (issue #24, item 3), against `serve --server nginx` and the
-  buffered front end: how many of `IDLE_PROBES` GET /healthz from another address (127.0.0.2, each on a fresh
-  connection) are answered 200, and their p99 (`--idle-servers` picks the fronts; nginx needs nginx installed).
+- one address holding `IDLE_HELD` idle connections (issue #24, item 3), against `serve`: how many of
+  `IDLE_PROBES` GET /healthz from another address (127.0.0.2, each on a fresh connection) are answered 200, and
+  their p99 (`--no-idle` leaves it out).
 - bench/hostile_round2.py (issue #24, items 7, 2, 12, 14) against `serve`'s default front end: the issue's 300
   profiles of one job, 4 rows each (`ROUND2_PROFILES`), with the fit's time and a legitimate write's staleness.
 - bench/hostile_round3.py (issue #24, items 1, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16) with a victim POSTing /v1/plan at
@@ -97,17 +97,16 @@ IDLE_HELD, IDLE_PROBES, IDLE_PROBE_TIMEOUT_S = 1000, 40, 5.0
 OTHER_ADDRESS = "127.0.0.2"    # Linux routes all of 127.0.0.0/8 to loopback
 
 
-def idle_flood(work: Path, server: str) -> dict:
-    """127.0.0.1 holds IDLE_HELD connected, silent connections to `serve --server SERVER` (2 workers) while
+def idle_flood(work: Path) -> dict:
+    """127.0.0.1 holds IDLE_HELD connected, silent connections to `serve` (2 workers) while
     OTHER_ADDRESS sends IDLE_PROBES GET /healthz, each on a fresh connection, one after another."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_PREDICTOR_")}
-    with open(work / f"idle-{server}.log", "wb") as log:
-        dev = ("--allow-dev", "buffered") if server == "buffered" else ()
-        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, *dev, "--host",
-                                 "127.0.0.1", "--port", str(port), "--db", str(work / f"idle-{server}.db")],
+    with open(work / "idle.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port",
+                                 str(port), "--db", str(work / "idle.db")],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     held: list[socket.socket] = []
     probes: list[tuple[int, float]] = []
@@ -115,7 +114,7 @@ def idle_flood(work: Path, server: str) -> dict:
         deadline = time.monotonic() + 120
         while _healthz(port, "127.0.0.1")[0] != 200:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"serve --server {server} did not come up (see {work}/idle-{server}.log)")
+                raise RuntimeError(f"serve did not come up (see {work}/idle.log)")
             time.sleep(0.2)
         for _ in range(IDLE_HELD):
             sock = socket.socket()
@@ -133,7 +132,7 @@ def idle_flood(work: Path, server: str) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return {"server": server, "held": IDLE_HELD, "probes": IDLE_PROBES,
+    return {"held": IDLE_HELD, "probes": IDLE_PROBES,
             "answered": sum(status == 200 for status, _ in probes),
             "within_100ms": sum(status == 200 and seconds <= 0.1 for status, seconds in probes),
             "statuses": dict(collections.Counter(status for status, _ in probes)),
@@ -178,7 +177,7 @@ def round3(work: Path, items: tuple[int, ...], lab: Path, full: bool, root: Path
     return {"rows": rows, "left_out": left_out, "why": left_out_why if left_out else ""}
 
 
-def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered"), round3_items: tuple[int, ...] = (),
+def run(full: bool, idle: bool = True, round3_items: tuple[int, ...] = (),
         lab: Path = hostile_round3.DEFAULT_LAB, round4_items: tuple[str, ...] = ()) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
     try:
@@ -187,9 +186,9 @@ def run(full: bool, idle_servers: tuple[str, ...] = ("nginx", "buffered"), round
         db = str(work / "slow.db")
         slow_clients.seed(db)
         ks = slow_clients.KS if full else (0, 200)
-        slow, _ = slow_clients.bench_server("buffered", db, 2, 2.0, 40.0, ks, slow_clients.VARIANTS, 0,
+        slow, _ = slow_clients.bench_server("nginx", db, 2, 2.0, 40.0, ks, slow_clients.VARIANTS, 0,
                                             subprocess.DEVNULL)
-        idle = [idle_flood(work, server) for server in idle_servers]
+        idle = [idle_flood(work)] if idle else []
         (work / "round2").mkdir()
         round2 = hostile_round2.run(ROOT, ROUND2_PROFILES, work / "round2")
         (work / "round3").mkdir()
@@ -249,17 +248,15 @@ def other_items_table(round2: list[dict], idle: list[dict]) -> str:
     for r in idle:
         failed = r["probes"] - r["statuses"].get("200", r["statuses"].get(200, 0))
         verdict = "PASS" if r["within_100ms"] >= 36 else "FAIL"
-        why = (" (the buffered front end: one connection cap for all addresses; nginx is the production front)"
-               if verdict == "FAIL" and r["server"] == "buffered" else "")
-        out.append(f"| 3 | one address holds {r['held']} idle connections (`--server {r['server']}`) | GET /healthz "
+        out.append(f"| 3 | one address holds {r['held']} idle connections | GET /healthz "
                    f"from another address, not /v1/plan: p99 {r['p99_ms']:.0f} ms | {failed} of {r['probes']} not 200 "
                    f"({r['statuses']}) | - | - | - | - | - | {r['within_100ms']} of {r['probes']} answered 200 within "
-                   f"100 ms (target >= 36) | **{verdict}**{why} |")
+                   f"100 ms (target >= 36) | **{verdict}** |")
     return "\n".join(out)
 
 
 def idle_row(idle: list[dict]) -> str:
-    fronts = "; ".join(f"`--server {r['server']}`: {r['answered']} of {r['probes']} answered 200 "
+    fronts = "; ".join(f"{r['answered']} of {r['probes']} answered 200 "
                        f"({r['within_100ms']} within 100 ms; p99 {r['p99_ms']:.0f} ms over all; statuses {r['statuses']})"
                        for r in idle)
     return (f"| one address holds {IDLE_HELD} idle connections; GET /healthz from another | "
@@ -313,8 +310,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the benches' full forms (longer plot attacks, all K)")
     ap.add_argument("--output", default=None, help="also write the summary and raw rows (markdown) here")
-    ap.add_argument("--idle-servers", default="nginx,buffered",
-                    help="fronts the idle-connection attack runs against, comma-separated ('' for none)")
+    ap.add_argument("--no-idle", action="store_true", help="leave the idle-connection attack out")
     ap.add_argument("--only-idle", action="store_true", help="run only the idle-connection attack, print its rows")
     ap.add_argument("--round3-items", default=",".join(map(str, hostile_round3.ALL_ITEMS)),
                     help="bench/hostile_round3.py's items to run ('' for none; 1, 4, 6, 11, 15 need the testbed)")
@@ -327,7 +323,6 @@ def main(argv=None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT,
                     help="with --only-round3: the checkout whose service is attacked (an older commit's export)")
     args = ap.parse_args(argv)
-    idle_servers = tuple(s for s in args.idle_servers.split(",") if s)
     round3_items = tuple(int(x) for x in args.round3_items.split(",") if x)
     round4_items = tuple(x for x in args.round4_items.split(",") if x)
     if args.only_round4:
@@ -355,18 +350,18 @@ def main(argv=None) -> int:
     if args.only_idle:
         work = Path(tempfile.mkdtemp(prefix="hostile-suite-"))
         try:
-            idle = [idle_flood(work, server) for server in idle_servers]
+            idle = [idle_flood(work)]
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(idle_row(idle), *(json.dumps(r) for r in idle), sep="\n")
         return 0
     started, load = time.time(), os.getloadavg()[0]
-    res = run(args.full, idle_servers, round3_items, args.lab, round4_items)
+    res = run(args.full, not args.no_idle, round3_items, args.lab, round4_items)
     header = (f"Hostile-client suite ({'full' if args.full else 'quick'}), {len(os.sched_getaffinity(0))} usable "
               f"cores shared with other users (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after), "
               f"Python {platform.python_version()}, {date.today().isoformat()}, {time.time() - started:.0f} s.")
     raw = ["", "Raw: hostile clients (bench/hostile_clients.py's table)", "", hostile_clients.table(res["hostile"]),
-           "", "Raw: slow connections on the buffered server (bench/slow_clients.py's rows)", "",
+           "", "Raw: slow connections (bench/slow_clients.py's rows)", "",
            *(json.dumps(r) for r in res["slow"]), "", "Raw: poisoning (bench/poisoning.py's impact)", "",
            json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]}),
            "", "Raw: idle connections from one address", "", *(json.dumps(r) for r in res["idle"]),

@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", choices=("both", "on", "off"), default="both")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--output", default=str(RESULTS / "service.md"), help="where to write the markdown table")
-    ap.add_argument("--serve-args", default="", help="more `elastic-predictor serve` options, e.g. '--server gunicorn'")
+    ap.add_argument("--serve-args", default="", help="more `elastic-predictor serve` options, e.g. '--side-workers 0'")
     ap.add_argument("--cpus", default=None, help="note on the CPUs used, printed in the header (e.g. 'taskset -c 0,1')")
     args = ap.parse_args(argv)
     rows = []

@@ -1,6 +1,6 @@
 """Slow and idle clients against the served app (issue #14, item 3): does /v1/plan stay within the hook's 100 ms?
 
-Run: `python bench/slow_clients.py [--servers buffered,gunicorn-sync,...] [--output bench/results/slow_clients.md]`
+Run: `python bench/slow_clients.py [--servers nginx,gunicorn-sync,...] [--output bench/results/slow_clients.md]`
 
 For each server option it starts the service the way `elastic-predictor serve` does (bench/service_bench.py's
 `seed` and `start_server`: a temporary database with two profiles and a synthetic H200 history), then, for each
@@ -19,13 +19,13 @@ client would (column `reopened`), except `unread` and `pipelined`. Then, per ser
 flat-out (8 client threads) and paced (200/s) runs, and the paced /v1/plan probes while observations are posted
 once a second (the fitter worker refits on new data, at most every 5 s: what a fit does to the other requests).
 
-Server options: `nginx` (`elastic-predictor serve`'s default where nginx is installed: predictor/front_nginx.py),
-`buffered` (`serve --server buffered`: the front end of predictor/server.py in front of gunicorn sync workers),
-`gunicorn-sync` and `gunicorn-gthread` (`serve --server gunicorn`, threads 1 / 4: the
-previous default and its threaded mode), `gunicorn-gevent` (gunicorn's gevent worker, monkey-patched) and
-`waitress` (one process, 8 threads, connection_limit 1000): the last two are started by this script
-(`--serve-as`), they are not options of `serve` nor dependencies of the package (`pip install gevent waitress`
-to measure them, or leave them out of --servers).
+Server options: `nginx` (`elastic-predictor serve`: nginx in front of gunicorn, predictor/front_nginx.py),
+`gunicorn-sync` and `gunicorn-gthread` (gunicorn alone on the port, threads 1 / 4: the default before any front
+end, and its threaded mode), `gunicorn-gevent` (gunicorn's gevent worker, monkey-patched) and `waitress` (one
+process, 8 threads, connection_limit 1000): all but nginx are started by this script (`--serve-as`), they are not
+options of `serve`; gevent and waitress are not dependencies of the package (`pip install gevent waitress` to
+measure them, or leave them out of --servers). The buffered asyncio front end measured in earlier results
+(predictor/server.py) was deleted in #46.
 """
 from __future__ import annotations
 
@@ -66,10 +66,9 @@ PLAN = {"source": "job_submit", "job": {"min_nodes": 1, "tres_per_node": "gres:g
 SELF = [sys.executable, str(Path(__file__).resolve()), "--serve-as"]
 SERVERS = {
     # name: (launcher or None for `elastic-predictor serve`, extra options, threads)
-    "buffered": (None, ("--server", "buffered", "--allow-dev", "buffered"), 1),
-    "nginx": (None, ("--server", "nginx"), 1),
-    "gunicorn-sync": (None, ("--server", "gunicorn"), 1),
-    "gunicorn-gthread": (None, ("--server", "gunicorn"), 4),
+    "nginx": (None, (), 1),
+    "gunicorn-sync": ([*SELF, "gunicorn"], (), 1),
+    "gunicorn-gthread": ([*SELF, "gunicorn"], (), 4),
     "gunicorn-gevent": ([*SELF, "gevent"], (), 1),
     "waitress": ([*SELF, "waitress"], (), 8),
 }
@@ -78,7 +77,8 @@ SERVERS = {
 # ---------------------------------------------------------------------------------------------------------------
 # the candidates serve itself does not offer
 def serve_as(kind: str, argv: list[str]) -> None:
-    """Run the app under gevent workers or waitress, with `serve`'s options (--host --port --db --workers --threads)."""
+    """Run the app under gunicorn alone (sync or gthread workers), gevent workers or waitress, with `serve`'s
+    options (--host --port --db --workers --threads)."""
     ap = argparse.ArgumentParser()
     for name in ("--host", "--db"):
         ap.add_argument(name)
@@ -90,11 +90,12 @@ def serve_as(kind: str, argv: list[str]) -> None:
 
     config = _config(args.db)
     _open_store(config.db_path, writable=True).close()
-    if kind == "gevent":
-        from predictor.server import gunicorn_application
+    if kind in ("gunicorn", "gevent"):
+        from predictor.front_nginx import gunicorn_application
 
         gunicorn_application(lambda: create_app(config), bind=f"{args.host}:{args.port}", workers=args.workers,
-                             threads=1, timeout=30, worker_class="gevent").run()
+                             threads=args.threads if kind == "gunicorn" else 1, timeout=30,
+                             worker_class="gevent" if kind == "gevent" else None).run()
     elif kind == "waitress":
         import waitress
 

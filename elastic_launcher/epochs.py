@@ -355,9 +355,11 @@ class EpochExecutor:
     def recover(self, failed: Plan, old_group: ProcessGroupWrapper, err: Optional[BaseException],
                 try_shrink: bool, lost: int, interval: int, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
         """Agrees on the survivors of ``failed``, rebuilds (``decide_recovery``), rolls back to the last commit
-        point and resyncs from rank 0. A survivor that dies before the new group trains (its build or the state
-        broadcast cannot finish: its beat stops, or another survivor gave up on that plan) makes the survivors'
-        plan the failed one: the survivors recover from it in turn, within ``rendezvous_timeout`` in all.
+        point and resyncs from the survivor with the newest one. Building the survivors' group and taking the state
+        is one round with the arrival deadline (:meth:`_round_watch`): a survivor that dies in it, or hangs beating
+        on (before its build, or as the state source before it posts the skeleton), makes the survivors' plan the
+        failed one: the survivors recover from it in turn (the recovery fences the hung one at its own arrival
+        deadline), within ``rendezvous_timeout`` in all.
 
         Raises:
             LeftGroup: this worker was declared dead.
@@ -373,6 +375,7 @@ class EpochExecutor:
                 if old_group is not None:
                     old_group.abort()
                 raise
+            watch = self._round_watch(plan, deadline)  # from here on: the round's arrival deadline
             action = decide_recovery(failed, plan, self.wid, try_shrink and old_group is not None)
             if action.kind is RecoveryKind.LEAVE:
                 if old_group is not None:
@@ -389,13 +392,13 @@ class EpochExecutor:
                 old_group = None
             why = ""
             if new is None:
-                new, why = self._build_watched(plan, deadline)
+                new, why = self._build_watched(plan, watch)
             if new is not None:
-                why = "" if self._resync(new, plan) else "state broadcast failed"
+                why = self._resync(new, plan, watch)
             if not why:
                 break
             tried.append({"epoch": plan.id, "why": why})
-            failed = plan  # a survivor died before the recovered epoch trained: recover from that epoch
+            failed = plan  # a survivor died or hung before the recovered epoch trained: recover from that epoch
         epoch = self.enter(plan, new, step_fn)
         t1 = time.perf_counter()
         rec = {"epoch": plan.id, "prev": first.id, "kind": "recovery", "old_world": first.world_size,
@@ -412,17 +415,44 @@ class EpochExecutor:
                                     f"{self.settings.rendezvous_timeout.total_seconds():g} s (at epoch {failed.id})")
         return timedelta(seconds=left)
 
-    def _resync(self, group: ProcessGroupWrapper, plan: Plan) -> bool:
+    def _round_watch(self, plan: Plan, deadline: float) -> Callable[[], str]:
+        """Why to give up the round that builds ``plan``'s group and moves the state, asked while it waits ("": go
+        on): a member's beat stopped for ``heartbeat_timeout`` (it died after the decision), another survivor gave
+        up on the plan, ``deadline`` passed, or the round's arrival deadline did (``Membership.arrival_timeout``
+        from now on the membership's clock: a member that adopted the plan and hung, beating on, before it built
+        its group or, as the state source, before it posted the skeleton; the recovery from this plan fences it at
+        that recovery's own arrival deadline)."""
+        m = self.membership
+        arrival_s = m.arrival_timeout.total_seconds()
+        arrival = m.clock() + arrival_s
+
+        def why() -> str:
+            silent = m.silent_members(plan)
+            if silent:
+                return f"silent: {', '.join(silent)}"
+            if m.recovery_begun(plan):
+                return "given up by another survivor"
+            if time.monotonic() > deadline:
+                return "deadline"
+            if m.clock() > arrival:
+                return f"arrival deadline: the round of epoch {plan.id} not complete after {arrival_s:g} s"
+            return ""
+        return why
+
+    def _resync(self, group: ProcessGroupWrapper, plan: Plan, watch: Callable[[], str]) -> str:
         """Rolls back to the last commit point and takes the state of the survivor with the newest one on ``group``
-        (:meth:`_newest_commit`); False when a peer failed."""
+        (:meth:`_newest_commit`); a receiver waits for its skeleton while ``watch()`` says nothing. Returns "" or
+        why it failed (a peer failed, or the round was given up on; the group is aborted)."""
         self.state.restore()
         try:
-            self._broadcast_state(group, self._newest_commit(group), plan)
-        except Exception as e:  # noqa: BLE001 - a survivor died since the decision: recover from this plan
+            self.state.broadcast(group, self._newest_commit(group), self.store, keys.state(plan.id),
+                                 self.settings.rendezvous_timeout, give_up=watch,
+                                 poll=self.membership.heartbeat_interval.total_seconds() / 2)
+        except Exception as e:  # noqa: BLE001 - a survivor died or hung since the decision: recover from this plan
             logger.warning("recovery epoch %d: state broadcast failed: %s", plan.id, e)
             group.abort()
-            return False
-        return True
+            return f"state broadcast failed: {str(e)[:100]}"
+        return ""
 
     def _newest_commit(self, group: ProcessGroupWrapper) -> int:
         """The lowest rank of ``group`` whose last commit point is the newest (one allreduce; call after restore).
@@ -438,13 +468,9 @@ class EpochExecutor:
         steps = steps.cpu()
         return int((steps == steps.max()).nonzero()[0])
 
-    def _build_watched(self, plan: Plan, deadline: float) -> tuple[Optional[ProcessGroupWrapper], str]:
-        """Builds ``plan``'s group on a thread while watching its members. Returns (group, "") or (None, why): a
-        member's beat stopped for ``heartbeat_timeout`` (it died after the decision: the build would wait
-        ``connect_timeout`` for it), another survivor gave up on the plan, the build failed, ``deadline`` passed, or
-        the group is not complete at the round's arrival deadline (``Membership.arrival_timeout`` after the build
-        began: a member that adopted the plan and hung before building it, beating on; the recovery from this plan
-        fences it at that recovery's arrival deadline).
+    def _build_watched(self, plan: Plan, watch: Callable[[], str]) -> tuple[Optional[ProcessGroupWrapper], str]:
+        """Builds ``plan``'s group on a thread while ``watch()`` says nothing (:meth:`_round_watch`). Returns
+        (group, "") or (None, why): ``watch``'s reason, or the build failed.
         A build given up on ends on its own thread, and a group it completes after that is aborted."""
         box: dict = {}
         lock = threading.Lock()  # the build's check-and-store against the give-up: no group left un-aborted
@@ -464,17 +490,11 @@ class EpochExecutor:
         t = threading.Thread(target=run, name=f"elastic-recover-{plan.id}", daemon=True)
         t.start()
         poll = self.membership.heartbeat_interval.total_seconds() / 2
-        arrival_s = self.membership.arrival_timeout.total_seconds()
-        arrival = time.monotonic() + arrival_s  # this round's arrival deadline, as the recovery's own (#42)
         while True:
             t.join(poll)
             if not t.is_alive():
                 break
-            silent = self.membership.silent_members(plan)
-            now = time.monotonic()
-            why = (f"silent: {', '.join(silent)}" if silent else "given up by another survivor"
-                   if self.membership.recovery_begun(plan) else "deadline" if now > deadline else
-                   f"arrival deadline: not every member in the group after {arrival_s:g} s" if now > arrival else "")
+            why = watch()
             if why:
                 with lock:
                     box["abandoned"] = True

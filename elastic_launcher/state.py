@@ -256,7 +256,8 @@ class TrainingState:
         return buf.getvalue(), flat
 
     def broadcast(self, group: ProcessGroupWrapper, src: int, store: dist.Store, key: str,
-                  timeout: timedelta = timedelta(seconds=60)) -> int:
+                  timeout: timedelta = timedelta(seconds=60), give_up: Optional[Callable[[], str]] = None,
+                  poll: float = 0.05) -> int:
         """Makes every rank of ``group`` hold rank ``src``'s state. Collective over ``group``.
 
         Args:
@@ -265,12 +266,15 @@ class TrainingState:
             store: where the pickled skeleton is exchanged (use a per-epoch prefix).
             key: store key of the skeleton (unique per broadcast).
             timeout: bound for receivers waiting on the skeleton.
+            give_up: asked every ``poll`` seconds while a receiver waits on the skeleton: a reason to stop waiting
+                ("" to go on; a recovery's round watch: the source is silent, or the round's arrival deadline
+                passed).
 
         Returns:
             bytes moved by the collective broadcast.
 
         Raises:
-            RendezvousTimeout: the skeleton did not arrive in time.
+            RendezvousTimeout: the skeleton did not arrive in time, or ``give_up`` gave a reason.
             StateMismatch: the local model does not match the sender's.
         """
         if group.rank() == src:
@@ -278,10 +282,7 @@ class TrainingState:
             store.set(key, blob)
             skel = None
         else:
-            try:
-                store.wait([key], timeout)
-            except Exception as e:  # noqa: BLE001
-                raise RendezvousTimeout(f"state skeleton {key} not posted within {timeout}") from e
+            _wait_posted(store, key, timeout, give_up, poll)
             skel = pickle.loads(store.get(key))
             flat = self._receive_buffers(skel)
         nbytes = _broadcast_flat(group, flat, src)
@@ -336,6 +337,28 @@ def _iter_refs(o: Any):
     elif isinstance(o, (list, tuple)):
         for v in o:
             yield from _iter_refs(v)
+
+
+def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optional[Callable[[], str]],
+                 poll: float) -> None:
+    """Waits until ``key`` is in ``store``: up to ``timeout``, and while ``give_up()`` (if given: asked every
+    ``poll`` seconds) says nothing.
+
+    Raises:
+        RendezvousTimeout: not posted in time, or ``give_up`` gave a reason.
+    """
+    if give_up is None:
+        try:
+            store.wait([key], timeout)
+        except Exception as e:  # noqa: BLE001 - the store raises a generic error on timeout
+            raise RendezvousTimeout(f"state skeleton {key} not posted within {timeout}") from e
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([key]):
+        why = give_up() or ("" if time.monotonic() < deadline else f"not posted within {timeout}")
+        if why:
+            raise RendezvousTimeout(f"state skeleton {key}: {why}")
+        time.sleep(poll)
 
 
 def _broadcast_flat(group: ProcessGroupWrapper, tensors: list[torch.Tensor], src: int) -> int:

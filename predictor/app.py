@@ -81,8 +81,8 @@ class WholeUnsizedBody:
     """WSGI middleware: a body sent without Content-Length (chunked; the server sets `wsgi.input_terminated`) is
     read here, up to `limit` bytes, and handed on with its length; a longer one is flagged, and the app answers
     413 naming `body` (`refuse_unsized_overflow`). Without it werkzeug cut such a body at MAX_CONTENT_LENGTH
-    without a word, and the truncated JSON became a 400 (#14.7). The buffering front end (predictor.server)
-    already refuses it itself; this covers `serve --server gunicorn` and any other WSGI server."""
+    without a word, and the truncated JSON became a 400 (#14.7). nginx, `serve`'s front end, refuses it itself;
+    this covers the app under any other WSGI server."""
 
     def __init__(self, wsgi_app: Callable, limit: int):
         self.wsgi_app = wsgi_app

@@ -99,19 +99,12 @@ def auth_policy(config: Config) -> list[str]:
 @click.option("--timeout", default=30, show_default=True, type=int, help="gunicorn worker timeout, seconds")
 @click.option("--from-slurm", "from_slurm", default=None, metavar="GPU:INTRA:INTER",
               help="build the cluster model from sinfo/scontrol, with the GPU type and link names given, e.g. H200:nvlink:ib")
-@click.option("--server", "server_mode", default=None,
-              type=click.Choice(["nginx", "buffered", "gunicorn"]),
-              help="nginx: nginx reads each request whole and caps connections per client address (production; "
-                   "needs nginx-light libnginx-mod-stream); buffered: the built-in asyncio front end does the reading, "
-                   "one cap for all clients; gunicorn: gunicorn alone on the port (a half-sent request holds a worker). "
-                   "Default: nginx; buffered only with --allow-dev buffered (#41.9)")
-@click.option("--allow-dev", "allow_dev", multiple=True, type=click.Choice(["buffered", "open-writes"]),
-              help="development setups, each named: buffered (the built-in front end, which one client address can "
-                   "take from everyone: used where nginx is missing or asked for with --server buffered); "
-                   "open-writes (anyone writes while no token and no munge is configured)")
+@click.option("--allow-dev", "allow_dev", multiple=True, type=click.Choice(["open-writes"]),
+              help="development setups, each named: open-writes (anyone writes while no token and no munge is "
+                   "configured)")
 @click.option("--read-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
-              help="buffered: seconds a client has to send a whole request (else 408 and close); nginx: for the "
-                   "head, between two reads of the body, and for an idle keep-alive connection")
+              help="seconds nginx waits for a request's head, between two reads of its body, and on an idle "
+                   "keep-alive connection")
 @click.option("--max-connections", default=2048, show_default=True, type=click.IntRange(16, 1_000_000),
               help="nginx: client connections at once, all addresses")
 @click.option("--per-address", default=256, show_default=True, type=click.IntRange(1, 1_000_000),
@@ -131,11 +124,12 @@ def auth_policy(config: Config) -> list[str]:
                    "so other clients holding every other slot cannot starve the hook (#41.4)")
 @click.option("--hook-connections", default=64, show_default=True, type=click.IntRange(1, 1_000_000),
               help="nginx: connections at once from the --hook-from hosts, apart from --max-connections")
-def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server_mode, allow_dev, read_timeout,
+def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, allow_dev, read_timeout,
           max_connections, per_address, per_address_requests, per_credential_requests, side_workers, hook_from,
           hook_connections):
-    """Run the HTTP API under gunicorn, behind a front end that buffers requests; prints at start who may write
-    and read (docs/admin-guide.md, Security; slow clients: "Run the predictor").
+    """Run the HTTP API under gunicorn behind nginx, which reads each request whole and caps connections per
+    client address (needs nginx-light libnginx-mod-stream); prints at start who may write and read
+    (docs/admin-guide.md, Security; slow clients: "Run the predictor").
 
     Writes need $ELASTIC_PREDICTOR_ADMIN_TOKEN, $ELASTIC_PREDICTOR_TOKEN or, with ELASTIC_PREDICTOR_MUNGE=1, a
     munge-signed job credential; with none of them set, writes are closed (`--allow-dev open-writes`: open to
@@ -144,26 +138,16 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     Example: ELASTIC_PREDICTOR_TOKEN=s3cret elastic-predictor serve --host 0.0.0.0 --port 8470 --db /var/lib/ep.db
     """
     from predictor.app import create_app  # noqa: PLC0415 - Flask, numpy, scipy: only `serve`
-    from predictor.server import Limits, gunicorn_application, run_buffered  # noqa: PLC0415 - asyncio, ssl: only `serve`
+    from predictor.front_nginx import NginxLimits, NginxMissing, nginx_missing, run_nginx  # noqa: PLC0415 - only `serve`
 
+    missing = nginx_missing()
+    if missing:                       # before anything is created
+        raise click.ClickException(f"serve's front end is nginx with its stream module; {missing}")
     config = _config(db, cluster).replace(open_writes="open-writes" in allow_dev)
     if from_slurm:
         config = config.replace(cluster=_slurm_cluster(from_slurm))
     for line in auth_policy(config):
         click.echo(line, err=True)
-    if server_mode is None:
-        from predictor.front_nginx import nginx_missing  # noqa: PLC0415 - only `serve --server nginx`
-
-        missing = nginx_missing()
-        server_mode = "buffered" if missing and "buffered" in allow_dev else "nginx"
-        if missing and server_mode == "buffered":
-            click.echo(f"front end: buffered (--allow-dev buffered; {missing}: nginx, the production front end, caps "
-                       "connections per client address)", err=True)
-    if server_mode == "buffered" and "buffered" not in allow_dev:
-        raise click.UsageError("the buffered front end is for development only (one client address can take it from "
-                               "everyone, docs/admin-guide.md): name it with --allow-dev buffered, or run nginx "
-                               "(--server nginx; Debian: nginx-light libnginx-mod-stream)")
-
     _open_store(config.db_path, writable=True).close()   # migrate once, before the workers fork
     # the engine (numpy, scipy, sklearn: ~0.8 s of CPU to import) is imported once here, before gunicorn forks, so
     # a worker that gunicorn starts again (after a crash or a SIGKILL) does not take that CPU from the others
@@ -172,40 +156,27 @@ def serve(host, port, db, workers, threads, cluster, timeout, from_slurm, server
     def load():
         return create_app(config)         # per worker: its own connections and refit thread
 
-    if server_mode == "gunicorn":
-        gunicorn_application(load, bind=f"{host}:{port}", workers=workers, threads=threads, timeout=timeout).run()
-        return
-    if server_mode == "nginx":
-        from predictor.front_nginx import NginxLimits, NginxMissing, run_nginx  # noqa: PLC0415 - only `serve --server nginx`
-
-        try:
-            nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
-                                       upstream_timeout=timeout + 5, max_connections=max_connections,
-                                       per_address=min(per_address, max_connections),
-                                       per_address_requests=per_address_requests,
-                                       per_credential_requests=per_credential_requests,
-                                       hook_from=tuple(a.strip() for a in hook_from.split(",") if a.strip()),
-                                       hook_connections=hook_connections)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--hook-from") from None
-        plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
-
-        def load_plan_pool():
-            return create_app(plan_config)   # it answers only /v1/plan and /healthz: fits and drawings are the side's
-
-        try:
-            status = run_nginx(load_plan_pool, host=host, port=port, workers=workers, threads=threads,
-                               timeout=timeout, limits=nginx_limits, log=lambda line: click.echo(line, err=True),
-                               side_workers=side_workers, side_load=load)
-        except NginxMissing as exc:
-            raise click.ClickException(str(exc)) from None
-        except OSError as exc:
-            raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
-        sys.exit(status)
-    limits = Limits(max_body=config.max_body_bytes, read_timeout=read_timeout, upstream_timeout=timeout + 5)
     try:
-        status = run_buffered(load, host=host, port=port, workers=workers, threads=threads, timeout=timeout,
-                              limits=limits, log=lambda line: click.echo(line, err=True))
+        nginx_limits = NginxLimits(max_body=config.max_body_bytes, read_timeout=read_timeout,
+                                   upstream_timeout=timeout + 5, max_connections=max_connections,
+                                   per_address=min(per_address, max_connections),
+                                   per_address_requests=per_address_requests,
+                                   per_credential_requests=per_credential_requests,
+                                   hook_from=tuple(a.strip() for a in hook_from.split(",") if a.strip()),
+                                   hook_connections=hook_connections)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--hook-from") from None
+    plan_config = config.replace(fits=False, plot_prerender=False) if side_workers else config
+
+    def load_plan_pool():
+        return create_app(plan_config)   # it answers only /v1/plan and /healthz: fits and drawings are the side's
+
+    try:
+        status = run_nginx(load_plan_pool, host=host, port=port, workers=workers, threads=threads,
+                           timeout=timeout, limits=nginx_limits, log=lambda line: click.echo(line, err=True),
+                           side_workers=side_workers, side_load=load)
+    except NginxMissing as exc:
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
     sys.exit(status)

@@ -1,5 +1,5 @@
-"""`elastic-predictor serve --server nginx`: gunicorn behind nginx, the production front end (issue #24, items 3,
-8 and 17).
+"""`elastic-predictor serve`: gunicorn behind nginx, the service's one front end (issue #24, items 3, 8 and 17;
+#46: the asyncio front end it replaced, predictor/server.py, is gone).
 
 nginx reads each request whole before gunicorn sees it (bodies above 16 KiB go to a temp file, not memory), caps
 connections per client address and in total, caps requests in progress per client address and per bearer token
@@ -12,8 +12,7 @@ started again, at most `RESTARTS` times in `RESTART_WINDOW_S`, after which every
 its status. SIGTERM/SIGINT stop nginx gracefully (requests in flight finish), then gunicorn; SIGHUP, SIGTTIN,
 SIGTTOU, SIGUSR1 and SIGUSR2 go to gunicorn. All die with `serve` (PR_SET_PDEATHSIG). The runtime folder belongs
 to root when `serve` runs as root: nginx's workers (www-data) may reach its sockets and write only their temp
-folders in it (#41.9: the folder was www-data's, holding root's gunicorn sockets). The asyncio front end
-(predictor/server.py) is for development only (`serve --allow-dev buffered`).
+folders in it (#41.9: the folder was www-data's, holding root's gunicorn sockets).
 
 Two gunicorns (#24.4, 11, 13): with `side_workers` > 0, the one on `gunicorn.sock` (the plan pool, `workers`)
 answers only what the job_submit hook sends, POST /v1/plan without `X-Elastic-Munge` and under 10,000 bytes
@@ -31,6 +30,7 @@ worker takes it; nothing else is ever sent twice.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import glob
@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Callable
 
 from predictor import lockholder
-from predictor.server import _die_with_parent, gunicorn_application
 
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "nginx.conf.in"
 FOLDER_PREFIX = "elastic-predictor-nginx-"
@@ -114,14 +113,14 @@ def find_nginx() -> tuple[str, str]:
     """(nginx executable, `load_module` line for the stream module or "" when built in); raises NginxMissing."""
     exe = shutil.which("nginx", path=NGINX_SEARCH_PATH)
     if exe is None:
-        raise NginxMissing(f"nginx is not installed: apt-get install -y {PACKAGES} (or use --server buffered)")
+        raise NginxMissing(f"nginx is not installed: apt-get install -y {PACKAGES}")
     info = subprocess.run([exe, "-V"], capture_output=True, text=True, timeout=10).stderr
     if re.search(r"--with-stream(\s|$)", info):
         return exe, ""
     modules = re.search(r"--modules-path=(\S+)", info)
     module = Path(modules.group(1) if modules else "modules") / "ngx_stream_module.so"
     if "--with-stream=dynamic" not in info or not module.is_file():
-        raise NginxMissing(f"nginx has no stream module: apt-get install -y {PACKAGES} (or use --server buffered)")
+        raise NginxMissing(f"nginx has no stream module: apt-get install -y {PACKAGES}")
     return exe, f"load_module {module};"
 
 
@@ -264,6 +263,41 @@ def run_nginx(load: Callable, *, host: str, port: int, workers: int, threads: in
             except ChildProcessError:
                 pass
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def gunicorn_application(load: Callable, *, bind: str, workers: int, threads: int, timeout: int,
+                         worker_class: str | None = None, post_fork: Callable[[], None] | None = None):
+    """A gunicorn application running `load()` (the WSGI app, built in each worker) on `bind`; `post_fork()` runs
+    in each worker as it starts, before `load()`."""
+    from gunicorn.app.base import BaseApplication  # noqa: PLC0415 - gunicorn: only where serve starts it
+
+    class Application(BaseApplication):
+        def load_config(self):
+            self.cfg.set("bind", bind)
+            self.cfg.set("workers", workers)
+            self.cfg.set("threads", threads)
+            self.cfg.set("timeout", timeout)
+            if worker_class:
+                self.cfg.set("worker_class", worker_class)
+            self.cfg.set("accesslog", None)
+            self.cfg.set("proc_name", "elastic-predictor")
+            if "control_socket_disable" in self.cfg.settings:   # gunicorn >= 24: one socket path per user
+                self.cfg.set("control_socket_disable", True)
+            if post_fork is not None:
+                self.cfg.set("post_fork", lambda server, worker: post_fork())
+
+        def load(self):
+            return load()     # per worker: its own connections and refit thread
+
+    return Application()
+
+
+def _die_with_parent() -> None:
+    """SIGTERM to this process when its parent dies (Linux PR_SET_PDEATHSIG); nothing elsewhere."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _own_group_dying_with_parent() -> None:

@@ -172,7 +172,14 @@ def encode(document: Any) -> str:
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
 
 
-_DECISION_COLUMNS = "id, created_at_s, source, action, model, reason, model_version, request, response"
+def _m0014_unclaimed_decisions(db: sqlite_utils.Database) -> None:
+    # #42.6: a decision job_submit asked for is unclaimed until a job is seen holding it (job_submit cannot tell
+    # `sbatch --test-only`: no job follows); unclaimed ones expire (DecisionRetention.unclaimed_max_age)
+    db.execute("ALTER TABLE decisions ADD COLUMN unclaimed INTEGER NOT NULL DEFAULT 0")
+    db.execute("CREATE INDEX decisions_unclaimed ON decisions (unclaimed, id)")
+
+
+_DECISION_COLUMNS = "id, created_at_s, source, action, model, reason, model_version, request, response, unclaimed"
 
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0001_initial", _m0001_initial),
@@ -188,6 +195,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("0011_write_quotas", _m0011_write_quotas),
     ("0012_observation_summary", _m0012_observation_summary),
     ("0013_models_json", _m0013_models_json),
+    ("0014_unclaimed_decisions", _m0014_unclaimed_decisions),
 ]
 WAL_SIZE_LIMIT = 4 * 1024 * 1024  # bytes the WAL file keeps after a checkpoint (#24.6: it stayed at its 18 MB peak)
 WRITE_POLL_S = 0.002  # a waiting writer tries the write lock again at most this long after a release (_begin_immediate)
@@ -221,6 +229,8 @@ class DecisionRetention:
         batch_rows: most rows one write deletes, and the row slack a prune leaves below `max_rows`.
         batch_bytes: the byte slack a prune leaves below `max_bytes`.
         client_share: the part of `max_rows` and `max_bytes` one client's decisions may hold.
+        unclaimed_max_age: an unclaimed decision (asked by job_submit, no job seen holding it yet: it may have been
+            `sbatch --test-only`'s, #42.6) older than this is deleted, a batch at a time.
     """
 
     max_rows: int = 100_000
@@ -229,12 +239,13 @@ class DecisionRetention:
     batch_rows: int = 256
     batch_bytes: int = 8 * 1024 * 1024
     client_share: float = 0.25
+    unclaimed_max_age: timedelta = timedelta(days=1)
 
     def __post_init__(self):
         if self.max_rows < 1 or self.max_bytes < 1 or self.batch_rows < 1 or self.batch_bytes < 1:
             raise ValueError("decision retention bounds must be >= 1")
-        if self.max_age <= timedelta(0):
-            raise ValueError("decision retention max_age must be > 0")
+        if self.max_age <= timedelta(0) or self.unclaimed_max_age <= timedelta(0):
+            raise ValueError("decision retention max_age and unclaimed_max_age must be > 0")
         if not 0 < self.client_share <= 1:
             raise ValueError("decision retention client_share must be in (0, 1]")
 
@@ -678,18 +689,20 @@ class Store:
 
     # --- decisions ------------------------------------------------------------------------------
     def add_decision(self, request: dict, response: dict, source: str | None, model_version: str | None,
-                     client: str = "") -> dict:
+                     client: str = "", unclaimed: bool = False) -> dict:
         """Store a plan decision; returns the response with `decision_id` (`d-<n>`) filled in."""
-        return json.loads(self.add_decision_text(encode(request), response, source, model_version, client))
+        return json.loads(self.add_decision_text(encode(request), response, source, model_version, client,
+                                                 unclaimed))
 
     def add_decision_text(self, request_text: str, response: dict, source: str | None,
-                          model_version: str | None, client: str = "") -> str:
+                          model_version: str | None, client: str = "", unclaimed: bool = False) -> str:
         """Store a plan decision whose request is already JSON text; returns the stored response text.
 
         The hot path of /v1/plan: the response is encoded once (compact, as Flask sends JSON), the
         `decision_id` is spliced in front and the same text is both stored and sent, in one INSERT of a
         transaction that commits before this returns (durable against SIGKILL, see the module doc). The id is
-        the next rowid, read under the write lock (`d-<max+1>`, what a plain INSERT would assign).
+        the next rowid, read under the write lock (`d-<max+1>`, what a plain INSERT would assign). `unclaimed`:
+        no job is known to hold it yet (:meth:`claim_decisions`).
 
         Raises:
             ValueError: the response holds NaN or Infinity (nothing stored).
@@ -702,9 +715,9 @@ class Store:
             number = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM decisions").fetchone()[0]
             full = f'{{"decision_id":"d-{number}",' + tail
             conn.execute("INSERT INTO decisions (id, created_at_s, source, action, model, reason, model_version,"
-                         " request, response, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         " request, response, client, unclaimed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (number, now, source, response["action"], response.get("model"),
-                          response["reason"], model_version, request_text, full, client))
+                          response["reason"], model_version, request_text, full, client, int(unclaimed)))
             added = len(request_text.encode("utf-8", "surrogatepass")) + len(full.encode("utf-8", "surrogatepass"))
             conn.execute("UPDATE meta SET value = value + CASE key WHEN 'decision_bytes' THEN ? ELSE 1 END "
                          "WHERE key IN ('decision_bytes', 'decision_rows')", (added,))
@@ -712,9 +725,47 @@ class Store:
                          "DO UPDATE SET rows = rows + 1, bytes = bytes + excluded.bytes", (client, added))
             if self.decision_retention is not None:
                 self._prune_decisions(conn, number, now, self.decision_retention)
+                self._expire_unclaimed(conn, number, now, self.decision_retention)
             return full
 
         return self._transaction(write)
+
+    def claim_decisions(self, ids: list[str], client: str) -> int:
+        """Marks the unclaimed decisions among ``ids`` (``d-<n>``; others ignored) that ``client`` asked for as a
+        job's (the hook saw a job holding each); returns how many it marked. The hook (``hook:uid:<uid>``) claims
+        any hook decision: it asks for every user's jobs."""
+        numbers = [int(i[2:]) for i in ids if i.startswith("d-") and i[2:].isascii() and i[2:].isdigit()
+                   and len(i) <= 20]
+        if not numbers:
+            return 0
+
+        def write(db: sqlite_utils.Database) -> int:
+            marks = ",".join("?" * len(numbers))
+            whose = "client LIKE 'hook:%'" if client.startswith("hook:") else "client = ?"
+            return db.conn.execute(f"UPDATE decisions SET unclaimed = 0 WHERE unclaimed = 1 AND {whose} AND id IN "
+                                   f"({marks})", ([] if client.startswith("hook:") else [client]) + numbers).rowcount
+
+        return self._transaction(write)
+
+    @classmethod
+    def _expire_unclaimed(cls, conn: sqlite3.Connection, newest: int, now: float, keep: DecisionRetention) -> int:
+        """Inside a decision's write: deletes unclaimed decisions older than ``keep.unclaimed_max_age`` (one batch
+        at most, never the decision just written); returns the rows deleted."""
+        cutoff = now - keep.unclaimed_max_age.total_seconds()
+        oldest = conn.execute("SELECT created_at_s FROM decisions WHERE unclaimed = 1 ORDER BY id LIMIT 1").fetchone()
+        if oldest is None or oldest[0] >= cutoff:  # the common case: one index probe
+            return 0
+        rows = []
+        for row in conn.execute("SELECT id, length(CAST(request AS BLOB)) + length(CAST(response AS BLOB)), client, "
+                                "created_at_s FROM decisions WHERE unclaimed = 1 AND id < ? ORDER BY id LIMIT ?",
+                                (newest, keep.batch_rows)):
+            if row[3] >= cutoff:
+                break
+            rows.append(row)
+        if rows:
+            conn.execute(f"DELETE FROM decisions WHERE id IN ({','.join('?' * len(rows))})", [r[0] for r in rows])
+            cls._forget(conn, [(who, size) for _, size, who, _ in rows])
+        return len(rows)
 
     @staticmethod
     def _forget(conn: sqlite3.Connection, deleted: list[tuple[str, int]]) -> None:
@@ -814,9 +865,9 @@ class Store:
 
     @staticmethod
     def _decision(row: tuple, full: bool) -> dict:
-        oid, created, source, action, model, reason, version, request, response = row
+        oid, created, source, action, model, reason, version, request, response, unclaimed = row
         out = {"decision_id": f"d-{oid}", "created_at_s": created, "source": source, "action": action,
-               "model": model, "reason": reason, "model_version": version}
+               "model": model, "reason": reason, "model_version": version, "unclaimed": bool(unclaimed)}
         if full:
             out["request"] = json.loads(request)
             out["response"] = json.loads(response)

@@ -66,8 +66,8 @@ def services() -> Services:
 
 
 def client_address() -> str:
-    """Where the request came from: the address the project's front end (predictor/server.py) put in
-    X-Forwarded-For (it drops any the client sent), else the socket's peer."""
+    """Where the request came from: the address nginx (`serve`'s front end, predictor/deploy/nginx.conf.in)
+    put in X-Forwarded-For (it replaces any the client sent), else the socket's peer."""
     return (request.headers.get("X-Forwarded-For") or request.remote_addr or "")[:64]
 
 

@@ -255,6 +255,9 @@ def _is_job(who, job_id: int) -> bool:
     return (who.kind == "job" and who.job_id == job_id) or who.kind == "admin" or authenticator().writes_open
 
 
+CLAIMED_HEADER = "X-Elastic-Claimed"  # the hook's decision ids that jobs hold, space-separated (docs/hook.md)
+
+
 @bp.post("/plan")
 def plan():
     svc = services()
@@ -277,11 +280,17 @@ def plan():
     ttl = svc.config.plan_cache_ttl.total_seconds() if response.get("predicted") is not None and (
         not scoped.user_owned or plan_request.job.get("uid") is not None) else 0
     response["cache_ttl_s"] = round(ttl, 3)
+    owner = decision_owner(plan_request.job.get("uid"))
+    claimed = request.headers.get(CLAIMED_HEADER, "").split()[:planner.MAX_REUSED_IDS]
+    if claimed:  # the hook saw jobs holding these decisions (docs/hook.md: --test-only)
+        svc.store.claim_decisions(claimed, owner)
     if plan_request.test_only:  # `sbatch --test-only` (#42.6): no job follows; no decision id, nothing kept or reused
         response.pop("bands", None)
         response.update(cache_ttl_s=0, test_only=True)
         return Response(encode(response) + "\n", mimetype="application/json")
+    # job_submit cannot tell `sbatch --test-only` from a job (#42.6, Slurm 22.05: the same job_desc): its decision
+    # is unclaimed until the hook sees a job holding it, and expires unclaimed (DecisionRetention.unclaimed_max_age)
     text = svc.store.add_decision_text(encode(plan_request.record()), response, plan_request.source,
-                                       models.version, decision_owner(plan_request.job.get("uid")))
+                                       models.version, owner, unclaimed=plan_request.source == "job_submit")
     metrics.note_plan(action=response["action"])
     return Response(text + "\n", mimetype="application/json")    # stored and sent: the same bytes as jsonify

@@ -4,6 +4,7 @@ local M = {}
 local socket, cjson = require("socket"), require("cjson.safe")
 local NO_VAL, NO_VAL16 = 4294967294, 65534   -- Slurm's "unset" (NO_VAL and above: INFINITE)
 local MAX_REPLY_BYTES, MAX_BANDS, MAX_TTL_S = 512 * 1024, 64, 3600   -- a 9 MB reply cost 375-616 ms of Lua (#24.5)
+local CLAIM_EVERY_S = 10   -- the hook reads slurmctld's jobs for claims at most this often (#42.6)
 M.REJECT_CODE = 2072 -- ESLURM_INVALID_GRES; Slurm prints its text after ours, which names it as this rejection
 local SLURM_REJECT_LINE = { job_submit = "Invalid generic resource (gres) specification",
                             cli_filter = "cli_filter plugin terminated with error" }
@@ -90,7 +91,7 @@ end
 -- POST `body` to `url`; each step (connect, send, every receive) gets only what is left of one budget, so a server
 -- that drips a byte at a time cannot stretch it. Returns status, body; or nil, why ("timeout", ...) and, when the
 -- budget ran out waiting for the status line of a request sent and `keep_late`, its late_answer (open, for the caller).
-function M.post_json(url, body, budget_s, keep_late)
+function M.post_json(url, body, budget_s, keep_late, extra_headers)
   local deadline = socket.gettime() + budget_s
   local host, port, path = tostring(url):match("^http://([^/:]+):?(%d*)(/?.*)$")
   if not host then return nil, "bad predictor_url " .. tostring(url) end
@@ -107,7 +108,8 @@ function M.post_json(url, body, budget_s, keep_late)
   local function fail(why) sock:close(); return nil, why end
   port, path = tonumber(port) or 80, path:gsub("/+$", "")
   local request = "POST " .. (path ~= "" and path or "/") .. " HTTP/1.0\r\nHost: " .. host .. ":" .. port
-    .. "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " .. #body .. "\r\n\r\n" .. body
+    .. "\r\nContent-Type: application/json\r\nConnection: close\r\n" .. (extra_headers or "") .. "Content-Length: "
+    .. #body .. "\r\n\r\n" .. body
   local ok, err = step("connect", ip, port)
   if ok then ok, err = step("send", request) end
   local sent, partial = ok
@@ -197,6 +199,51 @@ function M.new_cache(max_entries)
   function c.note_reuse(id)
     if c.reused[id] == nil and c.ids >= math.min(c.max, 4096) then return end
     c.ids, c.reused[id] = c.ids + (c.reused[id] and 0 or 1), (c.reused[id] or 0) + 1
+  end
+  -- #42.6: job_submit cannot tell `sbatch --test-only` (its job_desc is a job's), but slurmctld's jobs (`slurm.jobs`)
+  -- show which of its decisions a job holds (`elastic:decision=<id>` in the comment). A kept decision is reused only
+  -- once a job holds it, and the ids seen held go to the service (`X-Elastic-Claimed`), which expires the others.
+  c.held, c.held_n, c.pending, c.claimed = {}, 0, {}, {}   -- c.last_job: the newest job id read (nil: none yet)
+  function c.asked(id)   -- a decision the service stored unclaimed for this hook
+    if c.pending[id] == nil and #c.pending_ids >= 4096 then c.pending, c.pending_ids = {}, {} end   -- bounded
+    if c.pending[id] == nil then c.pending_ids[#c.pending_ids + 1] = id end
+    c.pending[id] = true
+  end
+  c.pending_ids = {}
+  -- slurmctld's jobs ("<job id>" -> record): reads the comments of jobs newer than the last one read, while a
+  -- decision waits for its job, at most every CLAIM_EVERY_S unless `now_needed` (a kept answer to confirm); the
+  -- first call reads none (the jobs before this hook was loaded hold none of its decisions). A read looks at every
+  -- job id: about 3 ms for 10,000 jobs (lua5.1, tests/unit/test_lua_hook_cache.py)
+  function c.see_jobs(jobs, now, now_needed)
+    local first = c.last_job == nil
+    if type(jobs) ~= "table" or (not first and next(c.pending) == nil) then return end
+    if not first and not now_needed and now < (c.read_at or -math.huge) + CLAIM_EVERY_S then return end
+    c.read_at = now
+    local seen = c.last_job or -1
+    local last = seen
+    for key, job in pairs(jobs) do
+      local id = tonumber(key)   -- Slurm 22.05 keys the table by the job id as a string
+      if id and id > seen and first then
+        if id > last then last = id end
+      elseif id and id > seen then
+        local held = type(job) ~= "nil" and tostring(job.comment or ""):match("elastic:decision=(d%-%d+)")
+        if held then
+          if c.pending[held] then c.pending[held], c.claimed[held] = nil, true end
+          if c.held[held] == nil then
+            if c.held_n >= 4096 then c.held, c.held_n = {}, 0 end   -- bounded: an old decision is asked again
+            c.held[held], c.held_n = true, c.held_n + 1
+          end
+        end
+        if id > last then last = id end
+      end
+    end
+    c.last_job = last
+  end
+  function c.claims()   -- the header naming the decisions seen held since the last answer, or nil
+    local ids = {}
+    for id in pairs(c.claimed) do ids[#ids + 1] = id end
+    table.sort(ids)
+    return #ids > 0 and ("X-Elastic-Claimed: " .. table.concat(ids, " ") .. "\r\n") or nil
   end
   return c
 end
@@ -373,8 +420,13 @@ function M.plan(cfg, breaker, source, lines, job, cache, parts, spent_s, test_on
   if test_only then request.test_only, cache = true, nil end
   for i, entry in ipairs(lines) do request.directives[i] = entry.line end
   if cache then
+    local jobs = source == "job_submit" and type(slurm) == "table" and slurm.jobs or nil
+    cache.see_jobs(jobs, now)
     key, masked, v = M.cache_key(request)
     local hit = cache.get(key, now) or masked and band_decision(cache.get(masked, now), v)
+    -- a decision no job holds (it answered a `--test-only`, or its job was refused) is not reused: asked again
+    if hit and jobs and not cache.held[hit.decision_id] then cache.see_jobs(jobs, now, true) end
+    if hit and source == "job_submit" and not cache.held[hit.decision_id] then hit = nil end
     if hit and not outside(hit) then cache.note_reuse(hit.decision_id); return hit end
   end
   local open, left = breaker.is_open(now)
@@ -383,9 +435,10 @@ function M.plan(cfg, breaker, source, lines, job, cache, parts, spent_s, test_on
   local body, why = cjson.encode(request)
   if not body then return { kind = "skip", why = "cannot encode request: " .. tostring(why) } end
   local budget_s = (tonumber(cfg.budget_ms) or 100) / 1000 - (spent_s or 0)
-  local status, text, late = M.post_json(cfg.predictor_url .. "/v1/plan", body, budget_s, breaker.watch_late)
-  -- reuse counts are delivered by a 200, dropped by a 400 (refused again otherwise), kept after anything else
-  if cache and (status == 200 or status == 400) then cache.reused, cache.ids = {}, 0 end
+  local status, text, late = M.post_json(cfg.predictor_url .. "/v1/plan", body, budget_s, breaker.watch_late,
+                                         cache and cache.claims())
+  -- reuse counts and claims are delivered by a 200, dropped by a 400 (refused again otherwise), kept after anything
+  if cache and (status == 200 or status == 400) then cache.reused, cache.ids, cache.claimed = {}, 0, {} end
   local reply
   if status == 422 then
     local err = cjson.decode(text); err = type(err) == "table" and err or {}
@@ -416,6 +469,7 @@ function M.plan(cfg, breaker, source, lines, job, cache, parts, spent_s, test_on
   breaker.success()
   reply.kind, reply.reason = reply.action, reason_of(reply.reason, reply.action)
   if reply.decision_id ~= nil then reply.decision_id = one_line(reply.decision_id, 64):gsub("%s", "_") end
+  if cache and reply.decision_id ~= nil and source == "job_submit" then cache.asked(reply.decision_id) end
   local bands = masked and type(reply.bands) == "table" and #reply.bands <= MAX_BANDS and reply.bands
   reply.bands = nil
   if cache then   -- kept as it is reused: marked cached, its reason saying so

@@ -47,7 +47,7 @@ def test_healthz_reports_schema_and_model(client):
                               "0005_write_keys", "0006_decision_clients", "0007_profile_owners",
                               "0008_job_claims", "0009_profile_summaries",
                               "0010_write_key_digests", "0011_write_quotas",
-                              "0012_observation_summary", "0013_models_json"]
+                              "0012_observation_summary", "0013_models_json", "0014_unclaimed_decisions"]
 
 
 @pytest.mark.parametrize("path,payload", [("/v1/profiles", PROFILE), ("/v1/observations", [STEP])])

@@ -193,12 +193,24 @@ def test_a_bare_serve_closes_writes_and_names_what_opens_them(runner, tmp_path):
     assert opened.status_code == 201
 
 
-def test_the_buffered_front_end_needs_its_development_flag(runner, tmp_path):
-    """#41.9: `serve` fell back to the buffered front end without a word where nginx was missing; it is refused
-    unless `--allow-dev buffered` names it (nothing is started or created)."""
+@pytest.mark.parametrize("nginx_v, why", [
+    (None, "nginx is not installed"),
+    ("nginx version: nginx/1.22.1\nconfigure arguments: --with-http_ssl_module", "nginx has no stream module"),
+])
+def test_serve_without_nginx_or_its_stream_module_names_the_packages(runner, tmp_path, monkeypatch, nginx_v, why):
+    """#46: nginx is serve's one front end (the buffered fallback, which one client address could take from
+    everyone, is gone): where nginx or its stream module is missing, `serve` stops at once with one line naming
+    the packages, and nothing is created."""
+    from predictor import front_nginx
+
+    fake = tmp_path / "nginx"
+    fake.write_text(f"#!/bin/sh\nprintf '{nginx_v}\\n' >&2\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(front_nginx.shutil, "which", lambda *_a, **_k: None if nginx_v is None else str(fake))
     db = tmp_path / "h.db"
-    result = runner.invoke(main, ["serve", "--server", "buffered", "--db", str(db), "--port", "1"])
-    assert result.exit_code == 2 and "--allow-dev buffered" in result.output and not db.exists()
+    result = runner.invoke(main, ["serve", "--db", str(db), "--port", "1"])
+    assert result.exit_code == 1 and why in result.output, result.output
+    assert "apt-get install -y nginx-light libnginx-mod-stream" in result.output and not db.exists()
 
 
 def test_the_database_is_created_owner_only(tmp_path):

@@ -1,16 +1,18 @@
-"""`elastic-predictor serve --server nginx` (issue #24, items 3, 8 and 17): nginx in front of gunicorn caps
-connections per client address, holds bounded memory while bodies trickle in, and replaces X-Forwarded-For.
+"""`elastic-predictor serve` (issue #24, items 3, 8 and 17; #14.3): nginx in front of gunicorn caps connections
+per client address, holds bounded memory while bodies trickle in, keeps answering while half-sent requests are
+held, refuses an oversized body itself, and replaces X-Forwarded-For.
 
 The served tests start the real thing (nginx + gunicorn, predictor/front_nginx.py) on a free port. Against the
-asyncio front end (`--server buffered`) the first two fail: its one connection cap (1000) is shared by all
-addresses, so a client holding 1000 idle connections gets every other address 503; and it buffers bodies in
-memory, so 120 connections each sending 4 MiB less one byte take its process past 480 MB. Against `--server
-gunicorn` the third fails: gunicorn alone passes on the client's own X-Forwarded-For.
-Like the Chromium test, they fail (never skip) where nginx is missing: .ci/setup installs it.
+asyncio front end this replaced (predictor/server.py, deleted in #46) the first two failed: its one connection cap
+(1000) was shared by all addresses, so a client holding 1000 idle connections got every other address 503; and it
+buffered bodies in memory, so 120 connections each sending 4 MiB less one byte took its process past 480 MB.
+Against gunicorn alone the half-sent requests held both sync workers, and the client's own X-Forwarded-For was
+passed on. Like the Chromium test, they fail (never skip) where nginx is missing: .ci/setup installs it.
 """
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import resource
@@ -51,16 +53,14 @@ def _require_nginx() -> None:
 
 
 @contextmanager
-def _serve(db: str, tmp_path: Path, *args: str, server: str = "nginx", env: dict | None = None):
-    """`serve --server SERVER` on a free loopback port: yields (port, process) once /healthz answers."""
-    if server == "nginx":
-        _require_nginx()
+def _serve(db: str, tmp_path: Path, *args: str, env: dict | None = None):
+    """`serve` on a free loopback port: yields (port, process) once /healthz answers."""
+    _require_nginx()
     port = _free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--server", server, "--host",
-                                 "127.0.0.1", "--port", str(port), "--db", db, "--workers", "2",
-                                 *(("--allow-dev", "buffered") if server == "buffered" else ()), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1",
+                                 "--port", str(port), "--db", db, "--workers", "2", *args],
                                 env=dict(os.environ, ELASTIC_PREDICTOR_TOKEN="tok", **(env or {})), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -116,15 +116,14 @@ def _children() -> dict[int, list[int]]:
 
 
 def _front_pids(serve_pid: int) -> list[int]:
-    """nginx's processes under `serve`, or `serve` itself when the front end is in it (--server buffered)."""
+    """nginx's processes under `serve`."""
     parents = _children()
     tree, todo = [], [serve_pid]
     while todo:
         pid = todo.pop()
         tree.append(pid)
         todo.extend(parents.get(pid, []))
-    nginx = [p for p in tree if _comm(p) == "nginx"]
-    return nginx or [serve_pid]
+    return [p for p in tree if _comm(p) == "nginx"]
 
 
 def _comm(pid: int) -> str:
@@ -218,6 +217,42 @@ def test_bodies_held_one_byte_short_keep_front_memory_bounded(history, tmp_path)
                 sock.close()
 
 
+# --- #14.3: half-sent requests, and what nginx refuses itself ----------------------------------------------------
+@pytest.mark.slow  # nginx + gunicorn
+def test_half_sent_requests_held_leave_plans_answered_until_nginx_drops_them(history, tmp_path):
+    """16 connections each send half a request head and wait (more than the plan pool's workers): gunicorn alone
+    (sync workers, the default before a front end) left /healthz unanswered ~31 s, until it killed its workers.
+    Behind nginx, /healthz and /v1/plan are answered meanwhile, a body over ELASTIC_PREDICTOR_MAX_BODY is 413
+    naming `body` (from nginx: gunicorn never reads it), and after --read-timeout nginx closes each held
+    connection without passing anything on."""
+    held: list[socket.socket] = []
+    with _serve(history, tmp_path, "--read-timeout", "3", env={"ELASTIC_PREDICTOR_MAX_BODY": "4096"}) as (port, _p):
+        try:
+            for _ in range(16):
+                sock = socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT_S)
+                sock.sendall(b"POST /v1/plan HTTP/1.1\r\nHost: x\r\n")
+                held.append(sock)
+            time.sleep(0.5)                  # the held requests reach whatever would read them
+            assert _get(port, "/healthz")[0] == 200
+            status, answer = _get(port, "/v1/plan", method="POST", body=PLAN,
+                                  headers={"Content-Type": "application/json"})
+            assert status == 200 and json.loads(answer)["action"] == "rewrite", answer
+            status, answer = _get(port, "/v1/observations", method="POST", body=b"[" + b" " * 5000 + b"]",
+                                  headers={"Content-Type": "application/json", "Authorization": "Bearer tok"})
+            assert status == 413 and json.loads(answer) == {"error": "request body larger than 4096 bytes",
+                                                            "field": "body"}, answer
+            for sock in held:                # the head timeout: closed, no answer from the application
+                sock.settimeout(20)
+                try:
+                    got = sock.recv(65536)
+                except ConnectionResetError:
+                    got = b""
+                assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:200]
+        finally:
+            for sock in held:
+                sock.close()
+
+
 # --- X-Forwarded-For ----------------------------------------------------------------------------------------
 @pytest.mark.slow  # nginx + gunicorn
 def test_x_forwarded_for_from_the_client_is_replaced_by_its_address(history, tmp_path):
@@ -237,8 +272,6 @@ def test_large_anonymous_plans_are_answered_by_the_side_pool(history, tmp_path):
     of a plan worker each, 25x a hook's plan) held both workers that answer the hook and queued ahead of its plans
     (its p99 110-510 ms on 2 loaded cores). Now an anonymous plan of 10,000 bytes or more is answered by the side
     pool (X-Elastic-Pool: side), a hook-sized one by the plan pool, and both are answered."""
-    import json  # noqa: PLC0415
-
     large = json.dumps({**json.loads(PLAN), "reused": {f"d-{10**17 + k}": 1 for k in range(400)}}).encode()
     assert len(PLAN) < 10_000 <= len(large)
     answers = {}
@@ -282,8 +315,6 @@ def test_credential_checks_never_hold_the_workers_plan_needs(history, tmp_path):
            "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
     answered: list[int] = []
     with _serve(history, tmp_path, env=env) as (port, _proc):
-        import threading  # noqa: PLC0415
-
         posts = [threading.Thread(target=lambda: answered.append(
             _get(port, "/v1/observations", method="POST", body=body, headers=credential, timeout=60)[0]))
             for _ in range(4)]
@@ -310,8 +341,6 @@ def test_fits_run_in_the_side_pool_never_beside_the_hooks_plans(history, tmp_pat
     """#24.11: a write's refit ran in a thread of whichever worker held the fit lock, one of the two that answer the
     hook's /v1/plan, and took the GIL from its plans. Now the plan pool (which answers /healthz too) never fits:
     the side pool does, and the plan pool loads its model."""
-    import json  # noqa: PLC0415
-
     rows = json.dumps([{"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2], "per_gpu_batch": 64,
                         "intra_link": "nvlink", "iter_s": 0.0331}]).encode()
     with _serve(history, tmp_path) as (port, _proc):

@@ -16,16 +16,21 @@ from elastic_launcher.process_group import drain_given_up_builds
 
 
 def _executor(build_done: threading.Event, silent: list[str]) -> EpochExecutor:
-    ex = EpochExecutor.__new__(EpochExecutor)  # only what _build_watched reads
+    ex = EpochExecutor.__new__(EpochExecutor)  # only what _build_watched and _round_watch read
     ex.new_group = lambda plan: build_done.wait(10) and SimpleNamespace(abort=lambda: None)  # a stand-in group
     ex.membership = SimpleNamespace(silent_members=lambda plan: silent, recovery_begun=lambda plan: False,
-                                    heartbeat_interval=timedelta(seconds=0.02), arrival_timeout=timedelta(seconds=60))
+                                    heartbeat_interval=timedelta(seconds=0.02), arrival_timeout=timedelta(seconds=60),
+                                    clock=time.monotonic)
     return ex
+
+
+def _build(ex: EpochExecutor, plan):
+    return ex._build_watched(plan, ex._round_watch(plan, time.monotonic() + 30))
 
 
 def test_a_build_given_up_on_is_waited_for_until_its_thread_ends():
     done = threading.Event()
-    group, why = _executor(done, ["w0"])._build_watched(SimpleNamespace(id=7), time.monotonic() + 30)
+    group, why = _build(_executor(done, ["w0"]), SimpleNamespace(id=7))
     assert group is None and why == "silent: w0"
     assert drain_given_up_builds(timedelta(seconds=0.1)) is False  # still in the (stand-in) backend
     done.set()
@@ -35,6 +40,6 @@ def test_a_build_given_up_on_is_waited_for_until_its_thread_ends():
 def test_a_build_that_finishes_is_not_waited_for():
     done = threading.Event()
     done.set()
-    group, why = _executor(done, [])._build_watched(SimpleNamespace(id=8), time.monotonic() + 30)
+    group, why = _build(_executor(done, []), SimpleNamespace(id=8))
     assert group is not None and why == ""
     assert drain_given_up_builds(timedelta(0)) is True  # nothing given up: nothing to wait for

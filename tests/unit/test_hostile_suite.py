@@ -103,7 +103,7 @@ def test_the_other_items_print_in_the_same_columns():
                "bounds": hostile_round2.bounds(0.5)}]
     round2[0]["failed_on"] = hostile_round2.verdict(round2[0])
     round2[0]["verdict"] = "FAIL" if round2[0]["failed_on"] else "PASS"
-    idle = [{"server": "nginx", "held": 1000, "probes": 40, "answered": 40, "within_100ms": 40,
+    idle = [{"held": 1000, "probes": 40, "answered": 40, "within_100ms": 40,
              "statuses": {"200": 40}, "p99_ms": 8.1}]
     head, _, two, three = hostile_suite.other_items_table(round2, idle).splitlines()
     columns = [c.strip() for c in head.strip("|").split("|")]

@@ -64,7 +64,8 @@ slurm = {
   log_user = function(fmt, ...) table.insert(msgs, {"log_user", string.format(fmt, ...)}) end,
   log_info = function(fmt, ...) table.insert(msgs, {"log_info", string.format(fmt, ...)}) end,
   log_error = function(fmt, ...) table.insert(msgs, {"log_error", string.format(fmt, ...)}) end,
-}
+  jobs = {},   -- slurmctld's jobs as job_submit.lua sees them (keyed by the id as a string): a submission that
+}              -- succeeds and is no `test_only` case (sbatch --test-only: no job follows) becomes one, with its comment
 -- the hook's clock (elastic_common's M.now: breaker, cache) is this one, stepped by a case's `advance` seconds;
 -- M.cache_key's calls are counted (`key_builds` of each case)
 local clock, key_builds = 1000000.0, 0
@@ -87,6 +88,7 @@ for i, case in ipairs(cjson.decode(CASES)) do
   msgs, key_builds = {}, 0
   local t0 = socket.gettime()
   local rc = slurm_job_submit(case.job_desc, case.part_list or cjson.decode(PARTS), case.uid or 1001)
+  if rc == slurm.SUCCESS and not case.test_only then slurm.jobs[tostring(i)] = { comment = case.job_desc.comment } end
   out[i] = { rc = rc, elapsed = socket.gettime() - t0, job_desc = case.job_desc, msgs = msgs, key_builds = key_builds }
 end
 io.write(cjson.encode({ init_rc = init_rc, init_msgs = init_msgs, results = out }))
@@ -133,7 +135,8 @@ class Predictor:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append({"path": self.path, "body": body})
+                outer.requests.append({"path": self.path, "body": body,
+                                       "claimed": self.headers.get("X-Elastic-Claimed")})
                 mode = (body.get("job", {}).get("name") or "mode-rewrite")[len("mode-"):]
                 try:
                     planner.parse_request(body)
@@ -163,6 +166,8 @@ class Predictor:
             send(422, mode.encode())
         elif mode in Predictor.REPLIES:
             send(200, json.dumps(Predictor.REPLIES[mode]).encode())
+        elif mode == "fresh":    # as the service: each answer a decision of its own (an id no earlier job holds)
+            send(200, json.dumps({**REWRITE, "decision_id": f"d-{time.time_ns()}", "cache_ttl_s": 30}).encode())
         elif mode == "keep":
             send(200, json.dumps({"decision_id": "d-43", "action": "keep", "reason": "elastic: unknown model x; kept"}).encode())
         elif mode == "422":

@@ -5,6 +5,9 @@ it): a second submission named `mode-500` that is served from the cache proves t
 """
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
 from predictor import planner
@@ -145,6 +148,21 @@ def test_cache_size_from_the_installer(tmp_path, predictor, entries, asked):
     assert [r["body"]["job"]["time_limit_min"] for r in predictor.requests] == asked
 
 
+def test_with_no_answer_to_confirm_the_jobs_are_read_for_claims_at_most_every_10_s(tmp_path, predictor):
+    # #42.6: claims cost a read of slurmctld's jobs (every job id); with no kept answer to confirm (the cache off
+    # here) it is done at most every 10 s: the 3rd ask, 11 s after the 1st, names d-44, which the jobs hold
+    from datetime import timedelta
+
+    from slurm_plugin.installer import PluginConfig
+    from slurm_plugin.installer import install as install_plugin
+
+    install_plugin(PluginConfig(tmp_path, predictor.url, timedelta(milliseconds=100), cache_entries=0,
+                                max_gpus_per_node=MAX_GPUS_PER_NODE), sleep=lambda _s: None)
+    run_hook(tmp_path, [{"job_desc": job(mode="cached")}, {"job_desc": job(mode="cached"), "advance": 5},
+                        {"job_desc": job(mode="cached"), "advance": 6}])
+    assert [r["claimed"] for r in predictor.requests] == [None, None, "d-44"]
+
+
 def test_reuse_counts_survive_a_422(tmp_path, predictor):
     cases = [{"job_desc": job(mode="cached")}, {"job_desc": job(mode="x")},
              {"job_desc": job(mode="422", time_limit=8)},            # rejected: the service stored nothing
@@ -228,3 +246,36 @@ def test_a_reply_larger_than_the_hook_reads_is_skipped(tmp_path, predictor):
     msg = kinds(results[0], "user_msg")[0]
     assert msg.startswith("elastic: prediction skipped (reply of ") and "more than 524288" in msg
     assert results[0]["job_desc"]["min_nodes"] == 1  # submitted as written
+
+
+def test_a_test_only_answer_is_not_reused_and_the_jobs_decisions_are_claimed(tmp_path, predictor):
+    # #42.6: job_submit cannot tell `sbatch --test-only` (Slurm 22.05: the same job_desc, no job follows). Its kept
+    # answer is reused only once a job holds the decision (slurm.jobs), so the next identical real job asks the
+    # service (a decision of its own, not "(cached)" from the test); the decision ids jobs hold go to the service
+    # as claims with the next ask (X-Elastic-Claimed), so the test's stays unclaimed and expires there.
+    cases = [{"job_desc": job(mode="cached"), "test_only": True},   # d-44, no job follows
+             {"job_desc": job(mode="cached")},                      # asks again: d-44 again from the fake
+             {"job_desc": job(mode="500")},                         # a job holds d-44 now: reused, no request
+             {"job_desc": job(mode="rewrite", directives=("#ELASTIC model=resnet50 gpus=2-16",))}]
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    assert names(predictor) == ["mode-cached", "mode-cached", "mode-rewrite"]
+    assert kinds(results[1], "user_msg") == [CACHED["reason"]]               # asked, not "(cached)"
+    assert kinds(results[2], "user_msg") == [CACHED["reason"] + " (cached)"]
+    assert [r["claimed"] for r in predictor.requests] == [None, None, "d-44"]
+
+
+TEST_ONLY = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "test_only.json").read_text())["cases"]
+JOB_SUBMIT_ALONE = [c for c in TEST_ONLY if c["hooks"] == ["job_submit"]]
+
+
+@pytest.mark.parametrize("case", JOB_SUBMIT_ALONE, ids=[c["name"] for c in JOB_SUBMIT_ALONE])
+def test_test_only_vectors_what_job_submit_sends_and_reuses(tmp_path, predictor, case):
+    # tests/vectors/test_only.json (the service's side of the same vectors: test_plan_cache_ttl.py)
+    cases = [{"job_desc": job(mode="cached", comment=case["comment"]), "test_only": case["test_only"]},
+             {"job_desc": job(mode="cached")}]   # the next identical real job, no mark
+    results = run_hook(install(tmp_path, predictor.url), cases)
+    sent = [(r["body"]["source"], bool(r["body"].get("test_only"))) for r in predictor.requests]
+    expected = [(s["source"], s["test_only"]) for s in case["sends"]]
+    assert sent == expected + ([("job_submit", False)] if case["next_real_job"] == "asks" else []), sent
+    cached = CACHED["reason"] + " (cached)"
+    assert (kinds(results[1], "user_msg") == [cached]) is (case["next_real_job"] == "cached")

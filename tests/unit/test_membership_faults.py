@@ -9,11 +9,17 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from elastic_launcher import store_keys as keys
+from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.epochs import EpochExecutor, ExecutorSettings, PeerFailureRelay
 from elastic_launcher.errors import LeftGroup
 from elastic_launcher.membership import Coordinator, Membership, backoff
 from elastic_launcher.peer_watch import BeatClock
+from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.state import TrainingState
 from tests.unit.test_runtime_units import store  # noqa: F401 - a fixture
 
 
@@ -129,8 +135,9 @@ def test_a_beat_unwritten_for_heartbeat_timeout_ends_the_worker_with_a_reason(st
 class _Host:
     """A worker's membership on a clock the test steps; its recovery runs on a thread."""
 
-    def __init__(self, store, wid: str, now: list, arrival_s: float = 3.0) -> None:
-        self.m = Membership(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False),
+    def __init__(self, store, wid: str, now: list, arrival_s: float = 3.0, factory=None) -> None:
+        self.m = Membership(factory or (lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                                              wait_for_workers=False)),
                             wid, timeout=timedelta(seconds=15), heartbeat_interval=timedelta(seconds=0.01),
                             heartbeat_timeout=timedelta(seconds=5))
         self.m.clock = lambda: now[0]
@@ -213,3 +220,88 @@ def test_a_trainer_whose_heartbeat_gave_up_leaves_at_its_next_commit_with_the_re
         assert list(it) == []  # the loader ends: the training loop stops
     finally:
         et.close()
+
+
+# ---- the recovery's state round has the arrival deadline too ---------------------------------------------------
+class _Stuck:
+    """A user's extra state whose ``state_dict`` hangs once ``hang`` is set (a slow file system), until ``go``."""
+
+    def __init__(self) -> None:
+        self.hang, self.entered, self.go = threading.Event(), threading.Event(), threading.Event()
+
+    def state_dict(self) -> dict:
+        if self.hang.is_set():
+            self.entered.set()
+            self.go.wait(30)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _executor(store, wid: str, now: list, extras: dict):
+    """A worker's executor on the test's clock: a real membership, gloo groups, a one-layer model at step 4."""
+    addr = StoreAddr("127.0.0.1", store.port, "job")
+    host = _Host(store, wid, now, factory=lambda: connect_store(addr, timedelta(seconds=10)))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainingState(model, opt, extras=extras)
+    state.counters.update(step=4, lr_factor=1.0)
+    state.snapshot()  # the last commit point: the recovery rolls back to it
+    kv = connect_store(addr.with_prefix(keys.state_channel(addr.prefix)), timedelta(seconds=10))
+    kv.set(keys.speed(wid), "1.0")
+    settings = ExecutorSettings("gloo", timedelta(seconds=1), timedelta(seconds=10), timedelta(seconds=60), 25.0)
+    ex = EpochExecutor(settings, wid=wid, addr=addr, store=kv, membership=host.m, state=state, module=model,
+                       optimizer=opt, scheduler=None, policy=BatchPolicy(per_gpu_batch=4), device=torch.device("cpu"),
+                       telemetry=None, fault=None, relay=PeerFailureRelay())
+    return host, ex
+
+
+def test_a_state_source_hung_before_posting_the_skeleton_is_fenced_at_the_rounds_deadline(store):
+    # #42: a, b recover from [a, b, gone] (gone never beats) into [a, b]; its group is built, and a, the state
+    # source (rank 0, the newest commit), hangs in its user's extra state before it posts the state skeleton, beating
+    # all along. b gives the skeleton up at the round's arrival deadline (3 s of the observers' clock from the round's
+    # start), recovers from [a, b] without a (never arrived: fenced) and trains alone; a, back, is out. Before, b
+    # waited for the skeleton until rendezvous_timeout (60 s here), so it was still waiting when the clock was past
+    # every deadline.
+    now = [0.0]
+    coord = Coordinator(dist.PrefixStore("job", store))
+    failed = coord.start(["a", "b", "gone"])
+    stuck = _Stuck()
+    (ha, ea), (hb, eb) = _executor(store, "a", now, {"user": stuck}), _executor(store, "b", now, {})
+    results: dict = {}
+
+    def recover(wid, ex):
+        try:
+            results[wid] = ex.recover(failed, None, RuntimeError("gone died"), False, 0, 1, lambda: 4)[0].plan
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results[wid] = e
+
+    stuck.hang.set()  # from now on: a's state snapshot so far is taken (its last commit point)
+    ha.m.start()
+    hb.m.start()
+    threads = {w: threading.Thread(target=recover, args=(w, ex), daemon=True) for w, ex in (("a", ea), ("b", eb))}
+    try:
+        for t in threads.values():
+            t.start()
+        limit = time.monotonic() + 20
+        while coord.record().epoch.kind != "recovery" and time.monotonic() < limit:
+            now[0] += 0.25  # gone is judged dead (late, then silent); a and b beat and arrive
+            time.sleep(0.02)
+        plan = coord.record().epoch
+        assert plan.members == ("a", "b"), plan
+        # the clock stands still while the group of [a, b] is built (no round deadline passes)
+        assert stuck.entered.wait(20), f"a never became the state source: {results}"
+        while threads["b"].is_alive() and time.monotonic() < limit:
+            now[0] += 0.25  # a beats on, but its skeleton never comes
+            time.sleep(0.02)
+        assert not threads["b"].is_alive(), "b still waits for the hung source's state skeleton"
+        assert results["b"].members == ("b",) and coord.record().epoch.members == ("b",), results
+        assert eb.state.counters["step"] == 4  # rolled back to its own last commit, the only one left
+    finally:
+        stuck.go.set()
+        for t in threads.values():
+            t.join(30)
+        ha.m.stop()
+        hb.m.stop()
+    assert isinstance(results["a"], LeftGroup) and "recovered without it" in str(results["a"]), results["a"]

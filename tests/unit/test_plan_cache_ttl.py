@@ -1,6 +1,8 @@
 """/v1/plan's side of the hook's decision cache: `cache_ttl_s` in the reply, `reused` in the request."""
 from __future__ import annotations
 
+import json
+import pathlib
 from datetime import timedelta
 
 import pytest
@@ -94,3 +96,49 @@ def test_a_malformed_test_only_request_is_a_400_naming_the_field(service, body, 
     reply = service.post("/v1/plan", json={**PLAN, **body})
     assert reply.status_code == 400 and reply.get_json()["field"] == field, reply.get_json()
     assert service.get("/v1/decisions").get_json()["decisions"] == []
+
+
+def test_job_submits_decisions_are_unclaimed_until_the_hook_sees_a_job_holding_them(service):
+    # #42.6: with job_submit alone a `--test-only` cannot be told from a job (Slurm 22.05), so its decision is stored
+    # unclaimed; the hook names the ones jobs hold (X-Elastic-Claimed) and only those become a job's
+    tried = service.post("/v1/plan", json=PLAN).get_json()["decision_id"]
+    real = service.post("/v1/plan", json=PLAN).get_json()["decision_id"]
+    launcher = service.post("/v1/plan", json={**PLAN, "source": "cli_filter"}).get_json()["decision_id"]
+    service.post("/v1/plan", json=PLAN, headers={"X-Elastic-Claimed": f"{real} d-999 x-1"})
+    listed = {d["decision_id"]: d["unclaimed"] for d in service.get("/v1/decisions").get_json()["decisions"]}
+    assert listed[tried] is True and listed[real] is False and listed[launcher] is False
+    assert service.get(f"/v1/decisions/{tried}").get_json()["unclaimed"] is True
+
+
+def test_an_unclaimed_decision_expires_and_a_claimed_one_stays(tmp_path):
+    from predictor.store import DecisionRetention, Store
+    store = Store(str(tmp_path / "h.db"), decision_retention=DecisionRetention(unclaimed_max_age=timedelta(hours=1)))
+    store.migrate()
+    try:
+        reply = {"action": "keep", "reason": "elastic: kept"}
+        old = [store.add_decision({}, reply, "job_submit", None, "hook:uid:1", unclaimed=True)["decision_id"]
+               for _ in range(3)]
+        store.claim_decisions([old[1]], "hook:uid:2")  # the hook claims for every user's jobs
+        store.db.execute("UPDATE decisions SET created_at_s = created_at_s - 7200")  # two hours ago
+        store.db.conn.commit()
+        new = store.add_decision({}, reply, "job_submit", None, "hook:uid:1", unclaimed=True)["decision_id"]
+        kept = [d["decision_id"] for d in store.list_decisions()]
+        assert kept == [new, old[1]], kept
+    finally:
+        store.close()
+
+
+TEST_ONLY = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "test_only.json").read_text())["cases"]
+SENDS = [(c["name"], s) for c in TEST_ONLY for s in c["sends"]]
+
+
+@pytest.mark.parametrize("send", [s for _, s in SENDS], ids=[f"{n}: {s['source']}" for n, s in SENDS])
+def test_test_only_vectors_what_the_service_keeps(service, send):
+    # tests/vectors/test_only.json (the hooks' side of the same vectors: test_lua_hook_cache.py, the lab)
+    body = {**PLAN, "source": send["source"], **({"test_only": True} if send["test_only"] else {})}
+    reply = service.post("/v1/plan", json=body).get_json()
+    listed = {d["decision_id"]: d["unclaimed"] for d in service.get("/v1/decisions").get_json()["decisions"]}
+    if send["stored"] == "nothing":
+        assert "decision_id" not in reply and listed == {} and reply["cache_ttl_s"] == 0
+    else:
+        assert listed == {reply["decision_id"]: send["stored"] == "unclaimed"}
