@@ -53,6 +53,12 @@ def _logs(work: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((work / "run").glob("worker-*.log")))
 
 
+def _resumed(logs: str) -> list[tuple[int, int]]:
+    """`(step, world)` of each restart, in the order they happened: the logs are concatenated by file (rank 0's node
+    changes with the restarts), and each restart resumes from a later checkpoint than the one before."""
+    return sorted((int(s), int(w)) for s, w in re.findall(r"^resumed from step (\d+) on (\d+) ranks$", logs, re.M))
+
+
 def _resize(work: Path, job: int, nodes: int, wait_until, done: int) -> dict:
     out = subprocess.run([sys.executable, "-m", "elastic_launcher.cli", "ctl", str(job), "--nodes", str(nodes),
                           "--registry", str(work / "reg")], capture_output=True, text=True, timeout=60)
@@ -62,6 +68,16 @@ def _resize(work: Path, job: int, nodes: int, wait_until, done: int) -> dict:
     moved = _transitions(work)[done]
     assert moved["to_nodes"] == nodes and moved["world"] == nodes, (moved, _logs(work)[-3000:])
     return moved
+
+
+def _moved(work: Path, wait_until, count: int, seconds: float, what: str) -> None:
+    """Waits until `count` resizes ended (or one failed); failing, shows the job's records since its start."""
+    try:
+        wait_until(lambda: len(_transitions(work)) >= count or any(r["kind"] == "resize_failed"
+                                                                    for r in _records(work)), seconds, what)
+    except pytest.fail.Exception:
+        pytest.fail(f"timed out after {seconds:g} s waiting for {what}; the job's records:\n" +
+                    "\n".join(json.dumps(r)[:400] for r in _records(work) if r["kind"] != "start"))
 
 
 def _started(work: Path, wait_until, at_least: int = 20) -> None:
@@ -81,7 +97,7 @@ def test_an_unchanged_torchrun_script_grows_1_2_4_and_shrinks_by_restarting(slur
     # every resize: SIGUSR1's checkpoint, then a restart from a checkpoint no older than it: nothing trained before
     # the signal's checkpoint is trained again
     signalled = [int(s) for s in re.findall(r"^checkpoint at step (\d+) \(SIGUSR1\)$", logs, re.M)]
-    resumed = [(int(s), int(w)) for s, w in re.findall(r"^resumed from step (\d+) on (\d+) ranks$", logs, re.M)]
+    resumed = _resumed(logs)
     assert len(signalled) >= 3 and [w for _, w in resumed] == [2, 4, 2], (signalled, resumed)
     for (step, _), before in zip(resumed, sorted(signalled)):
         assert step >= before and (work / "ck" / f"step-{step:08d}" / ".metadata").is_file(), (step, before)
@@ -105,7 +121,7 @@ def test_a_script_that_ignores_sigusr1_resumes_from_its_last_checkpoint(slurm, s
     assert moved["checkpointed"] is False and moved["cost_s"] >= 8, moved   # the whole grace period, then the change
     logs = _logs(work)
     assert "(SIGUSR1)" not in logs
-    (step, world), = [(int(s), int(w)) for s, w in re.findall(r"^resumed from step (\d+) on (\d+) ranks$", logs, re.M)]
+    (step, world), = _resumed(logs)
     assert world == 2 and step >= 200 and (work / "ck" / f"step-{step:08d}" / ".metadata").is_file()
 
 
@@ -153,20 +169,20 @@ def test_the_planner_grows_the_job_1_2_4_as_nodes_free_and_a_waiting_job_gets_th
     wait_until(lambda: slurm.job(held).state == "RUNNING", 60, "the blocker to run")
     job = submit(_job(work, 100000, autoscale=True, predictor=service.url, directives=PLANNED,
                       env={"ELASTIC_MUNGE_SOCKET": str(testbed.config.munge_socket)}), ["--chdir", str(work)])
-    wait_until(lambda: len(_transitions(work)) >= 1 or any(r["kind"] == "resize_failed" for r in _records(work)),
-               240, "the first planned grow")
+    _moved(work, wait_until, 1, 240, "the first planned grow")
     slurm.cancel(held)
-    wait_until(lambda: len(_transitions(work)) >= 2 or any(r["kind"] == "resize_failed" for r in _records(work)),
-               240, "the grow to 4 nodes")
+    _moved(work, wait_until, 2, 240, "the grow to 4 nodes")
     other = work / "other.sbatch"
-    other.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --time=00:02:00\n#SBATCH --output=/dev/null\nsleep 5\n")
+    # a whole node (the lab's nodes are shared by CPU): it waits until the restart job hands one back
+    other.write_text("#!/bin/bash\n#SBATCH --nodes=1 --exclusive\n#SBATCH --time=00:02:00\n#SBATCH --output=/dev/null\n"
+                     "sleep 5\n")
     waiting = submit(other, ["--chdir", str(work)])
-    wait_until(lambda: len(_transitions(work)) >= 3 or any(r["kind"] == "resize_failed" for r in _records(work)),
-               180, "the hand-back")
+    _moved(work, wait_until, 3, 180, "the hand-back")
     wait_until(lambda: slurm.job(waiting).state in ("RUNNING", "COMPLETING", "COMPLETED"), 60, "the waiting job to run")
+    moves = _transitions(work)[:3]
+    _started(work, wait_until, at_least=moves[2]["step"] + 5)   # the loss at 2 nodes again
     slurm.cancel(job)
     records = _records(work)
-    moves = _transitions(work)[:3]
     assert [(m["action"], m["from_nodes"], m["to_nodes"], m["world"]) for m in moves] == [
         ("plan", 1, 2, 2), ("plan", 2, 4, 4), ("yield", 4, 2, 2)], (moves, _logs(work)[-3000:])
     assert all(m["checkpointed"] and m["cost_s"] > 0 and m["posted"] for m in moves), moves
@@ -187,7 +203,7 @@ def test_the_planner_grows_the_job_1_2_4_as_nodes_free_and_a_waiting_job_gets_th
     # no step trained before a resize's checkpoint is trained again; the loss goes on across every restart
     logs = _logs(work)
     signalled = sorted(int(s) for s in re.findall(r"^checkpoint at step (\d+) \(SIGUSR1\)$", logs, re.M))
-    resumed = [(int(s), int(w)) for s, w in re.findall(r"^resumed from step (\d+) on (\d+) ranks$", logs, re.M)]
+    resumed = _resumed(logs)
     assert [w for _, w in resumed[:3]] == [2, 4, 2], resumed
     for (step, _), before in zip(resumed[:3], signalled):
         assert step >= before and (work / "ck" / f"step-{step:08d}" / ".metadata").is_file(), (step, before)
