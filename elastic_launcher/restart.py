@@ -9,6 +9,7 @@ steps (`workers.WorkerPool`: one srun step per node, here one torchrun agent eac
 What resizes a restart job: an operator (`ctl --nodes N`), a job of the partition pending for nodes it holds beyond
 its minimum (given back, as in-process jobs do), and /v1/plan, asked with the measured throughput, the measured
 restart cost and the time left (the planner grows it only when the restart pays back: predictor/restart_price.py).
+Each restart's measured cost also goes to the service as a `restart` record, what it prices other jobs' restarts with.
 Shrinks release helper jobs (the nodes grows added), never the main job's own nodes.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from elastic_launcher.autoscale import yield_to_pending
 from elastic_launcher.control import ControlInbox, beat, serve_store
 from elastic_launcher.helper_agent import read_key
 from elastic_launcher.launch_config import LaunchConfig
+from elastic_launcher.observations import postable
 from elastic_launcher.release import Releaser
 from elastic_launcher.reporting import PredictorClient, RecordLog
 from elastic_launcher.resize import Fleet, NodeSlot, helper_script
@@ -230,9 +232,10 @@ class RestartLauncher:
             elif action is RestartAction.RECORD:
                 self.cost_s = op.cost_s
                 before = self.steps.before
-                self.records.write("transition", action=op.action, mode="restart", from_nodes=op.from_nodes,
-                                   to_nodes=len(self.fleet.nodes), world=op.world, cost_s=op.cost_s,
-                                   checkpoint_s=round(op.changed - op.signalled, 3), checkpointed=op.checkpointed,
+                cost = {"from_nodes": op.from_nodes, "to_nodes": len(self.fleet.nodes), "world": op.world,
+                        "cost_s": op.cost_s, "checkpoint_s": round(op.changed - op.signalled, 3),
+                        "checkpointed": op.checkpointed}
+                self.records.write("transition", action=op.action, mode="restart", **cost, posted=self._post(cost),
                                    step=self.steps.seen[0][1], reason=op.reason, helper=op.helper,
                                    # steps trained at the old size after the checkpoint the restart resumed from
                                    steps_redone=None if before is None else before[0] - (self.steps.seen[0][1] - 1))
@@ -241,6 +244,16 @@ class RestartLauncher:
                 if op.grow and op.helper in self.fleet.helpers:
                     self.releaser.end_helper(op.helper, f"grow failed: {op.error}", grace_s=5.0)
         self.op = None if op.done else op
+
+    def _post(self, cost: dict) -> bool:
+        """The restart's measured cost to the service, a `restart` record (the planner prices other jobs' restarts
+        with it, predictor/restart_price.py); whether it was stored."""
+        model = self.config.directives.model
+        kept, refused = postable([{"kind": "restart", **cost, "job_id": int(self.job_id), "timestamp_s": time.time(),
+                                   **({"profile": model} if model else {})}])
+        if refused:
+            log.warning("job %s: restart record not posted: %s", self.job_id, refused[0])
+        return bool(kept) and self.predictor.observe(kept)
 
     def _change(self, op: RestartOp) -> RestartOp:
         cfg = self.config

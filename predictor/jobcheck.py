@@ -15,6 +15,8 @@ A munge credential binds a request to one job and its owner; this binds each rec
     links      a record's links (`link`, `intra_link`, `inter_link`) are ones the job could have crossed: its
                partition's intra- and inter-node links in the cluster model, or a transport any host falls back
                to (`shm`, `socket`, `loopback`); a job without GPUs only the latter (#24.11).
+    restart    a restart record's sizes are not checked: a grown restart job's nodes are its helper jobs' too
+               (elastic_launcher/restart.py), which this job's Slurm facts do not hold; its time is.
     timestamp_s  within the job's run window: from its start to its end (now while it runs), `SLACK` either side
                (clock skew between hosts, a window measured just before the end).
     iter_s     the job's step rows, each at least one step of `iter_s` (a ddp_overhead row: one plain and one DDP
@@ -184,6 +186,6 @@ def check_records(records: Sequence[dict], job, cluster: Cluster, now: float, fi
         _check_links(record, where, job, allowed)
         if record["kind"] == "step":
             _check_layout(record["layout"], where, job, cluster)
-        else:
+        elif record["kind"] != "restart":   # a restart's sizes count the helper jobs' nodes too: not this job's
             _check_collective(record, where, job)   # a ddp_overhead row: its world
         _check_time(record, where, job, now, slack)

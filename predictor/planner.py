@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from predictor.cluster import Cluster, Partition
 from predictor.config import MAX_CANDIDATES
@@ -262,13 +262,16 @@ def _pick_partitions(cluster: Cluster, job: dict, gpu_type: str | None) -> list[
 
 
 def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency: float = 0.5,
-         max_candidates: int = MAX_CANDIDATES, db_path: str = "DB") -> dict:
+         max_candidates: int = MAX_CANDIDATES, db_path: str = "DB",
+         restart_history: Callable[[], Sequence[dict]] = tuple) -> dict:
     """Decide keep or rewrite (the response body without `decision_id`).
 
     Args:
         models: a ModelCache-like object: `predictor()`, `profile(name)`, `known(name, gpu)`, `predict(...)`,
             `version`.
         db_path: the service's database, named in the hint for registering an unknown model.
+        restart_history: the cluster's `restart` records (oldest first), read only for a restart job's plan: its
+            restart is priced with them until it measured its own (predictor/restart_price.py).
     """
     d = request.directives
     if d is None:
@@ -306,7 +309,7 @@ def plan(request: PlanRequest, cluster: Cluster, models, default_min_efficiency:
     if len(parts) == 1:
         out = _plan_on(parts[0], request, models, profile, default_min_efficiency, max_candidates, bands=True)
         restart = request.source == "launcher" and d.get("mode") == "restart" and request.current is not None
-        return priced(out, request.current) if restart else out
+        return priced(out, request.current, model, restart_history()) if restart else out
     known = [p for p in parts if models.known(model, p.gpu)]
     if not known:
         return _keep(f"no step history for {model} on {', '.join(sorted({p.gpu for p in parts}))}: predictions "

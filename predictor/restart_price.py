@@ -2,9 +2,18 @@
 
 A job under `#ELASTIC mode=restart` runs its unchanged script under torchrun's elastic agent: a resize stops every
 worker, and they start again at the new size from the script's last checkpoint. The launcher measures that cost per
-job (its signal to the first step at the new size, `restart_cost_s`) and sends it, with the time the job has left
+resize (its signal to the first step at the new size), posts it to the service as a `restart` observation
+(slurm_plugin/contracts/records.py) and sends its last one (`restart_cost_s`), with the time the job has left
 (`remaining_s`), in `current` of every /v1/plan request; the service keeps both with the decision. The planner
-prices the plans of jobs whose directives say `mode=restart`. The resize pays when
+prices the plans of jobs whose directives say `mode=restart`, with the cost of (first found):
+
+    the job's own last restart          `current.restart_cost_s`
+    what this cluster measured          the median over the newest MAX_JOBS jobs of each job's median cost, of
+                                        restarts the same way (grow or shrink), of the job's model when any
+                                        job of it measured one, else of every model (`measured_cost`)
+    DEFAULT_RESTART_COST_S              none measured yet
+
+The resize pays when
 
     gained = (new_rate - current_rate) * max(0, remaining_s - restart_cost_s)    samples won at the new size
     lost   = current_rate * restart_cost_s                                        samples not trained meanwhile
@@ -16,8 +25,12 @@ not samples, and stands as planned.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from typing import Optional, Sequence
 
-DEFAULT_RESTART_COST_S = 15.0   # before a job measured its own: the 10-18 s checkpoint-restarts measured here (#43)
+DEFAULT_RESTART_COST_S = 15.0   # before any job measured one: the 10-18 s checkpoint-restarts measured here (#43)
+MAX_JOBS = 20                   # the newest jobs whose restarts price a job that measured none
+HISTORY_ROWS = 400              # the newest restart records the service reads for one restart job's plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +69,28 @@ def price_restart(current_rate: float, new_rate: float, cost_s: float, remaining
     return RestartPrice(pays, gained, lost, note)
 
 
-def priced(out: dict, current: dict) -> dict:
-    """A launcher's plan answer `out` for a restart job (`#ELASTIC mode=restart`; `current.restart_cost_s` is its
-    measured cost, DEFAULT_RESTART_COST_S until it measured one): a resize that raises throughput but does not pay
-    back becomes `keep`; one that pays says so in its reason. Other answers unchanged."""
+def measured_cost(rows: Sequence[dict], profile: Optional[str], grow: bool) -> Optional[tuple[float, str]]:
+    """The restart cost this cluster measured (module docstring) from its `restart` records `rows` (oldest first),
+    and a note of what it is; None when no row is of a restart `grow`'s way. One job counts once however many
+    restarts it posted (the median of its own), so no job outweighs the others."""
+    same_way = [r for r in rows if (r["to_nodes"] > r["from_nodes"]) == grow]
+    mine = [r for r in same_way if profile is not None and r.get("profile") == profile]
+    by_job: dict = {}
+    for index, row in enumerate(mine or same_way):
+        by_job.setdefault(row.get("job_id", f"row {index}"), []).append(row["cost_s"])
+    jobs = list(by_job.values())[-MAX_JOBS:]
+    if not jobs:
+        return None
+    cost = statistics.median(statistics.median(costs) for costs in jobs)
+    what = f"{'grows' if grow else 'shrinks'}{f' of {profile}' if mine else ''}"
+    return cost, f"this cluster's median of {len(jobs)} job(s)' measured {what}"
+
+
+def priced(out: dict, current: dict, profile: Optional[str] = None, history: Sequence[dict] = ()) -> dict:
+    """A launcher's plan answer `out` for a restart job (`#ELASTIC mode=restart`) of model `profile`, priced with
+    the cost the module docstring says (`history`: the cluster's `restart` records, oldest first): a resize that
+    raises throughput but does not pay back becomes `keep`; one that pays says so in its reason, and either names
+    the cost's source. Other answers unchanged."""
     predicted = (out.get("predicted") or {}).get("samples_per_s")
     rate = current.get("samples_per_s")
     layout = current.get("layout") or []
@@ -69,10 +100,15 @@ def priced(out: dict, current: dict) -> dict:
         return out
     if current.get("remaining_s") is None:
         return {**out, "reason": out["reason"] + "; restart not priced: the job's remaining time is unknown"}
-    price = price_restart(rate, predicted, current.get("restart_cost_s", DEFAULT_RESTART_COST_S),
-                          current["remaining_s"])
+    if "restart_cost_s" in current:
+        cost, source = current["restart_cost_s"], "this job's last restart"
+    else:
+        cost, source = measured_cost(history, profile, sum(out["layout"] or ()) > sum(layout)) or \
+            (DEFAULT_RESTART_COST_S, "the default: none measured yet")
+    price = price_restart(rate, predicted, cost, current["remaining_s"])
+    note = f"{price.note} ({source})"
     if price.pays:
-        return {**out, "reason": out["reason"] + "; " + price.note}
+        return {**out, "reason": out["reason"] + "; " + note}
     return {**out, "action": "keep", "nodes": None, "gpus_per_node": None, "tasks_per_node": None, "switches": None,
-            "layout": None, "reason": f"elastic: stays on {len(layout)} node(s): {price.note} "
+            "layout": None, "reason": f"elastic: stays on {len(layout)} node(s): {note} "
                       f"(planned: {out['reason'].removeprefix('elastic: ')})"}

@@ -2,7 +2,7 @@
 
 Tables (explicit schema, created by named migrations recorded in `migrations`):
     profiles      name -> JSON body of a tensor profile
-    observations  collective and step records (JSON body plus indexed kind/profile/gpu/link)
+    observations  collective, step, ddp_overhead and restart records (JSON body plus indexed kind/profile/gpu/link)
     decisions     the /v1/plan answers with their validated requests (id `d-<n>`), pruned on write to the
                   newest rows, age and bytes a `DecisionRetention` allows (meta `decision_bytes` counts them)
     link_fits     per-link statistics of the last fitted communication model
@@ -36,6 +36,7 @@ import sqlite_utils
 
 from predictor import lockholder
 from predictor.errors import NotFoundError
+from slurm_plugin.contracts.records import FITTED
 
 
 def _m0001_initial(db: sqlite_utils.Database) -> None:
@@ -600,6 +601,7 @@ class Store:
         rows = [(r["kind"], r.get("profile"), r.get("gpu"), r.get("link"), json.dumps(r, allow_nan=False), now)
                 for r in records]
         new_s = sum(claimed_seconds(r) for r in records)
+        fitted = any(r["kind"] in FITTED for r in records)
         new_bytes = sum(len(row[4].encode()) for row in rows)
         summary: dict[tuple, int] = {}
         for r in records:
@@ -647,7 +649,8 @@ class Store:
             db.conn.executemany("INSERT INTO observation_summary (kind, profile, gpu, link, layout, rows) VALUES "
                                 "(?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET rows = rows + excluded.rows",
                                 [(*k, n) for k, n in summary.items()])
-            self._bump(db)
+            if fitted:   # a write of restart costs alone changes no model: no refit for it
+                self._bump(db)
             generation = self.generation(db)
             if key is not None and ids:
                 db.execute("INSERT INTO write_keys (caller, key, first_id, last_id, generation, created_at_s, digest) "
@@ -656,10 +659,13 @@ class Store:
 
         return self._transaction(write)
 
-    def observations(self, kind: str | None = None, limit: int | None = None) -> list[dict]:
-        """Stored records (oldest first), optionally of one kind, each with its `id`."""
-        sql, params = _select("SELECT id, body FROM observations", ("kind = ?", kind), "id", limit)
-        return [dict(json.loads(body), id=oid) for oid, body in self.db.execute(sql, params)]
+    def observations(self, kind: str | None = None, limit: int | None = None, newest: bool = False) -> list[dict]:
+        """Stored records (oldest first), optionally of one kind, each with its `id`; `newest`: the newest `limit`
+        of them (still oldest first)."""
+        sql, params = _select("SELECT id, body FROM observations", ("kind = ?", kind), "id DESC" if newest else "id",
+                              limit)
+        rows = [dict(json.loads(body), id=oid) for oid, body in self.db.execute(sql, params)]
+        return rows[::-1] if newest else rows
 
     def step_pairs(self) -> set[tuple[str, str]]:
         """The (profile, GPU type) pairs that have step records."""

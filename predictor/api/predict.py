@@ -20,6 +20,7 @@ from predictor.api import authenticator, decision_owner, identified, json_body, 
 from predictor.api.profiles import own_name, readable_by
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
+from predictor.restart_price import HISTORY_ROWS
 from slurm_plugin.contracts.records import LINK_RE, NAME_RE, validate_layout
 from predictor.service import DEFAULT_VERSION_WAIT, MAX_VERSION_WAIT, ModelView
 from predictor.store import encode
@@ -269,7 +270,8 @@ def plan():
     models = svc.models.view(*version_wait(None))
     scoped = _OwnedProfiles(svc, models, plan_request.job.get("uid"))
     response = planner.plan(plan_request, svc.cluster, scoped, svc.config.default_min_efficiency,
-                            svc.config.max_plan_candidates, svc.config.db_path)
+                            svc.config.max_plan_candidates, svc.config.db_path,
+                            lambda: svc.store.observations(kind="restart", limit=HISTORY_ROWS, newest=True))
     response.setdefault("model_version", models.version)     # keeps name the model in use too
     response["model_generation"] = models.generation
     # The hook may reuse a decision made from a prediction for identical requests; a keep for lack of a

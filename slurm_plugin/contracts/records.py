@@ -2,7 +2,7 @@
 of the runtime and the service (issue #26.1). The service validates every post with it; the launcher drops what it
 would refuse before posting (`elastic_launcher.observations.postable`).
 
-Three kinds of record:
+Four kinds of record:
     collective:   {"kind": "collective", "op": "allreduce", "link": "nvlink", "world": 4,
                    "bytes": 67108864, "seconds": 0.00037, "gpu": "H200"}
     step:         {"kind": "step", "profile": "resnet50", "gpu": "H200", "layout": [2, 2],
@@ -16,6 +16,11 @@ Three kinds of record:
                   `extra_s`, DDP's extra seconds a step (between -plain_s and ddp_s: a paired median of the two
                   is not their difference); `buckets`/`tensors`: DDP's buckets and gradient tensors of the probe,
                   `bytes` (optional) their gradient bytes
+    restart:      {"kind": "restart", "from_nodes": 1, "to_nodes": 2, "cost_s": 21.4, "checkpointed": true}
+                  one restart resize of a `mode=restart` job (#43, elastic_launcher/restart.py): its signal to the
+                  first step at the new size (`cost_s`); optional `profile` (`#ELASTIC model=`), `world` (workers
+                  after), `checkpoint_s` (signal to the script's checkpoint, at most `cost_s`). Never fit: the
+                  planner prices restart resizes with them (predictor/restart_price.py)
 
 Every value is checked for type, finiteness and a plausible range, and unknown fields are rejected;
 errors name the field as a JSON path, e.g. `observations[2].seconds`. A batch is validated whole
@@ -49,6 +54,8 @@ _STEP = {"required": {"kind", "profile", "gpu", "layout", "per_gpu_batch", "iter
          | _COMMON_OPTIONAL}
 _DDP_OVERHEAD = {"required": {"kind", "gpu", "world", "buckets", "tensors", "extra_s", "plain_s", "ddp_s", "probe"},
                  "optional": {"bytes", "job_id", "source", "timestamp_s"}}
+_RESTART = {"required": {"kind", "from_nodes", "to_nodes", "cost_s", "checkpointed"},
+             "optional": {"profile", "world", "checkpoint_s", "job_id", "source", "timestamp_s"}}
 MAX_TENSORS = 1 << 20                                     # gradient tensors of one model (a probe has ~400)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "fp8", "int8", "mixed")
 
@@ -266,7 +273,38 @@ def validate_ddp_overhead(record: Any, where: str) -> dict:
     return out
 
 
-KINDS = {"collective": validate_collective, "step": validate_step, "ddp_overhead": validate_ddp_overhead}
+def validate_restart(record: Any, where: str) -> dict:
+    """Check one restart record (a restart resize's measured cost) and return its normalised copy.
+
+    Raises:
+        ValidationError: naming `where.<field>`.
+    """
+    _fields(record, _RESTART, where)
+    out = {"kind": "restart", "from_nodes": _int(record, "from_nodes", where, 1, MAX_NODES),
+           "to_nodes": _int(record, "to_nodes", where, 1, MAX_NODES), "cost_s": _seconds(record, "cost_s", where)}
+    if out["to_nodes"] == out["from_nodes"]:
+        raise ValidationError(f"{where}.to_nodes", f"a resize changes the node count: from_nodes is "
+                                                   f"{out['from_nodes']} too")
+    if not isinstance(record["checkpointed"], bool):
+        raise ValidationError(f"{where}.checkpointed", f"expected true or false, got {record['checkpointed']!r}")
+    out["checkpointed"] = record["checkpointed"]
+    if "profile" in record:
+        out["profile"] = _str(record, "profile", where, NAME_RE)
+    if "world" in record:
+        out["world"] = _int(record, "world", where, 1, MAX_WORLD)
+    if "checkpoint_s" in record:      # the signal to the checkpoint: part of the cost
+        value = record["checkpoint_s"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= out["cost_s"]:
+            raise ValidationError(f"{where}.checkpoint_s", f"expected seconds in [0, cost_s={out['cost_s']:g}], "
+                                                           f"got {value!r}")
+        out["checkpoint_s"] = float(value)
+    _optional(record, out, where)
+    return out
+
+
+KINDS = {"collective": validate_collective, "step": validate_step, "ddp_overhead": validate_ddp_overhead,
+         "restart": validate_restart}
+FITTED = ("collective", "step", "ddp_overhead")           # the kinds the step model is fitted on (predictor.engine)
 
 
 def validate_record(record: Any, where: str) -> dict:

@@ -9,8 +9,9 @@ import pytest
 from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
 from elastic_launcher.reporting import RecordLog
 from elastic_launcher.restart import StepWatch, RestartLauncher
-from elastic_launcher.restart_ops import RestartState
+from elastic_launcher.restart_ops import RestartOp, RestartState
 from slurm_plugin.client import Node
+from slurm_plugin.contracts.records import validate_record
 
 LINES = ("#ELASTIC model=resnet50 gpus=1-4 per_gpu_batch=16 mode=restart",)
 
@@ -101,3 +102,20 @@ def test_a_job_waiting_for_nodes_gets_the_helper_nodes_back(tmp_path):
     run._autoscale()
     assert not run.op.grow and run.op.target == 2 and run.op.action == "yield" and "pending job 50" in run.op.reason
     assert {node for node, _ in signalled} == {"node1", "node2", "node3"} and run.predictor.bodies == []
+
+
+def test_a_finished_restart_posts_its_measured_cost_to_the_service(tmp_path):
+    run, _ = launcher(tmp_path, None)
+    posted = []
+    run.predictor.observe = lambda records: posted.extend(records) or True
+    run.fleet.nodes["node2"] = SimpleNamespace()
+    run.op = RestartOp(grow=True, target=2, world=2, from_nodes=1, action="plan", reason="test", signalled=101.0,
+                       state=RestartState.CHANGING, changed=103.0, checkpointed=True)
+    run.steps._saw((12, 2))   # the first step at the new size, 4.5 s after the signal
+    run._advance()
+    (record,) = posted
+    assert validate_record(record, "r") == {"kind": "restart", "from_nodes": 1, "to_nodes": 2, "world": 2,
+                                            "cost_s": 4.5, "checkpoint_s": 2.0, "checkpointed": True, "job_id": 42,
+                                            "timestamp_s": record["timestamp_s"], "profile": "resnet50"}
+    (moved,) = [r for r in run.records.items if r["kind"] == "transition"]
+    assert moved["posted"] is True and moved["cost_s"] == 4.5 and run.cost_s == 4.5 and run.op is None

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import pytest
 
+from predictor import planner
 from predictor.errors import ValidationError
-from predictor.restart_price import DEFAULT_RESTART_COST_S, price_restart
-from tests.unit.test_planner import decide
+from predictor.restart_price import DEFAULT_RESTART_COST_S, measured_cost, price_restart
+from slurm_plugin.contracts.records import validate_record
+from tests.unit.test_api import AUTH, app, client, seeded  # noqa: F401 (fixtures)
+from tests.unit.test_planner import CLUSTER, Models, decide
 
 GROW = "#ELASTIC model=resnet50 gpus=4-8 per_gpu_batch=64 min_efficiency=0.3 mode=restart"
 
@@ -65,3 +68,59 @@ def test_bad_restart_fields_are_named(field, value):
     with pytest.raises(ValidationError) as err:
         decide(GROW, source="launcher", current={"layout": [4], field: value})
     assert err.value.field == f"current.{field}"
+
+
+# -- the cluster's measured restart costs (`restart` records) price a job that measured none -----------------------
+def _restart(job_id, cost_s, from_nodes=1, to_nodes=2, profile="resnet50"):
+    return {"kind": "restart", "from_nodes": from_nodes, "to_nodes": to_nodes, "cost_s": cost_s,
+            "checkpointed": True, "job_id": job_id, **({"profile": profile} if profile else {})}
+
+
+def test_the_measured_cost_is_the_median_of_each_jobs_median_of_the_same_way():
+    rows = [_restart(1, 20.0), _restart(1, 22.0), _restart(2, 30.0), _restart(3, 99.0, 2, 1),   # 3: a shrink
+            *[_restart(4, 500.0)] * 9]   # one job posting many rows counts once
+    cost, note = measured_cost(rows, "resnet50", grow=True)
+    assert cost == pytest.approx(30.0) and note == "this cluster's median of 3 job(s)' measured grows of resnet50"
+    assert measured_cost(rows, "resnet50", grow=False)[0] == pytest.approx(99.0)
+    assert measured_cost([_restart(1, 40.0, profile=None)], "resnet50", grow=True) == \
+        (40.0, "this cluster's median of 1 job(s)' measured grows")   # no row of the model: every model's
+    assert measured_cost(rows[3:4], "resnet50", grow=True) is None
+
+
+def test_the_planner_prices_a_restart_with_the_clusters_measured_cost_until_the_job_measured_its_own():
+    current = {"layout": [4], "samples_per_s": 6000.0, "remaining_s": 200.0}
+    default = decide(GROW, source="launcher", current=current)
+    assert default["action"] == "rewrite" and "(the default: none measured yet)" in default["reason"]
+    slow = [_restart(1, 120.0), _restart(2, 110.0), _restart(3, 130.0)]
+    measured = planner.plan(planner.parse_request({"source": "launcher", "directives": [GROW], "current": current}),
+                            CLUSTER, Models(), 0.5, restart_history=lambda: slow)
+    assert measured["action"] == "keep" and "120.0 s restart (this cluster's median of 3 job(s)' measured grows " \
+        "of resnet50)" in measured["reason"]
+    own = planner.plan(planner.parse_request({"source": "launcher", "directives": [GROW],
+                                              "current": {**current, "restart_cost_s": 15.0}}),
+                       CLUSTER, Models(), 0.5, restart_history=lambda: slow)
+    assert own["action"] == "rewrite" and "15.0 s restart (this job's last restart)" in own["reason"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("cost_s", 0, "must be positive"), ("to_nodes", 1, "changes the node count"),
+    ("checkpointed", "yes", "true or false"), ("checkpoint_s", 60.0, "[0, cost_s=20]"), ("colour", 1, "unknown")])
+def test_a_bad_restart_record_is_refused_naming_the_field(field, value, message):
+    with pytest.raises(ValidationError) as err:
+        validate_record({**_restart(1, 20.0), field: value}, "observations[0]")
+    assert err.value.field == f"observations[0].{field}" and message in str(err.value)
+
+
+def test_a_posted_restart_cost_changes_the_services_pricing_and_refits_nothing(app, seeded):
+    job = {"partition": "debug", "tres_per_node": "gres:gpu:4", "min_nodes": 1, "max_nodes": 2}
+    body = {"source": "launcher", "directives": [GROW], "job": job,
+            "current": {"layout": [4], "samples_per_s": 6000.0, "remaining_s": 200.0}}
+    before = seeded.post("/v1/plan", json=body).get_json()
+    assert before["action"] == "rewrite" and "15.0 s restart (the default" in before["reason"]
+    generation = seeded.get("/v1/observations").get_json()["generation"]
+    posted = seeded.post("/v1/observations", json=[_restart(7, 120.0), _restart(8, 125.0)], headers=AUTH)
+    assert posted.status_code == 201 and posted.get_json()["model_version_pending"] == generation
+    after = seeded.post("/v1/plan", json=body).get_json()
+    assert after["action"] == "keep" and after["layout"] is None
+    assert "122.5 s restart (this cluster's median of 2 job(s)' measured grows of resnet50)" in after["reason"]
+    assert seeded.get("/v1/observations").get_json()["counts"]["restart"] == 2
