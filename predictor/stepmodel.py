@@ -330,6 +330,7 @@ class Params:
     converged: bool = True          # False: the constants' fit failed numerically and the defaults stand
     pair_rmse: dict[tuple[str, str], float] = field(default_factory=dict)   # (P, g) -> RMS log error, multi-GPU rows
     version: str = MODEL_VERSION
+    _quantiles: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # interval: residuals fixed
 
     def host(self, gpu: str) -> HostCost:
         return self.hosts.get(gpu, HostCost())
@@ -341,6 +342,12 @@ class Params:
         """(low, high) factors of an 80% interval around a prediction of this basis, for a multi-GPU step by what
         gates its prediction (`gate`: HOST_GATED, LINK_GATED, COMPUTE_GATED) where that pool has MIN_RESIDUALS
         residuals, else the basis's pool; `PRIOR_SPREAD` where fewer back it."""
+        key = (basis, gate)
+        if key not in self._quantiles:
+            self._quantiles[key] = self._interval(basis, gate)
+        return self._quantiles[key]
+
+    def _interval(self, basis: str, gate: str | None) -> tuple[float, float]:
         res = self.residuals.get(f"{basis} {gate}", []) if gate else []
         if len(res) < MIN_RESIDUALS:
             res = self.residuals.get(basis, [])
