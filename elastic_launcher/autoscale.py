@@ -96,8 +96,8 @@ class PlanAdvice:
 NO_SERVICE = PlanAdvice(None, NOT_CONFIGURED, "no predictor service")
 
 # A job hands nodes to the head pending job only when that job's time limit is at most this share of its own time
-# left. Replay of Pollux 1-8 (bench/results/replay/README.md, session 21), with the grow back: 0.5 against no such
-# rule, elastic mean -25.8% against -22.8% average JCT, jobs >10% later 17.6% against 23.8%.
+# left. Replay of Pollux 1-8 (bench/results/replay/README.md, session 21, seed 0), with the grow back: 0.5 against no
+# such rule, elastic mean -25.8% against -22.8% average JCT, jobs >10% later 17.6% against 23.8%.
 YIELD_RATIO = 0.5
 
 
