@@ -138,6 +138,7 @@ def test_sigkill_during_a_plan_burst_loses_no_acknowledged_decision(tmp_path):
     acked: dict[str, tuple[dict, dict]] = {}
     lock, stop = threading.Lock(), threading.Event()
     errors: list = []
+    killing = threading.Event()
 
     def client(n: int) -> None:
         i = 0
@@ -150,7 +151,8 @@ def test_sigkill_during_a_plan_burst_loses_no_acknowledged_decision(tmp_path):
                 with urllib.request.urlopen(request, timeout=30) as answer:
                     reply = json.loads(answer.read())
             except urllib.error.HTTPError as exc:
-                errors.append((exc.code, exc.read()[:200]))
+                if not killing.is_set():   # after the kill is sent, nginx may outlive a worker by microseconds
+                    errors.append((exc.code, exc.read()[:200]))
                 return
             except (OSError, ValueError, http.client.HTTPException):
                 return                                     # killed: refused, reset or cut mid-answer
@@ -163,6 +165,7 @@ def test_sigkill_during_a_plan_burst_loses_no_acknowledged_decision(tmp_path):
     deadline = time.monotonic() + 60
     while len(acked) < 300 and time.monotonic() < deadline and not errors:
         time.sleep(0.01)
+    killing.set()
     _kill(proc)                                            # the whole process group, mid-burst
     stop.set()
     for thread in threads:
