@@ -11,6 +11,10 @@
 #   bash bench/gpu_suite.sh goodput-loader [ARGS...]  gpu_transition.py --mode steady with 8 DataLoader workers at
 #                                             4 ms an item on both sides (goodput's measured ideal and ours),
 #                                             ResNet-50, 300 steps a size (#23), $OUT/goodput_loader.{md,log}
+#   bash bench/gpu_suite.sh jpeg-probe [ARGS...]  bench/jpeg_probe.py (where the GPU-decode JPEG row's time goes),
+#                                             $OUT/jpeg_probe.log
+#   bash bench/gpu_suite.sh calibrate [ARGS...]  the calibration job (python -m elastic_launcher.calibrate) at world
+#                                             size 1, rows in $OUT/calibrate.jsonl, $OUT/calibrate.log
 #   bash bench/gpu_suite.sh coldstart [--set=fresh|fresh2|fresh3|fresh4] [W...]  bench/coldstart_collect.py at each world size W
 #                                             (default 1 2 4), W > 1 once per NCCL transport (nvlink, shm, socket);
 #                                             $OUT/coldstart/*.jsonl; --set=fresh: the held-out models (issue 25);
@@ -75,8 +79,15 @@ case $what in
             | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee "$OUT/goodput_loader.log") ;;
     ab)
         python3 bench/interleaved.py "$@" 2>&1 | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/ab.log" ;;
+    jpeg-probe)
+        python3 bench/jpeg_probe.py "$@" 2>&1 | tee -a "$OUT/jpeg_probe.log" ;;
+    calibrate)
+        # the calibration job's probes at world size 1 (one GPU): rank 0 alone, no Slurm (its env set by hand)
+        SLURM_PROCID=0 SLURM_NTASKS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29571} \
+            python3 -m elastic_launcher.calibrate --device cuda --out "$OUT/calibrate.jsonl" "$@" 2>&1 \
+            | grep --line-buffered -v 'socket.cpp\|TCPStore.cpp' | tee -a "$OUT/calibrate.log" ;;
     tests)
         python3 -m pytest -m gpu -q -s tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | vs-torchrun [ARGS...] | loader-pauses | goodput-loader [ARGS...] | tests | coldstart [W...]" >&2
+    *) echo "usage: $0 bench [ARGS...] | ab [ARGS...] | vs-torchrun [ARGS...] | loader-pauses | goodput-loader [ARGS...] | jpeg-probe [ARGS...] | calibrate [ARGS...] | tests | coldstart [W...]" >&2
        exit 2 ;;
 esac
