@@ -73,9 +73,10 @@ def signed(rows: list[dict], uid: int) -> list[dict]:
             for r in rows]
 
 
-def held_out_store(data: dict, held: str) -> tuple[dict, list[dict], list[dict]]:
-    """(profiles, observations, rows to predict) for held-out collection `held` (module docstring)."""
-    profiles, obs = {}, []
+def held_out_store(data: dict, held: str, calibration: list[dict] = ()) -> tuple[dict, list[dict], list[dict]]:
+    """(profiles, observations, rows to predict) for held-out collection `held` (module docstring), with the
+    calibration job's rows `calibration` signed by a user of their own."""
+    profiles, obs = {}, signed(list(calibration), len(data)) if calibration else []
     for uid, (name, (prof, coll, steps)) in enumerate(sorted(data.items())):
         profiles.update(prof)
         mine = [r for r in steps if name != held or sum(r["layout"]) == 1]
@@ -84,11 +85,11 @@ def held_out_store(data: dict, held: str) -> tuple[dict, list[dict], list[dict]]
     return profiles, obs, [r for r in data[held][2] if sum(r["layout"]) > 1]
 
 
-def predictions(kind: str, data: dict, held: str, constants=None) -> list[dict]:
+def predictions(kind: str, data: dict, held: str, constants=None, calibration: list[dict] = ()) -> list[dict]:
     """Each held-out multi-GPU row with its prediction (iter_s, interval) and the 1-GPU answer at its batch.
     `constants` (a diagnostic, bench/loco_consistency.py): stepmodel Params whose host and link constants replace
     the fitted ones (the ladders, sweeps and intervals stay the store's)."""
-    profiles, obs, rows = held_out_store(data, held)
+    profiles, obs, rows = held_out_store(data, held, calibration)
     out = []
     if kind == "reference":
         own = data[held]
@@ -164,11 +165,11 @@ def coverage(rows: list[dict]) -> float | None:
     return float(np.mean(inside)) if inside else None
 
 
-def score(kind: str, data: dict, held_out: list[str] | None = None) -> dict:
+def score(kind: str, data: dict, held_out: list[str] | None = None, calibration: list[dict] = ()) -> dict:
     """Per held-out collection (all of `data`, or those named in `held_out`): its scores (module docstring)."""
     out = {}
     for held in sorted(held_out or data):
-        rows = predictions(kind, data, held)
+        rows = predictions(kind, data, held, calibration=calibration)
         one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in data[held][2] if sum(r["layout"]) == 1}
         out[held] = {"rows": len(rows), "all": mape(rows),
                      "transport": {l: mape([r for r in rows if r["intra_link"] == l])
@@ -213,6 +214,10 @@ def main(argv=None) -> int:
                          + ", ".join(str(f.relative_to(HERE.parent)) for f in FROZEN.values()))
     ap.add_argument("--held", action="append", metavar="NAME",
                     help="score only this held-out collection (repeatable; e.g. coldstart/session7); writes nothing")
+    ap.add_argument("--calibration", type=Path, action="append", metavar="FILE",
+                    help="the calibration job's rows (JSON lines, `python -m elastic_launcher.calibrate --out`): "
+                         "also score `calibrated`, the product's model with them in every held-out store (its host "
+                         "constants then come from them, not from the other collections); writes nothing")
     ap.add_argument("--out", type=Path, help="write the scores as JSON here")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
@@ -225,6 +230,10 @@ def main(argv=None) -> int:
     for k in kinds:
         scores[k] = score("new" if k == "release" else k, data, a.held)
         versions[k] = "no fit" if k == "reference" else model_version()
+    if a.calibration:
+        rows = [json.loads(line) for f in a.calibration for line in f.read_text().splitlines() if line.strip()]
+        scores["calibrated"] = score("new", data, a.held, calibration=rows)
+        versions["calibrated"] = f"{model_version()} + {', '.join(str(f) for f in a.calibration)}"
     if a.out:
         a.out.write_text(json.dumps({"versions": versions, "scores": scores}, indent=1) + "\n")
     if not a.model:
@@ -234,7 +243,7 @@ def main(argv=None) -> int:
         versions.update({k: d["versions"][k] for k, d in frozen.items()})
     text = "\n".join(render(scores, versions))
     print(text)
-    if not a.no_write and not a.model and not a.held:
+    if not a.no_write and not a.model and not a.held and not a.calibration:
         (RESULTS / "loco.md").write_text(text + "\n")
         (RESULTS / "loco.json").write_text(json.dumps({"versions": versions, "scores": scores}, indent=1) + "\n")
     return 0
