@@ -41,10 +41,11 @@ class DataFeed:
             self.sampler.prefetch()
             self.state.sampler = self.sampler
 
-    def prepare(self, dataset, collate_fn: Optional[Callable], options: dict) -> None:
+    def prepare(self, dataset, collate_fn: Optional[Callable], options: dict,
+                to_device: Optional[Callable] = None) -> None:
         """``ElasticTrainer.prepare_loader``: the pipeline :meth:`start_prepared` starts in ``join()``."""
         self.ensure_sampler(dataset)
-        self.pipeline_for(dataset, collate_fn, options)
+        self.pipeline_for(dataset, collate_fn, options, to_device)
         self._prepared = True
 
     def start_prepared(self) -> Optional[Pipeline]:
@@ -56,14 +57,16 @@ class DataFeed:
             pipe.start(0, self.sampler.epoch, self.sampler.pos)
         return pipe
 
-    def pipeline_for(self, dataset, collate_fn: Optional[Callable], options: dict) -> Pipeline:
+    def pipeline_for(self, dataset, collate_fn: Optional[Callable], options: dict,
+                     to_device: Optional[Callable] = None) -> Pipeline:
         old, prepared, self._prepared = self.pipeline, self._prepared, False
-        if old is not None and old.dataset is dataset and \
-                (old.persistent or (prepared and old.arguments == (collate_fn, options))):
+        if old is not None and old.dataset is dataset and old.arguments[2] is to_device and \
+                (old.persistent or (prepared and old.arguments == (collate_fn, options, to_device))):
             return old
         if old is not None:
             old.close()
-        self.pipeline = Pipeline(dataset, self.sampler, self.load_basis, collate_fn, options)
+        self.pipeline = Pipeline(dataset, self.sampler, self.load_basis, collate_fn, options, to_device,
+                                 self.state.device)
         return self.pipeline
 
     def load_basis(self, step: int) -> Basis:

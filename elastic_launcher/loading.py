@@ -22,11 +22,17 @@ flight are seconds of work, which the batch of the new epoch would wait behind. 
 a :class:`Work` (its sequence number and step), and the dataset is wrapped (:class:`Cancellable`) to check, before
 each item, a cancellation mark in shared memory: work that a rewind or reset made stale is skipped, item by item,
 and arrives as :data:`STALE`, which the trainer drops like any other unconfirmed batch.
+
+A batch that is finished on the device (``to_device``: GPU decode, data made on the GPU, the copy) is finished one
+step ahead by :class:`DeviceStage`, on a thread and CUDA stream of its own, while the trainer's step runs: the host
+work of a decode (nvJPEG waits for its own stream) then no longer stops the trainer's thread from queueing kernels.
+The batch staged ahead carries its key, and is dropped like a batch in flight when the key asked for differs.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -34,7 +40,7 @@ import torch
 
 from elastic_launcher.sampler import ElasticSampler
 
-__all__ = ["Basis", "StepsAhead", "Pipeline", "OWNED_OPTIONS"]
+__all__ = ["Basis", "DeviceStage", "StepsAhead", "Pipeline", "OWNED_OPTIONS"]
 
 # DataLoader options the elastic sampler decides: a user's value would break the exact accounting
 OWNED_OPTIONS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "in_order")
@@ -183,6 +189,56 @@ class StepsAhead:
         return self.pending.popleft()
 
 
+def _tensors(batch):
+    """The tensors of a batch of (nested) tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (tuple, list)):
+        for b in batch:
+            yield from _tensors(b)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            yield from _tensors(b)
+
+
+class DeviceStage:
+    """``to_device(batch) -> batch`` run one batch ahead, in a thread of its own (:meth:`submit` returns at once);
+    on a CUDA ``device`` on a stream of its own, and :meth:`take` makes the caller's stream wait for it (an event)
+    and marks its tensors used there (``record_stream``: the caching allocator keeps their memory until that stream
+    is done with them). An exception of ``to_device`` is raised by :meth:`take`."""
+
+    def __init__(self, to_device: Callable, device: torch.device) -> None:
+        self.to_device = to_device
+        self.device = torch.device(device)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="device-stage")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def submit(self, batch) -> Future:
+        return self._pool.submit(self._finish, batch)
+
+    def _finish(self, batch):
+        if self._stream is None:
+            return self.to_device(batch), None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            out = self.to_device(batch)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return out, ready
+
+    def take(self, staged: Future):
+        out, ready = staged.result()
+        if ready is not None:
+            here = torch.cuda.current_stream(self.device)
+            here.wait_event(ready)
+            for t in _tensors(out):
+                if t.is_cuda:
+                    t.record_stream(here)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class Pipeline:
     """One ``DataLoader`` over the dataset, its worker processes alive until :meth:`close`.
 
@@ -193,6 +249,8 @@ class Pipeline:
         collate_fn: as ``DataLoader``'s.
         options: further ``DataLoader`` options (``num_workers``, ``pin_memory``, ``prefetch_factor``,
             ``persistent_workers``, ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ...).
+        to_device: ``batch -> batch`` on ``device`` (a :class:`DeviceStage`: on a GPU the next batch is finished
+            while this one trains), or None: batches are handed out as the ``DataLoader`` delivers them.
 
     Raises:
         ValueError: an option the elastic sampler owns (``OWNED_OPTIONS``).
@@ -203,13 +261,16 @@ class Pipeline:
     """
 
     def __init__(self, dataset, sampler: ElasticSampler, basis: Callable[[int], Basis],
-                 collate_fn: Optional[Callable], options: dict[str, Any]) -> None:
+                 collate_fn: Optional[Callable], options: dict[str, Any], to_device: Optional[Callable] = None,
+                 device: Optional[torch.device] = None) -> None:
         owned = sorted(set(options) & set(OWNED_OPTIONS))
         if owned:
             raise ValueError(f"loader option(s) {', '.join(owned)}: the elastic sampler decides these "
                              "(every sample once per epoch across resizes); leave them out")
         self.dataset = dataset
-        self.arguments = (collate_fn, dict(options))  # as given (ElasticTrainer.prepare_loader compares them)
+        self.arguments = (collate_fn, dict(options), to_device)  # as given (ElasticTrainer.prepare_loader compares them)
+        self.stage = DeviceStage(to_device, device or torch.device("cpu")) if to_device is not None else None
+        self._staged: Optional[tuple] = None  # (key, Future): the next batch, being finished on the device
         self.persistent = bool(options.get("persistent_workers", False))
         self.ahead = StepsAhead(sampler, basis)
         self._mark = torch.zeros(2, dtype=torch.int64).share_memory_()  # Cancellable's [cancel_seq, cancel_step]
@@ -225,7 +286,8 @@ class Pipeline:
     @property
     def depth(self) -> int:
         """Batches in flight at most: one asked for now arrives after these (0 when loading in this process)."""
-        return self.loader.num_workers * (self.loader.prefetch_factor or 0)
+        staged = 1 if self.stage is not None and self.loader.num_workers else 0
+        return self.loader.num_workers * (self.loader.prefetch_factor or 0) + staged
 
     def start(self, step: int, epoch: int, pos: int) -> None:
         """Starts the workers now, loading from ``step`` at ``(epoch, pos)`` (a guess: :meth:`get` checks it).
@@ -236,8 +298,11 @@ class Pipeline:
             self._it = iter(self.loader)
             return
         want = self.ahead.key(epoch, pos, self.ahead.basis_of(step))
-        if self._held is not None and self._held[0] == want:
-            return  # warm() loaded this very batch, and the next ones are in flight
+        if self._staged is not None and self._staged[0] != want:
+            self._staged = None
+            self.dropped += 1
+        if self._staged is not None or (self._held is not None and self._held[0] == want):
+            return  # this very batch is loaded (warm()) or being finished, and the next ones are in flight
         if self._held is not None:
             self._held = None
             self.dropped += 1
@@ -265,7 +330,27 @@ class Pipeline:
 
     def get(self, step: int, epoch: int, pos: int, basis: Basis) -> Any:
         """The batch of ``step`` at ``(epoch, pos)`` under ``basis``: the collated items of
-        ``sampler.slice_at(epoch, pos, basis.rank, basis.batches)`` (its indices, or its padding)."""
+        ``sampler.slice_at(epoch, pos, basis.rank, basis.batches)`` (its indices, or its padding), finished by
+        ``to_device`` where there is one (the next batch in flight is then handed to it before this one returns)."""
+        if self.stage is None:
+            return self._delivered(step, epoch, pos, basis)
+        want = self.ahead.key(epoch, pos, basis)
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] != want:
+            staged = None
+            self.dropped += 1
+        if staged is None:
+            staged = (want, self.stage.submit(self._delivered(step, epoch, pos, basis)))
+        if self.ahead.pending:   # the next step's batch as projected now, loaded or being loaded by the workers
+            batch = next(self._it)
+            key = self.ahead.take()
+            if batch is STALE:
+                self.dropped += 1
+            else:
+                self._staged = (key, self.stage.submit(batch))
+        return self.stage.take(staged[1])
+
+    def _delivered(self, step: int, epoch: int, pos: int, basis: Basis) -> Any:
         want = self.ahead.key(epoch, pos, basis)
         if self._it is None:  # the first call starts the workers and fills the prefetch queue
             self.start(step, epoch, pos)
@@ -304,7 +389,9 @@ class Pipeline:
     def close(self) -> None:
         """Stops the worker processes (idempotent)."""
         it, self._it = self._it, None
-        self._held = None
+        self._held = self._staged = None
+        if self.stage is not None:
+            self.stage.close()
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()

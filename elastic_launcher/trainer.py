@@ -285,7 +285,7 @@ class ElasticTrainer:
 
     # ---- data -----------------------------------------------------------------------------------------------
     def loader(self, dataset, collate_fn: Optional[Callable] = None, max_steps: Optional[int] = None,
-               epochs: Optional[int] = None, **options) -> Iterator:
+               epochs: Optional[int] = None, to_device: Optional[Callable] = None, **options) -> Iterator:
         """Yields this rank's batches until ``max_steps`` global steps / ``epochs`` epochs, or until it leaves.
 
         Batches are loaded by torch's ``DataLoader`` (:mod:`elastic_launcher.loading`), which takes ``options``
@@ -303,15 +303,16 @@ class ElasticTrainer:
             TrainerPhaseError: before ``join()`` returned.
         """
         self._joined("loader()")
-        return self._batches(dataset, collate_fn, max_steps, epochs, options)
+        return self._batches(dataset, collate_fn, max_steps, epochs, options, to_device)
 
-    def prepare_loader(self, dataset, collate_fn: Optional[Callable] = None, **options) -> "ElasticTrainer":
+    def prepare_loader(self, dataset, collate_fn: Optional[Callable] = None, to_device: Optional[Callable] = None,
+                       **options) -> "ElasticTrainer":
         """Before :meth:`join`: the ``DataLoader`` that :meth:`loader` will use on ``dataset`` (same arguments).
         ``join()`` starts its worker processes (and pin-memory thread) before ``warm_up`` and waits for a first
         batch after it, all before the worker announces itself, so a grow never waits for a newcomer's loader to
         start; once the plan is known the running workers are redirected to the batches this worker will train on.
-        ``loader(dataset, ...)`` with the same dataset, ``collate_fn`` and options reuses it (others build a new
-        one). Returns the trainer: ``ElasticTrainer(...).prepare_loader(ds, num_workers=8).join()``.
+        ``loader(dataset, ...)`` with the same dataset, ``collate_fn``, ``to_device`` (the same object) and options
+        reuses it (others build a new one). Returns the trainer: ``ElasticTrainer(...).prepare_loader(ds, num_workers=8).join()``.
 
         Raises:
             ValueError: an option the elastic sampler decides (see :meth:`loader`).
@@ -320,15 +321,15 @@ class ElasticTrainer:
         if self.phase is not Phase.CREATED:
             raise TrainerPhaseError(f"ElasticTrainer.prepare_loader(): worker {self.wid} is {self.phase.value}; "
                                     "call it before join()", self.phase)
-        self._feed.prepare(dataset, collate_fn, options)
+        self._feed.prepare(dataset, collate_fn, options, to_device)
         return self
 
 
     def _batches(self, dataset, collate_fn: Optional[Callable], max_steps: Optional[int], epochs: Optional[int],
-                 options: dict) -> Iterator:
+                 options: dict, to_device: Optional[Callable]) -> Iterator:
         feed, commits, now = self._feed, self._commits, self._now
         feed.ensure_sampler(dataset)
-        pipe = feed.pipeline_for(dataset, collate_fn, options)
+        pipe = feed.pipeline_for(dataset, collate_fn, options, to_device)
         if now.phase is Phase.JOINING:
             commits.enter_joined(pipe, self._join_times)
         try:

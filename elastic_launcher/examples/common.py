@@ -397,7 +397,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                         warm_up=_local_step(model, optimizer, dataset, loss_of, batch, device, precision, collate,
                                             to_device),
                         extra_state=precision.extra_state(), speed=env.speed)
-    et.prepare_loader(dataset, collate_fn=collate, **loading)
+    def finish(b):   # on a GPU one batch ahead, on a stream of its own (ElasticTrainer.loader)
+        return to_device(b, device)
+    et.prepare_loader(dataset, collate_fn=collate, to_device=finish, **loading)
     resumed = saving.resume(et.state)  # every worker: the state broadcast at the start then agrees at any size
     if resumed is not None:
         print(f"{env.wid}: resumed from {resumed.path} (step {resumed.step})", flush=True)
@@ -408,10 +410,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     window = (time.perf_counter(), et.sampler.epoch * len(dataset) + et.sampler.pos)  # resumed: not from 0
     rank = None  # the group is gone after close(): remember the last rank
     try:
-        for batch in et.loader(dataset, collate_fn=collate, max_steps=args.steps, **loading):
+        for batch in et.loader(dataset, collate_fn=collate, max_steps=args.steps, to_device=finish, **loading):
             # no host synchronisation in the step: the runtime reports progress at its commit points, and a
             # non-finite loss is voted on there (watch_loss keeps the check on the device)
-            batch = to_device(batch, device)
             with precision.autocast():
                 loss = loss_of(et.model, batch)
             et.watch_loss(loss)

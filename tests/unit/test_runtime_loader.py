@@ -192,3 +192,40 @@ def test_workers_warmed_at_a_guess_are_redirected_to_the_steps_asked_for():
     _steps(pipe, s, lambda step: basis["b"], 10, start=7)
     assert [w.pid for w in pipe._it._workers] == workers and pipe.resets == 0
     pipe.close()
+
+
+def test_to_device_finishes_the_next_batch_while_this_one_trains_and_drops_it_if_the_plan_changed():
+    # with loader workers, the batch of step s + 1 is handed to to_device before step s's batch is returned; a
+    # basis change (a resize at a commit point) drops what was staged: every batch is still exactly the slice
+    s = ElasticSampler(len(_Items()), seed=7)
+    basis = {"b": Basis(0, (4,))}
+    finished: list[list[int]] = []
+
+    def finish(batch):
+        finished.append(batch.tolist())
+        return batch * 10
+    pipe = Pipeline(_Items(), s, lambda step: basis["b"], None, dict(LOADER), to_device=finish)
+    for step in range(12):
+        if step == 5:
+            basis["b"] = Basis(1, (3, 3))   # the plan of step 5 on is not the one step 5 was staged under
+        b = basis["b"]
+        sl = s.slice_at(s.epoch, s.pos, b.rank, b.batches)
+        assert pipe.get(step, s.epoch, s.pos, b).tolist() == [10 * i for i in sl.indices or sl.padding]
+        s.advance(b.batches)
+        pipe._staged[1].result()   # to_device has run on the next batch already, before it is asked for
+        if step != 4:
+            nxt = s.slice_at(s.epoch, s.pos, b.rank, b.batches)
+            assert finished[-1] == (nxt.indices or nxt.padding)
+    assert len(finished) == 12 + 2   # for nothing: the one staged under the plan step 5 did not keep, and step 12
+    pipe.close()
+
+
+def test_a_to_device_error_is_raised_where_the_batch_is_taken():
+    s = ElasticSampler(len(_Items()), seed=7)
+
+    def broken(batch):
+        raise ValueError("corrupt JPEG in this batch")
+    pipe = Pipeline(_Items(), s, lambda step: Basis(0, (4,)), None, dict(LOADER), to_device=broken)
+    with pytest.raises(ValueError, match="corrupt JPEG"):
+        pipe.get(0, 0, 0, Basis(0, (4,)))
+    pipe.close()
