@@ -41,9 +41,13 @@ Parameters are physical and few, each with the evidence it rests on (`basis`):
   across nodes, nu_L and tree_L;
 - per host class (GPU type: the nodes of a partition share a host): c_step, c_bucket, c_tensor.
 Defaults are the no-fit reference's: kappa = o = c = 0 (perfect overlap, no DDP host cost). A host's constants
-are *calibrated* where the calibration job (`elastic-predictor calibrate`: probe models with many small and few
-large tensors, with and without DDP) posted `ddp_overhead` rows for its GPU type, else *fitted* from the
-multi-GPU steps that ran on that type, else *default*. kappa_L and o_L are *fitted* from the steps that synchronised
+are *fitted* from the multi-GPU steps that ran on that type where there are enough of them, else *calibrated* where
+the calibration job (`elastic-predictor calibrate`: probe models with many small and few large tensors, with and
+without DDP) posted `ddp_overhead` rows for its GPU type, else *default*. History first: on a fresh H200 host the
+job's world-1 probes read DDP's cost a gradient tensor at 29 us, where every committed H200 collection's 2- and
+4-GPU steps fit 77-89 us (the host work of a step with peers is not all there at world 1), and held out on each
+collection the calibrated constants scored 6.2-14.9% against 4.7-14.1% fitted on the other collections
+(bench/results/calibration_h200.md). kappa_L and o_L are *fitted* from the steps that synchronised
 over link L (bounded, pulled to 0), else *default*; alpha_L and bw_L of a link with no sweep are fitted in log
 ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prior by a ridge worth
 LINK_RIDGE_ROWS rows) from the steps that ran over it,
@@ -78,7 +82,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.02-5"
+MODEL_VERSION = "sm-2026.12.03-1"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -518,7 +522,7 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
                multi_rows: list[dict], calibrated: dict[str, HostCost] | None = None) -> Params:
     """Host and link constants from the multi-GPU step rows whose (profile, GPU) has a ladder: bounded soft-L1
     least squares of log step time, one vote per owner, each constant pulled to 0; a host class with a calibration
-    keeps it. The parameter count is fixed by the links and GPU types (never by profiles or rows), and one pass of
+    keeps it only while its multi-GPU steps are too few to fit. The parameter count is fixed by the links and GPU types (never by profiles or rows), and one pass of
     the model over all rows is one vectorised `simulate`. A numerical failure keeps the defaults (`converged`
     False). Returns the Params with held-out residuals by basis."""
     calibrated = dict(calibrated or {})
@@ -531,8 +535,9 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
         if n >= MIN_ROWS_PER_PARAM * 2:
             names += [("kappa", link), ("o", link)]
     for gpu, n in host_rows.items():
-        if gpu not in calibrated and n >= MIN_ROWS_PER_PARAM * 3:
+        if n >= MIN_ROWS_PER_PARAM * 3:   # the site's own multi-GPU steps win over a calibration (module docstring)
             names += [("c_step", gpu), ("c_bucket", gpu), ("c_tensor", gpu)]
+            calibrated.pop(gpu, None)
     X = _design(rows, profiles, ladders, collectives)
     for link in sorted((set(X["intra"]) | set(X["inter"])) - {None}):   # links with no sweep: as steps see them
         used = sum(1 for a, b in zip(X["intra"], X["inter"]) if link in (a, b))

@@ -92,3 +92,24 @@ def test_the_step_models_figures_hold_on_every_held_out_collection(scores):
     bad = {h: got[h] for h, (mape, same, cover) in FIGURES.items()
            if got[h][0] > mape or got[h][1] < same or got[h][2] < cover or got[h][2] > 0.95}
     assert not bad, (bad, FIGURES)
+
+
+CALIBRATION = ROOT / "bench" / "results" / "gpu_runs" / "2026-12-03_session22" / "c1" / "calibrate.jsonl"
+
+
+def test_a_calibration_covers_a_cold_start_and_the_sites_own_multi_gpu_steps_win_over_it(data):
+    # the calibration job's world-1 probes of a fresh H200 host (29 us a gradient tensor) set DDP's host cost while no
+    # multi-GPU step ran on H200; once enough did, their fit replaces it (held out on every collection, the history
+    # fitted on the others scores 4.7-14.1%, the calibration 6.2-14.9%: bench/results/calibration_h200.md)
+    import json
+
+    from predictor.engine import Predictor
+    from predictor.stepmodel import host_cost_from_probes
+    calibration = [json.loads(line) for line in CALIBRATION.read_text().splitlines()]
+    probes = host_cost_from_probes(calibration)["H200"]
+    profiles, obs, _ = loco.held_out_store(data, "heldout/session16", calibration)
+    cold = Predictor().fit(profiles, [r for r in obs if r.get("kind") != "step" or sum(r["layout"]) == 1])
+    assert cold.params_.hosts["H200"] == probes
+    warm = Predictor().fit(profiles, obs)
+    host = warm.params_.hosts["H200"]
+    assert host.basis == "fitted" and host.c_tensor > 2 * probes.c_tensor
