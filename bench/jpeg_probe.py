@@ -39,8 +39,7 @@ def batches_of(ds: EncodedImageFolder, batch: int, n: int) -> list:
     out = []
     for k in range(n):
         items = [ds[order[(k * batch + j) % len(ds)]] for j in range(batch)]
-        data, labels = ds.collate(items)
-        out.append(([d.pin_memory() for d in data], labels.pin_memory()))
+        out.append(tuple(t.pin_memory() for t in ds.collate(items)))
     return out
 
 

@@ -32,6 +32,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -42,6 +43,7 @@ from coldstart import load  # noqa: E402
 from ddp_reference import Reference  # noqa: E402
 from predictor.engine import Predictor  # noqa: E402
 from predictor.planner import last_step  # noqa: E402
+from predictor.stepmodel import host_cost_from_probes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
@@ -76,7 +78,7 @@ def signed(rows: list[dict], uid: int) -> list[dict]:
 def held_out_store(data: dict, held: str, calibration: list[dict] = ()) -> tuple[dict, list[dict], list[dict]]:
     """(profiles, observations, rows to predict) for held-out collection `held` (module docstring), with the
     calibration job's rows `calibration` signed by a user of their own."""
-    profiles, obs = {}, signed(list(calibration), len(data)) if calibration else []
+    profiles, obs = {}, signed(list(calibration), len(data))
     for uid, (name, (prof, coll, steps)) in enumerate(sorted(data.items())):
         profiles.update(prof)
         mine = [r for r in steps if name != held or sum(r["layout"]) == 1]
@@ -85,11 +87,11 @@ def held_out_store(data: dict, held: str, calibration: list[dict] = ()) -> tuple
     return profiles, obs, [r for r in data[held][2] if sum(r["layout"]) > 1]
 
 
-def predictions(kind: str, data: dict, held: str, constants=None, calibration: list[dict] = ()) -> list[dict]:
+def predictions(kind: str, data: dict, held: str, constants=None) -> list[dict]:
     """Each held-out multi-GPU row with its prediction (iter_s, interval) and the 1-GPU answer at its batch.
     `constants` (a diagnostic, bench/loco_consistency.py): stepmodel Params whose host and link constants replace
     the fitted ones (the ladders, sweeps and intervals stay the store's)."""
-    profiles, obs, rows = held_out_store(data, held, calibration)
+    profiles, obs, rows = held_out_store(data, held)
     out = []
     if kind == "reference":
         own = data[held]
@@ -165,11 +167,12 @@ def coverage(rows: list[dict]) -> float | None:
     return float(np.mean(inside)) if inside else None
 
 
-def score(kind: str, data: dict, held_out: list[str] | None = None, calibration: list[dict] = ()) -> dict:
-    """Per held-out collection (all of `data`, or those named in `held_out`): its scores (module docstring)."""
+def score(kind: str, data: dict, held_out: list[str] | None = None, constants=None) -> dict:
+    """Per held-out collection (all of `data`, or those named in `held_out`): its scores (module docstring);
+    `constants` as `predictions`'."""
     out = {}
     for held in sorted(held_out or data):
-        rows = predictions(kind, data, held, calibration=calibration)
+        rows = predictions(kind, data, held, constants)
         one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in data[held][2] if sum(r["layout"]) == 1}
         out[held] = {"rows": len(rows), "all": mape(rows),
                      "transport": {l: mape([r for r in rows if r["intra_link"] == l])
@@ -216,8 +219,8 @@ def main(argv=None) -> int:
                     help="score only this held-out collection (repeatable; e.g. coldstart/session7); writes nothing")
     ap.add_argument("--calibration", type=Path, action="append", metavar="FILE",
                     help="the calibration job's rows (JSON lines, `python -m elastic_launcher.calibrate --out`): "
-                         "also score `calibrated`, the product's model with them in every held-out store (its host "
-                         "constants then come from them, not from the other collections); writes nothing")
+                         "also score `calibrated`, the product's model with the host constants they give in place "
+                         "of those fitted on the other collections (a site's first multi-GPU job); writes nothing")
     ap.add_argument("--out", type=Path, help="write the scores as JSON here")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
@@ -232,7 +235,8 @@ def main(argv=None) -> int:
         versions[k] = "no fit" if k == "reference" else model_version()
     if a.calibration:
         rows = [json.loads(line) for f in a.calibration for line in f.read_text().splitlines() if line.strip()]
-        scores["calibrated"] = score("new", data, a.held, calibration=rows)
+        probes = SimpleNamespace(hosts=host_cost_from_probes(rows), links={})
+        scores["calibrated"] = score("new", data, a.held, probes)
         versions["calibrated"] = f"{model_version()} + {', '.join(str(f) for f in a.calibration)}"
     if a.out:
         a.out.write_text(json.dumps({"versions": versions, "scores": scores}, indent=1) + "\n")

@@ -46,7 +46,7 @@ the calibration job (`elastic-predictor calibrate`: probe models with many small
 without DDP) posted `ddp_overhead` rows for its GPU type, else *default*. History first: on a fresh H200 host the
 job's world-1 probes read DDP's cost a gradient tensor at 29 us, where every committed H200 collection's 2- and
 4-GPU steps fit 77-89 us (the host work of a step with peers is not all there at world 1), and held out on each
-collection the calibrated constants scored 6.2-14.9% against 4.7-14.1% fitted on the other collections
+collection the calibrated constants scored 6.4-15.6% against 4.7-14.1% fitted on the other collections
 (bench/results/calibration_h200.md). kappa_L and o_L are *fitted* from the steps that synchronised
 over link L (bounded, pulled to 0), else *default*; alpha_L and bw_L of a link with no sweep are fitted in log
 ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prior by a ridge worth

@@ -100,7 +100,7 @@ CALIBRATION = ROOT / "bench" / "results" / "gpu_runs" / "2026-12-03_session22" /
 def test_a_calibration_covers_a_cold_start_and_the_sites_own_multi_gpu_steps_win_over_it(data):
     # the calibration job's world-1 probes of a fresh H200 host (29 us a gradient tensor) set DDP's host cost while no
     # multi-GPU step ran on H200; once enough did, their fit replaces it (held out on every collection, the history
-    # fitted on the others scores 4.7-14.1%, the calibration 6.2-14.9%: bench/results/calibration_h200.md)
+    # fitted on the others scores 4.7-14.1%, the calibration alone 6.4-15.6%: bench/results/calibration_h200.md)
     import json
 
     from predictor.engine import Predictor

@@ -84,8 +84,9 @@ def test_gpu_decode_refuses_a_folder_with_other_images(tmp_path):
     folder = data.EncodedImageFolder(tmp_path, 8)
     encoded, label = folder[0]
     assert encoded.dtype == torch.uint8 and bytes(encoded[:2].tolist()) == b"\xff\xd8" and label == 0
-    batch = folder.collate([folder[0], folder[0]])
-    assert len(batch[0]) == 2 and batch[1].tolist() == [0, 0]
+    joined, lengths, labels = folder.collate([folder[0], folder[0]])
+    assert torch.equal(joined, torch.cat([encoded, encoded])) and lengths.tolist() == [len(encoded)] * 2
+    assert labels.tolist() == [0, 0]
     Image.new("RGB", (20, 10)).save(tmp_path / "cat" / "b.png")
     with pytest.raises(ValueError, match="b.png: not a JPEG"):
         data.EncodedImageFolder(tmp_path, 8)
