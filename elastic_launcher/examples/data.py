@@ -175,12 +175,16 @@ class EncodedImageFolder(ImageFolder):
 
     @staticmethod
     def collate(items):
-        return [data for data, _ in items], torch.tensor([label for _, label in items])
+        """The batch's files end to end in one byte tensor, their lengths and labels: one shared-memory block
+        a batch from the loader's workers, and one to pin, instead of one per image."""
+        return (torch.cat([data for data, _ in items]), torch.tensor([len(data) for data, _ in items]),
+                torch.tensor([label for _, label in items]))
 
     def to_device(self, batch, device: torch.device):
         from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 - only for GPU decode
 
-        encoded, labels = batch
+        joined, lengths, labels = batch
+        encoded = list(torch.split(joined, lengths.tolist()))   # views of the one buffer (contiguous, 1-D)
         images = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
         size = (self.image_size, self.image_size)
         by_shape: dict[tuple, list[int]] = {}
