@@ -225,6 +225,9 @@ class CommandBackend:
         env = dict(self.env) if self.env is not None else {"PATH": DEFAULT_PATH}
         if self.slurm_conf is not None:
             env["SLURM_CONF"] = str(self.slurm_conf)
+        conf = env.get("SLURM_CONF")
+        if conf and not Path(conf).is_file():   # Slurm would look for a config over DNS until the timeout
+            raise SlurmError(argv, None, "", f"SLURM_CONF {conf} is not a file")
         seconds = timeout.total_seconds()
         try:
             proc = subprocess.run(

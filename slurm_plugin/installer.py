@@ -169,7 +169,10 @@ def _path_env() -> dict[str, str]:
 def slurm_gres_prefix(slurm_conf: Path, timeout: timedelta = timedelta(seconds=10)) -> Optional[str]:
     """`gres_prefix` for the Slurm on PATH from `scontrol --version` (`slurm 24.11.5`): `gres/` from 23.02 on, else
     `gres:`; None when scontrol cannot tell (not installed here): the hook then keeps each job's own spelling, and
-    writes `gres:` for a job that has none (pass --gres-prefix on such a host)."""
+    writes `gres:` for a job that has none (pass --gres-prefix on such a host). No `slurm_conf`: None at once (22.05's
+    scontrol without a config waits for DNS until the timeout)."""
+    if not slurm_conf.is_file():
+        return None
     try:
         out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True,   # 24.11 reads slurm.conf
                              env={**_path_env(), "SLURM_CONF": str(slurm_conf)},

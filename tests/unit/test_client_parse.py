@@ -164,6 +164,18 @@ def test_run_timeout_raises_slurm_error():
     assert info.value.rc is None
 
 
+def test_a_missing_slurm_conf_is_named_and_no_command_runs(tmp_path):
+    # Slurm without its config looks for one over DNS until the timeout: the client says so at once instead
+    marker = tmp_path / "ran"
+    backend = CommandBackend(slurm_conf=tmp_path / "slurm.conf", timeout=timedelta(seconds=60))
+    with pytest.raises(SlurmError, match=f"SLURM_CONF {tmp_path / 'slurm.conf'} is not a file"):
+        backend._run(["sh", "-c", f"touch {marker}"], timedelta(seconds=60))
+    assert not marker.exists()
+    (tmp_path / "slurm.conf").write_text("")
+    backend._run(["sh", "-c", f"touch {marker}"], timedelta(seconds=60))
+    assert marker.exists()
+
+
 def test_run_nonzero_exit_carries_stderr():
     with pytest.raises(SlurmError) as info:
         CommandBackend()._run(["sh", "-c", "echo boom >&2; exit 3"], timedelta(seconds=5))

@@ -10,6 +10,7 @@ chosen by the job name in the request body (`mode-500`, `mode-sleep`, ...), and 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -731,3 +732,20 @@ def test_cli_filter_moves_the_options_to_the_chosen_partition(tmp_path):
     assert moved == {"partition": "a100", "gres": "gpu:2", "nodes": "2", "ntasks-per-node": "2", "switches": "1",
                      "comment": "elastic:decision=d-50"}
     assert kept["partition"] == "h100" and kept["gres"] == "gpu:h100:2"
+
+
+def test_the_gres_prefix_is_read_from_scontrol_only_where_there_is_a_slurm_conf(tmp_path, monkeypatch):
+    # scontrol's version says gres: or gres/; without a slurm.conf 22.05's scontrol looks for one over DNS until its
+    # timeout, so the installer does not ask (the hook keeps each job's own spelling)
+    from slurm_plugin import installer
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'slurm 24.11.5'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    conf = tmp_path / "slurm.conf"
+    assert installer.slurm_gres_prefix(conf) is None
+    conf.write_text("")
+    assert installer.slurm_gres_prefix(conf) == "gres/"
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'slurm-wlm 22.05.8'\n")
+    assert installer.slurm_gres_prefix(conf) == "gres:"
