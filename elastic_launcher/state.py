@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 
 import io
+import math
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -267,8 +268,8 @@ class TrainingState:
             key: store key of the skeleton (unique per broadcast).
             timeout: bound for receivers waiting on the skeleton.
             give_up: asked every ``poll`` seconds while a receiver waits on the skeleton: a reason to stop waiting
-                ("" to go on; a recovery's round watch: the source is silent, or the round's arrival deadline
-                passed).
+                ("" to go on; a round's watch, ``EpochExecutor._round_watch``: the source is silent, a recovery of
+                the plan began, or the round's arrival deadline passed).
 
         Returns:
             bytes moved by the collective broadcast.
@@ -353,12 +354,18 @@ def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optio
         except Exception as e:  # noqa: BLE001 - the store raises a generic error on timeout
             raise RendezvousTimeout(f"state skeleton {key} not posted within {timeout}") from e
         return
-    deadline = time.monotonic() + timeout.total_seconds()
+    start = time.monotonic()
+    deadline, asked = start + timeout.total_seconds(), -math.inf
     while not store.check([key]):
-        why = give_up() or ("" if time.monotonic() < deadline else f"not posted within {timeout}")
-        if why:
-            raise RendezvousTimeout(f"state skeleton {key}: {why}")
-        time.sleep(poll)
+        now = time.monotonic()
+        if now - asked >= poll:
+            asked = now
+            why = give_up() or ("" if now < deadline else f"not posted within {timeout}")
+            if why:
+                raise RendezvousTimeout(f"state skeleton {key}: {why}")
+        # checked again after a quarter of the wait so far (1 ms at first, ``poll`` at most): a switch's receivers
+        # see the skeleton within a quarter of the time the source took to post it, not a poll later
+        time.sleep(min(poll, max(0.001, (now - start) / 4)))
 
 
 def _broadcast_flat(group: ProcessGroupWrapper, tensors: list[torch.Tensor], src: int) -> int:
