@@ -315,22 +315,17 @@ class EpochExecutor:
         """First entry into ``plan``: receive the state from its first survivor (rank 0 initially). Returns the
         epoch and its pending switch record (completed at the first commit point).
 
-        A newcomer's wait for the state skeleton is watched as the switch's round (:meth:`_round_watch`), without
-        an arrival deadline of its own: it began before the survivors reached the switch (they train on until
-        then), so it ends when the survivors give the round up at their arrival deadline (a recovery of ``plan``
-        begins), when a member of ``plan`` is silent, or at ``rendezvous_timeout``.
+        A newcomer's wait for the state skeleton is watched by :meth:`entry_watch`.
 
         Raises:
-            RendezvousTimeout: the state did not come (the newcomer never trained: it leaves; the survivors'
+            RendezvousTimeout: the state did not come (a newcomer never trained: it ends, and the survivors'
                 recovery of ``plan`` goes on without it).
         """
         t0 = time.perf_counter()
         on_switch = getattr(self.fault, "on_switch", None)
         if on_switch is not None and plan.kind != "initial":
             on_switch("join")  # test seam: a newcomer dies during the switch's state broadcast
-        watch = self._round_watch(plan, time.monotonic() + self.settings.rendezvous_timeout.total_seconds(),
-                                  arrival=False)
-        self._broadcast_state(group, self._source(plan), plan, watch)
+        self._broadcast_state(group, self._source(plan), plan, self.entry_watch(plan))
         t1 = time.perf_counter()
         if self.state.sampler is not None:
             self.state.sampler.prefetch()
@@ -347,6 +342,16 @@ class EpochExecutor:
         old_group.abort()
         self.membership.mark_left()
         events.info("left at epoch %d -> %d", old.id, pid, extra={"wid": self.wid, "step": step})
+
+    def entry_watch(self, plan: Plan) -> Callable[[], str]:
+        """The watch of a member's waits on its first entry into ``plan`` (:meth:`_round_watch`, up to
+        ``rendezvous_timeout`` from now): a newcomer's wait for where the epoch starts and for its state. It has no
+        arrival deadline of its own: the wait began before the survivors reached the switch (they train on until
+        the commit point that finds everyone ready), so it ends when a member of ``plan`` is silent or a recovery of
+        ``plan`` begins (the survivors gave the switch's round up at their arrival deadline, or a survivor's vote
+        failed and the recovery of the old epoch dropped the grow)."""
+        return self._round_watch(plan, time.monotonic() + self.settings.rendezvous_timeout.total_seconds(),
+                                 arrival=False)
 
     def switch(self, old: Plan, old_group: ProcessGroupWrapper, new_group: ProcessGroupWrapper,
                t_decide: float, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:

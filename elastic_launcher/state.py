@@ -30,7 +30,7 @@ import torch.distributed as dist
 from elastic_launcher.errors import RendezvousTimeout, StateMismatch
 from elastic_launcher.process_group import ProcessGroupWrapper
 
-__all__ = ["TrainingState", "Snapshot"]
+__all__ = ["TrainingState", "Snapshot", "wait_posted"]
 
 _SMALL = 1  # tensors with at most this many elements travel pickled
 
@@ -283,7 +283,7 @@ class TrainingState:
             store.set(key, blob)
             skel = None
         else:
-            _wait_posted(store, key, timeout, give_up, poll)
+            wait_posted(store, key, timeout, give_up, poll)
             skel = pickle.loads(store.get(key))
             flat = self._receive_buffers(skel)
         nbytes = _broadcast_flat(group, flat, src)
@@ -340,10 +340,10 @@ def _iter_refs(o: Any):
             yield from _iter_refs(v)
 
 
-def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optional[Callable[[], str]],
-                 poll: float) -> None:
-    """Waits until ``key`` is in ``store``: up to ``timeout``, and while ``give_up()`` (if given: asked every
-    ``poll`` seconds) says nothing.
+def wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optional[Callable[[], str]],
+                poll: float, what: str = "state skeleton") -> None:
+    """Waits until ``key`` (``what``, for the error) is in ``store``: up to ``timeout``, and while ``give_up()`` (if
+    given: asked every ``poll`` seconds; a round's watch, ``EpochExecutor._round_watch``) says nothing.
 
     Raises:
         RendezvousTimeout: not posted in time, or ``give_up`` gave a reason.
@@ -352,7 +352,7 @@ def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optio
         try:
             store.wait([key], timeout)
         except Exception as e:  # noqa: BLE001 - the store raises a generic error on timeout
-            raise RendezvousTimeout(f"state skeleton {key} not posted within {timeout}") from e
+            raise RendezvousTimeout(f"{what} {key} not posted within {timeout}") from e
         return
     start = time.monotonic()
     deadline, asked = start + timeout.total_seconds(), -math.inf
@@ -362,7 +362,7 @@ def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optio
             asked = now
             why = give_up() or ("" if now < deadline else f"not posted within {timeout}")
             if why:
-                raise RendezvousTimeout(f"state skeleton {key}: {why}")
+                raise RendezvousTimeout(f"{what} {key}: {why}")
         # checked again after a quarter of the wait so far (1 ms at first, ``poll`` at most): a switch's receivers
         # see the skeleton within a quarter of the time the source took to post it, not a poll later
         time.sleep(min(poll, max(0.001, (now - start) / 4)))

@@ -15,12 +15,17 @@ import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.commit_protocol import CommitProtocol, Current
+from elastic_launcher.epoch_decisions import Phase
 from elastic_launcher.epochs import EpochExecutor, ExecutorSettings, PeerFailureRelay
 from elastic_launcher.errors import LeftGroup, ProcessGroupError, RendezvousTimeout
+from elastic_launcher.feed import DataFeed
 from elastic_launcher.membership import Coordinator, Membership, backoff
 from elastic_launcher.peer_watch import BeatClock
 from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.rendezvous_client import RendezvousClient
 from elastic_launcher.state import TrainingState
+from elastic_launcher.trainer_config import TrainerConfig
 from tests.unit.test_runtime_units import store  # noqa: F401 - a fixture
 
 
@@ -413,14 +418,24 @@ def test_a_state_source_hung_in_a_grows_switch_is_fenced_at_the_switchs_arrival_
     assert isinstance(results["a"], LeftGroup) and "recovered without it" in str(results["a"]), results["a"]
 
 
-def test_a_newcomers_wait_ends_when_the_survivors_recover_without_the_switch(store):
-    # #42: [a, b] armed the switch to [a, b, c], and c waits for its state; a hung (beating) before the switch's commit
-    # point, so b's vote timed out and b recovers from [a, b] (the switch never happened: the recovery drops the
-    # pending grow), fencing a at the recovery's arrival deadline. c's wait ends as b's recovery begins ("given up
-    # by another survivor"; it never trained, so it leaves, and the grow is asked for again). Before, c waited for a
-    # skeleton that never comes until rendezvous_timeout (60 s here).
+def test_a_newcomers_waits_end_when_the_survivors_recover_without_the_switch(store):
+    # #42: c, the newcomer of the grow [a, b] -> [a, b, c], waits for where its epoch starts (rank 0 publishes it when
+    # it arms the switch) and then for its state; a hung (beating) before that commit point, so b's vote timed out and
+    # b recovers from [a, b] (the switch never happened: the recovery drops the pending grow), fencing a at the
+    # recovery's arrival deadline. c's waits end as b's recovery begins ("given up by another survivor"; it never
+    # trained, so it leaves, and the grow is asked for again). Before, c waited rendezvous_timeout (60 s here) for
+    # each: a start and a state skeleton that never come.
     now = [0.0]
     coord, old, grow, workers = _grow(store, now, {})
+    ex = workers["c"][1]
+    # c's commit protocol as join() left it (its group built), entered by its loader's first call (enter_joined)
+    config = TrainerConfig(rendezvous_timeout=timedelta(seconds=60))
+    current = Current(phase=Phase.JOINING, plan=grow, group=_Group(2, 3))
+    rdzv = RendezvousClient(StoreAddr("127.0.0.1", store.port, "job"), "c", config, current)
+    rdzv.store = ex.store  # connected: the state channel
+    protocol = CommitProtocol(config, ex.state, current, rdzv, DataFeed(0, BatchPolicy(per_gpu_batch=4), ex.state,
+                                                                        current), torch.device("cpu"), "c")
+    protocol.executor = ex
     results: dict = {}
 
     def survivor() -> None:
@@ -432,7 +447,7 @@ def test_a_newcomers_wait_ends_when_the_survivors_recover_without_the_switch(sto
 
     def newcomer() -> None:
         try:
-            workers["c"][1].join(grow, _Group(2, 3), lambda: 0)
+            protocol.enter_joined(None, {})  # waits for the epoch's start (no loader: nothing else), then its state
             results["c"] = "joined"
         except Exception as e:  # noqa: BLE001 - asserted below
             results["c"] = e
@@ -440,7 +455,7 @@ def test_a_newcomers_wait_ends_when_the_survivors_recover_without_the_switch(sto
     threads = {"b": _run(survivor), "c": _run(newcomer)}
     try:
         _step_until(now, lambda: not any(t.is_alive() for t in threads.values()))
-        assert not threads["c"].is_alive(), "c still waits for the state of a switch that will not come"
+        assert not threads["c"].is_alive(), "c still waits for a switch that will not come"
         assert isinstance(results["c"], RendezvousTimeout) and "given up by another survivor" in str(results["c"]), \
             results["c"]
         assert results["b"][0].plan.members == ("b",) and coord.record().pending is None, results
