@@ -340,6 +340,9 @@ def _iter_refs(o: Any):
             yield from _iter_refs(v)
 
 
+CHECK_MAX_S = 0.005  # wait_posted: the longest sleep between two checks of the key (one store round trip each)
+
+
 def wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optional[Callable[[], str]],
                 poll: float, what: str = "state skeleton") -> None:
     """Waits until ``key`` (``what``, for the error) is in ``store``: up to ``timeout``, and while ``give_up()`` (if
@@ -363,9 +366,9 @@ def wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Option
             why = give_up() or ("" if now < deadline else f"not posted within {timeout}")
             if why:
                 raise RendezvousTimeout(f"{what} {key}: {why}")
-        # checked again after a quarter of the wait so far (1 ms at first, ``poll`` at most): a switch's receivers
-        # see the skeleton within a quarter of the time the source took to post it, not a poll later
-        time.sleep(min(poll, max(0.001, (now - start) / 4)))
+        # checked again after a quarter of the wait so far, 1 ms at first and CHECK_MAX_S at most: a switch's
+        # receivers (and a newcomer waiting for its loader start) see the key at most that late, not a poll later
+        time.sleep(min(CHECK_MAX_S, max(0.001, (now - start) / 4)))
 
 
 def _broadcast_flat(group: ProcessGroupWrapper, tensors: list[torch.Tensor], src: int) -> int:
