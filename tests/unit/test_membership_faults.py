@@ -371,7 +371,7 @@ def test_a_state_source_hung_in_a_grows_switch_is_fenced_at_the_switchs_arrival_
     # #42: [a, b] switch to [a, b, c] at a commit point; a, the state source (first survivor), hangs in its user's
     # extra state before it posts the state skeleton, beating all along. b gives the switch's round up at its arrival
     # deadline (3 s of the observers' clock from the vote), recovers from [a, b, c] as CommitProtocol does after a
-    # failed switch, and trains alone: a never arrived (fenced), nor did c, which left when b's recovery began. Before,
+    # failed switch, and trains alone: a never arrived (fenced), nor did c, whose wait ended as b's recovery began. Before,
     # b and c waited for the skeleton until rendezvous_timeout (60 s here), still waiting once the clock was past
     # every deadline.
     now = [0.0]
@@ -423,7 +423,7 @@ def test_a_newcomers_waits_end_when_the_survivors_recover_without_the_switch(sto
     # it arms the switch) and then for its state; a hung (beating) before that commit point, so b's vote timed out and
     # b recovers from [a, b] (the switch never happened: the recovery drops the pending grow), fencing a at the
     # recovery's arrival deadline. c's waits end as b's recovery begins ("given up by another survivor"; it never
-    # trained, so it leaves, and the grow is asked for again). Before, c waited rendezvous_timeout (60 s here) for
+    # trained, so it ends, and the grow is asked for again). Before, c waited rendezvous_timeout (60 s here) for
     # each: a start and a state skeleton that never come.
     now = [0.0]
     coord, old, grow, workers = _grow(store, now, {})
