@@ -131,7 +131,8 @@ class CommitProtocol:
         times["to_loader_s"] = t0 - t_joined if t_joined is not None else None
         def basis() -> Basis:
             return Basis(cur.group.rank(), tuple(self.executor.batches_for(cur.plan, cur.group.size())))
-        times.update(self.feed.load_ahead(pipe, cur.plan, basis, self.rdzv.loader_start))
+        watch = self.executor.entry_watch(cur.plan)  # a newcomer's wait ends as a recovery of its plan begins
+        times.update(self.feed.load_ahead(pipe, cur.plan, basis, lambda pid: self.rdzv.loader_start(pid, watch)))
         times["load_ahead_s"] = time.perf_counter() - t0
         epoch, rec = self.executor.join(cur.plan, cur.group, self.step)
         rec["join_s"] = times

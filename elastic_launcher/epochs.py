@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -263,8 +264,11 @@ class EpochExecutor:
         prev = self.membership.plan(plan.prev) if plan.kind != "initial" and plan.prev != 0 else None
         return source_rank(plan, prev)
 
-    def _broadcast_state(self, group: ProcessGroupWrapper, src: int, plan: Plan) -> int:
-        return self.state.broadcast(group, src, self.store, keys.state(plan.id), self.settings.rendezvous_timeout)
+    def _broadcast_state(self, group: ProcessGroupWrapper, src: int, plan: Plan, watch: Callable[[], str]) -> int:
+        """Moves rank ``src``'s state to every rank of ``group``: a receiver waits for the state skeleton while
+        ``watch()`` (:meth:`_round_watch`) says nothing."""
+        return self.state.broadcast(group, src, self.store, keys.state(plan.id), self.settings.rendezvous_timeout,
+                                    give_up=watch, poll=self.membership.heartbeat_interval.total_seconds() / 2)
 
     # ---- entering an epoch ----------------------------------------------------------------------------------
     def enter(self, plan: Plan, group: ProcessGroupWrapper, step_fn: Callable[[], int]) -> Epoch:
@@ -309,12 +313,19 @@ class EpochExecutor:
     # ---- transitions ----------------------------------------------------------------------------------------
     def join(self, plan: Plan, group: ProcessGroupWrapper, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
         """First entry into ``plan``: receive the state from its first survivor (rank 0 initially). Returns the
-        epoch and its pending switch record (completed at the first commit point)."""
+        epoch and its pending switch record (completed at the first commit point).
+
+        A newcomer's wait for the state skeleton is watched by :meth:`entry_watch`.
+
+        Raises:
+            RendezvousTimeout: the state did not come (a newcomer never trained: it ends, and the survivors'
+                recovery of ``plan`` goes on without it).
+        """
         t0 = time.perf_counter()
         on_switch = getattr(self.fault, "on_switch", None)
         if on_switch is not None and plan.kind != "initial":
             on_switch("join")  # test seam: a newcomer dies during the switch's state broadcast
-        self._broadcast_state(group, self._source(plan), plan)
+        self._broadcast_state(group, self._source(plan), plan, self.entry_watch(plan))
         t1 = time.perf_counter()
         if self.state.sampler is not None:
             self.state.sampler.prefetch()
@@ -332,18 +343,36 @@ class EpochExecutor:
         self.membership.mark_left()
         events.info("left at epoch %d -> %d", old.id, pid, extra={"wid": self.wid, "step": step})
 
+    def entry_watch(self, plan: Plan) -> Callable[[], str]:
+        """The watch of a member's waits on its first entry into ``plan`` (:meth:`_round_watch`, up to
+        ``rendezvous_timeout`` from now): a newcomer's wait for where the epoch starts and for its state. It has no
+        arrival deadline of its own: the wait began before the survivors reached the switch (they train on until
+        the commit point that finds everyone ready), so it ends when a member of ``plan`` is silent or a recovery of
+        ``plan`` begins (the survivors gave the switch's round up at their arrival deadline, or a survivor's vote
+        failed and the recovery of the old epoch dropped the grow)."""
+        return self._round_watch(plan, time.monotonic() + self.settings.rendezvous_timeout.total_seconds(),
+                                 arrival=False)
+
     def switch(self, old: Plan, old_group: ProcessGroupWrapper, new_group: ProcessGroupWrapper,
                t_decide: float, step_fn: Callable[[], int]) -> tuple[Epoch, dict]:
-        """Moves to the posted next plan on its prepared group: newcomers receive the state."""
+        """Moves to the posted next plan on its prepared group: newcomers receive the state. The state's move is a
+        round with the arrival deadline (:meth:`_round_watch`, from the vote on): a state source that hangs before
+        it posts the skeleton, beating on, is given up at it, and the survivors recover from the new plan (which
+        fences it at that recovery's own arrival deadline).
+
+        Raises:
+            RendezvousTimeout, ProcessGroupError: the state did not move (the caller recovers from the new plan).
+        """
         nxt = self.membership.next_plan()
         if nxt is None:
             raise ProcessGroupError(f"switch from epoch {old.id} voted but no next plan is posted")
+        watch = self._round_watch(nxt, time.monotonic() + self.settings.rendezvous_timeout.total_seconds())
         t0 = time.perf_counter()
         old_group.abort()
         t1 = time.perf_counter()
         nbytes = 0
         if any(m not in old.members for m in nxt.members):
-            nbytes = self._broadcast_state(new_group, self._source(nxt), nxt)
+            nbytes = self._broadcast_state(new_group, self._source(nxt), nxt, watch)
         t2 = time.perf_counter()
         epoch = self.enter(nxt, new_group, step_fn)
         t3 = time.perf_counter()
@@ -415,16 +444,17 @@ class EpochExecutor:
                                     f"{self.settings.rendezvous_timeout.total_seconds():g} s (at epoch {failed.id})")
         return timedelta(seconds=left)
 
-    def _round_watch(self, plan: Plan, deadline: float) -> Callable[[], str]:
-        """Why to give up the round that builds ``plan``'s group and moves the state, asked while it waits ("": go
-        on): a member's beat stopped for ``heartbeat_timeout`` (it died after the decision), another survivor gave
-        up on the plan, ``deadline`` passed, or the round's arrival deadline did (``Membership.arrival_timeout``
-        from now on the membership's clock: a member that adopted the plan and hung, beating on, before it built
-        its group or, as the state source, before it posted the skeleton; the recovery from this plan fences it at
-        that recovery's own arrival deadline)."""
+    def _round_watch(self, plan: Plan, deadline: float, arrival: bool = True) -> Callable[[], str]:
+        """Why to give up a round that moves to ``plan`` (a recovery's build and state, a switch's state, a
+        newcomer's state), asked while it waits ("": go on): a member's beat stopped for ``heartbeat_timeout`` (it
+        died after the decision), another survivor gave up on the plan (a recovery of it began), ``deadline``
+        passed, or, with ``arrival``, the round's arrival deadline did (``Membership.arrival_timeout`` from now on
+        the membership's clock: a member that hung, beating on, before it built its group or, as the state source,
+        before it posted the skeleton; the recovery from this plan fences it at that recovery's own arrival
+        deadline)."""
         m = self.membership
         arrival_s = m.arrival_timeout.total_seconds()
-        arrival = m.clock() + arrival_s
+        arrival_at = m.clock() + arrival_s if arrival else math.inf
 
         def why() -> str:
             silent = m.silent_members(plan)
@@ -434,7 +464,7 @@ class EpochExecutor:
                 return "given up by another survivor"
             if time.monotonic() > deadline:
                 return "deadline"
-            if m.clock() > arrival:
+            if m.clock() > arrival_at:
                 return f"arrival deadline: the round of epoch {plan.id} not complete after {arrival_s:g} s"
             return ""
         return why
@@ -445,9 +475,7 @@ class EpochExecutor:
         why it failed (a peer failed, or the round was given up on; the group is aborted)."""
         self.state.restore()
         try:
-            self.state.broadcast(group, self._newest_commit(group), self.store, keys.state(plan.id),
-                                 self.settings.rendezvous_timeout, give_up=watch,
-                                 poll=self.membership.heartbeat_interval.total_seconds() / 2)
+            self._broadcast_state(group, self._newest_commit(group), plan, watch)
         except Exception as e:  # noqa: BLE001 - a survivor died or hung since the decision: recover from this plan
             logger.warning("recovery epoch %d: state broadcast failed: %s", plan.id, e)
             group.abort()

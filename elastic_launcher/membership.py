@@ -24,7 +24,8 @@ each re-decides on the latest record (``rendezvous_state.decide_recovery_step``:
 until the survivors' plan is written, so any survivor finishes a recovery or a switch a dead one began; there is
 no leader. A member counts as alive when it arrived and its beat changed after that, as dead when its beat has not
 changed for ``heartbeat_timeout``, both by the observer's own monotonic clock. A recovery supersedes a pending
-resize of the same epoch; its newcomers time out and the controller re-requests the resize. A switch that reached
+resize of the same epoch; its newcomers give their waits for the start and the state up as it begins
+(``EpochExecutor.entry_watch``) and end, and the controller re-requests the resize. A switch that reached
 some ranks only (its vote failed on the others) is one recovery of whichever of the two plans the record holds,
 among the members of both (``rendezvous_state.resolve_failed``).
 """

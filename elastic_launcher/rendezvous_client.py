@@ -15,6 +15,7 @@ from elastic_launcher.epochs import NextEpoch, PeerFailureRelay
 from elastic_launcher.errors import ProcessGroupError
 from elastic_launcher.membership import Membership, Plan
 from elastic_launcher.process_group import ProcessGroupWrapper, StoreAddr, connect_store
+from elastic_launcher.state import wait_posted
 from elastic_launcher.trainer_config import TrainerConfig
 
 __all__ = ["RendezvousClient"]
@@ -88,10 +89,16 @@ class RendezvousClient:
         """Where epoch ``plan_id`` starts (``keys.loader_start``): newcomers' loaders read ahead from there."""
         self.store.set(keys.loader_start(plan_id), json.dumps({"step": step, "epoch": epoch, "pos": pos}))
 
-    def loader_start(self, plan_id: int) -> dict:
-        """What :meth:`publish_loader_start` wrote for ``plan_id``, waited for up to ``rendezvous_timeout``."""
+    def loader_start(self, plan_id: int, give_up: Optional[Callable[[], str]] = None) -> dict:
+        """What :meth:`publish_loader_start` wrote for ``plan_id``, waited for up to ``rendezvous_timeout`` and while
+        ``give_up()`` (a newcomer's round watch, ``EpochExecutor.entry_watch``) says nothing.
+
+        Raises:
+            RendezvousTimeout: not published in time, or ``give_up`` gave a reason.
+        """
         key = keys.loader_start(plan_id)
-        self.store.wait([key], self.config.rendezvous_timeout)
+        wait_posted(self.store, key, self.config.rendezvous_timeout, give_up,
+                    self.config.heartbeat_interval.total_seconds() / 2, "loader start")
         return json.loads(self.store.get(key))
 
     def stop(self) -> None:

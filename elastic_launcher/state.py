@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 
 import io
+import math
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from elastic_launcher.errors import RendezvousTimeout, StateMismatch
 from elastic_launcher.process_group import ProcessGroupWrapper
 
-__all__ = ["TrainingState", "Snapshot"]
+__all__ = ["TrainingState", "Snapshot", "wait_posted"]
 
 _SMALL = 1  # tensors with at most this many elements travel pickled
 
@@ -267,8 +268,8 @@ class TrainingState:
             key: store key of the skeleton (unique per broadcast).
             timeout: bound for receivers waiting on the skeleton.
             give_up: asked every ``poll`` seconds while a receiver waits on the skeleton: a reason to stop waiting
-                ("" to go on; a recovery's round watch: the source is silent, or the round's arrival deadline
-                passed).
+                ("" to go on; a round's watch, ``EpochExecutor._round_watch``: the source is silent, a recovery of
+                the plan began, or the round's arrival deadline passed).
 
         Returns:
             bytes moved by the collective broadcast.
@@ -282,7 +283,7 @@ class TrainingState:
             store.set(key, blob)
             skel = None
         else:
-            _wait_posted(store, key, timeout, give_up, poll)
+            wait_posted(store, key, timeout, give_up, poll)
             skel = pickle.loads(store.get(key))
             flat = self._receive_buffers(skel)
         nbytes = _broadcast_flat(group, flat, src)
@@ -339,10 +340,13 @@ def _iter_refs(o: Any):
             yield from _iter_refs(v)
 
 
-def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optional[Callable[[], str]],
-                 poll: float) -> None:
-    """Waits until ``key`` is in ``store``: up to ``timeout``, and while ``give_up()`` (if given: asked every
-    ``poll`` seconds) says nothing.
+CHECK_MAX_S = 0.005  # wait_posted: the longest sleep between two checks of the key (one store round trip each)
+
+
+def wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optional[Callable[[], str]],
+                poll: float, what: str = "state skeleton") -> None:
+    """Waits until ``key`` (``what``, for the error) is in ``store``: up to ``timeout``, and while ``give_up()`` (if
+    given: asked every ``poll`` seconds; a round's watch, ``EpochExecutor._round_watch``) says nothing.
 
     Raises:
         RendezvousTimeout: not posted in time, or ``give_up`` gave a reason.
@@ -351,14 +355,20 @@ def _wait_posted(store: dist.Store, key: str, timeout: timedelta, give_up: Optio
         try:
             store.wait([key], timeout)
         except Exception as e:  # noqa: BLE001 - the store raises a generic error on timeout
-            raise RendezvousTimeout(f"state skeleton {key} not posted within {timeout}") from e
+            raise RendezvousTimeout(f"{what} {key} not posted within {timeout}") from e
         return
-    deadline = time.monotonic() + timeout.total_seconds()
+    start = time.monotonic()
+    deadline, asked = start + timeout.total_seconds(), -math.inf
     while not store.check([key]):
-        why = give_up() or ("" if time.monotonic() < deadline else f"not posted within {timeout}")
-        if why:
-            raise RendezvousTimeout(f"state skeleton {key}: {why}")
-        time.sleep(poll)
+        now = time.monotonic()
+        if now - asked >= poll:
+            asked = now
+            why = give_up() or ("" if now < deadline else f"not posted within {timeout}")
+            if why:
+                raise RendezvousTimeout(f"{what} {key}: {why}")
+        # checked again after a quarter of the wait so far, 1 ms at first and CHECK_MAX_S at most: a switch's
+        # receivers (and a newcomer waiting for its loader start) see the key at most that late, not a poll later
+        time.sleep(min(CHECK_MAX_S, max(0.001, (now - start) / 4)))
 
 
 def _broadcast_flat(group: ProcessGroupWrapper, tensors: list[torch.Tensor], src: int) -> int:

@@ -130,7 +130,8 @@ def create_app(config: Config | None = None, *, predictor_factory: Callable | No
     app.before_request(refuse_unsized_overflow)
     app.json.sort_keys = False
     store = Store(config.db_path, decision_retention=DecisionRetention(
-        max_rows=config.decisions_keep, max_age=config.decisions_max_age, max_bytes=config.decisions_max_bytes))
+        max_rows=config.decisions_keep, max_age=config.decisions_max_age, max_bytes=config.decisions_max_bytes,
+        unclaimed_max_age=config.decisions_unclaimed_max_age))
     store.migrate()
     models = ModelCache(store, predictor_factory or default_predictor_factory, debounce=config.refit_debounce,
                         poll=config.refit_poll, cache_size=config.prediction_cache_size,

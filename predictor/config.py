@@ -26,6 +26,8 @@ Environment (read only by `Config.from_env`):
     ELASTIC_PREDICTOR_DECISIONS_KEEP      decisions kept at most (default 100000; the oldest are pruned)
     ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS  decisions older than this are pruned (default 90)
     ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES request and response text the decisions may hold (default 512 MiB)
+    ELASTIC_PREDICTOR_DECISIONS_UNCLAIMED_MAX_AGE_S  seconds an unclaimed decision (job_submit's, no job seen holding
+                                  it: maybe `sbatch --test-only`'s) is kept (default 86400)
     ELASTIC_PREDICTOR_JOB_WRITE_QUOTA_BYTES  observation bytes one job credential may store (default 64 MiB)
     ELASTIC_PREDICTOR_TOKEN_WRITE_QUOTA_BYTES  observation bytes the tool token may store a day (UTC; default 1 GiB)
     ELASTIC_PREDICTOR_PLOT_PRERENDER  1 (the default here, not in `Config()`): each worker draws the admin
@@ -60,6 +62,7 @@ ENV_CACHE_BYTES = "ELASTIC_PREDICTOR_CACHE_BYTES"
 ENV_DECISIONS_KEEP = "ELASTIC_PREDICTOR_DECISIONS_KEEP"
 ENV_DECISIONS_MAX_AGE = "ELASTIC_PREDICTOR_DECISIONS_MAX_AGE_DAYS"
 ENV_DECISIONS_MAX_BYTES = "ELASTIC_PREDICTOR_DECISIONS_MAX_BYTES"
+ENV_DECISIONS_UNCLAIMED_MAX_AGE = "ELASTIC_PREDICTOR_DECISIONS_UNCLAIMED_MAX_AGE_S"
 ENV_PLOT_PRERENDER = "ELASTIC_PREDICTOR_PLOT_PRERENDER"
 ENV_JOB_WRITE_QUOTA = "ELASTIC_PREDICTOR_JOB_WRITE_QUOTA_BYTES"
 ENV_TOKEN_WRITE_QUOTA = "ELASTIC_PREDICTOR_TOKEN_WRITE_QUOTA_BYTES"
@@ -69,6 +72,7 @@ _FIELD_ENV = {"max_body_bytes": ENV_MAX_BODY, "prediction_cache_size": ENV_CACHE
               "job_recent": ENV_JOB_RECENT, "plan_cache_ttl": ENV_PLAN_CACHE_TTL,
               "prediction_cache_bytes": ENV_CACHE_BYTES, "decisions_keep": ENV_DECISIONS_KEEP,
               "decisions_max_age": ENV_DECISIONS_MAX_AGE, "decisions_max_bytes": ENV_DECISIONS_MAX_BYTES,
+              "decisions_unclaimed_max_age": ENV_DECISIONS_UNCLAIMED_MAX_AGE,
               "job_write_quota_bytes": ENV_JOB_WRITE_QUOTA, "token_write_quota_bytes": ENV_TOKEN_WRITE_QUOTA}
 
 
@@ -114,6 +118,8 @@ class Config:
         decisions_keep: decisions kept at most (the newest; predictor.store.DecisionRetention).
         decisions_max_age: decisions older than this are pruned.
         decisions_max_bytes: bytes of request and response text the decisions may hold.
+        decisions_unclaimed_max_age: an unclaimed decision (asked by job_submit, no job seen holding it yet: it may
+            have been `sbatch --test-only`'s, #42.6) older than this is deleted.
         plot_prerender: draw the admin page's default plots in the background for every new model version
             before anyone asks (on for `serve` through `from_env`; off in `Config()`, so embedding code and
             tests start no drawing they did not ask for).
@@ -147,6 +153,7 @@ class Config:
     decisions_keep: int = 100_000
     decisions_max_age: timedelta = timedelta(days=90)
     decisions_max_bytes: int = 512 * 1024 * 1024
+    decisions_unclaimed_max_age: timedelta = timedelta(days=1)
     plot_prerender: bool = False
     fits: bool = True
     open_writes: bool = True
@@ -180,6 +187,9 @@ class Config:
             raise ValidationError("decisions_max_age", "must be > 0 days")
         if self.decisions_max_bytes < 64 * 1024:
             raise ValidationError("decisions_max_bytes", "must be at least 65536")
+        if self.decisions_unclaimed_max_age <= timedelta(0):
+            raise ValidationError("decisions_unclaimed_max_age",
+                                  f"must be > 0 s, got {self.decisions_unclaimed_max_age.total_seconds():g}")
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (the object itself stays frozen)."""
@@ -270,6 +280,7 @@ _ENV_FIELDS = (
     (ENV_DECISIONS_KEEP, "decisions_keep", _int_var),
     (ENV_DECISIONS_MAX_AGE, "decisions_max_age", _days_var),
     (ENV_DECISIONS_MAX_BYTES, "decisions_max_bytes", _int_var),
+    (ENV_DECISIONS_UNCLAIMED_MAX_AGE, "decisions_unclaimed_max_age", _seconds_var),
     (ENV_JOB_WRITE_QUOTA, "job_write_quota_bytes", _int_var),
     (ENV_TOKEN_WRITE_QUOTA, "token_write_quota_bytes", _int_var),
     (ENV_REPLAY_DIR, "replay_dir", _str_var),

@@ -1,7 +1,8 @@
 """#42: no single fault wedges a job. A store error in the heartbeat is retried (the worker stays); a beat that
 cannot be written for ``heartbeat_timeout`` ends the worker with a reason; a member that beats but never arrives at
-a recovery is fenced out at the arrival deadline and the survivors go on (its node rejoining: test_resize_tick).
-Clocks are stepped by the tests (no real-time windows)."""
+a recovery is fenced out at the arrival deadline and the survivors go on (its node rejoining: test_resize_tick); so
+is a state source that hangs in a recovery's or a grow's state round, and a newcomer's wait for its state ends when
+the survivors give the round up. Clocks are stepped by the tests (no real-time windows)."""
 from __future__ import annotations
 
 import threading
@@ -14,12 +15,17 @@ import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.batch_policy import BatchPolicy
+from elastic_launcher.commit_protocol import CommitProtocol, Current
+from elastic_launcher.epoch_decisions import Phase
 from elastic_launcher.epochs import EpochExecutor, ExecutorSettings, PeerFailureRelay
-from elastic_launcher.errors import LeftGroup
+from elastic_launcher.errors import LeftGroup, ProcessGroupError, RendezvousTimeout
+from elastic_launcher.feed import DataFeed
 from elastic_launcher.membership import Coordinator, Membership, backoff
 from elastic_launcher.peer_watch import BeatClock
 from elastic_launcher.process_group import StoreAddr, connect_store
+from elastic_launcher.rendezvous_client import RendezvousClient
 from elastic_launcher.state import TrainingState
+from elastic_launcher.trainer_config import TrainerConfig
 from tests.unit.test_runtime_units import store  # noqa: F401 - a fixture
 
 
@@ -305,3 +311,156 @@ def test_a_state_source_hung_before_posting_the_skeleton_is_fenced_at_the_rounds
         ha.m.stop()
         hb.m.stop()
     assert isinstance(results["a"], LeftGroup) and "recovered without it" in str(results["a"]), results["a"]
+
+
+# ---- a grow's switch and its newcomer's wait have the arrival deadline too -------------------------------------
+class _Group:
+    """A stand-in for a plan's group in which no collective completes (the others gave the round up): its rank and
+    size; a broadcast fails; abort does nothing."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def abort(self) -> None:
+        pass
+
+    def broadcast(self, tensors, src):
+        raise ProcessGroupError("stand-in group: the others gave the round up")
+
+
+def _grow(store, now: list, extras_a: dict):
+    """[a, b] trains, a grow to [a, b, c] is posted and a and b have read it (their heartbeat threads); c, the
+    newcomer, beats. Returns the coordinator, both plans and each worker's (host, executor)."""
+    coord = Coordinator(dist.PrefixStore("job", store))
+    old = coord.start(["a", "b"])
+    workers = {w: _executor(store, w, now, extras_a if w == "a" else {}) for w in "abc"}
+    for w, (host, _) in workers.items():
+        if w != "c":
+            host.m.watch(old)
+        host.m.start()
+    grow = coord.request_resize(["a", "b", "c"])
+    limit = time.monotonic() + 20
+    while any(workers[w][0].m.next_plan() != grow for w in "ab") and time.monotonic() < limit:
+        time.sleep(0.01)
+    assert all(workers[w][0].m.next_plan() == grow for w in "ab"), "the survivors never read the posted grow"
+    return coord, old, grow, workers
+
+
+def _run(target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def _step_until(now: list, done, limit_s: float = 20.0) -> None:
+    """Steps the test's clock by 0.25 s every 20 ms of real time until ``done()`` (or ``limit_s`` real seconds:
+    a third of the rendezvous_timeout of 60 s the waits had before)."""
+    limit = time.monotonic() + limit_s
+    while not done() and time.monotonic() < limit:
+        now[0] += 0.25
+        time.sleep(0.02)
+
+
+def test_a_state_source_hung_in_a_grows_switch_is_fenced_at_the_switchs_arrival_deadline(store):
+    # #42: [a, b] switch to [a, b, c] at a commit point; a, the state source (first survivor), hangs in its user's
+    # extra state before it posts the state skeleton, beating all along. b gives the switch's round up at its arrival
+    # deadline (3 s of the observers' clock from the vote), recovers from [a, b, c] as CommitProtocol does after a
+    # failed switch, and trains alone: a never arrived (fenced), nor did c, whose wait ended as b's recovery began. Before,
+    # b and c waited for the skeleton until rendezvous_timeout (60 s here), still waiting once the clock was past
+    # every deadline.
+    now = [0.0]
+    stuck = _Stuck()
+    coord, old, grow, workers = _grow(store, now, {"user": stuck})
+    results: dict = {}
+
+    def survivor(w: str) -> None:
+        ex, new = workers[w][1], _Group(grow.rank_of(w), 3)
+        try:
+            ex.switch(old, _Group(old.rank_of(w), 2), new, 0.0, lambda: 4)
+            results[w] = "switched"
+        except RuntimeError as e:  # CommitProtocol._apply: a failed switch recovers from the new plan
+            try:
+                results[w] = ex.recover(grow, new, e, False, 0, 1, lambda: 4)
+            except Exception as e2:  # noqa: BLE001 - asserted below
+                results[w] = e2
+
+    def newcomer() -> None:
+        try:
+            workers["c"][1].join(grow, _Group(2, 3), lambda: 0)
+            results["c"] = "joined"
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results["c"] = e
+
+    stuck.hang.set()
+    threads = {"a": _run(survivor, "a"), "b": _run(survivor, "b"), "c": _run(newcomer)}
+    try:
+        assert stuck.entered.wait(20), f"a never became the state source: {results}"
+        _step_until(now, lambda: not threads["b"].is_alive() and not threads["c"].is_alive())
+        assert not threads["b"].is_alive(), "b still waits for the hung source's state skeleton"
+        epoch, rec = results["b"]
+        assert epoch.plan.members == ("b",) and coord.record().epoch.members == ("b",), results
+        assert "arrival deadline" in rec["error"], rec  # the switch's round, given up at its deadline
+        assert workers["b"][1].state.counters["step"] == 4  # the switch's commit point
+        assert isinstance(results["c"], RendezvousTimeout) and "given up by another survivor" in str(results["c"]), \
+            results["c"]
+    finally:
+        stuck.go.set()
+        for t in threads.values():
+            t.join(30)
+        for host, _ in workers.values():
+            host.m.stop()
+    assert isinstance(results["a"], LeftGroup) and "recovered without it" in str(results["a"]), results["a"]
+
+
+def test_a_newcomers_waits_end_when_the_survivors_recover_without_the_switch(store):
+    # #42: c, the newcomer of the grow [a, b] -> [a, b, c], waits for where its epoch starts (rank 0 publishes it when
+    # it arms the switch) and then for its state; a hung (beating) before that commit point, so b's vote timed out and
+    # b recovers from [a, b] (the switch never happened: the recovery drops the pending grow), fencing a at the
+    # recovery's arrival deadline. c's waits end as b's recovery begins ("given up by another survivor"; it never
+    # trained, so it ends, and the grow is asked for again). Before, c waited rendezvous_timeout (60 s here) for
+    # each: a start and a state skeleton that never come.
+    now = [0.0]
+    coord, old, grow, workers = _grow(store, now, {})
+    ex = workers["c"][1]
+    # c's commit protocol as join() left it (its group built), entered by its loader's first call (enter_joined)
+    config = TrainerConfig(rendezvous_timeout=timedelta(seconds=60))
+    current = Current(phase=Phase.JOINING, plan=grow, group=_Group(2, 3))
+    rdzv = RendezvousClient(StoreAddr("127.0.0.1", store.port, "job"), "c", config, current)
+    rdzv.store = ex.store  # connected: the state channel
+    protocol = CommitProtocol(config, ex.state, current, rdzv, DataFeed(0, BatchPolicy(per_gpu_batch=4), ex.state,
+                                                                        current), torch.device("cpu"), "c")
+    protocol.executor = ex
+    results: dict = {}
+
+    def survivor() -> None:
+        try:
+            results["b"] = workers["b"][1].recover(old, _Group(1, 2), RuntimeError("vote timed out"), False, 0, 1,
+                                                   lambda: 4)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results["b"] = e
+
+    def newcomer() -> None:
+        try:
+            protocol.enter_joined(None, {})  # waits for the epoch's start (no loader: nothing else), then its state
+            results["c"] = "joined"
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results["c"] = e
+
+    threads = {"b": _run(survivor), "c": _run(newcomer)}
+    try:
+        _step_until(now, lambda: not any(t.is_alive() for t in threads.values()))
+        assert not threads["c"].is_alive(), "c still waits for a switch that will not come"
+        assert isinstance(results["c"], RendezvousTimeout) and "given up by another survivor" in str(results["c"]), \
+            results["c"]
+        assert results["b"][0].plan.members == ("b",) and coord.record().pending is None, results
+    finally:
+        for t in threads.values():
+            t.join(30)
+        for host, _ in workers.values():
+            host.m.stop()

@@ -128,6 +128,40 @@ def test_an_unclaimed_decision_expires_and_a_claimed_one_stays(tmp_path):
         store.close()
 
 
+
+def test_the_unclaimed_age_is_a_service_setting_read_from_the_environment_and_applied(tmp_path):
+    # #42.6: how long an unclaimed decision lives was fixed at 1 day (DecisionRetention's default); it is the
+    # service's ELASTIC_PREDICTOR_DECISIONS_UNCLAIMED_MAX_AGE_S. Set to one hour, a decision unclaimed for two is gone
+    # at the next write and one unclaimed for half an hour stays (at the default both would stay).
+    var = "ELASTIC_PREDICTOR_DECISIONS_UNCLAIMED_MAX_AGE_S"
+    config = Config.from_env({var: "3600"})
+    assert config.decisions_unclaimed_max_age == timedelta(hours=1)
+    assert Config().decisions_unclaimed_max_age == timedelta(days=1)
+    app = seeded_app(tmp_path, decisions_unclaimed_max_age=config.decisions_unclaimed_max_age)
+    client, store = app.test_client(), app.extensions["elastic_predictor"].store
+    try:
+        old, recent = (client.post("/v1/plan", json=PLAN).get_json()["decision_id"] for _ in range(2))
+        store.db.execute("UPDATE decisions SET created_at_s = created_at_s - CASE id WHEN ? THEN 7200 ELSE 1800 END",
+                         [int(old[2:])])
+        store.db.conn.commit()
+        new = client.post("/v1/plan", json=PLAN).get_json()["decision_id"]
+        assert [d["decision_id"] for d in client.get("/v1/decisions").get_json()["decisions"]] == [new, recent]
+    finally:
+        app.extensions["elastic_predictor"].models.stop()
+        store.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "a day", "nan", "inf"])
+def test_a_bad_unclaimed_age_is_refused_naming_the_variable(value):
+    var = "ELASTIC_PREDICTOR_DECISIONS_UNCLAIMED_MAX_AGE_S"
+    with pytest.raises(ValidationError) as err:
+        Config.from_env({var: value})
+    assert err.value.field == var and str(err.value).startswith(f"{var}: "), str(err.value)
+    with pytest.raises(ValidationError) as err:
+        Config(decisions_unclaimed_max_age=timedelta(0))
+    assert err.value.field == "decisions_unclaimed_max_age"
+
+
 TEST_ONLY = json.loads((pathlib.Path(__file__).parents[1] / "vectors" / "test_only.json").read_text())["cases"]
 SENDS = [(c["name"], s) for c in TEST_ONLY for s in c["sends"]]
 
