@@ -179,7 +179,13 @@ def test_a_peer_30_s_off_is_neither_dead_nor_alive_by_its_wall_clock(store, offs
             time.sleep(0.02)            # the survivors' turn; missing some changes nothing
         assert all(t.is_alive() for t in threads), "decided before stale was silent for the heartbeat timeout"
         deadline = time.monotonic() + 30
+
+        def beats():
+            return [store.get(f"elastic/hb/{w}") for w in hosts]
         while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            seen = beats()   # the clock steps only once every live host has beaten since the last step: a beat
+            while any(x == y for x, y in zip(beats(), seen)) and time.monotonic() < deadline:   # thread starved
+                time.sleep(0.01)   # on a loaded host is not a silence on the observers' clock
             now[0] += 0.25              # stale's silence grows; skewed's beat keeps changing, so it never is silent
             time.sleep(0.05)
         plans = {w: h.result.get("plan") for w, h in hosts.items()}
