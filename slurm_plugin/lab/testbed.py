@@ -208,7 +208,7 @@ class Testbed:
                                           f"--gpus {was} or stop it first (testbed down)")
         ctld_running = self._pid(self._daemon("slurmctld")) is not None
         if self._prepare() and ctld_running:
-            self.reconfigure()
+            self.client.reconfigure()   # not `reconfigure()`: slurmd may be down here; all nodes are waited for below
         timings["prepare"] = time.monotonic() - t0
         for d in self.daemons():
             t = time.monotonic()
@@ -287,8 +287,26 @@ class Testbed:
         return [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
     def reconfigure(self) -> None:
-        """`scontrol reconfigure` (slurmctld re-reads slurm.conf and job_submit plugins)."""
+        """`scontrol reconfigure` (slurmctld re-reads slurm.conf and job_submit plugins), then wait until every node
+        has registered again: 24.11's reconfigure restarts slurmctld, whose nodes read `unknown` until their slurmd
+        answers, and a job asked for meanwhile is refused ("Requested node configuration is not available"; seen
+        with `sbatch --test-only` right after a test installed the hook). 22.05 keeps its nodes: one query.
+
+        :raises TestbedError: a node still reads unknown after `start_timeout`.
+        """
         self.client.reconfigure()
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        while True:
+            try:
+                unknown = [n.name for n in self.client.nodes() if n.state.split("+")[0] == "unknown"]
+            except SlurmError as exc:   # the restarted slurmctld not answering yet
+                unknown = [f"all ({exc})"]
+            if not unknown:
+                return
+            if time.monotonic() > deadline:
+                raise TestbedError("slurmctld", f"nodes not registered {self.config.start_timeout.total_seconds():g}"
+                                                f" s after scontrol reconfigure: {', '.join(unknown)}")
+            time.sleep(0.1)
 
     # -- fault injection (tests/integration/test_faults_slurm.py) --------------------------------
     def kill_daemon(self, name: str) -> int:
