@@ -79,10 +79,12 @@ class _Reconfiguring:
         return [Node(f"node{i}", state, 4, 0, None, ("debug",)) for i in (1, 2)]
 
 
-def _bed(tmp_path, client, timeout_s=60):
+def _bed(tmp_path, client, timeout_s=60, dead=()):
+    """A lab on `client` whose daemons all run but the slurmd of the nodes in `dead`."""
     bed = Testbed(testbed_conf.TestbedConfig(lab=tmp_path / "lab", port_base=17000,
                                              start_timeout=timedelta(seconds=timeout_s)))
     bed.client = client
+    bed._pid = lambda d: None if d.name.removeprefix("slurmd-") in dead else 1
     return bed
 
 
@@ -97,3 +99,13 @@ def test_reconfigure_names_the_nodes_still_unknown_at_its_deadline(tmp_path, mon
     monkeypatch.setattr("slurm_plugin.lab.testbed.time.sleep", lambda s: None)
     with pytest.raises(TestbedError, match=r"nodes not registered 0 s after scontrol reconfigure: node1, node2"):
         _bed(tmp_path, _Reconfiguring(unknown_reads=10**6), timeout_s=0).reconfigure()
+
+
+def test_a_node_whose_slurmd_is_down_is_not_waited_for(tmp_path, monkeypatch):
+    # a fault test restarts slurmctld while it has killed a node's slurmd: that node stays unknown, the rest register
+    monkeypatch.setattr("slurm_plugin.lab.testbed.time.sleep", lambda s: None)
+    client = _Reconfiguring(unknown_reads=10**6)
+    client.nodes = lambda timeout=None: [Node("node1", "idle", 4, 0, None, ()), Node("node2", "unknown", 4, 0, None, ())]
+    _bed(tmp_path, client, dead=("node2",)).reconfigure()
+    with pytest.raises(TestbedError, match=r": node2$"):
+        _bed(tmp_path, client, timeout_s=0).reconfigure()
