@@ -1,3 +1,6 @@
+"""Right after a slurmctld restart, what do the nodes read? Usage (from a checkout, the lab up):
+    python restart_probe.py LAB PORT_BASE SLURM_VERSION N
+Each of N rounds: `Testbed.stop_controller(kill=True)`, `start_controller()`, then every node's state and `is_up()`."""
 import sys, time
 from pathlib import Path
 from slurm_plugin.lab.testbed import Testbed
