@@ -55,7 +55,8 @@ log = logging.getLogger("slurm_plugin.client")
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """A compute node. `state` is Slurm's base state in lower case (idle, mixed, allocated, down...);
+    """A compute node. `state` is Slurm's base state in lower case (idle, mixed, allocated, down...), then its
+    flags sorted, joined with `+` (`idle+drain`: only a plain `idle` node is free), the same on every backend;
     `switch` is the lowest-level switch above the node in topology.conf, None without topology;
     `gpu_type` its GPUs' GRES type as slurm.conf names it (`Gres=gpu:h100:4`), None for untyped GPUs."""
 
@@ -463,7 +464,7 @@ class PyslurmBackend:
         switches = parse_topology(topo)
         loaded = self._call("Nodes.load", self.pyslurm.Nodes.load)
         return [
-            Node(name=n.name, state=str(n.state or "").lower(), gpus=_gpu_count(_gres_text(n.configured_gres)),
+            Node(name=n.name, state=_node_state(n.state), gpus=_gpu_count(_gres_text(n.configured_gres)),
                  gpus_alloc=_gpu_count(_gres_text(n.allocated_gres)), switch=switches.get(n.name),
                  partitions=tuple(n.partitions or ()), gpu_type=gres_gpu_type(_gres_text(n.configured_gres)))
             for n in sorted(loaded.values(), key=lambda n: n.name)
@@ -487,12 +488,14 @@ class PyslurmBackend:
         nodes = tuple(expand_hostlist(nodelist)) if nodelist else ()
         layout = j.get_resource_layout_per_node() if nodes else {}
         cpus = {name: _count_ids(per.get("cpu_ids", "")) for name, per in layout.items()}
-        gpus = {name: _gpu_count(_gres_text(per.get("gres") or {})) for name, per in layout.items()}
+        # per-node GPUs only for a job with GRES: squeue's JSON has no `gres_detail` for one without (`()`, not zeros)
+        gpus = {name: _gpu_count(_gres_text(per["gres"])) for name, per in layout.items()} \
+            if any(per.get("gres") for per in layout.values()) else {}
         return Job(
-            job_id=int(j.id), name=j.name or "", state=str(j.state or "").upper(), nodes=nodes, nodelist=nodelist,
+            job_id=int(j.id), name=j.name or "", state=_job_state(j.state), nodes=nodes, nodelist=nodelist,
             cpus_per_node=tuple(cpus.get(n, 0) for n in nodes) if cpus else (),
             gpus_per_node=tuple(gpus.get(n, 0) for n in nodes) if len(gpus) == len(nodes) else (),
-            tres_per_node=_gres_text(j.gres_per_node or {}, prefix="gres/"), comment=j.comment or "",
+            tres_per_node=_gres_text(j.gres_per_node or {}), comment=j.comment or "",
             batch_host=j.batch_host or "", reason=j.state_reason or "", partition=j.partition or "",
             node_count=int(j.num_nodes or 0), end_time=int(getattr(j, "end_time", None) or 0),
             priority=int(getattr(j, "priority", None) or 0),
@@ -577,13 +580,14 @@ class PyslurmBackend:
         return ResizeResult(job=job, env=job.resize_env())
 
 
-def _gres_text(gres, prefix: str = "") -> str:
-    """pyslurm's GRES dict (`{"gpu:h100": 4}`, or per-node layout `{"gpu:h100": {"count": 2, ...}}`) as Slurm
-    writes it (`gpu:h100:4`), each entry with `prefix` (`gres/` for a job's request, as 24.11's squeue)."""
+def _gres_text(gres) -> str:
+    """pyslurm's GRES dict as Slurm writes it: a node's (`{"gpu:h100": 4}`) or a job layout's per node
+    (`{"gpu:h100": {"count": 2, ...}}`) -> `gpu:h100:4`; a job's request keeps its `gres/` (`{"gres/gpu": 4}` ->
+    `gres/gpu:4`, as 24.11's squeue)."""
     items = []
     for name, value in (gres or {}).items():
         count = value.get("count") if isinstance(value, dict) else value
-        items.append(f"{prefix}{name}:{count}")
+        items.append(f"{name}:{count}")
     return ",".join(items)
 
 
@@ -680,27 +684,32 @@ def parse_topology(text: str) -> dict[str, str]:
     return {node: name for node, (_, name) in best.items()}
 
 
-def _state(value) -> str:
-    """A state as 22.05 prints it (`idle`, `RUNNING`) or 24.11 (a list: `["IDLE", "DRAIN"]`) -> one string, the
-    flags joined with `+` (`IDLE+DRAIN`), as Slurm's own text output does."""
-    return "+".join(map(str, value)) if isinstance(value, list) else str(value or "")
+def _node_state(state, flags=()) -> str:
+    """A node's state, the same string from every backend: its base state, then its flags sorted, lower case, joined
+    with `+` (`idle`, `idle+drain`, `mixed+drain`). 22.05's JSON gives the base state and a `state_flags` list
+    (`"idle"`, `["DRAIN"]`), 24.11's one list (`["IDLE", "DRAIN"]`), pyslurm libslurm's string (`IDLE+DRAIN`): a
+    drained node reads `idle+drain` on each, never `idle` (which is what a grow may take)."""
+    parts = [str(p) for p in state] if isinstance(state, list) else str(state or "").split("+")
+    base, own = (parts[0], parts[1:]) if parts else ("", [])
+    return "+".join([base.lower(), *sorted({str(f).lower() for f in (*own, *flags) if f})])
+
+
+# The flags libslurm's job_state_string names instead of the base state, in its order (22.05's squeue and sacct JSON
+# and pyslurm's `Job.state` are that string; 24.11's JSON lists the base state and its flags).
+_JOB_STATE_FLAGS = ("COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+                    "SPECIAL_EXIT", "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING")
 
 
 def _job_state(value) -> str:
-    """A job's state as 22.05's squeue says it: 24.11's JSON gives a list of the base state and its flags, and a job
-    whose processes are still being ended reads `["TIMEOUT", "COMPLETING"]` (22.05: `COMPLETING`), so COMPLETING
-    wins over the base state: the job has not ended until it is gone."""
+    """A job's (or an accounting record's) state, the same string from every backend: libslurm's job_state_string,
+    which 22.05's JSON and pyslurm give as it is (`COMPLETING`, `RESIZING`); 24.11's JSON gives the base state and
+    its flags (`["TIMEOUT", "COMPLETING"]`, a former size's sacct record `["PENDING", "RESIZING"]`), read here as
+    job_state_string reads them: the first flag of `_JOB_STATE_FLAGS` set, else the base state. So a job whose
+    processes are still being ended is COMPLETING on each: it has not ended until it is gone."""
     if isinstance(value, list):
-        return "COMPLETING" if "COMPLETING" in value else str(value[0] if value else "").upper()
+        named = [str(v).upper() for v in value]
+        return next((f for f in _JOB_STATE_FLAGS if f in named), named[0] if named else "")
     return str(value or "").split("+")[0].upper()
-
-
-def _acct_state(value) -> str:
-    """An accounting record's state as sacct's text prints it: 24.11's JSON gives a former size's record as
-    `["PENDING", "RESIZING"]` (base state and flag), where 22.05's JSON and both texts say RESIZING."""
-    if isinstance(value, list):
-        return "RESIZING" if "RESIZING" in value else str(value[0] if value else "").upper()
-    return str(value or "").upper()
 
 
 def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
@@ -708,7 +717,7 @@ def parse_nodes(sinfo_json: dict, switches: Mapping[str, str]) -> list[Node]:
     return [
         Node(
             name=n["name"],
-            state=_state(n.get("state", "")).lower(),
+            state=_node_state(n.get("state", ""), n.get("state_flags") or ()),
             gpus=_gpu_count(n.get("gres", "")),
             gpus_alloc=_gpu_count(n.get("gres_used", "")),
             switch=switches.get(n["name"]),
@@ -818,7 +827,7 @@ def parse_sacct(sacct_json: dict, job_id: int) -> list[AcctRecord]:
             AcctRecord(
                 job_id=job_id,
                 name=j.get("name", ""),
-                state=_acct_state(state.get("current", "") if isinstance(state, dict) else state),
+                state=_job_state(state.get("current", "") if isinstance(state, dict) else state),
                 nodelist=j.get("nodes") or "",
                 gpus=gpus,
             )

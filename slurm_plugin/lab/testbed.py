@@ -208,7 +208,7 @@ class Testbed:
                                           f"--gpus {was} or stop it first (testbed down)")
         ctld_running = self._pid(self._daemon("slurmctld")) is not None
         if self._prepare() and ctld_running:
-            self.reconfigure()
+            self.client.reconfigure()   # not `reconfigure()`: slurmd may be down here; all nodes are waited for below
         timings["prepare"] = time.monotonic() - t0
         for d in self.daemons():
             t = time.monotonic()
@@ -287,8 +287,37 @@ class Testbed:
         return [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
     def reconfigure(self) -> None:
-        """`scontrol reconfigure` (slurmctld re-reads slurm.conf and job_submit plugins)."""
+        """`scontrol reconfigure` (slurmctld re-reads slurm.conf and job_submit plugins), then `_wait_registered`:
+        24.11's reconfigure restarts slurmctld, and a job asked for before its nodes register again is refused
+        ("Requested node configuration is not available"; seen with `sbatch --test-only` right after a test installed
+        the hook). 22.05 keeps its nodes: one query.
+
+        :raises TestbedError: a node still reads unknown after `start_timeout`.
+        """
         self.client.reconfigure()
+        self._wait_registered("scontrol reconfigure")
+
+    def _wait_registered(self, after: str) -> None:
+        """Wait until no node whose slurmd runs reads `unknown`: what a (re)started slurmctld says of a node until
+        that node's slurmd registers with it.
+
+        :raises TestbedError: one still does after `start_timeout`.
+        """
+        running = {d.name.removeprefix("slurmd-") for d in self.daemons()
+                   if d.name.startswith("slurmd-") and self._pid(d) is not None}
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        while True:
+            try:
+                unknown = [n.name for n in self.client.nodes()
+                           if n.name in running and n.state.split("+")[0] == "unknown"]
+            except SlurmError as exc:   # a restarted slurmctld not answering yet
+                unknown = [f"all ({exc})"]
+            if not unknown:
+                return
+            if time.monotonic() > deadline:
+                raise TestbedError("slurmctld", f"nodes not registered {self.config.start_timeout.total_seconds():g}"
+                                                f" s after {after}: {', '.join(unknown)}")
+            time.sleep(0.1)
 
     # -- fault injection (tests/integration/test_faults_slurm.py) --------------------------------
     def kill_daemon(self, name: str) -> int:
@@ -351,14 +380,17 @@ class Testbed:
         return time.time() - t0
 
     def start_controller(self) -> float:
-        """Start slurmctld again (it recovers jobs from its state directory) and wait until it answers
-        `sinfo`; return the seconds that took.
+        """Start slurmctld again (it recovers jobs from its state directory), wait until it answers `sinfo` and
+        until the nodes whose slurmd runs have registered with it (both releases call them `unknown` until then,
+        and `is_up`, which the next test session asks first, is false); return the seconds that took.
 
-        :raises TestbedError: it did not start or answer within `start_timeout` (with its log tail).
+        :raises TestbedError: it did not start, answer or hear from its nodes within `start_timeout` (with its log
+            tail where it did not start).
         """
         t0 = time.monotonic()
         self.start_daemon("slurmctld")
         self._wait_answering()
+        self._wait_registered("slurmctld's start")
         return time.monotonic() - t0
 
     def kill_node(self, node: str) -> list[int]:

@@ -1,5 +1,7 @@
-"""slurm_plugin.client against the real testbed: GPU jobs, --switches, shrink (twice), sacct, bad input."""
+"""slurm_plugin.client against the real testbed: GPU jobs, --switches, shrink (twice), sacct, bad input, a drained node."""
+import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -130,3 +132,22 @@ def test_bad_input_names_the_job(slurm, submit, wait_until):
     pending = submit("#!/bin/bash\ntrue\n", ["--hold", "-o", "/dev/null"])
     with pytest.raises(ResizeError, match=re.escape(f"job {pending}: cannot resize: it is PENDING")):
         slurm.shrink(pending, 1)
+
+
+def test_a_drained_node_reads_idle_drain_until_resumed(slurm, testbed, idle_nodes, wait_until):
+    # The launcher grows onto nodes that read `idle`: a drained one must not, on any release or backend (22.05's
+    # JSON calls it idle and keeps DRAIN in state_flags; 24.11's lists ["IDLE", "DRAIN"]; pyslurm says IDLE+DRAIN).
+    env = {**os.environ, **testbed.env()}
+
+    def scontrol(*args):
+        subprocess.run(["scontrol", "update", "NodeName=node4", *args], env=env, check=True, capture_output=True,
+                       timeout=20)
+
+    scontrol("State=DRAIN", "Reason=test_client")
+    try:
+        drained = {n.name: n.state for n in slurm.nodes()}
+    finally:
+        scontrol("State=RESUME")
+    assert drained == {"node1": "idle", "node2": "idle", "node3": "idle", "node4": "idle+drain"}
+    # 24.11 may show the resumed node `idle+not_responding` until slurmd next answers (seen once with pyslurm)
+    wait_until(lambda: {n.name: n.state for n in slurm.nodes()}["node4"] == "idle", 30, "node4 idle once resumed")

@@ -1,7 +1,8 @@
 """#27.2 on the Slurm testbed: a grow whose helper job is held in Slurm's queue does not block the controller.
 
-node4 is drained (Slurm still calls it idle, so the launcher sees a free node and submits a helper for it, which
-stays PENDING). Meanwhile one node's workers are SIGKILLed: the failure is handled (recorded, the survivors' epoch
+The job's partition is set DOWN: Slurm queues its new jobs but starts none, while its running job and steps go on,
+and node4 stays idle, so the launcher sees a free node and submits a helper for it, which stays PENDING (reason
+PartitionDown). A drained node would not do: the client reads it `idle+drain` on every release, not free. Meanwhile one node's workers are SIGKILLed: the failure is handled (recorded, the survivors' epoch
 followed, the node given back to Slurm) within the workers' heartbeat timeout + 5 s (issue #27's bound); then an
 operator shrink is answered at once, cancels the grow (its helper is scancelled) and runs; nothing is left behind.
 """
@@ -31,7 +32,8 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
     job_id = submit(_batch_script(work, registry, 100000, extra_launch=f"--no-autoscale --helper-start-timeout {HELPER_START_S}",
                                   sbatch="--nodes=3 --nodelist=node1,node2,node3"))
     wait_until(lambda: _transition(run, "start"), 120, "the job's first step on 3 nodes")
-    _scontrol(testbed, "update", "NodeName=node4", "State=DRAIN", "Reason=test_launcher_nonblocking")
+    partition = slurm.job(job_id).partition
+    _scontrol(testbed, "update", f"PartitionName={partition}", "State=DOWN")
     try:
         assert _ctl(registry, job_id, "--nodes", "4")["ok"]
         helper = wait_until(lambda: next((r["helper"] for r in _records(run) if r["kind"] == "helper_submitted"),
@@ -72,7 +74,7 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         print(f"failure recorded {failure['t'] - killed:.1f} s and handled {handled:.1f} s after the kill; "
               f"ctl --nodes 1 answered in {answered:.2f} s (ctl process included)")
     finally:
-        _scontrol(testbed, "update", "NodeName=node4", "State=RESUME")
+        _scontrol(testbed, "update", f"PartitionName={partition}", "State=UP")
     slurm.cancel(job_id)
     wait_until(lambda: not _job_processes(job_id), 60, "no worker process of the job")
     assert not [j for j in slurm.jobs() if j.name == f"elastic-helper-{job_id}"

@@ -6,9 +6,17 @@ cancelled); sinfo_busy.json (while job 1 ran); sacct_2.json (job 2 after one shr
 partitions.txt (`scontrol show topology`, `scontrol show partition -o`). From the 24.11.5 testbed (the same
 parsers read both): squeue_24.11_running.json (job 1: `-N3 --gres=gpu:4`, one step a node), nodes_24.11_busy.json
 (`scontrol --json show nodes` then), sacct_24.11_resized.json (job 1 after shrinks to node[1-2] and node1).
+The same moment on every backend (job 1 `-N2 -w node1,node2 --gres=gpu:4` running, node2 and node4 drained; then job
+2, `trap '' TERM; sleep 60` on node3, scancelled and still being ended within KillWait): sinfo_22.05_drained.json and
+squeue_22.05_completing.json (22.05); nodes_24.11_drained.json, squeue_24.11_drained.json and
+squeue_24.11_completing.json (24.11's commands); pyslurm_24.11_drained.json and pyslurm_24.11_completing.json (what
+pyslurm 24.11 gave for the fields PyslurmBackend reads, written inside the root by
+bench/results/slurm_versions/pyslurm_dump.py).
 """
 import json
 import subprocess
+import sys
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,6 +26,7 @@ from hypothesis import strategies as st
 
 from slurm_plugin.client import (
     CommandBackend,
+    PyslurmBackend,
     compress_counts,
     compress_hostlist,
     expand_hostlist,
@@ -291,11 +300,77 @@ def test_a_jobs_time_limit_reads_in_seconds_on_both_versions():
         assert parse_jobs(raw)[0].time_limit_s == seconds, limit
 
 
-def test_a_24_11_job_still_completing_reads_completing_as_on_22_05():
-    # 24.11 keeps the base state and adds COMPLETING as a flag while the job's processes are ended (22.05 says
-    # COMPLETING): a job read as TIMEOUT there had its SIGTERM checkpoint still being written (the time-limit test)
+# -- the same states from every backend (docs/slurm-versions.md) ---------------------------------------------------
+class RecordedCommands(CommandBackend):
+    """The real command backend answering from fixtures: `sinfo --json` (22.05's, or 24.11's without a `nodes`
+    list, then `scontrol --json show nodes`), `squeue --json`, `scontrol show topology`."""
+
+    def __init__(self, squeue, nodes, sinfo=None):
+        super().__init__(slurm_conf=Path("/nonexistent/slurm.conf"))
+        self.answers = {("squeue", "--json"): _text(squeue), ("scontrol", "--json"): _text(nodes),
+                        ("sinfo", "--json"): _text(sinfo) if sinfo else json.dumps({"sinfo": []}),
+                        ("scontrol", "show"): _text("topology.txt")}
+
+    def _run(self, argv, timeout, stdin=None):
+        return subprocess.CompletedProcess(argv, 0, self.answers[tuple(argv[:2])], "")
+
+
+def _pyslurm_backend(monkeypatch, dump):
+    """The real `PyslurmBackend` over a stand-in `pyslurm` module that answers `Nodes.load` and `Jobs.load` with what
+    pyslurm 24.11 gave in the root (`dump`); its topology (a command) from topology.txt."""
+    recorded = _json(dump)
+    nodes = {n["name"]: types.SimpleNamespace(**n) for n in recorded["nodes"]}
+    jobs = {j["id"]: types.SimpleNamespace(**j, get_resource_layout_per_node=lambda j=j: j["resource_layout_per_node"])
+            for j in recorded["jobs"]}
+    fake = types.SimpleNamespace(Nodes=types.SimpleNamespace(load=lambda: nodes),
+                                 Jobs=types.SimpleNamespace(load=lambda: jobs), RPCError=RuntimeError)
+    monkeypatch.setitem(sys.modules, "pyslurm", fake)
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    backend = PyslurmBackend()
+    monkeypatch.setattr(backend.commands, "_run",
+                        lambda argv, timeout, stdin=None: subprocess.CompletedProcess(argv, 0, _text("topology.txt"), ""))
+    return backend
+
+
+def test_a_drained_node_reads_the_same_on_every_backend_and_is_not_idle(monkeypatch):
+    # 22.05's JSON calls a drained node `idle` and puts DRAIN in `state_flags`; 24.11's says ["IDLE", "DRAIN"]; pyslurm
+    # `IDLE+DRAIN`. The launcher takes a plain `idle` node for a grow, so each must read `idle+drain`.
+    backends = {"22.05": RecordedCommands("squeue_22.05_completing.json", "sinfo_22.05_drained.json",
+                                          sinfo="sinfo_22.05_drained.json"),
+                "24.11": RecordedCommands("squeue_24.11_drained.json", "nodes_24.11_drained.json"),
+                "pyslurm 24.11": _pyslurm_backend(monkeypatch, "pyslurm_24.11_drained.json")}
+    for name, backend in backends.items():
+        assert [(n.name, n.state) for n in backend.nodes()] == [
+            ("node1", "mixed"), ("node2", "mixed+drain"), ("node3", "idle"), ("node4", "idle+drain")], name
+
+
+@pytest.mark.parametrize("moment", ["drained", "completing"])
+def test_pyslurm_reads_every_field_as_the_commands_did_at_the_same_moment(monkeypatch, moment):
+    commands = RecordedCommands(f"squeue_24.11_{moment}.json", "nodes_24.11_drained.json")
+    pyslurm = _pyslurm_backend(monkeypatch, f"pyslurm_24.11_{moment}.json")
+    assert pyslurm.jobs() == commands.jobs()
+    if moment == "drained":
+        assert pyslurm.nodes() == commands.nodes()
+
+
+def test_a_job_still_being_ended_reads_completing_on_every_backend(monkeypatch):
+    # job 2 was scancelled and ignores SIGTERM (ended at KillWait): 22.05's JSON and pyslurm say COMPLETING (libslurm's
+    # job_state_string), 24.11's JSON ["CANCELLED", "COMPLETING"]. A job read as ended here would be taken for gone
+    # while its processes still write (the template time-limit tests' SIGTERM checkpoint).
+    assert _job("squeue_22.05_completing.json", 2).state == "COMPLETING"
+    assert _job("squeue_24.11_completing.json", 2).state == "COMPLETING"
+    assert next(j for j in _pyslurm_backend(monkeypatch, "pyslurm_24.11_completing.json").jobs()
+                if j.job_id == 2).state == "COMPLETING"
+
+
+@pytest.mark.parametrize("listed, state", [
+    (["TIMEOUT", "COMPLETING"], "COMPLETING"), (["RUNNING"], "RUNNING"), (["TIMEOUT"], "TIMEOUT"),
+    (["COMPLETED", "COMPLETING"], "COMPLETING"), (["RUNNING", "CONFIGURING"], "CONFIGURING"),
+    (["PENDING", "RESIZING"], "RESIZING"), (["PENDING", "REQUEUED"], "REQUEUED"),
+    (["CANCELLED", "COMPLETING", "STAGE_OUT"], "COMPLETING"), (["RUNNING", "CONFIGURING", "SIGNALING"], "CONFIGURING"),
+    (["RUNNING", "UPDATE_DB"], "RUNNING")])
+def test_a_24_11_state_list_reads_as_libslurm_names_the_state(listed, state):
+    # 22.05's JSON and pyslurm give libslurm's job_state_string: the first of its flags set, else the base state
     raw = _json("squeue_24.11_running.json")
-    for value, state in ((["TIMEOUT", "COMPLETING"], "COMPLETING"), (["RUNNING"], "RUNNING"), (["TIMEOUT"], "TIMEOUT"),
-                         (["COMPLETED", "COMPLETING"], "COMPLETING")):
-        raw["jobs"][0]["job_state"] = value
-        assert parse_jobs(raw)[0].state == state, value
+    raw["jobs"][0]["job_state"] = listed
+    assert parse_jobs(raw)[0].state == state
