@@ -615,11 +615,18 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
         top = max(e["samples_per_s"] for e in pool)
         chosen = min((e for e in pool if e["samples_per_s"] >= top * 0.995), key=lambda e: (e["gpus"], e["nodes"]))
     base = next((e for e in entries if e["nodes"] == requested["nodes"] and e["layout"][0] == requested["per_node"]),
-                best[counts[0]])
+                None)
+    placed = requested["switch"] == "placed"
+    if base is None:
+        # a running job on a layout the table lacks (Slurm placed `--gpus=6` as 4+2) is compared at its GPU count,
+        # not at the smallest: from the smallest, the interval's test below read its own size as an uncertain grow
+        # and planned it down to the minimum (Pollux 1-8 replay: 166 runtime plans of 4+2 jobs said 3 GPUs)
+        base = best.get(requested["total"]) if placed else None
+        base = base or best[counts[0]]
     # the interval (#38.5): a running job grows only where the grow passes min_efficiency at the interval's lower
     # end; at submit time the plan stands and its reason says the choice is uncertain
     unsure = _sure(chosen, base, min_eff, span)
-    if unsure is not None and requested["switch"] == "placed":
+    if unsure is not None and placed:
         chosen, stop_note = base, (f"grow to {layout_name(chosen['layout'])} uncertain: efficiency at the 80% "
                                    f"interval's lower end {unsure:.2f} < {shown or shown_bound(min_eff)}")
     nodes, per_node = chosen["nodes"], chosen["layout"][0]
@@ -637,6 +644,7 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
         reason += "; one leaf switch"
     same_switch = requested["switch"] == "placed" or requested["switch"] == switches   # running: placed
     same = (requested["nodes"] or 1) == nodes and requested["per_node"] == per_node and same_switch
+    matched = "request already matches the plan; " if same else ""
     # A job that asked a GPU count and no node shape, planned at that count, keeps its request: Slurm places the
     # GPUs wherever they are free, and a pinned layout waits for nodes that fit it (replay of Pollux workloads
     # 1-8: right-sized average JCT +9.7% against as submitted with the layout pinned, +6.6% without;
@@ -646,14 +654,18 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
     if free_placement and not same:
         same, reason = True, reason.replace("elastic: ", f"elastic: the request's {counted(chosen['gpus'], 'GPU')} "
                                             "are the plan's count, placed by Slurm; ", 1)
+    # A running job planned at the GPU count it runs keeps it: it can change its node count, not its layout (a
+    # 4+2 job told 2x3 would be shrunk to the whole nodes of the plan's count: 1x4)
+    if placed and requested["total"] == chosen["gpus"] and not same:
+        same, reason = True, reason.replace("elastic: ", f"elastic: the job's {counted(chosen['gpus'], 'GPU')} "
+                                            "are the plan's count, its layout stays; ", 1)
     curve = [{**{k: e.get(k) for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
                                        "iter_s", "efficiency", "uncertainty")},
               **({"samples_low": e["samples_low"]} if "samples_low" in e else {})} for e in sorted(entries, key=_order)]
     predicted = {k: chosen.get(k) for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
     if chosen.get("basis", "").startswith("cross-type"):   # what a single partition answers is unchanged otherwise
         predicted["basis"] = chosen["basis"]
-    return {"action": "keep" if same else "rewrite", "reason": ("request already matches the plan; "
-                                                                if same and not free_placement else "") + reason, "nodes": nodes, "gpus_per_node": per_node, "tasks_per_node": per_node, "switches": switches,
+    return {"action": "keep" if same else "rewrite", "reason": matched + reason, "nodes": nodes, "gpus_per_node": per_node, "tasks_per_node": per_node, "switches": switches,
             "layout": chosen["layout"], "predicted": predicted, "curve": curve, "gpu": table["gpu"],
             "partition": table["partition"], "objective": objective, "min_efficiency": min_eff, "per_gpu_batch":
             chosen["per_gpu_batch"], "global_batch": chosen["global_batch"]}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from elastic_launcher.autoscale import PLANNER, advice_from_plan
 from predictor import planner
 from predictor.cluster import Cluster
 from predictor.errors import ValidationError
@@ -251,3 +252,26 @@ def test_a_gpu_count_without_a_node_shape_is_kept_at_that_count():
     assert grown["action"] == "rewrite" and sum(grown["layout"]) == 8
     shaped = decide("#ELASTIC model=resnet50 per_gpu_batch=64", job={"min_nodes": 2, "tres_per_node": "gres:gpu:2"})
     assert shaped["action"] == "rewrite" and shaped["layout"] == [4]
+
+
+def _uneven_table(at_6: float, low_at_6: float) -> dict:
+    """A partition of 4-GPU nodes whose table has 3 and 6 GPUs as 1x3 and 2x3 only (no 4+2: layouts are uniform)."""
+    entries = [{"layout": [3], "samples_per_s": 1000.0, "samples_low": 950.0},
+               {"layout": [3, 3], "samples_per_s": at_6, "samples_low": low_at_6}]
+    return {"partition": "p", "total_gpus": 8, "nodes": 2, "gpus_per_node": 4, "one_leaf_nodes": 0,
+            "gpu_hour_cost": 0.0, "node_hour_cost": 0.0, "min_efficiency": 0.5, "per_gpu_batch": 16,
+            "entries": entries, "model": "m", "gpu": "g"}
+
+
+def test_a_running_job_on_a_layout_the_table_lacks_is_judged_at_its_own_gpu_count():
+    """Slurm places `--gpus=6` as 4+2, a layout no table row has. The running job was compared with the smallest
+    count (1x3), its own size read as an uncertain grow from there, and it was planned down to 3 GPUs, which the
+    launcher takes as 1 node of 4 (Pollux replay: 166 such runtime plans). At the count it runs it keeps."""
+    d = {"min_efficiency": 0.5, "gpus": {"min": 3, "max": 6}}
+    running = {"nodes": 2, "per_node": 4, "total": 6, "switch": "placed"}
+    kept = planner.last_step(_uneven_table(1900.0, 1300.0), d, running)   # lower end: efficiency 0.3
+    assert kept["action"] == "keep" and sum(kept["layout"]) == 6
+    assert "the job's 6 GPUs are the plan's count" in kept["reason"] and "uncertain" not in kept["reason"]
+    assert advice_from_plan(kept, 2, 4).nodes == 2 and advice_from_plan(kept, 2, 4).source == PLANNER
+    shrunk = planner.last_step(_uneven_table(1200.0, 1150.0), d, running)   # 3 -> 6 efficiency 0.2: fewer GPUs
+    assert shrunk["action"] == "rewrite" and shrunk["layout"] == [3]
