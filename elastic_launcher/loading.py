@@ -268,7 +268,7 @@ class Pipeline:
             raise ValueError(f"loader option(s) {', '.join(owned)}: the elastic sampler decides these "
                              "(every sample once per epoch across resizes); leave them out")
         self.dataset = dataset
-        self.arguments = (collate_fn, dict(options), to_device)  # as given (ElasticTrainer.prepare_loader compares them)
+        self.arguments = (collate_fn, dict(options), to_device)  # as given (prepare_loader compares them)
         self.stage = DeviceStage(to_device, device or torch.device("cpu")) if to_device is not None else None
         self._staged: Optional[tuple] = None  # (key, Future): the next batch, being finished on the device
         self.persistent = bool(options.get("persistent_workers", False))

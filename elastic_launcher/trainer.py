@@ -312,7 +312,8 @@ class ElasticTrainer:
         batch after it, all before the worker announces itself, so a grow never waits for a newcomer's loader to
         start; once the plan is known the running workers are redirected to the batches this worker will train on.
         ``loader(dataset, ...)`` with the same dataset, ``collate_fn``, ``to_device`` (the same object) and options
-        reuses it (others build a new one). Returns the trainer: ``ElasticTrainer(...).prepare_loader(ds, num_workers=8).join()``.
+        reuses it (others build a new one). Returns the trainer:
+        ``ElasticTrainer(...).prepare_loader(ds, num_workers=8).join()``.
 
         Raises:
             ValueError: an option the elastic sampler decides (see :meth:`loader`).

@@ -522,8 +522,8 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
                multi_rows: list[dict], calibrated: dict[str, HostCost] | None = None) -> Params:
     """Host and link constants from the multi-GPU step rows whose (profile, GPU) has a ladder: bounded soft-L1
     least squares of log step time, one vote per owner, each constant pulled to 0; a host class with a calibration
-    keeps it only while its multi-GPU steps are too few to fit. The parameter count is fixed by the links and GPU types (never by profiles or rows), and one pass of
-    the model over all rows is one vectorised `simulate`. A numerical failure keeps the defaults (`converged`
+    keeps it only while its multi-GPU steps are too few to fit. The parameter count is fixed by the links and GPU
+    types (never by profiles or rows), and one pass of the model over all rows is one vectorised `simulate`. A numerical failure keeps the defaults (`converged`
     False). Returns the Params with held-out residuals by basis."""
     calibrated = dict(calibrated or {})
     rows = [r for r in multi_rows if (r["profile"], r["gpu"]) in ladders and r["profile"] in profiles]
