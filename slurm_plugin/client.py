@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -191,6 +192,8 @@ class Backend(Protocol):
 
     def job_owner(self, job_id: int, timeout: timedelta | None = None) -> "JobOwner": ...
 
+    def version(self, timeout: timedelta | None = None) -> tuple[int, int, int]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Submission:
@@ -284,6 +287,19 @@ class CommandBackend:
     def partitions(self, timeout: timedelta | None = None) -> list[Partition]:
         out = self._run(["scontrol", "show", "partition", "-o"], timeout or self.timeout).stdout
         return parse_partitions(out)
+
+    def version(self, timeout: timedelta | None = None) -> tuple[int, int, int]:
+        """The Slurm release of these commands, from `scontrol --version` (no slurmctld needed; 24.11 reads
+        slurm.conf for it).
+
+        :raises SlurmError: scontrol failed, or its output is not `slurm[-wlm] X.Y.Z` (the error quotes it).
+        """
+        argv = ["scontrol", "--version"]
+        proc = self._run(argv, timeout or self.timeout)
+        found = parse_version(proc.stdout)
+        if found is None:
+            raise SlurmError(argv, 0, proc.stderr, f"no Slurm version in its output {proc.stdout!r}")
+        return found
 
     def jobs(self, timeout: timedelta | None = None) -> list[Job]:
         """Jobs squeue still lists (finished ones stay for MinJobAge)."""
@@ -409,7 +425,7 @@ class PyslurmBackend:
 
     Queries and changes go through libslurm: `Nodes/Partitions/Jobs.load`, `Job.load`, `JobSubmitDescription.submit`,
     `Job.cancel`, `Job.modify` (comment, admin comment, and a shrink as `required_nodes`, what scontrol's
-    `NodeList=` sets), `slurmctld.reconfigure`. These stay on the commands (a `CommandBackend` inside),
+    `NodeList=` sets), `slurmctld.reconfigure`, `slurm_api_version`. These stay on the commands (a `CommandBackend` inside),
     because pyslurm 24.11 cannot give what the protocol promises:
     - the switch of each node: pyslurm has no topology call (`scontrol show topology`);
     - `sacct`: `pyslurm.db.Jobs` keys records by job id, so a resized job's one-record-per-size collapses
@@ -469,6 +485,12 @@ class PyslurmBackend:
                  partitions=tuple(n.partitions or ()), gpu_type=gres_gpu_type(_gres_text(n.configured_gres)))
             for n in sorted(loaded.values(), key=lambda n: n.name)
         ]
+
+    def version(self, timeout: timedelta | None = None) -> tuple[int, int, int]:
+        """The Slurm release pyslurm was built against (libslurm's SLURM_VERSION_NUMBER, `slurm_api_version`: no
+        RPC, as `scontrol --version`). Not `pyslurm.__version__`, whose last number is pyslurm's own patch level."""
+        major, minor, micro = self.pyslurm.slurm_api_version()
+        return int(major), int(minor), int(micro)
 
     def partitions(self, timeout: timedelta | None = None) -> list[Partition]:
         loaded = self._call("Partitions.load", self.pyslurm.Partitions.load)
@@ -668,6 +690,13 @@ def _shrink_target(job: Job, keep: Union[int, Sequence[str]]) -> tuple[str, ...]
 def _gpu_count(gres: str) -> int:
     """`gpu:4`, `gpu:4(S:0)`, `gpu:2(IDX:0-1)`, `gpu:tesla:2(...)` -> GPU count; 0 if no gpu entry."""
     return gpus_in_tres(gres) or 0
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """`scontrol --version` (`slurm 24.11.5`, Debian's `slurm-wlm 22.05.8`, `slurm 24.05.0-0rc1`) -> (24, 11, 5);
+    None for anything else."""
+    found = re.fullmatch(r"slurm(?:-wlm)?\s+(\d+)\.(\d+)\.(\d+)\S*", text.strip())
+    return (int(found[1]), int(found[2]), int(found[3])) if found else None
 
 
 def parse_topology(text: str) -> dict[str, str]:

@@ -61,7 +61,8 @@ class PluginConfig:
             (`slurm_plugin.client.most_gpus_per_node`); give it where Slurm is not running yet.
         gres_prefix: how this Slurm spells a GPU in a job's TRES fields, `gres:` (22.05) or `gres/` (24.11; each
             refuses the other). job_submit.lua uses the job's own spelling and this for a job that has none.
-            None: `install` asks `scontrol --version` (`gres/` from 23.02 on: verified on 22.05 and 24.11 only).
+            None: `install` asks Slurm's version (`slurm_gres_prefix`: `gres/` from 23.02 on, verified on 22.05 and
+            24.11 only).
     """
 
     conf_dir: Path
@@ -166,23 +167,23 @@ def _path_env() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
 
 
-def slurm_gres_prefix(slurm_conf: Path, timeout: timedelta = timedelta(seconds=10)) -> Optional[str]:
-    """`gres_prefix` for the Slurm on PATH from `scontrol --version` (`slurm 24.11.5`): `gres/` from 23.02 on, else
-    `gres:`; None when scontrol cannot tell (not installed here): the hook then keeps each job's own spelling, and
-    writes `gres:` for a job that has none (pass --gres-prefix on such a host). No `slurm_conf`: None at once (22.05's
-    scontrol without a config waits for DNS until the timeout)."""
+def slurm_gres_prefix(slurm_conf: Path) -> Optional[str]:
+    """`gres_prefix` for the Slurm on PATH from its version (`CommandBackend.version`, `scontrol --version`):
+    `gres/` from 23.02 on, else `gres:`. No `slurm_conf`: None, without asking (22.05's scontrol without a config
+    waits for DNS until the timeout): the hook then keeps each job's own spelling and writes `gres:` for a job that
+    has none.
+
+    :raises InstallError: there is a slurm.conf but scontrol does not answer with a version; names what it said and
+        the option that gives the prefix instead.
+    """
     if not slurm_conf.is_file():
         return None
     try:
-        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True,   # 24.11 reads slurm.conf
-                             env={**_path_env(), "SLURM_CONF": str(slurm_conf)},
-                             timeout=timeout.total_seconds(), check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"(\d+)\.(\d+)", out)
-    if not found:
-        return None
-    return "gres/" if (int(found.group(1)), int(found.group(2))) >= (23, 2) else "gres:"
+        version = CommandBackend(slurm_conf=slurm_conf, env=_path_env()).version()
+    except SlurmError as exc:
+        raise InstallError(f"cannot read the Slurm version for gres_prefix ({exc}); pass --gres-prefix "
+                           f"gres: (Slurm before 23.02) or gres/") from exc
+    return "gres/" if version >= (23, 2) else "gres:"
 
 
 def slurm_gpus_per_node(slurm_conf: Path) -> dict[str, int]:
@@ -205,7 +206,8 @@ def install(config: PluginConfig, lua: str = "lua5.1", sleep: Callable[[float], 
 
     `sleep` waits (up to 1 s) for the second job_submit.lua's mtime names (tests pass their own).
 
-    :raises InstallError: the directory does not exist or Lua lacks lua-socket/lua-cjson.
+    :raises InstallError: the directory does not exist, Lua lacks lua-socket/lua-cjson, or Slurm cannot be asked
+        what `max_gpus_per_node` or `gres_prefix` leave to it.
     """
     if not config.conf_dir.is_dir():
         raise InstallError(f"--conf-dir {config.conf_dir} is not a directory")

@@ -109,6 +109,13 @@ def test_shrink_twice_releases_nodes_and_refreshes_env(slurm, submit, idle_nodes
     assert [r.nodelist for r in records] == [job.nodelist, first.job.nodelist, job.batch_host]
 
 
+def test_version_is_the_labs_slurm_release(slurm, testbed):
+    # the installer's gres: / gres/ choice rests on it: 22.05's lab gives (22, 5, x), 24.11's (24, 11, x), on each backend
+    major, minor, micro = slurm.version()
+    assert (major, minor) == tuple(int(part) for part in testbed.config.slurm.split("."))
+    assert isinstance(micro, int) and micro >= 0
+
+
 def test_update_comment_with_spaces(slurm, submit):
     job_id = submit("#!/bin/bash\nsleep 300\n", ["--hold", "--comment=orig", "-o", "/dev/null"])
     assert slurm.job(job_id).comment == "orig"

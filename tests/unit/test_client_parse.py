@@ -14,6 +14,7 @@ pyslurm 24.11 gave for the fields PyslurmBackend reads, written inside the root 
 bench/results/slurm_versions/pyslurm_dump.py).
 """
 import json
+import re
 import subprocess
 import sys
 import types
@@ -35,6 +36,7 @@ from slurm_plugin.client import (
     parse_partitions,
     parse_sacct,
     parse_topology,
+    parse_version,
 )
 from slurm_plugin.contracts.tres import gpus_in_tres, job_desc_number, requested_shape
 from slurm_plugin.errors import JobNotFoundError, ResizeError, SlurmError
@@ -261,6 +263,52 @@ def test_the_launcher_calls_only_what_backend_declares():
                 if name == "slurm":
                     called.add(node.func.attr)
     assert called and called <= set(vars(Backend)), called - set(vars(Backend))
+
+
+# -- the Slurm release (`Backend.version`) --------------------------------------------------------------------------
+@pytest.mark.parametrize("out, version", [
+    ("slurm-wlm 22.05.8\n", (22, 5, 8)),      # Debian 12's package (the 22.05 testbed)
+    ("slurm-wlm 24.11.5\n", (24, 11, 5)),     # Debian 13's (the 24.11 root)
+    ("slurm 24.11.5\n", (24, 11, 5)),         # upstream's build
+    ("slurm 24.05.0-0rc1\n", (24, 5, 0)),     # a release candidate
+])
+def test_scontrol_version_is_read_as_numbers_through_the_command_seam(out, version):
+    calls = []
+
+    class Scontrol(CommandBackend):
+        def _run(self, argv, timeout, stdin=None):
+            calls.append((list(argv), timeout))
+            return subprocess.CompletedProcess(argv, 0, out, "")
+
+    assert Scontrol(timeout=timedelta(seconds=3)).version() == version
+    assert calls == [(["scontrol", "--version"], timedelta(seconds=3))]
+
+
+@pytest.mark.parametrize("out", ["", "scontrol: error: Could not establish a configuration source\n",
+                                 "slurm 24.11\n", "slurm-wlm 22.05.8 extra words\n", "munge 0.5.15\n"])
+def test_a_scontrol_version_that_is_no_version_is_an_error_quoting_it(out):
+    class Scontrol(CommandBackend):
+        def _run(self, argv, timeout, stdin=None):
+            return subprocess.CompletedProcess(argv, 0, out, "")
+
+    assert parse_version(out) is None
+    with pytest.raises(SlurmError, match=r"scontrol --version \(rc=0\): no Slurm version in its output " + re.escape(
+            repr(out))):
+        Scontrol().version()
+
+
+def test_a_failing_scontrol_version_raises_the_commands_error():
+    # no scontrol at all (PATH without it): the seam's "cannot run", not a version
+    with pytest.raises(SlurmError, match=r"scontrol --version \(rc=None\): cannot run"):
+        CommandBackend(env={"PATH": "/nonexistent"}).version()
+
+
+def test_pyslurm_gives_the_slurm_release_it_was_built_against_not_its_own_patch_level(monkeypatch):
+    # pyslurm 24.11.0 built on Slurm 24.11.5 (the root): __version__'s last number is pyslurm's patch level
+    fake = types.SimpleNamespace(__version__="24.11.0", slurm_api_version=lambda: (24, 11, 5), RPCError=RuntimeError)
+    monkeypatch.setitem(sys.modules, "pyslurm", fake)
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    assert PyslurmBackend().version() == (24, 11, 5)
 
 
 # -- Slurm 24.11's JSON (docs/slurm-versions.md) ---------------------------------------------------------------

@@ -734,18 +734,41 @@ def test_cli_filter_moves_the_options_to_the_chosen_partition(tmp_path):
     assert kept["partition"] == "h100" and kept["gres"] == "gpu:h100:2"
 
 
-def test_the_gres_prefix_is_read_from_scontrol_only_where_there_is_a_slurm_conf(tmp_path, monkeypatch):
-    # scontrol's version says gres: or gres/; without a slurm.conf 22.05's scontrol looks for one over DNS until its
-    # timeout, so the installer does not ask (the hook keeps each job's own spelling)
+def test_the_gres_prefix_is_read_from_slurms_version_only_where_there_is_a_slurm_conf(tmp_path, monkeypatch):
+    # the client's `scontrol --version` (with SLURM_CONF: 24.11 needs it) says gres: or gres/; without a slurm.conf
+    # 22.05's scontrol looks for one over DNS until its timeout, so the installer does not ask (the hook keeps each
+    # job's own spelling); with one, an scontrol that gives no version stops the install, naming its output
+    import dataclasses
+
     from slurm_plugin import installer
-    bin_dir = tmp_path / "bin"
+    from slurm_plugin.installer import InstallError, PluginConfig
+
+    bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'slurm 24.11.5'\n")
-    (bin_dir / "scontrol").chmod(0o755)
+    scontrol = bin_dir / "scontrol"
+
+    def says(out):
+        scontrol.write_text(f"#!/bin/sh\necho \"$* SLURM_CONF=$SLURM_CONF\" >> {asked}\necho '{out}'\n")
+        scontrol.chmod(0o755)
+
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    conf = tmp_path / "slurm.conf"
-    assert installer.slurm_gres_prefix(conf) is None
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    conf = etc / "slurm.conf"
+    says("slurm 24.11.5")
+    config = PluginConfig(etc, "http://127.0.0.1:8470", max_gpus_per_node={"debug": 4})
+    installer.install(config, sleep=lambda _s: None)
+    assert "gres_prefix" not in (etc / "elastic.conf").read_text() and not asked.exists()
     conf.write_text("")
-    assert installer.slurm_gres_prefix(conf) == "gres/"
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'slurm-wlm 22.05.8'\n")
-    assert installer.slurm_gres_prefix(conf) == "gres:"
+    for out, prefix in (("slurm 24.11.5", "gres/"), ("slurm 23.02.0", "gres/"), ("slurm-wlm 22.05.8", "gres:")):
+        says(out)
+        installer.install(config, sleep=lambda _s: None)
+        assert f"gres_prefix = {prefix}" in (etc / "elastic.conf").read_text().splitlines(), out
+    assert asked.read_text().splitlines() == [f"--version SLURM_CONF={conf}"] * 3
+    says("Could not establish a configuration source")
+    with pytest.raises(InstallError, match="Could not establish a configuration source.*--gres-prefix"):
+        installer.install(config, sleep=lambda _s: None)
+    # the admin's --gres-prefix: Slurm is not asked
+    asked.unlink()
+    installer.install(dataclasses.replace(config, gres_prefix="gres:"), sleep=lambda _s: None)
+    assert "gres_prefix = gres:" in (etc / "elastic.conf").read_text().splitlines() and not asked.exists()
