@@ -425,8 +425,8 @@ class PyslurmBackend:
 
     Queries and changes go through libslurm: `Nodes/Partitions/Jobs.load`, `Job.load`, `JobSubmitDescription.submit`,
     `Job.cancel`, `Job.modify` (comment, admin comment, and a shrink as `required_nodes`, what scontrol's
-    `NodeList=` sets), `slurmctld.reconfigure`, `slurm_api_version`. These stay on the commands (a `CommandBackend` inside),
-    because pyslurm 24.11 cannot give what the protocol promises:
+    `NodeList=` sets), `slurmctld.reconfigure`, `slurm_api_version`. These stay on the commands (a `CommandBackend`
+    inside), because pyslurm 24.11 cannot give what the protocol promises:
     - the switch of each node: pyslurm has no topology call (`scontrol show topology`);
     - `sacct`: `pyslurm.db.Jobs` keys records by job id, so a resized job's one-record-per-size collapses
       into one (pyslurm/db/job.pyx, "TODO: How to handle the possibility of duplicate job ids");

@@ -110,7 +110,8 @@ def test_shrink_twice_releases_nodes_and_refreshes_env(slurm, submit, idle_nodes
 
 
 def test_version_is_the_labs_slurm_release(slurm, testbed):
-    # the installer's gres: / gres/ choice rests on it: 22.05's lab gives (22, 5, x), 24.11's (24, 11, x), on each backend
+    # the installer's gres: / gres/ choice rests on it: 22.05's lab gives (22, 5, x), 24.11's (24, 11, x), on
+    # each backend
     major, minor, micro = slurm.version()
     assert (major, minor) == tuple(int(part) for part in testbed.config.slurm.split("."))
     assert isinstance(micro, int) and micro >= 0
