@@ -599,7 +599,9 @@ function M.time_limit(job_desc, reply, parts)
     if most and (not cap or most < cap) then cap, where = most, name end
   end
   if not cap or want <= cap then return want end
-  if cap <= own then return nil, ("time limit kept at %d min: partition %s's MaxTime is %d min"):format(own, where, cap) end
+  if cap <= own then
+    return nil, ("time limit kept at %d min: partition %s's MaxTime is %d min"):format(own, where, cap)
+  end
   return cap, ("time limit capped at partition %s's MaxTime, %d min"):format(where, cap)
 end
 
