@@ -224,6 +224,7 @@ def consider_mixed(single: dict, pairs: list[tuple], cluster, named: Sequence[st
     if not wins:
         return {**single, "alternatives": alternatives}
     speeds = dict(zip(m.types, (m.speeds[sum(m.layout[:i])] for i in range(len(m.types)))))
+    single = {k: v for k, v in single.items() if k != "time_limit_min"}   # the single plan's limit (issue #40)
     return {**single, "action": "rewrite", "reason": f"elastic: {said}", "partition": where.name,
             "gpu": f"{a.gpu}+{b.gpu}", "nodes": n_a + n_b, "gpus_per_node": k, "tasks_per_node": k,
             "switches": None, "layout": list(m.layout), "constraint": constraint([(a.feature, n_a), (b.feature, n_b)]),

@@ -216,10 +216,11 @@ def _reused(value: Any) -> dict:
 
 
 def requested(job: dict) -> dict:
-    """What a job asked, as `last_step` reads it: `nodes`, `per_node`, `total` (None when not derivable) and
-    `switch` (its req_switch)."""
+    """What a job asked, as `last_step` reads it: `nodes`, `per_node`, `total` (None when not derivable),
+    `switch` (its req_switch) and `time_limit` (minutes; None: none asked)."""
     nodes, per_node, total = requested_shape(job)
-    return {"nodes": nodes, "per_node": per_node, "total": total, "switch": job.get("req_switch")}
+    return {"nodes": nodes, "per_node": per_node, "total": total, "switch": job.get("req_switch"),
+            "time_limit": job.get("time_limit_min")}
 
 
 def _requested_now(request: PlanRequest) -> dict:
@@ -462,7 +463,8 @@ def min_efficiency_bands(table: dict, d: dict, requested: dict) -> list[dict]:
         if out["predicted"] is None:
             return []
         band = {"above": span[0], "upto": span[1],
-                **{k: out[k] for k in ("action", "nodes", "gpus_per_node", "tasks_per_node", "switches", "reason")}}
+                **{k: out[k] for k in ("action", "nodes", "gpus_per_node", "tasks_per_node", "switches", "reason",
+                                       "time_limit_min") if k in out}}
         if bands and {**bands[-1], "above": 0, "upto": 0} == {**band, "above": 0, "upto": 0}:
             bands[-1]["upto"] = span[1]
         elif len(bands) == MAX_BANDS:
@@ -659,16 +661,46 @@ def _choose(entries: list[dict], d: dict, table: dict, requested: dict, limit_no
     if placed and requested["total"] == chosen["gpus"] and not same:
         same, reason = True, reason.replace("elastic: ", f"elastic: the job's {counted(chosen['gpus'], 'GPU')} "
                                             "are the plan's count, its layout stays; ", 1)
+    action = "keep" if same else "rewrite"
+    # a slower layout than the one asked gets the time to do the asked work (issue #40): never a shorter limit
+    limit = _longer_limit(requested.get("time_limit"), _asked(entries, best, requested), chosen) \
+        if action == "rewrite" else None
+    if limit is not None:
+        reason += f"; time limit {requested['time_limit']} -> {limit} min"
     curve = [{**{k: e.get(k) for k in ("layout", "gpus", "nodes", "per_gpu_batch", "global_batch", "samples_per_s",
                                        "iter_s", "efficiency", "uncertainty")},
               **({"samples_low": e["samples_low"]} if "samples_low" in e else {})} for e in sorted(entries, key=_order)]
     predicted = {k: chosen.get(k) for k in ("samples_per_s", "iter_s", "compute_s", "comm_s", "uncertainty")}
     if chosen.get("basis", "").startswith("cross-type"):   # what a single partition answers is unchanged otherwise
         predicted["basis"] = chosen["basis"]
-    return {"action": "keep" if same else "rewrite", "reason": matched + reason, "nodes": nodes, "gpus_per_node": per_node, "tasks_per_node": per_node, "switches": switches,
-            "layout": chosen["layout"], "predicted": predicted, "curve": curve, "gpu": table["gpu"],
-            "partition": table["partition"], "objective": objective, "min_efficiency": min_eff, "per_gpu_batch":
-            chosen["per_gpu_batch"], "global_batch": chosen["global_batch"]}
+    return {"action": action, "reason": matched + reason, "nodes": nodes, "gpus_per_node": per_node,
+            "tasks_per_node": per_node, "switches": switches, "layout": chosen["layout"], "predicted": predicted,
+            "curve": curve, "gpu": table["gpu"], "partition": table["partition"], "objective": objective,
+            "min_efficiency": min_eff, "per_gpu_batch": chosen["per_gpu_batch"],
+            "global_batch": chosen["global_batch"], **({} if limit is None else {"time_limit_min": limit})}
+
+
+def _asked(entries: list[dict], best: dict[int, dict], requested: dict) -> dict | None:
+    """The entry of the layout the job asked (what its time limit was set for): its nodes x GPUs per node (one
+    node when it named none; per node its GPU count over its nodes), or with a GPU count only, which Slurm places,
+    that count's best layout. None when the request names no layout within the entries."""
+    nodes, per_node, total = requested["nodes"], requested["per_node"], requested["total"]
+    nodes = nodes or (1 if per_node else None)
+    if nodes and per_node is None and total and total % nodes == 0:
+        per_node = total // nodes
+    if nodes and per_node:
+        return next((e for e in entries if e["nodes"] == nodes and e["layout"][0] == per_node), None)
+    return best.get(total) if total else None
+
+
+def _longer_limit(minutes: int | None, asked: dict | None, chosen: dict) -> int | None:
+    """The time limit (minutes) for `chosen` when it is predicted slower than the `asked` layout:
+    ceil(minutes * asked samples/s / chosen samples/s); None when no limit was asked, the asked layout has no
+    prediction (not within the bounds, infeasible), or the limit would not grow (a limit is never shortened)."""
+    if not minutes or asked is None or not asked["samples_per_s"] > 0 or not chosen["samples_per_s"] > 0:
+        return None
+    longer = math.ceil(minutes * asked["samples_per_s"] / chosen["samples_per_s"])
+    return longer if longer > minutes else None
 
 
 def _cost_per_sample(part: Partition, plan: dict) -> float:

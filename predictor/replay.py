@@ -20,7 +20,8 @@ time passed since the last fit: a live site's service, fitted on its own history
 
 Placement: a job asking G GPUs without a node count is packed on as few nodes as the free GPUs allow (most free
 first); a planned job asks `nodes x gpus_per_node` and gets nodes with that many free (fullest-fitting first).
-Backfill plans with each job's time limit; jobs are not killed at it. A finished job's GPUs are free again
+Backfill plans with each job's time limit (right-sized: the planner's longer one where it chose a layout predicted
+slower than the one asked, as the hook sets it); jobs are not killed at it. A finished job's GPUs are free again
 `release_s` later (Slurm's COMPLETING). Resizes: a grow takes whole idle nodes (the launcher's helper job), a shrink
 gives back the job's last nodes.
 
@@ -294,20 +295,25 @@ class Replay:
             return self.oracle or self.http
         return self.service.advisor if self.service else None
 
-    def _job_fields(self, request: tuple[int | None, int]) -> dict:
+    def _job_fields(self, request: tuple[int | None, int], limit_s: float | None = None) -> dict:
         nodes, gpus = request
+        limit = {"time_limit_min": math.ceil(limit_s / 60)} if limit_s else {}   # Slurm's --time: whole minutes
         if nodes:
-            return {"partition": self.part.name, "min_nodes": nodes, "tres_per_node": f"gres:gpu:{gpus // nodes}"}
-        return {"partition": self.part.name, "tres_per_job": f"gres:gpu:{gpus}"}
+            return {"partition": self.part.name, "min_nodes": nodes, "tres_per_node": f"gres:gpu:{gpus // nodes}",
+                    **limit}
+        return {"partition": self.part.name, "tres_per_job": f"gres:gpu:{gpus}", **limit}
 
     def _size_at_submit(self, run: _Run) -> None:
         adv = self._advisor()
         if adv is None or not run.lines or run.job.model is None:
             return
-        out = _fewer_nodes(adv.plan(run.lines, self._job_fields(run.request)), self.params.fewer_nodes_within)
+        out = _fewer_nodes(adv.plan(run.lines, self._job_fields(run.request, run.job.limit_s)),
+                           self.params.fewer_nodes_within)
         if out["action"] == "rewrite" and out.get("layout"):
             run.request = (out["nodes"], out["nodes"] * out["gpus_per_node"])
             run.planned = out
+            if out.get("time_limit_min"):   # the hook's longer limit for a slower layout (issue #40)
+                run.job = dataclasses.replace(run.job, limit_s=60.0 * out["time_limit_min"])
 
     # ------------------------------------------------------------------ cluster
     def _place(self, request: tuple[int | None, int], free: np.ndarray | None = None) -> list | None:

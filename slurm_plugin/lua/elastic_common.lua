@@ -389,6 +389,10 @@ local function invalid(r)
   if not named(r.partition, 64, "^[%w_.:+-]+$") then return "bad partition " .. tostring(r.partition) end
   local c = r.constraint
   if not named(c, 256, "^%[[%w_-]+%*%d+[%w_*&-]*%]$") then return "bad constraint " .. tostring(c) end
+  local t = r.time_limit_min
+  if t ~= nil and not (type(t) == "number" and t == math.floor(t) and t >= 1 and t < NO_VAL) then
+    return "bad time_limit_min " .. tostring(t)
+  end
 end
 local function reason_of(text, fallback)   -- one line, led by "elastic:"
   local r = one_line(type(text) == "string" and text or fallback, 400)
@@ -581,18 +585,41 @@ function M.rewrite_fields(job_desc, reply, prefix)
   return f, env, changed
 end
 
--- Apply a decision to a job_desc (a keep: its id in the comment); true, or nil and why nothing changed. SLURM_GPUS
--- and _PER_NODE follow a changed GPU request (srun in the job reads them), others only where sbatch set them.
-function M.apply_job_desc(job_desc, decision, gres_prefix)
+-- The time limit a rewrite sets (issue #40): the reply's time_limit_min (the planner's rule: the layout chosen is
+-- predicted slower than the one asked, the limit scaled by their ratio), capped at the lowest MaxTime of the partitions
+-- the job may run in (`parts`, part_list: max_time in minutes; INFINITE or not known: no cap), never below the job's
+-- own. Returns the limit (nil: unchanged) and, when a MaxTime held it, a note for the reason line.
+function M.time_limit(job_desc, reply, parts)
+  local want, own = reply.time_limit_min, num(job_desc.time_limit)
+  if not want or not own or want <= own then return nil end
+  local names, cap, where = M.moved_to(str(job_desc.partition), reply) or str(job_desc.partition), nil, nil
+  for name, p in pairs(names == nil and parts or {}) do names = p.flag_default == 1 and name or names end
+  for name in (names or ""):gmatch("[^,]+") do
+    local most = parts and parts[name] and num(parts[name].max_time)
+    if most and (not cap or most < cap) then cap, where = most, name end
+  end
+  if not cap or want <= cap then return want end
+  if cap <= own then
+    return nil, ("time limit kept at %d min: partition %s's MaxTime is %d min"):format(own, where, cap)
+  end
+  return cap, ("time limit capped at partition %s's MaxTime, %d min"):format(where, cap)
+end
+
+-- Apply a decision to a job_desc (a keep: its id in the comment); true and a note for the reason line (nil: none),
+-- or nil and why nothing changed. SLURM_GPUS and _PER_NODE follow a changed GPU request (srun in the job reads them),
+-- others only where sbatch set them. `parts`: job_submit's part_list, for the partitions' MaxTime (M.time_limit).
+function M.apply_job_desc(job_desc, decision, gres_prefix, parts)
   local fields, env = { comment = decision.decision_id and M.comment_with(job_desc.comment, decision.decision_id) }, {}
+  local note
   if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision, gres_prefix) end
   if not fields then return nil, env end
+  if decision.kind ~= "keep" then fields.time_limit, note = M.time_limit(job_desc, decision, parts) end
   for key, value in pairs(fields) do job_desc[key] = value end
   local target = job_desc.script ~= nil and job_desc.environment or nil
   for key, value in pairs(target and env or {}) do
     if target[key] ~= nil or key == "SLURM_GPUS" or key == "SLURM_GPUS_PER_NODE" then target[key] = value end
   end
-  return true
+  return true, note
 end
 
 return M

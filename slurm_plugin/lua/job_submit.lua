@@ -37,12 +37,13 @@ local function submit(job_desc, script, uid, parts)
     slurm.log_user("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind ~= "skip" then
-    applied, why = elastic.apply_job_desc(job_desc, outcome, cfg.gres_prefix)
+    applied, why = elastic.apply_job_desc(job_desc, outcome, cfg.gres_prefix, parts)
   end
-  if applied then
+  if applied then   -- `why`: what the hook adds to the reason (a partition's MaxTime held the time limit), or nil
+    local reason = why and outcome.reason .. "; " .. why or outcome.reason
     slurm.log_info("slurm_job_submit: elastic: uid %s: %s%s (%.1f ms) %s", tostring(uid), outcome.kind,
-                   outcome.cached and ", cached" or "", ms, outcome.reason)
-    slurm.user_msg(outcome.reason)
+                   outcome.cached and ", cached" or "", ms, reason)
+    slurm.user_msg(reason)
   else
     why = outcome.why or ("plan not applied: " .. why)
     slurm.log_info("slurm_job_submit: elastic: uid %s: prediction skipped (%.1f ms): %s", tostring(uid), ms, why)

@@ -422,6 +422,35 @@ def test_real_predictor_rewrite_then_service_stopped(hook, real_predictor, sbatc
     assert show_job(bed, down.job_id)["TresPerJob"] == tres(bed, 4)
 
 
+def test_a_job_right_sized_to_a_slower_layout_gets_a_longer_time_limit(hook, real_predictor, sbatch, bed):
+    """Issue #40: 2x4 asked for 10 min, min_efficiency 0.9 plans 1x4 (4 -> 8 GPUs scales at about 0.7 here):
+    the service's longer limit is the job's TimeLimit and in sbatch's line; under a partition MaxTime below it, the
+    MaxTime, said so."""
+    hook(real_predictor.url)
+    lines = REAL + "#ELASTIC min_efficiency=0.9\n"
+    result = sbatch(script(directives=lines, sbatch_lines="#SBATCH -N2 --gpus-per-node=4 --time=10 --comment=orig\n"),
+                    "-H")
+    assert result.rc == 0, result.stderr
+    stored = real_predictor.decision(_decision_of(bed, result))["response"]
+    limit = stored["time_limit_min"]
+    assert stored["layout"] == [4] and limit > 11, stored
+    assert result.stderr.rstrip().endswith(f"; time limit 10 -> {limit} min"), result.stderr
+    job = show_job(bed, result.job_id)
+    assert job["TimeLimit"] == f"00:{limit:02d}:00" and job["NumNodes"] in ("1", "1-1")
+    env = bed.env(path="/usr/bin:/bin")
+    subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=11"], env=env, check=True, timeout=30)
+    try:
+        capped = sbatch(script(directives=lines, sbatch_lines="#SBATCH -N2 --gpus-per-node=4 -t 10 --comment=orig\n"),
+                        "-H", "-p", "debug")
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=UNLIMITED"], env=env, check=True,
+                       timeout=30)
+    assert capped.rc == 0, capped.stderr
+    assert capped.stderr.rstrip().endswith(f"; time limit 10 -> {limit} min; time limit capped at partition debug's "
+                                           "MaxTime, 11 min"), capped.stderr
+    assert show_job(bed, capped.job_id)["TimeLimit"] == "00:11:00"
+
+
 def _decision_of(bed, result) -> str:
     return re.fullmatch(r"orig elastic:decision=(\S+)", show_job(bed, result.job_id)["Comment"]).group(1)
 

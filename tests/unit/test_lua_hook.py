@@ -31,6 +31,8 @@ REWRITE = {"decision_id": "d-42", "action": "rewrite", "nodes": 2, "gpus_per_nod
 
 REWRITE_1X1 = {**REWRITE, "nodes": 1, "gpus_per_node": 1, "tasks_per_node": 1, "switches": None, "layout": [1],
                "reason": "elastic: 1 node x 1 GPU (1x1) predicted 1640 samples/s"}
+SLOWER = {**REWRITE_1X1, "decision_id": "d-70", "time_limit_min": 84,
+          "reason": "elastic: 1 node x 1 GPU (1x1) predicted 1640 samples/s, 0.7x of 1x4; time limit 60 -> 84 min"}
 # a comparison of partitions (issue #16): the service moved the job to partition a100 (predictor/planner.py)
 MOVED = {**REWRITE, "decision_id": "d-50", "partition": "a100", "gpu": "A100",
          "reason": "elastic: partition a100: 2x2 A100 predicted 1.5x of h100 2x2 at 0.5x its cost per sample; "
@@ -104,6 +106,8 @@ class Predictor:
                "mixed": MIXED, "badconstraint": {**MIXED, "constraint": "h100*2|a100"},
                "onepartition": {**REWRITE, "partition": "a100", "gpu": "A100"},  # no comparison: stays put
                "rewrite3": {**REWRITE, "tasks_per_node": 3}, "rewrite1x1": REWRITE_1X1,
+               # issue #40: 1x1 predicted slower than the job's 1x4 (tests/unit/test_lua_time_limit.py)
+               "slower": SLOWER, "badlimit": {**SLOWER, "time_limit_min": 84.5},
                # with cache_ttl_s: the hook may reuse these (tests/unit/test_lua_hook_cache.py)
                "cached": {**REWRITE, "decision_id": "d-44", "cache_ttl_s": 30},
                "cached-short": {**REWRITE, "decision_id": "d-45", "cache_ttl_s": 0.3},

@@ -209,3 +209,31 @@ def test_a_plans_shrink_waits_for_a_pending_job(truth):
         runs[name] = (rep.run().jobs()[big.name], rep.decisions)
     assert runs["alone"][0]["resizes"] == 0 and "shrink" not in runs["alone"][1]
     assert runs["pending"][1].get("shrink") == 1 and "handback" not in runs["pending"][1]
+
+
+class _SlowerAdvisor:
+    """Plans a submitted job down to 1x1 with the reply's longer time limit (`minutes`; None: none given)."""
+
+    def __init__(self, minutes):
+        self.minutes, self.asked = minutes, []
+
+    def plan(self, lines, job, current=None):
+        self.asked.append(job)
+        limit = {} if self.minutes is None else {"time_limit_min": self.minutes}
+        return {"action": "rewrite", "reason": "1x1", "nodes": 1, "gpus_per_node": 1, "layout": [1], **limit}
+
+
+def test_a_right_sized_job_backfills_with_the_replys_longer_limit(truth):
+    """Issue #40: the hook's longer limit is what backfill plans with. `m` asks 2 GPUs for 1 min (60 s) and is
+    planned to 1 GPU: with its 1-minute limit it fits beside `a` before `head`'s reservation at 100 s; with the
+    reply's 3 minutes it does not, and starts after `head`."""
+    lines = elastic_lines("cifar10", 256, 2, truth, 1.0, 4, 0.5)
+    starts = {}
+    for minutes in (None, 3):
+        jobs = [fixed("a", 0, 2, 100), fixed("head", 1, 4, 50),
+                ReplayJob("m", 2.0, 2, 1, "cifar10", 256, 10.0, 30.0, 60.0, lines)]
+        rep = Replay(jobs, shape(1), truth, "right-sized")
+        rep.http = advisor = _SlowerAdvisor(minutes)
+        starts[minutes] = rep.run().jobs()["m"]["start"]
+        assert [j.get("time_limit_min") for j in advisor.asked] == [1]   # the job's own limit, whole minutes
+    assert starts[None] == 2.0 and starts[3] >= 150.0
