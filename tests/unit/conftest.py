@@ -10,6 +10,13 @@ store, and a trainer's 5 s connect timeout failed on one. With one 1 s attempt t
 (EAI_AGAIN) after 1 s, and c10d stops looking names up for the rest of the process (it logs IP addresses from
 then on). Nothing in tests/unit needs a name from the DNS server; a value set by the caller is kept.
 
+Bytecode: where PYTHONDONTWRITEBYTECODE is set (as on the sandbox hosts), Python caches no compiled module and
+pytest no module whose asserts it rewrote, so every process (the controller and each xdist worker) compiled the
+project and rewrote every test module again: about 15 s of the fast tier's 69 s on 2 cores. Then compiled modules
+are cached outside the checkout, in the system's temporary directory, one tree per user (sys.pycache_prefix, as
+PYTHONPYCACHEPREFIX would set it; pytest's rewrite cache follows it); the checkout stays free of __pycache__. A
+prefix the caller set is kept, and so is bytecode writing where it was on.
+
 OMP_NUM_THREADS, OPENBLAS_NUM_THREADS: the fast tier runs one xdist worker per core; torch's intra-op pool and
 OpenBLAS (numpy, scipy's fits) would each start a thread per core in every worker, and their threads spin while
 they wait for the next parallel region, on cores the other worker needs. One thread each (a caller's value kept);
@@ -17,9 +24,14 @@ the tests that care about threads set them themselves.
 """
 import gc
 import os
+import sys
+import tempfile
 
 import pytest
 
+if sys.dont_write_bytecode and sys.pycache_prefix is None:
+    sys.pycache_prefix = os.path.join(tempfile.gettempdir(), f"elastic-slurm-pycache-{os.getuid()}")
+    sys.dont_write_bytecode = False
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_pool, "1")
