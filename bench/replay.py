@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from predictor import replay_inputs as ri  # noqa: E402
 from predictor import replay_report  # noqa: E402
 from predictor.cluster import Cluster  # noqa: E402
-from predictor.replay import POLICIES, Params, Replay, replay_all  # noqa: E402
+from predictor.replay import POLICIES, Params, Replay, later_than, replay_all  # noqa: E402
 
 LOAD = 0.7
 ITP_CLUSTERS = [f"cluster{i:02d}" for i in range(1, 11)]
@@ -62,7 +62,13 @@ def run_one(name, jobs, cluster, truth, args):
     print(f"\n### {name}: {len(jobs)} jobs, {len(cluster.partition().nodes)} nodes x 4 T4 "
           f"({time.perf_counter() - t:.1f} s)\n")
     print(replay_report.markdown(summary["rows"], summary["oracle_gap"], names=6), flush=True)
-    return summary
+    return summary, res
+
+
+def past_limit(res) -> int:
+    """Jobs that ran (start to end, resize pauses included) longer than their time limit: Slurm would have ended
+    them (the replay does not; issue #40)."""
+    return sum(1 for r in res.runs if r.job.limit_s and r.end - r.start > r.job.limit_s + 1e-6)
 
 
 def main(argv=None) -> int:
@@ -87,20 +93,25 @@ def main(argv=None) -> int:
     truth = ri.PolluxTruth()
     if args.what == "pollux":
         lo, _, hi = args.workloads.partition("-")
-        gaps, cuts, late = [], [], []
+        gaps, cuts, late, long_, over = [], [], [], [], []
         for n in range(int(lo), int(hi or lo) + 1):
             jobs = with_lines(ri.load_pollux_workload(n, truth), truth, 64, args)
-            s = run_one(f"pollux-workload-{n}", jobs, shape(16), truth, args)
+            s, res = run_one(f"pollux-workload-{n}", jobs, shape(16), truth, args)
             by = {r["policy"]: r for r in s["rows"]}
             if "elastic" in by:
                 cuts.append(by["elastic"]["vs_submitted"])
                 late.append(len(by["elastic"].get("late_jobs", [])) / by["elastic"]["jobs"])
+                over.append(past_limit(res["elastic"]))
+                if "as-submitted" in res:
+                    long_.append(len(later_than(res["as-submitted"], res["elastic"], 1.5)))
             if s["oracle_gap"] is not None:
                 gaps.append(s["oracle_gap"])
         if cuts:
             print(f"\nPollux {args.workloads}: elastic avg JCT vs as-submitted: "
                   + ", ".join(f"{c:+.1%}" for c in cuts) + f"; mean {sum(cuts) / len(cuts):+.1%}")
             print("elastic jobs >10% later: " + ", ".join(f"{x:.1%}" for x in late))
+            print(f"elastic jobs >50% later: {', '.join(map(str, long_))}; in all: {sum(long_)}")
+            print(f"elastic jobs run past their time limit: {', '.join(map(str, over))}; in all: {sum(over)}")
         if gaps:
             print("elastic vs oracle avg JCT: " + ", ".join(f"{g:+.1%}" for g in gaps))
     elif args.what == "itp":
