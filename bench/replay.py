@@ -51,6 +51,8 @@ def params(args) -> Params:
 
 def with_lines(jobs, truth, total, args):
     for j in jobs:
+        if j.limit_s:   # --limit-factor: users' limits above the run time (1: exact, the histories' own)
+            j.limit_s *= args.limit_factor
         j.directives = ri.elastic_lines(j.model, j.global_batch, j.gpus, truth, args.max_scale, total, args.min_scale)
     return jobs
 
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tick", type=float, default=300.0)
     ap.add_argument("--fewer-nodes-within", type=float, default=0.0,
                     help="what-if of a planner rule it does not have (Params.fewer_nodes_within); 0: the planner as is")
+    ap.add_argument("--limit-factor", type=float, default=1.0,
+                    help="time limits x this (1: the history's own; Pollux: each job's run time as asked)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the measurement noise the service is fitted on")
     ap.add_argument("--out", default="bench/results/replay")
     args = ap.parse_args(argv)
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# bench/replay.py {' '.join(argv or sys.argv[1:])}\ncommit {commit}, {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, min_scale {args.min_scale}, max_scale {args.max_scale}, tick {args.tick} s, "
-          f"fewer_nodes_within {args.fewer_nodes_within}, seed {args.seed}")
+          f"fewer_nodes_within {args.fewer_nodes_within}, limit_factor {args.limit_factor}, seed {args.seed}")
     truth = ri.PolluxTruth()
     if args.what == "pollux":
         lo, _, hi = args.workloads.partition("-")

@@ -13,11 +13,11 @@ unreachable or not configured, and its reasons say so. A job without `#ELASTIC` 
 (the planner would answer `keep`: not an elastic job). The revert test and the directives' limits apply
 on top of either.
 
-Voluntary shrinks (the plan's, a revert, a hand-back to a pending job) never push the job past its Slurm time limit
-(issue #40): `TimeBudget` carries the time to the job's end and the steps left, and `AutoscalePolicy.within_limit`
-moves such a shrink to the smallest size at or below the current one that still finishes, or refuses it. Shrinks
-the job does not choose (above the directives' limits; failed, taken or straggling nodes, handled elsewhere) are
-not checked.
+The shrinks decided here (the plan's, a revert, above the directives' limits or the ceiling, a hand-back to a
+pending job) are the job's choice: none pushes it past its Slurm time limit (issue #40). `TimeBudget` carries the
+time to the job's end and the steps left, and `AutoscalePolicy.within_limit` moves such a shrink to the smallest
+size from its target up to the current one that still finishes, or refuses it. Shrinks the job does not choose
+(failed, taken, hung or straggling nodes: decide_failures, the straggler detector) are not checked.
 """
 from __future__ import annotations
 
@@ -363,8 +363,8 @@ class AutoscalePolicy:
                 it frees would idle: in the replay of Pollux 1-8 a 6-GPU job shrunk to 4 while nobody waited ran
                 25% longer); with none, nodes lent to pending jobs (`lent_nodes_`) are grown back whatever the
                 plan says of a grow (the size was the job's own), never past a size a revert found not to pay.
-            budget: the time to the job's end and its steps left: the plan's shrink and a revert go only as far
-                as finishes before it (`within_limit`); None or unknown parts: not checked, and the reason says so.
+            budget: the time to the job's end and its steps left: every shrink and revert decided here goes only
+                as far as finishes before it (`within_limit`); None or unknown parts: not checked, and the reason says so.
 
         Preconditions: `record` was called at the current size.
         """
@@ -383,8 +383,8 @@ class AutoscalePolicy:
                     f"efficiency {efficiency:.2f} < {self.min_efficiency:.2f}", efficiency), current.nodes, budget)
         if current.nodes > self.max_nodes() and current.nodes > self.min_nodes():
             target = max(self.max_nodes(), self.min_nodes())
-            return Decision("shrink", target, f"{counted(current.nodes, 'node')} is above the limit {self.max_nodes()}",
-                            efficiency)
+            return self.within_limit(Decision("shrink", target, f"{counted(current.nodes, 'node')} is above the limit "
+                                              f"{self.max_nodes()}", efficiency), current.nodes, budget)
         if advice.source == NO_DIRECTIVES:
             return Decision("keep", current.nodes, "no #ELASTIC directives: not autoscaled", efficiency)
         if advice.source == PLANNER and advice.nodes < current.nodes:

@@ -357,7 +357,7 @@ def test_without_the_end_or_the_steps_left_a_shrink_is_as_before_and_says_so(bud
     assert (d.action, d.target_nodes) == ("shrink", 2) and d.reason.endswith(f"; time limit not checked: {why}")
 
 
-def test_a_revert_is_voluntary_a_shrink_to_the_directives_limit_is_not():
+def test_a_revert_and_a_shrink_to_the_directives_limit_are_checked_too():
     tight = TimeBudget(time_left_s=100.0, steps_left=1000)
     grew = AutoscalePolicy(min_efficiency=0.7)
     grew.record(timed(2, 1.5))
@@ -366,9 +366,10 @@ def test_a_revert_is_voluntary_a_shrink_to_the_directives_limit_is_not():
     kept = grew.decide(0, budget=tight)
     assert (kept.action, kept.target_nodes) == ("keep", 4)
     assert "did not pay" in kept.reason and "refused" in kept.reason
-    capped = AutoscalePolicy(max_workers=2)
+    capped = AutoscalePolicy(max_workers=2)       # above gpus max: the extra GPUs cost efficiency, not the batch
     capped.record(timed(4, 1.0))
-    assert (capped.decide(0, budget=tight).action, capped.decide(0, budget=tight).target_nodes) == ("shrink", 2)
+    assert (capped.decide(0).action, capped.decide(0).target_nodes) == ("shrink", 2)
+    assert (capped.decide(0, budget=tight).action, capped.decide(0, budget=tight).target_nodes) == ("keep", 4)
 
 
 def test_a_hand_back_is_whole_or_refused():
