@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from predictor import replay_inputs as ri  # noqa: E402
 from predictor import replay_report  # noqa: E402
 from predictor.cluster import Cluster  # noqa: E402
-from predictor.replay import POLICIES, Params, Replay, replay_all  # noqa: E402
+from predictor.replay import POLICIES, Params, Replay, later_than, replay_all  # noqa: E402
 
 LOAD = 0.7
 ITP_CLUSTERS = [f"cluster{i:02d}" for i in range(1, 11)]
@@ -51,6 +51,8 @@ def params(args) -> Params:
 
 def with_lines(jobs, truth, total, args):
     for j in jobs:
+        if j.limit_s:   # --limit-factor: users' limits above the run time (1: exact, the histories' own)
+            j.limit_s *= args.limit_factor
         j.directives = ri.elastic_lines(j.model, j.global_batch, j.gpus, truth, args.max_scale, total, args.min_scale)
     return jobs
 
@@ -62,7 +64,13 @@ def run_one(name, jobs, cluster, truth, args):
     print(f"\n### {name}: {len(jobs)} jobs, {len(cluster.partition().nodes)} nodes x 4 T4 "
           f"({time.perf_counter() - t:.1f} s)\n")
     print(replay_report.markdown(summary["rows"], summary["oracle_gap"], names=6), flush=True)
-    return summary
+    return summary, res
+
+
+def past_limit(res) -> int:
+    """Jobs that ran (start to end, resize pauses included) longer than their time limit: Slurm would have ended
+    them (the replay does not; issue #40)."""
+    return sum(1 for r in res.runs if r.job.limit_s and r.end - r.start > r.job.limit_s + 1e-6)
 
 
 def main(argv=None) -> int:
@@ -76,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tick", type=float, default=300.0)
     ap.add_argument("--fewer-nodes-within", type=float, default=0.0,
                     help="what-if of a planner rule it does not have (Params.fewer_nodes_within); 0: the planner as is")
+    ap.add_argument("--limit-factor", type=float, default=1.0,
+                    help="time limits x this (1: the history's own; Pollux: each job's run time as asked)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the measurement noise the service is fitted on")
     ap.add_argument("--out", default="bench/results/replay")
     args = ap.parse_args(argv)
@@ -83,24 +93,29 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# bench/replay.py {' '.join(argv or sys.argv[1:])}\ncommit {commit}, {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, min_scale {args.min_scale}, max_scale {args.max_scale}, tick {args.tick} s, "
-          f"fewer_nodes_within {args.fewer_nodes_within}, seed {args.seed}")
+          f"fewer_nodes_within {args.fewer_nodes_within}, limit_factor {args.limit_factor}, seed {args.seed}")
     truth = ri.PolluxTruth()
     if args.what == "pollux":
         lo, _, hi = args.workloads.partition("-")
-        gaps, cuts, late = [], [], []
+        gaps, cuts, late, long_, over = [], [], [], [], []
         for n in range(int(lo), int(hi or lo) + 1):
             jobs = with_lines(ri.load_pollux_workload(n, truth), truth, 64, args)
-            s = run_one(f"pollux-workload-{n}", jobs, shape(16), truth, args)
+            s, res = run_one(f"pollux-workload-{n}", jobs, shape(16), truth, args)
             by = {r["policy"]: r for r in s["rows"]}
             if "elastic" in by:
                 cuts.append(by["elastic"]["vs_submitted"])
                 late.append(len(by["elastic"].get("late_jobs", [])) / by["elastic"]["jobs"])
+                over.append(past_limit(res["elastic"]))
+                if "as-submitted" in res:
+                    long_.append(len(later_than(res["as-submitted"], res["elastic"], 1.5)))
             if s["oracle_gap"] is not None:
                 gaps.append(s["oracle_gap"])
         if cuts:
             print(f"\nPollux {args.workloads}: elastic avg JCT vs as-submitted: "
                   + ", ".join(f"{c:+.1%}" for c in cuts) + f"; mean {sum(cuts) / len(cuts):+.1%}")
             print("elastic jobs >10% later: " + ", ".join(f"{x:.1%}" for x in late))
+            print(f"elastic jobs >50% later: {', '.join(map(str, long_))}; in all: {sum(long_)}")
+            print(f"elastic jobs run past their time limit: {', '.join(map(str, over))}; in all: {sum(over)}")
         if gaps:
             print("elastic vs oracle avg JCT: " + ", ".join(f"{g:+.1%}" for g in gaps))
     elif args.what == "itp":

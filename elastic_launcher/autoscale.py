@@ -12,6 +12,12 @@ launcher's own heuristic grow (`grow_step_nodes` while nodes are free) runs only
 unreachable or not configured, and its reasons say so. A job without `#ELASTIC` lines is not autoscaled
 (the planner would answer `keep`: not an elastic job). The revert test and the directives' limits apply
 on top of either.
+
+The shrinks decided here (the plan's, a revert, above the directives' limits or the ceiling, a hand-back to a
+pending job) are the job's choice: none pushes it past its Slurm time limit (issue #40). `TimeBudget` carries the
+time to the job's end and the steps left, and `AutoscalePolicy.within_limit` moves such a shrink to the smallest
+size from its target up to the current one that still finishes, or refuses it. Shrinks the job does not choose
+(failed, taken, hung or straggling nodes: decide_failures, the straggler detector) are not checked.
 """
 from __future__ import annotations
 
@@ -94,6 +100,44 @@ class PlanAdvice:
 
 
 NO_SERVICE = PlanAdvice(None, NOT_CONFIGURED, "no predictor service")
+
+# A voluntary shrink to S is kept when steps_left x step_s(S) x LIMIT_PAD + LIMIT_SLACK_S <= the time left to the
+# job's end. 5%: step-time noise between windows and the error of an unmeasured size's estimate (taken linear,
+# AutoscalePolicy.step_s_at); 60 s: the resize's own pause (1.1 s measured) and the script's last save before
+# Slurm's SIGTERM-to-SIGKILL wait (KillWait, 30 s by default). The launcher does not know the script's checkpoint
+# interval (an elastic job keeps its state across resizes), so none is added.
+LIMIT_PAD = 1.05
+LIMIT_SLACK_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeBudget:
+    """What a voluntary shrink is checked against (issue #40).
+
+    Attributes:
+        time_left_s: seconds from now to the job's end (Slurm's EndTime: start plus its time limit); None: unknown.
+        steps_left: training steps left (the script's --steps less the furthest committed step); None: unknown.
+    """
+
+    time_left_s: Optional[float]
+    steps_left: Optional[float]
+
+    def __post_init__(self) -> None:
+        for name in ("time_left_s", "steps_left"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"TimeBudget.{name}: expected None or a number >= 0, got {value!r}")
+
+    @property
+    def unknown(self) -> str:
+        """Why the limit cannot be checked ("" when it can)."""
+        missing = [what for what, v in (("the job's end time", self.time_left_s), ("the steps left", self.steps_left))
+                   if v is None]
+        return f"{' and '.join(missing)} unknown" if missing else ""
+
+    def needs_s(self, step_s: float) -> float:
+        """Time the steps left need at `step_s` a step, with the margin (LIMIT_PAD, LIMIT_SLACK_S)."""
+        return self.steps_left * step_s * LIMIT_PAD + LIMIT_SLACK_S
 
 # A job hands nodes to the head pending job only when that job's time limit is at most this share of its own time
 # left. Replay of Pollux 1-8 (bench/results/replay/README.md, session 21, seed 0), with the grow back: 0.5 against no
@@ -267,7 +311,46 @@ class AutoscalePolicy:
                 return current, earlier
         return current, None
 
-    def decide(self, free_nodes: int, advice: PlanAdvice = NO_SERVICE, waiting: bool = True) -> Decision:
+    def step_s_at(self, nodes: int) -> float:
+        """Step time expected at `nodes`: the latest measurement at that size, else the latest one scaled linearly
+        (step_s x its nodes / `nodes`: the most a shrink of a fixed global batch slows the job under sublinear
+        scaling; pessimistic for keep_per_gpu, whose step time barely changes: it may keep a job at a size it could
+        have left, not run it into its limit). Precondition: a measurement with step_s > 0 was recorded."""
+        at = [m for m in self.history_ if m.nodes == nodes and m.step_s > 0]
+        if at:
+            return at[-1].step_s
+        current = self.history_[-1]
+        return current.step_s * current.nodes / nodes
+
+    def within_limit(self, decision: Decision, nodes: int, budget: Optional[TimeBudget],
+                     whole: bool = False) -> Decision:
+        """`decision` at `nodes` nodes, a voluntary shrink or revert being moved to the smallest size from its target
+        up to below `nodes` whose steps left finish before the job's end (`TimeBudget.needs_s` at `step_s_at`), or
+        turned into a keep when none does (issue #40). `whole`: only the target itself will do (a hand-back: fewer
+        nodes do not let the pending job start). Other decisions are returned as they are; with the end time, the
+        steps left or a step time unknown the shrink stands as before and its reason says the limit was not
+        checked."""
+        target = decision.target_nodes
+        if decision.action not in ("shrink", "revert") or target >= nodes:
+            return decision
+        why = "no time budget given" if budget is None else budget.unknown
+        if not why and not (self.history_ and self.history_[-1].step_s > 0):
+            why = "no step time measured"
+        if why:
+            return dataclasses.replace(decision, reason=f"{decision.reason}; time limit not checked: {why}")
+        fit = next((n for n in ([target] if whole else range(target, nodes))
+                    if budget.needs_s(self.step_s_at(n)) <= budget.time_left_s), None)
+        if fit == target:
+            return decision
+        short = (f"{budget.steps_left:.0f} steps left need {budget.needs_s(self.step_s_at(target)):.0f} s at "
+                 f"{counted(target, 'node')}, {budget.time_left_s:.0f} s to the time limit")
+        if fit is None:
+            return Decision("keep", nodes, f"{decision.reason}; refused: {short}", decision.efficiency)
+        return Decision(decision.action, fit, f"{decision.reason}; to {counted(fit, 'node')}, not {target}: {short}",
+                        decision.efficiency)
+
+    def decide(self, free_nodes: int, advice: PlanAdvice = NO_SERVICE, waiting: bool = True,
+               budget: Optional[TimeBudget] = None) -> Decision:
         """Decide from the latest measurement.
 
         Args:
@@ -280,6 +363,8 @@ class AutoscalePolicy:
                 it frees would idle: in the replay of Pollux 1-8 a 6-GPU job shrunk to 4 while nobody waited ran
                 25% longer); with none, nodes lent to pending jobs (`lent_nodes_`) are grown back whatever the
                 plan says of a grow (the size was the job's own), never past a size a revert found not to pay.
+            budget: the time to the job's end and its steps left: every shrink and revert decided here goes only
+                as far as finishes before it (`within_limit`); None or unknown parts: not checked, and the reason says so.
 
         Preconditions: `record` was called at the current size.
         """
@@ -293,12 +378,13 @@ class AutoscalePolicy:
                 self.ceiling_nodes_ = current.nodes if self.ceiling_nodes_ is None else min(self.ceiling_nodes_,
                                                                                              current.nodes)
                 target = max(before.nodes, self.min_nodes())
-                return Decision("revert", target, f"grow {before.nodes}->{counted(current.nodes, 'node')} did not pay: "
-                                f"efficiency {efficiency:.2f} < {self.min_efficiency:.2f}", efficiency)
+                return self.within_limit(Decision(
+                    "revert", target, f"grow {before.nodes}->{counted(current.nodes, 'node')} did not pay: "
+                    f"efficiency {efficiency:.2f} < {self.min_efficiency:.2f}", efficiency), current.nodes, budget)
         if current.nodes > self.max_nodes() and current.nodes > self.min_nodes():
             target = max(self.max_nodes(), self.min_nodes())
-            return Decision("shrink", target, f"{counted(current.nodes, 'node')} is above the limit {self.max_nodes()}",
-                            efficiency)
+            return self.within_limit(Decision("shrink", target, f"{counted(current.nodes, 'node')} is above the limit "
+                                              f"{self.max_nodes()}", efficiency), current.nodes, budget)
         if advice.source == NO_DIRECTIVES:
             return Decision("keep", current.nodes, "no #ELASTIC directives: not autoscaled", efficiency)
         if advice.source == PLANNER and advice.nodes < current.nodes:
@@ -307,7 +393,7 @@ class AutoscalePolicy:
             if target < current.nodes:
                 if not waiting:
                     return Decision("keep", current.nodes, f"{why}; no job waits for the nodes", efficiency)
-                return Decision("shrink", target, why, efficiency)
+                return self.within_limit(Decision("shrink", target, why, efficiency), current.nodes, budget)
         limit = min(self.max_nodes(), current.nodes + free_nodes)
         want = advice.nodes if advice.source == PLANNER else current.nodes + self.grow_step_nodes
         target = min(want, limit, current.nodes + self.grow_step_nodes)

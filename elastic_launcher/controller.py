@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elastic_launcher import store_keys as keys
 from elastic_launcher.autoscale import (NO_DIRECTIVES, NOT_CONFIGURED, UNREACHABLE, AutoscalePolicy, Decision, Measurement,
-                                        PendingJob, PlanAdvice, advice_from_plan, scaling_efficiency,
+                                        PendingJob, PlanAdvice, TimeBudget, advice_from_plan, scaling_efficiency,
                                         yield_to_pending)
 from elastic_launcher.control import ControlInbox, beat as heartbeat, serve_store
 from elastic_launcher.errors import RendezvousTimeout
@@ -73,6 +73,7 @@ class Controller:
             default is the measurement. Tests and CPU testbeds inject ``testing.LinearThroughput``.
         clock / sleep: the monotonic clock the resize deadlines are read on, and the wait between ticks (tests
             inject fakes).
+        wall: the Unix clock the job's Slurm end time is compared with (tests inject a fake).
 
     The loop is one :meth:`_tick` per `poll_interval`, from the start on: the initial rendezvous, a resize
     (`resize_ops.ResizeOp`) and a failed node's recovery (`resize_ops.RecoveryOp`) each move one state a tick, so
@@ -82,7 +83,7 @@ class Controller:
 
     def __init__(self, config: LaunchConfig, registry: Path, slurm, start_step,
                  throughput: ThroughputModel = MeasuredThroughput(), clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, wall: Callable[[], float] = time.time):
         self.config = config
         self.registry = Path(registry)
         self.slurm = slurm
@@ -90,6 +91,7 @@ class Controller:
         self.throughput = throughput
         self.clock = clock
         self.sleep = sleep
+        self.wall = wall
         self.job_id = str(config.allocation.job_id)
         self.slots = config.slots_per_node
         self.fleet = Fleet(self.job_id, config.allocation, self.slots)
@@ -425,10 +427,14 @@ class Controller:
         advice = self._ask_plan(m, layout)
         free = self._free_nodes()
         pending = self._pending_jobs()   # the plan's shrink waits for one; --no-yield: they get nothing of ours
-        decision = self.policy.decide(len(free), advice, waiting=bool(pending))
+        budget = self._time_budget()
+        decision = self.policy.decide(len(free), advice, waiting=bool(pending), budget=budget)
         yielding = pending if self.config.yield_to_pending else []
         handback = None if not yielding else \
             yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), yielding, self._time_left_s(m))
+        if handback is not None:   # the whole hand-back or none: fewer nodes would not start the pending job
+            handback = self.policy.within_limit(handback, m.nodes, budget, whole=True)
+            handback = None if handback.action == "keep" else handback
         decision = settle_decision(decision, m.nodes, handback, yielding, self.operator_cap, advice)
         if handback is not None and decision is handback:   # the nodes are lent: grown back once nobody waits
             self.policy.lent_nodes_ = max(self.policy.lent_nodes_, m.nodes)
@@ -610,6 +616,23 @@ class Controller:
             return math.inf
         eta = self._steps_and_eta(self._progress(self._known_wids()), m)["eta_s"]
         return math.inf if eta is None else float(eta)
+
+    def _time_budget(self) -> TimeBudget:
+        """The time to the job's end and its steps left, for the time-limit check of voluntary shrinks (#40). The end:
+        SLURM_JOB_END_TIME where Slurm exports it (LaunchConfig.end_time), else squeue's EndTime (Slurm 22.05 exports
+        none to the batch step), read at each decision (an operator may extend the limit); None where unknown."""
+        steps_left = None
+        if self.server is not None:
+            facts = self._steps_and_eta(self._progress(self._known_wids()), None)
+            if facts["total_steps"] is not None:
+                steps_left = max(0, facts["total_steps"] - facts["step"])
+        end = self.config.end_time
+        if not end:
+            try:
+                end = float(self.slurm.job(int(self.job_id)).end_time)
+            except Exception as exc:  # noqa: BLE001 - Slurm slow or down: the limit is not checked this time
+                log.warning("cannot read job %s's end time: %s", self.job_id, exc)
+        return TimeBudget(max(0.0, end - self.wall()) if end else None, steps_left)
 
     def _free_nodes(self) -> list[str]:
         try:

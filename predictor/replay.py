@@ -25,6 +25,9 @@ slower than the one asked, as the hook sets it); jobs are not killed at it. A fi
 `release_s` later (Slurm's COMPLETING). Resizes: a grow takes whole idle nodes (the launcher's helper job), a shrink
 gives back the job's last nodes.
 
+The launcher's shrinks go only as far as finishes inside the job's time limit (its limit at submit, the hook's longer
+one for right-sized jobs; AutoscalePolicy.within_limit), as the launcher reads it from Slurm.
+
 Left out: GPU types (one partition: the one the cluster model names first or `partition`), the planner's mixed-type
 and cross-partition choices, the launcher's revert measurements' noise, failures, stragglers, preemption, job
 priorities other than submit order, and time limits killing jobs.
@@ -41,8 +44,8 @@ import numpy as np
 import requests
 import simpy
 
-from elastic_launcher.autoscale import (YIELD_RATIO, AutoscalePolicy, Measurement, PendingJob, advice_from_plan,
-                                        yield_to_pending)
+from elastic_launcher.autoscale import (YIELD_RATIO, AutoscalePolicy, Measurement, PendingJob, TimeBudget,
+                                        advice_from_plan, yield_to_pending)
 from elastic_launcher.steering import settle_decision
 from predictor.cluster import Cluster
 from predictor.datasets import POLLUX_MODELS, _profiles
@@ -522,20 +525,26 @@ class Replay:
                 continue
             slots, nodes = run.layout[0], len(run.alloc)
             idle = int(np.sum(self.free == self.per_node))
-            left = max(0.0, run.remaining - max(0.0, self.env.now - run.began) / run.step_s) * run.step_s
+            steps_left = max(0.0, run.remaining - max(0.0, self.env.now - run.began) / run.step_s)
+            left = steps_left * run.step_s
+            limit = run.job.limit_s
+            budget = TimeBudget(max(0.0, run.start + limit - self.env.now) if limit else None, steps_left)
+            if not handback_only or not run.policy.history_ or run.policy.history_[-1].nodes != nodes:
+                run.policy.record(Measurement(nodes, run.gpus, run.job.global_batch / run.step_s, run.step_s))
             handback = yield_to_pending(nodes, run.policy.min_nodes(), idle, pending, left, self.params.yield_ratio)
+            if handback is not None:   # the launcher's time-limit rule (Controller._measure_and_decide)
+                handback = run.policy.within_limit(handback, nodes, budget, whole=True)
+                handback = None if handback.action == "keep" else handback
             if handback_only:
                 if handback is None:
                     continue
                 decision = handback
             else:
-                sps = run.job.global_batch / run.step_s
-                run.policy.record(Measurement(nodes, run.gpus, sps, run.step_s))
                 reply = adv.plan(_at_size(run.lines, run.job.global_batch, run.gpus),
                                  self._job_fields(run.request), current=list(run.layout))
                 advice = advice_from_plan(reply, nodes, slots)
-                decision = settle_decision(run.policy.decide(idle, advice, waiting=bool(pending)), nodes, handback,
-                                           pending, None, advice)
+                decision = settle_decision(run.policy.decide(idle, advice, waiting=bool(pending), budget=budget),
+                                           nodes, handback, pending, None, advice)
             kind = "handback" if handback is not None and decision is handback else decision.action
             if decision.action == "grow" and decision.target_nodes > nodes:
                 idle_nodes = np.flatnonzero(self.free == self.per_node)[:decision.target_nodes - nodes]

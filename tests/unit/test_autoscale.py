@@ -1,8 +1,8 @@
 """AutoscalePolicy: Or et al.'s scaling-efficiency test, limits, revert and ceiling (no I/O)."""
 import pytest
 
-from elastic_launcher.autoscale import (NO_DIRECTIVES, NO_SERVICE, PLANNER, UNREACHABLE, PlanAdvice,
-                                        advice_from_plan)
+from elastic_launcher.autoscale import (NO_DIRECTIVES, NO_SERVICE, PLANNER, UNREACHABLE, Decision, PlanAdvice,
+                                        TimeBudget, advice_from_plan)
 from elastic_launcher.controller import AutoscalePolicy, Measurement, scaling_efficiency
 
 
@@ -312,3 +312,78 @@ def test_pending_jobs_come_in_slurms_order_without_ours_or_another_partitions():
     got = [p.job_id for p in PendingJob.of(jobs, ours={3}, partition="debug")]
     assert got == [6, 7, 5]                          # priority first, then the oldest; not ours, nor other's
     assert [p.job_id for p in PendingJob.of(jobs, ours=set())][:2] == [8, 3]   # no partition given: every one
+
+
+# -- issue #40: a voluntary shrink never runs the job into its time limit ---------------------------------------
+def timed(nodes, step_s):
+    return Measurement(nodes=nodes, workers=nodes, samples_per_s=100.0 / step_s, step_s=step_s)
+
+
+def at4(*earlier):
+    policy = AutoscalePolicy(min_efficiency=0.7)
+    for e in earlier:
+        policy.record(e)
+    policy.record(timed(4, 1.0))
+    return policy
+
+
+def test_a_plans_shrink_goes_only_as_far_as_finishes_before_the_end():
+    """1,000 steps left at 1 s a step on 4 nodes; an unmeasured size is taken linear (2 nodes: 2 s, 3: 1.33 s); the
+    steps left need steps x step_s x 1.05 + 60 s: 2,160 s at 2 nodes, 1,460 s at 3."""
+    plenty = at4().decide(0, planned(2), budget=TimeBudget(time_left_s=2200.0, steps_left=1000))
+    assert (plenty.action, plenty.target_nodes) == ("shrink", 2) and "time limit" not in plenty.reason
+    reduced = at4().decide(0, planned(2), budget=TimeBudget(time_left_s=2100.0, steps_left=1000))
+    assert (reduced.action, reduced.target_nodes) == ("shrink", 3)
+    assert "to 3 nodes, not 2" in reduced.reason and "2160 s at 2 nodes, 2100 s to the time limit" in reduced.reason
+    refused = at4().decide(0, planned(2), budget=TimeBudget(time_left_s=1400.0, steps_left=1000))
+    assert (refused.action, refused.target_nodes) == ("keep", 4) and "refused" in refused.reason
+
+
+def test_a_measured_step_time_is_taken_over_the_linear_estimate():
+    """Measured at 2 nodes: 1.9 s a step (sublinear scaling), 2,055 s for the steps left, inside 2,100 s (the
+    linear 2 s would not be)."""
+    policy = at4(timed(2, 1.9))
+    assert policy.step_s_at(2) == 1.9 and policy.step_s_at(3) == pytest.approx(4 / 3)
+    d = policy.decide(0, planned(2), budget=TimeBudget(time_left_s=2100.0, steps_left=1000))
+    assert (d.action, d.target_nodes) == ("shrink", 2)
+
+
+@pytest.mark.parametrize("budget, why", [(None, "no time budget given"),
+                                         (TimeBudget(None, 1000), "the job's end time unknown"),
+                                         (TimeBudget(100.0, None), "the steps left unknown"),
+                                         (TimeBudget(None, None), "the job's end time and the steps left unknown")])
+def test_without_the_end_or_the_steps_left_a_shrink_is_as_before_and_says_so(budget, why):
+    d = at4().decide(0, planned(2), budget=budget)
+    assert (d.action, d.target_nodes) == ("shrink", 2) and d.reason.endswith(f"; time limit not checked: {why}")
+
+
+def test_a_revert_and_a_shrink_to_the_directives_limit_are_checked_too():
+    tight = TimeBudget(time_left_s=100.0, steps_left=1000)
+    grew = AutoscalePolicy(min_efficiency=0.7)
+    grew.record(timed(2, 1.5))
+    grew.record(timed(4, 1.0))                      # efficiency 0.5: a revert to 2, which would not finish
+    assert grew.decide(0, budget=TimeBudget(time_left_s=2000.0, steps_left=1000)).action == "revert"
+    kept = grew.decide(0, budget=tight)
+    assert (kept.action, kept.target_nodes) == ("keep", 4)
+    assert "did not pay" in kept.reason and "refused" in kept.reason
+    capped = AutoscalePolicy(max_workers=2)       # above gpus max: the extra GPUs cost efficiency, not the batch
+    capped.record(timed(4, 1.0))
+    assert (capped.decide(0).action, capped.decide(0).target_nodes) == ("shrink", 2)
+    assert (capped.decide(0, budget=tight).action, capped.decide(0, budget=tight).target_nodes) == ("keep", 4)
+
+
+def test_a_hand_back_is_whole_or_refused():
+    handback = Decision("shrink", 2, "handing 2 nodes back for pending job 9")
+    budget = TimeBudget(time_left_s=2100.0, steps_left=1000)     # 3 nodes would fit, 2 not
+    assert at4().within_limit(handback, 4, budget).target_nodes == 3
+    assert at4().within_limit(handback, 4, budget, whole=True).action == "keep"
+    assert at4().within_limit(handback, 4, TimeBudget(2200.0, 1000), whole=True) == handback
+    grow = Decision("grow", 5, "plan says 5 nodes")
+    assert at4().within_limit(grow, 4, TimeBudget(0.0, 1000)) == grow
+
+
+def test_a_time_budget_rejects_negative_values_by_name():
+    with pytest.raises(ValueError, match="TimeBudget.steps_left"):
+        TimeBudget(10.0, -1)
+    with pytest.raises(ValueError, match="TimeBudget.time_left_s"):
+        TimeBudget(float("nan"), 1)

@@ -12,6 +12,7 @@ from elastic_launcher.controller import Controller
 from elastic_launcher.launch_config import Allocation, Directives, LaunchConfig
 from elastic_launcher.reporting import RecordLog
 from elastic_launcher.steering import JobPhase
+from slurm_plugin.client import Job
 
 SCRIPT = ("#!/bin/bash\n#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=16 max_global_batch=64 min_efficiency=0.7\n"
           "python train.py\n")
@@ -509,3 +510,30 @@ def test_no_yield_keeps_the_nodes_and_grows_as_planned_while_a_job_waits(tmp_pat
     c._pending_jobs = lambda: [controller_module.PendingJob(7, 3, "Resources", time_limit_s=60)]
     c._measure_and_decide()
     assert c.resizes == [("grow", 3)] and c.policy.lent_nodes_ == 0
+
+
+class EndOnlySlurm:
+    """squeue for the job's own end time only (Slurm 22.05 exports no SLURM_JOB_END_TIME to the batch step)."""
+
+    def __init__(self, end_time):
+        self.end_time, self.asked = end_time, []
+
+    def job(self, job_id, timeout=None):
+        self.asked.append(job_id)
+        return Job(job_id, "train", "RUNNING", (), "", (), (), "", "", "node1", "None", end_time=self.end_time)
+
+
+@pytest.mark.parametrize("left_s, resize", [(300, [("shrink", 1)]), (200, [])])
+def test_the_plans_shrink_is_refused_when_the_steps_left_would_not_end_before_the_job(tmp_path, left_s, resize):
+    """Issue #40: 1,000 steps left at 0.1 s on 2 nodes; on 1 node (linear) they need 1,000 x 0.2 x 1.05 + 60 = 270 s:
+    the shrink goes with 300 s to the job's end (squeue's EndTime against the wall clock), not with 200 s."""
+    rewrite = {"action": "rewrite", "nodes": 1, "gpus_per_node": 1, "layout": [1], "reason": "elastic: 1x1"}
+    c = make_controller(tmp_path, FakePredictor([rewrite]))
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 4, "Resources")]
+    c.slurm, c.wall = EndOnlySlurm(1_000_000 + left_s), lambda: 1_000_000.0
+    c.server, c._total_steps = object(), 1000      # the workers said --steps 1000; none committed a step yet
+    c._progress = lambda wids: {}
+    c._measure_and_decide()
+    assert c.resizes == resize and c.slurm.asked == [42]
+    (d,) = decisions(c)
+    assert ("refused: 1000 steps left need 270 s at 1 node" in d["reason"]) == (not resize)

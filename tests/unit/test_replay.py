@@ -71,9 +71,10 @@ def test_resizes_follow_the_launchers_rules_and_pay_the_pause(truth):
     """An elastic 8-GPU cifar10 job (gpus=4-8) on 2 nodes hands a node back to a pending short 4-GPU job yield_s
     after it queued (no wait for the next tick); the pending job starts then, the elastic job grows back to its 2
     nodes at the first tick after the short job ended (the node was lent: no plan's interval holds it back), and
-    finishes later than alone (oracle: no hand-back) by its slower rate while lent, plus the pauses."""
+    finishes later than alone (oracle: no hand-back) by its slower rate while lent, plus the pauses. Its time limit
+    (1,800 s, twice its run time) leaves room for that (the next test: one that does not)."""
     lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
-    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 1800.0, lines)
     small = fixed("small", 10, 4, 100, nodes=1)
     params = Params(tick_s=60.0, grow_pause_s=5.0, shrink_pause_s=7.0, yield_s=20.0)
     alone = Replay([big], shape(2), truth, "oracle", params).run().jobs()[big.name]
@@ -84,12 +85,31 @@ def test_resizes_follow_the_launchers_rules_and_pay_the_pause(truth):
     assert alone["end"] + 7.0 + 5.0 < got[big.name]["end"] < alone["end"] + 100.0
 
 
+def test_no_hand_back_that_would_run_the_job_past_its_time_limit(truth):
+    """Issue #40: the same job and pending job as above, the big job's limit now what it needs at its 2 nodes plus
+    10%: at 1 node it would end past it, so it keeps its nodes (AutoscalePolicy.within_limit) and the small job
+    waits for its end, which is within the limit. With twice that limit the hand-back happens."""
+    lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
+    params = Params(tick_s=60.0, grow_pause_s=5.0, shrink_pause_s=7.0, yield_s=20.0)
+    alone = Replay([ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, None, lines)], shape(2), truth,
+                   "oracle", params).run().jobs()["big"]
+    runs = {}
+    for limit in (1.1 * alone["end"], 2.2 * alone["end"]):
+        big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, limit, lines)
+        rep = Replay([big, fixed("small", 10, 4, 100, nodes=1)], shape(2), truth, "elastic", params)
+        runs[limit] = (rep.run().jobs(), rep.decisions)
+    (tight, tight_d), (loose, loose_d) = runs.values()
+    assert "handback" not in tight_d and tight["big"]["resizes"] == 0
+    assert tight["small"]["start"] >= tight["big"]["end"] and tight["big"]["end"] <= 1.1 * alone["end"]
+    assert loose_d.get("handback") == 1 and loose["small"]["start"] <= 10.0 + 20.0
+
+
 def test_no_hand_back_for_a_pending_job_longer_than_half_the_time_left(truth):
     """Params.yield_ratio: the same elastic job keeps its nodes for a pending job whose time limit is more than half
     of what it has left (the pending job waits for its end as under Slurm alone); inf hands back as the launcher
     does today."""
     lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
-    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 1800.0, lines)
     long = fixed("long", 10, 4, 600, nodes=1)
     params = dict(tick_s=60.0, yield_s=20.0)
     kept = Replay([big, long], shape(2), truth, "oracle", Params(**params))
@@ -201,7 +221,7 @@ def test_a_plans_shrink_waits_for_a_pending_job(truth):
     """The plan's shrink frees nodes for others: carried out while a job pends (here a long one, which gets no
     hand-back), not while none does (the nodes would idle and the job run slower for nothing)."""
     lines = elastic_lines("cifar10", 2048, 8, truth, 1.0, 8, 0.5)
-    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 900.0, lines)
+    big = ReplayJob("big", 0.0, 8, 2, "cifar10", 2048, 3178.0, 900.0, 1800.0, lines)
     runs = {}
     for name, jobs in (("alone", [big]), ("pending", [big, fixed("wide", 10, 12, 5000, nodes=3)])):
         rep = Replay(jobs, shape(3), truth, "oracle", Params(tick_s=60.0))
