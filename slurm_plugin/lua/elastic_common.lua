@@ -509,11 +509,17 @@ end
 -- The partition a comparison of partitions (the reply lists `alternatives`) moves the job to; nil when it stays,
 -- and always for a single partition's answer (the cluster model may name the default partition otherwise than Slurm).
 function M.moved_to(asked, r) return r.alternatives ~= nil and r.partition ~= asked and r.partition or nil end
+-- The partitions decision `r` leaves a job that asked `asked` (nil: none named) to run in, comma-separated: the one a
+-- comparison moved it to, else those it asked, else part_list's default; nil when none is known.
+function M.partitions_for(asked, r, parts)
+  local names = M.moved_to(asked, r) or asked
+  for name, p in pairs(names == nil and parts or {}) do names = p.flag_default == 1 and name or names end
+  return names
+end
 -- Why rewrite `r` fits none of the partitions it may run in (#24.5; nil when it fits one): `parts` is job_submit's
 -- part_list (Slurm's node counts), `gpus` elastic.conf's max_gpus_per_node (the installer's reading of Slurm's nodes).
 function M.outside(r, asked, parts, gpus)
-  local names, why = r.action == "rewrite" and (M.moved_to(asked, r) or asked or ""), "no partition to run in"
-  for name, p in pairs(names == "" and parts or {}) do names = p.flag_default == 1 and name or names end
+  local names, why = r.action == "rewrite" and (M.partitions_for(asked, r, parts) or ""), "no partition to run in"
   for name in (names or ""):gmatch("[^,]+") do
     local p, most = parts[name], gpus[name]
     local room = p and math.min(tonumber(p.total_nodes) or 0, tonumber(p.max_nodes) or NO_VAL) or 0
@@ -592,9 +598,8 @@ end
 function M.time_limit(job_desc, reply, parts)
   local want, own = reply.time_limit_min, num(job_desc.time_limit)
   if not want or not own or want <= own then return nil end
-  local names, cap, where = M.moved_to(str(job_desc.partition), reply) or str(job_desc.partition), nil, nil
-  for name, p in pairs(names == nil and parts or {}) do names = p.flag_default == 1 and name or names end
-  for name in (names or ""):gmatch("[^,]+") do
+  local cap, where
+  for name in (M.partitions_for(str(job_desc.partition), reply, parts) or ""):gmatch("[^,]+") do
     local most = parts and parts[name] and num(parts[name].max_time)
     if most and (not cap or most < cap) then cap, where = most, name end
   end
