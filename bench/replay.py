@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the measurement noise the service is fitted on")
     ap.add_argument("--out", default="bench/results/replay")
     args = ap.parse_args(argv)
+    if not args.limit_factor > 0:
+        ap.error(f"--limit-factor {args.limit_factor}: expected a number above 0 (1: the history's own limits)")
     args.policies = args.policies.split(",")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# bench/replay.py {' '.join(argv or sys.argv[1:])}\ncommit {commit}, {platform.python_version()}, "
