@@ -79,8 +79,9 @@ class Params:
         grow_pause_s / shrink_pause_s: training time a resize costs the job.
         noise: log-normal spread of the step times jobs report to the service (seeded).
         seed: the noise's seed.
-        release_s: seconds a finished job's GPUs stay held (Slurm's COMPLETING state: epilog, step cleanup) before
-            another job may start on them; measured on the lab by the fidelity slice.
+        release_s: seconds a finished job's GPUs stay held (Slurm's COMPLETING state: epilog, step cleanup, and the
+            wait for slurmctld's next scheduling pass) before another job may start on them; fitted on a history
+            run as submitted (calibrate_release).
         fewer_nodes_within: a what-if of a planner rule it does not have (0 = off, the planner as it is): of the
             layouts of the planned GPU count, the hook takes the one on the fewest nodes whose predicted samples/s
             is within this share of the planned one's (a layout on every node waits for all of them to be free).
@@ -668,6 +669,35 @@ def later_than(base: Result, other: Result, factor: float = 1.1) -> list[tuple[s
     a, b = base.jobs(), other.jobs()
     return sorted(((n, a[n]["jct"], b[n]["jct"]) for n in a if b[n]["jct"] > factor * a[n]["jct"]),
                   key=lambda t: t[2] / t[1], reverse=True)
+
+
+def calibrate_release(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTruth, avg_jct_s: float,
+                      params: Params | None = None, hi_s: float = 5.0, tol_s: float = 0.02) -> float:
+    """The `release_s` at which the as-submitted replay of `jobs` (a history at its submit times, the sizes it ran
+    at) has the average JCT `avg_jct_s` that Slurm measured for it: a site's scheduler constant, fitted on its own
+    history before its what-if policies are replayed. It holds what the replay does not model of slurmctld: COMPLETING,
+    and that its schedulers start jobs on a one-second loop, not on the event (a job that ends between two passes
+    holds its GPUs until the next). Bisection on [0, hi_s] to `tol_s`; 0 when even no release replays slower than
+    measured; ValueError when even `hi_s` replays faster (the history is not this cluster's, or not as submitted)."""
+    if not jobs or not avg_jct_s > 0:
+        raise ValueError(f"calibrate_release needs jobs and a measured average JCT above 0 (got {len(jobs)} jobs, "
+                         f"{avg_jct_s!r} s)")
+    base = params or Params()
+
+    def excess(release: float) -> float:
+        runs = Replay(jobs, cluster, truth, "as-submitted", dataclasses.replace(base, release_s=release)).run()
+        return float(np.mean([j["jct"] for j in runs.jobs().values()])) - avg_jct_s
+
+    lo, hi = 0.0, hi_s
+    if excess(lo) >= 0:
+        return 0.0
+    if excess(hi) < 0:
+        raise ValueError(f"calibrate_release: even release_s={hi_s} s replays the history faster than its measured "
+                         f"average JCT of {avg_jct_s:.1f} s")
+    while hi - lo > tol_s:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
 
 
 def replay_all(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTruth, policies=POLICIES,

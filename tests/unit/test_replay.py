@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from predictor.cli import main
 from predictor.cluster import Cluster
-from predictor.replay import Params, Replay, later_than
+from predictor.replay import Params, Replay, calibrate_release, later_than
 from predictor.replay_inputs import InputError, PolluxTruth, ReplayJob, elastic_lines, load_pollux_workload, load_sacct
 
 
@@ -65,6 +65,19 @@ def test_fifo_then_backfill_by_time_limit(truth):
     assert got["short"]["start"] == 2                                   # ends before head's reservation: backfilled
     assert got["long"]["start"] == 150                                  # would delay head: after it
     assert got["long"]["gpu_s"] == pytest.approx(2 * 400)
+
+
+def test_release_is_recovered_from_a_history_replayed_with_it(truth):
+    jobs = [fixed(f"j{i}", i, 4 if i % 3 else 2, 10 + i % 4) for i in range(12)]   # a queue: every end frees GPUs
+    for release in (0.3, 1.7):
+        measured = Replay(jobs, shape(1), truth, "as-submitted", Params(release_s=release)).run().summary()
+        assert calibrate_release(jobs, shape(1), truth, measured["avg_jct_s"]) == pytest.approx(release, abs=0.02)
+    alone = [fixed("a", 0, 1, 10)]          # nothing waits for its GPUs: no release lengthens it
+    assert calibrate_release(alone, shape(1), truth, 9.0) == 0.0
+    with pytest.raises(ValueError, match="even release_s=5.0 s replays the history faster .* 500.0 s"):
+        calibrate_release(jobs, shape(1), truth, 500.0)
+    with pytest.raises(ValueError, match="needs jobs and a measured average JCT"):
+        calibrate_release([], shape(1), truth, 10.0)
 
 
 def test_resizes_follow_the_launchers_rules_and_pay_the_pause(truth):
