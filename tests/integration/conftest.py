@@ -10,6 +10,7 @@ Fixtures for other integration tests:
     slurm       a `Backend` on the testbed's slurm.conf (`CommandBackend`, or `PyslurmBackend`)
     submit      like `slurm.submit`, but cancels the job at teardown
     idle_nodes  waits (60 s) until no node is in use, then returns the nodes
+    module_submit, module_idle_nodes   the same for a module-scoped fixture (jobs that several tests check)
     wait_until  `wait_until(fn, seconds, what)`: polls `fn` until truthy, fails naming `what`
 """
 from __future__ import annotations
@@ -85,8 +86,7 @@ def slurm(testbed) -> Backend:
                           timeout=timedelta(seconds=10), update_timeout=timedelta(seconds=30))
 
 
-@pytest.fixture
-def submit(slurm):
+def _submitter(slurm):
     submitted = []
 
     def _submit(script, args=()):
@@ -104,7 +104,16 @@ def submit(slurm):
 
 
 @pytest.fixture
-def idle_nodes(slurm, testbed):
+def submit(slurm):
+    yield from _submitter(slurm)
+
+
+@pytest.fixture(scope="module")
+def module_submit(slurm):
+    yield from _submitter(slurm)
+
+
+def _idle_nodes(slurm, testbed):
     _resume_kill_task_failed(testbed)
 
     def all_idle():
@@ -112,6 +121,16 @@ def idle_nodes(slurm, testbed):
         return nodes if all(n.state == "idle" for n in nodes) else None
 
     return _wait_until(all_idle, 60, "all testbed nodes idle (jobs of an earlier test still running?)")
+
+
+@pytest.fixture
+def idle_nodes(slurm, testbed):
+    return _idle_nodes(slurm, testbed)
+
+
+@pytest.fixture(scope="module")
+def module_idle_nodes(slurm, testbed):
+    return _idle_nodes(slurm, testbed)
 
 
 def _resume_kill_task_failed(testbed) -> None:

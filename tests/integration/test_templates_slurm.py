@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -130,21 +132,46 @@ def test_template_job_grows_through_a_helper_and_shrinks_on_request(slurm, submi
     assert "workers 4" in main and "done: 600 steps" in main, logs
 
 
-def _ended(slurm, job_id) -> bool:
-    return slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(slurm, submit, idle_nodes, wait_until,
-                                                                        tmp_path, name):
-    """#45.1: each template's CPU variant on 2 nodes runs into a 1-minute time limit (state TIMEOUT) with
-    checkpoints written; the same script submitted again on 1 node resumes from the latest checkpoint (the
-    second run's --steps is that step + 10, so it ends) and saves at its end."""
-    work = Path(tmp_path)
-    ck_rel = Path("checkpoints") / f"{name}-cpu-test"   # as the template writes it: in the submit directory
-    ck = work / ck_rel
+@dataclass
+class _TimeLimited:
+    """One template's two jobs of the time-limit test, and what the first left behind when it ended."""
+    work: Path
+    ck_rel: Path
+    first: int
+    first_state: str = ""             # Slurm's state once the job ended, "" if it had not
+    latest: str | None = None         # checkpoints/<name>/latest after the first run, None if absent
+    latest_saved: bool = False        # that checkpoint's .metadata was there
+    second: int | None = None         # the resubmission (only after a first run that left a checkpoint)
+    second_state: str = ""
 
-    def script(nodes: int, steps: int, time_limit: str, tag: str) -> Path:
+
+def _await_end(slurm, jobs: dict[str, int], seconds: float) -> dict[str, str]:
+    """Polls squeue until every job of `jobs` (template -> job id) has ended or `seconds` pass; returns each
+    template's state then, "" for a job not ended (its test fails, naming it)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        listed = {job.job_id: job.state for job in slurm.jobs()}
+        states = {name: listed.get(job_id, "") for name, job_id in jobs.items()}
+        if all(state and state not in ACTIVE for state in states.values()) or time.monotonic() > deadline:
+            return {name: "" if state in ACTIVE else state for name, state in states.items()}
+        time.sleep(0.5)
+
+
+def _logs(run: Path) -> str:
+    return "\n".join(p.read_text() for p in run.glob("worker-*.log"))
+
+
+@pytest.fixture(scope="module")
+def time_limited(slurm, module_submit, module_idle_nodes, tmp_path_factory) -> dict[str, _TimeLimited]:
+    """#45.1 for every template at once: each CPU variant on 2 nodes x 1 GPU (all of them fit the 4x4-GPU lab
+    together) runs into a 1-minute time limit; then each one that left a checkpoint is submitted again on 1 node
+    with --steps that checkpoint's step + 10, all of those at once too. Only waits and records; the test judges."""
+    runs: dict[str, _TimeLimited] = {}
+
+    def script(name: str, work: Path, ck_rel: Path, nodes: int, steps: int, time_limit: str, tag: str) -> Path:
         command = None
         if name == "wrap-train-py":
             command = [sys.executable, "-m", "elastic_launcher.examples.plain_train", "--steps", str(steps),
@@ -158,35 +185,67 @@ def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(slurm, s
         path.write_text(templates.render(templates.get(name), params))
         return path
 
-    first = submit(script(2, 10 ** 7, "00:01:00", "first"), ["--chdir", str(work)])
-    wait_until(lambda: _ended(slurm, first), 240, f"the {name} job to reach its time limit")
-    logs = "\n".join(p.read_text() for p in (work / "run-first").glob("worker-*.log"))
-    assert slurm.job(first).state == "TIMEOUT", logs[-3000:]
-    latest = (ck / "latest").read_text().strip()
+    for name in NAMES:
+        work = tmp_path_factory.mktemp(name)
+        ck_rel = Path("checkpoints") / f"{name}-cpu-test"   # as the template writes it: in the submit directory
+        first = module_submit(script(name, work, ck_rel, 2, 10 ** 7, "00:01:00", "first"), ["--chdir", str(work)])
+        runs[name] = _TimeLimited(work, ck_rel, first)
+    for name, state in _await_end(slurm, {n: r.first for n, r in runs.items()}, 300).items():
+        run = runs[name]
+        run.first_state = state
+        ck = run.work / run.ck_rel
+        run.latest = (ck / "latest").read_text().strip() if (ck / "latest").is_file() else None
+        run.latest_saved = run.latest is not None and (ck / run.latest / ".metadata").is_file()
+        saved = re.fullmatch(r"step-(\d+)", run.latest or "") if run.latest_saved else None
+        if state == "TIMEOUT" and saved:
+            step = int(saved[1])
+            run.second = module_submit(script(name, run.work, run.ck_rel, 1, step + 10, "00:10:00", "again"),
+                                       ["--chdir", str(run.work)])
+    again = {n: r.second for n, r in runs.items() if r.second is not None}
+    for name, state in _await_end(slurm, again, 240).items():
+        runs[name].second_state = state
+    return runs
+
+
+@pytest.mark.timeout(600)   # the first one sets up the fixture: both rounds of every template's jobs
+@pytest.mark.parametrize("name", NAMES)
+def test_a_job_stopped_by_its_time_limit_continues_when_submitted_again(time_limited, name):
+    """#45.1: each template's CPU variant on 2 nodes runs into a 1-minute time limit (state TIMEOUT) with
+    checkpoints written; the same script submitted again on 1 node resumes from the latest checkpoint (the
+    second run's --steps is that step + 10, so it ends) and saves at its end. The jobs of all templates run at
+    once (`time_limited`)."""
+    run = time_limited[name]
+    work, ck_rel, latest = run.work, run.ck_rel, run.latest
+    ck = work / ck_rel
+    logs = _logs(work / "run-first")
+    assert run.first_state == "TIMEOUT", \
+        f"{name}: first job {run.first} ended {run.first_state or 'not'}\n" + logs[-3000:]
+    assert latest is not None and latest.startswith("step-"), f"{name}: no checkpoints/latest\n" + logs[-3000:]
     step = int(latest.split("-")[1])
-    assert step > 0 and (ck / latest / ".metadata").is_file(), logs[-3000:]
+    assert step > 0 and run.latest_saved, f"{name}: {latest}\n" + logs[-3000:]
     # SIGTERM at the time limit: the ranks stop at the next commit point their vote agrees on and rank 0 saves it,
     # unless Slurm's KillWait (5 s on the lab) ends the step first on a busy host; then the latest checkpoint is an
     # earlier one (older than any stop point a rank printed: the stop's own save was cut short)
     plain = name in templates.PLAIN_SCRIPT   # elastic_launcher.examples.plain_train, under elastic-launch or torchrun
     if plain:
         every = 200 if name == "wrap-train-py" else 10
-        assert f"stopped by SIGTERM after step {step}" in logs or step % every == 0, logs[-3000:]
+        assert f"stopped by SIGTERM after step {step}" in logs or step % every == 0, f"{name}\n" + logs[-3000:]
     else:
         stops = [int(s) for s in re.findall(r"stopped by SIGTERM after step (\d+)", logs)]
         said = f"checkpoint {ck_rel / latest} (step {step}): submit the job again with --resume"
-        assert said in logs or all(step < s for s in stops), logs[-3000:]
+        assert said in logs or all(step < s for s in stops), f"{name}\n" + logs[-3000:]
 
-    second = submit(script(1, step + 10, "00:10:00", "again"), ["--chdir", str(work)])
-    wait_until(lambda: _ended(slurm, second), 240, f"the resubmitted {name} job to finish")
-    logs = "\n".join(p.read_text() for p in (work / "run-again").glob("worker-*.log"))
-    assert slurm.job(second).state == "COMPLETED", logs[-3000:]
+    logs = _logs(work / "run-again")
+    assert run.second_state == "COMPLETED", \
+        f"{name}: resubmitted job {run.second} ended {run.second_state or 'not'}\n" + logs[-3000:]
     if plain:
-        assert f"resumed from step {step} on 1 ranks" in logs and f"done: {step + 10} steps on 1 ranks" in logs, logs
+        assert f"resumed from step {step} on 1 ranks" in logs and f"done: {step + 10} steps on 1 ranks" in logs, \
+            f"{name}\n" + logs
     else:
-        assert f"resumed from {ck_rel / latest} (step {step})" in logs, logs[-3000:]
-        assert f"done: {step + 10} steps" in logs and (work / "models" / f"{name}-cpu-test" / ".metadata").is_file()
+        assert f"resumed from {ck_rel / latest} (step {step})" in logs, f"{name}\n" + logs[-3000:]
+        assert f"done: {step + 10} steps" in logs and (work / "models" / f"{name}-cpu-test" / ".metadata").is_file(), \
+            f"{name}\n" + logs[-3000:]
         records = [json.loads(line) for line in (work / "run-again" / "records.jsonl").read_text().splitlines()]
         start = next(r for r in records if r["kind"] == "transition" and r["action"] == "start")
-        assert start["world"] == 1, start
-    assert (ck / "latest").read_text().strip() == f"step-{step + 10:08d}"
+        assert start["world"] == 1, (name, start)
+    assert (ck / "latest").read_text().strip() == f"step-{step + 10:08d}", name
