@@ -6,6 +6,7 @@ down; library errors become `click.ClickException` here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -626,9 +627,12 @@ def calibrate(predictor_url, nodes, gpus_per_node, ranks_per_node, partition, ti
 @click.option("--refit", "refit_s", default=600.0, show_default=True, type=click.FloatRange(0, 86400),
               help="least simulated seconds between two fits of the replay's prediction service")
 @click.option("--limit", default=None, type=click.IntRange(1), help="replay only the first N jobs of the history")
+@click.option("--release", "release", default="0", show_default=True,
+              help="seconds a finished job's GPUs stay held before the next job starts on them, or `fit`: fitted so "
+                   "that the history replayed as submitted has its measured average JCT (--sacct only)")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="write summary.json, jobs.csv, replay.png here")
 def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, policies, min_scale, max_scale, tick_s,
-           refit_s, limit, out):
+           refit_s, limit, release, out):
     """What-if replay of a job history under each sizing policy (SimPy; docs/admin-guide.md, "What-if replay").
 
     Job progress comes from the Pollux OSDI'21 measured T4 tables; decisions from the planner on a Predictor fitted
@@ -636,7 +640,7 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
 
     Example: elastic-predictor replay --sacct jobs.txt --nodes 16 --out replay/
     """
-    from predictor.replay import POLICIES, Params, replay_all  # noqa: PLC0415 - simpy, numpy, scipy: only `replay`
+    from predictor.replay import POLICIES, Params, calibrate_release, replay_all  # noqa: PLC0415 - simpy, numpy
     from predictor import replay_inputs as ri  # noqa: PLC0415 - numpy, scipy: only `replay`
     from predictor import replay_report  # noqa: PLC0415 - simpy, numpy: only `replay`
 
@@ -676,7 +680,24 @@ def replay(sacct_file, pollux_workload, itp, cluster, nodes, gpus_per_node, poli
                                    f"{too_big[0]}: pass a larger --nodes or --cluster")
     click.echo(f"{what}: {len(jobs)} jobs on {shape.partition().name} ({len(shape.partition().nodes)} nodes x "
                f"{shape.partition().gpus_per_node} GPUs)", err=True)
-    results = replay_all(jobs, shape, truth, chosen, Params(tick_s=tick_s, refit_s=refit_s),
+    params = Params(tick_s=tick_s, refit_s=refit_s)
+    if release == "fit":
+        if not sacct_file:
+            raise click.BadParameter("`fit` needs a history with start times: --sacct", param_hint="--release")
+        measured = sum(j.start_s + j.duration_s - j.submit_s for j in jobs) / len(jobs)
+        try:
+            params.release_s = calibrate_release(jobs, shape, truth, measured, params)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"release_s fitted on the history as submitted: {params.release_s:.2f} s", err=True)
+    else:
+        try:
+            params.release_s = float(release)
+        except ValueError:
+            params.release_s = math.nan
+        if not 0 <= params.release_s < math.inf:
+            raise click.BadParameter(f"{release!r}: seconds at or above 0, or `fit`", param_hint="--release")
+    results = replay_all(jobs, shape, truth, chosen, params,
                          progress=lambda p: click.echo(f"  {p} done", err=True))
     if out:
         summary = replay_report.write(results, pathlib.Path(out), what)

@@ -63,6 +63,7 @@ class ReplayJob:
         duration_s: its run time at its own size (jobs without a model; for model jobs, at the size asked).
         limit_s: its time limit (what backfill plans with).
         directives: its `#ELASTIC` lines (empty: not an elastic job; the planner keeps it as asked).
+        start_s: when it started in the history, seconds from the history's start (sacct exports; None: unknown).
     """
 
     name: str
@@ -75,6 +76,7 @@ class ReplayJob:
     duration_s: float | None = None
     limit_s: float | None = None
     directives: tuple[str, ...] = ()
+    start_s: float | None = None
 
 
 class PolluxTruth:
@@ -304,7 +306,7 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
             per_gpu = next((int(ln.split("per_gpu_batch=", 1)[1].split()[0]) for ln in lines if "per_gpu_batch=" in ln),
                            None)
             job = ReplayJob(r["JobID"], sub, gpus, nodes, None, None, None, dur, _limit(r.get("Timelimit", "")) or dur,
-                            lines)
+                            lines, start)
             if model in truth.apps and per_gpu:
                 batch = per_gpu * gpus
                 layout = tuple([gpus // nodes] * nodes) if gpus % nodes == 0 else packed_layout(gpus)
@@ -313,5 +315,6 @@ def load_sacct(path: str | Path, truth: PolluxTruth) -> list[ReplayJob]:
             jobs.append(job)
     for j in jobs:
         j.submit_s -= t0 or 0.0
+        j.start_s -= t0 or 0.0
     jobs.sort(key=lambda j: j.submit_s)
     return jobs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -170,6 +171,7 @@ def test_sacct_export(tmp_path, truth):
     assert [j.name for j in jobs] == ["10", "11"]                 # no steps, no CPU-only job, no job that never ran
     a, b = jobs
     assert a.submit_s == 0 and b.submit_s == 600 and a.limit_s == 7200 and b.limit_s == 86400
+    assert a.start_s == 5 and b.start_s == 1200
     assert a.model == "cifar10" and a.global_batch == 2048 and a.directives[2] == "#ELASTIC gpus=4-8"
     assert a.steps * truth.step("cifar10", (4, 4), 2048)[0] == pytest.approx(3600)
     assert b.model is None and b.duration_s == 1800
@@ -179,6 +181,27 @@ def test_sacct_export(tmp_path, truth):
     path.write_text("JobID|Submit\n1|2026-11-01T10:00:00\n")
     with pytest.raises(InputError, match="missing column"):
         load_sacct(path, truth)
+
+
+def test_cli_fits_the_release_on_the_export_as_submitted(tmp_path):
+    head = SACCT.splitlines()[0]
+    # three whole-node jobs queued at once, each started 2 s after the one before it ended
+    rows = [f"{i}|j|2026-11-01T10:00:00|2026-11-01T10:{m}|2026-11-01T10:{e}|01:00:00|gres/gpu=4,node=1|1|COMPLETED|"
+            for i, m, e in ((1, "00:00", "01:40"), (2, "01:42", "03:22"), (3, "03:24", "05:04"))]
+    path = tmp_path / "sacct.txt"
+    path.write_text("\n".join([head, *rows]) + "\n")
+    args = ["replay", "--sacct", str(path), "--nodes", "1", "--policy", "as-submitted"]
+    result = CliRunner().invoke(main, [*args, "--release", "fit"])
+    assert result.exit_code == 0, result.output
+    fitted = float(re.search(r"release_s fitted on the history as submitted: ([\d.]+) s", result.output)[1])
+    assert fitted == pytest.approx(2.0, abs=0.02)
+    # the history's own average JCT, p99, queue and makespan
+    assert "| as-submitted | 3 | 202 | 302 | 102 | 304 |" in result.output, result.output
+    for bad, said in (("-1", "'-1': seconds at or above 0, or `fit`"), ("soon", "'soon': seconds at or above 0")):
+        result = CliRunner().invoke(main, [*args, "--release", bad])
+        assert result.exit_code == 2 and said in result.output, result.output
+    result = CliRunner().invoke(main, ["replay", "--pollux-workload", "1", "--release", "fit"])
+    assert result.exit_code == 2 and "`fit` needs a history with start times: --sacct" in result.output
 
 
 def test_cli_replays_an_export_and_writes_the_report(tmp_path):
