@@ -677,8 +677,8 @@ def calibrate_release(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTrut
     at) has the average JCT `avg_jct_s` that Slurm measured for it: a site's scheduler constant, fitted on its own
     history before its what-if policies are replayed. It holds what the replay does not model of slurmctld: COMPLETING,
     and that its schedulers start jobs on a one-second loop, not on the event (a job that ends between two passes
-    holds its GPUs until the next). Bisection on [0, hi_s] to `tol_s`; 0 when even no release replays slower than
-    measured; ValueError when even `hi_s` replays faster (the history is not this cluster's, or not as submitted)."""
+    holds its GPUs until the next). Bisection on [0, hi_s] to `tol_s`, returning the value tried whose average JCT
+    came closest (the average steps as jobs pass one another); 0 when even no release replays slower than measured; ValueError when even `hi_s` replays faster (the history is not this cluster's, or not as submitted)."""
     if not jobs or not avg_jct_s > 0:
         raise ValueError(f"calibrate_release needs jobs and a measured average JCT above 0 (got {len(jobs)} jobs, "
                          f"{avg_jct_s!r} s)")
@@ -694,10 +694,13 @@ def calibrate_release(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTrut
     if excess(hi) < 0:
         raise ValueError(f"calibrate_release: even release_s={hi_s} s replays the history faster than its measured "
                          f"average JCT of {avg_jct_s:.1f} s")
+    tried = []       # a queue's average JCT steps as release_s moves jobs past one another: the closest one tried
     while hi - lo > tol_s:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
-    return (lo + hi) / 2
+        off = excess(mid)
+        tried.append((abs(off), mid))
+        lo, hi = (mid, hi) if off < 0 else (lo, mid)
+    return min(tried)[1] if tried else (lo + hi) / 2
 
 
 def replay_all(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTruth, policies=POLICIES,
