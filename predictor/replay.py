@@ -678,7 +678,8 @@ def calibrate_release(jobs: list[ReplayJob], cluster: Cluster, truth: PolluxTrut
     history before its what-if policies are replayed. It holds what the replay does not model of slurmctld: COMPLETING,
     and that its schedulers start jobs on a one-second loop, not on the event (a job that ends between two passes
     holds its GPUs until the next). Bisection on [0, hi_s] to `tol_s`, returning the value tried whose average JCT
-    came closest (the average steps as jobs pass one another); 0 when even no release replays slower than measured; ValueError when even `hi_s` replays faster (the history is not this cluster's, or not as submitted)."""
+    came closest (the average steps as jobs pass one another); 0 when even no release replays slower than measured;
+    ValueError when even `hi_s` replays faster (the history is not this cluster's, or not as submitted)."""
     if not jobs or not avg_jct_s > 0:
         raise ValueError(f"calibrate_release needs jobs and a measured average JCT above 0 (got {len(jobs)} jobs, "
                          f"{avg_jct_s!r} s)")

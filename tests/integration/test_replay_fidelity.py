@@ -13,9 +13,9 @@ the next job starts on them (COMPLETING, and slurmctld's one-second scheduling l
 model). predictor.replay.calibrate_release fits it on the as-submitted run (its average JCT), as an admin's replay
 fits it on the site's history; it is then frozen, and the right-sized run is judged on it as held-out data. Measured
 instead with jobs queued back to back, it read 0.73-1.09 s by the host's load (their 2-s sleeps lock onto the
-one-second loop) and 0.33-0.47 s with sleeps drawn within a second; fitted on the slice it read 0.67-0.71 s on a
-loaded and a quiet host, and with it the right-sized run's average JCT read -3.7% and -1.4% of Slurm's where the
-back-to-back 1.0 s read +7.4% and +11.8% (bench/results/replay/README.md, "Fidelity").
+one-second loop) and 0.33-0.47 s with sleeps drawn within a second; fitted on the slice it read 0.67-1.01 s (four
+runs, by the host's load), and on two runs' rows the right-sized average JCT read -4.8% and -2.2% of Slurm's with the
+fitted value where the back-to-back 1.0 s read +7.4% and +11.8% (bench/results/replay/README.md, "Fidelity").
 
 Two bars. The slice's average JCT and makespan must agree with Slurm's within AGGREGATE (what a replay report
 tells an admin), and MIN_AGREEING of its jobs must agree one by one. A queue at 85% load is chaotic: a job that
