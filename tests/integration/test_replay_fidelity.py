@@ -13,7 +13,7 @@ the next job starts on them (COMPLETING, and slurmctld's one-second scheduling l
 model). predictor.replay.calibrate_release fits it on the as-submitted run (its average JCT), as an admin's replay
 fits it on the site's history; it is then frozen, and the right-sized run is judged on it as held-out data. Measured
 instead with jobs queued back to back, it read 0.73-1.09 s by the host's load (their 2-s sleeps lock onto the
-one-second loop) and 0.33-0.47 s with sleeps drawn within a second; fitted on the slice it read 0.67-1.01 s (four
+one-second loop) and 0.33-0.47 s with sleeps drawn within a second; fitted on the slice it read 0.67-1.01 s (three
 runs, by the host's load), and on two runs' rows the right-sized average JCT read -4.8% and -2.2% of Slurm's with the
 fitted value where the back-to-back 1.0 s read +7.4% and +11.8% (bench/results/replay/README.md, "Fidelity").
 
