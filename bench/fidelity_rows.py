@@ -25,9 +25,7 @@ from tests.integration import test_replay_fidelity as F  # noqa: E402
 
 def score(rows: dict, t0: float, jobs: list, cluster, truth, release: float) -> tuple[int, float]:
     sim = Replay(jobs, cluster, truth, "as-submitted", Params(release_s=release)).run(sample_s=60.0).jobs()
-    agree = sum(all(abs(rows[j.name][k] - t0 - sim[j.name][k]) <= max(F.TOLERANCE * sim[j.name][k],
-                                                                       F.TOLERANCE_FLOOR_S) for k in ("start", "end"))
-                for j in jobs)
+    agree = sum(not F.disagreeing(rows[j.name], sim[j.name], t0) for j in jobs)
     measured = np.mean([r["end"] - r["submit"] for r in rows.values()])
     return agree, float(np.mean([s["jct"] for s in sim.values()]) / measured - 1)
 
