@@ -71,6 +71,29 @@ def main() -> int:
         host.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         dev.append(e0.elapsed_time(e1) / 1e3)
+    # what the GPU does in those milliseconds: its kernels' own time, by kernel (the host's Huffman work and the
+    # decoder's waits are not in it), and the resize alone in float32 and bf16
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for k in range(8):
+            gpu_only.to_device(held[k], device)
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.device_time_total / 8 / 1e3) for e in prof.key_averages() if e.device_time_total),
+                     key=lambda kv: -kv[1])
+    busy = sum(ms for _, ms in kernels)
+    print(f"decode kernels: {busy:.2f} ms of GPU time a batch of {a.batch}; by kernel: "
+          + "; ".join(f"{name[:60]} {ms:.2f} ms" for name, ms in kernels[:8]), flush=True)
+    decoded = torchvision.io.decode_jpeg(list(torch.split(held[0][1], held[0][2].tolist())), device=device)
+    stacked = torch.stack(decoded)
+    for dtype in (torch.float32, torch.bfloat16):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(10):
+            torch.nn.functional.interpolate(stacked.to(dtype), size=(224, 224), mode="bilinear", antialias=True,
+                                            align_corners=False)
+        e1.record()
+        torch.cuda.synchronize()
+        print(f"resize {tuple(stacked.shape)} in {dtype}: {e0.elapsed_time(e1) / 10:.2f} ms", flush=True)
     on_cpu = EncodedImageFolder(root, 224, cpu_share=1.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a loader worker
