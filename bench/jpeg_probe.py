@@ -1,24 +1,24 @@
-"""How to split a JPEG batch's decode between the loader's CPU workers and the GPU (#39): ResNet-50 (bf16,
-channels_last, fused SGD) on one GPU, fed by a DataLoader over the template's own ``EncodedImageFolder`` (its
-``collate`` decodes ``cpu_share`` of each batch with Pillow in the workers, its ``to_device`` the rest with nvJPEG)
-through the template's own ``DeviceStage`` (the next batch finished in a thread and stream of its own).
+"""Where the GPU-decode JPEG row's time goes (#39): ResNet-50 (bf16, channels_last, fused SGD) on one GPU, fed by
+a DataLoader over the template's own ``EncodedImageFolder`` (the workers read the files, ``to_device`` decodes the
+batch with nvJPEG through torchvision) through the template's own ``DeviceStage`` (the next batch finished in a
+thread and stream of its own).
 
 Prints, one line each:
-- ``decode``: one batch's GPU decode (share 0), host and device time (CUDA events), alone on an idle GPU, and one
-  batch's CPU decode (share 1) on one core;
+- ``decode kernels``: the GPU's own time in one batch's decode, by kernel (profiler), and the resize alone;
+- ``interpreter lock``: a Python loop's pace alone and beside a thread decoding batch after batch;
+- ``decode``: one batch's ``to_device``, host and elapsed device time (CUDA events), alone on an idle GPU;
 - training rates, samples/s, in alternating rounds: ``on-gpu`` (batches already on the GPU: the GPU-bound rate)
-  and ``loader w=W s=S`` for every worker count W and share S asked, each with its median over ``on-gpu``'s;
-- ``best``: the (W, S) with the highest median rate.
+  and ``loader w=W`` for every worker count W asked, each with its median over ``on-gpu``'s.
 
-    python bench/jpeg_probe.py --workers 8,15 --shares 0,0.25,0.5,0.75,1 --steps 150 --rounds 2
+    python bench/jpeg_probe.py --workers 8,15 --steps 200 --rounds 3
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,13 +32,6 @@ from elastic_launcher.loading import DeviceStage  # noqa: E402
 from vs_torchrun import write_jpegs  # noqa: E402
 
 
-def fractions(text: str) -> list[float]:
-    out = [float(x) for x in text.split(",")]
-    if any(not 0 <= x <= 1 for x in out):
-        raise SystemExit(f"--shares {text!r}: want fractions from 0 to 1")
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=Path, default=None, help="a JPEG ImageFolder (default: 3000 written here)")
@@ -46,12 +39,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150, help="timed steps a run (after 10 untimed)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", default="8", help="loader worker counts, comma-separated")
-    ap.add_argument("--shares", type=fractions, default=[0.0, 0.5, 1.0], help="CPU-decode shares, comma-separated")
     a = ap.parse_args()
     device = torch.device("cuda", 0)
     torch.backends.cudnn.benchmark = True
     root = a.images or write_jpegs(Path(tempfile.mkdtemp(prefix="jpeg_probe_")), n=3000, total=3000)
-    folders = {s: EncodedImageFolder(root, 224, memory_format=torch.channels_last, cpu_share=s) for s in a.shares}
     gpu_only = EncodedImageFolder(root, 224, memory_format=torch.channels_last)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
           f"{len(gpu_only)} JPEGs from {root}, batch {a.batch}", flush=True)
@@ -83,7 +74,7 @@ def main() -> int:
     busy = sum(ms for _, ms in kernels)
     print(f"decode kernels: {busy:.2f} ms of GPU time a batch of {a.batch}; by kernel: "
           + "; ".join(f"{name[:60]} {ms:.2f} ms" for name, ms in kernels[:8]), flush=True)
-    decoded = torchvision.io.decode_jpeg(list(torch.split(held[0][1], held[0][2].tolist())), device=device)
+    decoded = torchvision.io.decode_jpeg(list(torch.split(held[0][0], held[0][1].tolist())), device=device)
     stacked = torch.stack(decoded)
     for dtype in (torch.float32, torch.bfloat16):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -94,16 +85,32 @@ def main() -> int:
         e1.record()
         torch.cuda.synchronize()
         print(f"resize {tuple(stacked.shape)} in {dtype}: {e0.elapsed_time(e1) / 10:.2f} ms", flush=True)
-    on_cpu = EncodedImageFolder(root, 224, cpu_share=1.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in a loader worker
-    t0 = time.perf_counter()
-    on_cpu.collate([on_cpu[j] for j in range(a.batch)])
-    cpu_s = time.perf_counter() - t0
-    torch.set_num_threads(threads)
+    # does the decode hold the interpreter's lock? A Python loop's pace in this thread, alone and while a second
+    # thread decodes batches back to back (the DeviceStage's place): it drops by the share of time the lock is held
+    def spins(seconds: float) -> float:
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n / seconds
+    alone = spins(1.0)
+    stop = threading.Event()
+
+    def decode_loop():
+        k = 0
+        while not stop.is_set():
+            gpu_only.to_device(held[k % 8], device)
+            k += 1
+        torch.cuda.synchronize()
+    side = threading.Thread(target=decode_loop)
+    side.start()
+    time.sleep(0.2)
+    beside = spins(1.0)
+    stop.set()
+    side.join()
+    print(f"interpreter lock: a Python loop ran {alone / 1e6:.2f} M iterations/s alone, {beside / 1e6:.2f} M while a "
+          f"thread decoded batch after batch ({beside / alone:.2f})", flush=True)
     print(f"decode: GPU host {statistics.median(host) * 1e3:.2f} ms, device {statistics.median(dev) * 1e3:.2f} ms a "
-          f"batch of {a.batch} ({a.batch / statistics.median(dev):.0f} images/s of device time); CPU {cpu_s * 1e3:.0f} "
-          f"ms a batch on one core ({a.batch / cpu_s:.0f} images/s a worker)", flush=True)
+          f"batch of {a.batch} ({a.batch / statistics.median(dev):.0f} images/s of elapsed device time)", flush=True)
 
     model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
@@ -122,9 +129,9 @@ def main() -> int:
         for k in range(n):
             step(*on_gpu[k % 4])
 
-    def loader_run(workers: int, share: float):
+    def loader_run(workers: int):
         def run(n):
-            ds = folders[share]
+            ds = gpu_only
             sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=(n + 10) * a.batch,
                                                      generator=torch.Generator().manual_seed(0))
             loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, sampler=sampler, collate_fn=ds.collate,
@@ -146,8 +153,8 @@ def main() -> int:
 
     t0 = [0.0]
     arms = {"on-gpu": run_on_gpu}
-    for w, s in itertools.product((int(x) for x in a.workers.split(",")), a.shares):
-        arms[f"loader w={w} s={s:g}"] = loader_run(w, s)
+    for w in (int(x) for x in a.workers.split(",")):
+        arms[f"loader w={w}"] = loader_run(w)
     run_on_gpu(10)  # warm-up: cuDNN's autotuning, the allocator
     rates: dict[str, list] = {k: [] for k in arms}
     for r in range(a.rounds):
@@ -162,8 +169,6 @@ def main() -> int:
     for name, rs in rates.items():
         print(f"rate {name:<20} {' '.join(f'{x:7.1f}' for x in rs)} images/s; median / on-gpu "
               f"{statistics.median(rs) / base:.3f}", flush=True)
-    best = max((n for n in rates if n != "on-gpu"), key=lambda n: statistics.median(rates[n]))
-    print(f"best: {best} at {statistics.median(rates[best]) / base:.3f} of on-gpu", flush=True)
     return 0
 
 

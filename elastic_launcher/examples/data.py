@@ -5,7 +5,6 @@ every resize, which the elastic sampler relies on. Items are `(input, target)` p
 """
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import torch
@@ -78,19 +77,14 @@ class ImageFolder(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int):
-        path, label = self.items[i]
-        image = self.pixels(path).float() / 255.0
-        return (image - 0.45) / 0.225, label
-
-    def pixels(self, file) -> torch.Tensor:
-        """An image file (a path, or a file object over its bytes) as the 8-bit ``3 x image_size x image_size``
-        image: Pillow's decode and resize, on the CPU."""
         from PIL import Image  # noqa: PLC0415 - only for folder datasets
 
-        with Image.open(file) as img:
+        path, label = self.items[i]
+        with Image.open(path) as img:
             img = img.convert("RGB").resize((self.image_size, self.image_size))
             data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
-        return data.view(self.image_size, self.image_size, 3).permute(2, 0, 1)
+        image = data.view(self.image_size, self.image_size, 3).permute(2, 0, 1).float() / 255.0
+        return (image - 0.45) / 0.225, label
 
 
 class TensorFile(torch.utils.data.Dataset):
@@ -159,63 +153,37 @@ class TextBytes(torch.utils.data.Dataset):
 
 
 class EncodedImageFolder(ImageFolder):
-    """An ImageFolder of JPEG files decoded on the GPU (#39): the loader's workers read each file's bytes, and
+    """An ImageFolder of JPEG files decoded on the GPU (#39): the loader's workers only read each file's bytes;
     :meth:`to_device` decodes the batch with nvJPEG (``torchvision.io.decode_jpeg(device=...)``), resizes and
     normalises it there as ImageFolder does on the CPU. ``memory_format`` is the model's.
 
-    ``cpu_share`` of each batch (its first ``round(cpu_share x batch)`` items) is decoded by the workers instead
-    (:meth:`ImageFolder.pixels`: Pillow's decode and resize, as the CPU path's), and only those 8-bit pixels
-    travel: nvJPEG's kernels share the GPU's cores with training (about 5 ms of device time a batch of 64 on an
-    H200, a sixth of a ResNet-50 step), while the node's other CPUs would sit idle. The split is chosen by
-    measurement (``bench/jpeg_probe.py``); 0 decodes everything on the GPU, 1 everything on the CPU.
-
     Raises:
         FileNotFoundError: as ImageFolder.
-        ValueError: a file in the folder is not a JPEG (use ImageFolder, the CPU path), or ``cpu_share`` is
-            not in [0, 1].
+        ValueError: a file in the folder is not a JPEG (use ImageFolder, the CPU path).
     """
 
-    def __init__(self, root: Path, image_size: int, memory_format: torch.memory_format = torch.contiguous_format,
-                 cpu_share: float = 0.0):
-        if not 0.0 <= cpu_share <= 1.0:
-            raise ValueError(f"cpu_share {cpu_share}: want the fraction of a batch decoded on the CPU, 0 to 1")
+    def __init__(self, root: Path, image_size: int, memory_format: torch.memory_format = torch.contiguous_format):
         super().__init__(root, image_size)
         others = [f for f, _ in self.items if f.suffix.lower() not in {".jpg", ".jpeg"}]
         if others:
             raise ValueError(f"{others[0]}: not a JPEG; GPU decode reads JPEG folders only (decode on the CPU)")
-        self.memory_format, self.cpu_share = memory_format, cpu_share
+        self.memory_format = memory_format
 
     def __getitem__(self, i: int):
         path, label = self.items[i]
         return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), label
 
-    def collate(self, items):
-        """``(pixels, joined, lengths, labels)``: the first ``round(cpu_share x len(items))`` images decoded here
-        (8-bit, stacked), the other files' bytes end to end in one tensor (one shared-memory block a batch from the
-        loader's workers, and one to pin, instead of one per image) with their lengths, and every item's label in
-        that order."""
-        k = round(self.cpu_share * len(items))
-        size = self.image_size
-        pixels = (torch.stack([self.pixels(io.BytesIO(data.numpy())) for data, _ in items[:k]]) if k
-                  else torch.empty(0, 3, size, size, dtype=torch.uint8))
-        rest = [data for data, _ in items[k:]]
-        joined = torch.cat(rest) if rest else torch.empty(0, dtype=torch.uint8)
-        return (pixels, joined, torch.tensor([len(data) for data in rest], dtype=torch.int64),
+    @staticmethod
+    def collate(items):
+        """The batch's files end to end in one byte tensor, their lengths and labels: one shared-memory block
+        a batch from the loader's workers, and one to pin, instead of one per image."""
+        return (torch.cat([data for data, _ in items]), torch.tensor([len(data) for data, _ in items]),
                 torch.tensor([label for _, label in items]))
 
     def to_device(self, batch, device: torch.device):
-        pixels, joined, lengths, labels = batch
-        parts = [pixels.to(device, non_blocking=True).float()] if len(pixels) else []
-        if len(lengths):
-            parts.append(self._decode_on(device, joined, lengths))
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = ((out / 255.0 - 0.45) / 0.225).contiguous(memory_format=self.memory_format)
-        return out, labels.to(device, non_blocking=True)
-
-    def _decode_on(self, device: torch.device, joined: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The files decoded by nvJPEG on ``device`` and resized there: float, 0-255."""
         from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 - only for GPU decode
 
+        joined, lengths, labels = batch
         encoded = list(torch.split(joined, lengths.tolist()))   # views of the one buffer (contiguous, 1-D)
         images = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
         size = (self.image_size, self.image_size)
@@ -228,4 +196,6 @@ class EncodedImageFolder(ImageFolder):
                                                    mode="bilinear", antialias=True, align_corners=False)
             for j, i in enumerate(rows):
                 resized[i] = same[j]
-        return torch.stack(resized) if len(by_shape) > 1 else same
+        out = torch.stack(resized) if len(by_shape) > 1 else same
+        out = ((out / 255.0 - 0.45) / 0.225).contiguous(memory_format=self.memory_format)
+        return out, labels.to(device, non_blocking=True)

@@ -23,20 +23,6 @@ import torch.nn.functional as F
 from elastic_launcher.examples import common, data, models
 
 
-CPU_DECODE_SHARE = 0.5  # the JPEG split measured best on an H200 with 8 workers (bench/results/gpu_runs/, #39)
-
-
-def share(text: str) -> float:
-    """A fraction 0 to 1 (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r}: want a fraction from 0 to 1")
-    return value
-
-
 def memory_format(args: argparse.Namespace) -> torch.memory_format:
     return torch.channels_last if getattr(args, "channels_last", "off") == "on" else torch.contiguous_format
 
@@ -54,8 +40,7 @@ def build_dataset(args: argparse.Namespace):
         folder = None
         if on_gpu and (args.gpu_data == "on" or importlib.util.find_spec("torchvision") is not None):
             try:
-                folder = data.EncodedImageFolder(args.data, args.image_size, memory_format(args),
-                                                 args.cpu_decode_share)
+                folder = data.EncodedImageFolder(args.data, args.image_size, memory_format(args))
             except ValueError as exc:
                 if args.gpu_data == "on":
                     raise SystemExit(f"--gpu-data on: {exc}") from None
@@ -86,9 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model and images in channels_last memory format (NHWC: cuDNN's fast convolutions)")
     parser.add_argument("--gpu-data", choices=("auto", "on", "off"), default="auto",
                         help="synthetic images made on the GPU, JPEG folders decoded there (nvJPEG); auto: on a GPU")
-    parser.add_argument("--cpu-decode-share", type=share, default=CPU_DECODE_SHARE, metavar="F",
-                        help="with GPU decode, the fraction of each batch the loader's workers decode on the CPU "
-                        f"instead (0 to 1; default {CPU_DECODE_SHARE}, measured: bench/jpeg_probe.py)")
     common.add_speed_args(parser, compile_default="off")
     return parser
 

@@ -84,42 +84,12 @@ def test_gpu_decode_refuses_a_folder_with_other_images(tmp_path):
     folder = data.EncodedImageFolder(tmp_path, 8)
     encoded, label = folder[0]
     assert encoded.dtype == torch.uint8 and bytes(encoded[:2].tolist()) == b"\xff\xd8" and label == 0
-    pixels, joined, lengths, labels = folder.collate([folder[0], folder[0]])
+    joined, lengths, labels = folder.collate([folder[0], folder[0]])
     assert torch.equal(joined, torch.cat([encoded, encoded])) and lengths.tolist() == [len(encoded)] * 2
-    assert labels.tolist() == [0, 0] and pixels.shape == (0, 3, 8, 8)
+    assert labels.tolist() == [0, 0]
     Image.new("RGB", (20, 10)).save(tmp_path / "cat" / "b.png")
     with pytest.raises(ValueError, match="b.png: not a JPEG"):
         data.EncodedImageFolder(tmp_path, 8)
-
-
-def test_a_cpu_share_of_the_batch_is_decoded_by_the_workers_as_the_cpu_path_decodes_it(tmp_path):
-    from PIL import Image
-
-    from elastic_launcher.examples import data, resnet50
-
-    for c, colour in (("a", (200, 10, 10)), ("b", (10, 10, 200))):
-        (tmp_path / c).mkdir()
-        for k in range(3):
-            Image.new("RGB", (20 + 4 * k, 10), colour).save(tmp_path / c / f"{k}.jpg")
-    cpu_path = data.ImageFolder(tmp_path, 8)
-    folder = data.EncodedImageFolder(tmp_path, 8, cpu_share=0.5)
-    order = [5, 0, 3, 1]
-    pixels, joined, lengths, labels = folder.collate([folder[i] for i in order])
-    assert pixels.dtype == torch.uint8 and pixels.shape == (2, 3, 8, 8)
-    assert labels.tolist() == [1, 0, 1, 0]  # every item's label, the decoded ones first, as the images come out
-    assert torch.equal(joined, torch.cat([folder[3][0], folder[1][0]])) and lengths.tolist() == [
-        len(folder[3][0]), len(folder[1][0])]
-    # the whole batch on the CPU: to_device then gives the CPU path's normalised images exactly, in order
-    whole = data.EncodedImageFolder(tmp_path, 8, cpu_share=1.0)
-    images, labels = whole.to_device(whole.collate([whole[i] for i in order]), torch.device("cpu"))
-    assert torch.equal(images, torch.stack([cpu_path[i][0] for i in order]))
-    assert labels.tolist() == [1, 0, 1, 0]
-    with pytest.raises(ValueError, match="cpu_share 1.5: want the fraction"):
-        data.EncodedImageFolder(tmp_path, 8, cpu_share=1.5)
-    args = resnet50.build_parser().parse_args(["--cpu-decode-share", "0.25"])
-    assert args.cpu_decode_share == 0.25
-    with pytest.raises(SystemExit):
-        resnet50.build_parser().parse_args(["--cpu-decode-share", "2"])
 
 
 def test_auto_decodes_a_folder_with_other_images_on_the_cpu_and_on_refuses_it(tmp_path, monkeypatch):
