@@ -175,8 +175,10 @@ class FittedModel:
                           separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_stored(cls, stored: StoredModel, factory: Callable[[], Any]) -> "FittedModel":
-        """The stored model, its predictor built by `factory` and loaded from the document.
+    def from_stored(cls, stored: StoredModel, factory: Callable[[], Any],
+                    known: "KnownProfiles | None" = None) -> "FittedModel":
+        """The stored model, its predictor built by `factory` and loaded from the document; its profiles through
+        `known` (those of the last model loaded are not built again).
 
         Raises:
             ValueError: the blob is not a document of `MODEL_FORMAT` (a pickle of an older release, say).
@@ -188,7 +190,7 @@ class FittedModel:
                              f"(an older release's pickle?): {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
             raise ValueError(f"stored model g{stored.head.version} is not a {MODEL_FORMAT} document")
-        profiles = {n: profile_from_doc(d) for n, d in doc["profiles"].items()}
+        profiles = (known or KnownProfiles()).build(doc["profiles"])
         head = stored.head
         return cls(factory().load_params(doc["predictor"], profiles), profiles, head.version, head.fitted_at_s,
                    stored.fit_s, head.code)
@@ -213,14 +215,38 @@ def profile_doc(profile) -> dict:
 
 
 def profile_from_doc(doc: dict):
-    """The fitted profile `profile_doc` wrote (its buckets as stored, never recomputed)."""
+    """The fitted profile `profile_doc` wrote (its buckets as stored, never recomputed). Its fields other than the
+    tensors are validated as a profile's; the tensors, written by the fitter from validated profiles, are not checked
+    one by one again: every worker loads every model, and checking 68,000 tensors (four 3.9 MB profiles, #24.11)
+    took 190 ms, which a plan request arriving meanwhile waited for."""
     dtypes = itertools.chain.from_iterable(itertools.repeat(d, n) for d, n in doc["dtypes"])
     tensors = tuple(TensorSpec("", int(n), d) for n, d in zip(doc["numels"], dtypes))
+    if len(tensors) != len(doc["numels"]) or not tensors:
+        raise ValueError(f"profile {doc.get('name')!r}: {len(doc['numels'])} numels but dtypes for {len(tensors)}")
     rest = {k: v for k, v in doc.items() if k not in ("numels", "dtypes")}
-    return dataclasses.replace(Profile.from_dict({**rest, "tensors": [{"name": f"t{i}", "numel": t.numel,
-                                                                       "dtype": t.dtype}
-                                                                      for i, t in enumerate(tensors)]}),
+    first = tensors[0]
+    return dataclasses.replace(Profile.from_dict({**rest, "tensors": [{"numel": first.numel, "dtype": first.dtype}]}),
                                tensors=tensors, buckets_bytes=tuple(doc["buckets_bytes"]))
+
+
+class KnownProfiles:
+    """The profiles of the last stored model loaded, with their documents: a profile whose stored document is unchanged
+    is taken as it is, not built again. Most refits bring new rows, not new profiles, and every worker loads every
+    model; a plan request arriving meanwhile waits for the load (#24.16), and building four profiles of 68,000 tensors
+    took 190 ms of it (#24.11: the victim's p99 140-168 ms). Not thread-safe: one loader at a time (ModelCache's
+    load lock)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, tuple[dict, Any]] = {}
+
+    def build(self, docs: dict[str, dict]) -> dict:
+        """name -> Profile for the stored documents `docs`; then remembers them."""
+        out = {}
+        for name, doc in docs.items():
+            seen = self._by_name.get(name)
+            out[name] = seen[1] if seen is not None and seen[0] == doc else profile_from_doc(doc)
+        self._by_name = {name: (doc, out[name]) for name, doc in docs.items()}
+        return out
 
 
 PREDICTION_ENTRY_BYTES = 1024        # a cached answer's fixed cost: its key tuple and result list
@@ -376,7 +402,8 @@ class ModelCache:
         self._seen: ModelHead | None = None       # the newest stored model last loaded, or found unusable
         self._failed_generation: int | None = None
         self._fit_lock = threading.Lock()         # one fit at a time in this process
-        self._load_lock = threading.Lock()        # one unpickling at a time in this process
+        self._load_lock = threading.Lock()        # one model load at a time in this process
+        self._known_profiles = KnownProfiles()    # the last loaded model's profiles (under the load lock)
         self._swapped = threading.Condition()     # notified when a model is swapped in or a fit fails
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -558,7 +585,7 @@ class ModelCache:
             else:
                 stored = self.store.newest_model()
                 if stored is not None:
-                    self._swap(FittedModel.from_stored(stored, self.predictor_factory))
+                    self._swap(FittedModel.from_stored(stored, self.predictor_factory, self._known_profiles))
                     self._seen = stored.head
                     if stored.head.code != code_fingerprint():
                         log.info("answering from stored model g%d, fitted by other code, until the fitter has "

@@ -176,3 +176,26 @@ def test_a_fitted_model_keeps_no_tensor_names(client, app):
 def test_a_bad_limit_is_a_400_naming_it_never_a_500(client, path, raw):
     response = client.get(f"{path}?limit={raw}", headers=TOOL_H)
     assert response.status_code == 400 and response.get_json()["field"] == "limit"
+
+
+def test_a_worker_loading_a_refit_with_unchanged_profiles_reuses_them(client, app):
+    # #24.11: every worker built every profile of every refit again (four of 68,000 tensors: 190 ms), and a plan
+    # request arriving meanwhile waited for the load
+    from predictor.service import KnownProfiles
+    named = dict(PROFILE, name="reused", tensors=[{"name": f"t{k}", "numel": 10 + k,
+                                                   "dtype": "float32" if k < 150 else "bfloat16"}
+                                                  for k in range(200)])
+    assert client.post("/v1/profiles", data=json.dumps(named), headers=TOOL_H).status_code == 201
+    svc = app.extensions["elastic_predictor"]
+    svc.models.refit()
+    docs = json.loads(svc.store.newest_model().blob)["profiles"]
+    known = KnownProfiles()
+    first = known.build(docs)
+    again = known.build(json.loads(json.dumps(docs)))         # the same documents, as a later load reads them
+    assert all(again[n] is first[n] for n in docs)
+    changed = json.loads(json.dumps(docs))
+    changed["reused"]["numels"][0] += 1                        # the profile was posted again, one tensor larger
+    rebuilt = known.build(changed)
+    assert rebuilt["reused"] is not first["reused"] and rebuilt["reused"].tensors[0].numel == 11
+    assert rebuilt["reused"].n_params == first["reused"].n_params + 1
+    assert all(rebuilt[n] is first[n] for n in docs if n != "reused")
