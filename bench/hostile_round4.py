@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import date, timedelta
 from pathlib import Path
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 import hostile_clients as hc  # noqa: E402
 import hostile_round3 as r3  # noqa: E402
 
-ALL_ITEMS = ("11a", "11b", "11c", "4", "6", "8", "9")
+ALL_ITEMS = ("11a", "11b", "11c", "4", "10", "6", "8", "9")
 ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
 SCRIPT = "#!/bin/bash\n#SBATCH -N1 --gpus=4 -t 5\n" + ELASTIC + "srun true\n"
 PLANNED = "sbatch: elastic: 2 nodes x 4 GPUs"
@@ -58,6 +59,7 @@ LABELS = {
     "11b": "a hung service (accepts, never answers), 10 submissions in one breaker period",
     "11c": "a plain job with a 2 MB header of comment lines, sbatch hook off / on, 15 each alternating",
     "4": "8 addresses x 256 idle connections hold every other slot; 20 uncached #ELASTIC submissions",
+    "10": "1 GiB of request bodies just under the size cap from 8 addresses, 4 senders each, while the hook's kind plans",
     "6": "SIGKILL of the nginx master",
     "8": "two clients of the tool token, one Idempotency-Key, different bodies",
     "9": "a bare serve: no token, munge off",
@@ -201,6 +203,66 @@ def item4_hook_path(service: hc.Service, hl: HookLab):
     return run
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes have used."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def item10_body_flood(service: hc.Service, total_bytes: int = 1 << 30, addresses: int = 8, senders: int = 4):
+    """Anonymous POST /v1/observations bodies just under ELASTIC_PREDICTOR_MAX_BODY, ``total_bytes`` of them from
+    ``addresses`` addresses with ``senders`` connections each sending body after body (``sendfile``: the sender's own
+    CPU stays small on a shared host); the victim is a --hook-from host's plan (#41.10: p99 1.6 s and 0.65 s in two
+    runs before the hook had a path of its own)."""
+    def run(tally):
+        from predictor.front_nginx import NginxLimits  # noqa: PLC0415
+        body_bytes = NginxLimits().max_body - 1024
+        count = max(1, total_bytes // body_bytes)
+        head = (f"POST /v1/observations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {body_bytes}\r\nConnection: close\r\n\r\n").encode()
+        nginx = [pid for pid in r3.tree_pids(service.proc.pid) if r3.comm(pid) == "nginx"]
+        cpu0 = _cpu_s(nginx)
+        next_body, lock = iter(range(count)), threading.Lock()
+        with tempfile.NamedTemporaryFile() as blob:
+            blob.write(b"[" + b" " * (body_bytes - 2) + b"]")
+            blob.flush()
+
+            def sender(address: str) -> None:
+                while True:
+                    with lock:
+                        if next(next_body, None) is None:
+                            return
+                    try:
+                        with socket.create_connection(("127.0.0.1", service.port), timeout=60,
+                                                      source_address=(address, 0)) as sock, open(blob.name, "rb") as f:
+                            sock.sendall(head)
+                            sock.sendfile(f)
+                            status = sock.makefile("rb").readline().split()
+                        tally.add(int(status[1]) if len(status) > 1 else 0)
+                    except OSError:
+                        tally.add(0)
+            threads = [threading.Thread(target=sender, args=(f"127.0.0.{40 + k}",))
+                       for k in range(addresses) for _ in range(senders)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - t0
+        cpu = _cpu_s(nginx) - cpu0
+        return (f"{count} bodies of {body_bytes / 2**20:.2f} MiB ({count * body_bytes / 2**30:.2f} GiB) from "
+                f"{addresses} addresses x {senders} senders in {seconds:.1f} s ({count * body_bytes / 2**20 / seconds:.0f} "
+                f"MiB/s); nginx used {cpu:.1f} CPU-s receiving them; answers {tally.summary()} (verdict: the victim's "
+                f"p99)"), True
+    return run
+
+
 def _group(pgid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
@@ -319,6 +381,12 @@ def run_all(root: Path, items: tuple[str, ...], lab_dir: Path, work: Path) -> li
                     service.stop()
         finally:
             hl.close()
+    if "10" in items:
+        service = _service(root, work, "hook-from-flood", "--hook-from", HOOK_HOSTS)
+        try:
+            add("10", service.port, item10_body_flood(service))
+        finally:
+            service.stop()
     if "6" in items or "8" in items:
         service = _service(root, work, "plain")
         try:

@@ -8,7 +8,7 @@ It runs the three benches as libraries, each in its quick form unless `--full`:
   5 s each (20 s with --full), and, on a second served instance, the malformed bodies of item 7 (`MALFORMED`);
 - bench/slow_clients.py on `serve` (nginx): K = 0 and 200 connections of each slow variant
   (--full: K = 0, 2, 8, 200);
-- bench/poisoning.py: one job's 200 made-up rows with the fit's per-job cap (20) and without it;
+- bench/poisoning.py: one job's 200 made-up rows with one vote per owner (the model) and with every row a vote;
 - one address holding `IDLE_HELD` idle connections (issue #24, item 3), against `serve`: how many of
   `IDLE_PROBES` GET /healthz from another address (127.0.0.2, each on a fresh connection) are answered 200, and
   their p99 (`--no-idle` leaves it out).
@@ -198,7 +198,7 @@ def run(full: bool, idle: bool = True, round3_items: tuple[int, ...] = (),
     finally:
         subprocess.run(["umount", str(work / "round3" / "full")], capture_output=True, check=False)
         shutil.rmtree(work, ignore_errors=True)
-    poison = {cap: poisoning.impact(cap) for cap in (20, 10 ** 9)}
+    poison = poisoning.compare()
     return {"hostile": rows, "slow": slow, "poison": poison, "idle": idle, "round2": round2, "round3": rounds3,
             "round4": rounds4}
 
@@ -272,7 +272,7 @@ def summary(res: dict) -> str:
     disk = max(rows, key=lambda r: r["db"][1] - r["db"][0])
     held = [r for r in slow if r["k"]]
     worst = max(held, key=lambda r: r["p99"])
-    capped, uncapped = poison[20], poison[10 ** 9]
+    capped, uncapped = (poison[w] for w in poisoning.WEIGHTINGS)
     attacks = len(rows) + len(held) + 1
     fmt = slow_clients.fmt_ms
     out = ["| figure | result |", "|---|---|",
@@ -295,10 +295,10 @@ def summary(res: dict) -> str:
            f"K = {worst['k']}; {worst['failed']} probes failed, {sum(r['over'] for r in held)} of "
            f"{len(held) * slow_clients.PROBES} over 100 ms); "
            f"{fmt(next(r['p99'] for r in slow if not r['k']), 2.0)} ms with none |",
-           f"| poisoning impact (per-job cap 20) | others' predictions moved "
+           f"| poisoning impact ({poisoning.WEIGHTINGS[0]}) | others' predictions moved "
            f"{' / '.join(f'{m:+.1%}' for m in capped['moved'])} at 1 / 2 / 4 nodes; plan {capped['before']} -> "
            f"{capped['after']} ({'changed' if capped['before'] != capped['after'] else 'unchanged'}) |",
-           f"| poisoning impact without the cap | {' / '.join(f'{m:+.1%}' for m in uncapped['moved'])}; plan "
+           f"| poisoning impact ({poisoning.WEIGHTINGS[1]}) | {' / '.join(f'{m:+.1%}' for m in uncapped['moved'])}; plan "
            f"{uncapped['before']} -> {uncapped['after']} |", idle_row(res.get("idle", []))]
     out += [f"| {r['attack']} (#24, `serve`'s default front end) | legitimate /v1/plan p99 {r['plan_p99'][0]:.1f} ms; "
             f"{r['tally'].server_errors} 5xx of {r['tally'].total}; worker {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} MB, "
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     raw = ["", "Raw: hostile clients (bench/hostile_clients.py's table)", "", hostile_clients.table(res["hostile"]),
            "", "Raw: slow connections (bench/slow_clients.py's rows)", "",
            *(json.dumps(r) for r in res["slow"]), "", "Raw: poisoning (bench/poisoning.py's impact)", "",
-           json.dumps({"cap 20": res["poison"][20], "no cap": res["poison"][10 ** 9]}),
+           json.dumps(res["poison"]),
            "", "Raw: idle connections from one address", "", *(json.dumps(r) for r in res["idle"]),
            "", "Raw: round 2 (bench/hostile_round2.py's table)", "", hostile_round2.table(res["round2"])]
     text = (header + "\n\n" + summary(res) + "\n\nRound 3 (bench/hostile_round3.py; victim: POST /v1/plan at "

@@ -32,12 +32,21 @@ def impact() -> dict:
             "before": _plan(clean)["layout"], "after": _plan(poisoned)["layout"]}
 
 
+WEIGHTINGS = ("one vote per owner (the model)", "every row a vote")
+
+
+def compare() -> dict:
+    """`impact()` under the model's weighting and with every row a vote (the weighting the model replaced), by
+    label (`WEIGHTINGS`)."""
+    with mock.patch.object(stepmodel, "_weights", lambda rows: np.ones(len(rows))):
+        every_row = impact()
+    return dict(zip(WEIGHTINGS, (impact(), every_row)))
+
+
 def main() -> None:
     print("| weighting | prediction moved, 1 / 2 / 4 nodes | plan before | plan after |")
     print("|---|---|---|---|")
-    with mock.patch.object(stepmodel, "_weights", lambda rows: np.ones(len(rows))):
-        every_row = impact()
-    for label, r in (("one vote per owner (the model)", impact()), ("every row a vote", every_row)):
+    for label, r in compare().items():
         moved = " / ".join(f"{m:+.1%}" for m in r["moved"])
         print(f"| {label} | {moved} | {r['before']} | {r['after']} |")
 
