@@ -10,6 +10,7 @@ scheduled send, so queueing counts; a request not answered within --probe-timeou
 GET /healthz. The variants:
 - `headers`: `POST /v1/plan HTTP/1.1` and one header line, then nothing (the headers are never finished);
 - `body`: complete headers announcing a 100,000-byte body, then one body byte a second per connection;
+(every misbehaving connection comes from `SLOW_ADDRESS`, the probes from 127.0.0.1: another client)
 - `unread`: a 1 KiB receive buffer, one `GET /v1/openapi.json` (a 43 KB answer) sent, the answer never read;
 - `pipelined` (not a slow client but a flood, shown for what it is): the same with 64 requests pipelined on each
   connection, none read: up to K x 64 requests of work for a server that answers them while its socket buffers
@@ -59,6 +60,10 @@ KS = (0, 2, 8, 200)
 VARIANTS = ("headers", "body", "unread", "pipelined")
 PROBES = 200
 RATE = 50.0
+# the misbehaving connections' own address: the probes (127.0.0.1) are another client. nginx caps each address's
+# connections and requests in progress (a body still arriving holds its own address's slots, #41.5), so a probe
+# from the slow clients' own address would measure that address's cap, not what they do to everyone else
+SLOW_ADDRESS = "127.0.0.9"
 PLAN = {"source": "job_submit", "job": {"min_nodes": 1, "tres_per_node": "gres:gpu:4", "partition": "debug",
                                         "user": "bench"},
         "directives": ["#ELASTIC model=resnet50 gpus=1-8", "#ELASTIC per_gpu_batch=64"]}
@@ -123,6 +128,7 @@ class Holders:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
         sock.settimeout(2)
         try:
+            sock.bind((SLOW_ADDRESS, 0))
             sock.connect(("127.0.0.1", self.port))
             if self.variant == "headers":
                 sock.sendall(b"POST /v1/plan HTTP/1.1\r\nHost: x\r\n")
