@@ -1,7 +1,7 @@
 """Replay a fidelity run's Slurm rows (the JSON `compare` dumps: tests/integration/test_replay_fidelity.py) at
-several release_s values, and with release_s fitted on them (predictor.replay.calibrate_release): how many jobs
-agree one by one and how far the average JCT is, per value. As-submitted rows only (the right-sized ones are
-replayed here at the sizes Slurm ran them, which is what the hook chose).
+several release_s values, and with release_s fitted on them (the test's `fitted_release`): how many jobs agree one
+by one and how far the average JCT is, per value. The right-sized rows are replayed as submitted at the sizes Slurm
+ran them, which is what the hook chose.
 
     python bench/fidelity_rows.py RUN_DIR [RUN_DIR ...] [--release 0.3 0.5 0.7 1.0]
 
@@ -11,7 +11,6 @@ test_slice_as_submitted_and_ri0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from predictor.replay import Params, Replay, calibrate_release  # noqa: E402
+from predictor.replay import Params, Replay  # noqa: E402
 from tests.integration import test_replay_fidelity as F  # noqa: E402
 
 
@@ -40,23 +39,18 @@ def main() -> None:
     slice_jobs = F.make_slice(truth, F.SLICE_JOBS, 16)
     print("| run | rows | release_s | jobs agreeing | average JCT, simulated vs Slurm |\n|---|---|---|---|---|")
     for run in args.runs:
-        fitted = None
         for name in ("plain", "sized"):
             path = run / f"{name}.json"
             if not path.exists():
                 continue
             dump = json.loads(path.read_text())
             rows, t0 = dump["slurm"], dump["t0"]
-            jobs = [dataclasses.replace(j, submit_s=rows[j.name]["submit"] - t0, gpus=rows[j.name]["gpus"],
-                                        nodes=rows[j.name]["nodes"]) for j in slice_jobs]
-            if name == "plain":
-                fitted = calibrate_release(jobs, cluster, truth,
-                                           float(np.mean([r["end"] - r["submit"] for r in rows.values()])))
-            for release in [*args.release, *([fitted] if fitted is not None else [])]:
+            jobs = F.as_run(rows, slice_jobs)
+            fitted = F.fitted_release(rows, slice_jobs, truth, cluster)
+            for release in [*args.release, fitted]:
                 agree, jct = score(rows, t0, jobs, cluster, truth, release)
-                tag = " (fitted on plain)" if release == fitted else ""
+                tag = " (fitted on these rows)" if release == fitted else ""
                 print(f"| {run} | {name} | {release:.2f}{tag} | {agree} / {len(jobs)} | {jct:+.1%} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
