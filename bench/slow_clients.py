@@ -10,11 +10,11 @@ scheduled send, so queueing counts; a request not answered within --probe-timeou
 GET /healthz. The variants:
 - `headers`: `POST /v1/plan HTTP/1.1` and one header line, then nothing (the headers are never finished);
 - `body`: complete headers announcing a 100,000-byte body, then one body byte a second per connection;
-(every misbehaving connection comes from `SLOW_ADDRESS`, the probes from 127.0.0.1: another client)
 - `unread`: a 1 KiB receive buffer, one `GET /v1/openapi.json` (a 43 KB answer) sent, the answer never read;
 - `pipelined` (not a slow client but a flood, shown for what it is): the same with 64 requests pipelined on each
   connection, none read: up to K x 64 requests of work for a server that answers them while its socket buffers
   take the answers.
+Every misbehaving connection comes from `SLOW_ADDRESS`, the probes from 127.0.0.1 (another client).
 A connection the server closes (a deadline, a killed worker) is opened again at once, as a persistent slow
 client would (column `reopened`), except `unread` and `pipelined`. Then, per server, the polite figures: bench/service_bench.py's
 flat-out (8 client threads) and paced (200/s) runs, and the paced /v1/plan probes while observations are posted
