@@ -309,14 +309,19 @@ class Lab:
 
 # --- seeding: eight honest jobs' history (tests/unit/test_poisoning.py) ---------------------------------------------
 HONEST_JOB_BASE = 900000  # the seeded honest jobs' ids: past any id a (freshly started) testbed hands out
+HONEST_UID_BASE = 60001   # the seeded honest users' uids: none of the testbed's accounts (the attacker's is one)
+HONEST_USERS = (1, 2, 3, 8)   # #41.1: item 1 against the history of this many honest users each
 
 
-def seed_history(root: Path, db: Path) -> None:
+def seed_history(root: Path, db: Path, users: int | None = None) -> None:
     """The poisoning test's honest history, its jobs 1-8 renumbered HONEST_JOB_BASE + 1-8 (on a testbed started
-    afresh the attacker's jobs are 1, 2, 3: the outlier report then could not tell them from the honest ones)."""
-    from tests.unit.test_poisoning import _history  # noqa: PLC0415
+    afresh the attacker's jobs are 1, 2, 3: the outlier report then could not tell them from the honest ones),
+    signed by `users` users (jobs dealt round-robin; None: unsigned, each job its own owner)."""
+    from tests.unit.test_poisoning import _history  # noqa: PLC0415 - the test's history, built by the test module
     rows = [{**r, "job_id": HONEST_JOB_BASE + int(r["job_id"])} if r.get("job_id") is not None else r
             for r in _history()]
+    if users:
+        rows = [{**r, "uid": HONEST_UID_BASE + (int(r["job_id"]) - HONEST_JOB_BASE - 1) % users} for r in rows]
     hc.seed(root, db, rows)
 
 
@@ -1101,7 +1106,20 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
                 subprocess.run(["umount", str(work / "full")], check=False)
     if 5 in items:
         rows.append(attack(None, 5, LABELS[5], item5_hostile_tables(work)))
-    munge_items = [i for i in (1, 4, 6, 11, 15) if i in items]
+    for users in args.honest_users if 1 in items else ():   # #41.1: item 1 against 1, 2, 3 and 8 honest users
+        lab = Lab(lab_dir)
+        db = work / f"honest{users}.db"
+        seed_history(root, db, users)
+        service = Service(root, db, 2, work / f"honest{users}.log", {**lab.service_env(), **extra_env})
+        try:
+            service.wait_ready()
+            rows.append(attack(service.port, 1, f"{LABELS[1]}, against the history of {users} honest "
+                                                f"user{'s' if users > 1 else ''} (8 jobs)",
+                               item1_several_jobs(service, lab)))
+        finally:
+            service.stop()
+            lab.close()
+    munge_items = [i for i in (4, 6, 11, 15) if i in items]
     if munge_items:
         lab = Lab(lab_dir)
         db = work / "munge.db"
@@ -1109,7 +1127,7 @@ def run_all(root: Path, items: tuple[int, ...], lab_dir: Path, work: Path, args)
         service = Service(root, db, 2, work / "munge.log", {**lab.service_env(), **extra_env})
         try:
             service.wait_ready()
-            attacks = {1: item1_several_jobs(service, lab), 4: item4_made_up_job_ids(service, lab, args.credentials),
+            attacks = {4: item4_made_up_job_ids(service, lab, args.credentials),
                        6: item6_profiles(service, lab, args.profiles), 11: item11_collectives(service, lab, 20_480),
                        15: item15_token_in_files(service, lab, work, root)}
             for item in munge_items:
@@ -1149,6 +1167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--flood-s", type=float, default=30.0, help="item 9's flood")
     ap.add_argument("--posts", type=int, default=400, help="item 13's posts")
     ap.add_argument("--credentials", type=int, default=600, help="item 4's credentials")
+    ap.add_argument("--honest-users", type=lambda v: [int(x) for x in v.split(",")], default=list(HONEST_USERS),
+                    help="item 1: the honest history's user counts, one run each (default 1,2,3,8)")
     ap.add_argument("--profiles", type=int, default=100, help="item 6's profiles")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE",

@@ -8,7 +8,8 @@ It runs the three benches as libraries, each in its quick form unless `--full`:
   5 s each (20 s with --full), and, on a second served instance, the malformed bodies of item 7 (`MALFORMED`);
 - bench/slow_clients.py on `serve` (nginx): K = 0 and 200 connections of each slow variant
   (--full: K = 0, 2, 8, 200);
-- bench/poisoning.py: one job's 200 made-up rows with one vote per owner (the model) and with every row a vote;
+- bench/poisoning.py: one job's 200 made-up rows with one vote per owner, weighed by its agreement (the model), and
+  with every row a vote;
 - one address holding `IDLE_HELD` idle connections (issue #24, item 3), against `serve`: how many of
   `IDLE_PROBES` GET /healthz from another address (127.0.0.2, each on a fresh connection) are answered 200, and
   their p99 (`--no-idle` leaves it out).
@@ -172,7 +173,7 @@ def round3(work: Path, items: tuple[int, ...], lab: Path, full: bool, root: Path
             items = tuple(i for i in items if i not in ROUND3_LAB_ITEMS)
             left_out_why = str(exc)
     args = argparse.Namespace(flood_s=30.0 if full else 10.0, posts=400, credentials=600, profiles=100,
-                              keep_work=False)
+                              keep_work=False, honest_users=list(hostile_round3.HONEST_USERS))
     rows = hostile_round3.run_all(root, items, lab, work, args) if items else []
     return {"rows": rows, "left_out": left_out, "why": left_out_why if left_out else ""}
 

@@ -32,13 +32,14 @@ def impact() -> dict:
             "before": _plan(clean)["layout"], "after": _plan(poisoned)["layout"]}
 
 
-WEIGHTINGS = ("one vote per owner (the model)", "every row a vote")
+WEIGHTINGS = ("one vote per owner, weighed by its agreement (the model)", "every row a vote")
 
 
 def compare() -> dict:
-    """`impact()` under the model's weighting and with every row a vote (the weighting the model replaced), by
-    label (`WEIGHTINGS`)."""
-    with mock.patch.object(stepmodel, "_weights", lambda rows: np.ones(len(rows))):
+    """`impact()` under the model's weighting and with every row a vote, none weighed by trust (the weighting the
+    model replaced), by label (`WEIGHTINGS`)."""
+    with mock.patch.object(stepmodel, "_weights", lambda rows: np.ones(len(rows))), \
+            mock.patch.object(stepmodel, "TRUST_ROUNDS", 0):
         every_row = impact()
     return dict(zip(WEIGHTINGS, (impact(), every_row)))
 

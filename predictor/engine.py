@@ -34,8 +34,10 @@ class Predictor:
     Args:
         recent_rows: for a job asking about itself (`predict(job_id=)`), a candidate that job measured (same
             profile, GPU, per-GPU batch, layout shape and links) is predicted at the median of its newest
-            this-many step rows (`basis: measured`): the model generalises to what was not run, the job's own
-            measurement wins where there is one, and newer evidence over older (rows in stored order).
+            this-many step rows (`basis: measured`); for a user (`predict(uid=)`), one that any of the user's jobs
+            measured, at the median of the user's newest rows (#41.1: a user's own signed measurements dominate
+            that user's own predictions). The model generalises to what was not run, the asker's own measurement
+            wins where there is one, and newer evidence over older (rows in stored order).
     """
 
     def __init__(self, *, recent_rows: int = 5):
@@ -81,6 +83,7 @@ class Predictor:
         self.converged_ = self.params_.converged
         self.calibration_ = _calibrate(self.params_.ladders, profiles)
         self.measured_ = measured_steps(steps, self.recent_rows)
+        self.measured_users_ = measured_steps(steps, self.recent_rows, "uid")
         self.n_steps_ = len(steps)
         self._cross_cache = {}
         self.profiles_ = {k: v for k, v in profiles.items() if any(k == p for p, _ in self.params_.ladders)}
@@ -94,7 +97,9 @@ class Predictor:
         return {"format": FORMAT, "model": self.params_.to_dict(), "recent_rows": self.recent_rows,
                 "calibration": self.calibration_,
                 "n_rows": [[p, g, n] for (p, g), n in self.n_rows_.items()], "step_links": self.step_links_,
-                "measured": [[list(k), list(v)] for k, v in self.measured_.items()], "n_steps": self.n_steps_,
+                "measured": [[list(k), list(v)] for k, v in self.measured_.items()],
+                "measured_users": [[list(k), list(v)] for k, v in self.measured_users_.items()],
+                "n_steps": self.n_steps_,
                 "skipped": self.skipped_, "profiles": sorted(self.profiles_)}
 
     def load_params(self, doc: dict, profiles: dict[str, Profile]) -> "Predictor":
@@ -113,6 +118,7 @@ class Predictor:
         self.n_rows_ = {(p, g): int(n) for p, g, n in doc.get("n_rows", [])}
         self.step_links_ = dict(doc.get("step_links", {}))
         self.measured_ = {tuple(_key(k)): tuple(v) for k, v in doc.get("measured", [])}
+        self.measured_users_ = {tuple(_key(k)): tuple(v) for k, v in doc.get("measured_users", [])}
         self.n_steps_ = int(doc.get("n_steps", 0))
         self.skipped_ = int(doc.get("skipped", 0))
         self.profiles_ = {n: profiles[n] for n in doc.get("profiles", []) if n in profiles}
@@ -140,13 +146,14 @@ class Predictor:
         return out
 
     def predict(self, profile: Profile, gpu: str, per_gpu_batch: int, candidates: list[dict],
-                job_id: int | None = None) -> list[dict]:
+                job_id: int | None = None, uid: int | None = None) -> list[dict]:
         """Predicted step time and throughput of each candidate layout, in order, each with an 80% `interval`
         of samples/s (low, high) and the basis of the constants it used.
 
         For `job_id` (a running job asking about itself), a layout that job measured is answered with its own
-        measurement (`recent_rows`); for anyone else every layout is the model's, fitted on all jobs, so one
-        job's rows never stand in for everybody's answer.
+        measurement (`recent_rows`), else for `uid` (the user asking, as the service proved it) a layout that
+        user's jobs measured with the user's; for anyone else every layout is the model's, fitted on all users,
+        so one user's rows never stand in for everybody's answer.
 
         Raises:
             ValidationError: bad batch or candidate (named as `candidates[i].layout`, ...).
@@ -162,6 +169,7 @@ class Predictor:
         ladder, basis, extra_std = self._cross_type(profile, gpu, b) or self._ladder(profile, gpu)
         host = self.params_.host(gpu)
         measured = self.__dict__.get("measured_", {})
+        by_users = self.__dict__.get("measured_users_", {})
         out = []
         for c, r in zip(cands, self._each_layout(ladder, profile, gpu, b, cands)):
             multi = sum(c["layout"]) > 1
@@ -179,9 +187,10 @@ class Predictor:
                                  sps * math.exp(Z80 * std) if extra_std else sps / lo],
                     "basis": basis,
                     "constants": {"host": host.basis if multi else "none", "link": link.basis if multi else "none"}}
-            seen = None if job_id is None else measured.get(
-                (int(job_id), *step_key(profile.name, gpu, per_gpu_batch, c["layout"], c["intra_link"],
-                                        c["inter_link"])))
+            key = step_key(profile.name, gpu, per_gpu_batch, c["layout"], c["intra_link"], c["inter_link"])
+            seen, whose = None if job_id is None else measured.get((int(job_id), *key)), ""
+            if seen is None and uid is not None:
+                seen, whose = by_users.get((int(uid), *key)), " of this user"
             if seen is not None:  # measured: its newest rows' median, the model's split of it scaled alike
                 iter_s, spread, n = seen
                 scale = iter_s / pred["iter_s"]
@@ -189,7 +198,8 @@ class Predictor:
                 u = max(spread, std / math.sqrt(n), stepmodel.PRIOR_SPREAD["measured"])
                 pred.update(iter_s=iter_s, samples_per_s=sps, compute_s=pred["compute_s"] * scale,
                             comm_s=pred["comm_s"] * scale, uncertainty=u,
-                            interval=[sps * math.exp(-Z80 * u), sps * math.exp(Z80 * u)], basis=f"measured ({n} rows)")
+                            interval=[sps * math.exp(-Z80 * u), sps * math.exp(Z80 * u)],
+                            basis=f"measured ({n} rows{whose})")
             out.append(pred)
         return out
 
@@ -295,7 +305,7 @@ class Predictor:
 
 
 def _key(k: list) -> tuple:
-    """A `measured_` key as JSON gave it back: the layout shape a tuple again."""
+    """A `measured_` (`measured_users_`) key as JSON gave it back: the layout shape a tuple again."""
     job, profile, gpu, batch, shape, intra, inter = k
     return int(job), profile, gpu, float(batch), tuple(shape), intra, inter
 
@@ -320,14 +330,14 @@ def step_key(profile: str, gpu: str, per_gpu_batch, layout, intra: str, inter: s
     return profile, gpu, float(per_gpu_batch), shape, intra, inter if len(shape) > 1 else None
 
 
-def measured_steps(steps: list[dict], recent: int) -> dict[tuple, tuple[float, float, int]]:
-    """Per (job_id, `step_key`) of rows that name their job: (median iter_s of the newest `recent` rows, their
-    log spread, rows used)."""
+def measured_steps(steps: list[dict], recent: int, by: str = "job_id") -> dict[tuple, tuple[float, float, int]]:
+    """Per (job_id, `step_key`) of rows that name their job (`by="uid"`: per (uid, ...) of rows a user signed):
+    (median iter_s of the newest `recent` rows, their log spread, rows used)."""
     groups: dict[tuple, list[float]] = {}
     for o in steps:  # oldest first: the newest rows of a key end the list
-        if o.get("job_id") is None:
+        if not isinstance(o.get(by), int) or isinstance(o.get(by), bool):   # a dataset's owner names: no one asks
             continue
-        groups.setdefault((int(o["job_id"]), *step_key(o["profile"], o["gpu"], o["per_gpu_batch"], o["layout"],
+        groups.setdefault((int(o[by]), *step_key(o["profile"], o["gpu"], o["per_gpu_batch"], o["layout"],
                                                        o["intra_link"], o.get("inter_link"))),
                           []).append(float(o["iter_s"]))
     out = {}

@@ -5,8 +5,9 @@ For each step row the fitted model predicts the step time of the row's own layou
 `r = log(observed iter_s / predicted iter_s)`. The residuals are centred on their median and scaled by their
 MAD (1.4826 x the median absolute deviation, at least `MIN_SIGMA` so a near-perfect fit does not flag a few
 percent); a row is an outlier when `|r - median| > K x sigma`. Median and MAD weigh each user's rows (each unsigned
-job's) together as at most `JOB_ROWS_CAP` rows (`job_weights`), so one user
-who posts hundreds of made-up rows cannot move the centre and make everyone else the outlier.
+job's) together as at most `JOB_ROWS_CAP` rows (`job_weights`), times the trust the fit gave that owner
+(`stepmodel.owner_trust`, kept in the model's document), so one user who posts hundreds of made-up rows cannot move
+the centre and make everyone else the outlier, nor can one such user against a history of one honest user (#41.1).
 
 A job is listed when more than `MOSTLY` of its rows are outliers, with its median deviation and the uid that signed
 its rows (a munge-signed job's; none for a token's), so several jobs of one user show as that user's. What the admin
@@ -26,7 +27,7 @@ import numpy as np
 from predictor.errors import NotFoundError, ValidationError
 from predictor.profiles import Profile
 from slurm_plugin.contracts.records import is_mixed, layout_name
-from predictor.stepmodel import owner_of
+from predictor.stepmodel import owner_name, owner_of
 
 K = 4.0
 MIN_SIGMA = 0.05
@@ -115,7 +116,9 @@ def outlier_report(store, predictor) -> Report:
         return Report([], [], 0, MIN_SIGMA)
     rows = [r for r, _ in pairs]
     resid = np.log(np.array([r["iter_s"] / p for r, p in pairs]))
-    weights = job_weights(rows, JOB_ROWS_CAP)
+    trust = getattr(getattr(predictor, "params_", None), "trust", {}) or {}
+    weights = job_weights(rows, JOB_ROWS_CAP) * np.array(
+        [1.0 if owner_of(r) is None else trust.get(owner_name(owner_of(r)), 1.0) for r in rows])
     centre = _weighted_median(resid, weights)
     sigma = max(1.4826 * _weighted_median(np.abs(resid - centre), weights), MIN_SIGMA)
     score = np.abs(resid - centre) / sigma

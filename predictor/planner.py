@@ -70,6 +70,9 @@ class PlanRequest:
     # the job whose own step measurements may answer for the layouts it ran: set by the API only when the caller
     # proved it is that job (its munge credential) or holds the admin token (#24.12); None: the fit alone answers
     own_job: int | None = None
+    # the user whose own step measurements answer for the layouts that user's jobs ran (#41.1): set by the API only
+    # for a uid the request proves (its munge credential's, a token holder's, the hook's from a --hook-from host)
+    own_user: int | None = None
     test_only: bool = False            # `sbatch --test-only` (#42.6): answered like any request, stored nowhere
 
     def record(self) -> dict:
@@ -366,7 +369,7 @@ def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min
             cands = [c for c in cands if low <= sum(c["layout"]) <= high]
         if len(cands) <= max_candidates:
             try:
-                preds = models.predict(profile, part.gpu, batch, cands, job_id=asking)
+                preds = models.predict(profile, part.gpu, batch, cands, job_id=asking, uid=request.own_user)
             except ModelUnavailable as exc:
                 return _keep(f"predictor not ready: {exc}", model=model)
             table = {**_table_of(part, default_min_efficiency), "model": model, "per_gpu_batch": batch,
@@ -400,7 +403,8 @@ def _plan_on(part: Partition, request: PlanRequest, models, profile, default_min
     entries = []
     try:
         for per_gpu, cands in by_batch.items():
-            for cand, pred in zip(cands, models.predict(profile, part.gpu, per_gpu, cands, job_id=asking)):
+            for cand, pred in zip(cands, models.predict(profile, part.gpu, per_gpu, cands, job_id=asking,
+                                                         uid=request.own_user)):
                 entries.append(_entry(cand["layout"], pred, per_gpu))
     except ModelUnavailable as exc:
         return _keep(f"predictor not ready: {exc}", model=model)

@@ -127,8 +127,8 @@ class _Models:
     def known(self, name: str, gpu: str) -> bool:
         return self.predictor().known(name, gpu)
 
-    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None):
-        return self.predictor().predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id)
+    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None, uid=None):
+        return self.predictor().predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id, uid=uid)
 
 
 class _TruthModels(_Models):
@@ -145,7 +145,7 @@ class _TruthModels(_Models):
     def known(self, name: str, gpu: str) -> bool:
         return name in self.truth.apps
 
-    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None):
+    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None, uid=None):
         out = []
         for c in candidates:
             g = sum(c["layout"])

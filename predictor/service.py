@@ -336,19 +336,20 @@ class ModelView:
         return bool(self.predictor().known(profile, gpu))
 
     def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict],
-                job_id: int | None = None) -> list[dict]:
-        """Predictions for candidates, from the cache when this model answered the same question (`job_id`:
-        the asking job, whose own measurements answer for the layouts it ran: engine.Predictor.predict).
+                job_id: int | None = None, uid: int | None = None) -> list[dict]:
+        """Predictions for candidates, from the cache when this model answered the same question (`job_id`,
+        `uid`: the asking job and user, whose own measurements answer for the layouts they ran:
+        engine.Predictor.predict).
 
         Raises:
             ModelUnavailable: nothing fitted yet.
         """
         predictor = self.predictor()
-        key = (self.model.key, profile.name, gpu, per_gpu_batch, job_id, candidates_key(candidates))
+        key = (self.model.key, profile.name, gpu, per_gpu_batch, job_id, uid, candidates_key(candidates))
         hit = self._cache.predictions.get(key)
         if hit is not None:
             return hit
-        result = predictor.predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id)
+        result = predictor.predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id, uid=uid)
         if self._cache.current is self.model:         # a model swapped out meanwhile caches nothing
             self._cache.predictions.put(key, result, candidates)
         return result
@@ -746,13 +747,13 @@ class ModelCache:
         return self.view().known(profile, gpu)
 
     def predict(self, profile, gpu: str, per_gpu_batch: int, candidates: list[dict],
-                job_id: int | None = None) -> list[dict]:
+                job_id: int | None = None, uid: int | None = None) -> list[dict]:
         """Predictions of the current model (cached per model).
 
         Raises:
             ModelUnavailable: nothing fitted yet.
         """
-        return self.view().predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id)
+        return self.view().predict(profile, gpu, per_gpu_batch, candidates, job_id=job_id, uid=uid)
 
     def status(self) -> dict:
         model = self._model

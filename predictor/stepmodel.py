@@ -53,7 +53,12 @@ ratio to the link class's prior (alpha 0.1-100x, bw 1/30-10x; pulled to the prio
 LINK_RIDGE_ROWS rows) from the steps that ran over it,
 nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, pulled to 0: the ring) from its
 steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
-log step time, each user's rows weighing one vote in all.
+log step time, each user's rows weighing one vote in all, that vote scaled by the owner's agreement with the others:
+after a first fit, an owner whose rows sit a median |log residual| m from it weighs 1 / (1 + (m / OWNER_TAU)^2)
+(`owner_trust`: a Cauchy weight by owner, refitted TRUST_ROUNDS times), so one user's made-up rows cannot outvote
+an honest history of one or two users (the ridges hold the first fit near the mechanism's defaults, which honest
+steps are near and 5x slower rows are not: tests/unit/test_poisoning.py); the down-weighted owners are kept in the
+document (`Params.trust`) and /admin's outlier report weighs by them.
 
 Intervals: the 10th and 90th percentiles of log residuals by basis (`interval`). For multi-GPU answers, the
 multi-GPU rows' residuals held out by owner: the owners (users, else jobs) split in OWNER_FOLDS folds, each fold's
@@ -82,7 +87,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.03-1"
+MODEL_VERSION = "sm-2026.12.04-1"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -107,6 +112,9 @@ RIDGE_ROWS = 2.0
 LINK_RIDGE_ROWS = 50.0
 STRONG_RIDGE = ("alpha", "bw", "nu")
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
+OWNER_TAU = 0.25               # log residual at which an owner's vote weighs half (`owner_trust`)
+TRUST_ROUNDS = 2               # refits with the owners' trust
+TRUST_KEPT = 0.9               # owners trusted less than this are named in the document (`Params.trust`)
 MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
 # Interval spreads (log space) where a basis has fewer than MIN_RESIDUALS held-out residuals.
@@ -333,6 +341,7 @@ class Params:
     residuals: dict[str, list[float]] = field(default_factory=dict)   # basis -> held-out log residuals
     converged: bool = True          # False: the constants' fit failed numerically and the defaults stand
     pair_rmse: dict[tuple[str, str], float] = field(default_factory=dict)   # (P, g) -> RMS log error, multi-GPU rows
+    trust: dict[str, float] = field(default_factory=dict)   # owner ("uid:N", "job:N") -> its vote's weight, < TRUST_KEPT
     version: str = MODEL_VERSION
     _quantiles: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # interval: residuals fixed
 
@@ -365,7 +374,8 @@ class Params:
         """What /admin shows of the document (`to_dict` less the ladders and curves: their counts instead)."""
         return {"version": self.version, "converged": self.converged, "n_ladders": len(self.ladders),
                 "n_curves": len(self.collectives.curves), "hosts": {g: vars(h) for g, h in sorted(self.hosts.items())},
-                "links": {k: vars(v) for k, v in sorted(self.links.items())}, "residuals": self.residuals}
+                "links": {k: vars(v) for k, v in sorted(self.links.items())}, "residuals": self.residuals,
+                "trust": self.trust}
 
     def to_dict(self) -> dict:
         return {"version": self.version,
@@ -375,7 +385,8 @@ class Params:
                 "links": {k: vars(v) for k, v in sorted(self.links.items())},
                 "residuals": {k: [float(x) for x in v] for k, v in sorted(self.residuals.items())},
                 "converged": self.converged,
-                "pair_rmse": [[p, g, v] for (p, g), v in sorted(self.pair_rmse.items())]}
+                "pair_rmse": [[p, g, v] for (p, g), v in sorted(self.pair_rmse.items())],
+                "trust": dict(sorted(self.trust.items()))}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
@@ -386,6 +397,7 @@ class Params:
                    residuals={k: list(v) for k, v in d.get("residuals", {}).items()},
                    converged=bool(d.get("converged", True)),
                    pair_rmse={(p, g): float(v) for p, g, v in d.get("pair_rmse", [])},
+                   trust={str(k): float(v) for k, v in d.get("trust", {}).items()},
                    version=d.get("version", MODEL_VERSION))
 
 
@@ -509,6 +521,20 @@ def ladders_from(rows: Iterable[dict]) -> dict[tuple[str, str], Ladder]:
     return {k: Ladder.from_points(v) for k, v in pts.items()}
 
 
+def owner_name(owner) -> str:
+    """An owner as the document names it: "uid:1000", "job:42"."""
+    return f"{owner[0]}:{owner[1]}"
+
+
+def owner_trust(rows: list[dict], log_residuals: np.ndarray) -> dict:
+    """Per owner of `rows`: 1 / (1 + (m / OWNER_TAU)^2), m the median |log residual| of its rows against the fit."""
+    by: dict = {}
+    for r, e in zip(rows, log_residuals):
+        if owner_of(r) is not None:
+            by.setdefault(owner_of(r), []).append(abs(float(e)))
+    return {o: 1.0 / (1.0 + (float(np.median(v)) / OWNER_TAU) ** 2) for o, v in by.items()}
+
+
 def _weights(rows: list[dict]) -> np.ndarray:
     """One vote per owner: each owner's rows share weight 1 (rows of no owner weigh 1 each)."""
     owners = [owner_of(r) for r in rows]
@@ -598,10 +624,15 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
         return res.x, bool(res.success) and bool(np.all(np.isfinite(res.x)))
 
     x = np.zeros(len(names))
+    trust: dict = {}
     if names:
         x, converged = solve(np.ones(len(rows), dtype=bool))
+        for _ in range(TRUST_ROUNDS if converged else 0):   # each owner's vote by its agreement (module docstring)
+            trust = owner_trust(rows, np.log(predict_all(x)["iter_s"]) - y)
+            w = _weights(rows) * np.array([trust.get(owner_of(r), 1.0) for r in rows])
+            x, converged = solve(np.ones(len(rows), dtype=bool), x)
         if not converged:       # the defaults (the no-fit reference's constants) stand, and say so
-            names, x = [], np.zeros(0)
+            names, x, trust, w = [], np.zeros(0), {}, _weights(rows)
     hosts, links = build(x)
     residuals: dict[str, list[float]] = {}
     by_pair: dict[tuple[str, str], list[float]] = {k: [] for k in ladders}
@@ -633,7 +664,8 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
     ladders = {**infer_ladders(profiles, collectives, ladders, multi_rows, hosts, links), **ladders}
     return Params(ladders=dict(ladders), collectives=collectives, hosts=hosts, links=links, residuals=residuals,
                   converged=converged,
-                  pair_rmse={k: float(np.sqrt(np.mean(np.square(v)))) if v else 0.0 for k, v in by_pair.items()})
+                  pair_rmse={k: float(np.sqrt(np.mean(np.square(v)))) if v else 0.0 for k, v in by_pair.items()},
+                  trust={owner_name(o): round(t, 4) for o, t in trust.items() if t < TRUST_KEPT})
 
 
 def infer_ladders(profiles: dict, collectives: Collectives, ladders: dict, multi_rows: list[dict],

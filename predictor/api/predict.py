@@ -16,7 +16,7 @@ from typing import Any
 from flask import Blueprint, Response, request
 
 from predictor import planner
-from predictor.api import authenticator, decision_owner, identified, json_body, metrics, services
+from predictor.api import HOOK_HEADER, authenticator, decision_owner, identified, json_body, metrics, services
 from predictor.api.profiles import own_name, readable_by
 from predictor.errors import NotFoundError, TooLarge, ValidationError
 from predictor.profiles import Profile
@@ -255,6 +255,20 @@ def _is_job(who, job_id: int) -> bool:
     return (who.kind == "job" and who.job_id == job_id) or who.kind == "admin" or authenticator().writes_open
 
 
+def _proven_user(job_uid) -> int | None:
+    """The uid whose own step measurements may answer a plan (#41.1): a job credential's own user, the uid a
+    request names when a token holds (or the service takes no credentials) or when the hook sent it from a
+    `--hook-from` host (slurmctld vouches for the job's uid), else None: an anonymous caller naming a uid gets the
+    model's answer, as for anyone."""
+    who = identified()
+    if who.kind == "job":
+        return who.uid
+    named = job_uid if isinstance(job_uid, int) and not isinstance(job_uid, bool) else None
+    if who.kind in ("tool", "admin") or authenticator().writes_open or request.headers.get(HOOK_HEADER) == "1":
+        return named
+    return None
+
+
 CLAIMED_HEADER = "X-Elastic-Claimed"  # the hook's decision ids that jobs hold, space-separated (docs/hook.md)
 
 
@@ -267,6 +281,7 @@ def plan():
     asking = plan_request.job.get("job_id")
     if plan_request.current is not None and asking is not None and _is_job(identified(), asking):
         plan_request = dataclasses.replace(plan_request, own_job=asking)
+    plan_request = dataclasses.replace(plan_request, own_user=_proven_user(plan_request.job.get("uid")))
     models = svc.models.view(*version_wait(None))
     scoped = _OwnedProfiles(svc, models, plan_request.job.get("uid"))
     response = planner.plan(plan_request, svc.cluster, scoped, svc.config.default_min_efficiency,

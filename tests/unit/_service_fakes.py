@@ -47,7 +47,7 @@ class FakePredictor:
     def link_stats(self):
         return [{"link": link, "observations": self.n_observations_} for link in self.links_]
 
-    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None):
+    def predict(self, profile, gpu, per_gpu_batch, candidates, job_id=None, uid=None):
         FakePredictor.predict_calls += 1
         out = []
         for cand in candidates:
@@ -106,7 +106,7 @@ class FittedModels:
     def known(self, name, gpu):
         return self.p.known(name, gpu)
 
-    def predict(self, profile, gpu, batch, candidates, job_id=None):
+    def predict(self, profile, gpu, batch, candidates, job_id=None, uid=None):
         return self.p.predict(profile, gpu, batch, candidates, job_id=job_id)
 
 

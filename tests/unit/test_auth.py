@@ -792,6 +792,43 @@ def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypat
         app.extensions["elastic_predictor"].store.close()
 
 
+def test_a_plan_uses_a_users_own_step_times_only_for_a_uid_it_proves(tmp_path, monkeypatch):
+    # #41.1: a user's own signed measurements answer that user's plans: for the uid of the job credential, the uid
+    # a token holder names, the uid the hook names from a --hook-from host (nginx's header); never for a uid an
+    # anonymous caller names
+    from predictor.api import HOOK_HEADER
+    from tests.unit._service_fakes import seeded_app
+    app = seeded_app(tmp_path)
+    try:
+        app.extensions["elastic_predictor_auth"] = Authenticator(
+            token=TOKEN, admin_token=ADMIN, munge=True, unmunger=FakeUnmunger(), jobs=FakeJobs(), clock=lambda: NOW)
+        client = app.test_client()
+        seen = []
+        from predictor.service import ModelView
+        real = ModelView.predict
+
+        def spy(self, *args, uid=None, **kwargs):
+            seen.append(uid)
+            return real(self, *args, uid=uid, **kwargs)
+
+        monkeypatch.setattr(ModelView, "predict", spy)
+        body = json.dumps({"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=64"],
+                           "job": {"uid": 1000, "partition": "debug"}}).encode()
+        headers = {"Content-Type": "application/json"}
+        for given, expected in [(headers, None),                                          # anonymous
+                                ({**headers, HOOK_HEADER: "1"}, 1000),                    # the hook's own path
+                                ({**headers, "Authorization": f"Bearer {TOKEN}"}, 1000),
+                                (sign(body, 8, uid=1001), 1001),                        # its credential's uid
+                                ({**headers, MUNGE_HEADER: "not a credential"}, None)]:
+            seen.clear()
+            reply = client.post("/v1/plan", data=body, headers=given)
+            assert reply.status_code == 200, reply.get_json()
+            assert seen and set(seen) == {expected}, (given, seen)
+    finally:
+        app.extensions["elastic_predictor"].models.stop()
+        app.extensions["elastic_predictor"].store.close()
+
+
 def test_a_jobs_step_rows_claim_at_most_the_seconds_it_ran(tmp_path):
     # #24.1: three one-second jobs each posted 20 rows of 0.5 s steps after they ended; a job's rows (each at
     # least one step of its iter_s) now claim at most its run time (+ jobcheck.SLACK) over all its posts

@@ -62,7 +62,7 @@ class TypeModels(ModelsOverFake):
     def known(self, name, gpu):
         return name == "resnet50" and gpu in STEP
 
-    def predict(self, profile, gpu, batch, candidates, job_id=None):
+    def predict(self, profile, gpu, batch, candidates, job_id=None, uid=None):
         out = []
         for c in candidates:
             compute = STEP.get(gpu, 1.0) * batch / 64

@@ -29,7 +29,7 @@ class TypedModels(ModelsOverFake):
     def known(self, name, gpu):
         return name == "resnet50" and gpu in self.known_types
 
-    def predict(self, profile, gpu, batch, candidates, job_id=None):
+    def predict(self, profile, gpu, batch, candidates, job_id=None, uid=None):
         out = self.fake.predict(profile, gpu, batch, candidates)
         for p in out:
             if gpu == "A100":

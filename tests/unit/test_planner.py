@@ -35,7 +35,7 @@ class Models:
     def known(self, name, gpu):
         return self.fake.known(name, gpu)
 
-    def predict(self, profile, gpu, batch, candidates, job_id=None):
+    def predict(self, profile, gpu, batch, candidates, job_id=None, uid=None):
         return self.fake.predict(profile, gpu, batch, candidates)
 
 
