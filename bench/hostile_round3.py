@@ -320,9 +320,17 @@ def seed_history(root: Path, db: Path, users: int | None = None) -> None:
     from tests.unit.test_poisoning import _history  # noqa: PLC0415 - the test's history, built by the test module
     rows = [{**r, "job_id": HONEST_JOB_BASE + int(r["job_id"])} if r.get("job_id") is not None else r
             for r in _history()]
-    if users:
-        rows = [{**r, "uid": HONEST_UID_BASE + (int(r["job_id"]) - HONEST_JOB_BASE - 1) % users} for r in rows]
-    hc.seed(root, db, rows)
+    if not users:
+        hc.seed(root, db, rows)
+        return
+    hc.seed(root, db, [])    # the profile and sweeps; the signed rows as the service stores a credential's
+    from predictor.store import Store  # noqa: PLC0415 - the service's store (an import takes no signer's uid)
+    store = Store(str(db))
+    try:
+        store.write_observations([{**r, "uid": HONEST_UID_BASE + (int(r["job_id"]) - HONEST_JOB_BASE - 1) % users}
+                                  for r in rows])
+    finally:
+        store.close()
 
 
 VICTIM_PLAN = {"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=4-16 per_gpu_batch=64"],
