@@ -10,8 +10,9 @@ import json
 
 import click
 
-from predictor.admin_tables import (CONSTANT_COLUMNS, INTERVAL_COLUMNS, LINK_COLUMNS, MODEL_COLUMNS, Column,
-                                    constant_rows, interval_rows, link_rows, model_rows, render_table)
+from predictor.admin_tables import (CONSTANT_COLUMNS, INTERVAL_COLUMNS, LINK_COLUMNS, MODEL_COLUMNS, TRUST_COLUMNS,
+                                    Column, constant_rows, interval_rows, link_rows, model_rows, render_table,
+                                    trust_rows)
 from predictor.cli_support import load_config, open_store, require_db
 from predictor.errors import NotFoundError, ValidationError
 
@@ -130,6 +131,9 @@ def model_show(db, as_json, width):
                f"(link, world) curves")
     click.echo("\nconstants:")
     click.echo(render_table(constant_rows(params), CONSTANT_COLUMNS, width))
+    trusted = trust_rows(params)
+    click.echo("\nvotes weighed down (users whose rows sit far from everyone else's):")
+    click.echo(render_table(trusted, TRUST_COLUMNS, width) if trusted else "none")
     click.echo("\nintervals (factor of the prediction):")
     click.echo(render_table(interval_rows(params), INTERVAL_COLUMNS, width))
 

@@ -71,9 +71,10 @@ def render_table(rows: list[dict], columns: list[Column], width: int | None = No
 # --- rows -------------------------------------------------------------------------------------------------
 MODEL_COLUMNS: list[Column] = [("profile", "profile", ""), ("gpu", "gpu", ""), ("params_m", "params (M)", ".1f"),
                                ("grad_mb", "grad MB", ".1f"), ("steps", "step records", "d"),
+                               ("users", "users", "d"),
                                ("layouts", "layouts seen", ""), ("log_rmse", "fit log RMSE", ".3f"),
                                ("basis", "basis", "")]
-LINK_COLUMNS: list[Column] = [("link", "link", ""), ("collectives", "collectives", "d"),
+LINK_COLUMNS: list[Column] = [("link", "link", ""), ("collectives", "collectives", "d"), ("users", "users", "d"),
                               ("alpha_us", "latency (us)", ".1f"), ("bandwidth_gbs", "bandwidth (GB/s)", ".2f"),
                               ("log_rmse", "fit log RMSE", ".3f"), ("n_steps", "step records", "d")]
 CONSTANT_COLUMNS: list[Column] = [("kind", "kind", ""), ("key", "link / GPU type", ""),
@@ -81,6 +82,7 @@ CONSTANT_COLUMNS: list[Column] = [("kind", "kind", ""), ("key", "link / GPU type
                                   ("c_step_ms", "DDP host per step (ms)", ".2f"),
                                   ("c_bucket_us", "per bucket (us)", ".1f"), ("c_tensor_us", "per tensor (us)", ".1f"),
                                   ("basis", "basis", "")]
+TRUST_COLUMNS: list[Column] = [("owner", "user (uid) or job", ""), ("weight", "its vote's weight in the fit", ".3f")]
 INTERVAL_COLUMNS: list[Column] = [("basis", "basis", ""), ("residuals", "held-out residuals", "d"),
                                   ("low", "80% interval low", ".3f"), ("high", "high", ".3f"), ("source", "from", "")]
 DECISION_COLUMNS: list[Column] = [("decision_id", "id", ""), ("when", "when (UTC)", ""), ("source", "source", ""),
@@ -113,11 +115,14 @@ def model_rows(store, predictor=None) -> list[dict]:
         counts[key] += entry["rows"]
         layouts[key].add(tuple(entry["layout"] or ()))
     errors = getattr(predictor, "log_rmse_", {}) if predictor is not None else {}
+    ladders = getattr(getattr(predictor, "params_", None), "ladders", {})
     rows = []
     for (profile, gpu), n in sorted(counts.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
         seen = sorted(layouts[(profile, gpu)], key=lambda lay: (sum(lay), len(lay)))
         known = profile in sizes
+        lad = ladders.get((profile, gpu))
         rows.append({"profile": profile, "gpu": gpu, **sizes.get(profile, {}), "steps": n,
+                     "users": lad.users if lad is not None and lad.basis == "measured" else None,
                      "layouts": " ".join(layout_name(lay) for lay in seen), "log_rmse": errors.get((profile, gpu)),
                      "basis": ("observed" if (profile, gpu) in errors else "not fitted") if known
                      else "no profile registered"})
@@ -143,7 +148,7 @@ def link_rows(store, predictor=None) -> list[dict]:
     for link in sorted(set(counts) | set(stats), key=str):
         s = stats.get(link, {})
         alpha, bw = s.get("alpha_s"), s.get("bandwidth_Bps")
-        rows.append({"link": link, "collectives": counts.get(link, 0),
+        rows.append({"link": link, "collectives": counts.get(link, 0), "users": s.get("users"),
                      "alpha_us": None if alpha is None else alpha * 1e6,
                      "bandwidth_gbs": None if bw is None else bw / 1e9, "log_rmse": s.get("log_rmse"),
                      "n_steps": s.get("n_steps", 0)})
@@ -159,6 +164,12 @@ def constant_rows(doc: dict) -> list[dict]:
     rows += [{"kind": "host", "key": g, "c_step_ms": v["c_step"] * 1e3, "c_bucket_us": v["c_bucket"] * 1e6,
               "c_tensor_us": v["c_tensor"] * 1e6, "basis": v["basis"]} for g, v in sorted(doc.get("hosts", {}).items())]
     return rows
+
+
+def trust_rows(doc: dict) -> list[dict]:
+    """The owners whose vote the constants' fit weighed under `stepmodel.TRUST_KEPT` (their rows far from the
+    others': `stepmodel.owner_trust`), least trusted first, from the model's JSON document."""
+    return [{"owner": k, "weight": v} for k, v in sorted(doc.get("trust", {}).items(), key=lambda kv: (kv[1], kv[0]))]
 
 
 def interval_rows(doc: dict) -> list[dict]:

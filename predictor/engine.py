@@ -282,7 +282,7 @@ class Predictor:
     def link_stats(self) -> list[dict]:
         """Per link: alpha_s and bandwidth_Bps (the ring's alpha-beta through its sweep), n (sweep points),
         log_rmse (the alpha-beta line against the sweep), n_steps, kappa and o (how its all-reduce overlaps a
-        backward and what a step over it costs) with their basis."""
+        backward and what a step over it costs) with their basis, users (the owners its sweep's votes are)."""
         self._check_fitted()
         coll = self.params_.collectives
         out = {}
@@ -295,7 +295,8 @@ class Predictor:
                 line = 2 * (w - 1) * a + 2 * (w - 1) / w * b / bw
                 s.update(n=len(pts), log_rmse=float(np.sqrt(np.mean(np.log(t / line) ** 2))))
             lc = self.params_.link(link)
-            s.update(n_steps=self.step_links_.get(link, 0), kappa=lc.kappa, o_s=lc.o, basis=lc.basis)
+            s.update(n_steps=self.step_links_.get(link, 0), kappa=lc.kappa, o_s=lc.o, basis=lc.basis,
+                     users=coll.users.get(link, 0))
             out[link] = s
         return [out[k] for k in sorted(out)]
 

@@ -55,7 +55,8 @@ nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, p
 steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all, that vote scaled by the owner's agreement with the others:
 after a first fit, an owner whose rows sit a median |log residual| m from it weighs 1 / (1 + (m / OWNER_TAU)^2)
-(`owner_trust`: a Cauchy weight by owner, refitted TRUST_ROUNDS times), so one user's made-up rows cannot outvote
+(`owner_trust`: a Cauchy weight by owner, refitted until no owner's weight moves by TRUST_TOL, at most TRUST_ROUNDS
+times: a first fit that one attacker's rows pulled halfway takes three), so one user's made-up rows cannot outvote
 an honest history of one or two users (the ridges hold the first fit near the mechanism's defaults, which honest
 steps are near and 5x slower rows are not: tests/unit/test_poisoning.py); the down-weighted owners are kept in the
 document (`Params.trust`) and /admin's outlier report weighs by them.
@@ -87,7 +88,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.04-1"
+MODEL_VERSION = "sm-2026.12.04-2"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -113,7 +114,8 @@ LINK_RIDGE_ROWS = 50.0
 STRONG_RIDGE = ("alpha", "bw", "nu")
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
 OWNER_TAU = 0.15               # log residual at which an owner's vote weighs half (`owner_trust`)
-TRUST_ROUNDS = 2               # refits with the owners' trust
+TRUST_ROUNDS = 5               # refits with the owners' trust, at most: until no owner's moves by TRUST_TOL
+TRUST_TOL = 0.02
 TRUST_KEPT = 0.9               # owners trusted less than this are named in the document (`Params.trust`)
 MIN_ROWS_PER_PARAM = 2         # multi-GPU rows a fitted constant needs behind it (the ridge holds the rest)
 
@@ -133,16 +135,18 @@ HOST_GATED, LINK_GATED, COMPUTE_GATED = "host-gated", "link-gated", "compute-gat
 @dataclass(frozen=True)
 class Ladder:
     """The 1-GPU step of one (profile, GPU type) at each per-GPU batch (sorted, one value a batch): `measured` on
-    one GPU, or `inferred` from the pair's multi-GPU steps where it never ran on one (`infer_ladders`)."""
+    one GPU, or `inferred` from the pair's multi-GPU steps where it never ran on one (`infer_ladders`); `users`:
+    the owners whose votes it holds (/admin shows them)."""
 
     batches: tuple[float, ...]
     seconds: tuple[float, ...]
     basis: str = "measured"
+    users: int = 0
 
     @classmethod
-    def from_points(cls, points: dict[float, float]) -> "Ladder":
+    def from_points(cls, points: dict[float, float], users: int = 0) -> "Ladder":
         bs = sorted(points)
-        return cls(tuple(float(b) for b in bs), tuple(float(points[b]) for b in bs))
+        return cls(tuple(float(b) for b in bs), tuple(float(points[b]) for b in bs), users=users)
 
     @property
     def floor(self) -> float:
@@ -164,14 +168,16 @@ class Ladder:
         return np.exp(y)
 
     def scaled(self, ratio: float) -> "Ladder":
-        return Ladder(self.batches, tuple(t * ratio for t in self.seconds), self.basis)
+        return Ladder(self.batches, tuple(t * ratio for t in self.seconds), self.basis, self.users)
 
     def to_dict(self) -> dict:
-        return {"batches": list(self.batches), "seconds": list(self.seconds), "basis": self.basis}
+        return {"batches": list(self.batches), "seconds": list(self.seconds), "basis": self.basis,
+                "users": self.users}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Ladder":
-        return cls(tuple(map(float, d["batches"])), tuple(map(float, d["seconds"])), d.get("basis", "measured"))
+        return cls(tuple(map(float, d["batches"])), tuple(map(float, d["seconds"])), d.get("basis", "measured"),
+                   int(d.get("users", 0)))
 
 
 def flops_ladder(profile, gpu: str, calibration: float | None = None) -> Ladder:
@@ -213,10 +219,13 @@ class Collectives:
     interpolated log-log; below the smallest, the smallest's time (latency-bound); above the largest, the last
     segment's seconds per byte. A world size not measured on a link moves the nearest measured world's curve by
     the ring's terms (latency 2(p-1) alpha, volume 2(p-1)/p bytes / bandwidth) with that link's alpha and
-    bandwidth (fitted on its points, else the link class's prior); a link never measured is its prior."""
+    bandwidth (fitted on its points, else the link class's prior); a link never measured is its prior. `users`:
+    per link, the owners whose votes its curves hold (/admin shows them)."""
 
-    def __init__(self, curves: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None = None):
+    def __init__(self, curves: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] | None = None,
+                 users: dict[str, int] | None = None):
         self.curves = {k: (np.asarray(b, float), np.asarray(t, float)) for k, (b, t) in (curves or {}).items()}
+        self.users = dict(users or {})
         self._ab = {}
         for link in {k[0] for k in self.curves}:
             self._ab[link] = self._alpha_beta(link)
@@ -232,9 +241,12 @@ class Collectives:
             key = (str(r["link"]), int(r["world"]), float(r["bytes"]))
             votes.setdefault(key, {}).setdefault(owner_of(r), []).append(float(r["seconds"]))
         pts: dict[tuple, dict] = {}
+        users: dict[str, set] = {}
         for (link, world, nbytes), by in votes.items():
             pts.setdefault((link, world), {})[nbytes] = float(np.median([np.median(v) for v in by.values()]))
-        return cls({k: (np.array(sorted(v)), np.array([v[b] for b in sorted(v)])) for k, v in pts.items()})
+            users.setdefault(link, set()).update(by)
+        return cls({k: (np.array(sorted(v)), np.array([v[b] for b in sorted(v)])) for k, v in pts.items()},
+                   {link: len(who) for link, who in users.items()})
 
     def _alpha_beta(self, link: str) -> tuple[float, float]:
         """(alpha seconds a ring step, bandwidth bytes/s) of `link`: least squares over its measured points of
@@ -290,12 +302,12 @@ class Collectives:
                 sorted(self.curves.items())}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Collectives":
+    def from_dict(cls, d: dict, users: dict | None = None) -> "Collectives":
         out = {}
         for key, pts in d.items():
             link, world = key.rsplit("@", 1)
             out[(link, int(world))] = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
-        return cls(out)
+        return cls(out, {str(k): int(v) for k, v in (users or {}).items()})
 
 
 # --------------------------------------------------------------------------------------------------- constants
@@ -381,6 +393,7 @@ class Params:
         return {"version": self.version,
                 "ladders": {f"{p}|{g}": l.to_dict() for (p, g), l in sorted(self.ladders.items())},
                 "collectives": self.collectives.to_dict(),
+                "collective_users": dict(sorted(self.collectives.users.items())),
                 "hosts": {g: vars(h) for g, h in sorted(self.hosts.items())},
                 "links": {k: vars(v) for k, v in sorted(self.links.items())},
                 "residuals": {k: [float(x) for x in v] for k, v in sorted(self.residuals.items())},
@@ -391,7 +404,7 @@ class Params:
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
         return cls(ladders={tuple(k.split("|", 1)): Ladder.from_dict(v) for k, v in d.get("ladders", {}).items()},
-                   collectives=Collectives.from_dict(d.get("collectives", {})),
+                   collectives=Collectives.from_dict(d.get("collectives", {}), d.get("collective_users", {})),
                    hosts={g: HostCost(**h) for g, h in d.get("hosts", {}).items()},
                    links={k: LinkCost(**v) for k, v in d.get("links", {}).items()},
                    residuals={k: list(v) for k, v in d.get("residuals", {}).items()},
@@ -516,9 +529,11 @@ def ladders_from(rows: Iterable[dict]) -> dict[tuple[str, str], Ladder]:
         key = (r["profile"], r["gpu"], float(r["per_gpu_batch"]))
         votes.setdefault(key, {}).setdefault(owner_of(r), []).append(float(r["iter_s"]))
     pts: dict[tuple, dict] = {}
+    users: dict[tuple, set] = {}
     for (p, g, b), by in votes.items():
         pts.setdefault((p, g), {})[b] = float(np.median([np.median(v) for v in by.values()]))
-    return {k: Ladder.from_points(v) for k, v in pts.items()}
+        users.setdefault((p, g), set()).update(by)
+    return {k: Ladder.from_points(v, len(users[k])) for k, v in pts.items()}
 
 
 def owner_name(owner) -> str:
@@ -628,7 +643,9 @@ def fit_params(profiles: dict, collectives: Collectives, ladders: dict[tuple[str
     if names:
         x, converged = solve(np.ones(len(rows), dtype=bool))
         for _ in range(TRUST_ROUNDS if converged else 0):   # each owner's vote by its agreement (module docstring)
-            trust = owner_trust(rows, np.log(predict_all(x)["iter_s"]) - y)
+            before, trust = trust, owner_trust(rows, np.log(predict_all(x)["iter_s"]) - y)
+            if before and max(abs(trust[o] - before[o]) for o in trust) < TRUST_TOL:
+                break
             w = _weights(rows) * np.array([trust.get(owner_of(r), 1.0) for r in rows])
             x, converged = solve(np.ones(len(rows), dtype=bool), x)
         if not converged:       # the defaults (the no-fit reference's constants) stand, and say so

@@ -91,7 +91,10 @@ def _parameters(predictor) -> Markup:
             f"{doc['n_ladders']} 1-GPU ladders, {doc['n_curves']} swept (link, world) "
             "curves. Basis: <b>calibrated</b> (the calibration job's probes on this host class), <b>fitted</b> "
             "(the multi-GPU steps that ran here), <b>default</b> (none: the no-fit reference's 0).</small></p>")
+    trusted = admin_tables.trust_rows(doc)
     return (Markup(head) + _html_table(admin_tables.constant_rows(doc), admin_tables.CONSTANT_COLUMNS)
+            + Markup("<h3>Votes weighed down: users whose rows sit far from everyone else's</h3>")
+            + (_html_table(trusted, admin_tables.TRUST_COLUMNS) if trusted else Markup("<p>none</p>"))
             + Markup("<h3>Intervals: a prediction's 80% interval, as factors of it, by basis</h3>")
             + _html_table(admin_tables.interval_rows(doc), admin_tables.INTERVAL_COLUMNS))
 

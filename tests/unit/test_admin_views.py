@@ -514,6 +514,38 @@ def test_three_jobs_of_one_user_are_the_outliers_not_the_honest_jobs(seeded_db, 
     assert {r["job_id"] for r in report.rows} <= {997, 998, 999}
 
 
+def test_admin_and_model_show_count_each_estimates_users_and_name_the_user_weighed_down(seeded_db, tmp_path):
+    # #41.1: each shared estimate with the users behind it, and the users whose vote the fit weighed down
+    db = tmp_path / "trust.db"
+    db.write_bytes(seeded_db.read_bytes())
+    store = Store(str(db))
+    honest = [r for r in seed_records() if r["kind"] == "step" and r["profile"] == "resnet50"]
+    made_up = [dict(r, iter_s=r["iter_s"] * 5, job_id=job, uid=666) for job in (997, 998, 999) for r in honest
+               if sum(r["layout"]) > 1]
+    store.write_observations([dict(r, job_id=job, uid=1001) for job in range(1, 5) for r in honest] + made_up)
+    store.close()
+    application = create_app(Config(db_path=str(db)), start_refit=False)
+    application.extensions["elastic_predictor"].models.refit()
+    try:
+        page = application.test_client().get("/admin").get_data(as_text=True)
+    finally:
+        application.extensions["elastic_predictor"].plots.stop()
+        application.extensions["elastic_predictor"].store.close()
+    weighed = page[page.index("Votes weighed down"):page.index("Intervals:")]
+    cells = [unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", weighed)]
+    assert cells[0] == "uid:666" and float(cells[1]) < 0.1 and "uid:1001" not in weighed
+    header = page[:page.index("Votes weighed down")]
+    heads = [unescape(h) for h in re.findall(r"<th>(.*?)</th>", header)]
+    assert heads.count("users") == 2      # the models table (1-GPU votes) and the links table (sweep votes)
+    out = CliRunner().invoke(predictor_cli, ["model", "show", "--db", str(db), "--width", "200"])
+    assert out.exit_code == 0, out.output
+    shown = out.output[out.output.index("votes weighed down"):out.output.index("intervals")]
+    assert "uid:666" in shown and "uid:1001" not in shown
+    ladders = json.loads(CliRunner().invoke(predictor_cli, ["model", "show", "--db", str(db), "--json"]).output)[
+        "predictor"]["model"]["ladders"]
+    assert ladders["resnet50|H200"]["users"] == 2      # the seeded rows' (unsigned, one owner) and uid 1001's
+
+
 def test_model_show_prints_the_stored_documents_constants_with_their_basis(app, tmp_path):
     db = app.extensions["elastic_predictor"].store.path
     out = CliRunner().invoke(predictor_cli, ["model", "show", "--db", str(db), "--width", "200"])
