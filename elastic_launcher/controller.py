@@ -11,6 +11,7 @@ resizer) is None until then.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -50,6 +51,12 @@ PLAN_INTERVAL_S = 15.0  # at one size, /v1/plan is asked at most this often (sec
 HELPER_EXIT_S = 3.0  # at the controller's exit, a helper gets this long to end after its stop key, then scancel
 OBSERVATIONS_PER_POST = 1000  # records in one POST /v1/observations (the service takes up to 4096)
 log = logging.getLogger("elastic_launcher.controller")
+
+
+def time_left_s(facts: dict) -> float:
+    """The job's training time left at its current speed, from `Controller._steps_and_eta`'s facts (inf while its
+    workers have not said their --steps)."""
+    return math.inf if facts["eta_s"] is None else float(facts["eta_s"])
 
 
 def _rounded(value):
@@ -410,10 +417,13 @@ class Controller:
         # a mixed job's row names each node's type (the service keeps it and fits no type on it); without them
         # its step time would read as one type's: not posted
         self._post_observations([] if self.types.mixed and gpu_by_node is None else [own])
+        # the workers' progress, read from the store once a decision whatever uses it (#46: read twice while a job waited)
+        job_facts = functools.cache(lambda: self._steps_and_eta(
+            self._progress(self._known_wids()) if self.server is not None else {}, m))
         now = self.clock()
         if now - self._progress_logged >= PROGRESS_INTERVAL_S:
             self._progress_logged = now
-            facts = self._steps_and_eta(self._progress(self._known_wids()) if self.server is not None else {}, m)
+            facts = job_facts()
             log.info("%s", progress_line(facts["step"], facts["total_steps"], m.samples_per_s, m.nodes,
                                          facts["eta_s"], facts["last_resize"], time.time()))
         if not self.config.directives.elastic or self.phase is not JobPhase.RUNNING:
@@ -427,11 +437,11 @@ class Controller:
         advice = self._ask_plan(m, layout)
         free = self._free_nodes()
         pending = self._pending_jobs()   # the plan's shrink waits for one; --no-yield: they get nothing of ours
-        budget = self._time_budget()
+        budget = self._time_budget(job_facts())
         decision = self.policy.decide(len(free), advice, waiting=bool(pending), budget=budget)
         yielding = pending if self.config.yield_to_pending else []
         handback = None if not yielding else \
-            yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), yielding, self._time_left_s(m))
+            yield_to_pending(m.nodes, self.policy.min_nodes(), len(free), yielding, time_left_s(job_facts()))
         if handback is not None:   # the whole hand-back or none: fewer nodes would not start the pending job
             handback = self.policy.within_limit(handback, m.nodes, budget, whole=True)
             handback = None if handback.action == "keep" else handback
@@ -610,22 +620,12 @@ class Controller:
     def _pending_jobs(self) -> list[PendingJob]:
         return self.fleet.pending(self.slurm)   # Fleet.pending; a seam the tests replace
 
-    def _time_left_s(self, m: Measurement) -> float:
-        """The job's training time left at its current speed (inf while its workers have not said their --steps)."""
-        if self.server is None:
-            return math.inf
-        eta = self._steps_and_eta(self._progress(self._known_wids()), m)["eta_s"]
-        return math.inf if eta is None else float(eta)
-
-    def _time_budget(self) -> TimeBudget:
-        """The time to the job's end and its steps left, for the time-limit check of voluntary shrinks (#40). The end:
-        SLURM_JOB_END_TIME where Slurm exports it (LaunchConfig.end_time), else squeue's EndTime (Slurm 22.05 exports
-        none to the batch step), read at each decision (an operator may extend the limit); None where unknown."""
-        steps_left = None
-        if self.server is not None:
-            facts = self._steps_and_eta(self._progress(self._known_wids()), None)
-            if facts["total_steps"] is not None:
-                steps_left = max(0, facts["total_steps"] - facts["step"])
+    def _time_budget(self, facts: dict) -> TimeBudget:
+        """The time to the job's end and its steps left (from `facts`, `_steps_and_eta`'s), for the time-limit check
+        of voluntary shrinks (#40). The end: SLURM_JOB_END_TIME where Slurm exports it (LaunchConfig.end_time), else
+        squeue's EndTime (Slurm 22.05 exports none to the batch step), read at each decision (an operator may extend
+        the limit); None where unknown."""
+        steps_left = None if facts["total_steps"] is None else max(0, facts["total_steps"] - facts["step"])
         end = self.config.end_time
         if not end:
             try:

@@ -113,6 +113,15 @@ def test_plan_rewrite_sets_the_target(tmp_path, plan_nodes, resize):
     assert plan["target_nodes"] == plan_nodes
 
 
+def _one_hour_left(c) -> list:
+    """The workers said --steps 36,000 and committed none: an hour left at the fake's 0.1 s a step. Returns the
+    list of the progress reads a decision makes (the store's: one a decision, #46)."""
+    reads = []
+    c.server, c._total_steps = object(), 36_000
+    c._progress = lambda wids: reads.append(wids) or {}
+    return reads
+
+
 def test_the_plans_shrink_waits_for_a_job_that_needs_the_nodes(tmp_path):
     # replay of Pollux 1-8 (bench/results/replay/README.md): a shrink while nobody waited freed nodes that idled
     rewrite = {"action": "rewrite", "nodes": 1, "gpus_per_node": 1, "layout": [1], "reason": "elastic: 1x1"}
@@ -126,7 +135,7 @@ def test_the_plans_shrink_waits_for_a_job_that_needs_the_nodes(tmp_path):
 def test_nodes_handed_back_are_grown_back_once_nobody_waits(tmp_path):
     keep = {"action": "keep", "nodes": 2, "gpus_per_node": 1, "layout": [1, 1], "reason": "already matches"}
     c = make_controller(tmp_path, FakePredictor([keep, keep, keep]), nodes=3, free=())
-    c._time_left_s = lambda m: 3600.0
+    _one_hour_left(c)
     c._pending_jobs = lambda: [controller_module.PendingJob(7, 1, "Resources", time_limit_s=600)]
     c._measure_and_decide()
     assert c.resizes == [("shrink", 2)] and c.policy.lent_nodes_ == 3
@@ -141,10 +150,21 @@ def test_nodes_handed_back_are_grown_back_once_nobody_waits(tmp_path):
 def test_a_pending_job_longer_than_half_the_time_left_is_not_handed_nodes(tmp_path):
     keep = {"action": "keep", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "already matches"}
     c = make_controller(tmp_path, FakePredictor([keep]), nodes=3, free=())
-    c._time_left_s = lambda m: 3600.0
+    _one_hour_left(c)
     c._pending_jobs = lambda: [controller_module.PendingJob(7, 1, "Resources", time_limit_s=1801)]
     c._measure_and_decide()
     assert c.resizes == [] and c.policy.lent_nodes_ == 0
+
+
+def test_a_decision_while_a_job_waits_reads_the_workers_progress_once(tmp_path):
+    # #46: the time-limit check and the hand-back each read every worker's progress from the store
+    keep = {"action": "keep", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "already matches"}
+    c = make_controller(tmp_path, FakePredictor([keep, keep]), nodes=3, free=())
+    reads = _one_hour_left(c)
+    c._pending_jobs = lambda: [controller_module.PendingJob(7, 1, "Resources", time_limit_s=600)]
+    c._progress_logged = c.clock()      # no progress line due: the decision alone reads
+    c._measure_and_decide()
+    assert len(reads) == 1 and c.resizes == [("shrink", 2)]
 
 
 def test_unreachable_service_runs_the_heuristic_and_the_record_says_so(tmp_path):
@@ -506,7 +526,7 @@ def test_no_yield_keeps_the_nodes_and_grows_as_planned_while_a_job_waits(tmp_pat
     rewrite = {"action": "rewrite", "nodes": 3, "gpus_per_node": 1, "layout": [1, 1, 1], "reason": "elastic: 3x1"}
     c = make_controller(tmp_path, FakePredictor([rewrite]))
     c.config = dataclasses.replace(c.config, yield_to_pending=False)   # elastic-launch --no-yield
-    c._time_left_s = lambda m: 3600.0
+    _one_hour_left(c)
     c._pending_jobs = lambda: [controller_module.PendingJob(7, 3, "Resources", time_limit_s=60)]
     c._measure_and_decide()
     assert c.resizes == [("grow", 3)] and c.policy.lent_nodes_ == 0
