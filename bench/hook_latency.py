@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+from hostile_clients import tree_pids
 from slurm_plugin.installer import PluginConfig, install
 from slurm_plugin.lab.testbed import Testbed
 from slurm_plugin.lab.testbed_conf import TestbedConfig
@@ -101,8 +102,15 @@ class Predictor:
         raise SystemExit("elastic-predictor serve did not plan a rewrite within 90 s")
 
     def freeze(self, frozen: bool):
-        """SIGSTOP (or SIGCONT) every process of the service: its listening socket still completes handshakes."""
-        os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        """SIGSTOP (or SIGCONT) every process of the service, `serve` first (so that its supervisor does not
+        replace what it sees stop), then nginx and gunicorn, each in a process group of its own (#41.6): its
+        listening socket still completes handshakes."""
+        pids = tree_pids(self.proc.pid)
+        for pid in pids if frozen else reversed(pids):
+            try:
+                os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def stop(self):
         self.freeze(False)

@@ -97,6 +97,17 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
+def tree_pids(root_pid: int) -> list[int]:
+    """`root_pid` and every process below it, parents before their children."""
+    tree = _children()
+    out, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(tree.get(pid, []))
+    return out
+
+
 def _rss_mb(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -205,16 +205,6 @@ def wait_fresh(port: int, timeout_s: float = 120.0) -> tuple[float, dict]:
 Service = hc.Service  # round 2's service: `serve`'s default front end, the tool token, decisions budget 16 MiB
 
 
-def tree_pids(root_pid: int) -> list[int]:
-    tree = hc._children()
-    out, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(tree.get(pid, []))
-    return out
-
-
 def comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -223,7 +213,7 @@ def comm(pid: int) -> str:
 
 
 def nginx_rss_mb(service: hc.Service) -> float:
-    return sum(hc._rss_mb(pid) for pid in tree_pids(service.proc.pid) if comm(pid) == "nginx")
+    return sum(hc._rss_mb(pid) for pid in hc.tree_pids(service.proc.pid) if comm(pid) == "nginx")
 
 
 def gunicorn_workers(service: hc.Service) -> list[int]:
@@ -640,7 +630,7 @@ OTHER_CLIENT = "127.0.0.3"                                            # ... and 
 
 def nginx_runtime(service: hc.Service) -> Path | None:
     """The runtime folder (`-p`) of the service's nginx, where its body temp files are (None: no nginx)."""
-    for pid in tree_pids(service.proc.pid):
+    for pid in hc.tree_pids(service.proc.pid):
         try:       # nginx's master rewrites its argv as one title: "nginx: master process /usr/sbin/nginx ... -p DIR"
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
@@ -666,7 +656,7 @@ def temp_bytes(service: hc.Service, runtime: Path | None) -> int:
     total = 0
     if runtime is None:
         return 0
-    for pid in tree_pids(service.proc.pid):
+    for pid in hc.tree_pids(service.proc.pid):
         if comm(pid) != "nginx":
             continue
         try:

@@ -226,7 +226,7 @@ def item10_body_flood(service: hc.Service, total_bytes: int = 1 << 30, addresses
         count = max(1, total_bytes // body_bytes)
         head = (f"POST /v1/observations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {body_bytes}\r\nConnection: close\r\n\r\n").encode()
-        nginx = [pid for pid in r3.tree_pids(service.proc.pid) if r3.comm(pid) == "nginx"]
+        nginx = [pid for pid in hc.tree_pids(service.proc.pid) if r3.comm(pid) == "nginx"]
         cpu0 = _cpu_s(nginx)
         next_body, lock = iter(range(count)), threading.Lock()
         with tempfile.NamedTemporaryFile() as blob:
@@ -277,7 +277,7 @@ def _group(pgid: int) -> list[int]:
 
 def item6_kill_nginx(service: hc.Service):
     def run(tally):
-        master = next(p for p in r3.tree_pids(service.proc.pid) if r3.comm(p) == "nginx"
+        master = next(p for p in hc.tree_pids(service.proc.pid) if r3.comm(p) == "nginx"
                       and r3.comm(int((Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split())[1])) != "nginx")
         os.kill(master, 9)
         t0 = time.perf_counter()
