@@ -55,6 +55,7 @@ nu_L (0..1, pulled to 0) from its steps across nodes with K > 1, tree_L (0..1, p
 steps across nodes; a link with a sweep keeps its sweep. `fit_params` is the only fit: bounded soft-L1 least squares of
 log step time, each user's rows weighing one vote in all, that vote scaled by the owner's agreement with the others:
 after a first fit, an owner whose rows sit a median |log residual| m from it weighs 1 / (1 + (m / OWNER_TAU)^2)
+(OWN_PROFILE_TAU on the profiles no other owner measured)
 (`owner_trust`: a Cauchy weight by owner, refitted until no owner's weight moves by TRUST_TOL, at most TRUST_ROUNDS
 times: a first fit that one attacker's rows pulled halfway takes three), so one user's made-up rows cannot outvote
 an honest history of one or two users (the ridges hold the first fit near the mechanism's defaults, which honest
@@ -88,7 +89,7 @@ from predictor.roofline import load_peaks
 
 # The model's release: its equations and every constant here. Bump it with any change that can move a prediction;
 # bench/loco.py prints it beside every figure.
-MODEL_VERSION = "sm-2026.12.04-2"
+MODEL_VERSION = "sm-2026.12.04-3"
 
 BACKWARD_SHARE = 2.0 / 3.0     # of the 1-GPU step: backward FLOPs are twice the forward's
 FLOPS_EFFICIENCY = 0.35        # of the datasheet's dense peak, for a profile never measured on a GPU type
@@ -113,7 +114,8 @@ RIDGE_ROWS = 2.0
 LINK_RIDGE_ROWS = 50.0
 STRONG_RIDGE = ("alpha", "bw", "nu")
 F_SCALE = 0.05                 # soft-L1 scale of log residuals
-OWNER_TAU = 0.15               # log residual at which an owner's vote weighs half (`owner_trust`)
+OWNER_TAU = 0.15               # log residual at which an owner's vote weighs half, on shared profiles (`owner_trust`)
+OWN_PROFILE_TAU = 0.5          # the same on profiles no other owner measured (a workload the mechanism fits worse)
 TRUST_ROUNDS = 5               # refits with the owners' trust, at most: until no owner's moves by TRUST_TOL
 TRUST_TOL = 0.02
 TRUST_KEPT = 0.9               # owners trusted less than this are named in the document (`Params.trust`)
@@ -542,12 +544,21 @@ def owner_name(owner) -> str:
 
 
 def owner_trust(rows: list[dict], log_residuals: np.ndarray) -> dict:
-    """Per owner of `rows`: 1 / (1 + (m / OWNER_TAU)^2), m the median |log residual| of its rows against the fit."""
+    """Per owner of `rows`: 1 / (1 + (m / tau)^2), m the median |log residual| of its rows against the fit; on the
+    (profile, GPU) pairs other owners measured too, tau = OWNER_TAU: there the fit is several users' consensus; on
+    pairs only it measured, tau = OWN_PROFILE_TAU: there a far row may as well be the mechanism's misfit of an
+    unusual workload (on ElasticFlow's A100 traces, one owner a model, OWNER_TAU everywhere took leave-one-model-out
+    from 21.7% to 27.6%), and 5x made-up rows still weigh a tenth. An owner with both: the smaller weight."""
+    owners_of: dict = {}
+    for r in rows:
+        owners_of.setdefault((r["profile"], r["gpu"]), set()).add(owner_of(r))
     by: dict = {}
     for r, e in zip(rows, log_residuals):
         if owner_of(r) is not None:
-            by.setdefault(owner_of(r), []).append(abs(float(e)))
-    return {o: 1.0 / (1.0 + (float(np.median(v)) / OWNER_TAU) ** 2) for o, v in by.items()}
+            shared = len(owners_of[(r["profile"], r["gpu"])]) > 1
+            by.setdefault(owner_of(r), {}).setdefault(shared, []).append(abs(float(e)))
+    return {o: min(1.0 / (1.0 + (float(np.median(v)) / (OWNER_TAU if shared else OWN_PROFILE_TAU)) ** 2)
+                   for shared, v in parts.items()) for o, parts in by.items()}
 
 
 def _weights(rows: list[dict]) -> np.ndarray:

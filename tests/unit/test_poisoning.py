@@ -147,6 +147,36 @@ def test_the_trust_reaches_its_fixed_point_where_a_first_fit_was_pulled_halfway(
     assert max(map(abs, default)) <= 0.10 and np.allclose(default, settled, atol=0.01), (default, settled)
 
 
+def _own_profile_attack() -> tuple[dict, list[dict]]:
+    """THREE_JOBS' claim on a profile of the attacker's own ("junk", registered by it; no one else measured it):
+    its 1-GPU rows as the honest ones, 2 and 4 nodes 5x slower. Returns (its profiles, its rows)."""
+    junk = {"junk": Profile.from_dict({**PROFILE, "name": "junk"})}
+    rows = [dict(_row(lay, float(_t(lay) * (5 if len(lay) > 1 else 1)), job), profile="junk", uid=666)
+            for job in (997, 998, 999) for lay in [[1]] * 4 + [[4, 4], [4, 4, 4, 4]] * 8]
+    return junk, rows
+
+
+@pytest.mark.parametrize("trust", [True, False])
+def test_made_up_rows_on_an_own_profile_move_one_honest_users_predictions_by_at_most_ten_percent(trust, monkeypatch):
+    # an owner judged loosely on a profile no one else measured (OWN_PROFILE_TAU) still weighs a tenth at 5x
+    if not trust:     # the mutant: one plain vote per user
+        monkeypatch.setattr(stepmodel, "TRUST_ROUNDS", 0)
+    junk, attack = _own_profile_attack()
+    profiles = {**PROFILES, **junk}
+    a, b = (Predictor().fit(profiles, rows).predict(PROFILES["resnet50"], PART.gpu, 64, CANDS)
+            for rows in (_signed(1), _signed(1) + attack))
+    moved = max(abs(y["samples_per_s"] / x["samples_per_s"] - 1) for x, y in zip(a, b))
+    assert (moved <= 0.10) if trust else (moved > 0.10), moved
+
+
+def test_an_owner_is_judged_strictly_where_others_measured_the_same_profile_and_loosely_where_not():
+    rows = [{"profile": "p", "gpu": "g", "uid": 1}, {"profile": "p", "gpu": "g", "uid": 2},
+            {"profile": "q", "gpu": "g", "uid": 3}]
+    trust = stepmodel.owner_trust(rows, np.full(3, stepmodel.OWNER_TAU))
+    assert trust[("uid", 1)] == trust[("uid", 2)] == pytest.approx(0.5)
+    assert trust[("uid", 3)] == pytest.approx(1 / (1 + (stepmodel.OWNER_TAU / stepmodel.OWN_PROFILE_TAU) ** 2))
+
+
 class _Rows:
     """The two calls of a Store that the outlier report makes."""
 
