@@ -189,8 +189,10 @@ class Blackhole:
 
 MICRO_DRIVER = r"""
 local socket = require("socket")
+-- slurm.jobs: the jobs slurmctld holds ("<job id>" -> record), each submission's job added after its call as
+-- slurmctld adds it, so that a kept decision is seen held by a job and reused (#42.6: never before)
 slurm = { SUCCESS = 0, ERROR = -1, user_msg = function() end, log_user = function() end,
-          log_info = function() end, log_error = function() end }
+          log_info = function() end, log_error = function() end, jobs = {} }
 dofile(DIR .. "/job_submit.lua")
 -- part_list as slurmctld hands it (the testbed's default partition; #24.5 checks every decision against it)
 local PARTS = { debug = { name = "debug", total_nodes = 4, max_nodes = 4294967295, min_nodes = 0, flag_default = 1 } }
@@ -199,6 +201,7 @@ for i = 1, N do
   local desc = { script = SCRIPT, name = "bench", min_nodes = 1, max_nodes = 1, tres_per_job = "gres:gpu:4",
                  environment = { SLURM_GPUS = "4" }, time_limit = DISTINCT and i or nil }
   slurm_job_submit(desc, PARTS, 0)
+  slurm.jobs[tostring(i)] = { comment = desc.comment }
 end
 io.write(string.format("%.6f", (socket.gettime() - t0) / N))
 """
