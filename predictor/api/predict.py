@@ -257,14 +257,14 @@ def _is_job(who, job_id: int) -> bool:
 
 def _proven_user(job_uid) -> int | None:
     """The uid whose own step measurements may answer a plan (#41.1): a job credential's own user, the uid a
-    request names when a token holds (or the service takes no credentials) or when the hook sent it from a
-    `--hook-from` host (slurmctld vouches for the job's uid), else None: an anonymous caller naming a uid gets the
-    model's answer, as for anyone."""
+    request names with the admin token (or on a service that takes no credentials) or from the hook on a
+    `--hook-from` host (slurmctld vouches for the job's uid), else None: an anonymous caller, or the tool token
+    that every job's launcher may carry (as for a job's own rows, #24.12), naming a uid gets the model's answer."""
     who = identified()
     if who.kind == "job":
         return who.uid
     named = job_uid if isinstance(job_uid, int) and not isinstance(job_uid, bool) else None
-    if who.kind in ("tool", "admin") or authenticator().writes_open or request.headers.get(HOOK_HEADER) == "1":
+    if who.kind == "admin" or authenticator().writes_open or request.headers.get(HOOK_HEADER) == "1":
         return named
     return None
 

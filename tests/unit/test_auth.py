@@ -794,8 +794,8 @@ def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypat
 
 def test_a_plan_uses_a_users_own_step_times_only_for_a_uid_it_proves(tmp_path, monkeypatch):
     # #41.1: a user's own signed measurements answer that user's plans: for the uid of the job credential, the uid
-    # a token holder names, the uid the hook names from a --hook-from host (nginx's header); never for a uid an
-    # anonymous caller names
+    # the admin token names, the uid the hook names from a --hook-from host (nginx's header); never for a uid an
+    # anonymous caller or the tool token (every job's launcher may carry it) names
     from predictor.api import HOOK_HEADER
     from tests.unit._service_fakes import seeded_app
     app = seeded_app(tmp_path)
@@ -817,7 +817,8 @@ def test_a_plan_uses_a_users_own_step_times_only_for_a_uid_it_proves(tmp_path, m
         headers = {"Content-Type": "application/json"}
         for given, expected in [(headers, None),                                          # anonymous
                                 ({**headers, HOOK_HEADER: "1"}, 1000),                    # the hook's own path
-                                ({**headers, "Authorization": f"Bearer {TOKEN}"}, 1000),
+                                ({**headers, "Authorization": f"Bearer {TOKEN}"}, None),  # any job's tool token
+                                ({**headers, "Authorization": f"Bearer {ADMIN}"}, 1000),
                                 (sign(body, 8, uid=1001), 1001),                        # its credential's uid
                                 ({**headers, MUNGE_HEADER: "not a credential"}, None)]:
             seen.clear()
