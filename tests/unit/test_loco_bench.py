@@ -24,10 +24,13 @@ LOSES = {("coldstart/session7", "transport tcp"), ("coldstart/session7", "same c
 # measured @0.7 at least, the 80% interval's coverage at least (and at most 95%: an interval that covers every row
 # says little). Tighter than -3 where -5 improved (coldstart 4.9 -> 4.7% and 55 -> 57, session13 9.5 -> 9.1%,
 # session14 9.8 -> 9.5% and 66 -> 67, session16 6.2 -> 5.6% and 67 -> 68; coverage of session7 38 -> 43%); -3 had
-# no such gate. session12's 8.73% is -3's 8.71% within 0.02.
-FIGURES = {"coldstart": (4.7, 57, 0.92), "coldstart/session7": (14.1, 28, 0.43), "heldout/session12": (8.8, 61, 0.82),
-           "heldout/session13": (9.2, 61, 0.78), "heldout/session14": (9.6, 67, 0.76),
-           "heldout/session16": (5.6, 68, 0.86)}
+# no such gate. session12's 8.73% is -3's 8.71% within 0.02. sm-2026.12.04-3 (each owner's vote weighed by its
+# agreement with the fit, #41.1) traded on purpose: session12 8.7 -> 8.3%, session13 9.1 -> 8.9%; one borderline
+# group each at session13 (61 -> 60) and session16 (68 -> 67), session13's coverage 0.78 -> 0.74 (inside 70-90%)
+# and session12's 0.82 -> 0.819, against a history of one honest user that one attacker no longer outvotes.
+FIGURES = {"coldstart": (4.7, 57, 0.92), "coldstart/session7": (14.1, 28, 0.43), "heldout/session12": (8.4, 61, 0.81),
+           "heldout/session13": (8.9, 60, 0.74), "heldout/session14": (9.6, 67, 0.76),
+           "heldout/session16": (5.6, 67, 0.86)}
 
 
 @pytest.fixture(scope="module")
