@@ -465,16 +465,21 @@ def test_rows_far_from_the_model_and_their_job_are_flagged(seeded_db, tmp_path):
     assert outliers.outlier_report(Store(str(db)), None).rows == []
 
 
-def test_admin_page_lists_the_outlier_job_with_its_deviation(seeded_db, tmp_path):
-    db, store = _poisoned(seeded_db, tmp_path)
-    store.close()
+def _fitted_page(db, path: str) -> str:
+    """`path`'s page from an app on `db` after one fit."""
     application = create_app(Config(db_path=str(db)), start_refit=False)
     application.extensions["elastic_predictor"].models.refit()
     try:
-        page = application.test_client().get("/admin/outliers").get_data(as_text=True)
+        return application.test_client().get(path).get_data(as_text=True)
     finally:
         application.extensions["elastic_predictor"].plots.stop()
         application.extensions["elastic_predictor"].store.close()
+
+
+def test_admin_page_lists_the_outlier_job_with_its_deviation(seeded_db, tmp_path):
+    db, store = _poisoned(seeded_db, tmp_path)
+    store.close()
+    page = _fitted_page(db, "/admin/outliers")
     section = page[page.index("Outliers: jobs"):page.index("Outlier rows")]
     cells = [unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", section)]
     assert cells[0] == "666" and cells[2:4] == ["30", "30"] and cells[5].startswith("+") and cells[5].endswith("%")
@@ -524,13 +529,7 @@ def test_admin_and_model_show_count_each_estimates_users_and_name_the_user_weigh
                if sum(r["layout"]) > 1]
     store.write_observations([dict(r, job_id=job, uid=1001) for job in range(1, 5) for r in honest] + made_up)
     store.close()
-    application = create_app(Config(db_path=str(db)), start_refit=False)
-    application.extensions["elastic_predictor"].models.refit()
-    try:
-        page = application.test_client().get("/admin").get_data(as_text=True)
-    finally:
-        application.extensions["elastic_predictor"].plots.stop()
-        application.extensions["elastic_predictor"].store.close()
+    page = _fitted_page(db, "/admin")
     weighed = page[page.index("Votes weighed down"):page.index("Intervals:")]
     cells = [unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", weighed)]
     assert cells[0] == "uid:666" and float(cells[1]) < 0.1 and "uid:1001" not in weighed

@@ -6,6 +6,7 @@ refuses a credential it has seen (as munged does).
 """
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -753,23 +754,32 @@ def _launcher_plan(job_id: int) -> bytes:
                        "current": {"layout": [2, 2], "per_gpu_batch": 64}}).encode()
 
 
-def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypatch):
-    # #24.12: /v1/plan answered any job's measured step times to whoever named its job id, under READ_AUTH too
+@contextlib.contextmanager
+def _plans_asking(tmp_path, monkeypatch, who: str):
+    """A seeded app with munge and both tokens, whose `ModelView.predict` records the `who` it was asked for
+    (`job_id` or `uid`): yields (the app, its test client, the values seen)."""
+    from predictor.service import ModelView
     from tests.unit._service_fakes import seeded_app
     app = seeded_app(tmp_path)
+    app.extensions["elastic_predictor_auth"] = Authenticator(
+        token=TOKEN, admin_token=ADMIN, munge=True, unmunger=FakeUnmunger(), jobs=FakeJobs(), clock=lambda: NOW)
+    seen, real = [], ModelView.predict
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get(who))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelView, "predict", spy)
     try:
-        app.extensions["elastic_predictor_auth"] = Authenticator(
-            token=TOKEN, admin_token=ADMIN, munge=True, unmunger=FakeUnmunger(), jobs=FakeJobs(), clock=lambda: NOW)
-        client = app.test_client()
-        seen = []
-        from predictor.service import ModelView
-        real = ModelView.predict
+        yield app, app.test_client(), seen
+    finally:
+        app.extensions["elastic_predictor"].models.stop()
+        app.extensions["elastic_predictor"].store.close()
 
-        def spy(self, *args, job_id=None, **kwargs):
-            seen.append(job_id)
-            return real(self, *args, job_id=job_id, **kwargs)
 
-        monkeypatch.setattr(ModelView, "predict", spy)
+def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypatch):
+    # #24.12: /v1/plan answered any job's measured step times to whoever named its job id, under READ_AUTH too
+    with _plans_asking(tmp_path, monkeypatch, "job_id") as (app, client, seen):
         body = _launcher_plan(7)
         headers = {"Content-Type": "application/json"}
         for given, expected in [(headers, None),                                        # anonymous
@@ -787,9 +797,6 @@ def test_a_plan_uses_a_jobs_own_step_times_only_for_that_job(tmp_path, monkeypat
         seen.clear()
         assert client.post("/v1/plan", data=body, headers={**headers, "Authorization": f"Bearer {TOKEN}"}
                            ).status_code == 200 and set(seen) == {None}
-    finally:
-        app.extensions["elastic_predictor"].models.stop()
-        app.extensions["elastic_predictor"].store.close()
 
 
 def test_a_plan_uses_a_users_own_step_times_only_for_a_uid_it_proves(tmp_path, monkeypatch):
@@ -797,21 +804,7 @@ def test_a_plan_uses_a_users_own_step_times_only_for_a_uid_it_proves(tmp_path, m
     # the admin token names, the uid the hook names from a --hook-from host (nginx's header); never for a uid an
     # anonymous caller or the tool token (every job's launcher may carry it) names
     from predictor.api import HOOK_HEADER
-    from tests.unit._service_fakes import seeded_app
-    app = seeded_app(tmp_path)
-    try:
-        app.extensions["elastic_predictor_auth"] = Authenticator(
-            token=TOKEN, admin_token=ADMIN, munge=True, unmunger=FakeUnmunger(), jobs=FakeJobs(), clock=lambda: NOW)
-        client = app.test_client()
-        seen = []
-        from predictor.service import ModelView
-        real = ModelView.predict
-
-        def spy(self, *args, uid=None, **kwargs):
-            seen.append(uid)
-            return real(self, *args, uid=uid, **kwargs)
-
-        monkeypatch.setattr(ModelView, "predict", spy)
+    with _plans_asking(tmp_path, monkeypatch, "uid") as (_, client, seen):
         body = json.dumps({"source": "job_submit", "directives": ["#ELASTIC model=resnet50 gpus=1-8 per_gpu_batch=64"],
                            "job": {"uid": 1000, "partition": "debug"}}).encode()
         headers = {"Content-Type": "application/json"}
@@ -825,9 +818,6 @@ def test_a_plan_uses_a_users_own_step_times_only_for_a_uid_it_proves(tmp_path, m
             reply = client.post("/v1/plan", data=body, headers=given)
             assert reply.status_code == 200, reply.get_json()
             assert seen and set(seen) == {expected}, (given, seen)
-    finally:
-        app.extensions["elastic_predictor"].models.stop()
-        app.extensions["elastic_predictor"].store.close()
 
 
 def test_a_jobs_step_rows_claim_at_most_the_seconds_it_ran(tmp_path):
