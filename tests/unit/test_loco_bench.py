@@ -59,6 +59,25 @@ def test_decisions_compare_the_choices_of_the_plan_policy():
     assert out["same"] == 0 and out["over"] == 1 and out["over_gpus_pct"] == pytest.approx(100.0)
 
 
+def test_remeasured_takes_the_one_gpu_step_of_the_groups_smallest_launch():
+    # two groups scaling at 0.95 to 2 GPUs: one whose 1-GPU step timed again reads the same, one whose re-timed
+    # 1-GPU step is 30% longer (2 GPUs then look superlinear; the measured curve still picks 2: same choice), and a
+    # group at 0.8 to 2 GPUs (measured: stay at 1) whose 2-GPU launch timed the 1-GPU step 20% longer (2 GPUs look
+    # at 0.96: the choice flips)
+    def group(model, eff, solo):
+        return [{"profile": model, "per_gpu_batch": 10, "intra_link": "l", "layout": [1], "iter_s": 0.1,
+                 "solo_s": None},
+                {"profile": model, "per_gpu_batch": 10, "intra_link": "l", "layout": [2], "iter_s": 0.1 / eff,
+                 "solo_s": solo},
+                {"profile": model, "per_gpu_batch": 10, "intra_link": "l", "layout": [4], "iter_s": 1.0,
+                 "solo_s": 10.0}]    # the 4-GPU launch's solo step is not the one read
+    steps = group("a", 0.95, 0.1) + group("b", 0.95, 0.13) + group("c", 0.8, 0.12)
+    out = loco.remeasured(steps)
+    assert out["groups"] == 3 and out["same"]["0.7"] == 2
+    assert out["one_gpu_moved_pct"][0] == pytest.approx(20.0)
+    assert loco.remeasured([r | {"solo_s": None} for r in steps]) is None
+
+
 def test_held_scores_only_the_named_collections_with_the_others_in_the_store(data, capsys):
     out = loco.score("reference", data, ["heldout/session16"])
     assert list(out) == ["heldout/session16"] and out["heldout/session16"]["rows"] == 72
