@@ -37,10 +37,15 @@ BACKEND = os.environ.get("ELASTIC_SLURM_BACKEND", "command")
 HERE = Path(__file__).parent
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's loadgroup reads the group marks
 def pytest_collection_modifyitems(items):
+    """Every test here is a `slurm` test, and all of them are one xdist group: under `-n N --dist loadgroup` (the
+    README's test command) they run on one worker, one at a time and in order, since they share the lab (its nodes,
+    its slurm.conf); the unit tests run on the other workers."""
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def _wait_until(fn, seconds: float, what: str):
