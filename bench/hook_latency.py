@@ -7,6 +7,9 @@ the same run (phases run round-robin, so the drift of a shared host spreads over
     off          JobSubmitPlugins removed (baseline)
     off-as-rewritten  no hook, the job submitted as the hook rewrites it (2 nodes x 4 GPUs, --switches=1):
                  what slurmctld itself spends on the bigger request, which no hook can avoid
+    lua-floor    JobSubmitPlugins=lua with a job_submit.lua whose two functions only return slurm.SUCCESS: what
+                 Slurm's job_submit/lua costs around any script (a Lua state's call, the job_desc and partition
+                 tables it builds), which no Lua hook can avoid
     on           hook installed, jobs carry #ELASTIC lines, `elastic-predictor serve` answers (rewrite); every
                  submission is the same request, so after the first one the hook's decision cache answers
     on-distinct  the same, but every submission differs in a decision-relevant field (its own
@@ -30,7 +33,7 @@ the same run (phases run round-robin, so the drift of a shared host spreads over
 Targets (issue 5): on/off median <= 1.15; down/off median <= 1.3 once the breaker is open. Issue 14.10:
 on-distinct/off median <= 1.15; hang and sigstop cost slurmctld one budget per phase (`timeouts` column: hook
 calls that ran into the budget, from slurmctld's log).
-`--storm` is the issue's measurement: 400 submissions per phase from 8 clients in 3 rounds, phases off, on,
+`--storm` is the issue's measurement: 400 submissions per phase from 8 clients in 3 rounds, phases off, lua-floor, on,
 on-distinct, on-distinct-batch, down, hang, sigstop.
 Each phase of each round reinstalls the hook (a new Lua state): the cache starts empty every time.
 `--phases on,on-distinct` runs a subset (with off) for quick looks; results files come from full runs.
@@ -62,6 +65,9 @@ from slurm_plugin.lab.testbed import Testbed
 from slurm_plugin.lab.testbed_conf import TestbedConfig
 
 ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
+FLOOR = "lua-floor"    # enable()'s url for the lua-floor phase: a job_submit.lua that does nothing
+FLOOR_LUA = ("function slurm_job_submit(job_desc, part_list, submit_uid) return slurm.SUCCESS end\n"
+             "function slurm_job_modify(job_desc, job_rec, part_list, modify_uid) return slurm.SUCCESS end\n")
 STEPS = [([1], 0.030), ([2], 0.031), ([4], 0.032), ([1, 1], 0.034), ([2, 2], 0.035), ([4, 4], 0.037)]
 
 
@@ -309,11 +315,11 @@ def main():
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("--storm", action="store_true",
                         help="issue 14.10's measurement: --count 400 --clients 8 --rounds 3 --phases "
-                             "on,on-distinct,on-distinct-batch,down,hang,sigstop (no micro table)")
+                             "lua-floor,on,on-distinct,on-distinct-batch,down,hang,sigstop (no micro table)")
     args = parser.parse_args()
     if args.storm:
         args.count, args.clients, args.rounds = 400, 8, 3
-        args.phases = args.phases or "on,on-distinct,on-distinct-batch,down,hang,sigstop"
+        args.phases = args.phases or "lua-floor,on,on-distinct,on-distinct-batch,down,hang,sigstop"
 
     bed = Testbed(TestbedConfig(lab=args.lab.absolute(), port_base=args.port_base))
     if not bed.is_up():
@@ -355,7 +361,11 @@ def main():
                              + ELASTIC + "srun true\n")
 
     def enable(url: str | None, plugin: str = "JobSubmitPlugins=lua"):
-        if url is not None:
+        if url == FLOOR:
+            install(PluginConfig(bed.config.etc, down_url, timedelta(milliseconds=args.budget_ms), 3,
+                                 timedelta(seconds=300), cli_filter=True))
+            (bed.config.etc / "job_submit.lua").write_text(FLOOR_LUA)   # a newer mtime: slurmctld reloads it
+        elif url is not None:
             install(PluginConfig(bed.config.etc, url, timedelta(milliseconds=args.budget_ms), 3,
                                  timedelta(seconds=300), cli_filter=True))
         bed.set_slurm_conf_lines(others + ([plugin] if url is not None else []))
@@ -366,7 +376,7 @@ def main():
     down_url = f"http://127.0.0.1:{free_port()}"
     cli = "CliFilterPlugins=lua"
     phases = [("off", None, elastic_job, ""), ("off-as-rewritten", None, rewritten_job, ""),
-              ("on", predictor.url, elastic_job, ""),
+              ("lua-floor", FLOOR, elastic_job, ""), ("on", predictor.url, elastic_job, ""),
               ("on-distinct", predictor.url, distinct_job, ""),
               ("on-distinct-batch", predictor.url, distinct_batch_job, ""),
               ("on-static", static.url, elastic_job, ""), ("on-plain", predictor.url, plain_job, ""),
@@ -427,6 +437,12 @@ def main():
                      f"{row['p99_ms'] / base['p99_ms']:.2f} | {row['per_s'] / base['per_s']:.2f} | {hook} | "
                      f"{row['timeouts']} | {msgs} |")
     named = dict(rows)
+    if "lua-floor" in named:
+        floor = named["lua-floor"]
+        lines += ["", "Against the Lua floor (`lua-floor`: job_submit/lua with a script that does nothing), median / p99: "
+                  + "; ".join(f"{name} {row['median_ms'] / floor['median_ms']:.2f} / {row['p99_ms'] / floor['p99_ms']:.2f}"
+                              for name, row in rows if name.startswith(("on", "down")))
+                  + ". What a hook adds is the ratio to this row; the floor's own ratio to `off` is Slurm's."]
     if "off-2mb" in named and "on-2mb" in named:
         lines += ["", f"2 MB header of comments: on-2mb - off-2mb = {named['on-2mb']['median_ms'] - named['off-2mb']['median_ms']:+.2f} ms "
                   f"median, {named['on-2mb']['p99_ms'] - named['off-2mb']['p99_ms']:+.2f} ms p99 (target <= 10 ms; hook "
