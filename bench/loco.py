@@ -167,7 +167,8 @@ def decisions(rows: list[dict], one_gpu: dict) -> dict:
 def remeasured(steps: list[dict]) -> dict | None:
     """What the measurement itself agrees with: each (model, batch, link)'s measured curve against the same curve
     with its 1-GPU step re-measured in another launch (`solo_s`: the 1-GPU step the collector timed inside the
-    group's smallest multi-GPU launch, beside idle peers), at each min_efficiency; and how far the 1-GPU step moved
+    group's smallest multi-GPU launch, beside idle peers, on that rank's share of the host's CPUs: the same step
+    under that launch's conditions, not only a second sample of it), at each min_efficiency; and how far the 1-GPU step moved
     between the two launches (median and 90th percentile of |solo_s / iter_s - 1|). No model can agree with the
     measured curve more often than the measured curve agrees with itself re-measured, unless by chance: the ceiling
     of the decision columns. None where the collection has no `solo_s` (session 7: its launches timed no solo step)."""
