@@ -24,7 +24,9 @@ Scores per collection, overall and per transport:
 - the 80% interval's coverage (the product model's `interval`): the share of held-out rows inside it;
 - beside them, per collection, the decisions' ceiling (`remeasured`, no model): how often the measured curve makes
   the same choice with its 1-GPU step timed again in another launch (the 1-GPU step moves between launches on one
-  host by a median 1-6%, 90th percentile 14-24%: a model fed one launch's ladder cannot see the next one's drift).
+  host by a median 1-6%, 90th percentile 14-24%: a model fed one launch's ladder cannot see the next one's drift;
+  at world size 1, launches a minute apart on one H200 move host-bound steps by up to 30% and GPU-bound ones by
+  under 1%: bench/ladder_repeat.py).
 Layout ranking (Kendall tau) needs several layouts of one GPU count: these single-host collections have one; it is
 scored on Pollux's T4 placements by bench/accuracy.py.
 """

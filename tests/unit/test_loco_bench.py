@@ -135,3 +135,15 @@ def test_a_calibration_covers_a_cold_start_and_the_sites_own_multi_gpu_steps_win
     warm = Predictor().fit(profiles, obs)
     host = warm.params_.hosts["H200"]
     assert host.basis == "fitted" and host.c_tensor > 2 * probes.c_tensor
+
+
+def test_ladder_repeat_tells_host_bound_rows_from_gpu_bound_ones():
+    import ladder_repeat
+
+    # batch 8 and 16 flat (the host's), 64 four times batch 16's (the GPU's); launch 2's host runs 20% slower
+    one = {("m", 8): 0.010, ("m", 16): 0.011, ("m", 64): 0.044}
+    two = {k: v * (1.2 if k[1] < 64 else 1.001) for k, v in one.items()}
+    rows = {r["batch"]: r for r in ladder_repeat.spreads([one, two, {**one, ("x", 1): 1.0}])}
+    assert set(rows) == {8, 16, 64}                          # only what every launch measured
+    assert rows[8]["kind"] == rows[16]["kind"] == "host" and rows[64]["kind"] == "GPU"
+    assert rows[16]["spread"] == pytest.approx(0.2) and rows[64]["spread"] == pytest.approx(0.001)
