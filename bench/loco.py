@@ -173,7 +173,8 @@ def remeasured(steps: list[dict]) -> dict | None:
     under that launch's conditions, not only a second sample of it), at each min_efficiency; and how far the 1-GPU step moved
     between the two launches (median and 90th percentile of |solo_s / iter_s - 1|). No model can agree with the
     measured curve more often than the measured curve agrees with itself re-measured, unless by chance: the ceiling
-    of the decision columns. None where the collection has no `solo_s` (session 7: its launches timed no solo step)."""
+    of the decision columns, and an optimistic one, since only the 1-GPU point is timed again (the multi-GPU points
+    move between launches too: none was measured twice). None where the collection has no `solo_s` (session 7: its launches timed no solo step)."""
     one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in steps if sum(r["layout"]) == 1}
     groups: dict = {}
     for r in steps:
