@@ -170,11 +170,12 @@ def remeasured(steps: list[dict]) -> dict | None:
     """What the measurement itself agrees with: each (model, batch, link)'s measured curve against the same curve
     with its 1-GPU step re-measured in another launch (`solo_s`: the 1-GPU step the collector timed inside the
     group's smallest multi-GPU launch, beside idle peers, on that rank's share of the host's CPUs: the same step
-    under that launch's conditions, not only a second sample of it), at each min_efficiency; and how far the 1-GPU step moved
-    between the two launches (median and 90th percentile of |solo_s / iter_s - 1|). No model can agree with the
-    measured curve more often than the measured curve agrees with itself re-measured, unless by chance: the ceiling
-    of the decision columns, and an optimistic one, since only the 1-GPU point is timed again (the multi-GPU points
-    move between launches too: none was measured twice). None where the collection has no `solo_s` (session 7: its launches timed no solo step)."""
+    under that launch's conditions, not only a second sample of it), at each min_efficiency; and how far the
+    1-GPU step moved between the two launches (median and 90th percentile of |solo_s / iter_s - 1|). No model can
+    agree with the measured curve more often than the measured curve agrees with itself re-measured, unless by
+    chance: the ceiling of the decision columns, and an optimistic one, since only the 1-GPU point is timed again
+    (the multi-GPU points move between launches too: none was measured twice). None where the collection has no
+    `solo_s` (session 7: its launches timed no solo step)."""
     one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in steps if sum(r["layout"]) == 1}
     groups: dict = {}
     for r in steps:
@@ -185,7 +186,8 @@ def remeasured(steps: list[dict]) -> dict | None:
         first = min(rs, key=lambda r: sum(r["layout"]))
         if first.get("solo_s"):
             curve = {sum(r["layout"]): sum(r["layout"]) * b / r["iter_s"] for r in rs}
-            pairs.append(({1: b / one[(m, b)]} | curve, {1: b / first["solo_s"]} | curve, first["solo_s"] / one[(m, b)]))
+            pairs.append(({1: b / one[(m, b)]} | curve, {1: b / first["solo_s"]} | curve,
+                          first["solo_s"] / one[(m, b)]))
     if not pairs:
         return None
     moved = np.abs(np.array([p[2] for p in pairs]) - 1.0) * 100
@@ -213,7 +215,8 @@ def score(kind: str, data: dict, held_out: list[str] | None = None, constants=No
     return out
 
 
-def render(scores: dict[str, dict], versions: dict[str, str], ceiling: dict[str, dict | None] | None = None) -> list[str]:
+def render(scores: dict[str, dict], versions: dict[str, str],
+           ceiling: dict[str, dict | None] | None = None) -> list[str]:
     kinds = list(scores)
     lines = ["# Leave-one-collection-out (`python bench/loco.py`)", "",
              "Each H200 collection held out in turn: the store holds every other collection and the held-out one's "
@@ -240,8 +243,8 @@ def render(scores: dict[str, dict], versions: dict[str, str], ceiling: dict[str,
                          f"| {cov} |")
         c = (ceiling or {}).get(held)
         if c:
-            lines += ["", f"Re-measured (the ceiling of the decision columns, `remeasured`): the measured curve with its "
-                      f"1-GPU step timed again in the group's 2-GPU launch makes the same choice for "
+            lines += ["", "Re-measured (the ceiling of the decision columns, `remeasured`): the measured curve with "
+                      "its 1-GPU step timed again in the group's 2-GPU launch makes the same choice for "
                       + " / ".join(f"{n}/{c['groups']}" for n in c["same"].values())
                       + f" at 0.6 / 0.7 / 0.8; that 1-GPU step moved by {c['one_gpu_moved_pct'][0]:.1f}% "
                       f"(median; 90th percentile {c['one_gpu_moved_pct'][1]:.1f}%) between the two launches."]

@@ -7,6 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+import ladder_repeat  # noqa: E402
 import loco  # noqa: E402
 
 # Where the step model (sm-2026.12.02-5, as -3 before it) loses to the reference: the earliest collection, host-bound
@@ -138,8 +139,6 @@ def test_a_calibration_covers_a_cold_start_and_the_sites_own_multi_gpu_steps_win
 
 
 def test_ladder_repeat_tells_host_bound_rows_from_gpu_bound_ones():
-    import ladder_repeat
-
     # batch 8 and 16 flat (the host's), 64 four times batch 16's (the GPU's); launch 2's host runs 20% slower
     one = {("m", 8): 0.010, ("m", 16): 0.011, ("m", 64): 0.044}
     two = {k: v * (1.2 if k[1] < 64 else 1.001) for k, v in one.items()}
