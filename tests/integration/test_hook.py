@@ -21,7 +21,10 @@ from slurm_plugin.installer import PluginConfig, install
 from slurm_plugin.lab.testbed import Testbed
 from tests.unit.test_lua_hook import REWRITE, Predictor
 
-BUDGET_MS = 100
+# The hook's budget where a test needs the service to answer: one no loaded host misses (#46: at 100 ms, the
+# product's default, a real service's first /v1/plan read as a timeout beside four busy loops). The tests of the
+# budget itself pass their own (a sleeping or hung service, 100-800 ms).
+BUDGET_MS = 2000
 ELASTIC = "#ELASTIC model=resnet50 gpus=2-8\n#ELASTIC per_gpu_batch=64\n"
 
 
