@@ -141,7 +141,9 @@ class Service:
                                       str(self.db), "--workers", "1", "--cluster", str(cfg)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
-    def wait_fitted(self, lines: tuple[str, ...], seconds: float = 240.0) -> None:
+    def wait_fitted(self, lines: tuple[str, ...], seconds: float = 900.0) -> None:
+        """Until /v1/plan answers with a fitted model (an outer deadline against a hang: beside four busy loops the
+        fit took over 240 s, #46)."""
         import requests
 
         deadline = time.monotonic() + seconds
