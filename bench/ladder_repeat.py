@@ -15,11 +15,13 @@ committed collections' multi-GPU launches).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from coldstart import load  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "results" / "gpu_runs" / "2026-12-04_session27"
@@ -27,11 +29,11 @@ HOST_BOUND = 1.5
 
 
 def ladders(folder: Path) -> list[dict[tuple[str, int], float]]:
-    out = []
-    for f in sorted(folder.glob("r*.jsonl")):
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        out.append({(r["profile"], int(r["per_gpu_batch"])): float(r["iter_s"]) for r in rows if r["kind"] == "step"})
-    return out
+    """Each launch's 1-GPU steps {(model, batch): seconds}, read by bench/coldstart.py's `load` (one launch a file)."""
+    out: dict[str, dict] = {}
+    for r in load(folder)[2]:
+        out.setdefault(r["launch"], {})[(r["profile"], int(r["per_gpu_batch"]))] = float(r["iter_s"])
+    return [out[k] for k in sorted(out)]
 
 
 def spreads(launches: list[dict]) -> list[dict]:
