@@ -158,26 +158,28 @@ end
 -- The request fields a decision depends on; `uid`: a user's own profile plans only that user's jobs (#24.6).
 local KEY_FIELDS = { "uid", "user", "partition", "min_nodes", "max_nodes", "ntasks_per_node", "tres_per_node",
                      "tres_per_job", "time_limit_min", "req_switch", "account", "qos" }
--- The request's cache keys, built once a submission (parts length-prefixed, nil distinct from any value): the exact
--- key and, when exactly one min_efficiency=<v> token has v a decimal in [0, 1] as directives.py reads it, the bands'
--- key (that token as min_efficiency=*) and v: the service accepts it whenever it accepted the request of the bands.
+-- The request's cache keys, built once a submission (JSON arrays: each part quoted, nil as false, distinct from any
+-- value; integers exact): the exact key and, when exactly one min_efficiency=<v> token has v a decimal in [0, 1] as
+-- directives.py reads it, the bands' key (that token as min_efficiency=*) and v: the service accepts it whenever it
+-- accepted the request of the bands.
 function M.cache_key(request)
   local job, values, n = request.job or {}, {}, #request.directives
-  local exact, masked = { request.source or "", tostring(n) }, { "bands " .. (request.source or ""), tostring(n) }
+  local lines, masked, fields = { request.source or "" }, { "bands", request.source or "" }, {}
   for i, line in ipairs(request.directives) do
-    exact[i + 2] = line
-    for v in line:gmatch("%smin_efficiency=(%S+)") do values[#values + 1] = v end
-    masked[i + 2] = line:gsub("(%s)min_efficiency=%S+", "%1min_efficiency=*")
+    lines[i + 1], masked[i + 2] = line, line
+    if line:find("min_efficiency=", 1, true) then
+      for v in line:gmatch("%smin_efficiency=(%S+)") do values[#values + 1] = v end
+      masked[i + 2] = line:gsub("(%s)min_efficiency=%S+", "%1min_efficiency=*")
+    end
   end
-  for _, field in ipairs(KEY_FIELDS) do
+  for i, field in ipairs(KEY_FIELDS) do
     local v = job[field]
-    v = v == nil and "\0" or (type(v) == "number" and string.format("%.17g", v) or tostring(v))
-    exact[#exact + 1], masked[#masked + 1] = v, v
+    fields[i] = v == nil and false or v
   end
-  for i = 1, #exact do exact[i], masked[i] = #exact[i] .. ":" .. exact[i], #masked[i] .. ":" .. masked[i] end
+  fields = cjson.encode(fields)
   local v = #values == 1 and (values[1]:match("^%d+$") or values[1]:match("^%d+%.%d+$") or values[1]:match("^%.%d+$"))
   v = v and tonumber(v) <= 1 and tonumber(v)
-  return table.concat(exact), v and table.concat(masked) or nil, v or nil
+  return cjson.encode(lines) .. fields, v and cjson.encode(masked) .. fields or nil, v or nil
 end
 -- Entries live for the `cache_ttl_s` they came with (absent or 0: not kept); a full cache is emptied (no LRU on the
 -- hot path). Reuses are counted per decision id (up to the 4096 ids the service takes) and sent as `reused`.
@@ -299,22 +301,31 @@ local function gpu_item(item)   -- entry, or nil (not a gpu entry), or false and
   end
   return false, ("GPU entry %q: expected gpu[:type][:count], got %d fields after gpu"):format(item, #fields)
 end
-local function tres_entries(list)
-  local gpus, others, depth, cur, err = {}, {}, 0, "", nil
-  local function flush()
-    local item = cur:match("^%s*(.-)%s*$"); cur = ""
+local parsed, n_parsed = {}, 0   -- list -> its entries: a rewrite reads each of its lists several times
+local function tres_entries(list)   -- entries split at the commas outside () and [] (a `(IDX:..)` holds commas)
+  local text = tostring(list or "")
+  local known = parsed[text]
+  if known then return known[1], known[2], known[3] end
+  local gpus, others, err = {}, {}, nil
+  local depth, start, pos = 0, 1, 1
+  local function flush(item)
+    item = item:match("^%s*(.-)%s*$")
     if item == "" then return end
     local e, why = gpu_item(item)
     if e then gpus[#gpus + 1] = e elseif e == false then err = err or why else others[#others + 1] = item end
   end
-  for ch in tostring(list or ""):gmatch(".") do
-    if ch == "," and depth == 0 then flush() else
-      if ch == "[" or ch == "(" then depth = depth + 1 elseif ch == "]" or ch == ")" then depth = depth - 1 end
-      cur = cur .. ch
-    end
+  while true do
+    local at, _, ch = text:find("([,%[%]%(%)])", pos)
+    if not at then break end
+    if ch == "," then
+      if depth == 0 then flush(text:sub(start, at - 1)); start = at + 1 end
+    elseif ch == "[" or ch == "(" then depth = depth + 1 else depth = depth - 1 end
+    pos = at + 1
   end
-  flush()
-  return gpus, others, err
+  flush(text:sub(start))
+  if n_parsed >= 256 then parsed, n_parsed = {}, 0 end   -- bounded: the lists of a few recent jobs
+  parsed[text], n_parsed = { gpus, others, err }, n_parsed + 1
+  return gpus, others, err   -- shared with the next reader of this list: read only
 end
 -- (GPU count, GPU type) of a TRES/GRES list or nil: entries add up, but an accounting `gres/gpu=N` is the total of the
 -- `gres/gpu:T=N` beside it; the type is the typed entries' one type when no untyped request entry stands beside them.
@@ -351,7 +362,9 @@ end
 -- `prefix`: `gres:` (the default) or `gres/`, the spelling of this Slurm (M.tres_prefix).
 -- nil and why when the list has a malformed gpu entry or names several GPU types (one count would lose them).
 function M.set_gpu_tres(list, count, gpu, prefix)
-  local _, out, err = tres_entries(list)
+  local _, others, err = tres_entries(list)
+  local out = {}
+  for i, item in ipairs(others) do out[i] = item end
   local types = M.gpu_types(list)
   if err then return nil, err end
   if count and #types > 1 then
@@ -367,6 +380,16 @@ local function num(v, unset) return type(v) == "number" and v < NO_VAL and v ~= 
 M.num = num
 local function str(v) return type(v) == "string" and v ~= "" and v or nil end
 local function one_line(s, n) s = tostring(s):gsub("[%c]+", " "); return #s > n and s:sub(1, n - 3) .. "..." or s end
+-- The job_desc fields the hook reads, read once (each read of slurmctld's job_desc is a C call that walks its field
+-- names, and the script is copied at each read): a plain table the rest reads instead.
+local DESC_FIELDS = { "name", "comment", "dependency", "user_name", "partition", "min_nodes", "max_nodes", "qos",
+                      "tres_per_node", "ntasks_per_node", "tres_per_job", "tres_per_task", "tres_per_socket",
+                      "time_limit", "req_switch", "account", "cpus_per_task", "num_tasks", "min_cpus" }
+function M.read_desc(job_desc)
+  local d = {}
+  for _, key in ipairs(DESC_FIELDS) do d[key] = job_desc[key] end
+  return d
+end
 function M.job_from_desc(d, submit_uid)
   return { user = str(d.user_name), uid = num(submit_uid), partition = str(d.partition), name = str(d.name),
            min_nodes = num(d.min_nodes), max_nodes = num(d.max_nodes), tres_per_node = str(d.tres_per_node),
@@ -610,17 +633,18 @@ function M.time_limit(job_desc, reply, parts)
   return cap, ("time limit capped at partition %s's MaxTime, %d min"):format(where, cap)
 end
 
--- Apply a decision to a job_desc (a keep: its id in the comment); true and a note for the reason line (nil: none),
--- or nil and why nothing changed. SLURM_GPUS and _PER_NODE follow a changed GPU request (srun in the job reads them),
--- others only where sbatch set them. `parts`: job_submit's part_list, for the partitions' MaxTime (M.time_limit).
-function M.apply_job_desc(job_desc, decision, gres_prefix, parts)
-  local fields, env = { comment = decision.decision_id and M.comment_with(job_desc.comment, decision.decision_id) }, {}
+-- Apply a decision to a batch job's job_desc (a keep: its id in the comment), read from `desc` (M.read_desc of it);
+-- true and a note for the reason line (nil: none), or nil and why nothing changed. SLURM_GPUS and _PER_NODE follow a
+-- changed GPU request (srun in the job reads them), others only where sbatch set them. `parts`: job_submit's
+-- part_list, for the partitions' MaxTime (M.time_limit).
+function M.apply_job_desc(job_desc, desc, decision, gres_prefix, parts)
+  local fields, env = { comment = decision.decision_id and M.comment_with(desc.comment, decision.decision_id) }, {}
   local note
-  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(job_desc, decision, gres_prefix) end
+  if decision.kind ~= "keep" then fields, env = M.rewrite_fields(desc, decision, gres_prefix) end
   if not fields then return nil, env end
-  if decision.kind ~= "keep" then fields.time_limit, note = M.time_limit(job_desc, decision, parts) end
+  if decision.kind ~= "keep" then fields.time_limit, note = M.time_limit(desc, decision, parts) end
   for key, value in pairs(fields) do job_desc[key] = value end
-  local target = job_desc.script ~= nil and job_desc.environment or nil
+  local target = next(env) ~= nil and job_desc.environment or nil
   for key, value in pairs(target and env or {}) do
     if target[key] ~= nil or key == "SLURM_GPUS" or key == "SLURM_GPUS_PER_NODE" then target[key] = value end
   end

@@ -21,23 +21,23 @@ local function submit(job_desc, script, uid, parts)
     slurm.log_info("slurm_job_submit: elastic: uid %s: header scan stopped at %s (%.1f ms; caps %d lines, %d bytes)",
                    tostring(uid), capped, scan_s * 1000, elastic.MAX_HEADER_LINES, elastic.MAX_HEADER_BYTES)
   end
-  if #lines == 0 or elastic.untouched(job_desc.name, job_desc.comment, job_desc.dependency, cfg.helper_marker) then
-    return slurm.SUCCESS
-  end
+  if #lines == 0 then return slurm.SUCCESS end
+  local desc = elastic.read_desc(job_desc)   -- read once; written back through job_desc
+  if elastic.untouched(desc.name, desc.comment, desc.dependency, cfg.helper_marker) then return slurm.SUCCESS end
   local started, outcome = elastic.now()
   if capped then   -- the block goes on past the caps: its #ELASTIC lines there are unread, so none is planned
     outcome = { kind = "skip", why = ("#ELASTIC lines after %s are not read: the header is read up to %d lines and "
                                       .. "%d bytes"):format(capped, elastic.MAX_HEADER_LINES, elastic.MAX_HEADER_BYTES) }
   else
-    outcome = elastic.plan(cfg, breaker, "job_submit", lines, elastic.job_from_desc(job_desc, uid), cache, parts,
-                           scan_s, elastic.test_only(job_desc.comment))
+    outcome = elastic.plan(cfg, breaker, "job_submit", lines, elastic.job_from_desc(desc, uid), cache, parts,
+                           scan_s, elastic.test_only(desc.comment))
   end
   local ms, applied, why = (elastic.now() - started) * 1000
   if outcome.kind == "reject" then
     slurm.log_user("%s", elastic.reject_message(elastic.reject_text(outcome, lines), "job_submit"))
     return slurm.ESLURM_INVALID_GRES or elastic.REJECT_CODE
   elseif outcome.kind ~= "skip" then
-    applied, why = elastic.apply_job_desc(job_desc, outcome, cfg.gres_prefix, parts)
+    applied, why = elastic.apply_job_desc(job_desc, desc, outcome, cfg.gres_prefix, parts)
   end
   if applied then   -- `why`: what the hook adds to the reason (a partition's MaxTime held the time limit), or nil
     local reason = why and outcome.reason .. "; " .. why or outcome.reason
