@@ -37,6 +37,8 @@ calls that ran into the budget, from slurmctld's log).
 on-distinct, on-distinct-batch, down, hang, sigstop.
 Each phase of each round reinstalls the hook (a new Lua state): the cache starts empty every time.
 `--phases on,on-distinct` runs a subset (with off) for quick looks; results files come from full runs.
+`--against REV` adds `on@REV` and `on-distinct@REV`: the same two phases with another git revision's hook Lua
+(`git show REV:slurm_plugin/lua/...`), in the same rounds: an A/B of the hook's own cost on one host and day.
 
 Example: python bench/hook_latency.py --lab /var/tmp/lab-hook --port-base 17800 --out bench/results/hook_latency.md
 """
@@ -313,6 +315,7 @@ def main():
     parser.add_argument("--budget-ms", type=int, default=100)
     parser.add_argument("--phases", help="comma-separated subset of the phases to run (off always runs first)")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument("--against", metavar="REV", help="add on@REV and on-distinct@REV: REV's hook Lua (see above)")
     parser.add_argument("--storm", action="store_true",
                         help="issue 14.10's measurement: --count 400 --clients 8 --rounds 3 --phases "
                              "lua-floor,on,on-distinct,on-distinct-batch,down,hang,sigstop (no micro table)")
@@ -360,7 +363,7 @@ def main():
     rewritten_job.write_text("#!/bin/bash\n#SBATCH -N2 --gpus-per-node=4 --ntasks-per-node=4 --switches=1 -t 5\n"
                              + ELASTIC + "srun true\n")
 
-    def enable(url: str | None, plugin: str = "JobSubmitPlugins=lua"):
+    def enable(url: str | None, plugin: str = "JobSubmitPlugins=lua", rev: str | None = None):
         if url == FLOOR:
             install(PluginConfig(bed.config.etc, down_url, timedelta(milliseconds=args.budget_ms), 3,
                                  timedelta(seconds=300), cli_filter=True))
@@ -368,6 +371,11 @@ def main():
         elif url is not None:
             install(PluginConfig(bed.config.etc, url, timedelta(milliseconds=args.budget_ms), 3,
                                  timedelta(seconds=300), cli_filter=True))
+            for name in ("elastic_common.lua", "job_submit.lua") if rev else ():   # job_submit.lua last: reloaded
+                time.sleep(1.1)   # a newer mtime than install's
+                (bed.config.etc / name).write_text(subprocess.run(
+                    ["git", "show", f"{rev}:slurm_plugin/lua/{name}"], cwd=Path(__file__).resolve().parents[1],
+                    check=True, capture_output=True, text=True).stdout)
         bed.set_slurm_conf_lines(others + ([plugin] if url is not None else []))
         bed.reconfigure()
         time.sleep(1)
@@ -384,8 +392,12 @@ def main():
               ("down", down_url, elastic_job, ""), ("hang", hole.url, elastic_job, ""),
               ("sigstop", predictor.url, elastic_job, ""),
               ("cli_filter on", predictor.url, elastic_job, cli)]
+    if args.against:
+        phases += [(f"on@{args.against}", predictor.url, elastic_job, ""),
+                   (f"on-distinct@{args.against}", predictor.url, distinct_job, "")]
     if args.phases:
-        wanted = {"off", *args.phases.split(",")}
+        wanted = {"off", *args.phases.split(","), *([f"on@{args.against}", f"on-distinct@{args.against}"]
+                                                     if args.against else [])}
         phases = [phase for phase in phases if phase[0] in wanted]
     samples: dict[str, list] = {name: [] for name, _, _, _ in phases}
     progress: list[str] = []
@@ -395,7 +407,7 @@ def main():
             print(f"micro {name:40} {us:9.1f} us/call", flush=True)
         for round_no in range(args.rounds):
             for name, url, job, plugin in phases:
-                enable(url, plugin or "JobSubmitPlugins=lua")
+                enable(url, plugin or "JobSubmitPlugins=lua", name.partition("@")[2] or None)
                 offset = ctld_log.stat().st_size
                 predictor.freeze(name == "sigstop")
                 try:

@@ -174,24 +174,27 @@ def remeasured(steps: list[dict]) -> dict | None:
     1-GPU step moved between the two launches (median and 90th percentile of |solo_s / iter_s - 1|). No model can
     agree with the measured curve more often than the measured curve agrees with itself re-measured, unless by
     chance: the ceiling of the decision columns, and an optimistic one, since only the 1-GPU point is timed again
-    (the multi-GPU points move between launches too: none was measured twice). None where the collection has no
-    `solo_s` (session 7: its launches timed no solo step)."""
+    (the multi-GPU points move between launches too: none was measured twice). Where the collection has no
+    `solo_s` (session 7: its launches timed no solo step), its `local_s` stands in (`from`): the same launch's step
+    under DDP's `no_sync()`, every rank computing and none communicating, a proxy that also carries DDP's forward
+    and the peers' share of the host. None where a collection has neither."""
     one = {(r["profile"], r["per_gpu_batch"]): r["iter_s"] for r in steps if sum(r["layout"]) == 1}
     groups: dict = {}
     for r in steps:
         if sum(r["layout"]) > 1:
             groups.setdefault((r["profile"], r["per_gpu_batch"], r["intra_link"]), []).append(r)
+    key = "solo_s" if any(r.get("solo_s") for r in steps) else "local_s"
     pairs = []
     for (m, b, _), rs in groups.items():
         first = min(rs, key=lambda r: sum(r["layout"]))
-        if first.get("solo_s"):
+        if first.get(key):
             curve = {sum(r["layout"]): sum(r["layout"]) * b / r["iter_s"] for r in rs}
-            pairs.append(({1: b / one[(m, b)]} | curve, {1: b / first["solo_s"]} | curve,
-                          first["solo_s"] / one[(m, b)]))
+            pairs.append(({1: b / one[(m, b)]} | curve, {1: b / first[key]} | curve, first[key] / one[(m, b)]))
     if not pairs:
         return None
     moved = np.abs(np.array([p[2] for p in pairs]) - 1.0) * 100
-    return {"groups": len(pairs), "one_gpu_moved_pct": [float(np.median(moved)), float(np.percentile(moved, 90))],
+    return {"groups": len(pairs), "from": key,
+            "one_gpu_moved_pct": [float(np.median(moved)), float(np.percentile(moved, 90))],
             "same": {str(v): sum(choice(a, v) == choice(b, v) for a, b, _ in pairs) for v in MIN_EFFICIENCIES}}
 
 
@@ -243,8 +246,11 @@ def render(scores: dict[str, dict], versions: dict[str, str],
                          f"| {cov} |")
         c = (ceiling or {}).get(held)
         if c:
+            timed = ("timed again in the group's 2-GPU launch" if c.get("from", "solo_s") == "solo_s" else
+                     "read off the group's 2-GPU launch under `no_sync()` (`local_s`: a proxy; this collection timed "
+                     "no solo step)")
             lines += ["", "Re-measured (the ceiling of the decision columns, `remeasured`): the measured curve with "
-                      "its 1-GPU step timed again in the group's 2-GPU launch makes the same choice for "
+                      f"its 1-GPU step {timed} makes the same choice for "
                       + " / ".join(f"{n}/{c['groups']}" for n in c["same"].values())
                       + f" at 0.6 / 0.7 / 0.8; that 1-GPU step moved by {c['one_gpu_moved_pct'][0]:.1f}% "
                       f"(median; 90th percentile {c['one_gpu_moved_pct'][1]:.1f}%) between the two launches."]

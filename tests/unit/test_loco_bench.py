@@ -76,7 +76,11 @@ def test_remeasured_takes_the_one_gpu_step_of_the_groups_smallest_launch():
     out = loco.remeasured(steps)
     assert out["groups"] == 3 and out["same"]["0.7"] == 2
     assert out["one_gpu_moved_pct"][0] == pytest.approx(20.0)
+    assert out["from"] == "solo_s"
     assert loco.remeasured([r | {"solo_s": None} for r in steps]) is None
+    # a collection with no solo step at all (session 7): the smallest launch's no_sync() step stands in, labelled
+    proxy = loco.remeasured([r | {"solo_s": None, "local_s": r["solo_s"]} for r in steps])
+    assert proxy["from"] == "local_s" and proxy["same"] == out["same"] and proxy["groups"] == 3
 
 
 def test_held_scores_only_the_named_collections_with_the_others_in_the_store(data, capsys):
