@@ -89,6 +89,7 @@ def test_cpu_variant_runs_to_completion_under_elastic_launch(slurm, submit, idle
     assert start["world"] == 2 and start["to_nodes"] == 2
 
 
+@pytest.mark.timeout(900)   # a hang guard above the waits below: a busy CI host took over 300 s
 def test_template_job_grows_through_a_helper_and_shrinks_on_request(slurm, submit, idle_nodes, wait_until, tmp_path):
     """The example scripts are elastic: the job grows from 2 to 4 nodes with a helper job (newcomers receive
     the state and train on), an operator shrink takes them out again at a commit point, and the job finishes
