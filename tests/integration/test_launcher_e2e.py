@@ -7,6 +7,7 @@ helper job, worker process or registry entry is left afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,17 @@ def _job_processes(job_id: int, node: str | None = None) -> list[int]:
         if f"ELASTIC_JOB_ID={job_id}".encode() in env and (node is None or f"ELASTIC_NODE={node}".encode() in env):
             pids.append(int(entry.name))
     return pids
+
+
+def _kill_workers(job_id: int, node: str) -> list[int]:
+    """SIGKILL the job's processes on `node` (as `_job_processes` finds them); return the pids killed. A process that
+    ended between the listing and its kill (a worker's short-lived child) is skipped: it is gone, as wanted."""
+    killed = []
+    for pid in _job_processes(job_id, node):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
 
 
 def _ctl(registry: Path, job_id: int, *args: str) -> dict:
@@ -156,9 +168,7 @@ def test_grow_operator_shrink_node_failure_and_exact_accounting(slurm, idle_node
     assert status["world"] == 2 and status["nodes"] == ["node1", "node2"]
 
     # 3. one node's workers are killed: the job goes on without them and gives the node back
-    victims = wait_until(lambda: _job_processes(job_id, "node2"), 10, "node2's worker processes")
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: _kill_workers(job_id, "node2"), 10, "node2's worker processes")
     failure = wait_until(lambda: _transition(run, "failure"), 120, "recovery from the failure of node2")
     assert failure["recovered"] and failure["from_nodes"] == 2 and failure["to_nodes"] == 1
     assert any(r["kind"] == "slurm_shrink" and r["nodelist"] == "node1" for r in _records(run))

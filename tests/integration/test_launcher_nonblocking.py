@@ -10,12 +10,12 @@ figure, not an assertion: a loaded CI host took 21.6 s once); then an operator s
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from tests.integration.test_launcher_e2e import _batch_script, _ctl, _job_processes, _records, _transition
+from tests.integration.test_launcher_e2e import (_batch_script, _ctl, _job_processes, _kill_workers, _records,
+                                                 _transition)
 
 HELPER_START_S = 600  # the grow's deadline: far beyond what a loaded host needs for the steps below
 
@@ -44,10 +44,9 @@ def test_a_grow_held_in_the_queue_yields_to_a_failure_and_an_operator_shrink(slu
         assert slurm.job(int(helper)).state == "PENDING"
 
         # 1. a node failure while the grow waits: handled, not after the grow's helper_start_timeout
-        victims = wait_until(lambda: _job_processes(job_id, "node3"), 10, "node3's worker processes")
+        wait_until(lambda: _job_processes(job_id, "node3"), 10, "node3's worker processes")
         killed = time.time()
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
+        assert _kill_workers(job_id, "node3")
         failure = wait_until(lambda: next((r for r in _records(run) if r["kind"] == "failure"), None), 120,
                              "the controller to see node3 fail")
         assert failure["node"] == "node3"
