@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+from hook_lua_cost import lua_files
 from hostile_clients import tree_pids
 from slurm_plugin.installer import PluginConfig, install
 from slurm_plugin.lab.testbed import Testbed
@@ -324,6 +325,7 @@ def main():
         args.count, args.clients, args.rounds = 400, 8, 3
         args.phases = args.phases or "lua-floor,on,on-distinct,on-distinct-batch,down,hang,sigstop"
 
+    against = lua_files(args.against) if args.against else {}   # read once, before the lab is touched
     bed = Testbed(TestbedConfig(lab=args.lab.absolute(), port_base=args.port_base))
     if not bed.is_up():
         raise SystemExit(f"testbed in {args.lab} is not up: elastic-slurm testbed up --lab {args.lab} "
@@ -373,9 +375,7 @@ def main():
                                  timedelta(seconds=300), cli_filter=True))
             for name in ("elastic_common.lua", "job_submit.lua") if rev else ():   # job_submit.lua last: reloaded
                 time.sleep(1.1)   # a newer mtime than install's
-                (bed.config.etc / name).write_text(subprocess.run(
-                    ["git", "show", f"{rev}:slurm_plugin/lua/{name}"], cwd=Path(__file__).resolve().parents[1],
-                    check=True, capture_output=True, text=True).stdout)
+                (bed.config.etc / name).write_text(against[name])
         bed.set_slurm_conf_lines(others + ([plugin] if url is not None else []))
         bed.reconfigure()
         time.sleep(1)

@@ -68,16 +68,29 @@ print(spent / N * 1e6)
 """
 
 
+def lua_files(rev: str) -> dict[str, str]:
+    """The hook's Lua files ({name: text}) as git revision `rev` of this checkout has them.
+
+    Raises:
+        SystemExit: `--against REV: ...` naming the revision and git's own message.
+    """
+    out = {}
+    for name in LUA:
+        proc = subprocess.run(["git", "show", f"{rev}:slurm_plugin/lua/{name}"], cwd=ROOT, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"--against {rev}: no slurm_plugin/lua/{name} there: {proc.stderr.strip()}")
+        out[name] = proc.stdout
+    return out
+
+
 def lua_dir(rev: str | None, into: Path) -> Path:
     """The hook's Lua files of `rev` (None: this checkout) in a directory of their own, with an elastic.conf."""
     into.mkdir(parents=True)
-    for name in LUA:
-        if rev is None:
-            shutil.copy(ROOT / "slurm_plugin" / "lua" / name, into / name)
-        else:
-            text = subprocess.run(["git", "show", f"{rev}:slurm_plugin/lua/{name}"], cwd=ROOT, check=True,
-                                  capture_output=True, text=True).stdout
-            (into / name).write_text(text)
+    for name, text in (lua_files(rev) if rev else {}).items():
+        (into / name).write_text(text)
+    for name in LUA if rev is None else ():
+        shutil.copy(ROOT / "slurm_plugin" / "lua" / name, into / name)
     (into / "elastic.conf").write_text("predictor_url = http://127.0.0.1:9\nmax_gpus_per_node = debug=4\n")
     return into
 

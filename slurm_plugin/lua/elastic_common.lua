@@ -163,7 +163,7 @@ local KEY_FIELDS = { "uid", "user", "partition", "min_nodes", "max_nodes", "ntas
 -- directives.py reads it, the bands' key (that token as min_efficiency=*) and v: the service accepts it whenever it
 -- accepted the request of the bands.
 function M.cache_key(request)
-  local job, values, n = request.job or {}, {}, #request.directives
+  local job, values = request.job or {}, {}
   local lines, masked, fields = { request.source or "" }, { "bands", request.source or "" }, {}
   for i, line in ipairs(request.directives) do
     lines[i + 1], masked[i + 2] = line, line

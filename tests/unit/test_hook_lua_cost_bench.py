@@ -25,3 +25,8 @@ def test_a_path_whose_decision_is_not_applied_fails(tmp_path):
     common.write_text(common.read_text().replace("for key, value in pairs(fields) do job_desc[key] = value end", ""))
     with pytest.raises(Exception):
         hook_lua_cost.run(lua, "cached", 50)
+
+
+def test_a_revision_without_the_hook_is_refused_by_name():
+    with pytest.raises(SystemExit, match="--against no-such-rev: no slurm_plugin/lua/job_submit.lua there"):
+        hook_lua_cost.lua_files("no-such-rev")
