@@ -141,11 +141,13 @@ class ProcessGroupWrapper:
                 # training kernels and DDP waits live) wait on the new communicator, or the two groups'
                 # kernels can wait on each other across GPUs (deadlock when the old group spans GPUs).
                 with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
-                    backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
+                    backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix, t)
                     self._warm_up(pg, backend_impl)
             else:
-                backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix)
+                backend_impl, pg = self._create_pg(store, rank, world_size, addr.prefix, t)
                 self._warm_up(pg, backend_impl)
+            if self.backend == "gloo":   # built under the build's bound; from here on each collective has its own
+                backend_impl.set_timeout(self.timeout)
         except Exception as e:  # noqa: BLE001
             raise ProcessGroupError(f"building group {addr} rank {rank}/{world_size} failed: {e}",
                                     addr.prefix) from e
@@ -156,10 +158,12 @@ class ProcessGroupWrapper:
         logger.info("configured group %s rank %d/%d", addr, rank, world_size,
                     extra={"rank": rank, "world": world_size, "prefix": addr.prefix})
 
-    def _create_pg(self, store: dist.Store, rank: int, world_size: int, name: str = ""):
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int, name: str, build_timeout: timedelta):
         pg = dist.ProcessGroup(store, rank, world_size)
         if self.backend == "gloo":
-            impl = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            # gloo's constructor connects the full mesh, waiting on the store for every peer's address under the
+            # timeout it is given: the build's (peers still starting on a busy host), not a collective's
+            impl = dist.ProcessGroupGloo(store, rank, world_size, max(self.timeout, build_timeout))
             btype = dist.ProcessGroup.BackendType.GLOO
             dev = torch.device("cpu")
         else:

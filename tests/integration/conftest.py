@@ -39,7 +39,7 @@ HERE = Path(__file__).parent
 
 @pytest.hookimpl(tryfirst=True)   # before xdist's loadgroup reads the group marks
 def pytest_collection_modifyitems(items):
-    """Every test here is a `slurm` test, and all of them are one xdist group: under `-n N --dist loadgroup` (.ci/run with
+    """Every test here is a `slurm` test, and all of them are one xdist group: under `-n N --dist loadgroup` (.ci/run's default,
     ELASTIC_SLURM_CI_PARALLEL=1) they run on one worker, one at a time and in order, since they share the lab (its nodes,
     its slurm.conf); the unit tests run on the other workers."""
     for item in items:

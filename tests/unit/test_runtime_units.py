@@ -283,6 +283,31 @@ def _train_step(m, o):
     o.zero_grad()
 
 
+@pytest.mark.slow  # a peer that starts 2 s late, then a 1-s collective timeout waited out: about 4 s
+def test_a_gloo_group_is_built_under_the_build_timeout_and_then_runs_under_the_collective_one(store):
+    """gloo's constructor waits on the store for every peer's address: a peer still starting (a busy host) is
+    waited for up to ``connect_timeout``, not the collective ``timeout``; once built, a collective that a peer
+    never joins fails at the collective timeout, not the build's."""
+    def wrapper():
+        return ProcessGroupWrapper("gloo", timeout=timedelta(seconds=1), connect_timeout=timedelta(seconds=30))
+    w, peer = wrapper(), wrapper()
+    import threading
+    late = threading.Thread(target=lambda: (time.sleep(2.0), peer.configure(f"127.0.0.1:{store.port}/g4", 1, 2)))
+    late.start()
+    w.configure(f"127.0.0.1:{store.port}/g4", 0, 2)   # before: "wait timeout after 1000ms" on the peer's key
+    late.join()
+    t = torch.ones(1)
+    work = w.allreduce([t])                           # unmatched: the peer never joins it
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        work.wait()
+    # the collective timeout (1 s), not the build's 30 s: a wide margin for a busy host
+    assert time.monotonic() - t0 < 15
+    w.abort()
+    peer.abort()
+    assert release_retired(timedelta(seconds=10))
+
+
 def test_snapshot_restore_roundtrip():
     m, o = _model_opt()
     s = ElasticSampler(100)
