@@ -8,9 +8,11 @@ Prints, one line each:
 - ``interpreter lock``: a Python loop's pace alone and beside a thread decoding batch after batch;
 - ``decode``: one batch's ``to_device``, host and elapsed device time (CUDA events), alone on an idle GPU;
 - training rates, samples/s, in alternating rounds: ``on-gpu`` (batches already on the GPU: the GPU-bound rate)
-  and ``loader w=W`` for every worker count W asked, each with its median over ``on-gpu``'s.
+  and ``loader w=W`` for every worker count W asked, each with its median over ``on-gpu``'s; with ``--compile``,
+  the same arms for each ``torch.compile`` mode asked (``off``: eager; ``reduce-overhead``: CUDA graphs, the
+  host's launches taken out of the step), each with the first compile's seconds.
 
-    python bench/jpeg_probe.py --workers 8,15 --steps 200 --rounds 3
+    python bench/jpeg_probe.py --workers 8,15 --steps 200 --rounds 3 [--compile off,reduce-overhead]
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150, help="timed steps a run (after 10 untimed)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", default="8", help="loader worker counts, comma-separated")
+    ap.add_argument("--compile", default="off", help="torch.compile modes, comma-separated (off: eager)")
     a = ap.parse_args()
     device = torch.device("cuda", 0)
     torch.backends.cudnn.benchmark = True
@@ -112,24 +115,31 @@ def main() -> int:
     print(f"decode: GPU host {statistics.median(host) * 1e3:.2f} ms, device {statistics.median(dev) * 1e3:.2f} ms a "
           f"batch of {a.batch} ({a.batch / statistics.median(dev):.0f} images/s of elapsed device time)", flush=True)
 
-    model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
     crit = torch.nn.CrossEntropyLoss()
 
-    def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = crit(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def make_step(mode: str):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
+        run = model if mode == "off" else torch.compile(model, mode=None if mode == "default" else mode)
+
+        def step(x, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = crit(run(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
 
     on_gpu = [gpu_only.to_device(b, device) for b in held[:4]]
 
-    def run_on_gpu(n):
-        for k in range(n):
-            step(*on_gpu[k % 4])
+    def on_gpu_run(step):
+        def run(n):
+            for k in range(n):
+                step(*on_gpu[k % 4])
+        return run
 
-    def loader_run(workers: int):
+    def loader_run(workers: int, step):
         def run(n):
             ds = gpu_only
             sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=(n + 10) * a.batch,
@@ -152,10 +162,18 @@ def main() -> int:
         return run
 
     t0 = [0.0]
-    arms = {"on-gpu": run_on_gpu}
-    for w in (int(x) for x in a.workers.split(",")):
-        arms[f"loader w={w}"] = loader_run(w)
-    run_on_gpu(10)  # warm-up: cuDNN's autotuning, the allocator
+    arms = {}
+    for mode in ["off"] + [m for m in a.compile.split(",") if m != "off"]:  # eager first: the baseline
+        step = make_step(mode)
+        tag = "" if mode == "off" else f" [{mode}]"
+        c0 = time.perf_counter()
+        on_gpu_run(step)(10)  # warm-up: the compile, cuDNN's autotuning, the allocator
+        torch.cuda.synchronize()
+        print(f"warm-up{tag or ' [eager]'}: {time.perf_counter() - c0:.1f} s (10 steps, the compile in them)",
+              flush=True)
+        arms[f"on-gpu{tag}"] = on_gpu_run(step)
+        for w in (int(x) for x in a.workers.split(",")):
+            arms[f"loader w={w}{tag}"] = loader_run(w, step)
     rates: dict[str, list] = {k: [] for k in arms}
     for r in range(a.rounds):
         for name in (list(arms) if r % 2 == 0 else list(reversed(arms))):
@@ -167,8 +185,10 @@ def main() -> int:
             print(f"round {r} {name}: {rates[name][-1]:.1f} images/s", flush=True)
     base = statistics.median(rates["on-gpu"])
     for name, rs in rates.items():
-        print(f"rate {name:<20} {' '.join(f'{x:7.1f}' for x in rs)} images/s; median / on-gpu "
-              f"{statistics.median(rs) / base:.3f}", flush=True)
+        own = name[name.index(" ["):] if " [" in name else ""
+        mine = statistics.median(rates[f"on-gpu{own}"])
+        print(f"rate {name:<36} {' '.join(f'{x:7.1f}' for x in rs)} images/s; median / on-gpu (eager) "
+              f"{statistics.median(rs) / base:.3f}, / on-gpu{own} {statistics.median(rs) / mine:.3f}", flush=True)
     return 0
 
 
