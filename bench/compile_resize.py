@@ -1,15 +1,17 @@
-"""What a resize costs with ``torch.compile`` on (#39): the GPT-LM template re-formed 1 -> 1 a few times.
+"""What a resize costs with ``torch.compile`` on (#39): a template re-formed 1 -> 1 a few times.
 
-One worker runs ``python -m elastic_launcher.examples.gpt_lm`` under the launcher's fixed-size start without
+One worker runs ``python -m elastic_launcher.examples.<task>`` (``--task``: gpt_lm, resnet50) under the launcher's fixed-size start without
 Slurm (as bench/vs_torchrun.py's B side); this process then asks for a resize to the same member (a re-form: new
 communicator, DDP re-wrapped, state kept) ``--reforms`` times and reads each switch's record (``pause_s``: from
 the decision to the end of the first step on the new group, device-synchronised; ``first_step_s``: that first
 step). With ``--compile on`` the model is compiled in place once, before the job starts, and the DDP wrapper stays
 outside it, so a re-form must not recompile: the worker runs with ``TORCH_LOGS=recompiles`` and the recompiles it
-logs are counted. Both settings run in the same invocation, alternating.
+logs are counted. Both settings run in the same invocation, alternating. ``--compile-mode reduce-overhead``: the
+compiled step replayed as CUDA graphs (a re-form must not record them again either).
 
     python bench/compile_resize.py --device cpu --size tiny          # gloo, the CPU
     python bench/compile_resize.py --device cuda --size gpt2-small   # NCCL, one GPU
+    python bench/compile_resize.py --device cuda --task resnet50 --batch 64 --compile-mode reduce-overhead
 """
 from __future__ import annotations
 
@@ -38,9 +40,9 @@ def run(compile_: str, args) -> dict:
     wid = worker_id(group, 0)
     coord = Coordinator(dist.PrefixStore("job", server), timeout=timedelta(seconds=args.timeout))
     plan = coord.start([wid])
-    cmd = [sys.executable, "-m", "elastic_launcher.examples.gpt_lm", "--size", args.size, "--device", args.device,
-           "--compile", compile_, "--steps", "1000000", "--log-every", "100000", "--per-gpu-batch",
-           str(args.batch)]
+    cmd = [sys.executable, "-m", f"elastic_launcher.examples.{args.task}", "--device", args.device,
+           "--compile", compile_, "--compile-mode", args.compile_mode, "--steps", "1000000", "--log-every", "100000",
+           "--per-gpu-batch", str(args.batch)] + (["--size", args.size] if args.task == "gpt_lm" else [])
     env = dict(os.environ, SLURM_LOCALID="0", TORCH_LOGS="recompiles",
                **worker_env(f"127.0.0.1:{server.port}/job", "bench", "localhost", group, 1))
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -57,13 +59,15 @@ def run(compile_: str, args) -> dict:
         out = proc.communicate(timeout=60)[0]
     recompiles = len(re.findall(r"Recompiling function", out))
     return {"compile": compile_, "join": first, "reforms": records, "recompiles": recompiles,
-            "compiled": f"compile {compile_}," in out, "log_tail": out[-1500:]}
+            "compiled": f"compile {compile_}," in out or f"compile {compile_} (" in out, "log_tail": out[-1500:]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--task", choices=("gpt_lm", "resnet50"), default="gpt_lm")
+    ap.add_argument("--size", default="tiny", help="gpt_lm's model size")
+    ap.add_argument("--compile-mode", default="default", help="the template's --compile-mode with compile on")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reforms", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1, help="runs of each setting, alternating")

@@ -158,14 +158,20 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, per_gpu_batc
                              "hands them over; import them with `elastic-predictor import`")
 
 
-def add_speed_args(parser: argparse.ArgumentParser, *, compile_default: str) -> None:
-    """The fast paths every example can turn off (#39); ``compile_default`` is the script's choice on a GPU, by
-    measurement (bench/results/gpu_runs/2026-12-02_session19). ``auto`` means: on a GPU as chosen, off on the CPU
-    (where a compile costs more than it saves in a test's few steps)."""
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def add_speed_args(parser: argparse.ArgumentParser, *, compile_default: str, compile_mode: str = "default") -> None:
+    """The fast paths every example can turn off (#39); ``compile_default`` and ``compile_mode`` are the script's
+    choice on a GPU, by measurement (bench/results/gpu_runs/2026-12-02_session19, 2026-12-05_session29). ``auto``
+    means: on a GPU as chosen, off on the CPU (where a compile costs more than it saves in a test's few steps)."""
     group = parser.add_argument_group("speed")
     group.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                        help=f"torch.compile the model in place (default on a GPU: {compile_default}); the DDP wrapper "
                             "stays outside it, so a resize re-wraps without a recompile")
+    group.add_argument("--compile-mode", choices=COMPILE_MODES, default=compile_mode,
+                       help="torch.compile's mode (default %(default)s); reduce-overhead replays the step's kernels "
+                            "as CUDA graphs, taking the host's launches out of a step that waits on them")
     group.add_argument("--fused-optimizer", choices=("auto", "on", "off"), default="auto",
                        help="the optimizer's fused implementation (auto: on a GPU)")
     group.add_argument("--cudnn-benchmark", choices=("on", "off"), default="on",
@@ -188,6 +194,12 @@ def compile_wanted(args: argparse.Namespace, device: torch.device) -> bool:
     if choice == "auto":
         return device.type == "cuda" and args.compile_default == "on"
     return choice == "on"
+
+
+def compile_label(args: argparse.Namespace, device: torch.device) -> str:
+    """``off``, ``on``, or ``on (MODE)`` for a mode other than the default: what the worker's first line says."""
+    mode = getattr(args, "compile_mode", "default")
+    return "off" if not compile_wanted(args, device) else "on" if mode == "default" else f"on ({mode})"
 
 
 PROFILE_STEPS = (100, 110)  # --profile: the steps profiled (after the commit schedule's ramp and the loader's fill)
@@ -368,7 +380,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     model = model.to(device, memory_format=torch.channels_last if getattr(args, "channels_last", "off") == "on"
                      else torch.preserve_format)
     if compile_wanted(args, device):
-        model.compile()  # in place: state_dict keys unchanged, DDP wraps the module as before
+        mode = getattr(args, "compile_mode", "default")
+        model.compile(mode=None if mode == "default" else mode)  # in place: state_dict keys unchanged, DDP wraps
+        #                                                            the module as before
     if device.type == "cuda" and getattr(args, "cudnn_benchmark", "off") == "on":
         torch.backends.cudnn.benchmark = True
     optimizer = make_optimizer(model.parameters())
@@ -380,7 +394,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     if workers:
         loading.update(persistent_workers=True, prefetch_factor=4)
     print(f"{env.wid}: {device}, precision {args.precision} ({precision.dtype or torch.float32}), "
-          f"{workers} DataLoader worker(s) per process, compile {'on' if compile_wanted(args, device) else 'off'}, "
+          f"{workers} DataLoader worker(s) per process, "
+          f"compile {compile_label(args, device)}, "
           f"fused optimizer {'on' if optimizer_options(args) else 'off'}", flush=True)
     telemetry = Telemetry(profile=profile, gpu=gpu_type(device),
                           intra_link="nvlink" if device.type == "cuda" else "shm")

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model and images in channels_last memory format (NHWC: cuDNN's fast convolutions)")
     parser.add_argument("--gpu-data", choices=("auto", "on", "off"), default="auto",
                         help="synthetic images made on the GPU, JPEG folders decoded there (nvJPEG); auto: on a GPU")
-    common.add_speed_args(parser, compile_default="off")
+    common.add_speed_args(parser, compile_default="on", compile_mode="reduce-overhead")
     return parser
 
 

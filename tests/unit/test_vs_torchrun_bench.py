@@ -62,3 +62,17 @@ def test_the_table_gives_b_over_the_first_arm_per_round_and_over_each_further_ar
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4:7] == ["1000, 1100", "1050, 1100", "1200, 1100"] and cells[8] == "**1.100**"
     assert float(cells[9]) == pytest.approx((1200 / 1050 + 1.0) / 2, abs=5e-4)
+
+
+def test_image_rows_are_read_against_the_faster_way_to_train_on_batches_already_on_the_gpu():
+    # the GPU-bound rate is the faster of the synthetic row's C and B (medians): here B's (CUDA graphs), not C's
+    rows = [("synthetic", "bf16", 1, 8, {"C": [2000.0, 2400.0], "B": [4000.0, 4400.0]}, None),
+            ("jpeg", "bf16", 1, 8, {"C": [1100.0], "B": [3360.0]}, None),
+            ("synthetic", "fp32", 1, 8, {"C": [1000.0], "B": [900.0]}, None),
+            ("jpeg", "fp32", 1, 8, {"B": [800.0]}, None),
+            ("jpeg", "bf16", 2, 8, {"B": [800.0]}, None)]
+    table = vs_torchrun.utilisation(rows, peak=790.0, flops=1.0)
+    assert "| jpeg | bf16 | 1 | B | 3360 | 80.0% of the GPU-bound rate |" in table
+    assert "| jpeg | bf16 | 1 | C | 1100 | 26.2% of the GPU-bound rate |" in table
+    assert "| jpeg | fp32 | 1 | B | 800 | 80.0% of the GPU-bound rate |" in table   # C the faster there
+    assert "| jpeg | bf16 | 2 | B | 800 | (no synthetic C row: GPU-bound rate not measured) |" in table
