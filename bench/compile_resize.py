@@ -1,13 +1,14 @@
 """What a resize costs with ``torch.compile`` on (#39): a template re-formed 1 -> 1 a few times.
 
-One worker runs ``python -m elastic_launcher.examples.<task>`` (``--task``: gpt_lm, resnet50) under the launcher's fixed-size start without
-Slurm (as bench/vs_torchrun.py's B side); this process then asks for a resize to the same member (a re-form: new
-communicator, DDP re-wrapped, state kept) ``--reforms`` times and reads each switch's record (``pause_s``: from
-the decision to the end of the first step on the new group, device-synchronised; ``first_step_s``: that first
-step). With ``--compile on`` the model is compiled in place once, before the job starts, and the DDP wrapper stays
-outside it, so a re-form must not recompile: the worker runs with ``TORCH_LOGS=recompiles`` and the recompiles it
-logs are counted. Both settings run in the same invocation, alternating. ``--compile-mode reduce-overhead``: the
-compiled step replayed as CUDA graphs (a re-form must not record them again either).
+One worker runs ``python -m elastic_launcher.examples.<task>`` (``--task``: gpt_lm, resnet50) under the launcher's
+fixed-size start without Slurm (as bench/vs_torchrun.py's B side); this process then asks for a resize to the same
+member (a re-form: new communicator, DDP re-wrapped, state kept) ``--reforms`` times and reads each switch's record
+(``pause_s``: from the decision to the end of the first step on the new group, device-synchronised;
+``first_step_s``: that first step). With ``--compile on`` the model is compiled in place once, before the job
+starts, and the DDP wrapper stays outside it, so a re-form must not recompile: the worker runs with
+``TORCH_LOGS=recompiles`` and the recompiles it logs are counted. Both settings run in the same invocation,
+alternating. ``--compile-mode reduce-overhead``: the compiled step replayed as CUDA graphs (a re-form must not
+record them again either).
 
     python bench/compile_resize.py --device cpu --size tiny          # gloo, the CPU
     python bench/compile_resize.py --device cuda --size gpt2-small   # NCCL, one GPU

@@ -380,9 +380,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     model = model.to(device, memory_format=torch.channels_last if getattr(args, "channels_last", "off") == "on"
                      else torch.preserve_format)
     if compile_wanted(args, device):
+        # in place: state_dict keys unchanged, DDP wraps the module as before
         mode = getattr(args, "compile_mode", "default")
-        model.compile(mode=None if mode == "default" else mode)  # in place: state_dict keys unchanged, DDP wraps
-        #                                                            the module as before
+        model.compile(mode=None if mode == "default" else mode)
     if device.type == "cuda" and getattr(args, "cudnn_benchmark", "off") == "on":
         torch.backends.cudnn.benchmark = True
     optimizer = make_optimizer(model.parameters())
@@ -394,8 +394,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
     if workers:
         loading.update(persistent_workers=True, prefetch_factor=4)
     print(f"{env.wid}: {device}, precision {args.precision} ({precision.dtype or torch.float32}), "
-          f"{workers} DataLoader worker(s) per process, "
-          f"compile {compile_label(args, device)}, "
+          f"{workers} DataLoader worker(s) per process, compile {compile_label(args, device)}, "
           f"fused optimizer {'on' if optimizer_options(args) else 'off'}", flush=True)
     telemetry = Telemetry(profile=profile, gpu=gpu_type(device),
                           intra_link="nvlink" if device.type == "cuda" else "shm")
