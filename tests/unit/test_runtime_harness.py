@@ -234,13 +234,21 @@ class Cluster:
         return codes
 
 
-def port_closed(port: int) -> bool:
-    s = socket.socket()
-    try:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) != 0
-    finally:
-        s.close()
+def port_closed(port: int, within_s: float = 20.0) -> bool:
+    """Whether nothing listens on ``port`` any more, within ``within_s``: the store's server thread closes its
+    socket after the object is gone, on its own time (beside busy loops once after the harness had returned)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        s = socket.socket()
+        try:
+            s.settimeout(1)
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return True
+        finally:
+            s.close()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def read_logs(logdir: str) -> list[dict]:
