@@ -121,7 +121,7 @@ def main() -> int:
         torch.manual_seed(0)
         model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
-        run = model if mode == "off" else torch.compile(model, mode=None if mode == "default" else mode)
+        run = model if mode == "off" else torch.compile(model, mode=mode)
 
         def step(x, y):
             with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -381,8 +381,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, make_optimizer: Call
                      else torch.preserve_format)
     if compile_wanted(args, device):
         # in place: state_dict keys unchanged, DDP wraps the module as before
-        mode = getattr(args, "compile_mode", "default")
-        model.compile(mode=None if mode == "default" else mode)
+        model.compile(mode=getattr(args, "compile_mode", "default"))
     if device.type == "cuda" and getattr(args, "cudnn_benchmark", "off") == "on":
         torch.backends.cudnn.benchmark = True
     optimizer = make_optimizer(model.parameters())
